@@ -1,0 +1,165 @@
+//! Causal grouped-query self-attention: H query heads share K key/value heads, H/K queries per group
+//! (Ainslie et al., 2023). MHA is K = H, MQA is K = 1.
+
+use burn::module::Module;
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{backend::Backend, Tensor};
+
+use crate::config::ModelConfig;
+use crate::init::Init;
+use crate::linear::Linear;
+use crate::rope::Rope;
+
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// `[D, H·Dh]`
+    pub q_proj: Linear<B>,
+    /// `[D, K·Dh]`
+    pub k_proj: Linear<B>,
+    /// `[D, K·Dh]`
+    pub v_proj: Linear<B>,
+    /// `[H·Dh, D]`
+    pub o_proj: Linear<B>,
+    #[module(skip)]
+    n_heads: usize,
+    #[module(skip)]
+    n_kv_heads: usize,
+    #[module(skip)]
+    head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn new(config: &ModelConfig, init: &mut Init, device: &B::Device) -> Self {
+        let (d, dh) = (config.d_model, config.head_dim());
+        let (h, k) = (config.n_heads, config.n_kv_heads());
+        let std = config.init_std;
+        // GPT-2: residual-branch outputs scaled by 1/sqrt(2L), two branches per block.
+        let out_std = std / (2.0 * config.n_layers as f64).sqrt();
+        Self {
+            q_proj: Linear::new(init, d, h * dh, config.qkv_bias, std, device),
+            k_proj: Linear::new(init, d, k * dh, config.qkv_bias, std, device),
+            v_proj: Linear::new(init, d, k * dh, config.qkv_bias, std, device),
+            o_proj: Linear::new(init, h * dh, d, false, out_std, device),
+            n_heads: h,
+            n_kv_heads: k,
+            head_dim: dh,
+        }
+    }
+
+    /// Self-attention over a whole sequence whose first position is absolute position `start`.
+    ///
+    /// # Shapes
+    /// - x: `[B, T, D]` -> `[B, T, D]`
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let x = x.reshape([b * t, d]); // [B·T, D]
+        let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2);
+        let q = heads(self.q_proj.forward(x.clone()), h); // [B, H, T, Dh]
+        let key = heads(self.k_proj.forward(x.clone()), k); // [B, K, T, Dh]
+        let v = heads(self.v_proj.forward(x), k); //           [B, K, T, Dh]
+        let q = rope.apply(q, start);
+        let key = rope.apply(key, start);
+        let key = repeat_kv(key, h / k); // [B, H, T, Dh]
+        let v = repeat_kv(v, h / k); //     [B, H, T, Dh]
+        // Causal with the mask aligned bottom-right: query i sees keys 0..=i (Burn's op, checked in
+        // the causality test). Scale 1/sqrt(Dh) by default.
+        let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
+        let o = attention(q, key, v, None, None, opts); // [B, H, T, Dh]
+        let o = o.swap_dims(1, 2).reshape([b * t, h * dh]); // [B·T, H·Dh]
+        self.o_proj.forward(o).reshape([b, t, d])
+    }
+}
+
+/// Shares each key/value head with its `rep` query heads: head `j` of the output is input head
+/// `j / rep`. Burn's attention op needs equal head counts.
+///
+/// # Shapes
+/// - x: `[B, K, S, Dh]` -> `[B, K·rep, S, Dh]`
+pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, rep: usize) -> Tensor<B, 4> {
+    if rep == 1 {
+        return x;
+    }
+    let [b, k, s, dh] = x.dims();
+    x.unsqueeze_dim::<5>(2) //         [B, K, 1, S, Dh]
+        .expand([b, k, rep, s, dh]) // [B, K, rep, S, Dh]
+        .reshape([b, k * rep, s, dh])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tiny_config;
+    use crate::linear::Linear;
+    use crate::TestBackend;
+    use burn::module::Param;
+    use burn::tensor::activation::softmax;
+    use burn::tensor::{Bool, Distribution, Tolerance};
+
+    type B = TestBackend;
+
+    /// Plain multi-head attention, written out: explicit scores, mask and softmax, one K/V head per
+    /// query head.
+    fn plain_mha(att: &Attention<B>, x: Tensor<B, 3>, rope: &Rope<B>) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let (h, dh) = (att.n_heads, att.head_dim);
+        let proj = |l: &Linear<B>| {
+            let y = x.clone().matmul(l.weight.val().unsqueeze::<3>());
+            let y = match &l.bias {
+                Some(bias) => y + bias.val().unsqueeze::<3>(),
+                None => y,
+            };
+            y.reshape([b, t, h, dh]).swap_dims(1, 2)
+        };
+        let q = rope.apply(proj(&att.q_proj), 0);
+        let k = rope.apply(proj(&att.k_proj), 0);
+        let v = proj(&att.v_proj);
+        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((dh as f64).sqrt()); // [B, H, T, T]
+        let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &x.device()); // true above diagonal
+        let p = softmax(scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY), 3);
+        let o = p.matmul(v).swap_dims(1, 2).reshape([b, t, h * dh]);
+        o.matmul(att.o_proj.weight.val().unsqueeze::<3>()).reshape([b, t, d])
+    }
+
+    #[test]
+    fn gqa_with_as_many_kv_heads_as_heads_is_plain_mha() {
+        let dev = Default::default();
+        let cfg = ModelConfig { n_kv_heads: Some(4), qkv_bias: true, ..tiny_config() };
+        let mut att = Attention::<B>::new(&cfg, &mut Init::new(1), &dev);
+        // Non-zero biases so that the bias path is checked too.
+        for lin in [&mut att.q_proj, &mut att.k_proj, &mut att.v_proj] {
+            let n = lin.d_out();
+            lin.bias = Some(Param::from_tensor(Tensor::random([n], Distribution::Normal(0.0, 0.5), &dev)));
+        }
+        let rope = Rope::new(cfg.max_seq_len, cfg.head_dim(), cfg.rope_theta, cfg.rope_layout, &dev);
+        let x = Tensor::<B, 3>::random([2, 7, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
+        let got = att.forward(x.clone(), &rope, 0).into_data();
+        let want = plain_mha(&att, x, &rope).into_data();
+        got.assert_approx_eq::<f32>(&want, Tolerance::absolute(1e-5));
+    }
+
+    #[test]
+    fn gqa_equals_mha_with_repeated_kv_weights() {
+        let dev = Default::default();
+        let cfg = tiny_config(); // 4 heads, 2 KV heads
+        let gqa = Attention::<B>::new(&cfg, &mut Init::new(2), &dev);
+        let mha_cfg = ModelConfig { n_kv_heads: Some(4), ..cfg.clone() };
+        let mut mha = Attention::<B>::new(&mha_cfg, &mut Init::new(3), &dev);
+        let dh = cfg.head_dim();
+        // KV head j serves query heads 2j and 2j+1: repeat its columns.
+        let repeat = |w: Tensor<B, 2>| {
+            let d = w.dims()[0];
+            w.reshape([d, 2, 1, dh]).expand([d, 2, 2, dh]).reshape([d, 4 * dh])
+        };
+        mha.q_proj.weight = Param::from_tensor(gqa.q_proj.weight.val());
+        mha.o_proj.weight = Param::from_tensor(gqa.o_proj.weight.val());
+        mha.k_proj.weight = Param::from_tensor(repeat(gqa.k_proj.weight.val()));
+        mha.v_proj.weight = Param::from_tensor(repeat(gqa.v_proj.weight.val()));
+        let rope = Rope::new(cfg.max_seq_len, dh, cfg.rope_theta, cfg.rope_layout, &dev);
+        let x = Tensor::<B, 3>::random([1, 9, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
+        let a = gqa.forward(x.clone(), &rope, 0).into_data();
+        let b = mha.forward(x, &rope, 0).into_data();
+        a.assert_approx_eq::<f32>(&b, Tolerance::absolute(1e-6));
+    }
+}

@@ -1,0 +1,41 @@
+//! One pre-norm decoder block: `h = x + attn(norm(x))`, `y = h + mlp(norm(h))`. The two residuals are
+//! distinct: the MLP output is added to `h`, not to the block input.
+
+use burn::module::Module;
+use burn::tensor::{backend::Backend, Tensor};
+
+use crate::attention::Attention;
+use crate::config::ModelConfig;
+use crate::init::Init;
+use crate::mlp::Mlp;
+use crate::norm::RmsNorm;
+use crate::rope::Rope;
+
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub input_layernorm: RmsNorm<B>,
+    pub self_attn: Attention<B>,
+    pub post_attention_layernorm: RmsNorm<B>,
+    pub mlp: Mlp<B>,
+}
+
+impl<B: Backend> Block<B> {
+    pub fn new(config: &ModelConfig, init: &mut Init, device: &B::Device) -> Self {
+        Self {
+            input_layernorm: RmsNorm::new(config.d_model, config.norm_eps, device),
+            self_attn: Attention::new(config, init, device),
+            post_attention_layernorm: RmsNorm::new(config.d_model, config.norm_eps, device),
+            mlp: Mlp::new(config, init, device),
+        }
+    }
+
+    /// # Shapes
+    /// - x: `[B, T, D]` -> `[B, T, D]`
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, start);
+        let h = h.reshape([b * t, d]); // [B·T, D]
+        let y = h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h));
+        y.reshape([b, t, d])
+    }
+}

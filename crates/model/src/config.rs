@@ -1,0 +1,290 @@
+//! Model hyper-parameters, their validation, and what follows from them without building the model:
+//! the parameter count and the FLOPs per token.
+
+use serde::{Deserialize, Serialize};
+
+/// How RoPE pairs the channels of a head.
+///
+/// Both rotate pairs of channels by `pos * theta^(-2i/Dh)`; they differ in which channels form pair `i`.
+/// A checkpoint trained with one layout works with the other after permuting the output columns of the
+/// query and key projections (see [`crate::rope::interleaved_to_half_split`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeLayout {
+    /// Pairs `(2i, 2i + 1)`: Meta's reference Llama code and Burn's `RotaryEncoding`.
+    Interleaved,
+    /// Pairs `(i, i + Dh/2)` (`rotate_half`): Hugging Face Llama, Qwen2 and Mistral checkpoints.
+    #[default]
+    HalfSplit,
+}
+
+/// Architecture of a Llama-style decoder. Hugging Face `config.json` names in brackets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Vocabulary size [vocab_size]. In a training config it may be left out (0): the tokenizer's is taken.
+    #[serde(default)]
+    pub vocab_size: usize,
+    /// Model width [hidden_size].
+    pub d_model: usize,
+    /// Number of blocks [num_hidden_layers].
+    pub n_layers: usize,
+    /// Query heads [num_attention_heads].
+    pub n_heads: usize,
+    /// Key/value heads [num_key_value_heads]; must divide `n_heads`. Defaults to `n_heads` (MHA).
+    #[serde(default)]
+    pub n_kv_heads: Option<usize>,
+    /// Per-head width [head_dim]; defaults to `d_model / n_heads`.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// SwiGLU hidden width [intermediate_size].
+    pub d_ff: usize,
+    /// Longest sequence the RoPE tables cover [max_position_embeddings].
+    pub max_seq_len: usize,
+    /// RoPE base [rope_theta]. 10,000 for Llama 2, 500,000 for Llama 3, 1,000,000 for Qwen2.5.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    /// Which channels RoPE pairs up.
+    #[serde(default)]
+    pub rope_layout: RopeLayout,
+    /// RMSNorm epsilon [rms_norm_eps].
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
+    /// Bias on the q/k/v projections (Qwen2: true; Llama, Mistral: false).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// LM head shares the embedding table [tie_word_embeddings].
+    #[serde(default)]
+    pub tie_embeddings: bool,
+    /// Standard deviation of the normal init (GPT-2: 0.02). Output projections get it over sqrt(2 L).
+    #[serde(default = "default_init_std")]
+    pub init_std: f64,
+}
+
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+fn default_norm_eps() -> f64 {
+    1e-5
+}
+fn default_init_std() -> f64 {
+    0.02
+}
+
+/// A model configuration that cannot be built.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("model.{name} must be positive, found {value}")]
+    NotPositive { name: &'static str, value: f64 },
+    #[error("model.{divisor} ({divisor_value}) must divide model.{dividend} ({dividend_value})")]
+    NotDivisible {
+        divisor: &'static str,
+        divisor_value: usize,
+        dividend: &'static str,
+        dividend_value: usize,
+    },
+    #[error("model.head_dim must be even for RoPE, found {0}")]
+    OddHeadDim(usize),
+    #[error("model.vocab_size is not set (a training config may leave it out only when a tokenizer supplies it)")]
+    VocabUnset,
+}
+
+impl ModelConfig {
+    /// Key/value heads, `n_heads` when not given.
+    pub fn n_kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// Per-head width, `d_model / n_heads` when not given.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// Checks every rule `init` relies on, so that building never panics on a bad config.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (name, value) in [
+            ("vocab_size", self.vocab_size),
+            ("d_model", self.d_model),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("d_ff", self.d_ff),
+            ("max_seq_len", self.max_seq_len),
+        ] {
+            if value == 0 {
+                return Err(if name == "vocab_size" {
+                    ConfigError::VocabUnset
+                } else {
+                    ConfigError::NotPositive { name, value: 0.0 }
+                });
+            }
+        }
+        let n_kv = self.n_kv_heads();
+        if n_kv == 0 {
+            return Err(ConfigError::NotPositive { name: "n_kv_heads", value: 0.0 });
+        }
+        if self.n_heads % n_kv != 0 {
+            return Err(ConfigError::NotDivisible {
+                divisor: "n_kv_heads",
+                divisor_value: n_kv,
+                dividend: "n_heads",
+                dividend_value: self.n_heads,
+            });
+        }
+        match self.head_dim {
+            Some(0) => return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 }),
+            Some(_) => {}
+            None if self.d_model % self.n_heads != 0 => {
+                return Err(ConfigError::NotDivisible {
+                    divisor: "n_heads",
+                    divisor_value: self.n_heads,
+                    dividend: "d_model",
+                    dividend_value: self.d_model,
+                })
+            }
+            None => {}
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(ConfigError::OddHeadDim(self.head_dim()));
+        }
+        for (name, value) in [
+            ("rope_theta", self.rope_theta),
+            ("norm_eps", self.norm_eps),
+            ("init_std", self.init_std),
+        ] {
+            if !(value > 0.0 && value.is_finite()) {
+                return Err(ConfigError::NotPositive { name, value });
+            }
+        }
+        Ok(())
+    }
+
+    /// Total number of parameters, computed from the config alone.
+    ///
+    /// Per block: q/k/v/o projections `D·H·Dh + 2·D·K·Dh + H·Dh·D` (+ `H·Dh + 2·K·Dh` bias), SwiGLU
+    /// `3·D·F`, two RMSNorm gains `2·D`. Plus the embedding `V·D`, the final norm `D`, and an untied head `D·V`.
+    pub fn num_params(&self) -> u64 {
+        let (d, v, l) = (self.d_model as u64, self.vocab_size as u64, self.n_layers as u64);
+        let q = (self.n_heads * self.head_dim()) as u64;
+        let kv = (self.n_kv_heads() * self.head_dim()) as u64;
+        let bias = if self.qkv_bias { q + 2 * kv } else { 0 };
+        let block = d * q + 2 * d * kv + q * d + bias + 3 * d * self.d_ff as u64 + 2 * d;
+        let head = if self.tie_embeddings { 0 } else { d * v };
+        v * d + l * block + d + head
+    }
+
+    /// Parameters that take part in matmuls: every projection and the LM head (the embedding table
+    /// when tied). Not the embedding lookup, the norm gains or the biases. This is N in 6N.
+    pub fn matmul_params(&self) -> u64 {
+        let (d, v, l) = (self.d_model as u64, self.vocab_size as u64, self.n_layers as u64);
+        let q = (self.n_heads * self.head_dim()) as u64;
+        let kv = (self.n_kv_heads() * self.head_dim()) as u64;
+        l * (d * q + 2 * d * kv + q * d + 3 * d * self.d_ff as u64) + d * v
+    }
+
+    /// Forward FLOPs per token at context `seq_len`: `2N + 4·L·T·(H·Dh)` (PaLM appendix B; a
+    /// multiply-add is 2 FLOPs; the attention term counts the full T×T score matrix, as MFU does).
+    /// `H·Dh` is the attention width, equal to `d_model` for Llama and Qwen2.
+    pub fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
+        let attn_width = (self.n_heads * self.head_dim()) as f64;
+        2.0 * self.matmul_params() as f64
+            + 4.0 * self.n_layers as f64 * seq_len as f64 * attn_width
+    }
+
+    /// Training FLOPs per token (forward and backward): `6N + 12·L·T·(H·Dh)`.
+    pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
+        3.0 * self.forward_flops_per_token(seq_len)
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn tiny_config() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 37,
+        d_model: 32,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        head_dim: None,
+        d_ff: 48,
+        max_seq_len: 32,
+        rope_theta: 10_000.0,
+        rope_layout: RopeLayout::HalfSplit,
+        norm_eps: 1e-5,
+        qkv_bias: false,
+        tie_embeddings: false,
+        init_std: 0.02,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama2_7b() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 32_000,
+            d_model: 4096,
+            n_layers: 32,
+            n_heads: 32,
+            n_kv_heads: None,
+            d_ff: 11_008,
+            max_seq_len: 4096,
+            ..tiny_config()
+        }
+    }
+
+    fn qwen25_05b() -> ModelConfig {
+        ModelConfig {
+            vocab_size: 151_936,
+            d_model: 896,
+            n_layers: 24,
+            n_heads: 14,
+            n_kv_heads: Some(2),
+            d_ff: 4864,
+            max_seq_len: 32_768,
+            rope_theta: 1e6,
+            norm_eps: 1e-6,
+            qkv_bias: true,
+            tie_embeddings: true,
+            ..tiny_config()
+        }
+    }
+
+    #[test]
+    fn published_parameter_counts() {
+        // Llama 2 7B model card total; Qwen2.5-0.5B: 494,032,768 (tied embeddings, q/k/v bias).
+        assert_eq!(llama2_7b().num_params(), 6_738_415_616);
+        assert_eq!(qwen25_05b().num_params(), 494_032_768);
+    }
+
+    #[test]
+    fn flops_formula() {
+        let c = tiny_config();
+        let n = c.matmul_params() as f64;
+        let t = 16;
+        assert_eq!(c.train_flops_per_token(t), 6.0 * n + 12.0 * 2.0 * 16.0 * 32.0);
+        // Tied: the head is the embedding table, still counted once as a matmul.
+        let tied = ModelConfig { tie_embeddings: true, ..c.clone() };
+        assert_eq!(tied.matmul_params(), c.matmul_params());
+        assert_eq!(tied.num_params() + 32 * 37, c.num_params());
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        let c = ModelConfig { n_kv_heads: Some(3), ..tiny_config() };
+        let e = c.validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "model.n_kv_heads (3) must divide model.n_heads (4)"
+        );
+        let c = ModelConfig { n_heads: 5, n_kv_heads: Some(5), ..tiny_config() };
+        assert!(matches!(c.validate(), Err(ConfigError::NotDivisible { divisor: "n_heads", .. })));
+        let c = ModelConfig { vocab_size: 0, ..tiny_config() };
+        assert_eq!(c.validate(), Err(ConfigError::VocabUnset));
+        let c = ModelConfig { head_dim: Some(7), ..tiny_config() };
+        assert_eq!(c.validate(), Err(ConfigError::OddHeadDim(7)));
+        let c = ModelConfig { norm_eps: -1.0, ..tiny_config() };
+        assert!(matches!(c.validate(), Err(ConfigError::NotPositive { name: "norm_eps", .. })));
+        assert!(tiny_config().validate().is_ok());
+    }
+}

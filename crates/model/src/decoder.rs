@@ -1,0 +1,206 @@
+//! The decoder: token embedding, a stack of blocks, a final norm and the LM head (optionally the
+//! embedding table itself).
+
+use burn::module::{Module, Param};
+use burn::tensor::module::embedding;
+use burn::tensor::{backend::Backend, Int, Tensor};
+
+use crate::block::Block;
+use crate::config::{ConfigError, ModelConfig};
+use crate::init::Init;
+use crate::linear::Linear;
+use crate::norm::RmsNorm;
+use crate::rope::Rope;
+
+#[derive(Module, Debug)]
+pub struct Decoder<B: Backend> {
+    /// `[V, D]`
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    pub layers: Vec<Block<B>>,
+    /// Final norm: with pre-norm blocks the residual stream grows with depth and the head needs it.
+    pub norm: RmsNorm<B>,
+    /// `[D, V]`; `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Linear<B>>,
+    pub rope: Rope<B>,
+    #[module(skip)]
+    config: ModelConfig,
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Builds a freshly initialised model: normal(0, init_std) everywhere, output projections scaled
+    /// by 1/sqrt(2L), norm gains 1, biases 0. The same seed gives the same weights on every backend.
+    pub fn new(config: &ModelConfig, seed: u64, device: &B::Device) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let mut init = Init::new(seed);
+        let (v, d) = (config.vocab_size, config.d_model);
+        let embed_tokens = init.normal_param([v, d], config.init_std, device);
+        let layers = (0..config.n_layers).map(|_| Block::new(config, &mut init, device)).collect();
+        let lm_head = (!config.tie_embeddings)
+            .then(|| Linear::new(&mut init, d, v, false, config.init_std, device));
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm: RmsNorm::new(d, config.norm_eps, device),
+            lm_head,
+            rope: Rope::new(
+                config.max_seq_len,
+                config.head_dim(),
+                config.rope_theta,
+                config.rope_layout,
+                device,
+            ),
+            config: config.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Final hidden states (after the last norm) of a sequence starting at absolute position `start`.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]` -> `[B, T, D]`, with `start + T <= max_seq_len`
+    pub fn hidden(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
+        let mut x = embedding(self.embed_tokens.val(), tokens); // [B, T, D]
+        for layer in &self.layers {
+            x = layer.forward(x, &self.rope, start);
+        }
+        self.norm.forward(x)
+    }
+
+    /// The LM head as a matrix, `[D, V]`: the transposed embedding table when tied.
+    pub fn head_weight(&self) -> Tensor<B, 2> {
+        match &self.lm_head {
+            Some(head) => head.weight.val(),
+            None => self.embed_tokens.val().transpose(),
+        }
+    }
+
+    /// # Shapes
+    /// - hidden: `[N, D]` -> `[N, V]`
+    pub fn logits(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
+        hidden.matmul(self.head_weight())
+    }
+
+    /// Logits for every position.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]` -> `[B, T, V]`
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [b, t] = tokens.dims();
+        let h = self.hidden(tokens, 0).reshape([b * t, self.config.d_model]);
+        self.logits(h).reshape([b, t, self.config.vocab_size])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{tiny_config, RopeLayout};
+    use crate::rope::interleaved_to_half_split;
+    use crate::TestBackend;
+    use burn::tensor::{TensorData, Tolerance};
+
+    type B = TestBackend;
+
+    fn tokens(ids: &[i32], dev: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
+        Tensor::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), dev)
+    }
+
+    #[test]
+    fn num_params_matches_the_formula() {
+        let dev = Default::default();
+        let base = tiny_config();
+        let configs = [
+            base.clone(),
+            ModelConfig { tie_embeddings: true, ..base.clone() },
+            ModelConfig { qkv_bias: true, n_kv_heads: Some(1), ..base.clone() },
+            ModelConfig { head_dim: Some(6), n_layers: 3, d_ff: 40, ..base.clone() },
+        ];
+        for cfg in configs {
+            let model = Decoder::<B>::new(&cfg, 0, &dev).unwrap();
+            assert_eq!(model.num_params() as u64, cfg.num_params(), "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn a_prefix_gives_the_same_outputs_as_the_full_sequence() {
+        let dev = Default::default();
+        for n_kv in [4, 2, 1] {
+            let cfg = ModelConfig { n_kv_heads: Some(n_kv), init_std: 0.2, ..tiny_config() };
+            let model = Decoder::<B>::new(&cfg, 1, &dev).unwrap();
+            let ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3];
+            let full = model.forward(tokens(&ids, &dev));
+            let prefix = model.forward(tokens(&ids[..4], &dev));
+            full.clone()
+                .narrow(1, 0, 4)
+                .into_data()
+                .assert_approx_eq::<f32>(&prefix.into_data(), Tolerance::absolute(1e-5));
+            // And a change after the prefix must leave the prefix untouched but change later logits.
+            let mut changed = ids;
+            changed[6] = 7;
+            let other = model.forward(tokens(&changed, &dev));
+            full.clone().narrow(1, 0, 6).into_data().assert_approx_eq::<f32>(
+                &other.clone().narrow(1, 0, 6).into_data(),
+                Tolerance::absolute(1e-5),
+            );
+            let diff = (full.narrow(1, 6, 4) - other.narrow(1, 6, 4)).abs().max().into_scalar();
+            assert!(diff > 1e-4, "later positions must see token 6 (diff {diff})");
+        }
+    }
+
+    #[test]
+    fn rope_layouts_agree_after_the_weight_permutation() {
+        let dev = Default::default();
+        let inter_cfg = ModelConfig { rope_layout: RopeLayout::Interleaved, init_std: 0.2, ..tiny_config() };
+        let half_cfg = ModelConfig { rope_layout: RopeLayout::HalfSplit, ..inter_cfg.clone() };
+        let inter = Decoder::<B>::new(&inter_cfg, 5, &dev).unwrap();
+        let mut half = Decoder::<B>::new(&half_cfg, 5, &dev).unwrap();
+        let (h, k) = (half_cfg.n_heads, half_cfg.n_kv_heads());
+        for layer in half.layers.iter_mut() {
+            let att = &mut layer.self_attn;
+            att.q_proj.weight = Param::from_tensor(interleaved_to_half_split(att.q_proj.weight.val(), h));
+            att.k_proj.weight = Param::from_tensor(interleaved_to_half_split(att.k_proj.weight.val(), k));
+        }
+        let ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
+        let a = inter.forward(tokens(&ids, &dev)).into_data();
+        let b = half.forward(tokens(&ids, &dev)).into_data();
+        a.assert_approx_eq::<f32>(&b, Tolerance::absolute(1e-5));
+        // Without the permutation they differ: the test can fail.
+        let plain = Decoder::<B>::new(&half_cfg, 5, &dev).unwrap();
+        let c = plain.forward(tokens(&ids, &dev));
+        let diff = (c - Tensor::from_data(a, &dev)).abs().max().into_scalar();
+        assert!(diff > 1e-3, "diff {diff}");
+    }
+
+    #[test]
+    fn tied_head_is_the_embedding_table() {
+        let dev = Default::default();
+        let cfg = ModelConfig { tie_embeddings: true, ..tiny_config() };
+        let model = Decoder::<B>::new(&cfg, 0, &dev).unwrap();
+        assert!(model.lm_head.is_none());
+        model
+            .head_weight()
+            .into_data()
+            .assert_eq(&model.embed_tokens.val().transpose().into_data(), true);
+    }
+
+    #[test]
+    fn output_projections_are_scaled_down() {
+        let dev = Default::default();
+        let cfg = ModelConfig { d_model: 64, n_heads: 4, n_kv_heads: None, d_ff: 256, n_layers: 8, ..tiny_config() };
+        let model = Decoder::<B>::new(&cfg, 0, &dev).unwrap();
+        let std = |t: Tensor<B, 2>| t.clone().sub(t.mean().unsqueeze()).square().mean().sqrt().into_scalar();
+        let l = &model.layers[0];
+        let (q, o, down) = (
+            std(l.self_attn.q_proj.weight.val()),
+            std(l.self_attn.o_proj.weight.val()),
+            std(l.mlp.down_proj.weight.val()),
+        );
+        assert!((q - 0.02).abs() < 0.001, "q std {q}");
+        let want = 0.02 / 4.0; // 1/sqrt(2·8)
+        assert!((o - want).abs() < 0.0005, "o std {o}");
+        assert!((down - want).abs() < 0.0005, "down std {down}");
+    }
+}

@@ -1,0 +1,51 @@
+//! Root-mean-square layer norm (Zhang and Sennrich, 2019): `x / sqrt(mean(x²) + eps) · g`, no mean
+//! subtraction and no bias. The reduction runs in f32 whatever the input dtype, as Hugging Face's
+//! `LlamaRMSNorm` does, because a bf16 sum of D squares loses digits as D grows.
+
+use burn::module::{Module, Param};
+use burn::tensor::{backend::Backend, DType, Tensor};
+
+use crate::init::const_param;
+
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    /// Gain `[D]`, initialised to ones [HF: weight].
+    pub weight: Param<Tensor<B, 1>>,
+    pub eps: f64,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    pub fn new(d_model: usize, eps: f64, device: &B::Device) -> Self {
+        Self { weight: const_param([d_model], 1.0, device), eps }
+    }
+
+    /// # Shapes
+    /// - x: `[..., D]` -> `[..., D]`
+    pub fn forward<const N: usize>(&self, x: Tensor<B, N>) -> Tensor<B, N> {
+        let dtype = x.dtype();
+        let x = if dtype == DType::F32 { x } else { x.cast(DType::F32) };
+        let inv_rms = x.clone().square().mean_dim(N - 1).add_scalar(self.eps).sqrt().recip(); // [..., 1]
+        let normed = x * inv_rms;
+        let normed = if dtype == DType::F32 { normed } else { normed.cast(dtype) };
+        normed * self.weight.val().unsqueeze::<N>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TestBackend;
+    use burn::tensor::TensorData;
+
+    #[test]
+    fn matches_hand_computation() {
+        let dev = Default::default();
+        let norm = RmsNorm::<TestBackend>::new(3, 1e-5, &dev);
+        let x = Tensor::<TestBackend, 2>::from_data([[1.0, 2.0, 3.0], [0.0, -4.0, 0.0]], &dev);
+        let y = norm.forward(x).into_data();
+        let r1 = ((1.0f32 + 4.0 + 9.0) / 3.0 + 1e-5).sqrt();
+        let r2 = (16.0f32 / 3.0 + 1e-5).sqrt();
+        let want = TensorData::from([[1.0 / r1, 2.0 / r1, 3.0 / r1], [0.0, -4.0 / r2, 0.0]]);
+        y.assert_approx_eq::<f32>(&want, burn::tensor::Tolerance::absolute(1e-6));
+    }
+}

@@ -1,0 +1,183 @@
+//! Rotary position embedding (Su et al., 2021): channel pair `i` of every head is rotated by the angle
+//! `pos · theta^(-2i/Dh)`. Applied to queries and keys, never to values.
+
+use burn::module::Module;
+use burn::tensor::{backend::Backend, Tensor, TensorData};
+
+use crate::config::RopeLayout;
+
+/// Precomputed cos/sin tables, `[T_max, Dh/2]`, and the pairing convention.
+#[derive(Module, Debug)]
+pub struct Rope<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    #[module(skip)]
+    layout: RopeLayout,
+}
+
+impl<B: Backend> Rope<B> {
+    /// Angles are computed in f64 on the host and stored in f32; low precision angles drift at long
+    /// positions.
+    pub fn new(
+        max_seq_len: usize,
+        head_dim: usize,
+        theta: f64,
+        layout: RopeLayout,
+        device: &B::Device,
+    ) -> Self {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(max_seq_len * half);
+        let mut sin = Vec::with_capacity(max_seq_len * half);
+        for pos in 0..max_seq_len {
+            for i in 0..half {
+                let inv_freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                let (s, c) = (pos as f64 * inv_freq).sin_cos();
+                cos.push(c as f32);
+                sin.push(s as f32);
+            }
+        }
+        let table = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [max_seq_len, half]), device);
+        Self { cos: table(cos), sin: table(sin), layout }
+    }
+
+    pub fn layout(&self) -> RopeLayout {
+        self.layout
+    }
+
+    /// Longest sequence the tables cover.
+    pub fn max_seq_len(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Rotates `x` whose position 0 sits at absolute position `start`.
+    ///
+    /// # Shapes
+    /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, with `start + T <= T_max`
+    pub fn apply(&self, x: Tensor<B, 4>, start: usize) -> Tensor<B, 4> {
+        let [b, h, t, dh] = x.dims();
+        let half = dh / 2;
+        let dtype = x.dtype();
+        let cos = self.cos.clone().narrow(0, start, t).cast(dtype); // [T, Dh/2]
+        let sin = self.sin.clone().narrow(0, start, t).cast(dtype);
+        match self.layout {
+            RopeLayout::HalfSplit => {
+                let (cos, sin) = (cos.unsqueeze::<4>(), sin.unsqueeze::<4>()); // [1, 1, T, Dh/2]
+                let x1 = x.clone().narrow(3, 0, half); // [B, H, T, Dh/2]: first channel of each pair
+                let x2 = x.narrow(3, half, half); //      second channel
+                Tensor::cat(
+                    vec![
+                        x1.clone() * cos.clone() - x2.clone() * sin.clone(),
+                        x1 * sin + x2 * cos,
+                    ],
+                    3,
+                )
+            }
+            RopeLayout::Interleaved => {
+                let cos = cos.reshape([1, 1, t, half, 1]);
+                let sin = sin.reshape([1, 1, t, half, 1]);
+                let x = x.reshape([b, h, t, half, 2]);
+                let xe = x.clone().narrow(4, 0, 1); // [B, H, T, Dh/2, 1]: channels 2i
+                let xo = x.narrow(4, 1, 1); //         channels 2i + 1
+                Tensor::cat(
+                    vec![xe.clone() * cos.clone() - xo.clone() * sin.clone(), xe * sin + xo * cos],
+                    4,
+                )
+                .reshape([b, h, t, dh])
+            }
+        }
+    }
+}
+
+/// Reorders the output columns of a q or k projection trained with interleaved RoPE so that the
+/// half-split layout computes the same attention scores: within each head, column `c·Dh/2 + i` of the
+/// result is column `2i + c` of the input. This is the permutation Hugging Face's
+/// `convert_llama_weights_to_hf.py` applies to Meta's checkpoints.
+///
+/// # Shapes
+/// - weight: `[in, n_heads·Dh]` -> `[in, n_heads·Dh]`
+pub fn interleaved_to_half_split<B: Backend>(
+    weight: Tensor<B, 2>,
+    n_heads: usize,
+) -> Tensor<B, 2> {
+    let [d_in, width] = weight.dims();
+    let half = width / n_heads / 2;
+    weight
+        .reshape([d_in, n_heads, half, 2]) // [in, H, Dh/2, pair]
+        .swap_dims(2, 3) //                   [in, H, pair, Dh/2]
+        .reshape([d_in, width])
+}
+
+/// Inverse of [`interleaved_to_half_split`].
+pub fn half_split_to_interleaved<B: Backend>(
+    weight: Tensor<B, 2>,
+    n_heads: usize,
+) -> Tensor<B, 2> {
+    let [d_in, width] = weight.dims();
+    let half = width / n_heads / 2;
+    weight
+        .reshape([d_in, n_heads, 2, half]) // [in, H, pair, Dh/2]
+        .swap_dims(2, 3) //                   [in, H, Dh/2, pair]
+        .reshape([d_in, width])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TestBackend;
+    use burn::tensor::{Distribution, Tolerance};
+
+    type B = TestBackend;
+
+    /// The textbook definition, one pair at a time.
+    fn rope_slow(x: &[f32], t: usize, dh: usize, start: usize, theta: f64, layout: RopeLayout) -> Vec<f32> {
+        let mut out = x.to_vec();
+        for pos in 0..t {
+            for i in 0..dh / 2 {
+                let angle = (start + pos) as f64 * theta.powf(-2.0 * i as f64 / dh as f64);
+                let (s, c) = angle.sin_cos();
+                let (a, b) = match layout {
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    RopeLayout::HalfSplit => (i, i + dh / 2),
+                };
+                let (xa, xb) = (x[pos * dh + a] as f64, x[pos * dh + b] as f64);
+                out[pos * dh + a] = (xa * c - xb * s) as f32;
+                out[pos * dh + b] = (xa * s + xb * c) as f32;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn both_layouts_match_the_definition() {
+        let dev = Default::default();
+        let (t, dh, start) = (5, 8, 3);
+        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+            let rope = Rope::<B>::new(16, dh, 10_000.0, layout, &dev);
+            let x = Tensor::<B, 4>::random([1, 1, t, dh], Distribution::Normal(0.0, 1.0), &dev);
+            let xs = x.to_data().to_vec::<f32>().unwrap();
+            let want = rope_slow(&xs, t, dh, start, 10_000.0, layout);
+            let got = rope.apply(x, start).into_data();
+            got.assert_approx_eq::<f32>(&TensorData::new(want, [1, 1, t, dh]), Tolerance::absolute(1e-5));
+        }
+    }
+
+    #[test]
+    fn permutation_turns_interleaved_into_half_split() {
+        let dev = Default::default();
+        let (h, dh, t) = (3, 8, 6);
+        let w = Tensor::<B, 2>::random([5, h * dh], Distribution::Normal(0.0, 1.0), &dev);
+        let x = Tensor::<B, 2>::random([t, 5], Distribution::Normal(0.0, 1.0), &dev);
+        let heads = |y: Tensor<B, 2>| y.reshape([1, t, h, dh]).swap_dims(1, 2); // [1, H, T, Dh]
+        let inter = Rope::<B>::new(t, dh, 10_000.0, RopeLayout::Interleaved, &dev);
+        let half = Rope::<B>::new(t, dh, 10_000.0, RopeLayout::HalfSplit, &dev);
+        let a = inter.apply(heads(x.clone().matmul(w.clone())), 0);
+        let w2 = interleaved_to_half_split(w.clone(), h);
+        let b = half.apply(heads(x.matmul(w2.clone())), 0);
+        // Same rotated vectors up to the same within-head channel permutation: dot products agree.
+        let dots = |q: Tensor<B, 4>| q.clone().matmul(q.swap_dims(2, 3)).into_data();
+        dots(a).assert_approx_eq::<f32>(&dots(b), Tolerance::absolute(1e-4));
+        half_split_to_interleaved(w2, h)
+            .into_data()
+            .assert_eq(&w.into_data(), true);
+    }
+}

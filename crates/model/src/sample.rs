@@ -1,0 +1,184 @@
+//! Turning logits into tokens: temperature, top-k, top-p, greedy at temperature 0; and a plain
+//! generation loop that recomputes the whole window for each new token.
+
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::decoder::Decoder;
+
+/// How the next token is chosen from the logits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingConfig {
+    /// Softmax temperature; 0 picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens.
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability reaches `p`, in (0, 1].
+    pub top_p: Option<f32>,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        Self { temperature: 0.8, top_k: Some(200), top_p: None }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SampleError {
+    #[error("temperature must be a finite number >= 0, found {0}")]
+    Temperature(f32),
+    #[error("top_k must be at least 1, found 0")]
+    TopK,
+    #[error("top_p must be in (0, 1], found {0}")]
+    TopP(f32),
+    #[error("the prompt is empty: give at least one token")]
+    EmptyPrompt,
+}
+
+/// A seeded sampler: the same seed and logits give the same tokens.
+pub struct Sampler {
+    config: SamplingConfig,
+    rng: ChaCha8Rng,
+}
+
+impl Sampler {
+    pub fn new(config: SamplingConfig, seed: u64) -> Result<Self, SampleError> {
+        if !(config.temperature >= 0.0 && config.temperature.is_finite()) {
+            return Err(SampleError::Temperature(config.temperature));
+        }
+        if config.top_k == Some(0) {
+            return Err(SampleError::TopK);
+        }
+        if let Some(p) = config.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(SampleError::TopP(p));
+            }
+        }
+        Ok(Self { config, rng: ChaCha8Rng::seed_from_u64(seed) })
+    }
+
+    /// Picks a token id from one row of logits `[V]`.
+    pub fn sample(&mut self, logits: &[f32]) -> usize {
+        let argmax = || {
+            logits
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |best, (i, &l)| if l > best.1 { (i, l) } else { best })
+                .0
+        };
+        if self.config.temperature == 0.0 {
+            return argmax();
+        }
+        // Candidates sorted by logit, most likely first; ties keep the lower id first.
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if let Some(k) = self.config.top_k {
+            order.truncate(k.min(order.len()));
+        }
+        let t = self.config.temperature as f64;
+        let max = logits[order[0]] as f64;
+        let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        if let Some(top_p) = self.config.top_p {
+            let mut mass = 0.0;
+            let keep = probs
+                .iter()
+                .position(|&p| {
+                    mass += p;
+                    mass >= top_p as f64
+                })
+                .map_or(probs.len(), |i| i + 1);
+            order.truncate(keep);
+            probs.truncate(keep);
+            let total: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= total);
+        }
+        let mut u: f64 = self.rng.random::<f64>();
+        for (&id, &p) in order.iter().zip(&probs) {
+            if u < p {
+                return id;
+            }
+            u -= p;
+        }
+        *order.last().expect("at least one candidate")
+    }
+}
+
+/// Generates up to `max_new_tokens` after `prompt`, recomputing the last `max_seq_len` tokens for
+/// every new token (O(T²) per token; the KV-cached path avoids that). Calls `on_token` with each new
+/// id as it is produced and stops early when it returns false.
+pub fn generate<B: Backend>(
+    model: &Decoder<B>,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    sampler: &mut Sampler,
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<Vec<u32>, SampleError> {
+    if prompt.is_empty() {
+        return Err(SampleError::EmptyPrompt);
+    }
+    let device = model.embed_tokens.device();
+    let window = model.config().max_seq_len;
+    let mut ids = prompt.to_vec();
+    for _ in 0..max_new_tokens {
+        let ctx = &ids[ids.len().saturating_sub(window)..];
+        let data: Vec<i32> = ctx.iter().map(|&t| t as i32).collect();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ctx.len()]), &device);
+        let hidden = model.hidden(tokens, 0); // [1, T, D]
+        let last = hidden.narrow(1, ctx.len() - 1, 1).reshape([1, model.config().d_model]);
+        let logits = model.logits(last).into_data().convert::<f32>();
+        let logits = logits.as_slice::<f32>().expect("f32 logits");
+        let next = sampler.sample(logits) as u32;
+        ids.push(next);
+        if !on_token(next) {
+            break;
+        }
+    }
+    Ok(ids.split_off(prompt.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_argmax() {
+        let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap();
+        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9]), 1);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_p_keeps_the_head() {
+        let logits = [0.0, 5.0, 4.9, -2.0];
+        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_k: Some(1), top_p: None }, 3).unwrap();
+        assert!((0..50).all(|_| s.sample(&logits) == 1));
+        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_k: None, top_p: Some(0.9) }, 3).unwrap();
+        let picks: Vec<usize> = (0..200).map(|_| s.sample(&logits)).collect();
+        assert!(picks.iter().all(|&i| i == 1 || i == 2));
+        assert!(picks.contains(&1) && picks.contains(&2));
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution_and_the_seed() {
+        let logits = [0.0f32, (3.0f32).ln()]; // p = 1/4, 3/4
+        let cfg = SamplingConfig { temperature: 1.0, top_k: None, top_p: None };
+        let mut s = Sampler::new(cfg.clone(), 11).unwrap();
+        let ones = (0..4000).filter(|_| s.sample(&logits) == 1).count();
+        assert!((2850..3150).contains(&ones), "{ones}");
+        let a: Vec<usize> = { let mut s = Sampler::new(cfg.clone(), 5).unwrap(); (0..20).map(|_| s.sample(&logits)).collect() };
+        let b: Vec<usize> = { let mut s = Sampler::new(cfg, 5).unwrap(); (0..20).map(|_| s.sample(&logits)).collect() };
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn bad_settings_are_errors() {
+        let bad = |c: SamplingConfig| Sampler::new(c, 0).err().map(|e| e.to_string());
+        assert_eq!(bad(SamplingConfig { top_p: Some(0.0), ..Default::default() }).unwrap(), "top_p must be in (0, 1], found 0");
+        assert!(bad(SamplingConfig { top_p: Some(1.5), ..Default::default() }).is_some());
+        assert!(bad(SamplingConfig { top_k: Some(0), ..Default::default() }).is_some());
+        assert!(bad(SamplingConfig { temperature: -1.0, ..Default::default() }).is_some());
+        assert!(bad(SamplingConfig { top_p: Some(1.0), ..Default::default() }).is_none());
+    }
+}
