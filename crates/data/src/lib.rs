@@ -1,1 +1,41 @@
+//! From text to batches: dataset manifests and downloads, tokenizers, token shards, and windows.
+//!
+//! Pipeline: `manifest`/`fetch` find the text -> `tokenizer` -> `prepare` writes `shards` ->
+//! `loader` draws windows and batches them.
 
+pub mod error;
+pub mod fetch;
+pub mod loader;
+pub mod manifest;
+pub mod prepare;
+pub mod shards;
+pub mod tokenizer;
+
+pub use error::DataError;
+pub use loader::{LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
+pub use manifest::Manifest;
+pub use prepare::{prepare, Prepared};
+pub use shards::TokenShard;
+pub use tokenizer::{Tokenizer, TokenizerSpec};
+
+use std::io::Write;
+use std::path::Path;
+
+/// Writes `bytes` to `path` so that a reader sees the old file or the whole new one, never a part:
+/// a temporary file in the same folder, flushed to disk, then renamed over `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(DataError::io(dir))?;
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(DataError::io(path))
+}

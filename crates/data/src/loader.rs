@@ -1,0 +1,150 @@
+//! Random windows of a token shard, as Burn `Dataset` items, batched into tensors by a `Batcher`.
+//!
+//! Which windows a batch holds is a pure function of (seed, stream): stream `s` of the training
+//! sampler is micro-batch `s` of the run. A resumed run therefore draws exactly the batches the
+//! stopped run would have drawn, from nothing more than its step counter.
+
+use std::sync::Arc;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::tensor::{backend::Backend, Device, Int, Tensor, TensorData};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::{DataError, Result};
+use crate::shards::TokenShard;
+
+/// One training example: `target[i]` is the token after `input[i]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Window {
+    pub input: Vec<u32>,
+    pub target: Vec<u32>,
+}
+
+/// Every window of `seq_len + 1` consecutive tokens of a shard; item `i` starts at token `i`.
+#[derive(Debug, Clone)]
+pub struct TokenWindows {
+    shard: Arc<TokenShard>,
+    seq_len: usize,
+}
+
+impl TokenWindows {
+    /// `split` names the shard in the error when it is too short for one window.
+    pub fn new(shard: Arc<TokenShard>, seq_len: usize, split: &str) -> Result<Self> {
+        let needed = seq_len + 1;
+        if shard.tokens.len() < needed {
+            return Err(DataError::TooShort { split: split.into(), tokens: shard.tokens.len(), needed });
+        }
+        Ok(Self { shard, seq_len })
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+}
+
+impl Dataset<Window> for TokenWindows {
+    fn get(&self, index: usize) -> Option<Window> {
+        let t = self.seq_len;
+        let w = self.shard.tokens.get(index..index + t + 1)?;
+        Some(Window { input: w[..t].to_vec(), target: w[1..].to_vec() })
+    }
+
+    fn len(&self) -> usize {
+        self.shard.tokens.len() - self.seq_len
+    }
+}
+
+/// Draws window indices: the same (seed, stream) always gives the same batch.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowSampler {
+    pub seed: u64,
+}
+
+impl WindowSampler {
+    pub fn indices(&self, stream: u64, batch_size: usize, n_windows: usize) -> Vec<usize> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(stream);
+        (0..batch_size).map(|_| rng.random_range(0..n_windows)).collect()
+    }
+
+    pub fn batch<B: Backend>(
+        &self,
+        data: &TokenWindows,
+        stream: u64,
+        batch_size: usize,
+        device: &Device<B>,
+    ) -> LmBatch<B> {
+        let items = self
+            .indices(stream, batch_size, data.len())
+            .into_iter()
+            .map(|i| data.get(i).expect("index drawn below len"))
+            .collect();
+        LmBatcher.batch(items, device)
+    }
+}
+
+/// Inputs and next-token targets, `[B, T]` each.
+#[derive(Debug, Clone)]
+pub struct LmBatch<B: Backend> {
+    pub inputs: Tensor<B, 2, Int>,
+    pub targets: Tensor<B, 2, Int>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LmBatcher;
+
+impl<B: Backend> Batcher<B, Window, LmBatch<B>> for LmBatcher {
+    fn batch(&self, items: Vec<Window>, device: &Device<B>) -> LmBatch<B> {
+        let (b, t) = (items.len(), items.first().map_or(0, |w| w.input.len()));
+        let stack = |f: fn(&Window) -> &Vec<u32>| {
+            let ids: Vec<i32> = items.iter().flat_map(|w| f(w).iter().map(|&x| x as i32)).collect();
+            Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), device)
+        };
+        LmBatch { inputs: stack(|w| &w.input), targets: stack(|w| &w.target) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type B = burn::backend::Flex;
+
+    fn windows(n: u32, t: usize) -> TokenWindows {
+        TokenWindows::new(Arc::new(TokenShard::new((0..n).collect(), n)), t, "train").unwrap()
+    }
+
+    #[test]
+    fn windows_are_shifted_by_one() {
+        let w = windows(10, 4);
+        assert_eq!(w.len(), 6);
+        assert_eq!(w.get(2).unwrap(), Window { input: vec![2, 3, 4, 5], target: vec![3, 4, 5, 6] });
+        assert_eq!(w.get(5).unwrap().target, vec![6, 7, 8, 9]);
+        assert!(w.get(6).is_none());
+    }
+
+    #[test]
+    fn too_short_a_split_is_an_error() {
+        let e = TokenWindows::new(Arc::new(TokenShard::new(vec![1, 2, 3], 4)), 8, "val").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the val split has 3 tokens, fewer than the 9 a window of seq_len + 1 needs; use a longer text or a shorter context"
+        );
+    }
+
+    #[test]
+    fn batches_depend_only_on_seed_and_stream() {
+        let s = WindowSampler { seed: 42 };
+        assert_eq!(s.indices(7, 12, 1000), s.indices(7, 12, 1000));
+        assert_ne!(s.indices(7, 12, 1000), s.indices(8, 12, 1000));
+        assert_ne!(s.indices(7, 12, 1000), WindowSampler { seed: 43 }.indices(7, 12, 1000));
+        let w = windows(100, 5);
+        let batch = s.batch::<B>(&w, 3, 4, &Default::default());
+        assert_eq!(batch.inputs.dims(), [4, 5]);
+        let x = batch.inputs.into_data().convert::<i64>().to_vec::<i64>().unwrap();
+        let y = batch.targets.into_data().convert::<i64>().to_vec::<i64>().unwrap();
+        assert!(x.iter().zip(&y).all(|(a, b)| b - a == 1));
+    }
+}

@@ -1,0 +1,175 @@
+//! `ember prepare`: text -> tokenizer -> train/val token shards, cached by what they depend on.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{DataError, Result};
+use crate::fetch::{hex, sha256_file};
+use crate::shards::{TokenShard, VERSION};
+use crate::tokenizer::{Tokenizer, TokenizerSpec};
+
+/// Written as `meta.json` beside the shards; a later prepare with the same key reuses them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrepareMeta {
+    pub format_version: u32,
+    pub source: PathBuf,
+    pub source_sha256: String,
+    pub tokenizer: String,
+    /// sha256 of the tokenizer.json given by path; empty for trained tokenizers.
+    pub tokenizer_sha256: String,
+    pub val_fraction: f64,
+    pub vocab_size: usize,
+    pub train_tokens: usize,
+    pub val_tokens: usize,
+}
+
+impl PrepareMeta {
+    fn same_inputs(&self, other: &PrepareMeta) -> bool {
+        self.format_version == other.format_version
+            && self.source_sha256 == other.source_sha256
+            && self.tokenizer == other.tokenizer
+            && self.tokenizer_sha256 == other.tokenizer_sha256
+            && self.val_fraction == other.val_fraction
+    }
+}
+
+/// The prepared data of one corpus.
+pub struct Prepared {
+    pub dir: PathBuf,
+    pub meta: PrepareMeta,
+    pub tokenizer: Tokenizer,
+    pub train: TokenShard,
+    pub val: TokenShard,
+    /// True when the shards came from an earlier run.
+    pub reused: bool,
+}
+
+pub const TRAIN_FILE: &str = "train.bin";
+pub const VAL_FILE: &str = "val.bin";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+const META_FILE: &str = "meta.json";
+
+/// Splits `text` by characters: the first `(1 - val_fraction)` for training, the rest for validation
+/// (nanoGPT: `data[:int(n*0.9)]`).
+pub fn split_text(text: &str, val_fraction: f64) -> (&str, &str) {
+    let n = text.chars().count();
+    let n_train = (n as f64 * (1.0 - val_fraction)) as usize;
+    let at = text.char_indices().nth(n_train).map_or(text.len(), |(i, _)| i);
+    text.split_at(at)
+}
+
+/// A short key for a cache folder name, from everything the shards depend on.
+pub fn cache_key(source_sha256: &str, spec: &TokenizerSpec, val_fraction: f64) -> String {
+    let mut h = Sha256::new();
+    h.update(format!("v{VERSION}|{source_sha256}|{spec}|{val_fraction}"));
+    hex(&h.finalize())[..12].to_string()
+}
+
+/// Tokenizes `text_path` into `out_dir/{train,val}.bin` and `tokenizer.json`, unless `out_dir`
+/// already holds shards prepared from the same inputs.
+pub fn prepare(text_path: &Path, spec: &TokenizerSpec, val_fraction: f64, out_dir: &Path) -> Result<Prepared> {
+    let source_sha256 = sha256_file(text_path)?;
+    let tokenizer_sha256 = match spec {
+        TokenizerSpec::File(p) => sha256_file(p)?,
+        _ => String::new(),
+    };
+    let wanted = PrepareMeta {
+        format_version: VERSION,
+        source: text_path.into(),
+        source_sha256,
+        tokenizer: spec.to_string(),
+        tokenizer_sha256,
+        val_fraction,
+        vocab_size: 0,
+        train_tokens: 0,
+        val_tokens: 0,
+    };
+    if let Some(p) = load_if_current(out_dir, &wanted)? {
+        tracing::info!(dir = %out_dir.display(), "token shards are up to date, reusing them");
+        return Ok(p);
+    }
+
+    let text = std::fs::read_to_string(text_path).map_err(DataError::io(text_path))?;
+    let (train_text, val_text) = split_text(&text, val_fraction);
+    let tokenizer = match spec {
+        // The char vocabulary covers the whole text (as nanoGPT's), so validation has no unknowns.
+        TokenizerSpec::Char => Tokenizer::train_char(&text),
+        // A trained BPE sees only the training split.
+        _ => Tokenizer::from_spec(spec, train_text)?,
+    };
+    let vocab = tokenizer.vocab_size() as u32;
+    let train = TokenShard::new(tokenizer.encode(train_text)?, vocab);
+    let val = TokenShard::new(tokenizer.encode(val_text)?, vocab);
+    let meta = PrepareMeta {
+        vocab_size: vocab as usize,
+        train_tokens: train.tokens.len(),
+        val_tokens: val.tokens.len(),
+        ..wanted
+    };
+    std::fs::create_dir_all(out_dir).map_err(DataError::io(out_dir))?;
+    train.write(&out_dir.join(TRAIN_FILE))?;
+    val.write(&out_dir.join(VAL_FILE))?;
+    tokenizer.save(&out_dir.join(TOKENIZER_FILE))?;
+    // meta.json last: its presence says the rest is complete.
+    let json = serde_json::to_string_pretty(&meta).expect("meta serialises");
+    crate::write_atomic(&out_dir.join(META_FILE), json.as_bytes())?;
+    tracing::info!(
+        train = meta.train_tokens,
+        val = meta.val_tokens,
+        vocab = meta.vocab_size,
+        dir = %out_dir.display(),
+        "prepared token shards"
+    );
+    Ok(Prepared { dir: out_dir.into(), meta, tokenizer, train, val, reused: false })
+}
+
+fn load_if_current(dir: &Path, wanted: &PrepareMeta) -> Result<Option<Prepared>> {
+    let meta_path = dir.join(META_FILE);
+    let Ok(text) = std::fs::read_to_string(&meta_path) else { return Ok(None) };
+    let Ok(meta) = serde_json::from_str::<PrepareMeta>(&text) else {
+        tracing::warn!(path = %meta_path.display(), "unreadable meta.json, preparing again");
+        return Ok(None);
+    };
+    if !meta.same_inputs(wanted) {
+        return Ok(None);
+    }
+    let tokenizer = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?;
+    let train = TokenShard::read(&dir.join(TRAIN_FILE))?;
+    let val = TokenShard::read(&dir.join(VAL_FILE))?;
+    Ok(Some(Prepared { dir: dir.into(), meta, tokenizer, train, val, reused: true }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_is_by_characters() {
+        assert_eq!(split_text("abcdefghij", 0.1), ("abcdefghi", "j"));
+        // Multi-byte characters are never cut.
+        assert_eq!(split_text("ééééééééé€", 0.1), ("ééééééééé", "€"));
+    }
+
+    #[test]
+    fn second_prepare_reuses_the_shards_and_a_changed_input_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let text_path = dir.path().join("t.txt");
+        std::fs::write(&text_path, "to be or not to be, that is the question\n".repeat(20)).unwrap();
+        let out = dir.path().join("out");
+        let a = prepare(&text_path, &TokenizerSpec::Char, 0.1, &out).unwrap();
+        assert!(!a.reused);
+        let b = prepare(&text_path, &TokenizerSpec::Char, 0.1, &out).unwrap();
+        assert!(b.reused);
+        assert_eq!(a.train, b.train);
+        assert_eq!(a.val, b.val);
+        let c = prepare(&text_path, &TokenizerSpec::Char, 0.2, &out).unwrap();
+        assert!(!c.reused);
+        std::fs::write(&text_path, "something else entirely\n".repeat(20)).unwrap();
+        let d = prepare(&text_path, &TokenizerSpec::Char, 0.2, &out).unwrap();
+        assert!(!d.reused);
+        assert_ne!(d.meta.source_sha256, c.meta.source_sha256);
+    }
+}
