@@ -1,1 +1,56 @@
-fn main(){}
+//! `ember`: train, sample and prepare data for Llama-style decoders on Burn.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod backend;
+mod commands;
+
+#[derive(Parser, Debug)]
+#[command(name = "ember", version, about = "Train and sample Llama-style decoder-only transformers on Burn")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log level filter (also read from RUST_LOG), e.g. `debug` or `ember_train=debug`.
+    #[arg(long, global = true, default_value = "info")]
+    log: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train a model from a TOML config.
+    Train(commands::train::TrainArgs),
+    /// Generate text from a checkpoint.
+    Sample(commands::sample::SampleArgs),
+    /// Tokenize a text file into train/val token shards.
+    Prepare(commands::prepare::PrepareArgs),
+    /// Print the backends this binary was built with.
+    Backends,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Train(args) => commands::train::run(args),
+        Command::Sample(args) => commands::sample::run(args),
+        Command::Prepare(args) => commands::prepare::run(args),
+        Command::Backends => {
+            println!("{}", backend::compiled().join(", "));
+            Ok(())
+        }
+    }
+}

@@ -114,12 +114,7 @@ pub fn locate(m: &Manifest, loc: &Locations) -> Result<PathBuf> {
             file: m.file.clone(),
             sha256: m.sha256.clone(),
             reason: e.to_string(),
-            places: loc
-                .candidates(m)
-                .iter()
-                .map(|p| format!("    {}", p.display()))
-                .collect::<Vec<_>>()
-                .join("\n"),
+            places: loc.candidates(m).iter().map(|p| format!("    {}", p.display())).collect::<Vec<_>>().join("\n"),
         }),
     }
 }

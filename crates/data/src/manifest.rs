@@ -29,8 +29,8 @@ const BUILT_IN: &[(&str, &str)] =
 
 impl Manifest {
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let m: Manifest = toml::from_str(text)
-            .map_err(|e| DataError::Manifest { path: path.into(), message: e.to_string() })?;
+        let m: Manifest =
+            toml::from_str(text).map_err(|e| DataError::Manifest { path: path.into(), message: e.to_string() })?;
         let bad = |message: String| DataError::Manifest { path: path.into(), message };
         if m.sha256.len() != 64 || !m.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(bad(format!("sha256 `{}` is not 64 hex digits", m.sha256)));
@@ -51,11 +51,9 @@ impl Manifest {
 
     /// A manifest compiled into ember, by dataset name.
     pub fn built_in(name: &str) -> Result<Self> {
-        let (_, text) = BUILT_IN.iter().find(|(n, _)| *n == name).ok_or_else(|| {
-            DataError::UnknownDataset {
-                name: name.into(),
-                known: BUILT_IN.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
-            }
+        let (_, text) = BUILT_IN.iter().find(|(n, _)| *n == name).ok_or_else(|| DataError::UnknownDataset {
+            name: name.into(),
+            known: BUILT_IN.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
         })?;
         Self::parse(text, Path::new(&format!("<built-in {name}>")))
     }

@@ -71,7 +71,30 @@ pub fn cache_key(source_sha256: &str, spec: &TokenizerSpec, val_fraction: f64) -
 /// Tokenizes `text_path` into `out_dir/{train,val}.bin` and `tokenizer.json`, unless `out_dir`
 /// already holds shards prepared from the same inputs.
 pub fn prepare(text_path: &Path, spec: &TokenizerSpec, val_fraction: f64, out_dir: &Path) -> Result<Prepared> {
-    let source_sha256 = sha256_file(text_path)?;
+    prepare_hashed(text_path, sha256_file(text_path)?, spec, val_fraction, out_dir)
+}
+
+/// [`prepare`] into `<cache_root>/<file stem>-<key>/`, where the key covers the text's sha256, the
+/// tokenizer and the split: a second run with the same inputs reuses the shards.
+pub fn prepare_cached(
+    text_path: &Path,
+    spec: &TokenizerSpec,
+    val_fraction: f64,
+    cache_root: &Path,
+) -> Result<Prepared> {
+    let sha = sha256_file(text_path)?;
+    let stem = text_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let out_dir = cache_root.join(format!("{stem}-{}", cache_key(&sha, spec, val_fraction)));
+    prepare_hashed(text_path, sha, spec, val_fraction, &out_dir)
+}
+
+fn prepare_hashed(
+    text_path: &Path,
+    source_sha256: String,
+    spec: &TokenizerSpec,
+    val_fraction: f64,
+    out_dir: &Path,
+) -> Result<Prepared> {
     let tokenizer_sha256 = match spec {
         TokenizerSpec::File(p) => sha256_file(p)?,
         _ => String::new(),

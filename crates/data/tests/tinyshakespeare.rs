@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use ember_data::fetch::Locations;
+use ember_data::fetch::{locate, Locations};
 use ember_data::prepare::{prepare, split_text};
 use ember_data::{Manifest, TokenizerSpec};
 use sha2::{Digest, Sha256};
@@ -14,17 +14,8 @@ fn input_txt() -> PathBuf {
     let mut loc = Locations::from_env();
     loc.repo_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../datasets");
     let m = Manifest::built_in("tinyshakespeare").unwrap();
-    let candidates = [
-        loc.repo_dir.join("tinyshakespeare/input.txt"),
-        loc.data_dir.clone().unwrap_or_default().join("tinyshakespeare/input.txt"),
-    ];
-    candidates.into_iter().find(|p| p.is_file()).unwrap_or_else(|| {
-        panic!(
-            "tinyshakespeare input.txt not found: copy it to datasets/tinyshakespeare/ or set \
-             EMBER_DATA_DIR (sha256 {})",
-            m.sha256
-        )
-    })
+    // Found, or downloaded (sha256 checked); offline the error says where to put the file.
+    locate(&m, &loc).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn sha256_u16(ids: &[u32]) -> String {

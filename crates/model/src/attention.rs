@@ -63,8 +63,8 @@ impl<B: Backend> Attention<B> {
         let key = rope.apply(key, start);
         let key = repeat_kv(key, h / k); // [B, H, T, Dh]
         let v = repeat_kv(v, h / k); //     [B, H, T, Dh]
-        // Causal with the mask aligned bottom-right: query i sees keys 0..=i (Burn's op, checked in
-        // the causality test). Scale 1/sqrt(Dh) by default.
+                                     // Causal with the mask aligned bottom-right: query i sees keys 0..=i (Burn's op, checked in
+                                     // the causality test). Scale 1/sqrt(Dh) by default.
         let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
         let o = attention(q, key, v, None, None, opts); // [B, H, T, Dh]
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]); // [B·T, H·Dh]

@@ -77,12 +77,7 @@ pub enum ConfigError {
     #[error("model.{name} must be positive, found {value}")]
     NotPositive { name: &'static str, value: f64 },
     #[error("model.{divisor} ({divisor_value}) must divide model.{dividend} ({dividend_value})")]
-    NotDivisible {
-        divisor: &'static str,
-        divisor_value: usize,
-        dividend: &'static str,
-        dividend_value: usize,
-    },
+    NotDivisible { divisor: &'static str, divisor_value: usize, dividend: &'static str, dividend_value: usize },
     #[error("model.head_dim must be even for RoPE, found {0}")]
     OddHeadDim(usize),
     #[error("model.vocab_size is not set (a training config may leave it out only when a tokenizer supplies it)")]
@@ -146,11 +141,8 @@ impl ModelConfig {
         if self.head_dim() % 2 != 0 {
             return Err(ConfigError::OddHeadDim(self.head_dim()));
         }
-        for (name, value) in [
-            ("rope_theta", self.rope_theta),
-            ("norm_eps", self.norm_eps),
-            ("init_std", self.init_std),
-        ] {
+        for (name, value) in [("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps), ("init_std", self.init_std)]
+        {
             if !(value > 0.0 && value.is_finite()) {
                 return Err(ConfigError::NotPositive { name, value });
             }
@@ -186,8 +178,7 @@ impl ModelConfig {
     /// `H·Dh` is the attention width, equal to `d_model` for Llama and Qwen2.
     pub fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
         let attn_width = (self.n_heads * self.head_dim()) as f64;
-        2.0 * self.matmul_params() as f64
-            + 4.0 * self.n_layers as f64 * seq_len as f64 * attn_width
+        2.0 * self.matmul_params() as f64 + 4.0 * self.n_layers as f64 * seq_len as f64 * attn_width
     }
 
     /// Training FLOPs per token (forward and backward): `6N + 12·L·T·(H·Dh)`.
@@ -273,10 +264,7 @@ mod tests {
     fn validation_names_the_problem() {
         let c = ModelConfig { n_kv_heads: Some(3), ..tiny_config() };
         let e = c.validate().unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "model.n_kv_heads (3) must divide model.n_heads (4)"
-        );
+        assert_eq!(e.to_string(), "model.n_kv_heads (3) must divide model.n_heads (4)");
         let c = ModelConfig { n_heads: 5, n_kv_heads: Some(5), ..tiny_config() };
         assert!(matches!(c.validate(), Err(ConfigError::NotDivisible { divisor: "n_heads", .. })));
         let c = ModelConfig { vocab_size: 0, ..tiny_config() };

@@ -35,20 +35,13 @@ impl<B: Backend> Decoder<B> {
         let (v, d) = (config.vocab_size, config.d_model);
         let embed_tokens = init.normal_param([v, d], config.init_std, device);
         let layers = (0..config.n_layers).map(|_| Block::new(config, &mut init, device)).collect();
-        let lm_head = (!config.tie_embeddings)
-            .then(|| Linear::new(&mut init, d, v, false, config.init_std, device));
+        let lm_head = (!config.tie_embeddings).then(|| Linear::new(&mut init, d, v, false, config.init_std, device));
         Ok(Self {
             embed_tokens,
             layers,
             norm: RmsNorm::new(d, config.norm_eps, device),
             lm_head,
-            rope: Rope::new(
-                config.max_seq_len,
-                config.head_dim(),
-                config.rope_theta,
-                config.rope_layout,
-                device,
-            ),
+            rope: Rope::new(config.max_seq_len, config.head_dim(), config.rope_theta, config.rope_layout, device),
             config: config.clone(),
         })
     }
@@ -141,10 +134,10 @@ mod tests {
             let mut changed = ids;
             changed[6] = 7;
             let other = model.forward(tokens(&changed, &dev));
-            full.clone().narrow(1, 0, 6).into_data().assert_approx_eq::<f32>(
-                &other.clone().narrow(1, 0, 6).into_data(),
-                Tolerance::absolute(1e-5),
-            );
+            full.clone()
+                .narrow(1, 0, 6)
+                .into_data()
+                .assert_approx_eq::<f32>(&other.clone().narrow(1, 0, 6).into_data(), Tolerance::absolute(1e-5));
             let diff = (full.narrow(1, 6, 4) - other.narrow(1, 6, 4)).abs().max().into_scalar();
             assert!(diff > 1e-4, "later positions must see token 6 (diff {diff})");
         }
@@ -180,10 +173,7 @@ mod tests {
         let cfg = ModelConfig { tie_embeddings: true, ..tiny_config() };
         let model = Decoder::<B>::new(&cfg, 0, &dev).unwrap();
         assert!(model.lm_head.is_none());
-        model
-            .head_weight()
-            .into_data()
-            .assert_eq(&model.embed_tokens.val().transpose().into_data(), true);
+        model.head_weight().into_data().assert_eq(&model.embed_tokens.val().transpose().into_data(), true);
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod mlp;
 pub mod norm;
 pub mod rope;
 pub mod sample;
+pub mod weights;
 
 pub use block::Block;
 pub use config::{ConfigError, ModelConfig, RopeLayout};

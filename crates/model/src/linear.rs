@@ -15,14 +15,7 @@ pub struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    pub fn new(
-        init: &mut Init,
-        d_in: usize,
-        d_out: usize,
-        bias: bool,
-        std: f64,
-        device: &B::Device,
-    ) -> Self {
+    pub fn new(init: &mut Init, d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
         Self {
             weight: init.normal_param([d_in, d_out], std, device),
             bias: bias.then(|| const_param([d_out], 0.0, device)),

@@ -18,13 +18,7 @@ pub struct Rope<B: Backend> {
 impl<B: Backend> Rope<B> {
     /// Angles are computed in f64 on the host and stored in f32; low precision angles drift at long
     /// positions.
-    pub fn new(
-        max_seq_len: usize,
-        head_dim: usize,
-        theta: f64,
-        layout: RopeLayout,
-        device: &B::Device,
-    ) -> Self {
+    pub fn new(max_seq_len: usize, head_dim: usize, theta: f64, layout: RopeLayout, device: &B::Device) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(max_seq_len * half);
         let mut sin = Vec::with_capacity(max_seq_len * half);
@@ -64,13 +58,7 @@ impl<B: Backend> Rope<B> {
                 let (cos, sin) = (cos.unsqueeze::<4>(), sin.unsqueeze::<4>()); // [1, 1, T, Dh/2]
                 let x1 = x.clone().narrow(3, 0, half); // [B, H, T, Dh/2]: first channel of each pair
                 let x2 = x.narrow(3, half, half); //      second channel
-                Tensor::cat(
-                    vec![
-                        x1.clone() * cos.clone() - x2.clone() * sin.clone(),
-                        x1 * sin + x2 * cos,
-                    ],
-                    3,
-                )
+                Tensor::cat(vec![x1.clone() * cos.clone() - x2.clone() * sin.clone(), x1 * sin + x2 * cos], 3)
             }
             RopeLayout::Interleaved => {
                 let cos = cos.reshape([1, 1, t, half, 1]);
@@ -78,11 +66,8 @@ impl<B: Backend> Rope<B> {
                 let x = x.reshape([b, h, t, half, 2]);
                 let xe = x.clone().narrow(4, 0, 1); // [B, H, T, Dh/2, 1]: channels 2i
                 let xo = x.narrow(4, 1, 1); //         channels 2i + 1
-                Tensor::cat(
-                    vec![xe.clone() * cos.clone() - xo.clone() * sin.clone(), xe * sin + xo * cos],
-                    4,
-                )
-                .reshape([b, h, t, dh])
+                Tensor::cat(vec![xe.clone() * cos.clone() - xo.clone() * sin.clone(), xe * sin + xo * cos], 4)
+                    .reshape([b, h, t, dh])
             }
         }
     }
@@ -95,10 +80,7 @@ impl<B: Backend> Rope<B> {
 ///
 /// # Shapes
 /// - weight: `[in, n_heads·Dh]` -> `[in, n_heads·Dh]`
-pub fn interleaved_to_half_split<B: Backend>(
-    weight: Tensor<B, 2>,
-    n_heads: usize,
-) -> Tensor<B, 2> {
+pub fn interleaved_to_half_split<B: Backend>(weight: Tensor<B, 2>, n_heads: usize) -> Tensor<B, 2> {
     let [d_in, width] = weight.dims();
     let half = width / n_heads / 2;
     weight
@@ -108,10 +90,7 @@ pub fn interleaved_to_half_split<B: Backend>(
 }
 
 /// Inverse of [`interleaved_to_half_split`].
-pub fn half_split_to_interleaved<B: Backend>(
-    weight: Tensor<B, 2>,
-    n_heads: usize,
-) -> Tensor<B, 2> {
+pub fn half_split_to_interleaved<B: Backend>(weight: Tensor<B, 2>, n_heads: usize) -> Tensor<B, 2> {
     let [d_in, width] = weight.dims();
     let half = width / n_heads / 2;
     weight
@@ -176,8 +155,6 @@ mod tests {
         // Same rotated vectors up to the same within-head channel permutation: dot products agree.
         let dots = |q: Tensor<B, 4>| q.clone().matmul(q.swap_dims(2, 3)).into_data();
         dots(a).assert_approx_eq::<f32>(&dots(b), Tolerance::absolute(1e-4));
-        half_split_to_interleaved(w2, h)
-            .into_data()
-            .assert_eq(&w.into_data(), true);
+        half_split_to_interleaved(w2, h).into_data().assert_eq(&w.into_data(), true);
     }
 }

@@ -167,15 +167,24 @@ mod tests {
         let mut s = Sampler::new(cfg.clone(), 11).unwrap();
         let ones = (0..4000).filter(|_| s.sample(&logits) == 1).count();
         assert!((2850..3150).contains(&ones), "{ones}");
-        let a: Vec<usize> = { let mut s = Sampler::new(cfg.clone(), 5).unwrap(); (0..20).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<usize> = { let mut s = Sampler::new(cfg, 5).unwrap(); (0..20).map(|_| s.sample(&logits)).collect() };
+        let a: Vec<usize> = {
+            let mut s = Sampler::new(cfg.clone(), 5).unwrap();
+            (0..20).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<usize> = {
+            let mut s = Sampler::new(cfg, 5).unwrap();
+            (0..20).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
     }
 
     #[test]
     fn bad_settings_are_errors() {
         let bad = |c: SamplingConfig| Sampler::new(c, 0).err().map(|e| e.to_string());
-        assert_eq!(bad(SamplingConfig { top_p: Some(0.0), ..Default::default() }).unwrap(), "top_p must be in (0, 1], found 0");
+        assert_eq!(
+            bad(SamplingConfig { top_p: Some(0.0), ..Default::default() }).unwrap(),
+            "top_p must be in (0, 1], found 0"
+        );
         assert!(bad(SamplingConfig { top_p: Some(1.5), ..Default::default() }).is_some());
         assert!(bad(SamplingConfig { top_k: Some(0), ..Default::default() }).is_some());
         assert!(bad(SamplingConfig { temperature: -1.0, ..Default::default() }).is_some());

@@ -1,0 +1,106 @@
+//! Choosing the Burn backend at run time. Model and training code are generic over the backend;
+//! this is the one place that names concrete ones.
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Device;
+
+/// A device as given on the command line: `cpu`, `wgpu[:N]` or `cuda[:N]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Cpu,
+    Wgpu(Option<usize>),
+    Cuda(usize),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, index) = match s.split_once(':') {
+            Some((k, i)) => {
+                let i = i.parse::<usize>().map_err(|_| format!("device `{s}`: `{i}` is not a device index"))?;
+                (k, Some(i))
+            }
+            None => (s, None),
+        };
+        match (kind, index) {
+            ("cpu", None) => Ok(Self::Cpu),
+            ("wgpu", i) => Ok(Self::Wgpu(i)),
+            ("cuda", i) => Ok(Self::Cuda(i.unwrap_or(0))),
+            _ => Err(format!("device `{s}`: expected cpu, wgpu[:N] or cuda[:N]")),
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Wgpu(None) => write!(f, "wgpu"),
+            Self::Wgpu(Some(i)) => write!(f, "wgpu:{i}"),
+            Self::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Backends compiled into this binary.
+pub fn compiled() -> Vec<&'static str> {
+    let mut out = vec!["cpu (flex)"];
+    if cfg!(feature = "wgpu") {
+        out.push("wgpu");
+    }
+    if cfg!(feature = "cuda") {
+        out.push("cuda");
+    }
+    out
+}
+
+/// Work that runs on whichever backend the user picked.
+pub trait Job {
+    type Output;
+    fn run<B: AutodiffBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<Self::Output>;
+}
+
+/// Runs `job` on the backend of `spec`, or explains which build has it.
+pub fn dispatch<J: Job>(spec: DeviceSpec, job: J) -> anyhow::Result<J::Output> {
+    match spec {
+        DeviceSpec::Cpu => job.run::<burn::backend::Autodiff<burn::backend::Flex>>(Default::default(), "cpu (flex)"),
+        #[cfg(feature = "wgpu")]
+        DeviceSpec::Wgpu(i) => {
+            use burn::backend::wgpu::WgpuDevice;
+            let device = i.map_or(WgpuDevice::DefaultDevice, WgpuDevice::DiscreteGpu);
+            job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(device, "wgpu")
+        }
+        #[cfg(feature = "cuda")]
+        DeviceSpec::Cuda(i) => {
+            let device = burn::backend::cuda::CudaDevice::new(i);
+            job.run::<burn::backend::Autodiff<burn::backend::Cuda>>(device, "cuda")
+        }
+        #[allow(unreachable_patterns)]
+        other => anyhow::bail!(
+            "device `{other}` is not compiled into this binary (it has: {}); rebuild with `--features {}`",
+            compiled().join(", "),
+            match other {
+                DeviceSpec::Wgpu(_) => "wgpu",
+                _ => "cuda",
+            }
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse() {
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(0));
+        assert_eq!("cuda:1".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(1));
+        assert_eq!("wgpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Wgpu(None));
+        assert!("tpu".parse::<DeviceSpec>().unwrap_err().contains("expected cpu"));
+        assert!("cuda:x".parse::<DeviceSpec>().unwrap_err().contains("not a device index"));
+    }
+}

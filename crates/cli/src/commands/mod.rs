@@ -1,0 +1,3 @@
+pub mod prepare;
+pub mod sample;
+pub mod train;

@@ -1,0 +1,71 @@
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Device;
+use clap::Args;
+use ember_data::fetch::Locations;
+use ember_train::{TrainConfig, TrainOptions, TrainSummary};
+
+use crate::backend::{dispatch, DeviceSpec, Job};
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Training config (TOML), e.g. configs/nano.toml.
+    #[arg(long)]
+    config: PathBuf,
+    /// Run directory for the config copy, tokenizer, checkpoints and metrics.jsonl [default: runs/<config name>].
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Continue the run in the run directory from its latest checkpoint.
+    #[arg(long)]
+    resume: bool,
+    /// Stop after N optimizer steps, with a checkpoint; the LR schedule still follows the config.
+    #[arg(long)]
+    max_steps: Option<usize>,
+    /// cpu, wgpu[:N] or cuda[:N].
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
+    /// Never draw the progress bar (it is drawn only on a terminal anyway).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+struct TrainJob {
+    config: TrainConfig,
+    options: TrainOptions,
+}
+
+impl Job for TrainJob {
+    type Output = TrainSummary;
+    fn run<B: AutodiffBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<TrainSummary> {
+        tracing::info!("training on {name}, run directory {}", self.options.run_dir.display());
+        Ok(ember_train::train::<B>(self.config, &self.options, &device)?)
+    }
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    // The error names the file and the key.
+    let config = TrainConfig::from_file(&args.config)?;
+    let run_dir = args.run_dir.unwrap_or_else(|| {
+        let stem = args.config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or("run".into());
+        PathBuf::from("runs").join(stem)
+    });
+    let options = TrainOptions {
+        run_dir,
+        resume: args.resume,
+        stop_at: args.max_steps,
+        show_progress: !args.no_progress && std::io::stderr().is_terminal(),
+        locations: Locations::from_env(),
+    };
+    let summary = dispatch(args.device, TrainJob { config, options })?;
+    let best = summary.best_val_loss.map_or("n/a".into(), |v| format!("{v:.4}"));
+    println!(
+        "trained {} steps in {:.0} s ({:.0} tokens/s); best val loss {best}; run directory {}",
+        summary.steps,
+        summary.elapsed_s,
+        summary.tokens_per_sec,
+        summary.run_dir.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,244 @@
+//! Parameters by name, and safetensors files of them.
+//!
+//! A parameter's name is its field path, `layers.0.self_attn.q_proj.weight`, in Burn's layout (linear
+//! weights `[in, out]`). Loading checks every name and shape before anything is replaced, and reports
+//! what is missing, what is left over and what has the wrong shape.
+
+use std::collections::BTreeMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors};
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum WeightsError {
+    #[error("{source_name}: not a safetensors file: {message}")]
+    Format { source_name: String, message: String },
+    #[error("{source_name}: tensor `{key}` has dtype {dtype}, expected a float type")]
+    Dtype { source_name: String, key: String, dtype: String },
+    #[error("{source_name}: missing tensor(s) {}", keys.join(", "))]
+    Missing { source_name: String, keys: Vec<String> },
+    #[error("{source_name}: unexpected tensor(s) {}", keys.join(", "))]
+    Unexpected { source_name: String, keys: Vec<String> },
+    #[error("{source_name}: `{key}`: expected shape {expected:?}, found {found:?}")]
+    Shape { source_name: String, key: String, expected: Vec<usize>, found: Vec<usize> },
+}
+
+/// Every float parameter of `module`, by path, in visiting order.
+pub fn named_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, TensorData)> {
+    struct Collect {
+        path: Vec<String>,
+        out: Vec<(String, TensorData)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.out.push((self.path.join("."), param.val().into_data()));
+        }
+    }
+    let mut c = Collect { path: Vec::new(), out: Vec::new() };
+    module.visit(&mut c);
+    c.out
+}
+
+/// Every float parameter's path and shape, without reading values.
+pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
+    struct Shapes {
+        path: Vec<String>,
+        out: Vec<(String, Vec<usize>)>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.out.push((self.path.join("."), param.lazy_shape().to_vec()));
+        }
+    }
+    let mut s = Shapes { path: Vec::new(), out: Vec::new() };
+    module.visit(&mut s);
+    s.out
+}
+
+/// Replaces the values of `module`'s parameters with `tensors` (by path), keeping parameter ids and
+/// `require_grad`, converting each tensor to the parameter's dtype. All names and shapes are checked
+/// first: on any error the module is not touched. Keys of `tensors` that match no parameter are an
+/// error unless `allow_unused`.
+pub fn assign<B: Backend, M: Module<B>>(
+    module: M,
+    mut tensors: BTreeMap<String, TensorData>,
+    source_name: &str,
+    allow_unused: bool,
+) -> Result<M, WeightsError> {
+    let mut missing = Vec::new();
+    for (key, expected) in param_shapes::<B, M>(&module) {
+        match tensors.get(&key) {
+            None => missing.push(key),
+            Some(data) if data.shape.as_slice() != expected.as_slice() => {
+                return Err(WeightsError::Shape {
+                    source_name: source_name.into(),
+                    key,
+                    expected,
+                    found: data.shape.to_vec(),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    if !missing.is_empty() {
+        return Err(WeightsError::Missing { source_name: source_name.into(), keys: missing });
+    }
+    let known: std::collections::HashSet<String> = param_shapes::<B, M>(&module).into_iter().map(|(k, _)| k).collect();
+    let unused: Vec<String> = tensors.keys().filter(|k| !known.contains(*k)).cloned().collect();
+    if !unused.is_empty() && !allow_unused {
+        return Err(WeightsError::Unexpected { source_name: source_name.into(), keys: unused });
+    }
+
+    struct Assign<'a> {
+        path: Vec<String>,
+        tensors: &'a mut BTreeMap<String, TensorData>,
+    }
+    impl<B: Backend> ModuleMapper<B> for Assign<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let data = self.tensors.remove(&self.path.join(".")).expect("checked above");
+            let require_grad = tensor.is_require_grad();
+            let new = Tensor::<B, D>::from_data(data.convert_dtype(tensor.dtype()), &tensor.device());
+            let new = if require_grad { new.require_grad() } else { new };
+            Param::from_mapped_value(id, new, mapper)
+        }
+    }
+    Ok(module.map(&mut Assign { path: Vec::new(), tensors: &mut tensors }))
+}
+
+fn st_dtype(dtype: DType) -> Option<Dtype> {
+    Some(match dtype {
+        DType::F64 => Dtype::F64,
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        _ => return None,
+    })
+}
+
+/// Serialises named float tensors into the safetensors format.
+pub fn to_safetensors(
+    tensors: &[(String, TensorData)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Vec<u8> {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, data)| {
+            let dtype = st_dtype(data.dtype).expect("float parameters");
+            let view = safetensors::tensor::TensorView::new(dtype, data.shape.to_vec(), data.as_bytes())
+                .expect("shape and byte length agree");
+            (name.clone(), view)
+        })
+        .collect();
+    safetensors::serialize(views, metadata).expect("serialising in-memory tensors")
+}
+
+/// Parses a safetensors file's bytes into named tensors (float dtypes only). `source_name` (usually
+/// the path) appears in errors.
+pub fn from_safetensors(
+    bytes: &[u8],
+    source_name: &str,
+) -> Result<(BTreeMap<String, TensorData>, std::collections::HashMap<String, String>), WeightsError> {
+    let (_, meta) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| WeightsError::Format { source_name: source_name.into(), message: e.to_string() })?;
+    let file = SafeTensors::deserialize(bytes)
+        .map_err(|e| WeightsError::Format { source_name: source_name.into(), message: e.to_string() })?;
+    let mut out = BTreeMap::new();
+    for (name, view) in file.tensors() {
+        let dtype = match view.dtype() {
+            Dtype::F64 => DType::F64,
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(WeightsError::Dtype {
+                    source_name: source_name.into(),
+                    key: name,
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
+        out.insert(name, data);
+    }
+    Ok((out, meta.metadata().clone().unwrap_or_default()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tiny_config;
+    use crate::{Decoder, TestBackend};
+
+    type B = TestBackend;
+
+    #[test]
+    fn names_follow_the_field_paths() {
+        let model = Decoder::<B>::new(&tiny_config(), 0, &Default::default()).unwrap();
+        let names: Vec<String> = named_tensors::<B, _>(&model).into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names[0], "embed_tokens");
+        assert!(names.contains(&"layers.1.self_attn.k_proj.weight".to_string()));
+        assert!(names.contains(&"layers.0.post_attention_layernorm.weight".to_string()));
+        assert!(names.contains(&"lm_head.weight".to_string()));
+        assert_eq!(names.len(), 1 + 2 * 9 + 1 + 1);
+    }
+
+    #[test]
+    fn safetensors_round_trip_is_exact() {
+        let dev = Default::default();
+        let a = Decoder::<B>::new(&tiny_config(), 1, &dev).unwrap();
+        let b = Decoder::<B>::new(&tiny_config(), 2, &dev).unwrap();
+        let bytes = to_safetensors(&named_tensors::<B, _>(&a), None);
+        let (tensors, _) = from_safetensors(&bytes, "a.safetensors").unwrap();
+        let b = assign::<B, _>(b, tensors, "a.safetensors", false).unwrap();
+        for ((na, ta), (nb, tb)) in named_tensors::<B, _>(&a).into_iter().zip(named_tensors::<B, _>(&b)) {
+            assert_eq!(na, nb);
+            ta.assert_eq(&tb, true);
+        }
+    }
+
+    #[test]
+    fn errors_name_the_key_and_shapes() {
+        let dev = Default::default();
+        let model = Decoder::<B>::new(&tiny_config(), 1, &dev).unwrap();
+        let full: BTreeMap<String, TensorData> = named_tensors::<B, _>(&model).into_iter().collect();
+
+        let mut wrong = full.clone();
+        wrong.insert("norm.weight".into(), TensorData::new(vec![1.0f32; 5], [5]));
+        let e = assign::<B, _>(model.clone(), wrong, "m.safetensors", false).unwrap_err();
+        assert_eq!(e.to_string(), "m.safetensors: `norm.weight`: expected shape [32], found [5]");
+
+        let mut missing = full.clone();
+        missing.remove("layers.1.mlp.up_proj.weight");
+        let e = assign::<B, _>(model.clone(), missing, "m.safetensors", false).unwrap_err();
+        assert_eq!(e.to_string(), "m.safetensors: missing tensor(s) layers.1.mlp.up_proj.weight");
+
+        let mut extra = full;
+        extra.insert("layers.9.bogus".into(), TensorData::new(vec![1.0f32], [1]));
+        let e = assign::<B, _>(model.clone(), extra.clone(), "m.safetensors", false).unwrap_err();
+        assert_eq!(e.to_string(), "m.safetensors: unexpected tensor(s) layers.9.bogus");
+        assert!(assign::<B, _>(model, extra, "m.safetensors", true).is_ok());
+
+        let e = from_safetensors(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage", "t.safetensors").unwrap_err();
+        assert!(e.to_string().starts_with("t.safetensors: not a safetensors file"), "{e}");
+    }
+}

@@ -1,0 +1,308 @@
+//! The training config file: one TOML with `[model]`, `[data]`, `[train]`, `[optim]` and
+//! `[schedule]`. Unknown keys are errors, named with their section.
+
+use std::path::{Path, PathBuf};
+
+use ember_model::ModelConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::error::TrainError;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: LoopConfig,
+    pub optim: OptimConfig,
+    pub schedule: ScheduleConfig,
+}
+
+/// Where the text comes from and how it is tokenized.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// A built-in dataset (its manifest is compiled into ember), e.g. "tinyshakespeare".
+    #[serde(default)]
+    pub dataset: Option<String>,
+    /// Or a plain text file (relative paths are relative to the working directory).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// `char`, `bpe`, `bpe:VOCAB` or a path to a tokenizer.json.
+    #[serde(default = "default_tokenizer")]
+    pub tokenizer: String,
+    /// Fraction of the text held out for validation; the dataset's manifest value when absent.
+    #[serde(default)]
+    pub val_fraction: Option<f64>,
+}
+
+fn default_tokenizer() -> String {
+    "char".into()
+}
+
+/// The loop: batch shape, length, and how often to log, evaluate and checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoopConfig {
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Tokens per sequence; `model.max_seq_len` when absent.
+    #[serde(default)]
+    pub seq_len: Option<usize>,
+    /// Micro-batches per optimizer step (gradients are averaged over them).
+    #[serde(default = "one")]
+    pub grad_accum_steps: usize,
+    /// Optimizer steps of the whole run.
+    pub max_steps: usize,
+    /// Evaluate every this many steps (and at the first and last).
+    pub eval_interval: usize,
+    /// Batches per split in each evaluation.
+    pub eval_iters: usize,
+    /// Write a metrics record every this many steps.
+    #[serde(default = "one")]
+    pub log_interval: usize,
+    /// Save a checkpoint every this many steps (and at the end); 0: only at the end.
+    #[serde(default)]
+    pub checkpoint_interval: usize,
+    /// Checkpoints kept in the run directory (older ones are deleted).
+    #[serde(default = "two")]
+    pub keep_checkpoints: usize,
+    /// Seeds the initial weights and the batch sampler.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+}
+
+fn one() -> usize {
+    1
+}
+fn two() -> usize {
+    2
+}
+fn default_seed() -> u64 {
+    1337
+}
+
+/// AdamW (Loshchilov and Hutter, 2019) with decoupled weight decay on matrices only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimConfig {
+    #[serde(default = "beta1")]
+    pub beta1: f64,
+    #[serde(default = "beta2")]
+    pub beta2: f64,
+    #[serde(default = "eps")]
+    pub eps: f64,
+    /// Applied to parameters of rank >= 2 (projections, embedding); never to norm gains or biases.
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm (over all parameters) to this; 0 disables clipping.
+    #[serde(default)]
+    pub grad_clip: f64,
+}
+
+fn beta1() -> f64 {
+    0.9
+}
+fn beta2() -> f64 {
+    0.95
+}
+fn eps() -> f64 {
+    1e-8
+}
+
+/// Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps`, then constant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    pub lr: f64,
+    #[serde(default)]
+    pub min_lr: f64,
+    #[serde(default)]
+    pub warmup_steps: usize,
+    /// Step at which the cosine reaches `min_lr`; `train.max_steps` when absent.
+    #[serde(default)]
+    pub decay_steps: Option<usize>,
+}
+
+impl TrainConfig {
+    /// Parses and validates a config file; errors name the file and the key.
+    pub fn from_file(path: &Path) -> Result<Self, TrainError> {
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io { path: path.into(), source })?;
+        Self::from_toml(&text, path)
+    }
+
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, TrainError> {
+        let config: TrainConfig = toml::from_str(text).map_err(|e| TrainError::Config {
+            path: path.into(),
+            message: e.message().to_string(),
+            key: toml_key(text, e.span()),
+        })?;
+        config.validate().map_err(|message| TrainError::Config { path: path.into(), message, key: None })?;
+        Ok(config)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serialises")
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.train.seq_len.unwrap_or(self.model.max_seq_len)
+    }
+
+    pub fn decay_steps(&self) -> usize {
+        self.schedule.decay_steps.unwrap_or(self.train.max_steps)
+    }
+
+    /// Tokens per optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.train.batch_size * self.seq_len() * self.train.grad_accum_steps
+    }
+
+    /// Rules within and across sections. The model's own rules run once the vocabulary is known.
+    pub fn validate(&self) -> Result<(), String> {
+        let d = &self.data;
+        match (&d.dataset, &d.path) {
+            (None, None) => return Err("data: set `dataset` (a built-in name) or `path` (a text file)".into()),
+            (Some(_), Some(_)) => return Err("data: set only one of `dataset` and `path`".into()),
+            _ => {}
+        }
+        if let Some(f) = d.val_fraction {
+            if !(f > 0.0 && f < 1.0) {
+                return Err(format!("data.val_fraction must be in (0, 1), found {f}"));
+            }
+        }
+        let t = &self.train;
+        for (name, v) in [
+            ("train.batch_size", t.batch_size),
+            ("train.grad_accum_steps", t.grad_accum_steps),
+            ("train.max_steps", t.max_steps),
+            ("train.eval_interval", t.eval_interval),
+            ("train.eval_iters", t.eval_iters),
+            ("train.log_interval", t.log_interval),
+            ("train.keep_checkpoints", t.keep_checkpoints),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} must be at least 1, found 0"));
+            }
+        }
+        if self.seq_len() == 0 || self.seq_len() > self.model.max_seq_len {
+            return Err(format!(
+                "train.seq_len ({}) must be in 1..=model.max_seq_len ({})",
+                self.seq_len(),
+                self.model.max_seq_len
+            ));
+        }
+        let o = &self.optim;
+        for (name, v) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(format!("{name} must be in [0, 1), found {v}"));
+            }
+        }
+        for (name, v) in [("optim.eps", o.eps), ("schedule.lr", self.schedule.lr)] {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(format!("{name} must be positive, found {v}"));
+            }
+        }
+        for (name, v) in [
+            ("optim.weight_decay", o.weight_decay),
+            ("optim.grad_clip", o.grad_clip),
+            ("schedule.min_lr", self.schedule.min_lr),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(format!("{name} must be >= 0, found {v}"));
+            }
+        }
+        if self.schedule.min_lr > self.schedule.lr {
+            return Err(format!(
+                "schedule.min_lr ({}) must not exceed schedule.lr ({})",
+                self.schedule.min_lr, self.schedule.lr
+            ));
+        }
+        if self.schedule.warmup_steps > self.decay_steps() {
+            return Err(format!(
+                "schedule.warmup_steps ({}) must not exceed the decay steps ({})",
+                self.schedule.warmup_steps,
+                self.decay_steps()
+            ));
+        }
+        if self.model.vocab_size != 0 {
+            self.model.validate().map_err(|e| e.to_string())?;
+        } else {
+            // Everything but the vocabulary can be checked now.
+            let probe = ModelConfig { vocab_size: 1, ..self.model.clone() };
+            probe.validate().map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+/// The dotted key at a TOML error position: the section header above it and the key on its line.
+fn toml_key(text: &str, span: Option<std::ops::Range<usize>>) -> Option<String> {
+    let start = span?.start.min(text.len());
+    let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text[start..].find('\n').map_or(text.len(), |i| start + i);
+    let key = text[line_start..line_end].split('=').next()?.trim();
+    let section = text[..line_start]
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix('[').and_then(|l| l.strip_suffix(']')))
+        .map(str::trim);
+    if key.is_empty() || key.starts_with('[') {
+        return section.map(String::from);
+    }
+    Some(match section {
+        Some(s) => format!("{s}.{key}"),
+        None => key.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) const NANO: &str = include_str!("../../../configs/nano.toml");
+
+    fn parse(text: &str) -> Result<TrainConfig, String> {
+        TrainConfig::from_toml(text, Path::new("c.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn nano_config_is_nanogpts_cpu_setting() {
+        let c = parse(NANO).unwrap();
+        assert_eq!((c.model.n_layers, c.model.n_heads, c.model.d_model), (4, 4, 128));
+        assert_eq!((c.seq_len(), c.train.batch_size, c.train.max_steps), (64, 12, 2000));
+        assert_eq!((c.schedule.lr, c.schedule.min_lr, c.schedule.warmup_steps), (1e-3, 1e-4, 100));
+        assert_eq!((c.optim.beta1, c.optim.beta2, c.optim.weight_decay, c.optim.grad_clip), (0.9, 0.99, 0.1, 1.0));
+        // Round trip through the resolved form saved in run directories.
+        assert_eq!(parse(&c.to_toml()).unwrap(), c);
+    }
+
+    #[test]
+    fn an_unknown_key_is_named_with_its_section() {
+        let text = NANO.replace("n_layers = 4", "n_layers = 4\nn_kv_head = 2");
+        let e = parse(&text).unwrap_err();
+        assert!(e.contains("unknown field `n_kv_head`"), "{e}");
+        assert!(e.contains("model.n_kv_head"), "{e}");
+        assert!(e.starts_with("c.toml"), "{e}");
+    }
+
+    #[test]
+    fn heads_not_divisible_by_kv_heads_is_an_error() {
+        let text = NANO.replace("n_kv_heads = 4", "n_kv_heads = 3");
+        assert_eq!(parse(&text).unwrap_err(), "c.toml: model.n_kv_heads (3) must divide model.n_heads (4)");
+    }
+
+    #[test]
+    fn cross_section_rules() {
+        let e = parse(&NANO.replace("warmup_steps = 100", "warmup_steps = 5000")).unwrap_err();
+        assert!(e.contains("schedule.warmup_steps (5000)"), "{e}");
+        let e = parse(&NANO.replace("batch_size = 12", "batch_size = 0")).unwrap_err();
+        assert!(e.contains("train.batch_size must be at least 1"), "{e}");
+        let e = parse(&NANO.replace("dataset = \"tinyshakespeare\"", "")).unwrap_err();
+        assert!(e.contains("data: set `dataset`"), "{e}");
+        let e = parse(&NANO.replace("lr = 1e-3", "lr = -1.0")).unwrap_err();
+        assert!(e.contains("schedule.lr must be positive"), "{e}");
+        let e = parse(&NANO.replace("batch_size = 12", "batch_size = \"twelve\"")).unwrap_err();
+        assert!(e.contains("train.batch_size"), "{e}");
+    }
+}

@@ -1,0 +1,68 @@
+//! Loss of a model on batches: the training objective and the periodic evaluation.
+
+use burn::tensor::{backend::Backend, ElementConversion, Tensor};
+use ember_data::{LmBatch, TokenWindows, WindowSampler};
+use ember_model::Decoder;
+
+use crate::loss::cross_entropy;
+
+/// Mean next-token cross-entropy of a batch.
+pub fn lm_loss<B: Backend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
+    let [b, t] = batch.inputs.dims();
+    let d = model.config().d_model;
+    let hidden = model.hidden(batch.inputs, 0).reshape([b * t, d]); // [B·T, D]
+    cross_entropy(model.logits(hidden), batch.targets.reshape([b * t]))
+}
+
+/// Sampler seeds of the fixed evaluation batches, one per split, apart from the training stream.
+pub fn eval_seed(seed: u64, split: &str) -> u64 {
+    let tag = split.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    seed ^ tag
+}
+
+/// Mean loss over `iters` fixed batches (the same batches at every evaluation, so that the numbers
+/// are comparable across steps and runs).
+pub fn evaluate<B: Backend>(
+    model: &Decoder<B>,
+    data: &TokenWindows,
+    seed: u64,
+    iters: usize,
+    batch_size: usize,
+) -> f64 {
+    let device = model.embed_tokens.device();
+    let sampler = WindowSampler { seed };
+    let total: f64 = (0..iters as u64)
+        .map(|i| lm_loss(model, sampler.batch(data, i, batch_size, &device)).into_scalar().elem::<f64>())
+        .sum();
+    total / iters as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Int, TensorData};
+    use rand::{Rng, SeedableRng};
+
+    type B = burn::backend::Flex;
+
+    #[test]
+    fn loss_at_initialisation_is_ln_vocab() {
+        let config = crate::config::TrainConfig::from_toml(
+            include_str!("../../../configs/nano.toml"),
+            std::path::Path::new("configs/nano.toml"),
+        )
+        .unwrap();
+        let dev = Default::default();
+        for (vocab, tied) in [(65, false), (65, true), (512, false)] {
+            let cfg = ember_model::ModelConfig { vocab_size: vocab, tie_embeddings: tied, ..config.model.clone() };
+            let model = Decoder::<B>::new(&cfg, 1337, &dev).unwrap();
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+            let ids: Vec<i32> = (0..12 * 65).map(|_| rng.random_range(0..vocab as i32)).collect();
+            let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [12, 65]), &dev);
+            let batch = LmBatch { inputs: tokens.clone().narrow(1, 0, 64), targets: tokens.narrow(1, 1, 64) };
+            let loss = lm_loss(&model, batch).into_scalar().elem::<f64>();
+            let ln_v = (vocab as f64).ln();
+            assert!((loss - ln_v).abs() < 0.1, "vocab {vocab} tied {tied}: loss {loss}, ln V {ln_v}");
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! Helpers shared by the end-to-end tests: a scratch directory, a small corpus, a tiny config, and
+//! running the `ember` binary in it.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub struct Scratch {
+    pub dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        Self { dir: tempfile::tempdir().expect("temp dir") }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.path().join(name);
+        std::fs::write(&p, text).expect("write scratch file");
+        p
+    }
+
+    /// Runs `ember args...` with the scratch folder as working directory and download cache.
+    pub fn ember(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_ember"))
+            .args(args)
+            .current_dir(self.path())
+            .env("EMBER_CACHE_DIR", self.path().join("cache"))
+            .env_remove("EMBER_DATA_DIR")
+            .env("RUST_LOG", "info")
+            .output()
+            .expect("run ember")
+    }
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a clean failure: non-zero exit, the message on stderr, and no panic.
+pub fn assert_clean_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert!(!o.status.success(), "expected failure, stdout: {}", stdout(o));
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert!(err.contains(needle), "stderr lacks `{needle}`:\n{err}");
+}
+
+/// About 30 KB of play-shaped text: names, colons, line breaks.
+pub fn corpus() -> String {
+    let names = ["ROMEO", "JULIET", "MERCUTIO", "NURSE", "FRIAR LAURENCE"];
+    let words = [
+        "the", "night", "is", "long", "and", "love", "doth", "speak", "of", "fair", "Verona", "where", "we", "lay",
+        "our", "scene", "what", "light", "through", "yonder", "window", "breaks",
+    ];
+    let mut s = String::new();
+    let mut x: u64 = 7;
+    for i in 0..400 {
+        s.push_str(names[i % names.len()]);
+        s.push_str(":\n");
+        for _ in 0..2 {
+            for w in 0..8 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                if w > 0 {
+                    s.push(' ');
+                }
+                s.push_str(words[(x >> 33) as usize % words.len()]);
+            }
+            s.push_str(",\n");
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// A tiny model on `data.path = corpus.txt`: 6 steps, evaluating every 3.
+pub fn tiny_config(extra_train: &str) -> String {
+    format!(
+        r#"
+[model]
+d_model = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+d_ff = 64
+max_seq_len = 32
+
+[data]
+path = "corpus.txt"
+tokenizer = "char"
+
+[train]
+batch_size = 4
+max_steps = 6
+eval_interval = 3
+eval_iters = 2
+log_interval = 1
+checkpoint_interval = 3
+seed = 7
+{extra_train}
+
+[optim]
+weight_decay = 0.1
+grad_clip = 1.0
+
+[schedule]
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 2
+"#
+    )
+}

@@ -1,0 +1,83 @@
+//! Bad input gets a clear error that names the problem, and no panic. One test per case.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn unknown_config_key_is_named() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("bad.toml", &tiny_config("").replace("n_layers = 2", "n_layers = 2\nn_kv_head = 2"));
+    let o = s.ember(&["train", "--config", "bad.toml"]);
+    assert_clean_error(&o, "model.n_kv_head: unknown field `n_kv_head`");
+    assert_clean_error(&o, "bad.toml");
+}
+
+#[test]
+fn heads_not_divisible_by_kv_heads() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("bad.toml", &tiny_config("").replace("n_kv_heads = 2", "n_kv_heads = 3"));
+    let o = s.ember(&["train", "--config", "bad.toml"]);
+    assert_clean_error(&o, "model.n_kv_heads (3) must divide model.n_heads (4)");
+}
+
+#[test]
+fn missing_dataset_file() {
+    let s = Scratch::new();
+    s.write("cfg.toml", &tiny_config(""));
+    let o = s.ember(&["train", "--config", "cfg.toml"]);
+    assert_clean_error(&o, "corpus.txt: data.path: no such text file");
+    let o = s.ember(&["prepare", "--data", "nowhere.txt", "--out", "p"]);
+    assert_clean_error(&o, "nowhere.txt");
+}
+
+#[test]
+fn dataset_shorter_than_the_context() {
+    let s = Scratch::new();
+    s.write("corpus.txt", "To be, or not to be, that is the question.\n");
+    s.write("cfg.toml", &tiny_config(""));
+    let o = s.ember(&["train", "--config", "cfg.toml"]);
+    assert_clean_error(&o, "split has");
+    assert_clean_error(&o, "fewer than the 33 a window of seq_len + 1 needs");
+}
+
+#[test]
+fn a_directory_that_is_not_a_checkpoint() {
+    let s = Scratch::new();
+    std::fs::create_dir_all(s.path().join("empty")).unwrap();
+    let o = s.ember(&["sample", "--checkpoint", "empty"]);
+    assert_clean_error(&o, "empty: not a checkpoint: no state.json");
+    let o = s.ember(&["sample", "--checkpoint", "nonexistent"]);
+    assert_clean_error(&o, "nonexistent: not a checkpoint: no such file or directory");
+    // A checkpoint folder with a damaged state file.
+    std::fs::create_dir_all(s.path().join("broken")).unwrap();
+    s.write("broken/state.json", "{\"step\": ");
+    let o = s.ember(&["sample", "--checkpoint", "broken"]);
+    assert_clean_error(&o, "damaged checkpoint");
+}
+
+#[test]
+fn resume_without_a_checkpoint() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("cfg.toml", &tiny_config(""));
+    let o = s.ember(&["train", "--config", "cfg.toml", "--resume"]);
+    assert_clean_error(&o, "not a checkpoint");
+}
+
+#[test]
+fn bad_sampling_arguments() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("cfg.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2"));
+    let o = s.ember(&["train", "--config", "cfg.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["sample", "--checkpoint", "runs/cfg", "--top-p", "1.5"]);
+    assert_clean_error(&o, "top_p must be in (0, 1], found 1.5");
+    let o = s.ember(&["sample", "--checkpoint", "runs/cfg", "--prompt", "Zounds!"]);
+    assert_clean_error(&o, "character 'Z' at byte 0 is not in the char-level vocabulary");
+    let o = s.ember(&["sample", "--checkpoint", "runs/cfg", "--prompt", ""]);
+    assert_clean_error(&o, "the prompt is empty");
+}
