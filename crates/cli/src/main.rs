@@ -25,6 +25,8 @@ enum Command {
     Sample(commands::sample::SampleArgs),
     /// Tokenize a text file into train/val token shards.
     Prepare(commands::prepare::PrepareArgs),
+    /// Benchmarks (speed and memory).
+    Bench(commands::bench::BenchArgs),
     /// Print the backends this binary was built with.
     Backends,
 }
@@ -48,6 +50,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => commands::train::run(args),
         Command::Sample(args) => commands::sample::run(args),
         Command::Prepare(args) => commands::prepare::run(args),
+        Command::Bench(args) => commands::bench::run(args),
         Command::Backends => {
             println!("{}", backend::compiled().join(", "));
             Ok(())

@@ -3,6 +3,7 @@
 //! Read in this order: `config`, `data`, `loss`/`eval`, `optim`, `schedule`, `trainer`, `metrics`,
 //! `checkpoint`.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

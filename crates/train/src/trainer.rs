@@ -48,11 +48,11 @@ pub struct TrainSummary {
 }
 
 /// Everything the loop reads but does not change.
-struct Setup {
-    config: TrainConfig,
-    data: Prepared,
-    train: TokenWindows,
-    val: TokenWindows,
+pub(crate) struct Setup {
+    pub(crate) config: TrainConfig,
+    pub(crate) data: Prepared,
+    pub(crate) train: TokenWindows,
+    pub(crate) val: TokenWindows,
 }
 
 /// Trains (or resumes) the run described by `config` in `opts.run_dir`.
@@ -117,13 +117,12 @@ pub fn train<B: AutodiffBackend>(
     while state.step < stop {
         let step_start = Instant::now();
         let lr = schedule.lr(state.step);
-        let (loss, grads) = forward_backward(&model, &setup.train, &sampler, state.next_stream, config, device);
+        let out;
+        (model, out) = optimizer_step(model, &mut optim, &setup.train, &sampler, state.next_stream, lr, config, device);
+        let StepOutput { loss, grad_norm } = out;
         if !loss.is_finite() {
             return Err(TrainError::Diverged { step: state.step, loss });
         }
-        let grad_norm = global_grad_norm(&model, &grads);
-        let scale = clip_coefficient(grad_norm, config.optim.grad_clip);
-        model = optim.step(lr, model, grads, scale);
         state.step += 1;
         state.next_stream += t.grad_accum_steps as u64;
         state.tokens_seen += tokens_per_step as u64;
@@ -185,7 +184,7 @@ pub fn train<B: AutodiffBackend>(
 }
 
 /// Finds the data, fills in the vocabulary size and checks that both splits hold a window.
-fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<Setup, TrainError> {
+pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<Setup, TrainError> {
     let data = crate::data::load(&config.data, locations)?;
     let vocab = data.tokenizer.vocab_size();
     if config.model.vocab_size == 0 {
@@ -233,6 +232,31 @@ fn resume<B: AutodiffBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>)
         .map_err(|message| TrainError::Checkpoint { path: ckpt.dir.clone(), message })?;
     tracing::info!(step = ckpt.state.step, dir = %ckpt.dir.display(), "resuming");
     Ok((model, optim, ckpt.state))
+}
+
+pub(crate) struct StepOutput {
+    /// Mean loss of the step's micro-batches.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+}
+
+/// One optimizer step: micro-batches from stream `first_stream` on, global-norm clipping, AdamW.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn optimizer_step<B: AutodiffBackend>(
+    model: Decoder<B>,
+    optim: &mut AdamW<B>,
+    data: &TokenWindows,
+    sampler: &WindowSampler,
+    first_stream: u64,
+    lr: f64,
+    config: &TrainConfig,
+    device: &Device<B>,
+) -> (Decoder<B>, StepOutput) {
+    let (loss, grads) = forward_backward(&model, data, sampler, first_stream, config, device);
+    let grad_norm = global_grad_norm(&model, &grads);
+    let scale = clip_coefficient(grad_norm, config.optim.grad_clip);
+    (optim.step(lr, model, grads, scale), StepOutput { loss, grad_norm })
 }
 
 /// Forward and backward over the step's micro-batches; returns the mean loss and the summed

@@ -1,3 +1,4 @@
+pub mod bench;
 pub mod prepare;
 pub mod sample;
 pub mod train;
