@@ -96,3 +96,70 @@ fn a_stopped_and_resumed_run_matches_an_uninterrupted_one_bitwise() {
         [3, 4, 6].iter().map(|n| s.path().join(format!("split/checkpoints/step-{n:06}")).exists()).collect();
     assert_eq!(kept, [false, true, true]);
 }
+
+#[test]
+fn mixed_precision_and_activation_checkpointing() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("tiny.toml", &tiny_config(""));
+    s.write("ckpt.toml", &tiny_config("activation_checkpointing = true"));
+    let mut finals = Vec::new();
+    for (run, config, precision) in [
+        ("f32", "tiny.toml", "f32"),
+        ("bf16", "tiny.toml", "bf16"),
+        ("f16", "tiny.toml", "f16"),
+        ("ac", "ckpt.toml", "f32"),
+    ] {
+        let o = s.ember(&["train", "--config", config, "--run-dir", run, "--precision", precision]);
+        assert!(o.status.success(), "{run}: {}", stderr(&o));
+        let records = read_metrics(&s.path().join(run).join("metrics.jsonl")).unwrap();
+        assert_eq!(records.len(), 6, "{run}");
+        assert!(records.iter().all(|r| r.mfu > 0.0 && r.mfu < 1.0), "{run}: mfu");
+        assert_eq!(records[0].loss_scale.is_some(), precision == "f16", "{run}: loss_scale");
+        assert_eq!(records[0].hfu.is_some(), run == "ac", "{run}: hfu");
+        assert!(records[5].train_loss < records[0].train_loss, "{run}: loss must fall");
+        finals.push(records);
+    }
+    let val = |i: usize| finals[i][5].val_loss.unwrap();
+    // Low precision changes the arithmetic a little, not the run.
+    assert!((val(1) - val(0)).abs() < 0.05, "bf16 {} vs f32 {}", val(1), val(0));
+    assert!((val(2) - val(0)).abs() < 0.05, "f16 {} vs f32 {}", val(2), val(0));
+    assert_ne!(val(1), val(0));
+    // Recomputing activations gives the same numbers.
+    for (a, b) in finals[0].iter().zip(&finals[3]) {
+        assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits(), "step {}", a.step);
+    }
+    let o = s.ember(&["train", "--config", "tiny.toml", "--run-dir", "x", "--precision", "f64"]);
+    assert!(!o.status.success() && stderr(&o).contains("expected f32, bf16 or f16"), "{}", stderr(&o));
+}
+
+#[test]
+fn bench_commands_print_one_json_object() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("tiny.toml", &tiny_config(""));
+    let json = |args: &[&str]| -> serde_json::Value {
+        let o = s.ember(args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{args:?}: {e}: {}", stdout(&o)))
+    };
+    let t = json(&["bench", "train", "--config", "tiny.toml", "--steps", "3", "--warmup", "1", "--json"]);
+    for key in ["tokens_per_sec", "mfu", "step_ms", "peak_memory_bytes", "precision", "device"] {
+        assert!(!t[key].is_null(), "bench train lacks {key}: {t}");
+    }
+    assert_eq!(t["precision"], "f32");
+    assert!(t["peak_memory_bytes"].as_u64().unwrap() > 0);
+    let mfu = t["mfu"].as_f64().unwrap();
+    let by_hand = t["flops_per_token"].as_f64().unwrap() * t["tokens_per_sec"].as_f64().unwrap()
+        / t["peak_flops"].as_f64().unwrap();
+    assert!((mfu - by_hand).abs() < 1e-12 * by_hand.max(1.0), "{mfu} vs {by_hand}");
+    let l = json(&["bench", "loss", "--tokens", "256", "--d-model", "32", "--vocab", "5000", "--json"]);
+    for key in ["plain_peak_bytes", "chunked_peak_bytes", "plain_ms", "chunked_ms"] {
+        assert!(!l[key].is_null(), "bench loss lacks {key}: {l}");
+    }
+    assert!(l["chunked_peak_bytes"].as_u64().unwrap() < l["plain_peak_bytes"].as_u64().unwrap(), "{l}");
+    assert!(l["loss_diff"].as_f64().unwrap() < 1e-4, "{l}");
+    let p = json(&["bench", "peak", "--sizes", "64,128", "--reps", "2", "--json"]);
+    assert!(p["peak_flops"].as_f64().unwrap() > 0.0, "{p}");
+    assert_eq!(p["gemms"].as_array().unwrap().len(), 2);
+}

@@ -4,8 +4,10 @@
 use std::fmt;
 use std::str::FromStr;
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::Autodiff;
 use burn::tensor::Device;
+use ember_model::ops::TrainBackend;
 
 /// A device as given on the command line: `cpu`, `wgpu[:N]` or `cuda[:N]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,23 +62,32 @@ pub fn compiled() -> Vec<&'static str> {
 /// Work that runs on whichever backend the user picked.
 pub trait Job {
     type Output;
-    fn run<B: AutodiffBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<Self::Output>;
+    fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<Self::Output>;
 }
 
-/// Runs `job` on the backend of `spec`, or explains which build has it.
-pub fn dispatch<J: Job>(spec: DeviceSpec, job: J) -> anyhow::Result<J::Output> {
+/// Runs `job` on the backend of `spec` (with Burn's balanced activation checkpointing when asked),
+/// or explains which build has it.
+pub fn dispatch<J: Job>(spec: DeviceSpec, checkpointing: bool, job: J) -> anyhow::Result<J::Output> {
+    if checkpointing {
+        dispatch_with::<BalancedCheckpointing, J>(spec, job)
+    } else {
+        dispatch_with::<NoCheckpointing, J>(spec, job)
+    }
+}
+
+fn dispatch_with<C: CheckpointStrategy, J: Job>(spec: DeviceSpec, job: J) -> anyhow::Result<J::Output> {
     match spec {
-        DeviceSpec::Cpu => job.run::<burn::backend::Autodiff<burn::backend::Flex>>(Default::default(), "cpu (flex)"),
+        DeviceSpec::Cpu => job.run::<Autodiff<burn::backend::Flex, C>>(Default::default(), "cpu (flex)"),
         #[cfg(feature = "wgpu")]
         DeviceSpec::Wgpu(i) => {
             use burn::backend::wgpu::WgpuDevice;
             let device = i.map_or(WgpuDevice::DefaultDevice, WgpuDevice::DiscreteGpu);
-            job.run::<burn::backend::Autodiff<burn::backend::Wgpu>>(device, "wgpu")
+            job.run::<Autodiff<burn::backend::Wgpu, C>>(device, "wgpu")
         }
         #[cfg(feature = "cuda")]
         DeviceSpec::Cuda(i) => {
             let device = burn::backend::cuda::CudaDevice::new(i);
-            job.run::<burn::backend::Autodiff<burn::backend::Cuda>>(device, "cuda")
+            job.run::<Autodiff<burn::backend::Cuda, C>>(device, "cuda")
         }
         #[allow(unreachable_patterns)]
         other => anyhow::bail!(
@@ -87,6 +98,25 @@ pub fn dispatch<J: Job>(spec: DeviceSpec, job: J) -> anyhow::Result<J::Output> {
                 _ => "cuda",
             }
         ),
+    }
+}
+
+/// The GPU's model name as `nvidia-smi` prints it (for the peak-FLOPs table); `None` elsewhere.
+pub fn gpu_name(spec: DeviceSpec) -> Option<String> {
+    let DeviceSpec::Cuda(i) = spec else { return None };
+    let out = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=name", "--format=csv,noheader", "-i", &i.to_string()])
+        .output()
+        .ok()?;
+    let name = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !name.is_empty()).then_some(name)
+}
+
+/// The memory probe for a device: the heap on the CPU; none elsewhere yet.
+pub fn memory_probe(spec: DeviceSpec) -> &'static dyn ember_train::bench::MemoryProbe {
+    match spec {
+        DeviceSpec::Cpu => &crate::alloc::HeapProbe,
+        _ => &ember_train::bench::NoProbe,
     }
 }
 

@@ -4,8 +4,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod alloc;
 mod backend;
 mod commands;
+
+#[global_allocator]
+static ALLOCATOR: alloc::Counting = alloc::Counting;
 
 #[derive(Parser, Debug)]
 #[command(name = "ember", version, about = "Train and sample Llama-style decoder-only transformers on Burn")]

@@ -2,9 +2,10 @@
 //! (Ainslie et al., 2023). MHA is K = H, MQA is K = 1.
 
 use burn::module::Module;
+use burn::tensor::activation::softmax;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, Bool, DType, Tensor};
 
 use crate::config::ModelConfig;
 use crate::init::Init;
@@ -51,25 +52,52 @@ impl<B: Backend> Attention<B> {
     ///
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize) -> Tensor<B, 3> {
+    /// Projections and the attention GEMMs run in `compute`; RoPE, the softmax and the result are f32.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let x = x.reshape([b * t, d]); // [B·T, D]
         let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2);
-        let q = heads(self.q_proj.forward(x.clone()), h); // [B, H, T, Dh]
-        let key = heads(self.k_proj.forward(x.clone()), k); // [B, K, T, Dh]
-        let v = heads(self.v_proj.forward(x), k); //           [B, K, T, Dh]
+        let q = heads(self.q_proj.forward(x.clone(), compute), h); // [B, H, T, Dh]
+        let key = heads(self.k_proj.forward(x.clone(), compute), k); // [B, K, T, Dh]
+        let v = heads(self.v_proj.forward(x, compute), k); //           [B, K, T, Dh]
         let q = rope.apply(q, start);
         let key = rope.apply(key, start);
         let key = repeat_kv(key, h / k); // [B, H, T, Dh]
         let v = repeat_kv(v, h / k); //     [B, H, T, Dh]
-                                     // Causal with the mask aligned bottom-right: query i sees keys 0..=i (Burn's op, checked in
-                                     // the causality test). Scale 1/sqrt(Dh) by default.
-        let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
-        let o = attention(q, key, v, None, None, opts); // [B, H, T, Dh]
+        let o = if compute == DType::F32 {
+            // Causal with the mask aligned bottom-right: query i sees keys 0..=i (Burn's op, checked
+            // in the causality test). Scale 1/sqrt(Dh) by default.
+            let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
+            attention(q, key, v, None, None, opts) // [B, H, T, Dh]
+        } else {
+            causal_attention_mixed(q, key, v, compute)
+        };
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]); // [B·T, H·Dh]
-        self.o_proj.forward(o).reshape([b, t, d])
+        self.o_proj.forward(o, compute).reshape([b, t, d])
     }
+}
+
+/// Causal attention with both GEMMs in `compute` and the softmax in f32 (Burn's fused op would
+/// run its softmax in the input dtype under autodiff).
+///
+/// # Shapes
+/// - q: `[B, H, T, Dh]`, k, v: `[B, H, S, Dh]` (f32) -> `[B, H, T, Dh]` (f32); query i sits at key
+///   position `S - T + i`
+pub fn causal_attention_mixed<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    compute: DType,
+) -> Tensor<B, 4> {
+    let [_, _, t, dh] = q.dims();
+    let s = k.dims()[2];
+    let scores = q.cast(compute).matmul(k.cast(compute).swap_dims(2, 3)); // [B, H, T, S]
+    let scores = scores.cast(DType::F32).div_scalar((dh as f64).sqrt());
+    // true strictly above the diagonal shifted by S - T: key j is in the future of query i.
+    let future = Tensor::<B, 2, Bool>::tril_mask([t, s], (s - t) as i64, &scores.device());
+    let probs = softmax(scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY), 3);
+    probs.cast(compute).matmul(v.cast(compute)).cast(DType::F32)
 }
 
 /// Shares each key/value head with its `rep` query heads: head `j` of the output is input head
@@ -94,8 +122,7 @@ mod tests {
     use crate::linear::Linear;
     use crate::TestBackend;
     use burn::module::Param;
-    use burn::tensor::activation::softmax;
-    use burn::tensor::{Bool, Distribution, Tolerance};
+    use burn::tensor::{Distribution, Tolerance};
 
     type B = TestBackend;
 
@@ -134,7 +161,7 @@ mod tests {
         }
         let rope = Rope::new(cfg.max_seq_len, cfg.head_dim(), cfg.rope_theta, cfg.rope_layout, &dev);
         let x = Tensor::<B, 3>::random([2, 7, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
-        let got = att.forward(x.clone(), &rope, 0).into_data();
+        let got = att.forward(x.clone(), &rope, 0, DType::F32).into_data();
         let want = plain_mha(&att, x, &rope).into_data();
         got.assert_approx_eq::<f32>(&want, Tolerance::absolute(1e-5));
     }
@@ -158,8 +185,22 @@ mod tests {
         mha.v_proj.weight = Param::from_tensor(repeat(gqa.v_proj.weight.val()));
         let rope = Rope::new(cfg.max_seq_len, dh, cfg.rope_theta, cfg.rope_layout, &dev);
         let x = Tensor::<B, 3>::random([1, 9, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
-        let a = gqa.forward(x.clone(), &rope, 0).into_data();
-        let b = mha.forward(x, &rope, 0).into_data();
+        let a = gqa.forward(x.clone(), &rope, 0, DType::F32).into_data();
+        let b = mha.forward(x, &rope, 0, DType::F32).into_data();
         a.assert_approx_eq::<f32>(&b, Tolerance::absolute(1e-6));
+    }
+
+    #[test]
+    fn mixed_path_in_f32_equals_the_fused_op_also_with_a_cached_prefix() {
+        let dev = Default::default();
+        for (t, s) in [(7, 7), (1, 9), (3, 8)] {
+            let q = Tensor::<B, 4>::random([2, 3, t, 8], Distribution::Normal(0.0, 1.0), &dev);
+            let k = Tensor::<B, 4>::random([2, 3, s, 8], Distribution::Normal(0.0, 1.0), &dev);
+            let v = Tensor::<B, 4>::random([2, 3, s, 8], Distribution::Normal(0.0, 1.0), &dev);
+            let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
+            let want = attention(q.clone(), k.clone(), v.clone(), None, None, opts).into_data();
+            let got = causal_attention_mixed(q, k, v, DType::F32).into_data();
+            got.assert_approx_eq::<f32>(&want, Tolerance::absolute(1e-5));
+        }
     }
 }

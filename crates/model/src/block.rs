@@ -2,7 +2,7 @@
 //! distinct: the MLP output is added to `h`, not to the block input.
 
 use burn::module::Module;
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::attention::Attention;
 use crate::config::ModelConfig;
@@ -31,11 +31,11 @@ impl<B: Backend> Block<B> {
 
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, start);
+        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, start, compute);
         let h = h.reshape([b * t, d]); // [B·T, D]
-        let y = h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h));
+        let y = h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), compute);
         y.reshape([b, t, d])
     }
 }

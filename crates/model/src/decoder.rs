@@ -3,7 +3,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
-use burn::tensor::{backend::Backend, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use crate::block::Block;
 use crate::config::{ConfigError, ModelConfig};
@@ -24,6 +24,9 @@ pub struct Decoder<B: Backend> {
     pub rope: Rope<B>,
     #[module(skip)]
     config: ModelConfig,
+    /// dtype of the GEMMs (mixed precision); parameters and everything else stay f32.
+    #[module(skip)]
+    compute: DType,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -43,7 +46,18 @@ impl<B: Backend> Decoder<B> {
             lm_head,
             rope: Rope::new(config.max_seq_len, config.head_dim(), config.rope_theta, config.rope_layout, device),
             config: config.clone(),
+            compute: DType::F32,
         })
+    }
+
+    /// Runs the GEMMs in `dtype` (bf16 or f16 for mixed precision; f32 for full precision).
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
+        self.compute = dtype;
+        self
+    }
+
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -57,7 +71,7 @@ impl<B: Backend> Decoder<B> {
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
         let mut x = embedding(self.embed_tokens.val(), tokens); // [B, T, D]
         for layer in &self.layers {
-            x = layer.forward(x, &self.rope, start);
+            x = layer.forward(x, &self.rope, start, self.compute);
         }
         self.norm.forward(x)
     }
@@ -73,7 +87,10 @@ impl<B: Backend> Decoder<B> {
     /// # Shapes
     /// - hidden: `[N, D]` -> `[N, V]`
     pub fn logits(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
-        hidden.matmul(self.head_weight())
+        if self.compute == DType::F32 {
+            return hidden.matmul(self.head_weight());
+        }
+        hidden.cast(self.compute).matmul(self.head_weight().cast(self.compute)).cast(DType::F32)
     }
 
     /// Logits for every position.
@@ -192,5 +209,34 @@ mod tests {
         let want = 0.02 / 4.0; // 1/sqrt(2·8)
         assert!((o - want).abs() < 0.0005, "o std {o}");
         assert!((down - want).abs() < 0.0005, "down std {down}");
+    }
+
+    #[test]
+    fn bf16_compute_keeps_f32_parameters_and_gradients_close_to_f32() {
+        use burn::backend::Autodiff;
+        type AB = Autodiff<B>;
+        let dev = Default::default();
+        let cfg = ModelConfig { init_std: 0.1, ..tiny_config() };
+        let ids: Vec<i32> = (0..16).map(|i| (i * 5 + 3) % 37).collect();
+        let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(ids, [2, 8]), &dev);
+        let grads_for = |dtype: DType| {
+            let model = Decoder::<AB>::new(&cfg, 3, &dev).unwrap().with_compute_dtype(dtype);
+            let logits = model.forward(tokens.clone());
+            assert_eq!(logits.dtype(), DType::F32);
+            let loss = logits.powi_scalar(2).mean();
+            let grads = loss.backward();
+            let q = &model.layers[0].self_attn.q_proj.weight;
+            let g = q.grad(&grads).expect("gradient reaches the f32 master weight");
+            assert_eq!(q.val().dtype(), DType::F32);
+            assert_eq!(g.dtype(), DType::F32);
+            (loss.into_scalar(), g.into_data().to_vec::<f32>().unwrap())
+        };
+        let (l32, g32) = grads_for(DType::F32);
+        let (l16, g16) = grads_for(DType::BF16);
+        assert!((l32 - l16).abs() < 0.02 * l32.abs(), "loss {l32} vs {l16}");
+        let max = g32.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let err = g32.iter().zip(&g16).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err < 0.05 * max, "max |g_bf16 - g_f32| {err} against max |g| {max}");
+        assert!(err > 0.0, "bf16 must actually change the arithmetic");
     }
 }

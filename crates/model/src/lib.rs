@@ -11,6 +11,7 @@ pub mod init;
 pub mod linear;
 pub mod mlp;
 pub mod norm;
+pub mod ops;
 pub mod rope;
 pub mod sample;
 pub mod weights;

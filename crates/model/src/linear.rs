@@ -2,7 +2,7 @@
 //! transpose, `[out, in]`; conversions transpose at the checkpoint boundary, never here.
 
 use burn::module::{Module, Param};
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
 
@@ -26,12 +26,25 @@ impl<B: Backend> Linear<B> {
         self.weight.dims()[1]
     }
 
+    /// `x·W + b` with the GEMM in `compute` (f32, bf16 or f16) and the result in f32. With a low
+    /// precision `compute`, the f32 master weight is cast on the way in; autodiff casts its gradient
+    /// back to f32 on the way out.
+    ///
     /// # Shapes
     /// - x: `[N, in]` -> `[N, out]`
     ///
     /// Callers fold leading dimensions into N: a 2-D GEMM avoids the batched-matmul broadcast and the
     /// per-batch reduction of the weight gradient.
-    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        burn::tensor::module::linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+        let bias = self.bias.as_ref().map(|b| b.val());
+        if compute == DType::F32 {
+            return burn::tensor::module::linear(x, self.weight.val(), bias);
+        }
+        let y = burn::tensor::module::linear(
+            x.cast(compute),
+            self.weight.val().cast(compute),
+            bias.map(|b| b.cast(compute)),
+        );
+        y.cast(DType::F32)
     }
 }

@@ -3,7 +3,7 @@
 
 use burn::module::Module;
 use burn::tensor::activation::silu;
-use burn::tensor::{backend::Backend, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::config::ModelConfig;
 use crate::init::Init;
@@ -32,9 +32,9 @@ impl<B: Backend> Mlp<B> {
 
     /// # Shapes
     /// - x: `[N, D]` -> `[N, D]`
-    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let gate = silu(self.gate_proj.forward(x.clone())); // [N, F]
-        let up = self.up_proj.forward(x); //                   [N, F]
-        self.down_proj.forward(gate * up)
+    pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+        let gate = silu(self.gate_proj.forward(x.clone(), compute)); // [N, F]
+        let up = self.up_proj.forward(x, compute); //                   [N, F]
+        self.down_proj.forward(gate * up, compute)
     }
 }

@@ -1,23 +1,52 @@
-//! `ember bench train`: the speed of the training step, measured on the real data pipeline.
+//! Benchmarks: the training step (`ember bench train`), the GEMM peak (`ember bench peak`), and the
+//! memory of the LM head + loss (`ember bench loss`).
 
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::Device;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use ember_data::fetch::Locations;
 use ember_data::WindowSampler;
+use ember_model::ops::{lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec, TrainBackend};
 use ember_model::Decoder;
 use serde::Serialize;
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::flops::{measure_gemm, mfu, resolve_peak, GemmRate};
 use crate::optim::AdamW;
+use crate::precision::LossScaler;
 use crate::schedule::LrSchedule;
-use crate::trainer::{optimizer_step, prepare};
+use crate::trainer::{optimizer_step, prepare, resolve_dtype};
+
+/// Reads the memory in use, where the backend's memory can be observed (on the CPU: the heap).
+pub trait MemoryProbe {
+    /// Bytes in use now.
+    fn current_bytes(&self) -> Option<u64>;
+    /// Restarts the high-water mark from the current use.
+    fn reset_peak(&self);
+    /// Highest use since the last reset.
+    fn peak_bytes(&self) -> Option<u64>;
+}
+
+/// For backends whose memory is not observed.
+pub struct NoProbe;
+
+impl MemoryProbe for NoProbe {
+    fn current_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn reset_peak(&self) {}
+    fn peak_bytes(&self) -> Option<u64> {
+        None
+    }
+}
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainBench {
     pub device: String,
+    pub precision: String,
+    pub activation_checkpointing: bool,
     pub steps: usize,
     /// Median wall time of one optimizer step (forward, backward, clipping, AdamW), milliseconds.
     pub step_ms: f64,
@@ -28,31 +57,56 @@ pub struct TrainBench {
     pub tokens_per_sec: f64,
     /// Training FLOPs per token, 6N + 12·L·T·d.
     pub flops_per_token: f64,
-    /// Model FLOPs per second achieved: flops_per_token · tokens_per_sec.
-    pub achieved_flops: f64,
+    pub peak_flops: f64,
+    pub peak_source: String,
+    /// flops_per_token · tokens_per_sec / peak_flops.
+    pub mfu: f64,
+    /// Highest memory in use during the timed steps (model, optimizer state, activations, data).
+    pub peak_memory_bytes: Option<u64>,
+}
+
+/// Where the device's peak comes from, as for training.
+#[derive(Debug, Clone, Default)]
+pub struct PeakSource {
+    pub device_name: Option<String>,
+    pub peak_tflops: Option<f64>,
 }
 
 /// Times `steps` optimizer steps after `warmup` untimed ones.
-pub fn bench_train<B: AutodiffBackend>(
+#[allow(clippy::too_many_arguments)]
+pub fn bench_train<B: TrainBackend>(
     config: TrainConfig,
     locations: &Locations,
     warmup: usize,
     steps: usize,
     device: &Device<B>,
-    device_name: &str,
+    device_label: &str,
+    peak_source: &PeakSource,
+    probe: &dyn MemoryProbe,
 ) -> Result<TrainBench, TrainError> {
     let setup = prepare(config, locations)?;
     let config = &setup.config;
-    let mut model = Decoder::<B>::new(&config.model, config.train.seed, device)?;
+    let dtype = resolve_dtype::<B>(device, config);
+    let peak =
+        resolve_peak::<B::InnerBackend>(device, peak_source.device_name.as_deref(), dtype, peak_source.peak_tflops);
+    let mut model = Decoder::<B>::new(&config.model, config.train.seed, device)?.with_compute_dtype(dtype);
     let mut optim = AdamW::<B>::new(config.optim.clone());
+    let mut scaler = (dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);
     let sampler = WindowSampler { seed: config.train.seed };
     let accum = config.train.grad_accum_steps as u64;
     let mut times = Vec::with_capacity(steps);
     for i in 0..warmup + steps {
+        if i == warmup {
+            let _ = B::sync(device);
+            probe.reset_peak();
+        }
         let start = Instant::now();
+        let stream = i as u64 * accum;
+        let lr = schedule.lr(i);
         (model, _) =
-            optimizer_step(model, &mut optim, &setup.train, &sampler, i as u64 * accum, schedule.lr(i), config, device);
+            optimizer_step(model, &mut optim, &setup.train, &sampler, stream, lr, config, device, scaler.as_mut());
+        let _ = B::sync(device);
         if i >= warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
@@ -63,7 +117,9 @@ pub fn bench_train<B: AutodiffBackend>(
     let tokens_per_sec = tokens_per_step as f64 / (step_ms / 1e3);
     let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     Ok(TrainBench {
-        device: device_name.to_string(),
+        device: device_label.to_string(),
+        precision: format!("{dtype:?}").to_lowercase(),
+        activation_checkpointing: config.train.activation_checkpointing,
         steps,
         step_ms,
         step_ms_min: times[0],
@@ -71,6 +127,101 @@ pub fn bench_train<B: AutodiffBackend>(
         tokens_per_step,
         tokens_per_sec,
         flops_per_token,
-        achieved_flops: flops_per_token * tokens_per_sec,
+        peak_flops: peak.flops,
+        peak_source: peak.source.clone(),
+        mfu: mfu(flops_per_token, tokens_per_sec, &peak),
+        peak_memory_bytes: probe.peak_bytes(),
     })
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PeakBench {
+    pub device: String,
+    pub dtype: String,
+    pub gemms: Vec<GemmRate>,
+    /// The best rate: the peak MFU is measured against on this device.
+    pub peak_flops: f64,
+}
+
+/// The best square-GEMM rate the backend reaches in `dtype`.
+pub fn bench_peak<B: Backend>(
+    device: &Device<B>,
+    device_label: &str,
+    dtype: DType,
+    sizes: &[usize],
+    reps: usize,
+) -> PeakBench {
+    let gemms = measure_gemm::<B>(device, dtype, sizes, reps);
+    let peak_flops = gemms.iter().map(|g| g.flops).fold(0.0, f64::max);
+    PeakBench { device: device_label.to_string(), dtype: format!("{dtype:?}").to_lowercase(), gemms, peak_flops }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LossBench {
+    pub device: String,
+    pub tokens: usize,
+    pub d_model: usize,
+    pub vocab_size: usize,
+    pub tile_rows: usize,
+    pub tile_vocab: usize,
+    /// Highest memory above the inputs during forward + backward of the plain LM head + loss.
+    pub plain_peak_bytes: Option<u64>,
+    pub chunked_peak_bytes: Option<u64>,
+    pub plain_ms: f64,
+    pub chunked_ms: f64,
+    /// |loss_chunked - loss_plain|.
+    pub loss_diff: f64,
+}
+
+/// Forward and backward of the LM head + loss on random `[tokens, d]` hidden states and a `[d, V]`
+/// head, plain and tiled, measuring time and the memory above the inputs.
+pub fn bench_loss<B: AutodiffBackend + TrainBackend>(
+    device: &Device<B>,
+    device_label: &str,
+    tokens: usize,
+    d_model: usize,
+    vocab_size: usize,
+    probe: &dyn MemoryProbe,
+) -> LossBench {
+    let spec = ChunkSpec::auto(tokens, vocab_size, DType::F32);
+    let targets: Vec<i32> = (0..tokens).map(|i| ((i as u64 * 2_654_435_761) % vocab_size as u64) as i32).collect();
+    let h0 = Tensor::<B::InnerBackend, 2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), device);
+    let w0 = Tensor::<B::InnerBackend, 2>::random([d_model, vocab_size], Distribution::Normal(0.0, 0.02), device);
+    let run = |chunked: bool| {
+        let _ = B::sync(device);
+        let base = probe.current_bytes();
+        probe.reset_peak();
+        let start = Instant::now();
+        let h = Tensor::<B, 2>::from_inner(h0.clone()).require_grad();
+        let w = Tensor::<B, 2>::from_inner(w0.clone()).require_grad();
+        let t = Tensor::<B, 1, Int>::from_data(TensorData::new(targets.clone(), [tokens]), device);
+        let loss = if chunked {
+            lm_head_cross_entropy(h.clone(), w.clone(), t, spec)
+        } else {
+            lm_head_loss_reference(h.clone(), w.clone(), t, DType::F32)
+        };
+        let grads = loss.backward();
+        let (dh, dw) = (h.grad(&grads), w.grad(&grads));
+        let value = loss.into_scalar();
+        let _ = B::sync(device);
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        let peak = probe.peak_bytes().zip(base).map(|(p, b)| p.saturating_sub(b));
+        drop((dh, dw, grads));
+        (peak, ms, burn::tensor::ElementConversion::elem::<f64>(value))
+    };
+    let (chunked_peak_bytes, chunked_ms, chunked_loss) = run(true);
+    let (plain_peak_bytes, plain_ms, plain_loss) = run(false);
+    LossBench {
+        device: device_label.to_string(),
+        tokens,
+        d_model,
+        vocab_size,
+        tile_rows: spec.rows,
+        tile_vocab: spec.vocab,
+        plain_peak_bytes,
+        chunked_peak_bytes,
+        plain_ms,
+        chunked_ms,
+        loss_diff: (chunked_loss - plain_loss).abs(),
+    }
 }

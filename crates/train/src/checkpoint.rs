@@ -49,6 +49,10 @@ pub struct TrainState {
     pub best_val_loss: Option<f64>,
     pub elapsed_s: f64,
     pub tokens_seen: u64,
+    /// AdamW updates applied (fewer than `step` when f16 overflows skipped some).
+    pub optimizer_steps: u64,
+    /// Dynamic loss scaling state, in f16 runs.
+    pub loss_scaler: Option<crate::precision::LossScaler>,
 }
 
 impl TrainState {
@@ -62,6 +66,8 @@ impl TrainState {
             best_val_loss: None,
             elapsed_s: 0.0,
             tokens_seen: 0,
+            optimizer_steps: 0,
+            loss_scaler: None,
         }
     }
 }

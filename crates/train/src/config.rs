@@ -70,6 +70,54 @@ pub struct LoopConfig {
     /// Seeds the initial weights and the batch sampler.
     #[serde(default = "default_seed")]
     pub seed: u64,
+    /// dtype of the GEMMs: "f32", or "bf16"/"f16" mixed precision (f32 master weights and moments).
+    #[serde(default)]
+    pub precision: Precision,
+    /// Recompute memory-bound activations in the backward pass (Burn's balanced checkpointing).
+    #[serde(default)]
+    pub activation_checkpointing: bool,
+}
+
+/// Training precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            "f16" => Ok(Self::F16),
+            _ => Err(format!("precision `{s}`: expected f32, bf16 or f16")),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        })
+    }
+}
+
+impl Precision {
+    pub fn dtype(self) -> burn::tensor::DType {
+        match self {
+            Self::F32 => burn::tensor::DType::F32,
+            Self::Bf16 => burn::tensor::DType::BF16,
+            Self::F16 => burn::tensor::DType::F16,
+        }
+    }
 }
 
 fn one() -> usize {

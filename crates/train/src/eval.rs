@@ -1,17 +1,18 @@
 //! Loss of a model on batches: the training objective and the periodic evaluation.
 
-use burn::tensor::{backend::Backend, ElementConversion, Tensor};
+use burn::tensor::{ElementConversion, Tensor};
 use ember_data::{LmBatch, TokenWindows, WindowSampler};
+use ember_model::ops::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
 use ember_model::Decoder;
 
-use crate::loss::cross_entropy;
-
-/// Mean next-token cross-entropy of a batch.
-pub fn lm_loss<B: Backend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
+/// Mean next-token cross-entropy of a batch, through the tiled LM head + loss: the `[B·T, V]`
+/// logits are never held at once, in the forward or the backward pass.
+pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
     let [b, t] = batch.inputs.dims();
-    let d = model.config().d_model;
+    let (d, v) = (model.config().d_model, model.config().vocab_size);
     let hidden = model.hidden(batch.inputs, 0).reshape([b * t, d]); // [B·T, D]
-    cross_entropy(model.logits(hidden), batch.targets.reshape([b * t]))
+    let spec = ChunkSpec::auto(b * t, v, model.compute_dtype());
+    lm_head_cross_entropy(hidden, model.head_weight(), batch.targets.reshape([b * t]), spec)
 }
 
 /// Sampler seeds of the fixed evaluation batches, one per split, apart from the training stream.
@@ -22,7 +23,7 @@ pub fn eval_seed(seed: u64, split: &str) -> u64 {
 
 /// Mean loss over `iters` fixed batches (the same batches at every evaluation, so that the numbers
 /// are comparable across steps and runs).
-pub fn evaluate<B: Backend>(
+pub fn evaluate<B: EmberBackend>(
     model: &Decoder<B>,
     data: &TokenWindows,
     seed: u64,

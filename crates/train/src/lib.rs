@@ -1,7 +1,7 @@
 //! Training: config -> data -> loop (loss, AdamW, schedule) -> metrics and checkpoints.
 //!
-//! Read in this order: `config`, `data`, `loss`/`eval`, `optim`, `schedule`, `trainer`, `metrics`,
-//! `checkpoint`.
+//! Read in this order: `config`, `data`, `eval`, `precision`, `optim`, `schedule`, `trainer`,
+//! `metrics`, `checkpoint`; `flops` and `bench` measure.
 
 pub mod bench;
 pub mod checkpoint;
@@ -9,9 +9,10 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod eval;
-pub mod loss;
+pub mod flops;
 pub mod metrics;
 pub mod optim;
+pub mod precision;
 pub mod schedule;
 pub mod trainer;
 

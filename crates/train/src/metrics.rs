@@ -23,6 +23,14 @@ pub struct StepRecord {
     pub grad_norm: f64,
     /// Training tokens per second since the previous record (evaluation and checkpoint time excluded).
     pub tokens_per_sec: f64,
+    /// Model FLOPs utilisation at `tokens_per_sec`: (6N + 12·L·T·d) · tokens/s / peak.
+    pub mfu: f64,
+    /// Hardware FLOPs utilisation, recomputation included (with activation checkpointing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hfu: Option<f64>,
+    /// f16 dynamic loss scale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
     /// Wall time of the run so far, across resumes.
     pub elapsed_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -91,6 +99,9 @@ mod tests {
             lr: 0.1,
             grad_norm: 0.5,
             tokens_per_sec: 10.0,
+            mfu: 0.1,
+            hfu: None,
+            loss_scale: None,
             elapsed_s: 1.0,
             val_loss: (step % 2 == 0).then_some(2.0),
             eval_train_loss: None,

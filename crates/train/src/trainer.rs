@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Device, ElementConversion};
+use burn::tensor::{DType, Device, ElementConversion};
 use ember_data::fetch::Locations;
 use ember_data::{Prepared, TokenWindows, WindowSampler};
+use ember_model::ops::TrainBackend;
 use ember_model::weights::named_tensors;
 use ember_model::Decoder;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -19,8 +19,10 @@ use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, CONFIG_FIL
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate, lm_loss};
+use crate::flops::{mfu, resolve_peak, Peak};
 use crate::metrics::{MetricsLog, StepRecord, METRICS_FILE};
 use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
+use crate::precision::{compute_dtype, LossScaler};
 use crate::schedule::LrSchedule;
 
 /// How to run, beyond the config.
@@ -34,6 +36,10 @@ pub struct TrainOptions {
     pub stop_at: Option<usize>,
     pub show_progress: bool,
     pub locations: Locations,
+    /// The GPU's name (as `nvidia-smi` prints it), to find its peak in the table.
+    pub device_name: Option<String>,
+    /// Peak TFLOP/s for MFU, instead of the table or a measurement.
+    pub peak_tflops: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +50,7 @@ pub struct TrainSummary {
     pub last_val_loss: Option<f64>,
     /// Training tokens per second over this invocation (evaluation and checkpoints excluded).
     pub tokens_per_sec: f64,
+    pub mfu: f64,
     pub elapsed_s: f64,
 }
 
@@ -56,7 +63,7 @@ pub(crate) struct Setup {
 }
 
 /// Trains (or resumes) the run described by `config` in `opts.run_dir`.
-pub fn train<B: AutodiffBackend>(
+pub fn train<B: TrainBackend>(
     config: TrainConfig,
     opts: &TrainOptions,
     device: &Device<B>,
@@ -65,8 +72,9 @@ pub fn train<B: AutodiffBackend>(
     let config = &setup.config;
     let run_dir = &opts.run_dir;
     let schedule = LrSchedule::from_config(config);
+    let dtype = resolve_dtype::<B>(device, config);
 
-    let (mut model, mut optim, mut state) = if opts.resume {
+    let (model, mut optim, mut state) = if opts.resume {
         resume::<B>(&setup, run_dir, device)?
     } else {
         if run_dir.join(checkpoint::CHECKPOINTS).join(checkpoint::LATEST).exists()
@@ -75,9 +83,11 @@ pub fn train<B: AutodiffBackend>(
             return Err(TrainError::RunExists { path: run_dir.clone() });
         }
         let model = Decoder::<B>::new(&config.model, config.train.seed, device)?;
-        let state = TrainState::new(0, schedule, config.train.seed, 0);
+        let mut state = TrainState::new(0, schedule, config.train.seed, 0);
+        state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
         (model, AdamW::<B>::new(config.optim.clone()), state)
     };
+    let mut model = model.with_compute_dtype(dtype);
     std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
     ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
     setup.data.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
@@ -89,22 +99,12 @@ pub fn train<B: AutodiffBackend>(
     let tokens_per_step = config.tokens_per_step();
     let sampler = WindowSampler { seed: state.sampler_seed };
     let (train_seed, val_seed) = (eval_seed(t.seed, "train"), eval_seed(t.seed, "val"));
-    let mcfg = &config.model;
-    tracing::info!(
-        params = mcfg.num_params(),
-        matmul_params = mcfg.matmul_params(),
-        flops_per_token = format!("{:.3e}", mcfg.train_flops_per_token(config.seq_len())),
-        tokens_per_step,
-        "model: {} layers, d_model {}, {} heads ({} kv), vocab {}",
-        mcfg.n_layers,
-        mcfg.d_model,
-        mcfg.n_heads,
-        mcfg.n_kv_heads(),
-        mcfg.vocab_size
-    );
+    let peak = resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), dtype, opts.peak_tflops);
+    let flops_per_token = config.model.train_flops_per_token(config.seq_len());
+    log_setup(config, dtype, &peak, tokens_per_step);
     if state.step == 0 {
         let val = evaluate(&model.valid(), &setup.val, val_seed, t.eval_iters, t.batch_size);
-        tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (mcfg.vocab_size as f64).ln());
+        tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (config.model.vocab_size as f64).ln());
     }
 
     let bar = progress_bar(opts.show_progress, max_steps, state.step);
@@ -118,10 +118,22 @@ pub fn train<B: AutodiffBackend>(
         let step_start = Instant::now();
         let lr = schedule.lr(state.step);
         let out;
-        (model, out) = optimizer_step(model, &mut optim, &setup.train, &sampler, state.next_stream, lr, config, device);
-        let StepOutput { loss, grad_norm } = out;
-        if !loss.is_finite() {
-            return Err(TrainError::Diverged { step: state.step, loss });
+        (model, out) = optimizer_step(
+            model,
+            &mut optim,
+            &setup.train,
+            &sampler,
+            state.next_stream,
+            lr,
+            config,
+            device,
+            state.loss_scaler.as_mut(),
+        );
+        if !out.loss.is_finite() {
+            return Err(TrainError::Diverged { step: state.step, loss: out.loss });
+        }
+        if out.skipped {
+            bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
         }
         state.step += 1;
         state.next_stream += t.grad_accum_steps as u64;
@@ -133,12 +145,20 @@ pub fn train<B: AutodiffBackend>(
         let step = state.step;
         let is_eval = step % t.eval_interval == 0 || step == max_steps;
         if step % t.log_interval == 0 || is_eval {
+            // Averaged over the steps since the last record, evaluation and checkpoint time excluded.
+            let tokens_per_sec = window_tokens as f64 / window_time.as_secs_f64().max(1e-9);
+            let step_mfu = mfu(flops_per_token, tokens_per_sec, &peak);
             let mut record = StepRecord {
                 step,
-                train_loss: loss,
+                train_loss: out.loss,
                 lr,
-                grad_norm,
-                tokens_per_sec: window_tokens as f64 / window_time.as_secs_f64().max(1e-9),
+                grad_norm: out.grad_norm,
+                tokens_per_sec,
+                mfu: step_mfu,
+                // Burn's balanced checkpointing recomputes only memory-bound (elementwise) ops, whose
+                // FLOPs the model count leaves out: the hardware does the same matmul FLOPs.
+                hfu: t.activation_checkpointing.then_some(step_mfu),
+                loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
                 elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 val_loss: None,
                 eval_train_loss: None,
@@ -153,12 +173,18 @@ pub fn train<B: AutodiffBackend>(
                 last_val = Some(vl);
                 bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}"));
             }
-            bar.set_message(format!("loss {loss:.4} · {:.0} tok/s", record.tokens_per_sec));
+            bar.set_message(format!(
+                "loss {:.4} · {:.0} tok/s · MFU {:.1}%",
+                out.loss,
+                record.tokens_per_sec,
+                100.0 * record.mfu
+            ));
             metrics.write(&record)?;
         }
         let periodic = t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0;
         if periodic || step == stop {
             state.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
+            state.optimizer_steps = optim.steps();
             let data = CheckpointData {
                 model: named_tensors(&model),
                 optimizer: optim.state_tensors(),
@@ -172,15 +198,49 @@ pub fn train<B: AutodiffBackend>(
         bar.set_position(step as u64);
     }
     bar.finish_and_clear();
-    let summary = TrainSummary {
+    let tokens_per_sec = run_tokens as f64 / run_time.as_secs_f64().max(1e-9);
+    Ok(TrainSummary {
         run_dir: run_dir.clone(),
         steps: state.step,
         best_val_loss: state.best_val_loss,
         last_val_loss: last_val,
-        tokens_per_sec: run_tokens as f64 / run_time.as_secs_f64().max(1e-9),
+        tokens_per_sec,
+        mfu: mfu(flops_per_token, tokens_per_sec, &peak),
         elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
-    };
-    Ok(summary)
+    })
+}
+
+/// The GEMM dtype for the config's precision on this device, said out loud when it differs.
+pub(crate) fn resolve_dtype<B: TrainBackend>(device: &Device<B>, config: &TrainConfig) -> DType {
+    let (dtype, note) = compute_dtype::<B>(device, config.train.precision);
+    if let Some(note) = note {
+        tracing::warn!("{note}");
+    }
+    dtype
+}
+
+fn log_setup(config: &TrainConfig, dtype: DType, peak: &Peak, tokens_per_step: usize) {
+    let m = &config.model;
+    tracing::info!(
+        "model: {} layers, d_model {}, {} heads ({} kv), d_ff {}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
+        m.n_layers,
+        m.d_model,
+        m.n_heads,
+        m.n_kv_heads(),
+        m.d_ff,
+        m.vocab_size,
+        m.num_params()
+    );
+    tracing::info!(
+        "MFU = (6N + 12·L·T·d) · tokens/s / peak, N = {} matmul parameters, L = {}, T = {}, d = {}: {:.4e} FLOPs per token; peak {:.3} TFLOP/s ({})",
+        m.matmul_params(),
+        m.n_layers,
+        config.seq_len(),
+        m.n_heads * m.head_dim(),
+        m.train_flops_per_token(config.seq_len()),
+        peak.flops / 1e12,
+        peak.source
+    );
 }
 
 /// Finds the data, fills in the vocabulary size and checks that both splits hold a window.
@@ -203,7 +263,7 @@ type Restored<B> = (Decoder<B>, AdamW<B>, TrainState);
 
 /// Model, optimizer and loop state from the run's latest checkpoint, after checking that the
 /// config describes the same run.
-fn resume<B: AutodiffBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) -> Result<Restored<B>, TrainError> {
+fn resume<B: TrainBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) -> Result<Restored<B>, TrainError> {
     let ckpt = Checkpoint::open(run_dir)?;
     let (ours, theirs) = (&setup.config, &ckpt.config);
     let same_run = [
@@ -212,9 +272,15 @@ fn resume<B: AutodiffBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>)
         ("optim", ours.optim == theirs.optim),
         ("schedule", ours.schedule == theirs.schedule),
         (
-            "train (batch_size, seq_len, grad_accum_steps, seed)",
-            (ours.train.batch_size, ours.seq_len(), ours.train.grad_accum_steps, ours.train.seed)
-                == (theirs.train.batch_size, theirs.seq_len(), theirs.train.grad_accum_steps, theirs.train.seed),
+            "train (batch_size, seq_len, grad_accum_steps, seed, precision)",
+            (ours.train.batch_size, ours.seq_len(), ours.train.grad_accum_steps, ours.train.seed, ours.train.precision)
+                == (
+                    theirs.train.batch_size,
+                    theirs.seq_len(),
+                    theirs.train.grad_accum_steps,
+                    theirs.train.seed,
+                    theirs.train.precision,
+                ),
         ),
     ];
     if let Some((section, _)) = same_run.iter().find(|(_, same)| !same) {
@@ -228,7 +294,7 @@ fn resume<B: AutodiffBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>)
     let model = ckpt.decoder::<B>(device)?;
     let mut optim = AdamW::<B>::new(ours.optim.clone());
     optim
-        .load_state(&model, ckpt.optimizer_tensors()?, ckpt.state.step as u64, device)
+        .load_state(&model, ckpt.optimizer_tensors()?, ckpt.state.optimizer_steps, device)
         .map_err(|message| TrainError::Checkpoint { path: ckpt.dir.clone(), message })?;
     tracing::info!(step = ckpt.state.step, dir = %ckpt.dir.display(), "resuming");
     Ok((model, optim, ckpt.state))
@@ -237,13 +303,17 @@ fn resume<B: AutodiffBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>)
 pub(crate) struct StepOutput {
     /// Mean loss of the step's micro-batches.
     pub loss: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (unscaled).
     pub grad_norm: f64,
+    /// The gradients overflowed under f16 loss scaling and the update was skipped.
+    pub skipped: bool,
 }
 
 /// One optimizer step: micro-batches from stream `first_stream` on, global-norm clipping, AdamW.
+/// With a loss scaler (f16), the loss is scaled before the backward pass and the gradients
+/// unscaled in the clipping coefficient; a step with non-finite gradients is skipped.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn optimizer_step<B: AutodiffBackend>(
+pub(crate) fn optimizer_step<B: TrainBackend>(
     model: Decoder<B>,
     optim: &mut AdamW<B>,
     data: &TokenWindows,
@@ -252,22 +322,32 @@ pub(crate) fn optimizer_step<B: AutodiffBackend>(
     lr: f64,
     config: &TrainConfig,
     device: &Device<B>,
+    scaler: Option<&mut LossScaler>,
 ) -> (Decoder<B>, StepOutput) {
-    let (loss, grads) = forward_backward(&model, data, sampler, first_stream, config, device);
-    let grad_norm = global_grad_norm(&model, &grads);
-    let scale = clip_coefficient(grad_norm, config.optim.grad_clip);
-    (optim.step(lr, model, grads, scale), StepOutput { loss, grad_norm })
+    let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+    let (loss, grads) = forward_backward(&model, data, sampler, first_stream, config, device, loss_scale);
+    let scaled_norm = global_grad_norm(&model, &grads);
+    let grad_norm = scaled_norm / loss_scale;
+    if let Some(scaler) = scaler {
+        if !scaler.update(scaled_norm.is_finite()) {
+            return (model, StepOutput { loss, grad_norm, skipped: true });
+        }
+    }
+    let scale = clip_coefficient(grad_norm, config.optim.grad_clip) / loss_scale;
+    (optim.step(lr, model, grads, scale), StepOutput { loss, grad_norm, skipped: false })
 }
 
 /// Forward and backward over the step's micro-batches; returns the mean loss and the summed
-/// gradients of the per-micro-batch losses divided by their number (the gradient of the mean).
-fn forward_backward<B: AutodiffBackend>(
+/// gradients of the per-micro-batch losses divided by their number (the gradient of the mean),
+/// times `loss_scale`.
+fn forward_backward<B: TrainBackend>(
     model: &Decoder<B>,
     data: &TokenWindows,
     sampler: &WindowSampler,
     first_stream: u64,
     config: &TrainConfig,
     device: &Device<B>,
+    loss_scale: f64,
 ) -> (f64, GradientsParams) {
     let accum = config.train.grad_accum_steps;
     let mut grads = GradientsAccumulator::<Decoder<B>>::new();
@@ -277,6 +357,7 @@ fn forward_backward<B: AutodiffBackend>(
         let loss = lm_loss(model, batch);
         let loss = if accum > 1 { loss.div_scalar(accum as f64) } else { loss };
         loss_sum += loss.clone().into_scalar().elem::<f64>();
+        let loss = if loss_scale == 1.0 { loss } else { loss.mul_scalar(loss_scale) };
         grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
     }
     (loss_sum, grads.grads())

@@ -1,13 +1,15 @@
 use std::path::PathBuf;
 
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Device;
 use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
-use ember_train::bench::{bench_train, TrainBench};
+use ember_model::ops::TrainBackend;
+use ember_train::bench::{bench_loss, bench_peak, bench_train, PeakSource};
+use ember_train::config::Precision;
 use ember_train::TrainConfig;
+use serde::Serialize;
 
-use crate::backend::{dispatch, DeviceSpec, Job};
+use crate::backend::{dispatch, gpu_name, memory_probe, DeviceSpec, Job};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -17,8 +19,22 @@ pub struct BenchArgs {
 
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
-    /// Time the training step of a config: step time, tokens/s, achieved FLOP/s.
+    /// Time the training step of a config: step time, tokens/s, MFU, peak memory.
     Train(TrainBenchArgs),
+    /// The best square-GEMM rate of the backend: the peak MFU is measured against on the CPU.
+    Peak(PeakBenchArgs),
+    /// Memory and time of the LM head + loss, plain against tiled (forward and backward).
+    Loss(LossBenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct Common {
+    /// cpu, wgpu[:N] or cuda[:N].
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -31,47 +47,162 @@ struct TrainBenchArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
-    #[arg(long, default_value = "cpu")]
-    device: DeviceSpec,
-    /// Print one JSON object instead of text.
+    /// f32, bf16 or f16 (overrides train.precision).
     #[arg(long)]
-    json: bool,
+    precision: Option<Precision>,
+    /// Peak TFLOP/s for MFU (instead of the table or a measured GEMM peak).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    #[command(flatten)]
+    common: Common,
 }
 
-struct TrainBenchJob {
-    config: TrainConfig,
-    warmup: usize,
-    steps: usize,
+#[derive(Args, Debug)]
+struct PeakBenchArgs {
+    /// GEMM dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: Precision,
+    /// Square sizes to try.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
+    sizes: Vec<usize>,
+    /// Timed repetitions per size (the fastest is kept).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    #[command(flatten)]
+    common: Common,
 }
 
-impl Job for TrainBenchJob {
-    type Output = TrainBench;
-    fn run<B: AutodiffBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<TrainBench> {
-        Ok(bench_train::<B>(self.config, &Locations::from_env(), self.warmup, self.steps, &device, name)?)
+#[derive(Args, Debug)]
+struct LossBenchArgs {
+    /// Rows (B·T).
+    #[arg(long, default_value_t = 8192)]
+    tokens: usize,
+    #[arg(long, default_value_t = 512)]
+    d_model: usize,
+    /// Vocabulary (Llama 3: 128,256).
+    #[arg(long, default_value_t = 128_256)]
+    vocab: usize,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Runs a benchmark closure on the chosen backend.
+struct BenchJob<F>(F);
+
+trait BenchFn {
+    type Out: Serialize;
+    fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out>;
+}
+
+impl<F: BenchFn> Job for BenchJob<F> {
+    type Output = F::Out;
+    fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<F::Out> {
+        self.0.call::<B>(&device, name)
     }
+}
+
+struct TrainBenchFn(TrainBenchArgs, TrainConfig);
+impl BenchFn for TrainBenchFn {
+    type Out = ember_train::bench::TrainBench;
+    fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
+        let a = &self.0;
+        let peak = PeakSource { device_name: gpu_name(a.common.device), peak_tflops: a.peak_tflops };
+        let probe = memory_probe(a.common.device);
+        Ok(bench_train::<B>(self.1, &Locations::from_env(), a.warmup, a.steps, device, name, &peak, probe)?)
+    }
+}
+
+struct PeakBenchFn(PeakBenchArgs);
+impl BenchFn for PeakBenchFn {
+    type Out = ember_train::bench::PeakBench;
+    fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
+        let a = &self.0;
+        Ok(bench_peak::<B::InnerBackend>(device, name, a.dtype.dtype(), &a.sizes, a.reps))
+    }
+}
+
+struct LossBenchFn(LossBenchArgs);
+impl BenchFn for LossBenchFn {
+    type Out = ember_train::bench::LossBench;
+    fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
+        let a = &self.0;
+        Ok(bench_loss::<B>(device, name, a.tokens, a.d_model, a.vocab, memory_probe(a.common.device)))
+    }
+}
+
+fn report<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(value)?);
+    } else {
+        println!("{}", text(value));
+    }
+    Ok(())
+}
+
+fn gib(bytes: Option<u64>) -> String {
+    bytes.map_or("n/a".into(), |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64))
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
-        BenchCommand::Train(a) => {
+        BenchCommand::Train(mut a) => {
             anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
-            let config = TrainConfig::from_file(&a.config)?;
-            let r = dispatch(a.device, TrainBenchJob { config, warmup: a.warmup, steps: a.steps })?;
-            if a.json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!(
-                    "{}: {:.1} ms/step (median of {}, min {:.1}, max {:.1}), {:.0} tokens/s, {:.2} GFLOP/s of model FLOPs",
+            let mut config = TrainConfig::from_file(&a.config)?;
+            if let Some(p) = a.precision.take() {
+                config.train.precision = p;
+            }
+            let (device, json, ckpt) = (a.common.device, a.common.json, config.train.activation_checkpointing);
+            let r = dispatch(device, ckpt, BenchJob(TrainBenchFn(a, config)))?;
+            report(json, &r, |r| {
+                format!(
+                    "{} {}: {:.1} ms/step (median of {}, min {:.1}, max {:.1}), {:.0} tokens/s, MFU {:.2}% of {:.3} TFLOP/s ({}), peak memory {}",
                     r.device,
+                    r.precision,
                     r.step_ms,
                     r.steps,
                     r.step_ms_min,
                     r.step_ms_max,
                     r.tokens_per_sec,
-                    r.achieved_flops / 1e9
-                );
-            }
-            Ok(())
+                    100.0 * r.mfu,
+                    r.peak_flops / 1e12,
+                    r.peak_source,
+                    gib(r.peak_memory_bytes)
+                )
+            })
+        }
+        BenchCommand::Peak(a) => {
+            anyhow::ensure!(!a.sizes.is_empty() && a.reps > 0, "--sizes and --reps must not be empty or 0");
+            let (device, json) = (a.common.device, a.common.json);
+            let r = dispatch(device, false, BenchJob(PeakBenchFn(a)))?;
+            report(json, &r, |r| {
+                let rows: Vec<String> = r
+                    .gemms
+                    .iter()
+                    .map(|g| format!("  {}³: {:.2} ms, {:.1} GFLOP/s", g.n, g.ms, g.flops / 1e9))
+                    .collect();
+                format!("{} {} GEMM peak {:.1} GFLOP/s\n{}", r.device, r.dtype, r.peak_flops / 1e9, rows.join("\n"))
+            })
+        }
+        BenchCommand::Loss(a) => {
+            anyhow::ensure!(a.tokens > 0 && a.d_model > 0 && a.vocab > 0, "sizes must be positive");
+            let (device, json) = (a.common.device, a.common.json);
+            let r = dispatch(device, false, BenchJob(LossBenchFn(a)))?;
+            report(json, &r, |r| {
+                format!(
+                    "{}: N {} D {} V {} (tiles {}×{}): plain {:.0} ms, peak {}; chunked {:.0} ms, peak {}; |Δloss| {:.2e}",
+                    r.device,
+                    r.tokens,
+                    r.d_model,
+                    r.vocab_size,
+                    r.tile_rows,
+                    r.tile_vocab,
+                    r.plain_ms,
+                    gib(r.plain_peak_bytes),
+                    r.chunked_ms,
+                    gib(r.chunked_peak_bytes),
+                    r.loss_diff
+                )
+            })
         }
     }
 }

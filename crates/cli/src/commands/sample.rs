@@ -2,9 +2,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Device;
 use clap::Args;
+use ember_model::ops::TrainBackend;
 use ember_model::sample::{generate, Sampler, SamplingConfig};
 use ember_train::Checkpoint;
 
@@ -43,7 +43,7 @@ struct SampleJob {
 
 impl Job for SampleJob {
     type Output = ();
-    fn run<B: AutodiffBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
+    fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
         let Self { args, checkpoint } = self;
         let tokenizer = &checkpoint.tokenizer;
         let prompt = tokenizer.encode(&args.prompt).context("encoding the prompt")?;
@@ -85,5 +85,5 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
     let checkpoint = Checkpoint::open(&args.checkpoint)
         .with_context(|| format!("opening checkpoint {}", args.checkpoint.display()))?;
     let device = args.device;
-    dispatch(device, SampleJob { args, checkpoint })
+    dispatch(device, false, SampleJob { args, checkpoint })
 }

@@ -1,10 +1,11 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Device;
 use clap::Args;
 use ember_data::fetch::Locations;
+use ember_model::ops::TrainBackend;
+use ember_train::config::Precision;
 use ember_train::{TrainConfig, TrainOptions, TrainSummary};
 
 use crate::backend::{dispatch, DeviceSpec, Job};
@@ -29,6 +30,12 @@ pub struct TrainArgs {
     /// Never draw the progress bar (it is drawn only on a terminal anyway).
     #[arg(long)]
     no_progress: bool,
+    /// f32, bf16 or f16 (overrides train.precision).
+    #[arg(long)]
+    precision: Option<Precision>,
+    /// Peak TFLOP/s of the device for MFU (instead of the table or a measured GEMM peak).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
 }
 
 struct TrainJob {
@@ -38,7 +45,7 @@ struct TrainJob {
 
 impl Job for TrainJob {
     type Output = TrainSummary;
-    fn run<B: AutodiffBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<TrainSummary> {
+    fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<TrainSummary> {
         tracing::info!("training on {name}, run directory {}", self.options.run_dir.display());
         Ok(ember_train::train::<B>(self.config, &self.options, &device)?)
     }
@@ -46,7 +53,10 @@ impl Job for TrainJob {
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     // The error names the file and the key.
-    let config = TrainConfig::from_file(&args.config)?;
+    let mut config = TrainConfig::from_file(&args.config)?;
+    if let Some(p) = args.precision {
+        config.train.precision = p;
+    }
     let run_dir = args.run_dir.unwrap_or_else(|| {
         let stem = args.config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or("run".into());
         PathBuf::from("runs").join(stem)
@@ -57,14 +67,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         stop_at: args.max_steps,
         show_progress: !args.no_progress && std::io::stderr().is_terminal(),
         locations: Locations::from_env(),
+        device_name: crate::backend::gpu_name(args.device),
+        peak_tflops: args.peak_tflops,
     };
-    let summary = dispatch(args.device, TrainJob { config, options })?;
+    let checkpointing = config.train.activation_checkpointing;
+    let summary = dispatch(args.device, checkpointing, TrainJob { config, options })?;
     let best = summary.best_val_loss.map_or("n/a".into(), |v| format!("{v:.4}"));
     println!(
-        "trained {} steps in {:.0} s ({:.0} tokens/s); best val loss {best}; run directory {}",
+        "trained {} steps in {:.0} s ({:.0} tokens/s, MFU {:.2}%); best val loss {best}; run directory {}",
         summary.steps,
         summary.elapsed_s,
         summary.tokens_per_sec,
+        100.0 * summary.mfu,
         summary.run_dir.display()
     );
     Ok(())

@@ -1,0 +1,66 @@
+//! A counting global allocator: the CPU backends keep tensors on the heap, so the live heap and its
+//! high-water mark are the memory numbers of `ember bench` on the CPU.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ember_train::bench::MemoryProbe;
+
+pub struct Counting;
+
+static CURRENT: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        CURRENT.fetch_sub(layout.size() as u64, Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                let grow = (new_size - layout.size()) as u64;
+                let now = CURRENT.fetch_add(grow, Ordering::Relaxed) + grow;
+                PEAK.fetch_max(now, Ordering::Relaxed);
+            } else {
+                CURRENT.fetch_sub((layout.size() - new_size) as u64, Ordering::Relaxed);
+            }
+        }
+        p
+    }
+}
+
+/// The heap of this process, as a [`MemoryProbe`].
+pub struct HeapProbe;
+
+impl MemoryProbe for HeapProbe {
+    fn current_bytes(&self) -> Option<u64> {
+        Some(CURRENT.load(Ordering::Relaxed))
+    }
+    fn reset_peak(&self) {
+        PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+    fn peak_bytes(&self) -> Option<u64> {
+        Some(PEAK.load(Ordering::Relaxed))
+    }
+}

@@ -1,0 +1,142 @@
+//! Model FLOPs utilisation: `MFU = (6N + 12·L·T·d) · tokens/s / peak` (PaLM, appendix B), with N the
+//! parameters that take part in matmuls. The peak comes from a table of dense peaks per GPU and
+//! dtype, from the user, or, on the CPU and unknown devices, from measuring the backend's best GEMM.
+
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Device, Distribution, Tensor};
+use serde::Serialize;
+
+/// Peak FLOP/s that MFU is measured against, and where the number comes from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Peak {
+    pub flops: f64,
+    pub source: String,
+}
+
+/// Dense (no sparsity) peaks: (name fragment, 16-bit tensor-core FLOP/s, f32 FLOP/s), from the
+/// vendors' data sheets. More specific names first: the first fragment found in the device name wins.
+const GPU_PEAKS: &[(&str, f64, f64)] = &[
+    ("H200", 989e12, 67e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H100", 989e12, 67e12), // SXM
+    ("GH200", 989e12, 67e12),
+    ("B200", 2250e12, 80e12),
+    ("A100", 312e12, 19.5e12),
+    ("A10G", 70e12, 31.2e12),
+    ("A10", 125e12, 31.2e12),
+    ("L40S", 362e12, 91.6e12),
+    ("L40", 181e12, 90.5e12),
+    ("L4", 121e12, 30.3e12),
+    ("RTX 4090", 165e12, 82.6e12),
+    ("RTX 3090", 71e12, 35.6e12),
+    ("V100", 125e12, 15.7e12),
+    ("T4", 65e12, 8.1e12),
+];
+
+/// The table's peak for a GPU name (as `nvidia-smi` prints it) and GEMM dtype.
+pub fn table_peak(device_name: &str, dtype: DType) -> Option<Peak> {
+    let (frag, half, full) = GPU_PEAKS.iter().find(|(frag, _, _)| device_name.contains(frag))?;
+    let (flops, kind) = if dtype == DType::F32 { (*full, "f32") } else { (*half, "dense bf16/f16") };
+    Some(Peak { flops, source: format!("table: {frag} {kind}") })
+}
+
+/// `MFU` for `flops_per_token` model FLOPs at `tokens_per_sec`.
+pub fn mfu(flops_per_token: f64, tokens_per_sec: f64, peak: &Peak) -> f64 {
+    flops_per_token * tokens_per_sec / peak.flops
+}
+
+/// One measured GEMM shape.
+#[derive(Debug, Clone, Serialize)]
+pub struct GemmRate {
+    pub n: usize,
+    pub ms: f64,
+    pub flops: f64,
+}
+
+/// The rate of square `n×n×n` GEMMs in `dtype` for each `n`: the fastest of `reps` after a warm-up
+/// (the best the backend reaches, as a peak should be).
+pub fn measure_gemm<B: Backend>(device: &Device<B>, dtype: DType, sizes: &[usize], reps: usize) -> Vec<GemmRate> {
+    sizes
+        .iter()
+        .map(|&n| {
+            let a = Tensor::<B, 2>::random([n, n], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+            let b = Tensor::<B, 2>::random([n, n], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+            let _ = B::sync(device);
+            let times: Vec<f64> = (0..reps + 1)
+                .map(|_| {
+                    let start = Instant::now();
+                    let c = a.clone().matmul(b.clone());
+                    let _ = B::sync(device);
+                    drop(c);
+                    start.elapsed().as_secs_f64()
+                })
+                .skip(1)
+                .collect();
+            let t = times.iter().copied().fold(f64::INFINITY, f64::min);
+            GemmRate { n, ms: t * 1e3, flops: 2.0 * (n as f64).powi(3) / t }
+        })
+        .collect()
+}
+
+/// The peak for MFU: `override_tflops`, else the table entry for `device_name`, else the best
+/// measured GEMM rate of the backend in `dtype`.
+pub fn resolve_peak<B: Backend>(
+    device: &Device<B>,
+    device_name: Option<&str>,
+    dtype: DType,
+    override_tflops: Option<f64>,
+) -> Peak {
+    if let Some(t) = override_tflops {
+        return Peak { flops: t * 1e12, source: "--peak-tflops".into() };
+    }
+    if let Some(p) = device_name.and_then(|n| table_peak(n, dtype)) {
+        return p;
+    }
+    let rates = measure_gemm::<B>(device, dtype, &[1024, 2048], 3);
+    let best = rates.iter().max_by(|a, b| a.flops.total_cmp(&b.flops)).expect("two sizes");
+    Peak { flops: best.flops, source: format!("measured: best {dtype:?} GEMM on {} ({}³)", B::name(device), best.n) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_model::ModelConfig;
+
+    #[test]
+    fn mfu_on_a_known_config_by_hand() {
+        // configs/nano.toml with the char vocabulary.
+        let text = include_str!("../../../configs/nano.toml");
+        let mut c = crate::TrainConfig::from_toml(text, std::path::Path::new("nano.toml")).unwrap();
+        c.model.vocab_size = 65;
+        let m: &ModelConfig = &c.model;
+        // N: 4 layers × (4 attention projections 128×128 + 3 MLP projections 128×344) + head 128×65.
+        let n = 4 * (4 * 128 * 128 + 3 * 128 * 344) + 128 * 65;
+        assert_eq!(m.matmul_params(), n as u64);
+        let per_token = 6.0 * n as f64 + 12.0 * 4.0 * 64.0 * 128.0;
+        assert_eq!(m.train_flops_per_token(64), per_token);
+        let peak = Peak { flops: 315e9, source: "test".into() };
+        let got = mfu(m.train_flops_per_token(64), 5000.0, &peak);
+        assert!((got - per_token * 5000.0 / 315e9).abs() < 1e-12);
+        assert!((got - 0.08232).abs() < 1e-4, "{got}"); // 5,186,304 · 5000 / 315e9
+    }
+
+    #[test]
+    fn table_finds_the_gpu() {
+        assert_eq!(table_peak("NVIDIA H200", DType::BF16).unwrap().flops, 989e12);
+        assert_eq!(table_peak("NVIDIA H100 80GB HBM3", DType::BF16).unwrap().flops, 989e12);
+        assert_eq!(table_peak("NVIDIA H100 PCIe", DType::BF16).unwrap().flops, 756e12);
+        assert_eq!(table_peak("NVIDIA A100-SXM4-80GB", DType::F32).unwrap().flops, 19.5e12);
+        assert!(table_peak("llvmpipe (LLVM 15)", DType::F32).is_none());
+    }
+
+    #[test]
+    fn measured_peak_is_a_positive_rate() {
+        let dev = Default::default();
+        let rates = measure_gemm::<burn::backend::Flex>(&dev, DType::F32, &[64, 128], 2);
+        assert_eq!(rates.len(), 2);
+        assert!(rates.iter().all(|r| r.flops > 1e6 && r.ms > 0.0));
+    }
+}

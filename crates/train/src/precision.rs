@@ -1,0 +1,86 @@
+//! Mixed precision: which GEMM dtype a device can run, and dynamic loss scaling for f16.
+//!
+//! Master weights and AdamW moments are always f32; the model casts them to the compute dtype at
+//! each GEMM (`ember_model::linear`), and keeps norms, softmax and the loss in f32.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Device};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Precision;
+
+/// The GEMM dtype for `precision` on `device`, and a note when the device forced another choice.
+pub fn compute_dtype<B: Backend>(device: &Device<B>, precision: Precision) -> (DType, Option<String>) {
+    let supports = |d: DType| B::supports_dtype(device, d);
+    let name = B::name(device);
+    match precision {
+        Precision::F32 => (DType::F32, None),
+        Precision::Bf16 if supports(DType::BF16) => (DType::BF16, None),
+        Precision::Bf16 if supports(DType::F16) => {
+            (DType::F16, Some(format!("{name} has no bf16; training in f16 with dynamic loss scaling")))
+        }
+        Precision::F16 if supports(DType::F16) => (DType::F16, None),
+        p => (DType::F32, Some(format!("{name} supports neither bf16 nor f16; `{p}` falls back to f32"))),
+    }
+}
+
+/// Dynamic loss scaling, with `torch.amp.GradScaler`'s defaults: the loss is multiplied by `scale`
+/// before the backward pass so that small f16 gradients do not flush to zero; a step whose gradients
+/// overflow is skipped and the scale halved; after `growth_interval` clean steps it doubles.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LossScaler {
+    pub scale: f64,
+    /// Clean steps since the last change of scale.
+    pub good_steps: u32,
+    pub growth_interval: u32,
+}
+
+impl Default for LossScaler {
+    fn default() -> Self {
+        Self { scale: 65_536.0, good_steps: 0, growth_interval: 2000 }
+    }
+}
+
+impl LossScaler {
+    /// Records a step whose (scaled) gradients were `finite`; returns whether to apply it.
+    pub fn update(&mut self, finite: bool) -> bool {
+        if !finite {
+            self.scale = (self.scale / 2.0).max(1.0);
+            self.good_steps = 0;
+            return false;
+        }
+        self.good_steps += 1;
+        if self.good_steps >= self.growth_interval {
+            self.scale *= 2.0;
+            self.good_steps = 0;
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scaler_backs_off_and_grows() {
+        let mut s = LossScaler { growth_interval: 3, ..Default::default() };
+        assert!(!s.update(false));
+        assert_eq!(s.scale, 32_768.0);
+        assert!(s.update(true) && s.update(true) && s.update(true));
+        assert_eq!(s.scale, 65_536.0);
+        assert_eq!(s.good_steps, 0);
+    }
+
+    #[test]
+    fn flex_runs_bf16_and_f16() {
+        let dev = Default::default();
+        assert_eq!(compute_dtype::<burn::backend::Flex>(&dev, Precision::Bf16), (DType::BF16, None));
+        assert_eq!(compute_dtype::<burn::backend::Flex>(&dev, Precision::F16), (DType::F16, None));
+        // NdArray has neither: f32, and it says so.
+        let (d, note) = compute_dtype::<burn::backend::NdArray>(&Default::default(), Precision::Bf16);
+        assert_eq!(d, DType::F32);
+        assert!(note.unwrap().contains("falls back to f32"));
+    }
+}
