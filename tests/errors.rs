@@ -81,3 +81,21 @@ fn bad_sampling_arguments() {
     let o = s.ember(&["sample", "--checkpoint", "runs/cfg", "--prompt", ""]);
     assert_clean_error(&o, "the prompt is empty");
 }
+
+#[test]
+fn a_prompt_longer_than_the_context() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("cfg.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2"));
+    let o = s.ember(&["train", "--config", "cfg.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let long = "the night is long ".repeat(3);
+    let o = s.ember(&["sample", "--checkpoint", "runs/cfg", "--prompt", &long]);
+    assert_clean_error(&o, "prompt 0 has 54 tokens, more than the model's context of 32");
+    let o = s.ember(&["sample", "--checkpoint", "runs/cfg", "--repetition-penalty", "0"]);
+    assert_clean_error(&o, "repetition_penalty must be a finite number > 0");
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "runs/cfg", "--data", "missing.txt"]);
+    assert_clean_error(&o, "reading missing.txt");
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "runs/cfg", "--data", "val", "--context", "64"]);
+    assert_clean_error(&o, "--context 64 must be in 1..=32");
+}

@@ -27,6 +27,8 @@ enum Command {
     Train(commands::train::TrainArgs),
     /// Generate text from a checkpoint.
     Sample(commands::sample::SampleArgs),
+    /// Evaluate a checkpoint: `--perplexity` on a text file or a split.
+    Eval(commands::eval::EvalArgs),
     /// Tokenize a text file into train/val token shards.
     Prepare(commands::prepare::PrepareArgs),
     /// Benchmarks (speed and memory).
@@ -53,6 +55,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(args) => commands::train::run(args),
         Command::Sample(args) => commands::sample::run(args),
+        Command::Eval(args) => commands::eval::run(args),
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Bench(args) => commands::bench::run(args),
         Command::Backends => {

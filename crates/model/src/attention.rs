@@ -9,6 +9,7 @@ use burn::tensor::{backend::Backend, Bool, DType, Tensor};
 
 use crate::config::ModelConfig;
 use crate::init::Init;
+use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::rope::Rope;
 
@@ -78,6 +79,56 @@ impl<B: Backend> Attention<B> {
     }
 }
 
+impl<B: Backend> Attention<B> {
+    /// Self-attention of new positions against the cache: row `b`'s new tokens start at its cached
+    /// length; their post-RoPE keys and values are stored in `cache` (layer `layer`) before the
+    /// attention, which sees every stored key of the row that is not in the query's future.
+    ///
+    /// # Shapes
+    /// - x: `[B, T, D]` -> `[B, T, D]`
+    pub fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        compute: DType,
+        cache: &mut KvCache<B>,
+        layer: usize,
+    ) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let x = x.reshape([b * t, d]); // [B·T, D]
+        let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2);
+        let starts = cache.lens().to_vec();
+        let q = rope.apply_rows(heads(self.q_proj.forward(x.clone(), compute), h), &starts); // [B, H, T, Dh]
+        let key = rope.apply_rows(heads(self.k_proj.forward(x.clone(), compute), k), &starts); // [B, K, T, Dh]
+        let v = heads(self.v_proj.forward(x, compute), k); // [B, K, T, Dh]
+        let (key, v) = cache.append(layer, key, v); //         [B, K, S, Dh] post-RoPE, as stored
+        let hidden = cache.mask(t); //                          [B, 1, T, S]
+        let o = masked_attention(q, repeat_kv(key, h / k), repeat_kv(v, h / k), hidden, compute); // [B, H, T, Dh]
+        let o = o.swap_dims(1, 2).reshape([b * t, h * dh]);
+        self.o_proj.forward(o, compute).reshape([b, t, d])
+    }
+}
+
+/// Attention with an explicit mask (true = hidden), both GEMMs in `compute`, the softmax in f32.
+///
+/// # Shapes
+/// - q: `[B, H, T, Dh]`, k, v: `[B, H, S, Dh]`, hidden: `[B or 1, 1, T, S]` -> `[B, H, T, Dh]`
+pub fn masked_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    hidden: Tensor<B, 4, Bool>,
+    compute: DType,
+) -> Tensor<B, 4> {
+    let dh = q.dims()[3];
+    let cast = |x: Tensor<B, 4>, d: DType| if x.dtype() == d { x } else { x.cast(d) };
+    let scores = cast(q, compute).matmul(cast(k, compute).swap_dims(2, 3)); // [B, H, T, S]
+    let scores = cast(scores, DType::F32).div_scalar((dh as f64).sqrt());
+    let probs = softmax(scores.mask_fill(hidden, f32::NEG_INFINITY), 3);
+    cast(cast(probs, compute).matmul(cast(v, compute)), DType::F32)
+}
+
 /// Causal attention with both GEMMs in `compute` and the softmax in f32 (Burn's fused op would
 /// run its softmax in the input dtype under autodiff).
 ///
@@ -90,14 +141,11 @@ pub fn causal_attention_mixed<B: Backend>(
     v: Tensor<B, 4>,
     compute: DType,
 ) -> Tensor<B, 4> {
-    let [_, _, t, dh] = q.dims();
+    let t = q.dims()[2];
     let s = k.dims()[2];
-    let scores = q.cast(compute).matmul(k.cast(compute).swap_dims(2, 3)); // [B, H, T, S]
-    let scores = scores.cast(DType::F32).div_scalar((dh as f64).sqrt());
     // true strictly above the diagonal shifted by S - T: key j is in the future of query i.
-    let future = Tensor::<B, 2, Bool>::tril_mask([t, s], (s - t) as i64, &scores.device());
-    let probs = softmax(scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY), 3);
-    probs.cast(compute).matmul(v.cast(compute)).cast(DType::F32)
+    let future = Tensor::<B, 2, Bool>::tril_mask([t, s], (s - t) as i64, &q.device());
+    masked_attention(q, k, v, future.unsqueeze::<4>(), compute)
 }
 
 /// Shares each key/value head with its `rep` query heads: head `j` of the output is input head

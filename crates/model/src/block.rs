@@ -7,6 +7,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 use crate::attention::Attention;
 use crate::config::ModelConfig;
 use crate::init::Init;
+use crate::kv_cache::KvCache;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
@@ -35,6 +36,25 @@ impl<B: Backend> Block<B> {
         let [b, t, d] = x.dims();
         let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, start, compute);
         let h = h.reshape([b * t, d]); // [B·T, D]
+        let y = h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), compute);
+        y.reshape([b, t, d])
+    }
+
+    /// [`Block::forward`] through the KV cache (layer `layer`).
+    ///
+    /// # Shapes
+    /// - x: `[B, T, D]` -> `[B, T, D]`
+    pub fn forward_cached(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        compute: DType,
+        cache: &mut KvCache<B>,
+        layer: usize,
+    ) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let attn = self.self_attn.forward_cached(self.input_layernorm.forward(x.clone()), rope, compute, cache, layer);
+        let h = (x + attn).reshape([b * t, d]); // [B·T, D]
         let y = h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), compute);
         y.reshape([b, t, d])
     }

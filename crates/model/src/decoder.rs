@@ -8,6 +8,7 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use crate::block::Block;
 use crate::config::{ConfigError, ModelConfig};
 use crate::init::Init;
+use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
@@ -74,6 +75,34 @@ impl<B: Backend> Decoder<B> {
             x = layer.forward(x, &self.rope, start, self.compute);
         }
         self.norm.forward(x)
+    }
+
+    /// Final hidden states of new positions fed through the KV cache: row `b` brings `new_lens[b]`
+    /// real tokens (the rest of its `T` is right padding), placed after the row's cached positions.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]` -> `[B, T, D]`; rows of padding give values that mean nothing
+    ///
+    /// # Panics
+    /// If a row would outgrow `max_seq_len` or `new_lens` has not one entry per cached sequence.
+    pub fn forward_cached(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        new_lens: &[usize],
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        cache.begin(new_lens);
+        let mut x = embedding(self.embed_tokens.val(), tokens); // [B, T, D]
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_cached(x, &self.rope, self.compute, cache, i);
+        }
+        cache.finish();
+        self.norm.forward(x)
+    }
+
+    /// A fresh KV cache for `batch` sequences of this model.
+    pub fn new_cache(&self, batch: usize, block_size: usize) -> KvCache<B> {
+        KvCache::new(&self.config, batch, block_size, &self.embed_tokens.device())
     }
 
     /// The LM head as a matrix, `[D, V]`: the transposed embedding table when tied.

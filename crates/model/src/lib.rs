@@ -8,6 +8,7 @@ pub mod block;
 pub mod config;
 pub mod decoder;
 pub mod init;
+pub mod kv_cache;
 pub mod linear;
 pub mod mlp;
 pub mod norm;
@@ -19,6 +20,7 @@ pub mod weights;
 pub use block::Block;
 pub use config::{ConfigError, ModelConfig, RopeLayout};
 pub use decoder::Decoder;
+pub use kv_cache::KvCache;
 
 /// The backend the unit tests run on.
 #[cfg(test)]

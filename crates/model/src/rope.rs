@@ -43,26 +43,51 @@ impl<B: Backend> Rope<B> {
         self.cos.dims()[0]
     }
 
+    /// Rotates each row of `x` from its own start: position `t` of row `b` is absolute position
+    /// `starts[b] + t` (positions past the table, only ever padding, reuse its last row).
+    ///
+    /// # Shapes
+    /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, one start per row
+    pub fn apply_rows(&self, x: Tensor<B, 4>, starts: &[usize]) -> Tensor<B, 4> {
+        let [b, _, t, dh] = x.dims();
+        if starts.iter().all(|&s| s == starts[0]) && starts[0] + t <= self.max_seq_len() {
+            return self.apply(x, starts[0]);
+        }
+        let last = self.max_seq_len() - 1;
+        let ids: Vec<i32> = starts.iter().flat_map(|&s| (s..s + t).map(move |p| p.min(last) as i32)).collect();
+        let ids = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(ids, [b * t]), &x.device());
+        let rows = |table: &Tensor<B, 2>| table.clone().select(0, ids.clone()).reshape([b, 1, t, dh / 2]);
+        self.rotate(x, rows(&self.cos), rows(&self.sin))
+    }
+
     /// Rotates `x` whose position 0 sits at absolute position `start`.
     ///
     /// # Shapes
     /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, with `start + T <= T_max`
     pub fn apply(&self, x: Tensor<B, 4>, start: usize) -> Tensor<B, 4> {
+        let t = x.dims()[2];
+        let cos = self.cos.clone().narrow(0, start, t).unsqueeze::<4>(); // [1, 1, T, Dh/2]
+        let sin = self.sin.clone().narrow(0, start, t).unsqueeze::<4>();
+        self.rotate(x, cos, sin)
+    }
+
+    /// # Shapes
+    /// - x: `[B, H, T, Dh]`, cos, sin: `[B or 1, 1, T, Dh/2]` -> `[B, H, T, Dh]`
+    fn rotate(&self, x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4> {
         let [b, h, t, dh] = x.dims();
         let half = dh / 2;
         let dtype = x.dtype();
-        let cos = self.cos.clone().narrow(0, start, t).cast(dtype); // [T, Dh/2]
-        let sin = self.sin.clone().narrow(0, start, t).cast(dtype);
+        let (cos, sin) = (cos.cast(dtype), sin.cast(dtype));
         match self.layout {
             RopeLayout::HalfSplit => {
-                let (cos, sin) = (cos.unsqueeze::<4>(), sin.unsqueeze::<4>()); // [1, 1, T, Dh/2]
                 let x1 = x.clone().narrow(3, 0, half); // [B, H, T, Dh/2]: first channel of each pair
                 let x2 = x.narrow(3, half, half); //      second channel
                 Tensor::cat(vec![x1.clone() * cos.clone() - x2.clone() * sin.clone(), x1 * sin + x2 * cos], 3)
             }
             RopeLayout::Interleaved => {
-                let cos = cos.reshape([1, 1, t, half, 1]);
-                let sin = sin.reshape([1, 1, t, half, 1]);
+                let rows = cos.dims()[0];
+                let cos = cos.reshape([rows, 1, t, half, 1]);
+                let sin = sin.reshape([rows, 1, t, half, 1]);
                 let x = x.reshape([b, h, t, half, 2]);
                 let xe = x.clone().narrow(4, 0, 1); // [B, H, T, Dh/2, 1]: channels 2i
                 let xo = x.narrow(4, 1, 1); //         channels 2i + 1

@@ -6,6 +6,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::decoder::Decoder;
+use crate::kv_cache::KvCache;
 
 /// How the next token is chosen from the logits.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,11 +17,14 @@ pub struct SamplingConfig {
     pub top_k: Option<usize>,
     /// Keep the smallest set of most likely tokens whose probability reaches `p`, in (0, 1].
     pub top_p: Option<f32>,
+    /// Divide positive logits (multiply negative ones) of tokens already in the sequence by this
+    /// (Keskar et al., 2019); 1 is off.
+    pub repetition_penalty: f32,
 }
 
 impl Default for SamplingConfig {
     fn default() -> Self {
-        Self { temperature: 0.8, top_k: Some(200), top_p: None }
+        Self { temperature: 0.8, top_k: Some(200), top_p: None, repetition_penalty: 1.0 }
     }
 }
 
@@ -32,8 +36,12 @@ pub enum SampleError {
     TopK,
     #[error("top_p must be in (0, 1], found {0}")]
     TopP(f32),
+    #[error("repetition_penalty must be a finite number > 0, found {0}")]
+    RepetitionPenalty(f32),
     #[error("the prompt is empty: give at least one token")]
     EmptyPrompt,
+    #[error("prompt {index} has {tokens} tokens, more than the model's context of {context}")]
+    PromptTooLong { index: usize, tokens: usize, context: usize },
 }
 
 /// A seeded sampler: the same seed and logits give the same tokens.
@@ -55,7 +63,29 @@ impl Sampler {
                 return Err(SampleError::TopP(p));
             }
         }
+        if !(config.repetition_penalty > 0.0 && config.repetition_penalty.is_finite()) {
+            return Err(SampleError::RepetitionPenalty(config.repetition_penalty));
+        }
         Ok(Self { config, rng: ChaCha8Rng::seed_from_u64(seed) })
+    }
+
+    /// Picks a token id from one row of logits `[V]`, given the ids already in the sequence
+    /// (used by the repetition penalty).
+    pub fn sample_with_history(&mut self, logits: &[f32], history: &[u32]) -> usize {
+        let p = self.config.repetition_penalty;
+        if p == 1.0 || history.is_empty() {
+            return self.sample(logits);
+        }
+        let mut penalised = logits.to_vec();
+        let mut seen = vec![false; logits.len()];
+        for &id in history {
+            if let Some(l) = penalised.get_mut(id as usize) {
+                if !std::mem::replace(&mut seen[id as usize], true) {
+                    *l = if *l > 0.0 { *l / p } else { *l * p };
+                }
+            }
+        }
+        self.sample(&penalised)
     }
 
     /// Picks a token id from one row of logits `[V]`.
@@ -107,8 +137,8 @@ impl Sampler {
 }
 
 /// Generates up to `max_new_tokens` after `prompt`, recomputing the last `max_seq_len` tokens for
-/// every new token (O(T²) per token; the KV-cached path avoids that). Calls `on_token` with each new
-/// id as it is produced and stops early when it returns false.
+/// every new token (O(T) work per layer per token; the reference for the cached path). Calls
+/// `on_token` with each new id as it is produced and stops early when it returns false.
 pub fn generate<B: Backend>(
     model: &Decoder<B>,
     prompt: &[u32],
@@ -130,13 +160,116 @@ pub fn generate<B: Backend>(
         let last = hidden.narrow(1, ctx.len() - 1, 1).reshape([1, model.config().d_model]);
         let logits = model.logits(last).into_data().convert::<f32>();
         let logits = logits.as_slice::<f32>().expect("f32 logits");
-        let next = sampler.sample(logits) as u32;
+        let next = sampler.sample_with_history(logits, &ids) as u32;
         ids.push(next);
         if !on_token(next) {
             break;
         }
     }
     Ok(ids.split_off(prompt.len()))
+}
+
+/// Limits of a cached generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    /// A sequence ends after producing one of these (end-of-text ids).
+    pub stop_tokens: Vec<u32>,
+    /// Positions per KV-cache block.
+    pub block_size: usize,
+}
+
+/// Generates continuations of several prompts of different lengths at once through the KV cache:
+/// one prefill pass over the right-padded prompts, then one position per sequence per step. Each
+/// sequence stops on its own: at a stop token, at `max_new_tokens`, or when `on_token(sequence, id)`
+/// returns false. A sequence that fills the model's context goes on from the last three quarters of
+/// it, re-prefilled at positions from 0 (the cached form of cropping the context). `samplers` holds
+/// one sampler per prompt.
+pub fn generate_batch<B: Backend>(
+    model: &Decoder<B>,
+    prompts: &[Vec<u32>],
+    options: &GenerateOptions,
+    samplers: &mut [Sampler],
+    mut on_token: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Vec<u32>>, SampleError> {
+    let context = model.config().max_seq_len;
+    for (index, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(SampleError::EmptyPrompt);
+        }
+        if p.len() > context {
+            return Err(SampleError::PromptTooLong { index, tokens: p.len(), context });
+        }
+    }
+    assert_eq!(samplers.len(), prompts.len(), "one sampler per prompt");
+    let n = prompts.len();
+    let keep = (context * 3 / 4).max(1);
+    let mut cache = model.new_cache(n, options.block_size);
+    let mut history: Vec<Vec<u32>> = prompts.to_vec();
+    let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut active = vec![options.max_new_tokens > 0; n];
+    // Prefill: all prompts in one pass.
+    let mut logits = feed(model, &mut cache, prompts);
+
+    for _ in 0..options.max_new_tokens {
+        let mut inputs: Vec<Vec<u32>> = vec![Vec::new(); n];
+        for b in 0..n {
+            if !active[b] {
+                continue;
+            }
+            let tok = samplers[b].sample_with_history(&logits[b], &history[b]) as u32;
+            outputs[b].push(tok);
+            history[b].push(tok);
+            let done = options.stop_tokens.contains(&tok) || outputs[b].len() >= options.max_new_tokens;
+            if !on_token(b, tok) || done {
+                active[b] = false;
+            } else if cache.lens()[b] < context {
+                inputs[b] = vec![tok];
+            } else {
+                cache.reset(b);
+                inputs[b] = history[b][history[b].len() - keep..].to_vec();
+            }
+        }
+        if !active.iter().any(|&a| a) {
+            break;
+        }
+        // Finished rows ride along with no new position: nothing is stored for them.
+        logits = feed(model, &mut cache, &inputs);
+    }
+    Ok(outputs)
+}
+
+/// Runs `inputs[b]` (possibly empty) after each row's cached positions; returns each row's logits
+/// at its last new position (rows without input: at their first padding position, unused).
+fn feed<B: Backend>(model: &Decoder<B>, cache: &mut KvCache<B>, inputs: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let n = inputs.len();
+    let t = inputs.iter().map(Vec::len).max().unwrap_or(1).max(1);
+    let mut ids = vec![0i32; n * t];
+    for (b, row) in inputs.iter().enumerate() {
+        for (i, &tok) in row.iter().enumerate() {
+            ids[b * t + i] = tok as i32;
+        }
+    }
+    let device = model.embed_tokens.device();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, t]), &device);
+    let new_lens: Vec<usize> = inputs.iter().map(Vec::len).collect();
+    let hidden = model.forward_cached(tokens, &new_lens, cache); // [N, T, D]
+    let rows: Vec<i32> = new_lens.iter().map(|&l| l.max(1) as i32 - 1).collect();
+    last_logits(model, hidden, &rows)
+}
+
+/// Host logits of position `rows[b]` of each row.
+///
+/// # Shapes
+/// - hidden: `[N, T, D]` -> N rows of V logits
+fn last_logits<B: Backend>(model: &Decoder<B>, hidden: Tensor<B, 3>, rows: &[i32]) -> Vec<Vec<f32>> {
+    let [n, _, d] = hidden.dims();
+    let idx: Vec<i32> = rows.iter().flat_map(|&r| std::iter::repeat_n(r, d)).collect();
+    let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(idx, [n, 1, d]), &hidden.device());
+    let last = hidden.gather(1, idx).reshape([n, d]); // [N, D]
+    let data = model.logits(last).into_data().convert::<f32>();
+    let flat = data.as_slice::<f32>().expect("f32 logits");
+    flat.chunks(flat.len() / n.max(1)).map(<[f32]>::to_vec).collect()
 }
 
 #[cfg(test)]
@@ -152,9 +285,11 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_top_p_keeps_the_head() {
         let logits = [0.0, 5.0, 4.9, -2.0];
-        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_k: Some(1), top_p: None }, 3).unwrap();
+        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_k: Some(1), ..Default::default() }, 3).unwrap();
         assert!((0..50).all(|_| s.sample(&logits) == 1));
-        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_k: None, top_p: Some(0.9) }, 3).unwrap();
+        let mut s =
+            Sampler::new(SamplingConfig { temperature: 1.0, top_k: None, top_p: Some(0.9), ..Default::default() }, 3)
+                .unwrap();
         let picks: Vec<usize> = (0..200).map(|_| s.sample(&logits)).collect();
         assert!(picks.iter().all(|&i| i == 1 || i == 2));
         assert!(picks.contains(&1) && picks.contains(&2));
@@ -163,7 +298,7 @@ mod tests {
     #[test]
     fn sampling_follows_the_distribution_and_the_seed() {
         let logits = [0.0f32, (3.0f32).ln()]; // p = 1/4, 3/4
-        let cfg = SamplingConfig { temperature: 1.0, top_k: None, top_p: None };
+        let cfg = SamplingConfig { temperature: 1.0, top_k: None, ..Default::default() };
         let mut s = Sampler::new(cfg.clone(), 11).unwrap();
         let ones = (0..4000).filter(|_| s.sample(&logits) == 1).count();
         assert!((2850..3150).contains(&ones), "{ones}");
@@ -189,5 +324,15 @@ mod tests {
         assert!(bad(SamplingConfig { top_k: Some(0), ..Default::default() }).is_some());
         assert!(bad(SamplingConfig { temperature: -1.0, ..Default::default() }).is_some());
         assert!(bad(SamplingConfig { top_p: Some(1.0), ..Default::default() }).is_none());
+        assert!(bad(SamplingConfig { repetition_penalty: 0.0, ..Default::default() }).is_some());
+    }
+
+    #[test]
+    fn repetition_penalty_discourages_seen_tokens() {
+        let greedy = SamplingConfig { temperature: 0.0, repetition_penalty: 2.0, ..Default::default() };
+        let mut s = Sampler::new(greedy, 0).unwrap();
+        // Token 0 leads, but it was seen: 3.0 / 2 = 1.5 < 2.0.
+        assert_eq!(s.sample_with_history(&[3.0, 2.0, -1.0], &[0]), 1);
+        assert_eq!(s.sample_with_history(&[3.0, 2.0, -1.0], &[2]), 0);
     }
 }

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Distribution, ElementConversion, Int, Tensor, TensorData};
 use ember_data::fetch::Locations;
 use ember_data::WindowSampler;
 use ember_model::ops::{lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec, TrainBackend};
@@ -224,4 +224,76 @@ pub fn bench_loss<B: AutodiffBackend + TrainBackend>(
         chunked_ms,
         loss_diff: (chunked_loss - plain_loss).abs(),
     }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DecodeBench {
+    pub device: String,
+    pub contexts: Vec<usize>,
+    /// Milliseconds per generated token with the KV cache, at each context.
+    pub cached_ms_per_token: Vec<f64>,
+    /// Milliseconds per generated token recomputing the whole context, at each context.
+    pub uncached_ms_per_token: Vec<f64>,
+    /// Prompt tokens per second of the prefill pass, at each context.
+    pub prefill_tokens_per_sec: Vec<f64>,
+    /// Cached decode tokens per second, at each context.
+    pub decode_tokens_per_sec: Vec<f64>,
+    /// KV cache bytes per position (f32).
+    pub kv_bytes_per_token: usize,
+}
+
+/// Time per generated token as the context grows, with and without the KV cache (greedy, batch 1).
+/// The prompt at context `c` is `c` tokens; `new_tokens` are generated with the cache and
+/// `uncached_tokens` by recomputing the window.
+pub fn bench_decode<B: Backend>(
+    model: &Decoder<B>,
+    device_label: &str,
+    contexts: &[usize],
+    new_tokens: usize,
+    uncached_tokens: usize,
+) -> DecodeBench {
+    let device = model.embed_tokens.device();
+    let v = model.config().vocab_size;
+    let greedy = |h: Tensor<B, 3>| -> i32 {
+        let [_, t, d] = h.dims();
+        let logits = model.logits(h.narrow(1, t - 1, 1).reshape([1, d]));
+        logits.argmax(1).into_scalar().elem::<i64>() as i32
+    };
+    let ids = |n: usize| -> Vec<i32> { (0..n).map(|i| ((i * 31 + 7) % v) as i32).collect() };
+    let input = |toks: &[i32]| Tensor::<B, 2, Int>::from_data(TensorData::new(toks.to_vec(), [1, toks.len()]), &device);
+    let mut out = DecodeBench {
+        device: device_label.to_string(),
+        contexts: contexts.to_vec(),
+        cached_ms_per_token: Vec::new(),
+        uncached_ms_per_token: Vec::new(),
+        prefill_tokens_per_sec: Vec::new(),
+        decode_tokens_per_sec: Vec::new(),
+        kv_bytes_per_token: model.new_cache(1, 16).bytes_per_token(DType::F32),
+    };
+    for &c in contexts {
+        let prompt = ids(c);
+        let mut cache = model.new_cache(1, 16);
+        let _ = B::sync(&device);
+        let start = Instant::now();
+        let mut next = greedy(model.forward_cached(input(&prompt), &[c], &mut cache));
+        let _ = B::sync(&device);
+        out.prefill_tokens_per_sec.push(c as f64 / start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        for _ in 0..new_tokens {
+            next = greedy(model.forward_cached(input(&[next]), &[1], &mut cache));
+        }
+        let _ = B::sync(&device);
+        let ms = start.elapsed().as_secs_f64() * 1e3 / new_tokens.max(1) as f64;
+        out.cached_ms_per_token.push(ms);
+        out.decode_tokens_per_sec.push(1e3 / ms);
+        let mut toks = prompt;
+        let start = Instant::now();
+        for _ in 0..uncached_tokens {
+            let next = greedy(model.hidden(input(&toks), 0));
+            toks.push(next);
+        }
+        let _ = B::sync(&device);
+        out.uncached_ms_per_token.push(start.elapsed().as_secs_f64() * 1e3 / uncached_tokens.max(1) as f64);
+    }
+    out
 }

@@ -1,7 +1,9 @@
 //! Loss of a model on batches: the training objective and the periodic evaluation.
 
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
 use burn::tensor::{ElementConversion, Tensor};
-use ember_data::{LmBatch, TokenWindows, WindowSampler};
+use ember_data::{LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
 use ember_model::ops::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
 use ember_model::Decoder;
 
@@ -30,12 +32,18 @@ pub fn evaluate<B: EmberBackend>(
     iters: usize,
     batch_size: usize,
 ) -> f64 {
-    let device = model.embed_tokens.device();
     let sampler = WindowSampler { seed };
-    let total: f64 = (0..iters as u64)
-        .map(|i| lm_loss(model, sampler.batch(data, i, batch_size, &device)).into_scalar().elem::<f64>())
-        .sum();
+    let starts: Vec<Vec<usize>> = (0..iters as u64).map(|i| sampler.indices(i, batch_size, data.len())).collect();
+    let total: f64 = starts.iter().map(|batch| windows_loss(model, data, batch)).sum();
     total / iters as f64
+}
+
+/// Mean loss of the windows starting at `starts`, as one batch (the training objective).
+pub fn windows_loss<B: EmberBackend>(model: &Decoder<B>, data: &TokenWindows, starts: &[usize]) -> f64 {
+    let device = model.embed_tokens.device();
+    let items = starts.iter().map(|&i| data.get(i).expect("window start in range")).collect();
+    let batch = <LmBatcher as Batcher<B, Window, LmBatch<B>>>::batch(&LmBatcher, items, &device);
+    lm_loss(model, batch).into_scalar().elem::<f64>()
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ pub mod eval;
 pub mod flops;
 pub mod metrics;
 pub mod optim;
+pub mod perplexity;
 pub mod precision;
 pub mod schedule;
 pub mod trainer;

@@ -4,9 +4,9 @@ use burn::tensor::Device;
 use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
 use ember_model::ops::TrainBackend;
-use ember_train::bench::{bench_loss, bench_peak, bench_train, PeakSource};
+use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_train, PeakSource};
 use ember_train::config::Precision;
-use ember_train::TrainConfig;
+use ember_train::{Checkpoint, TrainConfig};
 use serde::Serialize;
 
 use crate::backend::{dispatch, gpu_name, memory_probe, DeviceSpec, Job};
@@ -25,6 +25,26 @@ enum BenchCommand {
     Peak(PeakBenchArgs),
     /// Memory and time of the LM head + loss, plain against tiled (forward and backward).
     Loss(LossBenchArgs),
+    /// Decode speed with and without the KV cache as the context grows.
+    Decode(DecodeBenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct DecodeBenchArgs {
+    /// A run directory or checkpoint folder.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Context lengths (prompt tokens) to measure at; each must leave room for --new-tokens.
+    #[arg(long, value_delimiter = ',', default_value = "64,128,256,512,1024")]
+    contexts: Vec<usize>,
+    /// Tokens generated with the cache at each context.
+    #[arg(long, default_value_t = 32)]
+    new_tokens: usize,
+    /// Tokens generated without the cache at each context.
+    #[arg(long, default_value_t = 4)]
+    uncached_tokens: usize,
+    #[command(flatten)]
+    common: Common,
 }
 
 #[derive(Args, Debug)]
@@ -130,6 +150,16 @@ impl BenchFn for LossBenchFn {
     }
 }
 
+struct DecodeBenchFn(DecodeBenchArgs, Checkpoint);
+impl BenchFn for DecodeBenchFn {
+    type Out = ember_train::bench::DecodeBench;
+    fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
+        let a = &self.0;
+        let model = self.1.decoder::<B::InnerBackend>(device)?;
+        Ok(bench_decode(&model, name, &a.contexts, a.new_tokens, a.uncached_tokens))
+    }
+}
+
 fn report<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(value)?);
@@ -181,6 +211,33 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     .map(|g| format!("  {}³: {:.2} ms, {:.1} GFLOP/s", g.n, g.ms, g.flops / 1e9))
                     .collect();
                 format!("{} {} GEMM peak {:.1} GFLOP/s\n{}", r.device, r.dtype, r.peak_flops / 1e9, rows.join("\n"))
+            })
+        }
+        BenchCommand::Decode(a) => {
+            let checkpoint = Checkpoint::open(&a.checkpoint)?;
+            let max = checkpoint.config.model.max_seq_len;
+            if let Some(c) = a.contexts.iter().find(|&&c| c == 0 || c + a.new_tokens.max(a.uncached_tokens) > max) {
+                anyhow::bail!(
+                    "context {c} plus {} generated tokens does not fit the model's max_seq_len of {max}",
+                    a.new_tokens.max(a.uncached_tokens)
+                );
+            }
+            let (device, json) = (a.common.device, a.common.json);
+            let r = dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?;
+            report(json, &r, |r| {
+                let rows: Vec<String> = (0..r.contexts.len())
+                    .map(|i| {
+                        format!(
+                            "  context {:>5}: cached {:8.2} ms/token, uncached {:9.2} ms/token ({:.1}x), prefill {:.0} tokens/s",
+                            r.contexts[i],
+                            r.cached_ms_per_token[i],
+                            r.uncached_ms_per_token[i],
+                            r.uncached_ms_per_token[i] / r.cached_ms_per_token[i],
+                            r.prefill_tokens_per_sec[i]
+                        )
+                    })
+                    .collect();
+                format!("{} decode, KV cache {} bytes/token:\n{}", r.device, r.kv_bytes_per_token, rows.join("\n"))
             })
         }
         BenchCommand::Loss(a) => {

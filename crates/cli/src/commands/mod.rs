@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod eval;
 pub mod prepare;
 pub mod sample;
 pub mod train;

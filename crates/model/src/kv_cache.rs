@@ -1,0 +1,164 @@
+//! The key/value cache of cached decoding: per layer and per sequence, the post-RoPE keys and values
+//! of the K key/value heads, held in fixed-size blocks allocated as the sequence grows (a paged
+//! cache) instead of one `T_max` buffer per request.
+//!
+//! A call through [`crate::Decoder::forward_cached`] feeds `T` new positions for each of `B`
+//! sequences, of which the first `new_lens[b]` are real (right padding): sequence `b`'s new tokens
+//! sit at absolute positions `len_b .. len_b + new_lens[b]`, and only those are stored.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+
+use crate::config::ModelConfig;
+
+/// Keys and values of one sequence in one layer: `[K, block_size, Dh]` blocks, the last one filled up
+/// to `len % block_size`.
+#[derive(Debug, Clone)]
+struct SeqBlocks<B: Backend> {
+    k: Vec<Tensor<B, 3>>,
+    v: Vec<Tensor<B, 3>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    block_size: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    max_len: usize,
+    /// `[layer][sequence]`.
+    layers: Vec<Vec<SeqBlocks<B>>>,
+    /// Positions stored per sequence.
+    lens: Vec<usize>,
+    /// Real new positions per sequence in the call under way.
+    pending: Vec<usize>,
+    device: Device<B>,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions.
+    pub fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
+        let empty = SeqBlocks { k: Vec::new(), v: Vec::new() };
+        Self {
+            block_size: block_size.max(1),
+            n_kv_heads: config.n_kv_heads(),
+            head_dim: config.head_dim(),
+            max_len: config.max_seq_len,
+            layers: vec![vec![empty; batch]; config.n_layers],
+            lens: vec![0; batch],
+            pending: vec![0; batch],
+            device: device.clone(),
+        }
+    }
+
+    pub fn batch(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Positions stored for each sequence.
+    pub fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    /// Bytes one position takes across all layers: `2 · L · K · Dh · bytes` (keys and values).
+    pub fn bytes_per_token(&self, dtype: DType) -> usize {
+        2 * self.layers.len() * self.n_kv_heads * self.head_dim * dtype.size()
+    }
+
+    /// Bytes of the blocks allocated so far (f32), filled or not.
+    pub fn allocated_bytes(&self) -> usize {
+        let blocks: usize = self.layers.first().map_or(0, |l| l.iter().map(|s| s.k.len()).sum());
+        blocks * self.block_size * self.bytes_per_token(DType::F32)
+    }
+
+    /// Forgets everything stored for sequence `b` (its blocks are freed).
+    pub fn reset(&mut self, b: usize) {
+        for layer in &mut self.layers {
+            layer[b] = SeqBlocks { k: Vec::new(), v: Vec::new() };
+        }
+        self.lens[b] = 0;
+    }
+
+    /// Starts a forward call that brings `new_lens[b]` real positions to sequence `b`.
+    ///
+    /// # Panics
+    /// If a sequence would outgrow the model's context; [`crate::Decoder::forward_cached`] checks first.
+    pub(crate) fn begin(&mut self, new_lens: &[usize]) {
+        assert_eq!(new_lens.len(), self.batch(), "one length per sequence");
+        for (b, &n) in new_lens.iter().enumerate() {
+            assert!(self.lens[b] + n <= self.max_len, "sequence {b} outgrows the context");
+        }
+        self.pending = new_lens.to_vec();
+    }
+
+    /// Ends the call: the pending positions become part of every sequence.
+    pub(crate) fn finish(&mut self) {
+        for (len, n) in self.lens.iter_mut().zip(&self.pending) {
+            *len += n;
+        }
+        self.pending.iter_mut().for_each(|n| *n = 0);
+    }
+
+    /// Stores layer `layer`'s new keys and values (the first `pending[b]` positions of row `b`) and
+    /// returns every sequence's keys and values so far, padded to the longest.
+    ///
+    /// # Shapes
+    /// - k, v: `[B, K, T, Dh]` -> (`[B, K, S, Dh]`, `[B, K, S, Dh]`), S = max over b of `len_b + new_b`
+    pub(crate) fn append(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let (bs, kh, dh) = (self.block_size, self.n_kv_heads, self.head_dim);
+        let s_max = (0..self.batch()).map(|b| self.lens[b] + self.pending[b]).max().unwrap_or(0).max(1);
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for b in 0..self.batch() {
+            let (start, n) = (self.lens[b], self.pending[b]);
+            let seq = &mut self.layers[layer][b];
+            let row = |x: &Tensor<B, 4>| x.clone().narrow(0, b, 1).reshape([kh, x.dims()[2], dh]); // [K, T, Dh]
+            let (k_row, v_row) = (row(&k), row(&v));
+            let mut written = 0;
+            while written < n {
+                let pos = start + written; //           absolute position being written
+                let (block, offset) = (pos / bs, pos % bs);
+                if block == seq.k.len() {
+                    seq.k.push(Tensor::zeros([kh, bs, dh], &self.device));
+                    seq.v.push(Tensor::zeros([kh, bs, dh], &self.device));
+                }
+                let m = (bs - offset).min(n - written); // positions that fit in this block
+                let dst = [0..kh, offset..offset + m, 0..dh];
+                let src = |x: &Tensor<B, 3>| x.clone().narrow(1, written, m);
+                seq.k[block] = seq.k[block].clone().slice_assign(dst.clone(), src(&k_row));
+                seq.v[block] = seq.v[block].clone().slice_assign(dst, src(&v_row));
+                written += m;
+            }
+            let total = start + n;
+            let gather = |blocks: &[Tensor<B, 3>]| {
+                let mut parts: Vec<Tensor<B, 3>> = blocks.to_vec();
+                let have = blocks.len() * bs;
+                if have < s_max {
+                    parts.push(Tensor::zeros([kh, s_max - have, dh], &self.device));
+                }
+                let all = Tensor::cat(parts, 1); // [K, ≥S, Dh]; positions >= total are padding
+                debug_assert!(total <= s_max);
+                all.narrow(1, 0, s_max).unsqueeze::<4>() // [1, K, S, Dh]
+            };
+            ks.push(gather(&seq.k));
+            vs.push(gather(&seq.v));
+        }
+        (Tensor::cat(ks, 0), Tensor::cat(vs, 0))
+    }
+
+    /// Which keys each new query may not see: key `j` is hidden from query `i` of row `b` unless it
+    /// is stored (`j < len_b + new_b`) and not in the query's future (`j <= len_b + i`).
+    ///
+    /// # Shapes
+    /// -> `[B, 1, T, S]`, true where hidden
+    pub(crate) fn mask(&self, t: usize) -> Tensor<B, 4, Bool> {
+        let b = self.batch();
+        let s = (0..b).map(|i| self.lens[i] + self.pending[i]).max().unwrap_or(0).max(1);
+        let mut hidden = Vec::with_capacity(b * t * s);
+        for row in 0..b {
+            let (start, total) = (self.lens[row], self.lens[row] + self.pending[row]);
+            for i in 0..t {
+                hidden.extend((0..s).map(|j| !(j < total && j <= start + i)));
+            }
+        }
+        Tensor::from_data(TensorData::new(hidden, [b, 1, t, s]), &self.device)
+    }
+}

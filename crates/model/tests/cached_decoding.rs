@@ -1,0 +1,120 @@
+//! Cached decoding gives the logits of a full forward pass, and batched generation gives each
+//! prompt's tokens as if it were alone.
+
+use burn::backend::Flex;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use ember_model::sample::{generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_model::{Decoder, ModelConfig, RopeLayout};
+
+type B = Flex;
+
+fn config(n_kv_heads: usize, layout: RopeLayout) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 41,
+        d_model: 48,
+        n_layers: 3,
+        n_heads: 6,
+        n_kv_heads: Some(n_kv_heads),
+        head_dim: None,
+        d_ff: 96,
+        max_seq_len: 40,
+        rope_theta: 10_000.0,
+        rope_layout: layout,
+        norm_eps: 1e-5,
+        qkv_bias: true,
+        tie_embeddings: false,
+        init_std: 0.2,
+    }
+}
+
+fn tokens(ids: &[u32]) -> Tensor<B, 2, Int> {
+    let data: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    Tensor::from_data(TensorData::new(data, [1, ids.len()]), &Default::default())
+}
+
+fn max_abs_diff(a: Tensor<B, 2>, b: Tensor<B, 2>) -> f32 {
+    (a - b).abs().max().into_scalar()
+}
+
+#[test]
+fn cached_logits_equal_full_forward_at_every_step() {
+    let ids: Vec<u32> = (0..29).map(|i| (i * 7 + 3) % 41).collect();
+    for n_kv in [6, 2, 1] {
+        for layout in [RopeLayout::HalfSplit, RopeLayout::Interleaved] {
+            let cfg = config(n_kv, layout);
+            let model = Decoder::<B>::new(&cfg, 11, &Default::default()).unwrap();
+            let full = model.forward(tokens(&ids)).reshape([ids.len(), 41]); // [T, V]
+                                                                             // Prefill 5 tokens, then one at a time; block size 4 so that blocks fill and spill.
+            let mut cache = model.new_cache(1, 4);
+            let prefill = 5;
+            let h = model.forward_cached(tokens(&ids[..prefill]), &[prefill], &mut cache); // [1, 5, D]
+            let got = model.logits(h.reshape([prefill, cfg.d_model]));
+            let diff = max_abs_diff(got, full.clone().narrow(0, 0, prefill));
+            assert!(diff < 1e-4, "kv {n_kv} {layout:?} prefill: {diff}");
+            for i in prefill..ids.len() {
+                let h = model.forward_cached(tokens(&ids[i..i + 1]), &[1], &mut cache);
+                let got = model.logits(h.reshape([1, cfg.d_model]));
+                let diff = max_abs_diff(got, full.clone().narrow(0, i, 1));
+                assert!(diff < 1e-4, "kv {n_kv} {layout:?} step {i}: {diff}");
+            }
+            assert_eq!(cache.lens(), &[ids.len()]);
+            // 2 · L · K · Dh · 4 bytes per position; 8 blocks of 4 hold the 29 positions.
+            assert_eq!(cache.bytes_per_token(DType::F32), 2 * 3 * n_kv * 8 * 4);
+            assert_eq!(cache.allocated_bytes(), 8 * 4 * cache.bytes_per_token(DType::F32));
+        }
+    }
+}
+
+#[test]
+fn a_batch_of_prompts_generates_what_each_prompt_generates_alone() {
+    let cfg = config(2, RopeLayout::HalfSplit);
+    let model = Decoder::<B>::new(&cfg, 5, &Default::default()).unwrap();
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![7], vec![4, 9, 16, 25, 36, 8, 2], vec![30, 31]];
+    let greedy = || Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap();
+    let options = GenerateOptions { max_new_tokens: 12, stop_tokens: vec![], block_size: 4 };
+    let mut samplers: Vec<Sampler> = prompts.iter().map(|_| greedy()).collect();
+    let batch = generate_batch(&model, &prompts, &options, &mut samplers, |_, _| true).unwrap();
+    for (p, got) in prompts.iter().zip(&batch) {
+        let alone = generate_batch(&model, std::slice::from_ref(p), &options, &mut [greedy()], |_, _| true).unwrap();
+        assert_eq!(got, &alone[0], "prompt {p:?}");
+        // The uncached reference produces the same tokens too.
+        let reference = generate(&model, p, 12, &mut greedy(), |_| true).unwrap();
+        assert_eq!(got, &reference, "prompt {p:?} against the uncached path");
+        assert_eq!(got.len(), 12);
+    }
+}
+
+#[test]
+fn sequences_stop_on_their_own() {
+    let cfg = config(2, RopeLayout::HalfSplit);
+    let model = Decoder::<B>::new(&cfg, 5, &Default::default()).unwrap();
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![7, 8]];
+    let greedy = || Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap();
+    let free = GenerateOptions { max_new_tokens: 10, stop_tokens: vec![], block_size: 8 };
+    let runs = generate_batch(&model, &prompts, &free, &mut [greedy(), greedy()], |_, _| true).unwrap();
+    // Stop the first sequence at the third token of its free run; the second goes on unchanged.
+    let stop = runs[0][2];
+    let first_stop = runs[0].iter().position(|&t| t == stop).unwrap();
+    let options = GenerateOptions { stop_tokens: vec![stop], ..free.clone() };
+    let got = generate_batch(&model, &prompts, &options, &mut [greedy(), greedy()], |_, _| true).unwrap();
+    assert_eq!(got[0], runs[0][..=first_stop].to_vec());
+    let second_stop = runs[1].iter().position(|&t| t == stop).map_or(10, |i| i + 1);
+    assert_eq!(got[1], runs[1][..second_stop].to_vec());
+    // The callback can end one sequence early.
+    let got = generate_batch(&model, &prompts, &free, &mut [greedy(), greedy()], |b, _| b != 1).unwrap();
+    assert_eq!(got[1].len(), 1);
+    assert_eq!(got[0], runs[0]);
+    // A prompt longer than the context is an error that says so.
+    let long = vec![vec![1u32; 41]];
+    let e = generate_batch(&model, &long, &free, &mut [greedy()], |_, _| true).unwrap_err();
+    assert_eq!(e.to_string(), "prompt 0 has 41 tokens, more than the model's context of 40");
+    // Generation goes on past the context, from the last three quarters of it.
+    let near = vec![vec![1u32; 37]];
+    let long = GenerateOptions { max_new_tokens: 30, ..free.clone() };
+    let got = generate_batch(&model, &near, &long, &mut [greedy()], |_, _| true).unwrap();
+    assert_eq!(got[0].len(), 30);
+    // Up to the refill the tokens are those of a model with room to spare.
+    let roomy = Decoder::<B>::new(&ModelConfig { max_seq_len: 80, ..cfg.clone() }, 5, &Default::default()).unwrap();
+    let free_run = generate_batch(&roomy, &near, &long, &mut [greedy()], |_, _| true).unwrap();
+    assert_eq!(got[0][..4], free_run[0][..4]);
+}
