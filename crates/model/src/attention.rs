@@ -29,6 +29,8 @@ pub struct Attention<B: Backend> {
     n_kv_heads: usize,
     #[module(skip)]
     head_dim: usize,
+    #[module(skip)]
+    sliding_window: Option<usize>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -46,6 +48,7 @@ impl<B: Backend> Attention<B> {
             n_heads: h,
             n_kv_heads: k,
             head_dim: dh,
+            sliding_window: config.sliding_window,
         }
     }
 
@@ -57,6 +60,7 @@ impl<B: Backend> Attention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let x_device = x.device();
         let x = x.reshape([b * t, d]); // [B·T, D]
         let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2);
         let q = heads(self.q_proj.forward(x.clone(), compute), h); // [B, H, T, Dh]
@@ -66,13 +70,15 @@ impl<B: Backend> Attention<B> {
         let key = rope.apply(key, start);
         let key = repeat_kv(key, h / k); // [B, H, T, Dh]
         let v = repeat_kv(v, h / k); //     [B, H, T, Dh]
-        let o = if compute == DType::F32 {
+        let windowed = self.sliding_window.is_some_and(|w| w < t);
+        let o = if compute == DType::F32 && !windowed {
             // Causal with the mask aligned bottom-right: query i sees keys 0..=i (Burn's op, checked
             // in the causality test). Scale 1/sqrt(Dh) by default.
             let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
             attention(q, key, v, None, None, opts) // [B, H, T, Dh]
         } else {
-            causal_attention_mixed(q, key, v, compute)
+            let hidden = causal_mask::<B>(t, t, self.sliding_window, &x_device);
+            masked_attention(q, key, v, hidden, compute)
         };
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]); // [B·T, H·Dh]
         self.o_proj.forward(o, compute).reshape([b, t, d])
@@ -103,7 +109,7 @@ impl<B: Backend> Attention<B> {
         let key = rope.apply_rows(heads(self.k_proj.forward(x.clone(), compute), k), &starts); // [B, K, T, Dh]
         let v = heads(self.v_proj.forward(x, compute), k); // [B, K, T, Dh]
         let (key, v) = cache.append(layer, key, v); //         [B, K, S, Dh] post-RoPE, as stored
-        let hidden = cache.mask(t); //                          [B, 1, T, S]
+        let hidden = cache.mask(t, self.sliding_window); //     [B, 1, T, S]
         let o = masked_attention(q, repeat_kv(key, h / k), repeat_kv(v, h / k), hidden, compute); // [B, H, T, Dh]
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]);
         self.o_proj.forward(o, compute).reshape([b, t, d])
@@ -141,11 +147,23 @@ pub fn causal_attention_mixed<B: Backend>(
     v: Tensor<B, 4>,
     compute: DType,
 ) -> Tensor<B, 4> {
-    let t = q.dims()[2];
-    let s = k.dims()[2];
-    // true strictly above the diagonal shifted by S - T: key j is in the future of query i.
-    let future = Tensor::<B, 2, Bool>::tril_mask([t, s], (s - t) as i64, &q.device());
-    masked_attention(q, k, v, future.unsqueeze::<4>(), compute)
+    let hidden = causal_mask::<B>(q.dims()[2], k.dims()[2], None, &q.device());
+    masked_attention(q, k, v, hidden, compute)
+}
+
+/// The causal mask of `t` queries at the last `t` of `s` key positions, with an optional sliding
+/// window: key `j` is hidden from query `i` (at position `s - t + i`) when it is in the future or at
+/// least `window` positions back.
+///
+/// # Shapes
+/// -> `[1, 1, T, S]`, true where hidden
+pub fn causal_mask<B: Backend>(t: usize, s: usize, window: Option<usize>, device: &B::Device) -> Tensor<B, 4, Bool> {
+    let mut hidden = Vec::with_capacity(t * s);
+    for i in 0..t {
+        let pos = s - t + i;
+        hidden.extend((0..s).map(|j| j > pos || window.is_some_and(|w| pos - j >= w)));
+    }
+    Tensor::from_data(burn::tensor::TensorData::new(hidden, [1, 1, t, s]), device)
 }
 
 /// Shares each key/value head with its `rep` query heads: head `j` of the output is input head

@@ -18,6 +18,38 @@ pub enum RopeLayout {
     HalfSplit,
 }
 
+/// RoPE frequency scaling, as in Hugging Face's `rope_scaling`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (Chen et al., 2023, position interpolation).
+    Linear { factor: f64 },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+}
+
+impl RopeScaling {
+    /// Scales the inverse frequency of one channel pair (Hugging Face's `_compute_*_parameters`).
+    pub fn scale(&self, inv_freq: f64) -> f64 {
+        match *self {
+            Self::Linear { factor } => inv_freq / factor,
+            Self::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let old = original_max_position_embeddings as f64;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+                if wavelen < high_wavelen {
+                    inv_freq
+                } else if wavelen > low_wavelen {
+                    inv_freq / factor
+                } else {
+                    let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+                }
+            }
+        }
+    }
+}
+
 /// Architecture of a Llama-style decoder. Hugging Face `config.json` names in brackets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -47,6 +79,12 @@ pub struct ModelConfig {
     /// Which channels RoPE pairs up.
     #[serde(default)]
     pub rope_layout: RopeLayout,
+    /// Frequency scaling for contexts beyond the pretraining length [rope_scaling].
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Each query sees at most this many keys, itself included (Mistral v0.1: 4096) [sliding_window].
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
     /// RMSNorm epsilon [rms_norm_eps].
     #[serde(default = "default_norm_eps")]
     pub norm_eps: f64,
@@ -141,6 +179,25 @@ impl ModelConfig {
         if self.head_dim() % 2 != 0 {
             return Err(ConfigError::OddHeadDim(self.head_dim()));
         }
+        if self.sliding_window == Some(0) {
+            return Err(ConfigError::NotPositive { name: "sliding_window", value: 0.0 });
+        }
+        if let Some(scaling) = &self.rope_scaling {
+            let factors: Vec<(&'static str, f64)> = match *scaling {
+                RopeScaling::Linear { factor } => vec![("rope_scaling.factor", factor)],
+                RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                    vec![
+                        ("rope_scaling.factor", factor),
+                        ("rope_scaling.low_freq_factor", low_freq_factor),
+                        ("rope_scaling.high_freq_factor - low_freq_factor", high_freq_factor - low_freq_factor),
+                        ("rope_scaling.original_max_position_embeddings", original_max_position_embeddings as f64),
+                    ]
+                }
+            };
+            if let Some((name, value)) = factors.into_iter().find(|(_, v)| !(*v > 0.0 && v.is_finite())) {
+                return Err(ConfigError::NotPositive { name, value });
+            }
+        }
         for (name, value) in [("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps), ("init_std", self.init_std)]
         {
             if !(value > 0.0 && value.is_finite()) {
@@ -200,6 +257,8 @@ pub(crate) fn tiny_config() -> ModelConfig {
         max_seq_len: 32,
         rope_theta: 10_000.0,
         rope_layout: RopeLayout::HalfSplit,
+        rope_scaling: None,
+        sliding_window: None,
         norm_eps: 1e-5,
         qkv_bias: false,
         tie_embeddings: false,

@@ -12,6 +12,7 @@ use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
+use crate::to_dtype;
 
 #[derive(Module, Debug)]
 pub struct Decoder<B: Backend> {
@@ -34,8 +35,16 @@ impl<B: Backend> Decoder<B> {
     /// Builds a freshly initialised model: normal(0, init_std) everywhere, output projections scaled
     /// by 1/sqrt(2L), norm gains 1, biases 0. The same seed gives the same weights on every backend.
     pub fn new(config: &ModelConfig, seed: u64, device: &B::Device) -> Result<Self, ConfigError> {
+        Self::build(config, Init::new(seed), device)
+    }
+
+    /// A model with every weight zero (norm gains one), cheap to build: for loading weights into.
+    pub fn empty(config: &ModelConfig, device: &B::Device) -> Result<Self, ConfigError> {
+        Self::build(config, Init::zeros(), device)
+    }
+
+    fn build(config: &ModelConfig, mut init: Init, device: &B::Device) -> Result<Self, ConfigError> {
         config.validate()?;
-        let mut init = Init::new(seed);
         let (v, d) = (config.vocab_size, config.d_model);
         let embed_tokens = init.normal_param([v, d], config.init_std, device);
         let layers = (0..config.n_layers).map(|_| Block::new(config, &mut init, device)).collect();
@@ -45,7 +54,7 @@ impl<B: Backend> Decoder<B> {
             layers,
             norm: RmsNorm::new(d, config.norm_eps, device),
             lm_head,
-            rope: Rope::new(config.max_seq_len, config.head_dim(), config.rope_theta, config.rope_layout, device),
+            rope: Rope::from_config(config, device),
             config: config.clone(),
             compute: DType::F32,
         })
@@ -70,7 +79,7 @@ impl<B: Backend> Decoder<B> {
     /// # Shapes
     /// - tokens: `[B, T]` -> `[B, T, D]`, with `start + T <= max_seq_len`
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
-        let mut x = embedding(self.embed_tokens.val(), tokens); // [B, T, D]
+        let mut x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
         for layer in &self.layers {
             x = layer.forward(x, &self.rope, start, self.compute);
         }
@@ -92,7 +101,7 @@ impl<B: Backend> Decoder<B> {
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
         cache.begin(new_lens);
-        let mut x = embedding(self.embed_tokens.val(), tokens); // [B, T, D]
+        let mut x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward_cached(x, &self.rope, self.compute, cache, i);
         }
@@ -116,10 +125,29 @@ impl<B: Backend> Decoder<B> {
     /// # Shapes
     /// - hidden: `[N, D]` -> `[N, V]`
     pub fn logits(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
-        if self.compute == DType::F32 {
-            return hidden.matmul(self.head_weight());
+        let logits = to_dtype(hidden, self.compute).matmul(to_dtype(self.head_weight(), self.compute));
+        to_dtype(logits, DType::F32)
+    }
+
+    /// Stores every parameter in `dtype` (f32 for training; bf16 or f16 halves the memory of a model
+    /// used for inference). Computation keeps its own dtype: see [`Self::with_compute_dtype`].
+    pub fn with_param_dtype(self, dtype: DType) -> Self {
+        struct Cast(DType);
+        impl<B: Backend> burn::module::ModuleMapper<B> for Cast {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+                let dtype = self.0;
+                param.map(|t| {
+                    let require_grad = t.is_require_grad();
+                    let t = to_dtype(t, dtype).detach();
+                    if require_grad {
+                        t.require_grad()
+                    } else {
+                        t
+                    }
+                })
+            }
         }
-        hidden.cast(self.compute).matmul(self.head_weight().cast(self.compute)).cast(DType::F32)
+        self.map(&mut Cast(dtype))
     }
 
     /// Logits for every position.

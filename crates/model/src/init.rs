@@ -9,21 +9,28 @@ use rand_chacha::ChaCha8Rng;
 /// Seeded source of initial weights. ChaCha8's output is fixed by its specification, so a seed keeps
 /// meaning the same weights across `rand` releases.
 pub struct Init {
-    rng: ChaCha8Rng,
+    /// `None`: every weight is zero (a model about to be overwritten by loaded weights).
+    rng: Option<ChaCha8Rng>,
 }
 
 impl Init {
     pub fn new(seed: u64) -> Self {
-        Self { rng: ChaCha8Rng::seed_from_u64(seed) }
+        Self { rng: Some(ChaCha8Rng::seed_from_u64(seed)) }
+    }
+
+    /// Zeros instead of random draws: cheap for a model whose weights are loaded next.
+    pub fn zeros() -> Self {
+        Self { rng: None }
     }
 
     /// `n` draws from normal(0, std), by Box-Muller in f64.
     pub fn normal(&mut self, n: usize, std: f64) -> Vec<f32> {
+        let Some(rng) = self.rng.as_mut() else { return vec![0.0; n] };
         let mut out = Vec::with_capacity(n + 1);
         while out.len() < n {
             // u1 in (0, 1] keeps ln(u1) finite.
-            let u1: f64 = 1.0 - self.rng.random::<f64>();
-            let u2: f64 = self.rng.random::<f64>();
+            let u1: f64 = 1.0 - rng.random::<f64>();
+            let u2: f64 = rng.random::<f64>();
             let r = (-2.0 * u1.ln()).sqrt() * std;
             let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
             out.push((r * c) as f32);
@@ -40,6 +47,9 @@ impl Init {
         std: f64,
         device: &B::Device,
     ) -> Param<Tensor<B, D>> {
+        if self.rng.is_none() {
+            return Param::from_tensor(Tensor::zeros(shape, device));
+        }
         let values = self.normal(shape.iter().product(), std);
         Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
     }

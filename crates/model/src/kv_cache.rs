@@ -145,18 +145,20 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Which keys each new query may not see: key `j` is hidden from query `i` of row `b` unless it
-    /// is stored (`j < len_b + new_b`) and not in the query's future (`j <= len_b + i`).
+    /// is stored (`j < len_b + new_b`), not in the query's future (`j <= len_b + i`), and within the
+    /// sliding window if there is one (`len_b + i - j < window`).
     ///
     /// # Shapes
     /// -> `[B, 1, T, S]`, true where hidden
-    pub(crate) fn mask(&self, t: usize) -> Tensor<B, 4, Bool> {
+    pub(crate) fn mask(&self, t: usize, window: Option<usize>) -> Tensor<B, 4, Bool> {
         let b = self.batch();
         let s = (0..b).map(|i| self.lens[i] + self.pending[i]).max().unwrap_or(0).max(1);
         let mut hidden = Vec::with_capacity(b * t * s);
         for row in 0..b {
             let (start, total) = (self.lens[row], self.lens[row] + self.pending[row]);
             for i in 0..t {
-                hidden.extend((0..s).map(|j| !(j < total && j <= start + i)));
+                let pos = start + i;
+                hidden.extend((0..s).map(|j| !(j < total && j <= pos && window.is_none_or(|w| pos - j < w))));
             }
         }
         Tensor::from_data(TensorData::new(hidden, [b, 1, t, s]), &self.device)

@@ -18,9 +18,21 @@ pub mod sample;
 pub mod weights;
 
 pub use block::Block;
-pub use config::{ConfigError, ModelConfig, RopeLayout};
+pub use config::{ConfigError, ModelConfig, RopeLayout, RopeScaling};
 pub use decoder::Decoder;
 pub use kv_cache::KvCache;
+
+/// `x` in `dtype`, without a cast op when it already is.
+pub(crate) fn to_dtype<B: burn::tensor::backend::Backend, const D: usize>(
+    x: burn::tensor::Tensor<B, D>,
+    dtype: burn::tensor::DType,
+) -> burn::tensor::Tensor<B, D> {
+    if x.dtype() == dtype {
+        x
+    } else {
+        x.cast(dtype)
+    }
+}
 
 /// The backend the unit tests run on.
 #[cfg(test)]

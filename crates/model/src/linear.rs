@@ -5,6 +5,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
+use crate::to_dtype;
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -36,15 +37,9 @@ impl<B: Backend> Linear<B> {
     /// Callers fold leading dimensions into N: a 2-D GEMM avoids the batched-matmul broadcast and the
     /// per-batch reduction of the weight gradient.
     pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        let bias = self.bias.as_ref().map(|b| b.val());
-        if compute == DType::F32 {
-            return burn::tensor::module::linear(x, self.weight.val(), bias);
-        }
-        let y = burn::tensor::module::linear(
-            x.cast(compute),
-            self.weight.val().cast(compute),
-            bias.map(|b| b.cast(compute)),
-        );
-        y.cast(DType::F32)
+        let weight = to_dtype(self.weight.val(), compute);
+        let bias = self.bias.as_ref().map(|b| to_dtype(b.val(), compute));
+        let y = burn::tensor::module::linear(to_dtype(x, compute), weight, bias);
+        to_dtype(y, DType::F32)
     }
 }

@@ -27,7 +27,7 @@ impl<B: Backend> RmsNorm<B> {
         let inv_rms = x.clone().square().mean_dim(N - 1).add_scalar(self.eps).sqrt().recip(); // [..., 1]
         let normed = x * inv_rms;
         let normed = if dtype == DType::F32 { normed } else { normed.cast(dtype) };
-        normed * self.weight.val().unsqueeze::<N>()
+        normed * crate::to_dtype(self.weight.val(), dtype).unsqueeze::<N>()
     }
 }
 

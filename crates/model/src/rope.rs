@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Tensor, TensorData};
 
-use crate::config::RopeLayout;
+use crate::config::{ModelConfig, RopeLayout, RopeScaling};
 
 /// Precomputed cos/sin tables, `[T_max, Dh/2]`, and the pairing convention.
 #[derive(Module, Debug)]
@@ -19,12 +19,33 @@ impl<B: Backend> Rope<B> {
     /// Angles are computed in f64 on the host and stored in f32; low precision angles drift at long
     /// positions.
     pub fn new(max_seq_len: usize, head_dim: usize, theta: f64, layout: RopeLayout, device: &B::Device) -> Self {
+        Self::with_scaling(max_seq_len, head_dim, theta, layout, None, device)
+    }
+
+    /// The tables of a model config (its RoPE base, layout and scaling).
+    pub fn from_config(c: &ModelConfig, device: &B::Device) -> Self {
+        Self::with_scaling(c.max_seq_len, c.head_dim(), c.rope_theta, c.rope_layout, c.rope_scaling.as_ref(), device)
+    }
+
+    pub fn with_scaling(
+        max_seq_len: usize,
+        head_dim: usize,
+        theta: f64,
+        layout: RopeLayout,
+        scaling: Option<&RopeScaling>,
+        device: &B::Device,
+    ) -> Self {
         let half = head_dim / 2;
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| {
+                let f = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                scaling.map_or(f, |s| s.scale(f))
+            })
+            .collect();
         let mut cos = Vec::with_capacity(max_seq_len * half);
         let mut sin = Vec::with_capacity(max_seq_len * half);
         for pos in 0..max_seq_len {
-            for i in 0..half {
-                let inv_freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+            for &inv_freq in &inv_freq {
                 let (s, c) = (pos as f64 * inv_freq).sin_cos();
                 cos.push(c as f32);
                 sin.push(s as f32);

@@ -1,0 +1,200 @@
+//! Tiny random Llama, Qwen2 and Mistral models saved by transformers (tests/fixtures/hf, made by
+//! tests/fixtures/make_hf_fixtures.py): ember's logits and greedy tokens match transformers', exports
+//! round-trip, and damaged folders give errors that name the problem.
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::Flex;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use ember_hf::{export, import, Architecture};
+use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_model::weights::named_tensors;
+use ember_model::{Decoder, ModelConfig};
+use serde_json::Value;
+
+type B = Flex;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)
+}
+
+fn expected(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+fn logits(model: &Decoder<B>, ids: &[u32]) -> Vec<f32> {
+    let data: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &Default::default());
+    model.forward(tokens).into_data().to_vec::<f32>().unwrap()
+}
+
+fn greedy(model: &Decoder<B>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut s = [Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()];
+    let opts = GenerateOptions { max_new_tokens: n, stop_tokens: vec![], block_size: 16 };
+    generate_batch(model, &[prompt.to_vec()], &opts, &mut s, |_, _| true).unwrap().remove(0)
+}
+
+#[test]
+fn logits_and_greedy_tokens_match_transformers() {
+    for (name, arch) in
+        [("llama", Architecture::Llama), ("qwen2", Architecture::Qwen2), ("mistral", Architecture::Mistral)]
+    {
+        let want = expected(name);
+        let imported = import::<B>(&fixture(name), DType::F32, false, false, &Default::default()).unwrap();
+        assert_eq!(imported.architecture, arch);
+        assert!(imported.missing.is_empty() && imported.unused.is_empty());
+        let prompt = ids(&want["ids"]);
+        let got = logits(&imported.model, &prompt);
+        let reference: Vec<f32> =
+            want["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        assert_eq!(got.len(), reference.len());
+        let diff = got.iter().zip(&reference).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(diff < 1e-4, "{name}: max |ember - transformers| = {diff} (logits up to {scale})");
+        assert_eq!(greedy(&imported.model, &prompt, 20), ids(&want["generated"]), "{name}: greedy tokens");
+    }
+}
+
+#[test]
+fn fixture_features_are_the_ones_meant() {
+    let cfg = |n: &str| {
+        import::<B>(&fixture(n), DType::F32, false, false, &Default::default()).unwrap().model.config().clone()
+    };
+    let llama = cfg("llama");
+    assert!(matches!(llama.rope_scaling, Some(ember_model::RopeScaling::Llama3 { .. })), "{llama:?}");
+    assert!(fixture("llama").join("model.safetensors.index.json").is_file(), "sharded");
+    let qwen = cfg("qwen2");
+    assert!(qwen.qkv_bias && qwen.tie_embeddings && qwen.rope_theta == 1e6);
+    assert_eq!(cfg("mistral").sliding_window, Some(8));
+}
+
+#[test]
+fn export_then_import_gives_identical_tensors() {
+    for name in ["llama", "qwen2", "mistral"] {
+        let a = import::<B>(&fixture(name), DType::F32, false, false, &Default::default()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("export");
+        // A small shard limit: the Llama export is sharded too.
+        let report = export(&a.model, Some(&a.hf_config), &out, 64 * 1024).unwrap();
+        assert_eq!(report.architecture, a.architecture);
+        let b = import::<B>(&out, DType::F32, false, false, &Default::default()).unwrap();
+        assert_eq!(b.model.config(), a.model.config(), "{name}");
+        for ((ka, ta), (kb, tb)) in named_tensors::<B, _>(&a.model).into_iter().zip(named_tensors::<B, _>(&b.model)) {
+            assert_eq!(ka, kb);
+            assert!(ta.as_bytes() == tb.as_bytes(), "{name}: {ka} differs after the round trip");
+        }
+        // Token ids and other fields of the original config.json travel along.
+        let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["eos_token_id"], a.hf_config["eos_token_id"]);
+    }
+}
+
+#[test]
+fn interleaved_models_export_in_the_half_split_layout() {
+    // An ember model trained with interleaved RoPE exports as half-split: same logits after import.
+    let cfg = ModelConfig {
+        vocab_size: 50,
+        d_model: 32,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        head_dim: None,
+        d_ff: 64,
+        max_seq_len: 32,
+        rope_theta: 10_000.0,
+        rope_layout: ember_model::RopeLayout::Interleaved,
+        rope_scaling: None,
+        sliding_window: None,
+        norm_eps: 1e-5,
+        qkv_bias: true,
+        tie_embeddings: false,
+        init_std: 0.2,
+    };
+    let model = Decoder::<B>::new(&cfg, 4, &Default::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    export(&model, None, &dir.path().join("x"), u64::MAX).unwrap();
+    let back = import::<B>(&dir.path().join("x"), DType::F32, false, false, &Default::default()).unwrap();
+    assert_eq!(back.architecture, Architecture::Qwen2);
+    assert_eq!(back.model.config().rope_layout, ember_model::RopeLayout::HalfSplit);
+    let prompt: Vec<u32> = (0..20).map(|i| (i * 7) % 50).collect();
+    let (a, b) = (logits(&model, &prompt), logits(&back.model, &prompt));
+    let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff < 1e-4, "{diff}");
+}
+
+#[test]
+fn qwen25_05b_shapes_build_with_the_published_count() {
+    let text = r#"{"architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+        "max_position_embeddings": 32768, "num_attention_heads": 14, "num_hidden_layers": 24,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "vocab_size": 151936}"#;
+    let (cfg, _) = ember_hf::to_model_config(&serde_json::from_str(text).unwrap(), "config.json").unwrap();
+    // Only the first 64 positions of RoPE tables: the parameter count does not depend on them.
+    let cfg = ModelConfig { max_seq_len: 64, ..cfg };
+    let model = Decoder::<B>::empty(&cfg, &Default::default()).unwrap();
+    assert_eq!(burn::module::Module::num_params(&model), 494_032_768);
+}
+
+fn copy_fixture(name: &str, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
+fn import_err(dir: &Path) -> String {
+    match import::<B>(dir, DType::F32, false, false, &Default::default()) {
+        Ok(_) => panic!("{} imported", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn damaged_folders_give_errors_that_name_the_problem() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A missing shard.
+    let d = tmp.path().join("shard");
+    copy_fixture("llama", &d);
+    std::fs::remove_file(d.join("model-00002-of-00004.safetensors")).unwrap();
+    let e = import_err(&d);
+    assert!(
+        e.contains("model.safetensors.index.json: lists shard `model-00002-of-00004.safetensors`, which is missing"),
+        "{e}"
+    );
+    // A truncated file.
+    let d = tmp.path().join("trunc");
+    copy_fixture("qwen2", &d);
+    let bytes = std::fs::read(d.join("model.safetensors")).unwrap();
+    std::fs::write(d.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    let e = import_err(&d);
+    assert!(e.contains("model.safetensors: not a readable safetensors file") && e.contains("truncated"), "{e}");
+    // A tensor of the wrong shape: claim a wider model than the weights are.
+    let d = tmp.path().join("shape");
+    copy_fixture("mistral", &d);
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    cfg["intermediate_size"] = serde_json::json!(96);
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    let e = import_err(&d);
+    assert!(e.contains("`model.layers.0.mlp.down_proj.weight`: expected shape [64, 96], found [64, 128]"), "{e}");
+    // An unsupported architecture, named.
+    let d = tmp.path().join("arch");
+    copy_fixture("mistral", &d);
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    cfg["architectures"] = serde_json::json!(["PhiForCausalLM"]);
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    assert!(import_err(&d).contains("architecture `PhiForCausalLM` is not supported"));
+    // A tensor the model does not have: an error unless allowed.
+    let d = tmp.path().join("extra");
+    copy_fixture("qwen2", &d);
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = serde_json::json!(1);
+    std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
+    let e = import_err(&d);
+    assert!(e.contains("model.layers.1.") && e.contains("match no ember parameter"), "{e}");
+    assert!(import::<B>(&d, DType::F32, false, true, &Default::default()).is_ok());
+}
