@@ -12,7 +12,7 @@ pub mod shards;
 pub mod tokenizer;
 
 pub use error::DataError;
-pub use loader::{LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
+pub use loader::{Examples, LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
 pub use manifest::Manifest;
 pub use prepare::{prepare, Prepared};
 pub use shards::TokenShard;

@@ -15,12 +15,17 @@ use rand_chacha::ChaCha8Rng;
 use crate::error::{DataError, Result};
 use crate::shards::TokenShard;
 
-/// One training example: `target[i]` is the token after `input[i]`.
+/// One training example: `target[i]` is the token after `input[i]`, or `-1` where the position is
+/// not scored (a prompt token, padding).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Window {
     pub input: Vec<u32>,
-    pub target: Vec<u32>,
+    pub target: Vec<i32>,
 }
+
+/// A set of examples the trainer draws batches from: windows of a token stream, or packed
+/// fine-tuning examples.
+pub type Examples = Arc<dyn Dataset<Window>>;
 
 /// Every window of `seq_len + 1` consecutive tokens of a shard; item `i` starts at token `i`.
 #[derive(Debug, Clone)]
@@ -48,7 +53,7 @@ impl Dataset<Window> for TokenWindows {
     fn get(&self, index: usize) -> Option<Window> {
         let t = self.seq_len;
         let w = self.shard.tokens.get(index..index + t + 1)?;
-        Some(Window { input: w[..t].to_vec(), target: w[1..].to_vec() })
+        Some(Window { input: w[..t].to_vec(), target: w[1..].iter().map(|&x| x as i32).collect() })
     }
 
     fn len(&self) -> usize {
@@ -71,7 +76,7 @@ impl WindowSampler {
 
     pub fn batch<B: Backend>(
         &self,
-        data: &TokenWindows,
+        data: &dyn Dataset<Window>,
         stream: u64,
         batch_size: usize,
         device: &Device<B>,
@@ -98,11 +103,12 @@ pub struct LmBatcher;
 impl<B: Backend> Batcher<B, Window, LmBatch<B>> for LmBatcher {
     fn batch(&self, items: Vec<Window>, device: &Device<B>) -> LmBatch<B> {
         let (b, t) = (items.len(), items.first().map_or(0, |w| w.input.len()));
-        let stack = |f: fn(&Window) -> &Vec<u32>| {
-            let ids: Vec<i32> = items.iter().flat_map(|w| f(w).iter().map(|&x| x as i32)).collect();
-            Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), device)
-        };
-        LmBatch { inputs: stack(|w| &w.input), targets: stack(|w| &w.target) }
+        let inputs: Vec<i32> = items.iter().flat_map(|w| w.input.iter().map(|&x| x as i32)).collect();
+        let targets: Vec<i32> = items.iter().flat_map(|w| w.target.iter().copied()).collect();
+        LmBatch {
+            inputs: Tensor::from_data(TensorData::new(inputs, [b, t]), device),
+            targets: Tensor::from_data(TensorData::new(targets, [b, t]), device),
+        }
     }
 }
 

@@ -3,7 +3,7 @@
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::tensor::{ElementConversion, Tensor};
-use ember_data::{LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
+use ember_data::{LmBatch, LmBatcher, Window, WindowSampler};
 use ember_model::ops::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
 use ember_model::Decoder;
 
@@ -27,7 +27,7 @@ pub fn eval_seed(seed: u64, split: &str) -> u64 {
 /// are comparable across steps and runs).
 pub fn evaluate<B: EmberBackend>(
     model: &Decoder<B>,
-    data: &TokenWindows,
+    data: &dyn Dataset<Window>,
     seed: u64,
     iters: usize,
     batch_size: usize,
@@ -39,7 +39,7 @@ pub fn evaluate<B: EmberBackend>(
 }
 
 /// Mean loss of the windows starting at `starts`, as one batch (the training objective).
-pub fn windows_loss<B: EmberBackend>(model: &Decoder<B>, data: &TokenWindows, starts: &[usize]) -> f64 {
+pub fn windows_loss<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Window>, starts: &[usize]) -> f64 {
     let device = model.embed_tokens.device();
     let items = starts.iter().map(|&i| data.get(i).expect("window start in range")).collect();
     let batch = <LmBatcher as Batcher<B, Window, LmBatch<B>>>::batch(&LmBatcher, items, &device);

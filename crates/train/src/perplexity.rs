@@ -119,6 +119,8 @@ mod tests {
             max_seq_len,
             rope_theta: 10_000.0,
             rope_layout: Default::default(),
+            rope_scaling: None,
+            sliding_window: None,
             norm_eps: 1e-5,
             qkv_bias: false,
             tie_embeddings: false,

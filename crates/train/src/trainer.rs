@@ -9,7 +9,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Device, ElementConversion};
 use ember_data::fetch::Locations;
-use ember_data::{Prepared, TokenWindows, WindowSampler};
+use ember_data::{Examples, Tokenizer, TokenWindows, WindowSampler};
 use ember_model::ops::TrainBackend;
 use ember_model::weights::named_tensors;
 use ember_model::Decoder;
@@ -57,9 +57,9 @@ pub struct TrainSummary {
 /// Everything the loop reads but does not change.
 pub(crate) struct Setup {
     pub(crate) config: TrainConfig,
-    pub(crate) data: Prepared,
-    pub(crate) train: TokenWindows,
-    pub(crate) val: TokenWindows,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) train: Examples,
+    pub(crate) val: Examples,
 }
 
 /// Trains (or resumes) the run described by `config` in `opts.run_dir`.
@@ -90,7 +90,7 @@ pub fn train<B: TrainBackend>(
     let mut model = model.with_compute_dtype(dtype);
     std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
     ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
-    setup.data.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
+    setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
     let mut metrics = MetricsLog::open(run_dir, opts.resume.then_some(state.step))?;
 
     let t = &config.train;
@@ -103,7 +103,7 @@ pub fn train<B: TrainBackend>(
     let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     log_setup(config, dtype, &peak, tokens_per_step);
     if state.step == 0 {
-        let val = evaluate(&model.valid(), &setup.val, val_seed, t.eval_iters, t.batch_size);
+        let val = evaluate(&model.valid(), setup.val.as_ref(), val_seed, t.eval_iters, t.batch_size);
         tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (config.model.vocab_size as f64).ln());
     }
 
@@ -166,8 +166,8 @@ pub fn train<B: TrainBackend>(
             (window_time, window_tokens) = (Duration::ZERO, 0);
             if is_eval {
                 let inner = model.valid();
-                let tl = evaluate(&inner, &setup.train, train_seed, t.eval_iters, t.batch_size);
-                let vl = evaluate(&inner, &setup.val, val_seed, t.eval_iters, t.batch_size);
+                let tl = evaluate(&inner, setup.train.as_ref(), train_seed, t.eval_iters, t.batch_size);
+                let vl = evaluate(&inner, setup.val.as_ref(), val_seed, t.eval_iters, t.batch_size);
                 (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
                 state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
                 last_val = Some(vl);
@@ -190,7 +190,7 @@ pub fn train<B: TrainBackend>(
                 optimizer: optim.state_tensors(),
                 state: &state,
                 config,
-                tokenizer: &setup.data.tokenizer,
+                tokenizer: &setup.tokenizer,
             };
             let dir = checkpoint::save(run_dir, data, t.keep_checkpoints)?;
             bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
@@ -254,9 +254,9 @@ pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<
     }
     config.model.validate()?;
     let seq_len = config.seq_len();
-    let train = TokenWindows::new(Arc::new(data.train.clone()), seq_len, "train")?;
-    let val = TokenWindows::new(Arc::new(data.val.clone()), seq_len, "val")?;
-    Ok(Setup { config, data, train, val })
+    let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
+    let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
+    Ok(Setup { config, tokenizer: data.tokenizer, train, val })
 }
 
 type Restored<B> = (Decoder<B>, AdamW<B>, TrainState);
@@ -316,7 +316,7 @@ pub(crate) struct StepOutput {
 pub(crate) fn optimizer_step<B: TrainBackend>(
     model: Decoder<B>,
     optim: &mut AdamW<B>,
-    data: &TokenWindows,
+    data: &Examples,
     sampler: &WindowSampler,
     first_stream: u64,
     lr: f64,
@@ -342,7 +342,7 @@ pub(crate) fn optimizer_step<B: TrainBackend>(
 /// times `loss_scale`.
 fn forward_backward<B: TrainBackend>(
     model: &Decoder<B>,
-    data: &TokenWindows,
+    data: &Examples,
     sampler: &WindowSampler,
     first_stream: u64,
     config: &TrainConfig,
@@ -353,7 +353,7 @@ fn forward_backward<B: TrainBackend>(
     let mut grads = GradientsAccumulator::<Decoder<B>>::new();
     let mut loss_sum = 0.0;
     for micro in 0..accum as u64 {
-        let batch = sampler.batch(data, first_stream + micro, config.train.batch_size, device);
+        let batch = sampler.batch(data.as_ref(), first_stream + micro, config.train.batch_size, device);
         let loss = lm_loss(model, batch);
         let loss = if accum > 1 { loss.div_scalar(accum as f64) } else { loss };
         loss_sum += loss.clone().into_scalar().elem::<f64>();
