@@ -87,8 +87,13 @@ pub fn bench_train<B: TrainBackend>(
     let setup = prepare(config, locations)?;
     let config = &setup.config;
     let dtype = resolve_dtype::<B>(device, config);
-    let peak =
-        resolve_peak::<B::InnerBackend>(device, peak_source.device_name.as_deref(), dtype, peak_source.peak_tflops);
+    let peak = resolve_peak::<B::InnerBackend>(
+        device,
+        peak_source.device_name.as_deref(),
+        dtype,
+        peak_source.peak_tflops,
+        Some(locations.cache_dir.as_path()),
+    );
     let mut model = Decoder::<B>::new(&config.model, config.train.seed, device)?.with_compute_dtype(dtype);
     let mut optim = AdamW::<B>::new(config.optim.clone());
     let mut scaler = (dtype == DType::F16).then(LossScaler::default);
@@ -143,16 +148,20 @@ pub struct PeakBench {
     pub peak_flops: f64,
 }
 
-/// The best square-GEMM rate the backend reaches in `dtype`.
+/// The best square-GEMM rate the backend reaches in `dtype`, remembered in `cache` for MFU.
 pub fn bench_peak<B: Backend>(
     device: &Device<B>,
     device_label: &str,
     dtype: DType,
     sizes: &[usize],
     reps: usize,
+    cache: Option<&std::path::Path>,
 ) -> PeakBench {
     let gemms = measure_gemm::<B>(device, dtype, sizes, reps);
     let peak_flops = gemms.iter().map(|g| g.flops).fold(0.0, f64::max);
+    if let Some(dir) = cache {
+        crate::flops::store_peak(&dir.join(crate::flops::peak_cache_name::<B>(device, dtype)), peak_flops);
+    }
     PeakBench { device: device_label.to_string(), dtype: format!("{dtype:?}").to_lowercase(), gemms, peak_flops }
 }
 

@@ -2,6 +2,7 @@
 //! parameters that take part in matmuls. The peak comes from a table of dense peaks per GPU and
 //! dtype, from the user, or, on the CPU and unknown devices, from measuring the backend's best GEMM.
 
+use std::path::Path;
 use std::time::Instant;
 
 use burn::tensor::backend::Backend;
@@ -81,13 +82,15 @@ pub fn measure_gemm<B: Backend>(device: &Device<B>, dtype: DType, sizes: &[usize
         .collect()
 }
 
-/// The peak for MFU: `override_tflops`, else the table entry for `device_name`, else the best
-/// measured GEMM rate of the backend in `dtype`.
+/// The peak for MFU: `override_tflops`, else the table entry for `device_name`, else the GEMM peak
+/// measured on this machine: read from `cache` (written by `ember bench peak` or an earlier run),
+/// or measured now and cached, so that MFU is comparable across runs.
 pub fn resolve_peak<B: Backend>(
     device: &Device<B>,
     device_name: Option<&str>,
     dtype: DType,
     override_tflops: Option<f64>,
+    cache: Option<&Path>,
 ) -> Peak {
     if let Some(t) = override_tflops {
         return Peak { flops: t * 1e12, source: "--peak-tflops".into() };
@@ -95,9 +98,45 @@ pub fn resolve_peak<B: Backend>(
     if let Some(p) = device_name.and_then(|n| table_peak(n, dtype)) {
         return p;
     }
-    let rates = measure_gemm::<B>(device, dtype, &[1024, 2048], 3);
-    let best = rates.iter().max_by(|a, b| a.flops.total_cmp(&b.flops)).expect("two sizes");
+    let file = cache.map(|dir| dir.join(peak_cache_name::<B>(device, dtype)));
+    let cached = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()).and_then(|t| t.trim().parse::<f64>().ok());
+    if let Some(flops) = cached {
+        return Peak { flops, source: format!("measured earlier: best {dtype:?} GEMM on {}", B::name(device)) };
+    }
+    let rates = measure_gemm::<B>(device, dtype, &[512, 1024, 2048], 3);
+    let best = rates.iter().max_by(|a, b| a.flops.total_cmp(&b.flops)).expect("three sizes");
+    if let Some(f) = file {
+        store_peak(&f, best.flops);
+    }
     Peak { flops: best.flops, source: format!("measured: best {dtype:?} GEMM on {} ({}³)", B::name(device), best.n) }
+}
+
+/// The cache file of a measured peak: backend, dtype, CPU model and thread count in the name.
+pub fn peak_cache_name<B: Backend>(device: &Device<B>, dtype: DType) -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_default();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let key = format!("{}-{dtype:?}-{cpu}-{threads}", B::name(device));
+    let key: String = key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
+    format!("peak-{key}.txt")
+}
+
+/// Remembers a measured peak, keeping the higher of it and any earlier one: a peak is the best the
+/// machine reached (best effort: a cache that cannot be written is only a warning).
+pub fn store_peak(file: &Path, flops: f64) {
+    let earlier = std::fs::read_to_string(file).ok().and_then(|t| t.trim().parse::<f64>().ok()).unwrap_or(0.0);
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let written = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(file, format!("{}\n", flops.max(earlier))));
+    if let Err(e) = written {
+        tracing::warn!("cannot cache the measured peak in {}: {e}", file.display());
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Device, ElementConversion};
 use ember_data::fetch::Locations;
-use ember_data::{Examples, Tokenizer, TokenWindows, WindowSampler};
+use ember_data::{Examples, TokenWindows, Tokenizer, WindowSampler};
 use ember_model::ops::TrainBackend;
 use ember_model::weights::named_tensors;
 use ember_model::Decoder;
@@ -99,7 +99,14 @@ pub fn train<B: TrainBackend>(
     let tokens_per_step = config.tokens_per_step();
     let sampler = WindowSampler { seed: state.sampler_seed };
     let (train_seed, val_seed) = (eval_seed(t.seed, "train"), eval_seed(t.seed, "val"));
-    let peak = resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), dtype, opts.peak_tflops);
+    let peak_cache = opts.locations.cache_dir.clone();
+    let peak = resolve_peak::<B::InnerBackend>(
+        device,
+        opts.device_name.as_deref(),
+        dtype,
+        opts.peak_tflops,
+        Some(&peak_cache),
+    );
     let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     log_setup(config, dtype, &peak, tokens_per_step);
     if state.step == 0 {

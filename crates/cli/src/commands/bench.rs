@@ -137,7 +137,8 @@ impl BenchFn for PeakBenchFn {
     type Out = ember_train::bench::PeakBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
-        Ok(bench_peak::<B::InnerBackend>(device, name, a.dtype.dtype(), &a.sizes, a.reps))
+        let cache = Locations::from_env().cache_dir;
+        Ok(bench_peak::<B::InnerBackend>(device, name, a.dtype.dtype(), &a.sizes, a.reps, Some(&cache)))
     }
 }
 
