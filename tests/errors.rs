@@ -28,7 +28,7 @@ fn missing_dataset_file() {
     let s = Scratch::new();
     s.write("cfg.toml", &tiny_config(""));
     let o = s.ember(&["train", "--config", "cfg.toml"]);
-    assert_clean_error(&o, "corpus.txt: data.path: no such text file");
+    assert_clean_error(&o, "corpus.txt: data.path: no such file");
     let o = s.ember(&["prepare", "--data", "nowhere.txt", "--out", "p"]);
     assert_clean_error(&o, "nowhere.txt");
 }
@@ -48,12 +48,12 @@ fn a_directory_that_is_not_a_checkpoint() {
     let s = Scratch::new();
     std::fs::create_dir_all(s.path().join("empty")).unwrap();
     let o = s.ember(&["sample", "--checkpoint", "empty"]);
-    assert_clean_error(&o, "empty: not a checkpoint: no state.json");
+    assert_clean_error(&o, "empty: not a checkpoint: no model.toml");
     let o = s.ember(&["sample", "--checkpoint", "nonexistent"]);
     assert_clean_error(&o, "nonexistent: not a checkpoint: no such file or directory");
-    // A checkpoint folder with a damaged state file.
+    // A checkpoint folder with a damaged model.toml.
     std::fs::create_dir_all(s.path().join("broken")).unwrap();
-    s.write("broken/state.json", "{\"step\": ");
+    s.write("broken/model.toml", "d_model = ");
     let o = s.ember(&["sample", "--checkpoint", "broken"]);
     assert_clean_error(&o, "damaged checkpoint");
 }

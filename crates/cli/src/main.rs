@@ -29,6 +29,10 @@ enum Command {
     Sample(commands::sample::SampleArgs),
     /// Evaluate a checkpoint: `--perplexity` on a text file or a split.
     Eval(commands::eval::EvalArgs),
+    /// Read a Hugging Face model folder into a run directory.
+    Import(commands::hf::ImportArgs),
+    /// Write a run as a Hugging Face model folder.
+    Export(commands::hf::ExportArgs),
     /// Tokenize a text file into train/val token shards.
     Prepare(commands::prepare::PrepareArgs),
     /// Benchmarks (speed and memory).
@@ -56,6 +60,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(args) => commands::train::run(args),
         Command::Sample(args) => commands::sample::run(args),
         Command::Eval(args) => commands::eval::run(args),
+        Command::Import(args) => commands::hf::import(args),
+        Command::Export(args) => commands::hf::export(args),
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Bench(args) => commands::bench::run(args),
         Command::Backends => {

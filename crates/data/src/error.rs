@@ -4,8 +4,8 @@ use std::path::PathBuf;
 /// the file, key or value at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path}: invalid manifest: {message}")]
     Manifest { path: PathBuf, message: String },
     #[error("unknown dataset `{name}` (built in: {known}); give a text file with `data.path` instead")]
@@ -36,12 +36,14 @@ pub enum DataError {
     TooShort { split: String, tokens: usize, needed: usize },
     #[error("{0}")]
     Download(String),
+    #[error("{}:{line}: {message}", path.display())]
+    Jsonl { path: PathBuf, line: usize, message: String },
 }
 
 impl DataError {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> DataError {
         let path = path.into();
-        move |source| DataError::Io { path, source }
+        move |err| DataError::Io { path, err }
     }
 }
 

@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod fetch;
+pub mod finetune;
 pub mod loader;
 pub mod manifest;
 pub mod prepare;

@@ -181,6 +181,16 @@ impl Tokenizer {
         self.encode_reference(text)
     }
 
+    /// Encoding with the tokenizer's special-token template (a BOS for Llama tokenizers), for the
+    /// start of a document or prompt.
+    pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>> {
+        if self.chars.is_some() {
+            return self.encode(text);
+        }
+        let enc = self.inner.encode(text, true).map_err(|e| DataError::Tokenizer(format!("encoding: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Encoding through the `tokenizers` pipeline, whatever the vocabulary (the reference for the
     /// char-level table lookup).
     pub fn encode_reference(&self, text: &str) -> Result<Vec<u32>> {

@@ -3,8 +3,8 @@ use std::path::PathBuf;
 /// What can go wrong reading or writing a Hugging Face model folder; each names the file and key.
 #[derive(Debug, thiserror::Error)]
 pub enum HfError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{source_name}: {message}")]
     Config { source_name: String, message: String },
     #[error("{source_name}: missing field `{field}`")]
@@ -34,6 +34,6 @@ pub enum HfError {
 impl HfError {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> HfError {
         let path = path.into();
-        move |source| HfError::Io { path, source }
+        move |err| HfError::Io { path, err }
     }
 }

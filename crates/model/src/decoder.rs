@@ -10,6 +10,7 @@ use crate::config::{ConfigError, ModelConfig};
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
+use crate::lora::{FreezeBase, Lora, LoraConfig};
 use crate::norm::RmsNorm;
 use crate::rope::Rope;
 use crate::to_dtype;
@@ -129,6 +130,53 @@ impl<B: Backend> Decoder<B> {
         to_dtype(logits, DType::F32)
     }
 
+    /// Adds LoRA adapters to the projections `config.targets` names in every block and freezes
+    /// everything else; adapter `A` weights are drawn from `seed`.
+    pub fn with_lora(self, config: &LoraConfig, seed: u64) -> Self {
+        let device = self.embed_tokens.device();
+        let mut init = Init::new(seed);
+        let mut model = self.map(&mut FreezeBase::new());
+        for layer in model.layers.iter_mut() {
+            let att = &mut layer.self_attn;
+            let mlp = &mut layer.mlp;
+            let projections: [(&str, &mut Linear<B>); 7] = [
+                ("q_proj", &mut att.q_proj),
+                ("k_proj", &mut att.k_proj),
+                ("v_proj", &mut att.v_proj),
+                ("o_proj", &mut att.o_proj),
+                ("gate_proj", &mut mlp.gate_proj),
+                ("up_proj", &mut mlp.up_proj),
+                ("down_proj", &mut mlp.down_proj),
+            ];
+            for (name, lin) in projections {
+                if config.targets.iter().any(|t| t == name) {
+                    lin.lora = Some(Lora::new(&mut init, lin.d_in(), lin.d_out(), config, &device));
+                }
+            }
+        }
+        model
+    }
+
+    /// Whether any projection carries a LoRA adapter.
+    pub fn has_lora(&self) -> bool {
+        crate::weights::param_shapes::<B, _>(self).iter().any(|(k, _)| k.contains(".lora."))
+    }
+
+    /// Folds every adapter into its projection's weight.
+    pub fn merge_lora(mut self) -> Self {
+        for layer in self.layers.iter_mut() {
+            let att = &mut layer.self_attn;
+            for lin in [&mut att.q_proj, &mut att.k_proj, &mut att.v_proj, &mut att.o_proj] {
+                *lin = lin.clone().merge_lora();
+            }
+            let mlp = &mut layer.mlp;
+            for lin in [&mut mlp.gate_proj, &mut mlp.up_proj, &mut mlp.down_proj] {
+                *lin = lin.clone().merge_lora();
+            }
+        }
+        self
+    }
+
     /// Stores every parameter in `dtype` (f32 for training; bf16 or f16 halves the memory of a model
     /// used for inference). Computation keeps its own dtype: see [`Self::with_compute_dtype`].
     pub fn with_param_dtype(self, dtype: DType) -> Self {
@@ -165,6 +213,7 @@ impl<B: Backend> Decoder<B> {
 mod tests {
     use super::*;
     use crate::config::{tiny_config, RopeLayout};
+    use crate::lora::LoraConfig;
     use crate::rope::interleaved_to_half_split;
     use crate::TestBackend;
     use burn::tensor::{TensorData, Tolerance};
@@ -295,5 +344,46 @@ mod tests {
         let err = g32.iter().zip(&g16).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(err < 0.05 * max, "max |g_bf16 - g_f32| {err} against max |g| {max}");
         assert!(err > 0.0, "bf16 must actually change the arithmetic");
+    }
+
+    #[test]
+    fn lora_starts_at_the_base_model_trains_only_adapters_and_merges() {
+        use burn::backend::Autodiff;
+        type AB = Autodiff<B>;
+        let dev = Default::default();
+        let cfg = ModelConfig { init_std: 0.1, ..tiny_config() };
+        let lora = LoraConfig { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "down_proj".into()] };
+        let base = Decoder::<AB>::new(&cfg, 3, &dev).unwrap();
+        let ids: Vec<i32> = (0..10).map(|i| (i * 3) % 37).collect();
+        let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(ids, [1, 10]), &dev);
+        let adapted = base.clone().with_lora(&lora, 9);
+        assert!(adapted.has_lora() && !base.has_lora());
+        // B = 0: the adapted model is the base model.
+        let diff = (adapted.forward(tokens.clone()) - base.forward(tokens.clone())).abs().max().into_scalar();
+        assert_eq!(diff, 0.0);
+        // Only adapter weights get gradients.
+        let grads = adapted.forward(tokens.clone()).powi_scalar(2).mean().backward();
+        let l0 = &adapted.layers[0];
+        assert!(l0.self_attn.q_proj.weight.grad(&grads).is_none(), "base weights are frozen");
+        assert!(adapted.embed_tokens.grad(&grads).is_none());
+        assert!(l0.self_attn.q_proj.lora.as_ref().unwrap().lora_b.grad(&grads).is_some());
+        assert!(l0.self_attn.k_proj.lora.is_none(), "k_proj is not a target");
+        // With a non-zero B, merging gives the same logits without adapters.
+        let mut trained = adapted;
+        for layer in trained.layers.iter_mut() {
+            for lin in [&mut layer.self_attn.q_proj, &mut layer.mlp.down_proj] {
+                let l = lin.lora.as_mut().unwrap();
+                let shape = l.lora_b.dims();
+                l.lora_b =
+                    Param::from_tensor(Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 0.2), &dev));
+            }
+        }
+        let want = trained.forward(tokens.clone());
+        let merged = trained.clone().merge_lora();
+        assert!(!merged.has_lora());
+        let diff = (merged.forward(tokens.clone()) - want.clone()).abs().max().into_scalar();
+        assert!(diff < 1e-5, "merged vs adapters: {diff}");
+        let moved = (want - base.forward(tokens)).abs().max().into_scalar();
+        assert!(moved > 1e-3, "the adapters change the model");
     }
 }

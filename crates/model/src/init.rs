@@ -40,6 +40,21 @@ impl Init {
         out
     }
 
+    /// A trainable parameter drawn from uniform(-bound, bound).
+    pub fn uniform_param<B: Backend, const D: usize>(
+        &mut self,
+        shape: [usize; D],
+        bound: f64,
+        device: &B::Device,
+    ) -> Param<Tensor<B, D>> {
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = match self.rng.as_mut() {
+            Some(rng) => (0..n).map(|_| ((rng.random::<f64>() * 2.0 - 1.0) * bound) as f32).collect(),
+            None => vec![0.0; n],
+        };
+        Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+
     /// A trainable parameter drawn from normal(0, std).
     pub fn normal_param<B: Backend, const D: usize>(
         &mut self,

@@ -10,6 +10,7 @@ pub mod decoder;
 pub mod init;
 pub mod kv_cache;
 pub mod linear;
+pub mod lora;
 pub mod mlp;
 pub mod norm;
 pub mod ops;
@@ -21,6 +22,7 @@ pub use block::Block;
 pub use config::{ConfigError, ModelConfig, RopeLayout, RopeScaling};
 pub use decoder::Decoder;
 pub use kv_cache::KvCache;
+pub use lora::LoraConfig;
 
 /// `x` in `dtype`, without a cast op when it already is.
 pub(crate) fn to_dtype<B: burn::tensor::backend::Backend, const D: usize>(

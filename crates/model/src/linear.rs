@@ -5,6 +5,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
+use crate::lora::Lora;
 use crate::to_dtype;
 
 #[derive(Module, Debug)]
@@ -13,6 +14,8 @@ pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// `[out]`.
     pub bias: Option<Param<Tensor<B, 1>>>,
+    /// A low-rank adapter added to the output, when fine-tuning with LoRA.
+    pub lora: Option<Lora<B>>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -20,6 +23,7 @@ impl<B: Backend> Linear<B> {
         Self {
             weight: init.normal_param([d_in, d_out], std, device),
             bias: bias.then(|| const_param([d_out], 0.0, device)),
+            lora: None,
         }
     }
 
@@ -39,7 +43,26 @@ impl<B: Backend> Linear<B> {
     pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
         let weight = to_dtype(self.weight.val(), compute);
         let bias = self.bias.as_ref().map(|b| to_dtype(b.val(), compute));
-        let y = burn::tensor::module::linear(to_dtype(x, compute), weight, bias);
-        to_dtype(y, DType::F32)
+        let y = burn::tensor::module::linear(to_dtype(x.clone(), compute), weight, bias);
+        let y = to_dtype(y, DType::F32);
+        match &self.lora {
+            Some(lora) => y + lora.forward(x, compute),
+            None => y,
+        }
+    }
+
+    pub fn d_in(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    /// Folds the adapter into the weight (`W + (α/r)·A·B`) and drops it.
+    pub fn merge_lora(mut self) -> Self {
+        if let Some(lora) = self.lora.take() {
+            let (dtype, require_grad) = (self.weight.val().dtype(), self.weight.val().is_require_grad());
+            let merged = (to_dtype(self.weight.val(), DType::F32) + lora.delta()).detach();
+            let merged = to_dtype(merged, dtype);
+            self.weight = self.weight.map(|_| if require_grad { merged.require_grad() } else { merged });
+        }
+        self
     }
 }

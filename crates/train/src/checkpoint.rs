@@ -2,11 +2,14 @@
 //!
 //! ```text
 //! <run_dir>/checkpoints/step-000250/
-//!     model.safetensors      parameters by path, Burn layout (linear weights [in, out]), f32
-//!     optimizer.safetensors  AdamW moments, `<path>.exp_avg` / `<path>.exp_avg_sq`
-//!     state.json             step, LR schedule, sampler seed and data position, best val loss, clock
-//!     config.toml            the resolved training config
-//!     tokenizer.json
+//!     model.toml             the architecture (always)
+//!     model.safetensors      parameters by path, Burn layout (linear weights [in, out])
+//!       or adapter.safetensors   LoRA runs: the adapters only (the base is `init_from`)
+//!     tokenizer.json         (+ tokenizer_config.json / chat_template.jinja when the model has them)
+//!     hf_config.json         the Hugging Face config.json a model was imported from, if any
+//!     optimizer.safetensors  AdamW moments, `<path>.exp_avg` / `<path>.exp_avg_sq`   } training
+//!     state.json             step, LR schedule, sampler seed and data position, ...  } runs
+//!     config.toml            the resolved training config                             } only
 //! <run_dir>/checkpoints/latest   the name of the newest complete checkpoint
 //! ```
 //! A checkpoint is written in a temporary folder and renamed into place, then `latest` is replaced
@@ -17,21 +20,27 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{backend::Backend, Device, TensorData};
 use ember_data::Tokenizer;
-use ember_model::weights::{assign, from_safetensors, to_safetensors};
-use ember_model::Decoder;
+use ember_model::weights::{assign, from_safetensors, named_tensors, to_safetensors};
+use ember_model::{Decoder, ModelConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::init::InitSource;
 use crate::schedule::LrSchedule;
 
 pub const CHECKPOINTS: &str = "checkpoints";
 pub const LATEST: &str = "latest";
 pub const MODEL_FILE: &str = "model.safetensors";
+pub const ADAPTER_FILE: &str = "adapter.safetensors";
+pub const MODEL_CONFIG_FILE: &str = "model.toml";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "state.json";
 pub const CONFIG_FILE: &str = "config.toml";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const HF_CONFIG_FILE: &str = "hf_config.json";
+/// Files of a tokenizer folder that travel with tokenizer.json (the chat template).
+pub const TOKENIZER_EXTRAS: [&str; 2] = ["tokenizer_config.json", "chat_template.jinja"];
 const FORMAT_VERSION: u32 = 1;
 
 /// Loop state at the moment of the checkpoint.
@@ -72,24 +81,36 @@ impl TrainState {
     }
 }
 
-/// What goes into a checkpoint.
-pub struct CheckpointData<'a> {
-    pub model: Vec<(String, TensorData)>,
+/// The training-run part of a checkpoint.
+pub struct TrainingData<'a> {
     pub optimizer: Vec<(String, TensorData)>,
     pub state: &'a TrainState,
     pub config: &'a TrainConfig,
+}
+
+/// What goes into a checkpoint.
+pub struct CheckpointData<'a> {
+    pub step: usize,
+    pub model_config: &'a ModelConfig,
+    /// All parameters, or only the LoRA adapters (`adapters_only`).
+    pub weights: Vec<(String, TensorData)>,
+    pub adapters_only: bool,
     pub tokenizer: &'a Tokenizer,
+    /// Folder with the tokenizer's chat template files, copied along when present.
+    pub tokenizer_dir: Option<&'a Path>,
+    pub hf_config: Option<&'a serde_json::Value>,
+    pub training: Option<TrainingData<'a>>,
 }
 
 fn step_dir_name(step: usize) -> String {
     format!("step-{step:06}")
 }
 
-/// Writes a checkpoint of `data.state.step` and makes it the latest; keeps the newest `keep`.
+/// Writes a checkpoint of `data.step` and makes it the latest; keeps the newest `keep`.
 pub fn save(run_dir: &Path, data: CheckpointData<'_>, keep: usize) -> Result<PathBuf, TrainError> {
     let root = run_dir.join(CHECKPOINTS);
     std::fs::create_dir_all(&root).map_err(TrainError::io(&root))?;
-    let name = step_dir_name(data.state.step);
+    let name = step_dir_name(data.step);
     let tmp = root.join(format!(".{name}.tmp-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
@@ -99,16 +120,29 @@ pub fn save(run_dir: &Path, data: CheckpointData<'_>, keep: usize) -> Result<Pat
         Some(std::collections::HashMap::from([
             ("format".to_string(), "ember".to_string()),
             ("content".to_string(), kind.to_string()),
-            ("step".to_string(), data.state.step.to_string()),
+            ("step".to_string(), data.step.to_string()),
         ]))
     };
-    let files: [(&str, Vec<u8>); 5] = [
-        (MODEL_FILE, to_safetensors(&data.model, meta("model"))),
-        (OPTIMIZER_FILE, to_safetensors(&data.optimizer, meta("adamw"))),
-        (STATE_FILE, serde_json::to_vec_pretty(data.state).expect("state serialises")),
-        (CONFIG_FILE, data.config.to_toml().into_bytes()),
+    let weights_file = if data.adapters_only { ADAPTER_FILE } else { MODEL_FILE };
+    let model_toml = toml::to_string_pretty(data.model_config).expect("model config serialises");
+    let mut files: Vec<(&str, Vec<u8>)> = vec![
+        (weights_file, to_safetensors(&data.weights, meta("model"))),
+        (MODEL_CONFIG_FILE, model_toml.into_bytes()),
         (TOKENIZER_FILE, data.tokenizer.to_json()?.into_bytes()),
     ];
+    if let Some(hf) = data.hf_config {
+        files.push((HF_CONFIG_FILE, serde_json::to_vec_pretty(hf).expect("json serialises")));
+    }
+    if let Some(t) = &data.training {
+        files.push((OPTIMIZER_FILE, to_safetensors(&t.optimizer, meta("adamw"))));
+        files.push((STATE_FILE, serde_json::to_vec_pretty(t.state).expect("state serialises")));
+        files.push((CONFIG_FILE, t.config.to_toml().into_bytes()));
+    }
+    for extra in TOKENIZER_EXTRAS {
+        if let Some(src) = data.tokenizer_dir.map(|d| d.join(extra)).filter(|p| p.is_file()) {
+            files.push((extra, std::fs::read(&src).map_err(TrainError::io(&src))?));
+        }
+    }
     for (file, bytes) in files {
         ember_data::write_atomic(&tmp.join(file), &bytes)?;
     }
@@ -151,20 +185,20 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     if !path.is_dir() {
         return Err(not("a file, expected a run directory or a checkpoint folder".into()));
     }
-    if path.join(STATE_FILE).is_file() {
+    if path.join(MODEL_CONFIG_FILE).is_file() {
         return Ok(path.into());
     }
     let latest = path.join(CHECKPOINTS).join(LATEST);
     if latest.is_file() {
         let name = std::fs::read_to_string(&latest).map_err(TrainError::io(&latest))?;
         let dir = path.join(CHECKPOINTS).join(name.trim());
-        if dir.join(STATE_FILE).is_file() {
+        if dir.join(MODEL_CONFIG_FILE).is_file() {
             return Ok(dir);
         }
         return Err(not(format!("{} names `{}`, which is not a checkpoint", latest.display(), name.trim())));
     }
     Err(not(format!(
-        "no {STATE_FILE} (a checkpoint folder) and no {CHECKPOINTS}/{LATEST} (a run directory with checkpoints)"
+        "no {MODEL_CONFIG_FILE} (a checkpoint folder) and no {CHECKPOINTS}/{LATEST} (a run directory with checkpoints)"
     )))
 }
 
@@ -172,9 +206,11 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
 #[derive(Debug)]
 pub struct Checkpoint {
     pub dir: PathBuf,
-    pub state: TrainState,
-    pub config: TrainConfig,
+    pub model_config: ModelConfig,
     pub tokenizer: Tokenizer,
+    /// Present for checkpoints of training runs (not for `ember import`s).
+    pub state: Option<TrainState>,
+    pub config: Option<TrainConfig>,
 }
 
 impl Checkpoint {
@@ -182,35 +218,89 @@ impl Checkpoint {
     pub fn open(path: &Path) -> Result<Self, TrainError> {
         let dir = resolve(path)?;
         let damaged = |message: String| TrainError::Checkpoint { path: dir.clone(), message };
-        let state_path = dir.join(STATE_FILE);
-        let text = std::fs::read_to_string(&state_path).map_err(TrainError::io(&state_path))?;
-        let state: TrainState = serde_json::from_str(&text).map_err(|e| damaged(format!("{STATE_FILE}: {e}")))?;
-        if state.format_version != FORMAT_VERSION {
-            return Err(damaged(format!("format version {}, this ember reads {FORMAT_VERSION}", state.format_version)));
-        }
-        let config = TrainConfig::from_file(&dir.join(CONFIG_FILE))?;
+        let model_path = dir.join(MODEL_CONFIG_FILE);
+        let text = std::fs::read_to_string(&model_path).map_err(TrainError::io(&model_path))?;
+        let model_config: ModelConfig =
+            toml::from_str(&text).map_err(|e| damaged(format!("{MODEL_CONFIG_FILE}: {}", e.message())))?;
+        model_config.validate().map_err(|e| damaged(format!("{MODEL_CONFIG_FILE}: {e}")))?;
         let tokenizer = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?;
-        for file in [MODEL_FILE, OPTIMIZER_FILE] {
-            if !dir.join(file).is_file() {
-                return Err(damaged(format!("{file} is missing")));
+        let state = match std::fs::read_to_string(dir.join(STATE_FILE)) {
+            Ok(text) => {
+                let state: TrainState =
+                    serde_json::from_str(&text).map_err(|e| damaged(format!("{STATE_FILE}: {e}")))?;
+                if state.format_version != FORMAT_VERSION {
+                    return Err(damaged(format!(
+                        "format version {}, this ember reads {FORMAT_VERSION}",
+                        state.format_version
+                    )));
+                }
+                Some(state)
             }
+            Err(_) => None,
+        };
+        let config =
+            if dir.join(CONFIG_FILE).is_file() { Some(TrainConfig::from_file(&dir.join(CONFIG_FILE))?) } else { None };
+        if state.is_some() != config.is_some() {
+            return Err(damaged(format!("{STATE_FILE} and {CONFIG_FILE} come together")));
         }
-        Ok(Self { dir, state, config, tokenizer })
+        if !dir.join(MODEL_FILE).is_file() && !dir.join(ADAPTER_FILE).is_file() {
+            return Err(damaged(format!("neither {MODEL_FILE} nor {ADAPTER_FILE} is there")));
+        }
+        if state.is_some() && !dir.join(OPTIMIZER_FILE).is_file() {
+            return Err(damaged(format!("{OPTIMIZER_FILE} is missing")));
+        }
+        Ok(Self { dir, model_config, tokenizer, state, config })
     }
 
-    pub fn model_tensors(&self) -> Result<BTreeMap<String, TensorData>, TrainError> {
-        read_tensors(&self.dir.join(MODEL_FILE))
+    /// The training config, for what needs a training run's checkpoint.
+    pub fn train_config(&self) -> Result<&TrainConfig, TrainError> {
+        self.config.as_ref().ok_or_else(|| TrainError::Checkpoint {
+            path: self.dir.clone(),
+            message: "not a training run's checkpoint (no config.toml): it has no data or optimizer".into(),
+        })
     }
 
     pub fn optimizer_tensors(&self) -> Result<BTreeMap<String, TensorData>, TrainError> {
         read_tensors(&self.dir.join(OPTIMIZER_FILE))
     }
 
-    /// The decoder with this checkpoint's weights.
+    /// Whether the weights are LoRA adapters over the `init_from` model.
+    pub fn is_adapter(&self) -> bool {
+        self.dir.join(ADAPTER_FILE).is_file()
+    }
+
+    /// The Hugging Face config.json the model came from, if any.
+    pub fn hf_config(&self) -> Option<serde_json::Value> {
+        serde_json::from_str(&std::fs::read_to_string(self.dir.join(HF_CONFIG_FILE)).ok()?).ok()
+    }
+
+    /// The decoder with this checkpoint's weights (for a LoRA checkpoint: the base model with the
+    /// adapters attached).
     pub fn decoder<B: Backend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
-        let model = Decoder::new(&self.config.model, 0, device)?;
-        let path = self.dir.join(MODEL_FILE);
-        Ok(assign(model, self.model_tensors()?, &path.display().to_string(), false)?)
+        if !self.is_adapter() {
+            let model = Decoder::empty(&self.model_config, device)?;
+            let path = self.dir.join(MODEL_FILE);
+            return Ok(assign(model, read_tensors(&path)?, &path.display().to_string(), false)?);
+        }
+        let config = self.train_config()?;
+        let (Some(spec), Some(lora)) = (&config.init_from, &config.lora) else {
+            return Err(TrainError::Checkpoint {
+                path: self.dir.clone(),
+                message: format!("{ADAPTER_FILE} without init_from and [lora] in {CONFIG_FILE}"),
+            });
+        };
+        let base = InitSource::parse(spec)?.load::<B>(device)?.with_lora(lora, config.train.seed);
+        let path = self.dir.join(ADAPTER_FILE);
+        let mut values: BTreeMap<String, TensorData> = named_tensors::<B, _>(&base).into_iter().collect();
+        for (k, v) in read_tensors(&path)? {
+            if values.insert(k.clone(), v).is_none() {
+                return Err(TrainError::Checkpoint {
+                    path: path.clone(),
+                    message: format!("adapter `{k}` matches no parameter"),
+                });
+            }
+        }
+        Ok(assign(base, values, &path.display().to_string(), false)?)
     }
 }
 

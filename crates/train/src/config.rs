@@ -3,19 +3,27 @@
 
 use std::path::{Path, PathBuf};
 
-use ember_model::ModelConfig;
+use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::error::TrainError;
+use crate::init::InitSource;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig {
+    /// Start from pretrained weights: `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run
+    /// or checkpoint). `[model]` may then be left out: it comes from the source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<String>,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: LoopConfig,
     pub optim: OptimConfig,
     pub schedule: ScheduleConfig,
+    /// Fine-tune low-rank adapters instead of every weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraConfig>,
 }
 
 /// Where the text comes from and how it is tokenized.
@@ -28,16 +36,34 @@ pub struct DataConfig {
     /// Or a plain text file (relative paths are relative to the working directory).
     #[serde(default)]
     pub path: Option<PathBuf>,
-    /// `char`, `bpe`, `bpe:VOCAB` or a path to a tokenizer.json.
-    #[serde(default = "default_tokenizer")]
-    pub tokenizer: String,
-    /// Fraction of the text held out for validation; the dataset's manifest value when absent.
+    /// `char`, `bpe`, `bpe:VOCAB` or a path to a tokenizer.json [default: the `init_from` model's
+    /// tokenizer, else `char`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// `text` (a token stream cut into windows) or `jsonl` (fine-tuning examples: prompt/completion,
+    /// chat messages or text, packed, loss on completions only) [default: from the file extension].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<DataFormat>,
+    /// Fraction of the text (or of the examples) held out for validation; the dataset's manifest
+    /// value when absent.
     #[serde(default)]
     pub val_fraction: Option<f64>,
 }
 
-fn default_tokenizer() -> String {
-    "char".into()
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    Text,
+    Jsonl,
+}
+
+impl DataConfig {
+    pub fn format(&self) -> DataFormat {
+        self.format.unwrap_or(match &self.path {
+            Some(p) if p.extension().is_some_and(|e| e == "jsonl") => DataFormat::Jsonl,
+            _ => DataFormat::Text,
+        })
+    }
 }
 
 /// The loop: batch shape, length, and how often to log, evaluate and checkpoint.
@@ -175,11 +201,29 @@ pub struct ScheduleConfig {
 impl TrainConfig {
     /// Parses and validates a config file; errors name the file and the key.
     pub fn from_file(path: &Path) -> Result<Self, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
         Self::from_toml(&text, path)
     }
 
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, TrainError> {
+        let syntax = |e: toml::de::Error| TrainError::Config {
+            path: path.into(),
+            message: e.message().to_string(),
+            key: toml_key(text, e.span()),
+        };
+        let mut raw: toml::Table = toml::from_str(text).map_err(syntax)?;
+        // With `init_from` and no [model], the architecture comes from the starting model: the
+        // config is parsed again with it filled in (errors still name section and key).
+        let filled;
+        let text = match raw.get("init_from").and_then(toml::Value::as_str) {
+            Some(spec) if !raw.contains_key("model") => {
+                let model = InitSource::parse(spec)?.model_config()?;
+                raw.insert("model".into(), toml::Value::try_from(&model).expect("model config as TOML"));
+                filled = toml::to_string(&raw).expect("table as TOML");
+                filled.as_str()
+            }
+            _ => text,
+        };
         let config: TrainConfig = toml::from_str(text).map_err(|e| TrainError::Config {
             path: path.into(),
             message: e.message().to_string(),
@@ -187,6 +231,25 @@ impl TrainConfig {
         })?;
         config.validate().map_err(|message| TrainError::Config { path: path.into(), message, key: None })?;
         Ok(config)
+    }
+
+    /// Makes the paths of the config absolute (relative ones are relative to the working
+    /// directory), so that the copy saved in a run directory works from anywhere.
+    pub fn absolutize_paths(&mut self) {
+        let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+        if let Some(p) = &self.data.path {
+            self.data.path = Some(abs(p));
+        }
+        if let Some(t) = &self.data.tokenizer {
+            if t.ends_with(".json") {
+                self.data.tokenizer = Some(abs(Path::new(t)).display().to_string());
+            }
+        }
+        if let Some(spec) = &self.init_from {
+            if let Some((kind, dir)) = spec.split_once(':') {
+                self.init_from = Some(format!("{kind}:{}", abs(Path::new(dir)).display()));
+            }
+        }
     }
 
     pub fn to_toml(&self) -> String {
@@ -208,7 +271,19 @@ impl TrainConfig {
 
     /// Rules within and across sections. The model's own rules run once the vocabulary is known.
     pub fn validate(&self) -> Result<(), String> {
+        if let Some(spec) = &self.init_from {
+            InitSource::parse(spec).map_err(|e| e.to_string())?;
+        }
+        if let Some(lora) = &self.lora {
+            lora.validate()?;
+            if self.init_from.is_none() {
+                return Err("lora: adapters fine-tune a pretrained model; set init_from".into());
+            }
+        }
         let d = &self.data;
+        if d.format() == DataFormat::Jsonl && d.path.is_none() {
+            return Err("data.format = \"jsonl\" needs data.path".into());
+        }
         match (&d.dataset, &d.path) {
             (None, None) => return Err("data: set `dataset` (a built-in name) or `path` (a text file)".into()),
             (Some(_), Some(_)) => return Err("data: set only one of `dataset` and `path`".into()),

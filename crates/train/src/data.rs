@@ -1,13 +1,17 @@
-//! The training data of a config: find the text, tokenize it into cached shards.
+//! The data of a training config: a token stream cut into windows (`format = "text"`), or packed
+//! fine-tuning examples (`format = "jsonl"`), with the tokenizer that made them.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use ember_data::fetch::{locate, Locations};
+use ember_data::finetune::{encode, read_jsonl, ChatTemplate, PackedExamples};
 use ember_data::prepare::prepare_cached;
-use ember_data::{Manifest, Prepared, TokenizerSpec};
+use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, TokenizerSpec};
 
-use crate::config::DataConfig;
+use crate::config::{DataConfig, DataFormat, TrainConfig};
 use crate::error::TrainError;
+use crate::init::InitSource;
 
 /// The text file a data config names, found or downloaded, and its validation fraction.
 pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBuf, f64), TrainError> {
@@ -21,7 +25,7 @@ pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBu
             if !path.is_file() {
                 return Err(TrainError::Io {
                     path: path.clone(),
-                    source: std::io::Error::new(std::io::ErrorKind::NotFound, "data.path: no such text file"),
+                    err: std::io::Error::new(std::io::ErrorKind::NotFound, "data.path: no such file"),
                 });
             }
             Ok((path.clone(), config.val_fraction.unwrap_or(0.1)))
@@ -30,10 +34,93 @@ pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBu
     }
 }
 
-/// Train/val shards and the tokenizer, prepared under `<cache>/prepared/`.
-pub fn load(config: &DataConfig, locations: &Locations) -> Result<Prepared, TrainError> {
-    let (path, val_fraction) = text_source(config, locations)?;
-    let spec: TokenizerSpec = config.tokenizer.parse()?;
-    let root: &Path = &locations.cache_dir.join("prepared");
-    Ok(prepare_cached(&path, &spec, val_fraction, root)?)
+/// Train and validation examples with their tokenizer.
+pub struct LoadedData {
+    pub tokenizer: Tokenizer,
+    /// The folder of a pretrained model's tokenizer (its chat template travels to checkpoints).
+    pub tokenizer_dir: Option<PathBuf>,
+    pub train: Examples,
+    pub val: Examples,
+    /// Tokens in the train and val splits (scored targets, for fine-tuning data).
+    pub tokens: (usize, usize),
+}
+
+/// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's, else `char`.
+fn tokenizer_spec(config: &TrainConfig) -> Result<(TokenizerSpec, Option<PathBuf>), TrainError> {
+    if let Some(t) = &config.data.tokenizer {
+        return Ok((t.parse()?, None));
+    }
+    match &config.init_from {
+        Some(spec) => {
+            let dir = InitSource::parse(spec)?.tokenizer_dir()?;
+            Ok((TokenizerSpec::File(dir.join("tokenizer.json")), Some(dir)))
+        }
+        None => Ok((TokenizerSpec::Char, None)),
+    }
+}
+
+/// Loads (and caches the token shards of) the data of `config`, in windows of `config.seq_len()`.
+pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, TrainError> {
+    let (path, val_fraction) = text_source(&config.data, locations)?;
+    let (spec, tokenizer_dir) = tokenizer_spec(config)?;
+    let seq_len = config.seq_len();
+    match config.data.format() {
+        DataFormat::Text => {
+            let root: &Path = &locations.cache_dir.join("prepared");
+            let data = prepare_cached(&path, &spec, val_fraction, root)?;
+            let tokens = (data.train.tokens.len(), data.val.tokens.len());
+            let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
+            let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
+            Ok(LoadedData { tokenizer: data.tokenizer, tokenizer_dir, train, val, tokens })
+        }
+        DataFormat::Jsonl => {
+            let tokenizer = match &spec {
+                TokenizerSpec::File(p) => Tokenizer::from_file(p)?,
+                other => {
+                    return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into())
+                }
+            };
+            let records = read_jsonl(&path)?;
+            if records.len() < 2 {
+                return Err(DataError::Jsonl {
+                    path,
+                    line: records.len(),
+                    message: "need at least 2 examples (train and val)".into(),
+                }
+                .into());
+            }
+            let n_val = ((records.len() as f64 * val_fraction).round() as usize).clamp(1, records.len() - 1);
+            let template = match &tokenizer_dir {
+                Some(dir) => ChatTemplate::from_dir(dir)?,
+                None => None,
+            };
+            let examples = encode(&records, &tokenizer, template.as_ref())?;
+            let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
+            let pad = tokenizer.eos_id().unwrap_or(0);
+            let train = PackedExamples::new(train_ex, seq_len, pad);
+            let val = PackedExamples::new(val_ex, seq_len, pad);
+            for (split, set) in [("train", &train), ("val", &val)] {
+                if burn::data::dataset::Dataset::len(set) == 0 {
+                    return Err(DataError::TooShort { split: split.into(), tokens: 0, needed: 1 }.into());
+                }
+            }
+            let tokens = (train.scored_tokens(), val.scored_tokens());
+            tracing::info!(
+                train_examples = train_ex.len(),
+                val_examples = val_ex.len(),
+                train_scored_tokens = tokens.0,
+                "packed fine-tuning examples from {}",
+                path.display()
+            );
+            Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val), tokens })
+        }
+    }
+}
+
+/// The token stream of a split of a text config (for `ember eval --data train|val`).
+pub fn split_tokens(config: &TrainConfig, locations: &Locations, split: &str) -> Result<Vec<u32>, TrainError> {
+    let (path, val_fraction) = text_source(&config.data, locations)?;
+    let (spec, _) = tokenizer_spec(config)?;
+    let data = prepare_cached(&path, &spec, val_fraction, &locations.cache_dir.join("prepared"))?;
+    Ok(if split == "train" { data.train.tokens } else { data.val.tokens })
 }

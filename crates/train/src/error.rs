@@ -6,8 +6,8 @@ use ember_model::ConfigError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{}: {}{message}", path.display(), key.as_ref().map(|k| format!("{k}: ")).unwrap_or_default())]
     Config { path: PathBuf, key: Option<String>, message: String },
     #[error(transparent)]
@@ -29,6 +29,8 @@ pub enum TrainError {
     Resume { path: PathBuf, message: String },
     #[error("training diverged at step {step}: loss is {loss}; lower schedule.lr or set optim.grad_clip")]
     Diverged { step: usize, loss: f64 },
+    #[error("init_from = \"{spec}\": {message}")]
+    InitFrom { spec: String, message: String },
     #[error("model.vocab_size ({config}) is smaller than the tokenizer's vocabulary ({tokenizer})")]
     VocabTooSmall { config: usize, tokenizer: usize },
 }
@@ -36,6 +38,6 @@ pub enum TrainError {
 impl TrainError {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> TrainError {
         let path = path.into();
-        move |source| TrainError::Io { path, source }
+        move |err| TrainError::Io { path, err }
     }
 }

@@ -10,6 +10,7 @@ pub mod data;
 pub mod error;
 pub mod eval;
 pub mod flops;
+pub mod init;
 pub mod metrics;
 pub mod optim;
 pub mod perplexity;

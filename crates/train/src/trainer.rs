@@ -2,24 +2,24 @@
 //! accumulate) -> global-norm clip -> AdamW -> log -> maybe evaluate / checkpoint -> stop.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Device, ElementConversion};
 use ember_data::fetch::Locations;
-use ember_data::{Examples, TokenWindows, Tokenizer, WindowSampler};
+use ember_data::{Examples, Tokenizer, WindowSampler};
 use ember_model::ops::TrainBackend;
 use ember_model::weights::named_tensors;
 use ember_model::Decoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, CONFIG_FILE, TOKENIZER_FILE};
+use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, TrainingData, CONFIG_FILE, TOKENIZER_FILE};
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate, lm_loss};
 use crate::flops::{mfu, resolve_peak, Peak};
+use crate::init::InitSource;
 use crate::metrics::{MetricsLog, StepRecord, METRICS_FILE};
 use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
 use crate::precision::{compute_dtype, LossScaler};
@@ -58,6 +58,8 @@ pub struct TrainSummary {
 pub(crate) struct Setup {
     pub(crate) config: TrainConfig,
     pub(crate) tokenizer: Tokenizer,
+    pub(crate) tokenizer_dir: Option<PathBuf>,
+    pub(crate) hf_config: Option<serde_json::Value>,
     pub(crate) train: Examples,
     pub(crate) val: Examples,
 }
@@ -82,7 +84,7 @@ pub fn train<B: TrainBackend>(
         {
             return Err(TrainError::RunExists { path: run_dir.clone() });
         }
-        let model = Decoder::<B>::new(&config.model, config.train.seed, device)?;
+        let model = initial_model::<B>(config, device)?;
         let mut state = TrainState::new(0, schedule, config.train.seed, 0);
         state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
         (model, AdamW::<B>::new(config.optim.clone()), state)
@@ -192,12 +194,17 @@ pub fn train<B: TrainBackend>(
         if periodic || step == stop {
             state.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
             state.optimizer_steps = optim.steps();
+            let lora = config.lora.is_some();
+            let weights = named_tensors(&model).into_iter().filter(|(k, _)| !lora || k.contains(".lora.")).collect();
             let data = CheckpointData {
-                model: named_tensors(&model),
-                optimizer: optim.state_tensors(),
-                state: &state,
-                config,
+                step,
+                model_config: model.config(),
+                weights,
+                adapters_only: lora,
                 tokenizer: &setup.tokenizer,
+                tokenizer_dir: setup.tokenizer_dir.as_deref(),
+                hf_config: setup.hf_config.as_ref(),
+                training: Some(TrainingData { optimizer: optim.state_tensors(), state: &state, config }),
             };
             let dir = checkpoint::save(run_dir, data, t.keep_checkpoints)?;
             bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
@@ -252,7 +259,8 @@ fn log_setup(config: &TrainConfig, dtype: DType, peak: &Peak, tokens_per_step: u
 
 /// Finds the data, fills in the vocabulary size and checks that both splits hold a window.
 pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<Setup, TrainError> {
-    let data = crate::data::load(&config.data, locations)?;
+    config.absolutize_paths();
+    let data = crate::data::load(&config, locations)?;
     let vocab = data.tokenizer.vocab_size();
     if config.model.vocab_size == 0 {
         config.model.vocab_size = vocab;
@@ -260,10 +268,39 @@ pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<
         return Err(TrainError::VocabTooSmall { config: config.model.vocab_size, tokenizer: vocab });
     }
     config.model.validate()?;
-    let seq_len = config.seq_len();
-    let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
-    let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
-    Ok(Setup { config, tokenizer: data.tokenizer, train, val })
+    let hf_config = match &config.init_from {
+        Some(spec) => InitSource::parse(spec)?.hf_config(),
+        None => None,
+    };
+    Ok(Setup {
+        config,
+        tokenizer: data.tokenizer,
+        tokenizer_dir: data.tokenizer_dir,
+        hf_config,
+        train: data.train,
+        val: data.val,
+    })
+}
+
+/// The model a fresh run starts from: random weights, or `init_from`'s (with LoRA adapters when
+/// configured, everything else frozen).
+fn initial_model<B: TrainBackend>(config: &TrainConfig, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    let Some(spec) = &config.init_from else {
+        return Ok(Decoder::<B>::new(&config.model, config.train.seed, device)?);
+    };
+    let source = InitSource::parse(spec)?;
+    let model = source.load::<B>(device)?;
+    if model.config() != &config.model {
+        return Err(TrainError::InitFrom {
+            spec: spec.clone(),
+            message: "its architecture differs from the config's [model]; leave [model] out to take the model's".into(),
+        });
+    }
+    B::seed(device, config.train.seed);
+    Ok(match &config.lora {
+        Some(lora) => model.with_lora(lora, config.train.seed),
+        None => model,
+    })
 }
 
 type Restored<B> = (Decoder<B>, AdamW<B>, TrainState);
@@ -272,12 +309,20 @@ type Restored<B> = (Decoder<B>, AdamW<B>, TrainState);
 /// config describes the same run.
 fn resume<B: TrainBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) -> Result<Restored<B>, TrainError> {
     let ckpt = Checkpoint::open(run_dir)?;
-    let (ours, theirs) = (&setup.config, &ckpt.config);
+    let (Some(theirs), Some(state)) = (ckpt.config.clone(), ckpt.state.clone()) else {
+        return Err(TrainError::Resume {
+            path: ckpt.dir.clone(),
+            message: "not a training checkpoint (an import?): start a run from it with init_from = \"run:DIR\"".into(),
+        });
+    };
+    let (ours, theirs) = (&setup.config, &theirs);
     let same_run = [
         ("model", ours.model == theirs.model),
         ("data", ours.data == theirs.data),
         ("optim", ours.optim == theirs.optim),
         ("schedule", ours.schedule == theirs.schedule),
+        ("lora", ours.lora == theirs.lora),
+        ("init_from", ours.init_from == theirs.init_from),
         (
             "train (batch_size, seq_len, grad_accum_steps, seed, precision)",
             (ours.train.batch_size, ours.seq_len(), ours.train.grad_accum_steps, ours.train.seed, ours.train.precision)
@@ -301,10 +346,10 @@ fn resume<B: TrainBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) ->
     let model = ckpt.decoder::<B>(device)?;
     let mut optim = AdamW::<B>::new(ours.optim.clone());
     optim
-        .load_state(&model, ckpt.optimizer_tensors()?, ckpt.state.optimizer_steps, device)
+        .load_state(&model, ckpt.optimizer_tensors()?, state.optimizer_steps, device)
         .map_err(|message| TrainError::Checkpoint { path: ckpt.dir.clone(), message })?;
-    tracing::info!(step = ckpt.state.step, dir = %ckpt.dir.display(), "resuming");
-    Ok((model, optim, ckpt.state))
+    tracing::info!(step = state.step, dir = %ckpt.dir.display(), "resuming");
+    Ok((model, optim, state))
 }
 
 pub(crate) struct StepOutput {

@@ -216,7 +216,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         BenchCommand::Decode(a) => {
             let checkpoint = Checkpoint::open(&a.checkpoint)?;
-            let max = checkpoint.config.model.max_seq_len;
+            let max = checkpoint.model_config.max_seq_len;
             if let Some(c) = a.contexts.iter().find(|&&c| c == 0 || c + a.new_tokens.max(a.uncached_tokens) > max) {
                 anyhow::bail!(
                     "context {c} plus {} generated tokens does not fit the model's max_seq_len of {max}",

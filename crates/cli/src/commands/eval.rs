@@ -58,7 +58,7 @@ impl Job for EvalJob {
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let checkpoint = Checkpoint::open(&args.checkpoint)
         .with_context(|| format!("opening checkpoint {}", args.checkpoint.display()))?;
-    let max = checkpoint.config.model.max_seq_len;
+    let max = checkpoint.model_config.max_seq_len;
     let context = args.context.unwrap_or(max);
     anyhow::ensure!(
         context >= 1 && context <= max,
@@ -69,13 +69,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let tokenizer = &checkpoint.tokenizer;
     let tokens = match args.data.as_str() {
         split @ ("train" | "val") => {
-            let data = ember_train::data::load(&checkpoint.config.data, &Locations::from_env())
-                .with_context(|| format!("loading the {split} split of the checkpoint's data"))?;
-            if split == "train" {
-                data.train.tokens
-            } else {
-                data.val.tokens
-            }
+            let config = checkpoint.train_config()?;
+            ember_train::data::split_tokens(config, &Locations::from_env(), split)
+                .with_context(|| format!("loading the {split} split of the checkpoint's data"))?
         }
         path => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;

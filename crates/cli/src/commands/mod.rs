@@ -1,5 +1,6 @@
 pub mod bench;
 pub mod eval;
+pub mod hf;
 pub mod prepare;
 pub mod sample;
 pub mod train;

@@ -172,8 +172,8 @@ fn options(args: &SampleArgs, tokenizer: &Tokenizer) -> GenerateOptions {
 }
 
 pub fn run(args: SampleArgs) -> anyhow::Result<()> {
-    let checkpoint = Checkpoint::open(&args.checkpoint)
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint.display()))?;
+    // The error names the folder.
+    let checkpoint = Checkpoint::open(&args.checkpoint)?;
     let device = args.device;
     dispatch(device, false, SampleJob { args, checkpoint })
 }

@@ -1,0 +1,85 @@
+//! Where a fine-tuning run starts: `init_from = "hf:DIR"` (a Hugging Face model folder) or
+//! `init_from = "run:DIR"` (an ember run directory or checkpoint, e.g. one made by `ember import`).
+
+use std::path::PathBuf;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Device};
+use ember_model::{Decoder, ModelConfig};
+
+use crate::checkpoint::Checkpoint;
+use crate::error::TrainError;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum InitSource {
+    Hf(PathBuf),
+    Run(PathBuf),
+}
+
+impl InitSource {
+    pub fn parse(spec: &str) -> Result<Self, TrainError> {
+        match spec.split_once(':') {
+            Some(("hf", dir)) if !dir.is_empty() => Ok(Self::Hf(dir.into())),
+            Some(("run", dir)) if !dir.is_empty() => Ok(Self::Run(dir.into())),
+            _ => Err(TrainError::InitFrom {
+                spec: spec.into(),
+                message: "expected `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run or checkpoint)".into(),
+            }),
+        }
+    }
+
+    fn err(&self, message: impl Into<String>) -> TrainError {
+        let spec = match self {
+            Self::Hf(d) => format!("hf:{}", d.display()),
+            Self::Run(d) => format!("run:{}", d.display()),
+        };
+        TrainError::InitFrom { spec, message: message.into() }
+    }
+
+    /// The architecture of the starting model.
+    pub fn model_config(&self) -> Result<ModelConfig, TrainError> {
+        match self {
+            Self::Hf(dir) => {
+                let path = dir.join("config.json");
+                let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+                let json: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| self.err(format!("{}: {e}", path.display())))?;
+                Ok(ember_hf::to_model_config(&json, &path.display().to_string())
+                    .map_err(|e| self.err(e.to_string()))?
+                    .0)
+            }
+            Self::Run(dir) => Ok(Checkpoint::open(dir)?.model_config),
+        }
+    }
+
+    /// The folder whose tokenizer.json (and chat template) the run uses.
+    pub fn tokenizer_dir(&self) -> Result<PathBuf, TrainError> {
+        let dir = match self {
+            Self::Hf(dir) => dir.clone(),
+            Self::Run(dir) => Checkpoint::open(dir)?.dir,
+        };
+        if !dir.join("tokenizer.json").is_file() {
+            return Err(self.err(format!("{}: no tokenizer.json", dir.display())));
+        }
+        Ok(dir)
+    }
+
+    /// The starting weights, as f32 parameters.
+    pub fn load<B: Backend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+        match self {
+            Self::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
+                .map_err(|e| self.err(e.to_string()))?
+                .model),
+            Self::Run(dir) => Checkpoint::open(dir)?.decoder::<B>(device),
+        }
+    }
+
+    /// The source's Hugging Face config.json, carried to exports.
+    pub fn hf_config(&self) -> Option<serde_json::Value> {
+        let path: PathBuf = match self {
+            Self::Hf(dir) => dir.join("config.json"),
+            Self::Run(dir) => Checkpoint::open(dir).ok()?.dir.join(crate::checkpoint::HF_CONFIG_FILE),
+        };
+        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+    }
+}

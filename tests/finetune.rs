@@ -1,0 +1,171 @@
+//! Hugging Face models in and out through the CLI, and a LoRA fine-tune of a tiny imported model.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::backend::Flex;
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use common::*;
+use ember_train::metrics::read_metrics;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)
+}
+
+fn tensors(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            for (k, t) in ember_model::weights::from_safetensors(&bytes, "x").unwrap().0 {
+                out.insert(k, t.as_bytes().to_vec());
+            }
+        }
+    }
+    out
+}
+
+fn logits(model: &ember_model::Decoder<Flex>, ids: &[i32]) -> Vec<f32> {
+    let t = Tensor::<Flex, 2, Int>::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), &Default::default());
+    model.forward(t).into_data().to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn import_sample_export_round_trip() {
+    let s = Scratch::new();
+    let dir = fixture("llama");
+    let o = s.ember(&["import", dir.to_str().unwrap(), "--out", "llama"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("imported LlamaForCausalLM"), "{}", stdout(&o));
+    let o = s.ember(&[
+        "sample",
+        "--checkpoint",
+        "llama",
+        "--prompt",
+        "First Citizen",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("First Citizen"));
+    let o = s.ember(&["export", "llama", "--format", "hf", "--out", "out", "--max-shard-size", "100KB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = s.path().join("out");
+    for f in ["config.json", "tokenizer.json", "model.safetensors.index.json"] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    assert_eq!(tensors(&out), tensors(&dir), "export of an import gives the original tensors, byte for byte");
+    // Exporting into a folder that holds something is refused.
+    let o = s.ember(&["export", "llama", "--out", "out"]);
+    assert_clean_error(&o, "the output folder exists and is not empty");
+    // Importing into an existing run is refused.
+    let o = s.ember(&["import", dir.to_str().unwrap(), "--out", "llama"]);
+    assert_clean_error(&o, "already holds a run");
+}
+
+#[test]
+fn lora_fine_tune_lowers_the_loss_keeps_the_base_and_merges() {
+    let s = Scratch::new();
+    let base = fixture("qwen2");
+    let o = s.ember(&["import", base.to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut jsonl = String::new();
+    let pairs = [
+        ("First Citizen", " You are all resolved."),
+        ("All", " Speak, speak."),
+        ("Caius Marcius", " chief enemy to the people."),
+    ];
+    for i in 0..36 {
+        let (p, c) = pairs[i % 3];
+        jsonl.push_str(&serde_json::json!({"prompt": format!("{p}:"), "completion": c}).to_string());
+        jsonl.push('\n');
+    }
+    s.write("data.jsonl", &jsonl);
+    s.write(
+        "lora.toml",
+        r#"
+init_from = "run:base"
+
+[data]
+path = "data.jsonl"
+
+[train]
+batch_size = 4
+seq_len = 32
+max_steps = 30
+eval_interval = 10
+eval_iters = 2
+log_interval = 5
+checkpoint_interval = 10
+seed = 3
+
+[optim]
+weight_decay = 0.0
+grad_clip = 1.0
+
+[schedule]
+lr = 5e-3
+warmup_steps = 3
+
+[lora]
+rank = 4
+alpha = 8.0
+targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+"#,
+    );
+    let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "ft"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let records = read_metrics(&s.path().join("ft/metrics.jsonl")).unwrap();
+    let vals: Vec<f64> = records.iter().filter_map(|r| r.val_loss).collect();
+    assert_eq!(vals.len(), 3);
+    assert!(vals[2] < vals[0] - 0.1, "completion loss must fall: {vals:?}");
+
+    // The checkpoint holds adapters only, and the optimizer only their moments.
+    let ckpt = s.path().join("ft/checkpoints/step-000030");
+    assert!(ckpt.join("adapter.safetensors").is_file() && !ckpt.join("model.safetensors").exists());
+    let adapters = tensors(&ckpt);
+    assert!(!adapters.is_empty() && adapters.keys().all(|k| k.contains(".lora.")), "{:?}", adapters.keys());
+    let bytes = std::fs::read(ckpt.join("optimizer.safetensors")).unwrap();
+    let moments = ember_model::weights::from_safetensors(&bytes, "optimizer").unwrap().0;
+    assert!(moments.keys().all(|k| k.contains(".lora.")), "{:?}", moments.keys());
+
+    // Base weights are untouched: every non-adapter parameter is bit-identical to the import.
+    let tuned =
+        ember_train::Checkpoint::open(&s.path().join("ft")).unwrap().decoder::<Flex>(&Default::default()).unwrap();
+    let imported =
+        ember_train::Checkpoint::open(&s.path().join("base")).unwrap().decoder::<Flex>(&Default::default()).unwrap();
+    let base_params: BTreeMap<String, TensorData> =
+        ember_model::weights::named_tensors(&imported).into_iter().collect();
+    let mut checked = 0;
+    for (k, t) in ember_model::weights::named_tensors(&tuned) {
+        if !k.contains(".lora.") {
+            assert!(t.as_bytes() == base_params[&k].as_bytes(), "{k} changed");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, base_params.len());
+
+    // Export needs --merge; the merged export has the adapter model's logits.
+    let o = s.ember(&["export", "ft", "--out", "merged"]);
+    assert_clean_error(&o, "pass --merge");
+    let o = s.ember(&["export", "ft", "--out", "merged", "--merge"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let merged =
+        ember_hf::import::<Flex>(&s.path().join("merged"), DType::F32, false, false, &Default::default()).unwrap();
+    assert_eq!(merged.architecture, ember_hf::Architecture::Qwen2);
+    let ids: Vec<i32> = (0..24).map(|i| (i * 5 + 1) % 128).collect();
+    let (a, b) = (logits(&tuned, &ids), logits(&merged.model, &ids));
+    let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff < 1e-4, "merged export vs adapters: {diff}");
+    let moved = a.iter().zip(&logits(&imported, &ids)).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(moved > 1e-3, "fine-tuning changed the model ({moved})");
+    // Sampling works on the adapter checkpoint.
+    let o =
+        s.ember(&["sample", "--checkpoint", "ft", "--prompt", "All:", "--max-new-tokens", "6", "--temperature", "0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
