@@ -64,7 +64,8 @@ pub fn split_text(text: &str, val_fraction: f64) -> (&str, &str) {
 /// A short key for a cache folder name, from everything the shards depend on.
 pub fn cache_key(source_sha256: &str, spec: &TokenizerSpec, val_fraction: f64) -> String {
     let mut h = Sha256::new();
-    h.update(format!("v{VERSION}|{source_sha256}|{spec}|{val_fraction}"));
+    // `char-2`: the char-level tokenizer.json of this version (a portable split pattern).
+    h.update(format!("v{VERSION}|char-2|{source_sha256}|{spec}|{val_fraction}"));
     hex(&h.finalize())[..12].to_string()
 }
 

@@ -100,7 +100,9 @@ impl Tokenizer {
             "padding": null,
             "added_tokens": [],
             "normalizer": null,
-            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(?s)."}, "behavior": "Isolated", "invert": false},
+            // `[\s\S]`: any one character, newlines included, in both regex engines of the
+            // tokenizers library (fancy-regex here, Oniguruma in Python, which lacks `(?s)`).
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": false},
             "post_processor": null,
             "decoder": {"type": "Fuse"},
             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}

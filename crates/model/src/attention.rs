@@ -78,7 +78,7 @@ impl<B: Backend> Attention<B> {
             attention(q, key, v, None, None, opts) // [B, H, T, Dh]
         } else {
             let hidden = causal_mask::<B>(t, t, self.sliding_window, &x_device);
-            masked_attention(q, key, v, hidden, compute)
+            masked_attention(q, key, v, Some(hidden), compute)
         };
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]); // [B·T, H·Dh]
         self.o_proj.forward(o, compute).reshape([b, t, d])
@@ -108,15 +108,59 @@ impl<B: Backend> Attention<B> {
         let q = rope.apply_rows(heads(self.q_proj.forward(x.clone(), compute), h), &starts); // [B, H, T, Dh]
         let key = rope.apply_rows(heads(self.k_proj.forward(x.clone(), compute), k), &starts); // [B, K, T, Dh]
         let v = heads(self.v_proj.forward(x, compute), k); // [B, K, T, Dh]
-        let (key, v) = cache.append(layer, key, v); //         [B, K, S, Dh] post-RoPE, as stored
-        let hidden = cache.mask(t, self.sliding_window); //     [B, 1, T, S]
-        let o = masked_attention(q, repeat_kv(key, h / k), repeat_kv(v, h / k), hidden, compute); // [B, H, T, Dh]
+        let stored = cache.lens()[0] + 1;
+        let o = if b == 1 && t == 1 && self.sliding_window.is_none_or(|w| stored <= w) {
+            // One sequence, one new position: every stored key is visible; read the cache in place.
+            let segments = cache.append_segments(layer, key, v); // [1, K, s_i, Dh] post-RoPE, as stored
+            let segments = segments.into_iter().map(|(k2, v2)| (repeat_kv(k2, h / k), repeat_kv(v2, h / k))).collect();
+            segmented_attention(q, segments, compute)
+        } else {
+            let (key, v) = cache.append(layer, key, v); //         [B, K, S, Dh] post-RoPE, as stored
+            let hidden = cache.mask(t, self.sliding_window); //     [B, 1, T, S]
+            masked_attention(q, repeat_kv(key, h / k), repeat_kv(v, h / k), hidden, compute)
+            // [B, H, T, Dh]
+        };
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]);
         self.o_proj.forward(o, compute).reshape([b, t, d])
     }
 }
 
-/// Attention with an explicit mask (true = hidden), both GEMMs in `compute`, the softmax in f32.
+/// Attention of queries over keys and values held in segments (in position order), every key
+/// visible: one softmax across all segments' scores, then the segments' values weighted by their
+/// share. Equal to [`masked_attention`] over the concatenated segments without building them.
+///
+/// # Shapes
+/// - q: `[B, H, T, Dh]`, segments: (`[B, H, s_i, Dh]`, `[B, H, s_i, Dh]`) -> `[B, H, T, Dh]`
+pub fn segmented_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    segments: Vec<(Tensor<B, 4>, Tensor<B, 4>)>,
+    compute: DType,
+) -> Tensor<B, 4> {
+    let dh = q.dims()[3];
+    let cast = |x: Tensor<B, 4>, d: DType| if x.dtype() == d { x } else { x.cast(d) };
+    let q = cast(q, compute);
+    let sizes: Vec<usize> = segments.iter().map(|(k, _)| k.dims()[2]).collect();
+    let scores: Vec<Tensor<B, 4>> = segments
+        .iter()
+        .map(|(k, _)| cast(q.clone().matmul(cast(k.clone(), compute).swap_dims(2, 3)), DType::F32))
+        .collect();
+    let probs = softmax(Tensor::cat(scores, 3).div_scalar((dh as f64).sqrt()), 3); // [B, H, T, S]
+    let mut start = 0;
+    let mut out: Option<Tensor<B, 4>> = None;
+    for ((_, v), size) in segments.into_iter().zip(sizes) {
+        let p = cast(probs.clone().narrow(3, start, size), compute);
+        let part = cast(p.matmul(cast(v, compute)), DType::F32);
+        out = Some(match out {
+            Some(acc) => acc + part,
+            None => part,
+        });
+        start += size;
+    }
+    out.expect("at least one segment")
+}
+
+/// Attention with an explicit mask (true = hidden; `None`: every key visible), both GEMMs in
+/// `compute`, the softmax in f32.
 ///
 /// # Shapes
 /// - q: `[B, H, T, Dh]`, k, v: `[B, H, S, Dh]`, hidden: `[B or 1, 1, T, S]` -> `[B, H, T, Dh]`
@@ -124,14 +168,18 @@ pub fn masked_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    hidden: Tensor<B, 4, Bool>,
+    hidden: Option<Tensor<B, 4, Bool>>,
     compute: DType,
 ) -> Tensor<B, 4> {
     let dh = q.dims()[3];
     let cast = |x: Tensor<B, 4>, d: DType| if x.dtype() == d { x } else { x.cast(d) };
     let scores = cast(q, compute).matmul(cast(k, compute).swap_dims(2, 3)); // [B, H, T, S]
     let scores = cast(scores, DType::F32).div_scalar((dh as f64).sqrt());
-    let probs = softmax(scores.mask_fill(hidden, f32::NEG_INFINITY), 3);
+    let scores = match hidden {
+        Some(hidden) => scores.mask_fill(hidden, f32::NEG_INFINITY),
+        None => scores,
+    };
+    let probs = softmax(scores, 3);
     cast(cast(probs, compute).matmul(cast(v, compute)), DType::F32)
 }
 
@@ -148,7 +196,7 @@ pub fn causal_attention_mixed<B: Backend>(
     compute: DType,
 ) -> Tensor<B, 4> {
     let hidden = causal_mask::<B>(q.dims()[2], k.dims()[2], None, &q.device());
-    masked_attention(q, k, v, hidden, compute)
+    masked_attention(q, k, v, Some(hidden), compute)
 }
 
 /// The causal mask of `t` queries at the last `t` of `s` key positions, with an optional sliding

@@ -17,6 +17,16 @@ use crate::config::ModelConfig;
 struct SeqBlocks<B: Backend> {
     k: Vec<Tensor<B, 3>>,
     v: Vec<Tensor<B, 3>>,
+    /// The first `folded` blocks concatenated, `[K, folded·block_size, Dh]`: a decode step reads the
+    /// keys as this plus the blocks after it, and re-concatenates only when a block fills.
+    folded: Option<(Tensor<B, 3>, Tensor<B, 3>)>,
+    folded_blocks: usize,
+}
+
+impl<B: Backend> SeqBlocks<B> {
+    fn new() -> Self {
+        Self { k: Vec::new(), v: Vec::new(), folded: None, folded_blocks: 0 }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -37,7 +47,7 @@ pub struct KvCache<B: Backend> {
 impl<B: Backend> KvCache<B> {
     /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions.
     pub fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
-        let empty = SeqBlocks { k: Vec::new(), v: Vec::new() };
+        let empty = SeqBlocks::new();
         Self {
             block_size: block_size.max(1),
             n_kv_heads: config.n_kv_heads(),
@@ -73,7 +83,7 @@ impl<B: Backend> KvCache<B> {
     /// Forgets everything stored for sequence `b` (its blocks are freed).
     pub fn reset(&mut self, b: usize) {
         for layer in &mut self.layers {
-            layer[b] = SeqBlocks { k: Vec::new(), v: Vec::new() };
+            layer[b] = SeqBlocks::new();
         }
         self.lens[b] = 0;
     }
@@ -98,6 +108,71 @@ impl<B: Backend> KvCache<B> {
         self.pending.iter_mut().for_each(|n| *n = 0);
     }
 
+    /// Stores the new keys and values of layer `layer` for the one sequence of a one-sequence cache
+    /// and returns its keys and values as segments to attend over in order: the folded full blocks
+    /// and what follows them. No copy of the whole cache is made per step; full blocks are
+    /// concatenated once, when one fills.
+    ///
+    /// # Shapes
+    /// - k, v: `[1, K, T, Dh]` -> segments of `[1, K, s_i, Dh]` with Σ s_i = stored positions
+    pub(crate) fn append_segments(
+        &mut self,
+        layer: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> Vec<(Tensor<B, 4>, Tensor<B, 4>)> {
+        assert_eq!(self.batch(), 1, "segments are for a one-sequence cache");
+        self.write(layer, 0, &k, &v);
+        let bs = self.block_size;
+        let total = self.lens[0] + self.pending[0];
+        let seq = &mut self.layers[layer][0];
+        let full = total / bs;
+        if full > seq.folded_blocks {
+            let mut ks: Vec<Tensor<B, 3>> = seq.folded.iter().map(|(k, _)| k.clone()).collect();
+            let mut vs: Vec<Tensor<B, 3>> = seq.folded.iter().map(|(_, v)| v.clone()).collect();
+            ks.extend(seq.k[seq.folded_blocks..full].iter().cloned());
+            vs.extend(seq.v[seq.folded_blocks..full].iter().cloned());
+            seq.folded = Some((Tensor::cat(ks, 1), Tensor::cat(vs, 1)));
+            seq.folded_blocks = full;
+        }
+        let mut out = Vec::new();
+        if let Some((k, v)) = &seq.folded {
+            out.push((k.clone().unsqueeze::<4>(), v.clone().unsqueeze::<4>()));
+        }
+        let rest = total - seq.folded_blocks * bs;
+        if rest > 0 {
+            let block = seq.folded_blocks;
+            let k = seq.k[block].clone().narrow(1, 0, rest).unsqueeze::<4>();
+            let v = seq.v[block].clone().narrow(1, 0, rest).unsqueeze::<4>();
+            out.push((k, v));
+        }
+        out
+    }
+
+    /// Copies the first `pending[b]` new positions of row `b` of `k` and `v` into its blocks.
+    fn write(&mut self, layer: usize, b: usize, k: &Tensor<B, 4>, v: &Tensor<B, 4>) {
+        let (bs, kh, dh) = (self.block_size, self.n_kv_heads, self.head_dim);
+        let (start, n) = (self.lens[b], self.pending[b]);
+        let seq = &mut self.layers[layer][b];
+        let row = |x: &Tensor<B, 4>| x.clone().narrow(0, b, 1).reshape([kh, x.dims()[2], dh]); // [K, T, Dh]
+        let (k_row, v_row) = (row(k), row(v));
+        let mut written = 0;
+        while written < n {
+            let pos = start + written; //           absolute position being written
+            let (block, offset) = (pos / bs, pos % bs);
+            if block == seq.k.len() {
+                seq.k.push(Tensor::zeros([kh, bs, dh], &self.device));
+                seq.v.push(Tensor::zeros([kh, bs, dh], &self.device));
+            }
+            let m = (bs - offset).min(n - written); // positions that fit in this block
+            let dst = [0..kh, offset..offset + m, 0..dh];
+            let src = |x: &Tensor<B, 3>| x.clone().narrow(1, written, m);
+            seq.k[block] = seq.k[block].clone().slice_assign(dst.clone(), src(&k_row));
+            seq.v[block] = seq.v[block].clone().slice_assign(dst, src(&v_row));
+            written += m;
+        }
+    }
+
     /// Stores layer `layer`'s new keys and values (the first `pending[b]` positions of row `b`) and
     /// returns every sequence's keys and values so far, padded to the longest.
     ///
@@ -108,26 +183,9 @@ impl<B: Backend> KvCache<B> {
         let s_max = (0..self.batch()).map(|b| self.lens[b] + self.pending[b]).max().unwrap_or(0).max(1);
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
         for b in 0..self.batch() {
-            let (start, n) = (self.lens[b], self.pending[b]);
-            let seq = &mut self.layers[layer][b];
-            let row = |x: &Tensor<B, 4>| x.clone().narrow(0, b, 1).reshape([kh, x.dims()[2], dh]); // [K, T, Dh]
-            let (k_row, v_row) = (row(&k), row(&v));
-            let mut written = 0;
-            while written < n {
-                let pos = start + written; //           absolute position being written
-                let (block, offset) = (pos / bs, pos % bs);
-                if block == seq.k.len() {
-                    seq.k.push(Tensor::zeros([kh, bs, dh], &self.device));
-                    seq.v.push(Tensor::zeros([kh, bs, dh], &self.device));
-                }
-                let m = (bs - offset).min(n - written); // positions that fit in this block
-                let dst = [0..kh, offset..offset + m, 0..dh];
-                let src = |x: &Tensor<B, 3>| x.clone().narrow(1, written, m);
-                seq.k[block] = seq.k[block].clone().slice_assign(dst.clone(), src(&k_row));
-                seq.v[block] = seq.v[block].clone().slice_assign(dst, src(&v_row));
-                written += m;
-            }
-            let total = start + n;
+            self.write(layer, b, &k, &v);
+            let seq = &self.layers[layer][b];
+            let total = self.lens[b] + self.pending[b];
             let gather = |blocks: &[Tensor<B, 3>]| {
                 let mut parts: Vec<Tensor<B, 3>> = blocks.to_vec();
                 let have = blocks.len() * bs;
@@ -148,11 +206,19 @@ impl<B: Backend> KvCache<B> {
     /// is stored (`j < len_b + new_b`), not in the query's future (`j <= len_b + i`), and within the
     /// sliding window if there is one (`len_b + i - j < window`).
     ///
+    /// `None` when nothing is hidden (one new position per row, rows of equal length, no window
+    /// cutting in): the common single-sequence decode step needs no mask at all.
+    ///
     /// # Shapes
     /// -> `[B, 1, T, S]`, true where hidden
-    pub(crate) fn mask(&self, t: usize, window: Option<usize>) -> Tensor<B, 4, Bool> {
+    pub(crate) fn mask(&self, t: usize, window: Option<usize>) -> Option<Tensor<B, 4, Bool>> {
         let b = self.batch();
-        let s = (0..b).map(|i| self.lens[i] + self.pending[i]).max().unwrap_or(0).max(1);
+        let totals: Vec<usize> = (0..b).map(|i| self.lens[i] + self.pending[i]).collect();
+        let s = totals.iter().copied().max().unwrap_or(0).max(1);
+        let all_new = self.pending.iter().all(|&n| n == t);
+        if t == 1 && all_new && totals.iter().all(|&n| n == s) && window.is_none_or(|w| s <= w) {
+            return None;
+        }
         let mut hidden = Vec::with_capacity(b * t * s);
         for row in 0..b {
             let (start, total) = (self.lens[row], self.lens[row] + self.pending[row]);
@@ -161,6 +227,6 @@ impl<B: Backend> KvCache<B> {
                 hidden.extend((0..s).map(|j| !(j < total && j <= pos && window.is_none_or(|w| pos - j < w))));
             }
         }
-        Tensor::from_data(TensorData::new(hidden, [b, 1, t, s]), &self.device)
+        Some(Tensor::from_data(TensorData::new(hidden, [b, 1, t, s]), &self.device))
     }
 }

@@ -260,6 +260,7 @@ pub fn bench_decode<B: Backend>(
     contexts: &[usize],
     new_tokens: usize,
     uncached_tokens: usize,
+    block_size: usize,
 ) -> DecodeBench {
     let device = model.embed_tokens.device();
     let v = model.config().vocab_size;
@@ -277,11 +278,11 @@ pub fn bench_decode<B: Backend>(
         uncached_ms_per_token: Vec::new(),
         prefill_tokens_per_sec: Vec::new(),
         decode_tokens_per_sec: Vec::new(),
-        kv_bytes_per_token: model.new_cache(1, 16).bytes_per_token(DType::F32),
+        kv_bytes_per_token: model.new_cache(1, block_size).bytes_per_token(DType::F32),
     };
     for &c in contexts {
         let prompt = ids(c);
-        let mut cache = model.new_cache(1, 16);
+        let mut cache = model.new_cache(1, block_size);
         let _ = B::sync(&device);
         let start = Instant::now();
         let mut next = greedy(model.forward_cached(input(&prompt), &[c], &mut cache));

@@ -43,6 +43,9 @@ struct DecodeBenchArgs {
     /// Tokens generated without the cache at each context.
     #[arg(long, default_value_t = 4)]
     uncached_tokens: usize,
+    /// Positions per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
     #[command(flatten)]
     common: Common,
 }
@@ -157,7 +160,7 @@ impl BenchFn for DecodeBenchFn {
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
         let model = self.1.decoder::<B::InnerBackend>(device)?;
-        Ok(bench_decode(&model, name, &a.contexts, a.new_tokens, a.uncached_tokens))
+        Ok(bench_decode(&model, name, &a.contexts, a.new_tokens, a.uncached_tokens, a.block_size.max(1)))
     }
 }
 
