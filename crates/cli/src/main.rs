@@ -35,6 +35,8 @@ enum Command {
     Export(commands::hf::ExportArgs),
     /// Tokenize a text file into train/val token shards.
     Prepare(commands::prepare::PrepareArgs),
+    /// Serve a web page of the runs under a log directory.
+    Dashboard(commands::dashboard::DashboardArgs),
     /// Benchmarks (speed and memory).
     Bench(commands::bench::BenchArgs),
     /// Print the backends this binary was built with.
@@ -64,6 +66,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Export(args) => commands::hf::export(args),
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Bench(args) => commands::bench::run(args),
+        Command::Dashboard(args) => commands::dashboard::run(args),
         Command::Backends => {
             println!("{}", backend::compiled().join(", "));
             Ok(())

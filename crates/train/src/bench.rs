@@ -20,7 +20,7 @@ use crate::schedule::LrSchedule;
 use crate::trainer::{optimizer_step, prepare, resolve_dtype};
 
 /// Reads the memory in use, where the backend's memory can be observed (on the CPU: the heap).
-pub trait MemoryProbe {
+pub trait MemoryProbe: Send + Sync {
     /// Bytes in use now.
     fn current_bytes(&self) -> Option<u64>;
     /// Restarts the high-water mark from the current use.

@@ -24,6 +24,46 @@ pub struct TrainConfig {
     /// Fine-tune low-rank adapters instead of every weight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraConfig>,
+    /// Where metrics go, and the text sampled at evaluations.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `jsonl` (metrics.jsonl and samples.jsonl, what `ember dashboard` reads) and/or
+    /// `tensorboard` (events.out.tfevents.* files).
+    #[serde(default = "default_sinks")]
+    pub sinks: Vec<SinkKind>,
+    /// Tokens of text generated from `sample_prompt` at every evaluation; 0 turns sampling off.
+    #[serde(default = "default_sample_tokens")]
+    pub sample_tokens: usize,
+    #[serde(default = "default_sample_prompt")]
+    pub sample_prompt: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkKind {
+    Jsonl,
+    Tensorboard,
+}
+
+fn default_sinks() -> Vec<SinkKind> {
+    vec![SinkKind::Jsonl, SinkKind::Tensorboard]
+}
+fn default_sample_tokens() -> usize {
+    200
+}
+fn default_sample_prompt() -> String {
+    "\n".into()
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self { sinks: default_sinks(), sample_tokens: default_sample_tokens(), sample_prompt: default_sample_prompt() }
+    }
 }
 
 /// Where the text comes from and how it is tokenized.
@@ -273,6 +313,9 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<(), String> {
         if let Some(spec) = &self.init_from {
             InitSource::parse(spec).map_err(|e| e.to_string())?;
+        }
+        if self.metrics.sinks.is_empty() {
+            return Err("metrics.sinks is empty: name jsonl and/or tensorboard".into());
         }
         if let Some(lora) = &self.lora {
             lora.validate()?;

@@ -16,6 +16,7 @@ pub mod optim;
 pub mod perplexity;
 pub mod precision;
 pub mod schedule;
+pub mod tensorboard;
 pub mod trainer;
 
 pub use checkpoint::Checkpoint;

@@ -1,4 +1,6 @@
-//! The metrics log: `metrics.jsonl` in the run directory, one JSON object per logged step.
+//! Where metrics go: sinks behind one trait, chosen in the config (`[metrics] sinks`). The JSON-lines
+//! sink writes `metrics.jsonl` (one object per logged step) and `samples.jsonl` (text generated at
+//! evaluations); the TensorBoard sink writes `events.out.tfevents.*` files.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
@@ -9,6 +11,138 @@ use serde::{Deserialize, Serialize};
 use crate::error::TrainError;
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
+pub const SAMPLES_FILE: &str = "samples.jsonl";
+
+/// Text generated at an evaluation step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampleRecord {
+    pub step: usize,
+    pub elapsed_s: f64,
+    pub prompt: String,
+    pub text: String,
+}
+
+/// A destination for what training logs.
+pub trait MetricsSink {
+    fn record(&mut self, record: &StepRecord) -> Result<(), TrainError>;
+    fn sample(&mut self, sample: &SampleRecord) -> Result<(), TrainError>;
+}
+
+/// `metrics.jsonl` and `samples.jsonl`.
+pub struct JsonlSink {
+    metrics: MetricsLog,
+    samples: AppendLog,
+}
+
+impl JsonlSink {
+    /// Opens both logs, dropping records after `keep_through_step` when resuming.
+    pub fn open(run_dir: &Path, keep_through_step: Option<usize>) -> Result<Self, TrainError> {
+        Ok(Self {
+            metrics: MetricsLog::open(run_dir, keep_through_step)?,
+            samples: AppendLog::open(&run_dir.join(SAMPLES_FILE), keep_through_step, |line| {
+                serde_json::from_str::<SampleRecord>(line).ok().map(|r| r.step)
+            })?,
+        })
+    }
+}
+
+impl MetricsSink for JsonlSink {
+    fn record(&mut self, record: &StepRecord) -> Result<(), TrainError> {
+        self.metrics.write(record)
+    }
+    fn sample(&mut self, sample: &SampleRecord) -> Result<(), TrainError> {
+        self.samples.write_line(&serde_json::to_string(sample).expect("sample serialises"))
+    }
+}
+
+/// TensorBoard scalars (and the samples as text).
+pub struct TensorBoardSink {
+    writer: crate::tensorboard::EventWriter,
+    /// Wall time of step 0 of this invocation minus the run's elapsed time before it.
+    start: f64,
+}
+
+impl TensorBoardSink {
+    pub fn create(run_dir: &Path, resumed_at: Option<usize>, elapsed_before: f64) -> Result<Self, TrainError> {
+        let writer = crate::tensorboard::EventWriter::create(run_dir, resumed_at.map(|s| s as u64))?;
+        Ok(Self { writer, start: crate::tensorboard::wall_time() - elapsed_before })
+    }
+}
+
+impl MetricsSink for TensorBoardSink {
+    fn record(&mut self, r: &StepRecord) -> Result<(), TrainError> {
+        let mut values: Vec<(&str, f32)> = vec![
+            ("loss/train", r.train_loss as f32),
+            ("lr", r.lr as f32),
+            ("grad_norm", r.grad_norm as f32),
+            ("grad_clipped", r.clipped as u8 as f32),
+            ("tokens_per_sec", r.tokens_per_sec as f32),
+            ("mfu", r.mfu as f32),
+            ("step_ms", r.step_ms as f32),
+        ];
+        let optional = [
+            ("loss/val", r.val_loss),
+            ("loss/eval_train", r.eval_train_loss),
+            ("hfu", r.hfu),
+            ("loss_scale", r.loss_scale),
+            ("memory_bytes", r.memory_bytes.map(|m| m as f64)),
+        ];
+        values.extend(optional.iter().filter_map(|(k, v)| v.map(|v| (*k, v as f32))));
+        self.writer.scalars(r.step as u64, self.start + r.elapsed_s, &values)?;
+        self.writer.flush()
+    }
+    fn sample(&mut self, s: &SampleRecord) -> Result<(), TrainError> {
+        // Markdown code block: TensorBoard renders text summaries as Markdown.
+        let text = format!("```\n{}{}\n```", s.prompt, s.text);
+        self.writer.text(s.step as u64, self.start + s.elapsed_s, "samples", &text)?;
+        self.writer.flush()
+    }
+}
+
+/// Every configured sink.
+pub struct Sinks(pub Vec<Box<dyn MetricsSink>>);
+
+impl MetricsSink for Sinks {
+    fn record(&mut self, record: &StepRecord) -> Result<(), TrainError> {
+        self.0.iter_mut().try_for_each(|s| s.record(record))
+    }
+    fn sample(&mut self, sample: &SampleRecord) -> Result<(), TrainError> {
+        self.0.iter_mut().try_for_each(|s| s.sample(sample))
+    }
+}
+
+/// An append-only JSON-lines file, truncated past a step on resume.
+struct AppendLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl AppendLog {
+    fn open(
+        path: &Path,
+        keep_through_step: Option<usize>,
+        step_of: impl Fn(&str) -> Option<usize>,
+    ) -> Result<Self, TrainError> {
+        if let (Some(last), true) = (keep_through_step, path.exists()) {
+            let kept: Vec<String> =
+                read_lines(path)?.into_iter().filter(|l| step_of(l).is_some_and(|s| s <= last)).collect();
+            let mut text = kept.join("\n");
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            ember_data::write_atomic(path, text.as_bytes())?;
+        }
+        let file = OpenOptions::new().create(true).append(true).open(path).map_err(TrainError::io(path))?;
+        Ok(Self { path: path.into(), file })
+    }
+
+    fn write_line(&mut self, line: &str) -> Result<(), TrainError> {
+        let mut line = line.to_string();
+        line.push('\n');
+        self.file.write_all(line.as_bytes()).map_err(TrainError::io(&self.path))?;
+        self.file.flush().map_err(TrainError::io(&self.path))
+    }
+}
 
 /// One logged step. Evaluation fields are present on evaluation steps only.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -21,6 +155,12 @@ pub struct StepRecord {
     pub lr: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Whether clipping scaled the gradients down.
+    #[serde(default)]
+    pub clipped: bool,
+    /// Milliseconds per optimizer step, averaged like `tokens_per_sec`.
+    #[serde(default)]
+    pub step_ms: f64,
     /// Training tokens per second since the previous record (evaluation and checkpoint time excluded).
     pub tokens_per_sec: f64,
     /// Model FLOPs utilisation at `tokens_per_sec`: (6N + 12·L·T·d) · tokens/s / peak.
@@ -31,6 +171,9 @@ pub struct StepRecord {
     /// f16 dynamic loss scale.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+    /// Memory in use on the device, where the backend reports it (the heap on the CPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
     /// Wall time of the run so far, across resumes.
     pub elapsed_s: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -40,41 +183,23 @@ pub struct StepRecord {
     pub eval_train_loss: Option<f64>,
 }
 
+/// `metrics.jsonl`.
 pub struct MetricsLog {
-    path: PathBuf,
-    file: File,
+    log: AppendLog,
 }
 
 impl MetricsLog {
     /// Opens `run_dir/metrics.jsonl` for appending, first dropping records after `keep_through_step`
     /// (records a stopped run wrote after its last checkpoint; the resumed run writes them again).
     pub fn open(run_dir: &Path, keep_through_step: Option<usize>) -> Result<Self, TrainError> {
-        let path = run_dir.join(METRICS_FILE);
-        if let Some(last) = keep_through_step {
-            if path.exists() {
-                let kept: Vec<String> = read_lines(&path)?
-                    .into_iter()
-                    .filter(|line| match serde_json::from_str::<StepRecord>(line) {
-                        Ok(r) => r.step <= last,
-                        Err(_) => false,
-                    })
-                    .collect();
-                let mut text = kept.join("\n");
-                if !text.is_empty() {
-                    text.push('\n');
-                }
-                ember_data::write_atomic(&path, text.as_bytes())?;
-            }
-        }
-        let file = OpenOptions::new().create(true).append(true).open(&path).map_err(TrainError::io(&path))?;
-        Ok(Self { path, file })
+        let log = AppendLog::open(&run_dir.join(METRICS_FILE), keep_through_step, |line| {
+            serde_json::from_str::<StepRecord>(line).ok().map(|r| r.step)
+        })?;
+        Ok(Self { log })
     }
 
     pub fn write(&mut self, record: &StepRecord) -> Result<(), TrainError> {
-        let mut line = serde_json::to_string(record).expect("record serialises");
-        line.push('\n');
-        self.file.write_all(line.as_bytes()).map_err(TrainError::io(&self.path))?;
-        self.file.flush().map_err(TrainError::io(&self.path))
+        self.log.write_line(&serde_json::to_string(record).expect("record serialises"))
     }
 }
 
@@ -98,10 +223,13 @@ mod tests {
             train_loss: 1.0,
             lr: 0.1,
             grad_norm: 0.5,
+            clipped: false,
+            step_ms: 3.0,
             tokens_per_sec: 10.0,
             mfu: 0.1,
             hfu: None,
             loss_scale: None,
+            memory_bytes: None,
             elapsed_s: 1.0,
             val_loss: (step % 2 == 0).then_some(2.0),
             eval_train_loss: None,

@@ -14,13 +14,15 @@ use ember_model::weights::named_tensors;
 use ember_model::Decoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::bench::MemoryProbe;
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, TrainingData, CONFIG_FILE, TOKENIZER_FILE};
 use crate::config::TrainConfig;
+use crate::config::{MetricsConfig, SinkKind};
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate, lm_loss};
 use crate::flops::{mfu, resolve_peak, Peak};
 use crate::init::InitSource;
-use crate::metrics::{MetricsLog, StepRecord, METRICS_FILE};
+use crate::metrics::{JsonlSink, MetricsSink, SampleRecord, Sinks, StepRecord, TensorBoardSink, METRICS_FILE};
 use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
 use crate::precision::{compute_dtype, LossScaler};
 use crate::schedule::LrSchedule;
@@ -40,6 +42,14 @@ pub struct TrainOptions {
     pub device_name: Option<String>,
     /// Peak TFLOP/s for MFU, instead of the table or a measurement.
     pub peak_tflops: Option<f64>,
+    /// Reads the device memory in use, for the metrics (the heap on the CPU).
+    pub memory: Option<&'static dyn MemoryProbe>,
+}
+
+impl std::fmt::Debug for dyn MemoryProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MemoryProbe")
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -93,7 +103,7 @@ pub fn train<B: TrainBackend>(
     std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
     ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
     setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
-    let mut metrics = MetricsLog::open(run_dir, opts.resume.then_some(state.step))?;
+    let mut metrics = open_sinks(config, run_dir, opts.resume.then_some(state.step), state.elapsed_s)?;
 
     let t = &config.train;
     let max_steps = t.max_steps;
@@ -162,12 +172,15 @@ pub fn train<B: TrainBackend>(
                 train_loss: out.loss,
                 lr,
                 grad_norm: out.grad_norm,
+                clipped: config.optim.grad_clip > 0.0 && out.grad_norm > config.optim.grad_clip,
+                step_ms: window_time.as_secs_f64() * 1e3 / (window_tokens / tokens_per_step).max(1) as f64,
                 tokens_per_sec,
                 mfu: step_mfu,
                 // Burn's balanced checkpointing recomputes only memory-bound (elementwise) ops, whose
                 // FLOPs the model count leaves out: the hardware does the same matmul FLOPs.
                 hfu: t.activation_checkpointing.then_some(step_mfu),
                 loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
+                memory_bytes: opts.memory.and_then(|m| m.current_bytes()),
                 elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 val_loss: None,
                 eval_train_loss: None,
@@ -181,6 +194,15 @@ pub fn train<B: TrainBackend>(
                 state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
                 last_val = Some(vl);
                 bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}"));
+                if let Some(sample) = sample_text(&inner, &setup.tokenizer, &config.metrics, t.seed ^ step as u64) {
+                    let elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
+                    metrics.sample(&SampleRecord {
+                        step,
+                        elapsed_s,
+                        prompt: config.metrics.sample_prompt.clone(),
+                        text: sample,
+                    })?;
+                }
             }
             bar.set_message(format!(
                 "loss {:.4} · {:.0} tok/s · MFU {:.1}%",
@@ -188,7 +210,7 @@ pub fn train<B: TrainBackend>(
                 record.tokens_per_sec,
                 100.0 * record.mfu
             ));
-            metrics.write(&record)?;
+            metrics.record(&record)?;
         }
         let periodic = t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0;
         if periodic || step == stop {
@@ -222,6 +244,52 @@ pub fn train<B: TrainBackend>(
         mfu: mfu(flops_per_token, tokens_per_sec, &peak),
         elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
     })
+}
+
+fn open_sinks(
+    config: &TrainConfig,
+    run_dir: &Path,
+    resumed_at: Option<usize>,
+    elapsed: f64,
+) -> Result<Sinks, TrainError> {
+    let mut sinks: Vec<Box<dyn MetricsSink>> = Vec::new();
+    for kind in &config.metrics.sinks {
+        sinks.push(match kind {
+            SinkKind::Jsonl => Box::new(JsonlSink::open(run_dir, resumed_at)?),
+            SinkKind::Tensorboard => Box::new(TensorBoardSink::create(run_dir, resumed_at, elapsed)?),
+        });
+    }
+    Ok(Sinks(sinks))
+}
+
+/// Text generated from the configured prompt (temperature 0.8, top-k 200) through the KV cache;
+/// `None` when sampling is off or the prompt cannot be encoded.
+fn sample_text<B: burn::tensor::backend::Backend>(
+    model: &Decoder<B>,
+    tokenizer: &Tokenizer,
+    config: &MetricsConfig,
+    seed: u64,
+) -> Option<String> {
+    use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+    if config.sample_tokens == 0 {
+        return None;
+    }
+    let prompt = match tokenizer.encode(&config.sample_prompt) {
+        Ok(p) if !p.is_empty() => p,
+        _ => {
+            tracing::warn!("metrics.sample_prompt {:?} does not encode; no samples", config.sample_prompt);
+            return None;
+        }
+    };
+    let mut sampler = [Sampler::new(SamplingConfig::default(), seed).expect("default sampling settings are valid")];
+    let options = GenerateOptions {
+        max_new_tokens: config.sample_tokens,
+        stop_tokens: tokenizer.eos_id().into_iter().collect(),
+        block_size: 16,
+    };
+    let prompt = prompt[prompt.len().saturating_sub(model.config().max_seq_len)..].to_vec();
+    let ids = generate_batch(model, &[prompt], &options, &mut sampler, |_, _| true).ok()?.remove(0);
+    tokenizer.decode(&ids).ok()
 }
 
 /// The GEMM dtype for the config's precision on this device, said out loud when it differs.

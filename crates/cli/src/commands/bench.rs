@@ -1,5 +1,6 @@
 use std::path::PathBuf;
 
+use anyhow::Context;
 use burn::tensor::Device;
 use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
@@ -27,6 +28,19 @@ enum BenchCommand {
     Loss(LossBenchArgs),
     /// Decode speed with and without the KV cache as the context grows.
     Decode(DecodeBenchArgs),
+    /// How long `ember dashboard` takes to load a log directory of many long runs.
+    Dashboard(DashboardBenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct DashboardBenchArgs {
+    #[arg(long, default_value_t = 100)]
+    runs: usize,
+    #[arg(long, default_value_t = 10_000)]
+    steps: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -242,6 +256,21 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     })
                     .collect();
                 format!("{} decode, KV cache {} bytes/token:\n{}", r.device, r.kv_bytes_per_token, rows.join("\n"))
+            })
+        }
+        BenchCommand::Dashboard(a) => {
+            let dir = tempfile::tempdir().context("creating a scratch log directory")?;
+            let r = ember_dashboard::bench::load(dir.path(), a.runs, a.steps)?;
+            report(a.json, &r, |r| {
+                format!(
+                    "{} runs × {} steps ({:.0} MB of metrics.jsonl): loaded in {:.0} ms, one run's metrics as JSON in {:.1} ms, a refresh in {:.1} ms",
+                    r.runs,
+                    r.steps,
+                    r.bytes as f64 / 1e6,
+                    r.load_ms,
+                    r.one_run_json_ms,
+                    r.refresh_ms
+                )
             })
         }
         BenchCommand::Loss(a) => {

@@ -1,6 +1,7 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
+use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
 use ember_data::fetch::Locations;
@@ -36,6 +37,12 @@ pub struct TrainArgs {
     /// Peak TFLOP/s of the device for MFU (instead of the table or a measured GEMM peak).
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Also serve the dashboard over the run directory's parent while training.
+    #[arg(long)]
+    dashboard: bool,
+    /// Port of --dashboard.
+    #[arg(long, default_value_t = 8686)]
+    dashboard_port: u16,
 }
 
 struct TrainJob {
@@ -69,6 +76,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         locations: Locations::from_env(),
         device_name: crate::backend::gpu_name(args.device),
         peak_tflops: args.peak_tflops,
+        memory: Some(crate::backend::memory_probe(args.device)),
+    };
+    let _dashboard = if args.dashboard {
+        let logdir =
+            options.run_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        std::fs::create_dir_all(logdir).with_context(|| format!("creating {}", logdir.display()))?;
+        Some(crate::commands::dashboard::start(logdir, std::net::Ipv4Addr::LOCALHOST.into(), args.dashboard_port)?)
+    } else {
+        None
     };
     let checkpointing = config.train.activation_checkpointing;
     let summary = dispatch(args.device, checkpointing, TrainJob { config, options })?;
