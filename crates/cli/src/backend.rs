@@ -112,11 +112,85 @@ pub fn gpu_name(spec: DeviceSpec) -> Option<String> {
     (out.status.success() && !name.is_empty()).then_some(name)
 }
 
-/// The memory probe for a device: the heap on the CPU; none elsewhere yet.
+/// Memory free for a run: the host's available memory for the CPU, the GPU's free memory (from
+/// `nvidia-smi`) for CUDA; unknown for WGPU.
+pub fn memory_available(spec: DeviceSpec) -> Option<u64> {
+    match spec {
+        DeviceSpec::Cpu => ember_train::memory::host_available(),
+        DeviceSpec::Cuda(i) => {
+            let out = std::process::Command::new("nvidia-smi")
+                .args(["--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", &i.to_string()])
+                .output()
+                .ok()?;
+            let mib: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
+            Some(mib << 20)
+        }
+        DeviceSpec::Wgpu(_) => None,
+    }
+}
+
+/// The memory probe for a device: the heap on the CPU, CubeCL's memory pools on WGPU and CUDA.
 pub fn memory_probe(spec: DeviceSpec) -> &'static dyn ember_train::bench::MemoryProbe {
     match spec {
         DeviceSpec::Cpu => &crate::alloc::HeapProbe,
+        #[cfg(feature = "wgpu")]
+        DeviceSpec::Wgpu(i) => {
+            use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+            let device = i.map_or(WgpuDevice::DefaultDevice, WgpuDevice::DiscreteGpu);
+            Box::leak(Box::new(cube::CubeProbe::<WgpuRuntime>::new(device)))
+        }
+        #[cfg(feature = "cuda")]
+        DeviceSpec::Cuda(i) => {
+            use burn::cubecl::cuda::CudaRuntime;
+            Box::leak(Box::new(cube::CubeProbe::<CudaRuntime>::new(burn::backend::cuda::CudaDevice::new(i))))
+        }
+        #[allow(unreachable_patterns)]
         _ => &ember_train::bench::NoProbe,
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use burn::cubecl::Runtime;
+    use ember_train::bench::MemoryProbe;
+
+    /// Bytes in use in CubeCL's memory pools; the peak is the higher of the largest use seen and
+    /// the bytes the pools hold reserved (pools keep what they once needed).
+    pub struct CubeProbe<R: Runtime> {
+        device: R::Device,
+        peak: AtomicU64,
+    }
+
+    impl<R: Runtime> CubeProbe<R> {
+        pub fn new(device: R::Device) -> Self {
+            Self { device, peak: AtomicU64::new(0) }
+        }
+
+        fn usage(&self) -> Option<(u64, u64)> {
+            let u = R::client(&self.device).memory_usage().ok()?;
+            Some((u.bytes_in_use, u.bytes_reserved))
+        }
+    }
+
+    impl<R: Runtime> MemoryProbe for CubeProbe<R>
+    where
+        R::Device: Send + Sync,
+    {
+        fn current_bytes(&self) -> Option<u64> {
+            let (used, reserved) = self.usage()?;
+            self.peak.fetch_max(used.max(reserved), Ordering::Relaxed);
+            Some(used)
+        }
+        fn reset_peak(&self) {
+            let used = self.usage().map_or(0, |(u, _)| u);
+            self.peak.store(used, Ordering::Relaxed);
+        }
+        fn peak_bytes(&self) -> Option<u64> {
+            self.current_bytes()?;
+            Some(self.peak.load(Ordering::Relaxed))
+        }
     }
 }
 

@@ -39,6 +39,8 @@ enum Command {
     Dashboard(commands::dashboard::DashboardArgs),
     /// Benchmarks (speed and memory).
     Bench(commands::bench::BenchArgs),
+    /// Numerical checks of a backend: causality, cached decoding, the tiled loss, training steps.
+    Check(commands::check::CheckArgs),
     /// Print the backends this binary was built with.
     Backends,
 }
@@ -67,6 +69,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Bench(args) => commands::bench::run(args),
         Command::Dashboard(args) => commands::dashboard::run(args),
+        Command::Check(args) => commands::check::run(args),
         Command::Backends => {
             println!("{}", backend::compiled().join(", "));
             Ok(())

@@ -124,6 +124,7 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         qkv_bias,
         tie_embeddings: flag("tie_word_embeddings").unwrap_or(tie_default),
         init_std: obj.get("initializer_range").and_then(Value::as_f64).unwrap_or(0.02),
+        dropout: 0.0,
     };
     config.validate().map_err(|e| bad(e.to_string()))?;
     Ok((config, arch))

@@ -113,6 +113,7 @@ fn interleaved_models_export_in_the_half_split_layout() {
         qkv_bias: true,
         tie_embeddings: false,
         init_std: 0.2,
+        dropout: 0.0,
     };
     let model = Decoder::<B>::new(&cfg, 4, &Default::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();

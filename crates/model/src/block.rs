@@ -6,6 +6,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::attention::Attention;
 use crate::config::ModelConfig;
+use crate::dropout;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::mlp::Mlp;
@@ -18,6 +19,8 @@ pub struct Block<B: Backend> {
     pub self_attn: Attention<B>,
     pub post_attention_layernorm: RmsNorm<B>,
     pub mlp: Mlp<B>,
+    #[module(skip)]
+    dropout: f64,
 }
 
 impl<B: Backend> Block<B> {
@@ -27,6 +30,7 @@ impl<B: Backend> Block<B> {
             self_attn: Attention::new(config, init, device),
             post_attention_layernorm: RmsNorm::new(config.d_model, config.norm_eps, device),
             mlp: Mlp::new(config, init, device),
+            dropout: config.dropout,
         }
     }
 
@@ -34,9 +38,9 @@ impl<B: Backend> Block<B> {
     /// - x: `[B, T, D]` -> `[B, T, D]`
     pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, start, compute);
-        let h = h.reshape([b * t, d]); // [B·T, D]
-        let y = h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), compute);
+        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone()), rope, start, compute);
+        let h = (x + dropout(attn, self.dropout)).reshape([b * t, d]); // [B·T, D]
+        let y = h.clone() + dropout(self.mlp.forward(self.post_attention_layernorm.forward(h), compute), self.dropout);
         y.reshape([b, t, d])
     }
 

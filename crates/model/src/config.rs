@@ -97,6 +97,14 @@ pub struct ModelConfig {
     /// Standard deviation of the normal init (GPT-2: 0.02). Output projections get it over sqrt(2 L).
     #[serde(default = "default_init_std")]
     pub init_std: f64,
+    /// Dropout on the embedding output and on each block's attention and MLP outputs during training
+    /// (nanoGPT's resid/embedding dropout; 0 turns it off).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dropout: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 fn default_rope_theta() -> f64 {
@@ -118,6 +126,8 @@ pub enum ConfigError {
     NotDivisible { divisor: &'static str, divisor_value: usize, dividend: &'static str, dividend_value: usize },
     #[error("model.head_dim must be even for RoPE, found {0}")]
     OddHeadDim(usize),
+    #[error("model.dropout must be in [0, 1), found {0}")]
+    Dropout(f64),
     #[error("model.vocab_size is not set (a training config may leave it out only when a tokenizer supplies it)")]
     VocabUnset,
 }
@@ -178,6 +188,9 @@ impl ModelConfig {
         }
         if self.head_dim() % 2 != 0 {
             return Err(ConfigError::OddHeadDim(self.head_dim()));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(ConfigError::Dropout(self.dropout));
         }
         if self.sliding_window == Some(0) {
             return Err(ConfigError::NotPositive { name: "sliding_window", value: 0.0 });
@@ -263,6 +276,7 @@ pub(crate) fn tiny_config() -> ModelConfig {
         qkv_bias: false,
         tie_embeddings: false,
         init_std: 0.02,
+        dropout: 0.0,
     }
 }
 

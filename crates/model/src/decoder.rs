@@ -80,7 +80,8 @@ impl<B: Backend> Decoder<B> {
     /// # Shapes
     /// - tokens: `[B, T]` -> `[B, T, D]`, with `start + T <= max_seq_len`
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
-        let mut x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
+        let x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
+        let mut x = crate::dropout(x, self.config.dropout);
         for layer in &self.layers {
             x = layer.forward(x, &self.rope, start, self.compute);
         }

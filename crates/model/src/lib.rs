@@ -36,6 +36,18 @@ pub(crate) fn to_dtype<B: burn::tensor::backend::Backend, const D: usize>(
     }
 }
 
+/// Inverted dropout with probability `p`, active only while autodiff records (training).
+pub(crate) fn dropout<B: burn::tensor::backend::Backend, const D: usize>(
+    x: burn::tensor::Tensor<B, D>,
+    p: f64,
+) -> burn::tensor::Tensor<B, D> {
+    if p == 0.0 || !B::ad_enabled(&x.device()) {
+        return x;
+    }
+    let keep = x.random_like(burn::tensor::Distribution::Bernoulli(1.0 - p));
+    x * keep.div_scalar(1.0 - p)
+}
+
 /// The backend the unit tests run on.
 #[cfg(test)]
 pub(crate) type TestBackend = burn::backend::Flex;

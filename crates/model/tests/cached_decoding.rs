@@ -26,6 +26,7 @@ fn config(n_kv_heads: usize, layout: RopeLayout) -> ModelConfig {
         qkv_bias: true,
         tie_embeddings: false,
         init_std: 0.2,
+        dropout: 0.0,
     }
 }
 

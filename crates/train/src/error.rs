@@ -31,6 +31,12 @@ pub enum TrainError {
     Diverged { step: usize, loss: f64 },
     #[error("init_from = \"{spec}\": {message}")]
     InitFrom { spec: String, message: String },
+    #[error(
+        "the run needs about {need} but the device has {have} available ({terms}); lower train.batch_size \
+         or train.seq_len, set train.activation_checkpointing = true or train.precision = \"bf16\", or \
+         use a larger device"
+    )]
+    DoesNotFit { need: String, have: String, terms: String },
     #[error("model.vocab_size ({config}) is smaller than the tokenizer's vocabulary ({tokenizer})")]
     VocabTooSmall { config: usize, tokenizer: usize },
 }

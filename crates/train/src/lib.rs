@@ -11,11 +11,13 @@ pub mod error;
 pub mod eval;
 pub mod flops;
 pub mod init;
+pub mod memory;
 pub mod metrics;
 pub mod optim;
 pub mod perplexity;
 pub mod precision;
 pub mod schedule;
+pub mod selfcheck;
 pub mod tensorboard;
 pub mod trainer;
 

@@ -125,6 +125,7 @@ mod tests {
             qkv_bias: false,
             tie_embeddings: false,
             init_std: 0.3,
+            dropout: 0.0,
         };
         Decoder::new(&cfg, 9, &Default::default()).unwrap()
     }

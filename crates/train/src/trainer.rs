@@ -44,6 +44,8 @@ pub struct TrainOptions {
     pub peak_tflops: Option<f64>,
     /// Reads the device memory in use, for the metrics (the heap on the CPU).
     pub memory: Option<&'static dyn MemoryProbe>,
+    /// Memory the device can give the run, checked against an estimate before the first step.
+    pub memory_available: Option<u64>,
 }
 
 impl std::fmt::Debug for dyn MemoryProbe {
@@ -100,6 +102,7 @@ pub fn train<B: TrainBackend>(
         (model, AdamW::<B>::new(config.optim.clone()), state)
     };
     let mut model = model.with_compute_dtype(dtype);
+    check_fits(config, &model, opts.memory_available)?;
     std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
     ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
     setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
@@ -193,7 +196,9 @@ pub fn train<B: TrainBackend>(
                 (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
                 state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
                 last_val = Some(vl);
-                bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}"));
+                let memory =
+                    record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
+                bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
                 if let Some(sample) = sample_text(&inner, &setup.tokenizer, &config.metrics, t.seed ^ step as u64) {
                     let elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
                     metrics.sample(&SampleRecord {
@@ -244,6 +249,39 @@ pub fn train<B: TrainBackend>(
         mfu: mfu(flops_per_token, tokens_per_sec, &peak),
         elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
     })
+}
+
+/// Fails before the first step when the estimated memory of the run exceeds what the device has.
+fn check_fits<B: TrainBackend>(
+    config: &TrainConfig,
+    model: &Decoder<B>,
+    available: Option<u64>,
+) -> Result<(), TrainError> {
+    let trainable = trainable_params(model);
+    let e = crate::memory::estimate(config, trainable);
+    let terms = e.terms.iter().map(|(k, v)| format!("{k} {}", crate::memory::gib(*v))).collect::<Vec<_>>().join(", ");
+    tracing::info!("estimated training memory {} ({terms})", crate::memory::gib(e.total));
+    match available {
+        Some(have) if e.total > have => {
+            Err(TrainError::DoesNotFit { need: crate::memory::gib(e.total), have: crate::memory::gib(have), terms })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Parameters that receive gradients (all of them, or the LoRA adapters).
+fn trainable_params<B: TrainBackend>(model: &Decoder<B>) -> u64 {
+    struct Count(u64);
+    impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<burn::tensor::Tensor<B, D>>) {
+            if p.val().is_require_grad() {
+                self.0 += p.shape().num_elements() as u64;
+            }
+        }
+    }
+    let mut c = Count(0);
+    burn::module::Module::visit(model, &mut c);
+    c.0
 }
 
 fn open_sinks(

@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod check;
 pub mod dashboard;
 pub mod eval;
 pub mod hf;

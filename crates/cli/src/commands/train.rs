@@ -77,6 +77,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         device_name: crate::backend::gpu_name(args.device),
         peak_tflops: args.peak_tflops,
         memory: Some(crate::backend::memory_probe(args.device)),
+        memory_available: crate::backend::memory_available(args.device),
     };
     let _dashboard = if args.dashboard {
         let logdir =

@@ -1,0 +1,91 @@
+//! Will a config fit? An estimate of training memory as a table of named terms (llm.c's habit of
+//! listing every buffer), checked against what the device has before the first step, so that a
+//! config too big fails with a message instead of an allocation failure or swapping.
+
+use serde::Serialize;
+
+use crate::config::TrainConfig;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryEstimate {
+    /// `(what, bytes)`, largest first.
+    pub terms: Vec<(String, u64)>,
+    pub total: u64,
+}
+
+/// Training memory of `config` in bytes: f32 weights, gradients and AdamW moments for the trained
+/// parameters, and the activations autodiff keeps for one micro-batch.
+///
+/// Activations per token per layer, in f32 (this implementation): the block input and two norm
+/// outputs (3D), q, k, v and their rotated copies (2·H·Dh + 3·K·Dh), the attention output and
+/// projection (2·H·Dh), the MLP's gate, up, activation and product (4F), its output (D), and the
+/// `[T, T]` score and probability matrices per head (2·H·T). Low-precision compute keeps cast
+/// copies of the GEMM inputs besides (counted as half again, in 2 bytes). The tiled loss adds a
+/// `[D, V]` gradient and one tile.
+pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
+    let m = &config.model;
+    let (d, f, l) = (m.d_model as u64, m.d_ff as u64, m.n_layers as u64);
+    let (h, k, dh) = (m.n_heads as u64, m.n_kv_heads() as u64, m.head_dim() as u64);
+    let (b, t) = (config.train.batch_size as u64, config.seq_len() as u64);
+    let tokens = b * t;
+    let n = m.num_params();
+    let per_token_layer = 3 * d + 2 * h * dh + 3 * k * dh + 2 * h * dh + 4 * f + d + 2 * h * t;
+    let mut act = 4 * tokens * l * per_token_layer;
+    if config.train.precision != crate::config::Precision::F32 {
+        act += act / 4; // half again, at 2 bytes a value
+    }
+    if config.train.activation_checkpointing {
+        act /= 2; // elementwise outputs are recomputed; GEMM outputs and scores stay
+    }
+    let loss = 4 * (d * m.vocab_size as u64 + 3 * (8 << 20));
+    let mut terms = vec![
+        ("weights (f32)".to_string(), 4 * n),
+        ("gradients".to_string(), 4 * trainable),
+        ("AdamW moments".to_string(), 8 * trainable),
+        (format!("activations ({b}×{t} tokens, {l} layers)"), act),
+        ("LM head + loss (weight gradient, one tile)".to_string(), loss),
+    ];
+    terms.sort_by(|a, b| b.1.cmp(&a.1));
+    let total = terms.iter().map(|(_, v)| v).sum();
+    MemoryEstimate { terms, total }
+}
+
+/// Memory the CPU can still give (`MemAvailable` of /proc/meminfo).
+pub fn host_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nano_is_small_and_a_7b_model_is_not() {
+        let text = include_str!("../../../configs/nano.toml");
+        let mut c = TrainConfig::from_toml(text, std::path::Path::new("nano.toml")).unwrap();
+        c.model.vocab_size = 65;
+        let e = estimate(&c, c.model.num_params());
+        assert!(e.total < 200 << 20, "{}", gib(e.total));
+        assert_eq!(e.terms.iter().map(|(_, v)| v).sum::<u64>(), e.total);
+        c.model = ember_model::ModelConfig {
+            vocab_size: 32_000,
+            d_model: 4096,
+            n_layers: 32,
+            n_heads: 32,
+            n_kv_heads: None,
+            d_ff: 11_008,
+            max_seq_len: 4096,
+            ..c.model
+        };
+        let e = estimate(&c, c.model.num_params());
+        // 16 bytes per parameter for weights, gradients and moments: over 100 GB before activations.
+        assert!(e.total > 100_000_000_000, "{}", gib(e.total));
+    }
+}
