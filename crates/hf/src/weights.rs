@@ -14,8 +14,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Device, TensorData};
+use ember_model::ops::EmberBackend;
 use ember_model::rope::interleaved_to_half_split;
 use ember_model::weights::{assign, named_tensors, param_shapes};
 use ember_model::{Decoder, RopeLayout};
@@ -133,7 +133,7 @@ fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (TensorData, PathBuf)>, H
 }
 
 /// A model read from a Hugging Face folder.
-pub struct Imported<B: Backend> {
+pub struct Imported<B: EmberBackend> {
     pub model: Decoder<B>,
     pub architecture: Architecture,
     /// The folder's config.json, kept so that an export can carry its other fields.
@@ -149,7 +149,7 @@ pub struct Imported<B: Backend> {
 /// Reads `dir` (config.json and model.safetensors, or shards with an index) into a decoder whose
 /// parameters are stored in `param_dtype` (the file's bf16/f16 values are converted). Every shape is
 /// checked first; missing and unused tensors are errors unless allowed.
-pub fn import<B: Backend>(
+pub fn import<B: EmberBackend>(
     dir: &Path,
     param_dtype: DType,
     allow_missing: bool,
@@ -216,7 +216,7 @@ pub struct ExportReport {
 /// index. An interleaved-RoPE model gets its q/k columns permuted into the half-split layout that
 /// Hugging Face's code assumes. The folder is written beside `out` and renamed into place; an
 /// existing non-empty `out` is an error.
-pub fn export<B: Backend>(
+pub fn export<B: EmberBackend>(
     model: &Decoder<B>,
     base_config: Option<&Value>,
     out: &Path,
@@ -299,7 +299,7 @@ pub fn export<B: Backend>(
 
 /// q/k projection columns (ember layout `[in, heads·Dh]`, or a bias `[heads·Dh]`) from interleaved
 /// to half-split RoPE pairs.
-fn permute_rope<B: Backend>(data: TensorData, heads: usize, model: &Decoder<B>) -> TensorData {
+fn permute_rope<B: EmberBackend>(data: TensorData, heads: usize, model: &Decoder<B>) -> TensorData {
     let device = model.embed_tokens.device();
     let dtype = data.dtype;
     let shape = data.shape.to_vec();

@@ -3,14 +3,14 @@
 
 use burn::module::Module;
 use burn::tensor::activation::softmax;
-use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{backend::Backend, Bool, DType, Tensor};
 
 use crate::config::ModelConfig;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
+use crate::ops::fused::attention_rope;
+use crate::ops::EmberBackend;
 use crate::rope::Rope;
 
 #[derive(Module, Debug)]
@@ -51,7 +51,9 @@ impl<B: Backend> Attention<B> {
             sliding_window: config.sliding_window,
         }
     }
+}
 
+impl<B: EmberBackend> Attention<B> {
     /// Self-attention over a whole sequence whose first position is absolute position `start`.
     ///
     /// # Shapes
@@ -62,6 +64,15 @@ impl<B: Backend> Attention<B> {
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let x_device = x.device();
         let x = x.reshape([b * t, d]); // [B·T, D]
+        let windowed = self.sliding_window.is_some_and(|w| w < t);
+        if compute == DType::F32 && !windowed {
+            // RoPE and causal GQA attention as one op, on the projections' own layout.
+            let q = self.q_proj.forward(x.clone(), compute); // [B·T, H·Dh]
+            let key = self.k_proj.forward(x.clone(), compute); // [B·T, K·Dh]
+            let v = self.v_proj.forward(x, compute); //           [B·T, K·Dh]
+            let o = attention_rope(q, key, v, rope, (b, t), (h, k, dh), start); // [B·T, H·Dh]
+            return self.o_proj.forward(o, compute).reshape([b, t, d]);
+        }
         let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2);
         let q = heads(self.q_proj.forward(x.clone(), compute), h); // [B, H, T, Dh]
         let key = heads(self.k_proj.forward(x.clone(), compute), k); // [B, K, T, Dh]
@@ -70,22 +81,14 @@ impl<B: Backend> Attention<B> {
         let key = rope.apply(key, start);
         let key = repeat_kv(key, h / k); // [B, H, T, Dh]
         let v = repeat_kv(v, h / k); //     [B, H, T, Dh]
-        let windowed = self.sliding_window.is_some_and(|w| w < t);
-        let o = if compute == DType::F32 && !windowed {
-            // Causal with the mask aligned bottom-right: query i sees keys 0..=i (Burn's op, checked
-            // in the causality test). Scale 1/sqrt(Dh) by default.
-            let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
-            attention(q, key, v, None, None, opts) // [B, H, T, Dh]
-        } else {
-            let hidden = causal_mask::<B>(t, t, self.sliding_window, &x_device);
-            masked_attention(q, key, v, Some(hidden), compute)
-        };
+        let hidden = causal_mask::<B>(t, t, self.sliding_window, &x_device);
+        let o = masked_attention(q, key, v, Some(hidden), compute); // [B, H, T, Dh]
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]); // [B·T, H·Dh]
         self.o_proj.forward(o, compute).reshape([b, t, d])
     }
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: EmberBackend> Attention<B> {
     /// Self-attention of new positions against the cache: row `b`'s new tokens start at its cached
     /// length; their post-RoPE keys and values are stored in `cache` (layer `layer`) before the
     /// attention, which sees every stored key of the row that is not in the query's future.
@@ -236,6 +239,8 @@ mod tests {
     use crate::linear::Linear;
     use crate::TestBackend;
     use burn::module::Param;
+    use burn::tensor::module::attention;
+    use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::{Distribution, Tolerance};
 
     type B = TestBackend;

@@ -11,6 +11,7 @@ use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
+use crate::ops::EmberBackend;
 use crate::rope::Rope;
 
 #[derive(Module, Debug)]
@@ -33,7 +34,9 @@ impl<B: Backend> Block<B> {
             dropout: config.dropout,
         }
     }
+}
 
+impl<B: EmberBackend> Block<B> {
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
     pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {

@@ -12,6 +12,7 @@ use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig};
 use crate::norm::RmsNorm;
+use crate::ops::EmberBackend;
 use crate::rope::Rope;
 use crate::to_dtype;
 
@@ -32,7 +33,7 @@ pub struct Decoder<B: Backend> {
     compute: DType,
 }
 
-impl<B: Backend> Decoder<B> {
+impl<B: EmberBackend> Decoder<B> {
     /// Builds a freshly initialised model: normal(0, init_std) everywhere, output projections scaled
     /// by 1/sqrt(2L), norm gains 1, biases 0. The same seed gives the same weights on every backend.
     pub fn new(config: &ModelConfig, seed: u64, device: &B::Device) -> Result<Self, ConfigError> {

@@ -2,12 +2,13 @@
 //! 4D GELU MLP costs.
 
 use burn::module::Module;
-use burn::tensor::activation::silu;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::config::ModelConfig;
 use crate::init::Init;
 use crate::linear::Linear;
+use crate::ops::fused::swiglu;
+use crate::ops::EmberBackend;
 
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
@@ -29,12 +30,14 @@ impl<B: Backend> Mlp<B> {
             down_proj: Linear::new(init, f, d, false, out_std, device),
         }
     }
+}
 
+impl<B: EmberBackend> Mlp<B> {
     /// # Shapes
     /// - x: `[N, D]` -> `[N, D]`
     pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        let gate = silu(self.gate_proj.forward(x.clone(), compute)); // [N, F]
-        let up = self.up_proj.forward(x, compute); //                   [N, F]
-        self.down_proj.forward(gate * up, compute)
+        let gate = self.gate_proj.forward(x.clone(), compute); // [N, F]
+        let up = self.up_proj.forward(x, compute); //             [N, F]
+        self.down_proj.forward(swiglu(gate, up), compute)
     }
 }

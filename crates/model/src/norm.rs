@@ -3,9 +3,11 @@
 //! `LlamaRMSNorm` does, because a bf16 sum of D squares loses digits as D grows.
 
 use burn::module::{Module, Param};
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::{backend::Backend, Tensor};
 
 use crate::init::const_param;
+use crate::ops::fused::rms_norm;
+use crate::ops::EmberBackend;
 
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
@@ -18,16 +20,18 @@ impl<B: Backend> RmsNorm<B> {
     pub fn new(d_model: usize, eps: f64, device: &B::Device) -> Self {
         Self { weight: const_param([d_model], 1.0, device), eps }
     }
+}
 
+impl<B: EmberBackend> RmsNorm<B> {
+    /// One fused op on backends with kernels (`ops::fused::rms_norm`), else the composition.
+    ///
     /// # Shapes
     /// - x: `[..., D]` -> `[..., D]`
     pub fn forward<const N: usize>(&self, x: Tensor<B, N>) -> Tensor<B, N> {
-        let dtype = x.dtype();
-        let x = if dtype == DType::F32 { x } else { x.cast(DType::F32) };
-        let inv_rms = x.clone().square().mean_dim(N - 1).add_scalar(self.eps).sqrt().recip(); // [..., 1]
-        let normed = x * inv_rms;
-        let normed = if dtype == DType::F32 { normed } else { normed.cast(dtype) };
-        normed * crate::to_dtype(self.weight.val(), dtype).unsqueeze::<N>()
+        let dims = x.dims();
+        let d = dims[N - 1];
+        let rows = dims.iter().product::<usize>() / d.max(1);
+        rms_norm(x.reshape([rows, d]), self.weight.val(), self.eps).reshape(dims)
     }
 }
 

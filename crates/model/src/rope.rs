@@ -55,6 +55,11 @@ impl<B: Backend> Rope<B> {
         Self { cos: table(cos), sin: table(sin), layout }
     }
 
+    /// The cos and sin tables, `[T_max, Dh/2]` each.
+    pub fn tables(&self) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        (self.cos.clone(), self.sin.clone())
+    }
+
     pub fn layout(&self) -> RopeLayout {
         self.layout
     }

@@ -1,12 +1,13 @@
 //! Turning logits into tokens: temperature, top-k, top-p, greedy at temperature 0; and a plain
 //! generation loop that recomputes the whole window for each new token.
 
-use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::decoder::Decoder;
 use crate::kv_cache::KvCache;
+use crate::ops::EmberBackend;
 
 /// How the next token is chosen from the logits.
 #[derive(Debug, Clone, PartialEq)]
@@ -139,7 +140,7 @@ impl Sampler {
 /// Generates up to `max_new_tokens` after `prompt`, recomputing the last `max_seq_len` tokens for
 /// every new token (O(T) work per layer per token; the reference for the cached path). Calls
 /// `on_token` with each new id as it is produced and stops early when it returns false.
-pub fn generate<B: Backend>(
+pub fn generate<B: EmberBackend>(
     model: &Decoder<B>,
     prompt: &[u32],
     max_new_tokens: usize,
@@ -185,7 +186,7 @@ pub struct GenerateOptions {
 /// returns false. A sequence that fills the model's context goes on from the last three quarters of
 /// it, re-prefilled at positions from 0 (the cached form of cropping the context). `samplers` holds
 /// one sampler per prompt.
-pub fn generate_batch<B: Backend>(
+pub fn generate_batch<B: EmberBackend>(
     model: &Decoder<B>,
     prompts: &[Vec<u32>],
     options: &GenerateOptions,
@@ -241,7 +242,7 @@ pub fn generate_batch<B: Backend>(
 
 /// Runs `inputs[b]` (possibly empty) after each row's cached positions; returns each row's logits
 /// at its last new position (rows without input: at their first padding position, unused).
-fn feed<B: Backend>(model: &Decoder<B>, cache: &mut KvCache<B>, inputs: &[Vec<u32>]) -> Vec<Vec<f32>> {
+fn feed<B: EmberBackend>(model: &Decoder<B>, cache: &mut KvCache<B>, inputs: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let n = inputs.len();
     let t = inputs.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let mut ids = vec![0i32; n * t];
@@ -262,7 +263,7 @@ fn feed<B: Backend>(model: &Decoder<B>, cache: &mut KvCache<B>, inputs: &[Vec<u3
 ///
 /// # Shapes
 /// - hidden: `[N, T, D]` -> N rows of V logits
-fn last_logits<B: Backend>(model: &Decoder<B>, hidden: Tensor<B, 3>, rows: &[i32]) -> Vec<Vec<f32>> {
+fn last_logits<B: EmberBackend>(model: &Decoder<B>, hidden: Tensor<B, 3>, rows: &[i32]) -> Vec<Vec<f32>> {
     let [n, _, d] = hidden.dims();
     let idx: Vec<i32> = rows.iter().flat_map(|&r| std::iter::repeat_n(r, d)).collect();
     let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(idx, [n, 1, d]), &hidden.device());

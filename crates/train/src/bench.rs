@@ -254,7 +254,7 @@ pub struct DecodeBench {
 /// Time per generated token as the context grows, with and without the KV cache (greedy, batch 1).
 /// The prompt at context `c` is `c` tokens; `new_tokens` are generated with the cache and
 /// `uncached_tokens` by recomputing the window.
-pub fn bench_decode<B: Backend>(
+pub fn bench_decode<B: ember_model::ops::EmberBackend>(
     model: &Decoder<B>,
     device_label: &str,
     contexts: &[usize],

@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::tensor::{backend::Backend, Device, TensorData};
+use burn::tensor::{Device, TensorData};
 use ember_data::Tokenizer;
 use ember_model::weights::{assign, from_safetensors, named_tensors, to_safetensors};
 use ember_model::{Decoder, ModelConfig};
@@ -276,7 +276,7 @@ impl Checkpoint {
 
     /// The decoder with this checkpoint's weights (for a LoRA checkpoint: the base model with the
     /// adapters attached).
-    pub fn decoder<B: Backend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    pub fn decoder<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
         if !self.is_adapter() {
             let model = Decoder::empty(&self.model_config, device)?;
             let path = self.dir.join(MODEL_FILE);

@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Device};
 use ember_model::{Decoder, ModelConfig};
 
@@ -65,7 +64,7 @@ impl InitSource {
     }
 
     /// The starting weights, as f32 parameters.
-    pub fn load<B: Backend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    pub fn load<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
         match self {
             Self::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
                 .map_err(|e| self.err(e.to_string()))?

@@ -302,7 +302,7 @@ fn open_sinks(
 
 /// Text generated from the configured prompt (temperature 0.8, top-k 200) through the KV cache;
 /// `None` when sampling is off or the prompt cannot be encoded.
-fn sample_text<B: burn::tensor::backend::Backend>(
+fn sample_text<B: ember_model::ops::EmberBackend>(
     model: &Decoder<B>,
     tokenizer: &Tokenizer,
     config: &MetricsConfig,

@@ -5,6 +5,8 @@
 //! for `Autodiff<B, C>`, where the ops get their own backward pass.
 
 pub mod cross_entropy;
+pub mod fused;
+pub mod kernels;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -13,9 +15,13 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Int, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
 pub use cross_entropy::{cross_entropy, lm_head_loss_reference, ChunkSpec, IGNORE};
+pub use fused::AttentionSaved;
+pub use kernels::AttnShape;
+
+const NO_KERNEL: &str = "fused kernels are called only where `EmberBackend::fused` is true";
 
 /// A Burn backend with ember's fused ops.
 pub trait EmberBackend: Backend {
@@ -33,6 +39,82 @@ pub trait EmberBackend: Backend {
     ) -> FloatTensor<Self> {
         let (h, w, t) = (float::<Self, 2>(hidden), float::<Self, 2>(weight), int::<Self, 1>(targets));
         cross_entropy::chunked_forward(h, w, t, spec).loss.into_primitive().tensor()
+    }
+
+    /// Whether this backend has fused kernels (RMSNorm, SwiGLU, RoPE + attention) for `dtype`.
+    /// Without them the model runs the plain compositions of [`fused::reference`].
+    fn fused(_dtype: DType) -> bool {
+        false
+    }
+
+    /// # Shapes
+    /// - x: `[N, D]`, w: `[D]` -> `[N, D]`
+    fn rms_norm_fused(_x: FloatTensor<Self>, _w: FloatTensor<Self>, _eps: f64) -> FloatTensor<Self> {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// Gradients of x and w given the output gradient.
+    fn rms_norm_fused_backward(
+        _x: FloatTensor<Self>,
+        _w: FloatTensor<Self>,
+        _dy: FloatTensor<Self>,
+        _eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// `silu(g) · u`.
+    fn swiglu_fused(_g: FloatTensor<Self>, _u: FloatTensor<Self>) -> FloatTensor<Self> {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    fn swiglu_fused_backward(
+        _g: FloatTensor<Self>,
+        _u: FloatTensor<Self>,
+        _dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// RoPE on q and k (tables `[T_max, Dh/2]`), then causal GQA attention; keeps what the backward
+    /// pass needs.
+    ///
+    /// # Shapes
+    /// - q: `[B·T, H·Dh]`, k, v: `[B·T, K·Dh]` -> o: `[B·T, H·Dh]`
+    fn attention_fused(
+        _q: FloatTensor<Self>,
+        _k: FloatTensor<Self>,
+        _v: FloatTensor<Self>,
+        _cos: FloatTensor<Self>,
+        _sin: FloatTensor<Self>,
+        _shape: AttnShape,
+    ) -> AttentionSaved<Self> {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// Gradients of q, k and v (before RoPE) given the output gradient.
+    fn attention_fused_backward(
+        _saved: AttentionSaved<Self>,
+        _v: FloatTensor<Self>,
+        _d_o: FloatTensor<Self>,
+        _cos: FloatTensor<Self>,
+        _sin: FloatTensor<Self>,
+        _shape: AttnShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// The attention op the model calls where `fused` holds: the kernel's output, or under autodiff
+    /// a node whose backward runs the kernel's backward.
+    fn attention_op(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        shape: AttnShape,
+    ) -> FloatTensor<Self> {
+        Self::attention_fused(q, k, v, cos, sin, shape).o
     }
 }
 
@@ -55,7 +137,6 @@ pub(crate) fn int<B: Backend, const D: usize>(p: IntTensor<B>) -> Tensor<B, D, I
     Tensor::from_primitive(p)
 }
 
-impl EmberBackend for burn::backend::Flex {}
 impl EmberBackend for burn::backend::NdArray {}
 #[cfg(feature = "wgpu")]
 impl EmberBackend for burn::backend::Wgpu {}
@@ -63,6 +144,29 @@ impl EmberBackend for burn::backend::Wgpu {}
 impl EmberBackend for burn::backend::Cuda {}
 
 impl<B: EmberBackend, C: CheckpointStrategy> EmberBackend for Autodiff<B, C> {
+    fn fused(dtype: DType) -> bool {
+        B::fused(dtype)
+    }
+
+    fn rms_norm_fused(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        fused::rms_norm_autodiff::<B, C>(x, w, eps)
+    }
+
+    fn swiglu_fused(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        fused::swiglu_autodiff::<B, C>(g, u)
+    }
+
+    fn attention_op(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        shape: AttnShape,
+    ) -> FloatTensor<Self> {
+        fused::attention_autodiff::<B, C>(q, k, v, cos.primitive, sin.primitive, shape)
+    }
+
     fn lm_head_cross_entropy(
         hidden: FloatTensor<Self>,
         weight: FloatTensor<Self>,
