@@ -86,6 +86,7 @@ fn dispatch_with<C: CheckpointStrategy, J: Job>(spec: DeviceSpec, job: J) -> any
         }
         #[cfg(feature = "cuda")]
         DeviceSpec::Cuda(i) => {
+            cuda_preflight(i)?;
             let device = burn::backend::cuda::CudaDevice::new(i);
             job.run::<Autodiff<burn::backend::Cuda, C>>(device, "cuda")
         }
@@ -99,6 +100,47 @@ fn dispatch_with<C: CheckpointStrategy, J: Job>(spec: DeviceSpec, job: J) -> any
             }
         ),
     }
+}
+
+/// Checks that the NVIDIA driver loads and has device `index`, so that a machine without either gets
+/// an error saying so (Burn's CUDA runtime panics on another thread instead).
+#[cfg(feature = "cuda")]
+fn cuda_preflight(index: usize) -> anyhow::Result<()> {
+    type CuInit = unsafe extern "C" fn(u32) -> i32;
+    type CuDeviceGetCount = unsafe extern "C" fn(*mut i32) -> i32;
+    // SAFETY: loading the NVIDIA driver library runs its initialisers, as Burn's runtime would.
+    let lib = ["libcuda.so.1", "libcuda.so", "nvcuda.dll"]
+        .iter()
+        .find_map(|name| unsafe { libloading::Library::new(name) }.ok());
+    let Some(lib) = lib else {
+        anyhow::bail!(
+            "device cuda:{index}: the NVIDIA driver library (libcuda.so.1) is not on this machine or not on \
+             the library path; install the NVIDIA driver, or pick another device (cpu, wgpu)"
+        );
+    };
+    // SAFETY: the signatures are those of the CUDA driver API (cuda.h); `count` outlives the call.
+    let count = unsafe {
+        let init: libloading::Symbol<CuInit> = lib.get(b"cuInit\0")?;
+        let get_count: libloading::Symbol<CuDeviceGetCount> = lib.get(b"cuDeviceGetCount\0")?;
+        let status = init(0);
+        if status != 0 {
+            anyhow::bail!("device cuda:{index}: the NVIDIA driver failed to initialise (CUresult {status}); does `nvidia-smi` see a GPU?");
+        }
+        let mut count = 0i32;
+        let status = get_count(&mut count);
+        if status != 0 {
+            anyhow::bail!("device cuda:{index}: the NVIDIA driver could not count devices (CUresult {status})");
+        }
+        count.max(0) as usize
+    };
+    match count {
+        0 => anyhow::bail!("device cuda:{index}: the NVIDIA driver is installed but sees no CUDA device"),
+        n if index >= n => {
+            anyhow::bail!("device cuda:{index}: this machine has {n} CUDA device(s), cuda:0 to cuda:{}", n - 1)
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// The GPU's model name as `nvidia-smi` prints it (for the peak-FLOPs table); `None` elsewhere.

@@ -50,7 +50,13 @@ fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
-    match run(cli) {
+    // Compute on a worker of the CPU kernels' thread pool (see `on_cpu_workers`); the dashboard only
+    // serves files and needs no worker.
+    let result = match cli.command {
+        Command::Dashboard(_) => run(cli),
+        _ => ember_model::ops::on_cpu_workers(|| run(cli)),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");

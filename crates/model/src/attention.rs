@@ -8,8 +8,8 @@ use burn::tensor::{backend::Backend, Bool, DType, Tensor};
 use crate::config::ModelConfig;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
-use crate::linear::Linear;
-use crate::ops::fused::attention_rope;
+use crate::linear::{forward_packed, Linear};
+use crate::ops::fused::attention_rope_packed;
 use crate::ops::EmberBackend;
 use crate::rope::Rope;
 
@@ -63,20 +63,14 @@ impl<B: EmberBackend> Attention<B> {
         let [b, t, d] = x.dims();
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let x_device = x.device();
-        let x = x.reshape([b * t, d]); // [B·T, D]
+        let qkv = self.qkv(x.reshape([b * t, d]), compute); // [B·T, (H + 2K)·Dh]
         let windowed = self.sliding_window.is_some_and(|w| w < t);
         if compute == DType::F32 && !windowed {
             // RoPE and causal GQA attention as one op, on the projections' own layout.
-            let q = self.q_proj.forward(x.clone(), compute); // [B·T, H·Dh]
-            let key = self.k_proj.forward(x.clone(), compute); // [B·T, K·Dh]
-            let v = self.v_proj.forward(x, compute); //           [B·T, K·Dh]
-            let o = attention_rope(q, key, v, rope, (b, t), (h, k, dh), start); // [B·T, H·Dh]
+            let o = attention_rope_packed(qkv, rope, (b, t), (h, k, dh), start); // [B·T, H·Dh]
             return self.o_proj.forward(o, compute).reshape([b, t, d]);
         }
-        let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2);
-        let q = heads(self.q_proj.forward(x.clone(), compute), h); // [B, H, T, Dh]
-        let key = heads(self.k_proj.forward(x.clone(), compute), k); // [B, K, T, Dh]
-        let v = heads(self.v_proj.forward(x, compute), k); //           [B, K, T, Dh]
+        let [q, key, v] = self.split_heads(qkv, b, t);
         let q = rope.apply(q, start);
         let key = rope.apply(key, start);
         let key = repeat_kv(key, h / k); // [B, H, T, Dh]
@@ -89,6 +83,23 @@ impl<B: EmberBackend> Attention<B> {
 }
 
 impl<B: EmberBackend> Attention<B> {
+    /// The three projections as one GEMM.
+    ///
+    /// # Shapes
+    /// - x: `[N, D]` -> `[N, (H + 2K)·Dh]`, rows `[q | k | v]`
+    fn qkv(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+        forward_packed(&[&self.q_proj, &self.k_proj, &self.v_proj], x, compute)
+    }
+
+    /// # Shapes
+    /// - qkv: `[B·T, (H + 2K)·Dh]` -> q: `[B, H, T, Dh]`, k, v: `[B, K, T, Dh]`
+    fn split_heads(&self, qkv: Tensor<B, 2>, b: usize, t: usize) -> [Tensor<B, 4>; 3] {
+        let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let part =
+            |start: usize, n: usize| qkv.clone().narrow(1, start * dh, n * dh).reshape([b, t, n, dh]).swap_dims(1, 2);
+        [part(0, h), part(h, k), part(h + k, k)]
+    }
+
     /// Self-attention of new positions against the cache: row `b`'s new tokens start at its cached
     /// length; their post-RoPE keys and values are stored in `cache` (layer `layer`) before the
     /// attention, which sees every stored key of the row that is not in the query's future.
@@ -105,12 +116,10 @@ impl<B: EmberBackend> Attention<B> {
     ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let x = x.reshape([b * t, d]); // [B·T, D]
-        let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2);
+        let [q, key, v] = self.split_heads(self.qkv(x.reshape([b * t, d]), compute), b, t);
         let starts = cache.lens().to_vec();
-        let q = rope.apply_rows(heads(self.q_proj.forward(x.clone(), compute), h), &starts); // [B, H, T, Dh]
-        let key = rope.apply_rows(heads(self.k_proj.forward(x.clone(), compute), k), &starts); // [B, K, T, Dh]
-        let v = heads(self.v_proj.forward(x, compute), k); // [B, K, T, Dh]
+        let q = rope.apply_rows(q, &starts); //     [B, H, T, Dh]
+        let key = rope.apply_rows(key, &starts); // [B, K, T, Dh]
         let stored = cache.lens()[0] + 1;
         let o = if b == 1 && t == 1 && self.sliding_window.is_none_or(|w| stored <= w) {
             // One sequence, one new position: every stored key is visible; read the cache in place.

@@ -6,6 +6,8 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
 use crate::lora::Lora;
+use crate::ops::fused::linear;
+use crate::ops::EmberBackend;
 use crate::to_dtype;
 
 #[derive(Module, Debug)]
@@ -31,28 +33,13 @@ impl<B: Backend> Linear<B> {
         self.weight.dims()[1]
     }
 
-    /// `x·W + b` with the GEMM in `compute` (f32, bf16 or f16) and the result in f32. With a low
-    /// precision `compute`, the f32 master weight is cast on the way in; autodiff casts its gradient
-    /// back to f32 on the way out.
-    ///
-    /// # Shapes
-    /// - x: `[N, in]` -> `[N, out]`
-    ///
-    /// Callers fold leading dimensions into N: a 2-D GEMM avoids the batched-matmul broadcast and the
-    /// per-batch reduction of the weight gradient.
-    pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        let weight = to_dtype(self.weight.val(), compute);
-        let bias = self.bias.as_ref().map(|b| to_dtype(b.val(), compute));
-        let y = burn::tensor::module::linear(to_dtype(x.clone(), compute), weight, bias);
-        let y = to_dtype(y, DType::F32);
-        match &self.lora {
-            Some(lora) => y + lora.forward(x, compute),
-            None => y,
-        }
-    }
-
     pub fn d_in(&self) -> usize {
         self.weight.dims()[0]
+    }
+
+    /// Whether a low-rank adapter is attached.
+    pub fn has_lora(&self) -> bool {
+        self.lora.is_some()
     }
 
     /// Folds the adapter into the weight (`W + (α/r)·A·B`) and drops it.
@@ -65,4 +52,57 @@ impl<B: Backend> Linear<B> {
         }
         self
     }
+}
+
+impl<B: EmberBackend> Linear<B> {
+    /// `x·W + b` with the GEMM in `compute` (f32, bf16 or f16) and the result in f32. With a low
+    /// precision `compute`, the f32 master weight is cast on the way in; autodiff casts its gradient
+    /// back to f32 on the way out.
+    ///
+    /// # Shapes
+    /// - x: `[N, in]` -> `[N, out]`
+    ///
+    /// Callers fold leading dimensions into N: a 2-D GEMM avoids the batched-matmul broadcast and the
+    /// per-batch reduction of the weight gradient.
+    pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+        let y = linear_packed(x.clone(), self.weight.val(), self.bias.as_ref().map(|b| b.val()), compute);
+        match &self.lora {
+            Some(lora) => y + lora.forward(x, compute),
+            None => y,
+        }
+    }
+}
+
+/// Several projections of the same input, side by side: `x·[W_1 | W_2 | …] + [b_1 | b_2 | …]` as
+/// one GEMM (the concatenated weight is built per call; its gradient splits back into the parts).
+/// With adapters attached, each projection runs on its own and the outputs are concatenated.
+/// Computed in `compute`, returned in f32.
+///
+/// # Shapes
+/// - x: `[N, in]` -> `[N, Σ out_i]`
+pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+    let biased = parts.iter().filter(|p| p.bias.is_some()).count();
+    if parts.len() == 1 || parts.iter().any(|p| p.has_lora()) || (biased != 0 && biased != parts.len()) {
+        let outputs: Vec<_> = parts.iter().map(|p| p.forward(x.clone(), compute)).collect();
+        return if outputs.len() == 1 {
+            outputs.into_iter().next().expect("one output")
+        } else {
+            Tensor::cat(outputs, 1)
+        };
+    }
+    let weight = Tensor::cat(parts.iter().map(|p| p.weight.val()).collect(), 1);
+    let bias =
+        (biased != 0).then(|| Tensor::cat(parts.iter().filter_map(|p| p.bias.as_ref().map(|b| b.val())).collect(), 0));
+    linear_packed(x, weight, bias, compute)
+}
+
+/// `x·W + b` in `compute`, returned in f32.
+fn linear_packed<B: EmberBackend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+    compute: DType,
+) -> Tensor<B, 2> {
+    let bias = b.map(|b| to_dtype(b, compute));
+    to_dtype(linear(to_dtype(x, compute), to_dtype(w, compute), bias), DType::F32)
 }

@@ -6,8 +6,8 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::config::ModelConfig;
 use crate::init::Init;
-use crate::linear::Linear;
-use crate::ops::fused::swiglu;
+use crate::linear::{forward_packed, Linear};
+use crate::ops::fused::swiglu_packed;
 use crate::ops::EmberBackend;
 
 #[derive(Module, Debug)]
@@ -36,8 +36,7 @@ impl<B: EmberBackend> Mlp<B> {
     /// # Shapes
     /// - x: `[N, D]` -> `[N, D]`
     pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        let gate = self.gate_proj.forward(x.clone(), compute); // [N, F]
-        let up = self.up_proj.forward(x, compute); //             [N, F]
-        self.down_proj.forward(swiglu(gate, up), compute)
+        let gate_up = forward_packed(&[&self.gate_proj, &self.up_proj], x, compute); // [N, 2F]
+        self.down_proj.forward(swiglu_packed(gate_up), compute)
     }
 }

@@ -14,8 +14,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Device, ElementConversion, Tensor, TensorData, TensorPrimitive};
+
+use ember_model::ops::{adamw, AdamWStep, EmberBackend, TrainBackend};
 
 use crate::config::OptimConfig;
 
@@ -25,14 +27,14 @@ struct Moments<B: Backend> {
     v: Tensor<B, 1>,
 }
 
-pub struct AdamW<B: AutodiffBackend> {
+pub struct AdamW<B: TrainBackend> {
     config: OptimConfig,
     /// Optimizer steps taken (t in the bias corrections is `steps + 1` during a step).
     steps: u64,
     state: HashMap<String, Moments<B::InnerBackend>>,
 }
 
-impl<B: AutodiffBackend> AdamW<B> {
+impl<B: TrainBackend> AdamW<B> {
     pub fn new(config: OptimConfig) -> Self {
         Self { config, steps: 0, state: HashMap::new() }
     }
@@ -119,7 +121,7 @@ impl<B: AutodiffBackend> AdamW<B> {
     }
 }
 
-struct Update<'a, B: AutodiffBackend> {
+struct Update<'a, B: TrainBackend> {
     path: Vec<String>,
     grads: &'a mut GradientsParams,
     state: &'a mut HashMap<String, Moments<B::InnerBackend>>,
@@ -133,7 +135,7 @@ struct Update<'a, B: AutodiffBackend> {
     bias2: f64,
 }
 
-impl<B: AutodiffBackend> ModuleMapper<B> for Update<'_, B> {
+impl<B: TrainBackend> ModuleMapper<B> for Update<'_, B> {
     fn enter_module(&mut self, name: &str, _: &str) {
         self.path.push(name.to_string());
     }
@@ -151,22 +153,22 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Update<'_, B> {
         let n = tensor.shape().num_elements();
         let key = self.path.join(".");
         let g = grad.reshape([n]); // [n]
-        let g = if self.grad_scale == 1.0 { g } else { g.mul_scalar(self.grad_scale) };
-        let (b1, b2) = (self.beta1, self.beta2);
-        let moments = match self.state.remove(&key) {
-            Some(s) => Moments {
-                m: s.m.mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1),
-                v: s.v.mul_scalar(b2) + g.square().mul_scalar(1.0 - b2),
-            },
-            None => Moments { m: g.clone().mul_scalar(1.0 - b1), v: g.square().mul_scalar(1.0 - b2) },
+        let moments = self.state.remove(&key).unwrap_or_else(|| {
+            let zeros = || Tensor::zeros([n], &g.device());
+            Moments { m: zeros(), v: zeros() }
+        });
+        let h = AdamWStep {
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            decay: if D >= 2 { self.lr * self.weight_decay } else { 0.0 },
+            bias1: self.bias1,
+            bias2: self.bias2,
+            grad_scale: self.grad_scale,
         };
-        let denom = moments.v.clone().div_scalar(self.bias2).sqrt().add_scalar(self.eps);
-        let update = moments.m.clone().div_scalar(self.bias1) / denom;
-        let p = tensor.inner().reshape([n]);
-        let decay = if D >= 2 { self.lr * self.weight_decay } else { 0.0 };
-        let p = if decay == 0.0 { p } else { p.mul_scalar(1.0 - decay) };
-        let p = p - update.mul_scalar(self.lr);
-        self.state.insert(key, moments);
+        let (p, m, v) = adamw(tensor.inner().reshape([n]), g, moments.m, moments.v, h);
+        self.state.insert(key, Moments { m, v });
         let p = Tensor::<B, D>::from_inner(p.reshape(dims)).require_grad();
         Param::from_mapped_value(id, p, mapper)
     }
@@ -178,15 +180,17 @@ fn param_sizes<B: Backend, M: burn::module::Module<B>>(model: &M) -> Vec<(String
 }
 
 /// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it, in f32.
-pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> f64 {
+pub fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> f64 {
     struct SumSquares<'a, IB: Backend> {
         grads: &'a GradientsParams,
         total: Option<Tensor<IB, 1>>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for SumSquares<'_, B::InnerBackend> {
+    impl<B: TrainBackend> ModuleVisitor<B> for SumSquares<'_, B::InnerBackend> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-                let s = g.square().sum();
+                let s: Tensor<B::InnerBackend, 1> = Tensor::from_primitive(TensorPrimitive::Float(
+                    <B::InnerBackend as EmberBackend>::sum_squares(g.into_primitive().tensor()),
+                ));
                 self.total = Some(match self.total.take() {
                     Some(t) => t + s,
                     None => s,

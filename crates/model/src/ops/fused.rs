@@ -17,7 +17,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
-use super::kernels::{self, AttnShape};
+use super::kernels::{self, AttnShape, LinearGrads};
 use super::{float, EmberBackend};
 
 /// The plain compositions: the reference implementations and the path of backends without kernels.
@@ -40,9 +40,33 @@ pub mod reference {
     }
 
     /// # Shapes
-    /// - g, u: `[N, F]` -> `[N, F]`
-    pub fn swiglu<B: Backend>(g: Tensor<B, 2>, u: Tensor<B, 2>) -> Tensor<B, 2> {
-        silu(g) * u
+    /// - gu: `[N, 2F]` (rows `[g | u]`) -> `[N, F]`
+    pub fn swiglu_packed<B: Backend>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
+        let f = gu.dims()[1] / 2;
+        silu(gu.clone().narrow(1, 0, f)) * gu.narrow(1, f, f)
+    }
+
+    /// # Shapes
+    /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
+    pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
+        burn::tensor::module::linear(x, w, b)
+    }
+
+    /// [`attention_rope`] of packed `[q | k | v]` rows.
+    ///
+    /// # Shapes
+    /// - qkv: `[B·T, (H + 2K)·Dh]` -> `[B·T, H·Dh]`
+    pub fn attention_rope_packed<B: Backend>(
+        qkv: Tensor<B, 2>,
+        rope: &Rope<B>,
+        (b, t): (usize, usize),
+        (h, kh, dh): (usize, usize, usize),
+        start: usize,
+    ) -> Tensor<B, 2> {
+        let q = qkv.clone().narrow(1, 0, h * dh);
+        let k = qkv.clone().narrow(1, h * dh, kh * dh);
+        let v = qkv.narrow(1, (h + kh) * dh, kh * dh);
+        attention_rope(q, k, v, rope, (b, t), (h, kh, dh), start)
     }
 
     /// RoPE on q and k, then causal attention with key/value heads shared by `H/K` query heads.
@@ -75,6 +99,17 @@ fn flex_f32(t: &FlexTensor) -> Cow<'_, [f32]> {
     }
 }
 
+/// A tensor whose storage holds exactly its elements in order, so that `storage_mut` can update it
+/// in place (copying first only when the storage is shared).
+fn flex_exclusive(t: FlexTensor) -> FlexTensor {
+    let n: usize = shape_of(&t).iter().product();
+    if t.as_slice::<f32>().is_some() && t.storage::<f32>().len() == n {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
 fn flex_new(values: Vec<f32>, shape: Vec<usize>) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
 }
@@ -84,9 +119,16 @@ fn shape_of(t: &FlexTensor) -> Vec<usize> {
 }
 
 /// The CPU kernels, for f32 tensors.
+/// Whether the CPU kernels are switched off with `EMBER_FUSED=0` (read once): the model then runs
+/// the reference compositions, to compare speeds or to rule the kernels out when debugging.
+fn kernels_disabled() -> bool {
+    static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DISABLED.get_or_init(|| std::env::var("EMBER_FUSED").is_ok_and(|v| v == "0"))
+}
+
 impl EmberBackend for Flex {
     fn fused(dtype: DType) -> bool {
-        dtype == DType::F32
+        dtype == DType::F32 && !kernels_disabled()
     }
 
     fn rms_norm_fused(x: FlexTensor, w: FlexTensor, eps: f64) -> FlexTensor {
@@ -100,60 +142,81 @@ impl EmberBackend for Flex {
         (flex_new(dx, xs), flex_new(dw, ws))
     }
 
-    fn swiglu_fused(g: FlexTensor, u: FlexTensor) -> FlexTensor {
-        let shape = shape_of(&g);
-        flex_new(kernels::swiglu(&flex_f32(&g), &flex_f32(&u)), shape)
+    fn swiglu_fused(gu: FlexTensor) -> FlexTensor {
+        let shape = shape_of(&gu);
+        let f = shape[1] / 2;
+        flex_new(kernels::swiglu_packed(&flex_f32(&gu), f), vec![shape[0], f])
     }
 
-    fn swiglu_fused_backward(g: FlexTensor, u: FlexTensor, dy: FlexTensor) -> (FlexTensor, FlexTensor) {
-        let shape = shape_of(&g);
-        let (dg, du) = kernels::swiglu_backward(&flex_f32(&g), &flex_f32(&u), &flex_f32(&dy));
-        (flex_new(dg, shape.clone()), flex_new(du, shape))
+    fn swiglu_fused_backward(gu: FlexTensor, dy: FlexTensor) -> FlexTensor {
+        let shape = shape_of(&gu);
+        flex_new(kernels::swiglu_packed_backward(&flex_f32(&gu), &flex_f32(&dy), shape[1] / 2), shape)
     }
 
-    fn attention_fused(
-        q: FlexTensor,
-        k: FlexTensor,
+    fn linear_fused(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {
+        let (xs, ws) = (shape_of(&x), shape_of(&w));
+        let b = b.as_ref().map(flex_f32);
+        let y = kernels::linear(&flex_f32(&x), &flex_f32(&w), b.as_deref(), (xs[0], xs[1], ws[1]));
+        flex_new(y, vec![xs[0], ws[1]])
+    }
+
+    fn linear_fused_backward(
+        x: FlexTensor,
+        w: FlexTensor,
+        dy: FlexTensor,
+        need: LinearGrads,
+    ) -> (Option<FlexTensor>, Option<FlexTensor>, Option<FlexTensor>) {
+        let (xs, ws) = (shape_of(&x), shape_of(&w));
+        let (dx, dw, db) =
+            kernels::linear_backward(&flex_f32(&x), &flex_f32(&w), &flex_f32(&dy), (xs[0], xs[1], ws[1]), need);
+        (dx.map(|dx| flex_new(dx, xs)), dw.map(|dw| flex_new(dw, ws.clone())), db.map(|db| flex_new(db, vec![ws[1]])))
+    }
+
+    fn adamw_fused(
+        p: FlexTensor,
+        g: FlexTensor,
+        m: FlexTensor,
         v: FlexTensor,
-        cos: FlexTensor,
-        sin: FlexTensor,
-        s: AttnShape,
-    ) -> AttentionSaved<Self> {
-        let (qs, ks) = (shape_of(&q), shape_of(&k));
-        let (cos, sin) = (flex_f32(&cos), flex_f32(&sin));
-        let q_rot = kernels::rope(&flex_f32(&q), s.heads, &s, &cos, &sin, false);
-        let k_rot = kernels::rope(&flex_f32(&k), s.kv_heads, &s, &cos, &sin, false);
-        let out = kernels::attention(&q_rot, &k_rot, &flex_f32(&v), &s);
+        h: super::AdamWStep,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        if [&p, &g, &m, &v].iter().any(|t| t.dtype() != DType::F32) {
+            let (p, m, v) = super::adamw_reference(float::<Self, 1>(p), float(g), float(m), float(v), h);
+            return (p.into_primitive().tensor(), m.into_primitive().tensor(), v.into_primitive().tensor());
+        }
+        let (mut p, mut m, mut v) = (flex_exclusive(p), flex_exclusive(m), flex_exclusive(v));
+        kernels::adamw(p.storage_mut(), &flex_f32(&g), m.storage_mut(), v.storage_mut(), &h);
+        (p, m, v)
+    }
+
+    fn sum_squares(x: FlexTensor) -> FlexTensor {
+        if x.dtype() != DType::F32 {
+            return float::<Self, 1>(x).square().sum().into_primitive().tensor();
+        }
+        flex_new(vec![kernels::sum_squares(&flex_f32(&x)) as f32], vec![1])
+    }
+
+    fn attention_fused(qkv: FlexTensor, cos: FlexTensor, sin: FlexTensor, s: AttnShape) -> AttentionSaved<Self> {
+        let rows = shape_of(&qkv)[0];
+        let qkv_rot = kernels::rope_packed(&flex_f32(&qkv), &s, &flex_f32(&cos), &flex_f32(&sin), false);
+        let out = kernels::attention(&qkv_rot, &s);
         AttentionSaved {
-            o: flex_new(out.o, qs.clone()),
+            o: flex_new(out.o, vec![rows, s.heads * s.head_dim]),
             lse: flex_new(out.lse, vec![s.batch * s.heads * s.seq]),
-            q_rot: flex_new(q_rot, qs),
-            k_rot: flex_new(k_rot, ks),
+            qkv_rot: flex_new(qkv_rot, vec![rows, s.packed_width()]),
         }
     }
 
     fn attention_fused_backward(
         saved: AttentionSaved<Self>,
-        v: FlexTensor,
         d_o: FlexTensor,
         cos: FlexTensor,
         sin: FlexTensor,
         s: AttnShape,
-    ) -> (FlexTensor, FlexTensor, FlexTensor) {
-        let (qs, ks) = (shape_of(&saved.q_rot), shape_of(&saved.k_rot));
+    ) -> FlexTensor {
+        let shape = shape_of(&saved.qkv_rot);
         let out = kernels::AttnOut { o: flex_f32(&saved.o).into_owned(), lse: flex_f32(&saved.lse).into_owned() };
-        let (dq_rot, dk_rot, dv) = kernels::attention_backward(
-            &flex_f32(&saved.q_rot),
-            &flex_f32(&saved.k_rot),
-            &flex_f32(&v),
-            &out,
-            &flex_f32(&d_o),
-            &s,
-        );
-        let (cos, sin) = (flex_f32(&cos), flex_f32(&sin));
-        let dq = kernels::rope(&dq_rot, s.heads, &s, &cos, &sin, true);
-        let dk = kernels::rope(&dk_rot, s.kv_heads, &s, &cos, &sin, true);
-        (flex_new(dq, qs), flex_new(dk, ks.clone()), flex_new(dv, ks))
+        let d_rot = kernels::attention_backward(&flex_f32(&saved.qkv_rot), &out, &flex_f32(&d_o), &s);
+        flex_new(kernels::rope_packed(&d_rot, &s, &flex_f32(&cos), &flex_f32(&sin), true), shape)
     }
 }
 
@@ -164,9 +227,8 @@ pub struct AttentionSaved<B: Backend> {
     pub o: FloatTensor<B>,
     /// `[B·H·T]`
     pub lse: FloatTensor<B>,
-    /// `[B·T, H·Dh]`, `[B·T, K·Dh]`: after RoPE.
-    pub q_rot: FloatTensor<B>,
-    pub k_rot: FloatTensor<B>,
+    /// `[B·T, (H + 2K)·Dh]`: the packed q/k/v after RoPE.
+    pub qkv_rot: FloatTensor<B>,
 }
 
 /// Autodiff over a backend with kernels: each fused op is one node with its own backward.
@@ -202,66 +264,116 @@ pub(super) fn rms_norm_autodiff<B: EmberBackend, C: CheckpointStrategy>(
 }
 
 pub(super) fn swiglu_autodiff<B: EmberBackend, C: CheckpointStrategy>(
-    g: FloatTensor<Autodiff<B, C>>,
-    u: FloatTensor<Autodiff<B, C>>,
+    gu: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
     #[derive(Debug)]
     struct SwigluBackward;
-    impl<B: EmberBackend> Backward<B, 2> for SwigluBackward {
-        type State = (FloatTensor<B>, FloatTensor<B>);
-        fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-            let [node_g, node_u] = ops.parents;
+    impl<B: EmberBackend> Backward<B, 1> for SwigluBackward {
+        type State = FloatTensor<B>;
+        fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let [node] = ops.parents;
             let dy = grads.consume::<B>(&ops.node);
-            let (g, u) = ops.state;
-            let (dg, du) = B::swiglu_fused_backward(g, u, dy);
-            if let Some(n) = node_g {
-                grads.register::<B>(n.id, dg);
-            }
-            if let Some(n) = node_u {
-                grads.register::<B>(n.id, du);
+            if let Some(n) = node {
+                grads.register::<B>(n.id, B::swiglu_fused_backward(ops.state, dy));
             }
         }
     }
-    match SwigluBackward.prepare::<C>([g.node.clone(), u.node.clone()]).compute_bound().stateful() {
+    match SwigluBackward.prepare::<C>([gu.node.clone()]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => {
-            let y = B::swiglu_fused(g.primitive.clone(), u.primitive.clone());
-            prep.finish((g.primitive, u.primitive), y)
+            let y = B::swiglu_fused(gu.primitive.clone());
+            prep.finish(gu.primitive, y)
         }
-        OpsKind::UnTracked(prep) => prep.finish(B::swiglu_fused(g.primitive, u.primitive)),
+        OpsKind::UnTracked(prep) => prep.finish(B::swiglu_fused(gu.primitive)),
+    }
+}
+
+pub(super) fn linear_autodiff<B: EmberBackend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    w: FloatTensor<Autodiff<B, C>>,
+    b: Option<FloatTensor<Autodiff<B, C>>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    #[derive(Debug)]
+    struct LinearBackward;
+    impl<B: EmberBackend> Backward<B, 3> for LinearBackward {
+        type State = (FloatTensor<B>, FloatTensor<B>);
+        fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let [node_x, node_w, node_b] = ops.parents;
+            let dy = grads.consume::<B>(&ops.node);
+            let (x, w) = ops.state;
+            let need = LinearGrads { x: node_x.is_some(), w: node_w.is_some(), b: node_b.is_some() };
+            let (dx, dw, db) = B::linear_fused_backward(x, w, dy, need);
+            for (node, grad) in [(node_x, dx), (node_w, dw), (node_b, db)] {
+                if let (Some(n), Some(g)) = (node, grad) {
+                    grads.register::<B>(n.id, g);
+                }
+            }
+        }
+    }
+    #[derive(Debug)]
+    struct LinearNoBiasBackward;
+    impl<B: EmberBackend> Backward<B, 2> for LinearNoBiasBackward {
+        type State = (FloatTensor<B>, FloatTensor<B>);
+        fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let [node_x, node_w] = ops.parents;
+            let dy = grads.consume::<B>(&ops.node);
+            let (x, w) = ops.state;
+            let need = LinearGrads { x: node_x.is_some(), w: node_w.is_some(), b: false };
+            let (dx, dw, _) = B::linear_fused_backward(x, w, dy, need);
+            for (node, grad) in [(node_x, dx), (node_w, dw)] {
+                if let (Some(n), Some(g)) = (node, grad) {
+                    grads.register::<B>(n.id, g);
+                }
+            }
+        }
+    }
+    let forward = |x: FloatTensor<B>, w: FloatTensor<B>, b: Option<FloatTensor<B>>| B::linear_fused(x, w, b);
+    match b {
+        Some(b) => match LinearBackward
+            .prepare::<C>([x.node.clone(), w.node.clone(), b.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = forward(x.primitive.clone(), w.primitive.clone(), Some(b.primitive));
+                prep.finish((x.primitive, w.primitive), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, w.primitive, Some(b.primitive))),
+        },
+        None => match LinearNoBiasBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let y = forward(x.primitive.clone(), w.primitive.clone(), None);
+                prep.finish((x.primitive, w.primitive), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive, w.primitive, None)),
+        },
     }
 }
 
 pub(super) fn attention_autodiff<B: EmberBackend, C: CheckpointStrategy>(
-    q: FloatTensor<Autodiff<B, C>>,
-    k: FloatTensor<Autodiff<B, C>>,
-    v: FloatTensor<Autodiff<B, C>>,
+    qkv: FloatTensor<Autodiff<B, C>>,
     cos: FloatTensor<B>,
     sin: FloatTensor<B>,
     s: AttnShape,
 ) -> FloatTensor<Autodiff<B, C>> {
     #[derive(Debug)]
     struct AttentionBackward;
-    impl<B: EmberBackend> Backward<B, 3> for AttentionBackward {
-        type State = (AttentionSaved<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, AttnShape);
-        fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-            let [node_q, node_k, node_v] = ops.parents;
+    impl<B: EmberBackend> Backward<B, 1> for AttentionBackward {
+        type State = (AttentionSaved<B>, FloatTensor<B>, FloatTensor<B>, AttnShape);
+        fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let [node] = ops.parents;
             let d_o = grads.consume::<B>(&ops.node);
-            let (saved, v, cos, sin, s) = ops.state;
-            let (dq, dk, dv) = B::attention_fused_backward(saved, v, d_o, cos, sin, s);
-            for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
-                if let Some(n) = node {
-                    grads.register::<B>(n.id, grad);
-                }
+            let (saved, cos, sin, s) = ops.state;
+            if let Some(n) = node {
+                grads.register::<B>(n.id, B::attention_fused_backward(saved, d_o, cos, sin, s));
             }
         }
     }
-    let prep =
-        AttentionBackward.prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()]).compute_bound().stateful();
-    let saved = B::attention_fused(q.primitive, k.primitive, v.primitive.clone(), cos.clone(), sin.clone(), s);
+    let prep = AttentionBackward.prepare::<C>([qkv.node.clone()]).compute_bound().stateful();
+    let saved = B::attention_fused(qkv.primitive, cos.clone(), sin.clone(), s);
     match prep {
         OpsKind::Tracked(prep) => {
             let o = saved.o.clone();
-            prep.finish((saved, v.primitive, cos, sin, s), o)
+            prep.finish((saved, cos, sin, s), o)
         }
         OpsKind::UnTracked(prep) => prep.finish(saved.o),
     }
@@ -279,32 +391,46 @@ pub fn rms_norm<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 1>, eps: f64) -> 
     }
 }
 
-/// `silu(g) · u`.
-pub fn swiglu<B: EmberBackend>(g: Tensor<B, 2>, u: Tensor<B, 2>) -> Tensor<B, 2> {
-    if B::fused(g.dtype()) && u.dtype() == g.dtype() {
-        float(B::swiglu_fused(g.into_primitive().tensor(), u.into_primitive().tensor()))
+/// `silu(g) · u` of packed rows `[g | u]`.
+///
+/// # Shapes
+/// - gu: `[N, 2F]` -> `[N, F]`
+pub fn swiglu_packed<B: EmberBackend>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
+    if B::fused(gu.dtype()) {
+        float(B::swiglu_fused(gu.into_primitive().tensor()))
     } else {
-        reference::swiglu(g, u)
+        reference::swiglu_packed(gu)
     }
 }
 
-/// RoPE and causal grouped-query attention over whole sequences starting at position `start`.
+/// `x · w (+ b)`; on CPU kernels the two products of the backward pass run side by side.
 ///
 /// # Shapes
-/// - q: `[B·T, H·Dh]`, k, v: `[B·T, K·Dh]` -> `[B·T, H·Dh]`
-#[allow(clippy::too_many_arguments)]
-pub fn attention_rope<B: EmberBackend>(
-    q: Tensor<B, 2>,
-    k: Tensor<B, 2>,
-    v: Tensor<B, 2>,
+/// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
+pub fn linear<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
+    let dtype = x.dtype();
+    if B::fused(dtype) && w.dtype() == dtype && b.as_ref().is_none_or(|b| b.dtype() == dtype) {
+        let b = b.map(|b| b.into_primitive().tensor());
+        float(B::linear_fused(x.into_primitive().tensor(), w.into_primitive().tensor(), b))
+    } else {
+        reference::linear(x, w, b)
+    }
+}
+
+/// RoPE and causal grouped-query attention over packed `[q | k | v]` rows of whole sequences
+/// starting at position `start`.
+///
+/// # Shapes
+/// - qkv: `[B·T, (H + 2K)·Dh]` -> `[B·T, H·Dh]`
+pub fn attention_rope_packed<B: EmberBackend>(
+    qkv: Tensor<B, 2>,
     rope: &crate::rope::Rope<B>,
     (b, t): (usize, usize),
     (h, kh, dh): (usize, usize, usize),
     start: usize,
 ) -> Tensor<B, 2> {
-    let same = q.dtype() == k.dtype() && k.dtype() == v.dtype();
-    if !(B::fused(q.dtype()) && same && start + t <= rope.max_seq_len()) {
-        return reference::attention_rope(q, k, v, rope, (b, t), (h, kh, dh), start);
+    if !(B::fused(qkv.dtype()) && start + t <= rope.max_seq_len()) {
+        return reference::attention_rope_packed(qkv, rope, (b, t), (h, kh, dh), start);
     }
     let s = AttnShape {
         batch: b,
@@ -318,9 +444,7 @@ pub fn attention_rope<B: EmberBackend>(
     };
     let (cos, sin) = rope.tables();
     float(B::attention_op(
-        q.into_primitive().tensor(),
-        k.into_primitive().tensor(),
-        v.into_primitive().tensor(),
+        qkv.into_primitive().tensor(),
         cos.into_primitive().tensor(),
         sin.into_primitive().tensor(),
         s,
@@ -397,13 +521,68 @@ mod tests {
     #[test]
     fn fused_swiglu_equals_the_composition() {
         for (n, f) in [(1, 5), (9, 31), (64, 344)] {
-            compare(&format!("swiglu {n}x{f}"), vec![leaf([n, f], 3), leaf([n, f], 4)], [n, f], &|xs, fused| {
+            compare(&format!("swiglu {n}x{f}"), vec![leaf([n, 2 * f], 3)], [n, f], &|xs, fused| {
                 if fused {
-                    swiglu(xs[0].clone(), xs[1].clone())
+                    swiglu_packed(xs[0].clone())
                 } else {
-                    reference::swiglu(xs[0].clone(), xs[1].clone())
+                    reference::swiglu_packed(xs[0].clone())
                 }
             });
+        }
+    }
+
+    #[test]
+    fn fused_linear_equals_the_composition() {
+        for (m, k, n, bias) in [(1, 3, 2, false), (7, 13, 5, true), (768, 128, 384, true), (96, 344, 128, false)] {
+            let mut inputs = vec![leaf([m, k], 8), leaf([k, n], 9)];
+            if bias {
+                inputs.push(leaf([1, n], 10));
+            }
+            compare(&format!("linear {m}x{k}x{n} bias {bias}"), inputs, [m, n], &|xs, fused| {
+                let b = xs.get(2).map(|b| b.clone().reshape([n]));
+                if fused {
+                    linear(xs[0].clone(), xs[1].clone(), b)
+                } else {
+                    reference::linear(xs[0].clone(), xs[1].clone(), b)
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn fused_adamw_and_sum_squares_equal_the_compositions() {
+        let vec1 = |n: usize, seed: u64| leaf([1, n], seed).reshape([n]);
+        for (n, decay, grad_scale) in [(1, 0.0, 1.0), (1001, 1e-4, 0.37), (40_000, 1e-3, 1.0)] {
+            let (p, g, m) = (vec1(n, 1), vec1(n, 2), vec1(n, 3));
+            let v = vec1(n, 4).abs();
+            let h = super::super::AdamWStep {
+                lr: 3e-3,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                decay,
+                bias1: 1.0 - 0.9f64.powi(3),
+                bias2: 1.0 - 0.99f64.powi(3),
+                grad_scale,
+            };
+            let want = super::super::adamw_reference(p.clone(), g.clone(), m.clone(), v.clone(), h);
+            // `p` is still shared here: the kernel must copy, not write into the caller's tensor.
+            let got = super::super::adamw(p.clone(), g.clone(), m, v, h);
+            for (name, a, b) in [("p", got.0, want.0), ("m", got.1, want.1), ("v", got.2, want.2)] {
+                let err = rel_err(a.unsqueeze::<2>(), b.unsqueeze::<2>());
+                assert!(err < 1e-5, "adamw n={n} {name}: {err}");
+            }
+            assert!(rel_err(p.clone().unsqueeze::<2>(), vec1(n, 1).unsqueeze::<2>()) == 0.0, "input changed");
+            // The kernel itself, on slices (the backend op above must be it, not the default body).
+            let vals = |t: &Tensor<Flex, 1>| t.to_data().into_vec::<f32>().expect("f32");
+            let (mut pk, mut mk, mut vk) = (vals(&p), vals(&vec1(n, 3)), vals(&vec1(n, 4).abs()));
+            kernels::adamw(&mut pk, &vals(&g), &mut mk, &mut vk, &h);
+            let got_p = super::super::adamw(p.clone(), g.clone(), vec1(n, 3), vec1(n, 4).abs(), h).0;
+            assert_eq!(pk, vals(&got_p), "adamw n={n}: the backend op is not the kernel");
+            let fused: f32 = float::<Flex, 1>(Flex::sum_squares(g.clone().into_primitive().tensor())).into_scalar();
+            let plain: f32 = g.clone().square().sum().into_scalar();
+            assert_eq!(fused, kernels::sum_squares(&vals(&g)) as f32, "sum of squares: not the kernel");
+            assert!((fused - plain).abs() <= 1e-5 * plain.abs(), "sum of squares n={n}: {fused} vs {plain}");
         }
     }
 
@@ -417,17 +596,18 @@ mod tests {
             (1, 1, 2, 2, 4, 0, RopeLayout::HalfSplit),
             (3, 5, 6, 6, 10, 4, RopeLayout::HalfSplit),
             (2, 64, 4, 4, 32, 0, RopeLayout::HalfSplit),
+            // Longer than one causal block of the kernels (64 rows): 3 blocks, the last partial.
+            (1, 150, 4, 2, 8, 2, RopeLayout::HalfSplit),
         ];
         for (b, t, h, kh, dh, start, layout) in cases {
             let rope = Rope::<AB>::new(start + t + 3, dh, 10_000.0, layout, &dev);
-            let inputs = vec![leaf([b * t, h * dh], 5), leaf([b * t, kh * dh], 6), leaf([b * t, kh * dh], 7)];
+            let inputs = vec![leaf([b * t, (h + 2 * kh) * dh], 5)];
             let name = format!("attention b{b} t{t} h{h} k{kh} dh{dh} start{start} {layout:?}");
             compare(&name, inputs, [b * t, h * dh], &|xs, fused| {
-                let (q, k, v) = (xs[0].clone(), xs[1].clone(), xs[2].clone());
                 if fused {
-                    attention_rope(q, k, v, &rope, (b, t), (h, kh, dh), start)
+                    attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start)
                 } else {
-                    reference::attention_rope(q, k, v, &rope, (b, t), (h, kh, dh), start)
+                    reference::attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start)
                 }
             });
         }

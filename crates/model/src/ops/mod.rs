@@ -19,7 +19,7 @@ use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
 pub use cross_entropy::{cross_entropy, lm_head_loss_reference, ChunkSpec, IGNORE};
 pub use fused::AttentionSaved;
-pub use kernels::AttnShape;
+pub use kernels::{AttnShape, LinearGrads};
 
 const NO_KERNEL: &str = "fused kernels are called only where `EmberBackend::fused` is true";
 
@@ -63,28 +63,46 @@ pub trait EmberBackend: Backend {
         unreachable!("{NO_KERNEL}")
     }
 
-    /// `silu(g) · u`.
-    fn swiglu_fused(_g: FloatTensor<Self>, _u: FloatTensor<Self>) -> FloatTensor<Self> {
-        unreachable!("{NO_KERNEL}")
-    }
-
-    fn swiglu_fused_backward(
-        _g: FloatTensor<Self>,
-        _u: FloatTensor<Self>,
-        _dy: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        unreachable!("{NO_KERNEL}")
-    }
-
-    /// RoPE on q and k (tables `[T_max, Dh/2]`), then causal GQA attention; keeps what the backward
-    /// pass needs.
+    /// `silu(g) · u` of packed rows `[g | u]`.
     ///
     /// # Shapes
-    /// - q: `[B·T, H·Dh]`, k, v: `[B·T, K·Dh]` -> o: `[B·T, H·Dh]`
+    /// - gu: `[N, 2F]` -> `[N, F]`
+    fn swiglu_fused(_gu: FloatTensor<Self>) -> FloatTensor<Self> {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// Gradient of the packed input given the output gradient.
+    fn swiglu_fused_backward(_gu: FloatTensor<Self>, _dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// `x · w (+ b)`.
+    ///
+    /// # Shapes
+    /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
+    fn linear_fused(_x: FloatTensor<Self>, _w: FloatTensor<Self>, _b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// The gradients of x, w and b that `need` asks for, given the output gradient (a frozen
+    /// weight's product is never computed).
+    #[allow(clippy::type_complexity)]
+    fn linear_fused_backward(
+        _x: FloatTensor<Self>,
+        _w: FloatTensor<Self>,
+        _dy: FloatTensor<Self>,
+        _need: LinearGrads,
+    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        unreachable!("{NO_KERNEL}")
+    }
+
+    /// RoPE on the q and k parts of packed `[q | k | v]` rows (tables `[T_max, Dh/2]`), then causal
+    /// GQA attention; keeps what the backward pass needs.
+    ///
+    /// # Shapes
+    /// - qkv: `[B·T, (H + 2K)·Dh]` -> o: `[B·T, H·Dh]`
     fn attention_fused(
-        _q: FloatTensor<Self>,
-        _k: FloatTensor<Self>,
-        _v: FloatTensor<Self>,
+        _qkv: FloatTensor<Self>,
         _cos: FloatTensor<Self>,
         _sin: FloatTensor<Self>,
         _shape: AttnShape,
@@ -92,30 +110,113 @@ pub trait EmberBackend: Backend {
         unreachable!("{NO_KERNEL}")
     }
 
-    /// Gradients of q, k and v (before RoPE) given the output gradient.
+    /// Gradient of the packed q/k/v (before RoPE) given the output gradient.
     fn attention_fused_backward(
         _saved: AttentionSaved<Self>,
-        _v: FloatTensor<Self>,
         _d_o: FloatTensor<Self>,
         _cos: FloatTensor<Self>,
         _sin: FloatTensor<Self>,
         _shape: AttnShape,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> FloatTensor<Self> {
         unreachable!("{NO_KERNEL}")
+    }
+
+    /// One AdamW update of a flattened parameter (see [`AdamWStep`]): returns the new parameter and
+    /// moments. The default body is the composition of tensor ops; Flex runs one pass over memory.
+    ///
+    /// # Shapes
+    /// - p, g, m, v: `[n]` -> (p, m, v): `[n]`
+    fn adamw_fused(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        h: AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m, v) = adamw_reference(float::<Self, 1>(p), float(g), float(m), float(v), h);
+        (p.into_primitive().tensor(), m.into_primitive().tensor(), v.into_primitive().tensor())
+    }
+
+    /// `Σ x²` over all elements, for the global gradient norm.
+    ///
+    /// # Shapes
+    /// - x: any -> `[1]`
+    fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        float::<Self, 1>(x).square().sum().into_primitive().tensor()
     }
 
     /// The attention op the model calls where `fused` holds: the kernel's output, or under autodiff
     /// a node whose backward runs the kernel's backward.
     fn attention_op(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
+        qkv: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         shape: AttnShape,
     ) -> FloatTensor<Self> {
-        Self::attention_fused(q, k, v, cos, sin, shape).o
+        Self::attention_fused(qkv, cos, sin, shape).o
     }
+}
+
+/// The scalars of one AdamW update (decoupled weight decay, as `torch.optim.AdamW`):
+///
+/// ```text
+/// g = grad_scale·grad     m = β1·m + (1-β1)·g     v = β2·v + (1-β2)·g²
+/// p = p·(1 - decay) - lr · (m / bias1) / (sqrt(v / bias2) + eps)
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// `lr · weight_decay`, or 0 for parameters that do not decay.
+    pub decay: f64,
+    /// `1 - β1^t` and `1 - β2^t`.
+    pub bias1: f64,
+    pub bias2: f64,
+    /// The clipping coefficient.
+    pub grad_scale: f64,
+}
+
+/// [`EmberBackend::adamw_fused`] as a composition of tensor ops: the reference.
+pub fn adamw_reference<B: Backend>(
+    p: Tensor<B, 1>,
+    g: Tensor<B, 1>,
+    m: Tensor<B, 1>,
+    v: Tensor<B, 1>,
+    h: AdamWStep,
+) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+    let g = if h.grad_scale == 1.0 { g } else { g.mul_scalar(h.grad_scale) };
+    let m = m.mul_scalar(h.beta1) + g.clone().mul_scalar(1.0 - h.beta1);
+    let v = v.mul_scalar(h.beta2) + g.square().mul_scalar(1.0 - h.beta2);
+    let denom = v.clone().div_scalar(h.bias2).sqrt().add_scalar(h.eps);
+    let update = m.clone().div_scalar(h.bias1) / denom;
+    let p = if h.decay == 0.0 { p } else { p.mul_scalar(1.0 - h.decay) };
+    (p - update.mul_scalar(h.lr), m, v)
+}
+
+/// Tensor-level entry point of [`EmberBackend::adamw_fused`].
+pub fn adamw<B: EmberBackend>(
+    p: Tensor<B, 1>,
+    g: Tensor<B, 1>,
+    m: Tensor<B, 1>,
+    v: Tensor<B, 1>,
+    h: AdamWStep,
+) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+    let prim = |t: Tensor<B, 1>| t.into_primitive().tensor();
+    let (p, m, v) = B::adamw_fused(prim(p), prim(g), prim(m), prim(v), h);
+    (float(p), float(m), float(v))
+}
+
+/// Runs `f` on a thread of rayon's global pool (16 MiB stacks), which the CPU kernels (ours and
+/// Flex's GEMMs and element-wise ops) use. Called from outside the pool, every parallel op is
+/// injected into it and the caller sleeps until a worker wakes and finishes: one wake-up per op,
+/// thousands per training step. From inside, the ops start as local jobs. A nano training step
+/// measured 15% faster this way (`experiments/cpu-speed.md`).
+pub fn on_cpu_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    // Fails only when the pool already exists, which is fine: then it is used as it is.
+    let _ = rayon::ThreadPoolBuilder::new().stack_size(16 << 20).build_global();
+    rayon::scope(|_| f())
 }
 
 /// A backend to train on: autodiff over an [`EmberBackend`], whose inner backend (used for
@@ -152,19 +253,21 @@ impl<B: EmberBackend, C: CheckpointStrategy> EmberBackend for Autodiff<B, C> {
         fused::rms_norm_autodiff::<B, C>(x, w, eps)
     }
 
-    fn swiglu_fused(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
-        fused::swiglu_autodiff::<B, C>(g, u)
+    fn swiglu_fused(gu: FloatTensor<Self>) -> FloatTensor<Self> {
+        fused::swiglu_autodiff::<B, C>(gu)
+    }
+
+    fn linear_fused(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+        fused::linear_autodiff::<B, C>(x, w, b)
     }
 
     fn attention_op(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
+        qkv: FloatTensor<Self>,
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         shape: AttnShape,
     ) -> FloatTensor<Self> {
-        fused::attention_autodiff::<B, C>(q, k, v, cos.primitive, sin.primitive, shape)
+        fused::attention_autodiff::<B, C>(qkv, cos.primitive, sin.primitive, shape)
     }
 
     fn lm_head_cross_entropy(
