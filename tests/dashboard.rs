@@ -32,7 +32,7 @@ fn crc32c(data: &[u8]) -> u32 {
 
 fn masked(data: &[u8]) -> u32 {
     let c = crc32c(data);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 fn records(bytes: &[u8]) -> Vec<Vec<u8>> {
@@ -101,8 +101,11 @@ fn fields(mut b: &[u8]) -> Vec<(u32, Field)> {
     out
 }
 
-/// tag -> step -> value of every scalar, and the text summaries by step.
-fn read_events(path: &Path) -> (BTreeMap<String, BTreeMap<u64, f32>>, BTreeMap<u64, String>, String) {
+/// tag -> step -> value of every scalar.
+type Scalars = BTreeMap<String, BTreeMap<u64, f32>>;
+
+/// Every scalar, the text summaries by step, and the file version.
+fn read_events(path: &Path) -> (Scalars, BTreeMap<u64, String>, String) {
     let (mut scalars, mut texts, mut version) = (BTreeMap::new(), BTreeMap::new(), String::new());
     for rec in records(&std::fs::read(path).unwrap()) {
         let event = fields(&rec);

@@ -58,6 +58,7 @@ impl<B: EmberBackend> Attention<B> {
     ///
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
+    ///
     /// Projections and the attention GEMMs run in `compute`; RoPE, the softmax and the result are f32.
     pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();

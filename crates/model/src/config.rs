@@ -165,7 +165,7 @@ impl ModelConfig {
         if n_kv == 0 {
             return Err(ConfigError::NotPositive { name: "n_kv_heads", value: 0.0 });
         }
-        if self.n_heads % n_kv != 0 {
+        if !self.n_heads.is_multiple_of(n_kv) {
             return Err(ConfigError::NotDivisible {
                 divisor: "n_kv_heads",
                 divisor_value: n_kv,
@@ -176,7 +176,7 @@ impl ModelConfig {
         match self.head_dim {
             Some(0) => return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 }),
             Some(_) => {}
-            None if self.d_model % self.n_heads != 0 => {
+            None if !self.d_model.is_multiple_of(self.n_heads) => {
                 return Err(ConfigError::NotDivisible {
                     divisor: "n_heads",
                     divisor_value: self.n_heads,
@@ -186,7 +186,7 @@ impl ModelConfig {
             }
             None => {}
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(ConfigError::OddHeadDim(self.head_dim()));
         }
         if !(0.0..1.0).contains(&self.dropout) {

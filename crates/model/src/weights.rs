@@ -152,12 +152,14 @@ pub fn to_safetensors(
     safetensors::serialize(views, metadata).expect("serialising in-memory tensors")
 }
 
+/// Tensors by name.
+pub type NamedTensors = BTreeMap<String, TensorData>;
+/// A safetensors file's `__metadata__` strings.
+pub type Metadata = std::collections::HashMap<String, String>;
+
 /// Parses a safetensors file's bytes into named tensors (float dtypes only). `source_name` (usually
 /// the path) appears in errors.
-pub fn from_safetensors(
-    bytes: &[u8],
-    source_name: &str,
-) -> Result<(BTreeMap<String, TensorData>, std::collections::HashMap<String, String>), WeightsError> {
+pub fn from_safetensors(bytes: &[u8], source_name: &str) -> Result<(NamedTensors, Metadata), WeightsError> {
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| WeightsError::Format { source_name: source_name.into(), message: e.to_string() })?;
     let file = SafeTensors::deserialize(bytes)

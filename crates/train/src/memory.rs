@@ -45,7 +45,7 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
         (format!("activations ({b}×{t} tokens, {l} layers)"), act),
         ("LM head + loss (weight gradient, one tile)".to_string(), loss),
     ];
-    terms.sort_by(|a, b| b.1.cmp(&a.1));
+    terms.sort_by_key(|t| std::cmp::Reverse(t.1));
     let total = terms.iter().map(|(_, v)| v).sum();
     MemoryEstimate { terms, total }
 }

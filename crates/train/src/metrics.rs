@@ -231,7 +231,7 @@ mod tests {
             loss_scale: None,
             memory_bytes: None,
             elapsed_s: 1.0,
-            val_loss: (step % 2 == 0).then_some(2.0),
+            val_loss: step.is_multiple_of(2).then_some(2.0),
             eval_train_loss: None,
         }
     }
@@ -249,7 +249,7 @@ mod tests {
         let steps: Vec<usize> = read_metrics(&dir.path().join(METRICS_FILE)).unwrap().iter().map(|r| r.step).collect();
         assert_eq!(steps, [1, 2, 3, 4]);
         let text = std::fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap();
-        assert!(text.lines().next().unwrap().contains("\"val_loss\":2.0") == false);
+        assert!(!text.lines().next().unwrap().contains("\"val_loss\":2.0"));
         assert!(text.lines().nth(1).unwrap().contains("\"val_loss\":2.0"));
     }
 }

@@ -141,9 +141,7 @@ mod tests {
             let mut seen = vec![0; n];
             for w in &ws {
                 assert!(w.len <= c && w.scored <= w.len && w.scored > 0, "{w:?}");
-                for p in w.start + w.len - w.scored + 1..=w.start + w.len {
-                    seen[p] += 1;
-                }
+                seen[w.start + w.len - w.scored + 1..=w.start + w.len].iter_mut().for_each(|k| *k += 1);
             }
             assert_eq!(seen[0], 0);
             assert!(seen[1..].iter().all(|&k| k == 1), "n {n} c {c} s {s}: {seen:?}");

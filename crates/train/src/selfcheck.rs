@@ -91,7 +91,7 @@ pub fn run<B: TrainBackend>(device: &Device<B>, tol: f64) -> Vec<Check> {
 
     check("tiled LM-head cross-entropy equals the plain one (values and gradients)", &mut || {
         let (n, d, v) = (37, 16, 101);
-        let t: Vec<i32> = (0..n as i32).map(|i| if i % 9 == 0 { -1 } else { (i * 13) % v as i32 }).collect();
+        let t: Vec<i32> = (0..n).map(|i| if i % 9 == 0 { -1 } else { (i * 13) % v }).collect();
         let h0 = Tensor::<IB<B>, 2>::random([n, d], burn::tensor::Distribution::Normal(0.0, 1.0), device);
         let w0 = Tensor::<IB<B>, 2>::random([d, v], burn::tensor::Distribution::Normal(0.0, 0.3), device);
         let run = |chunked: bool| {

@@ -164,7 +164,7 @@ mod tests {
         // crc32c("123456789") = 0xe3069283 (the CRC-32C check value).
         assert_eq!(crc32c::crc32c(b"123456789"), 0xe306_9283);
         let c: u32 = 0xe306_9283;
-        assert_eq!(masked_crc(b"123456789"), ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8));
+        assert_eq!(masked_crc(b"123456789"), c.rotate_right(15).wrapping_add(0xa282_ead8));
     }
 
     #[test]

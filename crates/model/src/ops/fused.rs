@@ -471,12 +471,15 @@ mod tests {
         Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
     }
 
+    /// An op under test: the fused path (`true`) or the reference.
+    type FusedOrReference<'a> = dyn Fn(&[Tensor<AB, 2>], bool) -> Tensor<AB, 2> + 'a;
+
     /// Runs `f` on fresh leaves built from `inputs`, with fused kernels or the reference, and returns
     /// the output and the gradient of `Σ out ⊙ weight` for every input.
     fn run(
         inputs: &[Tensor<Flex, 2>],
         weight: &Tensor<Flex, 2>,
-        f: &dyn Fn(&[Tensor<AB, 2>], bool) -> Tensor<AB, 2>,
+        f: &FusedOrReference<'_>,
         fused: bool,
     ) -> (Tensor<Flex, 2>, Vec<Tensor<Flex, 2>>) {
         let leaves: Vec<Tensor<AB, 2>> = inputs.iter().map(|x| Tensor::from_inner(x.clone()).require_grad()).collect();
@@ -486,12 +489,7 @@ mod tests {
         (out.inner(), leaves.iter().map(|l| l.grad(&grads).expect("gradient")).collect())
     }
 
-    fn compare(
-        name: &str,
-        inputs: Vec<Tensor<Flex, 2>>,
-        out_shape: [usize; 2],
-        f: &dyn Fn(&[Tensor<AB, 2>], bool) -> Tensor<AB, 2>,
-    ) {
+    fn compare(name: &str, inputs: Vec<Tensor<Flex, 2>>, out_shape: [usize; 2], f: &FusedOrReference) {
         let weight = leaf(out_shape, 99);
         let (y1, g1) = run(&inputs, &weight, f, true);
         let (y0, g0) = run(&inputs, &weight, f, false);
