@@ -8,9 +8,13 @@ use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::Tokenizer;
 
 fn assets() -> PathBuf {
+    // Cargo runs a test binary in its crate's folder; a relative path is meant from the workspace root,
+    // where the README's command is typed.
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dir = std::env::var_os("EMBER_TEST_ASSETS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
+        .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
+        .unwrap_or_else(|| root.join("../shared"));
     assert!(
         dir.join("tokenizers").is_dir(),
         "test assets not found at {}: set EMBER_TEST_ASSETS to the folder holding tokenizers/ (../shared)",

@@ -651,6 +651,27 @@ mod tests {
     }
 
     #[test]
+    fn large_linear_products_on_all_threads_match_the_definition() {
+        // Big enough that each product runs on all threads in turn (not side by side); checked on a
+        // sample of entries.
+        let (m, k, n) = (1024, 512, 400);
+        let (x, w, dy) = (random(m * k, 30), random(k * n, 31), random(m * n, 32));
+        let y = linear(&x, &w, None, (m, k, n));
+        let (dx, dw, _) = linear_backward(&x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: false });
+        let (dx, dw) = (dx.unwrap(), dw.unwrap());
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(33);
+        for _ in 0..200 {
+            let (i, p, j) = (r.random_range(0..m), r.random_range(0..k), r.random_range(0..n));
+            let want_y: f32 = (0..k).map(|q| x[i * k + q] * w[q * n + j]).sum();
+            let want_dx: f32 = (0..n).map(|c| dy[i * n + c] * w[p * n + c]).sum();
+            let want_dw: f32 = (0..m).map(|row| x[row * k + p] * dy[row * n + j]).sum();
+            assert!((y[i * n + j] - want_y).abs() < 1e-3, "y[{i},{j}]");
+            assert!((dx[i * k + p] - want_dx).abs() < 1e-3, "dx[{i},{p}]");
+            assert!((dw[p * n + j] - want_dw).abs() < 1e-3, "dw[{p},{j}]");
+        }
+    }
+
+    #[test]
     fn linear_and_its_backward_match_the_definition() {
         let (m, k, n) = (5, 7, 3);
         let (x, w, b, dy) = (random(m * k, 20), random(k * n, 21), random(n, 22), random(m * n, 23));
