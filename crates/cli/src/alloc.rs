@@ -1,19 +1,27 @@
 //! A counting global allocator: the CPU backends keep tensors on the heap, so the live heap and its
 //! high-water mark are the memory numbers of `ember bench` on the CPU.
+//!
+//! Underneath is mimalloc rather than glibc's malloc: a training step frees and reallocates the same
+//! multi-megabyte buffers every step, which glibc hands back to the kernel and faults in again
+//! (297k page faults against 76k over ten steps of configs/bench-cpu-large.toml), and the nano step
+//! is steadier with it (experiments/cpu-speed.md).
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ember_train::bench::MemoryProbe;
 
 pub struct Counting;
 
+/// The allocator underneath.
+const INNER: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
+        let p = unsafe { INNER.alloc(layout) };
         if !p.is_null() {
             let now = CURRENT.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
             PEAK.fetch_max(now, Ordering::Relaxed);
@@ -22,7 +30,7 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
+        let p = unsafe { INNER.alloc_zeroed(layout) };
         if !p.is_null() {
             let now = CURRENT.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
             PEAK.fetch_max(now, Ordering::Relaxed);
@@ -31,12 +39,12 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
+        unsafe { INNER.dealloc(ptr, layout) };
         CURRENT.fetch_sub(layout.size() as u64, Ordering::Relaxed);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        let p = unsafe { INNER.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             if new_size >= layout.size() {
                 let grow = (new_size - layout.size()) as u64;
