@@ -150,9 +150,14 @@ targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
     }
     assert_eq!(checked, base_params.len());
 
+    // A split of JSONL examples is no text stream to measure perplexity on.
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "ft", "--data", "val"]);
+    assert_clean_error(&o, "JSONL");
+
     // Export needs --merge; the merged export has the adapter model's logits.
     let o = s.ember(&["export", "ft", "--out", "merged"]);
     assert_clean_error(&o, "pass --merge");
+    assert!(!s.path().join("merged").exists(), "a refused export leaves no folder");
     let o = s.ember(&["export", "ft", "--out", "merged", "--merge"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let merged =

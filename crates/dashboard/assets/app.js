@@ -30,7 +30,8 @@ function appendColumns(run, cols) {
   const n = cols.rows;
   for (const [k, v] of Object.entries(cols.columns)) {
     if (!run.cols[k]) run.cols[k] = new Array(run.rows).fill(null);
-    run.cols[k].push(...v);
+    const col = run.cols[k];
+    for (const x of v) col.push(x); // not push(...v): a long run's first load overflows the argument list
   }
   run.rows += n;
   for (const k of Object.keys(run.cols)) {
@@ -39,7 +40,16 @@ function appendColumns(run, cols) {
   return n;
 }
 
-async function refreshRuns() {
+// One refresh at a time: a second caller (a ticked box during a poll) waits for the one in flight,
+// so two never ask for rows from the same `since` and append them twice.
+let refreshing = Promise.resolve();
+function refreshRuns() {
+  const next = refreshing.then(refreshOnce, refreshOnce);
+  refreshing = next.catch(() => {});
+  return next;
+}
+
+async function refreshOnce() {
   const summaries = await getJson("/api/runs");
   let changed = false;
   summaries.forEach((s) => {

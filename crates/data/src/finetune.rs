@@ -63,7 +63,8 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
 
 /// A Hugging Face chat template (Jinja), rendered with minijinja and Python-compatible methods.
 pub struct ChatTemplate {
-    source: String,
+    /// The environment holding the compiled template, as `chat`.
+    env: minijinja::Environment<'static>,
     bos: String,
     eos: String,
 }
@@ -92,25 +93,35 @@ impl ChatTemplate {
                 None => return Ok(None),
             },
         };
-        Ok(Some(Self { source, bos: token("bos_token"), eos: token("eos_token") }))
+        Self::new(source, token("bos_token"), token("eos_token")).map(Some)
     }
 
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+    /// Compiles `source` (once; a syntax error is reported here) with the BOS and EOS strings that
+    /// templates read as `bos_token` and `eos_token`.
+    pub fn new(source: String, bos: String, eos: String) -> Result<Self> {
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
-        let err = |e: minijinja::Error| DataError::Tokenizer(format!("chat template: {e:#}"));
-        env.add_template("chat", &self.source).map_err(err)?;
+        env.add_template_owned("chat", source).map_err(template_error)?;
+        Ok(Self { env, bos, eos })
+    }
+
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let err = template_error;
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.as_str(),
             eos_token => self.eos.as_str(),
         };
-        env.get_template("chat").map_err(err)?.render(ctx).map_err(err)
+        self.env.get_template("chat").map_err(err)?.render(ctx).map_err(err)
     }
+}
+
+fn template_error(e: minijinja::Error) -> DataError {
+    DataError::Tokenizer(format!("chat template: {e:#}"))
 }
 
 /// Token ids of one example and which of them are scored.
@@ -252,7 +263,7 @@ mod tests {
         let scored: String =
             ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
         assert_eq!(scored, " A: ho");
-        let template = ChatTemplate { source: CHATML.into(), bos: String::new(), eos: "<|im_end|>".into() };
+        let template = ChatTemplate::new(CHATML.into(), String::new(), "<|im_end|>".into()).unwrap();
         let chat = Record::Chat(vec![
             Message { role: "user".into(), content: "hi".into() },
             Message { role: "assistant".into(), content: "ho".into() },

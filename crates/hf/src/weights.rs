@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{DType, Device, TensorData};
 use ember_model::ops::EmberBackend;
 use ember_model::rope::interleaved_to_half_split;
-use ember_model::weights::{assign, named_tensors, param_shapes};
+use ember_model::weights::{assign, named_tensors, named_tensors_where, param_shapes};
 use ember_model::{Decoder, RopeLayout};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
@@ -192,10 +192,13 @@ pub fn import<B: EmberBackend>(
     }
     let loaded = values.len();
     let model = model.with_param_dtype(param_dtype);
-    // Missing parameters (allowed) keep their zeros: fill them in from the model itself.
+    // Missing parameters (allowed) keep their zeros: fill them in from the model itself (only
+    // those are read back).
     let mut values = values;
-    for (k, data) in named_tensors::<B, _>(&model) {
-        values.entry(k).or_insert(data);
+    if !missing.is_empty() {
+        for (k, data) in named_tensors_where::<B, _, _>(&model, |k| !values.contains_key(k)) {
+            values.insert(k, data);
+        }
     }
     let model = assign(model, values, &dir.display().to_string(), false)
         .map_err(|e| HfError::Config { source_name: dir.display().to_string(), message: e.to_string() })?;
@@ -214,25 +217,22 @@ pub struct ExportReport {
 /// Writes `model` as a Hugging Face folder: config.json (on top of `base_config`, the imported
 /// model's, when there is one) and model.safetensors, or shards of at most `max_shard_bytes` with an
 /// index. An interleaved-RoPE model gets its q/k columns permuted into the half-split layout that
-/// Hugging Face's code assumes. The folder is written beside `out` and renamed into place; an
-/// existing non-empty `out` is an error.
+/// Hugging Face's code assumes. `extra_files` (the tokenizer's) are copied in under their own
+/// names. The folder is written beside `out` and renamed into place once complete (removed on an
+/// error); an existing non-empty `out` is an error.
 pub fn export<B: EmberBackend>(
     model: &Decoder<B>,
     base_config: Option<&Value>,
     out: &Path,
     max_shard_bytes: u64,
+    extra_files: &[PathBuf],
 ) -> Result<ExportReport, HfError> {
     if out.exists() && std::fs::read_dir(out).map_err(HfError::io(out))?.next().is_some() {
         return Err(HfError::OutputExists(out.into()));
     }
     let config = model.config();
     let arch = base_config
-        .and_then(|v| v.get("architectures")?.get(0)?.as_str().map(String::from))
-        .and_then(|name| {
-            [Architecture::Llama, Architecture::Qwen2, Architecture::Mistral]
-                .into_iter()
-                .find(|a| a.class_name() == name)
-        })
+        .and_then(|v| Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
         .unwrap_or_else(|| Architecture::for_model(config));
     let interleaved = config.rope_layout == RopeLayout::Interleaved;
     let mut tensors: Vec<(String, TensorData)> = Vec::new();
@@ -267,6 +267,28 @@ pub fn export<B: EmberBackend>(
     }
     let tmp = out.with_extension(format!("tmp-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).map_err(HfError::io(&tmp))?;
+    let written = write_folder(&tmp, out, &shards, &hf_config, extra_files);
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    let (files, total, count) = written?;
+    if out.exists() {
+        std::fs::remove_dir(out).map_err(HfError::io(out))?; // empty, checked above
+    }
+    std::fs::rename(&tmp, out).map_err(HfError::io(out))?;
+    Ok(ExportReport { architecture: arch, files, tensors: count, bytes: total })
+}
+
+/// The files of an exported folder, written into `tmp`: the weight shards (with an index when
+/// there are several), config.json and copies of `extra_files`. Returns the files' paths under
+/// `out`, the weights' bytes and the number of tensors.
+fn write_folder(
+    tmp: &Path,
+    out: &Path,
+    shards: &[Vec<(String, TensorData)>],
+    hf_config: &Value,
+    extra_files: &[PathBuf],
+) -> Result<(Vec<PathBuf>, u64, usize), HfError> {
     let meta = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
     let n = shards.len();
     let (mut files, mut weight_map, mut total, mut count) = (Vec::new(), serde_json::Map::new(), 0u64, 0usize);
@@ -287,14 +309,18 @@ pub fn export<B: EmberBackend>(
         std::fs::write(tmp.join(INDEX), text).map_err(HfError::io(tmp.join(INDEX)))?;
         files.push(out.join(INDEX));
     }
-    let text = serde_json::to_string_pretty(&hf_config).expect("config serialises");
+    let text = serde_json::to_string_pretty(hf_config).expect("config serialises");
     std::fs::write(tmp.join("config.json"), text).map_err(HfError::io(tmp.join("config.json")))?;
     files.push(out.join("config.json"));
-    if out.exists() {
-        std::fs::remove_dir(out).map_err(HfError::io(out))?; // empty, checked above
+    for src in extra_files {
+        let Some(name) = src.file_name() else {
+            let err = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file");
+            return Err(HfError::Io { path: src.clone(), err });
+        };
+        std::fs::copy(src, tmp.join(name)).map_err(HfError::io(src))?;
+        files.push(out.join(name));
     }
-    std::fs::rename(&tmp, out).map_err(HfError::io(out))?;
-    Ok(ExportReport { architecture: arch, files, tensors: count, bytes: total })
+    Ok((files, total, count))
 }
 
 /// q/k projection columns (ember layout `[in, heads·Dh]`, or a bias `[heads·Dh]`) from interleaved

@@ -79,7 +79,7 @@ fn export_then_import_gives_identical_tensors() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("export");
         // A small shard limit: the Llama export is sharded too.
-        let report = export(&a.model, Some(&a.hf_config), &out, 64 * 1024).unwrap();
+        let report = export(&a.model, Some(&a.hf_config), &out, 64 * 1024, &[]).unwrap();
         assert_eq!(report.architecture, a.architecture);
         let b = import::<B>(&out, DType::F32, false, false, &Default::default()).unwrap();
         assert_eq!(b.model.config(), a.model.config(), "{name}");
@@ -91,6 +91,25 @@ fn export_then_import_gives_identical_tensors() {
         let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(cfg["eos_token_id"], a.hf_config["eos_token_id"]);
     }
+}
+
+#[test]
+fn an_export_holds_its_extra_files_or_is_not_there_at_all() {
+    let a = import::<B>(&fixture("qwen2"), DType::F32, false, false, &Default::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = fixture("qwen2").join("tokenizer.json");
+    let out = dir.path().join("export");
+    let report = export(&a.model, Some(&a.hf_config), &out, u64::MAX, std::slice::from_ref(&tokenizer)).unwrap();
+    assert!(report.files.contains(&out.join("tokenizer.json")), "{:?}", report.files);
+    assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), std::fs::read(&tokenizer).unwrap());
+
+    // An extra file that cannot be copied: an error naming it, and no folder, whole or partial.
+    let out = dir.path().join("second");
+    let missing = dir.path().join("no-such-tokenizer.json");
+    let err = export(&a.model, Some(&a.hf_config), &out, u64::MAX, &[tokenizer, missing]).unwrap_err().to_string();
+    assert!(err.contains("no-such-tokenizer.json"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("export")], "left behind: {left:?}");
 }
 
 #[test]
@@ -117,7 +136,7 @@ fn interleaved_models_export_in_the_half_split_layout() {
     };
     let model = Decoder::<B>::new(&cfg, 4, &Default::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    export(&model, None, &dir.path().join("x"), u64::MAX).unwrap();
+    export(&model, None, &dir.path().join("x"), u64::MAX, &[]).unwrap();
     let back = import::<B>(&dir.path().join("x"), DType::F32, false, false, &Default::default()).unwrap();
     assert_eq!(back.architecture, Architecture::Qwen2);
     assert_eq!(back.model.config().rope_layout, ember_model::RopeLayout::HalfSplit);

@@ -101,12 +101,15 @@ impl Sampler {
         if self.config.temperature == 0.0 {
             return argmax();
         }
-        // Candidates sorted by logit, most likely first; ties keep the lower id first.
+        // Candidates sorted by logit, most likely first; ties keep the lower id first. With top-k,
+        // only the k best are sorted (a partition first: no sort of the whole vocabulary per token).
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
         let mut order: Vec<usize> = (0..logits.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if let Some(k) = self.config.top_k {
-            order.truncate(k.min(order.len()));
+        if let Some(k) = self.config.top_k.filter(|&k| k < order.len()) {
+            order.select_nth_unstable_by(k, by_logit);
+            order.truncate(k);
         }
+        order.sort_by(by_logit);
         let t = self.config.temperature as f64;
         let max = logits[order[0]] as f64;
         let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
@@ -294,6 +297,24 @@ mod tests {
         let picks: Vec<usize> = (0..200).map(|_| s.sample(&logits)).collect();
         assert!(picks.iter().all(|&i| i == 1 || i == 2));
         assert!(picks.contains(&1) && picks.contains(&2));
+    }
+
+    #[test]
+    fn top_k_by_partition_keeps_the_candidates_of_a_full_sort() {
+        // Ties at the cut (several 1.5s), so the lower ids must be the ones kept.
+        let logits: Vec<f32> = (0..300).map(|i| ((i * 37) % 23) as f32 * 0.25 - 2.0).collect();
+        let k = 7;
+        let mut sorted: Vec<usize> = (0..logits.len()).collect();
+        sorted.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        let masked: Vec<f32> =
+            (0..logits.len()).map(|i| if sorted[..k].contains(&i) { logits[i] } else { f32::NEG_INFINITY }).collect();
+        let draw = |top_k: Option<usize>, logits: &[f32]| {
+            let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_k, ..Default::default() }, 9).unwrap();
+            (0..300).map(|_| s.sample(logits)).collect::<Vec<usize>>()
+        };
+        let picks = draw(Some(k), &logits);
+        assert_eq!(picks, draw(None, &masked));
+        assert!(picks.iter().all(|i| sorted[..k].contains(i)));
     }
 
     #[test]

@@ -26,11 +26,21 @@ pub enum WeightsError {
 
 /// Every float parameter of `module`, by path, in visiting order.
 pub fn named_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, TensorData)> {
-    struct Collect {
+    named_tensors_where::<B, M, _>(module, |_| true)
+}
+
+/// The float parameters of `module` whose path `keep` accepts, by path, in visiting order; the
+/// others are not read.
+pub fn named_tensors_where<B: Backend, M: Module<B>, F: Fn(&str) -> bool>(
+    module: &M,
+    keep: F,
+) -> Vec<(String, TensorData)> {
+    struct Collect<F> {
         path: Vec<String>,
         out: Vec<(String, TensorData)>,
+        keep: F,
     }
-    impl<B: Backend> ModuleVisitor<B> for Collect {
+    impl<B: Backend, F: Fn(&str) -> bool> ModuleVisitor<B> for Collect<F> {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.path.push(name.to_string());
         }
@@ -38,10 +48,13 @@ pub fn named_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Tenso
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.out.push((self.path.join("."), param.val().into_data()));
+            let path = self.path.join(".");
+            if (self.keep)(&path) {
+                self.out.push((path, param.val().into_data()));
+            }
         }
     }
-    let mut c = Collect { path: Vec::new(), out: Vec::new() };
+    let mut c = Collect { path: Vec::new(), out: Vec::new(), keep };
     module.visit(&mut c);
     c.out
 }

@@ -17,7 +17,7 @@ use crate::flops::{measure_gemm, mfu, resolve_peak, GemmRate};
 use crate::optim::AdamW;
 use crate::precision::LossScaler;
 use crate::schedule::LrSchedule;
-use crate::trainer::{optimizer_step, prepare, resolve_dtype};
+use crate::trainer::{initial_model, optimizer_step, prepare, resolve_dtype};
 
 /// Reads the memory in use, where the backend's memory can be observed (on the CPU: the heap).
 pub trait MemoryProbe: Send + Sync {
@@ -94,7 +94,8 @@ pub fn bench_train<B: TrainBackend>(
         peak_source.peak_tflops,
         Some(locations.cache_dir.as_path()),
     );
-    let mut model = Decoder::<B>::new(&config.model, config.train.seed, device)?.with_compute_dtype(dtype);
+    // The model a run of this config trains: `init_from`'s weights and LoRA adapters included.
+    let mut model = initial_model::<B>(config, device)?.with_compute_dtype(dtype);
     let mut optim = AdamW::<B>::new(config.optim.clone());
     let mut scaler = (dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);

@@ -41,8 +41,6 @@ pub struct LoadedData {
     pub tokenizer_dir: Option<PathBuf>,
     pub train: Examples,
     pub val: Examples,
-    /// Tokens in the train and val splits (scored targets, for fine-tuning data).
-    pub tokens: (usize, usize),
 }
 
 /// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's, else `char`.
@@ -68,10 +66,9 @@ pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, T
         DataFormat::Text => {
             let root: &Path = &locations.cache_dir.join("prepared");
             let data = prepare_cached(&path, &spec, val_fraction, root)?;
-            let tokens = (data.train.tokens.len(), data.val.tokens.len());
             let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
             let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
-            Ok(LoadedData { tokenizer: data.tokenizer, tokenizer_dir, train, val, tokens })
+            Ok(LoadedData { tokenizer: data.tokenizer, tokenizer_dir, train, val })
         }
         DataFormat::Jsonl => {
             let tokenizer = match &spec {
@@ -104,15 +101,14 @@ pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, T
                     return Err(DataError::TooShort { split: split.into(), tokens: 0, needed: 1 }.into());
                 }
             }
-            let tokens = (train.scored_tokens(), val.scored_tokens());
             tracing::info!(
                 train_examples = train_ex.len(),
                 val_examples = val_ex.len(),
-                train_scored_tokens = tokens.0,
+                train_scored_tokens = train.scored_tokens(),
                 "packed fine-tuning examples from {}",
                 path.display()
             );
-            Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val), tokens })
+            Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val) })
         }
     }
 }
@@ -120,6 +116,13 @@ pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, T
 /// The token stream of a split of a text config (for `ember eval --data train|val`).
 pub fn split_tokens(config: &TrainConfig, locations: &Locations, split: &str) -> Result<Vec<u32>, TrainError> {
     let (path, val_fraction) = text_source(&config.data, locations)?;
+    if config.data.format() == DataFormat::Jsonl {
+        return Err(TrainError::Config {
+            path,
+            key: Some("data.format".into()),
+            message: "a split's token stream needs a text corpus; this config's data is JSONL examples".into(),
+        });
+    }
     let (spec, _) = tokenizer_spec(config)?;
     let data = prepare_cached(&path, &spec, val_fraction, &locations.cache_dir.join("prepared"))?;
     Ok(if split == "train" { data.train.tokens } else { data.val.tokens })

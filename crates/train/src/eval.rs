@@ -1,9 +1,8 @@
 //! Loss of a model on batches: the training objective and the periodic evaluation.
 
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
-use burn::tensor::{ElementConversion, Tensor};
-use ember_data::{LmBatch, LmBatcher, Window, WindowSampler};
+use burn::tensor::Tensor;
+use ember_data::{LmBatch, Window, WindowSampler};
 use ember_model::ops::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
 use ember_model::Decoder;
 
@@ -32,14 +31,25 @@ pub fn evaluate<B: EmberBackend>(
     iters: usize,
     batch_size: usize,
 ) -> f64 {
+    if iters == 0 {
+        return 0.0;
+    }
     let sampler = WindowSampler { seed };
-    let starts: Vec<Vec<usize>> = (0..iters as u64).map(|i| sampler.indices(i, batch_size, data.len())).collect();
-    let total: f64 = starts.iter().map(|batch| windows_loss(model, data, batch)).sum();
-    total / iters as f64
+    let device = model.embed_tokens.device();
+    // Every batch's loss stays on the device; they are read back together, once.
+    let losses: Vec<Tensor<B, 1>> =
+        (0..iters as u64).map(|i| lm_loss(model, sampler.batch(data, i, batch_size, &device))).collect();
+    let losses = Tensor::cat(losses, 0).into_data().convert::<f64>();
+    let losses = losses.as_slice::<f64>().expect("converted to f64");
+    losses.iter().sum::<f64>() / iters as f64
 }
 
 /// Mean loss of the windows starting at `starts`, as one batch (the training objective).
-pub fn windows_loss<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Window>, starts: &[usize]) -> f64 {
+#[cfg(test)]
+pub(crate) fn windows_loss<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Window>, starts: &[usize]) -> f64 {
+    use burn::data::dataloader::batcher::Batcher;
+    use burn::tensor::ElementConversion;
+    use ember_data::LmBatcher;
     let device = model.embed_tokens.device();
     let items = starts.iter().map(|&i| data.get(i).expect("window start in range")).collect();
     let batch = <LmBatcher as Batcher<B, Window, LmBatch<B>>>::batch(&LmBatcher, items, &device);
@@ -49,6 +59,7 @@ pub fn windows_loss<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Wind
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::ElementConversion;
     use burn::tensor::{Int, TensorData};
     use rand::{Rng, SeedableRng};
 

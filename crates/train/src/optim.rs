@@ -7,7 +7,8 @@
 //!
 //! Weight decay applies to parameters of rank >= 2 only (projections and the embedding, nanoGPT's
 //! rule), never to norm gains or biases. Burn 0.21 has no parameter groups and clips per parameter,
-//! so this optimizer does both itself: it scales every gradient by one global clipping coefficient.
+//! so ember does both itself: the trainer computes one global clipping coefficient from
+//! [`global_grad_norm`] and [`clip_coefficient`], and [`AdamW::step`] scales every gradient by it.
 //! State is keyed by parameter path, so optimizer checkpoints are readable safetensors files.
 
 use std::collections::{BTreeMap, HashMap};
@@ -107,8 +108,7 @@ impl<B: TrainBackend> AdamW<B> {
                     };
                     state.insert(path.clone(), Moments { m: load(m), v: load(v) });
                 }
-                (None, None) if steps == 0 => {}
-                (None, None) => {} // a parameter that never had a gradient (frozen)
+                (None, None) => {} // before the first step, or a parameter that never had a gradient (frozen)
                 _ => return Err(format!("`{path}` has only one of exp_avg and exp_avg_sq")),
             }
         }

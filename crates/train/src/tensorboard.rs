@@ -92,10 +92,6 @@ impl EventWriter {
         Ok(w)
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     fn record(&mut self, data: &[u8]) -> Result<(), TrainError> {
         let len = (data.len() as u64).to_le_bytes();
         let mut frame = Vec::with_capacity(data.len() + 16);

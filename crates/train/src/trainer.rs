@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{DType, Device, ElementConversion};
+use burn::tensor::{DType, Device, ElementConversion, Tensor};
 use ember_data::fetch::Locations;
 use ember_data::{Examples, Tokenizer, WindowSampler};
 use ember_model::ops::TrainBackend;
-use ember_model::weights::named_tensors;
+use ember_model::weights::named_tensors_where;
 use ember_model::Decoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -175,7 +175,7 @@ pub fn train<B: TrainBackend>(
                 train_loss: out.loss,
                 lr,
                 grad_norm: out.grad_norm,
-                clipped: config.optim.grad_clip > 0.0 && out.grad_norm > config.optim.grad_clip,
+                clipped: clip_coefficient(out.grad_norm, config.optim.grad_clip) < 1.0,
                 step_ms: window_time.as_secs_f64() * 1e3 / (window_tokens / tokens_per_step).max(1) as f64,
                 tokens_per_sec,
                 mfu: step_mfu,
@@ -222,7 +222,8 @@ pub fn train<B: TrainBackend>(
             state.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
             state.optimizer_steps = optim.steps();
             let lora = config.lora.is_some();
-            let weights = named_tensors(&model).into_iter().filter(|(k, _)| !lora || k.contains(".lora.")).collect();
+            // A LoRA run saves its adapters only; the frozen base is not even read back.
+            let weights = named_tensors_where(&model, |k| !lora || k.contains(".lora."));
             let data = CheckpointData {
                 step,
                 model_config: model.config(),
@@ -390,7 +391,10 @@ pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<
 
 /// The model a fresh run starts from: random weights, or `init_from`'s (with LoRA adapters when
 /// configured, everything else frozen).
-fn initial_model<B: TrainBackend>(config: &TrainConfig, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+pub(crate) fn initial_model<B: TrainBackend>(
+    config: &TrainConfig,
+    device: &Device<B>,
+) -> Result<Decoder<B>, TrainError> {
     let Some(spec) = &config.init_from else {
         return Ok(Decoder::<B>::new(&config.model, config.train.seed, device)?);
     };
@@ -509,16 +513,23 @@ fn forward_backward<B: TrainBackend>(
 ) -> (f64, GradientsParams) {
     let accum = config.train.grad_accum_steps;
     let mut grads = GradientsAccumulator::<Decoder<B>>::new();
-    let mut loss_sum = 0.0;
+    // The losses stay on the device until every backward pass is queued: one read per step, not a
+    // wait between each forward and its backward (which would drain a GPU's queue).
+    let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
     for micro in 0..accum as u64 {
         let batch = sampler.batch(data.as_ref(), first_stream + micro, config.train.batch_size, device);
         let loss = lm_loss(model, batch);
         let loss = if accum > 1 { loss.div_scalar(accum as f64) } else { loss };
-        loss_sum += loss.clone().into_scalar().elem::<f64>();
+        let value = loss.clone().inner();
+        loss_sum = Some(match loss_sum {
+            Some(sum) => sum + value,
+            None => value,
+        });
         let loss = if loss_scale == 1.0 { loss } else { loss.mul_scalar(loss_scale) };
         grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
     }
-    (loss_sum, grads.grads())
+    let loss = loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f64>());
+    (loss, grads.grads())
 }
 
 fn progress_bar(show: bool, len: usize, pos: usize) -> ProgressBar {

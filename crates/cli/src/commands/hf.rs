@@ -125,15 +125,14 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         );
         model = model.merge_lora();
     }
-    let report = ember_hf::export(&model, ckpt.hf_config().as_ref(), &args.out, args.max_shard_size)
+    // The tokenizer travels inside the export, so that the folder appears complete or not at all.
+    let tokenizer_files: Vec<PathBuf> = std::iter::once(TOKENIZER_FILE)
+        .chain(TOKENIZER_EXTRAS)
+        .map(|name| ckpt.dir.join(name))
+        .filter(|path| path.is_file())
+        .collect();
+    let report = ember_hf::export(&model, ckpt.hf_config().as_ref(), &args.out, args.max_shard_size, &tokenizer_files)
         .with_context(|| format!("exporting to {}", args.out.display()))?;
-    std::fs::copy(ckpt.dir.join(TOKENIZER_FILE), args.out.join(TOKENIZER_FILE))
-        .with_context(|| format!("copying {TOKENIZER_FILE}"))?;
-    for extra in TOKENIZER_EXTRAS {
-        if ckpt.dir.join(extra).is_file() {
-            std::fs::copy(ckpt.dir.join(extra), args.out.join(extra)).with_context(|| format!("copying {extra}"))?;
-        }
-    }
     println!(
         "exported {} as {}: {} tensors, {:.1} MB in {} file(s) under {}",
         ckpt.dir.display(),

@@ -214,8 +214,8 @@ impl EmberBackend for Flex {
         s: AttnShape,
     ) -> FlexTensor {
         let shape = shape_of(&saved.qkv_rot);
-        let out = kernels::AttnOut { o: flex_f32(&saved.o).into_owned(), lse: flex_f32(&saved.lse).into_owned() };
-        let d_rot = kernels::attention_backward(&flex_f32(&saved.qkv_rot), &out, &flex_f32(&d_o), &s);
+        let (o, lse) = (flex_f32(&saved.o), flex_f32(&saved.lse));
+        let d_rot = kernels::attention_backward(&flex_f32(&saved.qkv_rot), (&o, &lse), &flex_f32(&d_o), &s);
         flex_new(kernels::rope_packed(&d_rot, &s, &flex_f32(&cos), &flex_f32(&sin), true), shape)
     }
 }

@@ -394,12 +394,13 @@ pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
             let kv = head / s.group();
             let rows = &qkv[b * t * w..];
             let (qb, kb, vb) = (&rows[head * dh..], &rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
-            let mut scores = vec![0.0f32; t * t]; // row stride t; block rows use columns 0..r1
+            // One row block's scores at a time: row stride t, block rows use columns 0..r1.
+            let mut scores = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
             let mut lse = vec![0.0f32; t];
             let mut o = vec![0.0f32; t * dh];
             for (r0, r1) in causal_blocks(t) {
                 let m = r1 - r0;
-                let sc = &mut scores[r0 * t..r1 * t];
+                let sc = &mut scores[..m * t];
                 matmul((m, r1, dh), sc, t, false, &qb[r0 * w..], (w, 1), kb, (1, w), s.scale);
                 for i in r0..r1 {
                     let row = &mut sc[(i - r0) * t..(i - r0) * t + r1];
@@ -436,7 +437,7 @@ pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
 ///
 /// # Shapes
 /// - qkv: `[B·T, (H + 2K)·Dh]`, d_o: `[B·T, H·Dh]` -> `[B·T, (H + 2K)·Dh]`
-pub fn attention_backward(qkv: &[f32], out: &AttnOut, d_o: &[f32], s: &AttnShape) -> Vec<f32> {
+pub fn attention_backward(qkv: &[f32], (o, lse): (&[f32], &[f32]), d_o: &[f32], s: &AttnShape) -> Vec<f32> {
     let (t, h, kh, dh) = (s.seq, s.heads, s.kv_heads, s.head_dim);
     let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
     let o_rs = h * dh;
@@ -449,18 +450,19 @@ pub fn attention_backward(qkv: &[f32], out: &AttnOut, d_o: &[f32], s: &AttnShape
             let (kb, vb) = (&rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
             let (mut dk, mut dv) = (vec![0.0f32; t * dh], vec![0.0f32; t * dh]);
             let mut dq = vec![0.0f32; group * t * dh];
-            let mut p = vec![0.0f32; t * t];
-            let mut dp = vec![0.0f32; t * t];
+            // One row block of P and dP at a time (row stride t).
+            let mut p = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
+            let mut dp = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
             for g in 0..group {
                 let head = kv * group + g;
                 let qb = &rows[head * dh..];
                 let off = b * t * o_rs + head * dh;
-                let (ob, dob) = (&out.o[off..], &d_o[off..]);
-                let lse = &out.lse[(b * h + head) * t..(b * h + head + 1) * t];
+                let (ob, dob) = (&o[off..], &d_o[off..]);
+                let lse = &lse[(b * h + head) * t..(b * h + head + 1) * t];
                 let dqg = &mut dq[g * t * dh..(g + 1) * t * dh];
                 for (r0, r1) in causal_blocks(t) {
                     let m = r1 - r0;
-                    let (p, dp) = (&mut p[r0 * t..r1 * t], &mut dp[r0 * t..r1 * t]);
+                    let (p, dp) = (&mut p[..m * t], &mut dp[..m * t]);
                     let (q_blk, do_blk) = (&qb[r0 * w..], &dob[r0 * o_rs..]);
                     matmul((m, r1, dh), p, t, false, q_blk, (w, 1), kb, (1, w), s.scale);
                     for i in r0..r1 {
@@ -637,7 +639,7 @@ mod tests {
         let loss =
             |qkv: &[f32]| -> f64 { attention(qkv, &s).o.iter().zip(&w).map(|(a, b)| (*a as f64) * (*b as f64)).sum() };
         let out = attention(&packed, &s);
-        let grad = attention_backward(&packed, &out, &w, &s);
+        let grad = attention_backward(&packed, (&out.o, &out.lse), &w, &s);
         let eps = 1e-3f32;
         let width = s.packed_width();
         // A q, a k and a v entry of the first and last rows, and a few more.
