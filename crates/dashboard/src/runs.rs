@@ -257,8 +257,11 @@ impl RunStore {
     }
 
     /// The folder of a discovered run; anything else (`..`, absolute paths, links out) is refused.
+    /// A name the store already holds was found by an earlier discovery, so only an unknown one
+    /// costs a walk of the log directory (a run that started since the last listing).
     fn run_dir(&self, name: &str) -> Result<PathBuf, RunError> {
-        if !self.discover().iter().any(|n| n == name) {
+        let known = self.runs.lock().expect("run store lock").contains_key(name);
+        if !known && !self.discover().iter().any(|n| n == name) {
             return Err(RunError::NoSuchRun(name.into()));
         }
         let dir = if name == "." { self.root.clone() } else { self.root.join(name) };
@@ -418,5 +421,9 @@ mod tests {
             assert!(matches!(store.metrics(name, 0), Err(RunError::NoSuchRun(_))), "{name}");
         }
         assert_eq!(store.metrics("a", 0).unwrap().rows, 1);
+        // A run the store knows, whose folder is then swapped for a link out, is refused too.
+        std::fs::remove_dir_all(dir.path().join("runs/a")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("runs/a")).unwrap();
+        assert!(matches!(store.metrics("a", 0), Err(RunError::NoSuchRun(_))));
     }
 }

@@ -3,7 +3,7 @@
 
 use burn::module::Module;
 use burn::tensor::activation::softmax;
-use burn::tensor::{backend::Backend, Bool, DType, Tensor};
+use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor};
 
 use crate::config::ModelConfig;
 use crate::init::Init;
@@ -218,13 +218,18 @@ pub fn causal_attention_mixed<B: Backend>(
 ///
 /// # Shapes
 /// -> `[1, 1, T, S]`, true where hidden
+///
+/// Built on the device from two index ranges (no `[T, S]` upload per layer and step).
 pub fn causal_mask<B: Backend>(t: usize, s: usize, window: Option<usize>, device: &B::Device) -> Tensor<B, 4, Bool> {
-    let mut hidden = Vec::with_capacity(t * s);
-    for i in 0..t {
-        let pos = s - t + i;
-        hidden.extend((0..s).map(|j| j > pos || window.is_some_and(|w| pos - j >= w)));
-    }
-    Tensor::from_data(burn::tensor::TensorData::new(hidden, [1, 1, t, s]), device)
+    let pos = Tensor::<B, 1, Int>::arange((s - t) as i64..s as i64, device).reshape([t, 1]);
+    let key = Tensor::<B, 1, Int>::arange(0..s as i64, device).reshape([1, s]);
+    let ahead = key - pos; // [T, S]: j - pos
+    let future = ahead.clone().greater_elem(0);
+    let hidden = match window {
+        Some(w) => future.bool_or(ahead.lower_equal_elem(-(w as i64))),
+        None => future,
+    };
+    hidden.reshape([1, 1, t, s])
 }
 
 /// Shares each key/value head with its `rep` query heads: head `j` of the output is input head
@@ -254,6 +259,21 @@ mod tests {
     use burn::tensor::{Distribution, Tolerance};
 
     type B = TestBackend;
+
+    #[test]
+    fn causal_mask_matches_its_definition() {
+        for (t, s, window) in
+            [(1, 1, None), (5, 5, None), (3, 8, None), (6, 6, Some(2)), (4, 9, Some(3)), (7, 7, Some(20))]
+        {
+            let got = causal_mask::<B>(t, s, window, &Default::default()).into_data().to_vec::<bool>().unwrap();
+            let mut want = Vec::with_capacity(t * s);
+            for i in 0..t {
+                let pos = s - t + i;
+                want.extend((0..s).map(|j| j > pos || window.is_some_and(|w| pos - j >= w)));
+            }
+            assert_eq!(got, want, "t {t}, s {s}, window {window:?}");
+        }
+    }
 
     /// Plain multi-head attention, written out: explicit scores, mask and softmax, one K/V head per
     /// query head.
