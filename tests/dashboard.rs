@@ -225,14 +225,31 @@ struct Browser {
     _driver: Killed,
 }
 
+/// A program named by the environment variable `var`, or the first of `names` on PATH. The browser
+/// test needs both programs: when one is missing it fails (it does not skip), since CI installs them.
+fn find_program(var: &str, names: &[&str]) -> PathBuf {
+    if let Some(p) = std::env::var_os(var) {
+        let p = PathBuf::from(p);
+        assert!(p.is_file(), "{var}={} is not a file", p.display());
+        return p;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    names
+        .iter()
+        .flat_map(|n| std::env::split_paths(&path).map(move |dir| dir.join(n)))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "none of {names:?} on PATH and {var} not set: install Debian's chromium and chromium-driver \
+                 (.ci/run does), or point {var} at the program"
+            )
+        })
+}
+
 impl Browser {
     fn start(profile: &Path) -> Browser {
-        let driver = std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "/usr/bin/chromedriver".into());
-        let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
-        assert!(
-            Path::new(&driver).exists() && Path::new(&chromium).exists(),
-            "{driver} or {chromium} not found: install Debian's chromium and chromium-driver (.ci/run does)"
-        );
+        let driver = find_program("EMBER_CHROMEDRIVER", &["chromedriver"]);
+        let chromium = find_program("EMBER_CHROMIUM", &["chromium", "chromium-browser", "google-chrome"]);
         let port = free_port();
         let child = Command::new(&driver)
             .arg(format!("--port={port}"))
@@ -245,7 +262,7 @@ impl Browser {
         wait_for("chromedriver", Duration::from_secs(20), || {
             ureq::get(&format!("{base}/status")).call().ok().map(|_| Value::Null)
         });
-        let caps = json!({"capabilities": {"alwaysMatch": {"goog:chromeOptions": {"binary": chromium, "args": [
+        let caps = json!({"capabilities": {"alwaysMatch": {"goog:chromeOptions": {"binary": chromium.to_string_lossy(), "args": [
             "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--window-size=1300,900", format!("--user-data-dir={}", profile.display())
@@ -380,4 +397,327 @@ fn the_server_stays_inside_the_log_directory() {
     let mut err = String::new();
     std::io::Read::read_to_string(server.0.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert!(err.contains(&format!("dashboard: http://127.0.0.1:{port}")), "{err}");
+}
+
+// --- The dashboard under abuse: the `ember dashboard` binary as a child process, its memory read
+// from /proc. All traffic stays on 127.0.0.1, bounded in count and time. ---
+
+const MB: f64 = (1 << 20) as f64;
+
+/// `ember dashboard --logdir runs` in `s`, its log in a file (a pipe nobody reads could fill up).
+struct Served {
+    child: Killed,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Served {
+    fn start(s: &Scratch) -> Served {
+        let port = free_port();
+        let log = s.path().join(format!("dashboard-{port}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_ember"))
+            .args(["dashboard", "--logdir", "runs", "--port", &port.to_string()])
+            .current_dir(s.path())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let served = Served { child: Killed(child), port, log };
+        wait_for("the dashboard", Duration::from_secs(20), || {
+            (raw(port, &get_request(port, "/")).0 == Some(200)).then_some(Value::Null)
+        });
+        served
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.0.id()
+    }
+
+    /// Resident memory, bytes.
+    fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("the server is gone");
+        let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).expect("VmRSS");
+        kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+    }
+
+    /// Open file descriptors (connections, mostly).
+    fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map_or(0, |d| d.count())
+    }
+
+    fn assert_alive(&mut self, case: &str) {
+        let status = self.child.0.try_wait().unwrap();
+        assert!(status.is_none(), "{case}: the server exited ({status:?}):\n{}", self.log());
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+fn get_request(port: u16, path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n")
+}
+
+fn connect(port: u16) -> std::net::TcpStream {
+    let s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s
+}
+
+/// Sends `request` and reads the answer to its end: the status (`None`: no answer) and the bytes.
+fn raw(port: u16, request: &str) -> (Option<u16>, Vec<u8>) {
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return (None, Vec::new()) };
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    if s.write_all(request.as_bytes()).is_err() {
+        return (None, Vec::new());
+    }
+    let mut out = Vec::new();
+    let mut buf = [0u8; 65536];
+    while let Ok(n) = std::io::Read::read(&mut s, &mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    let status = std::str::from_utf8(out.get(9..12).unwrap_or_default()).ok().and_then(|s| s.parse().ok());
+    (status, out)
+}
+
+/// A normal request (the run list the page polls): answered with 200 within a second. Its time.
+fn normal(srv: &Served, case: &str) -> Duration {
+    let start = Instant::now();
+    let (status, body) = raw(srv.port, &get_request(srv.port, "/api/runs"));
+    let took = start.elapsed();
+    assert_eq!(status, Some(200), "{case}: {}", String::from_utf8_lossy(&body));
+    assert!(took < Duration::from_secs(1), "{case}: a normal request took {took:?}");
+    took
+}
+
+/// After the abusive connections closed: alive, answering within a second, and back within 50 MB
+/// of the resident memory it had before (polled for up to 5 s). The memory then.
+fn recovered(srv: &mut Served, baseline: u64, case: &str) -> u64 {
+    srv.assert_alive(case);
+    normal(srv, case);
+    let start = Instant::now();
+    loop {
+        let rss = srv.rss();
+        if rss <= baseline + 50 * (1 << 20) {
+            srv.assert_alive(case);
+            return rss;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{case}: resident memory {:.0} MB, {:.0} MB before",
+            rss as f64 / MB,
+            baseline as f64 / MB
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// One line of figures per case (experiments/reliability-dashboard.md keeps them).
+fn report(case: &str, held: usize, before: u64, during: u64, after: u64, latency: Duration) {
+    eprintln!(
+        "abuse | {case:<44} | {held:>5} | {:>6.1} | {:>6.1} | {:>6.1} | {:>7.1} ms",
+        before as f64 / MB,
+        during as f64 / MB,
+        after as f64 / MB,
+        latency.as_secs_f64() * 1e3
+    );
+}
+
+/// The soft limit on this process's open files, raised to the hard limit first where `prlimit`
+/// can (best effort: the count of connections below adapts to what is allowed).
+fn raise_fd_limit() -> usize {
+    let read = || {
+        let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+        let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap().to_string();
+        let fields: Vec<String> = line["Max open files".len()..].split_whitespace().map(String::from).collect();
+        (fields[0].clone(), fields[1].clone())
+    };
+    let (_, hard) = read();
+    let _ = Command::new("prlimit")
+        .args(["--pid", &std::process::id().to_string(), &format!("--nofile={hard}:{hard}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    read().0.parse().unwrap_or(usize::MAX)
+}
+
+/// Runs `runs/a` (small, with links out of the log directory), `runs/leak` (a metrics file that is
+/// a link out) and `runs/big` (about 14 MB of metrics JSON), and the secrets outside.
+fn abuse_runs(s: &Scratch) {
+    std::fs::create_dir_all(s.path().join("runs/a")).unwrap();
+    std::fs::create_dir_all(s.path().join("runs/leak")).unwrap();
+    std::fs::create_dir_all(s.path().join("runs/big")).unwrap();
+    std::fs::create_dir_all(s.path().join("secret")).unwrap();
+    s.write("secret/config.toml", "password = \"hunter2\"\n");
+    s.write("secret/metrics.jsonl", "{\"step\":1,\"train_loss\":0.0,\"hunter2\":1}\n");
+    s.write("secret/samples.jsonl", "{\"step\":1,\"text\":\"hunter2\"}\n");
+    s.write("runs/a/metrics.jsonl", "{\"step\":1,\"train_loss\":3.0}\n{\"step\":2,\"train_loss\":2.9}\n");
+    let link = |target: &str, at: &str| std::os::unix::fs::symlink(s.path().join(target), s.path().join(at)).unwrap();
+    link("secret/config.toml", "runs/a/config.toml");
+    link("secret/samples.jsonl", "runs/a/samples.jsonl");
+    link("secret/metrics.jsonl", "runs/leak/metrics.jsonl");
+    let mut big = std::io::BufWriter::new(std::fs::File::create(s.path().join("runs/big/metrics.jsonl")).unwrap());
+    for step in 1..=250_000 {
+        writeln!(
+            big,
+            "{{\"step\":{step},\"train_loss\":{:.6},\"lr\":0.001,\"grad_norm\":0.8123,\"step_ms\":143.2,\"tokens_per_sec\":5362.1,\"mfu\":0.1935,\"elapsed_s\":{:.3}}}",
+            4.0 - step as f64 * 1e-5,
+            step as f64 * 0.143
+        )
+        .unwrap();
+    }
+    big.flush().unwrap();
+}
+
+#[test]
+fn the_dashboard_survives_abuse() {
+    let s = Scratch::new();
+    abuse_runs(&s);
+    let mut srv = Served::start(&s);
+    let port = srv.port;
+    eprintln!("abuse | case | server fds | RSS before MB | during MB | after MB | normal request during");
+    // Warm: every run read once (the big one's columns stay cached), so the baseline holds them.
+    let (status, big) = raw(port, &get_request(port, "/api/metrics?run=big"));
+    assert_eq!(status, Some(200));
+    assert!(big.len() > 12 << 20, "{} bytes", big.len());
+    normal(&srv, "warm-up");
+    let baseline = srv.rss();
+
+    // 1. A body announced as an exabyte: refused unread, at once.
+    let before = srv.rss();
+    let start = Instant::now();
+    let (status, _) = raw(
+        port,
+        &format!("GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 1000000000000000000\r\n\r\n"),
+    );
+    assert_eq!(status, Some(413));
+    assert!(start.elapsed() < Duration::from_secs(1), "413 after {:?}", start.elapsed());
+    let latency = normal(&srv, "huge Content-Length");
+    let after = recovered(&mut srv, baseline, "huge Content-Length");
+    report("GET with Content-Length 10^18", 1, before, srv.rss(), after, latency);
+
+    // 2. Idle connections, as many as 2,000 at once (fewer if this process may not open them).
+    let limit = raise_fd_limit();
+    let n = 2000.min(limit.saturating_sub(200));
+    eprintln!("abuse | opening {n} idle connections (open files limit {limit})");
+    assert!(n >= 500, "only {n} connections possible");
+    let before = srv.rss();
+    let idle: Vec<_> = (0..n).map(|_| connect(port)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let (held, during) = (srv.fds(), srv.rss());
+    let latency = normal(&srv, "idle connections");
+    drop(idle);
+    let after = recovered(&mut srv, baseline, "idle connections");
+    report(&format!("{n} idle connections"), held, before, during, after, latency);
+
+    // 3. Heads that announce a body that never comes, and heads that never end.
+    let before = srv.rss();
+    let mut slow = Vec::new();
+    for i in 0..300 {
+        let mut c = connect(port);
+        let head = match i % 3 {
+            0 => format!("GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 100\r\n\r\n"),
+            1 => format!("POST /api/runs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 1000000\r\n\r\n"),
+            _ => format!("GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nX-Slow: "),
+        };
+        c.write_all(head.as_bytes()).unwrap();
+        slow.push(c);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let (held, during) = (srv.fds(), srv.rss());
+    let latency = normal(&srv, "slow clients");
+    drop(slow);
+    let after = recovered(&mut srv, baseline, "slow clients");
+    report("300 bodies that never come / endless heads", held, before, during, after, latency);
+
+    // 4. Clients that ask for a large answer and never read it.
+    let before = srv.rss();
+    let stuck: Vec<_> = (0..16)
+        .map(|_| {
+            let mut c = connect(port);
+            c.write_all(format!("GET /api/metrics?run=big HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n").as_bytes())
+                .unwrap();
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let (held, during) = (srv.fds(), srv.rss());
+    let latency = normal(&srv, "unread answers");
+    drop(stuck);
+    let after = recovered(&mut srv, baseline, "unread answers");
+    report("16 unread 14 MB /api/metrics answers", held, before, during, after, latency);
+
+    // 5. Another site's name (DNS rebinding).
+    for host in [format!("evil.example:{port}"), "127.0.0.1.nip.io".into()] {
+        let (status, body) = raw(port, &format!("GET /api/runs HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"));
+        assert_eq!(status, Some(403), "{host}: {}", String::from_utf8_lossy(&body));
+    }
+    let (status, _) =
+        raw(port, &format!("GET /api/runs HTTP/1.1\r\nHost: localhost:{port}\r\nConnection: close\r\n\r\n"));
+    assert_eq!(status, Some(200));
+
+    // 6. Files that are links out of the log directory.
+    let text = |path: &str| {
+        let (status, body) = raw(port, &get_request(port, path));
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    let (status, runs) = text("/api/runs");
+    assert_eq!(status, Some(200));
+    assert!(runs.contains("\"name\":\"a\"") && !runs.contains("\"name\":\"leak\""), "{runs}");
+    for path in ["/api/config?run=a", "/api/samples?run=a", "/api/metrics?run=leak", "/api/config?run=leak"] {
+        let (status, body) = text(path);
+        assert!(!body.contains("hunter2"), "{path}: {body}");
+        assert!(matches!(status, Some(200 | 404)), "{path}: {status:?}");
+    }
+    assert_eq!(text("/api/metrics?run=leak").0, Some(404));
+    let after = recovered(&mut srv, baseline, "links out");
+    report("links out of the log directory", 0, baseline, after, after, normal(&srv, "links out"));
+}
+
+#[test]
+fn the_dashboard_outlives_running_out_of_file_descriptors() {
+    let s = Scratch::new();
+    abuse_runs(&s);
+    let mut srv = Served::start(&s);
+    let port = srv.port;
+    normal(&srv, "start");
+    let baseline = srv.rss();
+    // Lower the running server's limit, as if training had taken the other descriptors.
+    let fds = srv.fds();
+    let limit = fds + 24;
+    let lowered = Command::new("prlimit")
+        .args(["--pid", &srv.pid().to_string(), &format!("--nofile={limit}:{limit}")])
+        .status()
+        .expect("prlimit (util-linux)");
+    assert!(lowered.success());
+    let crowd: Vec<_> = (0..200).map(|_| connect(port)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let held = srv.fds();
+    assert!(held <= limit, "{held} descriptors over the limit {limit}");
+    let latency = normal(&srv, "out of descriptors");
+    srv.assert_alive("out of descriptors");
+    let log = srv.log();
+    assert!(log.contains("cannot accept a connection") && log.contains("Too many open files"), "{log}");
+    drop(crowd);
+    let after = recovered(&mut srv, baseline, "out of descriptors");
+    report(&format!("200 connections at a limit of {limit} files"), held, baseline, baseline, after, latency);
+}
+
+#[test]
+fn training_goes_on_when_the_dashboard_cannot_start() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("tiny.toml", &tiny_config(""));
+    // The port is taken: the dashboard cannot listen, and says so; training does not mind.
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let o =
+        s.ember(&["train", "--config", "tiny.toml", "--run-dir", "runs/t", "--dashboard", "--dashboard-port", &port]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no dashboard"), "{}", stderr(&o));
+    assert_eq!(read_metrics(&s.path().join("runs/t/metrics.jsonl")).unwrap().len(), 6);
 }

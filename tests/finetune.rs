@@ -150,9 +150,21 @@ targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
     }
     assert_eq!(checked, base_params.len());
 
-    // A split of JSONL examples is no text stream to measure perplexity on.
-    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "ft", "--data", "val"]);
-    assert_clean_error(&o, "JSONL");
+    // `eval` of the held-out examples scores their completions: the run's last validation loss.
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "ft", "--data", "val", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let nll = r["nll"].as_f64().unwrap();
+    assert!((nll - vals[2]).abs() < 1e-4, "eval of val {nll} vs the run's last val loss {}", vals[2]);
+    // And a JSONL file, completions only, each example alone.
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "ft", "--data", "data.jsonl", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(r["examples"].as_u64(), Some(36));
+    assert!(r["nll"].as_f64().unwrap() < vals[0], "the tuned model scores the training completions well: {r}");
+    s.write("bad.jsonl", "{\"prompt\": \"a\", \"completion\": \"b\"}\n{not json\n");
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "ft", "--data", "bad.jsonl"]);
+    assert_clean_error(&o, "bad.jsonl:2:");
 
     // Export needs --merge; the merged export has the adapter model's logits.
     let o = s.ember(&["export", "ft", "--out", "merged"]);

@@ -1,11 +1,15 @@
 //! `ember dashboard`: a TensorBoard-style page over run directories. It reads what training writes
 //! (`metrics.jsonl`, `samples.jsonl`, `config.toml`) and never imports the trainer or writes to a run.
 
+pub mod confine;
+mod conn;
+pub mod hosts;
 pub mod runs;
 pub mod server;
 
-pub use runs::{Columns, RunError, RunStore, RunSummary};
-pub use server::{Dashboard, ServeError};
+pub use hosts::AllowedHosts;
+pub use runs::{Columns, MetricsJson, RunError, RunStore, RunSummary};
+pub use server::{Dashboard, Limits, Options, ServeError};
 
 /// `ember bench dashboard`: how long a log directory of many long runs takes to load.
 pub mod bench {

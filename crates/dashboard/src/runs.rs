@@ -4,21 +4,40 @@
 //! A run is a folder holding `metrics.jsonl` (one JSON object per logged step, numbers and booleans;
 //! see `ember_train::metrics`). A half-written last line is kept for the next read; a malformed line
 //! is skipped with a warning.
+//!
+//! Every file is opened through [`open_inside`]: a file (or run folder) that is a link leading out
+//! of the log directory is treated as absent, with one warning.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::SystemTime;
 
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::confine::{open_inside, resolve_inside, ConfineError};
+
 const METRICS: &str = "metrics.jsonl";
 const SAMPLES: &str = "samples.jsonl";
+const CONFIG: &str = "config.toml";
 /// Folders this deep under the log directory are searched for runs.
 const MAX_DEPTH: usize = 4;
+/// At most this much of a file is read per refresh (the rest on the next one), so that one request
+/// over a huge file costs bounded memory.
+const MAX_READ: u64 = 64 << 20;
+/// A line longer than this is skipped (and counted) instead of being held whole until it ends.
+const MAX_LINE: usize = 16 << 20;
+/// A config.toml is shown up to this size.
+const MAX_CONFIG: u64 = 1 << 20;
+
+/// A lock whose holder panicked is still usable: the data it guards is only a cache of the files,
+/// and one failed request must not turn every later one into a panic.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// One run's metrics, column by column; `None` where a record lacks the key.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -94,26 +113,6 @@ fn parse_row(line: &[u8]) -> Option<Row<'_>> {
 }
 
 impl Columns {
-    fn push(&mut self, row: Row<'_>) {
-        for (k, Scalar(v)) in row {
-            let Some(v) = v else { continue };
-            match self.columns.get_mut(k.as_ref()) {
-                Some(col) => col.push(Some(v)),
-                None => {
-                    let mut col = vec![None; self.rows];
-                    col.push(Some(v));
-                    self.columns.insert(k.into_owned(), col);
-                }
-            }
-        }
-        self.rows += 1;
-        for col in self.columns.values_mut() {
-            if col.len() < self.rows {
-                col.resize(self.rows, None);
-            }
-        }
-    }
-
     /// Rows from `from` on.
     pub fn since(&self, from: usize) -> Columns {
         let from = from.min(self.rows);
@@ -124,57 +123,247 @@ impl Columns {
     }
 }
 
+/// Rows per shared block of a [`Column`].
+const BLOCK: usize = 1024;
+
+/// One metric of a run as read so far: full blocks of [`BLOCK`] rows that are never changed again
+/// (shared, not copied, by a [`MetricsJson`] still writing them out) and the rows since.
+#[derive(Debug, Default, Clone)]
+struct Column {
+    blocks: Vec<Arc<[Option<f64>]>>,
+    tail: Vec<Option<f64>>,
+}
+
+impl Column {
+    fn len(&self) -> usize {
+        self.blocks.len() * BLOCK + self.tail.len()
+    }
+
+    fn push(&mut self, v: Option<f64>) {
+        self.tail.push(v);
+        if self.tail.len() == BLOCK {
+            self.blocks.push(Arc::from(std::mem::take(&mut self.tail)));
+        }
+    }
+
+    fn get(&self, i: usize) -> Option<f64> {
+        match self.blocks.get(i / BLOCK) {
+            Some(b) => b[i % BLOCK],
+            None => self.tail.get(i - self.blocks.len() * BLOCK).copied().flatten(),
+        }
+    }
+
+    fn last(&self) -> Option<f64> {
+        self.len().checked_sub(1).and_then(|i| self.get(i))
+    }
+
+    /// The rows before `len` (the column as it was then): shares the full blocks.
+    fn upto(&self, len: usize) -> Column {
+        let blocks = (len / BLOCK).min(self.blocks.len());
+        let tail = (blocks * BLOCK..len.min(self.len())).map(|i| self.get(i)).collect();
+        Column { blocks: self.blocks[..blocks].to_vec(), tail }
+    }
+}
+
+/// A run's metrics as read so far, column by column.
+#[derive(Debug, Default)]
+struct Table {
+    rows: usize,
+    columns: BTreeMap<String, Column>,
+}
+
+impl Table {
+    fn push(&mut self, row: Row<'_>) {
+        for (k, Scalar(v)) in row {
+            let Some(v) = v else { continue };
+            match self.columns.get_mut(k.as_ref()) {
+                // A key repeated within one record keeps its first value.
+                Some(col) if col.len() > self.rows => {}
+                Some(col) => col.push(Some(v)),
+                None => {
+                    let mut col = Column::default();
+                    for _ in 0..self.rows {
+                        col.push(None);
+                    }
+                    col.push(Some(v));
+                    self.columns.insert(k.into_owned(), col);
+                }
+            }
+        }
+        self.rows += 1;
+        for col in self.columns.values_mut() {
+            if col.len() < self.rows {
+                col.push(None);
+            }
+        }
+    }
+
+    fn since(&self, from: usize) -> Columns {
+        let from = from.min(self.rows);
+        Columns {
+            rows: self.rows - from,
+            columns: self
+                .columns
+                .iter()
+                .map(|(k, c)| (k.clone(), (from..self.rows).map(|i| c.get(i)).collect()))
+                .collect(),
+        }
+    }
+
+    fn json(&self, from: usize) -> MetricsJson {
+        MetricsJson {
+            rows: self.rows,
+            from: from.min(self.rows),
+            columns: self.columns.iter().map(|(k, c)| (k.clone(), c.upto(self.rows))).collect(),
+            started: false,
+            column: 0,
+            row: None,
+        }
+    }
+}
+
+/// A run's metrics from a row on, as the JSON of [`Columns`], written a piece at a time: the
+/// answer to a client that reads slowly (or never) holds one piece and the shared column blocks,
+/// not the whole text.
+pub struct MetricsJson {
+    rows: usize,
+    from: usize,
+    columns: Vec<(String, Column)>,
+    started: bool,
+    /// The column being written; past the last one, the closing braces.
+    column: usize,
+    /// The next row of that column (`None`: its key comes first).
+    row: Option<usize>,
+}
+
+impl MetricsJson {
+    /// Appends about `budget` bytes (one value more at most) to `out`; `false` once the text is
+    /// complete and nothing was left to add.
+    pub fn write_to(&mut self, out: &mut Vec<u8>, budget: usize) -> bool {
+        if self.column > self.columns.len() {
+            return false;
+        }
+        let start = out.len();
+        if !self.started {
+            self.started = true;
+            out.extend_from_slice(format!("{{\"rows\":{},\"columns\":{{", self.rows - self.from).as_bytes());
+        }
+        while out.len() - start < budget {
+            let Some((key, col)) = self.columns.get(self.column) else {
+                out.extend_from_slice(b"}}");
+                self.column += 1;
+                return true;
+            };
+            let row = match self.row {
+                Some(r) => r,
+                None => {
+                    if self.column > 0 {
+                        out.push(b',');
+                    }
+                    // A key is a string: serialising it cannot fail.
+                    let _ = serde_json::to_writer(&mut *out, key);
+                    out.extend_from_slice(b":[");
+                    self.from
+                }
+            };
+            if row >= self.rows {
+                out.push(b']');
+                self.column += 1;
+                self.row = None;
+                continue;
+            }
+            if row > self.from {
+                out.push(b',');
+            }
+            let _ = serde_json::to_writer(&mut *out, &col.get(row));
+            self.row = Some(row + 1);
+        }
+        true
+    }
+}
+
+impl Iterator for MetricsJson {
+    type Item = Vec<u8>;
+
+    /// The next piece of about 64 KiB.
+    fn next(&mut self) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(64 << 10);
+        self.write_to(&mut out, 64 << 10).then_some(out)
+    }
+}
+
 /// A JSON-lines file read as it grows.
 #[derive(Debug, Default)]
 struct Tail {
     offset: u64,
     partial: Vec<u8>,
     skipped: usize,
+    /// Inside a line longer than [`MAX_LINE`], dropped up to its end.
+    discarding: bool,
+    /// When the file last changed, as of the last read.
+    modified: Option<SystemTime>,
 }
 
 impl Tail {
-    /// Whether the file is now shorter than what was read (rewritten by a resumed run).
-    fn truncated(&self, path: &Path) -> bool {
-        std::fs::metadata(path).is_ok_and(|m| m.len() < self.offset)
-    }
-
-    /// Complete new lines since the last call, each handed to `each` (which says whether it
-    /// parsed); starts over if the file shrank (a resumed run truncated it), and says so.
-    fn read(&mut self, path: &Path, mut each: impl FnMut(&[u8]) -> bool) -> std::io::Result<bool> {
-        let mut file = match File::open(path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(e),
-        };
-        let len = file.metadata()?.len();
-        let restarted = len < self.offset;
-        if restarted {
+    /// Complete new lines of `file` (opened at `path`; `None`: absent) since the last call, each
+    /// handed to `each` with `into` (`each` says whether the line parsed). If the file shrank (a
+    /// resumed run truncated it), starts over, first handing `into` to `restart`.
+    fn read<S>(
+        &mut self,
+        file: Option<File>,
+        path: &Path,
+        into: &mut S,
+        restart: impl FnOnce(&mut S),
+        mut each: impl FnMut(&mut S, &[u8]) -> bool,
+    ) -> std::io::Result<()> {
+        let Some(mut file) = file else { return Ok(()) };
+        let meta = file.metadata()?;
+        let len = meta.len();
+        if len < self.offset {
             *self = Tail::default();
+            restart(into);
         }
+        self.modified = meta.modified().ok();
         if len == self.offset {
-            return Ok(restarted);
+            return Ok(());
         }
+        let want = (len - self.offset).min(MAX_READ);
         file.seek(SeekFrom::Start(self.offset))?;
-        let mut buf = Vec::with_capacity((len - self.offset) as usize);
-        file.take(len - self.offset).read_to_end(&mut buf)?;
+        let mut buf = Vec::with_capacity(want as usize);
+        file.take(want).read_to_end(&mut buf)?;
         self.offset += buf.len() as u64;
         let mut data = std::mem::take(&mut self.partial);
         data.extend_from_slice(&buf);
         let complete = data.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-        self.partial = data[complete..].to_vec();
-        for line in data[..complete].split(|&b| b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
-            if !each(line) {
+        let mut lines = data[..complete].split(|&b| b == b'\n');
+        if self.discarding && complete > 0 {
+            // The end of the over-long line, already counted.
+            lines.next();
+            self.discarding = false;
+        }
+        for line in lines.filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
+            if !each(into, line) {
                 self.skipped += 1;
                 tracing::warn!("{}: skipping a malformed line ({} bytes)", path.display(), line.len());
             }
         }
-        Ok(restarted)
+        let rest = &data[complete..];
+        if self.discarding {
+            // Still inside the over-long line.
+        } else if rest.len() > MAX_LINE {
+            self.skipped += 1;
+            self.discarding = true;
+            tracing::warn!("{}: skipping a line longer than {MAX_LINE} bytes", path.display());
+        } else {
+            self.partial = rest.to_vec();
+        }
+        Ok(())
     }
 }
 
 #[derive(Debug, Default)]
 struct RunData {
-    metrics: Columns,
+    metrics: Table,
     metrics_tail: Tail,
     samples: Vec<Value>,
     samples_tail: Tail,
@@ -197,6 +386,10 @@ pub struct RunSummary {
 pub struct RunStore {
     root: PathBuf,
     runs: Mutex<BTreeMap<String, Arc<Mutex<RunData>>>>,
+    /// Threads that read runs in parallel for the run list.
+    parallelism: usize,
+    /// Paths already warned about (a link out is seen on every refresh).
+    warned: Mutex<HashSet<PathBuf>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -207,6 +400,8 @@ pub enum RunError {
     NoSuchRun(String),
     #[error("{path}: {err}")]
     Io { path: PathBuf, err: std::io::Error },
+    #[error(transparent)]
+    File(#[from] ConfineError),
 }
 
 impl RunStore {
@@ -215,11 +410,54 @@ impl RunStore {
         if !root.is_dir() {
             return Err(RunError::NoLogDir(root));
         }
-        Ok(Self { root, runs: Mutex::new(BTreeMap::new()) })
+        let parallelism = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(Self { root, runs: Mutex::new(BTreeMap::new()), parallelism, warned: Mutex::new(HashSet::new()) })
+    }
+
+    /// Reads at most `threads` runs at once for the run list (the server keeps it to its own few
+    /// threads, so that it never competes with training for every core).
+    pub fn with_parallelism(mut self, threads: usize) -> Self {
+        self.parallelism = threads.max(1);
+        self
     }
 
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    fn warn_once(&self, e: &ConfineError) {
+        let path = match e {
+            ConfineError::Outside(p) | ConfineError::NotAFile(p) => p,
+            _ => return,
+        };
+        if lock(&self.warned).insert(path.clone()) {
+            tracing::warn!("{e}: ignored");
+        }
+    }
+
+    /// `path` opened if it lies inside the log directory; `None` when it is absent, leads outside
+    /// or is not a regular file.
+    fn open(&self, path: &Path) -> Result<Option<File>, RunError> {
+        match open_inside(&self.root, path) {
+            Ok(f) => Ok(Some(f)),
+            Err(ConfineError::NotFound(_)) => Ok(None),
+            Err(e @ (ConfineError::Outside(_) | ConfineError::NotAFile(_))) => {
+                self.warn_once(&e);
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether `dir` (resolved, inside the root) holds a metrics file that stays inside the root.
+    fn has_metrics(&self, dir: &Path) -> bool {
+        match resolve_inside(&self.root, &dir.join(METRICS)) {
+            Ok(real) => real.is_file(),
+            Err(e) => {
+                self.warn_once(&e);
+                false
+            }
+        }
     }
 
     /// Run folders under the root, by name (their path relative to the root, `/`-separated). A
@@ -228,12 +466,14 @@ impl RunStore {
         let mut out = Vec::new();
         let mut stack = vec![(self.root.clone(), 0usize)];
         while let Some((dir, depth)) = stack.pop() {
-            let Ok(real) = dir.canonicalize() else { continue };
-            if !real.starts_with(&self.root) {
-                tracing::warn!("{}: leads outside the log directory, skipped", dir.display());
-                continue;
-            }
-            if real.join(METRICS).is_file() {
+            let real = match resolve_inside(&self.root, &dir) {
+                Ok(real) => real,
+                Err(e) => {
+                    self.warn_once(&e);
+                    continue;
+                }
+            };
+            if self.has_metrics(&real) {
                 if let Ok(rel) = dir.strip_prefix(&self.root) {
                     let name = rel.components().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/");
                     out.push(if name.is_empty() { ".".to_string() } else { name });
@@ -260,7 +500,7 @@ impl RunStore {
     /// A name the store already holds was found by an earlier discovery, so only an unknown one
     /// costs a walk of the log directory (a run that started since the last listing).
     fn run_dir(&self, name: &str) -> Result<PathBuf, RunError> {
-        let known = self.runs.lock().expect("run store lock").contains_key(name);
+        let known = lock(&self.runs).contains_key(name);
         if !known && !self.discover().iter().any(|n| n == name) {
             return Err(RunError::NoSuchRun(name.into()));
         }
@@ -277,39 +517,43 @@ impl RunStore {
     }
 
     fn refresh_at(&self, name: &str, dir: &Path) -> Result<(), RunError> {
-        let run = self.runs.lock().expect("run store lock").entry(name.to_string()).or_default().clone();
-        let mut guard = run.lock().expect("run lock");
+        let run = lock(&self.runs).entry(name.to_string()).or_default().clone();
+        let mut guard = lock(&run);
         let run = &mut *guard;
         let path = dir.join(METRICS);
-        if run.metrics_tail.truncated(&path) {
-            run.metrics = Columns::default();
-        }
-        let metrics = &mut run.metrics;
+        let file = self.open(&path)?;
         run.metrics_tail
-            .read(&path, |line| match parse_row(line) {
-                Some(row) => {
-                    metrics.push(row);
-                    true
-                }
-                None => false,
-            })
+            .read(
+                file,
+                &path,
+                &mut run.metrics,
+                |m| *m = Table::default(),
+                |m, line| match parse_row(line) {
+                    Some(row) => {
+                        m.push(row);
+                        true
+                    }
+                    None => false,
+                },
+            )
             .map_err(|err| RunError::Io { path: path.clone(), err })?;
         let path = dir.join(SAMPLES);
-        let mut samples = Vec::new();
-        let restarted = run
-            .samples_tail
-            .read(&path, |line| match serde_json::from_slice::<Value>(line) {
-                Ok(v) if v.is_object() => {
-                    samples.push(v);
-                    true
-                }
-                _ => false,
-            })
+        let file = self.open(&path)?;
+        run.samples_tail
+            .read(
+                file,
+                &path,
+                &mut run.samples,
+                |s| s.clear(),
+                |s, line| match serde_json::from_slice::<Value>(line) {
+                    Ok(v) if v.is_object() => {
+                        s.push(v);
+                        true
+                    }
+                    _ => false,
+                },
+            )
             .map_err(|err| RunError::Io { path: path.clone(), err })?;
-        if restarted {
-            run.samples.clear();
-        }
-        run.samples.extend(samples);
         Ok(())
     }
 
@@ -317,7 +561,7 @@ impl RunStore {
     pub fn summaries(&self) -> Vec<RunSummary> {
         let names = self.discover();
         let dir_of = |name: &str| if name == "." { self.root.clone() } else { self.root.join(name) };
-        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(names.len().max(1));
+        let workers = self.parallelism.min(names.len().max(1));
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|scope| {
             for _ in 0..workers {
@@ -330,20 +574,20 @@ impl RunStore {
                 });
             }
         });
-        let runs = self.runs.lock().expect("run store lock");
+        let runs = lock(&self.runs);
         names
             .iter()
             .filter_map(|name| {
-                let run = runs.get(name)?.lock().expect("run lock");
-                let updated_s = std::fs::metadata(dir_of(name).join(METRICS))
-                    .ok()
-                    .and_then(|m| m.modified().ok())
+                let run = lock(runs.get(name)?);
+                let updated_s = run
+                    .metrics_tail
+                    .modified
                     .and_then(|t| SystemTime::now().duration_since(t).ok())
                     .map_or(0.0, |d| d.as_secs_f64());
                 Some(RunSummary {
                     name: name.clone(),
                     rows: run.metrics.rows,
-                    last_step: run.metrics.columns.get("step").and_then(|c| c.last().copied().flatten()),
+                    last_step: run.metrics.columns.get("step").and_then(Column::last),
                     updated_s,
                     metrics: run.metrics.columns.keys().cloned().collect(),
                     samples: run.samples.len(),
@@ -356,22 +600,39 @@ impl RunStore {
     /// A run's metric columns from row `since` on (refreshed first).
     pub fn metrics(&self, name: &str, since: usize) -> Result<Columns, RunError> {
         self.refresh(name)?;
-        let run = self.runs.lock().expect("run store lock")[name].clone();
-        let run = run.lock().expect("run lock");
+        let run = self.run(name)?;
+        let run = lock(&run);
         Ok(run.metrics.since(since))
+    }
+
+    /// What [`RunStore::metrics`] returns, as JSON text to be written out a piece at a time.
+    pub fn metrics_json(&self, name: &str, since: usize) -> Result<MetricsJson, RunError> {
+        self.refresh(name)?;
+        let run = self.run(name)?;
+        let run = lock(&run);
+        Ok(run.metrics.json(since))
     }
 
     pub fn samples(&self, name: &str) -> Result<Vec<Value>, RunError> {
         self.refresh(name)?;
-        let run = self.runs.lock().expect("run store lock")[name].clone();
-        let samples = run.lock().expect("run lock").samples.clone();
+        let run = self.run(name)?;
+        let samples = lock(&run).samples.clone();
         Ok(samples)
     }
 
-    /// The run's config.toml, as text (empty when it has none).
+    fn run(&self, name: &str) -> Result<Arc<Mutex<RunData>>, RunError> {
+        lock(&self.runs).get(name).cloned().ok_or_else(|| RunError::NoSuchRun(name.into()))
+    }
+
+    /// The run's config.toml, as text (empty when it has none, or when it leads outside the log
+    /// directory; cut at 1 MiB).
     pub fn config(&self, name: &str) -> Result<String, RunError> {
         let dir = self.run_dir(name)?;
-        Ok(std::fs::read_to_string(dir.join("config.toml")).unwrap_or_default())
+        let path = dir.join(CONFIG);
+        let Some(file) = self.open(&path)? else { return Ok(String::new()) };
+        let mut bytes = Vec::new();
+        file.take(MAX_CONFIG).read_to_end(&mut bytes).map_err(|err| RunError::Io { path, err })?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 }
 
@@ -379,6 +640,43 @@ impl RunStore {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    #[test]
+    fn metrics_json_in_pieces_is_the_json_of_the_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("a")).unwrap();
+        // Keys that come and go, a string and an array (skipped), a repeated key, a boolean, more
+        // rows than a block, and a key that needs escaping.
+        let mut text = String::new();
+        for step in 1..=2500 {
+            text.push_str(&format!("{{\"step\":{step},\"train_loss\":{}", 4.0 - step as f64 * 1e-3));
+            if step % 7 == 0 {
+                text.push_str(&format!(",\"val_loss\":{},\"note\":\"x\",\"v\":[1]", 1.0 / step as f64));
+            }
+            if step == 1300 {
+                text.push_str(",\"step\":-1,\"clipped\":true,\"q\\\"k\":1e300");
+            }
+            text.push_str("}\n");
+        }
+        std::fs::write(dir.path().join("a/metrics.jsonl"), text).unwrap();
+        let store = RunStore::new(dir.path()).unwrap();
+        for since in [0, 1, 1023, 1024, 2000, 2500, 9999] {
+            let expected = serde_json::to_vec(&store.metrics("a", since).unwrap()).unwrap();
+            for piece in [1, 7, 64 << 10] {
+                let mut json = store.metrics_json("a", since).unwrap();
+                let mut out = Vec::new();
+                while json.write_to(&mut out, piece) {}
+                assert_eq!(String::from_utf8(out).unwrap(), String::from_utf8(expected.clone()).unwrap());
+            }
+            let whole: Vec<u8> = store.metrics_json("a", since).unwrap().flatten().collect();
+            assert_eq!(whole, expected);
+        }
+        let m = store.metrics("a", 1299).unwrap();
+        assert_eq!(m.columns["step"][0], Some(1300.0), "a repeated key keeps its first value");
+        assert_eq!(m.columns["clipped"][0], Some(1.0));
+        assert_eq!(m.columns["clipped"][1], None);
+        assert_eq!(m.columns["val_loss"].len(), m.rows);
+    }
 
     fn line(step: usize) -> String {
         format!("{{\"step\":{step},\"train_loss\":{},\"lr\":0.001,\"clipped\":false}}\n", 4.0 - step as f64 * 0.01)

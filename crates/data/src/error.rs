@@ -38,6 +38,11 @@ pub enum DataError {
     Download(String),
     #[error("{}:{line}: {message}", path.display())]
     Jsonl { path: PathBuf, line: usize, message: String },
+    #[error(
+        "fine-tuning example {index} has {tokens} tokens, more than the {window} a row of seq_len + 1 holds; \
+         raise train.seq_len, or set data.truncate = true to cut long examples"
+    )]
+    ExampleTooLong { index: usize, tokens: usize, window: usize },
 }
 
 impl DataError {

@@ -2,9 +2,13 @@
 //! the tokenizer's chat template) or `{"text"}`, tokenized with a loss mask so that only completion
 //! (assistant) tokens are scored, and packed into full context windows.
 //!
-//! Packing concatenates the examples, each ending with the end-of-text token, and cuts the stream
-//! into rows of `seq_len + 1` tokens; attention runs across example boundaries within a row, as in
-//! the common packed fine-tuning recipes (TRL's `ConstantLengthDataset`).
+//! Three ways to put examples into rows of `seq_len` positions ([`Packing`]):
+//! - `documents` (the default): whole examples side by side, each marked as its own document, so that
+//!   the model restarts positions and attends only within an example (block-diagonal causal): an
+//!   example's loss is the one it has alone, whatever is packed before it.
+//! - `stream`: the examples concatenated and cut into rows of `seq_len + 1` tokens; attention runs
+//!   across example boundaries and positions continue (TRL's old `ConstantLengthDataset`).
+//! - `none`: one example per row, padded.
 
 use std::path::Path;
 
@@ -183,16 +187,89 @@ pub fn encode(records: &[Record], tokenizer: &Tokenizer, template: Option<&ChatT
         .collect()
 }
 
-/// Packed rows of `seq_len + 1` tokens; a row's targets are `-1` where the token is not scored.
+/// How fine-tuning examples fill rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Packing {
+    /// Whole examples side by side in a row, each attending only to itself from position 0.
+    #[default]
+    Documents,
+    /// One token stream cut into rows; examples see the ones before them in the row.
+    Stream,
+    /// One example per row, padded.
+    None,
+}
+
+impl std::fmt::Display for Packing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Packing::Documents => "documents",
+            Packing::Stream => "stream",
+            Packing::None => "none",
+        })
+    }
+}
+
+/// Rows of `seq_len` positions; a row's targets are `-1` where the token is not scored.
 #[derive(Debug, Clone)]
 pub struct PackedExamples {
     rows: Vec<Window>,
 }
 
 impl PackedExamples {
-    /// Packs `examples` in order; the tail is padded with `pad` (unscored). Rows without a scored
-    /// target are dropped.
-    pub fn new(examples: &[Example], seq_len: usize, pad: u32) -> Self {
+    /// Packs `examples` in order (see [`Packing`]); rows are padded with `pad` (unscored), and rows
+    /// without a scored target are dropped. Under `documents` and `none` an example longer than a
+    /// row (`seq_len + 1` tokens) is an error unless `truncate`, which keeps its first `seq_len + 1`.
+    pub fn new(examples: &[Example], seq_len: usize, pad: u32, packing: Packing, truncate: bool) -> Result<Self> {
+        let mut rows = match packing {
+            Packing::Stream => Self::stream(examples, seq_len, pad),
+            Packing::Documents | Packing::None => {
+                let mut rows = Vec::new();
+                let mut row = Window { input: Vec::new(), target: Vec::new(), docs: Some(Vec::new()) };
+                for (index, e) in examples.iter().enumerate() {
+                    let n = e.ids.len();
+                    if n > seq_len + 1 && !truncate {
+                        return Err(DataError::ExampleTooLong { index: index + 1, tokens: n, window: seq_len + 1 });
+                    }
+                    let n = n.min(seq_len + 1);
+                    if n < 2 {
+                        continue; // nothing to predict
+                    }
+                    let positions = n - 1;
+                    if !row.input.is_empty() && (packing == Packing::None || row.input.len() + positions > seq_len) {
+                        rows.push(Self::finish(std::mem::take(&mut row), seq_len, pad));
+                    }
+                    let docs = row.docs.get_or_insert_with(Vec::new);
+                    docs.extend(std::iter::repeat_n(row.input.len() as u32, positions));
+                    row.input.extend_from_slice(&e.ids[..positions]);
+                    row.target.extend((1..n).map(|j| if e.scored[j] { e.ids[j] as i32 } else { -1 }));
+                }
+                if !row.input.is_empty() {
+                    rows.push(Self::finish(row, seq_len, pad));
+                }
+                rows
+            }
+        };
+        if packing == Packing::None {
+            // One document per row: plain causal attention.
+            rows.iter_mut().for_each(|w| w.docs = None);
+        }
+        rows.retain(|w| w.target.iter().any(|&t| t >= 0));
+        Ok(Self { rows })
+    }
+
+    /// Pads a row of documents to `seq_len`; the padding is a document of its own.
+    fn finish(mut row: Window, seq_len: usize, pad: u32) -> Window {
+        let used = row.input.len();
+        row.input.resize(seq_len, pad);
+        row.target.resize(seq_len, -1);
+        if let Some(docs) = row.docs.as_mut() {
+            docs.resize(seq_len, used as u32);
+        }
+        row
+    }
+
+    fn stream(examples: &[Example], seq_len: usize, pad: u32) -> Vec<Window> {
         let (mut ids, mut scored) = (Vec::new(), Vec::new());
         for e in examples {
             ids.extend_from_slice(&e.ids);
@@ -206,11 +283,14 @@ impl PackedExamples {
             let mut target: Vec<i32> = (start + 1..end).map(|j| if scored[j] { ids[j] as i32 } else { -1 }).collect();
             input.resize(seq_len, pad);
             target.resize(seq_len, -1);
-            if target.iter().any(|&t| t >= 0) {
-                rows.push(Window { input, target });
-            }
+            rows.push(Window { input, target, docs: None });
             start += seq_len;
         }
+        rows
+    }
+
+    /// Rows packed elsewhere, as one set.
+    pub fn from_rows(rows: Vec<Window>) -> Self {
         Self { rows }
     }
 
@@ -285,10 +365,48 @@ mod tests {
             Example { ids: vec![1, 2, 3, 4], scored: vec![false, false, true, true] },
             Example { ids: vec![5, 6, 7], scored: vec![false, true, true] },
         ];
-        let p = PackedExamples::new(&ex, 3, 0);
+        let p = PackedExamples::new(&ex, 3, 0, Packing::Stream, false).unwrap();
         assert_eq!(p.len(), 2);
-        assert_eq!(p.get(0).unwrap(), Window { input: vec![1, 2, 3], target: vec![-1, 3, 4] });
-        assert_eq!(p.get(1).unwrap(), Window { input: vec![4, 5, 6], target: vec![-1, 6, 7] });
+        assert_eq!(p.get(0).unwrap(), Window { input: vec![1, 2, 3], target: vec![-1, 3, 4], docs: None });
+        assert_eq!(p.get(1).unwrap(), Window { input: vec![4, 5, 6], target: vec![-1, 6, 7], docs: None });
         assert_eq!(p.scored_tokens(), 4);
+    }
+
+    #[test]
+    fn document_packing_keeps_examples_whole_and_apart() {
+        let ex = vec![
+            Example { ids: vec![1, 2, 3, 4], scored: vec![false, false, true, true] },
+            Example { ids: vec![5, 6, 7], scored: vec![false, true, true] },
+            Example { ids: vec![8, 9], scored: vec![true, true] },
+            Example { ids: vec![10], scored: vec![true] }, // nothing to predict: skipped
+        ];
+        let p = PackedExamples::new(&ex, 6, 0, Packing::Documents, false).unwrap();
+        assert_eq!(p.len(), 1);
+        // 3 + 2 positions fit in a row of 6; the third example (1 position) fits too.
+        assert_eq!(
+            p.get(0).unwrap(),
+            Window {
+                input: vec![1, 2, 3, 5, 6, 8],
+                target: vec![-1, 3, 4, 6, 7, 9],
+                docs: Some(vec![0, 0, 0, 3, 3, 5])
+            }
+        );
+        assert_eq!(p.scored_tokens(), 5);
+        let p = PackedExamples::new(&ex, 4, 0, Packing::Documents, false).unwrap();
+        assert_eq!(p.len(), 2);
+        assert_eq!(
+            p.get(1).unwrap(),
+            Window { input: vec![5, 6, 8, 0], target: vec![6, 7, 9, -1], docs: Some(vec![0, 0, 2, 3]) }
+        );
+        let none = PackedExamples::new(&ex, 6, 0, Packing::None, false).unwrap();
+        assert_eq!(none.len(), 3);
+        assert_eq!(
+            none.get(2).unwrap(),
+            Window { input: vec![8, 0, 0, 0, 0, 0], target: vec![9, -1, -1, -1, -1, -1], docs: None }
+        );
+        let e = PackedExamples::new(&ex, 2, 0, Packing::Documents, false).unwrap_err().to_string();
+        assert!(e.contains("example 1 has 4 tokens") && e.contains("3"), "{e}");
+        let cut = PackedExamples::new(&ex, 2, 0, Packing::Documents, true).unwrap();
+        assert_eq!(cut.get(0).unwrap(), Window { input: vec![1, 2], target: vec![-1, 3], docs: Some(vec![0, 0]) });
     }
 }

@@ -22,8 +22,11 @@ pub use tokenizer::{Tokenizer, TokenizerSpec};
 use std::io::Write;
 use std::path::Path;
 
-/// Writes `bytes` to `path` so that a reader sees the old file or the whole new one, never a part:
-/// a temporary file in the same folder, flushed to disk, then renamed over `path`.
+/// Writes `bytes` to `path` so that a reader sees the old file or the whole new one, never a part,
+/// even after a power loss: a temporary file in the same folder, written and fsynced, renamed over
+/// `path`, then the folder fsynced. Without the file's fsync the rename can reach the disk before
+/// the data (an empty or partial file after a crash); without the folder's, the rename itself can be
+/// lost, so a caller that goes on to delete what the new file replaces could be left with neither.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(DataError::io(dir))?;
@@ -38,5 +41,21 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    result.map_err(DataError::io(path))
+    result.map_err(DataError::io(path))?;
+    sync_dir(dir).map_err(DataError::io(dir))
+}
+
+/// Flushes a folder's entries (files created, renamed or removed in it) to disk. Renames are only
+/// durable once their folder is synced. A no-op where folders cannot be opened (Windows), whose
+/// file systems journal renames themselves.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::fs::File::open(dir)?.sync_all()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        Ok(())
+    }
 }

@@ -17,10 +17,13 @@ use crate::shards::TokenShard;
 
 /// One training example: `target[i]` is the token after `input[i]`, or `-1` where the position is
 /// not scored (a prompt token, padding).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Window {
     pub input: Vec<u32>,
     pub target: Vec<i32>,
+    /// Packed documents: for each position, the index of its document's first position in the
+    /// window (`None`: the window is one document).
+    pub docs: Option<Vec<u32>>,
 }
 
 /// A set of examples the trainer draws batches from: windows of a token stream, or packed
@@ -53,7 +56,7 @@ impl Dataset<Window> for TokenWindows {
     fn get(&self, index: usize) -> Option<Window> {
         let t = self.seq_len;
         let w = self.shard.tokens.get(index..index + t + 1)?;
-        Some(Window { input: w[..t].to_vec(), target: w[1..].iter().map(|&x| x as i32).collect() })
+        Some(Window { input: w[..t].to_vec(), target: w[1..].iter().map(|&x| x as i32).collect(), docs: None })
     }
 
     fn len(&self) -> usize {
@@ -81,12 +84,15 @@ impl WindowSampler {
         batch_size: usize,
         device: &Device<B>,
     ) -> LmBatch<B> {
-        let items = self
-            .indices(stream, batch_size, data.len())
+        LmBatcher.batch(self.windows(data, stream, batch_size), device)
+    }
+
+    /// The windows of batch `stream`, before they become tensors.
+    pub fn windows(&self, data: &dyn Dataset<Window>, stream: u64, batch_size: usize) -> Vec<Window> {
+        self.indices(stream, batch_size, data.len())
             .into_iter()
             .map(|i| data.get(i).expect("index drawn below len"))
-            .collect();
-        LmBatcher.batch(items, device)
+            .collect()
     }
 }
 
@@ -95,6 +101,11 @@ impl WindowSampler {
 pub struct LmBatch<B: Backend> {
     pub inputs: Tensor<B, 2, Int>,
     pub targets: Tensor<B, 2, Int>,
+    /// Packed documents, `[B·T]` first positions (see [`Window::docs`]); `None` when every row is
+    /// one document.
+    pub docs: Option<Vec<u32>>,
+    /// Targets that are scored (not `-1`), counted on the host.
+    pub scored: usize,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -105,9 +116,17 @@ impl<B: Backend> Batcher<B, Window, LmBatch<B>> for LmBatcher {
         let (b, t) = (items.len(), items.first().map_or(0, |w| w.input.len()));
         let inputs: Vec<i32> = items.iter().flat_map(|w| w.input.iter().map(|&x| x as i32)).collect();
         let targets: Vec<i32> = items.iter().flat_map(|w| w.target.iter().copied()).collect();
+        let scored = targets.iter().filter(|&&x| x >= 0).count();
+        // Rows without documents are one document: every position starts at 0.
+        let docs = items
+            .iter()
+            .any(|w| w.docs.is_some())
+            .then(|| items.iter().flat_map(|w| w.docs.clone().unwrap_or_else(|| vec![0; w.input.len()])).collect());
         LmBatch {
             inputs: Tensor::from_data(TensorData::new(inputs, [b, t]), device),
             targets: Tensor::from_data(TensorData::new(targets, [b, t]), device),
+            docs,
+            scored,
         }
     }
 }
@@ -126,7 +145,7 @@ mod tests {
     fn windows_are_shifted_by_one() {
         let w = windows(10, 4);
         assert_eq!(w.len(), 6);
-        assert_eq!(w.get(2).unwrap(), Window { input: vec![2, 3, 4, 5], target: vec![3, 4, 5, 6] });
+        assert_eq!(w.get(2).unwrap(), Window { input: vec![2, 3, 4, 5], target: vec![3, 4, 5, 6], docs: None });
         assert_eq!(w.get(5).unwrap().target, vec![6, 7, 8, 9]);
         assert!(w.get(6).is_none());
     }

@@ -70,9 +70,11 @@ pub fn cache_key(source_sha256: &str, spec: &TokenizerSpec, val_fraction: f64) -
 }
 
 /// Tokenizes `text_path` into `out_dir/{train,val}.bin` and `tokenizer.json`, unless `out_dir`
-/// already holds shards prepared from the same inputs.
+/// already holds shards prepared from the same inputs. Files there that an earlier prepare did not
+/// write are never replaced: the call fails naming the first one, before writing anything (see
+/// [`check_overwrites`]).
 pub fn prepare(text_path: &Path, spec: &TokenizerSpec, val_fraction: f64, out_dir: &Path) -> Result<Prepared> {
-    prepare_hashed(text_path, sha256_file(text_path)?, spec, val_fraction, out_dir)
+    prepare_hashed(text_path, sha256_file(text_path)?, spec, val_fraction, out_dir, Overwrite::OnlyOurs)
 }
 
 /// [`prepare`] into `<cache_root>/<file stem>-<key>/`, where the key covers the text's sha256, the
@@ -86,7 +88,17 @@ pub fn prepare_cached(
     let sha = sha256_file(text_path)?;
     let stem = text_path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let out_dir = cache_root.join(format!("{stem}-{}", cache_key(&sha, spec, val_fraction)));
-    prepare_hashed(text_path, sha, spec, val_fraction, &out_dir)
+    // Nothing but ember writes in its cache: a half-prepared folder (a killed run) is simply redone.
+    prepare_hashed(text_path, sha, spec, val_fraction, &out_dir, Overwrite::Any)
+}
+
+/// What an existing file in the output folder may be replaced with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overwrite {
+    /// Only what a prepare wrote (`ember prepare --out`, a folder of the user's choosing).
+    OnlyOurs,
+    /// Anything (ember's own cache).
+    Any,
 }
 
 fn prepare_hashed(
@@ -95,6 +107,7 @@ fn prepare_hashed(
     spec: &TokenizerSpec,
     val_fraction: f64,
     out_dir: &Path,
+    overwrite: Overwrite,
 ) -> Result<Prepared> {
     let tokenizer_sha256 = match spec {
         TokenizerSpec::File(p) => sha256_file(p)?,
@@ -133,10 +146,14 @@ fn prepare_hashed(
         val_tokens: val.tokens.len(),
         ..wanted
     };
+    let tokenizer_json = tokenizer.to_json()?;
+    if overwrite == Overwrite::OnlyOurs {
+        check_overwrites(out_dir, tokenizer_json.as_bytes())?;
+    }
     std::fs::create_dir_all(out_dir).map_err(DataError::io(out_dir))?;
     train.write(&out_dir.join(TRAIN_FILE))?;
     val.write(&out_dir.join(VAL_FILE))?;
-    tokenizer.save(&out_dir.join(TOKENIZER_FILE))?;
+    crate::write_atomic(&out_dir.join(TOKENIZER_FILE), tokenizer_json.as_bytes())?;
     // meta.json last: its presence says the rest is complete.
     let json = serde_json::to_string_pretty(&meta).expect("meta serialises");
     crate::write_atomic(&out_dir.join(META_FILE), json.as_bytes())?;
@@ -148,6 +165,51 @@ fn prepare_hashed(
         "prepared token shards"
     );
     Ok(Prepared { dir: out_dir.into(), meta, tokenizer, train, val, reused: false })
+}
+
+/// Fails, naming the file, when `out_dir` holds a file this prepare would replace and an earlier
+/// prepare did not write: typically the tokenizer.json of a model folder given as the output (often
+/// the very tokenizer being prepared with), which would be lost. Ours are: everything in the folder of
+/// a finished prepare (its meta.json reads as one), token shards (the `EMBERTOK` magic), and a
+/// tokenizer.json with exactly the bytes about to be written (a prepare stopped between its files and
+/// run again: nothing is lost). Checked before anything is written, so a refusal changes nothing.
+fn check_overwrites(out_dir: &Path, tokenizer_json: &[u8]) -> Result<()> {
+    let refuse = |path: PathBuf, why: &str| DataError::Io {
+        path,
+        err: std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!(
+                "exists and {why}, so `ember prepare` did not write it; refusing to overwrite it (move it away \
+                 or choose another output folder)"
+            ),
+        ),
+    };
+    let meta_path = out_dir.join(META_FILE);
+    if meta_path.exists() {
+        let ours = std::fs::read_to_string(&meta_path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|v| v.get("format_version").is_some() && v.get("source_sha256").is_some());
+        return if ours { Ok(()) } else { Err(refuse(meta_path, "is not the meta.json of prepared shards")) };
+    }
+    for file in [TRAIN_FILE, VAL_FILE] {
+        let path = out_dir.join(file);
+        if path.exists() && !is_token_shard(&path) {
+            return Err(refuse(path, "is not an ember token shard"));
+        }
+    }
+    let path = out_dir.join(TOKENIZER_FILE);
+    if path.exists() && std::fs::read(&path).map_or(true, |b| b != tokenizer_json) {
+        return Err(refuse(path, "differs from the tokenizer being prepared, with no meta.json beside it"));
+    }
+    Ok(())
+}
+
+/// Whether `path` starts with the magic of an ember token shard.
+fn is_token_shard(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 8];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == crate::shards::MAGIC
 }
 
 fn load_if_current(dir: &Path, wanted: &PrepareMeta) -> Result<Option<Prepared>> {
@@ -195,5 +257,34 @@ mod tests {
         let d = prepare(&text_path, &TokenizerSpec::Char, 0.2, &out).unwrap();
         assert!(!d.reused);
         assert_ne!(d.meta.source_sha256, c.meta.source_sha256);
+    }
+
+    #[test]
+    fn files_a_prepare_did_not_write_are_not_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let text_path = dir.path().join("t.txt");
+        std::fs::write(&text_path, "to be or not to be, that is the question\n".repeat(20)).unwrap();
+        let out = dir.path().join("model");
+        std::fs::create_dir_all(&out).unwrap();
+        for (file, text) in [(TOKENIZER_FILE, "{\"model\": {}}"), (META_FILE, "{\"architectures\": []}"), (TRAIN_FILE, "x")]
+        {
+            std::fs::write(out.join(file), text).unwrap();
+            let Err(err) = prepare(&text_path, &TokenizerSpec::Char, 0.1, &out) else { panic!("{file} overwritten") };
+            let err = err.to_string();
+            assert!(err.contains(&out.join(file).display().to_string()) && err.contains("refusing"), "{err}");
+            assert_eq!(std::fs::read_to_string(out.join(file)).unwrap(), text, "{file} unchanged");
+            assert!(!out.join(VAL_FILE).exists(), "nothing written");
+            std::fs::remove_file(out.join(file)).unwrap();
+        }
+        // A prepare stopped before its meta.json, run again: its own files are replaced.
+        let a = prepare(&text_path, &TokenizerSpec::Char, 0.1, &out).unwrap();
+        std::fs::remove_file(out.join(META_FILE)).unwrap();
+        let b = prepare(&text_path, &TokenizerSpec::Char, 0.1, &out).unwrap();
+        assert!(!b.reused);
+        assert_eq!(a.train, b.train);
+        // Unrelated files beside the output are left alone and do not matter.
+        std::fs::write(out.join("README.md"), "mine").unwrap();
+        prepare(&text_path, &TokenizerSpec::Char, 0.2, &out).unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("README.md")).unwrap(), "mine");
     }
 }

@@ -6,6 +6,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor};
 
 use crate::config::ModelConfig;
+use crate::documents::Documents;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::{forward_packed, Linear};
@@ -54,13 +55,21 @@ impl<B: Backend> Attention<B> {
 }
 
 impl<B: EmberBackend> Attention<B> {
-    /// Self-attention over a whole sequence whose first position is absolute position `start`.
+    /// Self-attention over a whole sequence whose first position is absolute position `start`;
+    /// with `docs`, over each packed document of a row alone (positions restart at `start`).
     ///
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
     ///
     /// Projections and the attention GEMMs run in `compute`; RoPE, the softmax and the result are f32.
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        start: usize,
+        docs: Option<&Documents>,
+        compute: DType,
+    ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let x_device = x.device();
@@ -68,15 +77,23 @@ impl<B: EmberBackend> Attention<B> {
         let windowed = self.sliding_window.is_some_and(|w| w < t);
         if compute == DType::F32 && !windowed {
             // RoPE and causal GQA attention as one op, on the projections' own layout.
-            let o = attention_rope_packed(qkv, rope, (b, t), (h, k, dh), start); // [B·T, H·Dh]
+            let o = attention_rope_packed(qkv, rope, (b, t), (h, k, dh), start, docs); // [B·T, H·Dh]
             return self.o_proj.forward(o, compute).reshape([b, t, d]);
         }
         let [q, key, v] = self.split_heads(qkv, b, t);
-        let q = rope.apply(q, start);
-        let key = rope.apply(key, start);
+        let (q, key, hidden) = match docs {
+            Some(docs) => {
+                let positions = docs.positions(start);
+                let hidden = docs.hidden_mask::<B>(self.sliding_window, &x_device); // [B, 1, T, T]
+                (rope.apply_positions(q, &positions), rope.apply_positions(key, &positions), hidden)
+            }
+            None => {
+                let hidden = causal_mask::<B>(t, t, self.sliding_window, &x_device); // [1, 1, T, T]
+                (rope.apply(q, start), rope.apply(key, start), hidden)
+            }
+        };
         let key = repeat_kv(key, h / k); // [B, H, T, Dh]
         let v = repeat_kv(v, h / k); //     [B, H, T, Dh]
-        let hidden = causal_mask::<B>(t, t, self.sliding_window, &x_device);
         let o = masked_attention(q, key, v, Some(hidden), compute); // [B, H, T, Dh]
         let o = o.swap_dims(1, 2).reshape([b * t, h * dh]); // [B·T, H·Dh]
         self.o_proj.forward(o, compute).reshape([b, t, d])
@@ -310,7 +327,7 @@ mod tests {
         }
         let rope = Rope::new(cfg.max_seq_len, cfg.head_dim(), cfg.rope_theta, cfg.rope_layout, &dev);
         let x = Tensor::<B, 3>::random([2, 7, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
-        let got = att.forward(x.clone(), &rope, 0, DType::F32).into_data();
+        let got = att.forward(x.clone(), &rope, 0, None, DType::F32).into_data();
         let want = plain_mha(&att, x, &rope).into_data();
         got.assert_approx_eq::<f32>(&want, Tolerance::absolute(1e-5));
     }
@@ -334,8 +351,8 @@ mod tests {
         mha.v_proj.weight = Param::from_tensor(repeat(gqa.v_proj.weight.val()));
         let rope = Rope::new(cfg.max_seq_len, dh, cfg.rope_theta, cfg.rope_layout, &dev);
         let x = Tensor::<B, 3>::random([1, 9, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
-        let a = gqa.forward(x.clone(), &rope, 0, DType::F32).into_data();
-        let b = mha.forward(x, &rope, 0, DType::F32).into_data();
+        let a = gqa.forward(x.clone(), &rope, 0, None, DType::F32).into_data();
+        let b = mha.forward(x, &rope, 0, None, DType::F32).into_data();
         a.assert_approx_eq::<f32>(&b, Tolerance::absolute(1e-6));
     }
 

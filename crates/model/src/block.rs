@@ -6,6 +6,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::attention::Attention;
 use crate::config::ModelConfig;
+use crate::documents::Documents;
 use crate::dropout;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
@@ -39,9 +40,16 @@ impl<B: Backend> Block<B> {
 impl<B: EmberBackend> Block<B> {
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, start: usize, compute: DType) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        start: usize,
+        docs: Option<&Documents>,
+        compute: DType,
+    ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone()), rope, start, compute);
+        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone()), rope, start, docs, compute);
         let h = (x + dropout(attn, self.dropout)).reshape([b * t, d]); // [B·T, D]
         let y = h.clone() + dropout(self.mlp.forward(self.post_attention_layernorm.forward(h), compute), self.dropout);
         y.reshape([b, t, d])

@@ -7,6 +7,7 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use crate::block::Block;
 use crate::config::{ConfigError, ModelConfig};
+use crate::documents::Documents;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
@@ -81,10 +82,20 @@ impl<B: EmberBackend> Decoder<B> {
     /// # Shapes
     /// - tokens: `[B, T]` -> `[B, T, D]`, with `start + T <= max_seq_len`
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
+        self.hidden_documents(tokens, start, None)
+    }
+
+    /// [`Self::hidden`] of rows packed with several documents (`docs`, `[B, T]`): each document's
+    /// positions start at `start` and its tokens attend only to its own earlier tokens, so that its
+    /// hidden states are those it would have alone. `None` is one document per row.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]` -> `[B, T, D]`
+    pub fn hidden_documents(&self, tokens: Tensor<B, 2, Int>, start: usize, docs: Option<&Documents>) -> Tensor<B, 3> {
         let x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
         let mut x = crate::dropout(x, self.config.dropout);
         for layer in &self.layers {
-            x = layer.forward(x, &self.rope, start, self.compute);
+            x = layer.forward(x, &self.rope, start, docs, self.compute);
         }
         self.norm.forward(x)
     }

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod block;
 pub mod config;
 pub mod decoder;
+pub mod documents;
 pub mod init;
 pub mod kv_cache;
 pub mod linear;
@@ -21,6 +22,7 @@ pub mod weights;
 pub use block::Block;
 pub use config::{ConfigError, ModelConfig, RopeLayout, RopeScaling};
 pub use decoder::Decoder;
+pub use documents::{Documents, DocumentsError};
 pub use kv_cache::KvCache;
 pub use lora::LoraConfig;
 

@@ -75,12 +75,23 @@ impl<B: Backend> Rope<B> {
     /// # Shapes
     /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, one start per row
     pub fn apply_rows(&self, x: Tensor<B, 4>, starts: &[usize]) -> Tensor<B, 4> {
-        let [b, _, t, dh] = x.dims();
+        let t = x.dims()[2];
         if starts.iter().all(|&s| s == starts[0]) && starts[0] + t <= self.max_seq_len() {
             return self.apply(x, starts[0]);
         }
+        let positions: Vec<usize> = starts.iter().flat_map(|&s| s..s + t).collect();
+        self.apply_positions(x, &positions)
+    }
+
+    /// Rotates position `t` of row `b` by the angles of absolute position `positions[b·T + t]`
+    /// (positions past the table, only ever padding, reuse its last row).
+    ///
+    /// # Shapes
+    /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, positions: `[B·T]`
+    pub fn apply_positions(&self, x: Tensor<B, 4>, positions: &[usize]) -> Tensor<B, 4> {
+        let [b, _, t, dh] = x.dims();
         let last = self.max_seq_len() - 1;
-        let ids: Vec<i32> = starts.iter().flat_map(|&s| (s..s + t).map(move |p| p.min(last) as i32)).collect();
+        let ids: Vec<i32> = positions.iter().map(|&p| p.min(last) as i32).collect();
         let ids = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(ids, [b * t]), &x.device());
         let rows = |table: &Tensor<B, 2>| table.clone().select(0, ids.clone()).reshape([b, 1, t, dh / 2]);
         self.rotate(x, rows(&self.cos), rows(&self.sin))

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use ember_data::finetune::Packing;
 use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
@@ -88,6 +89,15 @@ pub struct DataConfig {
     /// value when absent.
     #[serde(default)]
     pub val_fraction: Option<f64>,
+    /// JSONL only: how examples fill rows: `documents` (whole examples side by side, each attending
+    /// only to itself from position 0), `stream` (one stream cut into rows; examples see each
+    /// other) or `none` (one example per row) [default: documents].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packing: Option<Packing>,
+    /// JSONL only: cut examples longer than a row (`seq_len + 1` tokens) instead of stopping with
+    /// an error (`documents` and `none` packing).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncate: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,6 +108,11 @@ pub enum DataFormat {
 }
 
 impl DataConfig {
+    /// The packing of JSONL examples.
+    pub fn packing(&self) -> Packing {
+        self.packing.unwrap_or_default()
+    }
+
     pub fn format(&self) -> DataFormat {
         self.format.unwrap_or(match &self.path {
             Some(p) if p.extension().is_some_and(|e| e == "jsonl") => DataFormat::Jsonl,
@@ -122,6 +137,10 @@ pub struct LoopConfig {
     pub max_steps: usize,
     /// Evaluate every this many steps (and at the first and last).
     pub eval_interval: usize,
+    /// `steps` (every `eval_interval` steps) or `epoch` (JSONL data: each time the run has drawn
+    /// as many rows as the training examples fill) [default: steps].
+    #[serde(default, skip_serializing_if = "EvalStrategy::is_steps")]
+    pub eval_strategy: EvalStrategy,
     /// Batches per split in each evaluation.
     pub eval_iters: usize,
     /// Write a metrics record every this many steps.
@@ -142,6 +161,21 @@ pub struct LoopConfig {
     /// Recompute memory-bound activations in the backward pass (Burn's balanced checkpointing).
     #[serde(default)]
     pub activation_checkpointing: bool,
+}
+
+/// When a run evaluates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalStrategy {
+    #[default]
+    Steps,
+    Epoch,
+}
+
+impl EvalStrategy {
+    fn is_steps(&self) -> bool {
+        *self == EvalStrategy::Steps
+    }
 }
 
 /// Training precision.
@@ -331,6 +365,14 @@ impl TrainConfig {
             (None, None) => return Err("data: set `dataset` (a built-in name) or `path` (a text file)".into()),
             (Some(_), Some(_)) => return Err("data: set only one of `dataset` and `path`".into()),
             _ => {}
+        }
+        if d.format() == DataFormat::Text && (d.packing.is_some() || d.truncate) {
+            return Err("data.packing and data.truncate apply to JSONL examples; this data is a text stream".into());
+        }
+        if d.format() == DataFormat::Text && self.train.eval_strategy == EvalStrategy::Epoch {
+            return Err(
+                "train.eval_strategy = \"epoch\" applies to JSONL examples; a text stream has no epochs here".into()
+            );
         }
         if let Some(f) = d.val_fraction {
             if !(f > 0.0 && f < 1.0) {

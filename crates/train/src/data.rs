@@ -93,9 +93,9 @@ pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, T
             };
             let examples = encode(&records, &tokenizer, template.as_ref())?;
             let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
-            let pad = tokenizer.eos_id().unwrap_or(0);
-            let train = PackedExamples::new(train_ex, seq_len, pad);
-            let val = PackedExamples::new(val_ex, seq_len, pad);
+            let packing = Packing { seq_len, mode: config.data.packing(), truncate: config.data.truncate };
+            let train = packing.pack(train_ex, &tokenizer, &path, 0)?;
+            let val = packing.pack(val_ex, &tokenizer, &path, train_ex.len())?;
             for (split, set) in [("train", &train), ("val", &val)] {
                 if burn::data::dataset::Dataset::len(set) == 0 {
                     return Err(DataError::TooShort { split: split.into(), tokens: 0, needed: 1 }.into());
@@ -105,12 +105,60 @@ pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, T
                 train_examples = train_ex.len(),
                 val_examples = val_ex.len(),
                 train_scored_tokens = train.scored_tokens(),
+                train_rows = burn::data::dataset::Dataset::len(&train),
+                packing = %packing.mode,
                 "packed fine-tuning examples from {}",
                 path.display()
             );
             Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val) })
         }
     }
+}
+
+/// How a run packs its JSONL examples into rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Packing {
+    pub seq_len: usize,
+    pub mode: ember_data::finetune::Packing,
+    pub truncate: bool,
+}
+
+impl Packing {
+    /// Packs `examples` of the file `path`, whose first is example `offset + 1` of the file; an
+    /// example too long for a row is an error naming the file and the example.
+    pub fn pack(
+        &self,
+        examples: &[ember_data::finetune::Example],
+        tokenizer: &Tokenizer,
+        path: &Path,
+        offset: usize,
+    ) -> Result<PackedExamples, TrainError> {
+        let pad = tokenizer.eos_id().unwrap_or(0);
+        PackedExamples::new(examples, self.seq_len, pad, self.mode, self.truncate).map_err(|e| match e {
+            DataError::ExampleTooLong { index, tokens, window } => TrainError::Config {
+                path: path.into(),
+                key: Some("data.truncate".into()),
+                message: DataError::ExampleTooLong { index: index + offset, tokens, window }.to_string(),
+            },
+            other => other.into(),
+        })
+    }
+}
+
+/// Fine-tuning examples of a JSONL file, tokenized with `tokenizer` (chat messages through the
+/// template in `template_dir`) and packed as documents into rows of `seq_len`: what `ember eval
+/// --data FILE.jsonl` scores. Returns the rows and the number of examples.
+pub fn jsonl_examples(
+    path: &Path,
+    tokenizer: &Tokenizer,
+    template_dir: &Path,
+    seq_len: usize,
+) -> Result<(PackedExamples, usize), TrainError> {
+    let records = read_jsonl(path)?;
+    let template = ChatTemplate::from_dir(template_dir)?;
+    let examples = encode(&records, tokenizer, template.as_ref())?;
+    let packing = Packing { seq_len, mode: ember_data::finetune::Packing::Documents, truncate: false };
+    Ok((packing.pack(&examples, tokenizer, path, 0)?, examples.len()))
 }
 
 /// The token stream of a split of a text config (for `ember eval --data train|val`).

@@ -1,19 +1,35 @@
 //! Loss of a model on batches: the training objective and the periodic evaluation.
+//!
+//! Losses are token-weighted: a set of batches scores the sum of its scored tokens' losses divided
+//! by the number of scored tokens, not a mean of per-batch means (which would weigh the tokens of
+//! sparse batches more, as masked fine-tuning batches are).
 
 use burn::data::dataset::Dataset;
 use burn::tensor::Tensor;
 use ember_data::{LmBatch, Window, WindowSampler};
 use ember_model::ops::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
-use ember_model::Decoder;
+use ember_model::{Decoder, Documents};
 
-/// Mean next-token cross-entropy of a batch, through the tiled LM head + loss: the `[B·T, V]`
-/// logits are never held at once, in the forward or the backward pass.
+/// Mean next-token cross-entropy over the scored targets of a batch, through the tiled LM head +
+/// loss: the `[B·T, V]` logits are never held at once, in the forward or the backward pass. Rows
+/// packed with documents are attended to document by document.
 pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
     let [b, t] = batch.inputs.dims();
     let (d, v) = (model.config().d_model, model.config().vocab_size);
-    let hidden = model.hidden(batch.inputs, 0).reshape([b * t, d]); // [B·T, D]
+    let docs = batch.docs.map(|first| Documents::new(first, b, t).expect("the batcher writes valid document starts"));
+    let hidden = model.hidden_documents(batch.inputs, 0, docs.as_ref()).reshape([b * t, d]); // [B·T, D]
     let spec = ChunkSpec::auto(b * t, v, model.compute_dtype());
     lm_head_cross_entropy(hidden, model.head_weight(), batch.targets.reshape([b * t]), spec)
+}
+
+/// Token-weighted mean of per-batch mean losses: `Σ loss_i · n_i / Σ n_i` over `(loss_i, n_i)`,
+/// `n_i` the batch's scored tokens; 0 when nothing is scored.
+pub fn token_weighted(losses: &[f64], scored: &[usize]) -> f64 {
+    let total: usize = scored.iter().sum();
+    if total == 0 {
+        return 0.0;
+    }
+    losses.iter().zip(scored).map(|(l, &n)| l * n as f64).sum::<f64>() / total as f64
 }
 
 /// Sampler seeds of the fixed evaluation batches, one per split, apart from the training stream.
@@ -22,8 +38,8 @@ pub fn eval_seed(seed: u64, split: &str) -> u64 {
     seed ^ tag
 }
 
-/// Mean loss over `iters` fixed batches (the same batches at every evaluation, so that the numbers
-/// are comparable across steps and runs).
+/// Loss over `iters` fixed batches, token-weighted (the same batches at every evaluation, so that
+/// the numbers are comparable across steps and runs).
 pub fn evaluate<B: EmberBackend>(
     model: &Decoder<B>,
     data: &dyn Dataset<Window>,
@@ -31,17 +47,39 @@ pub fn evaluate<B: EmberBackend>(
     iters: usize,
     batch_size: usize,
 ) -> f64 {
-    if iters == 0 {
+    let sampler = WindowSampler { seed };
+    let batches = (0..iters as u64).map(|i| sampler.windows(data, i, batch_size)).collect();
+    loss_of_batches(model, batches)
+}
+
+/// Loss over every item of `data` once, in order, in batches of `batch_size`, token-weighted: the
+/// held-out loss of fine-tuning examples (with `documents` packing, each example's completion loss
+/// as it has alone).
+pub fn evaluate_all<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Window>, batch_size: usize) -> f64 {
+    let items: Vec<Window> = (0..data.len()).filter_map(|i| data.get(i)).collect();
+    let batches = items.chunks(batch_size.max(1)).map(<[Window]>::to_vec).collect();
+    loss_of_batches(model, batches)
+}
+
+fn loss_of_batches<B: EmberBackend>(model: &Decoder<B>, batches: Vec<Vec<Window>>) -> f64 {
+    use burn::data::dataloader::batcher::Batcher;
+    use ember_data::LmBatcher;
+    if batches.is_empty() {
         return 0.0;
     }
-    let sampler = WindowSampler { seed };
     let device = model.embed_tokens.device();
+    let mut scored = Vec::with_capacity(batches.len());
     // Every batch's loss stays on the device; they are read back together, once.
-    let losses: Vec<Tensor<B, 1>> =
-        (0..iters as u64).map(|i| lm_loss(model, sampler.batch(data, i, batch_size, &device))).collect();
+    let losses: Vec<Tensor<B, 1>> = batches
+        .into_iter()
+        .map(|items| {
+            let batch: LmBatch<B> = LmBatcher.batch(items, &device);
+            scored.push(batch.scored);
+            lm_loss(model, batch)
+        })
+        .collect();
     let losses = Tensor::cat(losses, 0).into_data().convert::<f64>();
-    let losses = losses.as_slice::<f64>().expect("converted to f64");
-    losses.iter().sum::<f64>() / iters as f64
+    token_weighted(losses.as_slice::<f64>().expect("converted to f64"), &scored)
 }
 
 /// Mean loss of the windows starting at `starts`, as one batch (the training objective).
@@ -79,7 +117,12 @@ mod tests {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
             let ids: Vec<i32> = (0..12 * 65).map(|_| rng.random_range(0..vocab as i32)).collect();
             let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [12, 65]), &dev);
-            let batch = LmBatch { inputs: tokens.clone().narrow(1, 0, 64), targets: tokens.narrow(1, 1, 64) };
+            let batch = LmBatch {
+                inputs: tokens.clone().narrow(1, 0, 64),
+                targets: tokens.narrow(1, 1, 64),
+                docs: None,
+                scored: 12 * 64,
+            };
             let loss = lm_loss(&model, batch).into_scalar().elem::<f64>();
             let ln_v = (vocab as f64).ln();
             assert!((loss - ln_v).abs() < 0.1, "vocab {vocab} tied {tied}: loss {loss}, ln V {ln_v}");

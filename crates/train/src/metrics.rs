@@ -86,6 +86,7 @@ impl MetricsSink for TensorBoardSink {
             ("hfu", r.hfu),
             ("loss_scale", r.loss_scale),
             ("memory_bytes", r.memory_bytes.map(|m| m as f64)),
+            ("epoch", r.epoch),
         ];
         values.extend(optional.iter().filter_map(|(k, v)| v.map(|v| (*k, v as f32))));
         self.writer.scalars(r.step as u64, self.start + r.elapsed_s, &values)?;
@@ -181,6 +182,9 @@ pub struct StepRecord {
     /// Loss on the fixed training evaluation batches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_train_loss: Option<f64>,
+    /// Fine-tuning runs: epochs of the training examples drawn so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<f64>,
 }
 
 /// `metrics.jsonl`.
@@ -233,6 +237,7 @@ mod tests {
             elapsed_s: 1.0,
             val_loss: step.is_multiple_of(2).then_some(2.0),
             eval_train_loss: None,
+            epoch: None,
         }
     }
 

@@ -96,6 +96,37 @@ pub fn perplexity<B: EmberBackend>(
     }
 }
 
+/// The completion loss of fine-tuning examples (`ember eval --data FILE.jsonl`): only scored
+/// (completion, assistant) tokens count, each example attended to alone.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompletionLoss {
+    /// Mean negative log-likelihood per scored token, nats.
+    pub nll: f64,
+    /// exp(nll).
+    pub perplexity: f64,
+    /// Examples read (`None` for the split of a run, whose rows are already packed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub examples: Option<usize>,
+    /// Rows of `context` positions they were packed into.
+    pub rows: usize,
+    /// Scored tokens.
+    pub tokens: usize,
+    pub context: usize,
+}
+
+/// Scores packed examples (every row once, token-weighted), `batch` rows at a time.
+pub fn completion_loss<B: EmberBackend>(
+    model: &Decoder<B>,
+    rows: &ember_data::finetune::PackedExamples,
+    examples: Option<usize>,
+    context: usize,
+    batch: usize,
+) -> CompletionLoss {
+    use burn::data::dataset::Dataset;
+    let nll = crate::eval::evaluate_all(model, rows, batch);
+    CompletionLoss { nll, perplexity: nll.exp(), examples, rows: rows.len(), tokens: rows.scored_tokens(), context }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

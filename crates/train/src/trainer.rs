@@ -8,7 +8,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Device, ElementConversion, Tensor};
 use ember_data::fetch::Locations;
-use ember_data::{Examples, Tokenizer, WindowSampler};
+use ember_data::{Examples, LmBatch, LmBatcher, Tokenizer, Window, WindowSampler};
 use ember_model::ops::TrainBackend;
 use ember_model::weights::named_tensors_where;
 use ember_model::Decoder;
@@ -19,7 +19,8 @@ use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, TrainingDa
 use crate::config::TrainConfig;
 use crate::config::{MetricsConfig, SinkKind};
 use crate::error::TrainError;
-use crate::eval::{eval_seed, evaluate, lm_loss};
+use crate::config::{DataFormat, EvalStrategy};
+use crate::eval::{eval_seed, evaluate, evaluate_all, lm_loss};
 use crate::flops::{mfu, resolve_peak, Peak};
 use crate::init::InitSource;
 use crate::metrics::{JsonlSink, MetricsSink, SampleRecord, Sinks, StepRecord, TensorBoardSink, METRICS_FILE};
@@ -89,13 +90,25 @@ pub fn train<B: TrainBackend>(
     let dtype = resolve_dtype::<B>(device, config);
 
     let (model, mut optim, mut state) = if opts.resume {
+        // Leftovers of killed writers are cleared first, so that what is checked is what resuming
+        // reads. A run without a checkpoint (killed before its first) has nothing to resume and
+        // nothing to lose: it starts again without --resume. One with a checkpoint is never overwritten.
+        checkpoint::tidy_run_dir(run_dir)?;
+        if run_dir.is_dir() && !checkpoint::has_checkpoint(run_dir) {
+            return Err(TrainError::Resume {
+                path: run_dir.clone(),
+                message: "it has no checkpoint yet (the run stopped before its first one); run without \
+                          --resume to restart it from step 0"
+                    .into(),
+            });
+        }
         resume::<B>(&setup, run_dir, device)?
     } else {
-        if run_dir.join(checkpoint::CHECKPOINTS).join(checkpoint::LATEST).exists()
-            || std::fs::metadata(run_dir.join(METRICS_FILE)).is_ok_and(|m| m.len() > 0)
-        {
+        checkpoint::tidy_run_dir(run_dir)?;
+        if checkpoint::has_checkpoint(run_dir) {
             return Err(TrainError::RunExists { path: run_dir.clone() });
         }
+        checkpoint::set_aside_dead_attempt(run_dir, &[METRICS_FILE, crate::metrics::SAMPLES_FILE])?;
         let model = initial_model::<B>(config, device)?;
         let mut state = TrainState::new(0, schedule, config.train.seed, 0);
         state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
@@ -124,8 +137,21 @@ pub fn train<B: TrainBackend>(
     );
     let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     log_setup(config, dtype, &peak, tokens_per_step);
+    // Fine-tuning runs score every held-out example (the completion loss each has alone under
+    // documents packing); text runs a fixed sample of windows.
+    let held_out = config.data.format() == DataFormat::Jsonl;
+    let val_loss = |model: &Decoder<B::InnerBackend>| {
+        if held_out {
+            evaluate_all(model, setup.val.as_ref(), t.batch_size)
+        } else {
+            evaluate(model, setup.val.as_ref(), val_seed, t.eval_iters, t.batch_size)
+        }
+    };
+    // Epochs of the training rows drawn so far (fine-tuning data is counted in epochs).
+    let train_rows = setup.train.len().max(1) as f64;
+    let epoch_at = |stream: u64| held_out.then(|| (stream as f64 * t.batch_size as f64) / train_rows);
     if state.step == 0 {
-        let val = evaluate(&model.valid(), setup.val.as_ref(), val_seed, t.eval_iters, t.batch_size);
+        let val = val_loss(&model.valid());
         tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (config.model.vocab_size as f64).ln());
     }
 
@@ -157,15 +183,21 @@ pub fn train<B: TrainBackend>(
         if out.skipped {
             bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
         }
+        let epoch_before = epoch_at(state.next_stream);
         state.step += 1;
         state.next_stream += t.grad_accum_steps as u64;
+        let epoch = epoch_at(state.next_stream);
+        // With eval_strategy = "epoch", a fine-tuning run evaluates each time it completes an epoch.
+        let epoch_done = t.eval_strategy == EvalStrategy::Epoch
+            && matches!((epoch_before, epoch), (Some(a), Some(b)) if b.floor() > a.floor());
         state.tokens_seen += tokens_per_step as u64;
         let dt = step_start.elapsed();
         (window_time, window_tokens) = (window_time + dt, window_tokens + tokens_per_step);
         (run_time, run_tokens) = (run_time + dt, run_tokens + tokens_per_step);
 
         let step = state.step;
-        let is_eval = step % t.eval_interval == 0 || step == max_steps;
+        let on_interval = t.eval_strategy == EvalStrategy::Steps && step % t.eval_interval == 0;
+        let is_eval = on_interval || step == max_steps || epoch_done;
         if step % t.log_interval == 0 || is_eval {
             // Averaged over the steps since the last record, evaluation and checkpoint time excluded.
             let tokens_per_sec = window_tokens as f64 / window_time.as_secs_f64().max(1e-9);
@@ -187,12 +219,13 @@ pub fn train<B: TrainBackend>(
                 elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 val_loss: None,
                 eval_train_loss: None,
+                epoch,
             };
             (window_time, window_tokens) = (Duration::ZERO, 0);
             if is_eval {
                 let inner = model.valid();
                 let tl = evaluate(&inner, setup.train.as_ref(), train_seed, t.eval_iters, t.batch_size);
-                let vl = evaluate(&inner, setup.val.as_ref(), val_seed, t.eval_iters, t.batch_size);
+                let vl = val_loss(&inner);
                 (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
                 state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
                 last_val = Some(vl);
@@ -463,7 +496,7 @@ fn resume<B: TrainBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) ->
 }
 
 pub(crate) struct StepOutput {
-    /// Mean loss of the step's micro-batches.
+    /// Loss of the step: its scored tokens' summed losses over their number.
     pub loss: f64,
     /// Global gradient norm before clipping (unscaled).
     pub grad_norm: f64,
@@ -487,7 +520,10 @@ pub(crate) fn optimizer_step<B: TrainBackend>(
     scaler: Option<&mut LossScaler>,
 ) -> (Decoder<B>, StepOutput) {
     let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-    let (loss, grads) = forward_backward(&model, data, sampler, first_stream, config, device, loss_scale);
+    let micro_batches = (0..config.train.grad_accum_steps as u64)
+        .map(|micro| sampler.windows(data.as_ref(), first_stream + micro, config.train.batch_size))
+        .collect();
+    let (loss, grads) = forward_backward(&model, micro_batches, device, loss_scale);
     let scaled_norm = global_grad_norm(&model, &grads);
     let grad_norm = scaled_norm / loss_scale;
     if let Some(scaler) = scaler {
@@ -499,27 +535,31 @@ pub(crate) fn optimizer_step<B: TrainBackend>(
     (optim.step(lr, model, grads, scale), StepOutput { loss, grad_norm, skipped: false })
 }
 
-/// Forward and backward over the step's micro-batches; returns the mean loss and the summed
-/// gradients of the per-micro-batch losses divided by their number (the gradient of the mean),
-/// times `loss_scale`.
-fn forward_backward<B: TrainBackend>(
+/// Forward and backward over a step's micro-batches. The step's loss is the sum of the scored
+/// tokens' losses over all micro-batches divided by the number of scored tokens in the step, so
+/// that `batch 8 × accumulation 1` and `batch 4 × accumulation 2` give the same loss and gradient
+/// even when masks leave the micro-batches with different numbers of scored tokens. The counts are
+/// known on the host before the first forward pass, so each micro-batch's mean loss is weighted by
+/// its share `n_i / N` without an extra pass. Returns that loss and its gradients times `loss_scale`.
+pub(crate) fn forward_backward<B: TrainBackend>(
     model: &Decoder<B>,
-    data: &Examples,
-    sampler: &WindowSampler,
-    first_stream: u64,
-    config: &TrainConfig,
+    micro_batches: Vec<Vec<Window>>,
     device: &Device<B>,
     loss_scale: f64,
 ) -> (f64, GradientsParams) {
-    let accum = config.train.grad_accum_steps;
+    use burn::data::dataloader::batcher::Batcher;
+    let scored: Vec<usize> =
+        micro_batches.iter().map(|b| b.iter().flat_map(|w| &w.target).filter(|&&t| t >= 0).count()).collect();
+    let total = scored.iter().sum::<usize>().max(1) as f64;
     let mut grads = GradientsAccumulator::<Decoder<B>>::new();
     // The losses stay on the device until every backward pass is queued: one read per step, not a
     // wait between each forward and its backward (which would drain a GPU's queue).
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
-    for micro in 0..accum as u64 {
-        let batch = sampler.batch(data.as_ref(), first_stream + micro, config.train.batch_size, device);
+    for (items, n) in micro_batches.into_iter().zip(scored) {
+        let batch: LmBatch<B> = LmBatcher.batch(items, device);
+        let share = n as f64 / total;
         let loss = lm_loss(model, batch);
-        let loss = if accum > 1 { loss.div_scalar(accum as f64) } else { loss };
+        let loss = if share == 1.0 { loss } else { loss.mul_scalar(share) };
         let value = loss.clone().inner();
         loss_sum = Some(match loss_sum {
             Some(sum) => sum + value,
@@ -542,4 +582,171 @@ fn progress_bar(show: bool, len: usize, pos: usize) -> ProgressBar {
     );
     bar.set_position(pos as u64);
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::data::dataloader::batcher::Batcher;
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::{Int, TensorData};
+    use ember_data::finetune::{Example, PackedExamples, Packing};
+    use ember_model::{Documents, ModelConfig};
+
+    type AB = Autodiff<Flex>;
+
+    fn config(vocab: usize, max_seq_len: usize) -> ModelConfig {
+        ModelConfig {
+            vocab_size: vocab,
+            d_model: 32,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: Some(2),
+            head_dim: None,
+            d_ff: 64,
+            max_seq_len,
+            rope_theta: 10_000.0,
+            rope_layout: Default::default(),
+            rope_scaling: None,
+            sliding_window: None,
+            norm_eps: 1e-5,
+            qkv_bias: false,
+            tie_embeddings: false,
+            init_std: 0.2,
+            dropout: 0.0,
+        }
+    }
+
+    /// Every gradient of the model, flattened in parameter order.
+    fn flat_grads(model: &Decoder<AB>, grads: &GradientsParams) -> Vec<f64> {
+        struct Collect<'a>(&'a GradientsParams, Vec<f64>);
+        impl ModuleVisitor<AB> for Collect<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+                let g = self.0.get::<Flex, D>(p.id).expect("every parameter has a gradient");
+                self.1.extend(g.into_data().convert::<f64>().to_vec::<f64>().unwrap());
+            }
+        }
+        let mut c = Collect(grads, Vec::new());
+        model.visit(&mut c);
+        c.1
+    }
+
+    fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
+        let diff: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+        let norm: f64 = b.iter().map(|y| y * y).sum();
+        (diff / norm).sqrt()
+    }
+
+    /// 8 windows of 12 positions whose masks score between 1 and 12 targets.
+    fn uneven_windows(vocab: u32) -> Vec<Window> {
+        (0..8u32)
+            .map(|r| {
+                let input: Vec<u32> = (0..12).map(|i| (r * 7 + i * 5 + 1) % vocab).collect();
+                let scored = [1, 12, 2, 9, 3, 3, 11, 1][r as usize];
+                let target = (0..12).map(|i| if i >= 12 - scored { ((r + i * 3) % vocab) as i32 } else { -1 }).collect();
+                Window { input, target, docs: None }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn accumulated_micro_batches_give_the_loss_and_gradients_of_one_batch() {
+        let dev = Default::default();
+        let model = Decoder::<AB>::new(&config(29, 16), 3, &dev).unwrap();
+        let windows = uneven_windows(29);
+        let run = |per_micro: usize| {
+            let micro = windows.chunks(per_micro).map(<[Window]>::to_vec).collect();
+            let (loss, grads) = forward_backward(&model, micro, &dev, 1.0);
+            (loss, flat_grads(&model, &grads))
+        };
+        let (loss8, grads8) = run(8);
+        for per_micro in [4, 2] {
+            let (loss, grads) = run(per_micro);
+            let rel = ((loss - loss8) / loss8).abs();
+            assert!(rel < 1e-6, "batch {per_micro} x {}: loss {loss} vs {loss8} (rel {rel:e})", 8 / per_micro);
+            let rel = rel_l2(&grads, &grads8);
+            assert!(rel < 1e-6, "batch {per_micro} x {}: gradients differ (rel {rel:e})", 8 / per_micro);
+        }
+        // The mean of per-micro-batch means is a different objective on these masks.
+        let means: Vec<f64> = windows
+            .chunks(2)
+            .map(|w| {
+                let batch: LmBatch<Flex> = LmBatcher.batch(w.to_vec(), &dev);
+                lm_loss(&model.valid(), batch).into_scalar().elem::<f64>()
+            })
+            .collect();
+        let mean_of_means = means.iter().sum::<f64>() / means.len() as f64;
+        assert!((mean_of_means - loss8).abs() > 1e-3, "the test masks must make the two objectives differ");
+    }
+
+    fn example(ids: &[u32], prompt: usize) -> Example {
+        Example { ids: ids.to_vec(), scored: (0..ids.len()).map(|i| i >= prompt).collect() }
+    }
+
+    /// Mean loss and scored-target count of rows, through the training objective.
+    fn loss_of(model: &Decoder<Flex>, rows: &PackedExamples) -> (f64, usize) {
+        use burn::data::dataset::Dataset;
+        let items: Vec<Window> = (0..rows.len()).map(|i| rows.get(i).unwrap()).collect();
+        let batch: LmBatch<Flex> = LmBatcher.batch(items, &Default::default());
+        let n = batch.scored;
+        (lm_loss(model, batch).into_scalar().elem::<f64>(), n)
+    }
+
+    #[test]
+    fn a_packed_document_scores_as_it_does_alone() {
+        let dev = Default::default();
+        let model = Decoder::<Flex>::new(&config(31, 32), 5, &dev).unwrap();
+        let examples = [
+            example(&[1, 4, 9, 16, 25, 5], 2),
+            example(&[3, 1, 4, 1, 5, 9, 2, 6], 3),
+            example(&[2, 7, 1, 8, 2], 1),
+            example(&[30, 29, 28, 27], 0),
+        ];
+        let pack = |ex: &[Example], packing| PackedExamples::new(ex, 24, 0, packing, false).unwrap();
+        let packed = pack(&examples, Packing::Documents);
+        assert_eq!(burn::data::dataset::Dataset::len(&packed), 1, "all four examples fit one row");
+        let (loss, n) = loss_of(&model, &packed);
+        let alone: Vec<(f64, usize)> = examples.iter().map(|e| loss_of(&model, &pack(std::slice::from_ref(e), Packing::None))).collect();
+        let want = alone.iter().map(|(l, n)| l * *n as f64).sum::<f64>() / alone.iter().map(|(_, n)| *n as f64).sum::<f64>();
+        assert_eq!(n, alone.iter().map(|(_, n)| n).sum::<usize>());
+        assert!((loss - want).abs() < 1e-5, "packed {loss} vs alone {want}");
+        // Stream packing lets the examples see each other: a different loss.
+        let (stream, _) = loss_of(&model, &pack(&examples, Packing::Stream));
+        assert!((stream - want).abs() > 1e-4, "stream packing {stream} should differ from {want}");
+    }
+
+    #[test]
+    fn an_examples_logits_do_not_depend_on_what_is_packed_before_it() {
+        let dev = Default::default();
+        let model = Decoder::<Flex>::new(&config(31, 32), 6, &dev).unwrap();
+        let target = [11u32, 3, 17, 5, 23, 2];
+        // The same example after a 4-token and after a 9-token neighbour, and alone at position 0.
+        let rows: [(Vec<u32>, Vec<usize>); 3] = [
+            ([vec![1, 2, 3, 4], target.to_vec()].concat(), vec![4, 6]),
+            ([vec![9, 8, 7, 6, 5, 4, 3, 2, 1], target.to_vec()].concat(), vec![9, 6]),
+            (target.to_vec(), vec![6]),
+        ];
+        let hidden_of = |(ids, lens): &(Vec<u32>, Vec<usize>), docs: bool| {
+            let t = ids.len();
+            let tokens = Tensor::<Flex, 2, Int>::from_data(
+                TensorData::new(ids.iter().map(|&x| x as i32).collect::<Vec<_>>(), [1, t]),
+                &dev,
+            );
+            let d = Documents::from_lengths(&[lens.clone()], t).unwrap();
+            let h = model.hidden_documents(tokens, 0, docs.then_some(&d)); // [1, T, D]
+            let logits = model.logits(h.narrow(1, t - 6, 6).reshape([6, 32]));
+            logits.into_data().to_vec::<f32>().unwrap()
+        };
+        let alone = hidden_of(&rows[2], true);
+        for row in &rows[..2] {
+            let got = hidden_of(row, true);
+            let err = got.iter().zip(&alone).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err < 1e-5, "logits moved by {err} with a neighbour packed before");
+            // Without documents the neighbour and the shifted positions change them.
+            let crossed = hidden_of(row, false);
+            let err = crossed.iter().zip(&alone).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err > 1e-3, "without documents the logits should depend on the neighbour ({err})");
+        }
+    }
 }

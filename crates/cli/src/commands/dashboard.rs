@@ -3,7 +3,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use ember_dashboard::Dashboard;
+use ember_dashboard::{Dashboard, Options};
 
 #[derive(Args, Debug)]
 pub struct DashboardArgs {
@@ -15,11 +15,21 @@ pub struct DashboardArgs {
     /// Address to listen on; the default serves this machine only.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
+    /// A host name the page may be opened under besides localhost and the listening address
+    /// (e.g. the machine's DNS name with --host 0.0.0.0); repeatable. Other names get 403, which
+    /// keeps web pages from reading the runs through DNS rebinding.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    allow_hosts: Vec<String>,
 }
 
-/// Starts serving `logdir`; the server runs on background threads.
-pub fn start(logdir: &std::path::Path, host: IpAddr, port: u16) -> anyhow::Result<Dashboard> {
-    let dashboard = Dashboard::start(logdir, SocketAddr::new(host, port), 2)
+/// Starts serving `logdir`; the server runs on threads of its own, at a lower priority.
+pub fn start(logdir: &std::path::Path, host: IpAddr, port: u16, allow_hosts: &[String]) -> anyhow::Result<Dashboard> {
+    let mut allowed = allow_hosts.to_vec();
+    if !host.is_unspecified() {
+        allowed.push(host.to_string());
+    }
+    let options = Options { threads: 2, allowed_hosts: allowed, ..Options::default() };
+    let dashboard = Dashboard::start_with(logdir, SocketAddr::new(host, port), options)
         .with_context(|| format!("starting the dashboard over {}", logdir.display()))?;
     if !host.is_loopback() {
         tracing::warn!("the dashboard listens on {host}: other machines can read the runs");
@@ -29,6 +39,6 @@ pub fn start(logdir: &std::path::Path, host: IpAddr, port: u16) -> anyhow::Resul
 }
 
 pub fn run(args: DashboardArgs) -> anyhow::Result<()> {
-    start(&args.logdir, args.host, args.port)?.wait();
+    start(&args.logdir, args.host, args.port, &args.allow_hosts)?.wait();
     Ok(())
 }

@@ -1,24 +1,27 @@
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
 use ember_data::fetch::Locations;
+use ember_data::finetune::PackedExamples;
 use ember_model::ops::TrainBackend;
-use ember_train::perplexity::{perplexity, Perplexity};
+use ember_train::config::DataFormat;
+use ember_train::perplexity::{completion_loss, perplexity, CompletionLoss, Perplexity};
 use ember_train::Checkpoint;
 
 use crate::backend::{dispatch, DeviceSpec, Job};
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// Measure perplexity (the only evaluation so far; the flag keeps room for others).
+    /// Measure perplexity (of a text), or the completion loss (of fine-tuning examples).
     #[arg(long, required = true)]
     perplexity: bool,
     /// A run directory (its latest checkpoint) or a checkpoint folder.
     #[arg(long)]
     checkpoint: PathBuf,
-    /// A text file, or `train` / `val` for the splits of the checkpoint's own training data.
+    /// A text file, a `.jsonl` file of fine-tuning examples (only completion tokens are scored), or
+    /// `train` / `val` for the splits of the checkpoint's own training data.
     #[arg(long)]
     data: String,
     /// Tokens of context per window [default: the model's max_seq_len].
@@ -38,20 +41,36 @@ pub struct EvalArgs {
     json: bool,
 }
 
+/// What `ember eval` scores: a token stream (perplexity over sliding windows) or fine-tuning
+/// examples (their completion tokens, each example alone).
+enum Scored {
+    Stream { tokens: Vec<u32>, bytes: usize, context: usize, stride: usize },
+    Examples { rows: PackedExamples, examples: Option<usize>, context: usize },
+}
+
 struct EvalJob {
     checkpoint: Checkpoint,
-    tokens: Vec<u32>,
-    bytes: usize,
-    context: usize,
-    stride: usize,
+    scored: Scored,
     batch: usize,
 }
 
+enum Report {
+    Perplexity(Perplexity),
+    Completion(CompletionLoss),
+}
+
 impl Job for EvalJob {
-    type Output = Perplexity;
-    fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Perplexity> {
+    type Output = Report;
+    fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Report> {
         let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?;
-        Ok(perplexity(&model, &self.tokens, self.context, self.stride, self.batch, self.bytes))
+        Ok(match self.scored {
+            Scored::Stream { tokens, bytes, context, stride } => {
+                Report::Perplexity(perplexity(&model, &tokens, context, stride, self.batch, bytes))
+            }
+            Scored::Examples { rows, examples, context } => {
+                Report::Completion(completion_loss(&model, &rows, examples, context, self.batch))
+            }
+        })
     }
 }
 
@@ -66,33 +85,65 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     );
     let stride = args.stride.unwrap_or((context / 2).max(1));
     anyhow::ensure!(stride >= 1 && stride <= context, "--stride {stride} must be in 1..={context} (the context)");
+    let scored = scored_data(&checkpoint, &args.data, context, stride)?;
+    let checkpointing = false;
+    let r = dispatch(args.device, checkpointing, EvalJob { checkpoint, scored, batch: args.batch })?;
+    match (&r, args.json) {
+        (Report::Perplexity(r), true) => println!("{}", serde_json::to_string(r)?),
+        (Report::Completion(r), true) => println!("{}", serde_json::to_string(r)?),
+        (Report::Perplexity(r), false) => println!(
+            "{}: nll {:.4} nats/token, perplexity {:.3}, {:.4} bits/byte over {} tokens ({} bytes; context {}, stride {})",
+            args.data, r.nll, r.perplexity, r.bits_per_byte, r.tokens, r.bytes, r.context, r.stride
+        ),
+        (Report::Completion(r), false) => println!(
+            "{}: completion nll {:.4} nats/token, perplexity {:.3} over {} scored tokens in {} rows{} (context {})",
+            args.data,
+            r.nll,
+            r.perplexity,
+            r.tokens,
+            r.rows,
+            r.examples.map_or(String::new(), |n| format!(" of {n} examples")),
+            r.context
+        ),
+    }
+    Ok(())
+}
+
+/// The tokens or examples `--data` names: a split of the checkpoint's own data, a `.jsonl` file of
+/// fine-tuning examples, or a text file.
+fn scored_data(checkpoint: &Checkpoint, data: &str, context: usize, stride: usize) -> anyhow::Result<Scored> {
     let tokenizer = &checkpoint.tokenizer;
-    let tokens = match args.data.as_str() {
+    let tokens = match data {
         split @ ("train" | "val") => {
             let config = checkpoint.train_config()?;
+            if config.data.format() == DataFormat::Jsonl {
+                let loaded = ember_train::data::load(config, &Locations::from_env())
+                    .with_context(|| format!("loading the {split} examples of the checkpoint's data"))?;
+                let rows = if split == "train" { loaded.train } else { loaded.val };
+                let rows = examples_of(rows.as_ref());
+                return Ok(Scored::Examples { rows, examples: None, context: config.seq_len() });
+            }
             ember_train::data::split_tokens(config, &Locations::from_env(), split)
                 .with_context(|| format!("loading the {split} split of the checkpoint's data"))?
+        }
+        path if path.ends_with(".jsonl") => {
+            let (rows, examples) =
+                ember_train::data::jsonl_examples(Path::new(path), tokenizer, &checkpoint.dir, context)
+                    .with_context(|| format!("reading fine-tuning examples from {path}"))?;
+            anyhow::ensure!(rows.scored_tokens() > 0, "{path}: no scored (completion) tokens to evaluate");
+            return Ok(Scored::Examples { rows, examples: Some(examples), context });
         }
         path => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
             tokenizer.encode(&text).with_context(|| format!("tokenizing {path}"))?
         }
     };
-    anyhow::ensure!(tokens.len() >= 2, "{}: {} tokens, at least 2 are needed to score one", args.data, tokens.len());
+    anyhow::ensure!(tokens.len() >= 2, "{data}: {} tokens, at least 2 are needed to score one", tokens.len());
     let bytes = tokenizer.decode(&tokens[1..])?.len();
-    let checkpointing = false;
-    let r = dispatch(
-        args.device,
-        checkpointing,
-        EvalJob { checkpoint, tokens, bytes, context, stride, batch: args.batch },
-    )?;
-    if args.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
-        println!(
-            "{}: nll {:.4} nats/token, perplexity {:.3}, {:.4} bits/byte over {} tokens ({} bytes; context {}, stride {})",
-            args.data, r.nll, r.perplexity, r.bits_per_byte, r.tokens, r.bytes, r.context, r.stride
-        );
-    }
-    Ok(())
+    Ok(Scored::Stream { tokens, bytes, context, stride })
+}
+
+/// The rows of a packed split, as one set to score.
+fn examples_of(rows: &dyn burn::data::dataset::Dataset<ember_data::Window>) -> PackedExamples {
+    PackedExamples::from_rows((0..rows.len()).filter_map(|i| rows.get(i)).collect())
 }

@@ -79,11 +79,23 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         memory: Some(crate::backend::memory_probe(args.device)),
         memory_available: crate::backend::memory_available(args.device),
     };
+    // The dashboard is a convenience: if it cannot start, training goes on without it (and what it
+    // is sent once running cannot reach the training loop; see ember_dashboard::server).
     let _dashboard = if args.dashboard {
         let logdir =
             options.run_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        std::fs::create_dir_all(logdir).with_context(|| format!("creating {}", logdir.display()))?;
-        Some(crate::commands::dashboard::start(logdir, std::net::Ipv4Addr::LOCALHOST.into(), args.dashboard_port)?)
+        std::fs::create_dir_all(logdir)
+            .with_context(|| format!("creating {}", logdir.display()))
+            .and_then(|()| {
+                crate::commands::dashboard::start(
+                    logdir,
+                    std::net::Ipv4Addr::LOCALHOST.into(),
+                    args.dashboard_port,
+                    &[],
+                )
+            })
+            .inspect_err(|e| tracing::warn!("no dashboard: {e:#}; training goes on without it"))
+            .ok()
     } else {
         None
     };

@@ -27,7 +27,8 @@ pub mod reference {
     use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::{backend::Backend, DType, Tensor};
 
-    use crate::attention::repeat_kv;
+    use crate::attention::{masked_attention, repeat_kv};
+    use crate::documents::Documents;
     use crate::rope::Rope;
 
     /// # Shapes
@@ -62,14 +63,16 @@ pub mod reference {
         (b, t): (usize, usize),
         (h, kh, dh): (usize, usize, usize),
         start: usize,
+        docs: Option<&Documents>,
     ) -> Tensor<B, 2> {
         let q = qkv.clone().narrow(1, 0, h * dh);
         let k = qkv.clone().narrow(1, h * dh, kh * dh);
         let v = qkv.narrow(1, (h + kh) * dh, kh * dh);
-        attention_rope(q, k, v, rope, (b, t), (h, kh, dh), start)
+        attention_rope(q, k, v, rope, (b, t), (h, kh, dh), start, docs)
     }
 
     /// RoPE on q and k, then causal attention with key/value heads shared by `H/K` query heads.
+    /// With `docs`, positions restart and attention stays inside each document.
     ///
     /// # Shapes
     /// - q: `[B·T, H·Dh]`, k, v: `[B·T, K·Dh]` (rows of `[B, T, heads, Dh]`) -> `[B·T, H·Dh]`
@@ -82,13 +85,26 @@ pub mod reference {
         (b, t): (usize, usize),
         (h, kh, dh): (usize, usize, usize),
         start: usize,
+        docs: Option<&Documents>,
     ) -> Tensor<B, 2> {
         let heads = |y: Tensor<B, 2>, n: usize| y.reshape([b, t, n, dh]).swap_dims(1, 2); // [B, n, T, Dh]
-        let q = rope.apply(heads(q, h), start);
-        let k = repeat_kv(rope.apply(heads(k, kh), start), h / kh);
-        let v = repeat_kv(heads(v, kh), h / kh);
-        let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
-        attention(q, k, v, None, None, opts).swap_dims(1, 2).reshape([b * t, h * dh])
+        let (q, k, v) = (heads(q, h), heads(k, kh), heads(v, kh));
+        let o = match docs {
+            Some(docs) => {
+                let positions = docs.positions(start);
+                let (q, k) = (rope.apply_positions(q, &positions), rope.apply_positions(k, &positions));
+                let (k, v) = (repeat_kv(k, h / kh), repeat_kv(v, h / kh)); // [B, H, T, Dh]
+                let hidden = docs.hidden_mask::<B>(None, &q.device()); //      [B, 1, T, T]
+                masked_attention(q, k, v, Some(hidden), DType::F32)
+            }
+            None => {
+                let (q, k) = (rope.apply(q, start), rope.apply(k, start));
+                let (k, v) = (repeat_kv(k, h / kh), repeat_kv(v, h / kh)); // [B, H, T, Dh]
+                let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
+                attention(q, k, v, None, None, opts)
+            }
+        };
+        o.swap_dims(1, 2).reshape([b * t, h * dh])
     }
 }
 
@@ -369,7 +385,7 @@ pub(super) fn attention_autodiff<B: EmberBackend, C: CheckpointStrategy>(
         }
     }
     let prep = AttentionBackward.prepare::<C>([qkv.node.clone()]).compute_bound().stateful();
-    let saved = B::attention_fused(qkv.primitive, cos.clone(), sin.clone(), s);
+    let saved = B::attention_fused(qkv.primitive, cos.clone(), sin.clone(), s.clone());
     match prep {
         OpsKind::Tracked(prep) => {
             let o = saved.o.clone();
@@ -418,7 +434,8 @@ pub fn linear<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tenso
 }
 
 /// RoPE and causal grouped-query attention over packed `[q | k | v]` rows of whole sequences
-/// starting at position `start`.
+/// starting at position `start`; with `docs`, block-diagonal: each document of a row restarts its
+/// positions and sees only itself.
 ///
 /// # Shapes
 /// - qkv: `[B·T, (H + 2K)·Dh]` -> `[B·T, H·Dh]`
@@ -428,9 +445,10 @@ pub fn attention_rope_packed<B: EmberBackend>(
     (b, t): (usize, usize),
     (h, kh, dh): (usize, usize, usize),
     start: usize,
+    docs: Option<&crate::documents::Documents>,
 ) -> Tensor<B, 2> {
     if !(B::fused(qkv.dtype()) && start + t <= rope.max_seq_len()) {
-        return reference::attention_rope_packed(qkv, rope, (b, t), (h, kh, dh), start);
+        return reference::attention_rope_packed(qkv, rope, (b, t), (h, kh, dh), start, docs);
     }
     let s = AttnShape {
         batch: b,
@@ -441,6 +459,7 @@ pub fn attention_rope_packed<B: EmberBackend>(
         start,
         layout: rope.layout(),
         scale: 1.0 / (dh as f32).sqrt(),
+        docs: docs.map(|d| d.first_positions().clone()),
     };
     let (cos, sin) = rope.tables();
     float(B::attention_op(
@@ -455,6 +474,7 @@ pub fn attention_rope_packed<B: EmberBackend>(
 mod tests {
     use super::*;
     use crate::config::RopeLayout;
+    use crate::documents::Documents;
     use crate::rope::Rope;
     use burn::tensor::Distribution;
 
@@ -599,15 +619,22 @@ mod tests {
         ];
         for (b, t, h, kh, dh, start, layout) in cases {
             let rope = Rope::<AB>::new(start + t + 3, dh, 10_000.0, layout, &dev);
-            let inputs = vec![leaf([b * t, (h + 2 * kh) * dh], 5)];
-            let name = format!("attention b{b} t{t} h{h} k{kh} dh{dh} start{start} {layout:?}");
-            compare(&name, inputs, [b * t, h * dh], &|xs, fused| {
-                if fused {
-                    attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start)
-                } else {
-                    reference::attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start)
-                }
-            });
+            // Plain causal rows, and rows cut into documents (one of a single position, one
+            // crossing the kernels' 64-row blocks).
+            let cut = |t: usize| if t < 3 { vec![t] } else { vec![1, t / 2 - 1, t - t / 2] };
+            let docs = Documents::from_lengths(&vec![cut(t); b], t).unwrap();
+            for docs in [None, Some(&docs)] {
+                let inputs = vec![leaf([b * t, (h + 2 * kh) * dh], 5)];
+                let name =
+                    format!("attention b{b} t{t} h{h} k{kh} dh{dh} start{start} {layout:?} docs {}", docs.is_some());
+                compare(&name, inputs, [b * t, h * dh], &|xs, fused| {
+                    if fused {
+                        attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs)
+                    } else {
+                        reference::attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs)
+                    }
+                });
+            }
         }
     }
 }

@@ -266,7 +266,7 @@ fn gemm_into(
 /// The layout of a batch of sequences for the attention kernels. Queries, keys and values come
 /// packed in one buffer, as one GEMM with the concatenated q/k/v weights makes them: each row is
 /// `[q heads | k heads | v heads]`, `(H + 2K)·Dh` wide.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AttnShape {
     pub batch: usize,
     pub seq: usize,
@@ -277,11 +277,26 @@ pub struct AttnShape {
     pub start: usize,
     pub layout: RopeLayout,
     pub scale: f32,
+    /// Packed documents: for each of the `B·T` positions, the index in its row of its document's
+    /// first position. Query `i` then sees keys `first..=i` only, and its RoPE position is
+    /// `start + i - first`. `None`: one document per row (plain causal attention).
+    pub docs: Option<std::sync::Arc<[u32]>>,
 }
 
 impl AttnShape {
     fn group(&self) -> usize {
         self.heads / self.kv_heads
+    }
+
+    /// The first key position that query `i` of row `b` sees.
+    fn first_key(&self, b: usize, i: usize) -> usize {
+        self.docs.as_ref().map_or(0, |d| d[b * self.seq + i] as usize)
+    }
+
+    /// The RoPE position of packed row `r` (position `r % T` of sequence `r / T`).
+    fn position(&self, r: usize) -> usize {
+        let (b, i) = (r / self.seq, r % self.seq);
+        self.start + i - self.first_key(b, i)
     }
 
     /// Width of a packed q/k/v row.
@@ -305,7 +320,7 @@ pub fn rope_packed(qkv: &[f32], s: &AttnShape, cos: &[f32], sin: &[f32], inverse
     let rotated = (s.heads + s.kv_heads) * dh;
     let mut out = vec![0.0f32; qkv.len()];
     out.par_chunks_mut(width).zip(qkv.par_chunks(width)).enumerate().for_each(|(r, (o, xr))| {
-        let pos = s.start + r % s.seq;
+        let pos = s.position(r);
         let (c, sn) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
         for (o, xr) in o[..rotated].chunks_exact_mut(dh).zip(xr[..rotated].chunks_exact(dh)) {
             for i in 0..half {
@@ -380,7 +395,8 @@ fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// Causal attention over packed rotated q/k/v rows, for every (batch, head); query head `h` reads
-/// key/value head `h / (H/K)`. Query `i` sees keys `0..=i`.
+/// key/value head `h / (H/K)`. Query `i` sees keys `0..=i`, or `first..=i` within its document
+/// (block-diagonal causal, see [`AttnShape::docs`]).
 ///
 /// # Shapes
 /// - qkv: `[B·T, (H + 2K)·Dh]` -> o: `[B·T, H·Dh]`, lse: `[B·H·T]`
@@ -404,11 +420,13 @@ pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
                 matmul((m, r1, dh), sc, t, false, &qb[r0 * w..], (w, 1), kb, (1, w), s.scale);
                 for i in r0..r1 {
                     let row = &mut sc[(i - r0) * t..(i - r0) * t + r1];
-                    let max = lanes_max(&row[..=i]);
-                    row[..=i].iter_mut().for_each(|p| *p = exp(*p - max));
-                    let sum = lanes_sum(&row[..=i]);
+                    let lo = s.first_key(b, i);
+                    let max = lanes_max(&row[lo..=i]);
+                    row[lo..=i].iter_mut().for_each(|p| *p = exp(*p - max));
+                    let sum = lanes_sum(&row[lo..=i]);
                     let inv = 1.0 / sum;
-                    row[..=i].iter_mut().for_each(|p| *p *= inv);
+                    row[lo..=i].iter_mut().for_each(|p| *p *= inv);
+                    row[..lo].iter_mut().for_each(|p| *p = 0.0);
                     row[i + 1..].iter_mut().for_each(|p| *p = 0.0);
                     lse[i] = max + sum.ln();
                 }
@@ -466,8 +484,9 @@ pub fn attention_backward(qkv: &[f32], (o, lse): (&[f32], &[f32]), d_o: &[f32], 
                     let (q_blk, do_blk) = (&qb[r0 * w..], &dob[r0 * o_rs..]);
                     matmul((m, r1, dh), p, t, false, q_blk, (w, 1), kb, (1, w), s.scale);
                     for i in r0..r1 {
-                        let (row, l) = (&mut p[(i - r0) * t..(i - r0) * t + r1], lse[i]);
-                        row[..=i].iter_mut().for_each(|x| *x = exp(*x - l));
+                        let (row, l, lo) = (&mut p[(i - r0) * t..(i - r0) * t + r1], lse[i], s.first_key(b, i));
+                        row[lo..=i].iter_mut().for_each(|x| *x = exp(*x - l));
+                        row[..lo].iter_mut().for_each(|x| *x = 0.0);
                         row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
                     }
                     matmul((r1, dh, m), &mut dv[..r1 * dh], dh, true, p, (1, t), do_blk, (o_rs, 1), 1.0);
@@ -477,6 +496,7 @@ pub fn attention_backward(qkv: &[f32], (o, lse): (&[f32], &[f32]), d_o: &[f32], 
                         let delta = lanes_dot(o_i, do_i);
                         let at = (i - r0) * t;
                         let (ds, p_row) = (&mut dp[at..at + r1], &p[at..at + i + 1]);
+                        // P is zero outside the query's keys, so dS is too.
                         ds[..=i].iter_mut().zip(p_row).for_each(|(d, &p)| *d = p * (*d - delta));
                         ds[i + 1..].iter_mut().for_each(|x| *x = 0.0);
                     }
@@ -568,7 +588,8 @@ mod tests {
                 let kv = head / (h / kh);
                 for i in 0..t {
                     let qi = &q[((b * t + i) * h + head) * dh..][..dh];
-                    let scores: Vec<f64> = (0..=i)
+                    let lo = s.docs.as_ref().map_or(0, |d| d[b * t + i] as usize);
+                    let scores: Vec<f64> = (lo..=i)
                         .map(|j| {
                             let kj = &k[((b * t + j) * kh + kv) * dh..][..dh];
                             qi.iter().zip(kj).map(|(x, y)| (*x as f64) * (*y as f64)).sum::<f64>() * s.scale as f64
@@ -578,7 +599,7 @@ mod tests {
                     let z: f64 = scores.iter().map(|x| (x - max).exp()).sum();
                     for d in 0..dh {
                         let mut acc = 0.0f64;
-                        for (j, sc) in scores.iter().enumerate() {
+                        for (j, sc) in (lo..=i).zip(&scores) {
                             acc += (sc - max).exp() / z * v[((b * t + j) * kh + kv) * dh + d] as f64;
                         }
                         o[((b * t + i) * h + head) * dh + d] = acc as f32;
@@ -599,6 +620,7 @@ mod tests {
             start: 0,
             layout: RopeLayout::HalfSplit,
             scale: 1.0 / (head_dim as f32).sqrt(),
+            docs: None,
         }
     }
 
@@ -628,9 +650,46 @@ mod tests {
         }
     }
 
+    /// Document starts of rows cut into documents of the given lengths (each row's lengths summing
+    /// to `seq`).
+    fn docs(rows: &[&[usize]]) -> Option<std::sync::Arc<[u32]>> {
+        let mut starts = Vec::new();
+        for lens in rows {
+            let mut at = 0;
+            for &n in *lens {
+                starts.extend(std::iter::repeat_n(at as u32, n));
+                at += n;
+            }
+        }
+        Some(starts.into())
+    }
+
+    #[test]
+    fn document_attention_matches_the_definition() {
+        // Documents of one position, documents across the 64-row blocks, a whole row as one.
+        let long: &[usize] = &[1, 70, 5, 74];
+        for s in [
+            AttnShape { docs: docs(&[&[3, 4], &[1, 1, 5]]), ..shape(2, 7, 4, 2, 6) },
+            AttnShape { docs: docs(&[long]), ..shape(1, 150, 2, 1, 4) },
+            AttnShape { docs: docs(&[&[5], &[2, 3], &[1, 1, 1, 1, 1]]), ..shape(3, 5, 2, 2, 2) },
+        ] {
+            let q = random(s.batch * s.seq * s.heads * s.head_dim, 1);
+            let k = random(s.batch * s.seq * s.kv_heads * s.head_dim, 2);
+            let v = random(s.batch * s.seq * s.kv_heads * s.head_dim, 3);
+            let got = attention(&pack(&q, &k, &v, &s), &s);
+            assert_close(&got.o, &attention_slow(&q, &k, &v, &s), 1e-5, &format!("{s:?}"));
+        }
+    }
+
     #[test]
     fn attention_backward_matches_finite_differences() {
-        let s = shape(2, 5, 4, 2, 4);
+        for s in [shape(2, 5, 4, 2, 4), AttnShape { docs: docs(&[&[2, 3], &[1, 4]]), ..shape(2, 5, 4, 2, 4) }] {
+            attention_backward_case(&s);
+        }
+    }
+
+    fn attention_backward_case(s: &AttnShape) {
+        let s = s.clone();
         let q = random(s.batch * s.seq * 4 * 4, 4);
         let k = random(s.batch * s.seq * 2 * 4, 5);
         let v = random(s.batch * s.seq * 2 * 4, 6);
