@@ -262,9 +262,17 @@ fn a_run_killed_at_random_moments_resumes_from_its_newest_checkpoint_and_complet
         }
         figures.tried += 1;
         let done = metrics(&run).iter().map(|r| r.step).max().unwrap_or(0);
-        figures.lost_steps += done.saturating_sub(newest_checkpoint(&run).unwrap_or(0));
+        let kept = newest_checkpoint(&run);
+        figures.lost_steps += done.saturating_sub(kept.unwrap_or(0));
         before = leftovers(&run);
         figures.leftovers += before.len();
+        println!(
+            "kill {}: {} from {from:?}, killed after {} ms at step {done}; newest checkpoint {kept:?}, {} leftovers",
+            figures.tried,
+            if resume { "resumed" } else { "started" },
+            kill_at.unwrap_or_default().as_millis(),
+            before.len()
+        );
     }
     let killed_time = t0.elapsed();
 

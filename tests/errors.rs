@@ -104,7 +104,7 @@ fn a_prompt_longer_than_the_context() {
 fn a_config_too_big_for_the_device_fails_before_training() {
     let s = Scratch::new();
     s.write("corpus.txt", &corpus());
-    s.write("big.toml", &tiny_config("").replace("batch_size = 4", "batch_size = 4000000"));
+    s.write("big.toml", &tiny_config("").replace("batch_size = 4", "batch_size = 400000"));
     let o = s.ember(&["train", "--config", "big.toml"]);
     assert_clean_error(&o, "the run needs about");
     assert_clean_error(&o, "lower train.batch_size");

@@ -25,9 +25,8 @@ const SAMPLES: &str = "samples.jsonl";
 const CONFIG: &str = "config.toml";
 /// Folders this deep under the log directory are searched for runs.
 const MAX_DEPTH: usize = 4;
-/// At most this much of a file is read per refresh (the rest on the next one), so that one request
-/// over a huge file costs bounded memory.
-const MAX_READ: u64 = 64 << 20;
+/// A file is read this much at a time, so that a long one costs bounded memory.
+const CHUNK: u64 = 4 << 20;
 /// A line longer than this is skipped (and counted) instead of being held whole until it ends.
 const MAX_LINE: usize = 16 << 20;
 /// A config.toml is shown up to this size.
@@ -327,37 +326,74 @@ impl Tail {
         if len == self.offset {
             return Ok(());
         }
-        let want = (len - self.offset).min(MAX_READ);
+        // Up to the length seen now, a chunk at a time: a long file costs one chunk of memory.
         file.seek(SeekFrom::Start(self.offset))?;
-        let mut buf = Vec::with_capacity(want as usize);
-        file.take(want).read_to_end(&mut buf)?;
-        self.offset += buf.len() as u64;
-        let mut data = std::mem::take(&mut self.partial);
-        data.extend_from_slice(&buf);
-        let complete = data.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-        let mut lines = data[..complete].split(|&b| b == b'\n');
-        if self.discarding && complete > 0 {
-            // The end of the over-long line, already counted.
-            lines.next();
-            self.discarding = false;
-        }
-        for line in lines.filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
-            if !each(into, line) {
-                self.skipped += 1;
-                tracing::warn!("{}: skipping a malformed line ({} bytes)", path.display(), line.len());
+        let mut file = file.take(len - self.offset);
+        let mut chunk = Vec::with_capacity(CHUNK.min(len - self.offset) as usize);
+        loop {
+            chunk.clear();
+            let n = (&mut file).take(CHUNK).read_to_end(&mut chunk)?;
+            if n == 0 {
+                return Ok(());
             }
+            self.offset += n as u64;
+            self.feed(&chunk, path, into, &mut each);
         }
-        let rest = &data[complete..];
+    }
+
+    /// The lines completed by `chunk` (the first one joined to what came before), each handed to
+    /// `each`; what follows the last line break is kept for the next chunk.
+    fn feed<S>(&mut self, chunk: &[u8], path: &Path, into: &mut S, each: &mut impl FnMut(&mut S, &[u8]) -> bool) {
+        let Some(last) = chunk.iter().rposition(|&b| b == b'\n') else {
+            return self.keep(chunk, path);
+        };
+        let (complete, rest) = chunk.split_at(last + 1);
+        let mut lines = complete[..last].split(|&b| b == b'\n');
+        let first = lines.next().unwrap_or_default();
         if self.discarding {
-            // Still inside the over-long line.
-        } else if rest.len() > MAX_LINE {
+            // The end of the over-long line, already counted.
+            self.discarding = false;
+        } else if self.partial.is_empty() {
+            self.line(first, path, into, each);
+        } else if self.partial.len() + first.len() > MAX_LINE {
+            self.partial = Vec::new();
+            self.skipped += 1;
+            tracing::warn!("{}: skipping a line longer than {MAX_LINE} bytes", path.display());
+        } else {
+            let mut whole = std::mem::take(&mut self.partial);
+            whole.extend_from_slice(first);
+            self.line(&whole, path, into, each);
+        }
+        for line in lines {
+            self.line(line, path, into, each);
+        }
+        self.keep(rest, path);
+    }
+
+    fn line<S>(&mut self, line: &[u8], path: &Path, into: &mut S, each: &mut impl FnMut(&mut S, &[u8]) -> bool) {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            return;
+        }
+        if !each(into, line) {
+            self.skipped += 1;
+            tracing::warn!("{}: skipping a malformed line ({} bytes)", path.display(), line.len());
+        }
+    }
+
+    /// Keeps the start of a line that has not ended yet, unless it is over-long (then it is
+    /// skipped up to its end, and counted once).
+    fn keep(&mut self, rest: &[u8], path: &Path) {
+        if self.discarding || rest.is_empty() {
+            return;
+        }
+        if self.partial.len() + rest.len() > MAX_LINE {
+            self.partial = Vec::new();
             self.skipped += 1;
             self.discarding = true;
             tracing::warn!("{}: skipping a line longer than {MAX_LINE} bytes", path.display());
         } else {
-            self.partial = rest.to_vec();
+            self.partial.extend_from_slice(rest);
         }
-        Ok(())
     }
 }
 
@@ -703,6 +739,30 @@ mod tests {
         // A resumed run truncates the file: the store starts over.
         std::fs::write(&path, line(1)).unwrap();
         assert_eq!(store.metrics("a", 0).unwrap().rows, 1);
+    }
+
+    #[test]
+    fn long_lines_span_chunks_and_over_long_ones_are_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("a")).unwrap();
+        let path = dir.path().join("a/metrics.jsonl");
+        let padded = |step: usize, bytes: usize| format!("{{\"step\":{step},\"pad\":\"{}\"}}\n", "x".repeat(bytes));
+        // A line longer than a read chunk, then one longer than MAX_LINE.
+        let text = format!("{}{}{}{}", line(1), padded(2, 5 << 20), padded(3, MAX_LINE + 10), line(4));
+        // Written in two parts, the cut inside the over-long line: the read waits, then skips it.
+        let cut = text.len() - line(4).len() - 1000;
+        std::fs::write(&path, &text[..cut]).unwrap();
+        let store = RunStore::new(dir.path()).unwrap();
+        assert_eq!(store.metrics("a", 0).unwrap().rows, 2);
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(text[cut..].as_bytes()).unwrap();
+        let m = store.metrics("a", 0).unwrap();
+        assert_eq!(m.columns["step"], vec![Some(1.0), Some(2.0), Some(4.0)]);
+        assert_eq!(store.summaries()[0].skipped_lines, 1);
+        // Written at once: the over-long line outgrows the limit between two chunks.
+        std::fs::create_dir_all(dir.path().join("b")).unwrap();
+        std::fs::write(dir.path().join("b/metrics.jsonl"), &text).unwrap();
+        assert_eq!(store.metrics("b", 0).unwrap().columns["step"], vec![Some(1.0), Some(2.0), Some(4.0)]);
+        assert_eq!(store.summaries()[1].skipped_lines, 1);
     }
 
     #[test]

@@ -69,7 +69,9 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     /// A connection with no byte either way and no request being answered for this long is closed.
     pub idle_timeout: Duration,
-    /// An answer the client has not taken within this is dropped with its connection.
+    /// Output the client has not taken within this is dropped with its connection: a client that
+    /// never reads is cut off, and one that reads a metrics answer (written in 64 KiB pieces) must
+    /// take each piece within this.
     pub write_timeout: Duration,
     /// Requests announcing a larger body (or one of unknown length) get 413, unread.
     pub max_body: u64,

@@ -266,7 +266,8 @@ mod tests {
         std::fs::write(&text_path, "to be or not to be, that is the question\n".repeat(20)).unwrap();
         let out = dir.path().join("model");
         std::fs::create_dir_all(&out).unwrap();
-        for (file, text) in [(TOKENIZER_FILE, "{\"model\": {}}"), (META_FILE, "{\"architectures\": []}"), (TRAIN_FILE, "x")]
+        for (file, text) in
+            [(TOKENIZER_FILE, "{\"model\": {}}"), (META_FILE, "{\"architectures\": []}"), (TRAIN_FILE, "x")]
         {
             std::fs::write(out.join(file), text).unwrap();
             let Err(err) = prepare(&text_path, &TokenizerSpec::Char, 0.1, &out) else { panic!("{file} overwritten") };

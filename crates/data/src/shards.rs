@@ -29,8 +29,12 @@ pub struct TokenShard {
 }
 
 impl TokenShard {
+    /// A shard of `tokens` from a vocabulary of `vocab_size`; an id at or past it (a tokenizer whose
+    /// ids have gaps) raises the shard's vocabulary, so that the id width comes from the largest
+    /// id and an id is never stored in too few bytes.
     pub fn new(tokens: Vec<u32>, vocab_size: u32) -> Self {
-        Self { tokens, vocab_size }
+        let largest = tokens.iter().copied().max().map_or(0, |m| m.saturating_add(1));
+        Self { tokens, vocab_size: vocab_size.max(largest) }
     }
 
     pub fn bytes_per_token(&self) -> u32 {
@@ -110,6 +114,16 @@ impl TokenShard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_id_width_comes_from_the_largest_id() {
+        // A vocabulary of 100 entries whose added token has id 70,000: u16 would store 4,464.
+        let shard = TokenShard::new(vec![5, 70_000, 7], 100);
+        assert_eq!(shard.vocab_size, 70_001);
+        assert_eq!(shard.bytes_per_token(), 4);
+        let back = TokenShard::from_bytes(&shard.to_bytes(), Path::new("x.bin")).unwrap();
+        assert_eq!(back.tokens, vec![5, 70_000, 7]);
+    }
 
     #[test]
     fn round_trip_in_both_widths() {

@@ -168,9 +168,11 @@ impl Tokenizer {
         self.chars.is_some()
     }
 
-    /// Number of ids, added tokens included.
+    /// One past the largest id, added tokens included: every id the tokenizer can produce is below
+    /// it. (The number of entries is smaller when the ids have gaps, as added tokens often do.)
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        let largest = self.inner.get_vocab(true).values().copied().max().map_or(0, |m| m as usize + 1);
+        self.inner.get_vocab_size(true).max(largest)
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
@@ -216,6 +218,139 @@ impl Tokenizer {
     /// The id of an end-of-text token if the vocabulary has one.
     pub fn eos_id(&self) -> Option<u32> {
         ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"].iter().find_map(|t| self.inner.token_to_id(t))
+    }
+
+    /// An incremental decoder for the ids that follow `context` (a prompt, or nothing): see
+    /// [`DecodeStream`]. Special tokens (`<|im_end|>`, `</s>`) decode to nothing.
+    pub fn decode_stream(&self, context: &[u32]) -> DecodeStream<'_> {
+        DecodeStream::new(self, context)
+    }
+
+    /// Decodes with special tokens left out: what a [`DecodeStream`] hands out, in one call.
+    pub fn decode_skipping_special(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| DataError::Tokenizer(format!("decoding: {e}")))
+    }
+}
+
+/// Ids of the prompt kept as left context of a [`DecodeStream`]: enough for a decoder that looks at
+/// neighbours (SentencePiece's leading-space strip, a character split over byte tokens) to decode the
+/// first new token as it reads after the prompt. vLLM's detokenizer keeps 5 for the same reason.
+const STREAM_CONTEXT: usize = 5;
+
+/// New ids a [`DecodeStream`] waits for before it hands out their text even though it still ends in
+/// U+FFFD or has not grown: a UTF-8 character spans at most 4 byte tokens, so 8 only gives up on
+/// ids that are invalid or decode to nothing (special tokens), and it bounds every decode window.
+const STREAM_MAX_PENDING: usize = 8;
+
+/// Text of generated ids, one id at a time, in O(1) decoding work per id.
+///
+/// Decoding the whole output again for every new id costs O(N²) for N ids, and diffing the new
+/// decode against the old breaks on decoders whose output is not a prefix-stable function of the ids
+/// (a `Strip` or `Replace` after `Fuse` can make the text of `n + 1` ids shorter than that of `n`).
+/// This is the prefix-offset / read-offset scheme of vLLM's detokenizer and Hugging Face's
+/// `TextStreamer`: only a window is decoded, `ids[prefix..]`, and the text it adds to `ids[prefix..read]`
+/// (already handed out) is the new text. Once new text is handed out the window moves up to the ids
+/// just read, so it never holds more than `STREAM_MAX_PENDING` ids past the last read point plus the
+/// previous chunk's ids. New text is held back while it ends in U+FFFD (a multi-byte character cut
+/// between byte tokens) or has not grown, up to `STREAM_MAX_PENDING` ids.
+///
+/// For prefix-stable decoders (byte-level BPE, SentencePiece, char-level) the concatenated pieces
+/// equal the one-shot [`Tokenizer::decode_skipping_special`] of all the ids. For the others, text
+/// already handed out cannot be taken back: the stream hands out what differs from it, and never
+/// slices a string off a character boundary.
+pub struct DecodeStream<'a> {
+    tokenizer: &'a Tokenizer,
+    /// The window: ids from the prefix offset on (the ids before it are dropped).
+    ids: Vec<u32>,
+    /// Ids of `ids` whose text has been handed out (or is the prompt).
+    read: usize,
+    /// Text of `ids[..read]`, decoded alone.
+    prefix_text: String,
+    /// Ids passed to the tokenizer's decoder so far: the cost, which tests check is linear.
+    decoded_ids: usize,
+}
+
+impl<'a> DecodeStream<'a> {
+    fn new(tokenizer: &'a Tokenizer, context: &[u32]) -> Self {
+        let ids = context[context.len().saturating_sub(STREAM_CONTEXT)..].to_vec();
+        let mut stream = Self { tokenizer, read: ids.len(), ids, prefix_text: String::new(), decoded_ids: 0 };
+        // A prompt that does not decode leaves no context: the first ids then read as a start of text.
+        match stream.decode_window(stream.read) {
+            Ok(text) => stream.prefix_text = text,
+            Err(_) => {
+                stream.ids.clear();
+                stream.read = 0;
+            }
+        }
+        stream
+    }
+
+    /// Adds an id; returns the text that is now final (often empty while a character is incomplete).
+    pub fn step(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = self.decode_window(self.ids.len())?;
+        let pending = self.ids.len() - self.read;
+        if (text.len() > self.prefix_text.len() && !text.ends_with('\u{fffd}')) || pending >= STREAM_MAX_PENDING {
+            self.advance(text)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// The text of ids still held back (an incomplete character, as U+FFFD), once the ids are over.
+    pub fn finish(&mut self) -> Result<String> {
+        if self.read == self.ids.len() {
+            return Ok(String::new());
+        }
+        let text = self.decode_window(self.ids.len())?;
+        self.advance(text)
+    }
+
+    /// Ids decoded so far, all windows together.
+    pub fn decoded_ids(&self) -> usize {
+        self.decoded_ids
+    }
+
+    /// Hands out what `text` (the decode of the whole window) adds to the prefix text, and moves the
+    /// window to start at the ids just read.
+    fn advance(&mut self, text: String) -> Result<String> {
+        let new = match text.strip_prefix(self.prefix_text.as_str()) {
+            Some(rest) => rest.to_string(),
+            // The decoder rewrote the prefix text: hand out what differs from it, from a character
+            // boundary of both (the common prefix is measured in whole characters).
+            None => {
+                let common: usize = text
+                    .chars()
+                    .zip(self.prefix_text.chars())
+                    .take_while(|(a, b)| a == b)
+                    .map(|(a, _)| a.len_utf8())
+                    .sum();
+                text[common..].to_string()
+            }
+        };
+        self.ids.drain(..self.read);
+        self.read = self.ids.len();
+        self.prefix_text = self.decode_window(self.read)?;
+        Ok(new)
+    }
+
+    /// The text of `ids[..end]`.
+    ///
+    /// The `tokenizers` crate's `Strip` decoder panics on short texts made only of the stripped
+    /// character (`stop` past the start of the text; `start + stop` past its end), and a window is
+    /// often such a text: the panic is caught here and becomes an error naming the ids, so that a
+    /// user's tokenizer.json cannot take down `ember sample` or a training run's evaluation sample.
+    /// An empty window is the empty text without calling the decoder at all.
+    fn decode_window(&mut self, end: usize) -> Result<String> {
+        if end == 0 {
+            return Ok(String::new());
+        }
+        self.decoded_ids += end;
+        let ids = &self.ids[..end];
+        let tokenizer = self.tokenizer;
+        std::panic::catch_unwind(|| tokenizer.decode_skipping_special(ids)).unwrap_or_else(|_| {
+            Err(DataError::Tokenizer(format!("decoding ids {ids:?}: the tokenizer's decoder panicked")))
+        })
     }
 }
 
@@ -272,6 +407,148 @@ mod tests {
         let e = "bpe:12".parse::<TokenizerSpec>().unwrap_err().to_string();
         assert!(e.contains("`bpe:12`") && e.contains("expected"), "{e}");
         assert!("wordpiece".parse::<TokenizerSpec>().is_err());
+    }
+
+    /// Streams `ids` after `context` one id at a time; returns the text and the decoding work.
+    fn stream(tok: &Tokenizer, context: &[u32], ids: &[u32]) -> (String, usize) {
+        let mut s = tok.decode_stream(context);
+        let mut text: String = ids.iter().map(|&id| s.step(id).unwrap()).collect();
+        text.push_str(&s.finish().unwrap());
+        (text, s.decoded_ids())
+    }
+
+    /// Mixed text: ASCII, accents, currency, CJK, Cyrillic, emoji (4-byte), tabs and runs of spaces.
+    fn mixed_text(n: usize) -> String {
+        let parts = [
+            "First Citizen:\n",
+            "Before we proceed any further, hear me speak. ",
+            "1234 £€ 🦀🦀 naïve\tend ",
+            "日本語のテキスト、",
+            "Привет, мир! ",
+            "  double  spaces and\n\nblank lines ",
+            "émigré Ærøskøbing ß ",
+            "👩‍🔬 ok. ",
+        ];
+        (0..n).map(|i| parts[(i * 5 + i / 3) % parts.len()]).collect()
+    }
+
+    /// Where the shared reference tokenizers are (as in tests/shared_tokenizers.rs).
+    fn assets() -> std::path::PathBuf {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let dir = std::env::var_os("EMBER_TEST_ASSETS")
+            .map(std::path::PathBuf::from)
+            .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
+            .unwrap_or_else(|| root.join("../shared"));
+        assert!(
+            dir.join("tokenizers").is_dir(),
+            "test assets not found at {}: set EMBER_TEST_ASSETS to the folder holding tokenizers/ (../shared)",
+            dir.display()
+        );
+        dir.join("tokenizers")
+    }
+
+    #[test]
+    fn streamed_text_equals_the_one_shot_decode() {
+        let text = mixed_text(40);
+        let dir = assets();
+        let mut tokenizers = vec![("char".to_string(), Tokenizer::train_char(&text))];
+        tokenizers.push(("bpe".to_string(), Tokenizer::train_bpe(&text.repeat(4), 300).unwrap()));
+        for file in ["gpt2_tokenizer.json", "llama2_tokenizer.json", "llama3_tokenizer.json", "qwen3_tokenizer.json"] {
+            tokenizers.push((file.to_string(), Tokenizer::from_file(&dir.join(file)).unwrap()));
+        }
+        for (name, tok) in &tokenizers {
+            // With the template's specials (Llama's BOS), which the stream leaves out.
+            let ids = tok.encode_with_special(&text).unwrap();
+            assert!(ids.len() >= 300, "{name}: only {} ids", ids.len());
+            let whole = tok.decode_skipping_special(&ids).unwrap();
+            assert_eq!(stream(tok, &[], &ids).0, whole, "{name}");
+            // After a prompt: the prompt's text and the streamed text make the whole text.
+            for cut in [1, 7, 100] {
+                // A prompt that ends inside a character has no text of its own: move to the next cut.
+                let text_of = |c: usize| tok.decode_skipping_special(&ids[..c]).unwrap();
+                let cut = (cut..ids.len())
+                    .find(|&c| !text_of(c).ends_with('\u{fffd}') && whole.starts_with(&text_of(c)))
+                    .unwrap();
+                let prompt = text_of(cut);
+                let (rest, _) = stream(tok, &ids[..cut], &ids[cut..]);
+                assert_eq!(format!("{prompt}{rest}"), whole, "{name}, prompt of {cut} ids");
+            }
+        }
+    }
+
+    #[test]
+    fn the_stream_holds_back_an_incomplete_character_and_skips_special_tokens() {
+        let text = "a 🦀 b";
+        // 256 byte symbols and the end-of-text token, no merges: the crab is 4 single-byte ids.
+        let tok = Tokenizer::train_bpe(&format!("{text}\n\n").repeat(3), 257).unwrap();
+        let ids = tok.encode(text).unwrap();
+        assert_eq!(ids.len(), 8);
+        let mut s = tok.decode_stream(&[]);
+        let pieces: Vec<String> = ids.iter().map(|&id| s.step(id).unwrap()).collect();
+        assert_eq!(pieces, ["a", " ", "", "", "", "🦀", " ", "b"]);
+        assert_eq!(s.finish().unwrap(), "");
+        // A special token prints nothing; a lone first byte of a character comes out at the end as U+FFFD.
+        let eos = tok.eos_id().unwrap();
+        let mut s = tok.decode_stream(&ids);
+        assert_eq!(s.step(eos).unwrap(), "");
+        assert_eq!(s.step(ids[2]).unwrap(), "");
+        assert_eq!(s.finish().unwrap(), "\u{fffd}");
+    }
+
+    #[test]
+    fn streaming_costs_linear_decoding_work() {
+        let tok = Tokenizer::train_bpe(&mixed_text(200), 400).unwrap();
+        let ids = tok.encode(&mixed_text(2000)).unwrap();
+        assert!(ids.len() >= 4000, "{}", ids.len());
+        let (_, short) = stream(&tok, &[], &ids[..2000]);
+        let (_, long) = stream(&tok, &[], &ids[..4000]);
+        // Each id is decoded in a window of a bounded number of ids: about twice the work for twice
+        // the ids (re-decoding the whole text would be four times, and 2,000 ids per step on average).
+        assert!(short <= 2000 * 3 * (STREAM_CONTEXT.max(STREAM_MAX_PENDING) + STREAM_MAX_PENDING), "{short}");
+        assert!((long as f64) < 2.2 * short as f64, "{short} ids decoded for 2000 ids, {long} for 4000");
+        // Ids that decode to nothing do not grow the window either.
+        let eos = tok.eos_id().unwrap();
+        let (text, work) = stream(&tok, &[], &vec![eos; 4000]);
+        assert_eq!(text, "");
+        assert!(work <= 4000 * 3 * STREAM_MAX_PENDING, "{work}");
+    }
+
+    /// A char-level tokenizer whose decoder is `decoder` (JSON) after `Fuse`.
+    fn char_with_decoder(text: &str, decoder: serde_json::Value) -> Tokenizer {
+        let mut json: serde_json::Value =
+            serde_json::from_str(&Tokenizer::train_char(text).to_json().unwrap()).unwrap();
+        json["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [{"type": "Fuse"}, decoder]});
+        Tokenizer::from_json(&json.to_string()).unwrap()
+    }
+
+    #[test]
+    fn decoders_that_shorten_the_text_stream_without_panicking() {
+        let text = "the cat sat on the mat, ok? é ü\n".repeat(20);
+        // `e ` removed: the text of n + 1 ids is shorter than that of n whenever a space follows an e.
+        let replace = char_with_decoder(
+            &text,
+            serde_json::json!({"type": "Replace", "pattern": {"String": "e "}, "content": ""}),
+        );
+        // One leading and one trailing space stripped: the text stops growing until a non-space comes.
+        let strip =
+            char_with_decoder(&text, serde_json::json!({"type": "Strip", "content": " ", "start": 1, "stop": 1}));
+        for tok in [&replace, &strip] {
+            let ids = tok.encode(&text).unwrap();
+            let short = tok.decode(&ids[..ids.len() - 1]).unwrap();
+            let (streamed, _) = stream(tok, &[], &ids);
+            assert!(streamed.contains("cat") && streamed.contains('ü'), "{streamed:?}");
+            assert!(streamed.len() >= short.len() / 2, "{streamed:?}");
+            for cut in [1, 2, 3, 5] {
+                stream(tok, &ids[..cut], &ids[cut..]);
+            }
+        }
+        // The strip decoder panics on a lone space (chars[1..0]): an error, not a panic of the caller.
+        let space = strip.encode(" ").unwrap()[0];
+        let e = strip.decode_stream(&[]).step(space).unwrap_err().to_string();
+        assert!(e.contains("decoder panicked"), "{e}");
+        // The replacing decoder does shorten the text, as the test means it to.
+        let ids = replace.encode("the ").unwrap();
+        assert!(replace.decode(&ids).unwrap().len() < replace.decode(&ids[..3]).unwrap().len());
     }
 
     #[test]

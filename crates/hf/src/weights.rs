@@ -161,13 +161,21 @@ pub fn import<B: EmberBackend>(
     let hf_config: Value = serde_json::from_str(&text)
         .map_err(|e| HfError::Config { source_name: config_path.display().to_string(), message: e.to_string() })?;
     let (config, architecture) = to_model_config(&hf_config, &config_path.display().to_string())?;
+    // The tensors are read first (their size is the files'), so that a config describing far more
+    // than they hold is refused before the model is allocated.
+    let tensors = read_tensors(dir)?;
+    if !allow_missing {
+        let bytes = tensors.values().fold(0u64, |n, (t, _)| n.saturating_add(t.as_bytes().len() as u64));
+        ember_model::weights::check_model_size(&config, &format!("the safetensors files of {}", dir.display()), bytes)
+            .map_err(|message| HfError::Config { source_name: config_path.display().to_string(), message })?;
+    }
     let model = Decoder::<B>::empty(&config, device)
         .map_err(|e| HfError::Config { source_name: config_path.display().to_string(), message: e.to_string() })?;
     let expected: HashMap<String, Vec<usize>> = param_shapes::<B, _>(&model).into_iter().collect();
 
     let mut values = BTreeMap::new();
     let mut unused = Vec::new();
-    for (key, (data, file)) in read_tensors(dir)? {
+    for (key, (data, file)) in tensors {
         let Some((path, transposed)) = hf_to_ember(&key).filter(|(p, _)| expected.contains_key(p)) else {
             if !ignorable(&key) {
                 unused.push(key);

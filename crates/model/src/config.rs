@@ -130,7 +130,26 @@ pub enum ConfigError {
     Dropout(f64),
     #[error("model.vocab_size is not set (a training config may leave it out only when a tokenizer supplies it)")]
     VocabUnset,
+    #[error("model.{name} = {value} is larger than ember's limit of {limit}")]
+    TooLarge { name: &'static str, value: u64, limit: u64 },
 }
+
+/// Upper bounds on a config's sizes, checked before anything is allocated: far above any released
+/// model of this family (Llama 3 405B: d_model 16,384, 126 layers, 128 heads, d_ff 53,248; Gemma's
+/// 262,144-token vocabulary; 1M-token contexts), low enough that products of them cannot overflow.
+pub const LIMITS: [(&str, u64); 8] = [
+    ("vocab_size", 1 << 24),
+    ("d_model", 1 << 16),
+    ("n_layers", 1 << 10),
+    ("n_heads", 1 << 10),
+    ("n_kv_heads", 1 << 10),
+    ("head_dim", 1 << 12),
+    ("d_ff", 1 << 20),
+    ("max_seq_len", 1 << 20),
+];
+
+/// Parameters a config may describe (4.4 trillion).
+pub const MAX_PARAMS: u64 = 1 << 42;
 
 impl ModelConfig {
     /// Key/value heads, `n_heads` when not given.
@@ -159,6 +178,21 @@ impl ModelConfig {
                 } else {
                     ConfigError::NotPositive { name, value: 0.0 }
                 });
+            }
+        }
+        let values = [
+            self.vocab_size,
+            self.d_model,
+            self.n_layers,
+            self.n_heads,
+            self.n_kv_heads(),
+            self.head_dim.unwrap_or(0),
+            self.d_ff,
+            self.max_seq_len,
+        ];
+        for ((name, limit), value) in LIMITS.into_iter().zip(values) {
+            if value as u64 > limit {
+                return Err(ConfigError::TooLarge { name, value: value as u64, limit });
             }
         }
         let n_kv = self.n_kv_heads();
@@ -216,6 +250,10 @@ impl ModelConfig {
             if !(value > 0.0 && value.is_finite()) {
                 return Err(ConfigError::NotPositive { name, value });
             }
+        }
+        let params = self.num_params();
+        if params > MAX_PARAMS {
+            return Err(ConfigError::TooLarge { name: "parameter count", value: params, limit: MAX_PARAMS });
         }
         Ok(())
     }

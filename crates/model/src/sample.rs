@@ -29,6 +29,29 @@ impl Default for SamplingConfig {
     }
 }
 
+impl SamplingConfig {
+    /// Checks every setting, so that a bad one is refused before a model is loaded rather than
+    /// sampled from: a NaN or negative temperature would make every probability NaN, a top-p of 0
+    /// or above 1 keeps no token or means nothing, and a penalty of 0 divides by zero.
+    pub fn validate(&self) -> Result<(), SampleError> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(SampleError::Temperature(self.temperature));
+        }
+        if self.top_k == Some(0) {
+            return Err(SampleError::TopK);
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(SampleError::TopP(p));
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(SampleError::RepetitionPenalty(self.repetition_penalty));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SampleError {
     #[error("temperature must be a finite number >= 0, found {0}")]
@@ -43,6 +66,40 @@ pub enum SampleError {
     EmptyPrompt,
     #[error("prompt {index} has {tokens} tokens, more than the model's context of {context}")]
     PromptTooLong { index: usize, tokens: usize, context: usize },
+    /// An id the embedding table has no row for: the tokenizer is not the model's.
+    #[error("prompt {index} has token id {id}, past the model's vocabulary of {vocab_size} ids")]
+    TokenPastVocab { index: usize, id: u32, vocab_size: usize },
+}
+
+impl SampleError {
+    /// The `SamplingConfig` field a settings error is about (`None` for errors about prompts).
+    pub fn setting(&self) -> Option<&'static str> {
+        match self {
+            Self::Temperature(_) => Some("temperature"),
+            Self::TopK => Some("top_k"),
+            Self::TopP(_) => Some("top_p"),
+            Self::RepetitionPenalty(_) => Some("repetition_penalty"),
+            Self::EmptyPrompt | Self::PromptTooLong { .. } | Self::TokenPastVocab { .. } => None,
+        }
+    }
+}
+
+/// Checks prompts against the model before anything runs: each is non-empty, fits the context of
+/// `context` positions, and has only ids below `vocab_size` (an id past the embedding table would
+/// index out of it).
+pub fn check_prompts(prompts: &[impl AsRef<[u32]>], context: usize, vocab_size: usize) -> Result<(), SampleError> {
+    for (index, p) in prompts.iter().map(AsRef::as_ref).enumerate() {
+        if p.is_empty() {
+            return Err(SampleError::EmptyPrompt);
+        }
+        if p.len() > context {
+            return Err(SampleError::PromptTooLong { index, tokens: p.len(), context });
+        }
+        if let Some(&id) = p.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(SampleError::TokenPastVocab { index, id, vocab_size });
+        }
+    }
+    Ok(())
 }
 
 /// A seeded sampler: the same seed and logits give the same tokens.
@@ -53,20 +110,7 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(config: SamplingConfig, seed: u64) -> Result<Self, SampleError> {
-        if !(config.temperature >= 0.0 && config.temperature.is_finite()) {
-            return Err(SampleError::Temperature(config.temperature));
-        }
-        if config.top_k == Some(0) {
-            return Err(SampleError::TopK);
-        }
-        if let Some(p) = config.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(SampleError::TopP(p));
-            }
-        }
-        if !(config.repetition_penalty > 0.0 && config.repetition_penalty.is_finite()) {
-            return Err(SampleError::RepetitionPenalty(config.repetition_penalty));
-        }
+        config.validate()?;
         Ok(Self { config, rng: ChaCha8Rng::seed_from_u64(seed) })
     }
 
@@ -150,9 +194,8 @@ pub fn generate<B: EmberBackend>(
     sampler: &mut Sampler,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<Vec<u32>, SampleError> {
-    if prompt.is_empty() {
-        return Err(SampleError::EmptyPrompt);
-    }
+    // Longer prompts are cropped to the window below; only emptiness and ids are errors here.
+    check_prompts(&[prompt], usize::MAX, model.config().vocab_size)?;
     let device = model.embed_tokens.device();
     let window = model.config().max_seq_len;
     let mut ids = prompt.to_vec();
@@ -197,14 +240,7 @@ pub fn generate_batch<B: EmberBackend>(
     mut on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Vec<u32>>, SampleError> {
     let context = model.config().max_seq_len;
-    for (index, p) in prompts.iter().enumerate() {
-        if p.is_empty() {
-            return Err(SampleError::EmptyPrompt);
-        }
-        if p.len() > context {
-            return Err(SampleError::PromptTooLong { index, tokens: p.len(), context });
-        }
-    }
+    check_prompts(prompts, context, model.config().vocab_size)?;
     assert_eq!(samplers.len(), prompts.len(), "one sampler per prompt");
     let n = prompts.len();
     let keep = (context * 3 / 4).max(1);
@@ -347,6 +383,40 @@ mod tests {
         assert!(bad(SamplingConfig { temperature: -1.0, ..Default::default() }).is_some());
         assert!(bad(SamplingConfig { top_p: Some(1.0), ..Default::default() }).is_none());
         assert!(bad(SamplingConfig { repetition_penalty: 0.0, ..Default::default() }).is_some());
+    }
+
+    #[test]
+    fn every_bad_setting_names_its_field() {
+        let bad = |c: SamplingConfig| c.validate().unwrap_err();
+        for (config, field) in [
+            (SamplingConfig { temperature: -1.0, ..Default::default() }, "temperature"),
+            (SamplingConfig { temperature: f32::NAN, ..Default::default() }, "temperature"),
+            (SamplingConfig { temperature: f32::INFINITY, ..Default::default() }, "temperature"),
+            (SamplingConfig { top_k: Some(0), ..Default::default() }, "top_k"),
+            (SamplingConfig { top_p: Some(f32::NAN), ..Default::default() }, "top_p"),
+            (SamplingConfig { top_p: Some(-0.5), ..Default::default() }, "top_p"),
+            (SamplingConfig { repetition_penalty: -1.0, ..Default::default() }, "repetition_penalty"),
+            (SamplingConfig { repetition_penalty: f32::NAN, ..Default::default() }, "repetition_penalty"),
+        ] {
+            let e = bad(config);
+            assert_eq!(e.setting(), Some(field), "{e}");
+            assert!(e.to_string().starts_with(field), "{e}");
+        }
+        assert!(SamplingConfig { temperature: 0.0, top_p: Some(1.0), ..Default::default() }.validate().is_ok());
+        assert_eq!(SampleError::EmptyPrompt.setting(), None);
+    }
+
+    #[test]
+    fn prompts_are_checked_against_context_and_vocabulary() {
+        assert!(check_prompts(&[vec![0, 9], vec![3]], 4, 10).is_ok());
+        assert_eq!(check_prompts(&[vec![1], vec![]], 4, 10), Err(SampleError::EmptyPrompt));
+        assert_eq!(
+            check_prompts(&[vec![1; 5]], 4, 10),
+            Err(SampleError::PromptTooLong { index: 0, tokens: 5, context: 4 })
+        );
+        let e = check_prompts(&[vec![1], vec![2, 10]], 4, 10).unwrap_err();
+        assert_eq!(e, SampleError::TokenPastVocab { index: 1, id: 10, vocab_size: 10 });
+        assert_eq!(e.to_string(), "prompt 1 has token id 10, past the model's vocabulary of 10 ids");
     }
 
     #[test]

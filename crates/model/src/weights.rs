@@ -24,6 +24,40 @@ pub enum WeightsError {
     Shape { source_name: String, key: String, expected: Vec<usize>, found: Vec<usize> },
 }
 
+/// Checks, before a model of `config` is allocated, that its weights can be what `files` hold
+/// (`file_bytes` in all: at least one byte a parameter, as in any float or 8-bit format) and that
+/// its f32 parameters fit in the memory the host has left. A config that describes a far bigger
+/// model than its files (a damaged or hostile `config.json`) is an error, not an abort.
+pub fn check_model_size(config: &crate::ModelConfig, files: &str, file_bytes: u64) -> Result<(), String> {
+    config.validate().map_err(|e| e.to_string())?;
+    let params = config.num_params();
+    if params > file_bytes {
+        return Err(format!(
+            "the config describes {params} parameters, but {files} hold only {file_bytes} bytes: \
+             the config does not belong to these weights"
+        ));
+    }
+    let need = params.saturating_mul(4);
+    if let Some(have) = host_available() {
+        if need > have {
+            return Err(format!(
+                "a model of {params} parameters needs {:.2} GiB in f32, more than the {:.2} GiB of memory available",
+                need as f64 / (1u64 << 30) as f64,
+                have as f64 / (1u64 << 30) as f64
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Memory the host can still give (`MemAvailable` of /proc/meminfo); `None` where unknown.
+pub fn host_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb.saturating_mul(1024))
+}
+
 /// Every float parameter of `module`, by path, in visiting order.
 pub fn named_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, TensorData)> {
     named_tensors_where::<B, M, _>(module, |_| true)

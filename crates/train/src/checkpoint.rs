@@ -115,7 +115,11 @@ fn step_dir_name(step: usize) -> String {
 /// Writes a checkpoint of `data.step` and makes it the latest; keeps the newest `keep`.
 pub fn save(run_dir: &Path, data: CheckpointData<'_>, keep: usize) -> Result<PathBuf, TrainError> {
     let root = run_dir.join(CHECKPOINTS);
-    std::fs::create_dir_all(&root).map_err(TrainError::io(&root))?;
+    if !root.is_dir() {
+        std::fs::create_dir_all(&root).map_err(TrainError::io(&root))?;
+        // `checkpoints/` itself must survive a power loss for the first checkpoint in it to.
+        sync_dir(run_dir)?;
+    }
     let name = step_dir_name(data.step);
     let tmp = root.join(format!(".{name}.tmp-{}", std::process::id()));
     if tmp.exists() {
@@ -304,8 +308,13 @@ impl Checkpoint {
     /// adapters attached).
     pub fn decoder<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
         if !self.is_adapter() {
-            let model = Decoder::empty(&self.model_config, device)?;
             let path = self.dir.join(MODEL_FILE);
+            // Sizes first: a model.toml that describes more than its weights file is refused
+            // before the model is allocated.
+            let bytes = std::fs::metadata(&path).map_err(TrainError::io(&path))?.len();
+            ember_model::weights::check_model_size(&self.model_config, &path.display().to_string(), bytes)
+                .map_err(|message| TrainError::Checkpoint { path: self.dir.join(MODEL_CONFIG_FILE), message })?;
+            let model = Decoder::empty(&self.model_config, device)?;
             return Ok(assign(model, read_tensors(&path)?, &path.display().to_string(), false)?);
         }
         let config = self.train_config()?;
@@ -455,15 +464,19 @@ fn process_gone(pid: u32) -> Option<bool> {
     Some(!Path::new("/proc").join(pid.to_string()).exists())
 }
 
-/// Writes `checkpoints/latest` when it is missing but complete step folders exist: a process killed
-/// after renaming its first checkpoint into place and before writing `latest` left one (a folder is
-/// renamed into place only when complete). Without this the run would be stuck: a checkpoint to
-/// keep, so no restart, and no `latest`, so no resume. The newest folder that opens is named.
+/// Writes `checkpoints/latest` when it is missing, or names no checkpoint folder, but complete step
+/// folders exist. A process killed after renaming its first checkpoint into place and before writing
+/// `latest` leaves the first case (a folder is renamed into place only when complete); one killed
+/// while replacing the very folder `latest` names (`.step-N.old-PID`) the second. Without this the
+/// run would be stuck: a checkpoint to keep, so no restart, and no usable `latest`, so no resume.
+/// The newest folder that opens is named.
 fn recover_latest(run_dir: &Path) -> Result<(), TrainError> {
     let root = run_dir.join(CHECKPOINTS);
     let latest = root.join(LATEST);
-    if latest.exists() {
-        return Ok(());
+    if let Ok(name) = std::fs::read_to_string(&latest) {
+        if root.join(name.trim()).join(MODEL_CONFIG_FILE).is_file() {
+            return Ok(());
+        }
     }
     let Ok(entries) = std::fs::read_dir(&root) else { return Ok(()) };
     let mut steps: Vec<(u64, String)> = entries
@@ -477,7 +490,11 @@ fn recover_latest(run_dir: &Path) -> Result<(), TrainError> {
         match Checkpoint::open(&dir) {
             Ok(_) => {
                 ember_data::write_atomic(&latest, name.as_bytes())?;
-                tracing::warn!(dir = %dir.display(), "{} was missing (a run killed while checkpointing); it now names {name}", latest.display());
+                tracing::warn!(
+                    dir = %dir.display(),
+                    "{} was missing or named no checkpoint (a run killed while checkpointing); it now names {name}",
+                    latest.display()
+                );
                 return Ok(());
             }
             Err(e) => tracing::warn!(dir = %dir.display(), "not naming it in {LATEST}: {e}"),
@@ -599,6 +616,10 @@ mod tests {
         tidy_run_dir(run).unwrap();
         assert!(has_checkpoint(run));
         assert_eq!(std::fs::read_to_string(run.join(CHECKPOINTS).join(LATEST)).unwrap(), "step-000002");
+        // A latest naming a folder that is gone.
+        std::fs::write(run.join(CHECKPOINTS).join(LATEST), "step-000007").unwrap();
+        tidy_run_dir(run).unwrap();
+        assert_eq!(std::fs::read_to_string(run.join(CHECKPOINTS).join(LATEST)).unwrap(), "step-000002");
         // Nothing to recover from: no latest is made up.
         let empty = tempfile::tempdir().unwrap();
         tidy_run_dir(empty.path()).unwrap();
@@ -616,7 +637,8 @@ mod tests {
         let at = |prefix: &str| {
             events.iter().position(|e| e.starts_with(prefix)).unwrap_or_else(|| panic!("no `{prefix}` in {events:?}"))
         };
-        let files: Vec<usize> = events.iter().enumerate().filter(|(_, e)| e.starts_with("file ")).map(|(i, _)| i).collect();
+        let files: Vec<usize> =
+            events.iter().enumerate().filter(|(_, e)| e.starts_with("file ")).map(|(i, _)| i).collect();
         assert_eq!(files.len(), 3, "{events:?}");
         let tmp = format!(".step-000002.tmp-{}", std::process::id());
         let (sync_tmp, rename) = (at(&format!("sync {tmp}")), at(&format!("rename {tmp} step-000002")));

@@ -282,7 +282,16 @@ impl TrainConfig {
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, TrainError> {
         let syntax = |e: toml::de::Error| TrainError::Config {
             path: path.into(),
-            message: e.message().to_string(),
+            message: match e.span() {
+                // 1-based line and column of the fault, as editors count them.
+                Some(span) => {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                    format!("line {line}, column {column}: {}", e.message())
+                }
+                None => e.message().to_string(),
+            },
             key: toml_key(text, e.span()),
         };
         let mut raw: toml::Table = toml::from_str(text).map_err(syntax)?;
@@ -391,6 +400,20 @@ impl TrainConfig {
         ] {
             if v == 0 {
                 return Err(format!("{name} must be at least 1, found 0"));
+            }
+        }
+        // Bounds that keep every product of sizes (tokens per step, memory estimates, evaluation
+        // work) far from overflow, each far above any sensible run.
+        for (name, v, limit) in [
+            ("train.batch_size", t.batch_size, 1 << 20),
+            ("train.grad_accum_steps", t.grad_accum_steps, 1 << 20),
+            ("train.max_steps", t.max_steps, 1 << 40),
+            ("train.eval_iters", t.eval_iters, 1 << 20),
+            ("train.keep_checkpoints", t.keep_checkpoints, 1 << 20),
+            ("metrics.sample_tokens", self.metrics.sample_tokens, 1 << 20),
+        ] {
+            if v > limit {
+                return Err(format!("{name} = {v} is larger than ember's limit of {limit}"));
             }
         }
         if self.seq_len() == 0 || self.seq_len() > self.model.max_seq_len {

@@ -66,6 +66,23 @@ pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, T
         DataFormat::Text => {
             let root: &Path = &locations.cache_dir.join("prepared");
             let data = prepare_cached(&path, &spec, val_fraction, root)?;
+            // Shards (cached ones too) are checked against the tokenizer that will be trained with:
+            // an id past its vocabulary would index past the embedding table.
+            let vocab = data.tokenizer.vocab_size();
+            for (file, shard) in
+                [(ember_data::prepare::TRAIN_FILE, &data.train), (ember_data::prepare::VAL_FILE, &data.val)]
+            {
+                if let Some(&id) = shard.tokens.iter().find(|&&id| id as usize >= vocab) {
+                    return Err(DataError::Shard {
+                        path: data.dir.join(file),
+                        message: format!(
+                            "holds token id {id}, past the tokenizer's vocabulary of {vocab}; delete {} to prepare the data again",
+                            data.dir.display()
+                        ),
+                    }
+                    .into());
+                }
+            }
             let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
             let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
             Ok(LoadedData { tokenizer: data.tokenizer, tokenizer_dir, train, val })

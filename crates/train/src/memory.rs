@@ -23,12 +23,15 @@ pub struct MemoryEstimate {
 /// copies of the GEMM inputs besides (counted as half again, in 2 bytes). The tiled loss adds a
 /// `[D, V]` gradient and one tile.
 pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
+    // In u128 and saturated: every size is bounded by validation, but a product of bounds may still
+    // pass 2^64, and a wrapped estimate would wave a config through.
     let m = &config.model;
-    let (d, f, l) = (m.d_model as u64, m.d_ff as u64, m.n_layers as u64);
-    let (h, k, dh) = (m.n_heads as u64, m.n_kv_heads() as u64, m.head_dim() as u64);
-    let (b, t) = (config.train.batch_size as u64, config.seq_len() as u64);
+    let (d, f, l) = (m.d_model as u128, m.d_ff as u128, m.n_layers as u128);
+    let (h, k, dh) = (m.n_heads as u128, m.n_kv_heads() as u128, m.head_dim() as u128);
+    let (b, t) = (config.train.batch_size as u128, config.seq_len() as u128);
     let tokens = b * t;
-    let n = m.num_params();
+    let n = m.num_params() as u128;
+    let trainable = trainable as u128;
     let per_token_layer = 3 * d + 2 * h * dh + 3 * k * dh + 2 * h * dh + 4 * f + d + 2 * h * t;
     let mut act = 4 * tokens * l * per_token_layer;
     if config.train.precision != crate::config::Precision::F32 {
@@ -37,25 +40,23 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
     if config.train.activation_checkpointing {
         act /= 2; // elementwise outputs are recomputed; GEMM outputs and scores stay
     }
-    let loss = 4 * (d * m.vocab_size as u64 + 3 * (8 << 20));
+    let loss = 4 * (d * m.vocab_size as u128 + 3 * (8 << 20));
+    let sat = |x: u128| u64::try_from(x).unwrap_or(u64::MAX);
     let mut terms = vec![
-        ("weights (f32)".to_string(), 4 * n),
-        ("gradients".to_string(), 4 * trainable),
-        ("AdamW moments".to_string(), 8 * trainable),
-        (format!("activations ({b}×{t} tokens, {l} layers)"), act),
-        ("LM head + loss (weight gradient, one tile)".to_string(), loss),
+        ("weights (f32)".to_string(), sat(4 * n)),
+        ("gradients".to_string(), sat(4 * trainable)),
+        ("AdamW moments".to_string(), sat(8 * trainable)),
+        (format!("activations ({b}×{t} tokens, {l} layers)"), sat(act)),
+        ("LM head + loss (weight gradient, one tile)".to_string(), sat(loss)),
     ];
     terms.sort_by_key(|t| std::cmp::Reverse(t.1));
-    let total = terms.iter().map(|(_, v)| v).sum();
+    let total = terms.iter().fold(0u64, |acc, (_, v)| acc.saturating_add(*v));
     MemoryEstimate { terms, total }
 }
 
 /// Memory the CPU can still give (`MemAvailable` of /proc/meminfo).
 pub fn host_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
+    ember_model::weights::host_available()
 }
 
 pub fn gib(bytes: u64) -> String {

@@ -89,6 +89,8 @@ pub fn train<B: TrainBackend>(
     let schedule = LrSchedule::from_config(config);
     let dtype = resolve_dtype::<B>(device, config);
 
+    // Before any weight is allocated: a config too big for the device is an error, not an abort.
+    check_fits(config, opts.memory_available)?;
     let (model, mut optim, mut state) = if opts.resume {
         // Leftovers of killed writers are cleared first, so that what is checked is what resuming
         // reads. A run without a checkpoint (killed before its first) has nothing to resume and
@@ -115,7 +117,6 @@ pub fn train<B: TrainBackend>(
         (model, AdamW::<B>::new(config.optim.clone()), state)
     };
     let mut model = model.with_compute_dtype(dtype);
-    check_fits(config, &model, opts.memory_available)?;
     std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
     ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
     setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
@@ -285,14 +286,9 @@ pub fn train<B: TrainBackend>(
     })
 }
 
-/// Fails before the first step when the estimated memory of the run exceeds what the device has.
-fn check_fits<B: TrainBackend>(
-    config: &TrainConfig,
-    model: &Decoder<B>,
-    available: Option<u64>,
-) -> Result<(), TrainError> {
-    let trainable = trainable_params(model);
-    let e = crate::memory::estimate(config, trainable);
+/// Fails before the model is built when the estimated memory of the run exceeds what the device has.
+fn check_fits(config: &TrainConfig, available: Option<u64>) -> Result<(), TrainError> {
+    let e = crate::memory::estimate(config, trainable_params(config));
     let terms = e.terms.iter().map(|(k, v)| format!("{k} {}", crate::memory::gib(*v))).collect::<Vec<_>>().join(", ");
     tracing::info!("estimated training memory {} ({terms})", crate::memory::gib(e.total));
     match available {
@@ -303,19 +299,25 @@ fn check_fits<B: TrainBackend>(
     }
 }
 
-/// Parameters that receive gradients (all of them, or the LoRA adapters).
-fn trainable_params<B: TrainBackend>(model: &Decoder<B>) -> u64 {
-    struct Count(u64);
-    impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for Count {
-        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<burn::tensor::Tensor<B, D>>) {
-            if p.val().is_require_grad() {
-                self.0 += p.shape().num_elements() as u64;
-            }
-        }
-    }
-    let mut c = Count(0);
-    burn::module::Module::visit(model, &mut c);
-    c.0
+/// Parameters that receive gradients, from the config alone: all of them, or the LoRA adapters
+/// (`r·(d_in + d_out)` per adapted projection and layer).
+fn trainable_params(config: &TrainConfig) -> u64 {
+    let m = &config.model;
+    let Some(lora) = &config.lora else { return m.num_params() };
+    let (d, f) = (m.d_model as u64, m.d_ff as u64);
+    let (q, kv) = ((m.n_heads * m.head_dim()) as u64, (m.n_kv_heads() * m.head_dim()) as u64);
+    let per_layer: u64 = lora
+        .targets
+        .iter()
+        .map(|t| match t.as_str() {
+            "q_proj" => d + q,
+            "k_proj" | "v_proj" => d + kv,
+            "o_proj" => q + d,
+            "gate_proj" | "up_proj" | "down_proj" => d + f,
+            _ => 0,
+        })
+        .sum();
+    lora.rank as u64 * per_layer * m.n_layers as u64
 }
 
 fn open_sinks(
@@ -353,15 +355,42 @@ fn sample_text<B: ember_model::ops::EmberBackend>(
             return None;
         }
     };
-    let mut sampler = [Sampler::new(SamplingConfig::default(), seed).expect("default sampling settings are valid")];
+    let mut sampler = [Sampler::new(SamplingConfig::default(), seed).ok()?];
     let options = GenerateOptions {
         max_new_tokens: config.sample_tokens,
         stop_tokens: tokenizer.eos_id().into_iter().collect(),
         block_size: 16,
     };
     let prompt = prompt[prompt.len().saturating_sub(model.config().max_seq_len)..].to_vec();
-    let ids = generate_batch(model, &[prompt], &options, &mut sampler, |_, _| true).ok()?.remove(0);
-    tokenizer.decode(&ids).ok()
+    // A sample is a nicety of the evaluation: whatever goes wrong (a prompt id past the model's
+    // vocabulary, a decoder that fails), the run goes on without it, and nothing here panics.
+    let ids = match generate_batch(model, std::slice::from_ref(&prompt), &options, &mut sampler, |_, _| true) {
+        Ok(mut ids) => ids.remove(0),
+        Err(e) => {
+            tracing::warn!("no evaluation sample: {e}");
+            return None;
+        }
+    };
+    // Decoded as `ember sample` streams it: after the prompt (so SentencePiece's leading-space strip
+    // does not eat the first new space), up to the end-of-text token, special tokens left out, in
+    // O(1) work per token.
+    let eos = tokenizer.eos_id();
+    let decode = || -> Result<String, ember_data::DataError> {
+        let mut stream = tokenizer.decode_stream(&prompt);
+        let mut text = String::new();
+        for &id in ids.iter().take_while(|&&id| Some(id) != eos) {
+            text.push_str(&stream.step(id)?);
+        }
+        text.push_str(&stream.finish()?);
+        Ok(text)
+    };
+    match decode() {
+        Ok(text) => Some(text),
+        Err(e) => {
+            tracing::warn!("no evaluation sample: {e}");
+            None
+        }
+    }
 }
 
 /// The GEMM dtype for the config's precision on this device, said out loud when it differs.

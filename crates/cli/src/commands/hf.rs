@@ -65,8 +65,13 @@ fn parse_size(s: &str) -> Result<u64, String> {
         .iter()
         .find_map(|(suffix, m)| s.strip_suffix(suffix).map(|n| (n, *m)))
         .unwrap_or((s, 1.0));
+    // Below a kilobyte every tensor would get a shard of its own: surely a typo for a larger unit.
+    const MIN: f64 = 1e3;
     match num.trim().parse::<f64>() {
-        Ok(v) if v > 0.0 => Ok((v * mult) as u64),
+        Ok(v) if v.is_finite() && v * mult >= MIN => Ok((v * mult) as u64),
+        Ok(v) if v.is_finite() && v > 0.0 => {
+            Err(format!("`{s}` is {} bytes, below the smallest shard size of 1KB", (v * mult) as u64))
+        }
         _ => Err(format!("`{s}`: expected a size such as 5GB, 500MB or 1000000")),
     }
 }

@@ -4,9 +4,11 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
+use ember_data::tokenizer::DecodeStream;
 use ember_data::Tokenizer;
 use ember_model::ops::TrainBackend;
-use ember_model::sample::{generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_model::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_train::checkpoint::{MODEL_CONFIG_FILE, TOKENIZER_FILE};
 use ember_train::Checkpoint;
 
 use crate::backend::{dispatch, DeviceSpec, Job};
@@ -19,21 +21,24 @@ pub struct SampleArgs {
     /// Text to continue; repeat for a batch of prompts generated together.
     #[arg(long, default_values_t = vec!["\n".to_string()])]
     prompt: Vec<String>,
+    /// New tokens per prompt, at most 1,048,576; past the model's context, the context slides.
     #[arg(long, default_value_t = 500)]
     max_new_tokens: usize,
-    /// Softmax temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    /// Softmax temperature; 0 is greedy. (Negative numbers parse as values, so that `--temperature -1`
+    /// is refused by the range check, naming the flag, rather than read as an unknown flag.)
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample among the K most likely tokens; 0 keeps all.
     #[arg(long, default_value_t = 200)]
     top_k: usize,
     /// Sample among the most likely tokens holding this much probability, in (0, 1].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     top_p: Option<f32>,
     /// Penalise tokens already in the sequence (1 is off; 1.1 to 1.3 are common).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
-    /// Stop a sequence when its text contains this string (repeatable); the string is not printed.
+    /// Stop a sequence when its text contains this (non-empty) string (repeatable); the string is not
+    /// printed.
     #[arg(long)]
     stop: Vec<String>,
     #[arg(long, default_value_t = 1337)]
@@ -41,7 +46,7 @@ pub struct SampleArgs {
     /// Recompute the whole context for every token instead of using the KV cache (one prompt only).
     #[arg(long)]
     no_cache: bool,
-    /// Positions per KV-cache block.
+    /// Positions per KV-cache block, from 1 to the model's max_seq_len.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// cpu, wgpu[:N] or cuda[:N].
@@ -49,84 +54,203 @@ pub struct SampleArgs {
     device: DeviceSpec,
 }
 
-/// The text of one sequence as it grows, holding back what could still turn out to be the start of a
-/// stop string.
+/// Most new tokens a sequence may ask for. A sequence that fills the model's context goes on from
+/// the end of it (see `generate_batch`), so the model itself sets no limit, and the README's default
+/// job asks for 500 tokens of a 64-position model; this bound only turns a mistyped count, which
+/// would run for days while its history grows, into an error.
+const MAX_NEW_TOKENS: usize = 1 << 20;
+
+impl SampleArgs {
+    /// Checks the flags that need no checkpoint, before one is opened.
+    fn sampling_config(&self) -> anyhow::Result<SamplingConfig> {
+        if self.stop.iter().any(String::is_empty) {
+            anyhow::bail!(
+                "--stop '': an empty stop string is found before the first token and would end every \
+                 sequence at once; give a non-empty string"
+            );
+        }
+        anyhow::ensure!(
+            self.max_new_tokens <= MAX_NEW_TOKENS,
+            "--max-new-tokens {} is more than the limit of {MAX_NEW_TOKENS} new tokens per sequence",
+            self.max_new_tokens
+        );
+        let config = SamplingConfig {
+            temperature: self.temperature,
+            top_k: (self.top_k > 0).then_some(self.top_k),
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+        };
+        config.validate().map_err(|e| {
+            let flag = match e.setting() {
+                Some("temperature") => format!("--temperature {}", self.temperature),
+                Some("top_k") => format!("--top-k {}", self.top_k),
+                Some("top_p") => format!("--top-p {}", self.top_p.unwrap_or(f32::NAN)),
+                Some("repetition_penalty") => format!("--repetition-penalty {}", self.repetition_penalty),
+                _ => return anyhow::Error::from(e),
+            };
+            anyhow::anyhow!("{flag}: {e}")
+        })?;
+        Ok(config)
+    }
+}
+
+/// Checks that every id of the checkpoint's tokenizer has a row in the model's embedding table: a
+/// tokenizer from another model (or one given added tokens after training) would otherwise encode
+/// prompts, or name an end-of-text id, that the model cannot look up.
+fn check_tokenizer_fits(checkpoint: &Checkpoint) -> anyhow::Result<()> {
+    let vocab_size = checkpoint.model_config.vocab_size;
+    let path = checkpoint.dir.join(TOKENIZER_FILE);
+    let Some((id, token)) = highest_id(&checkpoint.tokenizer).with_context(|| format!("{}", path.display()))? else {
+        return Ok(());
+    };
+    anyhow::ensure!(
+        (id as usize) < vocab_size,
+        "{}: token {token:?} has id {id} (the tokenizer has {} ids), past the model's vocabulary: \
+         {MODEL_CONFIG_FILE} has vocab_size {vocab_size}; the tokenizer does not belong to these weights",
+        path.display(),
+        checkpoint.tokenizer.vocab_size()
+    );
+    Ok(())
+}
+
+/// The highest id of a tokenizer (model vocabulary and added tokens) and its token, read from its
+/// JSON form: ids need not be contiguous, so the count of ids is not enough.
+fn highest_id(tokenizer: &Tokenizer) -> anyhow::Result<Option<(u32, String)>> {
+    let json: serde_json::Value = serde_json::from_str(&tokenizer.to_json()?)?;
+    let mut ids: Vec<(u64, String)> = Vec::new();
+    match &json["model"]["vocab"] {
+        // BPE, WordLevel, WordPiece: token -> id.
+        serde_json::Value::Object(vocab) => {
+            ids.extend(vocab.iter().filter_map(|(token, id)| Some((id.as_u64()?, token.clone()))))
+        }
+        // Unigram: [[piece, score], ...], ids in order.
+        serde_json::Value::Array(pieces) => ids.extend(
+            pieces
+                .iter()
+                .enumerate()
+                .map(|(i, piece)| (i as u64, piece.get(0).and_then(|p| p.as_str()).unwrap_or_default().to_string())),
+        ),
+        _ => {}
+    }
+    if let Some(added) = json["added_tokens"].as_array() {
+        ids.extend(added.iter().filter_map(|t| Some((t["id"].as_u64()?, t["content"].as_str()?.to_string()))));
+    }
+    Ok(ids.into_iter().max_by_key(|(id, _)| *id).map(|(id, token)| (u32::try_from(id).unwrap_or(u32::MAX), token)))
+}
+
+/// The text of one sequence as it grows: decoded incrementally (O(1) work per token, whatever the
+/// tokenizer's decoder does), with the tail that could still be the start of a stop string held back.
 struct Stream<'a> {
-    tokenizer: &'a Tokenizer,
+    decoder: DecodeStream<'a>,
+    eos: Option<u32>,
     stops: &'a [String],
-    ids: Vec<u32>,
-    text: String,
-    /// Bytes of `text` already handed out.
-    emitted: usize,
+    /// Decoded text not handed out yet: the longest tail that is a prefix of some stop string.
+    held: String,
+    /// The sequence is over (end-of-text, a stop string, or a decoding error); nothing more comes out.
     stopped: bool,
+    error: Option<ember_data::DataError>,
 }
 
 impl<'a> Stream<'a> {
-    fn new(tokenizer: &'a Tokenizer, stops: &'a [String]) -> Self {
-        Self { tokenizer, stops, ids: Vec::new(), text: String::new(), emitted: 0, stopped: false }
+    /// A stream for the tokens after `prompt`, which is the decoder's left context.
+    fn new(tokenizer: &'a Tokenizer, prompt: &[u32], stops: &'a [String]) -> Self {
+        Self {
+            decoder: tokenizer.decode_stream(prompt),
+            eos: tokenizer.eos_id(),
+            stops,
+            held: String::new(),
+            stopped: false,
+            error: None,
+        }
     }
 
-    /// Adds a token; returns the text that is now final, and whether a stop string ended the sequence.
+    /// Adds a token; returns the text that is now final, and whether the sequence is over.
     fn push(&mut self, id: u32) -> (String, bool) {
-        if self.tokenizer.eos_id() == Some(id) {
+        if self.stopped {
             return (String::new(), true);
         }
-        self.ids.push(id);
-        let Ok(text) = self.tokenizer.decode(&self.ids) else { return (String::new(), false) };
-        if text.ends_with('\u{fffd}') {
-            return (String::new(), false); // a multi-byte character still incomplete
+        if self.eos == Some(id) {
+            return (self.finish(), true);
         }
-        self.text = text;
-        if let Some(cut) = self.stops.iter().filter_map(|s| self.text.find(s.as_str())).min() {
-            self.text.truncate(cut);
-            self.stopped = true;
+        match self.decoder.step(id) {
+            Ok(chunk) => {
+                let out = self.accept(&chunk, false);
+                (out, self.stopped)
+            }
+            Err(e) => {
+                self.error = Some(e);
+                self.stopped = true;
+                (std::mem::take(&mut self.held), true)
+            }
         }
-        let hold =
-            if self.stopped { 0 } else { self.stops.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0) };
-        let mut end = self.text.len().saturating_sub(hold).max(self.emitted);
-        while !self.text.is_char_boundary(end) {
-            end -= 1;
-        }
-        let out = self.text[self.emitted..end].to_string();
-        self.emitted = end;
-        (out, self.stopped)
     }
 
-    /// The rest, once the sequence is over.
+    /// The rest, once the sequence is over: held-back text and an incomplete last character.
     fn finish(&mut self) -> String {
-        let out = self.text[self.emitted..].to_string();
-        self.emitted = self.text.len();
+        if self.stopped {
+            return std::mem::take(&mut self.held);
+        }
+        let out = match self.decoder.finish() {
+            Ok(chunk) => self.accept(&chunk, true),
+            Err(e) => {
+                self.error = Some(e);
+                std::mem::take(&mut self.held)
+            }
+        };
+        self.stopped = true;
         out
+    }
+
+    /// Appends decoded text; returns what can be handed out. Only the held tail (shorter than the
+    /// longest stop string) and the new chunk are searched, so stops cost O(1) per token too; a stop
+    /// string cannot start in text already handed out, since that text was not a prefix of one.
+    fn accept(&mut self, chunk: &str, last: bool) -> String {
+        self.held.push_str(chunk);
+        if let Some(cut) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+            self.held.truncate(cut);
+            self.stopped = true;
+            return std::mem::take(&mut self.held);
+        }
+        if last {
+            return std::mem::take(&mut self.held);
+        }
+        let held = &self.held;
+        let keep_from = held
+            .char_indices()
+            .map(|(i, _)| i)
+            .find(|&i| self.stops.iter().any(|s| s.starts_with(&held[i..])))
+            .unwrap_or(held.len());
+        let rest = self.held.split_off(keep_from);
+        std::mem::replace(&mut self.held, rest)
+    }
+
+    /// The decoding error that ended the sequence, if one did.
+    fn check(&mut self, index: usize) -> anyhow::Result<()> {
+        match self.error.take() {
+            Some(e) => Err(anyhow::Error::from(e).context(format!("decoding the text of prompt {index}"))),
+            None => Ok(()),
+        }
     }
 }
 
+/// What `ember sample` runs, every flag checked against the checkpoint before the model is loaded.
 struct SampleJob {
     args: SampleArgs,
     checkpoint: Checkpoint,
+    config: SamplingConfig,
+    prompts: Vec<Vec<u32>>,
 }
 
 impl Job for SampleJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
-        let Self { args, checkpoint } = self;
+        let Self { args, checkpoint, config, prompts } = self;
         let tokenizer = &checkpoint.tokenizer;
-        let prompts = args
-            .prompt
-            .iter()
-            .enumerate()
-            .map(|(i, p)| tokenizer.encode(p).with_context(|| format!("encoding prompt {i}")))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let config = SamplingConfig {
-            temperature: args.temperature,
-            top_k: (args.top_k > 0).then_some(args.top_k),
-            top_p: args.top_p,
-            repetition_penalty: args.repetition_penalty,
-        };
         let mut samplers = (0..prompts.len())
             .map(|i| Sampler::new(config.clone(), args.seed.wrapping_add(i as u64)))
             .collect::<Result<Vec<_>, _>>()?;
         let model = checkpoint.decoder::<B::InnerBackend>(&device)?;
-        let mut streams: Vec<Stream> = prompts.iter().map(|_| Stream::new(tokenizer, &args.stop)).collect();
+        let mut streams: Vec<Stream> = prompts.iter().map(|p| Stream::new(tokenizer, p, &args.stop)).collect();
         let mut out = std::io::stdout().lock();
 
         if prompts.len() == 1 {
@@ -151,13 +275,20 @@ impl Job for SampleJob {
                 return Err(e.into());
             }
             writeln!(out, "{}", streams[0].finish())?;
-            return Ok(());
+            return streams[0].check(0);
         }
-        anyhow::ensure!(!args.no_cache, "--no-cache generates one prompt at a time; give a single --prompt");
-        generate_batch(&model, &prompts, &options(&args, tokenizer), &mut samplers, |b, id| !streams[b].push(id).1)?;
+        let mut texts = vec![String::new(); prompts.len()];
+        generate_batch(&model, &prompts, &options(&args, tokenizer), &mut samplers, |b, id| {
+            let (text, stopped) = streams[b].push(id);
+            texts[b].push_str(&text);
+            !stopped
+        })?;
         for (i, (prompt, stream)) in args.prompt.iter().zip(&mut streams).enumerate() {
-            stream.finish();
-            writeln!(out, "=== {i} ===\n{prompt}{}", stream.text)?;
+            texts[i].push_str(&stream.finish());
+            writeln!(out, "=== {i} ===\n{prompt}{}", texts[i])?;
+        }
+        for (i, stream) in streams.iter_mut().enumerate() {
+            stream.check(i)?;
         }
         Ok(())
     }
@@ -167,13 +298,35 @@ fn options(args: &SampleArgs, tokenizer: &Tokenizer) -> GenerateOptions {
     GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         stop_tokens: tokenizer.eos_id().into_iter().collect(),
-        block_size: args.block_size.max(1),
+        block_size: args.block_size,
     }
 }
 
 pub fn run(args: SampleArgs) -> anyhow::Result<()> {
+    let config = args.sampling_config()?;
+    anyhow::ensure!(
+        args.prompt.len() == 1 || !args.no_cache,
+        "--no-cache generates one prompt at a time; give a single --prompt"
+    );
     // The error names the folder.
     let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let context = checkpoint.model_config.max_seq_len;
+    anyhow::ensure!(
+        (1..=context).contains(&args.block_size),
+        "--block-size {} must be in 1..={context} (the model's max_seq_len)",
+        args.block_size
+    );
+    check_tokenizer_fits(&checkpoint)?;
+    let tokenizer = &checkpoint.tokenizer;
+    let prompts = args
+        .prompt
+        .iter()
+        .enumerate()
+        .map(|(i, p)| tokenizer.encode(p).with_context(|| format!("encoding prompt {i}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Without the cache a long prompt is cropped to the context; with it, it must fit.
+    let limit = if args.no_cache { usize::MAX } else { context };
+    check_prompts(&prompts, limit, checkpoint.model_config.vocab_size)?;
     let device = args.device;
-    dispatch(device, false, SampleJob { args, checkpoint })
+    dispatch(device, false, SampleJob { args, checkpoint, config, prompts })
 }

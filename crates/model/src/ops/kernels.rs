@@ -416,8 +416,20 @@ pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
             let mut o = vec![0.0f32; t * dh];
             for (r0, r1) in causal_blocks(t) {
                 let m = r1 - r0;
+                // Keys before `k0` are in earlier documents for every query of the block: skipped.
+                let k0 = (r0..r1).map(|i| s.first_key(b, i)).min().unwrap_or(0);
                 let sc = &mut scores[..m * t];
-                matmul((m, r1, dh), sc, t, false, &qb[r0 * w..], (w, 1), kb, (1, w), s.scale);
+                matmul(
+                    (m, r1 - k0, dh),
+                    &mut sc[k0..],
+                    t,
+                    false,
+                    &qb[r0 * w..],
+                    (w, 1),
+                    &kb[k0 * w..],
+                    (1, w),
+                    s.scale,
+                );
                 for i in r0..r1 {
                     let row = &mut sc[(i - r0) * t..(i - r0) * t + r1];
                     let lo = s.first_key(b, i);
@@ -426,11 +438,12 @@ pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
                     let sum = lanes_sum(&row[lo..=i]);
                     let inv = 1.0 / sum;
                     row[lo..=i].iter_mut().for_each(|p| *p *= inv);
-                    row[..lo].iter_mut().for_each(|p| *p = 0.0);
+                    row[k0..lo].iter_mut().for_each(|p| *p = 0.0);
                     row[i + 1..].iter_mut().for_each(|p| *p = 0.0);
                     lse[i] = max + sum.ln();
                 }
-                matmul((m, dh, r1), &mut o[r0 * dh..r1 * dh], dh, false, sc, (t, 1), vb, (w, 1), 1.0);
+                let (o_blk, v_blk) = (&mut o[r0 * dh..r1 * dh], &vb[k0 * w..]);
+                matmul((m, dh, r1 - k0), o_blk, dh, false, &sc[k0..], (t, 1), v_blk, (w, 1), 1.0);
             }
             (o, lse)
         })
@@ -480,28 +493,34 @@ pub fn attention_backward(qkv: &[f32], (o, lse): (&[f32], &[f32]), d_o: &[f32], 
                 let dqg = &mut dq[g * t * dh..(g + 1) * t * dh];
                 for (r0, r1) in causal_blocks(t) {
                     let m = r1 - r0;
+                    // Columns `k0..r1` only: earlier keys are in other documents for the whole block.
+                    let k0 = (r0..r1).map(|i| s.first_key(b, i)).min().unwrap_or(0);
+                    let n = r1 - k0;
                     let (p, dp) = (&mut p[..m * t], &mut dp[..m * t]);
                     let (q_blk, do_blk) = (&qb[r0 * w..], &dob[r0 * o_rs..]);
-                    matmul((m, r1, dh), p, t, false, q_blk, (w, 1), kb, (1, w), s.scale);
+                    let (k_blk, v_blk) = (&kb[k0 * w..], &vb[k0 * w..]);
+                    matmul((m, n, dh), &mut p[k0..], t, false, q_blk, (w, 1), k_blk, (1, w), s.scale);
                     for i in r0..r1 {
                         let (row, l, lo) = (&mut p[(i - r0) * t..(i - r0) * t + r1], lse[i], s.first_key(b, i));
                         row[lo..=i].iter_mut().for_each(|x| *x = exp(*x - l));
-                        row[..lo].iter_mut().for_each(|x| *x = 0.0);
+                        row[k0..lo].iter_mut().for_each(|x| *x = 0.0);
                         row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
                     }
-                    matmul((r1, dh, m), &mut dv[..r1 * dh], dh, true, p, (1, t), do_blk, (o_rs, 1), 1.0);
-                    matmul((m, r1, dh), dp, t, false, do_blk, (o_rs, 1), vb, (1, w), 1.0);
+                    let dv_blk = &mut dv[k0 * dh..r1 * dh];
+                    matmul((n, dh, m), dv_blk, dh, true, &p[k0..], (1, t), do_blk, (o_rs, 1), 1.0);
+                    matmul((m, n, dh), &mut dp[k0..], t, false, do_blk, (o_rs, 1), v_blk, (1, w), 1.0);
                     for i in r0..r1 {
                         let (o_i, do_i) = (&ob[i * o_rs..i * o_rs + dh], &dob[i * o_rs..i * o_rs + dh]);
                         let delta = lanes_dot(o_i, do_i);
                         let at = (i - r0) * t;
-                        let (ds, p_row) = (&mut dp[at..at + r1], &p[at..at + i + 1]);
+                        let (ds, p_row) = (&mut dp[at + k0..at + r1], &p[at + k0..at + i + 1]);
                         // P is zero outside the query's keys, so dS is too.
-                        ds[..=i].iter_mut().zip(p_row).for_each(|(d, &p)| *d = p * (*d - delta));
-                        ds[i + 1..].iter_mut().for_each(|x| *x = 0.0);
+                        ds[..=i - k0].iter_mut().zip(p_row).for_each(|(d, &p)| *d = p * (*d - delta));
+                        ds[i + 1 - k0..].iter_mut().for_each(|x| *x = 0.0);
                     }
-                    matmul((m, dh, r1), &mut dqg[r0 * dh..r1 * dh], dh, false, dp, (t, 1), kb, (w, 1), s.scale);
-                    matmul((r1, dh, m), &mut dk[..r1 * dh], dh, true, dp, (1, t), q_blk, (w, 1), s.scale);
+                    let dq_blk = &mut dqg[r0 * dh..r1 * dh];
+                    matmul((m, dh, n), dq_blk, dh, false, &dp[k0..], (t, 1), k_blk, (w, 1), s.scale);
+                    matmul((n, dh, m), &mut dk[k0 * dh..r1 * dh], dh, true, &dp[k0..], (1, t), q_blk, (w, 1), s.scale);
                 }
             }
             (dq, dk, dv)

@@ -1,0 +1,74 @@
+//! Checkpoints and runs as `sample`, `eval` and `train --resume` read them.
+
+use super::common::*;
+use super::{refuse, with_run};
+
+#[test]
+fn folders_that_are_not_checkpoints() {
+    let s = with_run();
+    refuse(&s, &["sample", "--checkpoint", "nonexistent"], &["nonexistent: not a checkpoint: no such file"]);
+    refuse(&s, &["sample", "--checkpoint", "corpus.txt"], &["corpus.txt: not a checkpoint"]);
+    std::fs::create_dir(s.path().join("empty")).unwrap();
+    refuse(&s, &["sample", "--checkpoint", "empty"], &["empty: not a checkpoint: no model.toml"]);
+    refuse(&s, &["eval", "--perplexity", "--checkpoint", "empty", "--data", "val"], &["empty: not a checkpoint"]);
+    s.write("runs/cfg/checkpoints/latest", "step-999999");
+    refuse(&s, &["sample", "--checkpoint", "runs/cfg"], &["step-999999", "not a checkpoint"]);
+}
+
+/// The run's latest checkpoint folder.
+fn latest(s: &Scratch) -> std::path::PathBuf {
+    let name = std::fs::read_to_string(s.path().join("runs/cfg/checkpoints/latest")).unwrap();
+    s.path().join("runs/cfg/checkpoints").join(name.trim())
+}
+
+#[test]
+fn damaged_checkpoint_files() {
+    let s = with_run();
+    let dir = latest(&s);
+    let model_toml = std::fs::read_to_string(dir.join("model.toml")).unwrap();
+    std::fs::write(dir.join("model.toml"), "d_model = ").unwrap();
+    refuse(&s, &["sample", "--checkpoint", "runs/cfg"], &["damaged checkpoint", "model.toml"]);
+    std::fs::write(dir.join("model.toml"), model_toml.replace("d_model = 32", "d_model = 1000000")).unwrap();
+    refuse(&s, &["sample", "--checkpoint", "runs/cfg"], &["model.d_model = 1000000 is larger"]);
+    // Within the limits, but far more parameters than model.safetensors holds.
+    std::fs::write(dir.join("model.toml"), model_toml.replace("n_layers = 2", "n_layers = 1000")).unwrap();
+    refuse(&s, &["sample", "--checkpoint", "runs/cfg"], &["does not belong to these weights"]);
+    std::fs::write(dir.join("model.toml"), &model_toml).unwrap();
+    let weights = std::fs::read(dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("model.safetensors"), &weights[..weights.len() / 3]).unwrap();
+    refuse(&s, &["sample", "--checkpoint", "runs/cfg"], &["model.safetensors"]);
+}
+
+#[test]
+fn eval_flags_and_files() {
+    let s = with_run();
+    let eval = |extra: &[&str]| -> Vec<String> {
+        ["eval", "--perplexity", "--checkpoint", "runs/cfg"].iter().chain(extra).map(|x| x.to_string()).collect()
+    };
+    let run = |args: Vec<String>, needles: &[&str]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        refuse(&s, &args, needles);
+    };
+    run(eval(&["--data", "missing.txt"]), &["reading missing.txt"]);
+    run(eval(&["--data", "val", "--context", "64"]), &["--context 64 must be in 1..=32"]);
+    run(eval(&["--data", "val", "--context", "0"]), &["--context 0 must be in 1..=32"]);
+    run(eval(&["--data", "val", "--context", "16", "--stride", "20"]), &["--stride 20 must be in 1..=16"]);
+    s.write("one.txt", "a");
+    run(eval(&["--data", "one.txt"]), &["one.txt: 1 tokens, at least 2 are needed"]);
+    s.write("odd.txt", "Zounds, qu'est-ce que c'est?");
+    run(eval(&["--data", "odd.txt"]), &["not in the char-level vocabulary"]);
+    s.write("ex.jsonl", "{\"prompt\": 3}\n");
+    run(eval(&["--data", "ex.jsonl"]), &["ex.jsonl:1:"]);
+}
+
+#[test]
+fn resuming_and_restarting_runs() {
+    let s = with_run();
+    // A finished run is not overwritten by a new one.
+    refuse(&s, &["train", "--config", "cfg.toml"], &["runs/cfg", "--resume"]);
+    // Resuming with a config that describes another run names the section.
+    s.write("other.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2").replace("d_ff = 64", "d_ff = 96"));
+    refuse(&s, &["train", "--config", "other.toml", "--run-dir", "runs/cfg", "--resume"], &["[model] differs"]);
+    s.write("lr.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2").replace("lr = 3e-3", "lr = 1e-2"));
+    refuse(&s, &["train", "--config", "lr.toml", "--run-dir", "runs/cfg", "--resume"], &["[schedule] differs"]);
+}

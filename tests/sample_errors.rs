@@ -1,0 +1,185 @@
+//! `ember sample` on bad input (issue 11, hardening): every bad flag value and every tokenizer that
+//! does not fit the model is a clean error that names the flag, the value and the limit, before the
+//! model is loaded, and leaves the checkpoint as it was; tokenizers whose decoder shortens the text or
+//! skips special tokens stream without panicking. One tiny training run serves every case.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::SystemTime;
+
+use common::*;
+
+/// Every file under `dir` with its bytes and modification time: equal snapshots mean nothing was
+/// written, not even the same bytes again.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, (Vec<u8>, SystemTime)> {
+    let mut files = BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else {
+                let modified = std::fs::metadata(&path).unwrap().modified().unwrap();
+                files.insert(path.clone(), (std::fs::read(&path).unwrap(), modified));
+            }
+        }
+    }
+    assert!(!files.is_empty(), "{} is empty", dir.display());
+    files
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        let target = to.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_dir(&path, &target);
+        } else {
+            std::fs::copy(&path, &target).unwrap();
+        }
+    }
+}
+
+/// A refusal: a non-zero exit code that is neither a panic (101) nor an abort (134, or a signal),
+/// and a message holding every needle.
+fn assert_refused(o: &Output, needles: &[&str]) {
+    let code = o.status.code();
+    assert!(matches!(code, Some(c) if c != 0 && c != 101 && c != 134), "exit {code:?}, stderr: {}", stderr(o));
+    for needle in needles {
+        assert_clean_error(o, needle);
+    }
+}
+
+/// A successful run that did not panic; returns its stdout.
+fn assert_ran(o: &Output) -> String {
+    assert!(o.status.success(), "exit {:?}, stderr: {}", o.status.code(), stderr(o));
+    assert!(!stderr(o).contains("panicked"), "{}", stderr(o));
+    stdout(o)
+}
+
+/// The checkpoint folder of the run (its only one).
+fn checkpoint_of(run: &Path) -> PathBuf {
+    let dirs: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir() && p.file_name().unwrap().to_string_lossy().starts_with("step-"))
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    dirs[0].clone()
+}
+
+/// A copy of the checkpoint at `name` whose tokenizer.json `edit` changed.
+fn with_tokenizer(s: &Scratch, checkpoint: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let dir = s.path().join(name);
+    copy_dir(checkpoint, &dir);
+    let path = dir.join("tokenizer.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut json);
+    std::fs::write(&path, json.to_string()).unwrap();
+    dir
+}
+
+fn added_token(id: u64, content: &str) -> serde_json::Value {
+    serde_json::json!({
+        "id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+        "normalized": false, "special": true
+    })
+}
+
+#[test]
+fn bad_sampling_input_is_a_clean_error_and_odd_tokenizers_stream() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("cfg.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2"));
+    assert_ran(&s.ember(&["train", "--config", "cfg.toml"]));
+    let run = s.path().join("runs/cfg");
+    let checkpoint = checkpoint_of(&run);
+    let before = snapshot(&run);
+    let model_toml = std::fs::read_to_string(checkpoint.join("model.toml")).unwrap();
+    let vocab_size: usize = model_toml
+        .lines()
+        .find_map(|l| l.strip_prefix("vocab_size = "))
+        .expect("vocab_size in model.toml")
+        .trim()
+        .parse()
+        .unwrap();
+
+    // Flags out of range: each names itself, its value and, where there is one, the limit.
+    let sample = |extra: &[&str]| {
+        let mut args = vec!["sample", "--checkpoint", "runs/cfg", "--prompt", "ROMEO:"];
+        args.extend_from_slice(extra);
+        s.ember(&args)
+    };
+    assert_refused(&sample(&["--stop", ""]), &["--stop ''", "empty stop string"]);
+    assert_refused(&sample(&["--stop", "ROMEO", "--stop", ""]), &["--stop ''"]);
+    assert_refused(&sample(&["--max-new-tokens", "100000000000"]), &["--max-new-tokens 100000000000", "1048576"]);
+    assert_refused(&sample(&["--block-size", "0"]), &["--block-size 0 must be in 1..=32", "max_seq_len"]);
+    assert_refused(&sample(&["--block-size", "100000"]), &["--block-size 100000 must be in 1..=32"]);
+    assert_refused(&sample(&["--top-p", "0"]), &["--top-p 0", "(0, 1]"]);
+    assert_refused(&sample(&["--top-p", "1.5"]), &["--top-p 1.5", "(0, 1]"]);
+    assert_refused(&sample(&["--temperature", "-1"]), &["--temperature -1", ">= 0"]);
+    assert_refused(&sample(&["--temperature", "NaN"]), &["--temperature NaN"]);
+    assert_refused(&sample(&["--repetition-penalty", "0"]), &["--repetition-penalty 0", "> 0"]);
+    assert_refused(&sample(&["--repetition-penalty", "-1.5"]), &["--repetition-penalty -1.5"]);
+
+    // The reference text, and the same seed and prompt with stop strings: cut right before the
+    // first occurrence, also of a two-character stop held back across tokens.
+    let args = ["--max-new-tokens", "200", "--temperature", "1.0"];
+    let full = assert_ran(&sample(&args));
+    let generated = full.strip_prefix("ROMEO:").unwrap().strip_suffix('\n').unwrap().to_string();
+    assert!(generated.chars().count() >= 150, "{full:?}");
+    let chars: Vec<char> = generated.chars().collect();
+    let stop: String = chars[20..22].iter().collect();
+    let cut = &generated[..generated.find(&stop).unwrap()];
+    let o = sample(&[&args[..], &["--stop", &stop, "--stop", "never seen"]].concat());
+    assert_eq!(assert_ran(&o), format!("ROMEO:{cut}\n"), "stop {stop:?}");
+    // Several prompts as one batch, each with its own stream.
+    let o = sample(&[&args[..], &["--prompt", "JULIET:", "--stop", &stop]].concat());
+    let batch = assert_ran(&o);
+    assert!(batch.starts_with(&format!("=== 0 ===\nROMEO:{cut}\n=== 1 ===\nJULIET:")), "{batch}");
+    assert!(!batch.split("=== 1 ===\nJULIET:").nth(1).unwrap().contains(&stop), "{batch}");
+
+    // A tokenizer with an id past the model's vocabulary: named with its file and both sizes.
+    let past = with_tokenizer(&s, &checkpoint, "past_vocab", |json| {
+        json["model"]["vocab"]["<|extra|>"] = 100_000.into();
+        json["added_tokens"].as_array_mut().unwrap().push(added_token(100_000, "<|extra|>"));
+    });
+    let past_before = snapshot(&past);
+    let o = s.ember(&["sample", "--checkpoint", "past_vocab", "--prompt", "ROMEO:"]);
+    assert_refused(&o, &["past_vocab/tokenizer.json", "<|extra|>", "id 100000", &format!("vocab_size {vocab_size}")]);
+    assert_eq!(snapshot(&past), past_before);
+
+    // A decoder that shortens the text (every lowercase word followed by a space is removed once the
+    // space comes): the same ids as the reference, streamed without a panic.
+    assert!(generated.chars().zip(generated.chars().skip(1)).any(|(a, b)| a.is_ascii_lowercase() && b == ' '));
+    with_tokenizer(&s, &checkpoint, "shortening", |json| {
+        json["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [
+            {"type": "Fuse"},
+            {"type": "Replace", "pattern": {"Regex": "[a-z]+ "}, "content": ""}
+        ]});
+    });
+    for extra in [&[][..], &["--stop", &stop][..], &["--prompt", "JULIET:"][..]] {
+        let o = s.ember(&[&["sample", "--checkpoint", "shortening", "--prompt", "ROMEO:"], &args[..], extra].concat());
+        let text = assert_ran(&o);
+        assert!(text.len() > "ROMEO:\n".len() + 10, "{text:?}");
+    }
+
+    // A special token in the vocabulary (the space's id renamed `<|im_start|>`): not printed. Same
+    // ids again, so the text is the reference without its spaces.
+    assert!(generated.contains(' '));
+    with_tokenizer(&s, &checkpoint, "special", |json| {
+        let vocab = json["model"]["vocab"].as_object_mut().unwrap();
+        let id = vocab.remove(" ").unwrap();
+        vocab.insert("<|im_start|>".into(), id.clone());
+        json["added_tokens"].as_array_mut().unwrap().push(added_token(id.as_u64().unwrap(), "<|im_start|>"));
+    });
+    let o = s.ember(&[&["sample", "--checkpoint", "special", "--prompt", "ROMEO:"], &args[..]].concat());
+    assert_eq!(assert_ran(&o), full.replace(' ', ""));
+
+    assert_eq!(snapshot(&run), before, "sampling changed the checkpoint");
+}
