@@ -169,6 +169,19 @@ fn bad_sampling_input_is_a_clean_error_and_odd_tokenizers_stream() {
         assert!(text.len() > "ROMEO:\n".len() + 10, "{text:?}");
     }
 
+    // Training samples at its evaluations through the same stream: with this tokenizer, a run
+    // finishes and logs text.
+    std::fs::copy(s.path().join("shortening/tokenizer.json"), s.path().join("shortening.json")).unwrap();
+    let cfg = tiny_config("").replace("max_steps = 6", "max_steps = 3");
+    s.write("short.toml", &cfg.replace("tokenizer = \"char\"", "tokenizer = \"shortening.json\""));
+    assert_ran(&s.ember(&["train", "--config", "short.toml"]));
+    let samples = std::fs::read_to_string(s.path().join("runs/short/samples.jsonl")).unwrap();
+    let texts: Vec<String> = samples
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["text"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!texts.is_empty() && texts.iter().all(|t| !t.is_empty()), "{samples}");
+
     // A special token in the vocabulary (the space's id renamed `<|im_start|>`): not printed. Same
     // ids again, so the text is the reference without its spaces.
     assert!(generated.contains(' '));

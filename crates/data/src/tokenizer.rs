@@ -215,6 +215,11 @@ impl Tokenizer {
         crate::write_atomic(path, self.to_json()?.as_bytes())
     }
 
+    /// The id of a token (special tokens included), if the vocabulary has it.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
     /// The id of an end-of-text token if the vocabulary has one.
     pub fn eos_id(&self) -> Option<u32> {
         ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"].iter().find_map(|t| self.inner.token_to_id(t))

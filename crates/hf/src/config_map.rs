@@ -35,7 +35,7 @@ impl Architecture {
     }
 
     /// The architecture of a `architectures[0]` class name, if ember supports it.
-    pub(crate) fn from_class(name: &str) -> Option<Self> {
+    pub fn from_class(name: &str) -> Option<Self> {
         [Self::Llama, Self::Qwen2, Self::Mistral].into_iter().find(|a| a.class_name() == name)
     }
 

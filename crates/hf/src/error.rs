@@ -29,6 +29,8 @@ pub enum HfError {
     NoHfName(String),
     #[error("{0}: the output folder exists and is not empty; choose another --out")]
     OutputExists(PathBuf),
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
 }
 
 impl HfError {

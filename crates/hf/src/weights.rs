@@ -160,13 +160,29 @@ pub fn import<B: EmberBackend>(
     let text = std::fs::read_to_string(&config_path).map_err(HfError::io(&config_path))?;
     let hf_config: Value = serde_json::from_str(&text)
         .map_err(|e| HfError::Config { source_name: config_path.display().to_string(), message: e.to_string() })?;
-    let (config, architecture) = to_model_config(&hf_config, &config_path.display().to_string())?;
     // The tensors are read first (their size is the files'), so that a config describing far more
     // than they hold is refused before the model is allocated.
     let tensors = read_tensors(dir)?;
+    import_tensors(hf_config, &config_path, dir, tensors, param_dtype, allow_missing, allow_unused, device)
+}
+
+/// [`import`] of tensors already read (by Hugging Face name, with the file each came from), under
+/// the config `hf_config` read from `config_path`; `dir` names the source in messages.
+#[allow(clippy::too_many_arguments)]
+pub fn import_tensors<B: EmberBackend>(
+    hf_config: Value,
+    config_path: &Path,
+    dir: &Path,
+    tensors: BTreeMap<String, (TensorData, PathBuf)>,
+    param_dtype: DType,
+    allow_missing: bool,
+    allow_unused: bool,
+    device: &Device<B>,
+) -> Result<Imported<B>, HfError> {
+    let (config, architecture) = to_model_config(&hf_config, &config_path.display().to_string())?;
     if !allow_missing {
         let bytes = tensors.values().fold(0u64, |n, (t, _)| n.saturating_add(t.as_bytes().len() as u64));
-        ember_model::weights::check_model_size(&config, &format!("the safetensors files of {}", dir.display()), bytes)
+        ember_model::weights::check_model_size(&config, &format!("the weights of {}", dir.display()), bytes)
             .map_err(|message| HfError::Config { source_name: config_path.display().to_string(), message })?;
     }
     let model = Decoder::<B>::empty(&config, device)
@@ -242,18 +258,7 @@ pub fn export<B: EmberBackend>(
     let arch = base_config
         .and_then(|v| Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
         .unwrap_or_else(|| Architecture::for_model(config));
-    let interleaved = config.rope_layout == RopeLayout::Interleaved;
-    let mut tensors: Vec<(String, TensorData)> = Vec::new();
-    for (path, data) in named_tensors::<B, _>(model) {
-        let (key, transposed) = ember_to_hf(&path).ok_or_else(|| HfError::NoHfName(path.clone()))?;
-        let data = if interleaved && (path.contains("q_proj") || path.contains("k_proj")) {
-            let heads = if path.contains("q_proj") { config.n_heads } else { config.n_kv_heads() };
-            permute_rope(data, heads, model)
-        } else {
-            data
-        };
-        tensors.push((key, if transposed { transpose(data) } else { data }));
-    }
+    let tensors = hf_tensors(model)?;
     let mut hf_config = from_model_config(config, arch, base_config);
     hf_config["dtype"] = json!(match tensors.first().map(|(_, d)| d.dtype) {
         Some(DType::BF16) => "bfloat16",
@@ -285,6 +290,25 @@ pub fn export<B: EmberBackend>(
     }
     std::fs::rename(&tmp, out).map_err(HfError::io(out))?;
     Ok(ExportReport { architecture: arch, files, tensors: count, bytes: total })
+}
+
+/// Every parameter of `model` under its Hugging Face name, in Hugging Face's `[out, in]` layout
+/// (and half-split RoPE order for an interleaved-RoPE model).
+pub fn hf_tensors<B: EmberBackend>(model: &Decoder<B>) -> Result<Vec<(String, TensorData)>, HfError> {
+    let config = model.config();
+    let interleaved = config.rope_layout == RopeLayout::Interleaved;
+    let mut tensors: Vec<(String, TensorData)> = Vec::new();
+    for (path, data) in named_tensors::<B, _>(model) {
+        let (key, transposed) = ember_to_hf(&path).ok_or_else(|| HfError::NoHfName(path.clone()))?;
+        let data = if interleaved && (path.contains("q_proj") || path.contains("k_proj")) {
+            let heads = if path.contains("q_proj") { config.n_heads } else { config.n_kv_heads() };
+            permute_rope(data, heads, model)
+        } else {
+            data
+        };
+        tensors.push((key, if transposed { transpose(data) } else { data }));
+    }
+    Ok(tensors)
 }
 
 /// The files of an exported folder, written into `tmp`: the weight shards (with an index when

@@ -1,4 +1,4 @@
-//! `ember import` and `ember export`: Hugging Face model folders in and out.
+//! `ember import` and `ember export`: Hugging Face model folders and GGUF files in and out.
 
 use std::path::PathBuf;
 
@@ -13,8 +13,8 @@ use ember_train::Checkpoint;
 
 #[derive(Args, Debug)]
 pub struct ImportArgs {
-    /// A Hugging Face model folder: config.json, model.safetensors (or shards and their index),
-    /// tokenizer.json.
+    /// A Hugging Face model folder (config.json, model.safetensors or shards and their index,
+    /// tokenizer.json), or a llama.cpp `.gguf` file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
     dir: PathBuf,
     /// The run directory to create (sample, eval, export or fine-tune from it).
     #[arg(long)]
@@ -48,6 +48,9 @@ pub struct ExportArgs {
     /// Fold LoRA adapters into the weights (required to export a LoRA checkpoint).
     #[arg(long)]
     merge: bool,
+    /// GGUF only: how the weights are stored (q8_0 quantizes the matrices; norms stay f32).
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: GgufDtype,
     /// Largest safetensors shard, e.g. 5GB, 500MB or a byte count.
     #[arg(long, default_value = "5GB", value_parser = parse_size)]
     max_shard_size: u64,
@@ -57,6 +60,17 @@ pub struct ExportArgs {
 pub enum ExportFormat {
     /// Hugging Face transformers: config.json, model.safetensors, tokenizer.json.
     Hf,
+    /// One llama.cpp GGUF file (--out FILE.gguf) with the tokenizer and chat template in it.
+    Gguf,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum GgufDtype {
+    F32,
+    F16,
+    Bf16,
+    #[value(name = "q8_0")]
+    Q8_0,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -84,6 +98,9 @@ pub fn import(args: ImportArgs) -> anyhow::Result<()> {
         ParamDtype::F32 => DType::F32,
         ParamDtype::Bf16 => DType::BF16,
     };
+    if ember_hf::gguf::model::is_gguf(&args.dir) {
+        return import_gguf(&args, dtype);
+    }
     let imported =
         ember_hf::import::<Flex>(&args.dir, dtype, args.allow_missing, args.allow_unused, &Default::default())
             .with_context(|| format!("importing {}", args.dir.display()))?;
@@ -118,8 +135,89 @@ pub fn import(args: ImportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `ember import FILE.gguf`: the model dequantized, its tokenizer and chat template rebuilt from
+/// the metadata (written beside the weights as tokenizer.json and tokenizer_config.json).
+fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let g = ember_hf::gguf::model::import::<Flex>(&args.dir, dtype, &Default::default())
+        .with_context(|| format!("importing {}", args.dir.display()))?;
+    let files = tempfile::tempdir()?;
+    std::fs::write(files.path().join(TOKENIZER_FILE), &g.tokenizer_json)?;
+    std::fs::write(files.path().join("tokenizer_config.json"), serde_json::to_string_pretty(&g.tokenizer_config)?)?;
+    let tokenizer = Tokenizer::from_json(&g.tokenizer_json)
+        .with_context(|| format!("{}: the tokenizer rebuilt from its metadata does not load", args.dir.display()))?;
+    let model = &g.imported.model;
+    let data = CheckpointData {
+        step: 0,
+        model_config: model.config(),
+        weights: named_tensors(model),
+        adapters_only: false,
+        tokenizer: &tokenizer,
+        tokenizer_dir: Some(files.path()),
+        hf_config: Some(&g.imported.hf_config),
+        training: None,
+    };
+    let dir = checkpoint::save(&args.out, data, 1)?;
+    let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
+    g.stored.iter().for_each(|(_, k)| *kinds.entry(*k).or_default() += 1);
+    let c = model.config();
+    println!(
+        "imported GGUF {} ({} layers, d_model {}, vocab {}, {} parameters; tensors {:?}) as {:?} into {} in {:.1} s",
+        g.arch.name(),
+        c.n_layers,
+        c.d_model,
+        c.vocab_size,
+        c.num_params(),
+        kinds,
+        dtype,
+        dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `ember export RUN --format gguf --out FILE.gguf`.
+fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decoder<Flex>) -> anyhow::Result<()> {
+    use ember_hf::gguf::model::{encode_model, write_new, ExportType};
+    let ty = match args.dtype {
+        GgufDtype::F32 => ExportType::F32,
+        GgufDtype::F16 => ExportType::F16,
+        GgufDtype::Bf16 => ExportType::Bf16,
+        GgufDtype::Q8_0 => ExportType::Q8_0,
+    };
+    anyhow::ensure!(!args.out.exists(), "{}: exists; choose another --out", args.out.display());
+    let base = ckpt.hf_config();
+    let arch = base
+        .as_ref()
+        .and_then(|v| ember_hf::Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
+        .unwrap_or_else(|| ember_hf::Architecture::for_model(model.config()));
+    let mut hf_config = ember_hf::from_model_config(model.config(), arch, base.as_ref());
+    if let Some(g) = base.as_ref().and_then(|b| b.get("gguf")) {
+        hf_config["gguf"] = g.clone();
+    }
+    let tensors = ember_hf::hf_tensors(model)?;
+    let tokenizer_json = std::fs::read_to_string(ckpt.dir.join(TOKENIZER_FILE))
+        .with_context(|| format!("reading {}", ckpt.dir.join(TOKENIZER_FILE).display()))?;
+    let config_path = ckpt.dir.join("tokenizer_config.json");
+    let tokenizer_config: Option<serde_json::Value> = match std::fs::read_to_string(&config_path) {
+        Ok(text) => Some(serde_json::from_str(&text).with_context(|| format!("{}", config_path.display()))?),
+        Err(_) => None,
+    };
+    let bytes = encode_model(&hf_config, &tensors, &tokenizer_json, tokenizer_config.as_ref(), ty)
+        .map_err(|e| anyhow::anyhow!("exporting {} to GGUF: {e}", ckpt.dir.display()))?;
+    write_new(&args.out, &bytes).with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "exported {} as GGUF ({:?}): {} tensors, {:.1} MB in {}",
+        ckpt.dir.display(),
+        args.dtype,
+        tensors.len(),
+        bytes.len() as f64 / 1e6,
+        args.out.display()
+    );
+    Ok(())
+}
+
 pub fn export(args: ExportArgs) -> anyhow::Result<()> {
-    let ExportFormat::Hf = args.format;
     let ckpt = Checkpoint::open(&args.run_dir).with_context(|| format!("opening {}", args.run_dir.display()))?;
     let mut model = ckpt.decoder::<Flex>(&Default::default())?;
     if model.has_lora() {
@@ -129,6 +227,9 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
             ckpt.dir.display()
         );
         model = model.merge_lora();
+    }
+    if let ExportFormat::Gguf = args.format {
+        return export_gguf(&args, &ckpt, &model);
     }
     // The tokenizer travels inside the export, so that the folder appears complete or not at all.
     let tokenizer_files: Vec<PathBuf> = std::iter::once(TOKENIZER_FILE)

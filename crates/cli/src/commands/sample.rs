@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
+use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::tokenizer::DecodeStream;
 use ember_data::Tokenizer;
 use ember_model::ops::TrainBackend;
@@ -18,6 +19,10 @@ pub struct SampleArgs {
     /// A run directory (its latest checkpoint) or a checkpoint folder inside it.
     #[arg(long)]
     checkpoint: PathBuf,
+    /// Treat each prompt as a user message: render it with the checkpoint's chat template (with the
+    /// assistant's turn opened) and stop at the model's end-of-turn token.
+    #[arg(long)]
+    chat: bool,
     /// Text to continue; repeat for a batch of prompts generated together.
     #[arg(long, default_values_t = vec!["\n".to_string()])]
     prompt: Vec<String>,
@@ -142,7 +147,8 @@ fn highest_id(tokenizer: &Tokenizer) -> anyhow::Result<Option<(u32, String)>> {
 /// tokenizer's decoder does), with the tail that could still be the start of a stop string held back.
 struct Stream<'a> {
     decoder: DecodeStream<'a>,
-    eos: Option<u32>,
+    /// Ids that end the sequence (end of text, end of turn); never printed.
+    ends: Vec<u32>,
     stops: &'a [String],
     /// Decoded text not handed out yet: the longest tail that is a prefix of some stop string.
     held: String,
@@ -153,10 +159,10 @@ struct Stream<'a> {
 
 impl<'a> Stream<'a> {
     /// A stream for the tokens after `prompt`, which is the decoder's left context.
-    fn new(tokenizer: &'a Tokenizer, prompt: &[u32], stops: &'a [String]) -> Self {
+    fn new(tokenizer: &'a Tokenizer, prompt: &[u32], stops: &'a [String], ends: &[u32]) -> Self {
         Self {
             decoder: tokenizer.decode_stream(prompt),
-            eos: tokenizer.eos_id(),
+            ends: ends.to_vec(),
             stops,
             held: String::new(),
             stopped: false,
@@ -169,7 +175,7 @@ impl<'a> Stream<'a> {
         if self.stopped {
             return (String::new(), true);
         }
-        if self.eos == Some(id) {
+        if self.ends.contains(&id) {
             return (self.finish(), true);
         }
         match self.decoder.step(id) {
@@ -239,23 +245,27 @@ struct SampleJob {
     checkpoint: Checkpoint,
     config: SamplingConfig,
     prompts: Vec<Vec<u32>>,
+    /// End-of-text and end-of-turn ids.
+    ends: Vec<u32>,
 }
 
 impl Job for SampleJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
-        let Self { args, checkpoint, config, prompts } = self;
+        let Self { args, checkpoint, config, prompts, ends } = self;
         let tokenizer = &checkpoint.tokenizer;
         let mut samplers = (0..prompts.len())
             .map(|i| Sampler::new(config.clone(), args.seed.wrapping_add(i as u64)))
             .collect::<Result<Vec<_>, _>>()?;
         let model = checkpoint.decoder::<B::InnerBackend>(&device)?;
-        let mut streams: Vec<Stream> = prompts.iter().map(|p| Stream::new(tokenizer, p, &args.stop)).collect();
+        let mut streams: Vec<Stream> = prompts.iter().map(|p| Stream::new(tokenizer, p, &args.stop, &ends)).collect();
         let mut out = std::io::stdout().lock();
 
         if prompts.len() == 1 {
             // One prompt: stream tokens as they come.
-            write!(out, "{}", args.prompt[0])?;
+            // A chat answer starts on its own line; a continuation right after its prompt.
+            let sep = if args.chat { "\n" } else { "" };
+            write!(out, "{}{sep}", args.prompt[0])?;
             let mut write_err = None;
             let mut on_token = |id: u32| {
                 let (text, stopped) = streams[0].push(id);
@@ -268,7 +278,7 @@ impl Job for SampleJob {
             if args.no_cache {
                 generate(&model, &prompts[0], args.max_new_tokens, &mut samplers[0], on_token)?;
             } else {
-                let options = options(&args, tokenizer);
+                let options = options(&args, &ends);
                 generate_batch(&model, &prompts, &options, &mut samplers, |_, id| on_token(id))?;
             }
             if let Some(e) = write_err {
@@ -278,7 +288,7 @@ impl Job for SampleJob {
             return streams[0].check(0);
         }
         let mut texts = vec![String::new(); prompts.len()];
-        generate_batch(&model, &prompts, &options(&args, tokenizer), &mut samplers, |b, id| {
+        generate_batch(&model, &prompts, &options(&args, &ends), &mut samplers, |b, id| {
             let (text, stopped) = streams[b].push(id);
             texts[b].push_str(&text);
             !stopped
@@ -294,12 +304,8 @@ impl Job for SampleJob {
     }
 }
 
-fn options(args: &SampleArgs, tokenizer: &Tokenizer) -> GenerateOptions {
-    GenerateOptions {
-        max_new_tokens: args.max_new_tokens,
-        stop_tokens: tokenizer.eos_id().into_iter().collect(),
-        block_size: args.block_size,
-    }
+fn options(args: &SampleArgs, ends: &[u32]) -> GenerateOptions {
+    GenerateOptions { max_new_tokens: args.max_new_tokens, stop_tokens: ends.to_vec(), block_size: args.block_size }
 }
 
 pub fn run(args: SampleArgs) -> anyhow::Result<()> {
@@ -318,15 +324,53 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
     );
     check_tokenizer_fits(&checkpoint)?;
     let tokenizer = &checkpoint.tokenizer;
+    let template = if args.chat {
+        let template = ChatTemplate::from_dir(&checkpoint.dir)?;
+        Some(template.with_context(|| {
+            format!(
+                "--chat: {} has no chat template (tokenizer_config.json or chat_template.jinja)",
+                checkpoint.dir.display()
+            )
+        })?)
+    } else {
+        None
+    };
     let prompts = args
         .prompt
         .iter()
         .enumerate()
-        .map(|(i, p)| tokenizer.encode(p).with_context(|| format!("encoding prompt {i}")))
+        .map(|(i, p)| {
+            let text = match &template {
+                Some(t) => t.render(&[Message { role: "user".into(), content: p.clone() }], true)?,
+                None => p.clone(),
+            };
+            tokenizer.encode(&text).with_context(|| format!("encoding prompt {i}"))
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let ends = end_ids(&checkpoint);
     // Without the cache a long prompt is cropped to the context; with it, it must fit.
     let limit = if args.no_cache { usize::MAX } else { context };
     check_prompts(&prompts, limit, checkpoint.model_config.vocab_size)?;
     let device = args.device;
-    dispatch(device, false, SampleJob { args, checkpoint, config, prompts })
+    dispatch(device, false, SampleJob { args, checkpoint, config, prompts, ends })
+}
+
+/// The ids that end a sequence: the tokenizer's end-of-text token and the model's own EOS (its
+/// end-of-turn token for chat models, `<|im_end|>` for ChatML) named in tokenizer_config.json.
+fn end_ids(checkpoint: &Checkpoint) -> Vec<u32> {
+    let tokenizer = &checkpoint.tokenizer;
+    let mut ends: Vec<u32> = tokenizer.eos_id().into_iter().collect();
+    let config = std::fs::read_to_string(checkpoint.dir.join("tokenizer_config.json")).ok();
+    let config: Option<serde_json::Value> = config.and_then(|t| serde_json::from_str(&t).ok());
+    let eos = config.as_ref().and_then(|c| match c.get("eos_token")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+        _ => None,
+    });
+    if let Some(id) = eos.and_then(|e| tokenizer.token_to_id(&e)) {
+        if !ends.contains(&id) {
+            ends.push(id);
+        }
+    }
+    ends
 }

@@ -1,0 +1,475 @@
+//! GGUF, llama.cpp's model file: reading (header, metadata, tensor infos, aligned data) and writing.
+//!
+//! ```text
+//! magic "GGUF" | version u32 (2, 3) | tensor count u64 | metadata count u64
+//! metadata:  key (u64 length + UTF-8) | value type u32 | value (arrays: item type u32, count u64, items)
+//! tensors:   name | n_dims u32 | dims u64 × n_dims (dims[0] varies fastest) | ggml type u32 | offset u64
+//! padding to `general.alignment` (default 32), then the data; each tensor at its offset, aligned
+//! ```
+//!
+//! Every count, length and offset is checked against the bytes that remain before anything is
+//! allocated, so a truncated or hostile file is an error that names it, never an abort.
+
+pub mod model;
+pub mod quant;
+pub mod tokenizer;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub use quant::GgmlType;
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    #[error("{}: {err}", path.display())]
+    Io { path: PathBuf, err: std::io::Error },
+    #[error("{}: not a GGUF file: {message}", path.display())]
+    Format { path: PathBuf, message: String },
+    #[error("{}: tensor `{name}` is stored as {kind}, which ember cannot read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)", path.display())]
+    Unsupported { path: PathBuf, name: String, kind: String },
+    #[error("{}: metadata `{key}`: {message}", path.display())]
+    Metadata { path: PathBuf, key: String, message: String },
+}
+
+/// A metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<Value>),
+}
+
+impl Value {
+    fn type_id(&self) -> u32 {
+        match self {
+            Value::U8(_) => 0,
+            Value::I8(_) => 1,
+            Value::U16(_) => 2,
+            Value::I16(_) => 3,
+            Value::U32(_) => 4,
+            Value::I32(_) => 5,
+            Value::F32(_) => 6,
+            Value::Bool(_) => 7,
+            Value::String(_) => 8,
+            Value::Array(_) => 9,
+            Value::U64(_) => 10,
+            Value::I64(_) => 11,
+            Value::F64(_) => 12,
+        }
+    }
+
+    /// An unsigned integer of any width (negative values are not).
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U8(v) => Some(v as u64),
+            Value::U16(v) => Some(v as u64),
+            Value::U32(v) => Some(v as u64),
+            Value::U64(v) => Some(v),
+            Value::I8(v) => u64::try_from(v).ok(),
+            Value::I16(v) => u64::try_from(v).ok(),
+            Value::I32(v) => u64::try_from(v).ok(),
+            Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F32(v) => Some(v as f64),
+            Value::F64(v) => Some(v),
+            _ => self.as_u64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// Where a tensor's bytes are, and what they are.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// ggml order: `dims[0]` varies fastest (a `[out, in]` matrix is `[in, out]` here).
+    pub dims: Vec<u64>,
+    pub kind: GgmlType,
+    /// From the start of the file.
+    pub start: usize,
+    pub len: usize,
+}
+
+impl TensorInfo {
+    pub fn num_values(&self) -> u64 {
+        self.dims.iter().product()
+    }
+
+    /// The shape in row-major (PyTorch, safetensors) order: the dims reversed.
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().map(|&d| d as usize).collect()
+    }
+}
+
+/// A GGUF file in memory.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub version: u32,
+    pub metadata: BTreeMap<String, Value>,
+    pub tensors: Vec<TensorInfo>,
+    bytes: Vec<u8>,
+}
+
+/// A cursor over the file's bytes that checks every read against what remains.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn err(&self, message: String) -> GgufError {
+        GgufError::Format { path: self.path.into(), message: format!("at byte {}: {message}", self.at) }
+    }
+
+    fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
+        let left = (self.bytes.len() - self.at) as u64;
+        if n > left {
+            return Err(self.err(format!("{what} needs {n} bytes, only {left} remain (truncated?)")));
+        }
+        let s = &self.bytes[self.at..self.at + n as usize];
+        self.at += n as usize;
+        Ok(s)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, GgufError> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, GgufError> {
+        let b = self.take(8, what)?;
+        Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+
+    fn string(&mut self, what: &str) -> Result<String, GgufError> {
+        let n = self.u64(what)?;
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec()).map_err(|_| self.err(format!("{what} is not UTF-8")))
+    }
+
+    /// The smallest encoding of a value of type `ty` (for bounding array counts).
+    fn min_size(ty: u32) -> u64 {
+        match ty {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4 | 5 | 6 => 4,
+            8 | 10 | 11 | 12 => 8,
+            9 => 12,
+            _ => 1,
+        }
+    }
+
+    fn value(&mut self, ty: u32, key: &str, depth: usize) -> Result<Value, GgufError> {
+        let w = |r: &mut Self, n| r.take(n, key);
+        Ok(match ty {
+            0 => Value::U8(w(self, 1)?[0]),
+            1 => Value::I8(w(self, 1)?[0] as i8),
+            2 => Value::U16(u16::from_le_bytes(w(self, 2)?.try_into().expect("2"))),
+            3 => Value::I16(i16::from_le_bytes(w(self, 2)?.try_into().expect("2"))),
+            4 => Value::U32(u32::from_le_bytes(w(self, 4)?.try_into().expect("4"))),
+            5 => Value::I32(i32::from_le_bytes(w(self, 4)?.try_into().expect("4"))),
+            6 => Value::F32(f32::from_le_bytes(w(self, 4)?.try_into().expect("4"))),
+            7 => Value::Bool(w(self, 1)?[0] != 0),
+            8 => Value::String(self.string(key)?),
+            9 => {
+                if depth > 2 {
+                    return Err(self.err(format!("metadata `{key}`: arrays nested too deep")));
+                }
+                let item = self.u32(key)?;
+                let count = self.u64(key)?;
+                let left = (self.bytes.len() - self.at) as u64;
+                if count.saturating_mul(Self::min_size(item)) > left {
+                    return Err(self.err(format!(
+                        "metadata `{key}`: an array of {count} items cannot fit in the {left} bytes that remain"
+                    )));
+                }
+                let mut items = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    items.push(self.value(item, key, depth + 1)?);
+                }
+                Value::Array(items)
+            }
+            10 => Value::U64(self.u64(key)?),
+            11 => Value::I64(i64::from_le_bytes(w(self, 8)?.try_into().expect("8"))),
+            12 => Value::F64(f64::from_le_bytes(w(self, 8)?.try_into().expect("8"))),
+            other => return Err(self.err(format!("metadata `{key}` has unknown value type {other}"))),
+        })
+    }
+}
+
+impl GgufFile {
+    /// Reads and checks a whole GGUF file: header, metadata, tensor infos, and that every tensor's
+    /// bytes lie inside the file. Tensor data is not decoded here.
+    pub fn open(path: &Path) -> Result<Self, GgufError> {
+        let bytes = std::fs::read(path).map_err(|err| GgufError::Io { path: path.into(), err })?;
+        Self::parse(bytes, path)
+    }
+
+    pub fn parse(bytes: Vec<u8>, path: &Path) -> Result<Self, GgufError> {
+        let mut r = Reader { bytes: &bytes, at: 0, path };
+        let magic = r.take(4, "the magic")?;
+        if magic != MAGIC {
+            return Err(r.err(format!("magic is {magic:?}, expected \"GGUF\"")));
+        }
+        let version = r.u32("the version")?;
+        if !(2..=3).contains(&version) {
+            return Err(r.err(format!("version {version}; ember reads GGUF versions 2 and 3")));
+        }
+        let n_tensors = r.u64("the tensor count")?;
+        let n_kv = r.u64("the metadata count")?;
+        let left = (bytes.len() - r.at) as u64;
+        // Each entry takes at least 12 bytes (a key length and a type); each tensor info 24.
+        if n_kv.saturating_mul(12) > left || n_tensors.saturating_mul(24) > left {
+            return Err(r.err(format!(
+                "{n_kv} metadata entries and {n_tensors} tensors cannot fit in the {left} bytes of the file"
+            )));
+        }
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = r.string("a metadata key")?;
+            let ty = r.u32(&key)?;
+            let value = r.value(ty, &key, 0)?;
+            metadata.insert(key, value);
+        }
+        let alignment = match metadata.get("general.alignment") {
+            None => DEFAULT_ALIGNMENT,
+            Some(v) => match v.as_u64() {
+                Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
+                _ => return Err(r.err(format!("general.alignment {v:?} is not a power of two"))),
+            },
+        };
+        let mut infos = Vec::with_capacity(n_tensors as usize);
+        for _ in 0..n_tensors {
+            let name = r.string("a tensor name")?;
+            let n_dims = r.u32(&name)?;
+            if n_dims == 0 || n_dims > 4 {
+                return Err(r.err(format!("tensor `{name}` has {n_dims} dimensions (1 to 4 expected)")));
+            }
+            let dims = (0..n_dims).map(|_| r.u64(&name)).collect::<Result<Vec<_>, _>>()?;
+            let kind_id = r.u32(&name)?;
+            let offset = r.u64(&name)?;
+            infos.push((name, dims, kind_id, offset));
+        }
+        let data_start = r.at as u64 + (alignment - r.at as u64 % alignment) % alignment;
+        let mut tensors = Vec::with_capacity(infos.len());
+        for (name, dims, kind_id, offset) in infos {
+            let kind = GgmlType::from_id(kind_id).map_err(|kind| GgufError::Unsupported {
+                path: path.into(),
+                name: name.clone(),
+                kind,
+            })?;
+            let n = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+            let len = n.and_then(|n| kind.bytes_for(n)).filter(|_| dims[0] % kind.block().0 as u64 == 0);
+            let Some(len) = len else {
+                return Err(
+                    r.err(format!("tensor `{name}`: dims {dims:?} are not a whole number of {} blocks", kind.name()))
+                );
+            };
+            let start = data_start.checked_add(offset);
+            let end = start.and_then(|s| s.checked_add(len));
+            if offset % alignment != 0 || end.is_none_or(|e| e > bytes.len() as u64) {
+                return Err(r.err(format!(
+                    "tensor `{name}`: {len} bytes at offset {offset} run past the end of the file ({} bytes) or are misaligned",
+                    bytes.len()
+                )));
+            }
+            let start = start.expect("checked") as usize;
+            tensors.push(TensorInfo { name, dims, kind, start, len: len as usize });
+        }
+        Ok(Self { path: path.into(), version, metadata, tensors, bytes })
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.get(key)
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// A tensor's raw (possibly quantized) bytes.
+    pub fn raw(&self, t: &TensorInfo) -> &[u8] {
+        &self.bytes[t.start..t.start + t.len]
+    }
+
+    /// A tensor dequantized to f32, in row-major order of [`TensorInfo::shape`].
+    pub fn dequantize(&self, t: &TensorInfo) -> Vec<f32> {
+        let mut out = vec![0f32; t.num_values() as usize];
+        quant::dequantize(t.kind, self.raw(t), &mut out);
+        out
+    }
+}
+
+/// A tensor to write: its name, row-major shape, type and encoded bytes.
+pub struct TensorOut {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub kind: GgmlType,
+    pub data: Vec<u8>,
+}
+
+fn put_string(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn put_value(out: &mut Vec<u8>, v: &Value) {
+    match v {
+        Value::U8(x) => out.push(*x),
+        Value::I8(x) => out.push(*x as u8),
+        Value::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
+        Value::Bool(x) => out.push(*x as u8),
+        Value::String(s) => put_string(out, s),
+        Value::Array(items) => {
+            let ty = items.first().map_or(4, Value::type_id);
+            out.extend_from_slice(&ty.to_le_bytes());
+            out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            items.iter().for_each(|i| put_value(out, i));
+        }
+    }
+}
+
+/// Encodes a GGUF v3 file (alignment 32) of `metadata` and `tensors`.
+pub fn encode(metadata: &[(String, Value)], tensors: &[TensorOut]) -> Vec<u8> {
+    let align = DEFAULT_ALIGNMENT as usize;
+    let pad = |n: usize| (align - n % align) % align;
+    let mut out = Vec::new();
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&3u32.to_le_bytes());
+    out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        put_string(&mut out, k);
+        out.extend_from_slice(&v.type_id().to_le_bytes());
+        put_value(&mut out, v);
+    }
+    let mut offset = 0usize;
+    for t in tensors {
+        put_string(&mut out, &t.name);
+        out.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+        t.shape.iter().rev().for_each(|&d| out.extend_from_slice(&(d as u64).to_le_bytes()));
+        out.extend_from_slice(&t.kind.id().to_le_bytes());
+        out.extend_from_slice(&(offset as u64).to_le_bytes());
+        offset += t.data.len() + pad(t.data.len());
+    }
+    out.resize(out.len() + pad(out.len()), 0);
+    for t in tensors {
+        out.extend_from_slice(&t.data);
+        out.resize(out.len() + pad(t.data.len()), 0);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Vec<u8> {
+        let meta = vec![
+            ("general.architecture".to_string(), Value::String("llama".into())),
+            ("llama.block_count".to_string(), Value::U32(2)),
+            (
+                "tokenizer.ggml.tokens".to_string(),
+                Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
+            ),
+        ];
+        let values: Vec<f32> = (0..64).map(|i| i as f32 / 10.0).collect();
+        let tensors = vec![
+            TensorOut {
+                name: "x".into(),
+                shape: vec![2, 32],
+                kind: GgmlType::Q8_0,
+                data: quant::quantize(GgmlType::Q8_0, &values).unwrap(),
+            },
+            TensorOut {
+                name: "y".into(),
+                shape: vec![3],
+                kind: GgmlType::F32,
+                data: quant::quantize(GgmlType::F32, &[1.0, 2.0, 3.0]).unwrap(),
+            },
+        ];
+        encode(&meta, &tensors)
+    }
+
+    #[test]
+    fn encode_then_parse() {
+        let f = GgufFile::parse(sample(), Path::new("t.gguf")).unwrap();
+        assert_eq!(f.version, 3);
+        assert_eq!(f.get("llama.block_count").and_then(Value::as_u64), Some(2));
+        assert_eq!(f.tensor("x").unwrap().shape(), vec![2, 32]);
+        assert_eq!(f.dequantize(f.tensor("y").unwrap()), vec![1.0, 2.0, 3.0]);
+        assert_eq!(f.tensor("x").unwrap().start % 32, 0);
+    }
+
+    #[test]
+    fn damaged_files_are_errors_that_say_why() {
+        let good = sample();
+        let err = |bytes: Vec<u8>| GgufFile::parse(bytes, Path::new("t.gguf")).err().expect("an error").to_string();
+        assert!(err(b"GGML1234".to_vec()).contains("magic"), "bad magic");
+        assert!(err(good[..good.len() - 24].to_vec()).contains("run past the end"), "truncated data");
+        let e = err(good[..30].to_vec());
+        assert!(e.contains("cannot fit") || e.contains("remain"), "truncated header: {e}");
+        let e = err(good[..100].to_vec());
+        assert!(e.contains("cannot fit") || e.contains("remain"), "truncated metadata: {e}");
+        let mut v = good.clone();
+        v[4] = 9;
+        assert!(err(v).contains("version 9"));
+        // Absurd counts are refused before anything is allocated for them.
+        let mut v = good.clone();
+        v[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(err(v).contains("cannot fit"));
+        let mut v = good.clone();
+        v[16..24].copy_from_slice(&(1u64 << 60).to_le_bytes());
+        assert!(err(v).contains("cannot fit"));
+        // An array whose count exceeds the file.
+        let at = good.windows(21).position(|w| w == b"tokenizer.ggml.tokens").unwrap() + 21 + 4 + 4;
+        let mut v = good.clone();
+        v[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert!(err(v).contains("array of"), "huge array");
+        // An unknown quantization is named.
+        let at = good.windows(9).position(|w| w == b"\x01\0\0\0\0\0\0\0y").unwrap() + 9;
+        let mut v = good.clone();
+        let kind_at = at + 4 + 8;
+        v[kind_at..kind_at + 4].copy_from_slice(&13u32.to_le_bytes());
+        assert!(err(v).contains("Q5_K"));
+    }
+}

@@ -1,0 +1,253 @@
+//! The tokenizer a GGUF file carries in its metadata (`tokenizer.ggml.*`), as a Hugging Face
+//! `tokenizer.json` that the `tokenizers` crate runs, and back.
+//!
+//! - `gpt2`: byte-level BPE. `tokens` (in the byte-to-unicode alphabet), `merges` ("a b"),
+//!   `token_type` (3 = control: special tokens), the pre-tokenizer named by `tokenizer.ggml.pre`.
+//! - `llama`: SentencePiece BPE with `scores`; merges are recovered from the scores (a merge of
+//!   two pieces whose concatenation is a piece, ranked by that piece's score), `▁` for spaces, byte
+//!   fallback through the `<0xXX>` tokens.
+
+use serde_json::{json, Map, Value as Json};
+
+use super::{GgufError, GgufFile, Value};
+
+/// ggml token types.
+const NORMAL: i64 = 1;
+const CONTROL: i64 = 3;
+const USER_DEFINED: i64 = 4;
+const BYTE: i64 = 6;
+
+fn err(f: &GgufFile, key: &str, message: impl Into<String>) -> GgufError {
+    GgufError::Metadata { path: f.path.clone(), key: key.into(), message: message.into() }
+}
+
+fn strings(f: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
+    let items = f.get(key).and_then(Value::as_array).ok_or_else(|| err(f, key, "missing or not an array"))?;
+    items.iter().map(|v| v.as_str().map(String::from).ok_or_else(|| err(f, key, "an item is not a string"))).collect()
+}
+
+/// The pre-tokenizer of llama.cpp's `tokenizer.ggml.pre` names, as Hugging Face writes it.
+fn pre_tokenizer(pre: &str) -> Json {
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
+    match pre {
+        // Digits one by one, then GPT-2's split (SmolLM, StarCoder).
+        "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" | "exaone" | "minerva" => json!({
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)],
+        }),
+        "llama-bpe" | "llama3" | "llama-v3" => json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                split("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"),
+                byte_level(false),
+            ],
+        }),
+        "qwen2" => json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                split("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"),
+                byte_level(false),
+            ],
+        }),
+        _ => byte_level(true),
+    }
+}
+
+/// `tokenizer.json` and `tokenizer_config.json` from a GGUF file's metadata.
+pub fn from_gguf(f: &GgufFile) -> Result<(String, Json), GgufError> {
+    let model = f.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("gpt2");
+    let tokens = strings(f, "tokenizer.ggml.tokens")?;
+    let types: Vec<i64> = match f.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+        Some(t) => t.iter().map(|v| v.as_f64().map_or(NORMAL, |x| x as i64)).collect(),
+        None => vec![NORMAL; tokens.len()],
+    };
+    if types.len() != tokens.len() {
+        return Err(err(f, "tokenizer.ggml.token_type", format!("{} types for {} tokens", types.len(), tokens.len())));
+    }
+    let special = |i: usize| types[i] == CONTROL || types[i] == USER_DEFINED;
+    let added: Vec<Json> = (0..tokens.len())
+        .filter(|&i| special(i))
+        .map(|i| {
+            json!({"id": i, "content": tokens[i], "single_word": false, "lstrip": false, "rstrip": false,
+                   "normalized": false, "special": types[i] == CONTROL})
+        })
+        .collect();
+    let id_of = |key: &str| f.get(key).and_then(Value::as_u64).map(|i| i as usize).filter(|&i| i < tokens.len());
+    let vocab: Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let tokenizer = match model {
+        "gpt2" => {
+            let merges = strings(f, "tokenizer.ggml.merges")?;
+            let pre = f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+            json!({
+                "version": "1.0",
+                "truncation": null,
+                "padding": null,
+                "added_tokens": added,
+                "normalizer": null,
+                "pre_tokenizer": pre_tokenizer(pre),
+                "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+                "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+                "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                          "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                          "ignore_merges": false, "vocab": vocab, "merges": merges},
+            })
+        }
+        "llama" => {
+            let scores: Vec<f64> = match f.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                Some(s) => s.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
+                None => return Err(err(f, "tokenizer.ggml.scores", "missing (a SentencePiece vocabulary needs them)")),
+            };
+            let merges = spm_merges(&tokens, &scores, &types);
+            let unk = id_of("tokenizer.ggml.unknown_token_id").map(|i| tokens[i].clone());
+            let add_space = f.get("tokenizer.ggml.add_space_prefix").is_none_or(|v| *v == Value::Bool(true));
+            let mut normalizers = Vec::new();
+            if add_space {
+                normalizers.push(json!({"type": "Prepend", "prepend": "▁"}));
+            }
+            normalizers.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
+            let mut decoders = vec![
+                json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+                json!({"type": "ByteFallback"}),
+                json!({"type": "Fuse"}),
+            ];
+            if add_space {
+                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+            }
+            json!({
+                "version": "1.0",
+                "truncation": null,
+                "padding": null,
+                "added_tokens": added,
+                "normalizer": {"type": "Sequence", "normalizers": normalizers},
+                "pre_tokenizer": null,
+                "post_processor": null,
+                "decoder": {"type": "Sequence", "decoders": decoders},
+                "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                          "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                          "ignore_merges": false, "vocab": vocab, "merges": merges},
+            })
+        }
+        other => {
+            return Err(err(f, "tokenizer.ggml.model", format!("`{other}` is not supported (gpt2 and llama are)")))
+        }
+    };
+    let mut config = json!({});
+    if let Some(t) = f.get("tokenizer.chat_template").and_then(Value::as_str) {
+        config["chat_template"] = json!(t);
+    }
+    if let Some(i) = id_of("tokenizer.ggml.bos_token_id") {
+        config["bos_token"] = json!(tokens[i]);
+    }
+    if let Some(i) = id_of("tokenizer.ggml.eos_token_id") {
+        config["eos_token"] = json!(tokens[i]);
+    }
+    if let Some(Value::Bool(b)) = f.get("tokenizer.ggml.add_bos_token") {
+        config["add_bos_token"] = json!(b);
+    }
+    let text = serde_json::to_string(&tokenizer).expect("JSON serialises");
+    Ok((text, config))
+}
+
+/// SentencePiece BPE merges from piece scores: every split of a piece into two pieces is a merge,
+/// ranked by the merged piece's score (higher first), as Hugging Face's `SentencePieceExtractor`.
+fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<String> {
+    let index: std::collections::HashMap<&str, usize> =
+        tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges: Vec<(f64, usize, usize, String)> = Vec::new();
+    for (i, piece) in tokens.iter().enumerate() {
+        if types.get(i).is_some_and(|&t| t == BYTE || t == CONTROL) {
+            continue;
+        }
+        for (at, _) in piece.char_indices().skip(1) {
+            let (a, b) = piece.split_at(at);
+            if let (Some(&ia), Some(&ib)) = (index.get(a), index.get(b)) {
+                merges.push((scores.get(i).copied().unwrap_or(0.0), ia, ib, format!("{a} {b}")));
+            }
+        }
+    }
+    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
+    merges.into_iter().map(|m| m.3).collect()
+}
+
+/// `tokenizer.ggml.*` metadata of a byte-level BPE `tokenizer.json` (what ember exports), with the
+/// chat template and BOS/EOS of `tokenizer_config` (or the model's config ids).
+pub fn to_gguf(
+    tokenizer_json: &str,
+    tokenizer_config: Option<&Json>,
+    hf_config: &Json,
+    pre: Option<&str>,
+) -> Result<Vec<(String, Value)>, String> {
+    let t: Json = serde_json::from_str(tokenizer_json).map_err(|e| format!("tokenizer.json: {e}"))?;
+    let model = &t["model"];
+    if model["type"] != "BPE" || model["byte_fallback"] == json!(true) {
+        return Err("only byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM style) are exported to GGUF".into());
+    }
+    let vocab = model["vocab"].as_object().ok_or("tokenizer.json has no model.vocab")?;
+    let mut tokens: Vec<Option<String>> = Vec::new();
+    let mut put = |id: usize, s: &str| {
+        if tokens.len() <= id {
+            tokens.resize(id + 1, None);
+        }
+        tokens[id] = Some(s.to_string());
+    };
+    for (s, id) in vocab {
+        put(id.as_u64().ok_or("a vocab id is not a number")? as usize, s);
+    }
+    let mut types = vec![NORMAL; 0];
+    let mut specials = std::collections::HashMap::new();
+    for a in t["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(content)) = (a["id"].as_u64(), a["content"].as_str()) else { continue };
+        put(id as usize, content);
+        specials.insert(id as usize, if a["special"] == json!(true) { CONTROL } else { USER_DEFINED });
+    }
+    let n_vocab = hf_config["vocab_size"].as_u64().map_or(tokens.len(), |v| v as usize).max(tokens.len());
+    tokens.resize(n_vocab, None);
+    let tokens: Vec<String> =
+        tokens.into_iter().enumerate().map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]"))).collect();
+    types.extend((0..n_vocab).map(|i| specials.get(&i).copied().unwrap_or(NORMAL)));
+    let merges: Vec<Value> = model["merges"]
+        .as_array()
+        .ok_or("tokenizer.json has no model.merges")?
+        .iter()
+        .map(|m| match m {
+            Json::String(s) => Ok(Value::String(s.clone())),
+            Json::Array(p) if p.len() == 2 => Ok(Value::String(format!(
+                "{} {}",
+                p[0].as_str().unwrap_or_default(),
+                p[1].as_str().unwrap_or_default()
+            ))),
+            _ => Err("a merge is neither \"a b\" nor [a, b]".to_string()),
+        })
+        .collect::<Result<_, _>>()?;
+    let id_of = |name: Option<&str>| name.and_then(|n| tokens.iter().position(|t| t == n)).map(|i| i as u32);
+    let token_name = |k: &str| -> Option<String> {
+        match tokenizer_config?.get(k)? {
+            Json::String(s) => Some(s.clone()),
+            Json::Object(o) => o.get("content")?.as_str().map(String::from),
+            _ => None,
+        }
+    };
+    let mut meta = vec![
+        ("tokenizer.ggml.model".to_string(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".to_string(), Value::String(pre.unwrap_or("default").into())),
+        ("tokenizer.ggml.tokens".to_string(), Value::Array(tokens.iter().map(|s| Value::String(s.clone())).collect())),
+        ("tokenizer.ggml.token_type".to_string(), Value::Array(types.iter().map(|&x| Value::I32(x as i32)).collect())),
+        ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
+    ];
+    let bos = id_of(token_name("bos_token").as_deref()).or(hf_config["bos_token_id"].as_u64().map(|v| v as u32));
+    let eos = id_of(token_name("eos_token").as_deref()).or(hf_config["eos_token_id"].as_u64().map(|v| v as u32));
+    if let Some(b) = bos {
+        meta.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(b)));
+    }
+    if let Some(e) = eos {
+        meta.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(e)));
+        meta.push(("tokenizer.ggml.padding_token_id".into(), Value::U32(e)));
+    }
+    let add_bos = tokenizer_config.and_then(|c| c.get("add_bos_token")).and_then(Json::as_bool).unwrap_or(false);
+    meta.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(add_bos)));
+    if let Some(template) = tokenizer_config.and_then(|c| c.get("chat_template")).and_then(Json::as_str) {
+        meta.push(("tokenizer.chat_template".into(), Value::String(template.into())));
+    }
+    Ok(meta)
+}
