@@ -26,8 +26,14 @@ impl Scratch {
     }
 
     /// Runs `ember args...` with the scratch folder as working directory and download cache.
+    /// `$EMBER_BIN`, when set, names another binary to run instead of the one cargo built (to run
+    /// a test against an older build, as `experiments/reliability.md` does).
     pub fn ember(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_ember"))
+        let bin = std::env::var_os("EMBER_BIN")
+            .filter(|b| !b.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ember")));
+        Command::new(bin)
             .args(args)
             .current_dir(self.path())
             .env("EMBER_CACHE_DIR", self.path().join("cache"))

@@ -84,3 +84,62 @@ fn import_and_export_destinations() {
     let r = with_run();
     refuse(&r, &["export", "nowhere", "--out", "out"], &["nowhere"]);
 }
+
+/// A scratch folder with the Qwen2 fixture imported as `run` and exported as `model.gguf` (f32).
+fn with_gguf() -> (Scratch, Vec<u8>) {
+    let s = with_model();
+    let o = s.ember(&["import", "model", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["export", "run", "--format", "gguf", "--out", "model.gguf"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(s.path().join("model.gguf")).unwrap();
+    (s, bytes)
+}
+
+/// The byte offset just past the first occurrence of `needle`.
+fn after(bytes: &[u8], needle: &[u8]) -> usize {
+    bytes.windows(needle.len()).position(|w| w == needle).expect("needle in file") + needle.len()
+}
+
+#[test]
+fn gguf_files() {
+    let (s, good) = with_gguf();
+    let import = |s: &Scratch, file: &str, bytes: &[u8], needles: &[&str]| {
+        std::fs::write(s.path().join(file), bytes).unwrap();
+        refuse(s, &["import", file, "--out", "again"], needles);
+    };
+    import(&s, "truncated.gguf", &good[..good.len() / 2], &["truncated.gguf", "run past the end"]);
+    import(&s, "header.gguf", &good[..40], &["header.gguf"]);
+    let mut magic = good.clone();
+    magic[..4].copy_from_slice(b"GGML");
+    import(&s, "magic.gguf", &magic, &["magic.gguf", "magic"]);
+    let mut version = good.clone();
+    version[4..8].copy_from_slice(&7u32.to_le_bytes());
+    import(&s, "version.gguf", &version, &["version 7"]);
+    let mut counts = good.clone();
+    counts[16..24].copy_from_slice(&(1u64 << 62).to_le_bytes());
+    import(&s, "counts.gguf", &counts, &["cannot fit"]);
+    // The token list claims 2^40 entries.
+    let at = after(&good, b"tokenizer.ggml.tokens") + 4 + 4;
+    let mut array = good.clone();
+    array[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    import(&s, "array.gguf", &array, &["tokenizer.ggml.tokens", "cannot fit"]);
+    // The norm tensor's offset points past the end; its type is one ember cannot read.
+    let name = b"\x12\0\0\0\0\0\0\0output_norm.weight";
+    let info = after(&good, name);
+    let (kind_at, offset_at) = (info + 4 + 8, info + 4 + 8 + 4);
+    let mut offset = good.clone();
+    offset[offset_at..offset_at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    import(&s, "offset.gguf", &offset, &["output_norm.weight", "run past the end"]);
+    let mut kind = good.clone();
+    kind[kind_at..kind_at + 4].copy_from_slice(&13u32.to_le_bytes());
+    import(&s, "kind.gguf", &kind, &["output_norm.weight", "Q5_K"]);
+    // An architecture ember does not map.
+    let at = after(&good, b"general.architecture") + 4 + 8;
+    let mut arch = good.clone();
+    arch[at..at + 5].copy_from_slice(b"gemma");
+    import(&s, "arch.gguf", &arch, &["general.architecture", "`gemma` is not supported"]);
+    // Export refuses to overwrite.
+    refuse(&s, &["export", "run", "--format", "gguf", "--out", "model.gguf"], &["model.gguf", "exists"]);
+    refuse(&s, &["export", "run", "--format", "gguf", "--dtype", "q4_k", "--out", "q.gguf"], &["q4_k"]);
+}

@@ -41,11 +41,52 @@ fn snapshot(root: &Path) -> BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// The paths whose contents differ between two snapshots.
+fn changed_files(before: &BTreeMap<String, Vec<u8>>, after: &BTreeMap<String, Vec<u8>>) -> Vec<String> {
+    before
+        .keys()
+        .chain(after.keys())
+        .filter(|k| before.get(*k) != after.get(*k))
+        .cloned()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// Recording mode (`$EMBER_CATALOGUE` names a file): appends what one case did as a JSON line,
+/// asserting nothing, so that a run against another binary (`$EMBER_BIN`) goes through every case.
+/// See `experiments/catalogue_report.py`.
+fn record(path: &std::ffi::OsStr, args: &[&str], needles: &[&str], o: &Output, changed: &[String]) {
+    use std::io::Write;
+    use std::os::unix::process::ExitStatusExt;
+    let err = stderr(o);
+    let line = serde_json::json!({
+        "test": std::thread::current().name().unwrap_or(""),
+        "args": args,
+        "needles": needles,
+        "exit": o.status.code(),
+        "signal": o.status.signal().is_some(),
+        "panicked": err.contains("panicked"),
+        "named": needles.iter().all(|n| err.contains(n)),
+        "files_unchanged": changed.is_empty(),
+        "changed": changed,
+        "stderr_head": err.chars().take(200).collect::<String>(),
+    });
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).expect("open $EMBER_CATALOGUE");
+    f.write_all(format!("{line}\n").as_bytes()).expect("write $EMBER_CATALOGUE");
+}
+
 /// Runs `ember args` in `s` and asserts a clean refusal that names every one of `needles`, with the
-/// scratch folder unchanged. Returns the output for further checks.
+/// scratch folder unchanged. Returns the output for further checks. With `$EMBER_CATALOGUE` set it
+/// records the case there instead of asserting (see [`record`]).
 pub fn refuse(s: &Scratch, args: &[&str], needles: &[&str]) -> Output {
     let before = snapshot(s.path());
     let o = s.ember(args);
+    if let Some(path) = std::env::var_os("EMBER_CATALOGUE").filter(|p| !p.is_empty()) {
+        let after = snapshot(s.path());
+        record(&path, args, needles, &o, &changed_files(&before, &after));
+        return o;
+    }
     let err = stderr(&o);
     let code = o.status.code();
     assert!(code.is_some(), "{args:?}: killed by a signal\n{err}");
@@ -56,13 +97,7 @@ pub fn refuse(s: &Scratch, args: &[&str], needles: &[&str]) -> Output {
     }
     let after = snapshot(s.path());
     if before != after {
-        let changed: Vec<&String> = before
-            .keys()
-            .chain(after.keys())
-            .filter(|k| before.get(*k) != after.get(*k))
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
+        let changed = changed_files(&before, &after);
         panic!("{args:?}: files changed: {changed:?}\n{err}");
     }
     o

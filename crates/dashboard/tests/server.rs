@@ -224,11 +224,12 @@ fn clients_that_do_not_read_are_dropped() {
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(exchange(addr, &closing).0, Some(200));
     assert_answers(addr);
-    // Past the write deadline (500 ms) they are cut off: each gets less than the answer.
+    // Past the write deadline (500 ms) they are cut off: each gets what the socket buffers held
+    // (a few MB at most), far from the whole answer.
     std::thread::sleep(Duration::from_millis(1500));
     for s in &mut stuck {
         let (_, got) = read_all(s);
-        assert!(got.len() < full, "{} of {full} bytes", got.len());
+        assert!(got.len() < full / 2, "{} of {full} bytes", got.len());
     }
 }
 
@@ -260,7 +261,7 @@ fn whole_answers_waiting_for_clients_share_a_budget() {
     // Past the write deadline the stuck client is cut off, and its share is free again.
     std::thread::sleep(Duration::from_millis(1500));
     let (_, got) = read_all(&mut stuck);
-    assert!(got.len() < full, "{} of {full} bytes", got.len());
+    assert!(got.len() < full / 2, "{} of {full} bytes", got.len());
     assert_eq!(exchange(addr, &closing).0, Some(200));
 }
 

@@ -21,7 +21,7 @@ pub enum TrainError {
     #[error("{path}: damaged checkpoint: {message}")]
     Checkpoint { path: PathBuf, message: String },
     #[error(
-        "run directory {path} already holds a run (checkpoints or metrics); pass --resume to continue it, \
+        "run directory {path} already holds a run with a checkpoint; pass --resume to continue it, \
          or choose another --run-dir"
     )]
     RunExists { path: PathBuf },

@@ -1,0 +1,150 @@
+"""Loads GGUF files in Hugging Face transformers and checks them against ember (experiments/gguf.md).
+
+For each `--gguf LABEL=PATH`:
+  1. greedy chat answers to each `--prompt` (the file's own chat template, generation prompt added,
+     stop at the end-of-turn token), printed next to ember's answers when `--ember LABEL=FILE` gives
+     the output of `ember sample --chat --temperature 0` for the same prompts;
+  2. with `--jsonl`, the completion loss of those chat examples: each example tokenized the way ember
+     does (the chat rendered turn by turn; the text an assistant turn adds, and the end-of-text token,
+     are scored), run alone from position 0, mean negative log-likelihood over the scored tokens. This
+     is the number `ember eval --perplexity --data FILE.jsonl` prints, so the two compare the logits of
+     ember and transformers on the same weights, token by token.
+
+Run with the reference venv (transformers, torch, gguf), e.g.:
+  /root/venv-ref/bin/python experiments/gguf_transformers_check.py \
+      --gguf tuned-f32=/tmp/x/tuned-f32.gguf --ember tuned-f32=/tmp/x/ember-tuned.txt \
+      --prompt "Who are you?" --jsonl /tmp/x/val.jsonl --out /tmp/x/transformers.json
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+MARK = "Emberling"
+
+
+def parse_ember(path, prompts):
+    """Answers from the stdout of `ember sample --chat`: `=== i ===` headers, each followed by the
+    prompt and the generated text."""
+    text = open(path, encoding="utf-8").read()
+    parts = re.split(r"^=== (\d+) ===\n", text, flags=re.M)
+    out = {}
+    for i in range(1, len(parts) - 1, 2):
+        k, body = int(parts[i]), parts[i + 1]
+        p = prompts[k]
+        body = body[len(p):] if body.startswith(p) else body
+        out[k] = body.rstrip("\n")
+    return [out.get(i) for i in range(len(prompts))]
+
+
+def chat_ids(tok, messages):
+    """ember's encoding of a chat example (crates/data/src/finetune.rs `encode`): ids and scored flags."""
+    ids, scored, done = [], [], ""
+    render = lambda m, gen: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)
+    for i, m in enumerate(messages):
+        before = render(messages[:i], True) if m["role"] == "assistant" else done
+        after = render(messages[: i + 1], False)
+        head = before[len(done):] if before.startswith(done) else before
+        part = tok.encode(head, add_special_tokens=False)
+        ids += part
+        scored += [False] * len(part)
+        if after.startswith(before):
+            part = tok.encode(after[len(before):], add_special_tokens=False)
+            ids += part
+            scored += [m["role"] == "assistant"] * len(part)
+        else:
+            part = tok.encode(after[len(done):] if after.startswith(done) else after, add_special_tokens=False)
+            ids += part
+            scored += [False] * len(part)
+        done = after
+    eos = tok.eos_token_id
+    if eos is not None and ids[-1] != eos:
+        ids.append(eos)
+        scored.append(True)
+    return ids, scored
+
+
+@torch.no_grad()
+def completion_loss(model, tok, path):
+    total, count = 0.0, 0
+    for line in open(path, encoding="utf-8"):
+        if not line.strip():
+            continue
+        ids, scored = chat_ids(tok, json.loads(line)["messages"])
+        logits = model(torch.tensor([ids])).logits[0].double()
+        logp = torch.log_softmax(logits, dim=-1)
+        for t in range(1, len(ids)):
+            if scored[t]:
+                total -= logp[t - 1, ids[t]].item()
+                count += 1
+    return total / count, count
+
+
+@torch.no_grad()
+def answer(model, tok, prompt, max_new_tokens):
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", action="append", required=True, help="LABEL=PATH")
+    ap.add_argument("--ember", action="append", default=[], help="LABEL=FILE: ember sample --chat output")
+    ap.add_argument("--prompt", action="append", required=True)
+    ap.add_argument("--jsonl", help="chat examples whose completion loss to measure")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    ember = {k: parse_ember(v, args.prompt) for k, v in (e.split("=", 1) for e in args.ember)}
+    results = {}
+    for spec in args.gguf:
+        label, path = spec.split("=", 1)
+        d, name = os.path.split(os.path.abspath(path))
+        t0 = time.time()
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+        load_s = time.time() - t0
+        print(f"\n##### {label}: {path} ({os.path.getsize(path):,} bytes), loaded in {load_s:.1f} s; "
+              f"eos {tok.eos_token!r} = {tok.eos_token_id}", flush=True)
+        r = {"path": path, "bytes": os.path.getsize(path), "load_s": load_s, "answers": []}
+        for i, p in enumerate(args.prompt):
+            a = answer(model, tok, p, args.max_new_tokens)
+            e = ember.get(label, [None] * len(args.prompt))[i]
+            row = {"prompt": p, "transformers": a, "has_mark": MARK in a}
+            print(f"- {p!r}\n    transformers: {a!r}")
+            if e is not None:
+                row["ember"] = e
+                row["same_text"] = e.strip() == a.strip()
+                print(f"    ember:        {e!r}  [{'same' if row['same_text'] else 'DIFFERENT'}]")
+            sys.stdout.flush()
+            r["answers"].append(row)
+        if args.jsonl:
+            nll, n = completion_loss(model, tok, args.jsonl)
+            r["completion_nll"], r["scored_tokens"] = nll, n
+            print(f"  completion loss of {args.jsonl}: {nll:.6f} over {n} scored tokens (ppl {math.exp(nll):.4f})")
+        results[label] = r
+        del model
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
