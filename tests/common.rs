@@ -124,3 +124,13 @@ warmup_steps = 2
 "#
     )
 }
+
+/// The shared test assets (`tokenizers/`, `models/`): `$EMBER_TEST_ASSETS`, relative paths meant
+/// from the workspace root (where the README's command is typed), else `../shared`.
+pub fn assets() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    std::env::var_os("EMBER_TEST_ASSETS")
+        .map(PathBuf::from)
+        .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
+        .unwrap_or_else(|| root.join("../shared"))
+}

@@ -18,18 +18,14 @@ use ember_train::Checkpoint;
 
 const MODEL: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-fn assets() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = std::env::var_os("EMBER_TEST_ASSETS")
-        .map(PathBuf::from)
-        .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
-        .unwrap_or_else(|| root.join("../shared"));
+fn model_file() -> PathBuf {
+    let path = assets().join(MODEL);
     assert!(
-        dir.join(MODEL).is_file(),
+        path.is_file(),
         "{} not found: set EMBER_TEST_ASSETS to the folder holding models/ (../shared)",
-        dir.join(MODEL).display()
+        path.display()
     );
-    dir
+    path
 }
 
 fn fixture() -> serde_json::Value {
@@ -57,10 +53,9 @@ fn logits(model: &ember_model::Decoder<Flex>, ids: &[u32]) -> Vec<f32> {
 
 #[test]
 fn smollm2_imports_as_transformers_reads_it_and_round_trips() {
-    let assets = assets();
     let fx = fixture();
     let s = Scratch::new();
-    let gguf = assets.join(MODEL);
+    let gguf = model_file();
     let o = s.ember(&["import", gguf.to_str().unwrap(), "--out", "smol"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("\"Q4_1\": 210"), "{}", stdout(&o));

@@ -66,6 +66,7 @@ fn record(path: &std::ffi::OsStr, args: &[&str], needles: &[&str], o: &Output, c
         "needles": needles,
         "exit": o.status.code(),
         "signal": o.status.signal().is_some(),
+        "signal_number": o.status.signal(),
         "panicked": err.contains("panicked"),
         "named": needles.iter().all(|n| err.contains(n)),
         "files_unchanged": changed.is_empty(),

@@ -295,27 +295,35 @@ impl ModelConfig {
     }
 }
 
+impl ModelConfig {
+    /// A tiny GQA model (2 layers, d_model 32, 4 heads over 2 KV heads, d_ff 64, RMSNorm eps 1e-5):
+    /// the named preset tests and examples build on instead of writing the 17 fields out.
+    pub fn tiny(vocab_size: usize, max_seq_len: usize) -> Self {
+        ModelConfig {
+            vocab_size,
+            d_model: 32,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: Some(2),
+            head_dim: None,
+            d_ff: 64,
+            max_seq_len,
+            rope_theta: 10_000.0,
+            rope_layout: RopeLayout::HalfSplit,
+            rope_scaling: None,
+            sliding_window: None,
+            norm_eps: 1e-5,
+            qkv_bias: false,
+            tie_embeddings: false,
+            init_std: 0.02,
+            dropout: 0.0,
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) fn tiny_config() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 37,
-        d_model: 32,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: Some(2),
-        head_dim: None,
-        d_ff: 48,
-        max_seq_len: 32,
-        rope_theta: 10_000.0,
-        rope_layout: RopeLayout::HalfSplit,
-        rope_scaling: None,
-        sliding_window: None,
-        norm_eps: 1e-5,
-        qkv_bias: false,
-        tie_embeddings: false,
-        init_std: 0.02,
-        dropout: 0.0,
-    }
+    ModelConfig { d_ff: 48, ..ModelConfig::tiny(37, 32) }
 }
 
 #[cfg(test)]

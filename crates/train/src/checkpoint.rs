@@ -651,23 +651,12 @@ mod tests {
     fn data(step: usize, tokenizer: &Tokenizer) -> CheckpointData<'_> {
         static CONFIG: std::sync::OnceLock<ModelConfig> = std::sync::OnceLock::new();
         let model_config = CONFIG.get_or_init(|| ModelConfig {
-            vocab_size: 3,
             d_model: 8,
             n_layers: 1,
             n_heads: 2,
             n_kv_heads: Some(1),
-            head_dim: None,
             d_ff: 16,
-            max_seq_len: 8,
-            rope_theta: 10_000.0,
-            rope_layout: Default::default(),
-            rope_scaling: None,
-            sliding_window: None,
-            norm_eps: 1e-5,
-            qkv_bias: false,
-            tie_embeddings: false,
-            init_std: 0.02,
-            dropout: 0.0,
+            ..ModelConfig::tiny(3, 8)
         });
         CheckpointData {
             step,

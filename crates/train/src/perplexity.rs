@@ -139,25 +139,7 @@ mod tests {
     type B = burn::backend::Flex;
 
     fn model(max_seq_len: usize) -> Decoder<B> {
-        let cfg = ModelConfig {
-            vocab_size: 23,
-            d_model: 32,
-            n_layers: 2,
-            n_heads: 4,
-            n_kv_heads: Some(2),
-            head_dim: None,
-            d_ff: 64,
-            max_seq_len,
-            rope_theta: 10_000.0,
-            rope_layout: Default::default(),
-            rope_scaling: None,
-            sliding_window: None,
-            norm_eps: 1e-5,
-            qkv_bias: false,
-            tie_embeddings: false,
-            init_std: 0.3,
-            dropout: 0.0,
-        };
+        let cfg = ModelConfig { init_std: 0.3, ..ModelConfig::tiny(23, max_seq_len) };
         Decoder::new(&cfg, 9, &Default::default()).unwrap()
     }
 

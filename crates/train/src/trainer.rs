@@ -17,9 +17,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::bench::MemoryProbe;
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, TrainingData, CONFIG_FILE, TOKENIZER_FILE};
 use crate::config::TrainConfig;
+use crate::config::{DataFormat, EvalStrategy};
 use crate::config::{MetricsConfig, SinkKind};
 use crate::error::TrainError;
-use crate::config::{DataFormat, EvalStrategy};
 use crate::eval::{eval_seed, evaluate, evaluate_all, lm_loss};
 use crate::flops::{mfu, resolve_peak, Peak};
 use crate::init::InitSource;
@@ -626,25 +626,7 @@ mod tests {
     type AB = Autodiff<Flex>;
 
     fn config(vocab: usize, max_seq_len: usize) -> ModelConfig {
-        ModelConfig {
-            vocab_size: vocab,
-            d_model: 32,
-            n_layers: 2,
-            n_heads: 4,
-            n_kv_heads: Some(2),
-            head_dim: None,
-            d_ff: 64,
-            max_seq_len,
-            rope_theta: 10_000.0,
-            rope_layout: Default::default(),
-            rope_scaling: None,
-            sliding_window: None,
-            norm_eps: 1e-5,
-            qkv_bias: false,
-            tie_embeddings: false,
-            init_std: 0.2,
-            dropout: 0.0,
-        }
+        ModelConfig { init_std: 0.2, ..ModelConfig::tiny(vocab, max_seq_len) }
     }
 
     /// Every gradient of the model, flattened in parameter order.
@@ -673,7 +655,8 @@ mod tests {
             .map(|r| {
                 let input: Vec<u32> = (0..12).map(|i| (r * 7 + i * 5 + 1) % vocab).collect();
                 let scored = [1, 12, 2, 9, 3, 3, 11, 1][r as usize];
-                let target = (0..12).map(|i| if i >= 12 - scored { ((r + i * 3) % vocab) as i32 } else { -1 }).collect();
+                let target =
+                    (0..12).map(|i| if i >= 12 - scored { ((r + i * 3) % vocab) as i32 } else { -1 }).collect();
                 Window { input, target, docs: None }
             })
             .collect()
@@ -736,8 +719,10 @@ mod tests {
         let packed = pack(&examples, Packing::Documents);
         assert_eq!(burn::data::dataset::Dataset::len(&packed), 1, "all four examples fit one row");
         let (loss, n) = loss_of(&model, &packed);
-        let alone: Vec<(f64, usize)> = examples.iter().map(|e| loss_of(&model, &pack(std::slice::from_ref(e), Packing::None))).collect();
-        let want = alone.iter().map(|(l, n)| l * *n as f64).sum::<f64>() / alone.iter().map(|(_, n)| *n as f64).sum::<f64>();
+        let alone: Vec<(f64, usize)> =
+            examples.iter().map(|e| loss_of(&model, &pack(std::slice::from_ref(e), Packing::None))).collect();
+        let want =
+            alone.iter().map(|(l, n)| l * *n as f64).sum::<f64>() / alone.iter().map(|(_, n)| *n as f64).sum::<f64>();
         assert_eq!(n, alone.iter().map(|(_, n)| n).sum::<usize>());
         assert!((loss - want).abs() < 1e-5, "packed {loss} vs alone {want}");
         // Stream packing lets the examples see each other: a different loss.

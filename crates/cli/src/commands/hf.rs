@@ -107,17 +107,7 @@ pub fn import(args: ImportArgs) -> anyhow::Result<()> {
     let tokenizer_path = args.dir.join(TOKENIZER_FILE);
     let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
     let model = &imported.model;
-    let data = CheckpointData {
-        step: 0,
-        model_config: model.config(),
-        weights: named_tensors(model),
-        adapters_only: false,
-        tokenizer: &tokenizer,
-        tokenizer_dir: Some(&args.dir),
-        hf_config: Some(&imported.hf_config),
-        training: None,
-    };
-    let dir = checkpoint::save(&args.out, data, 1)?;
+    let dir = save_import(&args.out, model, &tokenizer, &args.dir, &imported.hf_config)?;
     let c = model.config();
     println!(
         "imported {} ({} layers, d_model {}, vocab {}, {} parameters in {:?}) into {}; {} tensors loaded, {} missing, {} unused",
@@ -135,6 +125,28 @@ pub fn import(args: ImportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes an imported model as the step-0 checkpoint of a new run at `out`, with the tokenizer
+/// files of `tokenizer_dir` and the model's config.json.
+fn save_import(
+    out: &std::path::Path,
+    model: &ember_model::Decoder<Flex>,
+    tokenizer: &Tokenizer,
+    tokenizer_dir: &std::path::Path,
+    hf_config: &serde_json::Value,
+) -> anyhow::Result<PathBuf> {
+    let data = CheckpointData {
+        step: 0,
+        model_config: model.config(),
+        weights: named_tensors(model),
+        adapters_only: false,
+        tokenizer,
+        tokenizer_dir: Some(tokenizer_dir),
+        hf_config: Some(hf_config),
+        training: None,
+    };
+    Ok(checkpoint::save(out, data, 1)?)
+}
+
 /// `ember import FILE.gguf`: the model dequantized, its tokenizer and chat template rebuilt from
 /// the metadata (written beside the weights as tokenizer.json and tokenizer_config.json).
 fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
@@ -147,17 +159,7 @@ fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_json(&g.tokenizer_json)
         .with_context(|| format!("{}: the tokenizer rebuilt from its metadata does not load", args.dir.display()))?;
     let model = &g.imported.model;
-    let data = CheckpointData {
-        step: 0,
-        model_config: model.config(),
-        weights: named_tensors(model),
-        adapters_only: false,
-        tokenizer: &tokenizer,
-        tokenizer_dir: Some(files.path()),
-        hf_config: Some(&g.imported.hf_config),
-        training: None,
-    };
-    let dir = checkpoint::save(&args.out, data, 1)?;
+    let dir = save_import(&args.out, model, &tokenizer, files.path(), &g.imported.hf_config)?;
     let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
     g.stored.iter().for_each(|(_, k)| *kinds.entry(*k).or_default() += 1);
     let c = model.config();
