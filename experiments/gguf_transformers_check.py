@@ -5,10 +5,11 @@ For each `--gguf LABEL=PATH`:
      stop at the end-of-turn token), printed next to ember's answers when `--ember LABEL=FILE` gives
      the output of `ember sample --chat --temperature 0` for the same prompts;
   2. with `--jsonl`, the completion loss of those chat examples: each example tokenized the way ember
-     does (the chat rendered turn by turn; the text an assistant turn adds, and the end-of-text token,
-     are scored), run alone from position 0, mean negative log-likelihood over the scored tokens. This
-     is the number `ember eval --perplexity --data FILE.jsonl` prints, so the two compare the logits of
-     ember and transformers on the same weights, token by token.
+     does (the chat rendered turn by turn; the text an assistant turn adds, and the token ember appends
+     after every example, are scored), run alone from position 0, mean negative log-likelihood over the
+     scored tokens. This is the number `ember eval --perplexity --data FILE.jsonl` prints, so the two
+     compare the logits of ember and transformers on the same weights. Also printed: the loss without
+     the appended token, and that token's own loss.
 
 Run with the reference venv (transformers, torch, gguf), e.g.:
   /root/venv-ref/bin/python experiments/gguf_transformers_check.py \
@@ -18,7 +19,6 @@ Run with the reference venv (transformers, torch, gguf), e.g.:
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -44,7 +44,18 @@ def parse_ember(path, prompts):
     return [out.get(i) for i in range(len(prompts))]
 
 
-def chat_ids(tok, messages):
+# The token ember appends (scored) after every example: the first of these its vocabulary has
+# (crates/data/src/tokenizer.rs `eos_id`). For SmolLM2 that is `<|endoftext|>` (0), not the model's own
+# end-of-turn/eos token `<|im_end|>` (2) that the chat template already puts at the end of the turn.
+EMBER_EOS = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"]
+
+
+def ember_eos_id(tok):
+    vocab = tok.get_vocab()
+    return next((vocab[t] for t in EMBER_EOS if t in vocab), None)
+
+
+def chat_ids(tok, messages, eos):
     """ember's encoding of a chat example (crates/data/src/finetune.rs `encode`): ids and scored flags."""
     ids, scored, done = [], [], ""
     render = lambda m, gen: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)
@@ -64,7 +75,6 @@ def chat_ids(tok, messages):
             ids += part
             scored += [False] * len(part)
         done = after
-    eos = tok.eos_token_id
     if eos is not None and ids[-1] != eos:
         ids.append(eos)
         scored.append(True)
@@ -73,18 +83,23 @@ def chat_ids(tok, messages):
 
 @torch.no_grad()
 def completion_loss(model, tok, path):
-    total, count = 0.0, 0
+    """Mean NLL of the scored tokens as ember scores them, and the same without the appended token."""
+    eos = ember_eos_id(tok)
+    total, count, last = 0.0, 0, 0.0
     for line in open(path, encoding="utf-8"):
         if not line.strip():
             continue
-        ids, scored = chat_ids(tok, json.loads(line)["messages"])
+        ids, scored = chat_ids(tok, json.loads(line)["messages"], eos)
         logits = model(torch.tensor([ids])).logits[0].double()
         logp = torch.log_softmax(logits, dim=-1)
         for t in range(1, len(ids)):
             if scored[t]:
                 total -= logp[t - 1, ids[t]].item()
                 count += 1
-    return total / count, count
+        last -= logp[len(ids) - 2, ids[-1]].item()  # the appended token (ember's eos)
+    n = sum(1 for line in open(path, encoding="utf-8") if line.strip())
+    return {"nll": total / count, "scored_tokens": count, "appended_token_id": eos,
+            "appended_token_nll": last / n, "nll_without_appended": (total - last) / (count - n)}
 
 
 @torch.no_grad()
@@ -136,9 +151,11 @@ def main():
             sys.stdout.flush()
             r["answers"].append(row)
         if args.jsonl:
-            nll, n = completion_loss(model, tok, args.jsonl)
-            r["completion_nll"], r["scored_tokens"] = nll, n
-            print(f"  completion loss of {args.jsonl}: {nll:.6f} over {n} scored tokens (ppl {math.exp(nll):.4f})")
+            c = completion_loss(model, tok, args.jsonl)
+            r["completion"] = c
+            print(f"  completion loss of {args.jsonl} (ember's scoring): {c['nll']:.6f} over {c['scored_tokens']} "
+                  f"scored tokens; without the appended token {c['appended_token_id']}: "
+                  f"{c['nll_without_appended']:.6f} (that token alone: {c['appended_token_nll']:.4f})")
         results[label] = r
         del model
     if args.out:

@@ -77,7 +77,7 @@ summary() {
   wall=$(cat "$OUT/shakespeare.secs" 2>/dev/null || echo null)
   decode=$(num "$OUT/decode.out" cached_ms_per_token)
   local checks=null
-  [ -f "$OUT/check.out" ] && checks="{\"passed\":$(grep -c '"passed":true' "$OUT/check.out"),\"failed\":$(grep -c '"passed":false' "$OUT/check.out")}"
+  [ -f "$OUT/check.out" ] && checks="{\"passed\":$(grep -c '"passed":true' "$OUT/check.out"),\"failed\":$(grep -c '"passed":false,"skipped":false' "$OUT/check.out"),\"skipped\":$(grep -c '"skipped":true' "$OUT/check.out")}"
   local faster=null
   if [ "$bf16_tps" != null ] && [ "$f32_tps" != null ]; then
     faster=$(awk -v a="$bf16_tps" -v b="$f32_tps" 'BEGIN { print (a > b) ? "true" : "false" }')

@@ -116,7 +116,6 @@ fn mixed_precision_and_activation_checkpointing() {
         assert_eq!(records.len(), 6, "{run}");
         assert!(records.iter().all(|r| r.mfu > 0.0 && r.mfu < 1.0), "{run}: mfu");
         assert_eq!(records[0].loss_scale.is_some(), precision == "f16", "{run}: loss_scale");
-        assert_eq!(records[0].hfu.is_some(), run == "ac", "{run}: hfu");
         assert!(records[5].train_loss < records[0].train_loss, "{run}: loss must fall");
         finals.push(records);
     }

@@ -46,10 +46,6 @@ impl TokenWindows {
         }
         Ok(Self { shard, seq_len })
     }
-
-    pub fn seq_len(&self) -> usize {
-        self.seq_len
-    }
 }
 
 impl Dataset<Window> for TokenWindows {

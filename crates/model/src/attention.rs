@@ -213,22 +213,6 @@ pub fn masked_attention<B: Backend>(
     cast(cast(probs, compute).matmul(cast(v, compute)), DType::F32)
 }
 
-/// Causal attention with both GEMMs in `compute` and the softmax in f32 (Burn's fused op would
-/// run its softmax in the input dtype under autodiff).
-///
-/// # Shapes
-/// - q: `[B, H, T, Dh]`, k, v: `[B, H, S, Dh]` (f32) -> `[B, H, T, Dh]` (f32); query i sits at key
-///   position `S - T + i`
-pub fn causal_attention_mixed<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    compute: DType,
-) -> Tensor<B, 4> {
-    let hidden = causal_mask::<B>(q.dims()[2], k.dims()[2], None, &q.device());
-    masked_attention(q, k, v, Some(hidden), compute)
-}
-
 /// The causal mask of `t` queries at the last `t` of `s` key positions, with an optional sliding
 /// window: key `j` is hidden from query `i` (at position `s - t + i`) when it is in the future or at
 /// least `window` positions back.
@@ -354,6 +338,22 @@ mod tests {
         let a = gqa.forward(x.clone(), &rope, 0, None, DType::F32).into_data();
         let b = mha.forward(x, &rope, 0, None, DType::F32).into_data();
         a.assert_approx_eq::<f32>(&b, Tolerance::absolute(1e-6));
+    }
+
+    /// Causal attention with both GEMMs in `compute` and the softmax in f32 (Burn's fused op would
+    /// run its softmax in the input dtype under autodiff).
+    ///
+    /// # Shapes
+    /// - q: `[B, H, T, Dh]`, k, v: `[B, H, S, Dh]` (f32) -> `[B, H, T, Dh]` (f32); query i sits at key
+    ///   position `S - T + i`
+    fn causal_attention_mixed<B: Backend>(
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        compute: DType,
+    ) -> Tensor<B, 4> {
+        let hidden = causal_mask::<B>(q.dims()[2], k.dims()[2], None, &q.device());
+        masked_attention(q, k, v, Some(hidden), compute)
     }
 
     #[test]

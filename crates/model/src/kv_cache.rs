@@ -91,7 +91,8 @@ impl<B: Backend> KvCache<B> {
     /// Starts a forward call that brings `new_lens[b]` real positions to sequence `b`.
     ///
     /// # Panics
-    /// If a sequence would outgrow the model's context; [`crate::Decoder::forward_cached`] checks first.
+    /// If a sequence would outgrow the model's context (callers check the lengths first: `generate_batch`
+    /// refuses prompts that do not fit).
     pub(crate) fn begin(&mut self, new_lens: &[usize]) {
         assert_eq!(new_lens.len(), self.batch(), "one length per sequence");
         for (b, &n) in new_lens.iter().enumerate() {

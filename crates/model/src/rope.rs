@@ -151,8 +151,9 @@ pub fn interleaved_to_half_split<B: Backend>(weight: Tensor<B, 2>, n_heads: usiz
         .reshape([d_in, width])
 }
 
+#[cfg(test)]
 /// Inverse of [`interleaved_to_half_split`].
-pub fn half_split_to_interleaved<B: Backend>(weight: Tensor<B, 2>, n_heads: usize) -> Tensor<B, 2> {
+pub(crate) fn half_split_to_interleaved<B: Backend>(weight: Tensor<B, 2>, n_heads: usize) -> Tensor<B, 2> {
     let [d_in, width] = weight.dims();
     let half = width / n_heads / 2;
     weight

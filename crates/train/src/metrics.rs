@@ -83,7 +83,6 @@ impl MetricsSink for TensorBoardSink {
         let optional = [
             ("loss/val", r.val_loss),
             ("loss/eval_train", r.eval_train_loss),
-            ("hfu", r.hfu),
             ("loss_scale", r.loss_scale),
             ("memory_bytes", r.memory_bytes.map(|m| m as f64)),
             ("epoch", r.epoch),
@@ -166,9 +165,6 @@ pub struct StepRecord {
     pub tokens_per_sec: f64,
     /// Model FLOPs utilisation at `tokens_per_sec`: (6N + 12·L·T·d) · tokens/s / peak.
     pub mfu: f64,
-    /// Hardware FLOPs utilisation, recomputation included (with activation checkpointing).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hfu: Option<f64>,
     /// f16 dynamic loss scale.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
@@ -231,7 +227,6 @@ mod tests {
             step_ms: 3.0,
             tokens_per_sec: 10.0,
             mfu: 0.1,
-            hfu: None,
             loss_scale: None,
             memory_bytes: None,
             elapsed_s: 1.0,

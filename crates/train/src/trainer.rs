@@ -212,9 +212,6 @@ pub fn train<B: TrainBackend>(
                 step_ms: window_time.as_secs_f64() * 1e3 / (window_tokens / tokens_per_step).max(1) as f64,
                 tokens_per_sec,
                 mfu: step_mfu,
-                // Burn's balanced checkpointing recomputes only memory-bound (elementwise) ops, whose
-                // FLOPs the model count leaves out: the hardware does the same matmul FLOPs.
-                hfu: t.activation_checkpointing.then_some(step_mfu),
                 loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
                 memory_bytes: opts.memory.and_then(|m| m.current_bytes()),
                 elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),

@@ -35,10 +35,19 @@ pub fn run(args: CheckArgs) -> anyhow::Result<()> {
         if args.json {
             println!("{}", serde_json::to_string(c)?);
         } else {
-            println!("{} {} ({}, {:.0} ms)", if c.passed { "ok  " } else { "FAIL" }, c.name, c.detail, c.ms);
+            let mark = if c.skipped {
+                "skip"
+            } else if c.passed {
+                "ok  "
+            } else {
+                "FAIL"
+            };
+            println!("{mark} {} ({}, {:.0} ms)", c.name, c.detail, c.ms);
         }
     }
-    let failed = checks.iter().filter(|c| !c.passed).count();
-    anyhow::ensure!(failed == 0, "{failed} of {} checks failed on {}", checks.len(), args.device);
+    let failed = checks.iter().filter(|c| !c.passed && !c.skipped).count();
+    let skipped = checks.iter().filter(|c| c.skipped).count();
+    anyhow::ensure!(failed == 0, "{failed} of {} checks failed on {} ({skipped} skipped)", checks.len(), args.device);
+    eprintln!("{} passed, {failed} failed, {skipped} skipped on {}", checks.len() - skipped, args.device);
     Ok(())
 }

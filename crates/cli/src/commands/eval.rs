@@ -14,8 +14,10 @@ use crate::backend::{dispatch, DeviceSpec, Job};
 
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// Measure perplexity (of a text), or the completion loss (of fine-tuning examples).
-    #[arg(long, required = true)]
+    /// What eval measures, and the only measure it has: perplexity of a text, completion loss of
+    /// fine-tuning examples. Optional; kept so that existing command lines work.
+    #[arg(long)]
+    #[allow(dead_code)]
     perplexity: bool,
     /// A run directory (its latest checkpoint) or a checkpoint folder.
     #[arg(long)]
