@@ -110,7 +110,12 @@ fn mixed_precision_and_activation_checkpointing() {
         ("f16", "tiny.toml", "f16"),
         ("ac", "ckpt.toml", "f32"),
     ] {
-        let o = s.ember(&["train", "--config", config, "--run-dir", run, "--precision", precision]);
+        // The CPU emulates bf16/f16 (slower than f32), so ember trains in f32 unless told to run
+        // the mixed-precision path anyway, as here to test it.
+        let o = s.ember_env(
+            &["train", "--config", config, "--run-dir", run, "--precision", precision],
+            &[("EMBER_CPU_LOW_PRECISION", "1")],
+        );
         assert!(o.status.success(), "{run}: {}", stderr(&o));
         let records = read_metrics(&s.path().join(run).join("metrics.jsonl")).unwrap();
         assert_eq!(records.len(), 6, "{run}");
@@ -126,6 +131,13 @@ fn mixed_precision_and_activation_checkpointing() {
     assert_ne!(val(1), val(0));
     // Recomputing activations gives the same numbers.
     for (a, b) in finals[0].iter().zip(&finals[3]) {
+        assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits(), "step {}", a.step);
+    }
+    // By default bf16 on the CPU says why and trains in f32: the f32 run, bit for bit.
+    let o = s.ember(&["train", "--config", "tiny.toml", "--run-dir", "cpu-bf16", "--precision", "bf16"]);
+    assert!(o.status.success() && stderr(&o).contains("slower than f32: training in f32"), "{}", stderr(&o));
+    let default_bf16 = read_metrics(&s.path().join("cpu-bf16/metrics.jsonl")).unwrap();
+    for (a, b) in finals[0].iter().zip(&default_bf16) {
         assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits(), "step {}", a.step);
     }
     let o = s.ember(&["train", "--config", "tiny.toml", "--run-dir", "x", "--precision", "f64"]);

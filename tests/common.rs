@@ -25,22 +25,34 @@ impl Scratch {
         p
     }
 
+    /// [`Scratch::ember`] with extra environment variables.
+    pub fn ember_env(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
+        let mut cmd = self.command(args);
+        cmd.envs(env.iter().copied());
+        cmd.output().expect("run ember")
+    }
+
     /// Runs `ember args...` with the scratch folder as working directory and download cache.
     /// `$EMBER_BIN`, when set, names another binary to run instead of the one cargo built (to run
     /// a test against an older build, as `experiments/reliability.md` does).
     pub fn ember(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run ember")
+    }
+
+    /// The command [`Scratch::ember`] runs, to add to.
+    pub fn command(&self, args: &[&str]) -> Command {
         let bin = std::env::var_os("EMBER_BIN")
             .filter(|b| !b.is_empty())
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ember")));
-        Command::new(bin)
-            .args(args)
+        let mut cmd = Command::new(bin);
+        cmd.args(args)
             .current_dir(self.path())
             .env("EMBER_CACHE_DIR", self.path().join("cache"))
             .env_remove("EMBER_DATA_DIR")
-            .env("RUST_LOG", "info")
-            .output()
-            .expect("run ember")
+            .env_remove("EMBER_CPU_LOW_PRECISION")
+            .env("RUST_LOG", "info");
+        cmd
     }
 }
 

@@ -72,6 +72,7 @@ fn record(path: &std::ffi::OsStr, args: &[&str], needles: &[&str], o: &Output, c
         "files_unchanged": changed.is_empty(),
         "changed": changed,
         "stderr_head": err.chars().take(200).collect::<String>(),
+        "stderr_tail": err.chars().rev().take(200).collect::<Vec<_>>().into_iter().rev().collect::<String>(),
     });
     let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).expect("open $EMBER_CATALOGUE");
     f.write_all(format!("{line}\n").as_bytes()).expect("write $EMBER_CATALOGUE");

@@ -3,8 +3,8 @@
 //!
 //! The server may run inside `ember train --dashboard`, so nothing a client sends may take the
 //! process down, hold its memory or compete with training for the CPU:
-//! - a tokio runtime of its own (1–4 threads, at a lower scheduling priority), driven from an OS
-//!   thread of its own, so the caller never waits on it;
+//! - a tokio runtime of its own (1–4 threads, at nice 10, or `SCHED_IDLE` beside training; see
+//!   [`Options::idle_priority`]), driven from an OS thread of its own, so the caller never waits on it;
 //! - hyper's HTTP/1 connections with a cap on the request head ([`Limits::max_header_bytes`]) and
 //!   a deadline to send it ([`Limits::header_read_timeout`]); bodies are never read: a request
 //!   announcing more than [`Limits::max_body`] bytes (or an unknown length) gets 413 and the
@@ -103,11 +103,16 @@ pub struct Options {
     /// connection came in on.
     pub allowed_hosts: Vec<String>,
     pub limits: Limits,
+    /// Run the server's threads under `SCHED_IDLE` (Linux): only on CPU time nothing else wants,
+    /// and preempted as soon as another thread wakes up. For a dashboard beside training, which must
+    /// not slow it down however hard the server is pushed; the page may then lag by seconds while
+    /// every core trains. Otherwise the threads run at nice 10.
+    pub idle_priority: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { threads: 2, allowed_hosts: Vec::new(), limits: Limits::default() }
+        Self { threads: 2, allowed_hosts: Vec::new(), limits: Limits::default(), idle_priority: false }
     }
 }
 
@@ -129,11 +134,12 @@ impl Dashboard {
     pub fn start_with(logdir: &std::path::Path, addr: SocketAddr, options: Options) -> Result<Self, ServeError> {
         let threads = options.threads.clamp(1, 4);
         let store = RunStore::new(logdir)?.with_parallelism(threads);
+        let idle = options.idle_priority;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .max_blocking_threads(threads)
             .thread_name("ember-dashboard")
-            .on_thread_start(lower_priority)
+            .on_thread_start(move || lower_priority(idle))
             .enable_io()
             .enable_time()
             .build()
@@ -161,7 +167,7 @@ impl Dashboard {
         let thread = std::thread::Builder::new()
             .name("ember-dashboard".into())
             .spawn(move || {
-                lower_priority();
+                lower_priority(idle);
                 let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     runtime.block_on(server.serve(listener, stop));
                 }));
@@ -210,18 +216,25 @@ fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(1024)
 }
 
-/// Puts the calling thread at nice 10 (unless it is lower already), so that under
-/// `ember train --dashboard` the server only takes CPU that training leaves. On Linux the nice
-/// value is per thread, and threads inherit it.
-fn lower_priority() {
+/// Puts the calling thread at nice 10 (unless it is lower already) and, if `idle`, under
+/// `SCHED_IDLE`, so that the server takes little CPU from whatever else runs (training, under
+/// `ember train --dashboard`). On Linux both are per thread, and new threads inherit them. Failures
+/// leave the thread as it was.
+fn lower_priority(idle: bool) {
     #[cfg(target_os = "linux")]
-    // SAFETY: plain system calls on the calling thread's own id.
+    // SAFETY: plain system calls on the calling thread's own id, with a parameter struct they read.
     unsafe {
         let tid = libc::gettid() as libc::id_t;
         if libc::getpriority(libc::PRIO_PROCESS, tid) < 10 {
             libc::setpriority(libc::PRIO_PROCESS, tid, 10);
         }
+        if idle {
+            let param = libc::sched_param { sched_priority: 0 };
+            libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
+        }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = idle;
 }
 
 /// The soft limit on open file descriptors.

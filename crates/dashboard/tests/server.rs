@@ -35,7 +35,7 @@ fn limits() -> Limits {
 }
 
 fn start(dir: &Path, limits: Limits) -> Dashboard {
-    let options = Options { threads: 2, allowed_hosts: vec!["box.lan".into()], limits };
+    let options = Options { threads: 2, allowed_hosts: vec!["box.lan".into()], limits, idle_priority: false };
     Dashboard::start_with(dir, "127.0.0.1:0".parse().unwrap(), options).unwrap()
 }
 

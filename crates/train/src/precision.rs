@@ -3,18 +3,27 @@
 //! Master weights and AdamW moments are always f32; the model casts them to the compute dtype at
 //! each GEMM (`ember_model::linear`), and keeps norms, softmax and the loss in f32.
 
-use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Precision;
+use ember_model::ops::EmberBackend;
 
 /// The GEMM dtype for `precision` on `device`, and a note when the device forced another choice.
-pub fn compute_dtype<B: Backend>(device: &Device<B>, precision: Precision) -> (DType, Option<String>) {
+pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) -> (DType, Option<String>) {
     let supports = |d: DType| B::supports_dtype(device, d);
     let name = B::name(device);
     match precision {
         Precision::F32 => (DType::F32, None),
+        // Measured: bf16 through f32 conversions runs the nano step ~6x slower than f32 on the CPU
+        // (experiments/mixed-precision-and-loss.md); it must never be a trap.
+        p if !B::native_low_precision() && !forced_low_precision() => (
+            DType::F32,
+            Some(format!(
+                "{name} computes `{p}` GEMMs through f32 conversions, slower than f32: training in f32 \
+                 (f32 master weights either way; the result is what `{p}` would approximate)"
+            )),
+        ),
         Precision::Bf16 if supports(DType::BF16) => (DType::BF16, None),
         Precision::Bf16 if supports(DType::F16) => {
             (DType::F16, Some(format!("{name} has no bf16; training in f16 with dynamic loss scaling")))
@@ -22,6 +31,12 @@ pub fn compute_dtype<B: Backend>(device: &Device<B>, precision: Precision) -> (D
         Precision::F16 if supports(DType::F16) => (DType::F16, None),
         p => (DType::F32, Some(format!("{name} supports neither bf16 nor f16; `{p}` falls back to f32"))),
     }
+}
+
+/// `EMBER_CPU_LOW_PRECISION=1`: compute bf16/f16 where it is emulated anyway (slower), to test the
+/// mixed-precision path on the CPU.
+fn forced_low_precision() -> bool {
+    std::env::var("EMBER_CPU_LOW_PRECISION").is_ok_and(|v| v == "1")
 }
 
 /// Dynamic loss scaling, with `torch.amp.GradScaler`'s defaults: the loss is multiplied by `scale`
@@ -74,13 +89,16 @@ mod tests {
     }
 
     #[test]
-    fn flex_runs_bf16_and_f16() {
-        let dev = Default::default();
-        assert_eq!(compute_dtype::<burn::backend::Flex>(&dev, Precision::Bf16), (DType::BF16, None));
-        assert_eq!(compute_dtype::<burn::backend::Flex>(&dev, Precision::F16), (DType::F16, None));
-        // NdArray has neither: f32, and it says so.
-        let (d, note) = compute_dtype::<burn::backend::NdArray>(&Default::default(), Precision::Bf16);
-        assert_eq!(d, DType::F32);
-        assert!(note.unwrap().contains("falls back to f32"));
+    fn cpu_backends_train_low_precision_in_f32_and_say_so() {
+        // Flex and NdArray compute bf16/f16 GEMMs through f32 conversions, slower than f32: f32.
+        for (d, note) in [
+            compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::Bf16),
+            compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::F16),
+            compute_dtype::<burn::backend::NdArray>(&Default::default(), Precision::Bf16),
+        ] {
+            assert_eq!(d, DType::F32);
+            assert!(note.unwrap().contains("slower than f32: training in f32"));
+        }
+        assert_eq!(compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::F32), (DType::F32, None));
     }
 }

@@ -22,13 +22,20 @@ pub struct DashboardArgs {
     allow_hosts: Vec<String>,
 }
 
-/// Starts serving `logdir`; the server runs on threads of its own, at a lower priority.
-pub fn start(logdir: &std::path::Path, host: IpAddr, port: u16, allow_hosts: &[String]) -> anyhow::Result<Dashboard> {
+/// Starts serving `logdir`; the server runs on threads of its own, at a lower priority (only on
+/// otherwise idle CPU time when `beside_training`).
+pub fn start(
+    logdir: &std::path::Path,
+    host: IpAddr,
+    port: u16,
+    allow_hosts: &[String],
+    beside_training: bool,
+) -> anyhow::Result<Dashboard> {
     let mut allowed = allow_hosts.to_vec();
     if !host.is_unspecified() {
         allowed.push(host.to_string());
     }
-    let options = Options { threads: 2, allowed_hosts: allowed, ..Options::default() };
+    let options = Options { threads: 2, allowed_hosts: allowed, idle_priority: beside_training, ..Options::default() };
     let dashboard = Dashboard::start_with(logdir, SocketAddr::new(host, port), options)
         .with_context(|| format!("starting the dashboard over {}", logdir.display()))?;
     if !host.is_loopback() {
@@ -39,6 +46,6 @@ pub fn start(logdir: &std::path::Path, host: IpAddr, port: u16, allow_hosts: &[S
 }
 
 pub fn run(args: DashboardArgs) -> anyhow::Result<()> {
-    start(&args.logdir, args.host, args.port, &args.allow_hosts)?.wait();
+    start(&args.logdir, args.host, args.port, &args.allow_hosts, false)?.wait();
     Ok(())
 }

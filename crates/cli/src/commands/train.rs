@@ -92,6 +92,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                     std::net::Ipv4Addr::LOCALHOST.into(),
                     args.dashboard_port,
                     &[],
+                    true,
                 )
             })
             .inspect_err(|e| tracing::warn!("no dashboard: {e:#}; training goes on without it"))

@@ -147,6 +147,10 @@ impl EmberBackend for Flex {
         dtype == DType::F32 && !kernels_disabled()
     }
 
+    fn native_low_precision() -> bool {
+        false
+    }
+
     fn rms_norm_fused(x: FlexTensor, w: FlexTensor, eps: f64) -> FlexTensor {
         let shape = shape_of(&x);
         flex_new(kernels::rms_norm(&flex_f32(&x), &flex_f32(&w), eps as f32), shape)

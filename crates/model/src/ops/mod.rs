@@ -41,6 +41,13 @@ pub trait EmberBackend: Backend {
         cross_entropy::chunked_forward(h, w, t, spec).loss.into_primitive().tensor()
     }
 
+    /// Whether bf16/f16 GEMMs run natively (GPU tensor cores), as opposed to through f32 conversions
+    /// that make them slower than f32 (Burn's CPU backends). Mixed precision falls back to f32 where
+    /// they do not, since it would only cost time.
+    fn native_low_precision() -> bool {
+        true
+    }
+
     /// Whether this backend has fused kernels (RMSNorm, SwiGLU, RoPE + attention) for `dtype`.
     /// Without them the model runs the plain compositions of [`fused::reference`].
     fn fused(_dtype: DType) -> bool {
@@ -238,7 +245,11 @@ pub(crate) fn int<B: Backend, const D: usize>(p: IntTensor<B>) -> Tensor<B, D, I
     Tensor::from_primitive(p)
 }
 
-impl EmberBackend for burn::backend::NdArray {}
+impl EmberBackend for burn::backend::NdArray {
+    fn native_low_precision() -> bool {
+        false
+    }
+}
 #[cfg(feature = "wgpu")]
 impl EmberBackend for burn::backend::Wgpu {}
 #[cfg(feature = "cuda")]
@@ -247,6 +258,10 @@ impl EmberBackend for burn::backend::Cuda {}
 impl<B: EmberBackend, C: CheckpointStrategy> EmberBackend for Autodiff<B, C> {
     fn fused(dtype: DType) -> bool {
         B::fused(dtype)
+    }
+
+    fn native_low_precision() -> bool {
+        B::native_low_precision()
     }
 
     fn rms_norm_fused(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
