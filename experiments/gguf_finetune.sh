@@ -115,5 +115,6 @@ $PY experiments/gguf_transformers_check.py "${PARGS[@]}" --jsonl "$OUT/val.jsonl
   --gguf "base=$MODEL" --ember "base=$OUT/ember-base.txt" \
   --gguf "tuned-f32=$OUT/tuned-f32.gguf" --ember "tuned-f32=$OUT/ember-ft.txt" \
   --gguf "tuned-q8_0=$OUT/tuned-q8_0.gguf" --ember "tuned-q8_0=$OUT/ember-reimport-q8_0.txt" \
+  --compare tuned-f32,tuned-q8_0 --compare base,tuned-f32 \
   2> >(grep -v -e "Converting and de-quantizing" -e "Loading weights" >&2)
 echo "transformers check: $(secs "$t0" "$(now)") s"

@@ -85,12 +85,13 @@ def chat_ids(tok, messages, eos):
 def completion_loss(model, tok, path):
     """Mean NLL of the scored tokens as ember scores them, and the same without the appended token."""
     eos = ember_eos_id(tok)
-    total, count, last = 0.0, 0, 0.0
+    total, count, last, kept = 0.0, 0, 0.0, []
     for line in open(path, encoding="utf-8"):
         if not line.strip():
             continue
         ids, scored = chat_ids(tok, json.loads(line)["messages"], eos)
         logits = model(torch.tensor([ids])).logits[0].double()
+        kept.append(logits.float())
         logp = torch.log_softmax(logits, dim=-1)
         for t in range(1, len(ids)):
             if scored[t]:
@@ -99,7 +100,19 @@ def completion_loss(model, tok, path):
         last -= logp[len(ids) - 2, ids[-1]].item()  # the appended token (ember's eos)
     n = sum(1 for line in open(path, encoding="utf-8") if line.strip())
     return {"nll": total / count, "scored_tokens": count, "appended_token_id": eos,
-            "appended_token_nll": last / n, "nll_without_appended": (total - last) / (count - n)}
+            "appended_token_nll": last / n, "nll_without_appended": (total - last) / (count - n)}, kept
+
+
+def compare_logits(a, b):
+    """Logits of the same examples from two models: largest and mean absolute difference, and how often
+    the most likely next token agrees."""
+    diffs = [(x - y).abs() for x, y in zip(a, b)]
+    agree = sum(int((x.argmax(-1) == y.argmax(-1)).sum()) for x, y in zip(a, b))
+    positions = sum(x.shape[0] for x in a)
+    return {"max_abs": max(float(d.max()) for d in diffs),
+            "mean_abs": sum(float(d.sum()) for d in diffs) / sum(d.numel() for d in diffs),
+            "top1_agree": agree, "positions": positions,
+            "logit_scale_mean_abs": sum(float(x.abs().sum()) for x in a) / sum(x.numel() for x in a)}
 
 
 @torch.no_grad()
@@ -123,12 +136,14 @@ def main():
     ap.add_argument("--ember", action="append", default=[], help="LABEL=FILE: ember sample --chat output")
     ap.add_argument("--prompt", action="append", required=True)
     ap.add_argument("--jsonl", help="chat examples whose completion loss to measure")
+    ap.add_argument("--compare", action="append", default=[],
+                    help="A,B: compare the logits of two --gguf labels on the --jsonl examples")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     ember = {k: parse_ember(v, args.prompt) for k, v in (e.split("=", 1) for e in args.ember)}
-    results = {}
+    results, logits = {}, {}
     for spec in args.gguf:
         label, path = spec.split("=", 1)
         d, name = os.path.split(os.path.abspath(path))
@@ -151,13 +166,20 @@ def main():
             sys.stdout.flush()
             r["answers"].append(row)
         if args.jsonl:
-            c = completion_loss(model, tok, args.jsonl)
+            c, logits[label] = completion_loss(model, tok, args.jsonl)
             r["completion"] = c
             print(f"  completion loss of {args.jsonl} (ember's scoring): {c['nll']:.6f} over {c['scored_tokens']} "
                   f"scored tokens; without the appended token {c['appended_token_id']}: "
                   f"{c['nll_without_appended']:.6f} (that token alone: {c['appended_token_nll']:.4f})")
         results[label] = r
         del model
+    for pair in args.compare:
+        a, b = pair.split(",")
+        c = compare_logits(logits[a], logits[b])
+        results[f"{a} vs {b}"] = c
+        print(f"\nlogits of {a} against {b} on {c['positions']} positions of {args.jsonl}: max |diff| "
+              f"{c['max_abs']:.4f}, mean |diff| {c['mean_abs']:.5f} (mean |logit| {c['logit_scale_mean_abs']:.2f}); "
+              f"same most likely token at {c['top1_agree']}/{c['positions']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -77,7 +77,8 @@ pub(crate) struct Setup {
     pub(crate) val: Examples,
 }
 
-/// Trains (or resumes) the run described by `config` in `opts.run_dir`.
+/// Trains (or resumes) the run described by `config` in `opts.run_dir`: nanoGPT's loop of
+/// step -> record -> maybe evaluate -> maybe checkpoint, its parts below.
 pub fn train<B: TrainBackend>(
     config: TrainConfig,
     opts: &TrainOptions,
@@ -88,34 +89,9 @@ pub fn train<B: TrainBackend>(
     let run_dir = &opts.run_dir;
     let schedule = LrSchedule::from_config(config);
     let dtype = resolve_dtype::<B>(device, config);
-
     // Before any weight is allocated: a config too big for the device is an error, not an abort.
     check_fits(config, opts.memory_available)?;
-    let (model, mut optim, mut state) = if opts.resume {
-        // Leftovers of killed writers are cleared first, so that what is checked is what resuming
-        // reads. A run without a checkpoint (killed before its first) has nothing to resume and
-        // nothing to lose: it starts again without --resume. One with a checkpoint is never overwritten.
-        checkpoint::tidy_run_dir(run_dir)?;
-        if run_dir.is_dir() && !checkpoint::has_checkpoint(run_dir) {
-            return Err(TrainError::Resume {
-                path: run_dir.clone(),
-                message: "it has no checkpoint yet (the run stopped before its first one); run without \
-                          --resume to restart it from step 0"
-                    .into(),
-            });
-        }
-        resume::<B>(&setup, run_dir, device)?
-    } else {
-        checkpoint::tidy_run_dir(run_dir)?;
-        if checkpoint::has_checkpoint(run_dir) {
-            return Err(TrainError::RunExists { path: run_dir.clone() });
-        }
-        checkpoint::set_aside_dead_attempt(run_dir, &[METRICS_FILE, crate::metrics::SAMPLES_FILE])?;
-        let model = initial_model::<B>(config, device)?;
-        let mut state = TrainState::new(0, schedule, config.train.seed, 0);
-        state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
-        (model, AdamW::<B>::new(config.optim.clone()), state)
-    };
+    let (model, mut optim, mut state) = start::<B>(&setup, opts, dtype, device)?;
     let mut model = model.with_compute_dtype(dtype);
     std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
     ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
@@ -123,46 +99,28 @@ pub fn train<B: TrainBackend>(
     let mut metrics = open_sinks(config, run_dir, opts.resume.then_some(state.step), state.elapsed_s)?;
 
     let t = &config.train;
-    let max_steps = t.max_steps;
-    let stop = opts.stop_at.unwrap_or(max_steps).min(max_steps);
+    let stop = opts.stop_at.unwrap_or(t.max_steps).min(t.max_steps);
     let tokens_per_step = config.tokens_per_step();
     let sampler = WindowSampler { seed: state.sampler_seed };
-    let (train_seed, val_seed) = (eval_seed(t.seed, "train"), eval_seed(t.seed, "val"));
-    let peak_cache = opts.locations.cache_dir.clone();
     let peak = resolve_peak::<B::InnerBackend>(
         device,
         opts.device_name.as_deref(),
         dtype,
         opts.peak_tflops,
-        Some(&peak_cache),
+        Some(&opts.locations.cache_dir),
     );
     let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     log_setup(config, dtype, &peak, tokens_per_step);
-    // Fine-tuning runs score every held-out example (the completion loss each has alone under
-    // documents packing); text runs a fixed sample of windows.
-    let held_out = config.data.format() == DataFormat::Jsonl;
-    let val_loss = |model: &Decoder<B::InnerBackend>| {
-        if held_out {
-            evaluate_all(model, setup.val.as_ref(), t.batch_size)
-        } else {
-            evaluate(model, setup.val.as_ref(), val_seed, t.eval_iters, t.batch_size)
-        }
-    };
-    // Epochs of the training rows drawn so far (fine-tuning data is counted in epochs).
-    let train_rows = setup.train.len().max(1) as f64;
-    let epoch_at = |stream: u64| held_out.then(|| (stream as f64 * t.batch_size as f64) / train_rows);
+    let evaluator = Evaluator::new(&setup);
     if state.step == 0 {
-        let val = val_loss(&model.valid());
+        let val = evaluator.val(&model.valid());
         tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (config.model.vocab_size as f64).ln());
     }
 
-    let bar = progress_bar(opts.show_progress, max_steps, state.step);
-    let started = Instant::now();
-    let elapsed_before = state.elapsed_s;
-    let (mut window_time, mut window_tokens) = (Duration::ZERO, 0usize);
-    let (mut run_time, mut run_tokens) = (Duration::ZERO, 0usize);
+    let bar = progress_bar(opts.show_progress, t.max_steps, state.step);
+    let clock = Clock { started: Instant::now(), before: state.elapsed_s };
+    let mut speed = Throughput::default();
     let mut last_val = None;
-
     while state.step < stop {
         let step_start = Instant::now();
         let lr = schedule.lr(state.step);
@@ -184,61 +142,42 @@ pub fn train<B: TrainBackend>(
         if out.skipped {
             bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
         }
-        let epoch_before = epoch_at(state.next_stream);
+        let epoch_before = evaluator.epoch(state.next_stream);
         state.step += 1;
         state.next_stream += t.grad_accum_steps as u64;
-        let epoch = epoch_at(state.next_stream);
-        // With eval_strategy = "epoch", a fine-tuning run evaluates each time it completes an epoch.
-        let epoch_done = t.eval_strategy == EvalStrategy::Epoch
-            && matches!((epoch_before, epoch), (Some(a), Some(b)) if b.floor() > a.floor());
         state.tokens_seen += tokens_per_step as u64;
-        let dt = step_start.elapsed();
-        (window_time, window_tokens) = (window_time + dt, window_tokens + tokens_per_step);
-        (run_time, run_tokens) = (run_time + dt, run_tokens + tokens_per_step);
+        speed.add(step_start.elapsed(), tokens_per_step);
 
         let step = state.step;
-        let on_interval = t.eval_strategy == EvalStrategy::Steps && step % t.eval_interval == 0;
-        let is_eval = on_interval || step == max_steps || epoch_done;
+        let epoch = evaluator.epoch(state.next_stream);
+        let is_eval = match t.eval_strategy {
+            EvalStrategy::Steps => step % t.eval_interval == 0,
+            // Each time the run completes an epoch of the (fine-tuning) examples.
+            EvalStrategy::Epoch => matches!((epoch_before, epoch), (Some(a), Some(b)) if b.floor() > a.floor()),
+        } || step == t.max_steps;
         if step % t.log_interval == 0 || is_eval {
-            // Averaged over the steps since the last record, evaluation and checkpoint time excluded.
-            let tokens_per_sec = window_tokens as f64 / window_time.as_secs_f64().max(1e-9);
-            let step_mfu = mfu(flops_per_token, tokens_per_sec, &peak);
+            let tokens_per_sec = speed.window_rate();
             let mut record = StepRecord {
                 step,
                 train_loss: out.loss,
                 lr,
                 grad_norm: out.grad_norm,
                 clipped: clip_coefficient(out.grad_norm, config.optim.grad_clip) < 1.0,
-                step_ms: window_time.as_secs_f64() * 1e3 / (window_tokens / tokens_per_step).max(1) as f64,
+                step_ms: speed.window_ms_per_step(tokens_per_step),
                 tokens_per_sec,
-                mfu: step_mfu,
+                mfu: mfu(flops_per_token, tokens_per_sec, &peak),
                 loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
                 memory_bytes: opts.memory.and_then(|m| m.current_bytes()),
-                elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+                elapsed_s: clock.elapsed_s(),
                 val_loss: None,
                 eval_train_loss: None,
                 epoch,
             };
-            (window_time, window_tokens) = (Duration::ZERO, 0);
+            speed.reset_window();
             if is_eval {
-                let inner = model.valid();
-                let tl = evaluate(&inner, setup.train.as_ref(), train_seed, t.eval_iters, t.batch_size);
-                let vl = val_loss(&inner);
-                (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
+                let vl = evaluator.record(&model.valid(), &mut record, &mut metrics, &clock, &bar)?;
                 state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
                 last_val = Some(vl);
-                let memory =
-                    record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
-                bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
-                if let Some(sample) = sample_text(&inner, &setup.tokenizer, &config.metrics, t.seed ^ step as u64) {
-                    let elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
-                    metrics.sample(&SampleRecord {
-                        step,
-                        elapsed_s,
-                        prompt: config.metrics.sample_prompt.clone(),
-                        text: sample,
-                    })?;
-                }
             }
             bar.set_message(format!(
                 "loss {:.4} · {:.0} tok/s · MFU {:.1}%",
@@ -248,30 +187,15 @@ pub fn train<B: TrainBackend>(
             ));
             metrics.record(&record)?;
         }
-        let periodic = t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0;
-        if periodic || step == stop {
-            state.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
-            state.optimizer_steps = optim.steps();
-            let lora = config.lora.is_some();
-            // A LoRA run saves its adapters only; the frozen base is not even read back.
-            let weights = named_tensors_where(&model, |k| !lora || k.contains(".lora."));
-            let data = CheckpointData {
-                step,
-                model_config: model.config(),
-                weights,
-                adapters_only: lora,
-                tokenizer: &setup.tokenizer,
-                tokenizer_dir: setup.tokenizer_dir.as_deref(),
-                hf_config: setup.hf_config.as_ref(),
-                training: Some(TrainingData { optimizer: optim.state_tensors(), state: &state, config }),
-            };
-            let dir = checkpoint::save(run_dir, data, t.keep_checkpoints)?;
+        if (t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == stop {
+            state.elapsed_s = clock.elapsed_s();
+            let dir = save_checkpoint(run_dir, &model, &optim, &mut state, &setup)?;
             bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
         }
         bar.set_position(step as u64);
     }
     bar.finish_and_clear();
-    let tokens_per_sec = run_tokens as f64 / run_time.as_secs_f64().max(1e-9);
+    let tokens_per_sec = speed.total_rate();
     Ok(TrainSummary {
         run_dir: run_dir.clone(),
         steps: state.step,
@@ -279,8 +203,169 @@ pub fn train<B: TrainBackend>(
         last_val_loss: last_val,
         tokens_per_sec,
         mfu: mfu(flops_per_token, tokens_per_sec, &peak),
-        elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+        elapsed_s: clock.elapsed_s(),
     })
+}
+
+/// A fresh run, or the resumed one. Leftovers of killed writers are cleared first, so that what is
+/// checked is what resuming reads. A run without a checkpoint (killed before its first) has nothing
+/// to resume and nothing to lose: it starts again without --resume. One with a checkpoint is never
+/// overwritten.
+fn start<B: TrainBackend>(
+    setup: &Setup,
+    opts: &TrainOptions,
+    dtype: DType,
+    device: &Device<B>,
+) -> Result<Restored<B>, TrainError> {
+    let (config, run_dir) = (&setup.config, &opts.run_dir);
+    checkpoint::tidy_run_dir(run_dir)?;
+    if opts.resume {
+        if run_dir.is_dir() && !checkpoint::has_checkpoint(run_dir) {
+            return Err(TrainError::Resume {
+                path: run_dir.clone(),
+                message: "it has no checkpoint yet (the run stopped before its first one); run without \
+                          --resume to restart it from step 0"
+                    .into(),
+            });
+        }
+        return resume::<B>(setup, run_dir, device);
+    }
+    if checkpoint::has_checkpoint(run_dir) {
+        return Err(TrainError::RunExists { path: run_dir.clone() });
+    }
+    checkpoint::set_aside_dead_attempt(run_dir, &[METRICS_FILE, crate::metrics::SAMPLES_FILE])?;
+    let model = initial_model::<B>(config, device)?;
+    let mut state = TrainState::new(0, LrSchedule::from_config(config), config.train.seed, 0);
+    state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
+    Ok((model, AdamW::<B>::new(config.optim.clone()), state))
+}
+
+/// Wall time of a run across resumes: `before` seconds of earlier invocations, then this one's.
+struct Clock {
+    started: Instant,
+    before: f64,
+}
+
+impl Clock {
+    fn elapsed_s(&self) -> f64 {
+        self.before + self.started.elapsed().as_secs_f64()
+    }
+}
+
+/// Time and tokens of training steps (evaluation and checkpoints excluded): since the last record,
+/// and over this invocation.
+#[derive(Default)]
+struct Throughput {
+    window: (Duration, usize),
+    total: (Duration, usize),
+}
+
+impl Throughput {
+    fn add(&mut self, dt: Duration, tokens: usize) {
+        self.window = (self.window.0 + dt, self.window.1 + tokens);
+        self.total = (self.total.0 + dt, self.total.1 + tokens);
+    }
+
+    fn window_rate(&self) -> f64 {
+        self.window.1 as f64 / self.window.0.as_secs_f64().max(1e-9)
+    }
+
+    fn window_ms_per_step(&self, tokens_per_step: usize) -> f64 {
+        self.window.0.as_secs_f64() * 1e3 / (self.window.1 / tokens_per_step).max(1) as f64
+    }
+
+    fn reset_window(&mut self) {
+        self.window = (Duration::ZERO, 0);
+    }
+
+    fn total_rate(&self) -> f64 {
+        self.total.1 as f64 / self.total.0.as_secs_f64().max(1e-9)
+    }
+}
+
+/// The periodic evaluation: fixed batches of both splits (text), or every held-out example
+/// (fine-tuning: the completion loss each has alone under documents packing), and a sample.
+struct Evaluator<'a> {
+    setup: &'a Setup,
+    held_out: bool,
+    train_seed: u64,
+    val_seed: u64,
+}
+
+impl<'a> Evaluator<'a> {
+    fn new(setup: &'a Setup) -> Self {
+        let seed = setup.config.train.seed;
+        Self {
+            setup,
+            held_out: setup.config.data.format() == DataFormat::Jsonl,
+            train_seed: eval_seed(seed, "train"),
+            val_seed: eval_seed(seed, "val"),
+        }
+    }
+
+    fn val<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> f64 {
+        let t = &self.setup.config.train;
+        if self.held_out {
+            evaluate_all(model, self.setup.val.as_ref(), t.batch_size)
+        } else {
+            evaluate(model, self.setup.val.as_ref(), self.val_seed, t.eval_iters, t.batch_size)
+        }
+    }
+
+    /// Epochs of the training rows drawn before micro-batch `stream` (fine-tuning runs only).
+    fn epoch(&self, stream: u64) -> Option<f64> {
+        let rows = self.setup.train.len().max(1) as f64;
+        self.held_out.then(|| stream as f64 * self.setup.config.train.batch_size as f64 / rows)
+    }
+
+    /// Evaluates both splits into `record`, logs them, writes a sample; returns the val loss.
+    fn record<IB: ember_model::ops::EmberBackend>(
+        &self,
+        model: &Decoder<IB>,
+        record: &mut StepRecord,
+        metrics: &mut Sinks,
+        clock: &Clock,
+        bar: &ProgressBar,
+    ) -> Result<f64, TrainError> {
+        let (config, step) = (&self.setup.config, record.step);
+        let t = &config.train;
+        let tl = evaluate(model, self.setup.train.as_ref(), self.train_seed, t.eval_iters, t.batch_size);
+        let vl = self.val(model);
+        (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
+        let memory =
+            record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
+        bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
+        if let Some(text) = sample_text(model, &self.setup.tokenizer, &config.metrics, t.seed ^ step as u64) {
+            let prompt = config.metrics.sample_prompt.clone();
+            metrics.sample(&SampleRecord { step, elapsed_s: clock.elapsed_s(), prompt, text })?;
+        }
+        Ok(vl)
+    }
+}
+
+/// Saves the run at `state.step` (a LoRA run its adapters only: the frozen base is not even read
+/// back), keeping the newest `train.keep_checkpoints`.
+fn save_checkpoint<B: TrainBackend>(
+    run_dir: &Path,
+    model: &Decoder<B>,
+    optim: &AdamW<B>,
+    state: &mut TrainState,
+    setup: &Setup,
+) -> Result<PathBuf, TrainError> {
+    let config = &setup.config;
+    state.optimizer_steps = optim.steps();
+    let lora = config.lora.is_some();
+    let data = CheckpointData {
+        step: state.step,
+        model_config: model.config(),
+        weights: named_tensors_where(model, |k| !lora || k.contains(".lora.")),
+        adapters_only: lora,
+        tokenizer: &setup.tokenizer,
+        tokenizer_dir: setup.tokenizer_dir.as_deref(),
+        hf_config: setup.hf_config.as_ref(),
+        training: Some(TrainingData { optimizer: optim.state_tensors(), state, config }),
+    };
+    checkpoint::save(run_dir, data, config.train.keep_checkpoints)
 }
 
 /// Fails before the model is built when the estimated memory of the run exceeds what the device has.
