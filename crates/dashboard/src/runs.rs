@@ -754,7 +754,7 @@ mod tests {
         std::fs::write(&path, &text[..cut]).unwrap();
         let store = RunStore::new(dir.path()).unwrap();
         assert_eq!(store.metrics("a", 0).unwrap().rows, 2);
-        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(text[cut..].as_bytes()).unwrap();
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(&text.as_bytes()[cut..]).unwrap();
         let m = store.metrics("a", 0).unwrap();
         assert_eq!(m.columns["step"], vec![Some(1.0), Some(2.0), Some(4.0)]);
         assert_eq!(store.summaries()[0].skipped_lines, 1);
