@@ -122,6 +122,11 @@ fn smollm2_imports_as_transformers_reads_it_and_round_trips() {
         "tokenizer.ggml.bos_token_id",
         "tokenizer.ggml.eos_token_id",
         "tokenizer.chat_template",
+        // Descriptive metadata travels through import and export.
+        "general.license",
+        "general.organization",
+        "general.languages",
+        "tokenizer.ggml.unknown_token_id",
     ] {
         let (a, b) = (orig.get(key), f32s.get(key));
         let same = match (a, b) {

@@ -8,6 +8,7 @@ mod common;
 
 mod checkpoint;
 mod config;
+mod dashboard;
 mod data;
 mod hf;
 

@@ -173,8 +173,9 @@ pub fn encode(records: &[Record], tokenizer: &Tokenizer, template: Option<&ChatT
                         }
                         done = after;
                     }
-                    // The template may end turns with the end-of-text token already.
-                    if eos.is_some() && ex.ids.last() == eos.as_ref() {
+                    // The template may end the last turn with the end-of-sequence token already,
+                    // perhaps followed by a newline (ChatML's `<|im_end|>\n`): nothing to add then.
+                    if eos.is_some_and(|e| ex.ids.iter().rev().take(3).any(|&i| i == e)) {
                         return Ok(ex);
                     }
                 }

@@ -63,6 +63,10 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Set for char-level vocabularies: encoding is then a table lookup that names unknown characters.
     chars: Option<HashMap<char, u32>>,
+    /// The model's own end-of-sequence token (`eos_token` of its tokenizer_config.json), which wins
+    /// over the common end-of-text names: SmolLM2's vocabulary has `<|endoftext|>`, but its turns end
+    /// with `<|im_end|>`.
+    eos: Option<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -153,14 +157,30 @@ impl Tokenizer {
                     let mut it = tok.chars();
                     match (it.next(), it.next()) {
                         (Some(c), None) => map.insert(c, id),
-                        _ => return Self { inner, chars: None },
+                        _ => return Self { inner, chars: None, eos: None },
                     };
                 }
                 Some(map)
             }
             _ => None,
         };
-        Self { inner, chars }
+        Self { inner, chars, eos: None }
+    }
+
+    /// Takes the end-of-sequence token from `dir/tokenizer_config.json` (`eos_token`, a string or
+    /// `{"content": ...}`) when the folder has one that the vocabulary knows; unchanged otherwise.
+    pub fn with_model_eos(mut self, dir: &Path) -> Self {
+        let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) else { return self };
+        let Ok(config) = serde_json::from_str::<serde_json::Value>(&text) else { return self };
+        let name = match config.get("eos_token") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+            _ => None,
+        };
+        if let Some(id) = name.and_then(|n| self.inner.token_to_id(&n)) {
+            self.eos = Some(id);
+        }
+        self
     }
 
     /// Whether this is a char-level vocabulary.
@@ -220,9 +240,16 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The token of an id (special tokens included), if there is one.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// The id of an end-of-text token if the vocabulary has one.
     pub fn eos_id(&self) -> Option<u32> {
-        ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"].iter().find_map(|t| self.inner.token_to_id(t))
+        self.eos.or_else(|| {
+            ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"].iter().find_map(|t| self.inner.token_to_id(t))
+        })
     }
 
     /// An incremental decoder for the ids that follow `context` (a prompt, or nothing): see

@@ -253,7 +253,20 @@ impl Checkpoint {
         let model_config: ModelConfig =
             toml::from_str(&text).map_err(|e| damaged(format!("{MODEL_CONFIG_FILE}: {}", e.message())))?;
         model_config.validate().map_err(|e| damaged(format!("{MODEL_CONFIG_FILE}: {e}")))?;
-        let tokenizer = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?;
+        let tokenizer = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))?.with_model_eos(&dir);
+        // Every id the tokenizer can produce must index the embedding table.
+        if tokenizer.vocab_size() > model_config.vocab_size {
+            let id = tokenizer.vocab_size() as u32 - 1;
+            let token = tokenizer.id_to_token(id).unwrap_or_default();
+            return Err(TrainError::Checkpoint {
+                path: dir.join(TOKENIZER_FILE),
+                message: format!(
+                    "token {token:?} has id {id}, past the model's vocabulary: {MODEL_CONFIG_FILE} has vocab_size {}; \
+                     the tokenizer does not belong to these weights",
+                    model_config.vocab_size
+                ),
+            });
+        }
         let state = match std::fs::read_to_string(dir.join(STATE_FILE)) {
             Ok(text) => {
                 let state: TrainState =

@@ -85,11 +85,12 @@ pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, T
             }
             let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
             let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
-            Ok(LoadedData { tokenizer: data.tokenizer, tokenizer_dir, train, val })
+            let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
+            Ok(LoadedData { tokenizer, tokenizer_dir, train, val })
         }
         DataFormat::Jsonl => {
             let tokenizer = match &spec {
-                TokenizerSpec::File(p) => Tokenizer::from_file(p)?,
+                TokenizerSpec::File(p) => with_model_eos(Tokenizer::from_file(p)?, tokenizer_dir.as_deref()),
                 other => {
                     return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into())
                 }
@@ -176,6 +177,14 @@ pub fn jsonl_examples(
     let examples = encode(&records, tokenizer, template.as_ref())?;
     let packing = Packing { seq_len, mode: ember_data::finetune::Packing::Documents, truncate: false };
     Ok((packing.pack(&examples, tokenizer, path, 0)?, examples.len()))
+}
+
+/// The tokenizer with its model's own end-of-sequence token, where its folder names one.
+fn with_model_eos(tokenizer: Tokenizer, dir: Option<&Path>) -> Tokenizer {
+    match dir {
+        Some(dir) => tokenizer.with_model_eos(dir),
+        None => tokenizer,
+    }
 }
 
 /// The token stream of a split of a text config (for `ember eval --data train|val`).

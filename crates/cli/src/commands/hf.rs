@@ -134,6 +134,12 @@ fn save_import(
     tokenizer_dir: &std::path::Path,
     hf_config: &serde_json::Value,
 ) -> anyhow::Result<PathBuf> {
+    let vocab = model.config().vocab_size;
+    anyhow::ensure!(
+        tokenizer.vocab_size() <= vocab,
+        "the tokenizer has ids up to {}, past the model's vocab_size {vocab}: it does not belong to these weights",
+        tokenizer.vocab_size() - 1
+    );
     let data = CheckpointData {
         step: 0,
         model_config: model.config(),

@@ -224,6 +224,29 @@ pub fn read(path: &Path) -> Result<GgufModel, GgufError> {
             "tokenizer.ggml.pre": f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or_default(),
         },
     });
+    // Descriptive metadata (licence, organization, names, languages) and tokenizer facts the
+    // rebuilt tokenizer.json does not carry, kept for an export to write back.
+    let mut carry = serde_json::Map::new();
+    for (key, value) in &f.metadata {
+        let kept = (key.starts_with("general.")
+            && !matches!(
+                key.as_str(),
+                "general.architecture" | "general.alignment" | "general.file_type" | "general.quantization_version"
+            ))
+            || matches!(key.as_str(), "tokenizer.ggml.unknown_token_id" | "tokenizer.ggml.add_space_prefix");
+        let json = match value {
+            Value::String(s) => Some(json!(s)),
+            Value::Bool(b) => Some(json!(b)),
+            Value::Array(items) if items.iter().all(|v| v.as_str().is_some()) => {
+                Some(json!(items.iter().filter_map(Value::as_str).collect::<Vec<_>>()))
+            }
+            v => v.as_u64().map(|n| json!(n)),
+        };
+        if let (true, Some(json)) = (kept, json) {
+            carry.insert(key.clone(), json);
+        }
+    }
+    hf_config["gguf"]["carry"] = Json::Object(carry);
     if let Some(bos) = id("tokenizer.ggml.bos_token_id") {
         hf_config["bos_token_id"] = json!(bos);
     }
@@ -335,6 +358,20 @@ pub fn encode_model(
             format!("{a}.rope.scaling.factor"),
             Value::F32(hf_config["rope_scaling"]["factor"].as_f64().unwrap_or(1.0) as f32),
         ));
+    }
+    // What an import kept of the source file's descriptive metadata, written back.
+    for (key, value) in hf_config["gguf"]["carry"].as_object().into_iter().flatten() {
+        if key == "general.name" {
+            continue; // written above
+        }
+        let v = match value {
+            Json::String(x) => s(x),
+            Json::Bool(b) => Value::Bool(*b),
+            Json::Number(n) => Value::U32(n.as_u64().unwrap_or(0) as u32),
+            Json::Array(items) => Value::Array(items.iter().filter_map(Json::as_str).map(s).collect()),
+            _ => continue,
+        };
+        meta.push((key.clone(), v));
     }
     let pre = hf_config["gguf"]["tokenizer.ggml.pre"].as_str().filter(|p| !p.is_empty());
     meta.extend(super::tokenizer::to_gguf(tokenizer_json, tokenizer_config, hf_config, pre)?);
