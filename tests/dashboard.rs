@@ -4,6 +4,14 @@
 
 mod common;
 
+/// The tests of this file one at a time: the abuse tests time normal requests against a 1 s bound,
+/// which a training run or a browser in a parallel test would starve on a 2-core machine (the
+/// dashboard runs at a low CPU priority by design).
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::TcpListener;
@@ -165,6 +173,7 @@ fn train_two_runs(s: &Scratch) {
 
 #[test]
 fn tensorboard_events_hold_the_logged_values() {
+    let _serial = serial();
     let s = Scratch::new();
     train_two_runs(&s);
     let run = s.path().join("runs/a");
@@ -295,6 +304,7 @@ fn points(b: &Browser) -> Value {
 
 #[test]
 fn the_page_lists_runs_draws_them_and_follows_a_live_run() {
+    let _serial = serial();
     let s = Scratch::new();
     train_two_runs(&s);
     let port = free_port();
@@ -355,6 +365,7 @@ fn the_page_lists_runs_draws_them_and_follows_a_live_run() {
 
 #[test]
 fn the_server_stays_inside_the_log_directory() {
+    let _serial = serial();
     let s = Scratch::new();
     std::fs::create_dir_all(s.path().join("runs/a")).unwrap();
     s.write("runs/a/metrics.jsonl", "{\"step\":1,\"train_loss\":3.0}\n");
@@ -584,6 +595,7 @@ fn abuse_runs(s: &Scratch) {
 
 #[test]
 fn the_dashboard_survives_abuse() {
+    let _serial = serial();
     let s = Scratch::new();
     abuse_runs(&s);
     let mut srv = Served::start(&s);
@@ -692,6 +704,7 @@ fn the_dashboard_survives_abuse() {
 
 #[test]
 fn the_dashboard_outlives_running_out_of_file_descriptors() {
+    let _serial = serial();
     let s = Scratch::new();
     abuse_runs(&s);
     let mut srv = Served::start(&s);
@@ -721,6 +734,7 @@ fn the_dashboard_outlives_running_out_of_file_descriptors() {
 
 #[test]
 fn training_goes_on_when_the_dashboard_cannot_start() {
+    let _serial = serial();
     let s = Scratch::new();
     s.write("corpus.txt", &corpus());
     s.write("tiny.toml", &tiny_config(""));
