@@ -232,3 +232,39 @@ fn smollm2_imports_as_transformers_reads_it_and_round_trips() {
     let answer = stdout(&o);
     assert!(answer.contains("Paris") && !answer.contains("<|im"), "{answer}");
 }
+
+/// The tensors of a run's checkpoint, by name.
+fn run_tensors(s: &Scratch, run: &str) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let dir = Checkpoint::open(&s.path().join(run)).unwrap().dir;
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let tensors = ember_model::weights::from_safetensors(&bytes, run).unwrap().0;
+    tensors.into_iter().map(|(k, t)| (k, t.as_bytes().to_vec())).collect()
+}
+
+#[test]
+fn hf_fixtures_round_trip_through_gguf() {
+    // The Llama fixture (q/k rows permuted on the way out and back) and the Qwen2 one (q/k/v biases,
+    // tied head); both carry a SentencePiece-style tokenizer, exported as GGUF's `llama` tokenizer.
+    // (Text the fixtures' small vocabulary covers: unknown characters are fused into one `<unk>` by
+    // SentencePiece, one each by the fixture's BPE.)
+    let text = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak.";
+    for name in ["llama", "qwen2"] {
+        let s = Scratch::new();
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name);
+        for args in [
+            vec!["import", dir.to_str().unwrap(), "--out", "hf"],
+            vec!["export", "hf", "--format", "gguf", "--out", "m.gguf"],
+            vec!["import", "m.gguf", "--out", "back"],
+        ] {
+            let o = s.ember(&args);
+            assert!(o.status.success(), "{name} {args:?}: {}", stderr(&o));
+        }
+        assert!(run_tensors(&s, "hf") == run_tensors(&s, "back"), "{name}: weights changed through GGUF");
+        let gguf = GgufFile::open(&s.path().join("m.gguf")).unwrap();
+        assert_eq!(gguf.get("tokenizer.ggml.model").and_then(Value::as_str), Some("llama"), "{name}");
+        assert_eq!(gguf.get("general.architecture").and_then(Value::as_str), Some(name), "{name}");
+        let ids = |run: &str| Checkpoint::open(&s.path().join(run)).unwrap().tokenizer.encode(text).unwrap();
+        assert!(!ids("hf").contains(&0), "{name}: the text should need no <unk>");
+        assert_eq!(ids("back"), ids("hf"), "{name}: the tokenizer rebuilt from GGUF encodes differently");
+    }
+}

@@ -180,9 +180,13 @@ pub fn to_gguf(
 ) -> Result<Vec<(String, Value)>, String> {
     let t: Json = serde_json::from_str(tokenizer_json).map_err(|e| format!("tokenizer.json: {e}"))?;
     let model = &t["model"];
-    if model["type"] != "BPE" || model["byte_fallback"] == json!(true) {
-        return Err("only byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM style) are exported to GGUF".into());
+    if model["type"] != "BPE" {
+        return Err(format!("a {} tokenizer: only BPE tokenizers are exported to GGUF", model["type"]));
     }
+    // Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) is llama.cpp's `gpt2`; a BPE over `▁`-marked
+    // pieces (SentencePiece's, Llama 2's) its `llama`, which stores scores instead of merges.
+    let byte_level = [&t["pre_tokenizer"], &t["decoder"]].iter().any(|v| v.to_string().contains("ByteLevel"));
+    let pieces = if byte_level { None } else { Some(spm_metadata(&t)?) };
     let vocab = model["vocab"].as_object().ok_or("tokenizer.json has no model.vocab")?;
     let mut tokens: Vec<Option<String>> = Vec::new();
     let mut put = |id: usize, s: &str| {
@@ -228,13 +232,55 @@ pub fn to_gguf(
             _ => None,
         }
     };
-    let mut meta = vec![
-        ("tokenizer.ggml.model".to_string(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".to_string(), Value::String(pre.unwrap_or("default").into())),
-        ("tokenizer.ggml.tokens".to_string(), Value::Array(tokens.iter().map(|s| Value::String(s.clone())).collect())),
-        ("tokenizer.ggml.token_type".to_string(), Value::Array(types.iter().map(|&x| Value::I32(x as i32)).collect())),
-        ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
-    ];
+    let token_values = Value::Array(tokens.iter().map(|s| Value::String(s.clone())).collect());
+    let mut meta = match &pieces {
+        None => vec![
+            ("tokenizer.ggml.model".to_string(), Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre".to_string(), Value::String(pre.unwrap_or("default").into())),
+            ("tokenizer.ggml.tokens".to_string(), token_values),
+            (
+                "tokenizer.ggml.token_type".to_string(),
+                Value::Array(types.iter().map(|&x| Value::I32(x as i32)).collect()),
+            ),
+            ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
+        ],
+        Some(spm) => {
+            // Scores: a merged piece scores minus the rank of the merge that makes it, so that
+            // recovering the merges from the scores (as import and llama.cpp do) gives their order.
+            let mut scores = vec![0f32; tokens.len()];
+            for (rank, merged) in spm.merged.iter().enumerate() {
+                if let Some(i) = tokens.iter().position(|t| t == merged) {
+                    if scores[i] == 0.0 {
+                        scores[i] = -(rank as f32) - 1.0;
+                    }
+                }
+            }
+            let types: Vec<Value> = tokens
+                .iter()
+                .zip(&types)
+                .map(|(t, &ty)| {
+                    Value::I32(if Some(t) == spm.unk.as_ref() {
+                        2
+                    } else if t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') {
+                        BYTE as i32
+                    } else {
+                        ty as i32
+                    })
+                })
+                .collect();
+            let mut m = vec![
+                ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+                ("tokenizer.ggml.tokens".to_string(), token_values),
+                ("tokenizer.ggml.scores".to_string(), Value::Array(scores.into_iter().map(Value::F32).collect())),
+                ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
+                ("tokenizer.ggml.add_space_prefix".to_string(), Value::Bool(spm.add_space_prefix)),
+            ];
+            if let Some(u) = spm.unk.as_ref().and_then(|u| tokens.iter().position(|t| t == u)) {
+                m.push(("tokenizer.ggml.unknown_token_id".to_string(), Value::U32(u as u32)));
+            }
+            m
+        }
+    };
     let bos = id_of(token_name("bos_token").as_deref()).or(hf_config["bos_token_id"].as_u64().map(|v| v as u32));
     let eos = id_of(token_name("eos_token").as_deref()).or(hf_config["eos_token_id"].as_u64().map(|v| v as u32));
     if let Some(b) = bos {
@@ -250,4 +296,31 @@ pub fn to_gguf(
         meta.push(("tokenizer.chat_template".into(), Value::String(template.into())));
     }
     Ok(meta)
+}
+
+/// What a SentencePiece-style BPE tokenizer.json says that GGUF's `llama` tokenizer needs.
+struct SpmMetadata {
+    /// The piece each merge makes, in merge order.
+    merged: Vec<String>,
+    unk: Option<String>,
+    /// A `▁` is put before the text (Metaspace's `prepend_scheme`, or a `Prepend` normalizer).
+    add_space_prefix: bool,
+}
+
+fn spm_metadata(t: &Json) -> Result<SpmMetadata, String> {
+    let merged = t["model"]["merges"]
+        .as_array()
+        .ok_or("tokenizer.json has no model.merges")?
+        .iter()
+        .map(|m| match m {
+            Json::String(s) => Ok(s.replacen(' ', "", 1)),
+            Json::Array(p) if p.len() == 2 => {
+                Ok(format!("{}{}", p[0].as_str().unwrap_or_default(), p[1].as_str().unwrap_or_default()))
+            }
+            _ => Err("a merge is neither \"a b\" nor [a, b]".to_string()),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let text = format!("{}{}", t["normalizer"], t["pre_tokenizer"]);
+    let add_space_prefix = text.contains("\"Prepend\"") || (text.contains("Metaspace") && !text.contains("\"never\""));
+    Ok(SpmMetadata { merged, unk: t["model"]["unk_token"].as_str().map(String::from), add_space_prefix })
 }
