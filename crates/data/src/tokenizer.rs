@@ -245,6 +245,18 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// Every id that ends a generated sequence: the model's own end-of-sequence token (its
+    /// end-of-turn token for chat models) and the common end-of-text tokens the vocabulary has.
+    pub fn end_ids(&self) -> Vec<u32> {
+        let mut ends: Vec<u32> = self.eos.into_iter().collect();
+        for t in ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"] {
+            if let Some(id) = self.inner.token_to_id(t).filter(|id| !ends.contains(id)) {
+                ends.push(id);
+            }
+        }
+        ends
+    }
+
     /// The id of an end-of-text token if the vocabulary has one.
     pub fn eos_id(&self) -> Option<u32> {
         self.eos.or_else(|| {

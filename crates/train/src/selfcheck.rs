@@ -13,6 +13,19 @@ use serde::Serialize;
 use crate::config::OptimConfig;
 use crate::optim::AdamW;
 
+impl Check {
+    /// `ok  `, `skip` or `FAIL`, for a line of a report.
+    pub fn mark(&self) -> &'static str {
+        if self.skipped {
+            "skip"
+        } else if self.passed {
+            "ok  "
+        } else {
+            "FAIL"
+        }
+    }
+}
+
 /// How the detail of a check that could not run begins.
 const SKIPPED: &str = "skipped:";
 

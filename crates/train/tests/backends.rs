@@ -5,14 +5,7 @@ use ember_train::selfcheck::run;
 
 fn assert_all_pass(checks: Vec<ember_train::selfcheck::Check>) {
     for c in &checks {
-        let mark = if c.skipped {
-            "skip"
-        } else if c.passed {
-            "ok  "
-        } else {
-            "FAIL"
-        };
-        eprintln!("{mark} {} ({}, {:.0} ms)", c.name, c.detail, c.ms);
+        eprintln!("{} {} ({}, {:.0} ms)", c.mark(), c.name, c.detail, c.ms);
     }
     let failed: Vec<&str> = checks.iter().filter(|c| !c.passed && !c.skipped).map(|c| c.name.as_str()).collect();
     assert!(failed.is_empty(), "failed: {failed:?}");

@@ -35,14 +35,7 @@ pub fn run(args: CheckArgs) -> anyhow::Result<()> {
         if args.json {
             println!("{}", serde_json::to_string(c)?);
         } else {
-            let mark = if c.skipped {
-                "skip"
-            } else if c.passed {
-                "ok  "
-            } else {
-                "FAIL"
-            };
-            println!("{mark} {} ({}, {:.0} ms)", c.name, c.detail, c.ms);
+            println!("{} {} ({}, {:.0} ms)", c.mark(), c.name, c.detail, c.ms);
         }
     }
     let failed = checks.iter().filter(|c| !c.passed && !c.skipped).count();

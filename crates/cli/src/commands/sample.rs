@@ -9,7 +9,6 @@ use ember_data::tokenizer::DecodeStream;
 use ember_data::Tokenizer;
 use ember_model::ops::TrainBackend;
 use ember_model::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
-use ember_train::checkpoint::{MODEL_CONFIG_FILE, TOKENIZER_FILE};
 use ember_train::Checkpoint;
 
 use crate::backend::{dispatch, DeviceSpec, Job};
@@ -97,50 +96,6 @@ impl SampleArgs {
         })?;
         Ok(config)
     }
-}
-
-/// Checks that every id of the checkpoint's tokenizer has a row in the model's embedding table: a
-/// tokenizer from another model (or one given added tokens after training) would otherwise encode
-/// prompts, or name an end-of-text id, that the model cannot look up.
-fn check_tokenizer_fits(checkpoint: &Checkpoint) -> anyhow::Result<()> {
-    let vocab_size = checkpoint.model_config.vocab_size;
-    let path = checkpoint.dir.join(TOKENIZER_FILE);
-    let Some((id, token)) = highest_id(&checkpoint.tokenizer).with_context(|| format!("{}", path.display()))? else {
-        return Ok(());
-    };
-    anyhow::ensure!(
-        (id as usize) < vocab_size,
-        "{}: token {token:?} has id {id} (the tokenizer has {} ids), past the model's vocabulary: \
-         {MODEL_CONFIG_FILE} has vocab_size {vocab_size}; the tokenizer does not belong to these weights",
-        path.display(),
-        checkpoint.tokenizer.vocab_size()
-    );
-    Ok(())
-}
-
-/// The highest id of a tokenizer (model vocabulary and added tokens) and its token, read from its
-/// JSON form: ids need not be contiguous, so the count of ids is not enough.
-fn highest_id(tokenizer: &Tokenizer) -> anyhow::Result<Option<(u32, String)>> {
-    let json: serde_json::Value = serde_json::from_str(&tokenizer.to_json()?)?;
-    let mut ids: Vec<(u64, String)> = Vec::new();
-    match &json["model"]["vocab"] {
-        // BPE, WordLevel, WordPiece: token -> id.
-        serde_json::Value::Object(vocab) => {
-            ids.extend(vocab.iter().filter_map(|(token, id)| Some((id.as_u64()?, token.clone()))))
-        }
-        // Unigram: [[piece, score], ...], ids in order.
-        serde_json::Value::Array(pieces) => ids.extend(
-            pieces
-                .iter()
-                .enumerate()
-                .map(|(i, piece)| (i as u64, piece.get(0).and_then(|p| p.as_str()).unwrap_or_default().to_string())),
-        ),
-        _ => {}
-    }
-    if let Some(added) = json["added_tokens"].as_array() {
-        ids.extend(added.iter().filter_map(|t| Some((t["id"].as_u64()?, t["content"].as_str()?.to_string()))));
-    }
-    Ok(ids.into_iter().max_by_key(|(id, _)| *id).map(|(id, token)| (u32::try_from(id).unwrap_or(u32::MAX), token)))
 }
 
 /// The text of one sequence as it grows: decoded incrementally (O(1) work per token, whatever the
@@ -322,7 +277,6 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
         "--block-size {} must be in 1..={context} (the model's max_seq_len)",
         args.block_size
     );
-    check_tokenizer_fits(&checkpoint)?;
     let tokenizer = &checkpoint.tokenizer;
     let template = if args.chat {
         let template = ChatTemplate::from_dir(&checkpoint.dir)?;
@@ -347,30 +301,10 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
             tokenizer.encode(&text).with_context(|| format!("encoding prompt {i}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let ends = end_ids(&checkpoint);
+    let ends = checkpoint.tokenizer.end_ids();
     // Without the cache a long prompt is cropped to the context; with it, it must fit.
     let limit = if args.no_cache { usize::MAX } else { context };
     check_prompts(&prompts, limit, checkpoint.model_config.vocab_size)?;
     let device = args.device;
     dispatch(device, false, SampleJob { args, checkpoint, config, prompts, ends })
-}
-
-/// The ids that end a sequence: the tokenizer's end-of-text token and the model's own EOS (its
-/// end-of-turn token for chat models, `<|im_end|>` for ChatML) named in tokenizer_config.json.
-fn end_ids(checkpoint: &Checkpoint) -> Vec<u32> {
-    let tokenizer = &checkpoint.tokenizer;
-    let mut ends: Vec<u32> = tokenizer.eos_id().into_iter().collect();
-    let config = std::fs::read_to_string(checkpoint.dir.join("tokenizer_config.json")).ok();
-    let config: Option<serde_json::Value> = config.and_then(|t| serde_json::from_str(&t).ok());
-    let eos = config.as_ref().and_then(|c| match c.get("eos_token")? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
-        _ => None,
-    });
-    if let Some(id) = eos.and_then(|e| tokenizer.token_to_id(&e)) {
-        if !ends.contains(&id) {
-            ends.push(id);
-        }
-    }
-    ends
 }
