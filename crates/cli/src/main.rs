@@ -47,33 +47,57 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The ranks of a data-parallel run (`mpirun -n N ember train`): MPI starts before anything else.
+    let collective = match cli.command {
+        Command::Train(_) | Command::Bench(_) => match ember_train::distributed::init() {
+            Ok(c) => c,
+            Err(err) => {
+                eprintln!("error: {err}");
+                return ExitCode::FAILURE;
+            }
+        },
+        _ => ember_train::distributed::solo(),
+    };
+    // Rank 0 speaks for the run; the others only warn (RUST_LOG still rules).
+    let level = if collective.rank() == 0 { cli.log.clone() } else { "warn".into() };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&level));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    // Ranks on one machine share its cores.
+    let local = collective.local_world();
+    if local > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        ember_model::ops::init_cpu_workers(Some((cores / local).max(1)));
+    }
     // Compute on a worker of the CPU kernels' thread pool (see `on_cpu_workers`); the dashboard only
     // serves files and needs no worker.
     let result = match cli.command {
-        Command::Dashboard(_) => run(cli),
-        _ => ember_model::ops::on_cpu_workers(|| run(cli)),
+        Command::Dashboard(_) => run(cli, collective.clone()),
+        _ => ember_model::ops::on_cpu_workers(|| run(cli, collective.clone())),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
+            if collective.world() > 1 {
+                // The other ranks would wait for this one until their timeout: stop them now.
+                eprintln!("error: rank {} stops the run", collective.rank());
+                collective.abort(1);
+            }
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli, collective: std::sync::Arc<dyn ember_train::distributed::Collective>) -> anyhow::Result<()> {
     match cli.command {
-        Command::Train(args) => commands::train::run(args),
+        Command::Train(args) => commands::train::run(args, collective),
+        Command::Bench(args) => commands::bench::run(args, collective),
         Command::Sample(args) => commands::sample::run(args),
         Command::Eval(args) => commands::eval::run(args),
         Command::Import(args) => commands::hf::import(args),
         Command::Export(args) => commands::hf::export(args),
         Command::Prepare(args) => commands::prepare::run(args),
-        Command::Bench(args) => commands::bench::run(args),
         Command::Dashboard(args) => commands::dashboard::run(args),
         Command::Check(args) => commands::check::run(args),
         Command::Backends => {

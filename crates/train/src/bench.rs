@@ -17,7 +17,8 @@ use crate::flops::{measure_gemm, mfu, resolve_peak, GemmRate};
 use crate::optim::AdamW;
 use crate::precision::LossScaler;
 use crate::schedule::LrSchedule;
-use crate::trainer::{initial_model, optimizer_step, prepare, resolve_dtype};
+use crate::step::{Optimizer, Stepper};
+use crate::trainer::{initial_model, prepare, resolve_dtype};
 
 /// Reads the memory in use, where the backend's memory can be observed (on the CPU: the heap).
 pub trait MemoryProbe: Send + Sync {
@@ -96,11 +97,17 @@ pub fn bench_train<B: TrainBackend>(
     );
     // The model a run of this config trains: `init_from`'s weights and LoRA adapters included.
     let mut model = initial_model::<B>(config, device)?.with_compute_dtype(dtype);
-    let mut optim = AdamW::<B>::new(config.optim.clone());
+    let mut optim = Optimizer::Replicated(AdamW::<B>::new(config.optim.clone()));
     let mut scaler = (dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);
-    let sampler = WindowSampler { seed: config.train.seed };
-    let accum = config.train.grad_accum_steps as u64;
+    let stepper = Stepper {
+        data: &setup.train,
+        sampler: WindowSampler { seed: config.train.seed },
+        config,
+        device,
+        collective: &crate::distributed::Solo,
+    };
+    let accum = stepper.micro_batches_per_step();
     let mut times = Vec::with_capacity(steps);
     for i in 0..warmup + steps {
         if i == warmup {
@@ -110,8 +117,7 @@ pub fn bench_train<B: TrainBackend>(
         let start = Instant::now();
         let stream = i as u64 * accum;
         let lr = schedule.lr(i);
-        (model, _) =
-            optimizer_step(model, &mut optim, &setup.train, &sampler, stream, lr, config, device, scaler.as_mut());
+        (model, _) = stepper.step(model, &mut optim, stream, i + 1, lr, scaler.as_mut())?;
         let _ = B::sync(device);
         if i >= warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);

@@ -68,6 +68,14 @@ pub struct TrainState {
     pub optimizer_steps: u64,
     /// Dynamic loss scaling state, in f16 runs.
     pub loss_scaler: Option<crate::precision::LossScaler>,
+    /// Data-parallel ranks of the run that wrote the checkpoint (each step drew
+    /// `grad_accum_steps × world_size` micro-batches).
+    #[serde(default = "one")]
+    pub world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl TrainState {
@@ -83,6 +91,7 @@ impl TrainState {
             tokens_seen: 0,
             optimizer_steps: 0,
             loss_scaler: None,
+            world_size: 1,
         }
     }
 }

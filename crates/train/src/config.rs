@@ -7,6 +7,7 @@ use ember_data::finetune::Packing;
 use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
+use crate::distributed::DistributedConfig;
 use crate::error::TrainError;
 use crate::init::InitSource;
 
@@ -28,6 +29,13 @@ pub struct TrainConfig {
     /// Where metrics go, and the text sampled at evaluations.
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// How the ranks of a data-parallel run (`mpirun -n N ember train`) cooperate.
+    #[serde(default, skip_serializing_if = "is_default_distributed")]
+    pub distributed: DistributedConfig,
+}
+
+fn is_default_distributed(d: &DistributedConfig) -> bool {
+    *d == DistributedConfig::default()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -357,6 +365,7 @@ impl TrainConfig {
         if let Some(spec) = &self.init_from {
             InitSource::parse(spec).map_err(|e| e.to_string())?;
         }
+        self.distributed.validate()?;
         if self.metrics.sinks.is_empty() {
             return Err("metrics.sinks is empty: name jsonl and/or tensorboard".into());
         }

@@ -37,6 +37,8 @@ pub enum TrainError {
          use a larger device"
     )]
     DoesNotFit { need: String, have: String, terms: String },
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistError),
     #[error("model.vocab_size ({config}) is smaller than the tokenizer's vocabulary ({tokenizer})")]
     VocabTooSmall { config: usize, tokenizer: usize },
 }

@@ -22,16 +22,6 @@ pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor
     lm_head_cross_entropy(hidden, model.head_weight(), batch.targets.reshape([b * t]), spec)
 }
 
-/// Token-weighted mean of per-batch mean losses: `Σ loss_i · n_i / Σ n_i` over `(loss_i, n_i)`,
-/// `n_i` the batch's scored tokens; 0 when nothing is scored.
-pub fn token_weighted(losses: &[f64], scored: &[usize]) -> f64 {
-    let total: usize = scored.iter().sum();
-    if total == 0 {
-        return 0.0;
-    }
-    losses.iter().zip(scored).map(|(l, &n)| l * n as f64).sum::<f64>() / total as f64
-}
-
 /// Sampler seeds of the fixed evaluation batches, one per split, apart from the training stream.
 pub fn eval_seed(seed: u64, split: &str) -> u64 {
     let tag = split.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
@@ -47,25 +37,86 @@ pub fn evaluate<B: EmberBackend>(
     iters: usize,
     batch_size: usize,
 ) -> f64 {
-    let sampler = WindowSampler { seed };
-    let batches = (0..iters as u64).map(|i| sampler.windows(data, i, batch_size)).collect();
-    loss_of_batches(model, batches)
+    evaluate_part(model, data, seed, iters, batch_size, Part::WHOLE).mean()
 }
 
 /// Loss over every item of `data` once, in order, in batches of `batch_size`, token-weighted: the
 /// held-out loss of fine-tuning examples (with `documents` packing, each example's completion loss
 /// as it has alone).
 pub fn evaluate_all<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Window>, batch_size: usize) -> f64 {
-    let items: Vec<Window> = (0..data.len()).filter_map(|i| data.get(i)).collect();
-    let batches = items.chunks(batch_size.max(1)).map(<[Window]>::to_vec).collect();
+    evaluate_all_part(model, data, batch_size, Part::WHOLE).mean()
+}
+
+/// Which batches of an evaluation a rank computes: batch i belongs to rank `i % world`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Part {
+    pub const WHOLE: Part = Part { rank: 0, world: 1 };
+
+    fn keeps(&self, i: usize) -> bool {
+        i % self.world.max(1) == self.rank
+    }
+}
+
+/// A token-weighted loss in parts: `Σ loss_i · n_i` and `Σ n_i` over some batches, summed over
+/// ranks before the division.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LossSum {
+    pub weighted: f64,
+    pub scored: f64,
+}
+
+impl LossSum {
+    pub fn mean(&self) -> f64 {
+        if self.scored == 0.0 {
+            0.0
+        } else {
+            self.weighted / self.scored
+        }
+    }
+}
+
+/// [`evaluate`]'s sum over the batches of `part`.
+pub fn evaluate_part<B: EmberBackend>(
+    model: &Decoder<B>,
+    data: &dyn Dataset<Window>,
+    seed: u64,
+    iters: usize,
+    batch_size: usize,
+    part: Part,
+) -> LossSum {
+    let sampler = WindowSampler { seed };
+    let batches =
+        (0..iters as u64).filter(|&i| part.keeps(i as usize)).map(|i| sampler.windows(data, i, batch_size)).collect();
     loss_of_batches(model, batches)
 }
 
-fn loss_of_batches<B: EmberBackend>(model: &Decoder<B>, batches: Vec<Vec<Window>>) -> f64 {
+/// [`evaluate_all`]'s sum over the batches of `part`.
+pub fn evaluate_all_part<B: EmberBackend>(
+    model: &Decoder<B>,
+    data: &dyn Dataset<Window>,
+    batch_size: usize,
+    part: Part,
+) -> LossSum {
+    let items: Vec<Window> = (0..data.len()).filter_map(|i| data.get(i)).collect();
+    let batches = items
+        .chunks(batch_size.max(1))
+        .enumerate()
+        .filter(|(i, _)| part.keeps(*i))
+        .map(|(_, c)| c.to_vec())
+        .collect();
+    loss_of_batches(model, batches)
+}
+
+fn loss_of_batches<B: EmberBackend>(model: &Decoder<B>, batches: Vec<Vec<Window>>) -> LossSum {
     use burn::data::dataloader::batcher::Batcher;
     use ember_data::LmBatcher;
     if batches.is_empty() {
-        return 0.0;
+        return LossSum::default();
     }
     let device = model.embed_tokens.device();
     let mut scored = Vec::with_capacity(batches.len());
@@ -79,7 +130,11 @@ fn loss_of_batches<B: EmberBackend>(model: &Decoder<B>, batches: Vec<Vec<Window>
         })
         .collect();
     let losses = Tensor::cat(losses, 0).into_data().convert::<f64>();
-    token_weighted(losses.as_slice::<f64>().expect("converted to f64"), &scored)
+    let losses = losses.as_slice::<f64>().expect("converted to f64");
+    LossSum {
+        weighted: losses.iter().zip(&scored).map(|(l, &n)| l * n as f64).sum::<f64>(),
+        scored: scored.iter().sum::<usize>() as f64,
+    }
 }
 
 /// Mean loss of the windows starting at `starts`, as one batch (the training objective).

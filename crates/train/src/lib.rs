@@ -7,6 +7,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod eval;
 pub mod flops;
@@ -18,6 +19,7 @@ pub mod perplexity;
 pub mod precision;
 pub mod schedule;
 pub mod selfcheck;
+pub mod step;
 pub mod tensorboard;
 pub mod trainer;
 

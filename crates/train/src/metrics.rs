@@ -181,6 +181,10 @@ pub struct StepRecord {
     /// Fine-tuning runs: epochs of the training examples drawn so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<f64>,
+    /// Data-parallel runs: milliseconds per step spent in communication (gradient reduction,
+    /// parameter gathering), averaged like `step_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_ms: Option<f64>,
 }
 
 /// `metrics.jsonl`.
@@ -233,6 +237,7 @@ mod tests {
             val_loss: step.is_multiple_of(2).then_some(2.0),
             eval_train_loss: None,
             epoch: None,
+            comm_ms: None,
         }
     }
 

@@ -4,11 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{DType, Device, ElementConversion, Tensor};
+use burn::tensor::{DType, Device, TensorData};
 use ember_data::fetch::Locations;
-use ember_data::{Examples, LmBatch, LmBatcher, Tokenizer, Window, WindowSampler};
+use ember_data::{Examples, Tokenizer, WindowSampler};
 use ember_model::ops::TrainBackend;
 use ember_model::weights::named_tensors_where;
 use ember_model::Decoder;
@@ -20,13 +22,15 @@ use crate::config::TrainConfig;
 use crate::config::{DataFormat, EvalStrategy};
 use crate::config::{MetricsConfig, SinkKind};
 use crate::error::TrainError;
-use crate::eval::{eval_seed, evaluate, evaluate_all, lm_loss};
+use crate::distributed::{digest, Collective};
+use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
 use crate::flops::{mfu, resolve_peak, Peak};
 use crate::init::InitSource;
 use crate::metrics::{JsonlSink, MetricsSink, SampleRecord, Sinks, StepRecord, TensorBoardSink, METRICS_FILE};
-use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
+use crate::optim::clip_coefficient;
 use crate::precision::{compute_dtype, LossScaler};
 use crate::schedule::LrSchedule;
+use crate::step::{Optimizer, Stepper};
 
 /// How to run, beyond the config.
 #[derive(Debug, Clone)]
@@ -47,6 +51,8 @@ pub struct TrainOptions {
     pub memory: Option<&'static dyn MemoryProbe>,
     /// Memory the device can give the run, checked against an estimate before the first step.
     pub memory_available: Option<u64>,
+    /// The other ranks of a data-parallel run ([`crate::distributed::Solo`] alone).
+    pub collective: Arc<dyn Collective>,
 }
 
 impl std::fmt::Debug for dyn MemoryProbe {
@@ -78,7 +84,8 @@ pub(crate) struct Setup {
 }
 
 /// Trains (or resumes) the run described by `config` in `opts.run_dir`: nanoGPT's loop of
-/// step -> record -> maybe evaluate -> maybe checkpoint, its parts below.
+/// step -> record -> maybe evaluate -> maybe checkpoint, its parts below. In a data-parallel run
+/// every rank calls this; rank 0 alone writes the run directory.
 pub fn train<B: TrainBackend>(
     config: TrainConfig,
     opts: &TrainOptions,
@@ -86,22 +93,40 @@ pub fn train<B: TrainBackend>(
 ) -> Result<TrainSummary, TrainError> {
     let setup = prepare(config, &opts.locations)?;
     let config = &setup.config;
+    let c = opts.collective.as_ref();
+    c.set_timeout(config.distributed.timeout());
+    let lead = c.rank() == 0;
     let run_dir = &opts.run_dir;
     let schedule = LrSchedule::from_config(config);
     let dtype = resolve_dtype::<B>(device, config);
     // Before any weight is allocated: a config too big for the device is an error, not an abort.
     check_fits(config, opts.memory_available)?;
-    let (model, mut optim, mut state) = start::<B>(&setup, opts, dtype, device)?;
+    let (model, saved, mut state) = start::<B>(&setup, opts, dtype, device)?;
+    check_ranks_agree(c, config, &model, "start")?;
+    let mut optim = Optimizer::build(config, &model, c, saved, state.optimizer_steps, device)
+        .map_err(|message| TrainError::Checkpoint { path: run_dir.clone(), message })?;
     let mut model = model.with_compute_dtype(dtype);
-    std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
-    ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
-    setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
-    let mut metrics = open_sinks(config, run_dir, opts.resume.then_some(state.step), state.elapsed_s)?;
+    if lead {
+        std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
+        ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
+        setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
+    }
+    let mut metrics = match lead {
+        true => open_sinks(config, run_dir, opts.resume.then_some(state.step), state.elapsed_s)?,
+        false => Sinks(Vec::new()),
+    };
 
     let t = &config.train;
     let stop = opts.stop_at.unwrap_or(t.max_steps).min(t.max_steps);
-    let tokens_per_step = config.tokens_per_step();
-    let sampler = WindowSampler { seed: state.sampler_seed };
+    let world = c.world();
+    let tokens_per_step = config.tokens_per_step() * world;
+    let stepper = Stepper {
+        data: &setup.train,
+        sampler: WindowSampler { seed: state.sampler_seed },
+        config,
+        device,
+        collective: c,
+    };
     let peak = resolve_peak::<B::InnerBackend>(
         device,
         opts.device_name.as_deref(),
@@ -111,13 +136,24 @@ pub fn train<B: TrainBackend>(
     );
     let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     log_setup(config, dtype, &peak, tokens_per_step);
-    let evaluator = Evaluator::new(&setup);
+    if world > 1 {
+        let sharded = matches!(optim, Optimizer::Sharded(_));
+        tracing::info!(
+            "data parallel over {world} ranks ({}): {} micro-batches of {} per step, gradients in {} MiB buckets{}",
+            c.engine(),
+            stepper.micro_batches_per_step(),
+            t.batch_size,
+            config.distributed.bucket_mib,
+            if sharded { ", optimizer state sharded (ZeRO-1)" } else { "" }
+        );
+    }
+    let evaluator = Evaluator::new(&setup, c);
     if state.step == 0 {
-        let val = evaluator.val(&model.valid());
+        let val = evaluator.val(&model.valid())?;
         tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (config.model.vocab_size as f64).ln());
     }
 
-    let bar = progress_bar(opts.show_progress, t.max_steps, state.step);
+    let bar = progress_bar(opts.show_progress && lead, t.max_steps, state.step);
     let clock = Clock { started: Instant::now(), before: state.elapsed_s };
     let mut speed = Throughput::default();
     let mut last_val = None;
@@ -125,17 +161,7 @@ pub fn train<B: TrainBackend>(
         let step_start = Instant::now();
         let lr = schedule.lr(state.step);
         let out;
-        (model, out) = optimizer_step(
-            model,
-            &mut optim,
-            &setup.train,
-            &sampler,
-            state.next_stream,
-            lr,
-            config,
-            device,
-            state.loss_scaler.as_mut(),
-        );
+        (model, out) = stepper.step(model, &mut optim, state.next_stream, state.step + 1, lr, state.loss_scaler.as_mut())?;
         if !out.loss.is_finite() {
             return Err(TrainError::Diverged { step: state.step, loss: out.loss });
         }
@@ -144,9 +170,9 @@ pub fn train<B: TrainBackend>(
         }
         let epoch_before = evaluator.epoch(state.next_stream);
         state.step += 1;
-        state.next_stream += t.grad_accum_steps as u64;
+        state.next_stream += stepper.micro_batches_per_step();
         state.tokens_seen += tokens_per_step as u64;
-        speed.add(step_start.elapsed(), tokens_per_step);
+        speed.add(step_start.elapsed(), tokens_per_step, out.comm);
 
         let step = state.step;
         let epoch = evaluator.epoch(state.next_stream);
@@ -165,13 +191,14 @@ pub fn train<B: TrainBackend>(
                 clipped: clip_coefficient(out.grad_norm, config.optim.grad_clip) < 1.0,
                 step_ms: speed.window_ms_per_step(tokens_per_step),
                 tokens_per_sec,
-                mfu: mfu(flops_per_token, tokens_per_sec, &peak),
+                mfu: mfu(flops_per_token, tokens_per_sec, &peak) / world as f64,
                 loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
                 memory_bytes: opts.memory.and_then(|m| m.current_bytes()),
                 elapsed_s: clock.elapsed_s(),
                 val_loss: None,
                 eval_train_loss: None,
                 epoch,
+                comm_ms: (world > 1).then(|| speed.window_comm_ms_per_step(tokens_per_step)),
             };
             speed.reset_window();
             if is_eval {
@@ -189,8 +216,14 @@ pub fn train<B: TrainBackend>(
         }
         if (t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == stop {
             state.elapsed_s = clock.elapsed_s();
-            let dir = save_checkpoint(run_dir, &model, &optim, &mut state, &setup)?;
-            bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
+            state.world_size = world;
+            let optimizer = optim.state_tensors(c)?;
+            state.optimizer_steps = optim.steps();
+            if lead {
+                let dir = save_checkpoint(run_dir, &model, optimizer, &state, &setup)?;
+                bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
+            }
+            check_ranks_agree(c, config, &model, &format!("step {step}"))?;
         }
         bar.set_position(step as u64);
     }
@@ -202,15 +235,37 @@ pub fn train<B: TrainBackend>(
         best_val_loss: state.best_val_loss,
         last_val_loss: last_val,
         tokens_per_sec,
-        mfu: mfu(flops_per_token, tokens_per_sec, &peak),
+        mfu: mfu(flops_per_token, tokens_per_sec, &peak) / world as f64,
         elapsed_s: clock.elapsed_s(),
     })
 }
 
-/// A fresh run, or the resumed one. Leftovers of killed writers are cleared first, so that what is
-/// checked is what resuming reads. A run without a checkpoint (killed before its first) has nothing
-/// to resume and nothing to lose: it starts again without --resume. One with a checkpoint is never
-/// overwritten.
+/// In a data-parallel run: every rank runs the same config with the same ember and holds the same
+/// weights (a SHA-256 of each), checked at the start and at every checkpoint.
+fn check_ranks_agree<B: TrainBackend>(
+    c: &dyn Collective,
+    config: &TrainConfig,
+    model: &Decoder<B>,
+    at: &str,
+) -> Result<(), TrainError> {
+    if c.world() == 1 {
+        return Ok(());
+    }
+    if at == "start" {
+        let version = crate::distributed::code_version();
+        let what = format!("the config and the ember binary ({version})");
+        crate::distributed::check_same(c, &digest([config.to_toml().as_bytes(), version.as_bytes()]), &what)?;
+    }
+    let weights = named_tensors_where(model, |_| true);
+    let sum = digest(weights.iter().flat_map(|(k, d)| [k.as_bytes(), d.as_bytes()]));
+    crate::distributed::check_same(c, &sum, &format!("the weights at {at}"))?;
+    Ok(())
+}
+
+/// A fresh run, or the resumed one. Leftovers of killed writers are cleared first (by rank 0), so
+/// that what is checked is what resuming reads. A run without a checkpoint (killed before its
+/// first) has nothing to resume and nothing to lose: it starts again without --resume. One with a
+/// checkpoint is never overwritten.
 fn start<B: TrainBackend>(
     setup: &Setup,
     opts: &TrainOptions,
@@ -218,7 +273,12 @@ fn start<B: TrainBackend>(
     device: &Device<B>,
 ) -> Result<Restored<B>, TrainError> {
     let (config, run_dir) = (&setup.config, &opts.run_dir);
-    checkpoint::tidy_run_dir(run_dir)?;
+    let c = opts.collective.as_ref();
+    if c.rank() == 0 {
+        checkpoint::tidy_run_dir(run_dir)?;
+    }
+    // The other ranks read the run directory after rank 0 has tidied it.
+    c.arrive(0, "start-up (run directory)")?;
     if opts.resume {
         if run_dir.is_dir() && !checkpoint::has_checkpoint(run_dir) {
             return Err(TrainError::Resume {
@@ -228,16 +288,18 @@ fn start<B: TrainBackend>(
                     .into(),
             });
         }
-        return resume::<B>(setup, run_dir, device);
+        return resume::<B>(setup, run_dir, c.world(), device);
     }
     if checkpoint::has_checkpoint(run_dir) {
         return Err(TrainError::RunExists { path: run_dir.clone() });
     }
-    checkpoint::set_aside_dead_attempt(run_dir, &[METRICS_FILE, crate::metrics::SAMPLES_FILE])?;
+    if c.rank() == 0 {
+        checkpoint::set_aside_dead_attempt(run_dir, &[METRICS_FILE, crate::metrics::SAMPLES_FILE])?;
+    }
     let model = initial_model::<B>(config, device)?;
     let mut state = TrainState::new(0, LrSchedule::from_config(config), config.train.seed, 0);
     state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
-    Ok((model, AdamW::<B>::new(config.optim.clone()), state))
+    Ok((model, BTreeMap::new(), state))
 }
 
 /// Wall time of a run across resumes: `before` seconds of earlier invocations, then this one's.
@@ -258,12 +320,19 @@ impl Clock {
 struct Throughput {
     window: (Duration, usize),
     total: (Duration, usize),
+    /// Communication time since the last record.
+    window_comm: Duration,
 }
 
 impl Throughput {
-    fn add(&mut self, dt: Duration, tokens: usize) {
+    fn add(&mut self, dt: Duration, tokens: usize, comm: Duration) {
         self.window = (self.window.0 + dt, self.window.1 + tokens);
         self.total = (self.total.0 + dt, self.total.1 + tokens);
+        self.window_comm += comm;
+    }
+
+    fn window_comm_ms_per_step(&self, tokens_per_step: usize) -> f64 {
+        self.window_comm.as_secs_f64() * 1e3 / (self.window.1 / tokens_per_step).max(1) as f64
     }
 
     fn window_rate(&self) -> f64 {
@@ -276,6 +345,7 @@ impl Throughput {
 
     fn reset_window(&mut self) {
         self.window = (Duration::ZERO, 0);
+        self.window_comm = Duration::ZERO;
     }
 
     fn total_rate(&self) -> f64 {
@@ -284,32 +354,47 @@ impl Throughput {
 }
 
 /// The periodic evaluation: fixed batches of both splits (text), or every held-out example
-/// (fine-tuning: the completion loss each has alone under documents packing), and a sample.
+/// (fine-tuning: the completion loss each has alone under documents packing), and a sample. The
+/// batches are shared out over the ranks and their sums added.
 struct Evaluator<'a> {
     setup: &'a Setup,
+    collective: &'a dyn Collective,
     held_out: bool,
     train_seed: u64,
     val_seed: u64,
 }
 
 impl<'a> Evaluator<'a> {
-    fn new(setup: &'a Setup) -> Self {
+    fn new(setup: &'a Setup, collective: &'a dyn Collective) -> Self {
         let seed = setup.config.train.seed;
         Self {
             setup,
+            collective,
             held_out: setup.config.data.format() == DataFormat::Jsonl,
             train_seed: eval_seed(seed, "train"),
             val_seed: eval_seed(seed, "val"),
         }
     }
 
-    fn val<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> f64 {
+    fn part(&self) -> Part {
+        Part { rank: self.collective.rank(), world: self.collective.world() }
+    }
+
+    /// `sum` added over the ranks, as a mean.
+    fn reduce(&self, sum: LossSum, what: &str) -> Result<f64, TrainError> {
+        let mut v = [sum.weighted, sum.scored];
+        self.collective.all_reduce_f64(&mut v, what)?;
+        Ok(LossSum { weighted: v[0], scored: v[1] }.mean())
+    }
+
+    fn val<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
         let t = &self.setup.config.train;
-        if self.held_out {
-            evaluate_all(model, self.setup.val.as_ref(), t.batch_size)
+        let sum = if self.held_out {
+            evaluate_all_part(model, self.setup.val.as_ref(), t.batch_size, self.part())
         } else {
-            evaluate(model, self.setup.val.as_ref(), self.val_seed, t.eval_iters, t.batch_size)
-        }
+            evaluate_part(model, self.setup.val.as_ref(), self.val_seed, t.eval_iters, t.batch_size, self.part())
+        };
+        self.reduce(sum, "evaluation (val)")
     }
 
     /// Epochs of the training rows drawn before micro-batch `stream` (fine-tuning runs only).
@@ -318,7 +403,7 @@ impl<'a> Evaluator<'a> {
         self.held_out.then(|| stream as f64 * self.setup.config.train.batch_size as f64 / rows)
     }
 
-    /// Evaluates both splits into `record`, logs them, writes a sample; returns the val loss.
+    /// Evaluates both splits into `record`, logs them, writes a sample (rank 0); returns the val loss.
     fn record<IB: ember_model::ops::EmberBackend>(
         &self,
         model: &Decoder<IB>,
@@ -329,9 +414,13 @@ impl<'a> Evaluator<'a> {
     ) -> Result<f64, TrainError> {
         let (config, step) = (&self.setup.config, record.step);
         let t = &config.train;
-        let tl = evaluate(model, self.setup.train.as_ref(), self.train_seed, t.eval_iters, t.batch_size);
-        let vl = self.val(model);
+        let part = evaluate_part(model, self.setup.train.as_ref(), self.train_seed, t.eval_iters, t.batch_size, self.part());
+        let tl = self.reduce(part, "evaluation (train)")?;
+        let vl = self.val(model)?;
         (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
+        if self.collective.rank() != 0 {
+            return Ok(vl);
+        }
         let memory =
             record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
         bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
@@ -348,12 +437,11 @@ impl<'a> Evaluator<'a> {
 fn save_checkpoint<B: TrainBackend>(
     run_dir: &Path,
     model: &Decoder<B>,
-    optim: &AdamW<B>,
-    state: &mut TrainState,
+    optimizer: Vec<(String, TensorData)>,
+    state: &TrainState,
     setup: &Setup,
 ) -> Result<PathBuf, TrainError> {
     let config = &setup.config;
-    state.optimizer_steps = optim.steps();
     let lora = config.lora.is_some();
     let data = CheckpointData {
         step: state.step,
@@ -363,7 +451,7 @@ fn save_checkpoint<B: TrainBackend>(
         tokenizer: &setup.tokenizer,
         tokenizer_dir: setup.tokenizer_dir.as_deref(),
         hf_config: setup.hf_config.as_ref(),
-        training: Some(TrainingData { optimizer: optim.state_tensors(), state, config }),
+        training: Some(TrainingData { optimizer, state, config }),
     };
     checkpoint::save(run_dir, data, config.train.keep_checkpoints)
 }
@@ -557,11 +645,18 @@ pub(crate) fn initial_model<B: TrainBackend>(
     })
 }
 
-type Restored<B> = (Decoder<B>, AdamW<B>, TrainState);
+/// The model, its optimizer moments by parameter path (none before the first step) and the loop state.
+type Restored<B> = (Decoder<B>, BTreeMap<String, TensorData>, TrainState);
 
-/// Model, optimizer and loop state from the run's latest checkpoint, after checking that the
-/// config describes the same run.
-fn resume<B: TrainBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) -> Result<Restored<B>, TrainError> {
+/// Model, optimizer moments and loop state from the run's latest checkpoint, after checking that the
+/// config describes the same run. The world size may change: `grad_accum_steps × ranks` (the
+/// micro-batches of a step) must stay the same.
+fn resume<B: TrainBackend>(
+    setup: &Setup,
+    run_dir: &Path,
+    world: usize,
+    device: &Device<B>,
+) -> Result<Restored<B>, TrainError> {
     let ckpt = Checkpoint::open(run_dir)?;
     let (Some(theirs), Some(state)) = (ckpt.config.clone(), ckpt.state.clone()) else {
         return Err(TrainError::Resume {
@@ -578,15 +673,9 @@ fn resume<B: TrainBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) ->
         ("lora", ours.lora == theirs.lora),
         ("init_from", ours.init_from == theirs.init_from),
         (
-            "train (batch_size, seq_len, grad_accum_steps, seed, precision)",
-            (ours.train.batch_size, ours.seq_len(), ours.train.grad_accum_steps, ours.train.seed, ours.train.precision)
-                == (
-                    theirs.train.batch_size,
-                    theirs.seq_len(),
-                    theirs.train.grad_accum_steps,
-                    theirs.train.seed,
-                    theirs.train.precision,
-                ),
+            "train (batch_size, seq_len, seed, precision)",
+            (ours.train.batch_size, ours.seq_len(), ours.train.seed, ours.train.precision)
+                == (theirs.train.batch_size, theirs.seq_len(), theirs.train.seed, theirs.train.precision),
         ),
     ];
     if let Some((section, _)) = same_run.iter().find(|(_, same)| !same) {
@@ -597,90 +686,22 @@ fn resume<B: TrainBackend>(setup: &Setup, run_dir: &Path, device: &Device<B>) ->
             ),
         });
     }
-    let model = ckpt.decoder::<B>(device)?;
-    let mut optim = AdamW::<B>::new(ours.optim.clone());
-    optim
-        .load_state(&model, ckpt.optimizer_tensors()?, state.optimizer_steps, device)
-        .map_err(|message| TrainError::Checkpoint { path: ckpt.dir.clone(), message })?;
-    tracing::info!(step = state.step, dir = %ckpt.dir.display(), "resuming");
-    Ok((model, optim, state))
-}
-
-pub(crate) struct StepOutput {
-    /// Loss of the step: its scored tokens' summed losses over their number.
-    pub loss: f64,
-    /// Global gradient norm before clipping (unscaled).
-    pub grad_norm: f64,
-    /// The gradients overflowed under f16 loss scaling and the update was skipped.
-    pub skipped: bool,
-}
-
-/// One optimizer step: micro-batches from stream `first_stream` on, global-norm clipping, AdamW.
-/// With a loss scaler (f16), the loss is scaled before the backward pass and the gradients
-/// unscaled in the clipping coefficient; a step with non-finite gradients is skipped.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn optimizer_step<B: TrainBackend>(
-    model: Decoder<B>,
-    optim: &mut AdamW<B>,
-    data: &Examples,
-    sampler: &WindowSampler,
-    first_stream: u64,
-    lr: f64,
-    config: &TrainConfig,
-    device: &Device<B>,
-    scaler: Option<&mut LossScaler>,
-) -> (Decoder<B>, StepOutput) {
-    let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-    let micro_batches = (0..config.train.grad_accum_steps as u64)
-        .map(|micro| sampler.windows(data.as_ref(), first_stream + micro, config.train.batch_size))
-        .collect();
-    let (loss, grads) = forward_backward(&model, micro_batches, device, loss_scale);
-    let scaled_norm = global_grad_norm(&model, &grads);
-    let grad_norm = scaled_norm / loss_scale;
-    if let Some(scaler) = scaler {
-        if !scaler.update(scaled_norm.is_finite()) {
-            return (model, StepOutput { loss, grad_norm, skipped: true });
-        }
-    }
-    let scale = clip_coefficient(grad_norm, config.optim.grad_clip) / loss_scale;
-    (optim.step(lr, model, grads, scale), StepOutput { loss, grad_norm, skipped: false })
-}
-
-/// Forward and backward over a step's micro-batches. The step's loss is the sum of the scored
-/// tokens' losses over all micro-batches divided by the number of scored tokens in the step, so
-/// that `batch 8 × accumulation 1` and `batch 4 × accumulation 2` give the same loss and gradient
-/// even when masks leave the micro-batches with different numbers of scored tokens. The counts are
-/// known on the host before the first forward pass, so each micro-batch's mean loss is weighted by
-/// its share `n_i / N` without an extra pass. Returns that loss and its gradients times `loss_scale`.
-pub(crate) fn forward_backward<B: TrainBackend>(
-    model: &Decoder<B>,
-    micro_batches: Vec<Vec<Window>>,
-    device: &Device<B>,
-    loss_scale: f64,
-) -> (f64, GradientsParams) {
-    use burn::data::dataloader::batcher::Batcher;
-    let scored: Vec<usize> =
-        micro_batches.iter().map(|b| b.iter().flat_map(|w| &w.target).filter(|&&t| t >= 0).count()).collect();
-    let total = scored.iter().sum::<usize>().max(1) as f64;
-    let mut grads = GradientsAccumulator::<Decoder<B>>::new();
-    // The losses stay on the device until every backward pass is queued: one read per step, not a
-    // wait between each forward and its backward (which would drain a GPU's queue).
-    let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
-    for (items, n) in micro_batches.into_iter().zip(scored) {
-        let batch: LmBatch<B> = LmBatcher.batch(items, device);
-        let share = n as f64 / total;
-        let loss = lm_loss(model, batch);
-        let loss = if share == 1.0 { loss } else { loss.mul_scalar(share) };
-        let value = loss.clone().inner();
-        loss_sum = Some(match loss_sum {
-            Some(sum) => sum + value,
-            None => value,
+    let (ours_mb, theirs_mb) = (ours.train.grad_accum_steps * world, theirs.train.grad_accum_steps * state.world_size);
+    if ours_mb != theirs_mb {
+        return Err(TrainError::Resume {
+            path: ckpt.dir.clone(),
+            message: format!(
+                "the checkpoint's steps drew {theirs_mb} micro-batches (train.grad_accum_steps {} × {} rank(s)), this \
+                 run's would draw {ours_mb} (train.grad_accum_steps {} × {world} rank(s)); set train.grad_accum_steps \
+                 so that the two products match",
+                theirs.train.grad_accum_steps, state.world_size, ours.train.grad_accum_steps
+            ),
         });
-        let loss = if loss_scale == 1.0 { loss } else { loss.mul_scalar(loss_scale) };
-        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
     }
-    let loss = loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f64>());
-    (loss, grads.grads())
+    let model = ckpt.decoder::<B>(device)?;
+    let moments = ckpt.optimizer_tensors()?;
+    tracing::info!(step = state.step, dir = %ckpt.dir.display(), "resuming");
+    Ok((model, moments, state))
 }
 
 fn progress_bar(show: bool, len: usize, pos: usize) -> ProgressBar {
@@ -698,10 +719,14 @@ fn progress_bar(show: bool, len: usize, pos: usize) -> ProgressBar {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::eval::lm_loss;
+    use crate::step::{forward_backward, total_scored};
     use burn::backend::{Autodiff, Flex};
     use burn::data::dataloader::batcher::Batcher;
     use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::{Int, TensorData};
+    use burn::optim::GradientsParams;
+    use burn::tensor::{ElementConversion, Int, Tensor};
+    use ember_data::{LmBatch, LmBatcher, Window};
     use ember_data::finetune::{Example, PackedExamples, Packing};
     use ember_model::{Documents, ModelConfig};
 
@@ -750,8 +775,9 @@ mod tests {
         let model = Decoder::<AB>::new(&config(29, 16), 3, &dev).unwrap();
         let windows = uneven_windows(29);
         let run = |per_micro: usize| {
-            let micro = windows.chunks(per_micro).map(<[Window]>::to_vec).collect();
-            let (loss, grads) = forward_backward(&model, micro, &dev, 1.0);
+            let micro: Vec<Vec<Window>> = windows.chunks(per_micro).map(<[Window]>::to_vec).collect();
+            let total = total_scored(&micro);
+            let (loss, grads) = forward_backward(&model, micro, total, &dev, 1.0);
             (loss, flat_grads(&model, &grads))
         };
         let (loss8, grads8) = run(8);

@@ -30,6 +30,25 @@ enum BenchCommand {
     Decode(DecodeBenchArgs),
     /// How long `ember dashboard` takes to load a log directory of many long runs.
     Dashboard(DashboardBenchArgs),
+    /// Bus bandwidth of ember's gradient reduction against the engine's own all-reduce
+    /// (`mpirun -n N ember bench allreduce`).
+    Allreduce(AllreduceBenchArgs),
+}
+
+#[derive(Args, Debug)]
+struct AllreduceBenchArgs {
+    /// Message sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_value = "4096,65536,1048576,16777216,67108864,268435456")]
+    sizes: Vec<usize>,
+    /// Timed repetitions per size (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// Gradient bucket size in MiB, as `[distributed] bucket_mib`.
+    #[arg(long, default_value_t = 25)]
+    bucket_mib: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -191,8 +210,41 @@ fn gib(bytes: Option<u64>) -> String {
     bytes.map_or("n/a".into(), |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64))
 }
 
-pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub fn run(args: BenchArgs, collective: std::sync::Arc<dyn ember_train::distributed::Collective>) -> anyhow::Result<()> {
     match args.what {
+        BenchCommand::Allreduce(a) => {
+            anyhow::ensure!(a.reps > 0 && !a.sizes.is_empty(), "--reps and --sizes must not be 0 or empty");
+            anyhow::ensure!(
+                a.sizes.iter().all(|&s| (4..=1 << 32).contains(&s)),
+                "--sizes: each size must be in 4..=4294967296 bytes"
+            );
+            anyhow::ensure!((1..=16384).contains(&a.bucket_mib), "--bucket-mib must be in 1..=16384");
+            let c = collective.as_ref();
+            let r = ember_train::distributed::bench::bench_allreduce(c, &a.sizes, a.reps, a.bucket_mib)?;
+            if c.rank() != 0 {
+                return Ok(());
+            }
+            report(a.json, &r, |r| {
+                let rows: Vec<String> = r
+                    .rows
+                    .iter()
+                    .map(|x| {
+                        format!(
+                            "  {:>10} B: engine {:8.3} ms {:6.2} GB/s · ember bucketed {:8.3} ms {:6.2} GB/s ({:+.1}%) · from tensors {:8.3} ms {:6.2} GB/s",
+                            x.bytes,
+                            x.engine_ms,
+                            x.engine_busbw_gbs,
+                            x.bucketed_ms,
+                            x.bucketed_busbw_gbs,
+                            100.0 * x.overhead,
+                            x.end_to_end_ms,
+                            x.end_to_end_busbw_gbs
+                        )
+                    })
+                    .collect();
+                format!("all-reduce over {} ranks, {} (bus bandwidth):\n{}", r.world, r.engine, rows.join("\n"))
+            })
+        }
         BenchCommand::Train(mut a) => {
             anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
             let mut config = TrainConfig::from_file(&a.config)?;

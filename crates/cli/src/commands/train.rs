@@ -58,7 +58,7 @@ impl Job for TrainJob {
     }
 }
 
-pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+pub fn run(args: TrainArgs, collective: std::sync::Arc<dyn ember_train::distributed::Collective>) -> anyhow::Result<()> {
     // The error names the file and the key.
     let mut config = TrainConfig::from_file(&args.config)?;
     if let Some(p) = args.precision {
@@ -68,20 +68,27 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let stem = args.config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or("run".into());
         PathBuf::from("runs").join(stem)
     });
+    // Each rank of a data-parallel run on its own GPU of the machine: cuda:<local rank>.
+    let device = match args.device {
+        DeviceSpec::Cuda(0) if collective.world() > 1 => DeviceSpec::Cuda(collective.local_rank()),
+        d => d,
+    };
+    let lead = collective.rank() == 0;
     let options = TrainOptions {
         run_dir,
         resume: args.resume,
         stop_at: args.max_steps,
         show_progress: !args.no_progress && std::io::stderr().is_terminal(),
         locations: Locations::from_env(),
-        device_name: crate::backend::gpu_name(args.device),
+        device_name: crate::backend::gpu_name(device),
         peak_tflops: args.peak_tflops,
-        memory: Some(crate::backend::memory_probe(args.device)),
-        memory_available: crate::backend::memory_available(args.device),
+        memory: Some(crate::backend::memory_probe(device)),
+        memory_available: crate::backend::memory_available(device),
+        collective,
     };
     // The dashboard is a convenience: if it cannot start, training goes on without it (and what it
     // is sent once running cannot reach the training loop; see ember_dashboard::server).
-    let _dashboard = if args.dashboard {
+    let _dashboard = if args.dashboard && lead {
         let logdir =
             options.run_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
         std::fs::create_dir_all(logdir)
@@ -101,7 +108,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         None
     };
     let checkpointing = config.train.activation_checkpointing;
-    let summary = dispatch(args.device, checkpointing, TrainJob { config, options })?;
+    let summary = dispatch(device, checkpointing, TrainJob { config, options })?;
+    if !lead {
+        return Ok(());
+    }
     let best = summary.best_val_loss.map_or("n/a".into(), |v| format!("{v:.4}"));
     println!(
         "trained {} steps in {:.0} s ({:.0} tokens/s, MFU {:.2}%); best val loss {best}; run directory {}",

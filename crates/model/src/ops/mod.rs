@@ -220,6 +220,18 @@ pub fn adamw<B: EmberBackend>(
 /// injected into it and the caller sleeps until a worker wakes and finishes: one wake-up per op,
 /// thousands per training step. From inside, the ops start as local jobs. A nano training step
 /// measured 15% faster this way (`experiments/cpu-speed.md`).
+/// Builds the CPU kernels' thread pool with `threads` workers (the default: one per core, or
+/// `RAYON_NUM_THREADS`); before the first [`on_cpu_workers`]. Data-parallel ranks that share a
+/// machine split its cores this way.
+pub fn init_cpu_workers(threads: Option<usize>) {
+    let mut b = rayon::ThreadPoolBuilder::new().stack_size(16 << 20);
+    if let Some(n) = threads {
+        b = b.num_threads(n.max(1));
+    }
+    // Fails only when the pool already exists, which is fine: then it is used as it is.
+    let _ = b.build_global();
+}
+
 pub fn on_cpu_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     // Fails only when the pool already exists, which is fine: then it is used as it is.
     let _ = rayon::ThreadPoolBuilder::new().stack_size(16 << 20).build_global();

@@ -1,0 +1,229 @@
+//! Gradients as one flat f32 vector in parameter order, reduced over ranks in fixed-size buckets:
+//! a few large all-reduces per step instead of one per parameter (PyTorch DDP's buckets, without
+//! the overlap: Burn's backward pass runs as one call).
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor, TensorData};
+use ember_model::ops::TrainBackend;
+
+use super::{Collective, DistError};
+
+/// Where a parameter's values sit in a flat vector.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Slot {
+    pub path: String,
+    pub offset: usize,
+    pub dims: Vec<usize>,
+}
+
+impl Slot {
+    pub fn len(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// AdamW decays matrices (rank >= 2), never norm gains or biases.
+    pub fn decays(&self) -> bool {
+        self.dims.len() >= 2
+    }
+}
+
+/// A model's gradients, flattened.
+#[derive(Debug)]
+pub struct FlatGrads {
+    pub values: Vec<f32>,
+    pub slots: Vec<Slot>,
+    ids: Vec<ParamId>,
+    dtypes: Vec<DType>,
+}
+
+/// Moves every gradient of `grads` (in the model's parameter order) into one vector.
+pub fn flatten<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &mut GradientsParams) -> FlatGrads {
+    struct Take<'a> {
+        grads: &'a mut GradientsParams,
+        path: Vec<String>,
+        out: FlatGrads,
+    }
+    impl<B: TrainBackend> ModuleVisitor<B> for Take<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else { return };
+            let out = &mut self.out;
+            out.slots.push(Slot { path: self.path.join("."), offset: out.values.len(), dims: g.dims().to_vec() });
+            out.ids.push(param.id);
+            out.dtypes.push(g.dtype());
+            let data = g.into_data().convert::<f32>();
+            out.values.extend_from_slice(data.as_slice::<f32>().expect("converted to f32"));
+        }
+    }
+    let empty = FlatGrads { values: Vec::new(), slots: Vec::new(), ids: Vec::new(), dtypes: Vec::new() };
+    let mut take = Take { grads, path: Vec::new(), out: empty };
+    model.visit(&mut take);
+    take.out
+}
+
+/// The gradients back as tensors on `model`'s device, from `values` laid out as `flat`'s.
+pub fn unflatten<B: TrainBackend, M: AutodiffModule<B>>(model: &M, flat: &FlatGrads, values: &[f32]) -> GradientsParams {
+    struct Put<'a> {
+        flat: &'a FlatGrads,
+        values: &'a [f32],
+        next: usize,
+        out: GradientsParams,
+    }
+    impl<B: TrainBackend> ModuleVisitor<B> for Put<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(i) = self.flat.ids[self.next..].iter().position(|id| *id == param.id) else { return };
+            let i = self.next + i;
+            self.next = i + 1;
+            let slot = &self.flat.slots[i];
+            let data = TensorData::new(self.values[slot.offset..slot.offset + slot.len()].to_vec(), slot.dims.clone());
+            let device = param.val().device();
+            let g = Tensor::<B::InnerBackend, D>::from_data(data, &device);
+            let g = if self.flat.dtypes[i] == DType::F32 { g } else { g.cast(self.flat.dtypes[i]) };
+            self.out.register::<B::InnerBackend, D>(param.id, g);
+        }
+    }
+    let mut put = Put { flat, values, next: 0, out: GradientsParams::new() };
+    model.visit(&mut put);
+    put.out
+}
+
+/// Sums `values` over ranks in buckets of at most `bucket` elements.
+pub fn all_reduce_buckets(c: &dyn Collective, values: &mut [f32], bucket: usize, what: &str) -> Result<(), DistError> {
+    if c.world() == 1 {
+        return Ok(());
+    }
+    for (i, chunk) in values.chunks_mut(bucket.max(1)).enumerate() {
+        c.all_reduce_f32(chunk, &format!("{what}, bucket {i}"))?;
+    }
+    Ok(())
+}
+
+/// The data-parallel gradient: every rank's gradients summed (each rank's loss is already scaled by
+/// the step's global number of scored tokens, so the sum is the global token-weighted mean).
+pub fn all_reduce_grads<B: TrainBackend, M: AutodiffModule<B>>(
+    c: &dyn Collective,
+    model: &M,
+    mut grads: GradientsParams,
+    bucket: usize,
+    what: &str,
+) -> Result<GradientsParams, DistError> {
+    if c.world() == 1 {
+        return Ok(grads);
+    }
+    let mut flat = flatten(model, &mut grads);
+    let mut values = std::mem::take(&mut flat.values);
+    all_reduce_buckets(c, &mut values, bucket, what)?;
+    Ok(unflatten(model, &flat, &values))
+}
+
+/// Flat values of the parameters at `slots` (by path), in that order, padded with zeros to `len`.
+pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(model: &M, slots: &[Slot], len: usize) -> Vec<f32> {
+    struct Read<'a> {
+        slots: std::collections::HashMap<&'a str, &'a Slot>,
+        path: Vec<String>,
+        out: Vec<f32>,
+    }
+    impl<B: TrainBackend> ModuleVisitor<B> for Read<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let path = self.path.join(".");
+            if let Some(slot) = self.slots.get(path.as_str()) {
+                let data = param.val().inner().into_data().convert::<f32>();
+                let v = data.as_slice::<f32>().expect("converted to f32");
+                self.out[slot.offset..slot.offset + slot.len()].copy_from_slice(v);
+            }
+        }
+    }
+    let mut read =
+        Read { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), path: Vec::new(), out: vec![0.0; len] };
+    model.visit(&mut read);
+    read.out
+}
+
+/// `model` with the parameters at `slots` set from `values` (ids, dtypes and `require_grad` kept).
+pub fn assign_params<B: TrainBackend, M: AutodiffModule<B>>(model: M, slots: &[Slot], values: &[f32]) -> M {
+    struct Write<'a> {
+        slots: std::collections::HashMap<&'a str, &'a Slot>,
+        values: &'a [f32],
+        path: Vec<String>,
+    }
+    impl<B: TrainBackend> ModuleMapper<B> for Write<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let path = self.path.join(".");
+            let Some(slot) = self.slots.get(path.as_str()) else { return param };
+            let (id, tensor, mapper) = param.consume();
+            let (dtype, device) = (tensor.dtype(), tensor.device());
+            let data = TensorData::new(self.values[slot.offset..slot.offset + slot.len()].to_vec(), slot.dims.clone());
+            let t = Tensor::<B::InnerBackend, D>::from_data(data, &device);
+            let t = if dtype == DType::F32 { t } else { t.cast(dtype) };
+            Param::from_mapped_value(id, Tensor::<B, D>::from_inner(t).require_grad(), mapper)
+        }
+    }
+    let mut write = Write { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), values, path: Vec::new() };
+    model.map(&mut write)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::Module;
+    use burn::tensor::backend::Backend;
+
+    type AB = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Two<B: Backend> {
+        w: Param<Tensor<B, 2>>,
+        b: Param<Tensor<B, 1>>,
+    }
+
+    #[test]
+    fn gradients_and_parameters_round_trip_through_flat_vectors() {
+        let dev = Default::default();
+        let m = Two::<AB> {
+            w: Param::from_tensor(Tensor::from_data([[0.5, -1.0], [2.0, 0.25]], &dev)),
+            b: Param::from_tensor(Tensor::from_data([0.1, -0.2], &dev)),
+        };
+        let x = Tensor::<AB, 2>::from_data([[1.0, 2.0], [-1.0, 0.5]], &dev);
+        let loss = (x.matmul(m.w.val()) + m.b.val().unsqueeze()).powi_scalar(2).sum();
+        let mut grads = GradientsParams::from_grads(loss.backward(), &m);
+        let want_w = grads.get::<Flex, 2>(m.w.id).unwrap().into_data();
+        let flat = flatten(&m, &mut grads);
+        assert_eq!(flat.slots.iter().map(|s| (s.path.as_str(), s.offset)).collect::<Vec<_>>(), [("w", 0), ("b", 4)]);
+        assert!(grads.get::<Flex, 2>(m.w.id).is_none(), "flatten takes the gradients");
+        let doubled: Vec<f32> = flat.values.iter().map(|v| v * 2.0).collect();
+        let back = unflatten(&m, &flat, &doubled);
+        let got = back.get::<Flex, 2>(m.w.id).unwrap().into_data().to_vec::<f32>().unwrap();
+        let want: Vec<f32> = want_w.to_vec::<f32>().unwrap().iter().map(|v| v * 2.0).collect();
+        assert_eq!(got, want);
+
+        let params = flatten_params(&m, &flat.slots, 8);
+        assert_eq!(params[..6], [0.5, -1.0, 2.0, 0.25, 0.1, -0.2]);
+        assert_eq!(params[6..], [0.0, 0.0], "padding");
+        let m2 = assign_params(m, &flat.slots, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(m2.b.val().into_data().to_vec::<f32>().unwrap(), [5.0, 6.0]);
+        assert!(m2.w.val().is_require_grad());
+    }
+}

@@ -1,0 +1,287 @@
+//! Data parallelism across processes, on an established engine (llm.c's layout: MPI starts the
+//! ranks and carries the host-side reductions).
+//!
+//! A run of N ranks is one run of `grad_accum_steps × N` micro-batches per optimizer step: rank r
+//! draws micro-batches r, r+N, r+2N, … of the step's global list from the same deterministic
+//! stream, the gradients are summed over ranks in flattened buckets ([`buckets`]), clipped after
+//! the reduction, and every rank applies the same AdamW update (or, with `shard_optimizer`, its
+//! share of it: ZeRO-1, [`zero`]). Rank 0 alone writes checkpoints, metrics and samples.
+//!
+//! The engine is behind [`Collective`]: [`Solo`] for one process (every call a no-op), and MPI
+//! (`--features mpi`, `mpirun -n N ember train …`). Every wait on other ranks has a deadline: a rank
+//! that hangs or dies makes the others stop with a message that names it, instead of waiting forever.
+
+pub mod bench;
+pub mod buckets;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod zero;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Why a collective operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    #[error("rank {rank}: {message}")]
+    Rank { rank: usize, message: String },
+    #[error("{0}")]
+    Launch(String),
+}
+
+/// `[distributed]`: how the ranks of a data-parallel run cooperate (ignored by a single process).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// ZeRO-1: each rank keeps the AdamW moments of its share of the parameters (reduce-scatter of
+    /// the gradients, all-gather of the updated parameters) instead of all of them.
+    #[serde(default)]
+    pub shard_optimizer: bool,
+    /// Size of a gradient bucket in MiB (PyTorch DDP's default is 25).
+    #[serde(default = "default_bucket_mib")]
+    pub bucket_mib: usize,
+    /// Seconds a rank waits for the others at any synchronisation point before it names the ranks
+    /// that did not arrive and stops the run.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+}
+
+fn default_bucket_mib() -> usize {
+    25
+}
+fn default_timeout_s() -> f64 {
+    300.0
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self { shard_optimizer: false, bucket_mib: default_bucket_mib(), timeout_s: default_timeout_s() }
+    }
+}
+
+impl DistributedConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.bucket_mib == 0 || self.bucket_mib > 1 << 14 {
+            return Err(format!("distributed.bucket_mib must be in 1..=16384, found {}", self.bucket_mib));
+        }
+        if !(self.timeout_s > 0.0 && self.timeout_s <= 86_400.0) {
+            return Err(format!("distributed.timeout_s must be in (0, 86400], found {}", self.timeout_s));
+        }
+        Ok(())
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout_s)
+    }
+
+    pub fn bucket_elems(&self) -> usize {
+        self.bucket_mib * (1 << 20) / 4
+    }
+}
+
+/// The operations data parallelism needs, over all ranks of the run. Each call is made by every
+/// rank in the same order; `what` names the synchronisation point in errors ("step 12: gradients").
+pub trait Collective: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// Rank and number of ranks on this machine (for threads and GPU choice).
+    fn local_rank(&self) -> usize;
+    fn local_world(&self) -> usize;
+    /// The engine, for logs: "single process", "MPI (Open MPI v4.1.4)".
+    fn engine(&self) -> String;
+    /// Sets the deadline of every later wait.
+    fn set_timeout(&self, timeout: Duration);
+    /// Every rank has reached synchronisation point `seq` (`what` describes it): each rank tells
+    /// every other. Ranks that do not arrive within the timeout, or arrive at another point, are
+    /// named, and the run is stopped.
+    fn arrive(&self, seq: u64, what: &str) -> Result<(), DistError>;
+    /// Element-wise sum over ranks, in place.
+    fn all_reduce_f32(&self, buf: &mut [f32], what: &str) -> Result<(), DistError>;
+    fn all_reduce_f64(&self, buf: &mut [f64], what: &str) -> Result<(), DistError>;
+    /// `recv` (length `send.len() / world`) gets block `rank` of the element-wise sum of `send`.
+    fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError>;
+    /// `recv` (length `send.len() · world`) gets every rank's `send`, in rank order.
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError>;
+    /// Every rank's `send` (all of the same length), in rank order.
+    fn all_gather_bytes(&self, send: &[u8], what: &str) -> Result<Vec<Vec<u8>>, DistError>;
+    /// The engine's own blocking all-reduce (sum), without deadline or copies: the baseline
+    /// `ember bench allreduce` measures ember's reduction against.
+    fn all_reduce_baseline(&self, send: &[f32], recv: &mut [f32]);
+    /// Stops every rank of the run (after this one has said why).
+    fn abort(&self, code: i32) -> !;
+}
+
+impl std::fmt::Debug for dyn Collective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (rank {} of {})", self.engine(), self.rank(), self.world())
+    }
+}
+
+/// One process: the whole run.
+#[derive(Debug, Default)]
+pub struct Solo;
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn local_rank(&self) -> usize {
+        0
+    }
+    fn local_world(&self) -> usize {
+        1
+    }
+    fn engine(&self) -> String {
+        "single process".into()
+    }
+    fn set_timeout(&self, _: Duration) {}
+    fn arrive(&self, _: u64, _: &str) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_reduce_f32(&self, _: &mut [f32], _: &str) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_reduce_f64(&self, _: &mut [f64], _: &str) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32], _: &str) -> Result<(), DistError> {
+        recv.copy_from_slice(send);
+        Ok(())
+    }
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], _: &str) -> Result<(), DistError> {
+        recv.copy_from_slice(send);
+        Ok(())
+    }
+    fn all_gather_bytes(&self, send: &[u8], _: &str) -> Result<Vec<Vec<u8>>, DistError> {
+        Ok(vec![send.to_vec()])
+    }
+    fn all_reduce_baseline(&self, send: &[f32], recv: &mut [f32]) {
+        recv.copy_from_slice(send);
+    }
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
+}
+
+/// The single-process engine, shared.
+pub fn solo() -> Arc<dyn Collective> {
+    Arc::new(Solo)
+}
+
+/// The number of ranks a launcher (mpirun, srun) started, from its environment; 1 outside one.
+pub fn launched_world_size() -> usize {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
+        .max()
+        .unwrap_or(1)
+}
+
+/// The engine of this process: MPI when a launcher started several ranks (and this binary has
+/// MPI), else [`Solo`]. Several ranks without MPI is an error: they would train N copies into
+/// one run directory.
+pub fn init() -> Result<Arc<dyn Collective>, DistError> {
+    let n = launched_world_size();
+    #[cfg(feature = "mpi")]
+    if n > 1 || std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        return Ok(Arc::new(mpi::MpiCollective::init()?));
+    }
+    if n > 1 {
+        return Err(DistError::Launch(format!(
+            "started as one of {n} ranks, but this ember was built without MPI; build it with \
+             `cargo build --release --features mpi` (needs Open MPI: libopenmpi-dev and libclang-dev)"
+        )));
+    }
+    Ok(solo())
+}
+
+/// Checks that every rank holds the same `bytes` (a digest): the mismatching ranks are named.
+pub fn check_same(c: &dyn Collective, bytes: &[u8], what: &str) -> Result<(), DistError> {
+    if c.world() == 1 {
+        return Ok(());
+    }
+    let all = c.all_gather_bytes(bytes, what)?;
+    let differ: Vec<String> = all.iter().enumerate().filter(|(_, b)| *b != &all[0]).map(|(r, _)| r.to_string()).collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(DistError::Rank {
+        rank: c.rank(),
+        message: format!("{what}: rank(s) {} differ from rank 0", differ.join(", ")),
+    })
+}
+
+/// ember's version and the SHA-256 of the running binary (the first 12 hex digits): ranks built
+/// from different code disagree here.
+pub fn code_version() -> String {
+    let exe = std::env::current_exe().and_then(std::fs::read);
+    let build = match exe {
+        Ok(bytes) => {
+            let h = digest([bytes.as_slice()]);
+            h[..6].iter().map(|b| format!("{b:02x}")).collect::<String>()
+        }
+        Err(_) => "unknown build".into(),
+    };
+    format!("ember {} {build}", env!("CARGO_PKG_VERSION"))
+}
+
+/// SHA-256 of byte slices, for [`check_same`].
+pub fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    h.finalize().into()
+}
+
+/// Bus bandwidth of an all-reduce of `bytes` over `world` ranks in `seconds` (nccl-tests' busbw:
+/// the algorithm bandwidth times `2(n-1)/n`, what a ring moves per rank).
+pub fn bus_bandwidth(bytes: usize, world: usize, seconds: f64) -> f64 {
+    let n = world.max(1) as f64;
+    bytes as f64 / seconds.max(1e-12) * 2.0 * (n - 1.0) / n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn solo_is_the_identity() {
+        let s = Solo;
+        let mut a = [1.0f32, 2.0];
+        s.all_reduce_f32(&mut a, "x").unwrap();
+        assert_eq!(a, [1.0, 2.0]);
+        let mut out = [0.0f32; 2];
+        s.reduce_scatter_f32(&a, &mut out, "x").unwrap();
+        assert_eq!(out, a);
+        assert!(check_same(&s, b"anything", "x").is_ok());
+    }
+
+    #[test]
+    fn config_rules_name_the_key() {
+        let bad = DistributedConfig { bucket_mib: 0, ..Default::default() };
+        assert!(bad.validate().unwrap_err().contains("distributed.bucket_mib"));
+        let bad = DistributedConfig { timeout_s: -1.0, ..Default::default() };
+        assert!(bad.validate().unwrap_err().contains("distributed.timeout_s"));
+        assert_eq!(DistributedConfig::default().bucket_elems(), 25 * 1024 * 1024 / 4);
+    }
+
+    #[test]
+    fn bus_bandwidth_follows_nccl_tests() {
+        // 1 GB in 1 s over 8 ranks: 2·7/8 GB/s.
+        assert!((bus_bandwidth(1_000_000_000, 8, 1.0) - 1.75e9).abs() < 1.0);
+        assert_eq!(bus_bandwidth(100, 1, 1.0), 0.0);
+    }
+
+    #[test]
+    fn digests_separate_their_parts() {
+        assert_ne!(digest([&b"ab"[..], b"c"]), digest([&b"a"[..], b"bc"]));
+    }
+}

@@ -1,0 +1,211 @@
+//! One optimizer step: the step's micro-batches (this rank's share of them), forward and backward,
+//! the gradients summed over ranks, global-norm clipping, AdamW (whole or sharded).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
+use ember_data::{Examples, LmBatch, LmBatcher, Window, WindowSampler};
+use ember_model::ops::TrainBackend;
+use ember_model::Decoder;
+
+use crate::config::TrainConfig;
+use crate::distributed::buckets::all_reduce_grads;
+use crate::distributed::zero::ShardedAdamW;
+use crate::distributed::{Collective, DistError};
+use crate::error::TrainError;
+use crate::eval::lm_loss;
+use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
+use crate::precision::LossScaler;
+
+/// AdamW with every moment on every rank, or ZeRO-1's share of them.
+pub enum Optimizer<B: TrainBackend> {
+    Replicated(AdamW<B>),
+    Sharded(ShardedAdamW),
+}
+
+impl<B: TrainBackend> Optimizer<B> {
+    /// The optimizer of `config` for `model`: sharded when `[distributed] shard_optimizer` is set
+    /// and there are several ranks; with the moments of `saved` (any world size's) after `steps`.
+    pub fn build(
+        config: &TrainConfig,
+        model: &Decoder<B>,
+        c: &dyn Collective,
+        saved: BTreeMap<String, TensorData>,
+        steps: u64,
+        device: &Device<B>,
+    ) -> Result<Self, String> {
+        if config.distributed.shard_optimizer && c.world() > 1 {
+            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c);
+            o.load_state(saved, steps)?;
+            return Ok(Self::Sharded(o));
+        }
+        if config.distributed.shard_optimizer {
+            tracing::info!("distributed.shard_optimizer has no effect in a single process");
+        }
+        let mut o = AdamW::<B>::new(config.optim.clone());
+        o.load_state(model, saved, steps, device)?;
+        Ok(Self::Replicated(o))
+    }
+
+    pub fn steps(&self) -> u64 {
+        match self {
+            Self::Replicated(o) => o.steps(),
+            Self::Sharded(o) => o.steps(),
+        }
+    }
+
+    /// The moments as named tensors (sharded ones gathered: every rank must call this).
+    pub fn state_tensors(&self, c: &dyn Collective) -> Result<Vec<(String, TensorData)>, DistError> {
+        match self {
+            Self::Replicated(o) => Ok(o.state_tensors()),
+            Self::Sharded(o) => o.state_tensors(c),
+        }
+    }
+}
+
+pub struct StepOutput {
+    /// Loss of the step: its scored tokens' summed losses over their number (all ranks).
+    pub loss: f64,
+    /// Global gradient norm before clipping (unscaled).
+    pub grad_norm: f64,
+    /// The gradients overflowed under f16 loss scaling and the update was skipped.
+    pub skipped: bool,
+    /// Time spent waiting for and talking to the other ranks.
+    pub comm: Duration,
+}
+
+/// What every step reads: the data, the config, the device and the other ranks.
+pub struct Stepper<'a, B: TrainBackend> {
+    pub data: &'a Examples,
+    pub sampler: WindowSampler,
+    pub config: &'a TrainConfig,
+    pub device: &'a Device<B>,
+    pub collective: &'a dyn Collective,
+}
+
+impl<B: TrainBackend> Stepper<'_, B> {
+    /// Micro-batches of the data stream one step consumes, over all ranks.
+    pub fn micro_batches_per_step(&self) -> u64 {
+        (self.config.train.grad_accum_steps * self.collective.world()) as u64
+    }
+
+    /// Step number `step` (1-based, for messages): micro-batches `first_stream ..` of the stream,
+    /// of which this rank computes every world-th; the gradients summed over ranks; clipping; AdamW.
+    /// With a loss scaler (f16), the loss is scaled before the backward pass and the gradients
+    /// unscaled in the clipping coefficient; a step with non-finite gradients is skipped.
+    pub fn step(
+        &self,
+        model: Decoder<B>,
+        optim: &mut Optimizer<B>,
+        first_stream: u64,
+        step: usize,
+        lr: f64,
+        scaler: Option<&mut LossScaler>,
+    ) -> Result<(Decoder<B>, StepOutput), TrainError> {
+        let c = self.collective;
+        let (rank, world) = (c.rank(), c.world());
+        let what = format!("step {step}");
+        let mut comm = Duration::ZERO;
+        let timed = |comm: &mut Duration, f: &mut dyn FnMut() -> Result<(), DistError>| {
+            let t = Instant::now();
+            let r = f();
+            *comm += t.elapsed();
+            r
+        };
+        let batch = self.config.train.batch_size;
+        let all: Vec<Vec<Window>> = (0..self.micro_batches_per_step())
+            .map(|j| self.sampler.windows(self.data.as_ref(), first_stream + j, batch))
+            .collect();
+        let total = all.iter().map(|b| scored(b)).sum::<usize>();
+        let mine: Vec<Vec<Window>> = all.into_iter().skip(rank).step_by(world).collect();
+        let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+        let (loss, grads) = forward_backward(&model, mine, total, self.device, loss_scale);
+        // Every rank has computed its gradients: the one that has not within the timeout is named.
+        timed(&mut comm, &mut || c.arrive(step as u64, &what))?;
+        let mut loss = [loss];
+        timed(&mut comm, &mut || c.all_reduce_f64(&mut loss, &format!("{what}: loss")))?;
+        let loss = loss[0];
+        let bucket = self.config.distributed.bucket_elems();
+        match optim {
+            Optimizer::Replicated(adamw) => {
+                let mut reduced = None;
+                let mut grads = Some(grads);
+                timed(&mut comm, &mut || {
+                    let g = grads.take().expect("reduced once");
+                    reduced = Some(all_reduce_grads(c, &model, g, bucket, &format!("{what}: gradients"))?);
+                    Ok(())
+                })?;
+                let grads = reduced.expect("reduced");
+                let scaled_norm = global_grad_norm(&model, &grads);
+                let grad_norm = scaled_norm / loss_scale;
+                if let Some(scaler) = scaler {
+                    if !scaler.update(scaled_norm.is_finite()) {
+                        return Ok((model, StepOutput { loss, grad_norm, skipped: true, comm }));
+                    }
+                }
+                let scale = clip_coefficient(grad_norm, self.config.optim.grad_clip) / loss_scale;
+                let model = adamw.step(lr, model, grads, scale);
+                Ok((model, StepOutput { loss, grad_norm, skipped: false, comm }))
+            }
+            Optimizer::Sharded(zero) => {
+                // Reduce-scatter, the update of this rank's shard and the all-gather, timed whole
+                // (the shard's update is 1/N of AdamW's work).
+                let t = Instant::now();
+                let s = zero.step(c, lr, model, grads, loss_scale, scaler, self.device, &what)?;
+                comm += t.elapsed();
+                Ok((s.model, StepOutput { loss, grad_norm: s.grad_norm, skipped: s.skipped, comm }))
+            }
+        }
+    }
+}
+
+/// Scored targets of a micro-batch.
+fn scored(batch: &[Window]) -> usize {
+    batch.iter().flat_map(|w| &w.target).filter(|&&t| t >= 0).count()
+}
+
+/// Forward and backward over this rank's micro-batches of a step. The step's loss is the sum of the
+/// scored tokens' losses over all micro-batches (of all ranks) divided by the step's `total` scored
+/// tokens, so that `batch 8 × accumulation 1`, `batch 4 × accumulation 2` and `batch 4 × 2 ranks`
+/// give the same loss and gradient even when masks leave the micro-batches with different numbers
+/// of scored tokens. The counts are known on the host before the first forward pass, so each
+/// micro-batch's mean loss is weighted by its share `n_i / N` without an extra pass. Returns this
+/// rank's part of that loss and its gradients times `loss_scale`.
+pub(crate) fn forward_backward<B: TrainBackend>(
+    model: &Decoder<B>,
+    micro_batches: Vec<Vec<Window>>,
+    total: usize,
+    device: &Device<B>,
+    loss_scale: f64,
+) -> (f64, GradientsParams) {
+    use burn::data::dataloader::batcher::Batcher;
+    let total = total.max(1) as f64;
+    let mut grads = GradientsAccumulator::<Decoder<B>>::new();
+    // The losses stay on the device until every backward pass is queued: one read per step, not a
+    // wait between each forward and its backward (which would drain a GPU's queue).
+    let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
+    for items in micro_batches {
+        let n = scored(&items);
+        let batch: LmBatch<B> = LmBatcher.batch(items, device);
+        let share = n as f64 / total;
+        let loss = lm_loss(model, batch);
+        let loss = if share == 1.0 { loss } else { loss.mul_scalar(share) };
+        let value = loss.clone().inner();
+        loss_sum = Some(match loss_sum {
+            Some(sum) => sum + value,
+            None => value,
+        });
+        let loss = if loss_scale == 1.0 { loss } else { loss.mul_scalar(loss_scale) };
+        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
+    }
+    let loss = loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f64>());
+    (loss, grads.grads())
+}
+
+/// The total scored tokens of micro-batches (for [`forward_backward`] over all of them).
+#[cfg(test)]
+pub(crate) fn total_scored(micro_batches: &[Vec<Window>]) -> usize {
+    micro_batches.iter().map(|b| scored(b)).sum()
+}

@@ -1,0 +1,276 @@
+//! Data-parallel training over MPI, end to end: `mpirun -n 2 ember train` on configs/nano.toml
+//! (30 steps) against one process, ZeRO-1 against plain data parallelism, resuming at another world
+//! size, and ranks that die, hang or disagree. Needs Open MPI (`mpirun`, or `$EMBER_MPIRUN`) and the
+//! binary built with `--features mpi`; `.ci/run` installs and builds both.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::{stderr, Scratch};
+
+/// One MPI job at a time: two ranks already fill the two cores, and the failure tests time exits.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn datasets() -> PathBuf {
+    let assets = std::env::var_os("EMBER_TEST_ASSETS")
+        .expect("EMBER_TEST_ASSETS must name the shared test assets (datasets/tinyshakespeare); .ci/run sets it");
+    PathBuf::from(assets).join("datasets")
+}
+
+fn ember_bin() -> PathBuf {
+    std::env::var_os("EMBER_BIN").filter(|b| !b.is_empty()).map_or(PathBuf::from(env!("CARGO_BIN_EXE_ember")), PathBuf::from)
+}
+
+/// configs/nano.toml cut to `steps` steps (logging every step, evaluating and checkpointing every
+/// 15), with `grad_accum_steps = accum` and `extra` appended.
+fn nano(s: &Scratch, name: &str, steps: usize, accum: usize, extra: &str) -> PathBuf {
+    let base = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/nano.toml")).unwrap();
+    let mut text = String::new();
+    for line in base.lines() {
+        let key = line.split('=').next().unwrap_or("").trim();
+        let line = match key {
+            "max_steps" | "decay_steps" => format!("{key} = {steps}"),
+            "grad_accum_steps" => format!("grad_accum_steps = {accum}"),
+            "log_interval" => "log_interval = 1".into(),
+            "eval_interval" | "checkpoint_interval" => format!("{key} = 15"),
+            "eval_iters" => "eval_iters = 4".into(),
+            "warmup_steps" => "warmup_steps = 5".into(),
+            _ => line.to_string(),
+        };
+        text.push_str(&line);
+        text.push('\n');
+    }
+    text.push_str(extra);
+    s.write(name, &text)
+}
+
+/// `ember args` as `ranks` MPI ranks (one plain process when `ranks` is 0), one CPU thread each.
+fn command(s: &Scratch, ranks: usize, args: &[&str]) -> Command {
+    let mut cmd = if ranks == 0 {
+        Command::new(ember_bin())
+    } else {
+        let mpirun = std::env::var_os("EMBER_MPIRUN").unwrap_or("mpirun".into());
+        let mut c = Command::new(mpirun);
+        c.args(["--allow-run-as-root", "--oversubscribe", "-n", &ranks.to_string()]).arg(ember_bin());
+        c
+    };
+    cmd.args(args);
+    in_scratch(&mut cmd, s);
+    cmd
+}
+
+/// The scratch folder as working directory, the shared datasets, one CPU thread per rank.
+fn in_scratch(cmd: &mut Command, s: &Scratch) {
+    cmd.current_dir(s.path())
+        .env("EMBER_DATA_DIR", datasets())
+        .env("EMBER_CACHE_DIR", s.path().join("cache"))
+        .env("RAYON_NUM_THREADS", "1")
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1");
+}
+
+fn train(s: &Scratch, ranks: usize, config: &Path, run: &str, more: &[&str]) -> Output {
+    let mut args = vec!["train", "--no-progress", "--config", config.to_str().unwrap(), "--run-dir", run];
+    args.extend_from_slice(more);
+    let out = command(s, ranks, &args).output().expect("run mpirun / ember");
+    assert!(out.status.success(), "{ranks} rank(s), {run}: {}", stderr(&out));
+    out
+}
+
+/// (step, train loss) of a run's metrics.jsonl.
+fn losses(s: &Scratch, run: &str) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(s.path().join(run).join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["train_loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// Every tensor of a checkpoint file, as f32.
+fn tensors(s: &Scratch, run: &str, step: usize, file: &str) -> BTreeMap<String, Vec<f32>> {
+    let path = s.path().join(run).join(format!("checkpoints/step-{step:06}/{file}"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(k, t)| {
+            assert_eq!(t.dtype(), safetensors::Dtype::F32, "{k}");
+            (k, t.data().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
+        })
+        .collect()
+}
+
+/// The largest relative L2 difference over tensors.
+fn max_rel(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .map(|(k, x)| {
+            let y = &b[k];
+            let diff: f64 = x.iter().zip(y).map(|(p, q)| (*p as f64 - *q as f64).powi(2)).sum();
+            let norm: f64 = x.iter().map(|p| (*p as f64).powi(2)).sum();
+            (diff / norm.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+fn assert_same_losses(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: number of records");
+    for ((sa, la), (sb, lb)) in a.iter().zip(b) {
+        assert_eq!(sa, sb, "{what}");
+        let rel = (la - lb).abs() / la.abs();
+        assert!(rel <= 1e-6, "{what}: step {sa}: loss {la} vs {lb} (rel {rel:e})");
+    }
+}
+
+#[test]
+fn two_ranks_train_as_one_process_accumulating_two_micro_batches() {
+    let _g = serial();
+    let s = Scratch::new();
+    let one = nano(&s, "one.toml", 30, 2, "");
+    let two = nano(&s, "two.toml", 30, 1, "");
+    let zero = nano(&s, "zero.toml", 30, 1, "\n[distributed]\nshard_optimizer = true\n");
+    train(&s, 0, &one, "single", &[]);
+    let out = train(&s, 2, &two, "dp", &[]);
+    assert!(stderr(&out).contains("data parallel over 2 ranks"), "{}", stderr(&out));
+    train(&s, 2, &zero, "zero", &[]);
+
+    let single = losses(&s, "single");
+    assert_eq!(single.len(), 30);
+    assert!(single[29].1 < single[0].1 - 0.5, "the run learns: {single:?}");
+    assert_same_losses(&single, &losses(&s, "dp"), "2 ranks vs 1 process × 2 micro-batches");
+    assert_same_losses(&single, &losses(&s, "zero"), "ZeRO-1 vs 1 process");
+    let w = tensors(&s, "single", 30, "model.safetensors");
+    for run in ["dp", "zero"] {
+        let rel = max_rel(&w, &tensors(&s, run, 30, "model.safetensors"));
+        assert!(rel <= 1e-6, "{run}: final weights differ by {rel:e}");
+    }
+    // Sharded moments are gathered into the unsharded checkpoint format.
+    let m = tensors(&s, "dp", 30, "optimizer.safetensors");
+    let mz = tensors(&s, "zero", 30, "optimizer.safetensors");
+    assert_eq!(m.len(), 2 * w.len());
+    assert!(max_rel(&m, &mz) <= 1e-5, "ZeRO-1 moments differ by {:e}", max_rel(&m, &mz));
+    // The communication time is recorded.
+    let last = std::fs::read_to_string(s.path().join("dp/metrics.jsonl")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(last.lines().last().unwrap()).unwrap();
+    assert!(v["comm_ms"].as_f64().is_some_and(|c| c > 0.0 && c < v["step_ms"].as_f64().unwrap()), "{v}");
+}
+
+#[test]
+fn checkpoints_resume_at_another_world_size() {
+    let _g = serial();
+    let s = Scratch::new();
+    let one = nano(&s, "one.toml", 30, 2, "");
+    let two = nano(&s, "two.toml", 30, 1, "\n[distributed]\nshard_optimizer = true\n");
+    train(&s, 0, &one, "whole", &[]);
+    // 2 ranks (sharded) to step 15, then 1 process; and the other way round.
+    train(&s, 2, &two, "a", &["--max-steps", "15"]);
+    train(&s, 0, &one, "a", &["--resume"]);
+    train(&s, 0, &one, "b", &["--max-steps", "15"]);
+    train(&s, 2, &two, "b", &["--resume"]);
+    let whole = losses(&s, "whole");
+    for run in ["a", "b"] {
+        assert_same_losses(&whole, &losses(&s, run), run);
+        let rel = max_rel(&tensors(&s, "whole", 30, "model.safetensors"), &tensors(&s, run, 30, "model.safetensors"));
+        assert!(rel <= 1e-6, "{run}: final weights differ by {rel:e}");
+    }
+    // A world size that changes the step's micro-batches is refused, naming the numbers.
+    let out = command(&s, 2, &["train", "--no-progress", "--config", one.to_str().unwrap(), "--run-dir", "a", "--resume"])
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert!(err.contains("drew 2 micro-batches") && err.contains("would draw 4"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Runs `args` as 2 ranks; after `after`, does `act` to rank 1's process; returns the output and
+/// the seconds from the act to the end of mpirun.
+fn disrupt(s: &Scratch, args: &[&str], after: Duration, signal: &str) -> (Output, f64) {
+    let child: Child = command(s, 2, args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(after);
+    // Rank 1: the ember process whose environment says so, among mpirun's children.
+    let ranks = Command::new("pgrep").args(["-P", &child.id().to_string()]).output().unwrap();
+    let pids: Vec<u32> = String::from_utf8_lossy(&ranks.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect();
+    let rank1 = pids
+        .iter()
+        .copied()
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|e| e.split(|&b| b == 0).any(|kv| kv == b"OMPI_COMM_WORLD_RANK=1"))
+        })
+        .unwrap_or_else(|| panic!("no rank 1 among mpirun's children {pids:?}"));
+    let acted = Instant::now();
+    let status = Command::new("kill").args([signal, &rank1.to_string()]).status().unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    (out, acted.elapsed().as_secs_f64())
+}
+
+#[test]
+fn a_killed_or_hung_rank_ends_the_run_with_its_name() {
+    let _g = serial();
+    let s = Scratch::new();
+    let long = nano(&s, "long.toml", 100_000, 1, "\n[distributed]\ntimeout_s = 5\n");
+    let args = ["train", "--no-progress", "--config", long.to_str().unwrap(), "--run-dir"];
+    let (out, secs) = disrupt(&s, &[&args[..], &["killed"]].concat(), Duration::from_secs(4), "-KILL");
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(secs < 30.0, "the run went on {secs:.1} s after rank 1 died");
+    assert!(err.contains("rank 1"), "the message names rank 1:\n{err}");
+
+    let (out, secs) = disrupt(&s, &[&args[..], &["hung"]].concat(), Duration::from_secs(4), "-STOP");
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(secs < 30.0, "the run went on {secs:.1} s after rank 1 stopped");
+    assert!(err.contains("rank 1 (") && err.contains("within 5 s"), "the message names rank 1:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn ranks_that_disagree_do_not_start() {
+    let _g = serial();
+    let s = Scratch::new();
+    let a = nano(&s, "a.toml", 30, 1, "");
+    let b = nano(&s, "b.toml", 30, 1, "\n[distributed]\nbucket_mib = 1\n");
+    // MPMD: rank 0 and rank 1 get different configs.
+    let mut cmd = Command::new(std::env::var_os("EMBER_MPIRUN").unwrap_or("mpirun".into()));
+    in_scratch(&mut cmd, &s);
+    let train = |config: &Path| ["train", "--no-progress", "--config", config.to_str().unwrap(), "--run-dir", "r"].map(String::from);
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-n", "1"]).arg(ember_bin()).args(train(&a));
+    cmd.args([":", "-n", "1"]).arg(ember_bin()).args(train(&b));
+    let out = cmd.output().unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("the config and the ember binary") && err.contains("rank(s) 1"), "{err}");
+    assert!(!s.path().join("r").join("checkpoints").exists(), "nothing trained");
+}
+
+#[test]
+fn allreduce_benchmark_compares_with_the_engine() {
+    let _g = serial();
+    let s = Scratch::new();
+    let out = command(&s, 2, &["bench", "allreduce", "--sizes", "4096,1048576", "--reps", "3", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(v["world"], 2);
+    assert!(v["engine"].as_str().unwrap().starts_with("MPI"), "{v}");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect::<Vec<_>>(), [4096, 1048576]);
+    for r in rows {
+        for k in ["engine_busbw_gbs", "bucketed_busbw_gbs", "end_to_end_busbw_gbs"] {
+            assert!(r[k].as_f64().unwrap() > 0.0, "{k}: {r}");
+        }
+    }
+}
