@@ -97,13 +97,17 @@ pub fn unflatten<B: TrainBackend, M: AutodiffModule<B>>(model: &M, flat: &FlatGr
     put.out
 }
 
-/// Sums `values` over ranks in buckets of at most `bucket` elements.
-pub fn all_reduce_buckets(c: &dyn Collective, values: &mut [f32], bucket: usize, what: &str) -> Result<(), DistError> {
-    if c.world() == 1 {
-        return Ok(());
-    }
-    for (i, chunk) in values.chunks_mut(bucket.max(1)).enumerate() {
-        c.all_reduce_f32(chunk, &format!("{what}, bucket {i}"))?;
+/// Sums `send` over ranks into `recv` (of the same length) in buckets of at most `bucket` elements.
+pub fn all_reduce_buckets(
+    c: &dyn Collective,
+    send: &[f32],
+    recv: &mut [f32],
+    bucket: usize,
+    what: &str,
+) -> Result<(), DistError> {
+    let bucket = bucket.max(1);
+    for (i, (s, r)) in send.chunks(bucket).zip(recv.chunks_mut(bucket)).enumerate() {
+        c.all_reduce_f32_into(s, r, &format!("{what}, bucket {i}"))?;
     }
     Ok(())
 }
@@ -120,10 +124,10 @@ pub fn all_reduce_grads<B: TrainBackend, M: AutodiffModule<B>>(
     if c.world() == 1 {
         return Ok(grads);
     }
-    let mut flat = flatten(model, &mut grads);
-    let mut values = std::mem::take(&mut flat.values);
-    all_reduce_buckets(c, &mut values, bucket, what)?;
-    Ok(unflatten(model, &flat, &values))
+    let flat = flatten(model, &mut grads);
+    let mut sum = vec![0.0f32; flat.values.len()];
+    all_reduce_buckets(c, &flat.values, &mut sum, bucket, what)?;
+    Ok(unflatten(model, &flat, &sum))
 }
 
 /// Flat values of the parameters at `slots` (by path), in that order, padded with zeros to `len`.

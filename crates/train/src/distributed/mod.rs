@@ -100,6 +100,8 @@ pub trait Collective: Send + Sync {
     fn arrive(&self, seq: u64, what: &str) -> Result<(), DistError>;
     /// Element-wise sum over ranks, in place.
     fn all_reduce_f32(&self, buf: &mut [f32], what: &str) -> Result<(), DistError>;
+    /// Element-wise sum over ranks of `send` into `recv` (of the same length), without a copy.
+    fn all_reduce_f32_into(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError>;
     fn all_reduce_f64(&self, buf: &mut [f64], what: &str) -> Result<(), DistError>;
     /// `recv` (length `send.len() / world`) gets block `rank` of the element-wise sum of `send`.
     fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError>;
@@ -145,6 +147,10 @@ impl Collective for Solo {
         Ok(())
     }
     fn all_reduce_f32(&self, _: &mut [f32], _: &str) -> Result<(), DistError> {
+        Ok(())
+    }
+    fn all_reduce_f32_into(&self, send: &[f32], recv: &mut [f32], _: &str) -> Result<(), DistError> {
+        recv.copy_from_slice(send);
         Ok(())
     }
     fn all_reduce_f64(&self, _: &mut [f64], _: &str) -> Result<(), DistError> {

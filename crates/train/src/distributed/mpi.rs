@@ -1,13 +1,15 @@
 //! The MPI engine (Open MPI through the `mpi` crate): ranks, world and local sizes from the
 //! launcher, host-memory reductions with MPI's own algorithms.
 //!
-//! Every operation is issued non-blocking and polled against a deadline: a rank that hangs (or a
-//! peer that died without the launcher noticing) turns into an error naming the ranks that did not
-//! arrive, and `MPI_Abort` stops the whole job, never a silent hang. MPI calls are serialised by a
-//! mutex (`MPI_THREAD_SERIALIZED`): the trainer calls from one thread at a time, not always the one
-//! that initialised MPI.
+//! Never a silent hang: each step's arrival check is non-blocking point-to-point messages polled
+//! against a deadline, so the ranks that did not arrive are named, and `MPI_Abort` stops the job.
+//! The reductions themselves are MPI's blocking calls (its own algorithms, at its own latency),
+//! watched by a thread that ends the process past the deadline with a message naming the
+//! collective and the other ranks; the launcher then ends the rest (a rank that dies is noticed by
+//! the launcher itself). MPI calls are serialised by a mutex (`MPI_THREAD_SERIALIZED`): the trainer
+//! calls from one thread at a time, not always the one that initialised MPI.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
@@ -27,7 +29,74 @@ struct Inner {
     timeout: Duration,
     /// Rank -> "host pid N", for messages.
     names: Vec<String>,
+    /// The other ranks, named, for the watchdog's message.
+    others: String,
     _universe: Universe,
+}
+
+/// What the watchdog thread watches: a collective in progress and its deadline.
+struct Armed {
+    what: String,
+    deadline: Instant,
+    timeout: Duration,
+    others: String,
+}
+
+/// A thread that ends the process when an armed collective passes its deadline.
+struct Watchdog {
+    state: Arc<Mutex<Option<Armed>>>,
+}
+
+/// Disarms the watchdog when the collective returns.
+struct ArmGuard<'a>(&'a Watchdog);
+
+impl Drop for ArmGuard<'_> {
+    fn drop(&mut self) {
+        *self.0.state.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+impl Watchdog {
+    fn start(rank: usize) -> Self {
+        let state: Arc<Mutex<Option<Armed>>> = Arc::new(Mutex::new(None));
+        let watched = state.clone();
+        std::thread::Builder::new()
+            .name("ember-mpi-watchdog".into())
+            .spawn(move || {
+                loop {
+                    let armed = watched.lock().unwrap_or_else(|p| p.into_inner());
+                    let wait = match &*armed {
+                        Some(a) if Instant::now() >= a.deadline => {
+                            let message = format!(
+                                "{} within {:.0} s: {} hung or died",
+                                a.what,
+                                a.timeout.as_secs_f64(),
+                                a.others
+                            );
+                            tracing::error!("rank {rank}: {message}; stopping every rank");
+                            eprintln!("error: rank {rank}: {message}; stopping every rank");
+                            // SAFETY: ends the process at once, from this thread, while another is
+                            // inside MPI; the launcher sees the exit and ends the other ranks.
+                            unsafe { libc::_exit(3) }
+                        }
+                        // Not woken by `arm` (a wake-up per collective would cost the ranks CPU time):
+                        // a deadline is seen within 50 ms.
+                        Some(a) => (a.deadline - Instant::now()).min(Duration::from_millis(50)),
+                        None => Duration::from_millis(50),
+                    };
+                    drop(armed);
+                    std::thread::sleep(wait);
+                }
+            })
+            .expect("spawn the MPI watchdog thread");
+        Self { state }
+    }
+
+    fn arm(&self, what: String, timeout: Duration, others: &str) -> ArmGuard<'_> {
+        let armed = Armed { what, deadline: Instant::now() + timeout, timeout, others: others.to_string() };
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = Some(armed);
+        ArmGuard(self)
+    }
 }
 
 pub struct MpiCollective {
@@ -37,6 +106,7 @@ pub struct MpiCollective {
     local_rank: usize,
     local_size: usize,
     version: String,
+    watchdog: Watchdog,
 }
 
 // SAFETY: the MPI handles inside are only used under the mutex, one thread at a time, and MPI was
@@ -68,14 +138,28 @@ impl MpiCollective {
             mpi::environment::processor_name().unwrap_or_else(|_| "?".into()),
             std::process::id()
         );
-        let inner = Inner { world, timeout: Duration::from_secs(300), names: Vec::new(), _universe: universe };
-        let c = Self { inner: Mutex::new(inner), rank, size, local_rank, local_size, version };
+        let inner = Inner {
+            world,
+            timeout: Duration::from_secs(300),
+            names: Vec::new(),
+            others: String::new(),
+            _universe: universe,
+        };
+        let watchdog = Watchdog::start(rank);
+        let c = Self { inner: Mutex::new(inner), rank, size, local_rank, local_size, version, watchdog };
         // Who is who, for every later message (fixed-size records: 64 bytes each).
         let mut record = [b' '; 64];
         let n = me.len().min(64);
         record[..n].copy_from_slice(&me.as_bytes()[..n]);
         let names = c.all_gather_bytes(&record, "start-up: rank names")?;
-        c.lock().names = names.iter().map(|b| String::from_utf8_lossy(b).trim_end().to_string()).collect();
+        let mut inner = c.lock();
+        inner.names = names.iter().map(|b| String::from_utf8_lossy(b).trim_end().to_string()).collect();
+        let others: Vec<String> = (0..size).filter(|&r| r != rank).map(|r| inner.name(r)).collect();
+        inner.others = match others.len() {
+            1 => format!("{} has", others[0]),
+            _ => format!("one of {} has", others.join(", ")),
+        };
+        drop(inner);
         Ok(c)
     }
 
@@ -134,27 +218,14 @@ fn wait_all<'a, D: ?Sized, S: Scope<'a>>(requests: Vec<Request<'a, D, S>>, deadl
     }
 }
 
-/// Starts one non-blocking collective and waits for it; past the deadline the run stops from inside
-/// the request scope (MPI_Abort), so that no request is left to a scope that would check it.
+/// One blocking collective under the watchdog: past the deadline the watchdog thread says which
+/// collective and which ranks, and ends this process (the launcher then ends the others).
 macro_rules! timed {
-    ($self:ident, $what:expr, |$world:ident, $scope:ident| $start:expr) => {{
+    ($self:ident, $what:expr, |$world:ident| $call:expr) => {{
         let inner = $self.lock();
-        let deadline = Instant::now() + inner.timeout;
-        let t = inner.timeout.as_secs_f64();
+        let _armed = $self.watchdog.arm(format!("{} did not complete", $what), inner.timeout, &inner.others);
         let $world = &inner.world;
-        mpi::request::scope(|$scope| {
-            let request = $start;
-            if !wait_all(vec![request], deadline).is_empty() {
-                let others: Vec<String> = (0..$self.size).filter(|&r| r != $self.rank).map(|r| inner.name(r)).collect();
-                $self.fail(format!(
-                    "{} did not complete within {t:.0} s: {}{} {} hung or died",
-                    $what,
-                    if others.len() == 1 { "" } else { "one of " },
-                    others.join(", "),
-                    if others.len() == 1 { "has" } else { "have" }
-                ));
-            }
-        });
+        $call;
         Ok(())
     }};
 }
@@ -229,7 +300,17 @@ impl Collective for MpiCollective {
             return Ok(());
         }
         let send = buf.to_vec();
-        timed!(self, what, |world, scope| world.immediate_all_reduce_into(scope, &send[..], buf, SystemOperation::sum()))
+        timed!(self, what, |world| world.all_reduce_into(&send[..], buf, SystemOperation::sum()))
+    }
+
+    fn all_reduce_f32_into(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError> {
+        if send.len() != recv.len() {
+            return Err(DistError::Rank {
+                rank: self.rank,
+                message: format!("{what}: all-reduce of {} values into {}", send.len(), recv.len()),
+            });
+        }
+        timed!(self, what, |world| world.all_reduce_into(send, recv, SystemOperation::sum()))
     }
 
     fn all_reduce_f64(&self, buf: &mut [f64], what: &str) -> Result<(), DistError> {
@@ -237,7 +318,7 @@ impl Collective for MpiCollective {
             return Ok(());
         }
         let send = buf.to_vec();
-        timed!(self, what, |world, scope| world.immediate_all_reduce_into(scope, &send[..], buf, SystemOperation::sum()))
+        timed!(self, what, |world| world.all_reduce_into(&send[..], buf, SystemOperation::sum()))
     }
 
     fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError> {
@@ -247,12 +328,7 @@ impl Collective for MpiCollective {
                 message: format!("{what}: reduce-scatter of {} values into {} per rank", send.len(), recv.len()),
             });
         }
-        timed!(self, what, |world, scope| world.immediate_reduce_scatter_block_into(
-            scope,
-            send,
-            recv,
-            SystemOperation::sum()
-        ))
+        timed!(self, what, |world| world.reduce_scatter_block_into(send, recv, SystemOperation::sum()))
     }
 
     fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError> {
@@ -262,13 +338,13 @@ impl Collective for MpiCollective {
                 message: format!("{what}: all-gather of {} values into {}", send.len(), recv.len()),
             });
         }
-        timed!(self, what, |world, scope| world.immediate_all_gather_into(scope, send, recv))
+        timed!(self, what, |world| world.all_gather_into(send, recv))
     }
 
     fn all_gather_bytes(&self, send: &[u8], what: &str) -> Result<Vec<Vec<u8>>, DistError> {
         let mut recv = vec![0u8; send.len() * self.size];
         let r: Result<(), DistError> =
-            timed!(self, what, |world, scope| world.immediate_all_gather_into(scope, send, &mut recv[..]));
+            timed!(self, what, |world| world.all_gather_into(send, &mut recv[..]));
         r?;
         Ok(recv.chunks(send.len().max(1)).map(<[u8]>::to_vec).collect())
     }
