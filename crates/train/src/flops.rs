@@ -122,7 +122,9 @@ pub fn peak_cache_name<B: Backend>(device: &Device<B>, dtype: DType) -> String {
                 .map(|m| m.trim().to_string())
         })
         .unwrap_or_default();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The pool's threads, not the machine's cores: data-parallel ranks (and RAYON_NUM_THREADS)
+    // run with fewer.
+    let threads = ember_model::ops::cpu_workers();
     let key = format!("{}-{dtype:?}-{cpu}-{threads}", B::name(device));
     let key: String = key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
     format!("peak-{key}.txt")

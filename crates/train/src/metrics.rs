@@ -185,6 +185,10 @@ pub struct StepRecord {
     /// parameter gathering), averaged like `step_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_ms: Option<f64>,
+    /// Data-parallel runs: milliseconds per step this rank (0) waited for the others to finish
+    /// their micro-batches (load imbalance, a slow or stalled rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<f64>,
 }
 
 /// `metrics.jsonl`.
@@ -238,6 +242,7 @@ mod tests {
             eval_train_loss: None,
             epoch: None,
             comm_ms: None,
+            wait_ms: None,
         }
     }
 

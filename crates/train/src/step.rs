@@ -72,8 +72,10 @@ pub struct StepOutput {
     pub grad_norm: f64,
     /// The gradients overflowed under f16 loss scaling and the update was skipped.
     pub skipped: bool,
-    /// Time spent waiting for and talking to the other ranks.
+    /// Time spent in reductions and gathers with the other ranks.
     pub comm: Duration,
+    /// Time spent waiting for the other ranks to finish their micro-batches (load imbalance).
+    pub wait: Duration,
 }
 
 /// What every step reads: the data, the config, the device and the other ranks.
@@ -123,7 +125,8 @@ impl<B: TrainBackend> Stepper<'_, B> {
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
         let (loss, grads) = forward_backward(&model, mine, total, self.device, loss_scale);
         // Every rank has computed its gradients: the one that has not within the timeout is named.
-        timed(&mut comm, &mut || c.arrive(step as u64, &what))?;
+        let mut wait = Duration::ZERO;
+        timed(&mut wait, &mut || c.arrive(step as u64, &what))?;
         let mut loss = [loss];
         timed(&mut comm, &mut || c.all_reduce_f64(&mut loss, &format!("{what}: loss")))?;
         let loss = loss[0];
@@ -142,12 +145,12 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let grad_norm = scaled_norm / loss_scale;
                 if let Some(scaler) = scaler {
                     if !scaler.update(scaled_norm.is_finite()) {
-                        return Ok((model, StepOutput { loss, grad_norm, skipped: true, comm }));
+                        return Ok((model, StepOutput { loss, grad_norm, skipped: true, comm, wait }));
                     }
                 }
                 let scale = clip_coefficient(grad_norm, self.config.optim.grad_clip) / loss_scale;
                 let model = adamw.step(lr, model, grads, scale);
-                Ok((model, StepOutput { loss, grad_norm, skipped: false, comm }))
+                Ok((model, StepOutput { loss, grad_norm, skipped: false, comm, wait }))
             }
             Optimizer::Sharded(zero) => {
                 // Reduce-scatter, the update of this rank's shard and the all-gather, timed whole
@@ -155,7 +158,7 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let t = Instant::now();
                 let s = zero.step(c, lr, model, grads, loss_scale, scaler, self.device, &what)?;
                 comm += t.elapsed();
-                Ok((s.model, StepOutput { loss, grad_norm: s.grad_norm, skipped: s.skipped, comm }))
+                Ok((s.model, StepOutput { loss, grad_norm: s.grad_norm, skipped: s.skipped, comm, wait }))
             }
         }
     }

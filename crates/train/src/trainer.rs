@@ -30,7 +30,7 @@ use crate::metrics::{JsonlSink, MetricsSink, SampleRecord, Sinks, StepRecord, Te
 use crate::optim::clip_coefficient;
 use crate::precision::{compute_dtype, LossScaler};
 use crate::schedule::LrSchedule;
-use crate::step::{Optimizer, Stepper};
+use crate::step::{Optimizer, StepOutput, Stepper};
 
 /// How to run, beyond the config.
 #[derive(Debug, Clone)]
@@ -172,7 +172,7 @@ pub fn train<B: TrainBackend>(
         state.step += 1;
         state.next_stream += stepper.micro_batches_per_step();
         state.tokens_seen += tokens_per_step as u64;
-        speed.add(step_start.elapsed(), tokens_per_step, out.comm);
+        speed.add(step_start.elapsed(), tokens_per_step, &out);
 
         let step = state.step;
         let epoch = evaluator.epoch(state.next_stream);
@@ -198,7 +198,8 @@ pub fn train<B: TrainBackend>(
                 val_loss: None,
                 eval_train_loss: None,
                 epoch,
-                comm_ms: (world > 1).then(|| speed.window_comm_ms_per_step(tokens_per_step)),
+                comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
+                wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
             };
             speed.reset_window();
             if is_eval {
@@ -320,19 +321,22 @@ impl Clock {
 struct Throughput {
     window: (Duration, usize),
     total: (Duration, usize),
-    /// Communication time since the last record.
+    /// Communication and waiting time since the last record.
     window_comm: Duration,
+    window_wait: Duration,
 }
 
 impl Throughput {
-    fn add(&mut self, dt: Duration, tokens: usize, comm: Duration) {
+    fn add(&mut self, dt: Duration, tokens: usize, out: &StepOutput) {
         self.window = (self.window.0 + dt, self.window.1 + tokens);
         self.total = (self.total.0 + dt, self.total.1 + tokens);
-        self.window_comm += comm;
+        self.window_comm += out.comm;
+        self.window_wait += out.wait;
     }
 
-    fn window_comm_ms_per_step(&self, tokens_per_step: usize) -> f64 {
-        self.window_comm.as_secs_f64() * 1e3 / (self.window.1 / tokens_per_step).max(1) as f64
+    /// Milliseconds per step of `d`, averaged over the window's steps.
+    fn per_step_ms(&self, d: Duration, tokens_per_step: usize) -> f64 {
+        d.as_secs_f64() * 1e3 / (self.window.1 / tokens_per_step).max(1) as f64
     }
 
     fn window_rate(&self) -> f64 {
@@ -346,6 +350,7 @@ impl Throughput {
     fn reset_window(&mut self) {
         self.window = (Duration::ZERO, 0);
         self.window_comm = Duration::ZERO;
+        self.window_wait = Duration::ZERO;
     }
 
     fn total_rate(&self) -> f64 {

@@ -232,6 +232,11 @@ pub fn init_cpu_workers(threads: Option<usize>) {
     let _ = b.build_global();
 }
 
+/// Threads of the CPU kernels' pool (what a measured CPU peak depends on).
+pub fn cpu_workers() -> usize {
+    rayon::current_num_threads()
+}
+
 pub fn on_cpu_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     // Fails only when the pool already exists, which is fine: then it is used as it is.
     let _ = rayon::ThreadPoolBuilder::new().stack_size(16 << 20).build_global();
