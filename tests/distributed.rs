@@ -194,14 +194,27 @@ fn checkpoints_resume_at_another_world_size() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-/// Runs `args` as 2 ranks; after `after`, does `act` to rank 1's process; returns the output and
-/// the seconds from the act to the end of mpirun.
-fn disrupt(s: &Scratch, args: &[&str], after: Duration, signal: &str) -> (Output, f64) {
+/// The processes whose parent is `parent` (from /proc: no procps needed).
+fn children(parent: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            // /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces: split after ')'.
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|st| {
+                st.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(parent)
+            })
+        })
+        .collect()
+}
+
+/// Runs `args` as 2 ranks; after `after`, sends `signal` to rank 1's process; returns the output
+/// and the seconds from the signal to the end of mpirun.
+fn disrupt(s: &Scratch, args: &[&str], after: Duration, signal: i32) -> (Output, f64) {
     let child: Child = command(s, 2, args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(after);
-    // Rank 1: the ember process whose environment says so, among mpirun's children.
-    let ranks = Command::new("pgrep").args(["-P", &child.id().to_string()]).output().unwrap();
-    let pids: Vec<u32> = String::from_utf8_lossy(&ranks.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect();
+    // Rank 1: the process among mpirun's children whose environment says so.
+    let pids = children(child.id());
     let rank1 = pids
         .iter()
         .copied()
@@ -211,8 +224,8 @@ fn disrupt(s: &Scratch, args: &[&str], after: Duration, signal: &str) -> (Output
         })
         .unwrap_or_else(|| panic!("no rank 1 among mpirun's children {pids:?}"));
     let acted = Instant::now();
-    let status = Command::new("kill").args([signal, &rank1.to_string()]).status().unwrap();
-    assert!(status.success());
+    // SAFETY: a signal to a process this test started (through mpirun).
+    assert_eq!(unsafe { libc::kill(rank1 as i32, signal) }, 0, "kill rank 1 ({rank1})");
     let out = child.wait_with_output().unwrap();
     (out, acted.elapsed().as_secs_f64())
 }
@@ -223,13 +236,13 @@ fn a_killed_or_hung_rank_ends_the_run_with_its_name() {
     let s = Scratch::new();
     let long = nano(&s, "long.toml", 100_000, 1, "\n[distributed]\ntimeout_s = 5\n");
     let args = ["train", "--no-progress", "--config", long.to_str().unwrap(), "--run-dir"];
-    let (out, secs) = disrupt(&s, &[&args[..], &["killed"]].concat(), Duration::from_secs(4), "-KILL");
+    let (out, secs) = disrupt(&s, &[&args[..], &["killed"]].concat(), Duration::from_secs(4), libc::SIGKILL);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(secs < 30.0, "the run went on {secs:.1} s after rank 1 died");
     assert!(err.contains("rank 1"), "the message names rank 1:\n{err}");
 
-    let (out, secs) = disrupt(&s, &[&args[..], &["hung"]].concat(), Duration::from_secs(4), "-STOP");
+    let (out, secs) = disrupt(&s, &[&args[..], &["hung"]].concat(), Duration::from_secs(4), libc::SIGSTOP);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(secs < 30.0, "the run went on {secs:.1} s after rank 1 stopped");

@@ -106,6 +106,7 @@ pub fn bench_train<B: TrainBackend>(
         config,
         device,
         collective: &crate::distributed::Solo,
+        buffers: Default::default(),
     };
     let accum = stepper.micro_batches_per_step();
     let mut times = Vec::with_capacity(steps);

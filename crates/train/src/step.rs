@@ -11,7 +11,7 @@ use ember_model::ops::TrainBackend;
 use ember_model::Decoder;
 
 use crate::config::TrainConfig;
-use crate::distributed::buckets::all_reduce_grads;
+use crate::distributed::buckets::{all_reduce_grads, GradBuffers};
 use crate::distributed::zero::ShardedAdamW;
 use crate::distributed::{Collective, DistError};
 use crate::error::TrainError;
@@ -85,6 +85,8 @@ pub struct Stepper<'a, B: TrainBackend> {
     pub config: &'a TrainConfig,
     pub device: &'a Device<B>,
     pub collective: &'a dyn Collective,
+    /// The gradient reduction's host buffers, reused from step to step.
+    pub buffers: std::cell::RefCell<GradBuffers>,
 }
 
 impl<B: TrainBackend> Stepper<'_, B> {
@@ -137,7 +139,8 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let mut grads = Some(grads);
                 timed(&mut comm, &mut || {
                     let g = grads.take().expect("reduced once");
-                    reduced = Some(all_reduce_grads(c, &model, g, bucket, &format!("{what}: gradients"))?);
+                    let buffers = &mut self.buffers.borrow_mut();
+                    reduced = Some(all_reduce_grads(c, &model, g, bucket, buffers, &format!("{what}: gradients"))?);
                     Ok(())
                 })?;
                 let grads = reduced.expect("reduced");

@@ -126,6 +126,7 @@ pub fn train<B: TrainBackend>(
         config,
         device,
         collective: c,
+        buffers: Default::default(),
     };
     let peak = resolve_peak::<B::InnerBackend>(
         device,

@@ -11,7 +11,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use serde::Serialize;
 
-use super::buckets::{all_reduce_buckets, all_reduce_grads};
+use super::buckets::{all_reduce_buckets, all_reduce_grads, GradBuffers};
 use super::{bus_bandwidth, Collective, DistError};
 
 #[derive(Debug, Clone, Serialize)]
@@ -73,6 +73,7 @@ pub fn bench_allreduce(
         let values: Vec<f32> = (0..n).map(|k| (k % 97) as f32 * 0.01 + c.rank() as f32).collect();
         let mut recv = vec![0.0f32; n];
         let mut sums = vec![0.0f32; n];
+        let mut buffers = GradBuffers::default();
         let (mut engine, mut bucketed, mut ember) = (Vec::new(), Vec::new(), Vec::new());
         for rep in 0..=reps {
             c.arrive((i * (reps + 1) + rep) as u64, "allreduce benchmark")?;
@@ -91,7 +92,7 @@ pub fn bench_allreduce(
                 offset += l;
             }
             let t = Instant::now();
-            let reduced = all_reduce_grads::<AB, _>(c, &model, grads, bucket, "allreduce benchmark")?;
+            let reduced = all_reduce_grads::<AB, _>(c, &model, grads, bucket, &mut buffers, "allreduce benchmark")?;
             let ember_ms = t.elapsed().as_secs_f64() * 1e3;
             let first = reduced.get::<Flex, 1>(model.tensors[0].id).map(|g| g.into_data().to_vec::<f32>());
             if rep == 0 {
