@@ -107,6 +107,7 @@ pub fn bench_train<B: TrainBackend>(
         device,
         collective: &crate::distributed::Solo,
         buffers: Default::default(),
+        device_comm: None,
     };
     let accum = stepper.micro_batches_per_step();
     let mut times = Vec::with_capacity(steps);

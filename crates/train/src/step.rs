@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
 use ember_data::{Examples, LmBatch, LmBatcher, Window, WindowSampler};
-use ember_model::ops::TrainBackend;
+use ember_model::ops::{DeviceComm, TrainBackend};
 use ember_model::Decoder;
 
 use crate::config::TrainConfig;
-use crate::distributed::buckets::{all_reduce_grads, GradBuffers};
+use crate::distributed::buckets::{all_reduce_grads, all_reduce_grads_on_device, GradBuffers};
 use crate::distributed::zero::ShardedAdamW;
 use crate::distributed::{Collective, DistError};
 use crate::error::TrainError;
@@ -87,6 +87,8 @@ pub struct Stepper<'a, B: TrainBackend> {
     pub collective: &'a dyn Collective,
     /// The gradient reduction's host buffers, reused from step to step.
     pub buffers: std::cell::RefCell<GradBuffers>,
+    /// Sums the gradients on the device instead (NCCL for CUDA tensors), when there is one.
+    pub device_comm: Option<&'a DeviceComm>,
 }
 
 impl<B: TrainBackend> Stepper<'_, B> {
@@ -139,8 +141,11 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let mut grads = Some(grads);
                 timed(&mut comm, &mut || {
                     let g = grads.take().expect("reduced once");
-                    let buffers = &mut self.buffers.borrow_mut();
-                    reduced = Some(all_reduce_grads(c, &model, g, bucket, buffers, &format!("{what}: gradients"))?);
+                    let what = format!("{what}: gradients");
+                    reduced = Some(match self.device_comm {
+                        Some(dc) => all_reduce_grads_on_device(dc, rank, &model, g, bucket, &what)?,
+                        None => all_reduce_grads(c, &model, g, bucket, &mut self.buffers.borrow_mut(), &what)?,
+                    });
                     Ok(())
                 })?;
                 let grads = reduced.expect("reduced");

@@ -53,6 +53,8 @@ pub struct TrainOptions {
     pub memory_available: Option<u64>,
     /// The other ranks of a data-parallel run ([`crate::distributed::Solo`] alone).
     pub collective: Arc<dyn Collective>,
+    /// The device's reduction engine (NCCL for CUDA, `--features nccl`); none: through the host.
+    pub device_comm: Option<ember_model::ops::DeviceComm>,
 }
 
 impl std::fmt::Debug for dyn MemoryProbe {
@@ -127,6 +129,7 @@ pub fn train<B: TrainBackend>(
         device,
         collective: c,
         buffers: Default::default(),
+        device_comm: opts.device_comm.as_ref(),
     };
     let peak = resolve_peak::<B::InnerBackend>(
         device,

@@ -74,6 +74,7 @@ pub fn run(args: TrainArgs, collective: std::sync::Arc<dyn ember_train::distribu
         d => d,
     };
     let lead = collective.rank() == 0;
+    let device_comm = device_comm(device, collective.as_ref())?;
     let options = TrainOptions {
         run_dir,
         resume: args.resume,
@@ -85,6 +86,7 @@ pub fn run(args: TrainArgs, collective: std::sync::Arc<dyn ember_train::distribu
         memory: Some(crate::backend::memory_probe(device)),
         memory_available: crate::backend::memory_available(device),
         collective,
+        device_comm,
     };
     // The dashboard is a convenience: if it cannot start, training goes on without it (and what it
     // is sent once running cannot reach the training loop; see ember_dashboard::server).
@@ -122,4 +124,40 @@ pub fn run(args: TrainArgs, collective: std::sync::Arc<dyn ember_train::distribu
         summary.run_dir.display()
     );
     Ok(())
+}
+
+/// NCCL for the gradients of a data-parallel CUDA run (`--features nccl`): rank 0's id is sent to
+/// the others over MPI. `EMBER_NCCL=1` makes one in a single process too (to check the path on one
+/// GPU); `EMBER_NCCL=0` keeps the reduction on the host.
+#[cfg(feature = "nccl")]
+fn device_comm(
+    device: DeviceSpec,
+    c: &dyn ember_train::distributed::Collective,
+) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
+    let wanted = match std::env::var("EMBER_NCCL").as_deref() {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => c.world() > 1,
+    };
+    let DeviceSpec::Cuda(ordinal) = device else { return Ok(None) };
+    if !wanted {
+        return Ok(None);
+    }
+    let id = if c.rank() == 0 {
+        ember_model::ops::nccl::unique_id().map_err(|e| anyhow::anyhow!(e))?
+    } else {
+        vec![0u8; 128]
+    };
+    let all = c.all_gather_bytes(&id, "start-up: NCCL id")?;
+    let comm = ember_model::ops::nccl::communicator(ordinal, c.rank(), c.world(), &all[0]).map_err(|e| anyhow::anyhow!(e))?;
+    tracing::info!("gradients summed on the device by NCCL ({} rank(s))", c.world());
+    Ok(Some(comm))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn device_comm(
+    _: DeviceSpec,
+    _: &dyn ember_train::distributed::Collective,
+) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
+    Ok(None)
 }

@@ -7,6 +7,8 @@
 pub mod cross_entropy;
 pub mod fused;
 pub mod kernels;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -152,6 +154,14 @@ pub trait EmberBackend: Backend {
         float::<Self, 1>(x).square().sum().into_primitive().tensor()
     }
 
+    /// Sums the flat f32 tensor `x` (`[n]`) over the ranks of `comm`, in place on the device. Only
+    /// CUDA with `--features nccl` has one; every other backend answers with an error (their
+    /// gradients are reduced through the host, and no `DeviceComm` is made for them).
+    fn device_all_reduce(x: FloatTensor<Self>, comm: &DeviceComm) -> Result<FloatTensor<Self>, String> {
+        let _ = (x, comm);
+        Err(format!("the {} backend has no device reduction engine", std::any::type_name::<Self>()))
+    }
+
     /// The attention op the model calls where `fused` holds: the kernel's output, or under autodiff
     /// a node whose backward runs the kernel's backward.
     fn attention_op(
@@ -232,6 +242,23 @@ pub fn init_cpu_workers(threads: Option<usize>) {
     let _ = b.build_global();
 }
 
+/// A reduction engine on the device over the ranks of a data-parallel run: NCCL for CUDA tensors
+/// (`--features nccl`, made by `ops::nccl::communicator`). Without it, gradients are summed
+/// through host memory.
+#[derive(Clone)]
+pub struct DeviceComm {
+    #[cfg(feature = "nccl")]
+    pub(crate) nccl: std::sync::Arc<nccl::Nccl>,
+    #[cfg(not(feature = "nccl"))]
+    _none: (),
+}
+
+impl std::fmt::Debug for DeviceComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceComm")
+    }
+}
+
 /// Threads of the CPU kernels' pool (what a measured CPU peak depends on).
 pub fn cpu_workers() -> usize {
     rayon::current_num_threads()
@@ -270,7 +297,12 @@ impl EmberBackend for burn::backend::NdArray {
 #[cfg(feature = "wgpu")]
 impl EmberBackend for burn::backend::Wgpu {}
 #[cfg(feature = "cuda")]
-impl EmberBackend for burn::backend::Cuda {}
+impl EmberBackend for burn::backend::Cuda {
+    #[cfg(feature = "nccl")]
+    fn device_all_reduce(x: FloatTensor<Self>, comm: &DeviceComm) -> Result<FloatTensor<Self>, String> {
+        nccl::all_reduce(x, &comm.nccl)
+    }
+}
 
 impl<B: EmberBackend, C: CheckpointStrategy> EmberBackend for Autodiff<B, C> {
     fn fused(dtype: DType) -> bool {

@@ -4,8 +4,8 @@
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Tensor, TensorData};
-use ember_model::ops::TrainBackend;
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+use ember_model::ops::{DeviceComm, EmberBackend, TrainBackend};
 
 use super::{Collective, DistError};
 
@@ -178,6 +178,80 @@ pub fn all_reduce_grads<B: TrainBackend, M: AutodiffModule<B>>(
         (t.elapsed() - t_flat - t_reduce).as_secs_f64() * 1e3
     );
     Ok(out)
+}
+
+/// The data-parallel gradient summed on the device (NCCL for CUDA): the gradients cut into buckets
+/// of about `bucket` values, each concatenated into one flat tensor on the device, summed in place
+/// by `comm`, and cut back into the gradients. No host copy. A bucket ends at a parameter boundary.
+pub fn all_reduce_grads_on_device<B: TrainBackend, M: AutodiffModule<B>>(
+    comm: &DeviceComm,
+    rank: usize,
+    model: &M,
+    mut grads: GradientsParams,
+    bucket: usize,
+    what: &str,
+) -> Result<GradientsParams, DistError> {
+    type Taken<IB> = Vec<(ParamId, Vec<usize>, Tensor<IB, 1>)>;
+    struct Take<'a, IB: burn::tensor::backend::Backend> {
+        grads: &'a mut GradientsParams,
+        out: Taken<IB>,
+    }
+    impl<B: TrainBackend> ModuleVisitor<B> for Take<'_, B::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else { return };
+            let dims = g.dims().to_vec();
+            let n: usize = dims.iter().product();
+            self.out.push((param.id, dims, g.reshape([n])));
+        }
+    }
+    let mut take = Take::<B::InnerBackend> { grads: &mut grads, out: Vec::new() };
+    model.visit(&mut take);
+    let mut reduced: std::collections::HashMap<ParamId, (Vec<usize>, Tensor<B::InnerBackend, 1>)> = Default::default();
+    let mut pending: Taken<B::InnerBackend> = Vec::new();
+    let mut size = 0usize;
+    let mut index = 0usize;
+    let mut flush = |pending: &mut Taken<B::InnerBackend>, index: &mut usize| -> Result<(), DistError> {
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let parts: Vec<Tensor<B::InnerBackend, 1>> = pending.iter().map(|(_, _, t)| t.clone()).collect();
+        let flat = Tensor::cat(parts, 0);
+        let summed = <B::InnerBackend as EmberBackend>::device_all_reduce(flat.into_primitive().tensor(), comm)
+            .map_err(|message| DistError::Rank { rank, message: format!("{what}, bucket {index}: {message}") })?;
+        let summed = Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(summed));
+        let mut offset = 0;
+        for (id, dims, t) in pending.drain(..) {
+            let n = t.dims()[0];
+            reduced.insert(id, (dims, summed.clone().narrow(0, offset, n)));
+            offset += n;
+        }
+        *index += 1;
+        Ok(())
+    };
+    for (id, dims, t) in take.out {
+        size += t.dims()[0];
+        pending.push((id, dims, t));
+        if size >= bucket {
+            flush(&mut pending, &mut index)?;
+            size = 0;
+        }
+    }
+    flush(&mut pending, &mut index)?;
+    struct Put<IB: burn::tensor::backend::Backend> {
+        reduced: std::collections::HashMap<ParamId, (Vec<usize>, Tensor<IB, 1>)>,
+        out: GradientsParams,
+    }
+    impl<B: TrainBackend> ModuleVisitor<B> for Put<B::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some((dims, t)) = self.reduced.remove(&param.id) {
+                let dims: [usize; D] = dims.try_into().expect("a gradient has its parameter's rank");
+                self.out.register::<B::InnerBackend, D>(param.id, t.reshape(dims));
+            }
+        }
+    }
+    let mut put = Put::<B::InnerBackend> { reduced, out: GradientsParams::new() };
+    model.visit(&mut put);
+    Ok(put.out)
 }
 
 /// Flat values of the parameters at `slots` (by path), in that order, padded with zeros to `len`.
