@@ -97,31 +97,12 @@ pub fn train<B: TrainBackend>(
     let config = &setup.config;
     let c = opts.collective.as_ref();
     c.set_timeout(config.distributed.timeout());
-    let lead = c.rank() == 0;
-    let run_dir = &opts.run_dir;
-    let schedule = LrSchedule::from_config(config);
     let dtype = resolve_dtype::<B>(device, config);
-    // Before any weight is allocated: a config too big for the device is an error, not an abort.
-    check_fits(config, opts.memory_available)?;
-    let (model, saved, mut state) = start::<B>(&setup, opts, dtype, device)?;
-    check_ranks_agree(c, config, &model, "start")?;
-    let mut optim = Optimizer::build(config, &model, c, saved, state.optimizer_steps, device)
-        .map_err(|message| TrainError::Checkpoint { path: run_dir.clone(), message })?;
-    let mut model = model.with_compute_dtype(dtype);
-    if lead {
-        std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
-        ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
-        setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
-    }
-    let mut metrics = match lead {
-        true => open_sinks(config, run_dir, opts.resume.then_some(state.step), state.elapsed_s)?,
-        false => Sinks(Vec::new()),
-    };
-
+    let (mut model, mut optim, mut state, mut metrics) = open_run::<B>(&setup, opts, dtype, device)?;
     let t = &config.train;
+    let schedule = LrSchedule::from_config(config);
     let stop = opts.stop_at.unwrap_or(t.max_steps).min(t.max_steps);
-    let world = c.world();
-    let tokens_per_step = config.tokens_per_step() * world;
+    let tokens_per_step = config.tokens_per_step() * c.world();
     let stepper = Stepper {
         data: &setup.train,
         sampler: WindowSampler { seed: state.sampler_seed },
@@ -138,26 +119,14 @@ pub fn train<B: TrainBackend>(
         opts.peak_tflops,
         Some(&opts.locations.cache_dir),
     );
-    let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     log_setup(config, dtype, &peak, tokens_per_step);
-    if world > 1 {
-        let sharded = matches!(optim, Optimizer::Sharded(_));
-        tracing::info!(
-            "data parallel over {world} ranks ({}): {} micro-batches of {} per step, gradients in {} MiB buckets{}",
-            c.engine(),
-            stepper.micro_batches_per_step(),
-            t.batch_size,
-            config.distributed.bucket_mib,
-            if sharded { ", optimizer state sharded (ZeRO-1)" } else { "" }
-        );
-    }
+    log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
     let evaluator = Evaluator::new(&setup, c);
     if state.step == 0 {
-        let val = evaluator.val(&model.valid())?;
-        tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (config.model.vocab_size as f64).ln());
+        evaluator.initial(&model.valid())?;
     }
-
-    let bar = progress_bar(opts.show_progress && lead, t.max_steps, state.step);
+    let checkpointer = Checkpointer { setup: &setup, run_dir: &opts.run_dir, collective: c };
+    let bar = progress_bar(opts.show_progress && c.rank() == 0, t.max_steps, state.step);
     let clock = Clock { started: Instant::now(), before: state.elapsed_s };
     let mut speed = Throughput::default();
     let mut last_val = None;
@@ -180,69 +149,147 @@ pub fn train<B: TrainBackend>(
 
         let step = state.step;
         let epoch = evaluator.epoch(state.next_stream);
-        let is_eval = match t.eval_strategy {
-            EvalStrategy::Steps => step % t.eval_interval == 0,
-            // Each time the run completes an epoch of the (fine-tuning) examples.
-            EvalStrategy::Epoch => matches!((epoch_before, epoch), (Some(a), Some(b)) if b.floor() > a.floor()),
-        } || step == t.max_steps;
+        let is_eval = evaluator.due(step, epoch_before, epoch);
         if step % t.log_interval == 0 || is_eval {
-            let tokens_per_sec = speed.window_rate();
-            let mut record = StepRecord {
-                step,
-                train_loss: out.loss,
-                lr,
-                grad_norm: out.grad_norm,
-                clipped: clip_coefficient(out.grad_norm, config.optim.grad_clip) < 1.0,
-                step_ms: speed.window_ms_per_step(tokens_per_step),
-                tokens_per_sec,
-                mfu: mfu(flops_per_token, tokens_per_sec, &peak) / world as f64,
-                loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
-                memory_bytes: opts.memory.and_then(|m| m.current_bytes()),
-                elapsed_s: clock.elapsed_s(),
-                val_loss: None,
-                eval_train_loss: None,
-                epoch,
-                comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
-                wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
-            };
-            speed.reset_window();
+            let mut record = step_record(&state, &out, lr, epoch, &mut speed, &peak, config, c.world(), opts, &clock);
             if is_eval {
                 let vl = evaluator.record(&model.valid(), &mut record, &mut metrics, &clock, &bar)?;
                 state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
                 last_val = Some(vl);
             }
-            bar.set_message(format!(
-                "loss {:.4} · {:.0} tok/s · MFU {:.1}%",
-                out.loss,
-                record.tokens_per_sec,
-                100.0 * record.mfu
-            ));
+            let mfu = 100.0 * record.mfu;
+            bar.set_message(format!("loss {:.4} · {:.0} tok/s · MFU {mfu:.1}%", out.loss, record.tokens_per_sec));
             metrics.record(&record)?;
         }
         if (t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == stop {
             state.elapsed_s = clock.elapsed_s();
-            state.world_size = world;
-            let optimizer = optim.state_tensors(c)?;
-            state.optimizer_steps = optim.steps();
-            if lead {
-                let dir = save_checkpoint(run_dir, &model, optimizer, &state, &setup)?;
-                bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
-            }
-            check_ranks_agree(c, config, &model, &format!("step {step}"))?;
+            checkpointer.save(&model, &optim, &mut state, &bar)?;
         }
         bar.set_position(step as u64);
     }
     bar.finish_and_clear();
     let tokens_per_sec = speed.total_rate();
+    let flops_per_token = config.model.train_flops_per_token(config.seq_len());
     Ok(TrainSummary {
-        run_dir: run_dir.clone(),
+        run_dir: opts.run_dir.clone(),
         steps: state.step,
         best_val_loss: state.best_val_loss,
         last_val_loss: last_val,
         tokens_per_sec,
-        mfu: mfu(flops_per_token, tokens_per_sec, &peak) / world as f64,
+        mfu: mfu(flops_per_token, tokens_per_sec, &peak) / c.world() as f64,
         elapsed_s: clock.elapsed_s(),
     })
+}
+
+type Opened<B> = (Decoder<B>, Optimizer<B>, TrainState, Sinks);
+
+/// The run's model, optimizer, loop state and metric sinks: checked against the device's memory,
+/// started or resumed, agreed on by every rank; the run directory's config and tokenizer written.
+fn open_run<B: TrainBackend>(
+    setup: &Setup,
+    opts: &TrainOptions,
+    dtype: DType,
+    device: &Device<B>,
+) -> Result<Opened<B>, TrainError> {
+    let (config, run_dir, c) = (&setup.config, &opts.run_dir, opts.collective.as_ref());
+    // Before any weight is allocated: a config too big for the device is an error, not an abort.
+    check_fits(config, opts.memory_available)?;
+    let (model, saved, state) = start::<B>(setup, opts, dtype, device)?;
+    check_ranks_agree(c, config, &model, "start")?;
+    let optim = Optimizer::build(config, &model, c, saved, state.optimizer_steps, device)
+        .map_err(|message| TrainError::Checkpoint { path: run_dir.clone(), message })?;
+    let model = model.with_compute_dtype(dtype);
+    if c.rank() != 0 {
+        return Ok((model, optim, state, Sinks(Vec::new())));
+    }
+    std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
+    ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
+    setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
+    let metrics = open_sinks(config, run_dir, opts.resume.then_some(state.step), state.elapsed_s)?;
+    Ok((model, optim, state, metrics))
+}
+
+fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {
+    let (c, config) = (stepper.collective, stepper.config);
+    if c.world() > 1 {
+        tracing::info!(
+            "data parallel over {} ranks ({}): {} micro-batches of {} per step, gradients in {} MiB buckets{}",
+            c.world(),
+            c.engine(),
+            stepper.micro_batches_per_step(),
+            config.train.batch_size,
+            config.distributed.bucket_mib,
+            if sharded { ", optimizer state sharded (ZeRO-1)" } else { "" }
+        );
+    }
+}
+
+/// The metrics record of the step just taken (evaluation left to the evaluator); starts a new
+/// throughput window.
+#[allow(clippy::too_many_arguments)]
+fn step_record(
+    state: &TrainState,
+    out: &StepOutput,
+    lr: f64,
+    epoch: Option<f64>,
+    speed: &mut Throughput,
+    peak: &Peak,
+    config: &TrainConfig,
+    world: usize,
+    opts: &TrainOptions,
+    clock: &Clock,
+) -> StepRecord {
+    let tokens_per_step = config.tokens_per_step() * world;
+    let tokens_per_sec = speed.window_rate();
+    let flops_per_token = config.model.train_flops_per_token(config.seq_len());
+    let record = StepRecord {
+        step: state.step,
+        train_loss: out.loss,
+        lr,
+        grad_norm: out.grad_norm,
+        clipped: clip_coefficient(out.grad_norm, config.optim.grad_clip) < 1.0,
+        step_ms: speed.window_ms_per_step(tokens_per_step),
+        tokens_per_sec,
+        mfu: mfu(flops_per_token, tokens_per_sec, peak) / world as f64,
+        loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
+        memory_bytes: opts.memory.and_then(|m| m.current_bytes()),
+        elapsed_s: clock.elapsed_s(),
+        val_loss: None,
+        eval_train_loss: None,
+        epoch,
+        comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
+        wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
+    };
+    speed.reset_window();
+    record
+}
+
+/// Checkpoints: the optimizer's moments gathered from every rank, rank 0 writing them with the
+/// weights and the loop state, every rank then checking that the weights still agree.
+struct Checkpointer<'a> {
+    setup: &'a Setup,
+    run_dir: &'a Path,
+    collective: &'a dyn Collective,
+}
+
+impl Checkpointer<'_> {
+    fn save<B: TrainBackend>(
+        &self,
+        model: &Decoder<B>,
+        optim: &Optimizer<B>,
+        state: &mut TrainState,
+        bar: &ProgressBar,
+    ) -> Result<(), TrainError> {
+        let c = self.collective;
+        state.world_size = c.world();
+        let optimizer = optim.state_tensors(c)?;
+        state.optimizer_steps = optim.steps();
+        if c.rank() == 0 {
+            let dir = save_checkpoint(self.run_dir, model, optimizer, state, self.setup)?;
+            bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
+        }
+        check_ranks_agree(c, &self.setup.config, model, &format!("step {}", state.step))
+    }
 }
 
 /// In a data-parallel run: every rank runs the same config with the same ember and holds the same
@@ -404,6 +451,25 @@ impl<'a> Evaluator<'a> {
             evaluate_part(model, self.setup.val.as_ref(), self.val_seed, t.eval_iters, t.batch_size, self.part())
         };
         self.reduce(sum, "evaluation (val)")
+    }
+
+    /// The loss before training, beside ln V (what a model that knows nothing scores).
+    fn initial<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> Result<(), TrainError> {
+        let val = self.val(model)?;
+        let ln_v = (self.setup.config.model.vocab_size as f64).ln();
+        tracing::info!("step 0: val loss {val:.4} (ln V = {ln_v:.4})");
+        Ok(())
+    }
+
+    /// Whether step `step` ends with an evaluation: every `eval_interval` steps, or each time the
+    /// run completes an epoch of the (fine-tuning) examples; and at the last step.
+    fn due(&self, step: usize, epoch_before: Option<f64>, epoch: Option<f64>) -> bool {
+        let t = &self.setup.config.train;
+        step == t.max_steps
+            || match t.eval_strategy {
+                EvalStrategy::Steps => step % t.eval_interval == 0,
+                EvalStrategy::Epoch => matches!((epoch_before, epoch), (Some(a), Some(b)) if b.floor() > a.floor()),
+            }
     }
 
     /// Epochs of the training rows drawn before micro-batch `stream` (fine-tuning runs only).
