@@ -139,6 +139,37 @@ pub fn run<B: TrainBackend>(device: &Device<B>, tol: f64) -> Vec<Check> {
         (d < tol, format!("max |diff| {d:.2e}"))
     });
 
+    check("data-parallel gradients through the host: flattened, summed, put back; ZeRO-1 equals AdamW", &mut || {
+        use crate::distributed::buckets::{flatten, unflatten};
+        use crate::distributed::{zero::ShardedAdamW, Solo};
+        let cfg = config(2, RopeLayout::HalfSplit);
+        let model = Decoder::<B>::new(&cfg, 4, device).expect("valid");
+        let loss_grads = |m: &Decoder<B>| {
+            let hidden = m.hidden(tokens(&ids, 2, device), 0).reshape([24, cfg.d_model]);
+            let t = Tensor::<B, 1, Int>::from_data(TensorData::new(ids.iter().map(|i| (i + 1) % 53).collect::<Vec<_>>(), [24]), device);
+            let loss = lm_head_cross_entropy(hidden, m.head_weight(), t, ChunkSpec::auto(24, 53, DType::F32));
+            GradientsParams::from_grads(loss.backward(), m)
+        };
+        // Two identical ranks: the sum is twice each gradient.
+        let mut grads = loss_grads(&model);
+        let want = grads.get::<IB<B>, 2>(model.layers[0].mlp.down_proj.weight.id).expect("a gradient");
+        let flat = flatten(&model, &mut grads);
+        let doubled: Vec<f32> = flat.values.iter().map(|v| 2.0 * v).collect();
+        let back = unflatten(&model, &flat, &doubled);
+        let got = back.get::<IB<B>, 2>(model.layers[0].mlp.down_proj.weight.id).expect("put back");
+        let d_sum = max_abs(got, want.mul_scalar(2.0));
+        // One rank's ZeRO-1 step against AdamW's, from the same gradients.
+        let o = OptimConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, grad_clip: 0.0 };
+        let mut zero = ShardedAdamW::new::<B, _>(o.clone(), &model, &Solo);
+        let plain = AdamW::<B>::new(o).step(1e-2, model.clone(), loss_grads(&model), 1.0);
+        let sharded = zero.step(&Solo, 1e-2, model.clone(), loss_grads(&model), 1.0, None, device, "check");
+        let d_zero = match sharded {
+            Ok(s) => max_abs(s.model.layers[1].self_attn.o_proj.weight.val(), plain.layers[1].self_attn.o_proj.weight.val()),
+            Err(e) => return (false, e.to_string()),
+        };
+        (d_sum < tol && d_zero < tol, format!("sum max |diff| {d_sum:.2e}, ZeRO-1 max |diff| {d_zero:.2e}"))
+    });
+
     for precision in [DType::F32, DType::F16, DType::BF16] {
         let name = format!("a few training steps lower the loss ({precision:?})");
         if precision != DType::F32 && !<B as burn::tensor::backend::Backend>::supports_dtype(device, precision) {
