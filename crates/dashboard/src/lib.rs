@@ -34,6 +34,21 @@ pub mod bench {
         pub refresh_ms: f64,
     }
 
+    impl std::fmt::Display for LoadBench {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "{} runs × {} steps ({:.0} MB of metrics.jsonl): loaded in {:.0} ms, one run's metrics as JSON in {:.1} ms, a refresh in {:.1} ms",
+                self.runs,
+                self.steps,
+                self.bytes as f64 / 1e6,
+                self.load_ms,
+                self.one_run_json_ms,
+                self.refresh_ms
+            )
+        }
+    }
+
     /// Writes `runs` runs of `steps` records each (the fields training writes) under `dir`, then times
     /// loading them.
     pub fn load(dir: &Path, runs: usize, steps: usize) -> std::io::Result<LoadBench> {

@@ -316,3 +316,75 @@ pub fn bench_decode<B: ember_model::ops::EmberBackend>(
     }
     out
 }
+
+fn gib(bytes: Option<u64>) -> String {
+    bytes.map_or("n/a".into(), |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64))
+}
+
+impl std::fmt::Display for TrainBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {}: {:.1} ms/step (median of {}, min {:.1}, max {:.1}), {:.0} tokens/s, MFU {:.2}% of {:.3} TFLOP/s ({}), peak memory {}",
+            self.device,
+            self.precision,
+            self.step_ms,
+            self.steps,
+            self.step_ms_min,
+            self.step_ms_max,
+            self.tokens_per_sec,
+            100.0 * self.mfu,
+            self.peak_flops / 1e12,
+            self.peak_source,
+            gib(self.peak_memory_bytes)
+        )
+    }
+}
+
+impl std::fmt::Display for PeakBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} GEMM peak {:.1} GFLOP/s", self.device, self.dtype, self.peak_flops / 1e9)?;
+        for g in &self.gemms {
+            write!(f, "\n  {}³: {:.2} ms, {:.1} GFLOP/s", g.n, g.ms, g.flops / 1e9)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for LossBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: N {} D {} V {} (tiles {}×{}): plain {:.0} ms, peak {}; chunked {:.0} ms, peak {}; |Δloss| {:.2e}",
+            self.device,
+            self.tokens,
+            self.d_model,
+            self.vocab_size,
+            self.tile_rows,
+            self.tile_vocab,
+            self.plain_ms,
+            gib(self.plain_peak_bytes),
+            self.chunked_ms,
+            gib(self.chunked_peak_bytes),
+            self.loss_diff
+        )
+    }
+}
+
+impl std::fmt::Display for DecodeBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} decode, KV cache {} bytes/token:", self.device, self.kv_bytes_per_token)?;
+        for i in 0..self.contexts.len() {
+            write!(
+                f,
+                "\n  context {:>5}: cached {:8.2} ms/token, uncached {:9.2} ms/token ({:.1}x), prefill {:.0} tokens/s",
+                self.contexts[i],
+                self.cached_ms_per_token[i],
+                self.uncached_ms_per_token[i],
+                self.uncached_ms_per_token[i] / self.cached_ms_per_token[i],
+                self.prefill_tokens_per_sec[i]
+            )?;
+        }
+        Ok(())
+    }
+}

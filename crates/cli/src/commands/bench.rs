@@ -197,154 +197,76 @@ impl BenchFn for DecodeBenchFn {
     }
 }
 
-fn report<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) -> anyhow::Result<()> {
+fn report<T: Serialize + std::fmt::Display>(json: bool, value: &T) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(value)?);
     } else {
-        println!("{}", text(value));
+        println!("{value}");
     }
     Ok(())
 }
 
-fn gib(bytes: Option<u64>) -> String {
-    bytes.map_or("n/a".into(), |b| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64))
-}
-
 pub fn run(args: BenchArgs, collective: std::sync::Arc<dyn ember_train::distributed::Collective>) -> anyhow::Result<()> {
     match args.what {
-        BenchCommand::Allreduce(a) => {
-            anyhow::ensure!(a.reps > 0 && !a.sizes.is_empty(), "--reps and --sizes must not be 0 or empty");
-            anyhow::ensure!(
-                a.sizes.iter().all(|&s| (4..=1 << 32).contains(&s)),
-                "--sizes: each size must be in 4..=4294967296 bytes"
-            );
-            anyhow::ensure!((1..=16384).contains(&a.bucket_mib), "--bucket-mib must be in 1..=16384");
-            let c = collective.as_ref();
-            let r = ember_train::distributed::bench::bench_allreduce(c, &a.sizes, a.reps, a.bucket_mib)?;
-            if c.rank() != 0 {
-                return Ok(());
-            }
-            report(a.json, &r, |r| {
-                let rows: Vec<String> = r
-                    .rows
-                    .iter()
-                    .map(|x| {
-                        format!(
-                            "  {:>10} B: engine {:8.3} ms {:6.2} GB/s · ember bucketed {:8.3} ms {:6.2} GB/s ({:+.1}%) · from tensors {:8.3} ms {:6.2} GB/s",
-                            x.bytes,
-                            x.engine_ms,
-                            x.engine_busbw_gbs,
-                            x.bucketed_ms,
-                            x.bucketed_busbw_gbs,
-                            100.0 * x.overhead,
-                            x.end_to_end_ms,
-                            x.end_to_end_busbw_gbs
-                        )
-                    })
-                    .collect();
-                format!("all-reduce over {} ranks, {} (bus bandwidth):\n{}", r.world, r.engine, rows.join("\n"))
-            })
-        }
-        BenchCommand::Train(mut a) => {
-            anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
-            let mut config = TrainConfig::from_file(&a.config)?;
-            if let Some(p) = a.precision.take() {
-                config.train.precision = p;
-            }
-            let (device, json, ckpt) = (a.common.device, a.common.json, config.train.activation_checkpointing);
-            let r = dispatch(device, ckpt, BenchJob(TrainBenchFn(a, config)))?;
-            report(json, &r, |r| {
-                format!(
-                    "{} {}: {:.1} ms/step (median of {}, min {:.1}, max {:.1}), {:.0} tokens/s, MFU {:.2}% of {:.3} TFLOP/s ({}), peak memory {}",
-                    r.device,
-                    r.precision,
-                    r.step_ms,
-                    r.steps,
-                    r.step_ms_min,
-                    r.step_ms_max,
-                    r.tokens_per_sec,
-                    100.0 * r.mfu,
-                    r.peak_flops / 1e12,
-                    r.peak_source,
-                    gib(r.peak_memory_bytes)
-                )
-            })
-        }
-        BenchCommand::Peak(a) => {
-            anyhow::ensure!(!a.sizes.is_empty() && a.reps > 0, "--sizes and --reps must not be empty or 0");
-            let (device, json) = (a.common.device, a.common.json);
-            let r = dispatch(device, false, BenchJob(PeakBenchFn(a)))?;
-            report(json, &r, |r| {
-                let rows: Vec<String> = r
-                    .gemms
-                    .iter()
-                    .map(|g| format!("  {}³: {:.2} ms, {:.1} GFLOP/s", g.n, g.ms, g.flops / 1e9))
-                    .collect();
-                format!("{} {} GEMM peak {:.1} GFLOP/s\n{}", r.device, r.dtype, r.peak_flops / 1e9, rows.join("\n"))
-            })
-        }
-        BenchCommand::Decode(a) => {
-            let checkpoint = Checkpoint::open(&a.checkpoint)?;
-            let max = checkpoint.model_config.max_seq_len;
-            if let Some(c) = a.contexts.iter().find(|&&c| c == 0 || c + a.new_tokens.max(a.uncached_tokens) > max) {
-                anyhow::bail!(
-                    "context {c} plus {} generated tokens does not fit the model's max_seq_len of {max}",
-                    a.new_tokens.max(a.uncached_tokens)
-                );
-            }
-            let (device, json) = (a.common.device, a.common.json);
-            let r = dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?;
-            report(json, &r, |r| {
-                let rows: Vec<String> = (0..r.contexts.len())
-                    .map(|i| {
-                        format!(
-                            "  context {:>5}: cached {:8.2} ms/token, uncached {:9.2} ms/token ({:.1}x), prefill {:.0} tokens/s",
-                            r.contexts[i],
-                            r.cached_ms_per_token[i],
-                            r.uncached_ms_per_token[i],
-                            r.uncached_ms_per_token[i] / r.cached_ms_per_token[i],
-                            r.prefill_tokens_per_sec[i]
-                        )
-                    })
-                    .collect();
-                format!("{} decode, KV cache {} bytes/token:\n{}", r.device, r.kv_bytes_per_token, rows.join("\n"))
-            })
-        }
-        BenchCommand::Dashboard(a) => {
-            let dir = tempfile::tempdir().context("creating a scratch log directory")?;
-            let r = ember_dashboard::bench::load(dir.path(), a.runs, a.steps)?;
-            report(a.json, &r, |r| {
-                format!(
-                    "{} runs × {} steps ({:.0} MB of metrics.jsonl): loaded in {:.0} ms, one run's metrics as JSON in {:.1} ms, a refresh in {:.1} ms",
-                    r.runs,
-                    r.steps,
-                    r.bytes as f64 / 1e6,
-                    r.load_ms,
-                    r.one_run_json_ms,
-                    r.refresh_ms
-                )
-            })
-        }
-        BenchCommand::Loss(a) => {
-            anyhow::ensure!(a.tokens > 0 && a.d_model > 0 && a.vocab > 0, "sizes must be positive");
-            let (device, json) = (a.common.device, a.common.json);
-            let r = dispatch(device, false, BenchJob(LossBenchFn(a)))?;
-            report(json, &r, |r| {
-                format!(
-                    "{}: N {} D {} V {} (tiles {}×{}): plain {:.0} ms, peak {}; chunked {:.0} ms, peak {}; |Δloss| {:.2e}",
-                    r.device,
-                    r.tokens,
-                    r.d_model,
-                    r.vocab_size,
-                    r.tile_rows,
-                    r.tile_vocab,
-                    r.plain_ms,
-                    gib(r.plain_peak_bytes),
-                    r.chunked_ms,
-                    gib(r.chunked_peak_bytes),
-                    r.loss_diff
-                )
-            })
-        }
+        BenchCommand::Train(a) => train(a),
+        BenchCommand::Peak(a) => peak(a),
+        BenchCommand::Loss(a) => loss(a),
+        BenchCommand::Decode(a) => decode(a),
+        BenchCommand::Dashboard(a) => dashboard(a),
+        BenchCommand::Allreduce(a) => allreduce(a, collective.as_ref()),
     }
+}
+
+fn train(mut a: TrainBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
+    let mut config = TrainConfig::from_file(&a.config)?;
+    if let Some(p) = a.precision.take() {
+        config.train.precision = p;
+    }
+    let (device, json, ckpt) = (a.common.device, a.common.json, config.train.activation_checkpointing);
+    report(json, &dispatch(device, ckpt, BenchJob(TrainBenchFn(a, config)))?)
+}
+
+fn peak(a: PeakBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!a.sizes.is_empty() && a.reps > 0, "--sizes and --reps must not be empty or 0");
+    let (device, json) = (a.common.device, a.common.json);
+    report(json, &dispatch(device, false, BenchJob(PeakBenchFn(a)))?)
+}
+
+fn loss(a: LossBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.tokens > 0 && a.d_model > 0 && a.vocab > 0, "sizes must be positive");
+    let (device, json) = (a.common.device, a.common.json);
+    report(json, &dispatch(device, false, BenchJob(LossBenchFn(a)))?)
+}
+
+fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
+    let checkpoint = Checkpoint::open(&a.checkpoint)?;
+    let max = checkpoint.model_config.max_seq_len;
+    let longest = a.new_tokens.max(a.uncached_tokens);
+    if let Some(c) = a.contexts.iter().find(|&&c| c == 0 || c + longest > max) {
+        anyhow::bail!("context {c} plus {longest} generated tokens does not fit the model's max_seq_len of {max}");
+    }
+    let (device, json) = (a.common.device, a.common.json);
+    report(json, &dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?)
+}
+
+fn dashboard(a: DashboardBenchArgs) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir().context("creating a scratch log directory")?;
+    let r = ember_dashboard::bench::load(dir.path(), a.runs, a.steps)?;
+    report(a.json, &r)
+}
+
+fn allreduce(a: AllreduceBenchArgs, c: &dyn ember_train::distributed::Collective) -> anyhow::Result<()> {
+    anyhow::ensure!(a.reps > 0 && !a.sizes.is_empty(), "--reps and --sizes must not be 0 or empty");
+    anyhow::ensure!(
+        a.sizes.iter().all(|&s| (4..=1 << 32).contains(&s)),
+        "--sizes: each size must be in 4..=4294967296 bytes"
+    );
+    anyhow::ensure!((1..=16384).contains(&a.bucket_mib), "--bucket-mib must be in 1..=16384");
+    let r = ember_train::distributed::bench::bench_allreduce(c, &a.sizes, a.reps, a.bucket_mib)?;
+    // Every rank measured; rank 0 reports.
+    if c.rank() == 0 {
+        report(a.json, &r)?;
+    }
+    Ok(())
 }

@@ -127,3 +127,24 @@ pub fn bench_allreduce(
     }
     Ok(AllreduceBench { engine: c.engine(), world: c.world(), bucket_mib, reps, rows })
 }
+
+impl std::fmt::Display for AllreduceBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "all-reduce over {} ranks, {} (bus bandwidth):", self.world, self.engine)?;
+        for x in &self.rows {
+            write!(
+                f,
+                "\n  {:>10} B: engine {:8.3} ms {:6.2} GB/s · ember bucketed {:8.3} ms {:6.2} GB/s ({:+.1}%) · from tensors {:8.3} ms {:6.2} GB/s",
+                x.bytes,
+                x.engine_ms,
+                x.engine_busbw_gbs,
+                x.bucketed_ms,
+                x.bucketed_busbw_gbs,
+                100.0 * x.overhead,
+                x.end_to_end_ms,
+                x.end_to_end_busbw_gbs
+            )?;
+        }
+        Ok(())
+    }
+}
