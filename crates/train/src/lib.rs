@@ -21,6 +21,8 @@ pub mod schedule;
 pub mod selfcheck;
 pub mod step;
 pub mod tensorboard;
+#[cfg(test)]
+mod testing;
 pub mod trainer;
 
 pub use checkpoint::Checkpoint;

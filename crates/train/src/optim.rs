@@ -215,23 +215,12 @@ pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::{Autodiff, Flex};
-    use burn::module::Module;
+    use crate::testing::{Two, AB};
+    use burn::backend::Flex;
     use burn::tensor::Tolerance;
 
-    type AB = Autodiff<Flex>;
-
-    #[derive(Module, Debug)]
-    struct Two<B: Backend> {
-        w: Param<Tensor<B, 2>>,
-        b: Param<Tensor<B, 1>>,
-    }
-
     fn model(dev: &Device<AB>) -> Two<AB> {
-        Two {
-            w: Param::from_tensor(Tensor::from_data([[0.5, -1.0], [2.0, 0.25]], dev)),
-            b: Param::from_tensor(Tensor::from_data([0.1, -0.2], dev)),
-        }
+        Two::new([[0.5, -1.0], [2.0, 0.25]], [0.1, -0.2], dev)
     }
 
     fn loss(m: &Two<AB>, dev: &Device<AB>) -> Tensor<AB, 1> {

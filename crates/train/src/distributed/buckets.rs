@@ -315,25 +315,13 @@ pub fn assign_params<B: TrainBackend, M: AutodiffModule<B>>(model: M, slots: &[S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::{Autodiff, Flex};
-    use burn::module::Module;
-    use burn::tensor::backend::Backend;
-
-    type AB = Autodiff<Flex>;
-
-    #[derive(Module, Debug)]
-    struct Two<B: Backend> {
-        w: Param<Tensor<B, 2>>,
-        b: Param<Tensor<B, 1>>,
-    }
+    use crate::testing::{Two, AB};
+    use burn::backend::Flex;
 
     #[test]
     fn gradients_and_parameters_round_trip_through_flat_vectors() {
         let dev = Default::default();
-        let m = Two::<AB> {
-            w: Param::from_tensor(Tensor::from_data([[0.5, -1.0], [2.0, 0.25]], &dev)),
-            b: Param::from_tensor(Tensor::from_data([0.1, -0.2], &dev)),
-        };
+        let m = Two::new([[0.5, -1.0], [2.0, 0.25]], [0.1, -0.2], &dev);
         let x = Tensor::<AB, 2>::from_data([[1.0, 2.0], [-1.0, 0.5]], &dev);
         let loss = (x.matmul(m.w.val()) + m.b.val().unsqueeze()).powi_scalar(2).sum();
         let mut grads = GradientsParams::from_grads(loss.backward(), &m);

@@ -257,23 +257,10 @@ mod tests {
     use super::*;
     use crate::distributed::Solo;
     use crate::optim::AdamW;
-    use burn::backend::{Autodiff, Flex};
-    use burn::module::Module;
-    use burn::tensor::backend::Backend;
-
-    type AB = Autodiff<Flex>;
-
-    #[derive(Module, Debug)]
-    struct Two<B: Backend> {
-        w: Param<Tensor<B, 2>>,
-        b: Param<Tensor<B, 1>>,
-    }
+    use crate::testing::{Two, AB};
 
     fn model(dev: &Device<AB>) -> Two<AB> {
-        Two {
-            w: Param::from_tensor(Tensor::from_data([[0.5, -1.0, 0.3], [2.0, 0.25, -0.7]], dev)),
-            b: Param::from_tensor(Tensor::from_data([0.1, -0.2, 0.05], dev)),
-        }
+        Two::new([[0.5, -1.0, 0.3], [2.0, 0.25, -0.7]], [0.1, -0.2, 0.05], dev)
     }
 
     fn grads(m: &Two<AB>, dev: &Device<AB>) -> GradientsParams {
