@@ -166,6 +166,62 @@ fn two_ranks_train_as_one_process_accumulating_two_micro_batches() {
     assert!(v["comm_ms"].as_f64().is_some_and(|c| c > 0.0 && c < v["step_ms"].as_f64().unwrap()), "{v}");
 }
 
+/// A LoRA fine-tune of the tiny Qwen2 fixture on JSONL examples of uneven lengths (so micro-batches
+/// score different numbers of tokens): 2 ranks, plain and ZeRO-1, against one process accumulating
+/// two micro-batches, for the training losses, the held-out losses (whose batches the ranks share
+/// out) and the adapters.
+#[test]
+fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
+    let _g = serial();
+    let s = Scratch::new();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/qwen2");
+    let o = command(&s, 0, &["import", fixture.to_str().unwrap(), "--out", "base"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut jsonl = String::new();
+    for i in 0..40 {
+        let prompt = "Speak ".repeat(1 + i % 3);
+        let completion = " what light".repeat(1 + (i * 7) % 3);
+        jsonl.push_str(&serde_json::json!({"prompt": prompt, "completion": completion}).to_string());
+        jsonl.push('\n');
+    }
+    s.write("data.jsonl", &jsonl);
+    let config = |name: &str, accum: usize, extra: &str| {
+        s.write(
+            name,
+            &format!(
+                "init_from = \"run:base\"\n[data]\npath = \"data.jsonl\"\npacking = \"none\"\nval_fraction = 0.2\n\
+                 [train]\nbatch_size = 2\nseq_len = 64\ngrad_accum_steps = {accum}\nmax_steps = 12\neval_interval = 6\n\
+                 eval_iters = 2\nlog_interval = 1\ncheckpoint_interval = 12\nseed = 5\n\
+                 [optim]\nweight_decay = 0.0\ngrad_clip = 1.0\n[schedule]\nlr = 5e-3\nwarmup_steps = 2\n\
+                 [lora]\nrank = 4\nalpha = 8.0\ntargets = [\"q_proj\", \"v_proj\", \"down_proj\"]\n{extra}"
+            ),
+        )
+    };
+    let one = config("one.toml", 2, "");
+    let two = config("two.toml", 1, "");
+    let zero = config("zero.toml", 1, "[distributed]\nshard_optimizer = true\n");
+    train(&s, 0, &one, "single", &[]);
+    train(&s, 2, &two, "dp", &[]);
+    train(&s, 2, &zero, "zero", &[]);
+    let single = losses(&s, "single");
+    assert_eq!(single.len(), 12);
+    let val = |run: &str| -> Vec<f64> {
+        let text = std::fs::read_to_string(s.path().join(run).join("metrics.jsonl")).unwrap();
+        text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64()).collect()
+    };
+    assert_eq!(val("single").len(), 2);
+    for run in ["dp", "zero"] {
+        assert_same_losses(&single, &losses(&s, run), run);
+        for (a, b) in val("single").iter().zip(val(run)) {
+            assert!((a - b).abs() <= 1e-6 * a, "{run}: held-out loss {a} vs {b}");
+        }
+        let w = tensors(&s, "single", 12, "adapter.safetensors");
+        assert!(!w.is_empty() && w.keys().all(|k| k.contains(".lora.")), "adapters only: {:?}", w.keys());
+        let rel = max_rel(&w, &tensors(&s, run, 12, "adapter.safetensors"));
+        assert!(rel <= 1e-6, "{run}: adapters differ by {rel:e}");
+    }
+}
+
 #[test]
 fn checkpoints_resume_at_another_world_size() {
     let _g = serial();
