@@ -32,7 +32,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
-use crate::init::InitSource;
 use crate::schedule::LrSchedule;
 
 pub const CHECKPOINTS: &str = "checkpoints";
@@ -340,13 +339,13 @@ impl Checkpoint {
             return Ok(assign(model, read_tensors(&path)?, &path.display().to_string(), false)?);
         }
         let config = self.train_config()?;
-        let (Some(spec), Some(lora)) = (&config.init_from, &config.lora) else {
+        let (Some(source), Some(lora)) = (&config.init_from, &config.lora) else {
             return Err(TrainError::Checkpoint {
                 path: self.dir.clone(),
                 message: format!("{ADAPTER_FILE} without init_from and [lora] in {CONFIG_FILE}"),
             });
         };
-        let base = InitSource::parse(spec)?.load::<B>(device)?.with_lora(lora, config.train.seed);
+        let base = source.load::<B>(device)?.with_lora(lora, config.train.seed);
         let path = self.dir.join(ADAPTER_FILE);
         let mut values: BTreeMap<String, TensorData> = named_tensors::<B, _>(&base).into_iter().collect();
         for (k, v) in read_tensors(&path)? {

@@ -17,7 +17,7 @@ pub struct TrainConfig {
     /// Start from pretrained weights: `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run
     /// or checkpoint). `[model]` may then be left out: it comes from the source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init_from: Option<String>,
+    pub init_from: Option<InitSource>,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: LoopConfig,
@@ -336,11 +336,7 @@ impl TrainConfig {
                 self.data.tokenizer = Some(abs(Path::new(t)).display().to_string());
             }
         }
-        if let Some(spec) = &self.init_from {
-            if let Some((kind, dir)) = spec.split_once(':') {
-                self.init_from = Some(format!("{kind}:{}", abs(Path::new(dir)).display()));
-            }
-        }
+        self.init_from = self.init_from.as_ref().map(InitSource::absolute);
     }
 
     pub fn to_toml(&self) -> String {
@@ -362,9 +358,6 @@ impl TrainConfig {
 
     /// Rules within and across sections. The model's own rules run once the vocabulary is known.
     pub fn validate(&self) -> Result<(), String> {
-        if let Some(spec) = &self.init_from {
-            InitSource::parse(spec).map_err(|e| e.to_string())?;
-        }
         self.distributed.validate()?;
         if self.metrics.sinks.is_empty() {
             return Err("metrics.sinks is empty: name jsonl and/or tensorboard".into());

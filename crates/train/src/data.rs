@@ -11,7 +11,6 @@ use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, Tokeniz
 
 use crate::config::{DataConfig, DataFormat, TrainConfig};
 use crate::error::TrainError;
-use crate::init::InitSource;
 
 /// The text file a data config names, found or downloaded, and its validation fraction.
 pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBuf, f64), TrainError> {
@@ -49,8 +48,8 @@ fn tokenizer_spec(config: &TrainConfig) -> Result<(TokenizerSpec, Option<PathBuf
         return Ok((t.parse()?, None));
     }
     match &config.init_from {
-        Some(spec) => {
-            let dir = InitSource::parse(spec)?.tokenizer_dir()?;
+        Some(source) => {
+            let dir = source.tokenizer_dir()?;
             Ok((TokenizerSpec::File(dir.join("tokenizer.json")), Some(dir)))
         }
         None => Ok((TokenizerSpec::Char, None)),

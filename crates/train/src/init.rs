@@ -9,13 +9,50 @@ use ember_model::{Decoder, ModelConfig};
 use crate::checkpoint::Checkpoint;
 use crate::error::TrainError;
 
-#[derive(Debug, Clone, PartialEq)]
+/// Parsed once, when the config is read (`init_from` in TOML is its text form).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum InitSource {
     Hf(PathBuf),
     Run(PathBuf),
 }
 
+impl TryFrom<String> for InitSource {
+    type Error = String;
+    /// The TOML error names the key; this says what is wrong with the value.
+    fn try_from(spec: String) -> Result<Self, String> {
+        Self::parse(&spec).map_err(|_| {
+            format!("\"{spec}\" is neither `hf:DIR` (a Hugging Face folder) nor `run:DIR` (an ember run or checkpoint)")
+        })
+    }
+}
+
+impl From<InitSource> for String {
+    fn from(s: InitSource) -> String {
+        s.to_string()
+    }
+}
+
+impl std::fmt::Display for InitSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Hf(d) => write!(f, "hf:{}", d.display()),
+            Self::Run(d) => write!(f, "run:{}", d.display()),
+        }
+    }
+}
+
 impl InitSource {
+    /// The same source with its folder made absolute (relative to the working directory), so that
+    /// a run directory's config works from anywhere.
+    pub fn absolute(&self) -> Self {
+        let abs = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        match self {
+            Self::Hf(d) => Self::Hf(abs(d)),
+            Self::Run(d) => Self::Run(abs(d)),
+        }
+    }
+
     pub fn parse(spec: &str) -> Result<Self, TrainError> {
         match spec.split_once(':') {
             Some(("hf", dir)) if !dir.is_empty() => Ok(Self::Hf(dir.into())),
@@ -27,12 +64,8 @@ impl InitSource {
         }
     }
 
-    fn err(&self, message: impl Into<String>) -> TrainError {
-        let spec = match self {
-            Self::Hf(d) => format!("hf:{}", d.display()),
-            Self::Run(d) => format!("run:{}", d.display()),
-        };
-        TrainError::InitFrom { spec, message: message.into() }
+    pub(crate) fn err(&self, message: impl Into<String>) -> TrainError {
+        TrainError::InitFrom { spec: self.to_string(), message: message.into() }
     }
 
     /// The architecture of the starting model.

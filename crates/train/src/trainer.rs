@@ -682,10 +682,7 @@ pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<
         return Err(TrainError::VocabTooSmall { config: config.model.vocab_size, tokenizer: vocab });
     }
     config.model.validate()?;
-    let hf_config = match &config.init_from {
-        Some(spec) => InitSource::parse(spec)?.hf_config(),
-        None => None,
-    };
+    let hf_config = config.init_from.as_ref().and_then(InitSource::hf_config);
     Ok(Setup {
         config,
         tokenizer: data.tokenizer,
@@ -702,16 +699,12 @@ pub(crate) fn initial_model<B: TrainBackend>(
     config: &TrainConfig,
     device: &Device<B>,
 ) -> Result<Decoder<B>, TrainError> {
-    let Some(spec) = &config.init_from else {
+    let Some(source) = &config.init_from else {
         return Ok(Decoder::<B>::new(&config.model, config.train.seed, device)?);
     };
-    let source = InitSource::parse(spec)?;
     let model = source.load::<B>(device)?;
     if model.config() != &config.model {
-        return Err(TrainError::InitFrom {
-            spec: spec.clone(),
-            message: "its architecture differs from the config's [model]; leave [model] out to take the model's".into(),
-        });
+        return Err(source.err("its architecture differs from the config's [model]; leave [model] out to take the model's"));
     }
     B::seed(device, config.train.seed);
     Ok(match &config.lora {
