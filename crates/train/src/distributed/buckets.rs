@@ -254,10 +254,16 @@ pub fn all_reduce_grads_on_device<B: TrainBackend, M: AutodiffModule<B>>(
     Ok(put.out)
 }
 
-/// Flat values of the parameters at `slots` (by path), in that order, padded with zeros to `len`.
-pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(model: &M, slots: &[Slot], len: usize) -> Vec<f32> {
+/// The values at `range` of the flat vector of the parameters at `slots` (by path), zeros past the
+/// last parameter: only the parameters that overlap `range` are read.
+pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(
+    model: &M,
+    slots: &[Slot],
+    range: std::ops::Range<usize>,
+) -> Vec<f32> {
     struct Read<'a> {
         slots: std::collections::HashMap<&'a str, &'a Slot>,
+        range: std::ops::Range<usize>,
         path: Vec<String>,
         out: Vec<f32>,
     }
@@ -270,15 +276,19 @@ pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(model: &M, slots: &
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let path = self.path.join(".");
-            if let Some(slot) = self.slots.get(path.as_str()) {
-                let data = param.val().inner().into_data().convert::<f32>();
-                let v = data.as_slice::<f32>().expect("converted to f32");
-                self.out[slot.offset..slot.offset + slot.len()].copy_from_slice(v);
+            let Some(slot) = self.slots.get(path.as_str()) else { return };
+            let (lo, hi) = (self.range.start.max(slot.offset), self.range.end.min(slot.offset + slot.len()));
+            if lo >= hi {
+                return;
             }
+            let data = param.val().inner().into_data().convert::<f32>();
+            let v = data.as_slice::<f32>().expect("converted to f32");
+            let start = self.range.start;
+            self.out[lo - start..hi - start].copy_from_slice(&v[lo - slot.offset..hi - slot.offset]);
         }
     }
-    let mut read =
-        Read { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), path: Vec::new(), out: vec![0.0; len] };
+    let out = vec![0.0; range.len()];
+    let mut read = Read { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), range, path: Vec::new(), out };
     model.visit(&mut read);
     read.out
 }
@@ -335,9 +345,10 @@ mod tests {
         let want: Vec<f32> = want_w.to_vec::<f32>().unwrap().iter().map(|v| v * 2.0).collect();
         assert_eq!(got, want);
 
-        let params = flatten_params(&m, &flat.slots, 8);
+        let params = flatten_params(&m, &flat.slots, 0..8);
         assert_eq!(params[..6], [0.5, -1.0, 2.0, 0.25, 0.1, -0.2]);
         assert_eq!(params[6..], [0.0, 0.0], "padding");
+        assert_eq!(flatten_params(&m, &flat.slots, 3..5), [0.25, 0.1], "a range across two parameters");
         let m2 = assign_params(m, &flat.slots, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         assert_eq!(m2.b.val().into_data().to_vec::<f32>().unwrap(), [5.0, 6.0]);
         assert!(m2.w.val().is_require_grad());

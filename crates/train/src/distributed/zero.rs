@@ -17,7 +17,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 use ember_model::ops::{adamw, AdamWStep, TrainBackend};
 
-use super::buckets::{assign_params, flatten, flatten_params, Slot};
+use super::buckets::{assign_params, flatten_into, flatten_params, Slot};
 use super::{Collective, DistError};
 use crate::config::OptimConfig;
 use crate::optim::clip_coefficient;
@@ -87,6 +87,10 @@ pub struct ShardedAdamW {
     /// Moments of `layout.range()` (zeros in the padding).
     m: Vec<f32>,
     v: Vec<f32>,
+    /// Host buffers kept across steps (a fresh one is faulted in page by page every step): the
+    /// flattened gradients, and the gathered parameters.
+    grads: Vec<f32>,
+    gathered: Vec<f32>,
 }
 
 /// What a sharded step did.
@@ -102,7 +106,7 @@ impl ShardedAdamW {
     pub fn new<B: TrainBackend, M: AutodiffModule<B>>(config: OptimConfig, model: &M, c: &dyn Collective) -> Self {
         let layout = Layout::of::<B, M>(model, c.rank(), c.world());
         let n = layout.per_rank;
-        Self { config, steps: 0, layout, m: vec![0.0; n], v: vec![0.0; n] }
+        Self { config, steps: 0, layout, m: vec![0.0; n], v: vec![0.0; n], grads: Vec::new(), gathered: Vec::new() }
     }
 
     pub fn steps(&self) -> u64 {
@@ -127,7 +131,7 @@ impl ShardedAdamW {
         what: &str,
     ) -> Result<ShardedStep<B, M>, DistError> {
         let world = c.world();
-        let flat = flatten(&model, &mut grads);
+        let flat = flatten_into(&model, &mut grads, &mut self.grads);
         if flat.slots != self.layout.slots {
             return Err(DistError::Rank {
                 rank: c.rank(),
@@ -139,11 +143,9 @@ impl ShardedAdamW {
                 ),
             });
         }
-        let mut values = flat.values;
-        values.resize(self.layout.per_rank * world, 0.0);
+        self.grads.resize(self.layout.per_rank * world, 0.0);
         let mut g = vec![0.0f32; self.layout.per_rank];
-        c.reduce_scatter_f32(&values, &mut g, &format!("{what}: gradient reduce-scatter"))?;
-        drop(values);
+        c.reduce_scatter_f32(&self.grads, &mut g, &format!("{what}: gradient reduce-scatter"))?;
         let mut sum_squares = [g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()];
         c.all_reduce_f64(&mut sum_squares, &format!("{what}: gradient norm"))?;
         let scaled_norm = sum_squares[0].sqrt();
@@ -157,10 +159,8 @@ impl ShardedAdamW {
         let t = self.steps as i32;
         let o = &self.config;
         let scale = clip_coefficient(grad_norm, o.grad_clip) / loss_scale;
-        let params = flatten_params(&model, &self.layout.slots, self.layout.per_rank * world);
         let range = self.layout.range();
-        let mut mine = params[range.clone()].to_vec();
-        drop(params);
+        let mut mine = flatten_params(&model, &self.layout.slots, range.clone());
         let tensor = |v: &[f32]| {
             Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
         };
@@ -187,9 +187,9 @@ impl ShardedAdamW {
             read(m, &mut self.m[r.clone()]);
             read(v, &mut self.v[r]);
         }
-        let mut all = vec![0.0f32; self.layout.per_rank * world];
-        c.all_gather_f32(&mine, &mut all, &format!("{what}: parameter all-gather"))?;
-        let model = assign_params(model, &self.layout.slots, &all);
+        self.gathered.resize(self.layout.per_rank * world, 0.0);
+        c.all_gather_f32(&mine, &mut self.gathered, &format!("{what}: parameter all-gather"))?;
+        let model = assign_params(model, &self.layout.slots, &self.gathered);
         Ok(ShardedStep { model, grad_norm, skipped: false, _b: Default::default() })
     }
 
