@@ -58,6 +58,20 @@ fn main() -> ExitCode {
         },
         _ => ember_train::distributed::solo(),
     };
+    // A rank that panics stops the job at once: the others would otherwise wait in their next
+    // collective until the deadline and blame it on a hang.
+    // (A weak reference: the hook must not keep MPI alive past `main`, where it is finalised.)
+    if collective.world() > 1 {
+        let weak = std::sync::Arc::downgrade(&collective);
+        let report = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            report(info);
+            if let Some(c) = weak.upgrade() {
+                eprintln!("error: rank {} panicked; stopping every rank", c.rank());
+                c.abort(101);
+            }
+        }));
+    }
     // Rank 0 speaks for the run; the others only warn (RUST_LOG still rules).
     let level = if collective.rank() == 0 { cli.log.clone() } else { "warn".into() };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -37,7 +37,7 @@ impl<B: TrainBackend> Optimizer<B> {
         device: &Device<B>,
     ) -> Result<Self, String> {
         if config.distributed.shard_optimizer && c.world() > 1 {
-            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c);
+            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c)?;
             o.load_state(saved, steps)?;
             return Ok(Self::Sharded(o));
         }

@@ -96,9 +96,11 @@ pub fn train<B: TrainBackend>(
     let setup = prepare(config, &opts.locations)?;
     let config = &setup.config;
     let c = opts.collective.as_ref();
-    c.set_timeout(config.distributed.timeout());
+    // Start-up waits for slow work of other ranks (loading a model); steps do not.
+    c.set_timeout(config.distributed.io_timeout());
     let dtype = resolve_dtype::<B>(device, config);
     let (mut model, mut optim, mut state, mut metrics) = open_run::<B>(&setup, opts, dtype, device)?;
+    c.set_timeout(config.distributed.timeout());
     let t = &config.train;
     let schedule = LrSchedule::from_config(config);
     let stop = opts.stop_at.unwrap_or(t.max_steps).min(t.max_steps);
@@ -195,7 +197,7 @@ fn open_run<B: TrainBackend>(
     // Before any weight is allocated: a config too big for the device is an error, not an abort.
     check_fits(config, opts.memory_available)?;
     let (model, saved, state) = start::<B>(setup, opts, dtype, device)?;
-    check_ranks_agree(c, config, &model, "start")?;
+    check_ranks_agree(c, setup, &model, "start")?;
     let optim = Optimizer::build(config, &model, c, saved, state.optimizer_steps, device)
         .map_err(|message| TrainError::Checkpoint { path: run_dir.clone(), message })?;
     let model = model.with_compute_dtype(dtype);
@@ -281,22 +283,27 @@ impl Checkpointer<'_> {
         bar: &ProgressBar,
     ) -> Result<(), TrainError> {
         let c = self.collective;
+        let d = &self.setup.config.distributed;
         state.world_size = c.world();
+        // The other ranks wait while rank 0 writes: the longer deadline.
+        c.set_timeout(d.io_timeout());
         let optimizer = optim.state_tensors(c)?;
         state.optimizer_steps = optim.steps();
         if c.rank() == 0 {
             let dir = save_checkpoint(self.run_dir, model, optimizer, state, self.setup)?;
             bar.suspend(|| tracing::debug!(dir = %dir.display(), "checkpoint written"));
         }
-        check_ranks_agree(c, &self.setup.config, model, &format!("step {}", state.step))
+        check_ranks_agree(c, self.setup, model, &format!("step {}", state.step))?;
+        c.set_timeout(d.timeout());
+        Ok(())
     }
 }
 
-/// In a data-parallel run: every rank runs the same config with the same ember and holds the same
-/// weights (a SHA-256 of each), checked at the start and at every checkpoint.
+/// In a data-parallel run: every rank runs the same config with the same ember on the same data and
+/// holds the same weights (a SHA-256 of each), checked at the start and at every checkpoint.
 fn check_ranks_agree<B: TrainBackend>(
     c: &dyn Collective,
-    config: &TrainConfig,
+    setup: &Setup,
     model: &Decoder<B>,
     at: &str,
 ) -> Result<(), TrainError> {
@@ -306,12 +313,30 @@ fn check_ranks_agree<B: TrainBackend>(
     if at == "start" {
         let version = crate::distributed::code_version();
         let what = format!("the config and the ember binary ({version})");
-        crate::distributed::check_same(c, &digest([config.to_toml().as_bytes(), version.as_bytes()]), &what)?;
+        let config = setup.config.to_toml();
+        crate::distributed::check_same(c, &digest([config.as_bytes(), version.as_bytes()]), &what)?;
+        crate::distributed::check_same(c, &data_digest(setup), "the data (tokenizer, examples, first batch)")?;
     }
     let weights = named_tensors_where(model, |_| true);
     let sum = digest(weights.iter().flat_map(|(k, d)| [k.as_bytes(), d.as_bytes()]));
     crate::distributed::check_same(c, &sum, &format!("the weights at {at}"))?;
     Ok(())
+}
+
+/// What the ranks' data must agree on: the tokenizer's vocabulary, the number of training and
+/// held-out rows, and the tokens of the first training micro-batch and held-out row.
+fn data_digest(setup: &Setup) -> [u8; 32] {
+    use burn::data::dataset::Dataset;
+    let t = &setup.config.train;
+    let first = WindowSampler { seed: t.seed }.windows(setup.train.as_ref(), 0, t.batch_size);
+    let mut tokens: Vec<u8> = Vec::new();
+    for w in first.iter().chain(setup.val.get(0).as_ref()) {
+        tokens.extend(w.input.iter().flat_map(|x| x.to_le_bytes()));
+        tokens.extend(w.target.iter().flat_map(|x| x.to_le_bytes()));
+    }
+    let sizes = [setup.tokenizer.vocab_size() as u64, setup.train.len() as u64, setup.val.len() as u64];
+    let sizes: Vec<u8> = sizes.iter().flat_map(|x| x.to_le_bytes()).collect();
+    digest([sizes.as_slice(), tokens.as_slice()])
 }
 
 /// A fresh run, or the resumed one. Leftovers of killed writers are cleared first (by rank 0), so

@@ -140,6 +140,8 @@ fn device_comm(
         _ => c.world() > 1,
     };
     let DeviceSpec::Cuda(ordinal) = device else { return Ok(None) };
+    // Every rank must take the same way, or some would wait in NCCL and the others in MPI.
+    ember_train::distributed::check_same(c, &[u8::from(wanted)], "EMBER_NCCL (NCCL or the host for the gradients)")?;
     if !wanted {
         return Ok(None);
     }

@@ -24,13 +24,13 @@ use super::DeviceComm;
 
 type Inner = CubeBackend<CudaRuntime, f32, i32, u8>;
 
-/// An NCCL communicator of this rank.
+/// An NCCL communicator of this rank, used by one thread at a time (the mutex), as NCCL requires.
 pub struct Nccl {
-    comm: Comm,
+    comm: std::sync::Mutex<Comm>,
     ordinal: usize,
 }
 
-// SAFETY: the communicator is used by one thread at a time (the training thread), as NCCL requires.
+// SAFETY: the communicator is only reached through the mutex.
 unsafe impl Send for Nccl {}
 unsafe impl Sync for Nccl {}
 
@@ -54,7 +54,7 @@ pub fn communicator(ordinal: usize, rank: usize, world: usize, id: &[u8]) -> Res
     let stream = ctx.new_stream().map_err(|e| format!("CUDA stream on device {ordinal}: {e:?}"))?;
     let comm = Comm::from_rank(stream, rank, world, Id::uninit(bytes))
         .map_err(|e| format!("ncclCommInitRank (rank {rank} of {world}): NCCL error {:?}", e.0))?;
-    Ok(DeviceComm { nccl: Arc::new(Nccl { comm, ordinal }) })
+    Ok(DeviceComm { nccl: Arc::new(Nccl { comm: std::sync::Mutex::new(comm), ordinal }) })
 }
 
 /// cudarc loads libnccl when first called and panics when it is missing: look first.
@@ -108,11 +108,11 @@ pub fn all_reduce(x: FloatTensor<Cuda>, c: &Nccl) -> Result<FloatTensor<Cuda>, S
     }
     // The kernels that wrote the bucket have finished.
     Inner::sync(&cube.device).map_err(|e| format!("CUDA device {}: {e:?}", c.ordinal))?;
-    let stream = c.comm.stream();
+    let comm = c.comm.lock().unwrap_or_else(|p| p.into_inner());
+    let stream = comm.stream();
     stream.context().bind_to_thread().map_err(|e| format!("CUDA context: {e:?}"))?;
     let mut buffer = Borrowed { ptr, len: n, stream: &stream };
-    c.comm
-        .all_reduce_in_place::<_, f32>(&mut buffer, &ReduceOp::Sum)
+    comm.all_reduce_in_place::<_, f32>(&mut buffer, &ReduceOp::Sum)
         .map_err(|e| format!("ncclAllReduce of {n} values: NCCL error {:?}", e.0))?;
     stream.synchronize().map_err(|e| format!("CUDA stream: {e:?}"))?;
     drop((resource, cube));

@@ -96,10 +96,12 @@ pub fn bench_allreduce(
             let ember_ms = t.elapsed().as_secs_f64() * 1e3;
             let first = reduced.get::<Flex, 1>(model.tensors[0].id).map(|g| g.into_data().to_vec::<f32>());
             if rep == 0 {
-                // The two must agree: the same sum, in the same engine.
+                // The two must agree: the same sum (up to the summation order, which MPI may choose
+                // differently for a bucket than for the whole buffer).
                 if let Some(Ok(g)) = first {
                     let k = g.len().min(8);
-                    if g[..k] != recv[..k] {
+                    let close = g[..k].iter().zip(&recv[..k]).all(|(a, b)| (a - b).abs() <= 1e-5 * b.abs().max(1.0));
+                    if !close {
                         return Err(DistError::Rank {
                             rank: c.rank(),
                             message: format!("ember's reduction {:?} differs from the engine's {:?}", &g[..k], &recv[..k]),

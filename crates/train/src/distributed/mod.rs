@@ -43,10 +43,14 @@ pub struct DistributedConfig {
     /// Size of a gradient bucket in MiB (PyTorch DDP's default is 25).
     #[serde(default = "default_bucket_mib")]
     pub bucket_mib: usize,
-    /// Seconds a rank waits for the others at any synchronisation point before it names the ranks
-    /// that did not arrive and stops the run.
+    /// Seconds a rank waits for the others at a training step's synchronisation points before it
+    /// names the ranks that did not arrive and stops the run.
     #[serde(default = "default_timeout_s")]
     pub timeout_s: f64,
+    /// The same at start-up and at checkpoints, where ranks wait for slow work of others (data
+    /// preparation, loading a model, rank 0 writing a checkpoint).
+    #[serde(default = "default_io_timeout_s")]
+    pub io_timeout_s: f64,
 }
 
 fn default_bucket_mib() -> usize {
@@ -55,26 +59,41 @@ fn default_bucket_mib() -> usize {
 fn default_timeout_s() -> f64 {
     300.0
 }
+fn default_io_timeout_s() -> f64 {
+    3600.0
+}
 
 impl Default for DistributedConfig {
     fn default() -> Self {
-        Self { shard_optimizer: false, bucket_mib: default_bucket_mib(), timeout_s: default_timeout_s() }
+        Self {
+            shard_optimizer: false,
+            bucket_mib: default_bucket_mib(),
+            timeout_s: default_timeout_s(),
+            io_timeout_s: default_io_timeout_s(),
+        }
     }
 }
 
 impl DistributedConfig {
     pub fn validate(&self) -> Result<(), String> {
-        if self.bucket_mib == 0 || self.bucket_mib > 1 << 14 {
-            return Err(format!("distributed.bucket_mib must be in 1..=16384, found {}", self.bucket_mib));
+        // MPI counts elements in a C int: a bucket stays below 2^31 f32 values.
+        if self.bucket_mib == 0 || self.bucket_mib > 4096 {
+            return Err(format!("distributed.bucket_mib must be in 1..=4096, found {}", self.bucket_mib));
         }
-        if !(self.timeout_s > 0.0 && self.timeout_s <= 86_400.0) {
-            return Err(format!("distributed.timeout_s must be in (0, 86400], found {}", self.timeout_s));
+        for (name, v) in [("distributed.timeout_s", self.timeout_s), ("distributed.io_timeout_s", self.io_timeout_s)] {
+            if !(v > 0.0 && v <= 7.0 * 86_400.0) {
+                return Err(format!("{name} must be in (0, 604800] seconds, found {v}"));
+            }
         }
         Ok(())
     }
 
     pub fn timeout(&self) -> Duration {
         Duration::from_secs_f64(self.timeout_s)
+    }
+
+    pub fn io_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.io_timeout_s.max(self.timeout_s))
     }
 
     pub fn bucket_elems(&self) -> usize {
@@ -109,6 +128,9 @@ pub trait Collective: Send + Sync {
     fn all_gather_f32(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError>;
     /// Every rank's `send` (all of the same length), in rank order.
     fn all_gather_bytes(&self, send: &[u8], what: &str) -> Result<Vec<Vec<u8>>, DistError>;
+    /// Rank 0 gets every rank's `send` in rank order (`send.len() · world` values); the others get
+    /// nothing and allocate nothing.
+    fn gather_f32(&self, send: &[f32], what: &str) -> Result<Option<Vec<f32>>, DistError>;
     /// The engine's own blocking all-reduce (sum), without deadline or copies: the baseline
     /// `ember bench allreduce` measures ember's reduction against.
     fn all_reduce_baseline(&self, send: &[f32], recv: &mut [f32]);
@@ -167,6 +189,9 @@ impl Collective for Solo {
     fn all_gather_bytes(&self, send: &[u8], _: &str) -> Result<Vec<Vec<u8>>, DistError> {
         Ok(vec![send.to_vec()])
     }
+    fn gather_f32(&self, send: &[f32], _: &str) -> Result<Option<Vec<f32>>, DistError> {
+        Ok(Some(send.to_vec()))
+    }
     fn all_reduce_baseline(&self, send: &[f32], recv: &mut [f32]) {
         recv.copy_from_slice(send);
     }
@@ -182,7 +207,9 @@ pub fn solo() -> Arc<dyn Collective> {
 
 /// The number of ranks a launcher (mpirun, srun) started, from its environment; 1 outside one.
 pub fn launched_world_size() -> usize {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS"]
+    // SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: the latter is set in a batch script too, where a plain
+    // `ember train` is one process.
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS"]
         .iter()
         .filter_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
         .max()
@@ -276,6 +303,8 @@ mod tests {
         assert!(bad.validate().unwrap_err().contains("distributed.bucket_mib"));
         let bad = DistributedConfig { timeout_s: -1.0, ..Default::default() };
         assert!(bad.validate().unwrap_err().contains("distributed.timeout_s"));
+        let bad = DistributedConfig { bucket_mib: 8192, ..Default::default() };
+        assert!(bad.validate().unwrap_err().contains("1..=4096"));
         assert_eq!(DistributedConfig::default().bucket_elems(), 25 * 1024 * 1024 / 4);
     }
 

@@ -349,6 +349,26 @@ impl Collective for MpiCollective {
         Ok(recv.chunks(send.len().max(1)).map(<[u8]>::to_vec).collect())
     }
 
+    fn gather_f32(&self, send: &[f32], what: &str) -> Result<Option<Vec<f32>>, DistError> {
+        use mpi::traits::Root;
+        if send.len() * self.size > i32::MAX as usize {
+            return Err(DistError::Rank {
+                rank: self.rank,
+                message: format!("{what}: {} values per rank is more than one MPI gather carries", send.len()),
+            });
+        }
+        let mut out = (self.rank == 0).then(|| vec![0.0f32; send.len() * self.size]);
+        let r: Result<(), DistError> = timed!(self, what, |world| {
+            let root = world.process_at_rank(0);
+            match out.as_mut() {
+                Some(recv) => root.gather_into_root(send, &mut recv[..]),
+                None => root.gather_into(send),
+            }
+        });
+        r?;
+        Ok(out)
+    }
+
     fn all_reduce_baseline(&self, send: &[f32], recv: &mut [f32]) {
         self.lock().world.all_reduce_into(send, recv, SystemOperation::sum());
     }

@@ -103,10 +103,24 @@ pub struct ShardedStep<B: TrainBackend, M: AutodiffModule<B>> {
 }
 
 impl ShardedAdamW {
-    pub fn new<B: TrainBackend, M: AutodiffModule<B>>(config: OptimConfig, model: &M, c: &dyn Collective) -> Self {
+    /// The sharded optimizer of `model`'s trainable parameters. MPI counts a collective's values in
+    /// a C int, so the flat vector (padded) must stay below 2^31 values: about 2.1 billion
+    /// trainable parameters.
+    pub fn new<B: TrainBackend, M: AutodiffModule<B>>(
+        config: OptimConfig,
+        model: &M,
+        c: &dyn Collective,
+    ) -> Result<Self, String> {
         let layout = Layout::of::<B, M>(model, c.rank(), c.world());
+        if layout.per_rank * c.world() > i32::MAX as usize {
+            return Err(format!(
+                "distributed.shard_optimizer: {} trainable values are more than ember's ZeRO-1 over MPI handles \
+                 (2^31 - 1); train without it, or with LoRA",
+                layout.total
+            ));
+        }
         let n = layout.per_rank;
-        Self { config, steps: 0, layout, m: vec![0.0; n], v: vec![0.0; n], grads: Vec::new(), gathered: Vec::new() }
+        Ok(Self { config, steps: 0, layout, m: vec![0.0; n], v: vec![0.0; n], grads: Vec::new(), gathered: Vec::new() })
     }
 
     pub fn steps(&self) -> u64 {
@@ -193,24 +207,22 @@ impl ShardedAdamW {
         Ok(ShardedStep { model, grad_norm, skipped: false, _b: Default::default() })
     }
 
-    /// The moments of every parameter, gathered from all ranks, named as [`AdamW::state_tensors`]
-    /// names them (every rank calls this; all get the whole state).
+    /// The moments of every parameter, gathered to rank 0 (the one that writes checkpoints) and
+    /// named as [`AdamW::state_tensors`] names them; the other ranks get nothing and hold no more
+    /// than their share. Every rank calls this.
     ///
     /// [`AdamW::state_tensors`]: crate::optim::AdamW::state_tensors
     pub fn state_tensors(&self, c: &dyn Collective) -> Result<Vec<(String, TensorData)>, DistError> {
         if self.steps == 0 {
             return Ok(Vec::new());
         }
-        let world = c.world();
-        let mut m = vec![0.0f32; self.layout.per_rank * world];
-        let mut v = vec![0.0f32; self.layout.per_rank * world];
-        c.all_gather_f32(&self.m, &mut m, "checkpoint: first moments")?;
-        c.all_gather_f32(&self.v, &mut v, "checkpoint: second moments")?;
         let mut out: Vec<(String, TensorData)> = Vec::new();
-        for s in &self.layout.slots {
-            let r = s.offset..s.offset + s.len();
-            out.push((format!("{}.exp_avg", s.path), TensorData::new(m[r.clone()].to_vec(), [s.len()])));
-            out.push((format!("{}.exp_avg_sq", s.path), TensorData::new(v[r].to_vec(), [s.len()])));
+        for (name, moments) in [("exp_avg", &self.m), ("exp_avg_sq", &self.v)] {
+            let Some(all) = c.gather_f32(moments, &format!("checkpoint: {name}"))? else { continue };
+            for s in &self.layout.slots {
+                let r = s.offset..s.offset + s.len();
+                out.push((format!("{}.{name}", s.path), TensorData::new(all[r].to_vec(), [s.len()])));
+            }
         }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
@@ -280,7 +292,7 @@ mod tests {
         let dev = Default::default();
         let (mut a, mut z) = (model(&dev), model(&dev));
         let mut plain = AdamW::<AB>::new(config());
-        let mut sharded = ShardedAdamW::new::<AB, _>(config(), &z, &Solo);
+        let mut sharded = ShardedAdamW::new::<AB, _>(config(), &z, &Solo).unwrap();
         for _ in 0..3 {
             let g = grads(&a, &dev);
             let norm = crate::optim::global_grad_norm(&a, &g);
@@ -297,7 +309,7 @@ mod tests {
         let state: BTreeMap<_, _> = sharded.state_tensors(&Solo).unwrap().into_iter().collect();
         let theirs: BTreeMap<_, _> = plain.state_tensors().into_iter().collect();
         assert_eq!(state.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>());
-        let mut back = ShardedAdamW::new::<AB, _>(config(), &z, &Solo);
+        let mut back = ShardedAdamW::new::<AB, _>(config(), &z, &Solo).unwrap();
         back.load_state(state.clone(), 3).unwrap();
         assert_eq!(back.state_tensors(&Solo).unwrap().into_iter().collect::<BTreeMap<_, _>>(), state);
     }
