@@ -27,7 +27,7 @@ pub struct TrainArgs {
     max_steps: Option<usize>,
     /// cpu, wgpu[:N] or cuda[:N].
     #[arg(long, default_value = "cpu")]
-    device: DeviceSpec,
+    device: DeviceArg,
     /// Never draw the progress bar (it is drawn only on a terminal anyway).
     #[arg(long)]
     no_progress: bool,
@@ -43,6 +43,20 @@ pub struct TrainArgs {
     /// Port of --dashboard.
     #[arg(long, default_value_t = 8686)]
     dashboard_port: u16,
+}
+
+/// `--device` as written: whether it named a device index.
+#[derive(Debug, Clone, Copy)]
+struct DeviceArg {
+    spec: DeviceSpec,
+    indexed: bool,
+}
+
+impl std::str::FromStr for DeviceArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(Self { spec: s.parse()?, indexed: s.contains(':') })
+    }
 }
 
 struct TrainJob {
@@ -69,9 +83,13 @@ pub fn run(args: TrainArgs, collective: std::sync::Arc<dyn ember_train::distribu
         PathBuf::from("runs").join(stem)
     });
     // Each rank of a data-parallel run on its own GPU of the machine: cuda:<local rank>.
+    // A bare `cuda` in a data-parallel run means each rank's own GPU of the machine:
+    // cuda:<local rank>. An explicit index is kept (for launchers that give each rank one GPU).
     let device = match args.device {
-        DeviceSpec::Cuda(0) if collective.world() > 1 => DeviceSpec::Cuda(collective.local_rank()),
-        d => d,
+        DeviceArg { spec: DeviceSpec::Cuda(_), indexed: false } if collective.world() > 1 => {
+            DeviceSpec::Cuda(collective.local_rank())
+        }
+        DeviceArg { spec, .. } => spec,
     };
     let lead = collective.rank() == 0;
     let device_comm = device_comm(device, collective.as_ref())?;
