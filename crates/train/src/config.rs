@@ -2,12 +2,12 @@
 //! `[schedule]`. Unknown keys are errors, named with their section.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use ember_data::finetune::Packing;
 use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::distributed::DistributedConfig;
 use crate::error::TrainError;
 use crate::init::InitSource;
 
@@ -537,5 +537,74 @@ mod tests {
         assert!(e.contains("schedule.lr must be positive"), "{e}");
         let e = parse(&NANO.replace("batch_size = 12", "batch_size = \"twelve\"")).unwrap_err();
         assert!(e.contains("train.batch_size"), "{e}");
+    }
+}
+
+/// `[distributed]`: how the ranks of a data-parallel run cooperate (ignored by a single process).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// ZeRO-1: each rank keeps the AdamW moments of its share of the parameters (reduce-scatter of
+    /// the gradients, all-gather of the updated parameters) instead of all of them.
+    #[serde(default)]
+    pub shard_optimizer: bool,
+    /// Size of a gradient bucket in MiB (PyTorch DDP's default is 25).
+    #[serde(default = "default_bucket_mib")]
+    pub bucket_mib: usize,
+    /// Seconds a rank waits for the others at a training step's synchronisation points before it
+    /// names the ranks that did not arrive and stops the run.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+    /// The same at start-up and at checkpoints, where ranks wait for slow work of others (data
+    /// preparation, loading a model, rank 0 writing a checkpoint).
+    #[serde(default = "default_io_timeout_s")]
+    pub io_timeout_s: f64,
+}
+
+fn default_bucket_mib() -> usize {
+    25
+}
+fn default_timeout_s() -> f64 {
+    300.0
+}
+fn default_io_timeout_s() -> f64 {
+    3600.0
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            shard_optimizer: false,
+            bucket_mib: default_bucket_mib(),
+            timeout_s: default_timeout_s(),
+            io_timeout_s: default_io_timeout_s(),
+        }
+    }
+}
+
+impl DistributedConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        // MPI counts elements in a C int: a bucket stays below 2^31 f32 values.
+        if self.bucket_mib == 0 || self.bucket_mib > 4096 {
+            return Err(format!("distributed.bucket_mib must be in 1..=4096, found {}", self.bucket_mib));
+        }
+        for (name, v) in [("distributed.timeout_s", self.timeout_s), ("distributed.io_timeout_s", self.io_timeout_s)] {
+            if !(v > 0.0 && v <= 7.0 * 86_400.0) {
+                return Err(format!("{name} must be in (0, 604800] seconds, found {v}"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout_s)
+    }
+
+    pub fn io_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.io_timeout_s.max(self.timeout_s))
+    }
+
+    pub fn bucket_elems(&self) -> usize {
+        self.bucket_mib * (1 << 20) / 4
     }
 }

@@ -90,3 +90,26 @@ mod tests {
         assert!(e.total > 100_000_000_000, "{}", gib(e.total));
     }
 }
+
+/// Reads the memory in use, where the backend's memory can be observed (on the CPU: the heap).
+pub trait MemoryProbe: Send + Sync {
+    /// Bytes in use now.
+    fn current_bytes(&self) -> Option<u64>;
+    /// Restarts the high-water mark from the current use.
+    fn reset_peak(&self);
+    /// Highest use since the last reset.
+    fn peak_bytes(&self) -> Option<u64>;
+}
+
+/// For backends whose memory is not observed.
+pub struct NoProbe;
+
+impl MemoryProbe for NoProbe {
+    fn current_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn reset_peak(&self) {}
+    fn peak_bytes(&self) -> Option<u64> {
+        None
+    }
+}

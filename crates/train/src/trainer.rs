@@ -16,7 +16,7 @@ use ember_model::weights::named_tensors_where;
 use ember_model::Decoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::bench::MemoryProbe;
+use crate::memory::MemoryProbe;
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, TrainingData, CONFIG_FILE, TOKENIZER_FILE};
 use crate::config::TrainConfig;
 use crate::config::{DataFormat, EvalStrategy};
