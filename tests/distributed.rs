@@ -222,6 +222,27 @@ fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
     }
 }
 
+/// Three ranks (an odd split: the ZeRO-1 shards end in padding, and MPI sums three terms in an order
+/// of its own) against one process accumulating three micro-batches.
+#[test]
+fn three_ranks_train_as_one_process_accumulating_three_micro_batches() {
+    let _g = serial();
+    let s = Scratch::new();
+    let one = nano(&s, "one.toml", 20, 3, "");
+    let three = nano(&s, "three.toml", 20, 1, "");
+    let zero = nano(&s, "zero.toml", 20, 1, "\n[distributed]\nshard_optimizer = true\n");
+    train(&s, 0, &one, "single", &[]);
+    train(&s, 3, &three, "dp", &[]);
+    train(&s, 3, &zero, "zero", &[]);
+    let single = losses(&s, "single");
+    let w = tensors(&s, "single", 20, "model.safetensors");
+    for run in ["dp", "zero"] {
+        assert_same_losses(&single, &losses(&s, run), run);
+        let rel = max_rel(&w, &tensors(&s, run, 20, "model.safetensors"));
+        assert!(rel <= 1e-5, "{run}: final weights differ by {rel:e}");
+    }
+}
+
 #[test]
 fn checkpoints_resume_at_another_world_size() {
     let _g = serial();
