@@ -27,7 +27,9 @@ fn datasets() -> PathBuf {
 }
 
 fn ember_bin() -> PathBuf {
-    std::env::var_os("EMBER_BIN").filter(|b| !b.is_empty()).map_or(PathBuf::from(env!("CARGO_BIN_EXE_ember")), PathBuf::from)
+    std::env::var_os("EMBER_BIN")
+        .filter(|b| !b.is_empty())
+        .map_or(PathBuf::from(env!("CARGO_BIN_EXE_ember")), PathBuf::from)
 }
 
 /// configs/nano.toml cut to `steps` steps (logging every step, evaluating and checkpointing every
@@ -207,7 +209,9 @@ fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
     assert_eq!(single.len(), 12);
     let val = |run: &str| -> Vec<f64> {
         let text = std::fs::read_to_string(s.path().join(run).join("metrics.jsonl")).unwrap();
-        text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64()).collect()
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["val_loss"].as_f64())
+            .collect()
     };
     assert_eq!(val("single").len(), 2);
     for run in ["dp", "zero"] {
@@ -262,9 +266,10 @@ fn checkpoints_resume_at_another_world_size() {
         assert!(rel <= 1e-6, "{run}: final weights differ by {rel:e}");
     }
     // A world size that changes the step's micro-batches is refused, naming the numbers.
-    let out = command(&s, 2, &["train", "--no-progress", "--config", one.to_str().unwrap(), "--run-dir", "a", "--resume"])
-        .output()
-        .unwrap();
+    let out =
+        command(&s, 2, &["train", "--no-progress", "--config", one.to_str().unwrap(), "--run-dir", "a", "--resume"])
+            .output()
+            .unwrap();
     let err = stderr(&out);
     assert!(!out.status.success());
     assert!(err.contains("drew 2 micro-batches") && err.contains("would draw 4"), "{err}");
@@ -336,7 +341,9 @@ fn ranks_that_disagree_do_not_start() {
     // MPMD: rank 0 and rank 1 get different configs.
     let mut cmd = Command::new(std::env::var_os("EMBER_MPIRUN").unwrap_or("mpirun".into()));
     in_scratch(&mut cmd, &s);
-    let train = |config: &Path| ["train", "--no-progress", "--config", config.to_str().unwrap(), "--run-dir", "r"].map(String::from);
+    let train = |config: &Path| {
+        ["train", "--no-progress", "--config", config.to_str().unwrap(), "--run-dir", "r"].map(String::from)
+    };
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-n", "1"]).arg(ember_bin()).args(train(&a));
     cmd.args([":", "-n", "1"]).arg(ember_bin()).args(train(&b));
     let out = cmd.output().unwrap();
@@ -350,7 +357,8 @@ fn ranks_that_disagree_do_not_start() {
 fn allreduce_benchmark_compares_with_the_engine() {
     let _g = serial();
     let s = Scratch::new();
-    let out = command(&s, 2, &["bench", "allreduce", "--sizes", "4096,1048576", "--reps", "3", "--json"]).output().unwrap();
+    let out =
+        command(&s, 2, &["bench", "allreduce", "--sizes", "4096,1048576", "--reps", "3", "--json"]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
     let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();

@@ -103,12 +103,8 @@ pub fn evaluate_all_part<B: EmberBackend>(
     part: Part,
 ) -> LossSum {
     let items: Vec<Window> = (0..data.len()).filter_map(|i| data.get(i)).collect();
-    let batches = items
-        .chunks(batch_size.max(1))
-        .enumerate()
-        .filter(|(i, _)| part.keeps(*i))
-        .map(|(_, c)| c.to_vec())
-        .collect();
+    let batches =
+        items.chunks(batch_size.max(1)).enumerate().filter(|(i, _)| part.keeps(*i)).map(|(_, c)| c.to_vec()).collect();
     loss_of_batches(model, batches)
 }
 

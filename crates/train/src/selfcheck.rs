@@ -148,12 +148,7 @@ fn tiled_loss<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String) {
         let w = Tensor::<B, 2>::from_inner(w0.clone()).require_grad();
         let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(t.clone(), [n]), device);
         let loss = if chunked {
-            lm_head_cross_entropy(
-                h.clone(),
-                w.clone(),
-                targets,
-                ChunkSpec { rows: 8, vocab: 24, compute: DType::F32 },
-            )
+            lm_head_cross_entropy(h.clone(), w.clone(), targets, ChunkSpec { rows: 8, vocab: 24, compute: DType::F32 })
         } else {
             lm_head_loss_reference(h.clone(), w.clone(), targets, DType::F32)
         };
@@ -174,7 +169,10 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
     let model = Decoder::<B>::new(&cfg, 4, device).expect("valid");
     let loss_grads = |m: &Decoder<B>| {
         let hidden = m.hidden(tokens(&ids, 2, device), 0).reshape([24, cfg.d_model]);
-        let t = Tensor::<B, 1, Int>::from_data(TensorData::new(ids.iter().map(|i| (i + 1) % 53).collect::<Vec<_>>(), [24]), device);
+        let t = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(ids.iter().map(|i| (i + 1) % 53).collect::<Vec<_>>(), [24]),
+            device,
+        );
         let loss = lm_head_cross_entropy(hidden, m.head_weight(), t, ChunkSpec::auto(24, 53, DType::F32));
         GradientsParams::from_grads(loss.backward(), m)
     };
@@ -195,7 +193,9 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
     let plain = AdamW::<B>::new(o).step(1e-2, model.clone(), loss_grads(&model), 1.0);
     let sharded = zero.step(&Solo, 1e-2, model.clone(), loss_grads(&model), 1.0, None, device, "check");
     let d_zero = match sharded {
-        Ok(s) => max_abs(s.model.layers[1].self_attn.o_proj.weight.val(), plain.layers[1].self_attn.o_proj.weight.val()),
+        Ok(s) => {
+            max_abs(s.model.layers[1].self_attn.o_proj.weight.val(), plain.layers[1].self_attn.o_proj.weight.val())
+        }
         Err(e) => return (false, e.to_string()),
     };
     (d_sum < tol && d_zero < tol, format!("sum max |diff| {d_sum:.2e}, ZeRO-1 max |diff| {d_zero:.2e}"))
@@ -208,10 +208,8 @@ fn training_steps<B: TrainBackend>(device: &Device<B>, precision: DType) -> (boo
     let mut optim =
         AdamW::<B>::new(OptimConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0 });
     let pattern: Vec<i32> = (0..4 * 17).map(|i| [5, 9, 2, 44, 31, 7, 19][i % 7]).collect();
-    let (inputs, targets): (Vec<i32>, Vec<i32>) = (0..4)
-        .flat_map(|r| (0..16).map(move |c| (r * 17 + c) as usize))
-        .map(|i| (pattern[i], pattern[i + 1]))
-        .unzip();
+    let (inputs, targets): (Vec<i32>, Vec<i32>) =
+        (0..4).flat_map(|r| (0..16).map(move |c| (r * 17 + c) as usize)).map(|i| (pattern[i], pattern[i + 1])).unzip();
     let mut losses = Vec::new();
     for _ in 0..25 {
         let hidden = model.hidden(tokens(&inputs, 4, device), 0).reshape([64, cfg.d_model]);

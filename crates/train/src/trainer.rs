@@ -16,16 +16,16 @@ use ember_model::weights::named_tensors_where;
 use ember_model::Decoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::memory::MemoryProbe;
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, TrainingData, CONFIG_FILE, TOKENIZER_FILE};
 use crate::config::TrainConfig;
 use crate::config::{DataFormat, EvalStrategy};
 use crate::config::{MetricsConfig, SinkKind};
-use crate::error::TrainError;
 use crate::distributed::{digest, Collective};
+use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
 use crate::flops::{mfu, resolve_peak, Peak};
 use crate::init::InitSource;
+use crate::memory::MemoryProbe;
 use crate::metrics::{JsonlSink, MetricsSink, SampleRecord, Sinks, StepRecord, TensorBoardSink, METRICS_FILE};
 use crate::optim::clip_coefficient;
 use crate::precision::{compute_dtype, LossScaler};
@@ -136,7 +136,8 @@ pub fn train<B: TrainBackend>(
         let step_start = Instant::now();
         let lr = schedule.lr(state.step);
         let out;
-        (model, out) = stepper.step(model, &mut optim, state.next_stream, state.step + 1, lr, state.loss_scaler.as_mut())?;
+        (model, out) =
+            stepper.step(model, &mut optim, state.next_stream, state.step + 1, lr, state.loss_scaler.as_mut())?;
         if !out.loss.is_finite() {
             return Err(TrainError::Diverged { step: state.step, loss: out.loss });
         }
@@ -514,7 +515,8 @@ impl<'a> Evaluator<'a> {
     ) -> Result<f64, TrainError> {
         let (config, step) = (&self.setup.config, record.step);
         let t = &config.train;
-        let part = evaluate_part(model, self.setup.train.as_ref(), self.train_seed, t.eval_iters, t.batch_size, self.part());
+        let part =
+            evaluate_part(model, self.setup.train.as_ref(), self.train_seed, t.eval_iters, t.batch_size, self.part());
         let tl = self.reduce(part, "evaluation (train)")?;
         let vl = self.val(model)?;
         (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
@@ -729,7 +731,9 @@ pub(crate) fn initial_model<B: TrainBackend>(
     };
     let model = source.load::<B>(device)?;
     if model.config() != &config.model {
-        return Err(source.err("its architecture differs from the config's [model]; leave [model] out to take the model's"));
+        return Err(
+            source.err("its architecture differs from the config's [model]; leave [model] out to take the model's")
+        );
     }
     B::seed(device, config.train.seed);
     Ok(match &config.lora {
@@ -819,8 +823,8 @@ mod tests {
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::optim::GradientsParams;
     use burn::tensor::{ElementConversion, Int, Tensor};
-    use ember_data::{LmBatch, LmBatcher, Window};
     use ember_data::finetune::{Example, PackedExamples, Packing};
+    use ember_data::{LmBatch, LmBatcher, Window};
     use ember_model::{Documents, ModelConfig};
 
     type AB = Autodiff<Flex>;

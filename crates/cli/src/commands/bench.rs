@@ -206,7 +206,10 @@ fn report<T: Serialize + std::fmt::Display>(json: bool, value: &T) -> anyhow::Re
     Ok(())
 }
 
-pub fn run(args: BenchArgs, collective: std::sync::Arc<dyn ember_train::distributed::Collective>) -> anyhow::Result<()> {
+pub fn run(
+    args: BenchArgs,
+    collective: std::sync::Arc<dyn ember_train::distributed::Collective>,
+) -> anyhow::Result<()> {
     match args.what {
         BenchCommand::Train(a) => train(a),
         BenchCommand::Peak(a) => peak(a),

@@ -72,7 +72,10 @@ impl Job for TrainJob {
     }
 }
 
-pub fn run(args: TrainArgs, collective: std::sync::Arc<dyn ember_train::distributed::Collective>) -> anyhow::Result<()> {
+pub fn run(
+    args: TrainArgs,
+    collective: std::sync::Arc<dyn ember_train::distributed::Collective>,
+) -> anyhow::Result<()> {
     // The error names the file and the key.
     let mut config = TrainConfig::from_file(&args.config)?;
     if let Some(p) = args.precision {
@@ -169,7 +172,8 @@ fn device_comm(
         vec![0u8; 128]
     };
     let all = c.all_gather_bytes(&id, "start-up: NCCL id")?;
-    let comm = ember_model::ops::nccl::communicator(ordinal, c.rank(), c.world(), &all[0]).map_err(|e| anyhow::anyhow!(e))?;
+    let comm =
+        ember_model::ops::nccl::communicator(ordinal, c.rank(), c.world(), &all[0]).map_err(|e| anyhow::anyhow!(e))?;
     tracing::info!("gradients summed on the device by NCCL ({} rank(s))", c.world());
     Ok(Some(comm))
 }

@@ -98,10 +98,15 @@ pub fn all_reduce(x: FloatTensor<Cuda>, c: &Nccl) -> Result<FloatTensor<Cuda>, S
     // A clone keeps `x` registered in the fusion graph; both name the same buffer.
     let cube: CubeTensor<CudaRuntime> = x.client.resolve_tensor_float::<Inner>(x.clone());
     if cube.dtype != DType::F32 || !cube.is_contiguous() {
-        return Err(format!("NCCL reduces contiguous f32 buckets; got {:?}, contiguous {}", cube.dtype, cube.is_contiguous()));
+        return Err(format!(
+            "NCCL reduces contiguous f32 buckets; got {:?}, contiguous {}",
+            cube.dtype,
+            cube.is_contiguous()
+        ));
     }
     let n = cube.meta.num_elements();
-    let resource = cube.client.get_resource(cube.handle.clone()).map_err(|e| format!("CUDA buffer of a bucket: {e:?}"))?;
+    let resource =
+        cube.client.get_resource(cube.handle.clone()).map_err(|e| format!("CUDA buffer of a bucket: {e:?}"))?;
     let ptr = resource.resource().ptr; // the handle's offset is already applied
     if resource.resource().size < (n * 4) as u64 {
         return Err(format!("CUDA buffer of {} bytes for {n} values", resource.resource().size));

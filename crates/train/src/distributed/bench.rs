@@ -104,7 +104,11 @@ pub fn bench_allreduce(
                     if !close {
                         return Err(DistError::Rank {
                             rank: c.rank(),
-                            message: format!("ember's reduction {:?} differs from the engine's {:?}", &g[..k], &recv[..k]),
+                            message: format!(
+                                "ember's reduction {:?} differs from the engine's {:?}",
+                                &g[..k],
+                                &recv[..k]
+                            ),
                         });
                     }
                 }

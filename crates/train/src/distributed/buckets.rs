@@ -100,7 +100,11 @@ pub fn flatten_into<B: TrainBackend, M: AutodiffModule<B>>(
 }
 
 /// The gradients back as tensors on `model`'s device, from `values` laid out as `flat`'s.
-pub fn unflatten<B: TrainBackend, M: AutodiffModule<B>>(model: &M, flat: &FlatGrads, values: &[f32]) -> GradientsParams {
+pub fn unflatten<B: TrainBackend, M: AutodiffModule<B>>(
+    model: &M,
+    flat: &FlatGrads,
+    values: &[f32],
+) -> GradientsParams {
     struct Put<'a> {
         flat: &'a FlatGrads,
         values: &'a [f32],

@@ -172,7 +172,8 @@ pub fn check_same(c: &dyn Collective, bytes: &[u8], what: &str) -> Result<(), Di
         return Ok(());
     }
     let all = c.all_gather_bytes(bytes, what)?;
-    let differ: Vec<String> = all.iter().enumerate().filter(|(_, b)| *b != &all[0]).map(|(r, _)| r.to_string()).collect();
+    let differ: Vec<String> =
+        all.iter().enumerate().filter(|(_, b)| *b != &all[0]).map(|(r, _)| r.to_string()).collect();
     if differ.is_empty() {
         return Ok(());
     }

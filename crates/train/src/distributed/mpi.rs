@@ -133,11 +133,8 @@ impl MpiCollective {
         let version = mpi::environment::library_version()
             .map(|v| v.lines().next().unwrap_or("").split(',').next().unwrap_or("").trim().to_string())
             .unwrap_or_else(|_| "MPI".into());
-        let me = format!(
-            "{} pid {}",
-            mpi::environment::processor_name().unwrap_or_else(|_| "?".into()),
-            std::process::id()
-        );
+        let me =
+            format!("{} pid {}", mpi::environment::processor_name().unwrap_or_else(|_| "?".into()), std::process::id());
         let inner = Inner {
             world,
             timeout: Duration::from_secs(300),
@@ -343,8 +340,7 @@ impl Collective for MpiCollective {
 
     fn all_gather_bytes(&self, send: &[u8], what: &str) -> Result<Vec<Vec<u8>>, DistError> {
         let mut recv = vec![0u8; send.len() * self.size];
-        let r: Result<(), DistError> =
-            timed!(self, what, |world| world.all_gather_into(send, &mut recv[..]));
+        let r: Result<(), DistError> = timed!(self, what, |world| world.all_gather_into(send, &mut recv[..]));
         r?;
         Ok(recv.chunks(send.len().max(1)).map(<[u8]>::to_vec).collect())
     }

@@ -175,9 +175,8 @@ impl ShardedAdamW {
         let scale = clip_coefficient(grad_norm, o.grad_clip) / loss_scale;
         let range = self.layout.range();
         let mut mine = flatten_params(&model, &self.layout.slots, range.clone());
-        let tensor = |v: &[f32]| {
-            Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
-        };
+        let tensor =
+            |v: &[f32]| Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device);
         let read = |t: Tensor<B::InnerBackend, 1>, out: &mut [f32]| {
             let d = t.into_data().convert::<f32>();
             out.copy_from_slice(d.as_slice::<f32>().expect("converted to f32"));
@@ -195,8 +194,13 @@ impl ShardedAdamW {
                 bias2: 1.0 - o.beta2.powi(t),
                 grad_scale: scale,
             };
-            let (p, m, v) =
-                adamw(tensor(&mine[r.clone()]), tensor(&g[r.clone()]), tensor(&self.m[r.clone()]), tensor(&self.v[r.clone()]), h);
+            let (p, m, v) = adamw(
+                tensor(&mine[r.clone()]),
+                tensor(&g[r.clone()]),
+                tensor(&self.m[r.clone()]),
+                tensor(&self.v[r.clone()]),
+                h,
+            );
             read(p, &mut mine[r.clone()]);
             read(m, &mut self.m[r.clone()]);
             read(v, &mut self.v[r]);
@@ -233,7 +237,8 @@ impl ShardedAdamW {
         let range = self.layout.range();
         let (mut m, mut v) = (vec![0.0f32; self.layout.per_rank], vec![0.0f32; self.layout.per_rank]);
         for s in &self.layout.slots {
-            let pair = (tensors.remove(&format!("{}.exp_avg", s.path)), tensors.remove(&format!("{}.exp_avg_sq", s.path)));
+            let pair =
+                (tensors.remove(&format!("{}.exp_avg", s.path)), tensors.remove(&format!("{}.exp_avg_sq", s.path)));
             let (em, ev) = match pair {
                 (Some(a), Some(b)) => (a, b),
                 (None, None) if steps == 0 => continue,
@@ -242,7 +247,12 @@ impl ShardedAdamW {
             };
             for (name, d) in [("exp_avg", &em), ("exp_avg_sq", &ev)] {
                 if d.num_elements() != s.len() {
-                    return Err(format!("`{}.{name}` has {} elements, the parameter has {}", s.path, d.num_elements(), s.len()));
+                    return Err(format!(
+                        "`{}.{name}` has {} elements, the parameter has {}",
+                        s.path,
+                        d.num_elements(),
+                        s.len()
+                    ));
                 }
             }
             let lo = range.start.max(s.offset);
