@@ -113,13 +113,6 @@ impl<B: TrainBackend> Stepper<'_, B> {
         let c = self.collective;
         let (rank, world) = (c.rank(), c.world());
         let what = format!("step {step}");
-        let mut comm = Duration::ZERO;
-        let timed = |comm: &mut Duration, f: &mut dyn FnMut() -> Result<(), DistError>| {
-            let t = Instant::now();
-            let r = f();
-            *comm += t.elapsed();
-            r
-        };
         let batch = self.config.train.batch_size;
         let all: Vec<Vec<Window>> = (0..self.micro_batches_per_step())
             .map(|j| self.sampler.windows(self.data.as_ref(), first_stream + j, batch))
@@ -129,26 +122,22 @@ impl<B: TrainBackend> Stepper<'_, B> {
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
         let (loss, grads) = forward_backward(&model, mine, total, self.device, loss_scale);
         // Every rank has computed its gradients: the one that has not within the timeout is named.
-        let mut wait = Duration::ZERO;
-        timed(&mut wait, &mut || c.arrive(step as u64, &what))?;
+        let t = Instant::now();
+        c.arrive(step as u64, &what)?;
+        let wait = t.elapsed();
+        let t = Instant::now();
         let mut loss = [loss];
-        timed(&mut comm, &mut || c.all_reduce_f64(&mut loss, &format!("{what}: loss")))?;
+        c.all_reduce_f64(&mut loss, &format!("{what}: loss"))?;
         let loss = loss[0];
         let bucket = self.config.distributed.bucket_elems();
         match optim {
             Optimizer::Replicated(adamw) => {
-                let mut reduced = None;
-                let mut grads = Some(grads);
-                timed(&mut comm, &mut || {
-                    let g = grads.take().expect("reduced once");
-                    let what = format!("{what}: gradients");
-                    reduced = Some(match self.device_comm {
-                        Some(dc) => all_reduce_grads_on_device(dc, rank, &model, g, bucket, &what)?,
-                        None => all_reduce_grads(c, &model, g, bucket, &mut self.buffers.borrow_mut(), &what)?,
-                    });
-                    Ok(())
-                })?;
-                let grads = reduced.expect("reduced");
+                let what = format!("{what}: gradients");
+                let grads = match self.device_comm {
+                    Some(dc) => all_reduce_grads_on_device(dc, rank, &model, grads, bucket, &what)?,
+                    None => all_reduce_grads(c, &model, grads, bucket, &mut self.buffers.borrow_mut(), &what)?,
+                };
+                let comm = t.elapsed();
                 let scaled_norm = global_grad_norm(&model, &grads);
                 let grad_norm = scaled_norm / loss_scale;
                 if let Some(scaler) = scaler {
@@ -163,9 +152,8 @@ impl<B: TrainBackend> Stepper<'_, B> {
             Optimizer::Sharded(zero) => {
                 // Reduce-scatter, the update of this rank's shard and the all-gather, timed whole
                 // (the shard's update is 1/N of AdamW's work).
-                let t = Instant::now();
                 let s = zero.step(c, lr, model, grads, loss_scale, scaler, self.device, &what)?;
-                comm += t.elapsed();
+                let comm = t.elapsed();
                 Ok((s.model, StepOutput { loss, grad_norm: s.grad_norm, skipped: s.skipped, comm, wait }))
             }
         }

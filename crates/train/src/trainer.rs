@@ -421,7 +421,7 @@ impl Throughput {
     }
 
     fn window_ms_per_step(&self, tokens_per_step: usize) -> f64 {
-        self.window.0.as_secs_f64() * 1e3 / (self.window.1 / tokens_per_step).max(1) as f64
+        self.per_step_ms(self.window.0, tokens_per_step)
     }
 
     fn reset_window(&mut self) {
