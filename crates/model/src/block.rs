@@ -4,12 +4,10 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use crate::attention::Attention;
+use crate::attention::{Attention, Keys};
 use crate::config::ModelConfig;
-use crate::documents::Documents;
 use crate::dropout;
 use crate::init::Init;
-use crate::kv_cache::KvCache;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
 use crate::ops::EmberBackend;
@@ -40,37 +38,11 @@ impl<B: Backend> Block<B> {
 impl<B: EmberBackend> Block<B> {
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub fn forward(
-        &self,
-        x: Tensor<B, 3>,
-        rope: &Rope<B>,
-        start: usize,
-        docs: Option<&Documents>,
-        compute: DType,
-    ) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, compute: DType) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone()), rope, start, docs, compute);
+        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone()), rope, keys, compute);
         let h = (x + dropout(attn, self.dropout)).reshape([b * t, d]); // [B·T, D]
         let y = h.clone() + dropout(self.mlp.forward(self.post_attention_layernorm.forward(h), compute), self.dropout);
-        y.reshape([b, t, d])
-    }
-
-    /// [`Block::forward`] through the KV cache (layer `layer`).
-    ///
-    /// # Shapes
-    /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub fn forward_cached(
-        &self,
-        x: Tensor<B, 3>,
-        rope: &Rope<B>,
-        compute: DType,
-        cache: &mut KvCache<B>,
-        layer: usize,
-    ) -> Tensor<B, 3> {
-        let [b, t, d] = x.dims();
-        let attn = self.self_attn.forward_cached(self.input_layernorm.forward(x.clone()), rope, compute, cache, layer);
-        let h = (x + attn).reshape([b * t, d]); // [B·T, D]
-        let y = h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h), compute);
         y.reshape([b, t, d])
     }
 }

@@ -3,52 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// How RoPE pairs the channels of a head.
-///
-/// Both rotate pairs of channels by `pos * theta^(-2i/Dh)`; they differ in which channels form pair `i`.
-/// A checkpoint trained with one layout works with the other after permuting the output columns of the
-/// query and key projections (see [`crate::rope::interleaved_to_half_split`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RopeLayout {
-    /// Pairs `(2i, 2i + 1)`: Meta's reference Llama code and Burn's `RotaryEncoding`.
-    Interleaved,
-    /// Pairs `(i, i + Dh/2)` (`rotate_half`): Hugging Face Llama, Qwen2 and Mistral checkpoints.
-    #[default]
-    HalfSplit,
-}
-
-/// RoPE frequency scaling, as in Hugging Face's `rope_scaling`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-pub enum RopeScaling {
-    /// Positions divided by `factor` (Chen et al., 2023, position interpolation).
-    Linear { factor: f64 },
-    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
-}
-
-impl RopeScaling {
-    /// Scales the inverse frequency of one channel pair (Hugging Face's `_compute_*_parameters`).
-    pub fn scale(&self, inv_freq: f64) -> f64 {
-        match *self {
-            Self::Linear { factor } => inv_freq / factor,
-            Self::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-                let old = original_max_position_embeddings as f64;
-                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
-                let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
-                if wavelen < high_wavelen {
-                    inv_freq
-                } else if wavelen > low_wavelen {
-                    inv_freq / factor
-                } else {
-                    let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                    (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
-                }
-            }
-        }
-    }
-}
+use crate::ops::rope::Rope;
+pub use crate::ops::rope::{RopeLayout, RopeScaling};
 
 /// Architecture of a Llama-style decoder. Hugging Face `config.json` names in brackets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -150,6 +106,14 @@ pub const LIMITS: [(&str, u64); 8] = [
 
 /// Parameters a config may describe (4.4 trillion).
 pub const MAX_PARAMS: u64 = 1 << 42;
+
+impl ModelConfig {
+    /// The RoPE tables of this model (its base, layout and scaling), `[T_max, Dh/2]`.
+    pub fn rope<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Rope<B> {
+        let scaling = self.rope_scaling.as_ref();
+        Rope::with_scaling(self.max_seq_len, self.head_dim(), self.rope_theta, self.rope_layout, scaling, device)
+    }
+}
 
 impl ModelConfig {
     /// Key/value heads, `n_heads` when not given.

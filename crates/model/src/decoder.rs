@@ -5,6 +5,7 @@ use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
+use crate::attention::Keys;
 use crate::block::Block;
 use crate::config::{ConfigError, ModelConfig};
 use crate::documents::Documents;
@@ -57,7 +58,7 @@ impl<B: EmberBackend> Decoder<B> {
             layers,
             norm: RmsNorm::new(d, config.norm_eps, device),
             lm_head,
-            rope: Rope::from_config(config, device),
+            rope: config.rope(device),
             config: config.clone(),
             compute: DType::F32,
         })
@@ -95,7 +96,7 @@ impl<B: EmberBackend> Decoder<B> {
         let x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
         let mut x = crate::dropout(x, self.config.dropout);
         for layer in &self.layers {
-            x = layer.forward(x, &self.rope, start, docs, self.compute);
+            x = layer.forward(x, &self.rope, Keys::Own { start, docs }, self.compute);
         }
         self.norm.forward(x)
     }
@@ -114,12 +115,12 @@ impl<B: EmberBackend> Decoder<B> {
         new_lens: &[usize],
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
-        cache.begin(new_lens);
+        let mut step = cache.step(new_lens);
         let mut x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_cached(x, &self.rope, self.compute, cache, i);
+            x = layer.forward(x, &self.rope, Keys::Cache(step.layer(i)), self.compute);
         }
-        cache.finish();
+        step.finish();
         self.norm.forward(x)
     }
 

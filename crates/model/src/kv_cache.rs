@@ -10,6 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
 
 use crate::config::ModelConfig;
+use crate::ops::attention::{masked_attention, repeat_kv, segmented_attention};
 
 /// Keys and values of one sequence in one layer: `[K, block_size, Dh]` blocks, the last one filled up
 /// to `len % block_size`.
@@ -88,25 +89,20 @@ impl<B: Backend> KvCache<B> {
         self.lens[b] = 0;
     }
 
-    /// Starts a forward call that brings `new_lens[b]` real positions to sequence `b`.
+    /// Starts a forward call that brings `new_lens[b]` real positions to sequence `b`: the step
+    /// hands each layer its view of the cache, and [`CacheStep::finish`] makes the new positions
+    /// part of the sequences.
     ///
     /// # Panics
     /// If a sequence would outgrow the model's context (callers check the lengths first: `generate_batch`
     /// refuses prompts that do not fit).
-    pub(crate) fn begin(&mut self, new_lens: &[usize]) {
+    pub fn step(&mut self, new_lens: &[usize]) -> CacheStep<'_, B> {
         assert_eq!(new_lens.len(), self.batch(), "one length per sequence");
         for (b, &n) in new_lens.iter().enumerate() {
             assert!(self.lens[b] + n <= self.max_len, "sequence {b} outgrows the context");
         }
         self.pending = new_lens.to_vec();
-    }
-
-    /// Ends the call: the pending positions become part of every sequence.
-    pub(crate) fn finish(&mut self) {
-        for (len, n) in self.lens.iter_mut().zip(&self.pending) {
-            *len += n;
-        }
-        self.pending.iter_mut().for_each(|n| *n = 0);
+        CacheStep { cache: self }
     }
 
     /// Stores the new keys and values of layer `layer` for the one sequence of a one-sequence cache
@@ -116,12 +112,7 @@ impl<B: Backend> KvCache<B> {
     ///
     /// # Shapes
     /// - k, v: `[1, K, T, Dh]` -> segments of `[1, K, s_i, Dh]` with Σ s_i = stored positions
-    pub(crate) fn append_segments(
-        &mut self,
-        layer: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-    ) -> Vec<(Tensor<B, 4>, Tensor<B, 4>)> {
+    fn append_segments(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Vec<(Tensor<B, 4>, Tensor<B, 4>)> {
         assert_eq!(self.batch(), 1, "segments are for a one-sequence cache");
         self.write(layer, 0, &k, &v);
         let bs = self.block_size;
@@ -179,7 +170,7 @@ impl<B: Backend> KvCache<B> {
     ///
     /// # Shapes
     /// - k, v: `[B, K, T, Dh]` -> (`[B, K, S, Dh]`, `[B, K, S, Dh]`), S = max over b of `len_b + new_b`
-    pub(crate) fn append(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    fn append(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let (bs, kh, dh) = (self.block_size, self.n_kv_heads, self.head_dim);
         let s_max = (0..self.batch()).map(|b| self.lens[b] + self.pending[b]).max().unwrap_or(0).max(1);
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
@@ -212,7 +203,7 @@ impl<B: Backend> KvCache<B> {
     ///
     /// # Shapes
     /// -> `[B, 1, T, S]`, true where hidden
-    pub(crate) fn mask(&self, t: usize, window: Option<usize>) -> Option<Tensor<B, 4, Bool>> {
+    fn mask(&self, t: usize, window: Option<usize>) -> Option<Tensor<B, 4, Bool>> {
         let b = self.batch();
         let totals: Vec<usize> = (0..b).map(|i| self.lens[i] + self.pending[i]).collect();
         let s = totals.iter().copied().max().unwrap_or(0).max(1);
@@ -229,5 +220,84 @@ impl<B: Backend> KvCache<B> {
             }
         }
         Some(Tensor::from_data(TensorData::new(hidden, [b, 1, t, s]), &self.device))
+    }
+}
+
+/// One forward call through the cache, made by [`KvCache::step`].
+pub struct CacheStep<'a, B: Backend> {
+    cache: &'a mut KvCache<B>,
+}
+
+impl<B: Backend> CacheStep<'_, B> {
+    /// Layer `layer`'s view of the cache for this call.
+    pub fn layer(&mut self, layer: usize) -> LayerKv<'_, B> {
+        LayerKv { cache: self.cache, layer }
+    }
+
+    /// Ends the call: the new positions become part of every sequence.
+    pub fn finish(self) {
+        let c = self.cache;
+        for (len, n) in c.lens.iter_mut().zip(&c.pending) {
+            *len += n;
+        }
+        c.pending.iter_mut().for_each(|n| *n = 0);
+    }
+}
+
+/// One layer's keys and values for the call under way: where each row's new positions start, and
+/// what its queries attend over once the new keys and values are stored.
+pub struct LayerKv<'a, B: Backend> {
+    cache: &'a mut KvCache<B>,
+    layer: usize,
+}
+
+impl<B: Backend> LayerKv<'_, B> {
+    /// The absolute position of each row's first new token.
+    pub fn starts(&self) -> &[usize] {
+        &self.cache.lens
+    }
+
+    /// Stores the new post-RoPE keys and values (the first `new_lens[b]` positions of row `b`) and
+    /// returns every stored key and value the `t` new queries may see: for one sequence with one new
+    /// position and nothing hidden, the cache's own segments read in place; otherwise every row's
+    /// keys padded to the longest, with the mask of what each query may not see.
+    ///
+    /// # Shapes
+    /// - k, v: `[B, K, T, Dh]`
+    pub fn store(self, k: Tensor<B, 4>, v: Tensor<B, 4>, window: Option<usize>) -> KvView<B> {
+        let c = self.cache;
+        let [b, _, t, _] = k.dims();
+        let stored = c.lens[0] + 1;
+        if b == 1 && t == 1 && window.is_none_or(|w| stored <= w) {
+            return KvView::Segments(c.append_segments(self.layer, k, v));
+        }
+        let (k, v) = c.append(self.layer, k, v);
+        KvView::Padded { k, v, hidden: c.mask(t, window) }
+    }
+}
+
+/// The keys and values a layer's new queries attend over, as the cache hands them out (post-RoPE,
+/// `K` heads).
+pub enum KvView<B: Backend> {
+    /// One sequence's keys and values in position order, every one visible: `[1, K, s_i, Dh]`.
+    Segments(Vec<(Tensor<B, 4>, Tensor<B, 4>)>),
+    /// Every row's keys and values padded to `S`: `[B, K, S, Dh]`, and `[B, 1, T, S]` true where
+    /// hidden (`None`: nothing is).
+    Padded { k: Tensor<B, 4>, v: Tensor<B, 4>, hidden: Option<Tensor<B, 4, Bool>> },
+}
+
+impl<B: Backend> KvView<B> {
+    /// Attention of `q` over these keys and values, each key/value head shared by `rep` query heads.
+    ///
+    /// # Shapes
+    /// - q: `[B, H, T, Dh]` -> `[B, H, T, Dh]`
+    pub fn attend(self, q: Tensor<B, 4>, rep: usize, compute: DType) -> Tensor<B, 4> {
+        match self {
+            Self::Segments(segments) => {
+                let segments = segments.into_iter().map(|(k, v)| (repeat_kv(k, rep), repeat_kv(v, rep))).collect();
+                segmented_attention(q, segments, compute)
+            }
+            Self::Padded { k, v, hidden } => masked_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), hidden, compute),
+        }
     }
 }

@@ -7,7 +7,6 @@ pub mod attention;
 pub mod block;
 pub mod config;
 pub mod decoder;
-pub mod documents;
 pub mod init;
 pub mod kv_cache;
 pub mod linear;
@@ -15,7 +14,7 @@ pub mod lora;
 pub mod mlp;
 pub mod norm;
 pub mod ops;
-pub mod rope;
+pub use ops::{documents, rope};
 pub mod sample;
 pub mod weights;
 
@@ -26,17 +25,7 @@ pub use documents::{Documents, DocumentsError};
 pub use kv_cache::KvCache;
 pub use lora::LoraConfig;
 
-/// `x` in `dtype`, without a cast op when it already is.
-pub(crate) fn to_dtype<B: burn::tensor::backend::Backend, const D: usize>(
-    x: burn::tensor::Tensor<B, D>,
-    dtype: burn::tensor::DType,
-) -> burn::tensor::Tensor<B, D> {
-    if x.dtype() == dtype {
-        x
-    } else {
-        x.cast(dtype)
-    }
-}
+pub(crate) use ops::to_dtype;
 
 /// Inverted dropout with probability `p`, active only while autodiff records (training).
 pub(crate) fn dropout<B: burn::tensor::backend::Backend, const D: usize>(

@@ -6,7 +6,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
 use crate::lora::Lora;
-use crate::ops::fused::linear;
+use crate::ops::linear;
 use crate::ops::EmberBackend;
 use crate::to_dtype;
 

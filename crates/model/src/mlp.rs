@@ -7,7 +7,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 use crate::config::ModelConfig;
 use crate::init::Init;
 use crate::linear::{forward_packed, Linear};
-use crate::ops::fused::swiglu_packed;
+use crate::ops::swiglu_packed;
 use crate::ops::EmberBackend;
 
 #[derive(Module, Debug)]

@@ -6,7 +6,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::init::const_param;
-use crate::ops::fused::rms_norm;
+use crate::ops::rms_norm;
 use crate::ops::EmberBackend;
 
 #[derive(Module, Debug)]
@@ -23,7 +23,7 @@ impl<B: Backend> RmsNorm<B> {
 }
 
 impl<B: EmberBackend> RmsNorm<B> {
-    /// One fused op on backends with kernels (`ops::fused::rms_norm`), else the composition.
+    /// One fused op on backends with kernels (`ops::rms_norm`), else the composition.
     ///
     /// # Shapes
     /// - x: `[..., D]` -> `[..., D]`

@@ -18,7 +18,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, ElementConversion, Tensor, TensorData, TensorPrimitive};
 
-use ember_model::ops::{adamw, AdamWStep, EmberBackend, TrainBackend};
+use ember_model::ops::{adamw, AdamWOps, AdamWStep, TrainBackend};
 
 use crate::config::OptimConfig;
 
@@ -189,7 +189,7 @@ pub fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads:
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
                 let s: Tensor<B::InnerBackend, 1> = Tensor::from_primitive(TensorPrimitive::Float(
-                    <B::InnerBackend as EmberBackend>::sum_squares(g.into_primitive().tensor()),
+                    <B::InnerBackend as AdamWOps>::sum_squares(g.into_primitive().tensor()),
                 ));
                 self.total = Some(match self.total.take() {
                     Some(t) => t + s,

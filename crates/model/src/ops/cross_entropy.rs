@@ -5,8 +5,16 @@
 //! (online log-sum-exp), and saves only the per-row log-sum-exp. The backward recomputes each tile's
 //! logits, turns them into `softmax - onehot`, and multiplies them into `dH` and `dW` at once.
 
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::log_softmax;
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor};
+
+use super::{float, int};
 
 /// Target id that takes no part in the loss (padding, prompt tokens).
 pub const IGNORE: i32 = -1;
@@ -196,10 +204,101 @@ pub fn chunked_backward<B: Backend>(
     (cast(dh, h_dtype), cast(dw, w_dtype))
 }
 
+/// A backend's tiled LM-head loss; the default method is the tiled composition of tensor ops,
+/// under autodiff one node whose backward recomputes each tile.
+pub trait LmHeadLossOps: Backend {
+    /// Mean cross-entropy of `targets` under the logits `hidden · weight`, computed over tiles of rows
+    /// and vocabulary so that the `[N, V]` logits never exist at once. Targets equal to [`IGNORE`] do
+    /// not count. Returns `[1]`.
+    ///
+    /// # Shapes
+    /// - hidden: `[N, D]`, weight: `[D, V]`, targets: `[N]` -> `[1]`
+    fn lm_head_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        spec: ChunkSpec,
+    ) -> FloatTensor<Self> {
+        let (h, w, t) = (float::<Self, 2>(hidden), float::<Self, 2>(weight), int::<Self, 1>(targets));
+        chunked_forward(h, w, t, spec).loss.into_primitive().tensor()
+    }
+}
+
+impl LmHeadLossOps for Flex {}
+
+impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
+    fn lm_head_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        spec: ChunkSpec,
+    ) -> FloatTensor<Self> {
+        /// The backward recomputes each tile's logits from `hidden`, `weight` and the per-row
+        /// log-sum-exp saved by the forward: memory O(N·D + D·V + tile), never O(N·V).
+        #[derive(Debug)]
+        struct LmHeadCrossEntropy;
+
+        impl<B: Backend> Backward<B, 2> for LmHeadCrossEntropy {
+            type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>, FloatTensor<B>, ChunkSpec);
+
+            fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+                let [node_hidden, node_weight] = ops.parents;
+                let grad = float::<B, 1>(grads.consume::<B>(&ops.node));
+                let (hidden, weight, targets, lse, spec) = ops.state;
+                let (dh, dw) = chunked_backward(
+                    float::<B, 2>(hidden),
+                    float::<B, 2>(weight),
+                    int::<B, 1>(targets),
+                    float::<B, 1>(lse),
+                    grad,
+                    spec,
+                );
+                if let Some(node) = node_hidden {
+                    grads.register::<B>(node.id, dh.into_primitive().tensor());
+                }
+                if let Some(node) = node_weight {
+                    grads.register::<B>(node.id, dw.into_primitive().tensor());
+                }
+            }
+        }
+
+        let forward = |h: FloatTensor<B>, w: FloatTensor<B>, t: IntTensor<B>| {
+            chunked_forward(float::<B, 2>(h), float::<B, 2>(w), int::<B, 1>(t), spec)
+        };
+        match LmHeadCrossEntropy.prepare::<C>([hidden.node.clone(), weight.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = forward(hidden.primitive.clone(), weight.primitive.clone(), targets.clone());
+                let state = (hidden.primitive, weight.primitive, targets, out.lse.into_primitive().tensor(), spec);
+                prep.finish(state, out.loss.into_primitive().tensor())
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(forward(hidden.primitive, weight.primitive, targets).loss.into_primitive().tensor())
+            }
+        }
+    }
+}
+
+/// Tensor-level entry point of [`LmHeadLossOps::lm_head_cross_entropy`].
+///
+/// # Shapes
+/// - hidden: `[N, D]`, weight: `[D, V]`, targets: `[N]` -> `[1]`
+pub fn lm_head_cross_entropy<B: LmHeadLossOps>(
+    hidden: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    spec: ChunkSpec,
+) -> Tensor<B, 1> {
+    float(B::lm_head_cross_entropy(
+        hidden.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        targets.into_primitive(),
+        spec,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::lm_head_cross_entropy;
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::{Distribution, TensorData};
     use rand::{Rng, SeedableRng};

@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use crate::config::RopeLayout;
+use super::rope::RopeLayout;
 
 /// Rows per rayon task in the row-wise kernels: enough work per task to outweigh scheduling.
 fn rows_per_task(d: usize) -> usize {

@@ -5,7 +5,7 @@
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
-use ember_model::ops::{DeviceComm, EmberBackend, TrainBackend};
+use ember_model::ops::{DeviceComm, DeviceReduceOps, TrainBackend};
 
 use super::{Collective, DistError};
 
@@ -220,7 +220,7 @@ pub fn all_reduce_grads_on_device<B: TrainBackend, M: AutodiffModule<B>>(
         }
         let parts: Vec<Tensor<B::InnerBackend, 1>> = pending.iter().map(|(_, _, t)| t.clone()).collect();
         let flat = Tensor::cat(parts, 0);
-        let summed = <B::InnerBackend as EmberBackend>::device_all_reduce(flat.into_primitive().tensor(), comm)
+        let summed = <B::InnerBackend as DeviceReduceOps>::device_all_reduce(flat.into_primitive().tensor(), comm)
             .map_err(|message| DistError::Rank { rank, message: format!("{what}, bucket {index}: {message}") })?;
         let summed = Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(summed));
         let mut offset = 0;

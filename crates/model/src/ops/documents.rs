@@ -48,6 +48,12 @@ impl Documents {
         Ok(Self { first: first.into(), batch, seq })
     }
 
+    /// The documents whose first positions an [`AttnShape`](super::kernels::AttnShape) carries
+    /// (taken from a checked `Documents`).
+    pub(crate) fn from_parts(first: Arc<[u32]>, batch: usize, seq: usize) -> Self {
+        Self { first, batch, seq }
+    }
+
     /// Rows cut into documents of the given lengths (each row's lengths add up to `seq`).
     pub fn from_lengths(rows: &[Vec<usize>], seq: usize) -> Result<Self, DocumentsError> {
         let mut first = Vec::with_capacity(rows.len() * seq);

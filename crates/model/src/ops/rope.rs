@@ -3,8 +3,54 @@
 
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
 
-use crate::config::{ModelConfig, RopeLayout, RopeScaling};
+/// How RoPE pairs the channels of a head.
+///
+/// Both rotate pairs of channels by `pos * theta^(-2i/Dh)`; they differ in which channels form pair `i`.
+/// A checkpoint trained with one layout works with the other after permuting the output columns of the
+/// query and key projections (see [`interleaved_to_half_split`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeLayout {
+    /// Pairs `(2i, 2i + 1)`: Meta's reference Llama code and Burn's `RotaryEncoding`.
+    Interleaved,
+    /// Pairs `(i, i + Dh/2)` (`rotate_half`): Hugging Face Llama, Qwen2 and Mistral checkpoints.
+    #[default]
+    HalfSplit,
+}
+
+/// RoPE frequency scaling, as in Hugging Face's `rope_scaling`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (Chen et al., 2023, position interpolation).
+    Linear { factor: f64 },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+}
+
+impl RopeScaling {
+    /// Scales the inverse frequency of one channel pair (Hugging Face's `_compute_*_parameters`).
+    pub fn scale(&self, inv_freq: f64) -> f64 {
+        match *self {
+            Self::Linear { factor } => inv_freq / factor,
+            Self::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let old = original_max_position_embeddings as f64;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+                if wavelen < high_wavelen {
+                    inv_freq
+                } else if wavelen > low_wavelen {
+                    inv_freq / factor
+                } else {
+                    let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+                }
+            }
+        }
+    }
+}
 
 /// Precomputed cos/sin tables, `[T_max, Dh/2]`, and the pairing convention.
 #[derive(Module, Debug)]
@@ -20,11 +66,6 @@ impl<B: Backend> Rope<B> {
     /// positions.
     pub fn new(max_seq_len: usize, head_dim: usize, theta: f64, layout: RopeLayout, device: &B::Device) -> Self {
         Self::with_scaling(max_seq_len, head_dim, theta, layout, None, device)
-    }
-
-    /// The tables of a model config (its RoPE base, layout and scaling).
-    pub fn from_config(c: &ModelConfig, device: &B::Device) -> Self {
-        Self::with_scaling(c.max_seq_len, c.head_dim(), c.rope_theta, c.rope_layout, c.rope_scaling.as_ref(), device)
     }
 
     pub fn with_scaling(
@@ -53,6 +94,11 @@ impl<B: Backend> Rope<B> {
         }
         let table = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [max_seq_len, half]), device);
         Self { cos: table(cos), sin: table(sin), layout }
+    }
+
+    /// Rope over given cos and sin tables, `[T_max, Dh/2]` each (as [`Self::tables`] returns them).
+    pub fn from_tables(cos: Tensor<B, 2>, sin: Tensor<B, 2>, layout: RopeLayout) -> Self {
+        Self { cos, sin, layout }
     }
 
     /// The cos and sin tables, `[T_max, Dh/2]` each.

@@ -1,0 +1,158 @@
+//! AdamW (Loshchilov & Hutter, 2019) on a flattened parameter, and the sum of squares the global
+//! gradient norm is made of: the optimizer's ops (the optimizer itself is `ember_train::optim`).
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{backend::Backend, Tensor};
+
+use super::{flex, float, kernels, prim, EmberBackend};
+
+/// The scalars of one AdamW update (decoupled weight decay, as `torch.optim.AdamW`):
+///
+/// ```text
+/// g = grad_scale·grad     m = β1·m + (1-β1)·g     v = β2·v + (1-β2)·g²
+/// p = p·(1 - decay) - lr · (m / bias1) / (sqrt(v / bias2) + eps)
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// `lr · weight_decay`, or 0 for parameters that do not decay.
+    pub decay: f64,
+    /// `1 - β1^t` and `1 - β2^t`.
+    pub bias1: f64,
+    pub bias2: f64,
+    /// The clipping coefficient.
+    pub grad_scale: f64,
+}
+
+/// A backend's optimizer ops; the default methods are the reference.
+pub trait AdamWOps: Backend {
+    /// One AdamW update: returns the new parameter and moments.
+    ///
+    /// # Shapes
+    /// - p, g, m, v: `[n]` -> (p, m, v): `[n]`
+    fn adamw(
+        p: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        h: AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m, v) = adamw_reference(float::<Self, 1>(p), float(g), float(m), float(v), h);
+        (prim(p), prim(m), prim(v))
+    }
+
+    /// `Σ x²` over all elements, for the global gradient norm.
+    ///
+    /// # Shapes
+    /// - x: any -> `[1]`
+    fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(float::<Self, 1>(x).square().sum())
+    }
+}
+
+/// [`AdamWOps::adamw`] as a composition of tensor ops: the reference.
+pub fn adamw_reference<B: Backend>(
+    p: Tensor<B, 1>,
+    g: Tensor<B, 1>,
+    m: Tensor<B, 1>,
+    v: Tensor<B, 1>,
+    h: AdamWStep,
+) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+    let g = if h.grad_scale == 1.0 { g } else { g.mul_scalar(h.grad_scale) };
+    let m = m.mul_scalar(h.beta1) + g.clone().mul_scalar(1.0 - h.beta1);
+    let v = v.mul_scalar(h.beta2) + g.square().mul_scalar(1.0 - h.beta2);
+    let denom = v.clone().div_scalar(h.bias2).sqrt().add_scalar(h.eps);
+    let update = m.clone().div_scalar(h.bias1) / denom;
+    let p = if h.decay == 0.0 { p } else { p.mul_scalar(1.0 - h.decay) };
+    (p - update.mul_scalar(h.lr), m, v)
+}
+
+/// Tensor-level entry point of [`AdamWOps::adamw`].
+pub fn adamw<B: EmberBackend>(
+    p: Tensor<B, 1>,
+    g: Tensor<B, 1>,
+    m: Tensor<B, 1>,
+    v: Tensor<B, 1>,
+    h: AdamWStep,
+) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+    let (p, m, v) = B::adamw(prim(p), prim(g), prim(m), prim(v), h);
+    (float(p), float(m), float(v))
+}
+
+/// One pass over memory for f32 parameters, updating the moments in place.
+impl AdamWOps for Flex {
+    fn adamw(
+        p: FlexTensor,
+        g: FlexTensor,
+        m: FlexTensor,
+        v: FlexTensor,
+        h: AdamWStep,
+    ) -> (FlexTensor, FlexTensor, FlexTensor) {
+        if !flex::all_f32(&[&p, &g, &m, &v]) {
+            let (p, m, v) = adamw_reference(float::<Self, 1>(p), float(g), float(m), float(v), h);
+            return (prim(p), prim(m), prim(v));
+        }
+        let (mut p, mut m, mut v) = (flex::exclusive(p), flex::exclusive(m), flex::exclusive(v));
+        kernels::adamw(p.storage_mut(), &flex::f32s(&g), m.storage_mut(), v.storage_mut(), &h);
+        (p, m, v)
+    }
+
+    fn sum_squares(x: FlexTensor) -> FlexTensor {
+        if !flex::all_f32(&[&x]) {
+            return prim(float::<Self, 1>(x).square().sum());
+        }
+        flex::tensor(vec![kernels::sum_squares(&flex::f32s(&x)) as f32], vec![1])
+    }
+}
+
+/// The optimizer runs on the inner backend's tensors; under autodiff these are the reference.
+impl<B: EmberBackend, C: CheckpointStrategy> AdamWOps for Autodiff<B, C> {}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{leaf, rel_err};
+    use super::*;
+
+    #[test]
+    fn fused_adamw_and_sum_squares_equal_the_compositions() {
+        let vec1 = |n: usize, seed: u64| leaf([1, n], seed).reshape([n]);
+        for (n, decay, grad_scale) in [(1, 0.0, 1.0), (1001, 1e-4, 0.37), (40_000, 1e-3, 1.0)] {
+            let (p, g, m) = (vec1(n, 1), vec1(n, 2), vec1(n, 3));
+            let v = vec1(n, 4).abs();
+            let h = AdamWStep {
+                lr: 3e-3,
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                decay,
+                bias1: 1.0 - 0.9f64.powi(3),
+                bias2: 1.0 - 0.99f64.powi(3),
+                grad_scale,
+            };
+            let want = adamw_reference(p.clone(), g.clone(), m.clone(), v.clone(), h);
+            // `p` is still shared here: the kernel must copy, not write into the caller's tensor.
+            let got = adamw(p.clone(), g.clone(), m, v, h);
+            for (name, a, b) in [("p", got.0, want.0), ("m", got.1, want.1), ("v", got.2, want.2)] {
+                let err = rel_err(a.unsqueeze::<2>(), b.unsqueeze::<2>());
+                assert!(err < 1e-5, "adamw n={n} {name}: {err}");
+            }
+            assert!(rel_err(p.clone().unsqueeze::<2>(), vec1(n, 1).unsqueeze::<2>()) == 0.0, "input changed");
+            // The kernel itself, on slices (the backend op above must be it, not the default body).
+            let vals = |t: &Tensor<Flex, 1>| t.to_data().into_vec::<f32>().expect("f32");
+            let (mut pk, mut mk, mut vk) = (vals(&p), vals(&vec1(n, 3)), vals(&vec1(n, 4).abs()));
+            kernels::adamw(&mut pk, &vals(&g), &mut mk, &mut vk, &h);
+            let got_p = adamw(p.clone(), g.clone(), vec1(n, 3), vec1(n, 4).abs(), h).0;
+            assert_eq!(pk, vals(&got_p), "adamw n={n}: the backend op is not the kernel");
+            let fused: f32 = float::<Flex, 1>(Flex::sum_squares(prim(g.clone()))).into_scalar();
+            let plain: f32 = g.clone().square().sum().into_scalar();
+            assert_eq!(fused, kernels::sum_squares(&vals(&g)) as f32, "sum of squares: not the kernel");
+            assert!((fused - plain).abs() <= 1e-5 * plain.abs(), "sum of squares n={n}: {fused} vs {plain}");
+        }
+    }
+}
