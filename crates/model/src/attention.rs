@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use crate::config::ModelConfig;
+use crate::config::AttentionConfig;
 use crate::documents::Documents;
 use crate::init::Init;
 use crate::kv_cache::LayerKv;
@@ -33,22 +33,18 @@ pub struct Attention<B: Backend> {
     sliding_window: Option<usize>,
 }
 
-impl<B: Backend> Attention<B> {
-    pub fn new(config: &ModelConfig, init: &mut Init, device: &B::Device) -> Self {
-        let (d, dh) = (config.d_model, config.head_dim());
-        let (h, k) = (config.n_heads, config.n_kv_heads());
-        let std = config.init_std;
-        // GPT-2: residual-branch outputs scaled by 1/sqrt(2L), two branches per block.
-        let out_std = std / (2.0 * config.n_layers as f64).sqrt();
-        Self {
-            q_proj: Linear::new(init, d, h * dh, config.qkv_bias, std, device),
-            k_proj: Linear::new(init, d, k * dh, config.qkv_bias, std, device),
-            v_proj: Linear::new(init, d, k * dh, config.qkv_bias, std, device),
-            o_proj: Linear::new(init, h * dh, d, false, out_std, device),
+impl AttentionConfig {
+    pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
+        let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
+        Attention {
+            q_proj: Linear::new(init, d, h * dh, self.qkv_bias, self.init_std, device),
+            k_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
+            v_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
+            o_proj: Linear::new(init, h * dh, d, false, self.out_std, device),
             n_heads: h,
             n_kv_heads: k,
             head_dim: dh,
-            sliding_window: config.sliding_window,
+            sliding_window: self.sliding_window,
         }
     }
 }
@@ -152,7 +148,7 @@ impl<B: EmberBackend> Attention<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::tiny_config;
+    use crate::config::{tiny_config, ModelConfig};
     use crate::linear::Linear;
     use crate::TestBackend;
     use burn::module::Param;
@@ -188,7 +184,7 @@ mod tests {
     fn gqa_with_as_many_kv_heads_as_heads_is_plain_mha() {
         let dev = Default::default();
         let cfg = ModelConfig { n_kv_heads: Some(4), qkv_bias: true, ..tiny_config() };
-        let mut att = Attention::<B>::new(&cfg, &mut Init::new(1), &dev);
+        let mut att = cfg.attention().init::<B>(&mut Init::new(1), &dev);
         // Non-zero biases so that the bias path is checked too.
         for lin in [&mut att.q_proj, &mut att.k_proj, &mut att.v_proj] {
             let n = lin.d_out();
@@ -205,9 +201,9 @@ mod tests {
     fn gqa_equals_mha_with_repeated_kv_weights() {
         let dev = Default::default();
         let cfg = tiny_config(); // 4 heads, 2 KV heads
-        let gqa = Attention::<B>::new(&cfg, &mut Init::new(2), &dev);
+        let gqa = cfg.attention().init::<B>(&mut Init::new(2), &dev);
         let mha_cfg = ModelConfig { n_kv_heads: Some(4), ..cfg.clone() };
-        let mut mha = Attention::<B>::new(&mha_cfg, &mut Init::new(3), &dev);
+        let mut mha = mha_cfg.attention().init::<B>(&mut Init::new(3), &dev);
         let dh = cfg.head_dim();
         // KV head j serves query heads 2j and 2j+1: repeat its columns.
         let repeat = |w: Tensor<B, 2>| {
@@ -223,5 +219,18 @@ mod tests {
         let a = gqa.forward(x.clone(), &rope, Keys::Own { start: 0, docs: None }, DType::F32).into_data();
         let b = mha.forward(x, &rope, Keys::Own { start: 0, docs: None }, DType::F32).into_data();
         a.assert_approx_eq::<f32>(&b, Tolerance::absolute(1e-6));
+    }
+
+    #[test]
+    fn an_attention_is_built_and_run_from_its_own_config() {
+        let dev = Default::default();
+        let config = AttentionConfig { n_kv_heads: 1, ..AttentionConfig::new(16, 2) };
+        config.validate().unwrap();
+        let att = config.init::<B>(&mut Init::new(4), &dev);
+        assert_eq!((att.k_proj.d_out(), att.q_proj.d_out()), (8, 16));
+        let rope = Rope::new(8, 8, 10_000.0, crate::config::RopeLayout::HalfSplit, &dev);
+        let x = Tensor::<B, 3>::random([1, 5, 16], Distribution::Normal(0.0, 1.0), &dev);
+        let y = att.forward(x, &rope, Keys::Own { start: 0, docs: None }, DType::F32);
+        assert_eq!(y.dims(), [1, 5, 16]);
     }
 }

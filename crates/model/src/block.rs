@@ -5,7 +5,7 @@ use burn::module::Module;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::attention::{Attention, Keys};
-use crate::config::ModelConfig;
+use crate::config::BlockConfig;
 use crate::dropout;
 use crate::init::Init;
 use crate::mlp::Mlp;
@@ -23,14 +23,14 @@ pub struct Block<B: Backend> {
     dropout: f64,
 }
 
-impl<B: Backend> Block<B> {
-    pub fn new(config: &ModelConfig, init: &mut Init, device: &B::Device) -> Self {
-        Self {
-            input_layernorm: RmsNorm::new(config.d_model, config.norm_eps, device),
-            self_attn: Attention::new(config, init, device),
-            post_attention_layernorm: RmsNorm::new(config.d_model, config.norm_eps, device),
-            mlp: Mlp::new(config, init, device),
-            dropout: config.dropout,
+impl BlockConfig {
+    pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Block<B> {
+        Block {
+            input_layernorm: self.norm.init(device),
+            self_attn: self.attention.init(init, device),
+            post_attention_layernorm: self.norm.init(device),
+            mlp: self.mlp.init(init, device),
+            dropout: self.dropout,
         }
     }
 }

@@ -126,23 +126,51 @@ impl ModelConfig {
         self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
     }
 
-    /// Checks every rule `init` relies on, so that building never panics on a bad config.
+    /// Checks every rule `init` relies on, so that building never panics on a bad config: the
+    /// sizes, then each part's own rules, then the model-wide ones.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        for (name, value) in [
-            ("vocab_size", self.vocab_size),
+        self.validate_sizes()?;
+        if self.n_kv_heads() == 0 {
+            return Err(ConfigError::NotPositive { name: "n_kv_heads", value: 0.0 });
+        }
+        if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(ConfigError::NotDivisible {
+                divisor: "n_heads",
+                divisor_value: self.n_heads,
+                dividend: "d_model",
+                dividend_value: self.d_model,
+            });
+        }
+        self.block().validate()?;
+        if let Some(scaling) = &self.rope_scaling {
+            validate_rope_scaling(scaling)?;
+        }
+        for (name, value) in [("rope_theta", self.rope_theta), ("init_std", self.init_std)] {
+            if !(value > 0.0 && value.is_finite()) {
+                return Err(ConfigError::NotPositive { name, value });
+            }
+        }
+        let params = self.num_params();
+        if params > MAX_PARAMS {
+            return Err(ConfigError::TooLarge { name: "parameter count", value: params, limit: MAX_PARAMS });
+        }
+        Ok(())
+    }
+
+    /// Every size positive (the vocabulary set) and within [`LIMITS`].
+    fn validate_sizes(&self) -> Result<(), ConfigError> {
+        if self.vocab_size == 0 {
+            return Err(ConfigError::VocabUnset);
+        }
+        let sizes = [
             ("d_model", self.d_model),
             ("n_layers", self.n_layers),
             ("n_heads", self.n_heads),
             ("d_ff", self.d_ff),
             ("max_seq_len", self.max_seq_len),
-        ] {
-            if value == 0 {
-                return Err(if name == "vocab_size" {
-                    ConfigError::VocabUnset
-                } else {
-                    ConfigError::NotPositive { name, value: 0.0 }
-                });
-            }
+        ];
+        if let Some((name, _)) = sizes.into_iter().find(|&(_, value)| value == 0) {
+            return Err(ConfigError::NotPositive { name, value: 0.0 });
         }
         let values = [
             self.vocab_size,
@@ -159,67 +187,42 @@ impl ModelConfig {
                 return Err(ConfigError::TooLarge { name, value: value as u64, limit });
             }
         }
-        let n_kv = self.n_kv_heads();
-        if n_kv == 0 {
-            return Err(ConfigError::NotPositive { name: "n_kv_heads", value: 0.0 });
-        }
-        if !self.n_heads.is_multiple_of(n_kv) {
-            return Err(ConfigError::NotDivisible {
-                divisor: "n_kv_heads",
-                divisor_value: n_kv,
-                dividend: "n_heads",
-                dividend_value: self.n_heads,
-            });
-        }
-        match self.head_dim {
-            Some(0) => return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 }),
-            Some(_) => {}
-            None if !self.d_model.is_multiple_of(self.n_heads) => {
-                return Err(ConfigError::NotDivisible {
-                    divisor: "n_heads",
-                    divisor_value: self.n_heads,
-                    dividend: "d_model",
-                    dividend_value: self.d_model,
-                })
-            }
-            None => {}
-        }
-        if !self.head_dim().is_multiple_of(2) {
-            return Err(ConfigError::OddHeadDim(self.head_dim()));
-        }
-        if !(0.0..1.0).contains(&self.dropout) {
-            return Err(ConfigError::Dropout(self.dropout));
-        }
-        if self.sliding_window == Some(0) {
-            return Err(ConfigError::NotPositive { name: "sliding_window", value: 0.0 });
-        }
-        if let Some(scaling) = &self.rope_scaling {
-            let factors: Vec<(&'static str, f64)> = match *scaling {
-                RopeScaling::Linear { factor } => vec![("rope_scaling.factor", factor)],
-                RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-                    vec![
-                        ("rope_scaling.factor", factor),
-                        ("rope_scaling.low_freq_factor", low_freq_factor),
-                        ("rope_scaling.high_freq_factor - low_freq_factor", high_freq_factor - low_freq_factor),
-                        ("rope_scaling.original_max_position_embeddings", original_max_position_embeddings as f64),
-                    ]
-                }
-            };
-            if let Some((name, value)) = factors.into_iter().find(|(_, v)| !(*v > 0.0 && v.is_finite())) {
-                return Err(ConfigError::NotPositive { name, value });
-            }
-        }
-        for (name, value) in [("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps), ("init_std", self.init_std)]
-        {
-            if !(value > 0.0 && value.is_finite()) {
-                return Err(ConfigError::NotPositive { name, value });
-            }
-        }
-        let params = self.num_params();
-        if params > MAX_PARAMS {
-            return Err(ConfigError::TooLarge { name: "parameter count", value: params, limit: MAX_PARAMS });
-        }
         Ok(())
+    }
+
+    /// The config of every block's attention.
+    pub fn attention(&self) -> AttentionConfig {
+        AttentionConfig {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads(),
+            head_dim: self.head_dim(),
+            qkv_bias: self.qkv_bias,
+            sliding_window: self.sliding_window,
+            init_std: self.init_std,
+            out_std: self.residual_out_std(),
+        }
+    }
+
+    /// The config of every block's MLP.
+    pub fn mlp(&self) -> MlpConfig {
+        MlpConfig { d_model: self.d_model, d_ff: self.d_ff, init_std: self.init_std, out_std: self.residual_out_std() }
+    }
+
+    /// The config of every RMSNorm of the model.
+    pub fn norm(&self) -> RmsNormConfig {
+        RmsNormConfig { d_model: self.d_model, eps: self.norm_eps }
+    }
+
+    /// The config of every block.
+    pub fn block(&self) -> BlockConfig {
+        BlockConfig { attention: self.attention(), mlp: self.mlp(), norm: self.norm(), dropout: self.dropout }
+    }
+
+    /// GPT-2's init of the projections that write into the residual stream: `init_std / sqrt(2L)`,
+    /// two such branches per block.
+    fn residual_out_std(&self) -> f64 {
+        self.init_std / (2.0 * self.n_layers as f64).sqrt()
     }
 
     /// Total number of parameters, computed from the config alone.
@@ -256,6 +259,168 @@ impl ModelConfig {
     /// Training FLOPs per token (forward and backward): `6N + 12·L·T·(H·Dh)`.
     pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
         3.0 * self.forward_flops_per_token(seq_len)
+    }
+}
+
+/// Checks Hugging Face's `rope_scaling` factors: each positive and finite, the high-frequency
+/// factor above the low one.
+fn validate_rope_scaling(scaling: &RopeScaling) -> Result<(), ConfigError> {
+    let factors: Vec<(&'static str, f64)> = match *scaling {
+        RopeScaling::Linear { factor } => vec![("rope_scaling.factor", factor)],
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            vec![
+                ("rope_scaling.factor", factor),
+                ("rope_scaling.low_freq_factor", low_freq_factor),
+                ("rope_scaling.high_freq_factor - low_freq_factor", high_freq_factor - low_freq_factor),
+                ("rope_scaling.original_max_position_embeddings", original_max_position_embeddings as f64),
+            ]
+        }
+    };
+    match factors.into_iter().find(|(_, v)| !(*v > 0.0 && v.is_finite())) {
+        Some((name, value)) => Err(ConfigError::NotPositive { name, value }),
+        None => Ok(()),
+    }
+}
+
+/// What an [`Attention`](crate::attention::Attention) is built from (`init` is beside it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionConfig {
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub qkv_bias: bool,
+    pub sliding_window: Option<usize>,
+    /// Init standard deviation of the q/k/v projections and of the output projection.
+    pub init_std: f64,
+    pub out_std: f64,
+}
+
+impl AttentionConfig {
+    /// Multi-head attention of `n_heads` heads over `d_model` (one key/value head a query head, no
+    /// bias, no window, init std 0.02): the fields are public for the rest.
+    pub fn new(d_model: usize, n_heads: usize) -> Self {
+        let head_dim = d_model / n_heads.max(1);
+        let (init_std, out_std) = (0.02, 0.02);
+        Self {
+            d_model,
+            n_heads,
+            n_kv_heads: n_heads,
+            head_dim,
+            qkv_bias: false,
+            sliding_window: None,
+            init_std,
+            out_std,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let sizes = [("d_model", self.d_model), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)];
+        if let Some((name, _)) = sizes.into_iter().find(|&(_, value)| value == 0) {
+            return Err(ConfigError::NotPositive { name, value: 0.0 });
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(ConfigError::NotDivisible {
+                divisor: "n_kv_heads",
+                divisor_value: self.n_kv_heads,
+                dividend: "n_heads",
+                dividend_value: self.n_heads,
+            });
+        }
+        if self.head_dim == 0 {
+            return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 });
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(ConfigError::OddHeadDim(self.head_dim));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(ConfigError::NotPositive { name: "sliding_window", value: 0.0 });
+        }
+        positive_std(self.init_std, self.out_std)
+    }
+}
+
+/// What an [`Mlp`](crate::mlp::Mlp) is built from (`init` is beside it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlpConfig {
+    pub d_model: usize,
+    pub d_ff: usize,
+    /// Init standard deviation of the gate and up projections and of the down projection.
+    pub init_std: f64,
+    pub out_std: f64,
+}
+
+impl MlpConfig {
+    /// A SwiGLU MLP of width `d_ff` over `d_model`, init std 0.02.
+    pub fn new(d_model: usize, d_ff: usize) -> Self {
+        Self { d_model, d_ff, init_std: 0.02, out_std: 0.02 }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some((name, _)) = [("d_model", self.d_model), ("d_ff", self.d_ff)].into_iter().find(|&(_, v)| v == 0) {
+            return Err(ConfigError::NotPositive { name, value: 0.0 });
+        }
+        positive_std(self.init_std, self.out_std)
+    }
+}
+
+/// What an [`RmsNorm`](crate::norm::RmsNorm) is built from (`init` is beside it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RmsNormConfig {
+    pub d_model: usize,
+    pub eps: f64,
+}
+
+impl RmsNormConfig {
+    /// An RMSNorm over `d_model` channels with eps 1e-5 (Llama's; Qwen2 uses 1e-6).
+    pub fn new(d_model: usize) -> Self {
+        Self { d_model, eps: 1e-5 }
+    }
+
+    pub fn with_eps(self, eps: f64) -> Self {
+        Self { eps, ..self }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.d_model == 0 {
+            return Err(ConfigError::NotPositive { name: "d_model", value: 0.0 });
+        }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            return Err(ConfigError::NotPositive { name: "norm_eps", value: self.eps });
+        }
+        Ok(())
+    }
+}
+
+/// What a [`Block`](crate::block::Block) is built from (`init` is beside it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockConfig {
+    pub attention: AttentionConfig,
+    pub mlp: MlpConfig,
+    /// Both norms of the block.
+    pub norm: RmsNormConfig,
+    pub dropout: f64,
+}
+
+impl BlockConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.attention.validate()?;
+        self.mlp.validate()?;
+        self.norm.validate()?;
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(ConfigError::Dropout(self.dropout));
+        }
+        Ok(())
+    }
+}
+
+fn positive_std(init_std: f64, out_std: f64) -> Result<(), ConfigError> {
+    match [("init_std", init_std), ("init_std / sqrt(2 n_layers)", out_std)]
+        .into_iter()
+        .find(|(_, v)| !(*v > 0.0 && v.is_finite()))
+    {
+        Some((name, value)) => Err(ConfigError::NotPositive { name, value }),
+        None => Ok(()),
     }
 }
 
@@ -357,5 +522,31 @@ mod tests {
         let c = ModelConfig { norm_eps: -1.0, ..tiny_config() };
         assert!(matches!(c.validate(), Err(ConfigError::NotPositive { name: "norm_eps", .. })));
         assert!(tiny_config().validate().is_ok());
+    }
+
+    #[test]
+    fn parts_get_their_configs_from_the_model_and_check_their_own_rules() {
+        let c = ModelConfig::tiny(50, 16);
+        let att = c.attention();
+        assert_eq!((att.n_heads, att.n_kv_heads, att.head_dim), (4, 2, 8));
+        assert!((att.out_std - 0.02 / 2.0).abs() < 1e-12, "GPT-2 residual init: 0.02 / sqrt(2·2)");
+        assert_eq!(c.mlp().d_ff, 64);
+        assert_eq!(c.norm(), RmsNormConfig::new(32).with_eps(1e-5));
+        c.block().validate().unwrap();
+
+        let gqa = AttentionConfig { n_kv_heads: 3, ..AttentionConfig::new(32, 4) };
+        let err = gqa.validate().unwrap_err().to_string();
+        assert!(err.contains("n_kv_heads") && err.contains('3') && err.contains('4'), "{err}");
+        let odd = AttentionConfig { head_dim: 7, ..AttentionConfig::new(32, 4) };
+        assert!(matches!(odd.validate(), Err(ConfigError::OddHeadDim(7))));
+        let err = MlpConfig::new(32, 0).validate().unwrap_err().to_string();
+        assert!(err.contains("d_ff"), "{err}");
+        let err = RmsNormConfig::new(8).with_eps(0.0).validate().unwrap_err().to_string();
+        assert!(err.contains("norm_eps"), "{err}");
+        let block = BlockConfig { dropout: 1.0, ..c.block() };
+        assert!(matches!(block.validate(), Err(ConfigError::Dropout(_))));
+        // A model config whose part breaks a rule is refused with the part's error.
+        let bad = ModelConfig { n_kv_heads: Some(3), ..c };
+        assert!(matches!(bad.validate(), Err(ConfigError::NotDivisible { divisor: "n_kv_heads", .. })));
     }
 }

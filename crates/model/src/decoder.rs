@@ -51,12 +51,13 @@ impl<B: EmberBackend> Decoder<B> {
         config.validate()?;
         let (v, d) = (config.vocab_size, config.d_model);
         let embed_tokens = init.normal_param([v, d], config.init_std, device);
-        let layers = (0..config.n_layers).map(|_| Block::new(config, &mut init, device)).collect();
+        let block = config.block();
+        let layers = (0..config.n_layers).map(|_| block.init(&mut init, device)).collect();
         let lm_head = (!config.tie_embeddings).then(|| Linear::new(&mut init, d, v, false, config.init_std, device));
         Ok(Self {
             embed_tokens,
             layers,
-            norm: RmsNorm::new(d, config.norm_eps, device),
+            norm: config.norm().init(device),
             lm_head,
             rope: config.rope(device),
             config: config.clone(),

@@ -19,7 +19,9 @@ pub mod sample;
 pub mod weights;
 
 pub use block::Block;
-pub use config::{ConfigError, ModelConfig, RopeLayout, RopeScaling};
+pub use config::{
+    AttentionConfig, BlockConfig, ConfigError, MlpConfig, ModelConfig, RmsNormConfig, RopeLayout, RopeScaling,
+};
 pub use decoder::Decoder;
 pub use documents::{Documents, DocumentsError};
 pub use kv_cache::KvCache;

@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use crate::config::ModelConfig;
+use crate::config::MlpConfig;
 use crate::init::Init;
 use crate::linear::{forward_packed, Linear};
 use crate::ops::swiglu_packed;
@@ -20,14 +20,13 @@ pub struct Mlp<B: Backend> {
     pub down_proj: Linear<B>,
 }
 
-impl<B: Backend> Mlp<B> {
-    pub fn new(config: &ModelConfig, init: &mut Init, device: &B::Device) -> Self {
-        let (d, f, std) = (config.d_model, config.d_ff, config.init_std);
-        let out_std = std / (2.0 * config.n_layers as f64).sqrt();
-        Self {
-            gate_proj: Linear::new(init, d, f, false, std, device),
-            up_proj: Linear::new(init, d, f, false, std, device),
-            down_proj: Linear::new(init, f, d, false, out_std, device),
+impl MlpConfig {
+    pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Mlp<B> {
+        let (d, f) = (self.d_model, self.d_ff);
+        Mlp {
+            gate_proj: Linear::new(init, d, f, false, self.init_std, device),
+            up_proj: Linear::new(init, d, f, false, self.init_std, device),
+            down_proj: Linear::new(init, f, d, false, self.out_std, device),
         }
     }
 }

@@ -5,6 +5,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, Tensor};
 
+use crate::config::RmsNormConfig;
 use crate::init::const_param;
 use crate::ops::rms_norm;
 use crate::ops::EmberBackend;
@@ -16,9 +17,10 @@ pub struct RmsNorm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> RmsNorm<B> {
-    pub fn new(d_model: usize, eps: f64, device: &B::Device) -> Self {
-        Self { weight: const_param([d_model], 1.0, device), eps }
+impl RmsNormConfig {
+    /// Gains of one.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> RmsNorm<B> {
+        RmsNorm { weight: const_param([self.d_model], 1.0, device), eps: self.eps }
     }
 }
 
@@ -44,7 +46,7 @@ mod tests {
     #[test]
     fn matches_hand_computation() {
         let dev = Default::default();
-        let norm = RmsNorm::<TestBackend>::new(3, 1e-5, &dev);
+        let norm = RmsNormConfig::new(3).with_eps(1e-5).init::<TestBackend>(&dev);
         let x = Tensor::<TestBackend, 2>::from_data([[1.0, 2.0, 3.0], [0.0, -4.0, 0.0]], &dev);
         let y = norm.forward(x).into_data();
         let r1 = ((1.0f32 + 4.0 + 9.0) / 3.0 + 1e-5).sqrt();
