@@ -315,6 +315,11 @@ impl GgufFile {
         self.metadata.get(key)
     }
 
+    /// An error about metadata `key` (or a tensor of that name) of this file.
+    pub(crate) fn meta_err(&self, key: &str, message: impl Into<String>) -> GgufError {
+        GgufError::Metadata { path: self.path.clone(), key: key.into(), message: message.into() }
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.iter().find(|t| t.name == name)
     }

@@ -113,89 +113,83 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     let (per, size) = ty.block();
     debug_assert_eq!(data.len(), out.len() / per * size);
+    let blocks = out.chunks_exact_mut(per).zip(data.chunks_exact(size));
     match ty {
-        GgmlType::F32 => {
-            for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
+        GgmlType::F32 => blocks.for_each(|(y, b)| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        GgmlType::F16 => blocks.for_each(|(y, b)| y[0] = f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        GgmlType::Bf16 => blocks.for_each(|(y, b)| y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        GgmlType::Q4_0 => blocks.for_each(|(y, b)| dequantize_q4_0(b, y)),
+        GgmlType::Q4_1 => blocks.for_each(|(y, b)| dequantize_q4_1(b, y)),
+        GgmlType::Q8_0 => blocks.for_each(|(y, b)| dequantize_q8_0(b, y)),
+        GgmlType::Q4K => blocks.for_each(|(y, b)| dequantize_q4k(b, y)),
+        GgmlType::Q6K => blocks.for_each(|(y, b)| dequantize_q6k(b, y)),
+    }
+}
+
+/// One Q4_0 block: 18 bytes -> 32 values.
+fn dequantize_q4_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..16 {
+        y[j] = d * ((b[2 + j] & 0xF) as i32 - 8) as f32;
+        y[j + 16] = d * ((b[2 + j] >> 4) as i32 - 8) as f32;
+    }
+}
+
+/// One Q4_1 block: 20 bytes -> 32 values.
+fn dequantize_q4_1(b: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    for j in 0..16 {
+        y[j] = d * (b[4 + j] & 0xF) as f32 + m;
+        y[j + 16] = d * (b[4 + j] >> 4) as f32 + m;
+    }
+}
+
+/// One Q8_0 block: 34 bytes -> 32 values.
+fn dequantize_q8_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..32 {
+        y[j] = d * (b[2 + j] as i8) as f32;
+    }
+}
+
+/// One Q4_K super-block: 144 bytes -> 256 values.
+fn dequantize_q4k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    // Four groups of 64 values: 32 low nibbles then 32 high nibbles of 32 bytes, each
+    // half with its own 6-bit scale and min.
+    for g in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * g, scales);
+        let (sc2, m2) = scale_min_k4(2 * g + 1, scales);
+        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let q = &qs[32 * g..32 * g + 32];
+        let y = &mut y[64 * g..64 * g + 64];
+        for l in 0..32 {
+            y[l] = d1 * (q[l] & 0xF) as f32 - min1;
+            y[l + 32] = d2 * (q[l] >> 4) as f32 - min2;
         }
-        GgmlType::F16 => {
-            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
-                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        GgmlType::Bf16 => {
-            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        GgmlType::Q4_0 => {
-            for (y, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(18)) {
-                let d = f16_at(b, 0);
-                for j in 0..16 {
-                    y[j] = d * ((b[2 + j] & 0xF) as i32 - 8) as f32;
-                    y[j + 16] = d * ((b[2 + j] >> 4) as i32 - 8) as f32;
-                }
-            }
-        }
-        GgmlType::Q4_1 => {
-            for (y, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(20)) {
-                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-                for j in 0..16 {
-                    y[j] = d * (b[4 + j] & 0xF) as f32 + m;
-                    y[j + 16] = d * (b[4 + j] >> 4) as f32 + m;
-                }
-            }
-        }
-        GgmlType::Q8_0 => {
-            for (y, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(34)) {
-                let d = f16_at(b, 0);
-                for j in 0..32 {
-                    y[j] = d * (b[2 + j] as i8) as f32;
-                }
-            }
-        }
-        GgmlType::Q4K => {
-            for (y, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(144)) {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let scales = &b[4..16];
-                let qs = &b[16..144];
-                // Four groups of 64 values: 32 low nibbles then 32 high nibbles of 32 bytes, each
-                // half with its own 6-bit scale and min.
-                for g in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * g, scales);
-                    let (sc2, m2) = scale_min_k4(2 * g + 1, scales);
-                    let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-                    let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
-                    let q = &qs[32 * g..32 * g + 32];
-                    let y = &mut y[64 * g..64 * g + 64];
-                    for l in 0..32 {
-                        y[l] = d1 * (q[l] & 0xF) as f32 - min1;
-                        y[l + 32] = d2 * (q[l] >> 4) as f32 - min2;
-                    }
-                }
-            }
-        }
-        GgmlType::Q6K => {
-            for (y, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(210)) {
-                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-                let d = f16_at(b, 208);
-                // Two halves of 128 values: 64 bytes of low nibbles, 32 of high bit pairs, 8 scales.
-                for h in 0..2 {
-                    let (ql, qh, sc, y) = (&ql[64 * h..], &qh[32 * h..], &sc[8 * h..], &mut y[128 * h..128 * h + 128]);
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                        y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
-                        y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
-                        y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
-                        y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
-                    }
-                }
-            }
+    }
+}
+
+/// One Q6_K super-block: 210 bytes -> 256 values.
+fn dequantize_q6k(b: &[u8], y: &mut [f32]) {
+    let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+    let d = f16_at(b, 208);
+    // Two halves of 128 values: 64 bytes of low nibbles, 32 of high bit pairs, 8 scales.
+    for h in 0..2 {
+        let (ql, qh, sc, y) = (&ql[64 * h..], &qh[32 * h..], &sc[8 * h..], &mut y[128 * h..128 * h + 128]);
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+            y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+            y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+            y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
         }
     }
 }

@@ -7,23 +7,25 @@
 //!   two pieces whose concatenation is a piece, ranked by that piece's score), `▁` for spaces, byte
 //!   fallback through the `<0xXX>` tokens.
 
+use std::collections::HashMap;
+
 use serde_json::{json, Map, Value as Json};
 
 use super::{GgufError, GgufFile, Value};
 
 /// ggml token types.
 const NORMAL: i64 = 1;
+const UNKNOWN: i64 = 2;
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
 const BYTE: i64 = 6;
 
-fn err(f: &GgufFile, key: &str, message: impl Into<String>) -> GgufError {
-    GgufError::Metadata { path: f.path.clone(), key: key.into(), message: message.into() }
-}
-
 fn strings(f: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
-    let items = f.get(key).and_then(Value::as_array).ok_or_else(|| err(f, key, "missing or not an array"))?;
-    items.iter().map(|v| v.as_str().map(String::from).ok_or_else(|| err(f, key, "an item is not a string"))).collect()
+    let items = f.get(key).and_then(Value::as_array).ok_or_else(|| f.meta_err(key, "missing or not an array"))?;
+    items
+        .iter()
+        .map(|v| v.as_str().map(String::from).ok_or_else(|| f.meta_err(key, "an item is not a string")))
+        .collect()
 }
 
 /// The pre-tokenizer of llama.cpp's `tokenizer.ggml.pre` names, as Hugging Face writes it.
@@ -57,103 +59,147 @@ fn pre_tokenizer(pre: &str) -> Json {
 /// `tokenizer.json` and `tokenizer_config.json` from a GGUF file's metadata.
 pub fn from_gguf(f: &GgufFile) -> Result<(String, Json), GgufError> {
     let model = f.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("gpt2");
-    let tokens = strings(f, "tokenizer.ggml.tokens")?;
-    let types: Vec<i64> = match f.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
-        Some(t) => t.iter().map(|v| v.as_f64().map_or(NORMAL, |x| x as i64)).collect(),
-        None => vec![NORMAL; tokens.len()],
-    };
-    if types.len() != tokens.len() {
-        return Err(err(f, "tokenizer.ggml.token_type", format!("{} types for {} tokens", types.len(), tokens.len())));
-    }
-    let special = |i: usize| types[i] == CONTROL || types[i] == USER_DEFINED;
-    let added: Vec<Json> = (0..tokens.len())
-        .filter(|&i| special(i))
-        .map(|i| {
-            json!({"id": i, "content": tokens[i], "single_word": false, "lstrip": false, "rstrip": false,
-                   "normalized": false, "special": types[i] == CONTROL})
-        })
-        .collect();
-    let id_of = |key: &str| f.get(key).and_then(Value::as_u64).map(|i| i as usize).filter(|&i| i < tokens.len());
-    let vocab: Map<String, Json> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    let v = GgufVocab::read(f)?;
     let tokenizer = match model {
-        "gpt2" => {
-            let merges = strings(f, "tokenizer.ggml.merges")?;
-            let pre = f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
-            json!({
-                "version": "1.0",
-                "truncation": null,
-                "padding": null,
-                "added_tokens": added,
-                "normalizer": null,
-                "pre_tokenizer": pre_tokenizer(pre),
-                "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
-                "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-                "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                          "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                          "ignore_merges": false, "vocab": vocab, "merges": merges},
-            })
-        }
-        "llama" => {
-            let scores: Vec<f64> = match f.get("tokenizer.ggml.scores").and_then(Value::as_array) {
-                Some(s) => s.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
-                None => return Err(err(f, "tokenizer.ggml.scores", "missing (a SentencePiece vocabulary needs them)")),
-            };
-            let merges = spm_merges(&tokens, &scores, &types);
-            let unk = id_of("tokenizer.ggml.unknown_token_id").map(|i| tokens[i].clone());
-            let add_space = f.get("tokenizer.ggml.add_space_prefix").is_none_or(|v| *v == Value::Bool(true));
-            let mut normalizers = Vec::new();
-            if add_space {
-                normalizers.push(json!({"type": "Prepend", "prepend": "▁"}));
-            }
-            normalizers.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
-            let mut decoders = vec![
-                json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
-                json!({"type": "ByteFallback"}),
-                json!({"type": "Fuse"}),
-            ];
-            if add_space {
-                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
-            }
-            json!({
-                "version": "1.0",
-                "truncation": null,
-                "padding": null,
-                "added_tokens": added,
-                "normalizer": {"type": "Sequence", "normalizers": normalizers},
-                "pre_tokenizer": null,
-                "post_processor": null,
-                "decoder": {"type": "Sequence", "decoders": decoders},
-                "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-                          "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
-                          "ignore_merges": false, "vocab": vocab, "merges": merges},
-            })
-        }
+        "gpt2" => gpt2_tokenizer(f, &v)?,
+        "llama" => llama_tokenizer(f, &v)?,
         other => {
-            return Err(err(f, "tokenizer.ggml.model", format!("`{other}` is not supported (gpt2 and llama are)")))
+            return Err(f.meta_err("tokenizer.ggml.model", format!("`{other}` is not supported (gpt2 and llama are)")))
         }
     };
+    let text = serde_json::to_string(&tokenizer).expect("JSON serialises");
+    Ok((text, tokenizer_config(f, &v)))
+}
+
+/// The tokens of a GGUF file's metadata, by id, with their ggml token types.
+struct GgufVocab {
+    tokens: Vec<String>,
+    types: Vec<i64>,
+}
+
+impl GgufVocab {
+    fn read(f: &GgufFile) -> Result<Self, GgufError> {
+        let tokens = strings(f, "tokenizer.ggml.tokens")?;
+        let types: Vec<i64> = match f.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+            Some(t) => t.iter().map(|v| v.as_f64().map_or(NORMAL, |x| x as i64)).collect(),
+            None => vec![NORMAL; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            let message = format!("{} types for {} tokens", types.len(), tokens.len());
+            return Err(f.meta_err("tokenizer.ggml.token_type", message));
+        }
+        Ok(Self { tokens, types })
+    }
+
+    /// tokenizer.json's `added_tokens`: the control tokens (special) and the user-defined ones.
+    fn added_tokens(&self) -> Vec<Json> {
+        let special = |i: usize| self.types[i] == CONTROL || self.types[i] == USER_DEFINED;
+        (0..self.tokens.len())
+            .filter(|&i| special(i))
+            .map(|i| {
+                json!({"id": i, "content": self.tokens[i], "single_word": false, "lstrip": false, "rstrip": false,
+                       "normalized": false, "special": self.types[i] == CONTROL})
+            })
+            .collect()
+    }
+
+    /// The BPE model's `vocab`: token -> id.
+    fn vocab(&self) -> Map<String, Json> {
+        self.tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect()
+    }
+
+    /// The id metadata `key` holds, if it names one of the tokens.
+    fn id_of(&self, f: &GgufFile, key: &str) -> Option<usize> {
+        f.get(key).and_then(Value::as_u64).map(|i| i as usize).filter(|&i| i < self.tokens.len())
+    }
+}
+
+/// llama.cpp's `gpt2` tokenizer as a byte-level BPE `tokenizer.json`.
+fn gpt2_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
+    let merges = strings(f, "tokenizer.ggml.merges")?;
+    let pre = f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": v.added_tokens(),
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer(pre),
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": v.vocab(), "merges": merges},
+    }))
+}
+
+/// llama.cpp's `llama` tokenizer as a SentencePiece BPE `tokenizer.json`, merges recovered from
+/// the scores.
+fn llama_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
+    let scores: Vec<f64> = match f.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+        Some(s) => s.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
+        None => return Err(f.meta_err("tokenizer.ggml.scores", "missing (a SentencePiece vocabulary needs them)")),
+    };
+    let merges = spm_merges(&v.tokens, &scores, &v.types);
+    let unk = v.id_of(f, "tokenizer.ggml.unknown_token_id").map(|i| v.tokens[i].clone());
+    let add_space = f.get("tokenizer.ggml.add_space_prefix").is_none_or(|x| *x == Value::Bool(true));
+    let (normalizers, decoders) = spm_normalizers_and_decoders(add_space);
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": v.added_tokens(),
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": null,
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                  "ignore_merges": false, "vocab": v.vocab(), "merges": merges},
+    }))
+}
+
+/// SentencePiece's spaces as `▁`, one put before the text when `add_space`; and back, bytes
+/// through the `<0xXX>` tokens.
+fn spm_normalizers_and_decoders(add_space: bool) -> (Vec<Json>, Vec<Json>) {
+    let mut normalizers = Vec::new();
+    if add_space {
+        normalizers.push(json!({"type": "Prepend", "prepend": "▁"}));
+    }
+    normalizers.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    (normalizers, decoders)
+}
+
+/// `tokenizer_config.json`: the chat template, BOS and EOS, and `add_bos_token`.
+fn tokenizer_config(f: &GgufFile, v: &GgufVocab) -> Json {
     let mut config = json!({});
     if let Some(t) = f.get("tokenizer.chat_template").and_then(Value::as_str) {
         config["chat_template"] = json!(t);
     }
-    if let Some(i) = id_of("tokenizer.ggml.bos_token_id") {
-        config["bos_token"] = json!(tokens[i]);
+    if let Some(i) = v.id_of(f, "tokenizer.ggml.bos_token_id") {
+        config["bos_token"] = json!(v.tokens[i]);
     }
-    if let Some(i) = id_of("tokenizer.ggml.eos_token_id") {
-        config["eos_token"] = json!(tokens[i]);
+    if let Some(i) = v.id_of(f, "tokenizer.ggml.eos_token_id") {
+        config["eos_token"] = json!(v.tokens[i]);
     }
     if let Some(Value::Bool(b)) = f.get("tokenizer.ggml.add_bos_token") {
         config["add_bos_token"] = json!(b);
     }
-    let text = serde_json::to_string(&tokenizer).expect("JSON serialises");
-    Ok((text, config))
+    config
 }
 
 /// SentencePiece BPE merges from piece scores: every split of a piece into two pieces is a merge,
 /// ranked by the merged piece's score (higher first), as Hugging Face's `SentencePieceExtractor`.
 fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<String> {
-    let index: std::collections::HashMap<&str, usize> =
-        tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let index: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
     let mut merges: Vec<(f64, usize, usize, String)> = Vec::new();
     for (i, piece) in tokens.iter().enumerate() {
         if types.get(i).is_some_and(|&t| t == BYTE || t == CONTROL) {
@@ -170,8 +216,9 @@ fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<String> {
     merges.into_iter().map(|m| m.3).collect()
 }
 
-/// `tokenizer.ggml.*` metadata of a byte-level BPE `tokenizer.json` (what ember exports), with the
-/// chat template and BOS/EOS of `tokenizer_config` (or the model's config ids).
+/// `tokenizer.ggml.*` metadata of a BPE `tokenizer.json`, byte-level (what ember exports) or over
+/// SentencePiece pieces, with the chat template and BOS/EOS of `tokenizer_config` (or the model's
+/// config ids).
 pub fn to_gguf(
     tokenizer_json: &str,
     tokenizer_config: Option<&Json>,
@@ -187,7 +234,19 @@ pub fn to_gguf(
     // pieces (SentencePiece's, Llama 2's) its `llama`, which stores scores instead of merges.
     let byte_level = [&t["pre_tokenizer"], &t["decoder"]].iter().any(|v| v.to_string().contains("ByteLevel"));
     let pieces = if byte_level { None } else { Some(spm_metadata(&t)?) };
-    let vocab = model["vocab"].as_object().ok_or("tokenizer.json has no model.vocab")?;
+    let (tokens, types) = tokens_and_types(&t, hf_config)?;
+    let mut meta = match &pieces {
+        None => gpt2_metadata(&tokens, &types, joined_merges(model, " ")?, pre),
+        Some(spm) => llama_metadata(&tokens, &types, spm),
+    };
+    meta.extend(special_token_metadata(&tokens, tokenizer_config, hf_config));
+    Ok(meta)
+}
+
+/// The token of every id, added tokens included, up to the model's `vocab_size` (ids no token
+/// holds become `[PAD{id}]`); and each one's ggml type.
+fn tokens_and_types(t: &Json, hf_config: &Json) -> Result<(Vec<String>, Vec<i64>), String> {
+    let vocab = t["model"]["vocab"].as_object().ok_or("tokenizer.json has no model.vocab")?;
     let mut tokens: Vec<Option<String>> = Vec::new();
     let mut put = |id: usize, s: &str| {
         if tokens.len() <= id {
@@ -198,8 +257,7 @@ pub fn to_gguf(
     for (s, id) in vocab {
         put(id.as_u64().ok_or("a vocab id is not a number")? as usize, s);
     }
-    let mut types = vec![NORMAL; 0];
-    let mut specials = std::collections::HashMap::new();
+    let mut specials = HashMap::new();
     for a in t["added_tokens"].as_array().into_iter().flatten() {
         let (Some(id), Some(content)) = (a["id"].as_u64(), a["content"].as_str()) else { continue };
         put(id as usize, content);
@@ -209,21 +267,91 @@ pub fn to_gguf(
     tokens.resize(n_vocab, None);
     let tokens: Vec<String> =
         tokens.into_iter().enumerate().map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]"))).collect();
-    types.extend((0..n_vocab).map(|i| specials.get(&i).copied().unwrap_or(NORMAL)));
-    let merges: Vec<Value> = model["merges"]
-        .as_array()
-        .ok_or("tokenizer.json has no model.merges")?
+    let types = (0..n_vocab).map(|i| specials.get(&i).copied().unwrap_or(NORMAL)).collect();
+    Ok((tokens, types))
+}
+
+/// The merges of a BPE `model` ("a b" or ["a", "b"] in tokenizer.json), each pair joined by `sep`.
+fn joined_merges(model: &Json, sep: &str) -> Result<Vec<String>, String> {
+    let merges = model["merges"].as_array().ok_or("tokenizer.json has no model.merges")?;
+    merges
         .iter()
         .map(|m| match m {
-            Json::String(s) => Ok(Value::String(s.clone())),
-            Json::Array(p) if p.len() == 2 => Ok(Value::String(format!(
-                "{} {}",
-                p[0].as_str().unwrap_or_default(),
-                p[1].as_str().unwrap_or_default()
-            ))),
+            Json::String(s) => Ok(s.replacen(' ', sep, 1)),
+            Json::Array(p) if p.len() == 2 => {
+                Ok(format!("{}{sep}{}", p[0].as_str().unwrap_or_default(), p[1].as_str().unwrap_or_default()))
+            }
             _ => Err("a merge is neither \"a b\" nor [a, b]".to_string()),
         })
-        .collect::<Result<_, _>>()?;
+        .collect()
+}
+
+fn string_array(items: &[String]) -> Value {
+    Value::Array(items.iter().map(|s| Value::String(s.clone())).collect())
+}
+
+/// llama.cpp's `gpt2` tokenizer: the tokens, their types and the merges ("a b").
+fn gpt2_metadata(tokens: &[String], types: &[i64], merges: Vec<String>, pre: Option<&str>) -> Vec<(String, Value)> {
+    vec![
+        ("tokenizer.ggml.model".to_string(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".to_string(), Value::String(pre.unwrap_or("default").into())),
+        ("tokenizer.ggml.tokens".to_string(), string_array(tokens)),
+        ("tokenizer.ggml.token_type".to_string(), Value::Array(types.iter().map(|&x| Value::I32(x as i32)).collect())),
+        ("tokenizer.ggml.merges".to_string(), Value::Array(merges.into_iter().map(Value::String).collect())),
+    ]
+}
+
+/// llama.cpp's `llama` tokenizer: the pieces, scores that give the merges' order, token types
+/// (unknown and byte pieces marked) and the unknown piece's id.
+fn llama_metadata(tokens: &[String], types: &[i64], spm: &SpmMetadata) -> Vec<(String, Value)> {
+    let types: Vec<Value> = tokens
+        .iter()
+        .zip(types)
+        .map(|(t, &ty)| {
+            Value::I32(if Some(t) == spm.unk.as_ref() {
+                UNKNOWN as i32
+            } else if t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') {
+                BYTE as i32
+            } else {
+                ty as i32
+            })
+        })
+        .collect();
+    let scores = spm_scores(tokens, &spm.merged);
+    let mut meta = vec![
+        ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+        ("tokenizer.ggml.tokens".to_string(), string_array(tokens)),
+        ("tokenizer.ggml.scores".to_string(), Value::Array(scores.into_iter().map(Value::F32).collect())),
+        ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
+        ("tokenizer.ggml.add_space_prefix".to_string(), Value::Bool(spm.add_space_prefix)),
+    ];
+    if let Some(u) = spm.unk.as_ref().and_then(|u| tokens.iter().position(|t| t == u)) {
+        meta.push(("tokenizer.ggml.unknown_token_id".to_string(), Value::U32(u as u32)));
+    }
+    meta
+}
+
+/// Scores: a merged piece scores minus the rank of the merge that makes it, so that recovering the
+/// merges from the scores (as import and llama.cpp do) gives their order.
+fn spm_scores(tokens: &[String], merged: &[String]) -> Vec<f32> {
+    let mut scores = vec![0f32; tokens.len()];
+    for (rank, merged) in merged.iter().enumerate() {
+        if let Some(i) = tokens.iter().position(|t| t == merged) {
+            if scores[i] == 0.0 {
+                scores[i] = -(rank as f32) - 1.0;
+            }
+        }
+    }
+    scores
+}
+
+/// BOS, EOS (also the padding token) and `add_bos_token` of `tokenizer_config` (BOS/EOS from the
+/// model's config ids when it names none), and its chat template.
+fn special_token_metadata(
+    tokens: &[String],
+    tokenizer_config: Option<&Json>,
+    hf_config: &Json,
+) -> Vec<(String, Value)> {
     let id_of = |name: Option<&str>| name.and_then(|n| tokens.iter().position(|t| t == n)).map(|i| i as u32);
     let token_name = |k: &str| -> Option<String> {
         match tokenizer_config?.get(k)? {
@@ -232,57 +360,9 @@ pub fn to_gguf(
             _ => None,
         }
     };
-    let token_values = Value::Array(tokens.iter().map(|s| Value::String(s.clone())).collect());
-    let mut meta = match &pieces {
-        None => vec![
-            ("tokenizer.ggml.model".to_string(), Value::String("gpt2".into())),
-            ("tokenizer.ggml.pre".to_string(), Value::String(pre.unwrap_or("default").into())),
-            ("tokenizer.ggml.tokens".to_string(), token_values),
-            (
-                "tokenizer.ggml.token_type".to_string(),
-                Value::Array(types.iter().map(|&x| Value::I32(x as i32)).collect()),
-            ),
-            ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
-        ],
-        Some(spm) => {
-            // Scores: a merged piece scores minus the rank of the merge that makes it, so that
-            // recovering the merges from the scores (as import and llama.cpp do) gives their order.
-            let mut scores = vec![0f32; tokens.len()];
-            for (rank, merged) in spm.merged.iter().enumerate() {
-                if let Some(i) = tokens.iter().position(|t| t == merged) {
-                    if scores[i] == 0.0 {
-                        scores[i] = -(rank as f32) - 1.0;
-                    }
-                }
-            }
-            let types: Vec<Value> = tokens
-                .iter()
-                .zip(&types)
-                .map(|(t, &ty)| {
-                    Value::I32(if Some(t) == spm.unk.as_ref() {
-                        2
-                    } else if t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') {
-                        BYTE as i32
-                    } else {
-                        ty as i32
-                    })
-                })
-                .collect();
-            let mut m = vec![
-                ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
-                ("tokenizer.ggml.tokens".to_string(), token_values),
-                ("tokenizer.ggml.scores".to_string(), Value::Array(scores.into_iter().map(Value::F32).collect())),
-                ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
-                ("tokenizer.ggml.add_space_prefix".to_string(), Value::Bool(spm.add_space_prefix)),
-            ];
-            if let Some(u) = spm.unk.as_ref().and_then(|u| tokens.iter().position(|t| t == u)) {
-                m.push(("tokenizer.ggml.unknown_token_id".to_string(), Value::U32(u as u32)));
-            }
-            m
-        }
-    };
     let bos = id_of(token_name("bos_token").as_deref()).or(hf_config["bos_token_id"].as_u64().map(|v| v as u32));
     let eos = id_of(token_name("eos_token").as_deref()).or(hf_config["eos_token_id"].as_u64().map(|v| v as u32));
+    let mut meta = Vec::new();
     if let Some(b) = bos {
         meta.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(b)));
     }
@@ -295,7 +375,7 @@ pub fn to_gguf(
     if let Some(template) = tokenizer_config.and_then(|c| c.get("chat_template")).and_then(Json::as_str) {
         meta.push(("tokenizer.chat_template".into(), Value::String(template.into())));
     }
-    Ok(meta)
+    meta
 }
 
 /// What a SentencePiece-style BPE tokenizer.json says that GGUF's `llama` tokenizer needs.
@@ -308,18 +388,7 @@ struct SpmMetadata {
 }
 
 fn spm_metadata(t: &Json) -> Result<SpmMetadata, String> {
-    let merged = t["model"]["merges"]
-        .as_array()
-        .ok_or("tokenizer.json has no model.merges")?
-        .iter()
-        .map(|m| match m {
-            Json::String(s) => Ok(s.replacen(' ', "", 1)),
-            Json::Array(p) if p.len() == 2 => {
-                Ok(format!("{}{}", p[0].as_str().unwrap_or_default(), p[1].as_str().unwrap_or_default()))
-            }
-            _ => Err("a merge is neither \"a b\" nor [a, b]".to_string()),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let merged = joined_merges(&t["model"], "")?;
     let text = format!("{}{}", t["normalizer"], t["pre_tokenizer"]);
     let add_space_prefix = text.contains("\"Prepend\"") || (text.contains("Metaspace") && !text.contains("\"never\""));
     Ok(SpmMetadata { merged, unk: t["model"]["unk_token"].as_str().map(String::from), add_space_prefix })
