@@ -282,7 +282,7 @@ fn validate_rope_scaling(scaling: &RopeScaling) -> Result<(), ConfigError> {
     }
 }
 
-/// What an [`Attention`](crate::attention::Attention) is built from (`init` is beside it).
+/// What an `Attention` is built from (its `init` is in the attention module).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionConfig {
     pub d_model: usize,
@@ -340,7 +340,7 @@ impl AttentionConfig {
     }
 }
 
-/// What an [`Mlp`](crate::mlp::Mlp) is built from (`init` is beside it).
+/// What an `Mlp` is built from (its `init` is in the mlp module).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MlpConfig {
     pub d_model: usize,
@@ -364,7 +364,7 @@ impl MlpConfig {
     }
 }
 
-/// What an [`RmsNorm`](crate::norm::RmsNorm) is built from (`init` is beside it).
+/// What an `RmsNorm` is built from (its `init` is in the norm module).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RmsNormConfig {
     pub d_model: usize,
@@ -392,7 +392,7 @@ impl RmsNormConfig {
     }
 }
 
-/// What a [`Block`](crate::block::Block) is built from (`init` is beside it).
+/// What a `Block` is built from (its `init` is in the block module).
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockConfig {
     pub attention: AttentionConfig,

@@ -116,8 +116,27 @@ impl<B: EmberBackend> Decoder<B> {
         new_lens: &[usize],
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
-        let mut step = cache.step(new_lens);
-        let mut x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
+        let rows: Vec<usize> = (0..cache.batch()).collect();
+        self.forward_cached_rows(tokens, &rows, new_lens, cache)
+    }
+
+    /// [`Self::forward_cached`] over some of the cache's sequences: row `i` of `tokens` continues
+    /// sequence `rows[i]`; the others are not touched (continuous batching runs only live requests).
+    ///
+    /// # Shapes
+    /// - tokens: `[R, T]` -> `[R, T, D]`, R = `rows.len()`
+    ///
+    /// # Panics
+    /// As [`KvCache::step_rows`].
+    pub fn forward_cached_rows(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        rows: &[usize],
+        new_lens: &[usize],
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        let mut step = cache.step_rows(rows, new_lens);
+        let mut x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [R, T, D]
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(x, &self.rope, Keys::Cache(step.layer(i)), self.compute);
         }

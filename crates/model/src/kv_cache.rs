@@ -40,7 +40,9 @@ pub struct KvCache<B: Backend> {
     layers: Vec<Vec<SeqBlocks<B>>>,
     /// Positions stored per sequence.
     lens: Vec<usize>,
-    /// Real new positions per sequence in the call under way.
+    /// The sequences of the call under way, in the order of its batch rows.
+    rows: Vec<usize>,
+    /// Real new positions of each batch row of the call under way.
     pending: Vec<usize>,
     device: Device<B>,
 }
@@ -56,7 +58,8 @@ impl<B: Backend> KvCache<B> {
             max_len: config.max_seq_len,
             layers: vec![vec![empty; batch]; config.n_layers],
             lens: vec![0; batch],
-            pending: vec![0; batch],
+            rows: Vec::new(),
+            pending: Vec::new(),
             device: device.clone(),
         }
     }
@@ -89,18 +92,32 @@ impl<B: Backend> KvCache<B> {
         self.lens[b] = 0;
     }
 
-    /// Starts a forward call that brings `new_lens[b]` real positions to sequence `b`: the step
-    /// hands each layer its view of the cache, and [`CacheStep::finish`] makes the new positions
-    /// part of the sequences.
+    /// Starts a forward call that brings `new_lens[b]` real positions to sequence `b`, for every
+    /// sequence of the cache: [`Self::step_rows`] over all of them.
     ///
     /// # Panics
-    /// If a sequence would outgrow the model's context (callers check the lengths first: `generate_batch`
-    /// refuses prompts that do not fit).
+    /// As [`Self::step_rows`].
     pub fn step(&mut self, new_lens: &[usize]) -> CacheStep<'_, B> {
-        assert_eq!(new_lens.len(), self.batch(), "one length per sequence");
-        for (b, &n) in new_lens.iter().enumerate() {
-            assert!(self.lens[b] + n <= self.max_len, "sequence {b} outgrows the context");
+        let rows: Vec<usize> = (0..self.batch()).collect();
+        self.step_rows(&rows, new_lens)
+    }
+
+    /// Starts a forward call over some of the cache's sequences: batch row `i` of the call is
+    /// sequence `rows[i]` and brings `new_lens[i]` real positions. The step hands each layer its view
+    /// of the cache, and [`CacheStep::finish`] makes the new positions part of the sequences. The
+    /// other sequences are left as they are (continuous batching runs only the live ones).
+    ///
+    /// # Panics
+    /// If `rows` and `new_lens` differ in length, a row is named twice or does not exist, or a
+    /// sequence would outgrow the model's context (callers check the lengths first:
+    /// `generate_batch` and the engine refuse prompts that do not fit).
+    pub fn step_rows(&mut self, rows: &[usize], new_lens: &[usize]) -> CacheStep<'_, B> {
+        assert_eq!(new_lens.len(), rows.len(), "one length per row");
+        for (i, (&row, &n)) in rows.iter().zip(new_lens).enumerate() {
+            assert!(row < self.batch() && !rows[..i].contains(&row), "row {row} named twice or out of range");
+            assert!(self.lens[row] + n <= self.max_len, "sequence {row} outgrows the context");
         }
+        self.rows = rows.to_vec();
         self.pending = new_lens.to_vec();
         CacheStep { cache: self }
     }
@@ -113,11 +130,11 @@ impl<B: Backend> KvCache<B> {
     /// # Shapes
     /// - k, v: `[1, K, T, Dh]` -> segments of `[1, K, s_i, Dh]` with Σ s_i = stored positions
     fn append_segments(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Vec<(Tensor<B, 4>, Tensor<B, 4>)> {
-        assert_eq!(self.batch(), 1, "segments are for a one-sequence cache");
+        assert_eq!(self.rows.len(), 1, "segments are for a one-sequence call");
         self.write(layer, 0, &k, &v);
-        let bs = self.block_size;
-        let total = self.lens[0] + self.pending[0];
-        let seq = &mut self.layers[layer][0];
+        let (bs, row) = (self.block_size, self.rows[0]);
+        let total = self.lens[row] + self.pending[0];
+        let seq = &mut self.layers[layer][row];
         let full = total / bs;
         if full > seq.folded_blocks {
             let mut ks: Vec<Tensor<B, 3>> = seq.folded.iter().map(|(k, _)| k.clone()).collect();
@@ -141,11 +158,13 @@ impl<B: Backend> KvCache<B> {
         out
     }
 
-    /// Copies the first `pending[b]` new positions of row `b` of `k` and `v` into its blocks.
+    /// Copies the first `pending[b]` new positions of batch row `b` of `k` and `v` into the blocks
+    /// of its sequence.
     fn write(&mut self, layer: usize, b: usize, k: &Tensor<B, 4>, v: &Tensor<B, 4>) {
         let (bs, kh, dh) = (self.block_size, self.n_kv_heads, self.head_dim);
-        let (start, n) = (self.lens[b], self.pending[b]);
-        let seq = &mut self.layers[layer][b];
+        let row = self.rows[b];
+        let (start, n) = (self.lens[row], self.pending[b]);
+        let seq = &mut self.layers[layer][row];
         let row = |x: &Tensor<B, 4>| x.clone().narrow(0, b, 1).reshape([kh, x.dims()[2], dh]); // [K, T, Dh]
         let (k_row, v_row) = (row(k), row(v));
         let mut written = 0;
@@ -172,12 +191,12 @@ impl<B: Backend> KvCache<B> {
     /// - k, v: `[B, K, T, Dh]` -> (`[B, K, S, Dh]`, `[B, K, S, Dh]`), S = max over b of `len_b + new_b`
     fn append(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let (bs, kh, dh) = (self.block_size, self.n_kv_heads, self.head_dim);
-        let s_max = (0..self.batch()).map(|b| self.lens[b] + self.pending[b]).max().unwrap_or(0).max(1);
+        let totals = self.totals();
+        let s_max = totals.iter().copied().max().unwrap_or(0).max(1);
         let (mut ks, mut vs) = (Vec::new(), Vec::new());
-        for b in 0..self.batch() {
+        for (b, &total) in totals.iter().enumerate() {
             self.write(layer, b, &k, &v);
-            let seq = &self.layers[layer][b];
-            let total = self.lens[b] + self.pending[b];
+            let seq = &self.layers[layer][self.rows[b]];
             let gather = |blocks: &[Tensor<B, 3>]| {
                 let mut parts: Vec<Tensor<B, 3>> = blocks.to_vec();
                 let have = blocks.len() * bs;
@@ -194,6 +213,11 @@ impl<B: Backend> KvCache<B> {
         (Tensor::cat(ks, 0), Tensor::cat(vs, 0))
     }
 
+    /// Positions each batch row's sequence holds once the call's new ones are stored.
+    fn totals(&self) -> Vec<usize> {
+        self.rows.iter().zip(&self.pending).map(|(&row, n)| self.lens[row] + n).collect()
+    }
+
     /// Which keys each new query may not see: key `j` is hidden from query `i` of row `b` unless it
     /// is stored (`j < len_b + new_b`), not in the query's future (`j <= len_b + i`), and within the
     /// sliding window if there is one (`len_b + i - j < window`).
@@ -204,8 +228,8 @@ impl<B: Backend> KvCache<B> {
     /// # Shapes
     /// -> `[B, 1, T, S]`, true where hidden
     fn mask(&self, t: usize, window: Option<usize>) -> Option<Tensor<B, 4, Bool>> {
-        let b = self.batch();
-        let totals: Vec<usize> = (0..b).map(|i| self.lens[i] + self.pending[i]).collect();
+        let totals = self.totals();
+        let b = totals.len();
         let s = totals.iter().copied().max().unwrap_or(0).max(1);
         let all_new = self.pending.iter().all(|&n| n == t);
         if t == 1 && all_new && totals.iter().all(|&n| n == s) && window.is_none_or(|w| s <= w) {
@@ -213,7 +237,7 @@ impl<B: Backend> KvCache<B> {
         }
         let mut hidden = Vec::with_capacity(b * t * s);
         for row in 0..b {
-            let (start, total) = (self.lens[row], self.lens[row] + self.pending[row]);
+            let (start, total) = (self.lens[self.rows[row]], totals[row]);
             for i in 0..t {
                 let pos = start + i;
                 hidden.extend((0..s).map(|j| !(j < total && j <= pos && window.is_none_or(|w| pos - j < w))));
@@ -237,10 +261,11 @@ impl<B: Backend> CacheStep<'_, B> {
     /// Ends the call: the new positions become part of every sequence.
     pub fn finish(self) {
         let c = self.cache;
-        for (len, n) in c.lens.iter_mut().zip(&c.pending) {
-            *len += n;
+        for (&row, &n) in c.rows.iter().zip(&c.pending) {
+            c.lens[row] += n;
         }
-        c.pending.iter_mut().for_each(|n| *n = 0);
+        c.rows.clear();
+        c.pending.clear();
     }
 }
 
@@ -252,9 +277,9 @@ pub struct LayerKv<'a, B: Backend> {
 }
 
 impl<B: Backend> LayerKv<'_, B> {
-    /// The absolute position of each row's first new token.
-    pub fn starts(&self) -> &[usize] {
-        &self.cache.lens
+    /// The absolute position of each batch row's first new token.
+    pub fn starts(&self) -> Vec<usize> {
+        self.cache.rows.iter().map(|&row| self.cache.lens[row]).collect()
     }
 
     /// Stores the new post-RoPE keys and values (the first `new_lens[b]` positions of row `b`) and
@@ -267,7 +292,7 @@ impl<B: Backend> LayerKv<'_, B> {
     pub fn store(self, k: Tensor<B, 4>, v: Tensor<B, 4>, window: Option<usize>) -> KvView<B> {
         let c = self.cache;
         let [b, _, t, _] = k.dims();
-        let stored = c.lens[0] + 1;
+        let stored = c.lens[c.rows[0]] + 1;
         if b == 1 && t == 1 && window.is_none_or(|w| stored <= w) {
             return KvView::Segments(c.append_segments(self.layer, k, v));
         }

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod block;
 pub mod config;
 pub mod decoder;
+pub mod engine;
 pub mod init;
 pub mod kv_cache;
 pub mod linear;

@@ -282,6 +282,17 @@ pub fn generate_batch<B: EmberBackend>(
 /// Runs `inputs[b]` (possibly empty) after each row's cached positions; returns each row's logits
 /// at its last new position (rows without input: at their first padding position, unused).
 fn feed<B: EmberBackend>(model: &Decoder<B>, cache: &mut KvCache<B>, inputs: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let rows: Vec<usize> = (0..inputs.len()).collect();
+    feed_rows(model, cache, &rows, inputs)
+}
+
+/// [`feed`] over some of the cache's sequences: `inputs[i]` continues sequence `rows[i]`.
+pub(crate) fn feed_rows<B: EmberBackend>(
+    model: &Decoder<B>,
+    cache: &mut KvCache<B>,
+    rows: &[usize],
+    inputs: &[Vec<u32>],
+) -> Vec<Vec<f32>> {
     let n = inputs.len();
     let t = inputs.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let mut ids = vec![0i32; n * t];
@@ -293,9 +304,9 @@ fn feed<B: EmberBackend>(model: &Decoder<B>, cache: &mut KvCache<B>, inputs: &[V
     let device = model.embed_tokens.device();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, t]), &device);
     let new_lens: Vec<usize> = inputs.iter().map(Vec::len).collect();
-    let hidden = model.forward_cached(tokens, &new_lens, cache); // [N, T, D]
-    let rows: Vec<i32> = new_lens.iter().map(|&l| l.max(1) as i32 - 1).collect();
-    last_logits(model, hidden, &rows)
+    let hidden = model.forward_cached_rows(tokens, rows, &new_lens, cache); // [N, T, D]
+    let last: Vec<i32> = new_lens.iter().map(|&l| l.max(1) as i32 - 1).collect();
+    last_logits(model, hidden, &last)
 }
 
 /// Host logits of position `rows[b]` of each row.
@@ -308,8 +319,8 @@ fn last_logits<B: EmberBackend>(model: &Decoder<B>, hidden: Tensor<B, 3>, rows: 
     let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(idx, [n, 1, d]), &hidden.device());
     let last = hidden.gather(1, idx).reshape([n, d]); // [N, D]
     let data = model.logits(last).into_data().convert::<f32>();
-    let flat = data.as_slice::<f32>().expect("f32 logits");
-    flat.chunks(flat.len() / n.max(1)).map(<[f32]>::to_vec).collect()
+    let flat = data.as_slice::<f32>().unwrap_or_default();
+    flat.chunks(model.config().vocab_size.max(1)).map(<[f32]>::to_vec).collect()
 }
 
 #[cfg(test)]

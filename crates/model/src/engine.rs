@@ -1,0 +1,367 @@
+//! Continuous batching (Yu et al., 2022, "Orca"): requests join and leave the running decode batch
+//! at token granularity. The engine holds a fixed number of slots, each a sequence of one paged
+//! [`KvCache`]; a request waits in a bounded queue until a slot is free, is prefilled there in
+//! chunks of at most `prefill_chunk` tokens (so that a long prompt does not stall the others'
+//! decoding), then yields one token per step until a stop token, its `max_new_tokens`, or a cancel.
+//!
+//! A step runs the decoding slots as one batch of single positions and the prefilling slots as a
+//! second batch; idle slots take no part (their cache rows are not touched). The caller drives it:
+//! `submit`, then `step` until `is_idle`, passing each [`Event`] on.
+
+use std::collections::VecDeque;
+
+use crate::decoder::Decoder;
+use crate::kv_cache::KvCache;
+use crate::ops::EmberBackend;
+use crate::sample::{check_prompts, feed_rows, SampleError, Sampler};
+
+/// The engine's name for a request, in submission order.
+pub type RequestId = u64;
+
+/// What a client asks for.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    /// The request ends after producing one of these (end-of-text ids); the stop token is
+    /// reported like any other.
+    pub stop_tokens: Vec<u32>,
+    pub sampler: Sampler,
+}
+
+/// Why a request ended (OpenAI's `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    /// [`Engine::cancel`].
+    Cancelled,
+}
+
+impl Finish {
+    /// OpenAI's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What a step produced for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Token { id: RequestId, token: u32 },
+    Done { id: RequestId, finish: Finish, prompt_tokens: usize, completion_tokens: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    #[error("the queue is full: {0} requests are waiting")]
+    QueueFull(usize),
+    #[error("the prompt ({prompt} tokens) and max_tokens ({max_new_tokens}) exceed the model's context of {context} positions")]
+    TooLong { prompt: usize, max_new_tokens: usize, context: usize },
+    #[error(transparent)]
+    Prompt(#[from] SampleError),
+}
+
+/// Sizes of an engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Requests decoded at once (sequences of the KV cache).
+    pub slots: usize,
+    /// Requests that may wait for a slot; more are refused with [`EngineError::QueueFull`].
+    pub queue_limit: usize,
+    /// Prompt tokens a slot prefills per step.
+    pub prefill_chunk: usize,
+    /// Positions per KV-cache block.
+    pub block_size: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { slots: 8, queue_limit: 64, prefill_chunk: 256, block_size: 64 }
+    }
+}
+
+/// A request in a slot.
+struct Live {
+    id: RequestId,
+    request: Request,
+    /// Prompt tokens fed so far.
+    fed: usize,
+    /// Prompt and generated tokens (the repetition penalty's history).
+    history: Vec<u32>,
+    generated: usize,
+}
+
+impl Live {
+    fn prefilling(&self) -> bool {
+        self.fed < self.request.prompt.len()
+    }
+}
+
+pub struct Engine<B: EmberBackend> {
+    model: Decoder<B>,
+    cache: KvCache<B>,
+    slots: Vec<Option<Live>>,
+    queue: VecDeque<(RequestId, Request)>,
+    config: EngineConfig,
+    next_id: RequestId,
+}
+
+impl<B: EmberBackend> Engine<B> {
+    pub fn new(model: Decoder<B>, config: EngineConfig) -> Self {
+        let config = EngineConfig {
+            slots: config.slots.max(1),
+            prefill_chunk: config.prefill_chunk.max(1),
+            block_size: config.block_size.max(1),
+            ..config
+        };
+        let cache = model.new_cache(config.slots, config.block_size);
+        let slots = (0..config.slots).map(|_| None).collect();
+        Self { model, cache, slots, queue: VecDeque::new(), config, next_id: 0 }
+    }
+
+    pub fn model(&self) -> &Decoder<B> {
+        &self.model
+    }
+
+    /// Queues a request after checking it against the model: a non-empty prompt of known ids that
+    /// fits the context together with `max_new_tokens`.
+    pub fn submit(&mut self, request: Request) -> Result<RequestId, EngineError> {
+        let c = self.model.config();
+        check_prompts(&[&request.prompt], c.max_seq_len, c.vocab_size)?;
+        if request.prompt.len() + request.max_new_tokens > c.max_seq_len {
+            let (prompt, max_new_tokens) = (request.prompt.len(), request.max_new_tokens);
+            return Err(EngineError::TooLong { prompt, max_new_tokens, context: c.max_seq_len });
+        }
+        if self.queue.len() >= self.config.queue_limit {
+            return Err(EngineError::QueueFull(self.queue.len()));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.queue.push_back((id, request));
+        Ok(id)
+    }
+
+    /// Ends a request, waiting or running; its slot is free for the next step. `None` if it is not
+    /// known (it has ended already).
+    pub fn cancel(&mut self, id: RequestId) -> Option<Event> {
+        if let Some(i) = self.queue.iter().position(|(q, _)| *q == id) {
+            let (_, request) = self.queue.remove(i)?;
+            return Some(Event::Done {
+                id,
+                finish: Finish::Cancelled,
+                prompt_tokens: request.prompt.len(),
+                completion_tokens: 0,
+            });
+        }
+        let slot = self.slots.iter().position(|s| s.as_ref().is_some_and(|l| l.id == id))?;
+        Some(self.release(slot, Finish::Cancelled))
+    }
+
+    /// Requests running (prefilling or decoding).
+    pub fn running(&self) -> usize {
+        self.slots.iter().flatten().count()
+    }
+
+    /// Requests waiting for a slot.
+    pub fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running() == 0 && self.queue.is_empty()
+    }
+
+    /// Admits waiting requests into free slots, then runs one forward pass for the decoding slots
+    /// and one for the prefilling ones, and samples a token for every slot whose prompt is in.
+    pub fn step(&mut self) -> Vec<Event> {
+        self.admit();
+        let mut events = Vec::new();
+        let (decoding, prefilling): (Vec<usize>, Vec<usize>) = (0..self.slots.len())
+            .filter(|&i| self.slots[i].is_some())
+            .partition(|&i| self.slots[i].as_ref().is_some_and(|l| !l.prefilling()));
+        for group in [decoding, prefilling] {
+            if group.is_empty() {
+                continue;
+            }
+            let inputs: Vec<Vec<u32>> = group.iter().map(|&i| self.next_input(i)).collect();
+            let logits = feed_rows(&self.model, &mut self.cache, &group, &inputs);
+            for (&slot, logits) in group.iter().zip(&logits) {
+                self.sample(slot, logits, &mut events);
+            }
+        }
+        events
+    }
+
+    fn admit(&mut self) {
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].is_some() {
+                continue;
+            }
+            let Some((id, request)) = self.queue.pop_front() else { return };
+            self.cache.reset(slot);
+            let history = request.prompt.clone();
+            self.slots[slot] = Some(Live { id, request, fed: 0, history, generated: 0 });
+        }
+    }
+
+    /// The tokens slot `slot` feeds this step: its next prompt chunk, or its last token.
+    fn next_input(&mut self, slot: usize) -> Vec<u32> {
+        let chunk = self.config.prefill_chunk;
+        let Some(live) = self.slots[slot].as_mut() else { return Vec::new() };
+        if live.prefilling() {
+            let end = (live.fed + chunk).min(live.request.prompt.len());
+            let input = live.request.prompt[live.fed..end].to_vec();
+            live.fed = end;
+            input
+        } else {
+            live.history.last().map(|&t| vec![t]).unwrap_or_default()
+        }
+    }
+
+    /// Samples slot `slot`'s next token from the logits of its last fed position, if its prompt is
+    /// all in; ends it at a stop token or its length.
+    fn sample(&mut self, slot: usize, logits: &[f32], events: &mut Vec<Event>) {
+        let Some(live) = self.slots[slot].as_mut() else { return };
+        if live.prefilling() {
+            return; // more of the prompt to come: these logits are not a prediction anyone needs
+        }
+        let token = live.request.sampler.sample_with_history(logits, &live.history) as u32;
+        live.history.push(token);
+        live.generated += 1;
+        events.push(Event::Token { id: live.id, token });
+        let finish = if live.request.stop_tokens.contains(&token) {
+            Some(Finish::Stop)
+        } else if live.generated >= live.request.max_new_tokens {
+            Some(Finish::Length)
+        } else {
+            None
+        };
+        if let Some(finish) = finish {
+            events.push(self.release(slot, finish));
+        }
+    }
+
+    fn release(&mut self, slot: usize, finish: Finish) -> Event {
+        let live = self.slots[slot].take();
+        self.cache.reset(slot);
+        let (id, prompt_tokens, completion_tokens) =
+            live.map_or((0, 0, 0), |l| (l.id, l.request.prompt.len(), l.generated));
+        Event::Done { id, finish, prompt_tokens, completion_tokens }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::sample::{generate_batch, GenerateOptions, SamplingConfig};
+    use crate::TestBackend as B;
+    use std::collections::HashMap;
+
+    fn model() -> Decoder<B> {
+        let config = ModelConfig { init_std: 0.2, ..ModelConfig::tiny(41, 48) };
+        Decoder::new(&config, 5, &Default::default()).unwrap()
+    }
+
+    fn greedy() -> Sampler {
+        Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()
+    }
+
+    fn request(prompt: &[u32], max_new_tokens: usize) -> Request {
+        Request { prompt: prompt.to_vec(), max_new_tokens, stop_tokens: vec![], sampler: greedy() }
+    }
+
+    /// What `generate_batch` gives the prompt alone.
+    fn alone(model: &Decoder<B>, prompt: &[u32], n: usize) -> Vec<u32> {
+        let options = GenerateOptions { max_new_tokens: n, stop_tokens: vec![], block_size: 4 };
+        generate_batch(model, &[prompt.to_vec()], &options, &mut [greedy()], |_, _| true).unwrap().remove(0)
+    }
+
+    /// Steps until idle, submitting `late` requests after `at` steps; the tokens of each request.
+    fn run(engine: &mut Engine<B>, late: Vec<(usize, Request)>) -> (HashMap<RequestId, Vec<u32>>, Vec<Event>) {
+        let mut late: VecDeque<(usize, Request)> = late.into();
+        let (mut tokens, mut done) = (HashMap::<RequestId, Vec<u32>>::new(), Vec::new());
+        let mut step = 0;
+        while !engine.is_idle() || !late.is_empty() {
+            while late.front().is_some_and(|(at, _)| *at <= step) {
+                let (_, r) = late.pop_front().unwrap();
+                engine.submit(r).unwrap();
+            }
+            for e in engine.step() {
+                match e {
+                    Event::Token { id, token } => tokens.entry(id).or_default().push(token),
+                    done_event => done.push(done_event),
+                }
+            }
+            step += 1;
+            assert!(step < 500, "the engine does not finish");
+        }
+        (tokens, done)
+    }
+
+    #[test]
+    fn requests_joining_and_leaving_get_what_they_get_alone() {
+        let model = model();
+        let prompts: [&[u32]; 4] = [&[1, 2, 3], &[7; 11], &[30, 4], &[9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]];
+        let lens = [12, 5, 9, 7];
+        // Two slots for four requests (two wait), prompts prefilled in chunks of 4, arriving at
+        // steps 0, 0, 2 and 6.
+        let config = EngineConfig { slots: 2, queue_limit: 8, prefill_chunk: 4, block_size: 4 };
+        let mut engine = Engine::new(model.clone(), config);
+        let arrivals = [0, 0, 2, 6];
+        let late = (0..4).map(|i| (arrivals[i], request(prompts[i], lens[i]))).collect();
+        let (tokens, done) = run(&mut engine, late);
+        for i in 0..4 {
+            assert_eq!(tokens[&(i as u64)], alone(&model, prompts[i], lens[i]), "request {i}");
+        }
+        assert_eq!(done.len(), 4);
+        for e in done {
+            let Event::Done { id, finish, prompt_tokens, completion_tokens } = e else { unreachable!() };
+            assert_eq!(
+                (finish, prompt_tokens, completion_tokens),
+                (Finish::Length, prompts[id as usize].len(), lens[id as usize])
+            );
+        }
+    }
+
+    #[test]
+    fn a_stop_token_ends_a_request_and_frees_its_slot() {
+        let model = model();
+        let free = alone(&model, &[5, 6], 8);
+        let stop = free[3];
+        let first = free.iter().position(|&t| t == stop).unwrap();
+        let mut engine = Engine::new(model, EngineConfig { slots: 1, ..Default::default() });
+        let r = Request { stop_tokens: vec![stop], ..request(&[5, 6], 8) };
+        let (tokens, done) = run(&mut engine, vec![(0, r), (0, request(&[5, 6], 2))]);
+        assert_eq!(tokens[&0], free[..=first].to_vec());
+        assert_eq!(tokens[&1], free[..2].to_vec(), "the second request ran in the freed slot");
+        assert!(matches!(done[0], Event::Done { finish: Finish::Stop, .. }));
+    }
+
+    #[test]
+    fn bad_requests_a_full_queue_and_cancels() {
+        let mut engine = Engine::new(model(), EngineConfig { slots: 1, queue_limit: 2, ..Default::default() });
+        let too_long = engine.submit(request(&[1; 40], 9)).unwrap_err();
+        assert_eq!(too_long, EngineError::TooLong { prompt: 40, max_new_tokens: 9, context: 48 });
+        assert!(matches!(engine.submit(request(&[], 1)), Err(EngineError::Prompt(SampleError::EmptyPrompt))));
+        assert!(matches!(engine.submit(request(&[41], 1)), Err(EngineError::Prompt(_))));
+        let a = engine.submit(request(&[1, 2], 20)).unwrap();
+        let b = engine.submit(request(&[3], 20)).unwrap();
+        assert_eq!(engine.submit(request(&[4], 1)), Err(EngineError::QueueFull(2)));
+        engine.step(); // a runs, b waits
+        assert_eq!((engine.running(), engine.waiting()), (1, 1));
+        let cancelled = engine.cancel(b).unwrap();
+        assert_eq!(cancelled, Event::Done { id: b, finish: Finish::Cancelled, prompt_tokens: 1, completion_tokens: 0 });
+        engine.step();
+        let Some(Event::Done { finish: Finish::Cancelled, completion_tokens: 2, .. }) = engine.cancel(a) else {
+            panic!("a running request is cancelled with its token count")
+        };
+        assert!(engine.is_idle() && engine.cancel(a).is_none());
+    }
+}
