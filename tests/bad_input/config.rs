@@ -82,12 +82,12 @@ fn structure_keys_and_sections() {
     train_refuses(&edit("d_model = 32", "d_model = \"wide\""), &["model.d_model", "cfg.toml"]);
     train_refuses(
         &edit("path = \"corpus.txt\"", "dataset = \"tinyshakespeare\"\npath = \"corpus.txt\""),
-        &["set only one of `dataset` and `path`"],
+        &["data: set only one of `dataset` (\"tinyshakespeare\") and `path` (corpus.txt)"],
     );
     train_refuses(&edit("path = \"corpus.txt\"", ""), &["set `dataset` (a built-in name) or `path`"]);
     train_refuses(
         &edit("tokenizer = \"char\"", "tokenizer = \"char\"\npacking = \"documents\""),
-        &["data.packing and data.truncate apply to JSONL examples"],
+        &["data.packing = \"documents\" applies to JSONL examples"],
     );
     train_refuses(
         &edit("seed = 7", "seed = 7\neval_strategy = \"epoch\""),

@@ -10,6 +10,7 @@ pub mod loader;
 pub mod manifest;
 pub mod prepare;
 pub mod shards;
+pub mod stream;
 pub mod tokenizer;
 
 pub use error::DataError;

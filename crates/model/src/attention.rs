@@ -34,6 +34,8 @@ pub struct Attention<B: Backend> {
 }
 
 impl AttentionConfig {
+    /// The projections, drawn from `init`. Call [`AttentionConfig::validate`] first (as
+    /// `Decoder::new` does): a config that breaks its rules builds a part that panics when run.
     pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
         let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
         Attention {
@@ -96,6 +98,9 @@ impl<B: EmberBackend> Attention<B> {
         compute: DType,
     ) -> Tensor<B, 2> {
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        if let Some(docs) = docs {
+            assert_eq!(docs.dims(), [b, t], "documents of another batch shape than the tokens");
+        }
         if compute == DType::F32 && self.sliding_window.is_none_or(|w| w >= t) {
             // RoPE and causal GQA attention as one op, on the projections' own layout.
             return attention_rope_packed(qkv, rope, (b, t), (h, k, dh), start, docs);

@@ -24,6 +24,8 @@ pub struct Block<B: Backend> {
 }
 
 impl BlockConfig {
+    /// The part, its weights drawn from `init`. Call [`BlockConfig::validate`] first (as `Decoder::new`
+    /// does): a config that breaks its rules builds a part that panics when run.
     pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Block<B> {
         Block {
             input_layernorm: self.norm.init(device),

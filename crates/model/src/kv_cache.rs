@@ -247,7 +247,10 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
-/// One forward call through the cache, made by [`KvCache::step`].
+/// One forward call through the cache, made by [`KvCache::step`] or [`KvCache::step_rows`]. Its
+/// new positions count only once [`CacheStep::finish`] is called: a step dropped without it leaves
+/// the lengths where they were (and what it wrote is overwritten by the next call).
+#[must_use = "a cache step's positions count only after `finish`"]
 pub struct CacheStep<'a, B: Backend> {
     cache: &'a mut KvCache<B>,
 }
@@ -258,7 +261,7 @@ impl<B: Backend> CacheStep<'_, B> {
         LayerKv { cache: self.cache, layer }
     }
 
-    /// Ends the call: the new positions become part of every sequence.
+    /// Ends the call: the new positions become part of the call's sequences.
     pub fn finish(self) {
         let c = self.cache;
         for (&row, &n) in c.rows.iter().zip(&c.pending) {
@@ -293,7 +296,7 @@ impl<B: Backend> LayerKv<'_, B> {
         let c = self.cache;
         let [b, _, t, _] = k.dims();
         let stored = c.lens[c.rows[0]] + 1;
-        if b == 1 && t == 1 && window.is_none_or(|w| stored <= w) {
+        if b == 1 && t == 1 && c.pending[0] == 1 && window.is_none_or(|w| stored <= w) {
             return KvView::Segments(c.append_segments(self.layer, k, v));
         }
         let (k, v) = c.append(self.layer, k, v);

@@ -21,6 +21,8 @@ pub struct Mlp<B: Backend> {
 }
 
 impl MlpConfig {
+    /// The part, its weights drawn from `init`. Call [`MlpConfig::validate`] first (as `Decoder::new`
+    /// does): a config that breaks its rules builds a part that panics when run.
     pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Mlp<B> {
         let (d, f) = (self.d_model, self.d_ff);
         Mlp {

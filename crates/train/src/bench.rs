@@ -14,6 +14,7 @@ use serde::Serialize;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::flops::{measure_gemm, mfu, resolve_peak, GemmRate};
+use crate::init::ResolvedConfig;
 use crate::optim::AdamW;
 use crate::precision::LossScaler;
 use crate::schedule::LrSchedule;
@@ -52,7 +53,8 @@ pub struct PeakSource {
     pub peak_tflops: Option<f64>,
 }
 
-/// Times `steps` optimizer steps after `warmup` untimed ones.
+/// Times `steps` optimizer steps after `warmup` untimed ones, of a run of `config` (whose
+/// `init_from` source this opens; [`bench_run`] takes one already open).
 #[allow(clippy::too_many_arguments)]
 pub fn bench_train<B: TrainBackend>(
     config: TrainConfig,
@@ -64,7 +66,22 @@ pub fn bench_train<B: TrainBackend>(
     peak_source: &PeakSource,
     probe: &dyn MemoryProbe,
 ) -> Result<TrainBench, TrainError> {
-    let setup = prepare(config, locations)?;
+    bench_run::<B>(config.resolve()?, locations, warmup, steps, device, device_label, peak_source, probe)
+}
+
+/// [`bench_train`] of a config whose `init_from` source is open.
+#[allow(clippy::too_many_arguments)]
+pub fn bench_run<B: TrainBackend>(
+    run: ResolvedConfig,
+    locations: &Locations,
+    warmup: usize,
+    steps: usize,
+    device: &Device<B>,
+    device_label: &str,
+    peak_source: &PeakSource,
+    probe: &dyn MemoryProbe,
+) -> Result<TrainBench, TrainError> {
+    let setup = prepare(run, locations)?;
     let config = &setup.config;
     let dtype = resolve_dtype::<B>(device, config);
     let peak = resolve_peak::<B::InnerBackend>(
@@ -75,7 +92,7 @@ pub fn bench_train<B: TrainBackend>(
         Some(locations.cache_dir.as_path()),
     );
     // The model a run of this config trains: `init_from`'s weights and LoRA adapters included.
-    let mut model = initial_model::<B>(config, device)?.with_compute_dtype(dtype);
+    let mut model = initial_model::<B>(&setup, device)?.with_compute_dtype(dtype);
     let mut optim = Optimizer::Replicated(AdamW::<B>::new(config.optim.clone()));
     let mut scaler = (dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);

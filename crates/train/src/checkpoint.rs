@@ -30,7 +30,7 @@ use ember_model::weights::{assign, from_safetensors, named_tensors, to_safetenso
 use ember_model::{Decoder, ModelConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::config::TrainConfig;
+use crate::config::{InitSource, TrainConfig};
 use crate::error::TrainError;
 use crate::schedule::LrSchedule;
 
@@ -325,27 +325,48 @@ impl Checkpoint {
         serde_json::from_str(&std::fs::read_to_string(self.dir.join(HF_CONFIG_FILE)).ok()?).ok()
     }
 
-    /// The decoder with this checkpoint's weights (for a LoRA checkpoint: the base model with the
-    /// adapters attached).
-    pub fn decoder<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    /// The `init_from` source a LoRA checkpoint's adapters sit on; `None` for a full checkpoint.
+    pub fn adapter_source(&self) -> Result<Option<InitSource>, TrainError> {
         if !self.is_adapter() {
-            let path = self.dir.join(MODEL_FILE);
-            // Sizes first: a model.toml that describes more than its weights file is refused
-            // before the model is allocated.
-            let bytes = std::fs::metadata(&path).map_err(TrainError::io(&path))?.len();
-            ember_model::weights::check_model_size(&self.model_config, &path.display().to_string(), bytes)
-                .map_err(|message| TrainError::Checkpoint { path: self.dir.join(MODEL_CONFIG_FILE), message })?;
-            let model = Decoder::empty(&self.model_config, device)?;
-            return Ok(assign(model, read_tensors(&path)?, &path.display().to_string(), false)?);
+            return Ok(None);
         }
-        let config = self.train_config()?;
-        let (Some(source), Some(lora)) = (&config.init_from, &config.lora) else {
-            return Err(TrainError::Checkpoint {
+        match self.train_config()? {
+            TrainConfig { init_from: Some(source), lora: Some(_), .. } => Ok(Some(source.clone())),
+            _ => Err(TrainError::Checkpoint {
                 path: self.dir.clone(),
                 message: format!("{ADAPTER_FILE} without init_from and [lora] in {CONFIG_FILE}"),
+            }),
+        }
+    }
+
+    /// The decoder of a full checkpoint, from its own weights.
+    pub(crate) fn own_decoder<B: ember_model::ops::EmberBackend>(
+        &self,
+        device: &Device<B>,
+    ) -> Result<Decoder<B>, TrainError> {
+        let path = self.dir.join(MODEL_FILE);
+        // Sizes first: a model.toml that describes more than its weights file is refused
+        // before the model is allocated.
+        let bytes = std::fs::metadata(&path).map_err(TrainError::io(&path))?.len();
+        ember_model::weights::check_model_size(&self.model_config, &path.display().to_string(), bytes)
+            .map_err(|message| TrainError::Checkpoint { path: self.dir.join(MODEL_CONFIG_FILE), message })?;
+        let model = Decoder::empty(&self.model_config, device)?;
+        Ok(assign(model, read_tensors(&path)?, &path.display().to_string(), false)?)
+    }
+
+    /// A LoRA checkpoint's adapters attached to `base`, the model its `init_from` source gives.
+    pub(crate) fn with_adapters<B: ember_model::ops::EmberBackend>(
+        &self,
+        base: Decoder<B>,
+    ) -> Result<Decoder<B>, TrainError> {
+        let config = self.train_config()?;
+        let Some(lora) = &config.lora else {
+            return Err(TrainError::Checkpoint {
+                path: self.dir.clone(),
+                message: format!("{ADAPTER_FILE} without [lora] in {CONFIG_FILE}"),
             });
         };
-        let base = source.load::<B>(device)?.with_lora(lora, config.train.seed);
+        let base = base.with_lora(lora, config.train.seed);
         let path = self.dir.join(ADAPTER_FILE);
         let mut values: BTreeMap<String, TensorData> = named_tensors::<B, _>(&base).into_iter().collect();
         for (k, v) in read_tensors(&path)? {

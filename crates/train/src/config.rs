@@ -1,5 +1,8 @@
 //! The training config file: one TOML with `[model]`, `[data]`, `[train]`, `[optim]` and
-//! `[schedule]`. Unknown keys are errors, named with their section.
+//! `[schedule]`. Unknown keys are errors, named with their section; a value that breaks a rule is
+//! an [`InvalidConfig`] naming the key, the value and the rule. Parsing reads the file alone: a
+//! `[model]` left out for `init_from`'s is filled in when the source is opened
+//! ([`ConfigFile::resolve`], in `init`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -8,17 +11,18 @@ use ember_data::finetune::Packing;
 use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::error::TrainError;
-use crate::init::InitSource;
+use crate::error::{InvalidConfig, Relation, TrainError};
 
+/// A run's config: pure data, read from TOML. `M` is the architecture: a [`ModelConfig`], or in a
+/// [`ConfigFile`] an `Option` of one (`[model]` may be left out when `init_from` is set).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TrainConfig {
+pub struct TrainConfig<M = ModelConfig> {
     /// Start from pretrained weights: `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run
     /// or checkpoint). `[model]` may then be left out: it comes from the source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<InitSource>,
-    pub model: ModelConfig,
+    pub model: M,
     pub data: DataConfig,
     pub train: LoopConfig,
     pub optim: OptimConfig,
@@ -280,14 +284,24 @@ pub struct ScheduleConfig {
     pub decay_steps: Option<usize>,
 }
 
-impl TrainConfig {
-    /// Parses and validates a config file; errors name the file and the key.
-    pub fn from_file(path: &Path) -> Result<Self, TrainError> {
+/// A config file as written, parsed and checked without opening anything but itself. `model` is
+/// `None` where `[model]` is left out for the `init_from` model's: [`ConfigFile::resolve`] opens
+/// the source (once) and takes it from there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigFile {
+    pub path: PathBuf,
+    pub config: TrainConfig<Option<ModelConfig>>,
+}
+
+impl ConfigFile {
+    pub fn read(path: &Path) -> Result<Self, TrainError> {
         let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
-        Self::from_toml(&text, path)
+        Self::parse(&text, path)
     }
 
-    pub fn from_toml(text: &str, path: &Path) -> Result<Self, TrainError> {
+    /// Syntax, keys and types, then every rule that does not need the model; errors name the file
+    /// and the key.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, TrainError> {
         let syntax = |e: toml::de::Error| TrainError::Config {
             path: path.into(),
             message: match e.span() {
@@ -302,26 +316,49 @@ impl TrainConfig {
             },
             key: toml_key(text, e.span()),
         };
-        let mut raw: toml::Table = toml::from_str(text).map_err(syntax)?;
-        // With `init_from` and no [model], the architecture comes from the starting model: the
-        // config is parsed again with it filled in (errors still name section and key).
-        let filled;
-        let text = match raw.get("init_from").and_then(toml::Value::as_str) {
-            Some(spec) if !raw.contains_key("model") => {
-                let model = InitSource::parse(spec)?.model_config()?;
-                raw.insert("model".into(), toml::Value::try_from(&model).expect("model config as TOML"));
-                filled = toml::to_string(&raw).expect("table as TOML");
-                filled.as_str()
-            }
-            _ => text,
-        };
-        let config: TrainConfig = toml::from_str(text).map_err(|e| TrainError::Config {
+        // Syntax first, as a plain table: its errors carry the line and column.
+        toml::from_str::<toml::Table>(text).map_err(syntax)?;
+        let config: TrainConfig<Option<ModelConfig>> = toml::from_str(text).map_err(|e| TrainError::Config {
             path: path.into(),
             message: e.message().to_string(),
             key: toml_key(text, e.span()),
         })?;
-        config.validate().map_err(|message| TrainError::Config { path: path.into(), message, key: None })?;
+        config.validate_sections().map_err(|error| TrainError::Invalid { path: path.into(), error })?;
+        Ok(Self { path: path.into(), config })
+    }
+
+    /// The config of a file that names its model: nothing is opened.
+    pub fn complete(mut self) -> Result<TrainConfig, TrainError> {
+        match self.config.model.take() {
+            Some(model) => self.complete_with(model),
+            None => Err(TrainError::Config {
+                path: self.path,
+                key: Some("model".into()),
+                message: match self.config.init_from {
+                    None => "missing: describe the model, or start from one with init_from".into(),
+                    Some(_) => "left out for init_from's: the config must be resolved (ConfigFile::resolve)".into(),
+                },
+            }),
+        }
+    }
+
+    /// The config with the architecture `model`, checked against the rules that need it.
+    pub fn complete_with(self, model: ModelConfig) -> Result<TrainConfig, TrainError> {
+        let config = self.config.with_model(model);
+        config.validate_model().map_err(|error| TrainError::Invalid { path: self.path, error })?;
         Ok(config)
+    }
+}
+
+impl TrainConfig {
+    /// Reads a complete config file (one with `[model]`, as every run directory's config.toml):
+    /// nothing but the file is opened; errors name the file and the key.
+    pub fn from_file(path: &Path) -> Result<Self, TrainError> {
+        ConfigFile::read(path)?.complete()
+    }
+
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, TrainError> {
+        ConfigFile::parse(text, path)?.complete()
     }
 
     /// Makes the paths of the config absolute (relative ones are relative to the working
@@ -347,125 +384,193 @@ impl TrainConfig {
         self.train.seq_len.unwrap_or(self.model.max_seq_len)
     }
 
-    pub fn decay_steps(&self) -> usize {
-        self.schedule.decay_steps.unwrap_or(self.train.max_steps)
-    }
-
     /// Tokens per optimizer step.
     pub fn tokens_per_step(&self) -> usize {
         self.train.batch_size * self.seq_len() * self.train.grad_accum_steps
     }
 
-    /// Rules within and across sections. The model's own rules run once the vocabulary is known.
-    pub fn validate(&self) -> Result<(), String> {
-        self.distributed.validate()?;
-        if self.metrics.sinks.is_empty() {
-            return Err("metrics.sinks is empty: name jsonl and/or tensorboard".into());
+    /// Every rule, within and across sections. The model's own rules run once the vocabulary is
+    /// known (a vocabulary of 0 comes from the tokenizer).
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        self.validate_sections()?;
+        self.validate_model()
+    }
+
+    /// The rules that need the model: its own, and the sequence length within its context.
+    fn validate_model(&self) -> Result<(), InvalidConfig> {
+        if self.seq_len() == 0 || self.seq_len() > self.model.max_seq_len {
+            return Err(InvalidConfig::Bounded {
+                key: "train.seq_len",
+                value: self.seq_len().to_string(),
+                relation: Relation::OneTo,
+                bound_key: "model.max_seq_len",
+                bound: self.model.max_seq_len.to_string(),
+            });
         }
+        if self.model.vocab_size != 0 {
+            self.model.validate()?;
+        } else {
+            // Everything but the vocabulary can be checked now.
+            ModelConfig { vocab_size: 1, ..self.model.clone() }.validate()?;
+        }
+        Ok(())
+    }
+}
+
+impl<M> TrainConfig<M> {
+    /// The same config with the architecture `model`.
+    pub fn with_model<N>(self, model: N) -> TrainConfig<N> {
+        let Self { init_from, model: _, data, train, optim, schedule, lora, metrics, distributed } = self;
+        TrainConfig { init_from, model, data, train, optim, schedule, lora, metrics, distributed }
+    }
+
+    pub fn decay_steps(&self) -> usize {
+        self.schedule.decay_steps.unwrap_or(self.train.max_steps)
+    }
+
+    /// The rules of every section but `[model]`, then those across sections.
+    pub fn validate_sections(&self) -> Result<(), InvalidConfig> {
+        self.distributed.validate()?;
+        self.metrics.validate()?;
         if let Some(lora) = &self.lora {
-            lora.validate()?;
+            lora.validate().map_err(InvalidConfig::Lora)?;
             if self.init_from.is_none() {
-                return Err("lora: adapters fine-tune a pretrained model; set init_from".into());
+                return Err(InvalidConfig::LoraWithoutInit);
             }
         }
-        let d = &self.data;
-        if d.format() == DataFormat::Jsonl && d.path.is_none() {
-            return Err("data.format = \"jsonl\" needs data.path".into());
+        self.data.validate()?;
+        if self.data.format() == DataFormat::Text && self.train.eval_strategy == EvalStrategy::Epoch {
+            return Err(InvalidConfig::JsonlOnly { key: "train.eval_strategy", value: "\"epoch\"".into() });
         }
-        match (&d.dataset, &d.path) {
-            (None, None) => return Err("data: set `dataset` (a built-in name) or `path` (a text file)".into()),
-            (Some(_), Some(_)) => return Err("data: set only one of `dataset` and `path`".into()),
+        self.train.validate()?;
+        self.optim.validate()?;
+        self.schedule.validate()?;
+        if self.schedule.warmup_steps > self.decay_steps() {
+            return Err(InvalidConfig::Bounded {
+                key: "schedule.warmup_steps",
+                value: self.schedule.warmup_steps.to_string(),
+                relation: Relation::NotAbove,
+                // `decay_steps` is `train.max_steps` when absent.
+                bound_key: if self.schedule.decay_steps.is_some() { "schedule.decay_steps" } else { "train.max_steps" },
+                bound: self.decay_steps().to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl MetricsConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.sinks.is_empty() {
+            return Err(InvalidConfig::NoSinks);
+        }
+        // Far above any sensible sample; keeps the generation's buffers far from overflow.
+        at_most("metrics.sample_tokens", self.sample_tokens, 1 << 20)
+    }
+}
+
+impl DataConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.format() == DataFormat::Jsonl && self.path.is_none() {
+            return Err(InvalidConfig::Needs { key: "data.format", value: "\"jsonl\"".into(), needs: "data.path" });
+        }
+        match (&self.dataset, &self.path) {
+            (None, None) => return Err(InvalidConfig::NoData),
+            (Some(dataset), Some(path)) => {
+                return Err(InvalidConfig::TwoData { dataset: dataset.clone(), path: path.display().to_string() })
+            }
             _ => {}
         }
-        if d.format() == DataFormat::Text && (d.packing.is_some() || d.truncate) {
-            return Err("data.packing and data.truncate apply to JSONL examples; this data is a text stream".into());
-        }
-        if d.format() == DataFormat::Text && self.train.eval_strategy == EvalStrategy::Epoch {
-            return Err(
-                "train.eval_strategy = \"epoch\" applies to JSONL examples; a text stream has no epochs here".into()
-            );
-        }
-        if let Some(f) = d.val_fraction {
-            if !(f > 0.0 && f < 1.0) {
-                return Err(format!("data.val_fraction must be in (0, 1), found {f}"));
+        if self.format() == DataFormat::Text {
+            if let Some(p) = self.packing {
+                return Err(InvalidConfig::JsonlOnly { key: "data.packing", value: format!("\"{p}\"") });
+            }
+            if self.truncate {
+                return Err(InvalidConfig::JsonlOnly { key: "data.truncate", value: "true".into() });
             }
         }
-        let t = &self.train;
-        for (name, v) in [
-            ("train.batch_size", t.batch_size),
-            ("train.grad_accum_steps", t.grad_accum_steps),
-            ("train.max_steps", t.max_steps),
-            ("train.eval_interval", t.eval_interval),
-            ("train.eval_iters", t.eval_iters),
-            ("train.log_interval", t.log_interval),
-            ("train.keep_checkpoints", t.keep_checkpoints),
+        match self.val_fraction {
+            Some(f) if !(f > 0.0 && f < 1.0) => Err(out_of_range("data.val_fraction", f, "in (0, 1)")),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl LoopConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        for (key, v) in [
+            ("train.batch_size", self.batch_size),
+            ("train.grad_accum_steps", self.grad_accum_steps),
+            ("train.max_steps", self.max_steps),
+            ("train.eval_interval", self.eval_interval),
+            ("train.eval_iters", self.eval_iters),
+            ("train.log_interval", self.log_interval),
+            ("train.keep_checkpoints", self.keep_checkpoints),
         ] {
             if v == 0 {
-                return Err(format!("{name} must be at least 1, found 0"));
+                return Err(out_of_range(key, v, "at least 1"));
             }
         }
         // Bounds that keep every product of sizes (tokens per step, memory estimates, evaluation
         // work) far from overflow, each far above any sensible run.
-        for (name, v, limit) in [
-            ("train.batch_size", t.batch_size, 1 << 20),
-            ("train.grad_accum_steps", t.grad_accum_steps, 1 << 20),
-            ("train.max_steps", t.max_steps, 1 << 40),
-            ("train.eval_iters", t.eval_iters, 1 << 20),
-            ("train.keep_checkpoints", t.keep_checkpoints, 1 << 20),
-            ("metrics.sample_tokens", self.metrics.sample_tokens, 1 << 20),
-        ] {
-            if v > limit {
-                return Err(format!("{name} = {v} is larger than ember's limit of {limit}"));
-            }
-        }
-        if self.seq_len() == 0 || self.seq_len() > self.model.max_seq_len {
-            return Err(format!(
-                "train.seq_len ({}) must be in 1..=model.max_seq_len ({})",
-                self.seq_len(),
-                self.model.max_seq_len
-            ));
-        }
-        let o = &self.optim;
-        for (name, v) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
+        at_most("train.batch_size", self.batch_size, 1 << 20)?;
+        at_most("train.grad_accum_steps", self.grad_accum_steps, 1 << 20)?;
+        at_most("train.max_steps", self.max_steps, 1 << 40)?;
+        at_most("train.eval_iters", self.eval_iters, 1 << 20)?;
+        at_most("train.keep_checkpoints", self.keep_checkpoints, 1 << 20)
+    }
+}
+
+impl OptimConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        for (key, v) in [("optim.beta1", self.beta1), ("optim.beta2", self.beta2)] {
             if !(0.0..1.0).contains(&v) {
-                return Err(format!("{name} must be in [0, 1), found {v}"));
+                return Err(out_of_range(key, v, "in [0, 1)"));
             }
         }
-        for (name, v) in [("optim.eps", o.eps), ("schedule.lr", self.schedule.lr)] {
-            if !(v > 0.0 && v.is_finite()) {
-                return Err(format!("{name} must be positive, found {v}"));
-            }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            return Err(out_of_range("optim.eps", self.eps, "positive"));
         }
-        for (name, v) in [
-            ("optim.weight_decay", o.weight_decay),
-            ("optim.grad_clip", o.grad_clip),
-            ("schedule.min_lr", self.schedule.min_lr),
-        ] {
+        for (key, v) in [("optim.weight_decay", self.weight_decay), ("optim.grad_clip", self.grad_clip)] {
             if !(v >= 0.0 && v.is_finite()) {
-                return Err(format!("{name} must be >= 0, found {v}"));
+                return Err(out_of_range(key, v, ">= 0"));
             }
-        }
-        if self.schedule.min_lr > self.schedule.lr {
-            return Err(format!(
-                "schedule.min_lr ({}) must not exceed schedule.lr ({})",
-                self.schedule.min_lr, self.schedule.lr
-            ));
-        }
-        if self.schedule.warmup_steps > self.decay_steps() {
-            return Err(format!(
-                "schedule.warmup_steps ({}) must not exceed the decay steps ({})",
-                self.schedule.warmup_steps,
-                self.decay_steps()
-            ));
-        }
-        if self.model.vocab_size != 0 {
-            self.model.validate().map_err(|e| e.to_string())?;
-        } else {
-            // Everything but the vocabulary can be checked now.
-            let probe = ModelConfig { vocab_size: 1, ..self.model.clone() };
-            probe.validate().map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+}
+
+impl ScheduleConfig {
+    /// The rates (the warmup against the decay steps, `train.max_steps` by default, is checked
+    /// across sections).
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(out_of_range("schedule.lr", self.lr, "positive"));
+        }
+        if !(self.min_lr >= 0.0 && self.min_lr.is_finite()) {
+            return Err(out_of_range("schedule.min_lr", self.min_lr, ">= 0"));
+        }
+        if self.min_lr > self.lr {
+            return Err(InvalidConfig::Bounded {
+                key: "schedule.min_lr",
+                value: self.min_lr.to_string(),
+                relation: Relation::NotAbove,
+                bound_key: "schedule.lr",
+                bound: self.lr.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn out_of_range(key: &'static str, value: impl std::fmt::Display, rule: &'static str) -> InvalidConfig {
+    InvalidConfig::OutOfRange { key, value: value.to_string(), rule }
+}
+
+fn at_most(key: &'static str, value: usize, limit: u64) -> Result<(), InvalidConfig> {
+    match value as u64 {
+        v if v > limit => Err(InvalidConfig::TooLarge { key, value: v, limit }),
+        _ => Ok(()),
     }
 }
 
@@ -487,6 +592,66 @@ fn toml_key(text: &str, span: Option<std::ops::Range<usize>>) -> Option<String> 
         Some(s) => format!("{s}.{key}"),
         None => key.to_string(),
     })
+}
+
+/// Parsed once, when the config is read (`init_from` in TOML is its text form).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum InitSource {
+    Hf(PathBuf),
+    Run(PathBuf),
+}
+
+impl TryFrom<String> for InitSource {
+    type Error = String;
+    /// The TOML error names the key; this says what is wrong with the value.
+    fn try_from(spec: String) -> Result<Self, String> {
+        Self::parse(&spec).map_err(|_| {
+            format!("\"{spec}\" is neither `hf:DIR` (a Hugging Face folder) nor `run:DIR` (an ember run or checkpoint)")
+        })
+    }
+}
+
+impl From<InitSource> for String {
+    fn from(s: InitSource) -> String {
+        s.to_string()
+    }
+}
+
+impl std::fmt::Display for InitSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Hf(d) => write!(f, "hf:{}", d.display()),
+            Self::Run(d) => write!(f, "run:{}", d.display()),
+        }
+    }
+}
+
+impl InitSource {
+    /// The same source with its folder made absolute (relative to the working directory), so that
+    /// a run directory's config works from anywhere.
+    pub fn absolute(&self) -> Self {
+        let abs = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        match self {
+            Self::Hf(d) => Self::Hf(abs(d)),
+            Self::Run(d) => Self::Run(abs(d)),
+        }
+    }
+
+    pub fn parse(spec: &str) -> Result<Self, TrainError> {
+        match spec.split_once(':') {
+            Some(("hf", dir)) if !dir.is_empty() => Ok(Self::Hf(dir.into())),
+            Some(("run", dir)) if !dir.is_empty() => Ok(Self::Run(dir.into())),
+            _ => Err(TrainError::InitFrom {
+                spec: spec.into(),
+                message: "expected `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run or checkpoint)".into(),
+            }),
+        }
+    }
+
+    pub(crate) fn err(&self, message: impl Into<String>) -> TrainError {
+        TrainError::InitFrom { spec: self.to_string(), message: message.into() }
+    }
 }
 
 #[cfg(test)]
@@ -538,6 +703,61 @@ mod tests {
         let e = parse(&NANO.replace("batch_size = 12", "batch_size = \"twelve\"")).unwrap_err();
         assert!(e.contains("train.batch_size"), "{e}");
     }
+
+    #[test]
+    fn a_broken_rule_names_the_key_the_value_and_the_rule() {
+        let nano = parse(NANO).unwrap();
+        let mut c = nano.clone();
+        c.train.batch_size = 0;
+        let want = InvalidConfig::OutOfRange { key: "train.batch_size", value: "0".into(), rule: "at least 1" };
+        assert_eq!(c.validate(), Err(want));
+        let mut c = nano.clone();
+        c.schedule.min_lr = 0.5;
+        let e = c.validate().unwrap_err();
+        assert!(matches!(e, InvalidConfig::Bounded { key: "schedule.min_lr", bound_key: "schedule.lr", .. }), "{e:?}");
+        assert_eq!(e.to_string(), "schedule.min_lr (0.5) must not exceed schedule.lr (0.001)");
+        let mut c = nano.clone();
+        c.schedule.warmup_steps = 5000;
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "schedule.warmup_steps (5000) must not exceed schedule.decay_steps (2000)");
+        // Without decay_steps the bound is the key it defaults to.
+        c.schedule.decay_steps = None;
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "schedule.warmup_steps (5000) must not exceed train.max_steps (2000)");
+        let mut c = nano.clone();
+        c.data.packing = Some(Packing::Stream);
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "data.packing = \"stream\" applies to JSONL examples; this data is a text stream");
+        let mut c = nano;
+        c.train.max_steps = 1 << 41;
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "train.max_steps = 2199023255552 is larger than ember's limit of 1099511627776");
+    }
+
+    /// The text of NANO without its `[model]` section, starting from `init_from`.
+    fn without_model(init_from: &str) -> String {
+        let (head, rest) = NANO.split_once("[model]").unwrap();
+        let tail = &rest[rest.find("\n[").unwrap()..];
+        format!("init_from = \"{init_from}\"\n{head}{tail}")
+    }
+
+    #[test]
+    fn parsing_opens_nothing_and_resolving_opens_the_source() {
+        // A source that does not exist: parsing never looks at it.
+        let text = without_model("run:/nonexistent/ember-run");
+        let file = ConfigFile::parse(&text, Path::new("c.toml")).unwrap();
+        assert_eq!(file.config.model, None);
+        assert_eq!(file.config.init_from, Some(InitSource::Run("/nonexistent/ember-run".into())));
+        // Nor does reading it as a complete config: that is an error naming the key.
+        let e = file.clone().complete().unwrap_err().to_string();
+        assert!(e.starts_with("c.toml: model: ") && e.contains("init_from"), "{e}");
+        // Resolving opens it, and says what is wrong with it.
+        let e = file.resolve().unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/ember-run") && e.contains("no such file"), "{e}");
+        // Rules that do not need the model are checked when parsing.
+        let e = ConfigFile::parse(&text.replace("batch_size = 12", "batch_size = 0"), Path::new("c.toml"));
+        assert!(e.unwrap_err().to_string().contains("train.batch_size must be at least 1, found 0"));
+    }
 }
 
 /// `[distributed]`: how the ranks of a data-parallel run cooperate (ignored by a single process).
@@ -583,14 +803,14 @@ impl Default for DistributedConfig {
 }
 
 impl DistributedConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
         // MPI counts elements in a C int: a bucket stays below 2^31 f32 values.
         if self.bucket_mib == 0 || self.bucket_mib > 4096 {
-            return Err(format!("distributed.bucket_mib must be in 1..=4096, found {}", self.bucket_mib));
+            return Err(out_of_range("distributed.bucket_mib", self.bucket_mib, "in 1..=4096"));
         }
-        for (name, v) in [("distributed.timeout_s", self.timeout_s), ("distributed.io_timeout_s", self.io_timeout_s)] {
+        for (key, v) in [("distributed.timeout_s", self.timeout_s), ("distributed.io_timeout_s", self.io_timeout_s)] {
             if !(v > 0.0 && v <= 7.0 * 86_400.0) {
-                return Err(format!("{name} must be in (0, 604800] seconds, found {v}"));
+                return Err(out_of_range(key, v, "in (0, 604800] seconds"));
             }
         }
         Ok(())

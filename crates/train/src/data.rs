@@ -11,6 +11,7 @@ use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, Tokeniz
 
 use crate::config::{DataConfig, DataFormat, TrainConfig};
 use crate::error::TrainError;
+use crate::init::ResolvedInit;
 
 /// The text file a data config names, found or downloaded, and its validation fraction.
 pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBuf, f64), TrainError> {
@@ -42,94 +43,114 @@ pub struct LoadedData {
     pub val: Examples,
 }
 
-/// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's, else `char`.
-fn tokenizer_spec(config: &TrainConfig) -> Result<(TokenizerSpec, Option<PathBuf>), TrainError> {
+/// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's (`init`, the source
+/// opened), else `char`.
+fn tokenizer_spec(
+    config: &TrainConfig,
+    init: Option<&ResolvedInit>,
+) -> Result<(TokenizerSpec, Option<PathBuf>), TrainError> {
     if let Some(t) = &config.data.tokenizer {
         return Ok((t.parse()?, None));
     }
-    match &config.init_from {
-        Some(source) => {
-            let dir = source.tokenizer_dir()?;
+    match init {
+        Some(init) => {
+            let dir = init.tokenizer_dir()?;
             Ok((TokenizerSpec::File(dir.join("tokenizer.json")), Some(dir)))
         }
         None => Ok((TokenizerSpec::Char, None)),
     }
 }
 
-/// Loads (and caches the token shards of) the data of `config`, in windows of `config.seq_len()`.
-pub fn load(config: &TrainConfig, locations: &Locations) -> Result<LoadedData, TrainError> {
+/// Loads (and caches the token shards of) the data of `config`, in windows of `config.seq_len()`;
+/// `init` is its `init_from` source, opened.
+pub fn load(
+    config: &TrainConfig,
+    init: Option<&ResolvedInit>,
+    locations: &Locations,
+) -> Result<LoadedData, TrainError> {
     let (path, val_fraction) = text_source(&config.data, locations)?;
-    let (spec, tokenizer_dir) = tokenizer_spec(config)?;
-    let seq_len = config.seq_len();
+    let (spec, tokenizer_dir) = tokenizer_spec(config, init)?;
     match config.data.format() {
-        DataFormat::Text => {
-            let root: &Path = &locations.cache_dir.join("prepared");
-            let data = prepare_cached(&path, &spec, val_fraction, root)?;
-            // Shards (cached ones too) are checked against the tokenizer that will be trained with:
-            // an id past its vocabulary would index past the embedding table.
-            let vocab = data.tokenizer.vocab_size();
-            for (file, shard) in
-                [(ember_data::prepare::TRAIN_FILE, &data.train), (ember_data::prepare::VAL_FILE, &data.val)]
-            {
-                if let Some(&id) = shard.tokens.iter().find(|&&id| id as usize >= vocab) {
-                    return Err(DataError::Shard {
-                        path: data.dir.join(file),
-                        message: format!(
-                            "holds token id {id}, past the tokenizer's vocabulary of {vocab}; delete {} to prepare the data again",
-                            data.dir.display()
-                        ),
-                    }
-                    .into());
-                }
+        DataFormat::Text => load_text(config, &path, val_fraction, &spec, tokenizer_dir, locations),
+        DataFormat::Jsonl => load_jsonl(config, &path, val_fraction, &spec, tokenizer_dir),
+    }
+}
+
+/// A token stream (tokenized once, cached as shards) cut into windows.
+fn load_text(
+    config: &TrainConfig,
+    path: &Path,
+    val_fraction: f64,
+    spec: &TokenizerSpec,
+    tokenizer_dir: Option<PathBuf>,
+    locations: &Locations,
+) -> Result<LoadedData, TrainError> {
+    let root: &Path = &locations.cache_dir.join("prepared");
+    let data = prepare_cached(path, spec, val_fraction, root)?;
+    // Shards (cached ones too) are checked against the tokenizer that will be trained with:
+    // an id past its vocabulary would index past the embedding table.
+    let vocab = data.tokenizer.vocab_size();
+    for (file, shard) in [(ember_data::prepare::TRAIN_FILE, &data.train), (ember_data::prepare::VAL_FILE, &data.val)] {
+        if let Some(&id) = shard.tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(DataError::Shard {
+                path: data.dir.join(file),
+                message: format!(
+                    "holds token id {id}, past the tokenizer's vocabulary of {vocab}; delete {} to prepare the data again",
+                    data.dir.display()
+                ),
             }
-            let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
-            let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
-            let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
-            Ok(LoadedData { tokenizer, tokenizer_dir, train, val })
-        }
-        DataFormat::Jsonl => {
-            let tokenizer = match &spec {
-                TokenizerSpec::File(p) => with_model_eos(Tokenizer::from_file(p)?, tokenizer_dir.as_deref()),
-                other => {
-                    return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into())
-                }
-            };
-            let records = read_jsonl(&path)?;
-            if records.len() < 2 {
-                return Err(DataError::Jsonl {
-                    path,
-                    line: records.len(),
-                    message: "need at least 2 examples (train and val)".into(),
-                }
-                .into());
-            }
-            let n_val = ((records.len() as f64 * val_fraction).round() as usize).clamp(1, records.len() - 1);
-            let template = match &tokenizer_dir {
-                Some(dir) => ChatTemplate::from_dir(dir)?,
-                None => None,
-            };
-            let examples = encode(&records, &tokenizer, template.as_ref())?;
-            let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
-            let packing = Packing { seq_len, mode: config.data.packing(), truncate: config.data.truncate };
-            let train = packing.pack(train_ex, &tokenizer, &path, 0)?;
-            let val = packing.pack(val_ex, &tokenizer, &path, train_ex.len())?;
-            for (split, set) in [("train", &train), ("val", &val)] {
-                if burn::data::dataset::Dataset::len(set) == 0 {
-                    return Err(DataError::TooShort { split: split.into(), tokens: 0, needed: 1 }.into());
-                }
-            }
-            tracing::info!(
-                train_examples = train_ex.len(),
-                val_examples = val_ex.len(),
-                train_scored_tokens = train.scored_tokens(),
-                train_rows = burn::data::dataset::Dataset::len(&train),
-                packing = %packing.mode,
-                "packed fine-tuning examples from {}",
-                path.display()
-            );
-            Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val) })
+            .into());
         }
     }
+    let seq_len = config.seq_len();
+    let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
+    let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
+    let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
+    Ok(LoadedData { tokenizer, tokenizer_dir, train, val })
+}
+
+/// Fine-tuning examples, encoded (chat messages through the model's template) and packed into rows.
+fn load_jsonl(
+    config: &TrainConfig,
+    path: &Path,
+    val_fraction: f64,
+    spec: &TokenizerSpec,
+    tokenizer_dir: Option<PathBuf>,
+) -> Result<LoadedData, TrainError> {
+    let tokenizer = match spec {
+        TokenizerSpec::File(p) => with_model_eos(Tokenizer::from_file(p)?, tokenizer_dir.as_deref()),
+        other => return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into()),
+    };
+    let records = read_jsonl(path)?;
+    if records.len() < 2 {
+        let message = "need at least 2 examples (train and val)".into();
+        return Err(DataError::Jsonl { path: path.into(), line: records.len(), message }.into());
+    }
+    let n_val = ((records.len() as f64 * val_fraction).round() as usize).clamp(1, records.len() - 1);
+    let template = match &tokenizer_dir {
+        Some(dir) => ChatTemplate::from_dir(dir)?,
+        None => None,
+    };
+    let examples = encode(&records, &tokenizer, template.as_ref())?;
+    let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
+    let packing = Packing { seq_len: config.seq_len(), mode: config.data.packing(), truncate: config.data.truncate };
+    let train = packing.pack(train_ex, &tokenizer, path, 0)?;
+    let val = packing.pack(val_ex, &tokenizer, path, train_ex.len())?;
+    for (split, set) in [("train", &train), ("val", &val)] {
+        if burn::data::dataset::Dataset::len(set) == 0 {
+            return Err(DataError::TooShort { split: split.into(), tokens: 0, needed: 1 }.into());
+        }
+    }
+    tracing::info!(
+        train_examples = train_ex.len(),
+        val_examples = val_ex.len(),
+        train_scored_tokens = train.scored_tokens(),
+        train_rows = burn::data::dataset::Dataset::len(&train),
+        packing = %packing.mode,
+        "packed fine-tuning examples from {}",
+        path.display()
+    );
+    Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val) })
 }
 
 /// How a run packs its JSONL examples into rows.
@@ -186,8 +207,14 @@ fn with_model_eos(tokenizer: Tokenizer, dir: Option<&Path>) -> Tokenizer {
     }
 }
 
-/// The token stream of a split of a text config (for `ember eval --data train|val`).
-pub fn split_tokens(config: &TrainConfig, locations: &Locations, split: &str) -> Result<Vec<u32>, TrainError> {
+/// The token stream of a split of a text config (for `ember eval --data train|val`); `init` is its
+/// `init_from` source, opened.
+pub fn split_tokens(
+    config: &TrainConfig,
+    init: Option<&ResolvedInit>,
+    locations: &Locations,
+    split: &str,
+) -> Result<Vec<u32>, TrainError> {
     let (path, val_fraction) = text_source(&config.data, locations)?;
     if config.data.format() == DataFormat::Jsonl {
         return Err(TrainError::Config {
@@ -196,7 +223,7 @@ pub fn split_tokens(config: &TrainConfig, locations: &Locations, split: &str) ->
             message: "a split's token stream needs a text corpus; this config's data is JSONL examples".into(),
         });
     }
-    let (spec, _) = tokenizer_spec(config)?;
+    let (spec, _) = tokenizer_spec(config, init)?;
     let data = prepare_cached(&path, &spec, val_fraction, &locations.cache_dir.join("prepared"))?;
     Ok(if split == "train" { data.train.tokens } else { data.val.tokens })
 }

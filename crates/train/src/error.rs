@@ -10,6 +10,8 @@ pub enum TrainError {
     Io { path: PathBuf, err: std::io::Error },
     #[error("{}: {}{message}", path.display(), key.as_ref().map(|k| format!("{k}: ")).unwrap_or_default())]
     Config { path: PathBuf, key: Option<String>, message: String },
+    #[error("{}: {error}", path.display())]
+    Invalid { path: PathBuf, error: InvalidConfig },
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]
@@ -47,5 +49,58 @@ impl TrainError {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> TrainError {
         let path = path.into();
         move |err| TrainError::Io { path, err }
+    }
+}
+
+/// A config value that breaks a rule: each variant names the key, the value and the rule, in the
+/// words of the model's own [`ConfigError`]s.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InvalidConfig {
+    /// `train.batch_size must be at least 1, found 0`.
+    #[error("{key} must be {rule}, found {value}")]
+    OutOfRange { key: &'static str, value: String, rule: &'static str },
+    /// A size past the bound that keeps products of sizes (tokens per step, memory estimates) far
+    /// from overflow.
+    #[error("{key} = {value} is larger than ember's limit of {limit}")]
+    TooLarge { key: &'static str, value: u64, limit: u64 },
+    /// A value bounded by another key's: `schedule.min_lr (0.1) must not exceed schedule.lr (0.01)`.
+    #[error("{key} ({value}) {relation}{bound_key} ({bound})")]
+    Bounded { key: &'static str, value: String, relation: Relation, bound_key: &'static str, bound: String },
+    /// A value that needs another key set: `data.format = "jsonl" needs data.path`.
+    #[error("{key} = {value} needs {needs}")]
+    Needs { key: &'static str, value: String, needs: &'static str },
+    /// A fine-tuning setting on data that is a token stream.
+    #[error("{key} = {value} applies to JSONL examples; this data is a text stream")]
+    JsonlOnly { key: &'static str, value: String },
+    #[error("data: set `dataset` (a built-in name) or `path` (a text file)")]
+    NoData,
+    #[error("data: set only one of `dataset` (\"{dataset}\") and `path` ({path})")]
+    TwoData { dataset: String, path: String },
+    #[error("metrics.sinks is empty: name jsonl and/or tensorboard")]
+    NoSinks,
+    #[error("lora: adapters fine-tune a pretrained model; set init_from")]
+    LoraWithoutInit,
+    /// `[lora]`'s own rules (their message names the key and the value).
+    #[error("{0}")]
+    Lora(String),
+    #[error(transparent)]
+    Model(#[from] ConfigError),
+}
+
+/// How [`InvalidConfig::Bounded`]'s value relates to its bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relation {
+    /// `value <= bound`.
+    NotAbove,
+    /// `1 <= value <= bound`.
+    OneTo,
+}
+
+impl std::fmt::Display for Relation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::NotAbove => "must not exceed ",
+            Self::OneTo => "must be in 1..=",
+        })
     }
 }

@@ -1,5 +1,9 @@
 //! Where a fine-tuning run starts: `init_from = "hf:DIR"` (a Hugging Face model folder) or
 //! `init_from = "run:DIR"` (an ember run directory or checkpoint, e.g. one made by `ember import`).
+//!
+//! The config holds the source as a typed value ([`InitSource`]); [`InitSource::resolve`] opens it,
+//! once per run, and the [`ResolvedInit`] is passed along (architecture, tokenizer folder, Hugging
+//! Face config, weights).
 
 use std::path::PathBuf;
 
@@ -7,111 +11,131 @@ use burn::tensor::{DType, Device};
 use ember_model::{Decoder, ModelConfig};
 
 use crate::checkpoint::Checkpoint;
+use crate::config::{ConfigFile, InitSource, TrainConfig};
 use crate::error::TrainError;
 
-/// Parsed once, when the config is read (`init_from` in TOML is its text form).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub enum InitSource {
-    Hf(PathBuf),
-    Run(PathBuf),
-}
-
-impl TryFrom<String> for InitSource {
-    type Error = String;
-    /// The TOML error names the key; this says what is wrong with the value.
-    fn try_from(spec: String) -> Result<Self, String> {
-        Self::parse(&spec).map_err(|_| {
-            format!("\"{spec}\" is neither `hf:DIR` (a Hugging Face folder) nor `run:DIR` (an ember run or checkpoint)")
-        })
-    }
-}
-
-impl From<InitSource> for String {
-    fn from(s: InitSource) -> String {
-        s.to_string()
-    }
-}
-
-impl std::fmt::Display for InitSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Hf(d) => write!(f, "hf:{}", d.display()),
-            Self::Run(d) => write!(f, "run:{}", d.display()),
-        }
-    }
-}
-
 impl InitSource {
-    /// The same source with its folder made absolute (relative to the working directory), so that
-    /// a run directory's config works from anywhere.
-    pub fn absolute(&self) -> Self {
-        let abs = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
-        match self {
-            Self::Hf(d) => Self::Hf(abs(d)),
-            Self::Run(d) => Self::Run(abs(d)),
-        }
-    }
-
-    pub fn parse(spec: &str) -> Result<Self, TrainError> {
-        match spec.split_once(':') {
-            Some(("hf", dir)) if !dir.is_empty() => Ok(Self::Hf(dir.into())),
-            Some(("run", dir)) if !dir.is_empty() => Ok(Self::Run(dir.into())),
-            _ => Err(TrainError::InitFrom {
-                spec: spec.into(),
-                message: "expected `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run or checkpoint)".into(),
-            }),
-        }
-    }
-
-    pub(crate) fn err(&self, message: impl Into<String>) -> TrainError {
-        TrainError::InitFrom { spec: self.to_string(), message: message.into() }
-    }
-
-    /// The architecture of the starting model.
-    pub fn model_config(&self) -> Result<ModelConfig, TrainError> {
-        match self {
+    /// Opens the source, once for the whole run: its architecture and Hugging Face config read,
+    /// a run's checkpoint checked. The weights are read when [`ResolvedInit::load`] asks for them.
+    pub fn resolve(&self) -> Result<ResolvedInit, TrainError> {
+        let (opened, model_config, hf_config) = match self {
             Self::Hf(dir) => {
                 let path = dir.join("config.json");
                 let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
                 let json: serde_json::Value =
                     serde_json::from_str(&text).map_err(|e| self.err(format!("{}: {e}", path.display())))?;
-                Ok(ember_hf::to_model_config(&json, &path.display().to_string())
-                    .map_err(|e| self.err(e.to_string()))?
-                    .0)
+                let (model, _) = ember_hf::to_model_config(&json, &path.display().to_string())
+                    .map_err(|e| self.err(e.to_string()))?;
+                (Opened::Hf(dir.clone()), model, Some(json))
             }
-            Self::Run(dir) => Ok(Checkpoint::open(dir)?.model_config),
-        }
+            Self::Run(dir) => {
+                let ckpt = Checkpoint::open(dir)?;
+                let (model, hf) = (ckpt.model_config.clone(), ckpt.hf_config());
+                (Opened::Run(Box::new(ckpt)), model, hf)
+            }
+        };
+        Ok(ResolvedInit { source: self.clone(), model_config, hf_config, opened })
     }
+}
 
+/// An `init_from` source, opened: what a run takes from it, read once.
+#[derive(Debug)]
+pub struct ResolvedInit {
+    pub source: InitSource,
+    /// The architecture of the starting model.
+    pub model_config: ModelConfig,
+    /// The source's Hugging Face config.json (a run's: the one its model was imported from),
+    /// carried to exports.
+    pub hf_config: Option<serde_json::Value>,
+    opened: Opened,
+}
+
+#[derive(Debug)]
+enum Opened {
+    Hf(PathBuf),
+    Run(Box<Checkpoint>),
+}
+
+impl ResolvedInit {
     /// The folder whose tokenizer.json (and chat template) the run uses.
     pub fn tokenizer_dir(&self) -> Result<PathBuf, TrainError> {
-        let dir = match self {
-            Self::Hf(dir) => dir.clone(),
-            Self::Run(dir) => Checkpoint::open(dir)?.dir,
+        let dir = match &self.opened {
+            Opened::Hf(dir) => dir,
+            Opened::Run(ckpt) => &ckpt.dir,
         };
         if !dir.join("tokenizer.json").is_file() {
-            return Err(self.err(format!("{}: no tokenizer.json", dir.display())));
+            return Err(self.source.err(format!("{}: no tokenizer.json", dir.display())));
         }
-        Ok(dir)
+        Ok(dir.clone())
     }
 
     /// The starting weights, as f32 parameters.
     pub fn load<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
-        match self {
-            Self::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
-                .map_err(|e| self.err(e.to_string()))?
+        match &self.opened {
+            // `import` reads config.json again, beside the weights (crates/hf reads a folder whole).
+            Opened::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
+                .map_err(|e| self.source.err(e.to_string()))?
                 .model),
-            Self::Run(dir) => Checkpoint::open(dir)?.decoder::<B>(device),
+            Opened::Run(ckpt) => ckpt.decoder::<B>(device),
         }
     }
+}
 
-    /// The source's Hugging Face config.json, carried to exports.
-    pub fn hf_config(&self) -> Option<serde_json::Value> {
-        let path: PathBuf = match self {
-            Self::Hf(dir) => dir.join("config.json"),
-            Self::Run(dir) => Checkpoint::open(dir).ok()?.dir.join(crate::checkpoint::HF_CONFIG_FILE),
+/// A config ready to run: complete, with its `init_from` source (if any) opened once, to be passed
+/// along to whatever needs the source.
+#[derive(Debug)]
+pub struct ResolvedConfig {
+    pub config: TrainConfig,
+    /// `Some` exactly when `config.init_from` is.
+    pub init: Option<ResolvedInit>,
+}
+
+impl ConfigFile {
+    /// Opens the file's `init_from` source (once) and completes the config: a `[model]` left out
+    /// is the source's.
+    pub fn resolve(self) -> Result<ResolvedConfig, TrainError> {
+        let init = self.config.init_from.as_ref().map(InitSource::resolve).transpose()?;
+        let config = match &init {
+            Some(init) if self.config.model.is_none() => self.complete_with(init.model_config.clone())?,
+            _ => self.complete()?,
         };
-        serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+        Ok(ResolvedConfig { config, init })
+    }
+}
+
+impl TrainConfig {
+    /// Opens the config's `init_from` source (once), for a run of it.
+    pub fn resolve(self) -> Result<ResolvedConfig, TrainError> {
+        let init = self.init_from.as_ref().map(InitSource::resolve).transpose()?;
+        Ok(ResolvedConfig { config: self, init })
+    }
+}
+
+impl Checkpoint {
+    /// The decoder with this checkpoint's weights (for a LoRA checkpoint: the base model with the
+    /// adapters attached; its `init_from` source is opened for it).
+    pub fn decoder<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+        self.decoder_over(None, device)
+    }
+
+    /// [`Checkpoint::decoder`], the base of a LoRA checkpoint taken from `base` where its
+    /// `init_from` source is already open (the caller's, checked to be the checkpoint's).
+    pub fn decoder_over<B: ember_model::ops::EmberBackend>(
+        &self,
+        base: Option<&ResolvedInit>,
+        device: &Device<B>,
+    ) -> Result<Decoder<B>, TrainError> {
+        let Some(source) = self.adapter_source()? else {
+            return self.own_decoder(device);
+        };
+        let opened;
+        let base = match base {
+            Some(base) => base,
+            None => {
+                opened = source.resolve()?;
+                &opened
+            }
+        };
+        self.with_adapters(base.load::<B>(device)?)
     }
 }

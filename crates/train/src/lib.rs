@@ -26,6 +26,7 @@ mod testing;
 pub mod trainer;
 
 pub use checkpoint::Checkpoint;
-pub use config::TrainConfig;
-pub use error::TrainError;
+pub use config::{ConfigFile, InitSource, TrainConfig};
+pub use error::{InvalidConfig, TrainError};
+pub use init::{ResolvedConfig, ResolvedInit};
 pub use trainer::{train, TrainOptions, TrainSummary};

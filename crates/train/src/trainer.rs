@@ -24,7 +24,7 @@ use crate::distributed::{digest, Collective};
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
 use crate::flops::{mfu, resolve_peak, Peak};
-use crate::init::InitSource;
+use crate::init::{ResolvedConfig, ResolvedInit};
 use crate::memory::MemoryProbe;
 use crate::metrics::{JsonlSink, MetricsSink, SampleRecord, Sinks, StepRecord, TensorBoardSink, METRICS_FILE};
 use crate::optim::clip_coefficient;
@@ -75,36 +75,50 @@ pub struct TrainSummary {
     pub elapsed_s: f64,
 }
 
+impl std::fmt::Display for TrainSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let best = self.best_val_loss.map_or("n/a".into(), |v| format!("{v:.4}"));
+        write!(
+            f,
+            "trained {} steps in {:.0} s ({:.0} tokens/s, MFU {:.2}%); best val loss {best}; run directory {}",
+            self.steps,
+            self.elapsed_s,
+            self.tokens_per_sec,
+            100.0 * self.mfu,
+            self.run_dir.display()
+        )
+    }
+}
+
 /// Everything the loop reads but does not change.
 pub(crate) struct Setup {
     pub(crate) config: TrainConfig,
+    /// The `init_from` source, opened once for the whole run.
+    pub(crate) init: Option<ResolvedInit>,
     pub(crate) tokenizer: Tokenizer,
     pub(crate) tokenizer_dir: Option<PathBuf>,
-    pub(crate) hf_config: Option<serde_json::Value>,
     pub(crate) train: Examples,
     pub(crate) val: Examples,
 }
 
-/// Trains (or resumes) the run described by `config` in `opts.run_dir`: nanoGPT's loop of
-/// step -> record -> maybe evaluate -> maybe checkpoint, its parts below. In a data-parallel run
-/// every rank calls this; rank 0 alone writes the run directory.
+/// Trains (or resumes) the run described by `run` (its `init_from` source already open) in
+/// `opts.run_dir`: nanoGPT's loop of step -> record -> maybe evaluate -> maybe checkpoint, its parts
+/// below. In a data-parallel run every rank calls this; rank 0 alone writes the run directory.
 pub fn train<B: TrainBackend>(
-    config: TrainConfig,
+    run: ResolvedConfig,
     opts: &TrainOptions,
     device: &Device<B>,
 ) -> Result<TrainSummary, TrainError> {
-    let setup = prepare(config, &opts.locations)?;
-    let config = &setup.config;
-    let c = opts.collective.as_ref();
+    let setup = prepare(run, &opts.locations)?;
+    let (config, c) = (&setup.config, opts.collective.as_ref());
     // Start-up waits for slow work of other ranks (loading a model); steps do not.
     c.set_timeout(config.distributed.io_timeout());
     let dtype = resolve_dtype::<B>(device, config);
-    let (mut model, mut optim, mut state, mut metrics) = open_run::<B>(&setup, opts, dtype, device)?;
+    let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, opts, dtype, device)?;
     c.set_timeout(config.distributed.timeout());
     let t = &config.train;
     let schedule = LrSchedule::from_config(config);
     let stop = opts.stop_at.unwrap_or(t.max_steps).min(t.max_steps);
-    let tokens_per_step = config.tokens_per_step() * c.world();
     let stepper = Stepper {
         data: &setup.train,
         sampler: WindowSampler { seed: state.sampler_seed },
@@ -114,74 +128,68 @@ pub fn train<B: TrainBackend>(
         buffers: Default::default(),
         device_comm: opts.device_comm.as_ref(),
     };
-    let peak = resolve_peak::<B::InnerBackend>(
-        device,
-        opts.device_name.as_deref(),
-        dtype,
-        opts.peak_tflops,
-        Some(&opts.locations.cache_dir),
-    );
-    log_setup(config, dtype, &peak, tokens_per_step);
+    let peak = device_peak::<B>(opts, device, dtype);
+    log_setup(config, dtype, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
     let evaluator = Evaluator::new(&setup, c);
     if state.step == 0 {
         evaluator.initial(&model.valid())?;
     }
     let checkpointer = Checkpointer { setup: &setup, run_dir: &opts.run_dir, collective: c };
-    let bar = progress_bar(opts.show_progress && c.rank() == 0, t.max_steps, state.step);
-    let clock = Clock { started: Instant::now(), before: state.elapsed_s };
-    let mut speed = Throughput::default();
+    let mut rec = Recorder::new(config, opts, peak, &state, sinks);
     let mut last_val = None;
     while state.step < stop {
-        let step_start = Instant::now();
-        let lr = schedule.lr(state.step);
-        let out;
-        (model, out) =
-            stepper.step(model, &mut optim, state.next_stream, state.step + 1, lr, state.loss_scaler.as_mut())?;
-        if !out.loss.is_finite() {
-            return Err(TrainError::Diverged { step: state.step, loss: out.loss });
-        }
-        if out.skipped {
-            bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
-        }
+        let (started, lr) = (Instant::now(), schedule.lr(state.step));
         let epoch_before = evaluator.epoch(state.next_stream);
-        state.step += 1;
-        state.next_stream += stepper.micro_batches_per_step();
-        state.tokens_seen += tokens_per_step as u64;
-        speed.add(step_start.elapsed(), tokens_per_step, &out);
-
-        let step = state.step;
-        let epoch = evaluator.epoch(state.next_stream);
+        let out;
+        (model, out) = take_step(&stepper, model, &mut optim, &mut state, lr, &rec.bar)?;
+        rec.speed.add(started.elapsed(), rec.tokens_per_step(), &out);
+        let (step, epoch) = (state.step, evaluator.epoch(state.next_stream));
         let is_eval = evaluator.due(step, epoch_before, epoch);
         if step % t.log_interval == 0 || is_eval {
-            let mut record = step_record(&state, &out, lr, epoch, &mut speed, &peak, config, c.world(), opts, &clock);
+            let mut record = rec.step_record(&state, &out, lr, epoch);
             if is_eval {
-                let vl = evaluator.record(&model.valid(), &mut record, &mut metrics, &clock, &bar)?;
+                let vl = evaluator.record(&model.valid(), &mut record, &mut rec)?;
                 state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
                 last_val = Some(vl);
             }
-            let mfu = 100.0 * record.mfu;
-            bar.set_message(format!("loss {:.4} · {:.0} tok/s · MFU {mfu:.1}%", out.loss, record.tokens_per_sec));
-            metrics.record(&record)?;
+            rec.write(&record)?;
         }
-        if (t.checkpoint_interval > 0 && step % t.checkpoint_interval == 0) || step == stop {
-            state.elapsed_s = clock.elapsed_s();
-            checkpointer.save(&model, &optim, &mut state, &bar)?;
+        if checkpointer.due(step, stop) {
+            state.elapsed_s = rec.clock.elapsed_s();
+            checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
         }
-        bar.set_position(step as u64);
+        rec.bar.set_position(step as u64);
     }
-    bar.finish_and_clear();
-    let tokens_per_sec = speed.total_rate();
-    let flops_per_token = config.model.train_flops_per_token(config.seq_len());
-    Ok(TrainSummary {
-        run_dir: opts.run_dir.clone(),
-        steps: state.step,
-        best_val_loss: state.best_val_loss,
-        last_val_loss: last_val,
-        tokens_per_sec,
-        mfu: mfu(flops_per_token, tokens_per_sec, &peak) / c.world() as f64,
-        elapsed_s: clock.elapsed_s(),
-    })
+    Ok(rec.finish(&opts.run_dir, &state, last_val))
+}
+
+/// One step of the loop: taken at `state`, its loss checked, the loop state moved past it.
+fn take_step<B: TrainBackend>(
+    stepper: &Stepper<'_, B>,
+    model: Decoder<B>,
+    optim: &mut Optimizer<B>,
+    state: &mut TrainState,
+    lr: f64,
+    bar: &ProgressBar,
+) -> Result<(Decoder<B>, StepOutput), TrainError> {
+    let (model, out) = stepper.step(model, optim, state.next_stream, state.step + 1, lr, state.loss_scaler.as_mut())?;
+    if !out.loss.is_finite() {
+        return Err(TrainError::Diverged { step: state.step, loss: out.loss });
+    }
+    if out.skipped {
+        bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
+    }
+    state.step += 1;
+    state.next_stream += stepper.micro_batches_per_step();
+    state.tokens_seen += (stepper.config.tokens_per_step() * stepper.collective.world()) as u64;
+    Ok((model, out))
+}
+
+/// The device's peak FLOP/s, for MFU: `--peak-tflops`, the table, or a measured GEMM rate.
+fn device_peak<B: TrainBackend>(opts: &TrainOptions, device: &Device<B>, dtype: DType) -> Peak {
+    let cache = Some(opts.locations.cache_dir.as_path());
+    resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), dtype, opts.peak_tflops, cache)
 }
 
 type Opened<B> = (Decoder<B>, Optimizer<B>, TrainState, Sinks);
@@ -227,44 +235,93 @@ fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {
     }
 }
 
-/// The metrics record of the step just taken (evaluation left to the evaluator); starts a new
-/// throughput window.
-#[allow(clippy::too_many_arguments)]
-fn step_record(
-    state: &TrainState,
-    out: &StepOutput,
-    lr: f64,
-    epoch: Option<f64>,
-    speed: &mut Throughput,
-    peak: &Peak,
-    config: &TrainConfig,
+/// What the loop reports: metrics records (throughput since the last one, MFU against the device's
+/// peak, memory, wall time) into the sinks (rank 0's), and the progress bar.
+struct Recorder<'a> {
+    config: &'a TrainConfig,
     world: usize,
-    opts: &TrainOptions,
-    clock: &Clock,
-) -> StepRecord {
-    let tokens_per_step = config.tokens_per_step() * world;
-    let tokens_per_sec = speed.window_rate();
-    let flops_per_token = config.model.train_flops_per_token(config.seq_len());
-    let record = StepRecord {
-        step: state.step,
-        train_loss: out.loss,
-        lr,
-        grad_norm: out.grad_norm,
-        clipped: clip_coefficient(out.grad_norm, config.optim.grad_clip) < 1.0,
-        step_ms: speed.window_ms_per_step(tokens_per_step),
-        tokens_per_sec,
-        mfu: mfu(flops_per_token, tokens_per_sec, peak) / world as f64,
-        loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
-        memory_bytes: opts.memory.and_then(|m| m.current_bytes()),
-        elapsed_s: clock.elapsed_s(),
-        val_loss: None,
-        eval_train_loss: None,
-        epoch,
-        comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
-        wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
-    };
-    speed.reset_window();
-    record
+    memory: Option<&'static dyn MemoryProbe>,
+    peak: Peak,
+    clock: Clock,
+    speed: Throughput,
+    sinks: Sinks,
+    bar: ProgressBar,
+}
+
+impl<'a> Recorder<'a> {
+    /// Starts the clock (after the time of earlier invocations) and the bar at `state.step`.
+    fn new(config: &'a TrainConfig, opts: &TrainOptions, peak: Peak, state: &TrainState, sinks: Sinks) -> Self {
+        let c = opts.collective.as_ref();
+        Self {
+            config,
+            world: c.world(),
+            memory: opts.memory,
+            peak,
+            bar: progress_bar(opts.show_progress && c.rank() == 0, config.train.max_steps, state.step),
+            clock: Clock { started: Instant::now(), before: state.elapsed_s },
+            speed: Throughput::default(),
+            sinks,
+        }
+    }
+
+    /// Tokens of one step over all ranks.
+    fn tokens_per_step(&self) -> usize {
+        self.config.tokens_per_step() * self.world
+    }
+
+    /// The metrics record of the step just taken (evaluation left to the evaluator); starts a new
+    /// throughput window.
+    fn step_record(&mut self, state: &TrainState, out: &StepOutput, lr: f64, epoch: Option<f64>) -> StepRecord {
+        let (config, world, speed) = (self.config, self.world, &self.speed);
+        let tokens_per_step = self.tokens_per_step();
+        let tokens_per_sec = speed.window_rate();
+        let flops_per_token = config.model.train_flops_per_token(config.seq_len());
+        let record = StepRecord {
+            step: state.step,
+            train_loss: out.loss,
+            lr,
+            grad_norm: out.grad_norm,
+            clipped: clip_coefficient(out.grad_norm, config.optim.grad_clip) < 1.0,
+            step_ms: speed.window_ms_per_step(tokens_per_step),
+            tokens_per_sec,
+            mfu: mfu(flops_per_token, tokens_per_sec, &self.peak) / world as f64,
+            loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
+            memory_bytes: self.memory.and_then(|m| m.current_bytes()),
+            elapsed_s: self.clock.elapsed_s(),
+            val_loss: None,
+            eval_train_loss: None,
+            epoch,
+            comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
+            wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
+        };
+        self.speed.reset_window();
+        record
+    }
+
+    /// Writes `record` and shows its loss and speed on the bar.
+    fn write(&mut self, record: &StepRecord) -> Result<(), TrainError> {
+        let mfu = 100.0 * record.mfu;
+        let (loss, rate) = (record.train_loss, record.tokens_per_sec);
+        self.bar.set_message(format!("loss {loss:.4} · {rate:.0} tok/s · MFU {mfu:.1}%"));
+        self.sinks.record(record)
+    }
+
+    /// Clears the bar; the summary of this invocation (its training throughput: evaluation and
+    /// checkpoints excluded).
+    fn finish(self, run_dir: &Path, state: &TrainState, last_val_loss: Option<f64>) -> TrainSummary {
+        self.bar.finish_and_clear();
+        let tokens_per_sec = self.speed.total_rate();
+        let flops_per_token = self.config.model.train_flops_per_token(self.config.seq_len());
+        TrainSummary {
+            run_dir: run_dir.to_path_buf(),
+            steps: state.step,
+            best_val_loss: state.best_val_loss,
+            last_val_loss,
+            tokens_per_sec,
+            mfu: mfu(flops_per_token, tokens_per_sec, &self.peak) / self.world as f64,
+            elapsed_s: self.clock.elapsed_s(),
+        }
+    }
 }
 
 /// Checkpoints: the optimizer's moments gathered from every rank, rank 0 writing them with the
@@ -276,6 +333,13 @@ struct Checkpointer<'a> {
 }
 
 impl Checkpointer<'_> {
+    /// Whether step `step` ends with a checkpoint: every `checkpoint_interval` steps (0: never)
+    /// and at the last step of this invocation, `stop`.
+    fn due(&self, step: usize, stop: usize) -> bool {
+        let every = self.setup.config.train.checkpoint_interval;
+        (every > 0 && step % every == 0) || step == stop
+    }
+
     fn save<B: TrainBackend>(
         &self,
         model: &Decoder<B>,
@@ -374,7 +438,7 @@ fn start<B: TrainBackend>(
     if c.rank() == 0 {
         checkpoint::set_aside_dead_attempt(run_dir, &[METRICS_FILE, crate::metrics::SAMPLES_FILE])?;
     }
-    let model = initial_model::<B>(config, device)?;
+    let model = initial_model::<B>(setup, device)?;
     let mut state = TrainState::new(0, LrSchedule::from_config(config), config.train.seed, 0);
     state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
     Ok((model, BTreeMap::new(), state))
@@ -509,9 +573,7 @@ impl<'a> Evaluator<'a> {
         &self,
         model: &Decoder<IB>,
         record: &mut StepRecord,
-        metrics: &mut Sinks,
-        clock: &Clock,
-        bar: &ProgressBar,
+        rec: &mut Recorder<'_>,
     ) -> Result<f64, TrainError> {
         let (config, step) = (&self.setup.config, record.step);
         let t = &config.train;
@@ -525,10 +587,10 @@ impl<'a> Evaluator<'a> {
         }
         let memory =
             record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
-        bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
+        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
         if let Some(text) = sample_text(model, &self.setup.tokenizer, &config.metrics, t.seed ^ step as u64) {
             let prompt = config.metrics.sample_prompt.clone();
-            metrics.sample(&SampleRecord { step, elapsed_s: clock.elapsed_s(), prompt, text })?;
+            rec.sinks.sample(&SampleRecord { step, elapsed_s: rec.clock.elapsed_s(), prompt, text })?;
         }
         Ok(vl)
     }
@@ -552,7 +614,7 @@ fn save_checkpoint<B: TrainBackend>(
         adapters_only: lora,
         tokenizer: &setup.tokenizer,
         tokenizer_dir: setup.tokenizer_dir.as_deref(),
-        hf_config: setup.hf_config.as_ref(),
+        hf_config: setup.init.as_ref().and_then(|i| i.hf_config.as_ref()),
         training: Some(TrainingData { optimizer, state, config }),
     };
     checkpoint::save(run_dir, data, config.train.keep_checkpoints)
@@ -699,9 +761,10 @@ fn log_setup(config: &TrainConfig, dtype: DType, peak: &Peak, tokens_per_step: u
 }
 
 /// Finds the data, fills in the vocabulary size and checks that both splits hold a window.
-pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<Setup, TrainError> {
+pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations) -> Result<Setup, TrainError> {
+    let ResolvedConfig { mut config, init } = run;
     config.absolutize_paths();
-    let data = crate::data::load(&config, locations)?;
+    let data = crate::data::load(&config, init.as_ref(), locations)?;
     let vocab = data.tokenizer.vocab_size();
     if config.model.vocab_size == 0 {
         config.model.vocab_size = vocab;
@@ -709,12 +772,11 @@ pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<
         return Err(TrainError::VocabTooSmall { config: config.model.vocab_size, tokenizer: vocab });
     }
     config.model.validate()?;
-    let hf_config = config.init_from.as_ref().and_then(InitSource::hf_config);
     Ok(Setup {
         config,
+        init,
         tokenizer: data.tokenizer,
         tokenizer_dir: data.tokenizer_dir,
-        hf_config,
         train: data.train,
         val: data.val,
     })
@@ -722,18 +784,16 @@ pub(crate) fn prepare(mut config: TrainConfig, locations: &Locations) -> Result<
 
 /// The model a fresh run starts from: random weights, or `init_from`'s (with LoRA adapters when
 /// configured, everything else frozen).
-pub(crate) fn initial_model<B: TrainBackend>(
-    config: &TrainConfig,
-    device: &Device<B>,
-) -> Result<Decoder<B>, TrainError> {
-    let Some(source) = &config.init_from else {
+pub(crate) fn initial_model<B: TrainBackend>(setup: &Setup, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    let config = &setup.config;
+    let Some(init) = &setup.init else {
         return Ok(Decoder::<B>::new(&config.model, config.train.seed, device)?);
     };
-    let model = source.load::<B>(device)?;
+    let model = init.load::<B>(device)?;
     if model.config() != &config.model {
-        return Err(
-            source.err("its architecture differs from the config's [model]; leave [model] out to take the model's")
-        );
+        return Err(init
+            .source
+            .err("its architecture differs from the config's [model]; leave [model] out to take the model's"));
     }
     B::seed(device, config.train.seed);
     Ok(match &config.lora {
@@ -795,7 +855,8 @@ fn resume<B: TrainBackend>(
             ),
         });
     }
-    let model = ckpt.decoder::<B>(device)?;
+    // A LoRA run's base comes from the run's own `init_from` source, the same as the checkpoint's.
+    let model = ckpt.decoder_over::<B>(setup.init.as_ref(), device)?;
     let moments = ckpt.optimizer_tensors()?;
     tracing::info!(step = state.step, dir = %ckpt.dir.display(), "resuming");
     Ok((model, moments, state))

@@ -5,9 +5,9 @@ use burn::tensor::Device;
 use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
 use ember_model::ops::TrainBackend;
-use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_train, PeakSource};
+use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, PeakSource};
 use ember_train::config::Precision;
-use ember_train::{Checkpoint, TrainConfig};
+use ember_train::{Checkpoint, ConfigFile, ResolvedConfig};
 use serde::Serialize;
 
 use crate::backend::{dispatch, gpu_name, memory_probe, DeviceSpec, Job};
@@ -157,14 +157,14 @@ impl<F: BenchFn> Job for BenchJob<F> {
     }
 }
 
-struct TrainBenchFn(TrainBenchArgs, TrainConfig);
+struct TrainBenchFn(TrainBenchArgs, ResolvedConfig);
 impl BenchFn for TrainBenchFn {
     type Out = ember_train::bench::TrainBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
         let peak = PeakSource { device_name: gpu_name(a.common.device), peak_tflops: a.peak_tflops };
         let probe = memory_probe(a.common.device);
-        Ok(bench_train::<B>(self.1, &Locations::from_env(), a.warmup, a.steps, device, name, &peak, probe)?)
+        Ok(bench_run::<B>(self.1, &Locations::from_env(), a.warmup, a.steps, device, name, &peak, probe)?)
     }
 }
 
@@ -222,12 +222,12 @@ pub fn run(
 
 fn train(mut a: TrainBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
-    let mut config = TrainConfig::from_file(&a.config)?;
+    let mut run = ConfigFile::read(&a.config)?.resolve()?;
     if let Some(p) = a.precision.take() {
-        config.train.precision = p;
+        run.config.train.precision = p;
     }
-    let (device, json, ckpt) = (a.common.device, a.common.json, config.train.activation_checkpointing);
-    report(json, &dispatch(device, ckpt, BenchJob(TrainBenchFn(a, config)))?)
+    let (device, json, ckpt) = (a.common.device, a.common.json, run.config.train.activation_checkpointing);
+    report(json, &dispatch(device, ckpt, BenchJob(TrainBenchFn(a, run)))?)
 }
 
 fn peak(a: PeakBenchArgs) -> anyhow::Result<()> {

@@ -5,10 +5,12 @@ use burn::tensor::Device;
 use clap::Args;
 use ember_data::fetch::Locations;
 use ember_data::finetune::PackedExamples;
+use ember_data::Tokenizer;
 use ember_model::ops::TrainBackend;
 use ember_train::config::DataFormat;
+use ember_train::config::InitSource;
 use ember_train::perplexity::{completion_loss, perplexity, CompletionLoss, Perplexity};
-use ember_train::Checkpoint;
+use ember_train::{Checkpoint, ResolvedInit};
 
 use crate::backend::{dispatch, DeviceSpec, Job};
 
@@ -52,6 +54,8 @@ enum Scored {
 
 struct EvalJob {
     checkpoint: Checkpoint,
+    /// The checkpoint's `init_from` source, where reading the data opened it already.
+    init: Option<ResolvedInit>,
     scored: Scored,
     batch: usize,
 }
@@ -64,7 +68,7 @@ enum Report {
 impl Job for EvalJob {
     type Output = Report;
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Report> {
-        let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?;
+        let model = self.checkpoint.decoder_over::<B::InnerBackend>(self.init.as_ref(), &device)?;
         Ok(match self.scored {
             Scored::Stream { tokens, bytes, context, stride } => {
                 Report::Perplexity(perplexity(&model, &tokens, context, stride, self.batch, bytes))
@@ -87,9 +91,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     );
     let stride = args.stride.unwrap_or((context / 2).max(1));
     anyhow::ensure!(stride >= 1 && stride <= context, "--stride {stride} must be in 1..={context} (the context)");
-    let scored = scored_data(&checkpoint, &args.data, context, stride)?;
+    let (scored, init) = scored_data(&checkpoint, &args.data, context, stride)?;
     let checkpointing = false;
-    let r = dispatch(args.device, checkpointing, EvalJob { checkpoint, scored, batch: args.batch })?;
+    let r = dispatch(args.device, checkpointing, EvalJob { checkpoint, init, scored, batch: args.batch })?;
     match (&r, args.json) {
         (Report::Perplexity(r), true) => println!("{}", serde_json::to_string(r)?),
         (Report::Completion(r), true) => println!("{}", serde_json::to_string(r)?),
@@ -112,34 +116,65 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
 }
 
 /// The tokens or examples `--data` names: a split of the checkpoint's own data, a `.jsonl` file of
-/// fine-tuning examples, or a text file.
-fn scored_data(checkpoint: &Checkpoint, data: &str, context: usize, stride: usize) -> anyhow::Result<Scored> {
+/// fine-tuning examples, or a text file; with the checkpoint's `init_from` source where reading a
+/// split opened it.
+fn scored_data(
+    checkpoint: &Checkpoint,
+    data: &str,
+    context: usize,
+    stride: usize,
+) -> anyhow::Result<(Scored, Option<ResolvedInit>)> {
     let tokenizer = &checkpoint.tokenizer;
     let tokens = match data {
-        split @ ("train" | "val") => {
-            let config = checkpoint.train_config()?;
-            if config.data.format() == DataFormat::Jsonl {
-                let loaded = ember_train::data::load(config, &Locations::from_env())
-                    .with_context(|| format!("loading the {split} examples of the checkpoint's data"))?;
-                let rows = if split == "train" { loaded.train } else { loaded.val };
-                let rows = examples_of(rows.as_ref());
-                return Ok(Scored::Examples { rows, examples: None, context: config.seq_len() });
-            }
-            ember_train::data::split_tokens(config, &Locations::from_env(), split)
-                .with_context(|| format!("loading the {split} split of the checkpoint's data"))?
-        }
+        split @ ("train" | "val") => return split_data(checkpoint, split, context, stride),
         path if path.ends_with(".jsonl") => {
             let (rows, examples) =
                 ember_train::data::jsonl_examples(Path::new(path), tokenizer, &checkpoint.dir, context)
                     .with_context(|| format!("reading fine-tuning examples from {path}"))?;
             anyhow::ensure!(rows.scored_tokens() > 0, "{path}: no scored (completion) tokens to evaluate");
-            return Ok(Scored::Examples { rows, examples: Some(examples), context });
+            return Ok((Scored::Examples { rows, examples: Some(examples), context }, None));
         }
         path => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
             tokenizer.encode(&text).with_context(|| format!("tokenizing {path}"))?
         }
     };
+    Ok((stream(tokenizer, tokens, data, context, stride)?, None))
+}
+
+/// A split of the checkpoint's own training data. Its `init_from` source is opened (once) where
+/// the data's tokenizer or the model's base comes from it.
+fn split_data(
+    checkpoint: &Checkpoint,
+    split: &str,
+    context: usize,
+    stride: usize,
+) -> anyhow::Result<(Scored, Option<ResolvedInit>)> {
+    let config = checkpoint.train_config()?;
+    let needed = config.data.tokenizer.is_none() || checkpoint.is_adapter();
+    let init = config.init_from.as_ref().filter(|_| needed).map(InitSource::resolve).transpose();
+    let init = init.context("opening the run's init_from source")?;
+    let locations = Locations::from_env();
+    if config.data.format() == DataFormat::Jsonl {
+        let loaded = ember_train::data::load(config, init.as_ref(), &locations)
+            .with_context(|| format!("loading the {split} examples of the checkpoint's data"))?;
+        let rows = examples_of(if split == "train" { loaded.train } else { loaded.val }.as_ref());
+        return Ok((Scored::Examples { rows, examples: None, context: config.seq_len() }, init));
+    }
+    let tokens = ember_train::data::split_tokens(config, init.as_ref(), &locations, split)
+        .with_context(|| format!("loading the {split} split of the checkpoint's data"))?;
+    Ok((stream(&checkpoint.tokenizer, tokens, split, context, stride)?, init))
+}
+
+/// `tokens` to score as one stream (at least two: the first is only context), with the UTF-8 bytes
+/// they stand for.
+fn stream(
+    tokenizer: &Tokenizer,
+    tokens: Vec<u32>,
+    data: &str,
+    context: usize,
+    stride: usize,
+) -> anyhow::Result<Scored> {
     anyhow::ensure!(tokens.len() >= 2, "{data}: {} tokens, at least 2 are needed to score one", tokens.len());
     let bytes = tokenizer.decode(&tokens[1..])?.len();
     Ok(Scored::Stream { tokens, bytes, context, stride })

@@ -5,8 +5,7 @@ use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
-use ember_data::tokenizer::DecodeStream;
-use ember_data::Tokenizer;
+use ember_data::stream::TextStream;
 use ember_model::ops::TrainBackend;
 use ember_model::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_train::Checkpoint;
@@ -98,99 +97,11 @@ impl SampleArgs {
     }
 }
 
-/// The text of one sequence as it grows: decoded incrementally (O(1) work per token, whatever the
-/// tokenizer's decoder does), with the tail that could still be the start of a stop string held back.
-struct Stream<'a> {
-    decoder: DecodeStream<'a>,
-    /// Ids that end the sequence (end of text, end of turn); never printed.
-    ends: Vec<u32>,
-    stops: &'a [String],
-    /// Decoded text not handed out yet: the longest tail that is a prefix of some stop string.
-    held: String,
-    /// The sequence is over (end-of-text, a stop string, or a decoding error); nothing more comes out.
-    stopped: bool,
-    error: Option<ember_data::DataError>,
-}
-
-impl<'a> Stream<'a> {
-    /// A stream for the tokens after `prompt`, which is the decoder's left context.
-    fn new(tokenizer: &'a Tokenizer, prompt: &[u32], stops: &'a [String], ends: &[u32]) -> Self {
-        Self {
-            decoder: tokenizer.decode_stream(prompt),
-            ends: ends.to_vec(),
-            stops,
-            held: String::new(),
-            stopped: false,
-            error: None,
-        }
-    }
-
-    /// Adds a token; returns the text that is now final, and whether the sequence is over.
-    fn push(&mut self, id: u32) -> (String, bool) {
-        if self.stopped {
-            return (String::new(), true);
-        }
-        if self.ends.contains(&id) {
-            return (self.finish(), true);
-        }
-        match self.decoder.step(id) {
-            Ok(chunk) => {
-                let out = self.accept(&chunk, false);
-                (out, self.stopped)
-            }
-            Err(e) => {
-                self.error = Some(e);
-                self.stopped = true;
-                (std::mem::take(&mut self.held), true)
-            }
-        }
-    }
-
-    /// The rest, once the sequence is over: held-back text and an incomplete last character.
-    fn finish(&mut self) -> String {
-        if self.stopped {
-            return std::mem::take(&mut self.held);
-        }
-        let out = match self.decoder.finish() {
-            Ok(chunk) => self.accept(&chunk, true),
-            Err(e) => {
-                self.error = Some(e);
-                std::mem::take(&mut self.held)
-            }
-        };
-        self.stopped = true;
-        out
-    }
-
-    /// Appends decoded text; returns what can be handed out. Only the held tail (shorter than the
-    /// longest stop string) and the new chunk are searched, so stops cost O(1) per token too; a stop
-    /// string cannot start in text already handed out, since that text was not a prefix of one.
-    fn accept(&mut self, chunk: &str, last: bool) -> String {
-        self.held.push_str(chunk);
-        if let Some(cut) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
-            self.held.truncate(cut);
-            self.stopped = true;
-            return std::mem::take(&mut self.held);
-        }
-        if last {
-            return std::mem::take(&mut self.held);
-        }
-        let held = &self.held;
-        let keep_from = held
-            .char_indices()
-            .map(|(i, _)| i)
-            .find(|&i| self.stops.iter().any(|s| s.starts_with(&held[i..])))
-            .unwrap_or(held.len());
-        let rest = self.held.split_off(keep_from);
-        std::mem::replace(&mut self.held, rest)
-    }
-
-    /// The decoding error that ended the sequence, if one did.
-    fn check(&mut self, index: usize) -> anyhow::Result<()> {
-        match self.error.take() {
-            Some(e) => Err(anyhow::Error::from(e).context(format!("decoding the text of prompt {index}"))),
-            None => Ok(()),
-        }
+/// The decoding error that ended sequence `index`, if one did.
+fn check(stream: &mut TextStream, index: usize) -> anyhow::Result<()> {
+    match stream.take_error() {
+        Some(e) => Err(anyhow::Error::from(e).context(format!("decoding the text of prompt {index}"))),
+        None => Ok(()),
     }
 }
 
@@ -213,7 +124,8 @@ impl Job for SampleJob {
             .map(|i| Sampler::new(config.clone(), args.seed.wrapping_add(i as u64)))
             .collect::<Result<Vec<_>, _>>()?;
         let model = checkpoint.decoder::<B::InnerBackend>(&device)?;
-        let mut streams: Vec<Stream> = prompts.iter().map(|p| Stream::new(tokenizer, p, &args.stop, &ends)).collect();
+        let mut streams: Vec<TextStream> =
+            prompts.iter().map(|p| TextStream::new(tokenizer, p, args.stop.clone(), &ends)).collect();
         let mut out = std::io::stdout().lock();
 
         if prompts.len() == 1 {
@@ -240,7 +152,7 @@ impl Job for SampleJob {
                 return Err(e.into());
             }
             writeln!(out, "{}", streams[0].finish())?;
-            return streams[0].check(0);
+            return check(&mut streams[0], 0);
         }
         let mut texts = vec![String::new(); prompts.len()];
         generate_batch(&model, &prompts, &options(&args, &ends), &mut samplers, |b, id| {
@@ -253,7 +165,7 @@ impl Job for SampleJob {
             writeln!(out, "=== {i} ===\n{prompt}{}", texts[i])?;
         }
         for (i, stream) in streams.iter_mut().enumerate() {
-            stream.check(i)?;
+            check(stream, i)?;
         }
         Ok(())
     }

@@ -1,5 +1,6 @@
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context;
 use burn::tensor::Device;
@@ -7,7 +8,8 @@ use clap::Args;
 use ember_data::fetch::Locations;
 use ember_model::ops::TrainBackend;
 use ember_train::config::Precision;
-use ember_train::{TrainConfig, TrainOptions, TrainSummary};
+use ember_train::distributed::Collective;
+use ember_train::{ConfigFile, ResolvedConfig, TrainOptions, TrainSummary};
 
 use crate::backend::{dispatch, DeviceSpec, Job};
 
@@ -60,7 +62,7 @@ impl std::str::FromStr for DeviceArg {
 }
 
 struct TrainJob {
-    config: TrainConfig,
+    run: ResolvedConfig,
     options: TrainOptions,
 }
 
@@ -68,35 +70,45 @@ impl Job for TrainJob {
     type Output = TrainSummary;
     fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<TrainSummary> {
         tracing::info!("training on {name}, run directory {}", self.options.run_dir.display());
-        Ok(ember_train::train::<B>(self.config, &self.options, &device)?)
+        Ok(ember_train::train::<B>(self.run, &self.options, &device)?)
     }
 }
 
-pub fn run(
-    args: TrainArgs,
-    collective: std::sync::Arc<dyn ember_train::distributed::Collective>,
-) -> anyhow::Result<()> {
-    // The error names the file and the key.
-    let mut config = TrainConfig::from_file(&args.config)?;
+pub fn run(args: TrainArgs, collective: Arc<dyn Collective>) -> anyhow::Result<()> {
+    // Parsing reads the file alone (errors name it and the key); resolving opens `init_from`, once.
+    let mut run = ConfigFile::read(&args.config)?.resolve()?;
     if let Some(p) = args.precision {
-        config.train.precision = p;
+        run.config.train.precision = p;
     }
-    let run_dir = args.run_dir.unwrap_or_else(|| {
-        let stem = args.config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or("run".into());
-        PathBuf::from("runs").join(stem)
-    });
-    // Each rank of a data-parallel run on its own GPU of the machine: cuda:<local rank>.
-    // A bare `cuda` in a data-parallel run means each rank's own GPU of the machine:
-    // cuda:<local rank>. An explicit index is kept (for launchers that give each rank one GPU).
-    let device = match args.device {
+    let device = device(args.device, collective.as_ref());
+    let lead = collective.rank() == 0;
+    let options = options(&args, device, collective)?;
+    let _dashboard = (args.dashboard && lead).then(|| dashboard(&options.run_dir, args.dashboard_port)).flatten();
+    let checkpointing = run.config.train.activation_checkpointing;
+    let summary = dispatch(device, checkpointing, TrainJob { run, options })?;
+    if lead {
+        println!("{summary}");
+    }
+    Ok(())
+}
+
+/// The device of this rank. A bare `cuda` in a data-parallel run means each rank's own GPU of the
+/// machine: cuda:<local rank>. An explicit index is kept (for launchers that give each rank one GPU).
+fn device(arg: DeviceArg, collective: &dyn Collective) -> DeviceSpec {
+    match arg {
         DeviceArg { spec: DeviceSpec::Cuda(_), indexed: false } if collective.world() > 1 => {
             DeviceSpec::Cuda(collective.local_rank())
         }
         DeviceArg { spec, .. } => spec,
-    };
-    let lead = collective.rank() == 0;
-    let device_comm = device_comm(device, collective.as_ref())?;
-    let options = TrainOptions {
+    }
+}
+
+fn options(args: &TrainArgs, device: DeviceSpec, collective: Arc<dyn Collective>) -> anyhow::Result<TrainOptions> {
+    let run_dir = args.run_dir.clone().unwrap_or_else(|| {
+        let stem = args.config.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or("run".into());
+        PathBuf::from("runs").join(stem)
+    });
+    Ok(TrainOptions {
         run_dir,
         resume: args.resume,
         stop_at: args.max_steps,
@@ -106,55 +118,28 @@ pub fn run(
         peak_tflops: args.peak_tflops,
         memory: Some(crate::backend::memory_probe(device)),
         memory_available: crate::backend::memory_available(device),
+        device_comm: device_comm(device, collective.as_ref())?,
         collective,
-        device_comm,
-    };
-    // The dashboard is a convenience: if it cannot start, training goes on without it (and what it
-    // is sent once running cannot reach the training loop; see ember_dashboard::server).
-    let _dashboard = if args.dashboard && lead {
-        let logdir =
-            options.run_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        std::fs::create_dir_all(logdir)
-            .with_context(|| format!("creating {}", logdir.display()))
-            .and_then(|()| {
-                crate::commands::dashboard::start(
-                    logdir,
-                    std::net::Ipv4Addr::LOCALHOST.into(),
-                    args.dashboard_port,
-                    &[],
-                    true,
-                )
-            })
-            .inspect_err(|e| tracing::warn!("no dashboard: {e:#}; training goes on without it"))
-            .ok()
-    } else {
-        None
-    };
-    let checkpointing = config.train.activation_checkpointing;
-    let summary = dispatch(device, checkpointing, TrainJob { config, options })?;
-    if !lead {
-        return Ok(());
-    }
-    let best = summary.best_val_loss.map_or("n/a".into(), |v| format!("{v:.4}"));
-    println!(
-        "trained {} steps in {:.0} s ({:.0} tokens/s, MFU {:.2}%); best val loss {best}; run directory {}",
-        summary.steps,
-        summary.elapsed_s,
-        summary.tokens_per_sec,
-        100.0 * summary.mfu,
-        summary.run_dir.display()
-    );
-    Ok(())
+    })
+}
+
+/// The dashboard over the run directory's parent. It is a convenience: if it cannot start, training
+/// goes on without it (and what it is sent once running cannot reach the training loop; see
+/// ember_dashboard::server).
+fn dashboard(run_dir: &Path, port: u16) -> Option<ember_dashboard::Dashboard> {
+    let logdir = run_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(logdir)
+        .with_context(|| format!("creating {}", logdir.display()))
+        .and_then(|()| crate::commands::dashboard::start(logdir, std::net::Ipv4Addr::LOCALHOST.into(), port, &[], true))
+        .inspect_err(|e| tracing::warn!("no dashboard: {e:#}; training goes on without it"))
+        .ok()
 }
 
 /// NCCL for the gradients of a data-parallel CUDA run (`--features nccl`): rank 0's id is sent to
 /// the others over MPI. `EMBER_NCCL=1` makes one in a single process too (to check the path on one
 /// GPU); `EMBER_NCCL=0` keeps the reduction on the host.
 #[cfg(feature = "nccl")]
-fn device_comm(
-    device: DeviceSpec,
-    c: &dyn ember_train::distributed::Collective,
-) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
+fn device_comm(device: DeviceSpec, c: &dyn Collective) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
     let wanted = match std::env::var("EMBER_NCCL").as_deref() {
         Ok("0") => false,
         Ok("1") => true,
@@ -179,9 +164,6 @@ fn device_comm(
 }
 
 #[cfg(not(feature = "nccl"))]
-fn device_comm(
-    _: DeviceSpec,
-    _: &dyn ember_train::distributed::Collective,
-) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
+fn device_comm(_: DeviceSpec, _: &dyn Collective) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
     Ok(None)
 }

@@ -57,7 +57,12 @@ impl Documents {
     /// Rows cut into documents of the given lengths (each row's lengths add up to `seq`).
     pub fn from_lengths(rows: &[Vec<usize>], seq: usize) -> Result<Self, DocumentsError> {
         let mut first = Vec::with_capacity(rows.len() * seq);
-        for lens in rows {
+        for (b, lens) in rows.iter().enumerate() {
+            let total: usize = lens.iter().sum();
+            if total != seq {
+                let message = format!("row {b}: document lengths add up to {total}, not {seq}");
+                return Err(DocumentsError { batch: rows.len(), seq, message });
+            }
             let mut at = 0u32;
             for &n in lens {
                 first.extend(std::iter::repeat_n(at, n));

@@ -6,7 +6,8 @@
 //!
 //! The kernels here are tested against direct transcriptions of their formulas or finite differences
 //! (`mod tests`); the Burn-level ops built on them are tested against the plain tensor compositions
-//! (values and gradients) in `ops::fused`.
+//! (values and gradients) in each op's file (`ops::rms_norm`, `ops::swiglu`, `ops::linear`,
+//! `ops::attention`, `ops::adamw`).
 
 use rayon::prelude::*;
 
@@ -233,11 +234,12 @@ fn gemm_into(
     if m == 0 || n == 0 {
         return;
     }
-    debug_assert!((m - 1) * dst_rs + n <= dst.len());
-    debug_assert!(k == 0 || (m - 1) * lhs_rs + (k - 1) * lhs_cs < lhs.len());
-    debug_assert!(k == 0 || (k - 1) * rhs_rs + (n - 1) * rhs_cs < rhs.len());
-    // SAFETY: the debug assertions above state the extents the strides reach; every caller passes
-    // slices that cover them (checked by the tests in debug builds).
+    // Three comparisons a GEMM, in release builds too: a wrong shape from a caller is a panic, never
+    // memory outside the slices.
+    assert!((m - 1) * dst_rs + n <= dst.len(), "GEMM output slice too short");
+    assert!(k == 0 || (m - 1) * lhs_rs + (k - 1) * lhs_cs < lhs.len(), "GEMM left operand slice too short");
+    assert!(k == 0 || (k - 1) * rhs_rs + (n - 1) * rhs_cs < rhs.len(), "GEMM right operand slice too short");
+    // SAFETY: the assertions above check the extents the strides reach against the slices.
     unsafe {
         gemm::gemm(
             m,

@@ -72,21 +72,23 @@ pub fn linear<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tenso
 
 impl LinearOps for Flex {
     fn linear_forward(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {
-        if !flex::all_f32(&[&x, &w]) || b.as_ref().is_some_and(|b| !flex::all_f32(&[b])) {
+        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
+        let bias_fits = b.as_ref().is_none_or(|b| flex::all_f32(&[b]) && flex::shape(b) == [ws[1]]);
+        if !flex::all_f32(&[&x, &w]) || !bias_fits || xs[1] != ws[0] {
+            // Other dtypes, and shapes that do not fit (which Burn's ops then name).
             return prim(reference(float::<Self, 2>(x), float(w), b.map(float)));
         }
-        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
         let b = b.as_ref().map(flex::f32s);
         let y = kernels::linear(&flex::f32s(&x), &flex::f32s(&w), b.as_deref(), (xs[0], xs[1], ws[1]));
         flex::tensor(y, vec![xs[0], ws[1]])
     }
 
     fn linear_backward(x: FlexTensor, w: FlexTensor, dy: FlexTensor, need: LinearGrads) -> Grads<Self> {
-        if !flex::all_f32(&[&x, &w, &dy]) {
+        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
+        if !flex::all_f32(&[&x, &w, &dy]) || xs[1] != ws[0] || flex::shape(&dy) != [xs[0], ws[1]] {
             let (dx, dw, db) = reference_backward(float::<Self, 2>(x), float(w), float(dy));
             return (need.x.then(|| prim(dx)), need.w.then(|| prim(dw)), need.b.then(|| prim(db)));
         }
-        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
         let (dx, dw, db) =
             kernels::linear_backward(&flex::f32s(&x), &flex::f32s(&w), &flex::f32s(&dy), (xs[0], xs[1], ws[1]), need);
         let tensor = flex::tensor;

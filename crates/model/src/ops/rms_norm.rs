@@ -68,19 +68,19 @@ pub fn rms_norm<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 1>, eps: f64) -> 
 
 impl RmsNormOps for Flex {
     fn rms_norm(x: FlexTensor, w: FlexTensor, eps: f64) -> FlexTensor {
-        if !flex::all_f32(&[&x, &w]) {
+        let shape = flex::shape(&x);
+        if !flex::all_f32(&[&x, &w]) || flex::shape(&w) != [shape[1]] {
             return prim(reference(float::<Self, 2>(x), float(w), eps));
         }
-        let shape = flex::shape(&x);
         flex::tensor(kernels::rms_norm(&flex::f32s(&x), &flex::f32s(&w), eps as f32), shape)
     }
 
     fn rms_norm_backward(x: FlexTensor, w: FlexTensor, dy: FlexTensor, eps: f64) -> (FlexTensor, FlexTensor) {
-        if !flex::all_f32(&[&x, &w, &dy]) {
+        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
+        if !flex::all_f32(&[&x, &w, &dy]) || ws != [xs[1]] || flex::shape(&dy) != xs {
             let (dx, dw) = reference_backward(float::<Self, 2>(x), float(w), float(dy), eps);
             return (prim(dx), prim(dw));
         }
-        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
         let (dx, dw) = kernels::rms_norm_backward(&flex::f32s(&x), &flex::f32s(&w), &flex::f32s(&dy), eps as f32);
         (flex::tensor(dx, xs), flex::tensor(dw, ws))
     }

@@ -55,19 +55,19 @@ pub fn swiglu_packed<B: EmberBackend>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
 
 impl SwigluOps for Flex {
     fn swiglu(gu: FlexTensor) -> FlexTensor {
-        if !flex::all_f32(&[&gu]) {
+        let shape = flex::shape(&gu);
+        if !flex::all_f32(&[&gu]) || shape[1] % 2 != 0 {
             return prim(reference(float::<Self, 2>(gu)));
         }
-        let shape = flex::shape(&gu);
         let f = shape[1] / 2;
         flex::tensor(kernels::swiglu_packed(&flex::f32s(&gu), f), vec![shape[0], f])
     }
 
     fn swiglu_backward(gu: FlexTensor, dy: FlexTensor) -> FlexTensor {
-        if !flex::all_f32(&[&gu, &dy]) {
+        let shape = flex::shape(&gu);
+        if !flex::all_f32(&[&gu, &dy]) || shape[1] % 2 != 0 || flex::shape(&dy) != [shape[0], shape[1] / 2] {
             return prim(reference_backward(float::<Self, 2>(gu), float(dy)));
         }
-        let shape = flex::shape(&gu);
         flex::tensor(kernels::swiglu_packed_backward(&flex::f32s(&gu), &flex::f32s(&dy), shape[1] / 2), shape)
     }
 }

@@ -232,12 +232,13 @@ mod tests {
 
     #[test]
     fn config_rules_name_the_key() {
+        let message = |c: DistributedConfig| c.validate().unwrap_err().to_string();
         let bad = DistributedConfig { bucket_mib: 0, ..Default::default() };
-        assert!(bad.validate().unwrap_err().contains("distributed.bucket_mib"));
+        assert_eq!(message(bad), "distributed.bucket_mib must be in 1..=4096, found 0");
         let bad = DistributedConfig { timeout_s: -1.0, ..Default::default() };
-        assert!(bad.validate().unwrap_err().contains("distributed.timeout_s"));
+        assert!(message(bad).contains("distributed.timeout_s"));
         let bad = DistributedConfig { bucket_mib: 8192, ..Default::default() };
-        assert!(bad.validate().unwrap_err().contains("1..=4096"));
+        assert!(message(bad).contains("1..=4096"));
         assert_eq!(DistributedConfig::default().bucket_elems(), 25 * 1024 * 1024 / 4);
     }
 
