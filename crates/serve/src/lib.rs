@@ -1,0 +1,10 @@
+//! `ember serve`: an OpenAI-compatible HTTP server over an ember model, with continuous batching
+//! (requests join and leave the running decode batch at token granularity, see
+//! [`ember_model::engine`]), streaming as server-sent events, and a chat page.
+
+pub mod api;
+pub mod server;
+pub mod worker;
+
+pub use server::{Limits, Options, ServeError, Server};
+pub use worker::Worker;

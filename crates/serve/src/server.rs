@@ -1,0 +1,502 @@
+//! The HTTP side: OpenAI's `/v1/completions`, `/v1/chat/completions` (streamed as server-sent
+//! events with `stream: true`) and `/v1/models`, and a chat page at `/`.
+//!
+//! Hardening, as the dashboard's: a tokio runtime of its own on OS threads of its own; hyper's
+//! HTTP/1 with a cap on the request head and a deadline to send it; at most
+//! [`Limits::max_connections`] connections (503 past it); bodies of at most [`Limits::max_body`]
+//! bytes, read within [`Limits::body_timeout`] (413, 408); a `Host` allow-list against DNS
+//! rebinding; an optional API key (`Authorization: Bearer …`); a full queue is 429. A client that
+//! disconnects mid-answer has its request cancelled at the next token.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ember_dashboard::AllowedHosts;
+use ember_data::finetune::ChatTemplate;
+use ember_data::stream::TextStream;
+use ember_data::Tokenizer;
+use ember_model::engine::{EngineError, Event, Finish, Request as EngineRequest};
+use ember_model::sample::Sampler;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
+use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, HOST, RETRY_AFTER};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+use crate::api::{error_body, ChatRequest, CompletionRequest, Generation, Invalid, Kind, Usage};
+use crate::worker::{SubmitError, Worker};
+
+const CHAT_PAGE: &str = include_str!("../assets/chat.html");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {message}")]
+    Bind { addr: SocketAddr, message: String },
+    #[error("cannot start the server's threads: {0}")]
+    Threads(std::io::Error),
+}
+
+/// What the server allows a client.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_connections: usize,
+    /// A request head larger than this is refused.
+    pub max_header_bytes: usize,
+    /// The request head must arrive within this.
+    pub header_read_timeout: Duration,
+    /// A larger body gets 413, unread.
+    pub max_body: usize,
+    /// The body must arrive within this (408).
+    pub body_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            max_header_bytes: 16 << 10,
+            header_read_timeout: Duration::from_secs(10),
+            max_body: 1 << 20,
+            body_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What the server answers with and how.
+pub struct Options {
+    /// The name `/v1/models` lists and requests may give as `model`.
+    pub model_name: String,
+    pub tokenizer: Tokenizer,
+    /// For `/v1/chat/completions`; without one, chat requests get 400.
+    pub template: Option<ChatTemplate>,
+    /// The model's context (prompt and answer together).
+    pub context: usize,
+    /// `Host` names answered besides localhost and the address a connection came in on.
+    pub allowed_hosts: Vec<String>,
+    /// Required as `Authorization: Bearer KEY` when set.
+    pub api_key: Option<String>,
+    pub limits: Limits,
+}
+
+/// A running server; dropping it stops accepting connections.
+pub struct Server {
+    addr: SocketAddr,
+    shutdown: Arc<Notify>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Serves on `addr` (port 0: any free port) with the engine behind `worker`. Returns once listening.
+    pub fn start(addr: SocketAddr, worker: Worker, options: Options) -> Result<Self, ServeError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ember-serve")
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(ServeError::Threads)?;
+        let listener = {
+            let _context = runtime.enter();
+            let std_listener =
+                std::net::TcpListener::bind(addr).map_err(|e| ServeError::Bind { addr, message: e.to_string() })?;
+            std_listener.set_nonblocking(true).map_err(|e| ServeError::Bind { addr, message: e.to_string() })?;
+            TcpListener::from_std(std_listener).map_err(|e| ServeError::Bind { addr, message: e.to_string() })?
+        };
+        let addr = listener.local_addr().unwrap_or(addr);
+        let state = Arc::new(State {
+            hosts: AllowedHosts::new(&options.allowed_hosts),
+            connections: Arc::new(Semaphore::new(options.limits.max_connections.max(1))),
+            worker,
+            options,
+            next_id: AtomicU64::new(1),
+        });
+        let shutdown = Arc::new(Notify::new());
+        let stop = shutdown.clone();
+        let thread = std::thread::Builder::new()
+            .name("ember-serve".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let accepting = tokio::spawn(accept(listener, state));
+                    stop.notified().await;
+                    accepting.abort();
+                });
+                runtime.shutdown_timeout(Duration::from_secs(1));
+            })
+            .map_err(ServeError::Threads)?;
+        Ok(Self { addr, shutdown, thread: Some(thread) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves until the process ends.
+    pub fn wait(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown.notify_one();
+    }
+}
+
+struct State {
+    hosts: AllowedHosts,
+    connections: Arc<Semaphore>,
+    worker: Worker,
+    options: Options,
+    next_id: AtomicU64,
+}
+
+async fn accept(listener: TcpListener, state: Arc<State>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = state.connections.clone().try_acquire_owned() else {
+            // Answered once, without waiting for the client, and closed.
+            let busy = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 15\r\nRetry-After: 1\r\nConnection: close\r\n\r\nserver is busy\n";
+            let _ = stream.try_write(busy);
+            continue;
+        };
+        let local = stream.local_addr().ok().map(|a| a.ip());
+        let state = state.clone();
+        tokio::spawn(async move {
+            let limits = &state.options.limits;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .max_buf_size(limits.max_header_bytes.max(8192));
+            let service = hyper::service::service_fn(|req| {
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(route(&state, req, local).await) }
+            });
+            let _ = http.serve_connection(TokioIo::new(stream), service).await;
+            drop(permit);
+        });
+    }
+}
+
+type Answer = Response<AnswerBody>;
+
+/// A whole body, or the server-sent events of a streamed answer as they come.
+pub enum AnswerBody {
+    Full(Full<Bytes>),
+    Events(mpsc::Receiver<Bytes>),
+}
+
+impl Body for AnswerBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            Self::Full(full) => Pin::new(full).poll_frame(cx),
+            Self::Events(rx) => rx.poll_recv(cx).map(|chunk| chunk.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Self::Full(full) => full.size_hint(),
+            Self::Events(_) => SizeHint::default(),
+        }
+    }
+}
+
+fn json_answer(status: StatusCode, body: &Value) -> Answer {
+    let mut r = Response::new(AnswerBody::Full(Full::new(Bytes::from(body.to_string()))));
+    *r.status_mut() = status;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn error(status: StatusCode, kind: &str, message: &str, param: Option<&str>, code: Option<&str>) -> Answer {
+    json_answer(status, &error_body(kind, message, param, code))
+}
+
+fn invalid(e: Invalid) -> Answer {
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.message, Some(e.param), None)
+}
+
+async fn route(state: &State, req: Request<Incoming>, local: Option<std::net::IpAddr>) -> Answer {
+    let host = req.headers().get(HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
+    if !state.hosts.allows(host, local) {
+        return error(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            &format!("Host `{host}` is not served"),
+            None,
+            None,
+        );
+    }
+    if let Some(key) = &state.options.api_key {
+        let given =
+            req.headers().get(AUTHORIZATION).and_then(|h| h.to_str().ok()).and_then(|h| h.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            let message = "a valid API key is required (Authorization: Bearer KEY)";
+            return error(StatusCode::UNAUTHORIZED, "invalid_request_error", message, None, Some("invalid_api_key"));
+        }
+    }
+    let path = req.uri().path().to_string();
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/") => {
+            let mut r = Response::new(AnswerBody::Full(Full::new(Bytes::from_static(CHAT_PAGE.as_bytes()))));
+            r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+            r
+        }
+        (Method::GET, "/v1/models") => {
+            let model = json!({"id": state.options.model_name, "object": "model", "created": 0, "owned_by": "ember"});
+            json_answer(StatusCode::OK, &json!({"object": "list", "data": [model]}))
+        }
+        (Method::GET, "/health") => json_answer(StatusCode::OK, &json!({"status": "ok"})),
+        (Method::POST, "/v1/completions") => match read_json::<CompletionRequest>(state, req).await {
+            Ok(r) => completion(state, r).await,
+            Err(answer) => answer,
+        },
+        (Method::POST, "/v1/chat/completions") => match read_json::<ChatRequest>(state, req).await {
+            Ok(r) => chat(state, r).await,
+            Err(answer) => answer,
+        },
+        (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/" | "/health") => {
+            error(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed", None, None)
+        }
+        _ => error(StatusCode::NOT_FOUND, "invalid_request_error", &format!("no such endpoint: {path}"), None, None),
+    }
+}
+
+/// The body as JSON of type `T`, within the size and time limits.
+async fn read_json<T: serde::de::DeserializeOwned>(state: &State, req: Request<Incoming>) -> Result<T, Answer> {
+    let limits = &state.options.limits;
+    let too_large = || {
+        let message = format!("the body is larger than {} bytes", limits.max_body);
+        error(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", &message, None, None)
+    };
+    let announced = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > limits.max_body as u64) {
+        return Err(too_large());
+    }
+    let body = Limited::new(req.into_body(), limits.max_body);
+    let bytes = match tokio::time::timeout(limits.body_timeout, body.collect()).await {
+        Err(_) => {
+            return Err(error(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                "the body did not arrive in time",
+                None,
+                None,
+            ))
+        }
+        Ok(Err(_)) => return Err(too_large()),
+        Ok(Ok(collected)) => collected.to_bytes(),
+    };
+    serde_json::from_slice(&bytes).map_err(|e| {
+        let message = format!("could not parse the JSON body: {e}");
+        error(StatusCode::BAD_REQUEST, "invalid_request_error", &message, None, None)
+    })
+}
+
+async fn completion(state: &State, r: CompletionRequest) -> Answer {
+    let prepared = (|| {
+        let prompt = r.prompt()?;
+        let generation = r.settings.generation(&state.options.model_name)?;
+        let ids = state.options.tokenizer.encode(prompt).map_err(|e| Invalid::new("prompt", e.to_string()))?;
+        Ok::<_, Invalid>((ids, generation))
+    })();
+    match prepared {
+        Ok((ids, generation)) => run(state, Kind::Completion, ids, generation).await,
+        Err(e) => invalid(e),
+    }
+}
+
+async fn chat(state: &State, r: ChatRequest) -> Answer {
+    let Some(template) = &state.options.template else {
+        return invalid(Invalid::new("messages", "this model has no chat template; use /v1/completions"));
+    };
+    let prepared = (|| {
+        let generation = r.settings.generation(&state.options.model_name)?;
+        let text = template.render(&r.messages()?, true).map_err(|e| Invalid::new("messages", e.to_string()))?;
+        let ids = state.options.tokenizer.encode(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;
+        Ok::<_, Invalid>((ids, generation))
+    })();
+    match prepared {
+        Ok((ids, generation)) => run(state, Kind::Chat, ids, generation).await,
+        Err(e) => invalid(e),
+    }
+}
+
+/// Runs a checked request on the engine and answers it, whole or streamed.
+async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation) -> Answer {
+    let context = state.options.context;
+    let max_new_tokens = g.max_tokens.unwrap_or(context.saturating_sub(prompt.len()).max(1));
+    let seed =
+        g.seed.unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+    let sampler = match Sampler::new(g.sampling.clone(), seed) {
+        Ok(s) => s,
+        Err(e) => return invalid(Invalid::new("temperature", e.to_string())),
+    };
+    let ends = state.options.tokenizer.end_ids();
+    let request = EngineRequest { prompt: prompt.clone(), max_new_tokens, stop_tokens: ends.clone(), sampler };
+    let (id, events) = match state.worker.submit(request).await {
+        Ok(submitted) => submitted,
+        Err(e) => return refused(e),
+    };
+    let n = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let answer = Answering {
+        kind,
+        id: format!("{}-{n}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        model: state.options.model_name.clone(),
+        prompt_tokens: prompt.len(),
+    };
+    let tokenizer = state.options.tokenizer.clone();
+    let worker = state.worker.clone();
+    if !g.stream {
+        let (text, finish, usage) = collect(&tokenizer, &prompt, g.stop, &ends, events, &worker, id).await;
+        return json_answer(
+            StatusCode::OK,
+            &kind.response(&answer.id, answer.created, &answer.model, &text, finish, usage),
+        );
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(async move { answer.stream(&tokenizer, &prompt, g.stop, &ends, events, &worker, id, tx).await });
+    let mut r = Response::new(AnswerBody::Events(rx));
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+fn refused(e: SubmitError) -> Answer {
+    match e {
+        SubmitError::Engine(EngineError::QueueFull(n)) => {
+            let message = format!("the server is busy: {n} requests are waiting; retry later");
+            let mut r = error(StatusCode::TOO_MANY_REQUESTS, "server_busy", &message, None, Some("queue_full"));
+            r.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        }
+        SubmitError::Engine(e @ EngineError::TooLong { .. }) => error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &e.to_string(),
+            Some("max_tokens"),
+            Some("context_length_exceeded"),
+        ),
+        SubmitError::Engine(e @ EngineError::Prompt(_)) => {
+            error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.to_string(), Some("prompt"), None)
+        }
+        SubmitError::Stopped => {
+            error(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine has stopped", None, None)
+        }
+    }
+}
+
+/// The next piece of text of a request, and whether it is over (with OpenAI's finish reason and
+/// the engine's token count).
+async fn next_piece(
+    text: &mut TextStream<'_>,
+    events: &mut mpsc::UnboundedReceiver<Event>,
+    generated: &mut usize,
+) -> (String, Option<&'static str>) {
+    match events.recv().await {
+        Some(Event::Token { token, .. }) => {
+            *generated += 1;
+            let (piece, stopped) = text.push(token);
+            (piece, stopped.then_some("stop"))
+        }
+        Some(Event::Done { finish, completion_tokens, .. }) => {
+            *generated = completion_tokens;
+            let reason = if finish == Finish::Length { "length" } else { "stop" };
+            (text.finish(), Some(reason))
+        }
+        None => (text.finish(), Some("stop")),
+    }
+}
+
+async fn collect(
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    stops: Vec<String>,
+    ends: &[u32],
+    mut events: mpsc::UnboundedReceiver<Event>,
+    worker: &Worker,
+    id: u64,
+) -> (String, &'static str, Usage) {
+    let mut text = TextStream::new(tokenizer, prompt, stops, ends);
+    let (mut out, mut generated) = (String::new(), 0);
+    loop {
+        let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await;
+        out.push_str(&piece);
+        if let Some(finish) = finish {
+            worker.cancel(id); // a stop string ends the request before the engine knows
+            return (out, finish, Usage::new(prompt.len(), generated));
+        }
+    }
+}
+
+/// The JSON framing of one answer.
+struct Answering {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: usize,
+}
+
+impl Answering {
+    fn event(&self, text: &str, finish: Option<&str>, usage: Option<Usage>) -> Bytes {
+        let chunk = self.kind.chunk(&self.id, self.created, &self.model, text, finish, usage);
+        Bytes::from(format!("data: {chunk}\n\n"))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn stream(
+        self,
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        stops: Vec<String>,
+        ends: &[u32],
+        mut events: mpsc::UnboundedReceiver<Event>,
+        worker: &Worker,
+        id: u64,
+        tx: mpsc::Sender<Bytes>,
+    ) {
+        let mut text = TextStream::new(tokenizer, prompt, stops, ends);
+        let mut generated = 0;
+        loop {
+            let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await;
+            let sent = match finish {
+                None if piece.is_empty() => true,
+                None => tx.send(self.event(&piece, None, None)).await.is_ok(),
+                Some(finish) => {
+                    worker.cancel(id);
+                    let usage = Usage::new(self.prompt_tokens, generated);
+                    let last = if piece.is_empty() { Ok(()) } else { tx.send(self.event(&piece, None, None)).await };
+                    let _ = last.is_ok() && tx.send(self.event("", Some(finish), Some(usage))).await.is_ok();
+                    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                    return;
+                }
+            };
+            if !sent {
+                worker.cancel(id); // the client disconnected
+                return;
+            }
+        }
+    }
+}

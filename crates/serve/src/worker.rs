@@ -1,0 +1,121 @@
+//! The thread that owns the model: it runs the continuous-batching [`Engine`], takes requests and
+//! cancels from the HTTP side over a channel, and routes each request's events back to it. A
+//! request whose receiver is gone (the client disconnected) is cancelled at its next token.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+
+use ember_model::engine::{Engine, EngineError, Event, Request, RequestId};
+use ember_model::ops::EmberBackend;
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+pub enum Command {
+    Submit {
+        request: Request,
+        events: tmpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<Result<RequestId, EngineError>>,
+    },
+    Cancel(RequestId),
+}
+
+/// The HTTP side's end of the channel to the engine thread.
+#[derive(Clone)]
+pub struct Worker {
+    tx: mpsc::Sender<Command>,
+}
+
+impl Worker {
+    /// Starts the engine's thread; it ends when every `Worker` clone is dropped and the engine is idle.
+    pub fn spawn<B: EmberBackend>(engine: Engine<B>) -> std::io::Result<Self>
+    where
+        Engine<B>: Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("ember-engine".into())
+            .spawn(move || ember_model::ops::on_cpu_workers(move || serve(engine, rx)))?;
+        Ok(Self { tx })
+    }
+
+    /// Queues a request; its events arrive on the returned receiver, the last one `Event::Done`.
+    pub async fn submit(&self, request: Request) -> Result<(RequestId, tmpsc::UnboundedReceiver<Event>), SubmitError> {
+        let (events, rx) = tmpsc::unbounded_channel();
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Command::Submit { request, events, reply }).map_err(|_| SubmitError::Stopped)?;
+        let id = answer.await.map_err(|_| SubmitError::Stopped)??;
+        Ok((id, rx))
+    }
+
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.tx.send(Command::Cancel(id));
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+fn serve<B: EmberBackend>(mut engine: Engine<B>, rx: mpsc::Receiver<Command>) {
+    let mut routes: HashMap<RequestId, tmpsc::UnboundedSender<Event>> = HashMap::new();
+    loop {
+        if engine.is_idle() {
+            match rx.recv() {
+                Ok(command) => handle(&mut engine, &mut routes, command),
+                Err(_) => return,
+            }
+        }
+        while let Ok(command) = rx.try_recv() {
+            handle(&mut engine, &mut routes, command);
+        }
+        let events = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step())) {
+            Ok(events) => events,
+            Err(_) => {
+                tracing::error!("the model panicked in a decoding step; its requests are ended");
+                for id in routes.keys().copied().collect::<Vec<_>>() {
+                    engine.cancel(id);
+                }
+                routes.clear();
+                continue;
+            }
+        };
+        for event in events {
+            let (Event::Token { id, .. } | Event::Done { id, .. }) = event;
+            let done = matches!(event, Event::Done { .. });
+            let delivered = routes.get(&id).is_some_and(|tx| tx.send(event).is_ok());
+            if done || !delivered {
+                routes.remove(&id);
+                if !done {
+                    engine.cancel(id); // the client is gone
+                }
+            }
+        }
+    }
+}
+
+fn handle<B: EmberBackend>(
+    engine: &mut Engine<B>,
+    routes: &mut HashMap<RequestId, tmpsc::UnboundedSender<Event>>,
+    command: Command,
+) {
+    match command {
+        Command::Submit { request, events, reply } => {
+            let submitted = engine.submit(request);
+            if let Ok(id) = submitted {
+                routes.insert(id, events);
+            }
+            if let Err(Ok(id)) = reply.send(submitted) {
+                // The client left before hearing back.
+                routes.remove(&id);
+                engine.cancel(id);
+            }
+        }
+        Command::Cancel(id) => {
+            routes.remove(&id);
+            engine.cancel(id);
+        }
+    }
+}
