@@ -35,6 +35,10 @@ enum Command {
     Export(commands::hf::ExportArgs),
     /// Tokenize a text file into train/val token shards.
     Prepare(commands::prepare::PrepareArgs),
+    /// Serve a checkpoint over the OpenAI API (completions, chat completions, streaming) with a chat page.
+    Serve(commands::serve::ServeArgs),
+    /// Chat with a checkpoint in the terminal (its chat template, streamed, multi-turn).
+    Chat(commands::serve::ChatArgs),
     /// Serve a web page of the runs under a log directory.
     Dashboard(commands::dashboard::DashboardArgs),
     /// Benchmarks (speed and memory).
@@ -86,7 +90,9 @@ fn main() -> ExitCode {
     // Compute on a worker of the CPU kernels' thread pool (see `on_cpu_workers`); the dashboard only
     // serves files and needs no worker.
     let result = match cli.command {
-        Command::Dashboard(_) => run(cli, collective.clone()),
+        // The dashboard only serves files; the model server runs its engine on a thread of its own
+        // (which enters the pool itself): neither may hold a worker of the pool while it waits.
+        Command::Dashboard(_) | Command::Serve(_) => run(cli, collective.clone()),
         _ => ember_model::ops::on_cpu_workers(|| run(cli, collective.clone())),
     };
     match result {
@@ -113,6 +119,8 @@ fn run(cli: Cli, collective: std::sync::Arc<dyn ember_train::distributed::Collec
         Command::Export(args) => commands::hf::export(args),
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Dashboard(args) => commands::dashboard::run(args),
+        Command::Serve(args) => commands::serve::serve(args),
+        Command::Chat(args) => commands::serve::chat(args),
         Command::Check(args) => commands::check::run(args),
         Command::Backends => {
             println!("{}", backend::compiled().join(", "));

@@ -233,6 +233,16 @@ fn error(status: StatusCode, kind: &str, message: &str, param: Option<&str>, cod
 }
 
 fn invalid(e: Invalid) -> Answer {
+    if e.param == "model" {
+        // As OpenAI answers a model it does not have.
+        return error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            &e.message,
+            Some("model"),
+            Some("model_not_found"),
+        );
+    }
     error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.message, Some(e.param), None)
 }
 
@@ -438,13 +448,14 @@ async fn collect(
     worker: &Worker,
     id: u64,
 ) -> (String, &'static str, Usage) {
+    // Dropped with this future when the client disconnects (hyper drops the request's future).
+    let _cancel = CancelOnDrop { worker, id };
     let mut text = TextStream::new(tokenizer, prompt, stops, ends);
     let (mut out, mut generated) = (String::new(), 0);
     loop {
         let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await;
         out.push_str(&piece);
         if let Some(finish) = finish {
-            worker.cancel(id); // a stop string ends the request before the engine knows
             return (out, finish, Usage::new(prompt.len(), generated));
         }
     }
@@ -477,15 +488,20 @@ impl Answering {
         id: u64,
         tx: mpsc::Sender<Bytes>,
     ) {
+        let _cancel = CancelOnDrop { worker, id };
         let mut text = TextStream::new(tokenizer, prompt, stops, ends);
         let mut generated = 0;
         loop {
-            let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await;
+            // A client that leaves while its request waits in the queue sends nothing to notice:
+            // the body's end going away says so.
+            let next = race(next_piece(&mut text, &mut events, &mut generated), tx.closed()).await;
+            let Some((piece, finish)) = next else {
+                return; // the client disconnected
+            };
             let sent = match finish {
                 None if piece.is_empty() => true,
                 None => tx.send(self.event(&piece, None, None)).await.is_ok(),
                 Some(finish) => {
-                    worker.cancel(id);
                     let usage = Usage::new(self.prompt_tokens, generated);
                     let last = if piece.is_empty() { Ok(()) } else { tx.send(self.event(&piece, None, None)).await };
                     let _ = last.is_ok() && tx.send(self.event("", Some(finish), Some(usage))).await.is_ok();
@@ -494,9 +510,33 @@ impl Answering {
                 }
             };
             if !sent {
-                worker.cancel(id); // the client disconnected
-                return;
+                return; // the client disconnected
             }
         }
     }
+}
+
+/// Cancels a request when its answer is dropped: over (harmless), or abandoned by its client.
+struct CancelOnDrop<'a> {
+    worker: &'a Worker,
+    id: u64,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        self.worker.cancel(self.id);
+    }
+}
+
+/// `a`'s output, or `None` if `b` finishes first.
+async fn race<A: std::future::Future, B: std::future::Future>(a: A, b: B) -> Option<A::Output> {
+    let mut a = std::pin::pin!(a);
+    let mut b = std::pin::pin!(b);
+    std::future::poll_fn(move |cx| {
+        if let Poll::Ready(x) = a.as_mut().poll(cx) {
+            return Poll::Ready(Some(x));
+        }
+        b.as_mut().poll(cx).map(|_| None)
+    })
+    .await
 }

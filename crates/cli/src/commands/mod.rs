@@ -5,4 +5,5 @@ pub mod eval;
 pub mod hf;
 pub mod prepare;
 pub mod sample;
+pub mod serve;
 pub mod train;

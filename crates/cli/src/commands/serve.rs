@@ -1,0 +1,224 @@
+//! `ember serve` (an OpenAI-compatible server with continuous batching) and `ember chat` (a
+//! terminal chat with the model's chat template).
+
+use std::io::{BufRead, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use burn::tensor::Device;
+use clap::Args;
+use ember_data::finetune::{ChatTemplate, Message};
+use ember_data::stream::TextStream;
+use ember_model::engine::{Engine, EngineConfig};
+use ember_model::ops::TrainBackend;
+use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_serve::{Limits, Options, Server, Worker};
+use ember_train::Checkpoint;
+
+use crate::backend::{dispatch, DeviceSpec, Job};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint folder inside it.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Address to listen on; loopback unless you mean to expose the model.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model's name in the API (default: the checkpoint folder's name).
+    #[arg(long)]
+    model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` (also read from EMBER_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Requests decoded together (continuous batching slots), 1 to 256.
+    #[arg(long, default_value_t = 8)]
+    slots: usize,
+    /// Requests that may wait for a slot before the server answers 429.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Prompt tokens a request prefills per step (long prompts do not stall the others).
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Positions per KV-cache block.
+    #[arg(long, default_value_t = 64)]
+    block_size: usize,
+    /// Host names answered besides localhost and the listening address (repeatable), for a
+    /// server reached by name.
+    #[arg(long)]
+    allow_host: Vec<String>,
+    /// Open connections at most.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// cpu, wgpu[:N] or cuda[:N].
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
+}
+
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!((1..=256).contains(&args.slots), "--slots {} must be in 1..=256", args.slots);
+    anyhow::ensure!(
+        args.block_size >= 1 && args.prefill_chunk >= 1,
+        "--block-size and --prefill-chunk must be at least 1"
+    );
+    let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let template = ChatTemplate::from_dir(&checkpoint.dir)?;
+    if template.is_none() {
+        tracing::warn!("{} has no chat template: /v1/chat/completions will answer 400", checkpoint.dir.display());
+    }
+    let device = args.device;
+    dispatch(device, false, ServeJob { args, checkpoint, template })
+}
+
+struct ServeJob {
+    args: ServeArgs,
+    checkpoint: Checkpoint,
+    template: Option<ChatTemplate>,
+}
+
+impl Job for ServeJob {
+    type Output = ();
+    fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<()> {
+        let Self { args, checkpoint, template } = self;
+        let model = checkpoint.decoder::<B::InnerBackend>(&device)?;
+        let context = model.config().max_seq_len;
+        let config = EngineConfig {
+            slots: args.slots,
+            queue_limit: args.queue,
+            prefill_chunk: args.prefill_chunk,
+            block_size: args.block_size,
+        };
+        let worker = Worker::spawn(Engine::new(model, config)).context("starting the engine's thread")?;
+        let model_name = args.model_name.clone().unwrap_or_else(|| folder_name(&args.checkpoint));
+        let limits = Limits { max_connections: args.max_connections, ..Limits::default() };
+        let options = Options {
+            model_name: model_name.clone(),
+            tokenizer: checkpoint.tokenizer.clone(),
+            template,
+            context,
+            allowed_hosts: args.allow_host.clone(),
+            api_key: args.api_key.clone().or_else(|| std::env::var("EMBER_API_KEY").ok().filter(|k| !k.is_empty())),
+            limits,
+        };
+        let server = Server::start(SocketAddr::new(args.host, args.port), worker, options)?;
+        tracing::info!("serving `{model_name}` on {name} with {} slots", args.slots);
+        // Tests and scripts read this line for the port.
+        println!("listening on http://{}", server.addr());
+        std::io::stdout().flush()?;
+        server.wait();
+        Ok(())
+    }
+}
+
+/// A run's or checkpoint's folder name, for the API.
+fn folder_name(path: &std::path::Path) -> String {
+    let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    path.file_name().map_or_else(|| "ember".to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint folder inside it, with a chat template.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.7, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Sample among the most likely tokens holding this much probability, in (0, 1].
+    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
+    top_p: f32,
+    /// New tokens per answer at most.
+    #[arg(long, default_value_t = 512)]
+    max_new_tokens: usize,
+    /// An instruction placed before the conversation as a system message.
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// cpu, wgpu[:N] or cuda[:N].
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
+}
+
+pub fn chat(args: ChatArgs) -> anyhow::Result<()> {
+    let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let template = ChatTemplate::from_dir(&checkpoint.dir)?.with_context(|| {
+        format!("{} has no chat template (tokenizer_config.json or chat_template.jinja)", checkpoint.dir.display())
+    })?;
+    let sampling =
+        SamplingConfig { temperature: args.temperature, top_k: None, top_p: Some(args.top_p), repetition_penalty: 1.0 };
+    sampling
+        .validate()
+        .map_err(|e| anyhow::anyhow!("--{}: {e}", e.setting().unwrap_or("sampling").replace('_', "-")))?;
+    let device = args.device;
+    dispatch(device, false, ChatJob { args, checkpoint, template, sampling })
+}
+
+struct ChatJob {
+    args: ChatArgs,
+    checkpoint: Checkpoint,
+    template: ChatTemplate,
+    sampling: SamplingConfig,
+}
+
+impl Job for ChatJob {
+    type Output = ();
+    fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
+        let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?;
+        let tokenizer = &self.checkpoint.tokenizer;
+        let ends = tokenizer.end_ids();
+        let context = model.config().max_seq_len;
+        let system: Vec<Message> =
+            self.args.system.iter().map(|s| Message { role: "system".into(), content: s.clone() }).collect();
+        let mut history = system.clone();
+        let mut sampler = Sampler::new(self.sampling.clone(), self.args.seed)?;
+        let (stdin, mut out) = (std::io::stdin(), std::io::stdout());
+        writeln!(out, "Chatting with {}. /reset starts over, /exit or Ctrl-D ends.", self.checkpoint.dir.display())?;
+        for line in stdin.lock().lines() {
+            let line = line?;
+            match line.trim() {
+                "" => continue,
+                "/exit" | "/quit" => break,
+                "/reset" => {
+                    history = system.clone();
+                    writeln!(out, "(conversation cleared)")?;
+                    continue;
+                }
+                _ => {}
+            }
+            history.push(Message { role: "user".into(), content: line });
+            let prompt = tokenizer.encode(&self.template.render(&history, true)?)?;
+            let room = context.saturating_sub(prompt.len());
+            if room == 0 {
+                history.pop();
+                writeln!(out, "(the conversation fills the model's context of {context} tokens: /reset)")?;
+                continue;
+            }
+            let options = GenerateOptions {
+                max_new_tokens: self.args.max_new_tokens.min(room),
+                stop_tokens: ends.clone(),
+                block_size: 64,
+            };
+            let mut text = TextStream::new(tokenizer, &prompt, Vec::new(), &ends);
+            let mut answer = String::new();
+            generate_batch(&model, &[prompt.clone()], &options, std::slice::from_mut(&mut sampler), |_, id| {
+                let (piece, stopped) = text.push(id);
+                answer.push_str(&piece);
+                let _ = out.write_all(piece.as_bytes()).and_then(|_| out.flush());
+                !stopped
+            })?;
+            let rest = text.finish();
+            answer.push_str(&rest);
+            writeln!(out, "{rest}")?;
+            if let Some(e) = text.take_error() {
+                return Err(anyhow::Error::from(e).context("decoding the answer"));
+            }
+            history.push(Message { role: "assistant".into(), content: answer });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,219 @@
+//! `ember serve` end to end on a real trained chat model (SmolLM2-135M-Instruct, imported from the
+//! shared GGUF): the official `openai` Python client (completions and chat, plain and streamed),
+//! greedy answers equal to `ember sample`'s, and raw HTTP for the error cases (bad JSON, an unknown
+//! model, `max_tokens` past the context, a client that disconnects mid-stream, a full queue).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{assets, stdout, Scratch};
+use serde_json::{json, Value};
+
+const MODEL: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
+const PROMPT: &str = "The capital of France is";
+const QUESTION: &str = "What is the capital of France?";
+
+/// SmolLM2 imported into `smol` under the scratch folder.
+fn smol(s: &Scratch) -> PathBuf {
+    let gguf = assets().join(MODEL);
+    assert!(gguf.is_file(), "{} not found: set EMBER_TEST_ASSETS to the folder holding models/", gguf.display());
+    let out = s.ember(&["import", gguf.to_str().unwrap(), "--out", "smol"]);
+    assert!(out.status.success(), "import failed: {}", common::stderr(&out));
+    s.path().join("smol")
+}
+
+/// A running `ember serve`, killed when dropped.
+struct Served {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(s: &Scratch, run: &Path, extra: &[&str]) -> Served {
+    let mut args = vec!["serve", "--checkpoint", run.to_str().unwrap(), "--port", "0"];
+    args.extend_from_slice(extra);
+    let mut child =
+        s.command(&args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("start ember serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).expect("read the listening line");
+    let addr =
+        line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("unexpected: {line}")).to_string();
+    Served { child, addr }
+}
+
+fn python() -> String {
+    let py = std::env::var("EMBER_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py).args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+    assert!(ok, "{py} cannot import openai: `pip install openai` (or run .ci/run, which sets EMBER_PYTHON)");
+    py
+}
+
+/// What `ember sample` prints after the prompt, greedy.
+fn sample(s: &Scratch, run: &Path, prompt: &str, n: usize, chat: bool) -> String {
+    let n = n.to_string();
+    let mut args = vec!["sample", "--checkpoint", run.to_str().unwrap(), "--prompt", prompt, "--temperature", "0"];
+    args.extend(["--max-new-tokens", &n]);
+    if chat {
+        args.push("--chat");
+    }
+    let out = s.ember(&args);
+    assert!(out.status.success(), "sample failed: {}", common::stderr(&out));
+    let text = stdout(&out);
+    let text = text.strip_prefix(prompt).unwrap_or_else(|| panic!("sample did not echo the prompt: {text}"));
+    let text = if chat { text.strip_prefix('\n').unwrap_or(text) } else { text };
+    text.strip_suffix('\n').unwrap_or(text).to_string()
+}
+
+#[test]
+fn the_openai_client_gets_what_ember_sample_gets() {
+    let s = Scratch::new();
+    let run = smol(&s);
+    let server = serve(&s, &run, &["--api-key", "secret-key", "--model-name", "smol"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/serve_client.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args([format!("http://{}/v1", server.addr), "secret-key".into(), "smol".into()])
+        .output()
+        .expect("run the openai client");
+    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
+    let got: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+
+    assert_eq!(got["models"], json!(["smol"]));
+    let want = sample(&s, &run, PROMPT, 8, false);
+    assert!(!want.is_empty());
+    assert_eq!(got["completion"]["text"], json!(want), "greedy completion = ember sample");
+    assert_eq!(got["completion_stream"]["text"], json!(want), "streamed = whole");
+    assert!(got["completion_stream"]["chunks"].as_u64().unwrap() >= 2, "streamed in pieces: {got}");
+    assert_eq!(got["completion"]["usage"]["completion_tokens"], json!(8));
+    assert_eq!(got["completion"]["finish"], json!("length"));
+    let prompt_tokens = got["completion"]["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!((3..=10).contains(&prompt_tokens), "{prompt_tokens} prompt tokens");
+
+    let want = sample(&s, &run, QUESTION, 12, true);
+    assert!(want.contains("Paris"), "the model knows: {want}");
+    assert_eq!(got["chat"]["text"], json!(want), "greedy chat = ember sample --chat");
+    assert_eq!(got["chat_stream"]["text"], json!(want));
+    assert!(["stop", "length"].contains(&got["chat"]["finish"].as_str().unwrap()));
+    assert_eq!(got["chat_stream"]["finish"], got["chat"]["finish"]);
+
+    let full = got["completion"]["text"].as_str().unwrap();
+    let cut = got["stop"]["text"].as_str().unwrap();
+    assert!(full.contains('.') && full.starts_with(cut) && !cut.contains('.'), "stop at '.': {cut:?} of {full:?}");
+    assert_eq!(got["stop"]["finish"], json!("stop"));
+    assert_eq!(got["unknown_model"], json!(404));
+    assert_eq!(got["wrong_key"], json!(401));
+}
+
+/// A raw request; the status and body.
+fn request(addr: &str, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut r = ureq::request(method, &format!("http://{addr}{path}")).timeout(Duration::from_secs(120));
+    for (k, v) in headers {
+        r = r.set(k, v);
+    }
+    let result = if method == "GET" { r.call() } else { r.set("Content-Type", "application/json").send_string(body) };
+    match result {
+        Ok(resp) => (resp.status(), resp.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(code, resp)) => (code, resp.into_string().unwrap_or_default()),
+        Err(e) => panic!("{method} {path}: {e}"),
+    }
+}
+
+/// A streamed completion over a raw socket, left open after its first event (or after the
+/// headers when `wait_for_data` is false).
+fn open_stream(addr: &str, max_tokens: usize, wait_for_data: bool) -> TcpStream {
+    let body = json!({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": true}).to_string();
+    let mut stream = TcpStream::connect(addr).unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    if wait_for_data {
+        stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&seen).contains("data: ") {
+            let n = stream.read(&mut buf).expect("the stream answers");
+            assert!(n > 0, "closed before any event: {}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+        }
+    }
+    stream
+}
+
+#[test]
+fn errors_disconnects_and_a_full_queue_over_raw_http() {
+    let s = Scratch::new();
+    let run = smol(&s);
+    let server = serve(&s, &run, &["--slots", "1", "--queue", "1"]);
+    let addr = server.addr.as_str();
+    let post = |body: &str| request(addr, "POST", "/v1/completions", body, &[]);
+
+    let (code, body) = post("{\"prompt\": ");
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("could not parse the JSON body"), "{body}");
+    let (code, body) = post(&json!({"model": "gpt-9", "prompt": "x"}).to_string());
+    assert_eq!((code, body.contains("model_not_found")), (404, true), "{body}");
+    let (code, body) = post(&json!({"prompt": "x", "max_tokens": 9000}).to_string());
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("context_length_exceeded") && body.contains("8192"), "{body}");
+    let (code, body) = post(&json!({"prompt": "x", "temperature": 3}).to_string());
+    assert_eq!((code, body.contains("\"param\":\"temperature\"")), (400, true), "{body}");
+    // A body announced past the limit is refused before it is sent (a client sending it anyway
+    // would see the connection close under it).
+    let mut big = TcpStream::connect(addr).unwrap();
+    let head = format!("POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n", 2 << 20);
+    big.write_all(head.as_bytes()).unwrap();
+    let mut status = String::new();
+    BufReader::new(big).read_line(&mut status).unwrap();
+    assert!(status.starts_with("HTTP/1.1 413"), "{status}");
+    let (code, _) = request(addr, "GET", "/v1/models", "", &[("Host", "attacker.example")]);
+    assert_eq!(code, 403, "DNS rebinding: a foreign Host is refused");
+    assert_eq!(request(addr, "GET", "/v2/nothing", "", &[]).0, 404);
+    assert_eq!(request(addr, "GET", "/v1/completions", "", &[]).0, 405);
+
+    // A client that disconnects mid-stream frees its slot: with one slot, the next request runs
+    // at once instead of after the 4,000 tokens the first asked for (minutes on this model).
+    drop(open_stream(addr, 4000, true));
+    let start = Instant::now();
+    let (code, body) = post(&json!({"prompt": PROMPT, "max_tokens": 3, "temperature": 0}).to_string());
+    assert_eq!(code, 200, "{body}");
+    assert!(start.elapsed() < Duration::from_secs(30), "the abandoned request kept the slot: {:?}", start.elapsed());
+
+    // One running, one waiting: the third is refused with 429 and Retry-After.
+    let running = open_stream(addr, 4000, true);
+    let waiting = open_stream(addr, 4000, false);
+    std::thread::sleep(Duration::from_millis(500)); // the second request reaches the queue
+    let resp = ureq::post(&format!("http://{addr}/v1/completions")).send_json(json!({"prompt": "x", "max_tokens": 1}));
+    match resp {
+        Err(ureq::Error::Status(429, r)) => {
+            assert_eq!(r.header("Retry-After"), Some("1"));
+            assert!(r.into_string().unwrap().contains("queue_full"));
+        }
+        other => panic!("expected 429, got {other:?}"),
+    }
+    // Both clients leave: the server notices at its next write to each (a fraction of a second;
+    // a client told 429 retries after a second, as Retry-After says) and frees slot and queue.
+    drop((running, waiting));
+    let start = Instant::now();
+    loop {
+        let (code, body) = post(&json!({"prompt": PROMPT, "max_tokens": 2}).to_string());
+        if code == 200 {
+            break;
+        }
+        assert_eq!(code, 429, "{body}");
+        assert!(start.elapsed() < Duration::from_secs(30), "the abandoned requests were not cancelled");
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
