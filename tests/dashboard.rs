@@ -2,6 +2,7 @@
 //! real headless Chromium through ChromeDriver (Debian's chromium and chromium-driver; `.ci/run`
 //! installs them).
 
+mod browser;
 mod common;
 
 /// The tests of this file one at a time: the abuse tests time normal requests against a 1 s bound,
@@ -20,6 +21,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
+use browser::{free_port, wait_for, Browser, Killed};
 use common::*;
 use ember_train::metrics::read_metrics;
 use serde_json::{json, Value};
@@ -203,100 +205,6 @@ fn tensorboard_events_hold_the_logged_values() {
 }
 
 // --- The dashboard in a browser. ---
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<Value>) -> Value {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// A WebDriver session on headless Chromium.
-struct Browser {
-    base: String,
-    session: String,
-    _driver: Killed,
-}
-
-/// A program named by the environment variable `var`, or the first of `names` on PATH. The browser
-/// test needs both programs: when one is missing it fails (it does not skip), since CI installs them.
-fn find_program(var: &str, names: &[&str]) -> PathBuf {
-    if let Some(p) = std::env::var_os(var) {
-        let p = PathBuf::from(p);
-        assert!(p.is_file(), "{var}={} is not a file", p.display());
-        return p;
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    names
-        .iter()
-        .flat_map(|n| std::env::split_paths(&path).map(move |dir| dir.join(n)))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "none of {names:?} on PATH and {var} not set: install Debian's chromium and chromium-driver \
-                 (.ci/run does), or point {var} at the program"
-            )
-        })
-}
-
-impl Browser {
-    fn start(profile: &Path) -> Browser {
-        let driver = find_program("EMBER_CHROMEDRIVER", &["chromedriver"]);
-        let chromium = find_program("EMBER_CHROMIUM", &["chromium", "chromium-browser", "google-chrome"]);
-        let port = free_port();
-        let child = Command::new(&driver)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let driver = Killed(child);
-        let base = format!("http://127.0.0.1:{port}");
-        wait_for("chromedriver", Duration::from_secs(20), || {
-            ureq::get(&format!("{base}/status")).call().ok().map(|_| Value::Null)
-        });
-        let caps = json!({"capabilities": {"alwaysMatch": {"goog:chromeOptions": {"binary": chromium.to_string_lossy(), "args": [
-            "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-            "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--window-size=1300,900", format!("--user-data-dir={}", profile.display())
-        ]}}}});
-        let resp: Value = ureq::post(&format!("{base}/session")).send_json(caps).unwrap().into_json().unwrap();
-        let session = resp["value"]["sessionId"].as_str().unwrap().to_string();
-        Browser { base, session, _driver: driver }
-    }
-
-    fn cmd(&self, method: &str, path: &str, body: Value) -> Value {
-        let url = format!("{}/session/{}/{path}", self.base, self.session);
-        let resp = if method == "GET" { ureq::get(&url).call() } else { ureq::post(&url).send_json(body) };
-        resp.unwrap().into_json::<Value>().unwrap()["value"].clone()
-    }
-
-    fn js(&self, script: &str) -> Value {
-        self.cmd("POST", "execute/sync", json!({"script": script, "args": []}))
-    }
-}
-
-impl Drop for Browser {
-    fn drop(&mut self) {
-        let _ = ureq::delete(&format!("{}/session/{}", self.base, self.session)).call();
-    }
-}
 
 fn points(b: &Browser) -> Value {
     b.js("const s = document.getElementById('chart-status'); return s ? {series: s.dataset.series, points: JSON.parse(s.dataset.points || '{}'), metric: s.dataset.metric} : null;")

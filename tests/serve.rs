@@ -3,6 +3,7 @@
 //! greedy answers equal to `ember sample`'s, and raw HTTP for the error cases (bad JSON, an unknown
 //! model, `max_tokens` past the context, a client that disconnects mid-stream, a full queue).
 
+mod browser;
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -216,4 +217,42 @@ fn errors_disconnects_and_a_full_queue_over_raw_http() {
         assert!(start.elapsed() < Duration::from_secs(30), "the abandoned requests were not cancelled");
         std::thread::sleep(Duration::from_secs(1));
     }
+}
+
+#[test]
+fn the_chat_page_streams_an_answer_in_a_browser() {
+    let s = Scratch::new();
+    let run = smol(&s);
+    let server = serve(&s, &run, &[]);
+    let browser = browser::Browser::start(&s.path().join("chrome-profile"));
+    browser.cmd("POST", "url", json!({"url": format!("http://{}/", server.addr)}));
+    browser::wait_for("the model's name", Duration::from_secs(20), || {
+        let name = browser.js("return document.getElementById('model').textContent;");
+        (name.as_str() == Some("smol")).then_some(name)
+    });
+    // Type a question and send it as a user would: the answer streams into the page.
+    browser.js(&format!(
+        "document.getElementById('input').value = {}; document.getElementById('form').requestSubmit();",
+        json!(QUESTION)
+    ));
+    let lengths = std::cell::RefCell::new(Vec::new());
+    let answer = browser::wait_for("the streamed answer", Duration::from_secs(120), || {
+        let a = browser.js(
+            "const m = [...document.querySelectorAll('.msg.assistant, .msg.error')].pop(); \
+             return m ? {text: m.textContent, done: m.dataset.done === 'true', error: m.className.includes('error')} : null;",
+        );
+        if let Some(text) = a["text"].as_str() {
+            lengths.borrow_mut().push(text.len());
+        }
+        (a["done"] == true || a["error"] == true).then_some(a)
+    });
+    assert_eq!(answer["error"], json!(false), "{answer}");
+    let text = answer["text"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text}");
+    // Seen growing: at least one partial answer between empty and whole (tokens arrive ~every 40 ms;
+    // the page is read every 200 ms over a 256-token answer at most).
+    let seen = lengths.borrow();
+    assert!(seen.iter().any(|&n| n > 0 && n < text.len()) || text.len() < 40, "never saw a partial answer: {seen:?}");
+    let user = browser.js("return [...document.querySelectorAll('.msg.user')].map(m => m.textContent);");
+    assert_eq!(user, json!([QUESTION]));
 }
