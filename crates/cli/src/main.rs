@@ -93,6 +93,7 @@ fn main() -> ExitCode {
         // The dashboard only serves files; the model server runs its engine on a thread of its own
         // (which enters the pool itself): neither may hold a worker of the pool while it waits.
         Command::Dashboard(_) | Command::Serve(_) => run(cli, collective.clone()),
+        Command::Bench(ref b) if b.serves() => run(cli, collective.clone()),
         _ => ember_model::ops::on_cpu_workers(|| run(cli, collective.clone())),
     };
     match result {

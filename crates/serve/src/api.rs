@@ -41,6 +41,9 @@ pub struct Settings {
     pub n: Option<u64>,
     pub logprobs: Option<Value>,
     pub echo: Option<bool>,
+    /// vLLM's extension: generate `max_tokens` whatever the model's end-of-text says (benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -101,6 +104,7 @@ pub struct Generation {
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
     pub stream: bool,
+    pub ignore_eos: bool,
 }
 
 /// Stop strings at most, as OpenAI allows.
@@ -152,7 +156,7 @@ impl Settings {
             top_p: (top_p < 1.0).then_some(top_p as f32),
             repetition_penalty: 1.0,
         };
-        Ok(Generation { sampling, seed: self.seed, max_tokens, stop, stream: self.stream })
+        Ok(Generation { sampling, seed: self.seed, max_tokens, stop, stream: self.stream, ignore_eos: self.ignore_eos })
     }
 }
 

@@ -3,6 +3,7 @@
 //! [`ember_model::engine`]), streaming as server-sent events, and a chat page.
 
 pub mod api;
+pub mod bench;
 pub mod server;
 pub mod worker;
 

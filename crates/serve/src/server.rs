@@ -362,7 +362,7 @@ async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation) -> Answ
         Ok(s) => s,
         Err(e) => return invalid(Invalid::new("temperature", e.to_string())),
     };
-    let ends = state.options.tokenizer.end_ids();
+    let ends = if g.ignore_eos { Vec::new() } else { state.options.tokenizer.end_ids() };
     let request = EngineRequest { prompt: prompt.clone(), max_new_tokens, stop_tokens: ends.clone(), sampler };
     let (id, events) = match state.worker.submit(request).await {
         Ok(submitted) => submitted,

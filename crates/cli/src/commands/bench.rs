@@ -4,6 +4,7 @@ use anyhow::Context;
 use burn::tensor::Device;
 use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
+use ember_model::engine::{Engine, EngineConfig};
 use ember_model::ops::TrainBackend;
 use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, PeakSource};
 use ember_train::config::Precision;
@@ -30,6 +31,9 @@ enum BenchCommand {
     Decode(DecodeBenchArgs),
     /// How long `ember dashboard` takes to load a log directory of many long runs.
     Dashboard(DashboardBenchArgs),
+    /// Concurrent streaming clients against `ember serve` (started in-process on a free port):
+    /// aggregate tokens/s, time to first token, time between tokens.
+    Serve(ServeBenchArgs),
     /// Bus bandwidth of ember's gradient reduction against the engine's own all-reduce
     /// (`mpirun -n N ember bench allreduce`).
     Allreduce(AllreduceBenchArgs),
@@ -79,6 +83,26 @@ struct DecodeBenchArgs {
     /// Positions per KV-cache block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Args, Debug)]
+struct ServeBenchArgs {
+    /// A run directory or checkpoint folder.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Numbers of concurrent clients to measure (the server gets as many slots as the largest).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    clients: Vec<usize>,
+    /// Requests each client sends, one after the other.
+    #[arg(long, default_value_t = 2)]
+    requests: usize,
+    /// Tokens each answer streams (the end-of-text token is ignored, as vLLM's `ignore_eos`).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    #[arg(long, default_value = "The capital of France is")]
+    prompt: String,
     #[command(flatten)]
     common: Common,
 }
@@ -197,6 +221,61 @@ impl BenchFn for DecodeBenchFn {
     }
 }
 
+struct ServeBenchFn(ServeBenchArgs, Checkpoint);
+impl BenchFn for ServeBenchFn {
+    type Out = ServeBench;
+    fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
+        let (a, checkpoint) = (self.0, self.1);
+        let model = checkpoint.decoder::<B::InnerBackend>(device)?;
+        let context = model.config().max_seq_len;
+        let slots = a.clients.iter().copied().max().unwrap_or(1);
+        let engine = Engine::new(model, EngineConfig { slots, queue_limit: 4096, ..EngineConfig::default() });
+        let options = ember_serve::Options {
+            model_name: "bench".into(),
+            tokenizer: checkpoint.tokenizer.clone(),
+            template: None,
+            context,
+            allowed_hosts: Vec::new(),
+            api_key: None,
+            limits: ember_serve::Limits::default(),
+        };
+        let server = ember_serve::Server::start(([127, 0, 0, 1], 0).into(), ember_serve::Worker::spawn(engine)?, options)?;
+        let base = format!("http://{}", server.addr());
+        // One short request first: the first forward passes pay for allocations the others reuse.
+        ember_serve::bench::load(&base, 1, 1, &a.prompt, 4).map_err(anyhow::Error::msg)?;
+        let loads = a
+            .clients
+            .iter()
+            .map(|&n| ember_serve::bench::load(&base, n, a.requests, &a.prompt, a.max_tokens))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(anyhow::Error::msg)?;
+        Ok(ServeBench { device: name.to_string(), slots, max_tokens: a.max_tokens, loads })
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct ServeBench {
+    device: String,
+    slots: usize,
+    max_tokens: usize,
+    loads: Vec<ember_serve::bench::Load>,
+}
+
+impl std::fmt::Display for ServeBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "ember serve on {}, {} slots, {} tokens an answer:", self.device, self.slots, self.max_tokens)?;
+        for l in &self.loads {
+            writeln!(f, "  {l}")?;
+        }
+        if let (Some(one), Some(eight)) =
+            (self.loads.iter().find(|l| l.clients == 1), self.loads.iter().find(|l| l.clients == 8))
+        {
+            write!(f, "  8 clients / 1 client: {:.2}x", eight.tokens_per_s / one.tokens_per_s)?;
+        }
+        Ok(())
+    }
+}
+
 fn report<T: Serialize + std::fmt::Display>(json: bool, value: &T) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(value)?);
@@ -216,6 +295,7 @@ pub fn run(
         BenchCommand::Loss(a) => loss(a),
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Dashboard(a) => dashboard(a),
+        BenchCommand::Serve(a) => serve(a),
         BenchCommand::Allreduce(a) => allreduce(a, collective.as_ref()),
     }
 }
@@ -253,6 +333,17 @@ fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
     report(json, &dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?)
 }
 
+fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !a.clients.is_empty() && a.clients.iter().all(|&n| (1..=256).contains(&n)),
+        "--clients: each in 1..=256"
+    );
+    anyhow::ensure!(a.requests > 0 && a.max_tokens > 0, "--requests and --max-tokens must be at least 1");
+    let checkpoint = Checkpoint::open(&a.checkpoint)?;
+    let (device, json) = (a.common.device, a.common.json);
+    report(json, &dispatch(device, false, BenchJob(ServeBenchFn(a, checkpoint)))?)
+}
+
 fn dashboard(a: DashboardBenchArgs) -> anyhow::Result<()> {
     let dir = tempfile::tempdir().context("creating a scratch log directory")?;
     let r = ember_dashboard::bench::load(dir.path(), a.runs, a.steps)?;
@@ -272,4 +363,12 @@ fn allreduce(a: AllreduceBenchArgs, c: &dyn ember_train::distributed::Collective
         report(a.json, &r)?;
     }
     Ok(())
+}
+
+impl BenchArgs {
+    /// Whether this benchmark runs a server whose engine enters the CPU kernels' pool on a thread of
+    /// its own (the caller must then not hold a worker of the pool while it waits).
+    pub fn serves(&self) -> bool {
+        matches!(self.what, BenchCommand::Serve(_))
+    }
 }
