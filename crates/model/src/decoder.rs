@@ -160,7 +160,14 @@ impl<B: EmberBackend> Decoder<B> {
     /// # Shapes
     /// - hidden: `[N, D]` -> `[N, V]`
     pub fn logits(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
-        let logits = to_dtype(hidden, self.compute).matmul(to_dtype(self.head_weight(), self.compute));
+        let hidden = to_dtype(hidden, self.compute);
+        let logits = match &self.lm_head {
+            Some(head) => hidden.matmul(to_dtype(head.weight.val(), self.compute)),
+            // Tied: `E · hᵀ` reads the embedding table `[V, D]` where it is; `h · Eᵀ` would copy
+            // the whole transposed table (113 MB for SmolLM2) at every call. Only the small
+            // `[V, N]` result is transposed.
+            None => to_dtype(self.embed_tokens.val(), self.compute).matmul(hidden.transpose()).transpose(),
+        };
         to_dtype(logits, DType::F32)
     }
 

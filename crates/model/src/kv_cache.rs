@@ -1,34 +1,23 @@
-//! The key/value cache of cached decoding: per layer and per sequence, the post-RoPE keys and values
-//! of the K key/value heads, held in fixed-size blocks allocated as the sequence grows (a paged
-//! cache) instead of one `T_max` buffer per request.
+//! The key/value cache of cached decoding: per layer, the post-RoPE keys and values of the K
+//! key/value heads in one pool of fixed-size blocks, each sequence holding the blocks its block
+//! table lists (a paged cache, as vLLM's): memory grows with the positions stored, not with
+//! `T_max` per sequence, and a finished sequence's blocks go back to the pool for the next.
 //!
 //! A call through [`crate::Decoder::forward_cached`] feeds `T` new positions for each of `B`
 //! sequences, of which the first `new_lens[b]` are real (right padding): sequence `b`'s new tokens
 //! sit at absolute positions `len_b .. len_b + new_lens[b]`, and only those are stored.
+//!
+//! A step costs the same few ops per layer whatever the batch: one write of every sequence's new
+//! rows into the pool ([`KvWriteOps::kv_write`], in place on the CPU), one gather of the rows the
+//! queries attend over, and one mask made once for all layers.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use crate::config::ModelConfig;
-use crate::ops::attention::{masked_attention, repeat_kv, segmented_attention};
-
-/// Keys and values of one sequence in one layer: `[K, block_size, Dh]` blocks, the last one filled up
-/// to `len % block_size`.
-#[derive(Debug, Clone)]
-struct SeqBlocks<B: Backend> {
-    k: Vec<Tensor<B, 3>>,
-    v: Vec<Tensor<B, 3>>,
-    /// The first `folded` blocks concatenated, `[K, folded·block_size, Dh]`: a decode step reads the
-    /// keys as this plus the blocks after it, and re-concatenates only when a block fills.
-    folded: Option<(Tensor<B, 3>, Tensor<B, 3>)>,
-    folded_blocks: usize,
-}
-
-impl<B: Backend> SeqBlocks<B> {
-    fn new() -> Self {
-        Self { k: Vec::new(), v: Vec::new(), folded: None, folded_blocks: 0 }
-    }
-}
+use crate::ops::attention::masked_attention;
+use crate::ops::kv::KvWriteOps;
+use crate::ops::{float, prim};
 
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
@@ -36,34 +25,67 @@ pub struct KvCache<B: Backend> {
     n_kv_heads: usize,
     head_dim: usize,
     max_len: usize,
-    /// `[layer][sequence]`.
-    layers: Vec<Vec<SeqBlocks<B>>>,
+    /// The model's sliding window: a query at position `p` sees keys after `p - window`.
+    window: Option<usize>,
+    /// Per layer: keys and values of every block of the pool, one row a position,
+    /// `[blocks · block_size, K·Dh]`.
+    keys: Vec<Tensor<B, 2>>,
+    values: Vec<Tensor<B, 2>>,
+    /// Blocks of the pool no sequence holds.
+    free: Vec<usize>,
+    /// Per sequence: its blocks, in position order.
+    tables: Vec<Vec<usize>>,
     /// Positions stored per sequence.
     lens: Vec<usize>,
-    /// The sequences of the call under way, in the order of its batch rows.
-    rows: Vec<usize>,
-    /// Real new positions of each batch row of the call under way.
-    pending: Vec<usize>,
+    /// The call under way, if any.
+    plan: Option<Plan<B>>,
     device: Device<B>,
+}
+
+/// What every layer of one call shares: where the new rows go, which rows the queries read, and
+/// what they may not see.
+#[derive(Debug, Clone)]
+struct Plan<B: Backend> {
+    /// The sequences of the call, in the order of its batch rows.
+    rows: Vec<usize>,
+    /// Real new positions of each batch row.
+    pending: Vec<usize>,
+    /// New positions per batch row in the call's tensors (`T`, real ones first).
+    t: usize,
+    /// Pool rows the call's real new positions go to, batch row by batch row.
+    write: Vec<usize>,
+    /// Which of the `B·T` new rows are real (`None`: all are).
+    real: Option<Tensor<B, 1, Int>>,
+    /// Pool rows each batch row attends over, `[B·S]` (padding: any row; it is masked).
+    read: Tensor<B, 1, Int>,
+    /// Key positions per batch row after the call.
+    s: usize,
+    /// `[B, 1, T, S]`, true where hidden; `None` when nothing is.
+    hidden: Option<Tensor<B, 4, Bool>>,
 }
 
 impl<B: Backend> KvCache<B> {
     /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions.
     pub fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
-        let empty = SeqBlocks::new();
+        let width = config.n_kv_heads() * config.head_dim();
+        let empty = || (0..config.n_layers).map(|_| Tensor::zeros([0, width], device)).collect::<Vec<_>>();
         Self {
             block_size: block_size.max(1),
             n_kv_heads: config.n_kv_heads(),
             head_dim: config.head_dim(),
             max_len: config.max_seq_len,
-            layers: vec![vec![empty; batch]; config.n_layers],
+            window: config.sliding_window,
+            keys: empty(),
+            values: empty(),
+            free: Vec::new(),
+            tables: vec![Vec::new(); batch],
             lens: vec![0; batch],
-            rows: Vec::new(),
-            pending: Vec::new(),
+            plan: None,
             device: device.clone(),
         }
     }
 
+    /// Sequences the cache holds.
     pub fn batch(&self) -> usize {
         self.lens.len()
     }
@@ -75,20 +97,18 @@ impl<B: Backend> KvCache<B> {
 
     /// Bytes one position takes across all layers: `2 · L · K · Dh · bytes` (keys and values).
     pub fn bytes_per_token(&self, dtype: DType) -> usize {
-        2 * self.layers.len() * self.n_kv_heads * self.head_dim * dtype.size()
+        2 * self.keys.len() * self.n_kv_heads * self.head_dim * dtype.size()
     }
 
-    /// Bytes of the blocks allocated so far (f32), filled or not.
+    /// Bytes of the blocks the sequences hold (f32), filled or not.
     pub fn allocated_bytes(&self) -> usize {
-        let blocks: usize = self.layers.first().map_or(0, |l| l.iter().map(|s| s.k.len()).sum());
+        let blocks: usize = self.tables.iter().map(Vec::len).sum();
         blocks * self.block_size * self.bytes_per_token(DType::F32)
     }
 
-    /// Forgets everything stored for sequence `b` (its blocks are freed).
+    /// Forgets everything stored for sequence `b`; its blocks go back to the pool.
     pub fn reset(&mut self, b: usize) {
-        for layer in &mut self.layers {
-            layer[b] = SeqBlocks::new();
-        }
+        self.free.append(&mut self.tables[b]);
         self.lens[b] = 0;
     }
 
@@ -117,133 +137,102 @@ impl<B: Backend> KvCache<B> {
             assert!(row < self.batch() && !rows[..i].contains(&row), "row {row} named twice or out of range");
             assert!(self.lens[row] + n <= self.max_len, "sequence {row} outgrows the context");
         }
-        self.rows = rows.to_vec();
-        self.pending = new_lens.to_vec();
+        for (&row, &n) in rows.iter().zip(new_lens) {
+            self.reserve(row, self.lens[row] + n);
+        }
+        self.plan = Some(self.plan(rows, new_lens));
         CacheStep { cache: self }
     }
 
-    /// Stores the new keys and values of layer `layer` for the one sequence of a one-sequence cache
-    /// and returns its keys and values as segments to attend over in order: the folded full blocks
-    /// and what follows them. No copy of the whole cache is made per step; full blocks are
-    /// concatenated once, when one fills.
-    ///
-    /// # Shapes
-    /// - k, v: `[1, K, T, Dh]` -> segments of `[1, K, s_i, Dh]` with Σ s_i = stored positions
-    fn append_segments(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Vec<(Tensor<B, 4>, Tensor<B, 4>)> {
-        assert_eq!(self.rows.len(), 1, "segments are for a one-sequence call");
-        self.write(layer, 0, &k, &v);
-        let (bs, row) = (self.block_size, self.rows[0]);
-        let total = self.lens[row] + self.pending[0];
-        let seq = &mut self.layers[layer][row];
-        let full = total / bs;
-        if full > seq.folded_blocks {
-            let mut ks: Vec<Tensor<B, 3>> = seq.folded.iter().map(|(k, _)| k.clone()).collect();
-            let mut vs: Vec<Tensor<B, 3>> = seq.folded.iter().map(|(_, v)| v.clone()).collect();
-            ks.extend(seq.k[seq.folded_blocks..full].iter().cloned());
-            vs.extend(seq.v[seq.folded_blocks..full].iter().cloned());
-            seq.folded = Some((Tensor::cat(ks, 1), Tensor::cat(vs, 1)));
-            seq.folded_blocks = full;
+    /// Gives sequence `row` blocks for `positions` positions, growing the pool when none are free.
+    fn reserve(&mut self, row: usize, positions: usize) {
+        let need = positions.div_ceil(self.block_size).saturating_sub(self.tables[row].len());
+        if need > self.free.len() {
+            self.grow(need - self.free.len());
         }
-        let mut out = Vec::new();
-        if let Some((k, v)) = &seq.folded {
-            out.push((k.clone().unsqueeze::<4>(), v.clone().unsqueeze::<4>()));
-        }
-        let rest = total - seq.folded_blocks * bs;
-        if rest > 0 {
-            let block = seq.folded_blocks;
-            let k = seq.k[block].clone().narrow(1, 0, rest).unsqueeze::<4>();
-            let v = seq.v[block].clone().narrow(1, 0, rest).unsqueeze::<4>();
-            out.push((k, v));
-        }
-        out
+        let start = self.free.len() - need;
+        self.tables[row].extend(self.free.drain(start..).rev());
     }
 
-    /// Copies the first `pending[b]` new positions of batch row `b` of `k` and `v` into the blocks
-    /// of its sequence.
-    fn write(&mut self, layer: usize, b: usize, k: &Tensor<B, 4>, v: &Tensor<B, 4>) {
-        let (bs, kh, dh) = (self.block_size, self.n_kv_heads, self.head_dim);
-        let row = self.rows[b];
-        let (start, n) = (self.lens[row], self.pending[b]);
-        let seq = &mut self.layers[layer][row];
-        let row = |x: &Tensor<B, 4>| x.clone().narrow(0, b, 1).reshape([kh, x.dims()[2], dh]); // [K, T, Dh]
-        let (k_row, v_row) = (row(k), row(v));
-        let mut written = 0;
-        while written < n {
-            let pos = start + written; //           absolute position being written
-            let (block, offset) = (pos / bs, pos % bs);
-            if block == seq.k.len() {
-                seq.k.push(Tensor::zeros([kh, bs, dh], &self.device));
-                seq.v.push(Tensor::zeros([kh, bs, dh], &self.device));
+    /// Adds at least `blocks` blocks to the pool (doubling it, so that growing is amortised).
+    fn grow(&mut self, blocks: usize) {
+        let have = self.keys.first().map_or(0, |k| k.dims()[0]) / self.block_size;
+        let add = blocks.max(have).max(1);
+        let width = self.n_kv_heads * self.head_dim;
+        let zeros = Tensor::<B, 2>::zeros([add * self.block_size, width], &self.device);
+        for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            *pool = Tensor::cat(vec![pool.clone(), zeros.clone()], 0);
+        }
+        self.free.extend((have..have + add).rev());
+    }
+
+    /// The pool row of position `pos` of sequence `row`.
+    fn slot(&self, row: usize, pos: usize) -> usize {
+        self.tables[row][pos / self.block_size] * self.block_size + pos % self.block_size
+    }
+
+    fn plan(&self, rows: &[usize], pending: &[usize]) -> Plan<B> {
+        let t = pending.iter().copied().max().unwrap_or(0).max(1);
+        let totals: Vec<usize> = rows.iter().zip(pending).map(|(&row, n)| self.lens[row] + n).collect();
+        let s = totals.iter().copied().max().unwrap_or(0).max(1);
+        let mut write = Vec::new();
+        let mut real = Vec::new();
+        for (b, (&row, &n)) in rows.iter().zip(pending).enumerate() {
+            for i in 0..n {
+                write.push(self.slot(row, self.lens[row] + i));
+                real.push((b * t + i) as i64);
             }
-            let m = (bs - offset).min(n - written); // positions that fit in this block
-            let dst = [0..kh, offset..offset + m, 0..dh];
-            let src = |x: &Tensor<B, 3>| x.clone().narrow(1, written, m);
-            seq.k[block] = seq.k[block].clone().slice_assign(dst.clone(), src(&k_row));
-            seq.v[block] = seq.v[block].clone().slice_assign(dst, src(&v_row));
-            written += m;
+        }
+        let all_real = real.len() == rows.len() * t;
+        let mut read = Vec::with_capacity(rows.len() * s);
+        for (&row, &total) in rows.iter().zip(&totals) {
+            read.extend((0..s).map(|j| if j < total { self.slot(row, j) as i64 } else { 0 }));
+        }
+        let ints = |v: Vec<i64>| {
+            let n = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &self.device)
+        };
+        Plan {
+            rows: rows.to_vec(),
+            pending: pending.to_vec(),
+            t,
+            write,
+            real: (!all_real).then(|| ints(real)),
+            read: ints(read),
+            s,
+            hidden: self.mask(rows, pending, &totals, t, s),
         }
     }
 
-    /// Stores layer `layer`'s new keys and values (the first `pending[b]` positions of row `b`) and
-    /// returns every sequence's keys and values so far, padded to the longest.
-    ///
-    /// # Shapes
-    /// - k, v: `[B, K, T, Dh]` -> (`[B, K, S, Dh]`, `[B, K, S, Dh]`), S = max over b of `len_b + new_b`
-    fn append(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let (bs, kh, dh) = (self.block_size, self.n_kv_heads, self.head_dim);
-        let totals = self.totals();
-        let s_max = totals.iter().copied().max().unwrap_or(0).max(1);
-        let (mut ks, mut vs) = (Vec::new(), Vec::new());
-        for (b, &total) in totals.iter().enumerate() {
-            self.write(layer, b, &k, &v);
-            let seq = &self.layers[layer][self.rows[b]];
-            let gather = |blocks: &[Tensor<B, 3>]| {
-                let mut parts: Vec<Tensor<B, 3>> = blocks.to_vec();
-                let have = blocks.len() * bs;
-                if have < s_max {
-                    parts.push(Tensor::zeros([kh, s_max - have, dh], &self.device));
-                }
-                let all = Tensor::cat(parts, 1); // [K, ≥S, Dh]; positions >= total are padding
-                debug_assert!(total <= s_max);
-                all.narrow(1, 0, s_max).unsqueeze::<4>() // [1, K, S, Dh]
-            };
-            ks.push(gather(&seq.k));
-            vs.push(gather(&seq.v));
-        }
-        (Tensor::cat(ks, 0), Tensor::cat(vs, 0))
-    }
-
-    /// Positions each batch row's sequence holds once the call's new ones are stored.
-    fn totals(&self) -> Vec<usize> {
-        self.rows.iter().zip(&self.pending).map(|(&row, n)| self.lens[row] + n).collect()
-    }
-
-    /// Which keys each new query may not see: key `j` is hidden from query `i` of row `b` unless it
-    /// is stored (`j < len_b + new_b`), not in the query's future (`j <= len_b + i`), and within the
-    /// sliding window if there is one (`len_b + i - j < window`).
-    ///
-    /// `None` when nothing is hidden (one new position per row, rows of equal length, no window
-    /// cutting in): the common single-sequence decode step needs no mask at all.
+    /// Which keys each new query may not see: key `j` is hidden from query `i` of batch row `b`
+    /// unless it is stored (`j < total_b`), not in the query's future (`j <= len_b + i`), and within
+    /// the sliding window if there is one (`len_b + i - j < window`). `None` when nothing is hidden
+    /// (one new position per row, rows of equal length, no window cutting in).
     ///
     /// # Shapes
     /// -> `[B, 1, T, S]`, true where hidden
-    fn mask(&self, t: usize, window: Option<usize>) -> Option<Tensor<B, 4, Bool>> {
-        let totals = self.totals();
-        let b = totals.len();
-        let s = totals.iter().copied().max().unwrap_or(0).max(1);
-        let all_new = self.pending.iter().all(|&n| n == t);
-        if t == 1 && all_new && totals.iter().all(|&n| n == s) && window.is_none_or(|w| s <= w) {
+    fn mask(
+        &self,
+        rows: &[usize],
+        pending: &[usize],
+        totals: &[usize],
+        t: usize,
+        s: usize,
+    ) -> Option<Tensor<B, 4, Bool>> {
+        let window = self.window;
+        if t == 1 && pending.iter().all(|&n| n == 1) && totals.iter().all(|&n| n == s) && window.is_none_or(|w| s <= w)
+        {
             return None;
         }
-        let mut hidden = Vec::with_capacity(b * t * s);
-        for row in 0..b {
-            let (start, total) = (self.lens[self.rows[row]], totals[row]);
+        let mut hidden = Vec::with_capacity(rows.len() * t * s);
+        for (&row, &total) in rows.iter().zip(totals) {
+            let start = self.lens[row];
             for i in 0..t {
                 let pos = start + i;
                 hidden.extend((0..s).map(|j| !(j < total && j <= pos && window.is_none_or(|w| pos - j < w))));
             }
         }
-        Some(Tensor::from_data(TensorData::new(hidden, [b, 1, t, s]), &self.device))
+        Some(Tensor::from_data(TensorData::new(hidden, [rows.len(), 1, t, s]), &self.device))
     }
 }
 
@@ -264,11 +253,11 @@ impl<B: Backend> CacheStep<'_, B> {
     /// Ends the call: the new positions become part of the call's sequences.
     pub fn finish(self) {
         let c = self.cache;
-        for (&row, &n) in c.rows.iter().zip(&c.pending) {
-            c.lens[row] += n;
+        if let Some(plan) = c.plan.take() {
+            for (&row, &n) in plan.rows.iter().zip(&plan.pending) {
+                c.lens[row] += n;
+            }
         }
-        c.rows.clear();
-        c.pending.clear();
     }
 }
 
@@ -279,39 +268,56 @@ pub struct LayerKv<'a, B: Backend> {
     layer: usize,
 }
 
-impl<B: Backend> LayerKv<'_, B> {
+impl<B: KvWriteOps> LayerKv<'_, B> {
     /// The absolute position of each batch row's first new token.
     pub fn starts(&self) -> Vec<usize> {
-        self.cache.rows.iter().map(|&row| self.cache.lens[row]).collect()
+        let plan = self.cache.plan.as_ref();
+        plan.map_or_else(Vec::new, |p| p.rows.iter().map(|&row| self.cache.lens[row]).collect())
     }
 
-    /// Stores the new post-RoPE keys and values (the first `new_lens[b]` positions of row `b`) and
-    /// returns every stored key and value the `t` new queries may see: for one sequence with one new
-    /// position and nothing hidden, the cache's own segments read in place; otherwise every row's
-    /// keys padded to the longest, with the mask of what each query may not see.
+    /// Stores the new post-RoPE keys and values (the first `new_lens[b]` positions of batch row
+    /// `b`) and returns every stored key and value of each row, padded to the longest, with the mask
+    /// of what each query may not see.
     ///
     /// # Shapes
     /// - k, v: `[B, K, T, Dh]`
-    pub fn store(self, k: Tensor<B, 4>, v: Tensor<B, 4>, window: Option<usize>) -> KvView<B> {
+    pub fn store(self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> KvView<B> {
         let c = self.cache;
-        let [b, _, t, _] = k.dims();
-        let stored = c.lens[c.rows[0]] + 1;
-        if b == 1 && t == 1 && c.pending[0] == 1 && window.is_none_or(|w| stored <= w) {
-            return KvView::Segments(c.append_segments(self.layer, k, v));
-        }
-        let (k, v) = c.append(self.layer, k, v);
-        KvView::Padded { k, v, hidden: c.mask(t, window) }
+        let (kh, dh) = (c.n_kv_heads, c.head_dim);
+        let Some(plan) = c.plan.as_ref() else {
+            return KvView { k, v, hidden: None }; // no step under way: nothing stored, own keys only
+        };
+        let b = plan.rows.len();
+        let rows = |x: Tensor<B, 4>| {
+            let x = x.swap_dims(1, 2).reshape([b * plan.t, kh * dh]); // [B·T, K·Dh]
+            match &plan.real {
+                Some(real) => x.select(0, real.clone()),
+                None => x,
+            }
+        };
+        let (nk, nv) = (rows(k), rows(v));
+        let l = self.layer;
+        // The pool is moved into the write (not cloned), so that it can happen in place.
+        let placeholder = || Tensor::<B, 2>::empty([0, kh * dh], &c.device);
+        let keys = std::mem::replace(&mut c.keys[l], placeholder());
+        c.keys[l] = float(B::kv_write(prim(keys), &plan.write, prim(nk)));
+        let values = std::mem::replace(&mut c.values[l], placeholder());
+        c.values[l] = float(B::kv_write(prim(values), &plan.write, prim(nv)));
+        let read = |pool: &Tensor<B, 2>| {
+            pool.clone().select(0, plan.read.clone()).reshape([b, plan.s, kh, dh]).swap_dims(1, 2)
+            // [B, K, S, Dh]
+        };
+        KvView { k: read(&c.keys[l]), v: read(&c.values[l]), hidden: plan.hidden.clone() }
     }
 }
 
 /// The keys and values a layer's new queries attend over, as the cache hands them out (post-RoPE,
-/// `K` heads).
-pub enum KvView<B: Backend> {
-    /// One sequence's keys and values in position order, every one visible: `[1, K, s_i, Dh]`.
-    Segments(Vec<(Tensor<B, 4>, Tensor<B, 4>)>),
-    /// Every row's keys and values padded to `S`: `[B, K, S, Dh]`, and `[B, 1, T, S]` true where
-    /// hidden (`None`: nothing is).
-    Padded { k: Tensor<B, 4>, v: Tensor<B, 4>, hidden: Option<Tensor<B, 4, Bool>> },
+/// `K` heads): every row's padded to `S`, `[B, K, S, Dh]`, and `[B, 1, T, S]` true where hidden
+/// (`None`: nothing is).
+pub struct KvView<B: Backend> {
+    pub k: Tensor<B, 4>,
+    pub v: Tensor<B, 4>,
+    pub hidden: Option<Tensor<B, 4, Bool>>,
 }
 
 impl<B: Backend> KvView<B> {
@@ -319,13 +325,20 @@ impl<B: Backend> KvView<B> {
     ///
     /// # Shapes
     /// - q: `[B, H, T, Dh]` -> `[B, H, T, Dh]`
+    ///
+    /// The `rep` query heads of a key/value head attend as one group of `rep·T` query rows over that
+    /// head's keys, which are never copied `rep` times.
     pub fn attend(self, q: Tensor<B, 4>, rep: usize, compute: DType) -> Tensor<B, 4> {
-        match self {
-            Self::Segments(segments) => {
-                let segments = segments.into_iter().map(|(k, v)| (repeat_kv(k, rep), repeat_kv(v, rep))).collect();
-                segmented_attention(q, segments, compute)
-            }
-            Self::Padded { k, v, hidden } => masked_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), hidden, compute),
+        let [b, h, t, dh] = q.dims();
+        if rep == 1 {
+            return masked_attention(q, self.k, self.v, self.hidden, compute);
         }
+        let k = h / rep;
+        let q = q.reshape([b, k, rep * t, dh]); // head j = group j / rep, row (j % rep)·T + i
+        let hidden = self.hidden.map(|m| {
+            let s = m.dims()[3];
+            m.unsqueeze_dim::<5>(2).expand([b, 1, rep, t, s]).reshape([b, 1, rep * t, s])
+        });
+        masked_attention(q, self.k, self.v, hidden, compute).reshape([b, h, t, dh])
     }
 }

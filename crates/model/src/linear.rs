@@ -73,16 +73,24 @@ impl<B: EmberBackend> Linear<B> {
     }
 }
 
+/// Rows up to which an inference call multiplies each packed weight on its own.
+const DECODE_ROWS: usize = 16;
+
 /// Several projections of the same input, side by side: `x·[W_1 | W_2 | …] + [b_1 | b_2 | …]` as
 /// one GEMM (the concatenated weight is built per call; its gradient splits back into the parts).
-/// With adapters attached, each projection runs on its own and the outputs are concatenated.
+/// With adapters attached, and when decoding a few rows, each projection runs on its own and the
+/// outputs are concatenated.
 /// Computed in `compute`, returned in f32.
 ///
 /// # Shapes
 /// - x: `[N, in]` -> `[N, Σ out_i]`
 pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
     let biased = parts.iter().filter(|p| p.bias.is_some()).count();
-    if parts.len() == 1 || parts.iter().any(|p| p.has_lora()) || (biased != 0 && biased != parts.len()) {
+    // Decoding (a few rows, no autodiff): the weights are read where they are, one GEMM each;
+    // concatenating them would copy every packed weight at every token (280 MB a token for
+    // SmolLM2-135M) for a product that is bound by reading the weights anyway.
+    let decoding = x.dims()[0] <= DECODE_ROWS && !B::ad_enabled(&x.device());
+    if parts.len() == 1 || decoding || parts.iter().any(|p| p.has_lora()) || (biased != 0 && biased != parts.len()) {
         let outputs: Vec<_> = parts.iter().map(|p| p.forward(x.clone(), compute)).collect();
         return if outputs.len() == 1 {
             outputs.into_iter().next().expect("one output")

@@ -153,9 +153,13 @@ impl Sampler {
             order.select_nth_unstable_by(k, by_logit);
             order.truncate(k);
         }
-        order.sort_by(by_logit);
+        // Only top-p needs them in order; plain temperature sampling draws from the candidates as
+        // they are (a sort of a 49k vocabulary would cost milliseconds a token).
+        if self.config.top_p.is_some() {
+            order.sort_by(by_logit);
+        }
         let t = self.config.temperature as f64;
-        let max = logits[order[0]] as f64;
+        let max = order.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
         let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);

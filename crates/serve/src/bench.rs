@@ -45,7 +45,8 @@ struct Timed {
 fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<Timed, String> {
     let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed, "stream": true, "ignore_eos": true});
     let start = Instant::now();
-    let resp = ureq::post(url).timeout(Duration::from_secs(600)).send_string(&body.to_string()).map_err(|e| e.to_string())?;
+    let resp =
+        ureq::post(url).timeout(Duration::from_secs(600)).send_string(&body.to_string()).map_err(|e| e.to_string())?;
     let (mut first, mut last, mut gaps, mut tokens) = (None, None, Vec::new(), 0);
     for line in BufReader::new(resp.into_reader()).lines() {
         let line = line.map_err(|e| e.to_string())?;
@@ -85,7 +86,9 @@ pub fn load(base: &str, clients: usize, requests: usize, prompt: &str, max_token
         let handles: Vec<_> = (0..clients)
             .map(|c| {
                 let url = url.as_str();
-                scope.spawn(move || (0..requests).map(|r| stream_once(url, prompt, max_tokens, (c * 1000 + r) as u64)).collect())
+                scope.spawn(move || {
+                    (0..requests).map(|r| stream_once(url, prompt, max_tokens, (c * 1000 + r) as u64)).collect()
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a client thread panicked".into()))).collect()

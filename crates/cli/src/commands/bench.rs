@@ -239,7 +239,8 @@ impl BenchFn for ServeBenchFn {
             api_key: None,
             limits: ember_serve::Limits::default(),
         };
-        let server = ember_serve::Server::start(([127, 0, 0, 1], 0).into(), ember_serve::Worker::spawn(engine)?, options)?;
+        let server =
+            ember_serve::Server::start(([127, 0, 0, 1], 0).into(), ember_serve::Worker::spawn(engine)?, options)?;
         let base = format!("http://{}", server.addr());
         // One short request first: the first forward passes pay for allocations the others reuse.
         ember_serve::bench::load(&base, 1, 1, &a.prompt, 4).map_err(anyhow::Error::msg)?;

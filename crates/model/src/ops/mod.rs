@@ -3,7 +3,7 @@
 //!
 //! One op a file, each with the same parts:
 //! - a capability trait (`RmsNormOps`, `SwigluOps`, `LinearOps`, `AttentionOps`, `AdamWOps`,
-//!   `LmHeadLossOps`, `DeviceReduceOps`) whose default methods are the reference: the plain
+//!   `LmHeadLossOps`, `KvWriteOps`, `DeviceReduceOps`) whose default methods are the reference: the plain
 //!   composition of Burn tensor ops for the forward pass, and its gradients through Burn's autodiff
 //!   for the backward pass. A backend without kernels implements the trait with no body and is
 //!   correct; nothing panics for want of a kernel;
@@ -24,6 +24,7 @@ pub mod cross_entropy;
 pub mod documents;
 mod flex;
 pub mod kernels;
+pub mod kv;
 pub mod linear;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -46,13 +47,14 @@ pub use cross_entropy::{
     cross_entropy, lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec, LmHeadLossOps, IGNORE,
 };
 pub use kernels::{AttnShape, LinearGrads};
+pub use kv::KvWriteOps;
 pub use linear::{linear, LinearOps};
 pub use rms_norm::{rms_norm, RmsNormOps};
 pub use swiglu::{swiglu_packed, SwigluOps};
 
 /// A Burn backend with every one of ember's ops.
 pub trait EmberBackend:
-    Backend + RmsNormOps + SwigluOps + LinearOps + AttentionOps + AdamWOps + LmHeadLossOps + DeviceReduceOps
+    Backend + RmsNormOps + SwigluOps + LinearOps + AttentionOps + AdamWOps + LmHeadLossOps + KvWriteOps + DeviceReduceOps
 {
     /// Whether the model should call the ops as single nodes for tensors of `dtype` (this backend
     /// has kernels for them that beat the composition). Without, it runs the compositions, which
@@ -89,6 +91,7 @@ macro_rules! reference_ops {
         impl AttentionOps for $backend {}
         impl AdamWOps for $backend {}
         impl LmHeadLossOps for $backend {}
+        impl KvWriteOps for $backend {}
     };
 }
 
