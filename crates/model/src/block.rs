@@ -11,7 +11,7 @@ use crate::init::Init;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
 use crate::ops::EmberBackend;
-use crate::rope::Rope;
+use crate::ops::rope::Rope;
 
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {

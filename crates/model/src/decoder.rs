@@ -8,14 +8,14 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use crate::attention::Keys;
 use crate::block::Block;
 use crate::config::{ConfigError, ModelConfig};
-use crate::documents::Documents;
+use crate::ops::documents::Documents;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig};
 use crate::norm::RmsNorm;
 use crate::ops::EmberBackend;
-use crate::rope::Rope;
+use crate::ops::rope::Rope;
 use crate::to_dtype;
 
 #[derive(Module, Debug)]
@@ -255,7 +255,7 @@ mod tests {
     use super::*;
     use crate::config::{tiny_config, RopeLayout};
     use crate::lora::LoraConfig;
-    use crate::rope::interleaved_to_half_split;
+    use crate::ops::rope::interleaved_to_half_split;
     use crate::TestBackend;
     use burn::tensor::{TensorData, Tolerance};
 
