@@ -5,13 +5,13 @@ use burn::module::Module;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::config::AttentionConfig;
-use crate::ops::documents::Documents;
 use crate::init::Init;
 use crate::kv_cache::LayerKv;
 use crate::linear::{forward_packed, Linear};
 use crate::ops::attention::{attention_rope_packed, causal_mask, masked_attention, repeat_kv};
-use crate::ops::EmberBackend;
+use crate::ops::documents::Documents;
 use crate::ops::rope::Rope;
+use crate::ops::EmberBackend;
 
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {

@@ -10,8 +10,8 @@ use crate::dropout;
 use crate::init::Init;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
-use crate::ops::EmberBackend;
 use crate::ops::rope::Rope;
+use crate::ops::EmberBackend;
 
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {

@@ -8,14 +8,14 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use crate::attention::Keys;
 use crate::block::Block;
 use crate::config::{ConfigError, ModelConfig};
-use crate::ops::documents::Documents;
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig};
 use crate::norm::RmsNorm;
-use crate::ops::EmberBackend;
+use crate::ops::documents::Documents;
 use crate::ops::rope::Rope;
+use crate::ops::EmberBackend;
 use crate::to_dtype;
 
 #[derive(Module, Debug)]

@@ -10,7 +10,7 @@ use ember_data::prepare::prepare_cached;
 use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, TokenizerSpec};
 
 use crate::config::{DataConfig, DataFormat, TrainConfig};
-use crate::error::TrainError;
+use crate::error::{InvalidConfig, TrainError};
 use crate::init::ResolvedInit;
 
 /// The text file a data config names, found or downloaded, and its validation fraction.
@@ -30,7 +30,8 @@ pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBu
             }
             Ok((path.clone(), config.val_fraction.unwrap_or(0.1)))
         }
-        (None, None) => unreachable!("validated: data.dataset or data.path is set"),
+        // Validation refuses this; a caller that skipped it gets the same error.
+        (None, None) => Err(TrainError::Invalid { path: PathBuf::from("[data]"), error: InvalidConfig::NoData }),
     }
 }
 
