@@ -169,6 +169,9 @@ fn errors_disconnects_and_a_full_queue_over_raw_http() {
     let (code, body) = post(&json!({"prompt": "x", "max_tokens": 9000}).to_string());
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("context_length_exceeded") && body.contains("8192"), "{body}");
+    // A max_tokens past any context (u64::MAX) is refused, not wrapped around.
+    let (code, body) = post(&json!({"prompt": "x", "max_tokens": u64::MAX}).to_string());
+    assert_eq!((code, body.contains("context_length_exceeded")), (400, true), "{body}");
     let (code, body) = post(&json!({"prompt": "x", "temperature": 3}).to_string());
     assert_eq!((code, body.contains("\"param\":\"temperature\"")), (400, true), "{body}");
     // A body announced past the limit is refused before it is sent (a client sending it anyway
@@ -182,6 +185,10 @@ fn errors_disconnects_and_a_full_queue_over_raw_http() {
     let (code, _) = request(addr, "GET", "/v1/models", "", &[("Host", "attacker.example")]);
     assert_eq!(code, 403, "DNS rebinding: a foreign Host is refused");
     assert_eq!(request(addr, "GET", "/v2/nothing", "", &[]).0, 404);
+    // Fields OpenAI clients send as null, and a negative seed, are accepted.
+    let (code, body) =
+        post(&json!({"prompt": PROMPT, "max_tokens": 1, "stream": null, "stop": null, "seed": -5}).to_string());
+    assert_eq!(code, 200, "{body}");
     assert_eq!(request(addr, "GET", "/v1/completions", "", &[]).0, 405);
 
     // A client that disconnects mid-stream frees its slot: with one slot, the next request runs

@@ -61,7 +61,7 @@ pub enum Event {
 pub enum EngineError {
     #[error("the queue is full: {0} requests are waiting")]
     QueueFull(usize),
-    #[error("the prompt ({prompt} tokens) and max_tokens ({max_new_tokens}) exceed the model's context of {context} positions")]
+    #[error("the prompt ({prompt} tokens) and max_tokens ({max_new_tokens}) exceed the model's context of {context} positions, or max_tokens is 0")]
     TooLong { prompt: usize, max_new_tokens: usize, context: usize },
     #[error(transparent)]
     Prompt(#[from] SampleError),
@@ -134,11 +134,14 @@ impl<B: EmberBackend> Engine<B> {
     pub fn submit(&mut self, request: Request) -> Result<RequestId, EngineError> {
         let c = self.model.config();
         check_prompts(&[&request.prompt], c.max_seq_len, c.vocab_size)?;
-        if request.prompt.len() + request.max_new_tokens > c.max_seq_len {
+        // (The prompt fits, checked above: the subtraction cannot wrap, whatever max_new_tokens is.)
+        if request.max_new_tokens == 0 || request.max_new_tokens > c.max_seq_len - request.prompt.len() {
             let (prompt, max_new_tokens) = (request.prompt.len(), request.max_new_tokens);
             return Err(EngineError::TooLong { prompt, max_new_tokens, context: c.max_seq_len });
         }
-        if self.queue.len() >= self.config.queue_limit {
+        // Free slots take requests at the next step: only what would wait beyond them counts.
+        let free = self.slots.iter().filter(|s| s.is_none()).count();
+        if self.queue.len() >= self.config.queue_limit + free {
             return Err(EngineError::QueueFull(self.queue.len()));
         }
         let id = self.next_id;
@@ -161,6 +164,27 @@ impl<B: EmberBackend> Engine<B> {
         }
         let slot = self.slots.iter().position(|s| s.as_ref().is_some_and(|l| l.id == id))?;
         Some(self.release(slot, Finish::Cancelled))
+    }
+
+    /// Ends every request, waiting or running (each with `Finish::Cancelled`), and starts from an
+    /// empty cache: what the server does after a step panicked, when the cache may be half written.
+    pub fn abort_all(&mut self) -> Vec<Event> {
+        let mut events: Vec<Event> = Vec::new();
+        for (id, request) in std::mem::take(&mut self.queue) {
+            events.push(Event::Done {
+                id,
+                finish: Finish::Cancelled,
+                prompt_tokens: request.prompt.len(),
+                completion_tokens: 0,
+            });
+        }
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].is_some() {
+                events.push(self.release(slot, Finish::Cancelled));
+            }
+        }
+        self.cache = self.model.new_cache(self.config.slots, self.config.block_size);
+        events
     }
 
     /// Requests running (prefilling or decoding).
@@ -353,9 +377,15 @@ mod tests {
         assert!(matches!(engine.submit(request(&[41], 1)), Err(EngineError::Prompt(_))));
         let a = engine.submit(request(&[1, 2], 20)).unwrap();
         let b = engine.submit(request(&[3], 20)).unwrap();
-        assert_eq!(engine.submit(request(&[4], 1)), Err(EngineError::QueueFull(2)));
+        // Before a step, the free slot takes one more: a, b and c fit; d does not.
+        let c = engine.submit(request(&[4], 20)).unwrap();
+        assert_eq!(engine.submit(request(&[4], 1)), Err(EngineError::QueueFull(3)));
+        assert!(matches!(engine.cancel(c), Some(Event::Done { finish: Finish::Cancelled, .. })));
         engine.step(); // a runs, b waits
         assert_eq!((engine.running(), engine.waiting()), (1, 1));
+        let huge = engine.submit(request(&[1, 2], usize::MAX)).unwrap_err();
+        assert!(matches!(huge, EngineError::TooLong { .. }), "no overflow past the context check");
+        assert!(matches!(engine.submit(request(&[1], 0)), Err(EngineError::TooLong { .. })));
         let cancelled = engine.cancel(b).unwrap();
         assert_eq!(cancelled, Event::Done { id: b, finish: Finish::Cancelled, prompt_tokens: 1, completion_tokens: 0 });
         engine.step();

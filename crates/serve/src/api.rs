@@ -35,15 +35,14 @@ pub struct Settings {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub stop: Option<OneOrMany>,
-    pub seed: Option<u64>,
-    #[serde(default)]
-    pub stream: bool,
+    /// OpenAI's seeds are signed 64-bit integers; a negative one is used as its bit pattern.
+    pub seed: Option<i64>,
+    pub stream: Option<bool>,
     pub n: Option<u64>,
     pub logprobs: Option<Value>,
     pub echo: Option<bool>,
     /// vLLM's extension: generate `max_tokens` whatever the model's end-of-text says (benchmarks).
-    #[serde(default)]
-    pub ignore_eos: bool,
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -64,7 +63,8 @@ pub struct ChatRequest {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
-    pub content: Content,
+    /// `null` for an assistant turn that only called tools: empty text here.
+    pub content: Option<Content>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -110,6 +110,9 @@ pub struct Generation {
 /// Stop strings at most, as OpenAI allows.
 pub const MAX_STOPS: usize = 4;
 
+/// Bytes of one stop string at most (the text held back while it might be starting grows with it).
+pub const MAX_STOP_BYTES: usize = 256;
+
 impl Settings {
     /// Checks the settings against OpenAI's ranges and turns them into a [`Generation`].
     pub fn generation(&self, served_model: &str) -> Result<Generation, Invalid> {
@@ -150,13 +153,20 @@ impl Settings {
         if stop.iter().any(String::is_empty) {
             return Err(Invalid::new("stop", "an empty stop string would end every answer at once"));
         }
+        if let Some(long) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(Invalid::new(
+                "stop",
+                format!("a stop string of {} bytes; at most {MAX_STOP_BYTES}", long.len()),
+            ));
+        }
         let sampling = SamplingConfig {
             temperature: temperature as f32,
             top_k: None,
             top_p: (top_p < 1.0).then_some(top_p as f32),
             repetition_penalty: 1.0,
         };
-        Ok(Generation { sampling, seed: self.seed, max_tokens, stop, stream: self.stream, ignore_eos: self.ignore_eos })
+        let (stream, ignore_eos) = (self.stream.unwrap_or(false), self.ignore_eos.unwrap_or(false));
+        Ok(Generation { sampling, seed: self.seed.map(|s| s as u64), max_tokens, stop, stream, ignore_eos })
     }
 }
 
@@ -183,8 +193,9 @@ impl ChatRequest {
             .iter()
             .map(|m| {
                 let content = match &m.content {
-                    Content::Text(t) => t.clone(),
-                    Content::Parts(parts) => {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t.clone(),
+                    Some(Content::Parts(parts)) => {
                         if let Some(p) = parts.iter().find(|p| p.kind != "text") {
                             return Err(Invalid::new(
                                 "messages",
@@ -289,7 +300,8 @@ mod tests {
 
     #[test]
     fn settings_are_checked_and_name_the_parameter() {
-        let ok = settings(json!({"model": "m", "max_tokens": 5, "temperature": 0, "stop": "\n", "seed": 3}));
+        let ok =
+            settings(json!({"model": "m", "max_tokens": 5, "temperature": 0, "stop": "\n", "seed": 3, "stream": null}));
         let g = ok.generation("m").unwrap();
         assert_eq!(
             (g.max_tokens, g.stop.clone(), g.seed, g.sampling.temperature),
@@ -304,6 +316,7 @@ mod tests {
             (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
             (json!({"stop": [""]}), "stop"),
             (json!({"logprobs": 2}), "logprobs"),
+            (json!({"stop": ["x".repeat(300)]}), "stop"),
         ] {
             assert_eq!(settings(v.clone()).generation("m").unwrap_err().param, param, "{v}");
         }

@@ -379,11 +379,13 @@ async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation) -> Answ
     let tokenizer = state.options.tokenizer.clone();
     let worker = state.worker.clone();
     if !g.stream {
-        let (text, finish, usage) = collect(&tokenizer, &prompt, g.stop, &ends, events, &worker, id).await;
-        return json_answer(
-            StatusCode::OK,
-            &kind.response(&answer.id, answer.created, &answer.model, &text, finish, usage),
-        );
+        return match collect(&tokenizer, &prompt, g.stop, &ends, events, &worker, id).await {
+            Ok((text, finish, usage)) => json_answer(
+                StatusCode::OK,
+                &kind.response(&answer.id, answer.created, &answer.model, &text, finish, usage),
+            ),
+            Err(()) => error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", ENGINE_FAILED, None, None),
+        };
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move { answer.stream(&tokenizer, &prompt, g.stop, &ends, events, &worker, id, tx).await });
@@ -417,25 +419,28 @@ fn refused(e: SubmitError) -> Answer {
     }
 }
 
+/// What the server says when the engine ended a request itself (a failed decoding step).
+const ENGINE_FAILED: &str = "the model failed while decoding this request; it was ended";
+
 /// The next piece of text of a request, and whether it is over (with OpenAI's finish reason and
-/// the engine's token count).
+/// the engine's token count). `Err` when the engine ended it (a failed step) or is gone.
 async fn next_piece(
     text: &mut TextStream<'_>,
     events: &mut mpsc::UnboundedReceiver<Event>,
     generated: &mut usize,
-) -> (String, Option<&'static str>) {
+) -> Result<(String, Option<&'static str>), ()> {
     match events.recv().await {
         Some(Event::Token { token, .. }) => {
             *generated += 1;
             let (piece, stopped) = text.push(token);
-            (piece, stopped.then_some("stop"))
+            Ok((piece, stopped.then_some("stop")))
         }
+        Some(Event::Done { finish: Finish::Cancelled, .. }) | None => Err(()),
         Some(Event::Done { finish, completion_tokens, .. }) => {
             *generated = completion_tokens;
             let reason = if finish == Finish::Length { "length" } else { "stop" };
-            (text.finish(), Some(reason))
+            Ok((text.finish(), Some(reason)))
         }
-        None => (text.finish(), Some("stop")),
     }
 }
 
@@ -447,16 +452,16 @@ async fn collect(
     mut events: mpsc::UnboundedReceiver<Event>,
     worker: &Worker,
     id: u64,
-) -> (String, &'static str, Usage) {
+) -> Result<(String, &'static str, Usage), ()> {
     // Dropped with this future when the client disconnects (hyper drops the request's future).
     let _cancel = CancelOnDrop { worker, id };
     let mut text = TextStream::new(tokenizer, prompt, stops, ends);
     let (mut out, mut generated) = (String::new(), 0);
     loop {
-        let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await;
+        let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await?;
         out.push_str(&piece);
         if let Some(finish) = finish {
-            return (out, finish, Usage::new(prompt.len(), generated));
+            return Ok((out, finish, Usage::new(prompt.len(), generated)));
         }
     }
 }
@@ -495,17 +500,22 @@ impl Answering {
             // A client that leaves while its request waits in the queue sends nothing to notice:
             // the body's end going away says so.
             let next = race(next_piece(&mut text, &mut events, &mut generated), tx.closed()).await;
-            let Some((piece, finish)) = next else {
+            let Some(next) = next else {
                 return; // the client disconnected
+            };
+            let Ok((piece, finish)) = next else {
+                let failed = error_body("server_error", ENGINE_FAILED, None, None);
+                let _ = send_within(&tx, Bytes::from(format!("data: {failed}\n\n"))).await;
+                return;
             };
             let sent = match finish {
                 None if piece.is_empty() => true,
-                None => tx.send(self.event(&piece, None, None)).await.is_ok(),
+                None => send_within(&tx, self.event(&piece, None, None)).await,
                 Some(finish) => {
                     let usage = Usage::new(self.prompt_tokens, generated);
-                    let last = if piece.is_empty() { Ok(()) } else { tx.send(self.event(&piece, None, None)).await };
-                    let _ = last.is_ok() && tx.send(self.event("", Some(finish), Some(usage))).await.is_ok();
-                    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                    let last = piece.is_empty() || send_within(&tx, self.event(&piece, None, None)).await;
+                    let _ = last && send_within(&tx, self.event("", Some(finish), Some(usage))).await;
+                    let _ = send_within(&tx, Bytes::from_static(b"data: [DONE]\n\n")).await;
                     return;
                 }
             };
@@ -539,4 +549,14 @@ async fn race<A: std::future::Future, B: std::future::Future>(a: A, b: B) -> Opt
         b.as_mut().poll(cx).map(|_| None)
     })
     .await
+}
+
+/// How long a streamed piece may wait for a client that does not read before the answer (and its
+/// request) is given up.
+const STALL: Duration = Duration::from_secs(30);
+
+/// Sends one piece of a streamed answer; false when the client is gone or has not taken what was
+/// sent before for [`STALL`].
+async fn send_within(tx: &mpsc::Sender<Bytes>, piece: Bytes) -> bool {
+    matches!(tokio::time::timeout(STALL, tx.send(piece)).await, Ok(Ok(())))
 }

@@ -74,12 +74,10 @@ fn serve<B: EmberBackend>(mut engine: Engine<B>, rx: mpsc::Receiver<Command>) {
         let events = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.step())) {
             Ok(events) => events,
             Err(_) => {
+                // The cache may be half written: every request ends as cancelled (its client gets an
+                // error) and the engine starts again from an empty cache.
                 tracing::error!("the model panicked in a decoding step; its requests are ended");
-                for id in routes.keys().copied().collect::<Vec<_>>() {
-                    engine.cancel(id);
-                }
-                routes.clear();
-                continue;
+                engine.abort_all()
             }
         };
         for event in events {
