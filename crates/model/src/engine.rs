@@ -125,10 +125,6 @@ impl<B: EmberBackend> Engine<B> {
         Self { model, cache, slots, queue: VecDeque::new(), config, next_id: 0 }
     }
 
-    pub fn model(&self) -> &Decoder<B> {
-        &self.model
-    }
-
     /// Queues a request after checking it against the model: a non-empty prompt of known ids that
     /// fits the context together with `max_new_tokens`.
     pub fn submit(&mut self, request: Request) -> Result<RequestId, EngineError> {

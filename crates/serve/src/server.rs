@@ -376,10 +376,17 @@ async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation) -> Answ
         model: state.options.model_name.clone(),
         prompt_tokens: prompt.len(),
     };
-    let tokenizer = state.options.tokenizer.clone();
-    let worker = state.worker.clone();
+    let pending = Pending {
+        tokenizer: state.options.tokenizer.clone(),
+        prompt,
+        stops: g.stop,
+        ends,
+        events,
+        worker: state.worker.clone(),
+        id,
+    };
     if !g.stream {
-        return match collect(&tokenizer, &prompt, g.stop, &ends, events, &worker, id).await {
+        return match collect(pending).await {
             Ok((text, finish, usage)) => json_answer(
                 StatusCode::OK,
                 &kind.response(&answer.id, answer.created, &answer.model, &text, finish, usage),
@@ -388,7 +395,7 @@ async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation) -> Answ
         };
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(async move { answer.stream(&tokenizer, &prompt, g.stop, &ends, events, &worker, id, tx).await });
+    tokio::spawn(async move { answer.stream(pending, tx).await });
     let mut r = Response::new(AnswerBody::Events(rx));
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -444,18 +451,22 @@ async fn next_piece(
     }
 }
 
-async fn collect(
-    tokenizer: &Tokenizer,
-    prompt: &[u32],
+/// A request on the engine and what turning its tokens into text needs.
+struct Pending {
+    tokenizer: Tokenizer,
+    prompt: Vec<u32>,
     stops: Vec<String>,
-    ends: &[u32],
-    mut events: mpsc::UnboundedReceiver<Event>,
-    worker: &Worker,
+    ends: Vec<u32>,
+    events: mpsc::UnboundedReceiver<Event>,
+    worker: Worker,
     id: u64,
-) -> Result<(String, &'static str, Usage), ()> {
+}
+
+async fn collect(p: Pending) -> Result<(String, &'static str, Usage), ()> {
+    let Pending { tokenizer, prompt, stops, ends, mut events, worker, id } = p;
     // Dropped with this future when the client disconnects (hyper drops the request's future).
-    let _cancel = CancelOnDrop { worker, id };
-    let mut text = TextStream::new(tokenizer, prompt, stops, ends);
+    let _cancel = CancelOnDrop { worker: &worker, id };
+    let mut text = TextStream::new(&tokenizer, &prompt, stops, &ends);
     let (mut out, mut generated) = (String::new(), 0);
     loop {
         let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await?;
@@ -481,20 +492,10 @@ impl Answering {
         Bytes::from(format!("data: {chunk}\n\n"))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn stream(
-        self,
-        tokenizer: &Tokenizer,
-        prompt: &[u32],
-        stops: Vec<String>,
-        ends: &[u32],
-        mut events: mpsc::UnboundedReceiver<Event>,
-        worker: &Worker,
-        id: u64,
-        tx: mpsc::Sender<Bytes>,
-    ) {
-        let _cancel = CancelOnDrop { worker, id };
-        let mut text = TextStream::new(tokenizer, prompt, stops, ends);
+    async fn stream(self, p: Pending, tx: mpsc::Sender<Bytes>) {
+        let Pending { tokenizer, prompt, stops, ends, mut events, worker, id } = p;
+        let _cancel = CancelOnDrop { worker: &worker, id };
+        let mut text = TextStream::new(&tokenizer, &prompt, stops, &ends);
         let mut generated = 0;
         loop {
             // A client that leaves while its request waits in the queue sends nothing to notice:

@@ -14,13 +14,14 @@ use std::path::PathBuf;
 use burn::backend::{Autodiff, Flex, NdArray};
 use ember_data::fetch::Locations;
 use ember_model::ops::{on_cpu_workers, TrainBackend};
-use ember_train::bench::{bench_train, NoProbe, PeakSource};
+use ember_train::bench::{bench_run, NoProbe, PeakSource};
 use ember_train::TrainConfig;
 
 fn step_ms<B: TrainBackend>(config: &TrainConfig, name: &str) -> f64 {
     let device = Default::default();
     let run = || {
-        bench_train::<B>(config.clone(), &Locations::from_env(), 3, 10, &device, name, &PeakSource::default(), &NoProbe)
+        let run = config.clone().resolve()?;
+        bench_run::<B>(run, &Locations::from_env(), 3, 10, &device, name, &PeakSource::default(), &NoProbe)
     };
     match on_cpu_workers(run) {
         Ok(r) => r.step_ms,

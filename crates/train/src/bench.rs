@@ -11,7 +11,6 @@ use ember_model::ops::{lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec,
 use ember_model::Decoder;
 use serde::Serialize;
 
-use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::flops::{measure_gemm, mfu, resolve_peak, GemmRate};
 use crate::init::ResolvedConfig;
@@ -53,23 +52,8 @@ pub struct PeakSource {
     pub peak_tflops: Option<f64>,
 }
 
-/// Times `steps` optimizer steps after `warmup` untimed ones, of a run of `config` (whose
-/// `init_from` source this opens; [`bench_run`] takes one already open).
-#[allow(clippy::too_many_arguments)]
-pub fn bench_train<B: TrainBackend>(
-    config: TrainConfig,
-    locations: &Locations,
-    warmup: usize,
-    steps: usize,
-    device: &Device<B>,
-    device_label: &str,
-    peak_source: &PeakSource,
-    probe: &dyn MemoryProbe,
-) -> Result<TrainBench, TrainError> {
-    bench_run::<B>(config.resolve()?, locations, warmup, steps, device, device_label, peak_source, probe)
-}
-
-/// [`bench_train`] of a config whose `init_from` source is open.
+/// Times `steps` optimizer steps after `warmup` untimed ones, of a run whose `init_from` source
+/// is open (`TrainConfig::resolve` or `ConfigFile::resolve`).
 #[allow(clippy::too_many_arguments)]
 pub fn bench_run<B: TrainBackend>(
     run: ResolvedConfig,
