@@ -241,6 +241,30 @@ fn cached_batched_sampling_eval_and_decode_bench() {
     assert_eq!(d["contexts"], serde_json::json!([4, 16]));
     assert_eq!(d["cached_ms_per_token"].as_array().unwrap().len(), 2);
     assert_eq!(d["uncached_ms_per_token"].as_array().unwrap().len(), 2);
+    assert_eq!(d["batch"], 1);
+    // Several sequences a step: the aggregate rate is the batch over the step time.
+    let o = s.ember(&[
+        "bench",
+        "decode",
+        "--checkpoint",
+        "runs/tiny",
+        "--contexts",
+        "8",
+        "--new-tokens",
+        "3",
+        "--uncached-tokens",
+        "1",
+        "--batch",
+        "3",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let d: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(d["batch"], 3);
+    let (ms, rate) = (d["cached_ms_per_token"][0].as_f64().unwrap(), d["decode_tokens_per_sec"][0].as_f64().unwrap());
+    assert!((rate - 3e3 / ms).abs() <= 1e-6 * rate, "{rate} tokens/s at {ms} ms a step of 3");
+    let o = s.ember(&["bench", "decode", "--checkpoint", "runs/tiny", "--contexts", "8", "--batch", "0"]);
+    assert_clean_error(&o, "--batch 0 is not in 1..=256");
     let o = s.ember(&["bench", "decode", "--checkpoint", "runs/tiny", "--contexts", "30"]);
     assert_clean_error(&o, "does not fit the model's max_seq_len of 32");
 }

@@ -135,7 +135,7 @@ impl<B: EmberBackend> Attention<B> {
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let [q, key, v] = self.split_heads(qkv, b, t);
         let starts = kv.starts();
-        let (q, key) = (rope.apply_rows(q, &starts), rope.apply_rows(key, &starts)); // post-RoPE, as stored
+        let (q, key) = (rope.apply_rows_op(q, &starts), rope.apply_rows_op(key, &starts)); // post-RoPE, as stored
         let o = kv.store(key, v).attend(q, h / k, compute); // [B, H, T, Dh]
         o.swap_dims(1, 2).reshape([b * t, h * dh])
     }

@@ -163,10 +163,9 @@ impl<B: EmberBackend> Decoder<B> {
         let hidden = to_dtype(hidden, self.compute);
         let logits = match &self.lm_head {
             Some(head) => hidden.matmul(to_dtype(head.weight.val(), self.compute)),
-            // Tied: `E · hᵀ` reads the embedding table `[V, D]` where it is; `h · Eᵀ` would copy
-            // the whole transposed table (113 MB for SmolLM2) at every call. Only the small
-            // `[V, N]` result is transposed.
-            None => to_dtype(self.embed_tokens.val(), self.compute).matmul(hidden.transpose()).transpose(),
+            // Tied: the embedding table `[V, D]` read where it is; `h · Eᵀ` through matmul would
+            // copy the whole transposed table (113 MB for SmolLM2) at every call.
+            None => crate::ops::linear::linear_nt(hidden, to_dtype(self.embed_tokens.val(), self.compute)),
         };
         to_dtype(logits, DType::F32)
     }

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Device, Distribution, ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use ember_data::fetch::Locations;
 use ember_data::WindowSampler;
 use ember_model::ops::{lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec, TrainBackend};
@@ -227,72 +227,90 @@ pub fn bench_loss<B: AutodiffBackend + TrainBackend>(
 #[derive(Debug, Clone, Serialize)]
 pub struct DecodeBench {
     pub device: String,
+    /// Sequences decoded side by side (one row each per step).
+    pub batch: usize,
     pub contexts: Vec<usize>,
-    /// Milliseconds per generated token with the KV cache, at each context.
+    /// Milliseconds per decoding step (one token for every sequence) with the KV cache, at each
+    /// context.
     pub cached_ms_per_token: Vec<f64>,
-    /// Milliseconds per generated token recomputing the whole context, at each context.
+    /// Milliseconds per step recomputing the whole context, at each context.
     pub uncached_ms_per_token: Vec<f64>,
-    /// Prompt tokens per second of the prefill pass, at each context.
+    /// Prompt tokens per second of the prefill pass (all sequences), at each context.
     pub prefill_tokens_per_sec: Vec<f64>,
-    /// Cached decode tokens per second, at each context.
+    /// Cached decode tokens per second, all sequences together, at each context.
     pub decode_tokens_per_sec: Vec<f64>,
     /// KV cache bytes per position (f32).
     pub kv_bytes_per_token: usize,
 }
 
-/// Time per generated token as the context grows, with and without the KV cache (greedy, batch 1).
-/// The prompt at context `c` is `c` tokens; `new_tokens` are generated with the cache and
-/// `uncached_tokens` by recomputing the window.
+/// What [`bench_decode`] measures: at each context, `new_tokens` steps with the KV cache and
+/// `uncached_tokens` recomputing the window, for `batch` sequences side by side.
+#[derive(Debug, Clone)]
+pub struct DecodeBenchSpec {
+    pub contexts: Vec<usize>,
+    pub new_tokens: usize,
+    pub uncached_tokens: usize,
+    pub block_size: usize,
+    pub batch: usize,
+}
+
+/// Time per decoding step as the context grows, with and without the KV cache (greedy). The prompt
+/// of sequence `b` at context `c` is `c` tokens (different for every sequence).
 pub fn bench_decode<B: ember_model::ops::EmberBackend>(
     model: &Decoder<B>,
     device_label: &str,
-    contexts: &[usize],
-    new_tokens: usize,
-    uncached_tokens: usize,
-    block_size: usize,
+    spec: &DecodeBenchSpec,
 ) -> DecodeBench {
     let device = model.embed_tokens.device();
     let v = model.config().vocab_size;
-    let greedy = |h: Tensor<B, 3>| -> i32 {
-        let [_, t, d] = h.dims();
-        let logits = model.logits(h.narrow(1, t - 1, 1).reshape([1, d]));
-        logits.argmax(1).into_scalar().elem::<i64>() as i32
+    let batch = spec.batch.max(1);
+    let greedy = |h: Tensor<B, 3>| -> Vec<i32> {
+        let [b, t, d] = h.dims();
+        let logits = model.logits(h.narrow(1, t - 1, 1).reshape([b, d]));
+        let ids = logits.argmax(1).into_data().convert::<i64>();
+        ids.as_slice::<i64>().map(|s| s.iter().map(|&i| i as i32).collect()).unwrap_or_default()
     };
-    let ids = |n: usize| -> Vec<i32> { (0..n).map(|i| ((i * 31 + 7) % v) as i32).collect() };
-    let input = |toks: &[i32]| Tensor::<B, 2, Int>::from_data(TensorData::new(toks.to_vec(), [1, toks.len()]), &device);
+    let ids = |n: usize, row: usize| -> Vec<i32> { (0..n).map(|i| ((i * 31 + 7 + row * 101) % v) as i32).collect() };
+    let input = |rows: &[Vec<i32>]| {
+        let t = rows.first().map_or(0, Vec::len);
+        let flat: Vec<i32> = rows.iter().flatten().copied().collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [rows.len(), t]), &device)
+    };
     let mut out = DecodeBench {
         device: device_label.to_string(),
-        contexts: contexts.to_vec(),
+        batch,
+        contexts: spec.contexts.clone(),
         cached_ms_per_token: Vec::new(),
         uncached_ms_per_token: Vec::new(),
         prefill_tokens_per_sec: Vec::new(),
         decode_tokens_per_sec: Vec::new(),
-        kv_bytes_per_token: model.new_cache(1, block_size).bytes_per_token(DType::F32),
+        kv_bytes_per_token: model.new_cache(1, spec.block_size).bytes_per_token(DType::F32),
     };
-    for &c in contexts {
-        let prompt = ids(c);
-        let mut cache = model.new_cache(1, block_size);
+    for &c in &spec.contexts {
+        let prompts: Vec<Vec<i32>> = (0..batch).map(|row| ids(c, row)).collect();
+        let mut cache = model.new_cache(batch, spec.block_size);
         let _ = B::sync(&device);
         let start = Instant::now();
-        let mut next = greedy(model.forward_cached(input(&prompt), &[c], &mut cache));
+        let mut next = greedy(model.forward_cached(input(&prompts), &vec![c; batch], &mut cache));
         let _ = B::sync(&device);
-        out.prefill_tokens_per_sec.push(c as f64 / start.elapsed().as_secs_f64());
+        out.prefill_tokens_per_sec.push((c * batch) as f64 / start.elapsed().as_secs_f64());
         let start = Instant::now();
-        for _ in 0..new_tokens {
-            next = greedy(model.forward_cached(input(&[next]), &[1], &mut cache));
+        for _ in 0..spec.new_tokens {
+            let step: Vec<Vec<i32>> = next.iter().map(|&t| vec![t]).collect();
+            next = greedy(model.forward_cached(input(&step), &vec![1; batch], &mut cache));
         }
         let _ = B::sync(&device);
-        let ms = start.elapsed().as_secs_f64() * 1e3 / new_tokens.max(1) as f64;
+        let ms = start.elapsed().as_secs_f64() * 1e3 / spec.new_tokens.max(1) as f64;
         out.cached_ms_per_token.push(ms);
-        out.decode_tokens_per_sec.push(1e3 / ms);
-        let mut toks = prompt;
+        out.decode_tokens_per_sec.push(batch as f64 * 1e3 / ms);
+        let mut toks = prompts;
         let start = Instant::now();
-        for _ in 0..uncached_tokens {
+        for _ in 0..spec.uncached_tokens {
             let next = greedy(model.hidden(input(&toks), 0));
-            toks.push(next);
+            toks.iter_mut().zip(next).for_each(|(row, t)| row.push(t));
         }
         let _ = B::sync(&device);
-        out.uncached_ms_per_token.push(start.elapsed().as_secs_f64() * 1e3 / uncached_tokens.max(1) as f64);
+        out.uncached_ms_per_token.push(start.elapsed().as_secs_f64() * 1e3 / spec.uncached_tokens.max(1) as f64);
     }
     out
 }
@@ -353,13 +371,14 @@ impl std::fmt::Display for LossBench {
 
 impl std::fmt::Display for DecodeBench {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} decode, KV cache {} bytes/token:", self.device, self.kv_bytes_per_token)?;
+        write!(f, "{} decode, batch {}, KV cache {} bytes/token:", self.device, self.batch, self.kv_bytes_per_token)?;
         for i in 0..self.contexts.len() {
             write!(
                 f,
-                "\n  context {:>5}: cached {:8.2} ms/token, uncached {:9.2} ms/token ({:.1}x), prefill {:.0} tokens/s",
+                "\n  context {:>5}: cached {:8.2} ms/step ({:.1} tokens/s), uncached {:9.2} ms/step ({:.1}x), prefill {:.0} tokens/s",
                 self.contexts[i],
                 self.cached_ms_per_token[i],
+                self.decode_tokens_per_sec[i],
                 self.uncached_ms_per_token[i],
                 self.uncached_ms_per_token[i] / self.cached_ms_per_token[i],
                 self.prefill_tokens_per_sec[i]

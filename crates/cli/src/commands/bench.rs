@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
 use ember_model::engine::{Engine, EngineConfig};
 use ember_model::ops::TrainBackend;
-use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, PeakSource};
+use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, DecodeBenchSpec, PeakSource};
 use ember_train::config::Precision;
 use ember_train::{Checkpoint, ConfigFile, ResolvedConfig};
 use serde::Serialize;
@@ -83,6 +83,9 @@ struct DecodeBenchArgs {
     /// Positions per KV-cache block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Sequences decoded side by side (each step feeds one token of every one).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     #[command(flatten)]
     common: Common,
 }
@@ -217,7 +220,14 @@ impl BenchFn for DecodeBenchFn {
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
         let model = self.1.decoder::<B::InnerBackend>(device)?;
-        Ok(bench_decode(&model, name, &a.contexts, a.new_tokens, a.uncached_tokens, a.block_size.max(1)))
+        let spec = DecodeBenchSpec {
+            contexts: a.contexts.clone(),
+            new_tokens: a.new_tokens,
+            uncached_tokens: a.uncached_tokens,
+            block_size: a.block_size.max(1),
+            batch: a.batch,
+        };
+        Ok(bench_decode(&model, name, &spec))
     }
 }
 
@@ -330,6 +340,7 @@ fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
     if let Some(c) = a.contexts.iter().find(|&&c| c == 0 || c + longest > max) {
         anyhow::bail!("context {c} plus {longest} generated tokens does not fit the model's max_seq_len of {max}");
     }
+    anyhow::ensure!((1..=256).contains(&a.batch), "--batch {} is not in 1..=256", a.batch);
     let (device, json) = (a.common.device, a.common.json);
     report(json, &dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?)
 }

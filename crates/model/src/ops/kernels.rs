@@ -96,55 +96,16 @@ pub fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize,
         None => vec![0.0f32; m * n],
     };
     if (2..=FEW_ROWS).contains(&m) {
-        few_rows_product(&mut y, b.is_some(), x, w, (m, k, n));
+        super::few_rows::product(&mut y, b.is_some(), x, w, (m, k, n));
     } else {
         gemm_into((m, n, k), &mut y, n, b.is_some(), x, (k, 1), w, (n, 1), 1.0, gemm_parallelism(m, n, k));
     }
     y
 }
 
-/// Rows up to which [`linear`] runs the transposed product (one row is a matrix-vector product,
-/// which the GEMM crate already runs well).
-const FEW_ROWS: usize = 16;
-
-/// `y (+)= x · w` for a few rows (decoding), as `yᵀ = wᵀ · xᵀ` through strides: the GEMM kernels
-/// vectorise along their first dimension, 64 rows at a time, which would be mostly padding for a
-/// handful of rows; here it is the layer's outputs. SmolLM2-135M decoding 8 sequences (2-core
-/// EPYC): 70 -> 55-60 ms a step (experiments/serve.md). Both cores share the reading of a large
-/// weight. (A row-streaming AXPY loop, compiled for AVX-512, measured slower: 75 ms.)
-fn few_rows_product(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "linear: slices shorter than their shapes");
-    let parallelism = if k * n >= 1 << 18 { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
-    // SAFETY: with the assertion above, every index the strides reach is inside its slice: dst
-    // (n_i, m_i) at m_i·n + n_i < m·n; lhs = wᵀ (n_i, k_i) at k_i·n + n_i < k·n; rhs = xᵀ (k_i, m_i)
-    // at m_i·k + k_i < m·k.
-    unsafe {
-        gemm::gemm(
-            n,
-            m,
-            k,
-            y.as_mut_ptr(),
-            n as isize,
-            1,
-            accumulate,
-            w.as_ptr(),
-            n as isize,
-            1,
-            x.as_ptr(),
-            k as isize,
-            1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-}
+/// Rows up to which [`linear`] runs the few-rows product ([`super::few_rows`]); one row is a
+/// matrix-vector product, which the GEMM crate already runs at the memory bound.
+pub const FEW_ROWS: usize = 16;
 
 /// Which gradients a linear layer's backward pass computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,6 +34,36 @@ pub trait LinearOps: Backend {
         let (dx, dw, db) = reference_backward(float::<Self, 2>(x), float(w), float(dy));
         (need.x.then(|| prim(dx)), need.w.then(|| prim(dw)), need.b.then(|| prim(db)))
     }
+
+    /// `x · wᵀ` with the weight stored `[N, K]` (a tied LM head: the embedding table).
+    ///
+    /// # Shapes
+    /// - x: `[M, K]`, w: `[N, K]` -> `[M, N]`
+    fn linear_nt_forward(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        prim(reference_nt(float::<Self, 2>(x), float(w)))
+    }
+}
+
+/// `x · wᵀ` as `(w · xᵀ)ᵀ`: the reference of [`linear_nt`]. It reads `w` where it is (`x · wᵀ`
+/// would make some backends copy the whole transposed table) and transposes only the small result.
+///
+/// # Shapes
+/// - x: `[M, K]`, w: `[N, K]` -> `[M, N]`
+pub fn reference_nt<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
+    w.matmul(x.transpose()).transpose()
+}
+
+/// `x · wᵀ` with w stored `[N, K]`: one op where the backend has a kernel (on the CPU, for the few
+/// rows of decoding: [`super::few_rows::product_nt`]), else the composition.
+///
+/// # Shapes
+/// - x: `[M, K]`, w: `[N, K]` -> `[M, N]`
+pub fn linear_nt<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
+    if B::fused(x.dtype()) && w.dtype() == x.dtype() {
+        float(B::linear_nt_forward(prim(x), prim(w)))
+    } else {
+        reference_nt(x, w)
+    }
 }
 
 /// The composition: the reference, and the path of backends without a kernel.
@@ -81,6 +111,18 @@ impl LinearOps for Flex {
         let b = b.as_ref().map(flex::f32s);
         let y = kernels::linear(&flex::f32s(&x), &flex::f32s(&w), b.as_deref(), (xs[0], xs[1], ws[1]));
         flex::tensor(y, vec![xs[0], ws[1]])
+    }
+
+    fn linear_nt_forward(x: FlexTensor, w: FlexTensor) -> FlexTensor {
+        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
+        if !flex::all_f32(&[&x, &w]) || xs[1] != ws[1] || xs[0] > kernels::FEW_ROWS || w.as_slice::<f32>().is_none() {
+            // Many rows (a GEMM's job), other dtypes, a weight that is a view, shapes that do not
+            // fit (which Burn's ops then name).
+            return prim(reference_nt(float::<Self, 2>(x), float(w)));
+        }
+        let mut y = vec![0.0f32; xs[0] * ws[0]];
+        super::few_rows::product_nt(&mut y, &flex::f32s(&x), &flex::f32s(&w), (xs[0], xs[1], ws[0]));
+        flex::tensor(y, vec![xs[0], ws[0]])
     }
 
     fn linear_backward(x: FlexTensor, w: FlexTensor, dy: FlexTensor, need: LinearGrads) -> Grads<Self> {
@@ -154,6 +196,24 @@ mod tests {
                     linear(xs[0].clone(), xs[1].clone(), b)
                 } else {
                     reference(xs[0].clone(), xs[1].clone(), b)
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn transposed_weight_product_equals_the_composition() {
+        // 1..=16 rows take the kernel, 17 the composition.
+        for (m, k, n) in [(1, 64, 300), (8, 40, 97), (16, 576, 50), (17, 33, 20)] {
+            let (x, w) = (leaf([m, k], 4), leaf([n, k], 5));
+            let got = float::<Flex, 2>(<Flex as LinearOps>::linear_nt_forward(prim(x.clone()), prim(w.clone())));
+            assert_close(&format!("linear_nt {m}x{k}x{n}"), vec![got], vec![x.clone().matmul(w.clone().transpose())]);
+            // Under autodiff (the composition, differentiable), values and gradients.
+            compare(&format!("linear_nt {m}x{k}x{n} autodiff"), vec![x, w], [m, n], &|xs, fused| {
+                if fused {
+                    linear_nt(xs[0].clone(), xs[1].clone())
+                } else {
+                    xs[0].clone().matmul(xs[1].clone().transpose())
                 }
             });
         }

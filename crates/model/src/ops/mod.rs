@@ -22,6 +22,7 @@ pub mod attention;
 pub mod collective;
 pub mod cross_entropy;
 pub mod documents;
+pub mod few_rows;
 mod flex;
 pub mod kernels;
 pub mod kv;
@@ -50,11 +51,21 @@ pub use kernels::{AttnShape, LinearGrads};
 pub use kv::KvWriteOps;
 pub use linear::{linear, LinearOps};
 pub use rms_norm::{rms_norm, RmsNormOps};
+pub use rope::RopeOps;
 pub use swiglu::{swiglu_packed, SwigluOps};
 
 /// A Burn backend with every one of ember's ops.
 pub trait EmberBackend:
-    Backend + RmsNormOps + SwigluOps + LinearOps + AttentionOps + AdamWOps + LmHeadLossOps + KvWriteOps + DeviceReduceOps
+    Backend
+    + RmsNormOps
+    + SwigluOps
+    + LinearOps
+    + AttentionOps
+    + AdamWOps
+    + LmHeadLossOps
+    + KvWriteOps
+    + RopeOps
+    + DeviceReduceOps
 {
     /// Whether the model should call the ops as single nodes for tensors of `dtype` (this backend
     /// has kernels for them that beat the composition). Without, it runs the compositions, which
@@ -92,6 +103,7 @@ macro_rules! reference_ops {
         impl AdamWOps for $backend {}
         impl LmHeadLossOps for $backend {}
         impl KvWriteOps for $backend {}
+        impl RopeOps for $backend {}
     };
 }
 

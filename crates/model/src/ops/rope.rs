@@ -1,9 +1,16 @@
 //! Rotary position embedding (Su et al., 2021): channel pair `i` of every head is rotated by the angle
 //! `pos · theta^(-2i/Dh)`. Applied to queries and keys, never to values.
 
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor, TensorData};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+
+use super::{flex, float, prim, EmberBackend};
 
 /// How RoPE pairs the channels of a head.
 ///
@@ -135,12 +142,7 @@ impl<B: Backend> Rope<B> {
     /// # Shapes
     /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, positions: `[B·T]`
     pub fn apply_positions(&self, x: Tensor<B, 4>, positions: &[usize]) -> Tensor<B, 4> {
-        let [b, _, t, dh] = x.dims();
-        let last = self.max_seq_len() - 1;
-        let ids: Vec<i32> = positions.iter().map(|&p| p.min(last) as i32).collect();
-        let ids = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(ids, [b * t]), &x.device());
-        let rows = |table: &Tensor<B, 2>| table.clone().select(0, ids.clone()).reshape([b, 1, t, dh / 2]);
-        self.rotate(x, rows(&self.cos), rows(&self.sin))
+        rotate_positions(x, self.cos.clone(), self.sin.clone(), positions, self.layout)
     }
 
     /// Rotates `x` whose position 0 sits at absolute position `start`.
@@ -154,32 +156,134 @@ impl<B: Backend> Rope<B> {
         self.rotate(x, cos, sin)
     }
 
-    /// # Shapes
-    /// - x: `[B, H, T, Dh]`, cos, sin: `[B or 1, 1, T, Dh/2]` -> `[B, H, T, Dh]`
     fn rotate(&self, x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, h, t, dh] = x.dims();
-        let half = dh / 2;
-        let dtype = x.dtype();
-        let (cos, sin) = (cos.cast(dtype), sin.cast(dtype));
-        match self.layout {
-            RopeLayout::HalfSplit => {
-                let x1 = x.clone().narrow(3, 0, half); // [B, H, T, Dh/2]: first channel of each pair
-                let x2 = x.narrow(3, half, half); //      second channel
-                Tensor::cat(vec![x1.clone() * cos.clone() - x2.clone() * sin.clone(), x1 * sin + x2 * cos], 3)
-            }
-            RopeLayout::Interleaved => {
-                let rows = cos.dims()[0];
-                let cos = cos.reshape([rows, 1, t, half, 1]);
-                let sin = sin.reshape([rows, 1, t, half, 1]);
-                let x = x.reshape([b, h, t, half, 2]);
-                let xe = x.clone().narrow(4, 0, 1); // [B, H, T, Dh/2, 1]: channels 2i
-                let xo = x.narrow(4, 1, 1); //         channels 2i + 1
-                Tensor::cat(vec![xe.clone() * cos.clone() - xo.clone() * sin.clone(), xe * sin + xo * cos], 4)
-                    .reshape([b, h, t, dh])
-            }
+        rotate(x, cos, sin, self.layout)
+    }
+}
+
+impl<B: EmberBackend> Rope<B> {
+    /// [`Self::apply_rows`] as one op where the backend has a kernel for it (the CPU's: one pass,
+    /// where the composition makes a strided pass per product over small decode tensors).
+    ///
+    /// # Shapes
+    /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, one start per row
+    pub fn apply_rows_op(&self, x: Tensor<B, 4>, starts: &[usize]) -> Tensor<B, 4> {
+        if !B::fused(x.dtype()) || self.cos.dtype() != x.dtype() {
+            return self.apply_rows(x, starts);
+        }
+        let t = x.dims()[2];
+        let positions: Vec<usize> = starts.iter().flat_map(|&s| s..s + t).collect();
+        float(B::rope_positions(prim(x), prim(self.cos.clone()), prim(self.sin.clone()), &positions, self.layout))
+    }
+}
+
+/// A backend's RoPE at given positions; the default method is the reference.
+pub trait RopeOps: Backend {
+    /// Position `t` of row `b` of `x` rotated by the angles of `positions[b·T + t]` (clamped to
+    /// the table's last row).
+    ///
+    /// # Shapes
+    /// - x: `[B, H, T, Dh]`, cos, sin: `[T_max, Dh/2]`, positions: `[B·T]` -> `[B, H, T, Dh]`
+    fn rope_positions(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: &[usize],
+        layout: RopeLayout,
+    ) -> FloatTensor<Self> {
+        prim(rotate_positions(float::<Self, 4>(x), float(cos), float(sin), positions, layout))
+    }
+}
+
+/// The composition: the tables' rows gathered by position, then [`rotate`].
+///
+/// # Shapes
+/// - x: `[B, H, T, Dh]`, cos, sin: `[T_max, Dh/2]`, positions: `[B·T]` -> `[B, H, T, Dh]`
+pub fn rotate_positions<B: Backend>(
+    x: Tensor<B, 4>,
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    positions: &[usize],
+    layout: RopeLayout,
+) -> Tensor<B, 4> {
+    let [b, _, t, dh] = x.dims();
+    let last = cos.dims()[0].saturating_sub(1);
+    let ids: Vec<i32> = positions.iter().map(|&p| p.min(last) as i32).collect();
+    let ids = Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(ids, [b * t]), &x.device());
+    let rows = |table: Tensor<B, 2>| table.select(0, ids.clone()).reshape([b, 1, t, dh / 2]);
+    rotate(x, rows(cos), rows(sin), layout)
+}
+
+/// # Shapes
+/// - x: `[B, H, T, Dh]`, cos, sin: `[B or 1, 1, T, Dh/2]` -> `[B, H, T, Dh]`
+pub fn rotate<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>, layout: RopeLayout) -> Tensor<B, 4> {
+    let [b, h, t, dh] = x.dims();
+    let half = dh / 2;
+    let dtype = x.dtype();
+    let (cos, sin) = (cos.cast(dtype), sin.cast(dtype));
+    match layout {
+        RopeLayout::HalfSplit => {
+            let x1 = x.clone().narrow(3, 0, half); // [B, H, T, Dh/2]: first channel of each pair
+            let x2 = x.narrow(3, half, half); //      second channel
+            Tensor::cat(vec![x1.clone() * cos.clone() - x2.clone() * sin.clone(), x1 * sin + x2 * cos], 3)
+        }
+        RopeLayout::Interleaved => {
+            let rows = cos.dims()[0];
+            let cos = cos.reshape([rows, 1, t, half, 1]);
+            let sin = sin.reshape([rows, 1, t, half, 1]);
+            let x = x.reshape([b, h, t, half, 2]);
+            let xe = x.clone().narrow(4, 0, 1); // [B, H, T, Dh/2, 1]: channels 2i
+            let xo = x.narrow(4, 1, 1); //         channels 2i + 1
+            Tensor::cat(vec![xe.clone() * cos.clone() - xo.clone() * sin.clone(), xe * sin + xo * cos], 4)
+                .reshape([b, h, t, dh])
         }
     }
 }
+
+/// One pass over `x` (logical order), each head's position rotated by its row of the tables.
+impl RopeOps for Flex {
+    fn rope_positions(
+        x: FlexTensor,
+        cos: FlexTensor,
+        sin: FlexTensor,
+        positions: &[usize],
+        layout: RopeLayout,
+    ) -> FlexTensor {
+        let (xs, cs) = (flex::shape(&x), flex::shape(&cos));
+        let fits = flex::all_f32(&[&x, &cos, &sin])
+            && xs.len() == 4
+            && cs.len() == 2
+            && cs[0] > 0
+            && flex::shape(&sin) == cs
+            && xs[3] == 2 * cs[1]
+            && positions.len() == xs[0] * xs[2];
+        if !fits {
+            return prim(rotate_positions(float::<Self, 4>(x), float(cos), float(sin), positions, layout));
+        }
+        let [h, t, dh] = [xs[1], xs[2], xs[3]];
+        let (x, cos, sin) = (flex::f32s(&x), flex::f32s(&cos), flex::f32s(&sin));
+        let (half, last) = (dh / 2, cs[0] - 1);
+        let mut y = vec![0.0f32; x.len()];
+        y.par_chunks_mut(t * dh).zip(x.par_chunks(t * dh)).enumerate().for_each(|(bh, (y, x))| {
+            let row = bh / h;
+            for (pos, (y, x)) in y.chunks_exact_mut(dh).zip(x.chunks_exact(dh)).enumerate() {
+                let p = positions[row * t + pos].min(last);
+                let (c, s) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+                for i in 0..half {
+                    let (a, b) = match layout {
+                        RopeLayout::HalfSplit => (i, i + half),
+                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    y[a] = x[a] * c[i] - x[b] * s[i];
+                    y[b] = x[a] * s[i] + x[b] * c[i];
+                }
+            }
+        });
+        flex::tensor(y, xs)
+    }
+}
+
+impl<B: RopeOps, C: CheckpointStrategy> RopeOps for Autodiff<B, C> {}
 
 /// Reorders the output columns of a q or k projection trained with interleaved RoPE so that the
 /// half-split layout computes the same attention scores: within each head, column `c·Dh/2 + i` of the
@@ -233,6 +337,28 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn kernel_matches_the_composition_at_any_positions() {
+        use burn::backend::Flex;
+        let dev = Default::default();
+        let (b, h, t, dh, max) = (3, 2, 4, 8, 16);
+        let positions: Vec<usize> = vec![0, 1, 2, 3, 7, 8, 9, 10, 14, 15, 16, 40]; // the last two past the table
+        for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+            let rope = Rope::<Flex>::new(max, dh, 10_000.0, layout, &dev);
+            // A strided view, as the attention hands it over: [B, T, H, Dh] with heads and steps swapped.
+            let x = Tensor::<Flex, 4>::random([b, t, h, dh], Distribution::Normal(0.0, 1.0), &dev).swap_dims(1, 2);
+            let (cos, sin) = rope.tables();
+            let got = <Flex as RopeOps>::rope_positions(prim(x.clone()), prim(cos), prim(sin), &positions, layout);
+            let want = rope.apply_positions(x.clone(), &positions);
+            float::<Flex, 4>(got).into_data().assert_approx_eq::<f32>(&want.into_data(), Tolerance::absolute(1e-6));
+            let starts = [0, 7, 14];
+            let fused = rope.apply_rows_op(x.clone(), &starts);
+            fused
+                .into_data()
+                .assert_approx_eq::<f32>(&rope.apply_rows(x, &starts).into_data(), Tolerance::absolute(1e-6));
+        }
     }
 
     #[test]
