@@ -170,6 +170,16 @@ fn bench_commands_print_one_json_object() {
     }
     assert!(l["chunked_peak_bytes"].as_u64().unwrap() < l["plain_peak_bytes"].as_u64().unwrap(), "{l}");
     assert!(l["loss_diff"].as_f64().unwrap() < 1e-4, "{l}");
+    // LoRA on a random base: a benchmark may (the step's cost does not depend on the weights), a
+    // run may not.
+    s.write(
+        "lora.toml",
+        &format!("{}\n[lora]\nrank = 2\nalpha = 4\ntargets = [\"q_proj\", \"down_proj\"]\n", tiny_config("")),
+    );
+    let lora = json(&["bench", "train", "--config", "lora.toml", "--steps", "2", "--warmup", "1", "--json"]);
+    assert!(lora["tokens_per_sec"].as_f64().unwrap() > 0.0, "{lora}");
+    let o = s.ember(&["train", "--config", "lora.toml"]);
+    assert_clean_error(&o, "adapters fine-tune a pretrained model; set init_from");
     let p = json(&["bench", "peak", "--sizes", "64,128", "--reps", "2", "--json"]);
     assert!(p["peak_flops"].as_f64().unwrap() > 0.0, "{p}");
     assert_eq!(p["gemms"].as_array().unwrap().len(), 2);
@@ -263,7 +273,18 @@ fn cached_batched_sampling_eval_and_decode_bench() {
     assert_eq!(d["batch"], 3);
     let (ms, rate) = (d["cached_ms_per_token"][0].as_f64().unwrap(), d["decode_tokens_per_sec"][0].as_f64().unwrap());
     assert!((rate - 3e3 / ms).abs() <= 1e-6 * rate, "{rate} tokens/s at {ms} ms a step of 3");
-    let o = s.ember(&["bench", "decode", "--checkpoint", "runs/tiny", "--contexts", "8", "--batch", "0"]);
+    let o = s.ember(&[
+        "bench",
+        "decode",
+        "--checkpoint",
+        "runs/tiny",
+        "--contexts",
+        "8",
+        "--new-tokens",
+        "3",
+        "--batch",
+        "0",
+    ]);
     assert_clean_error(&o, "--batch 0 is not in 1..=256");
     let o = s.ember(&["bench", "decode", "--checkpoint", "runs/tiny", "--contexts", "30"]);
     assert_clean_error(&o, "does not fit the model's max_seq_len of 32");

@@ -4,7 +4,9 @@
 //! Underneath is mimalloc rather than glibc's malloc: a training step frees and reallocates the same
 //! multi-megabyte buffers every step, which glibc hands back to the kernel and faults in again
 //! (297k page faults against 76k over ten steps of configs/bench-cpu-large.toml), and the nano step
-//! is steadier with it (experiments/cpu-speed.md).
+//! is steadier with it (experiments/cpu-speed.md). mimalloc too hands freed memory back after 10 ms
+//! ("purging"), so a step that frees its activations faults them in again, zeroed, in the next:
+//! [`keep_freed_memory`] turns that off.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,5 +72,32 @@ impl MemoryProbe for HeapProbe {
     }
     fn peak_bytes(&self) -> Option<u64> {
         Some(PEAK.load(Ordering::Relaxed))
+    }
+}
+
+/// mimalloc's `mi_option_purge_delay` (its `mi_option_e` enum in `mimalloc.h`, v3): the libmimalloc-sys
+/// bindings name no constant for it.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Keeps the memory freed by this process instead of returning it to the kernel (purge delay -1):
+/// the steps of a run allocate the same buffers again and again, and each purged page costs a page
+/// fault and its zeroing when touched again (on the SmolLM2-135M LoRA step, 15 % of the time went to
+/// the kernel's page clearing). The peak is what the process holds either way.
+pub fn keep_freed_memory() {
+    // SAFETY: a plain option setter of the allocator; any value is valid for this option.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_purge_delay_option_is_the_one_set() {
+        super::keep_freed_memory();
+        // SAFETY: a plain option getter.
+        let delay = unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY) };
+        assert_eq!(delay, -1);
+        // Its neighbours in the enum keep their defaults: the index is not off by one.
+        let numa = unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY + 1) };
+        assert_eq!(numa, 0, "mi_option_use_numa_nodes");
     }
 }

@@ -50,6 +50,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    alloc::keep_freed_memory();
     let cli = Cli::parse();
     // The ranks of a data-parallel run (`mpirun -n N ember train`): MPI starts before anything else.
     let collective = match cli.command {

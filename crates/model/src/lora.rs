@@ -7,6 +7,7 @@ use burn::tensor::{backend::Backend, DType, Distribution, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::init::{const_param, Init};
+use crate::ops::{linear, EmberBackend};
 use crate::to_dtype;
 
 /// The projections an adapter can target.
@@ -76,7 +77,16 @@ impl<B: Backend> Lora<B> {
         }
     }
 
-    /// `(α/r) · dropout(x) · A · B`, in f32.
+    /// The update folded into a weight: `(α/r) · A · B`, `[in, out]`.
+    pub fn delta(&self) -> Tensor<B, 2> {
+        self.lora_a.val().matmul(self.lora_b.val()).mul_scalar(self.scale)
+    }
+}
+
+impl<B: EmberBackend> Lora<B> {
+    /// `(α/r) · dropout(x) · A · B`, in f32: two linear ops (on the CPU, two GEMM kernels each way
+    /// whose backward computes only the gradients needed), the scale folded into the small `B`
+    /// rather than applied to the `[N, out]` output.
     ///
     /// # Shapes
     /// - x: `[N, in]` -> `[N, out]`
@@ -88,13 +98,9 @@ impl<B: Backend> Lora<B> {
             x
         };
         let a = to_dtype(self.lora_a.val(), compute);
-        let b = to_dtype(self.lora_b.val(), compute);
-        to_dtype(to_dtype(x, compute).matmul(a).matmul(b), DType::F32).mul_scalar(self.scale)
-    }
-
-    /// The update folded into a weight: `(α/r) · A · B`, `[in, out]`.
-    pub fn delta(&self) -> Tensor<B, 2> {
-        self.lora_a.val().matmul(self.lora_b.val()).mul_scalar(self.scale)
+        let b = to_dtype(self.lora_b.val().mul_scalar(self.scale), compute);
+        let u = linear(to_dtype(x, compute), a, None); // [N, r]
+        to_dtype(linear(u, b, None), DType::F32)
     }
 }
 

@@ -293,15 +293,33 @@ pub struct ConfigFile {
     pub config: TrainConfig<Option<ModelConfig>>,
 }
 
+/// What a config file is read for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// A training run: every rule.
+    Run,
+    /// A speed measurement (`ember bench train`): LoRA adapters may sit on a random base, since
+    /// the step's cost does not depend on the weights' values.
+    Bench,
+}
+
 impl ConfigFile {
     pub fn read(path: &Path) -> Result<Self, TrainError> {
+        Self::read_for(path, Purpose::Run)
+    }
+
+    pub fn read_for(path: &Path, purpose: Purpose) -> Result<Self, TrainError> {
         let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
-        Self::parse(&text, path)
+        Self::parse_for(&text, path, purpose)
     }
 
     /// Syntax, keys and types, then every rule that does not need the model; errors name the file
     /// and the key.
     pub fn parse(text: &str, path: &Path) -> Result<Self, TrainError> {
+        Self::parse_for(text, path, Purpose::Run)
+    }
+
+    pub fn parse_for(text: &str, path: &Path, purpose: Purpose) -> Result<Self, TrainError> {
         let syntax = |e: toml::de::Error| TrainError::Config {
             path: path.into(),
             message: match e.span() {
@@ -323,7 +341,7 @@ impl ConfigFile {
             message: e.message().to_string(),
             key: toml_key(text, e.span()),
         })?;
-        config.validate_sections().map_err(|error| TrainError::Invalid { path: path.into(), error })?;
+        config.validate_sections_for(purpose).map_err(|error| TrainError::Invalid { path: path.into(), error })?;
         Ok(Self { path: path.into(), config })
     }
 
@@ -430,11 +448,16 @@ impl<M> TrainConfig<M> {
 
     /// The rules of every section but `[model]`, then those across sections.
     pub fn validate_sections(&self) -> Result<(), InvalidConfig> {
+        self.validate_sections_for(Purpose::Run)
+    }
+
+    /// [`Self::validate_sections`] for `purpose`.
+    pub fn validate_sections_for(&self, purpose: Purpose) -> Result<(), InvalidConfig> {
         self.distributed.validate()?;
         self.metrics.validate()?;
         if let Some(lora) = &self.lora {
             lora.validate().map_err(InvalidConfig::Lora)?;
-            if self.init_from.is_none() {
+            if self.init_from.is_none() && purpose == Purpose::Run {
                 return Err(InvalidConfig::LoraWithoutInit);
             }
         }

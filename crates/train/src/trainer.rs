@@ -787,7 +787,12 @@ pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations) -> Result<Setu
 pub(crate) fn initial_model<B: TrainBackend>(setup: &Setup, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
     let config = &setup.config;
     let Some(init) = &setup.init else {
-        return Ok(Decoder::<B>::new(&config.model, config.train.seed, device)?);
+        let model = Decoder::<B>::new(&config.model, config.train.seed, device)?;
+        // Adapters on a random base: only a benchmark's config gets here (a run's needs init_from).
+        return Ok(match &config.lora {
+            Some(lora) => model.with_lora(lora, config.train.seed),
+            None => model,
+        });
     };
     let model = init.load::<B>(device)?;
     if model.config() != &config.model {

@@ -7,7 +7,7 @@ use ember_data::fetch::Locations;
 use ember_model::engine::{Engine, EngineConfig};
 use ember_model::ops::TrainBackend;
 use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, DecodeBenchSpec, PeakSource};
-use ember_train::config::Precision;
+use ember_train::config::{Precision, Purpose};
 use ember_train::{Checkpoint, ConfigFile, ResolvedConfig};
 use serde::Serialize;
 
@@ -313,7 +313,7 @@ pub fn run(
 
 fn train(mut a: TrainBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
-    let mut run = ConfigFile::read(&a.config)?.resolve()?;
+    let mut run = ConfigFile::read_for(&a.config, Purpose::Bench)?.resolve()?;
     if let Some(p) = a.precision.take() {
         run.config.train.precision = p;
     }

@@ -149,8 +149,8 @@ pub fn chunked_forward<B: Backend>(
     ForwardOut { loss: total / count, lse: Tensor::cat(lse_parts, 0) }
 }
 
-/// Gradients of the mean loss times `grad` (`[1]`) with respect to `hidden` and `weight`, in their
-/// dtypes.
+/// Gradients of the mean loss times `grad` (`[1]`) with respect to `hidden` and (when
+/// `need_weight`) `weight`, in their dtypes.
 ///
 /// # Shapes
 /// - hidden: `[N, D]`, weight: `[D, V]`, targets: `[N]`, lse: `[N]`, grad: `[1]` -> (`[N, D]`, `[D, V]`)
@@ -161,7 +161,8 @@ pub fn chunked_backward<B: Backend>(
     lse: Tensor<B, 1>,
     grad: Tensor<B, 1>,
     spec: ChunkSpec,
-) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    need_weight: bool,
+) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
     let [n, _] = hidden.dims();
     let (h_dtype, w_dtype) = (hidden.dtype(), weight.dtype());
     let tiles = vocab_tiles(&weight, &spec);
@@ -191,17 +192,19 @@ pub fn chunked_backward<B: Backend>(
                 Some(acc) => acc + dh_tile,
                 None => dh_tile,
             });
-            let dw_tile = cast(h_t.clone().matmul(dlogits), DType::F32); // [D, cv]
-            dw[j] = Some(match dw[j].take() {
-                Some(acc) => acc + dw_tile,
-                None => dw_tile,
-            });
+            if need_weight {
+                let dw_tile = cast(h_t.clone().matmul(dlogits), DType::F32); // [D, cv]
+                dw[j] = Some(match dw[j].take() {
+                    Some(acc) => acc + dw_tile,
+                    None => dw_tile,
+                });
+            }
         }
         dh_parts.push(dh.expect("at least one vocabulary tile"));
     }
     let dh = Tensor::cat(dh_parts, 0);
-    let dw = Tensor::cat(dw.into_iter().map(|t| t.expect("every tile visited")).collect(), 1);
-    (cast(dh, h_dtype), cast(dw, w_dtype))
+    let dw = need_weight.then(|| Tensor::cat(dw.into_iter().map(|t| t.expect("every tile visited")).collect(), 1));
+    (cast(dh, h_dtype), dw.map(|dw| cast(dw, w_dtype)))
 }
 
 /// A backend's tiled LM-head loss; the default method is the tiled composition of tensor ops,
@@ -252,11 +255,13 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
                     float::<B, 1>(lse),
                     grad,
                     spec,
+                    // A frozen head (LoRA) has no node: its gradient, a third of the work, is skipped.
+                    node_weight.is_some(),
                 );
                 if let Some(node) = node_hidden {
                     grads.register::<B>(node.id, dh.into_primitive().tensor());
                 }
-                if let Some(node) = node_weight {
+                if let (Some(node), Some(dw)) = (node_weight, dw) {
                     grads.register::<B>(node.id, dw.into_primitive().tensor());
                 }
             }
@@ -364,6 +369,26 @@ mod tests {
         compare(1, 4, 9, spec(1, 4), 0, false);
         // The head tied to an embedding table ([V, D], transposed).
         compare(20, 8, 50, spec(6, 16), 2, true);
+    }
+
+    #[test]
+    fn a_frozen_head_gets_no_gradient_and_the_hidden_one_is_unchanged() {
+        let dev = Default::default();
+        let (n, d, v) = (19, 8, 45);
+        let t =
+            || Tensor::<AB, 1, Int>::from_data(TensorData::new((0..n as i32).map(|i| i * 7 % 45).collect(), [n]), &dev);
+        let h0 = Tensor::<Flex, 2>::random([n, d], Distribution::Normal(0.0, 1.0), &dev);
+        let w0 = Tensor::<Flex, 2>::random([d, v], Distribution::Normal(0.0, 0.3), &dev);
+        let spec = ChunkSpec { rows: 6, vocab: 16, compute: DType::F32 };
+        let dh = |frozen: bool| {
+            let h = Tensor::<AB, 2>::from_inner(h0.clone()).require_grad();
+            let w = Tensor::<AB, 2>::from_inner(w0.clone());
+            let w = if frozen { w } else { w.require_grad() };
+            let grads = lm_head_cross_entropy(h.clone(), w.clone(), t(), spec).backward();
+            assert_eq!(w.grad(&grads).is_some(), !frozen, "frozen {frozen}");
+            h.grad(&grads).expect("hidden gradient").into_data()
+        };
+        assert_eq!(dh(true), dh(false));
     }
 
     #[test]

@@ -1,16 +1,21 @@
-//! `y (+)= x · w` for a handful of rows (decoding several sequences at once), reading the weight
-//! once for all rows.
+//! `y (+)= x · w` and `y = x · wᵀ` for a handful of rows (decoding several sequences at once),
+//! reading the weight once for all rows.
 //!
 //! A decode step multiplies a few rows by every weight of the model, so it is bound by reading the
 //! weights, and the rows should share that read. General GEMM kernels vectorise along the rows of
 //! the output (dozens at a time), which are mostly padding here; run transposed they pack the weight
 //! first. The AVX-512 kernel below keeps a block of `rows × 48` outputs in registers, walks down the
 //! weight's rows reading 48 contiguous columns of each (three cache lines), and multiplies each by
-//! every input row's broadcast element. Column stripes are split across threads; each weight byte is
-//! read once per call for up to [`ROWS_PER_PASS`] rows.
+//! every input row's broadcast element. Walking down columns defeats the hardware prefetchers, so
+//! the weight goes in blocks of 16 rows, the next block prefetched into L2 in
+//! address order while one is multiplied: memory sees one sequential stream. Every pass of up to
+//! [`ROWS_PER_PASS`] rows runs over a block while it is cached, so the weight is read from memory
+//! once per call; each thread takes a contiguous range of the weight's rows and the partial sums are
+//! added. The tied head (`x · Wᵀ`, W as stored) has its own kernel: dot products of a few input rows
+//! with two weight rows at a time.
 //!
-//! Chosen at run time: the AVX-512 kernel where the CPU has `avx512f`, the GEMM crate's transposed
-//! product otherwise. [`reference`] is the plain triple loop both are tested against.
+//! Chosen at run time: the AVX-512 kernels where the CPU has `avx512f`, the GEMM crate's transposed
+//! products otherwise. [`reference`] and [`reference_nt`] are the plain loops all are tested against.
 
 use rayon::prelude::*;
 
@@ -58,18 +63,52 @@ pub fn product_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize,
         avx512::product_nt(y, x, w, (m, k, n));
         return;
     }
-    reference_nt(y, x, w, (m, k, n));
+    transposed_gemm_nt(y, x, w, (m, k, n));
 }
 
-/// `y = x · wᵀ` as the plain loop, in f64: what [`product_nt`] is tested against, and its path on
-/// CPUs without AVX-512 (the model calls it only for a few rows).
+/// `y = x · wᵀ` as the plain loop, in f64: what [`product_nt`] is tested against.
 pub fn reference_nt(y: &mut [f32], x: &[f32], w: &[f32], (_, k, n): (usize, usize, usize)) {
-    y.par_chunks_mut(n.max(1)).zip(x.par_chunks(k.max(1))).for_each(|(y, x)| {
+    for (y, x) in y.chunks_mut(n.max(1)).zip(x.chunks(k.max(1))) {
         for (j, out) in y.iter_mut().enumerate() {
             let row = &w[j * k..(j + 1) * k];
             *out = row.iter().zip(x).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() as f32;
         }
-    });
+    }
+}
+
+/// The portable path of [`product_nt`]: `yᵀ = w · xᵀ` through the GEMM crate's strides (its kernels
+/// vectorise along w's many rows; w is read where it is).
+pub fn transposed_gemm_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+    assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
+    if m == 0 || n == 0 {
+        return;
+    }
+    let parallelism = if k * n >= 1 << 18 { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    // SAFETY: with the assertion above, every index the strides reach is inside its slice: dst
+    // (j, i) at i·n + j < m·n; lhs = w (j, kk) at j·k + kk < n·k; rhs = xᵀ (kk, i) at i·k + kk < m·k.
+    unsafe {
+        gemm::gemm(
+            n,
+            m,
+            k,
+            y.as_mut_ptr(),
+            n as isize,
+            1,
+            false,
+            w.as_ptr(),
+            1,
+            k as isize,
+            x.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
 }
 
 /// The plain triple loop, in f64: what the kernels are tested against.
@@ -124,7 +163,8 @@ pub fn transposed_gemm(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m
 /// A pointer that tasks writing disjoint parts of one buffer may share.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
-// SAFETY: the tasks that share it write disjoint column ranges (see `avx512::product`).
+// SAFETY: the tasks that share one write disjoint parts: in `avx512::product` only the first task
+// writes y (the others their own buffers), in `avx512::product_nt` disjoint column ranges.
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
@@ -163,12 +203,10 @@ mod avx512 {
                 Some(buffer) => (SharedOut(buffer.as_mut_ptr()), false),
                 None => (out, accumulate),
             };
-            for (r0, xt) in &passes {
-                // SAFETY: avx512f was detected by the caller; rows [r0, r0 + rows) of dst (m·n,
-                // y or this task's own buffer), weight rows ranges[t] (inside k) and every column
-                // lie inside their slices by product's assertion; only task 0 writes y.
-                unsafe { rows_pass(dst, *r0, xt, w, (k, n), ranges[t], first_accumulates) }
-            }
+            // SAFETY: avx512f was detected by the caller; every pass's rows of dst (m·n, y or this
+            // task's own buffer), weight rows ranges[t] (inside k) and every column lie inside
+            // their slices by product's assertion; only task 0 writes y.
+            unsafe { block_passes(dst, &passes, w, (k, n), ranges[t], first_accumulates) }
             own
         };
         let partials: Vec<Vec<f32>> = if threads > 1 {
@@ -198,7 +236,7 @@ mod avx512 {
         unsafe fn step(&mut self) {
             for _ in 0..LINES_PER_STEP {
                 if self.done < self.lines {
-                    _mm_prefetch::<_MM_HINT_T0>(self.next.wrapping_add(64 * self.done));
+                    _mm_prefetch::<_MM_HINT_T1>(self.next.wrapping_add(64 * self.done));
                     self.done += 1;
                 }
             }
@@ -209,20 +247,19 @@ mod avx512 {
     /// block is fetched as fast as the current one is consumed.
     const LINES_PER_STEP: usize = 3;
 
-    /// Rows `r0 ..` (as many as `xt` holds) of `x · w` over the weight rows `[k0, k1)`, every
-    /// column, block by block; `accumulate` adds the first block's sums to y.
+    /// Every pass of rows (`(r0, xt)`: rows `r0 ..`, as many as `xt` holds) of `x · w` over the
+    /// weight rows `[k0, k1)`, every column, block by block: all passes of a block run while it is
+    /// in cache, so the weight is read from memory once whatever the rows. `accumulate` adds the
+    /// first block's sums to y.
     #[target_feature(enable = "avx512f")]
-    unsafe fn rows_pass(
+    unsafe fn block_passes(
         y: SharedOut,
-        r0: usize,
-        xt: &[f32],
+        passes: &[(usize, Vec<f32>)],
         w: &[f32],
         (k, n): (usize, usize),
         (k0, k1): (usize, usize),
         accumulate: bool,
     ) {
-        let rows = xt.len() / k.max(1);
-        let y = y.0.add(r0 * n);
         let mut kb = k0;
         while kb < k1 {
             let block = (k1 - kb).min(BLOCK_ROWS);
@@ -232,26 +269,43 @@ mod avx512 {
                 lines: (next_rows * n).div_ceil(16),
                 done: 0,
             };
-            let xt = &xt[kb * rows..(kb + block) * rows];
-            let w = w.as_ptr().add(kb * n);
             let add = accumulate || kb > k0;
-            let mut c = 0;
-            while c < n {
-                let width = (n - c).min(STRIPE);
-                let (w, y, pf) = (w.add(c), y.add(c), &mut prefetch);
-                match rows {
-                    1 => stripe::<1>(y, n, xt, w, n, block, width, add, pf),
-                    2 => stripe::<2>(y, n, xt, w, n, block, width, add, pf),
-                    3 => stripe::<3>(y, n, xt, w, n, block, width, add, pf),
-                    4 => stripe::<4>(y, n, xt, w, n, block, width, add, pf),
-                    5 => stripe::<5>(y, n, xt, w, n, block, width, add, pf),
-                    6 => stripe::<6>(y, n, xt, w, n, block, width, add, pf),
-                    7 => stripe::<7>(y, n, xt, w, n, block, width, add, pf),
-                    _ => stripe::<8>(y, n, xt, w, n, block, width, add, pf),
-                }
-                c += width;
+            for (r0, xt) in passes {
+                let rows = xt.len() / k.max(1);
+                let xt = &xt[kb * rows..(kb + block) * rows];
+                block_pass(y.0.add(r0 * n), rows, xt, w.as_ptr().add(kb * n), (block, n), add, &mut prefetch);
             }
             kb += block;
+        }
+    }
+
+    /// `rows` rows of y (`ldy = n`) (+)= their inputs `xt` (`[block, rows]`) times one block of the
+    /// weight (`[block, n]`), stripe by stripe.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn block_pass(
+        y: *mut f32,
+        rows: usize,
+        xt: &[f32],
+        w: *const f32,
+        (block, n): (usize, usize),
+        add: bool,
+        pf: &mut Prefetch,
+    ) {
+        let mut c = 0;
+        while c < n {
+            let width = (n - c).min(STRIPE);
+            let (w, y) = (w.add(c), y.add(c));
+            match rows {
+                1 => stripe::<1>(y, n, xt, w, n, block, width, add, pf),
+                2 => stripe::<2>(y, n, xt, w, n, block, width, add, pf),
+                3 => stripe::<3>(y, n, xt, w, n, block, width, add, pf),
+                4 => stripe::<4>(y, n, xt, w, n, block, width, add, pf),
+                5 => stripe::<5>(y, n, xt, w, n, block, width, add, pf),
+                6 => stripe::<6>(y, n, xt, w, n, block, width, add, pf),
+                7 => stripe::<7>(y, n, xt, w, n, block, width, add, pf),
+                _ => stripe::<8>(y, n, xt, w, n, block, width, add, pf),
+            }
+            c += width;
         }
     }
 
@@ -474,9 +528,11 @@ mod tests {
     }
 
     /// Every row count of a pass and past it, stripes whole and cut (widths not multiples of 16 or
-    /// 48), one task and many (the threaded split starts at k·n = 2^18).
-    const SHAPES: [(usize, usize, usize); 10] = [
+    /// 48), one thread and two (the threaded split starts at k·n = 2^18), blocks whole and cut.
+    const SHAPES: [(usize, usize, usize); 12] = [
         (1, 7, 5),
+        (5, 1000, 300), // threaded, the weight's rows not a whole number of blocks
+        (2, 3000, 90),
         (2, 64, 48),
         (3, 33, 100),
         (5, 17, 16),
@@ -508,14 +564,22 @@ mod tests {
             let (x, w) = (values(m * k, 1), values(k * n, 2));
             let (mut got, mut want) = (values(m * n, 3), vec![0.0; m * n]);
             product_nt(&mut got, &x, &w, (m, k, n));
-            for i in 0..m {
-                for j in 0..n {
-                    want[i * n + j] =
-                        (0..k).map(|p| f64::from(x[i * k + p]) * f64::from(w[j * k + p])).sum::<f64>() as f32;
-                }
-            }
+            reference_nt(&mut want, &x, &w, (m, k, n));
             for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                 assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "nt {m}x{k}x{n} [{i}]: {g} vs {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn portable_transposed_path_matches_the_reference() {
+        for (m, k, n) in SHAPES.into_iter().chain([(8, 576, 4099), (3, 40, 1)]) {
+            let (x, w) = (values(m * k, 1), values(k * n, 2));
+            let (mut got, mut want) = (values(m * n, 3), vec![0.0; m * n]);
+            transposed_gemm_nt(&mut got, &x, &w, (m, k, n));
+            reference_nt(&mut want, &x, &w, (m, k, n));
+            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "gemm nt {m}x{k}x{n} [{i}]: {g} vs {e}");
             }
         }
     }
