@@ -233,59 +233,29 @@ fn cached_batched_sampling_eval_and_decode_bench() {
     let file = eval("held_out.txt", &[]);
     assert_eq!(file["tokens"].as_u64().unwrap(), 45); // 46 characters, the first is context only
 
-    let o = s.ember(&[
-        "bench",
-        "decode",
-        "--checkpoint",
-        "runs/tiny",
-        "--contexts",
-        "4,16",
-        "--new-tokens",
-        "4",
-        "--uncached-tokens",
-        "2",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let d: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let decode = |extra: &[&str]| {
+        let mut args = vec!["bench", "decode", "--checkpoint", "runs/tiny"];
+        args.extend_from_slice(extra);
+        s.ember(&args)
+    };
+    let json = |o: std::process::Output| -> serde_json::Value {
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str(stdout(&o).trim()).unwrap()
+    };
+    let d = json(decode(&["--contexts", "4,16", "--new-tokens", "4", "--uncached-tokens", "2", "--json"]));
     assert_eq!(d["contexts"], serde_json::json!([4, 16]));
     assert_eq!(d["cached_ms_per_token"].as_array().unwrap().len(), 2);
     assert_eq!(d["uncached_ms_per_token"].as_array().unwrap().len(), 2);
     assert_eq!(d["batch"], 1);
     // Several sequences a step: the aggregate rate is the batch over the step time.
-    let o = s.ember(&[
-        "bench",
-        "decode",
-        "--checkpoint",
-        "runs/tiny",
-        "--contexts",
-        "8",
-        "--new-tokens",
-        "3",
-        "--uncached-tokens",
-        "1",
-        "--batch",
-        "3",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let d: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let d = json(decode(&["--contexts", "8", "--new-tokens", "3", "--uncached-tokens", "1", "--batch", "3", "--json"]));
     assert_eq!(d["batch"], 3);
     let (ms, rate) = (d["cached_ms_per_token"][0].as_f64().unwrap(), d["decode_tokens_per_sec"][0].as_f64().unwrap());
     assert!((rate - 3e3 / ms).abs() <= 1e-6 * rate, "{rate} tokens/s at {ms} ms a step of 3");
-    let o = s.ember(&[
-        "bench",
-        "decode",
-        "--checkpoint",
-        "runs/tiny",
-        "--contexts",
-        "8",
-        "--new-tokens",
-        "3",
-        "--batch",
-        "0",
-    ]);
-    assert_clean_error(&o, "--batch 0 is not in 1..=256");
+    assert_clean_error(
+        &decode(&["--contexts", "8", "--new-tokens", "3", "--batch", "0"]),
+        "--batch 0 is not in 1..=256",
+    );
     let o = s.ember(&["bench", "decode", "--checkpoint", "runs/tiny", "--contexts", "30"]);
     assert_clean_error(&o, "does not fit the model's max_seq_len of 32");
 }

@@ -76,41 +76,6 @@ pub fn reference_nt(y: &mut [f32], x: &[f32], w: &[f32], (_, k, n): (usize, usiz
     }
 }
 
-/// The portable path of [`product_nt`]: `yᵀ = w · xᵀ` through the GEMM crate's strides (its kernels
-/// vectorise along w's many rows; w is read where it is).
-pub fn transposed_gemm_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
-    assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
-    if m == 0 || n == 0 {
-        return;
-    }
-    let parallelism = if k * n >= 1 << 18 { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
-    // SAFETY: with the assertion above, every index the strides reach is inside its slice: dst
-    // (j, i) at i·n + j < m·n; lhs = w (j, kk) at j·k + kk < n·k; rhs = xᵀ (kk, i) at i·k + kk < m·k.
-    unsafe {
-        gemm::gemm(
-            n,
-            m,
-            k,
-            y.as_mut_ptr(),
-            n as isize,
-            1,
-            false,
-            w.as_ptr(),
-            1,
-            k as isize,
-            x.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-}
-
 /// The plain triple loop, in f64: what the kernels are tested against.
 pub fn reference(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     for i in 0..m {
@@ -128,28 +93,55 @@ pub fn reference(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n
 /// along the layer's outputs instead of the few rows.
 pub fn transposed_gemm(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
-    if m == 0 || n == 0 {
-        return;
-    }
-    let parallelism = if k * n >= 1 << 18 { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
     // SAFETY: with the assertion above, every index the strides reach is inside its slice: dst
     // (n_i, m_i) at m_i·n + n_i < m·n; lhs = wᵀ (n_i, k_i) at k_i·n + n_i < k·n; rhs = xᵀ (k_i, m_i)
     // at m_i·k + k_i < m·k.
+    unsafe { strided_gemm((n, m, k), (y, (1, n)), accumulate, (w, (1, n)), (x, (1, k))) }
+}
+
+/// The portable path of [`product_nt`]: `yᵀ = w · xᵀ` through the GEMM crate's strides (its kernels
+/// vectorise along w's many rows; w is read where it is).
+pub fn transposed_gemm_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+    assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
+    // SAFETY: with the assertion above, every index the strides reach is inside its slice: dst
+    // (j, i) at i·n + j < m·n; lhs = w (j, kk) at j·k + kk < n·k; rhs = xᵀ (kk, i) at i·k + kk < m·k.
+    unsafe { strided_gemm((n, m, k), (y, (1, n)), false, (w, (k, 1)), (x, (1, k))) }
+}
+
+/// An operand and its (row, column) strides.
+type Strided<T> = (T, (usize, usize));
+
+/// `dst (+)= lhs · rhs` (`[rows, cols]`, inner dimension `inner`) through the GEMM crate, each
+/// operand given with its (row, column) strides; on all threads when the weight is large.
+///
+/// # Safety
+/// Every element the strides reach must lie inside its slice.
+unsafe fn strided_gemm(
+    (rows, cols, inner): (usize, usize, usize),
+    (dst, (dst_rs, dst_cs)): Strided<&mut [f32]>,
+    accumulate: bool,
+    (lhs, (lhs_rs, lhs_cs)): Strided<&[f32]>,
+    (rhs, (rhs_rs, rhs_cs)): Strided<&[f32]>,
+) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let parallelism = if rows * inner >= 1 << 18 { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
     unsafe {
         gemm::gemm(
-            n,
-            m,
-            k,
-            y.as_mut_ptr(),
-            n as isize,
-            1,
+            rows,
+            cols,
+            inner,
+            dst.as_mut_ptr(),
+            dst_cs as isize,
+            dst_rs as isize,
             accumulate,
-            w.as_ptr(),
-            n as isize,
-            1,
-            x.as_ptr(),
-            k as isize,
-            1,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
             1.0,
             1.0,
             false,
