@@ -50,8 +50,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    alloc::keep_freed_memory();
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Train(_) | Command::Bench(_)) {
+        // Steps allocate the same buffers again and again; a long-lived server keeps mimalloc's
+        // default of handing memory back after a spike.
+        alloc::keep_freed_memory();
+    }
     // The ranks of a data-parallel run (`mpirun -n N ember train`): MPI starts before anything else.
     let collective = match cli.command {
         Command::Train(_) | Command::Bench(_) => match ember_train::distributed::init() {

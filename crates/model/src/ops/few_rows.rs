@@ -17,8 +17,6 @@
 //! Chosen at run time: the AVX-512 kernels where the CPU has `avx512f`, the GEMM crate's transposed
 //! products otherwise. [`reference`] and [`reference_nt`] are the plain loops all are tested against.
 
-use rayon::prelude::*;
-
 /// Rows one pass of the kernel carries in registers (`ROWS_PER_PASS × 3` accumulators of 16 lanes).
 pub const ROWS_PER_PASS: usize = 8;
 
@@ -153,16 +151,20 @@ unsafe fn strided_gemm(
 }
 
 /// A pointer that tasks writing disjoint parts of one buffer may share.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
 // SAFETY: the tasks that share one write disjoint parts: in `avx512::product` only the first task
 // writes y (the others their own buffers), in `avx512::product_nt` disjoint column ranges.
+#[cfg(target_arch = "x86_64")]
 unsafe impl Send for SharedOut {}
+#[cfg(target_arch = "x86_64")]
 unsafe impl Sync for SharedOut {}
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::*;
+    use rayon::prelude::*;
     use std::arch::x86_64::*;
 
     pub(super) fn product(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
@@ -211,7 +213,7 @@ mod avx512 {
         }
     }
 
-    /// Weight rows a block of [`rows_pass`]: one block is multiplied while the next is prefetched.
+    /// Weight rows of a block of [`block_passes`]: one block is multiplied while the next is prefetched.
     const BLOCK_ROWS: usize = 16;
 
     /// Lines of the next block to prefetch, in address order, a few at each step of the current one:
@@ -475,8 +477,10 @@ mod avx512 {
                 prefetch.step();
                 let b = [
                     _mm512_maskz_loadu_ps(mask[0], row),
-                    _mm512_maskz_loadu_ps(mask[1], row.add(16)),
-                    _mm512_maskz_loadu_ps(mask[2], row.add(32)),
+                    // A cut stripe's later vectors may start past the slice: masked loads of no
+                    // lane never touch memory, and their addresses are only wrapped, not offset.
+                    _mm512_maskz_loadu_ps(mask[1], row.wrapping_add(16)),
+                    _mm512_maskz_loadu_ps(mask[2], row.wrapping_add(32)),
                 ];
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let a = _mm512_set1_ps(*xt.add(kk * R + r));

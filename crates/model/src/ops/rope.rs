@@ -256,6 +256,7 @@ impl RopeOps for Flex {
             && cs[0] > 0
             && flex::shape(&sin) == cs
             && xs[3] == 2 * cs[1]
+            && xs[2] * xs[3] > 0
             && positions.len() == xs[0] * xs[2];
         if !fits {
             return prim(rotate_positions(float::<Self, 4>(x), float(cos), float(sin), positions, layout));
