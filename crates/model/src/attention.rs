@@ -136,7 +136,7 @@ impl<B: EmberBackend> Attention<B> {
         let [q, key, v] = self.split_heads(qkv, b, t);
         let starts = kv.starts();
         let (q, key) = (rope.apply_rows_op(q, &starts), rope.apply_rows_op(key, &starts)); // post-RoPE, as stored
-        let o = kv.store(key, v).attend(q, h / k, compute); // [B, H, T, Dh]
+        let o = kv.attend(q, key, v, h / k, compute); // [B, H, T, Dh]
         o.swap_dims(1, 2).reshape([b * t, h * dh])
     }
 

@@ -7,16 +7,17 @@
 //! sequences, of which the first `new_lens[b]` are real (right padding): sequence `b`'s new tokens
 //! sit at absolute positions `len_b .. len_b + new_lens[b]`, and only those are stored.
 //!
-//! A step costs the same few ops per layer whatever the batch: one write of every sequence's new
-//! rows into the pool ([`KvWriteOps::kv_write`], in place on the CPU), one gather of the rows the
-//! queries attend over, and one mask made once for all layers.
+//! A step costs the same two ops per layer whatever the batch: one write of every sequence's new
+//! rows into the pool ([`KvWriteOps::kv_write`], in place on the CPU) and one attention that reads
+//! the keys and values through the block tables ([`PagedAttentionOps::paged_attention`], in place
+//! on the CPU; elsewhere a gather and a mask, made once for all layers).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::config::ModelConfig;
-use crate::ops::attention::masked_attention;
 use crate::ops::kv::KvWriteOps;
+use crate::ops::paged::{grouped_attention, Paged, PagedAttentionOps, PagedLayout};
 use crate::ops::{float, prim};
 
 #[derive(Debug, Clone)]
@@ -42,8 +43,8 @@ pub struct KvCache<B: Backend> {
     device: Device<B>,
 }
 
-/// What every layer of one call shares: where the new rows go, which rows the queries read, and
-/// what they may not see.
+/// What every layer of one call shares: where the new rows go and where the queries find their
+/// keys.
 #[derive(Debug, Clone)]
 struct Plan<B: Backend> {
     /// The sequences of the call, in the order of its batch rows.
@@ -56,12 +57,8 @@ struct Plan<B: Backend> {
     write: Vec<usize>,
     /// Which of the `B·T` new rows are real (`None`: all are).
     real: Option<Tensor<B, 1, Int>>,
-    /// Pool rows each batch row attends over, `[B·S]` (padding: any row; it is masked).
-    read: Tensor<B, 1, Int>,
-    /// Key positions per batch row after the call.
-    s: usize,
-    /// `[B, 1, T, S]`, true where hidden; `None` when nothing is.
-    hidden: Option<Tensor<B, 4, Bool>>,
+    /// The batch rows' block tables and lengths, for the attention.
+    paged: Paged<B>,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -173,8 +170,6 @@ impl<B: Backend> KvCache<B> {
 
     fn plan(&self, rows: &[usize], pending: &[usize]) -> Plan<B> {
         let t = pending.iter().copied().max().unwrap_or(0).max(1);
-        let totals: Vec<usize> = rows.iter().zip(pending).map(|(&row, n)| self.lens[row] + n).collect();
-        let s = totals.iter().copied().max().unwrap_or(0).max(1);
         let mut write = Vec::new();
         let mut real = Vec::new();
         for (b, (&row, &n)) in rows.iter().zip(pending).enumerate() {
@@ -184,55 +179,23 @@ impl<B: Backend> KvCache<B> {
             }
         }
         let all_real = real.len() == rows.len() * t;
-        let mut read = Vec::with_capacity(rows.len() * s);
-        for (&row, &total) in rows.iter().zip(&totals) {
-            read.extend((0..s).map(|j| if j < total { self.slot(row, j) as i64 } else { 0 }));
-        }
-        let ints = |v: Vec<i64>| {
-            let n = v.len();
-            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &self.device)
+        let layout = PagedLayout {
+            block_size: self.block_size,
+            tables: rows.iter().map(|&row| self.tables[row].clone()).collect(),
+            starts: rows.iter().map(|&row| self.lens[row]).collect(),
+            totals: rows.iter().zip(pending).map(|(&row, n)| self.lens[row] + n).collect(),
+            queries: t,
+            window: self.window,
         };
+        let n = real.len();
         Plan {
             rows: rows.to_vec(),
             pending: pending.to_vec(),
             t,
             write,
-            real: (!all_real).then(|| ints(real)),
-            read: ints(read),
-            s,
-            hidden: self.mask(rows, pending, &totals, t, s),
+            real: (!all_real).then(|| Tensor::from_data(TensorData::new(real, [n]), &self.device)),
+            paged: Paged::new(layout, &self.device),
         }
-    }
-
-    /// Which keys each new query may not see: key `j` is hidden from query `i` of batch row `b`
-    /// unless it is stored (`j < total_b`), not in the query's future (`j <= len_b + i`), and within
-    /// the sliding window if there is one (`len_b + i - j < window`). `None` when nothing is hidden
-    /// (one new position per row, rows of equal length, no window cutting in).
-    ///
-    /// # Shapes
-    /// -> `[B, 1, T, S]`, true where hidden
-    fn mask(
-        &self,
-        rows: &[usize],
-        pending: &[usize],
-        totals: &[usize],
-        t: usize,
-        s: usize,
-    ) -> Option<Tensor<B, 4, Bool>> {
-        let window = self.window;
-        if t == 1 && pending.iter().all(|&n| n == 1) && totals.iter().all(|&n| n == s) && window.is_none_or(|w| s <= w)
-        {
-            return None;
-        }
-        let mut hidden = Vec::with_capacity(rows.len() * t * s);
-        for (&row, &total) in rows.iter().zip(totals) {
-            let start = self.lens[row];
-            for i in 0..t {
-                let pos = start + i;
-                hidden.extend((0..s).map(|j| !(j < total && j <= pos && window.is_none_or(|w| pos - j < w))));
-            }
-        }
-        Some(Tensor::from_data(TensorData::new(hidden, [rows.len(), 1, t, s]), &self.device))
     }
 }
 
@@ -268,7 +231,7 @@ pub struct LayerKv<'a, B: Backend> {
     layer: usize,
 }
 
-impl<B: KvWriteOps> LayerKv<'_, B> {
+impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
     /// The absolute position of each batch row's first new token.
     pub fn starts(&self) -> Vec<usize> {
         let plan = self.cache.plan.as_ref();
@@ -276,16 +239,17 @@ impl<B: KvWriteOps> LayerKv<'_, B> {
     }
 
     /// Stores the new post-RoPE keys and values (the first `new_lens[b]` positions of batch row
-    /// `b`) and returns every stored key and value of each row, padded to the longest, with the mask
-    /// of what each query may not see.
+    /// `b`), then the attention of the new queries over every stored key of their sequence that
+    /// is not in their future (and within the sliding window), each key/value head shared by `rep`
+    /// query heads.
     ///
     /// # Shapes
-    /// - k, v: `[B, K, T, Dh]`
-    pub fn store(self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> KvView<B> {
+    /// - q: `[B, H, T, Dh]`, k, v: `[B, K, T, Dh]` -> `[B, H, T, Dh]`
+    pub fn attend(self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, rep: usize, compute: DType) -> Tensor<B, 4> {
         let c = self.cache;
         let (kh, dh) = (c.n_kv_heads, c.head_dim);
         let Some(plan) = c.plan.as_ref() else {
-            return KvView { k, v, hidden: None }; // no step under way: nothing stored, own keys only
+            return grouped_attention(q, k, v, None, rep, compute); // no step under way: own keys only
         };
         let b = plan.rows.len();
         let rows = |x: Tensor<B, 4>| {
@@ -303,42 +267,7 @@ impl<B: KvWriteOps> LayerKv<'_, B> {
         c.keys[l] = float(B::kv_write(prim(keys), &plan.write, prim(nk)));
         let values = std::mem::replace(&mut c.values[l], placeholder());
         c.values[l] = float(B::kv_write(prim(values), &plan.write, prim(nv)));
-        let read = |pool: &Tensor<B, 2>| {
-            pool.clone().select(0, plan.read.clone()).reshape([b, plan.s, kh, dh]).swap_dims(1, 2)
-            // [B, K, S, Dh]
-        };
-        KvView { k: read(&c.keys[l]), v: read(&c.values[l]), hidden: plan.hidden.clone() }
-    }
-}
-
-/// The keys and values a layer's new queries attend over, as the cache hands them out (post-RoPE,
-/// `K` heads): every row's padded to `S`, `[B, K, S, Dh]`, and `[B, 1, T, S]` true where hidden
-/// (`None`: nothing is).
-pub struct KvView<B: Backend> {
-    pub k: Tensor<B, 4>,
-    pub v: Tensor<B, 4>,
-    pub hidden: Option<Tensor<B, 4, Bool>>,
-}
-
-impl<B: Backend> KvView<B> {
-    /// Attention of `q` over these keys and values, each key/value head shared by `rep` query heads.
-    ///
-    /// # Shapes
-    /// - q: `[B, H, T, Dh]` -> `[B, H, T, Dh]`
-    ///
-    /// The `rep` query heads of a key/value head attend as one group of `rep·T` query rows over that
-    /// head's keys, which are never copied `rep` times.
-    pub fn attend(self, q: Tensor<B, 4>, rep: usize, compute: DType) -> Tensor<B, 4> {
-        let [b, h, t, dh] = q.dims();
-        if rep == 1 {
-            return masked_attention(q, self.k, self.v, self.hidden, compute);
-        }
-        let k = h / rep;
-        let q = q.reshape([b, k, rep * t, dh]); // head j = group j / rep, row (j % rep)·T + i
-        let hidden = self.hidden.map(|m| {
-            let s = m.dims()[3];
-            m.unsqueeze_dim::<5>(2).expand([b, 1, rep, t, s]).reshape([b, 1, rep * t, s])
-        });
-        masked_attention(q, self.k, self.v, hidden, compute).reshape([b, h, t, dh])
+        let (keys, values) = (prim(c.keys[l].clone()), prim(c.values[l].clone()));
+        float(B::paged_attention(prim(q), keys, values, &plan.paged, rep, compute))
     }
 }

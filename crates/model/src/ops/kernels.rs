@@ -357,7 +357,7 @@ pub struct AttnOut {
 }
 
 /// The maximum of `x` (at least one element) with 8 independent lanes, so that it vectorises.
-fn lanes_max(x: &[f32]) -> f32 {
+pub(super) fn lanes_max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let chunks = x.chunks_exact(8);
     let rest = chunks.remainder();
@@ -370,7 +370,7 @@ fn lanes_max(x: &[f32]) -> f32 {
 }
 
 /// The sum of `x` with 8 independent lanes, so that it vectorises.
-fn lanes_sum(x: &[f32]) -> f32 {
+pub(super) fn lanes_sum(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = x.chunks_exact(8);
     let rest = chunks.remainder();

@@ -3,7 +3,7 @@
 //!
 //! One op a file, each with the same parts:
 //! - a capability trait (`RmsNormOps`, `SwigluOps`, `LinearOps`, `AttentionOps`, `AdamWOps`,
-//!   `LmHeadLossOps`, `KvWriteOps`, `DeviceReduceOps`) whose default methods are the reference: the plain
+//!   `LmHeadLossOps`, `KvWriteOps`, `PagedAttentionOps`, `DeviceReduceOps`) whose default methods are the reference: the plain
 //!   composition of Burn tensor ops for the forward pass, and its gradients through Burn's autodiff
 //!   for the backward pass. A backend without kernels implements the trait with no body and is
 //!   correct; nothing panics for want of a kernel;
@@ -29,6 +29,7 @@ pub mod kv;
 pub mod linear;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod paged;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
@@ -50,6 +51,7 @@ pub use cross_entropy::{
 pub use kernels::{AttnShape, LinearGrads};
 pub use kv::KvWriteOps;
 pub use linear::{linear, LinearOps};
+pub use paged::{Paged, PagedAttentionOps, PagedLayout};
 pub use rms_norm::{rms_norm, RmsNormOps};
 pub use rope::RopeOps;
 pub use swiglu::{swiglu_packed, SwigluOps};
@@ -64,6 +66,7 @@ pub trait EmberBackend:
     + AdamWOps
     + LmHeadLossOps
     + KvWriteOps
+    + PagedAttentionOps
     + RopeOps
     + DeviceReduceOps
 {
@@ -103,6 +106,7 @@ macro_rules! reference_ops {
         impl AdamWOps for $backend {}
         impl LmHeadLossOps for $backend {}
         impl KvWriteOps for $backend {}
+        impl PagedAttentionOps for $backend {}
         impl RopeOps for $backend {}
     };
 }

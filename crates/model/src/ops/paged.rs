@@ -1,0 +1,767 @@
+//! Attention of a cached step's new queries over a paged KV cache, reading the keys and values
+//! where the block pool holds them (vLLM's paged attention, on the CPU).
+//!
+//! The cache keeps each layer's keys and values in one pool of fixed-size blocks, and each sequence
+//! lists its blocks in a block table ([`crate::KvCache`]). The composition gathers every sequence's
+//! rows out of the pool into a padded `[B, K, S, Dh]` copy, builds a `[B, 1, T, S]` mask and runs
+//! masked attention: three passes over the keys and values per layer, and a mask as large as the
+//! scores. The kernel reads each block once, through the table, in place.
+//!
+//! What a query sees is a range: query `i` of batch row `b` (at position `start_b + i`) sees the
+//! stored keys `j < total_b` that are not in its future (`j <= start_b + i`) and, with a sliding
+//! window `w`, not `w` or more positions back. [`PagedLayout::visible`] is that range, and both the
+//! kernel and the composition's mask are made from it.
+//!
+//! The kernel: one task per (batch row, key/value head, group of query rows), the `H/K` query heads
+//! sharing a key/value head taken together so that each key is read once for all of them. A task
+//! walks the table's blocks in the visible span; per block it scores its rows against the block's
+//! keys, updates each row's running maximum and sum (the online softmax of flash attention: nothing
+//! as large as `T × S` is ever made) and adds the block's values weighted by the probabilities.
+//! Compiled twice and chosen at run time: with AVX-512 and FMA where the CPU has them (16-lane
+//! multiply-adds), plain otherwise.
+
+use std::cell::OnceCell;
+use std::ops::Range;
+
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
+use rayon::prelude::*;
+
+use super::attention::masked_attention;
+use super::kernels::{exp, lanes_max, lanes_sum};
+use super::{flex, float, prim, EmberBackend};
+
+/// Where a cached call's queries find their keys: each batch row's block table and how many
+/// positions it had before the call and has after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedLayout {
+    /// Positions per block.
+    pub block_size: usize,
+    /// Per batch row: its blocks in the pool, in position order (position `p` is pool row
+    /// `tables[b][p / block_size] · block_size + p % block_size`).
+    pub tables: Vec<Vec<usize>>,
+    /// Per batch row: the position of its first new query (positions stored before the call).
+    pub starts: Vec<usize>,
+    /// Per batch row: positions stored once the call's new keys are written.
+    pub totals: Vec<usize>,
+    /// New queries per batch row in the call's tensors (right padding included).
+    pub queries: usize,
+    /// The model's sliding window, if any.
+    pub window: Option<usize>,
+}
+
+impl PagedLayout {
+    /// Batch rows of the call.
+    pub fn batch(&self) -> usize {
+        self.tables.len()
+    }
+
+    /// Key positions of the padded view: the longest row's.
+    pub fn keys(&self) -> usize {
+        self.totals.iter().copied().max().unwrap_or(0).max(1)
+    }
+
+    /// The pool row of position `pos` of batch row `b`.
+    pub fn slot(&self, b: usize, pos: usize) -> usize {
+        self.tables[b][pos / self.block_size] * self.block_size + pos % self.block_size
+    }
+
+    /// The keys query `i` of batch row `b` sees (empty for a padding query that a window leaves
+    /// without keys).
+    pub fn visible(&self, b: usize, i: usize) -> Range<usize> {
+        let pos = self.starts[b] + i;
+        let hi = self.totals[b].min(pos + 1);
+        let lo = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        lo..hi.max(lo)
+    }
+
+    /// Whether the layout fits a pool of `pool_rows` rows: every block of every table inside it,
+    /// and every row's blocks enough for its positions.
+    pub fn fits(&self, pool_rows: usize) -> bool {
+        let bs = self.block_size;
+        bs > 0
+            && self.starts.len() == self.batch()
+            && self.totals.len() == self.batch()
+            && self.tables.iter().zip(&self.totals).all(|(table, &total)| {
+                table.len() * bs >= total && table.iter().all(|&blk| (blk + 1).saturating_mul(bs) <= pool_rows)
+            })
+    }
+
+    /// The pool rows of the padded view, `[B·S]` (a padding key reads row 0; it is hidden).
+    pub fn read_rows(&self) -> Vec<i64> {
+        let s = self.keys();
+        let mut read = Vec::with_capacity(self.batch() * s);
+        for (b, &total) in self.totals.iter().enumerate() {
+            read.extend((0..s).map(|j| if j < total { self.slot(b, j) as i64 } else { 0 }));
+        }
+        read
+    }
+
+    /// The mask of the padded view, `[B, 1, T, S]` row-major, true where hidden; `None` when
+    /// nothing is (one query per row, rows of equal length, no window cutting in).
+    pub fn hidden(&self) -> Option<Vec<bool>> {
+        let (s, t) = (self.keys(), self.queries);
+        let all_see_all = (0..self.batch()).all(|b| (0..t).all(|i| self.visible(b, i) == (0..s)));
+        if all_see_all {
+            return None;
+        }
+        let mut hidden = Vec::with_capacity(self.batch() * t * s);
+        for b in 0..self.batch() {
+            for i in 0..t {
+                let seen = self.visible(b, i);
+                hidden.extend((0..s).map(|j| !seen.contains(&j)));
+            }
+        }
+        Some(hidden)
+    }
+}
+
+/// The composition's view of a layout: the pool rows to gather `[B·S]` and the mask `[B, 1, T, S]`.
+type GatherView<B> = (Tensor<B, 1, Int>, Option<Tensor<B, 4, Bool>>);
+
+/// A [`PagedLayout`] with the composition's index and mask tensors, made the first time a layer
+/// needs them and shared by every layer of the call.
+#[derive(Debug, Clone)]
+pub struct Paged<B: Backend> {
+    pub layout: PagedLayout,
+    view: OnceCell<GatherView<B>>,
+    device: B::Device,
+}
+
+impl<B: Backend> Paged<B> {
+    pub fn new(layout: PagedLayout, device: &B::Device) -> Self {
+        Self { layout, view: OnceCell::new(), device: device.clone() }
+    }
+
+    /// The padded view's pool rows `[B·S]` and mask `[B, 1, T, S]` (true where hidden).
+    fn view(&self) -> &GatherView<B> {
+        self.view.get_or_init(|| {
+            let l = &self.layout;
+            let read = l.read_rows();
+            let n = read.len();
+            let read = Tensor::from_data(TensorData::new(read, [n]), &self.device);
+            let shape = [l.batch(), 1, l.queries, l.keys()];
+            let hidden = l.hidden().map(|h| Tensor::from_data(TensorData::new(h, shape), &self.device));
+            (read, hidden)
+        })
+    }
+}
+
+/// A backend's attention over a paged cache; the default method is the reference.
+pub trait PagedAttentionOps: Backend {
+    /// Attention of `q` over the keys and values the layout's tables point at, each key/value head
+    /// shared by `rep` query heads; both products in `compute`, the softmax in f32.
+    ///
+    /// # Shapes
+    /// - q: `[B, H, T, Dh]`, keys, values: the pools `[N, K·Dh]` (`K = H / rep`) -> `[B, H, T, Dh]`
+    fn paged_attention(
+        q: FloatTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        paged: &Paged<Self>,
+        rep: usize,
+        compute: DType,
+    ) -> FloatTensor<Self> {
+        prim(reference(float(q), float(keys), float(values), paged, rep, compute))
+    }
+}
+
+/// The composition: every row's keys and values gathered into a padded copy, then masked attention
+/// with the `rep` query heads of a key/value head as one group of `rep·T` query rows (the keys are
+/// never copied `rep` times).
+pub fn reference<B: Backend>(
+    q: Tensor<B, 4>,
+    keys: Tensor<B, 2>,
+    values: Tensor<B, 2>,
+    paged: &Paged<B>,
+    rep: usize,
+    compute: DType,
+) -> Tensor<B, 4> {
+    let [b, h, t, dh] = q.dims();
+    let (read, hidden) = paged.view();
+    let (k, s) = (h / rep, paged.layout.keys());
+    let gather = |pool: Tensor<B, 2>| pool.select(0, read.clone()).reshape([b, s, k, dh]).swap_dims(1, 2);
+    grouped_attention(q, gather(keys), gather(values), hidden.clone(), rep, compute).reshape([b, h, t, dh])
+}
+
+/// Masked attention with each key/value head shared by `rep` query heads: the `rep` heads of a
+/// group attend as `rep·T` query rows over the group's keys.
+///
+/// # Shapes
+/// - q: `[B, H, T, Dh]`, k, v: `[B, K, S, Dh]`, hidden: `[B, 1, T, S]` -> `[B, H, T, Dh]`
+pub fn grouped_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    hidden: Option<Tensor<B, 4, Bool>>,
+    rep: usize,
+    compute: DType,
+) -> Tensor<B, 4> {
+    let [b, h, t, dh] = q.dims();
+    if rep == 1 {
+        return masked_attention(q, k, v, hidden, compute);
+    }
+    let q = q.reshape([b, h / rep, rep * t, dh]); // head j = group j / rep, row (j % rep)·T + i
+    let hidden = hidden.map(|m| {
+        let s = m.dims()[3];
+        m.unsqueeze_dim::<5>(2).expand([b, 1, rep, t, s]).reshape([b, 1, rep * t, s])
+    });
+    masked_attention(q, k, v, hidden, compute).reshape([b, h, t, dh])
+}
+
+impl PagedAttentionOps for Flex {
+    fn paged_attention(
+        q: FlexTensor,
+        keys: FlexTensor,
+        values: FlexTensor,
+        paged: &Paged<Self>,
+        rep: usize,
+        compute: DType,
+    ) -> FlexTensor {
+        let (qs, ks, vs) = (flex::shape(&q), flex::shape(&keys), flex::shape(&values));
+        let l = &paged.layout;
+        let fits = <Self as EmberBackend>::fused(compute)
+            && flex::all_f32(&[&q, &keys, &values])
+            && qs.len() == 4
+            && ks.len() == 2
+            && ks == vs
+            && rep > 0
+            && qs[1] % rep == 0
+            && qs[0] == l.batch()
+            && qs[2] == l.queries
+            && ks[1] == qs[1] / rep * qs[3]
+            && l.fits(ks[0]);
+        if !fits {
+            return prim(reference(float(q), float(keys), float(values), paged, rep, compute));
+        }
+        let heads = Heads { heads: qs[1], kv_heads: qs[1] / rep, head_dim: qs[3] };
+        let o = attention(&flex::f32s(&q), &flex::f32s(&keys), &flex::f32s(&values), l, heads);
+        flex::tensor(o, qs)
+    }
+}
+
+impl<B: PagedAttentionOps, C: CheckpointStrategy> PagedAttentionOps for Autodiff<B, C> {}
+
+/// Head counts of an attention: `heads` query heads, `kv_heads` key/value heads, `head_dim` each.
+#[derive(Debug, Clone, Copy)]
+pub struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Query rows one task carries at most (heads times positions: a decode step's heads fit).
+const ROWS_PER_TASK: usize = 16;
+
+/// The kernel: attention of `q` `[B, H, T, Dh]` over the pools `[N, K·Dh]` through the layout's
+/// tables, `[B, H, T, Dh]` out; a row that sees no key comes out zero.
+///
+/// Tasks: (batch row, up to [`ROWS_PER_TASK`] of its query rows, all heads' rows together so that a
+/// decode step reads each pool row whole, once). When that makes fewer tasks than two per thread
+/// (few sequences decoding), each also takes only a share of the blocks (flash decoding's split):
+/// the shares' partial maxima, sums and outputs are merged after.
+///
+/// # Panics
+/// If the slices or the layout do not match the shapes (the op checks them first).
+pub fn attention(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
+    attention_on(q, keys, values, layout, s, Path::Detected)
+}
+
+/// Which compilation of the kernel runs: the one the CPU allows, or the portable one (to test it on
+/// any CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Detected,
+    #[cfg_attr(not(test), allow(dead_code))]
+    Portable,
+}
+
+fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads, path: Path) -> Vec<f32> {
+    let (b, t, dh) = (layout.batch(), layout.queries, s.head_dim);
+    let rep = s.heads / s.kv_heads;
+    assert!(q.len() == b * s.heads * t * dh && keys.len() == values.len(), "paged attention: shapes");
+    assert!(layout.fits(keys.len() / (s.kv_heads * dh).max(1)), "paged attention: tables outside the pool");
+    // A batch row's queries, `H · T` of them (head-major): row r is head r / T at position r % T,
+    // and reads key/value head r / T / rep.
+    let rows = s.heads * t;
+    let row_at = |bi: usize, r: usize| (bi * rows + r) * dh;
+    let groups: Vec<(usize, usize)> =
+        (0..b).flat_map(|bi| (0..rows).step_by(ROWS_PER_TASK).map(move |r0| (bi, r0))).collect();
+    let want = 2 * rayon::current_num_threads();
+    let shares = want.div_ceil(groups.len().max(1));
+    let parts: Vec<usize> =
+        groups.iter().map(|&(bi, _)| shares.clamp(1, layout.totals[bi].div_ceil(layout.block_size).max(1))).collect();
+    let tasks: Vec<(usize, Range<usize>)> = groups
+        .iter()
+        .zip(&parts)
+        .enumerate()
+        .flat_map(|(n, (&(bi, _), &p))| {
+            let blocks = layout.totals[bi].div_ceil(layout.block_size);
+            (0..p).map(move |i| (n, blocks * i / p..blocks * (i + 1) / p))
+        })
+        .collect();
+    let scale = 1.0 / (dh as f32).sqrt();
+    let partials: Vec<Partial> = tasks
+        .par_iter()
+        .map(|(n, blocks)| {
+            let (bi, r0) = groups[*n];
+            let r1 = (r0 + ROWS_PER_TASK).min(rows);
+            let query = |r: usize| Query {
+                q: &q[row_at(bi, r)..][..dh],
+                seen: layout.visible(bi, r % t),
+                offset: r / t / rep * dh,
+            };
+            let task = Task {
+                rows: (r0..r1).map(query).collect(),
+                keys,
+                values,
+                table: &layout.tables[bi],
+                blocks: blocks.clone(),
+                block_size: layout.block_size,
+                width: s.kv_heads * dh,
+                scale,
+            };
+            task.run(path)
+        })
+        .collect();
+    let mut o = vec![0.0f32; q.len()];
+    let mut partials = partials.into_iter();
+    for (&(bi, r0), &p) in groups.iter().zip(&parts) {
+        let mut whole = partials.next().unwrap_or_default();
+        for share in partials.by_ref().take(p - 1) {
+            whole.merge(&share, dh);
+        }
+        for (r, row) in (r0..).zip(whole.normalised(dh).chunks_exact(dh.max(1))) {
+            o[row_at(bi, r)..][..dh].copy_from_slice(row);
+        }
+    }
+    o
+}
+
+/// A task's rows before normalising: each row's running maximum score, its sum of `e^(score -
+/// max)`, and its values weighted by those terms.
+#[derive(Debug, Default)]
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+impl Partial {
+    /// Adds another share of the same rows' keys.
+    fn merge(&mut self, other: &Partial, dh: usize) {
+        for r in 0..self.max.len() {
+            let max = self.max[r].max(other.max[r]);
+            if max == f32::NEG_INFINITY {
+                continue; // neither share saw a key
+            }
+            let (a, b) = (exp(self.max[r] - max), exp(other.max[r] - max));
+            self.sum[r] = self.sum[r] * a + other.sum[r] * b;
+            let (mine, theirs) = (&mut self.acc[r * dh..(r + 1) * dh], &other.acc[r * dh..(r + 1) * dh]);
+            mine.iter_mut().zip(theirs).for_each(|(x, &y)| *x = *x * a + y * b);
+            self.max[r] = max;
+        }
+    }
+
+    /// The attention outputs, `rows × Dh` (zero where a row saw no key).
+    fn normalised(mut self, dh: usize) -> Vec<f32> {
+        for (out, &total) in self.acc.chunks_exact_mut(dh.max(1)).zip(&self.sum) {
+            if total > 0.0 {
+                let inv = 1.0 / total;
+                out.iter_mut().for_each(|x| *x *= inv);
+            }
+        }
+        self.acc
+    }
+}
+
+/// One query row: its values, the keys it sees, and its key/value head's first column in a pool row.
+struct Query<'a> {
+    q: &'a [f32],
+    seen: Range<usize>,
+    offset: usize,
+}
+
+/// One task's query rows of one sequence, in some of the sequence's blocks. The rows of all heads
+/// go together, so that a block's pool rows are read whole, in address order.
+struct Task<'a> {
+    rows: Vec<Query<'a>>,
+    keys: &'a [f32],
+    values: &'a [f32],
+    table: &'a [usize],
+    /// The blocks of the table this task reads.
+    blocks: Range<usize>,
+    block_size: usize,
+    /// Pool row width (`K·Dh`).
+    width: usize,
+    scale: f32,
+}
+
+impl Task<'_> {
+    fn run(&self, path: Path) -> Partial {
+        #[cfg(target_arch = "x86_64")]
+        if path == Path::Detected && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the features the function is compiled for were just detected.
+            return unsafe { self.run_avx512() };
+        }
+        self.run_with::<false>()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn run_avx512(&self) -> Partial {
+        self.run_with::<true>()
+    }
+
+    /// The online softmax over the task's blocks; `AVX512`: whether the caller runs with AVX-512
+    /// and FMA (the dot products and weighted sums then use them explicitly).
+    #[inline(always)]
+    fn run_with<const AVX512: bool>(&self) -> Partial {
+        let dh = self.rows.first().map_or(0, |row| row.q.len());
+        let n = self.rows.len();
+        let (bs, w) = (self.block_size, self.width);
+        let mut part = Partial { max: vec![f32::NEG_INFINITY; n], sum: vec![0.0; n], acc: vec![0.0; n * dh] };
+        let mut scores = vec![0.0f32; bs];
+        for blk in self.blocks.clone() {
+            let (c0, base) = (blk * bs, self.table[blk] * bs);
+            for (r, Query { q, seen, offset }) in self.rows.iter().enumerate() {
+                let (a, e) = (seen.start.max(c0), seen.end.min(c0 + bs));
+                if a >= e {
+                    continue;
+                }
+                let row_of = |j: usize| (base + j - c0) * w + offset;
+                let sc = &mut scores[..e - a];
+                for (j, out) in (a..e).zip(sc.iter_mut()) {
+                    *out = dot::<AVX512>(q, &self.keys[row_of(j)..][..dh]) * self.scale;
+                }
+                let old = part.max[r];
+                let max = lanes_max(sc).max(old);
+                let out = &mut part.acc[r * dh..(r + 1) * dh];
+                if max > old && old > f32::NEG_INFINITY {
+                    let factor = exp(old - max);
+                    part.sum[r] *= factor;
+                    out.iter_mut().for_each(|x| *x *= factor);
+                }
+                part.max[r] = max;
+                sc.iter_mut().for_each(|p| *p = exp(*p - max));
+                part.sum[r] += lanes_sum(sc);
+                // The block's value rows are `w` apart: the last one ends at row_of(e - 1) + dh.
+                let rows = &self.values[row_of(a)..row_of(e - 1) + dh];
+                weighted_sum::<AVX512>(out, sc, rows, w);
+            }
+        }
+        part
+    }
+}
+
+/// `Σ a·b` (`a`, `b` of one length): 16-lane fused multiply-adds where `AVX512` (the caller runs
+/// with AVX-512 and FMA), else 8 independent lanes.
+#[inline(always)]
+fn dot<const AVX512: bool>(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        // SAFETY: `AVX512` is only set by `Task::run_avx512`, which runs after both features were
+        // detected; the lengths are checked.
+        assert_eq!(a.len(), b.len());
+        return unsafe { avx512_dot(a, b) };
+    }
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+/// `Σ a·b` over 16-lane vectors, the tail masked.
+///
+/// # Safety
+/// The CPU must have AVX-512F and FMA, and `b` be at least as long as `a`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn avx512_dot(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    // Four independent sums, so that the multiply-adds do not wait on each other.
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 64 <= n {
+        for (l, sum) in acc.iter_mut().enumerate() {
+            *sum = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16 * l)), _mm512_loadu_ps(pb.add(i + 16 * l)), *sum);
+        }
+        i += 64;
+    }
+    while i + 16 <= n {
+        acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc[0]);
+        i += 16;
+    }
+    if i < n {
+        let mask: __mmask16 = (1u32 << (n - i)) as u16 - 1; // in bounds: i < n < i + 16
+        acc[1] =
+            _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, pa.add(i)), _mm512_maskz_loadu_ps(mask, pb.add(i)), acc[1]);
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])))
+}
+
+/// `out += Σ_j p[j] · rows[j·stride ..][..out.len()]`: 64 columns at a time held in four 16-lane
+/// registers across all rows where `AVX512`, plain multiply-adds otherwise.
+#[inline(always)]
+fn weighted_sum<const AVX512: bool>(out: &mut [f32], p: &[f32], rows: &[f32], stride: usize) {
+    let dh = out.len();
+    assert!(p.is_empty() || rows.len() >= (p.len() - 1) * stride + dh, "weighted_sum: rows too short");
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        // SAFETY: `AVX512` is only set by `Task::run_avx512`, which runs after both features were
+        // detected; the rows' extent is checked above.
+        unsafe { avx512_weighted_sum(out, p, rows, stride) };
+        return;
+    }
+    for (j, &pj) in p.iter().enumerate() {
+        for (y, &x) in out.iter_mut().zip(&rows[j * stride..j * stride + dh]) {
+            *y += pj * x;
+        }
+    }
+}
+
+/// [`weighted_sum`] on AVX-512.
+///
+/// # Safety
+/// The CPU must have AVX-512F and FMA; `rows` must hold `(p.len() - 1) · stride + out.len()`
+/// elements.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn avx512_weighted_sum(out: &mut [f32], p: &[f32], rows: &[f32], stride: usize) {
+    use std::arch::x86_64::*;
+    let dh = out.len();
+    let mask = |c: usize| -> __mmask16 {
+        let n = dh.saturating_sub(c).min(16);
+        ((1u32 << n) - 1) as u16
+    };
+    for c0 in (0..dh).step_by(64) {
+        let masks = [mask(c0), mask(c0 + 16), mask(c0 + 32), mask(c0 + 48)];
+        // Lanes past `dh` are masked off: never read or written, their addresses only computed
+        // (with wrapping arithmetic, as they may lie past the slices).
+        let o = out.as_mut_ptr().wrapping_add(c0);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for (n, a) in acc.iter_mut().enumerate() {
+            *a = _mm512_maskz_loadu_ps(masks[n], o.wrapping_add(16 * n));
+        }
+        // Even and odd rows into separate sums, so that one row's multiply-adds need not wait for
+        // the previous row's.
+        let mut odd = [_mm512_setzero_ps(); 4];
+        let base = rows.as_ptr().wrapping_add(c0);
+        let add = |sums: &mut [__m512; 4], pj: f32, j: usize| {
+            let (weight, row) = (_mm512_set1_ps(pj), base.wrapping_add(j * stride));
+            for (n, a) in sums.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(masks[n], row.wrapping_add(16 * n)), *a);
+            }
+        };
+        let pairs = p.chunks_exact(2);
+        let last = pairs.remainder().first().map(|&pj| (p.len() - 1, pj));
+        for (n, pair) in pairs.enumerate() {
+            add(&mut acc, pair[0], 2 * n);
+            add(&mut odd, pair[1], 2 * n + 1);
+        }
+        if let Some((j, pj)) = last {
+            add(&mut acc, pj, j);
+        }
+        for (n, (a, b)) in acc.iter().zip(&odd).enumerate() {
+            _mm512_mask_storeu_ps(o.wrapping_add(16 * n), masks[n], _mm512_add_ps(*a, *b));
+        }
+    }
+}
+
+/// The plain loops, in f64 with a two-pass softmax: what the kernel is tested against.
+pub fn attention_reference(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
+    let (t, dh, rep, w) = (layout.queries, s.head_dim, s.heads / s.kv_heads, s.kv_heads * s.head_dim);
+    let scale = 1.0 / (dh as f64).sqrt();
+    let mut o = vec![0.0f32; q.len()];
+    for b in 0..layout.batch() {
+        for head in 0..s.heads {
+            let off = head / rep * dh;
+            for i in 0..t {
+                let at = ((b * s.heads + head) * t + i) * dh;
+                let qi = &q[at..at + dh];
+                let seen = layout.visible(b, i);
+                let scores: Vec<f64> = seen
+                    .clone()
+                    .map(|j| {
+                        let k = &keys[layout.slot(b, j) * w + off..][..dh];
+                        qi.iter().zip(k).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum::<f64>() * scale
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for (j, p) in seen.zip(weights) {
+                    let v = &values[layout.slot(b, j) * w + off..][..dh];
+                    for (out, &x) in o[at..at + dh].iter_mut().zip(v) {
+                        *out += (p / total * f64::from(x)) as f32;
+                    }
+                }
+            }
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Distribution;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    }
+
+    /// A pool of `blocks` blocks and a layout of rows with the given (start, new) positions, their
+    /// blocks taken from the pool in a scrambled order.
+    fn layout(
+        rows: &[(usize, usize)],
+        queries: usize,
+        block_size: usize,
+        window: Option<usize>,
+    ) -> (PagedLayout, usize) {
+        let mut next = 0;
+        let mut tables = Vec::new();
+        for &(start, new) in rows {
+            let blocks = (start + new).div_ceil(block_size);
+            tables.push(
+                (0..blocks)
+                    .map(|_| {
+                        next += 1;
+                        next - 1
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        }
+        // Scramble: block ids reversed, so that a row's blocks are not in pool order.
+        let n = next;
+        tables.iter_mut().flatten().for_each(|blk| *blk = n - 1 - *blk);
+        let layout = PagedLayout {
+            block_size,
+            tables,
+            starts: rows.iter().map(|r| r.0).collect(),
+            totals: rows.iter().map(|r| r.0 + r.1).collect(),
+            queries,
+            window,
+        };
+        (layout, n * block_size)
+    }
+
+    const HEADS: Heads = Heads { heads: 6, kv_heads: 2, head_dim: 20 };
+
+    fn cases() -> Vec<(PagedLayout, usize)> {
+        vec![
+            layout(&[(0, 1)], 1, 4, None),                    // first token
+            layout(&[(37, 1)], 1, 8, None),                   // decode, a partial block
+            layout(&[(5, 1), (70, 1), (16, 1)], 1, 16, None), // a decode batch of unequal lengths
+            layout(&[(0, 9), (12, 3), (3, 5)], 9, 4, None),   // prefill chunks, right padding
+            layout(&[(30, 4), (2, 2)], 4, 8, Some(7)),        // a sliding window
+            layout(&[(0, 40)], 40, 64, None),                 // a long first chunk
+            layout(&[(200, 1)], 1, 8, None),                  // one sequence: blocks split
+        ]
+    }
+
+    #[test]
+    fn kernel_matches_the_plain_loops() {
+        // Head widths below one vector, SmolLM2's, and past one group of four vectors.
+        let heads =
+            [HEADS, Heads { heads: 9, kv_heads: 3, head_dim: 64 }, Heads { heads: 4, kv_heads: 4, head_dim: 80 }];
+        for s in heads {
+            for (case, (l, pool_rows)) in cases().into_iter().enumerate() {
+                let w = s.kv_heads * s.head_dim;
+                let q = values(l.batch() * s.heads * l.queries * s.head_dim, 1);
+                let (k, v) = (values(pool_rows * w, 2), values(pool_rows * w, 3));
+                let want = attention_reference(&q, &k, &v, &l, s);
+                for path in [Path::Detected, Path::Portable] {
+                    let got = attention_on(&q, &k, &v, &l, s, path);
+                    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                    assert!(err < 1e-5, "{s:?}, case {case}, {path:?}: max error {err}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_shared_among_many_threads_merge_to_the_same_result() {
+        let (l, pool_rows) = layout(&[(300, 1)], 1, 8, Some(250));
+        let w = HEADS.kv_heads * HEADS.head_dim;
+        let q = values(HEADS.heads * HEADS.head_dim, 4);
+        let (k, v) = (values(pool_rows * w, 5), values(pool_rows * w, 6));
+        let want = attention_reference(&q, &k, &v, &l, HEADS);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(7).build().expect("a thread pool");
+        let got = pool.install(|| attention(&q, &k, &v, &l, HEADS));
+        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(err < 1e-5, "max error {err}");
+    }
+
+    #[test]
+    fn the_op_equals_the_composition() {
+        let dev = Default::default();
+        for (case, (l, pool_rows)) in cases().into_iter().enumerate() {
+            let (h, k, dh) = (HEADS.heads, HEADS.kv_heads, HEADS.head_dim);
+            let normal = Distribution::Normal(0.0, 1.0);
+            let q = Tensor::<Flex, 4>::random([l.batch(), h, l.queries, dh], normal, &dev);
+            let keys = Tensor::<Flex, 2>::random([pool_rows, k * dh], normal, &dev);
+            let values = Tensor::<Flex, 2>::random([pool_rows, k * dh], normal, &dev);
+            let paged = Paged::<Flex>::new(l.clone(), &dev);
+            let want = reference(q.clone(), keys.clone(), values.clone(), &paged, h / k, DType::F32);
+            // A strided q (a swapped view), as the model hands it over.
+            let q_view = q.clone().swap_dims(1, 2).into_data();
+            let q_strided = Tensor::<Flex, 4>::from_data(q_view, &dev).swap_dims(1, 2);
+            let got: Tensor<Flex, 4> =
+                float(Flex::paged_attention(prim(q_strided), prim(keys), prim(values), &paged, h / k, DType::F32));
+            // Compare the rows that see a key (a padding row a window leaves without any is NaN in
+            // the composition, zero in the kernel).
+            let (got, want) = (got.into_data().to_vec::<f32>().unwrap(), want.into_data().to_vec::<f32>().unwrap());
+            let mut compared = 0;
+            for b in 0..l.batch() {
+                for head in 0..h {
+                    for i in 0..l.queries {
+                        if l.visible(b, i).is_empty() {
+                            continue;
+                        }
+                        let at = ((b * h + head) * l.queries + i) * dh;
+                        for d in 0..dh {
+                            let (x, y) = (got[at + d], want[at + d]);
+                            assert!((x - y).abs() < 1e-4, "case {case}: b {b} head {head} query {i}: {x} vs {y}");
+                        }
+                        compared += 1;
+                    }
+                }
+            }
+            assert!(compared > 0, "case {case} compared nothing");
+        }
+    }
+
+    #[test]
+    fn the_mask_is_the_visible_ranges_and_none_when_all_see_all() {
+        let (decode, _) = layout(&[(7, 1), (7, 1)], 1, 4, None);
+        assert_eq!(decode.hidden(), None);
+        let (l, _) = layout(&[(2, 2), (5, 1)], 2, 4, Some(3));
+        let hidden = l.hidden().expect("a mask");
+        let s = l.keys();
+        assert_eq!(s, 6);
+        // Row 0: query 0 at position 2 sees 0..3, query 1 at 3 sees 1..4; row 1: query 0 at 5 sees
+        // 3..6, query 1 (padding) at 6 sees 4..6.
+        let want = [(0, 3), (1, 4), (3, 6), (4, 6)];
+        for (n, &(lo, hi)) in want.iter().enumerate() {
+            let got: Vec<bool> = hidden[n * s..(n + 1) * s].to_vec();
+            let expect: Vec<bool> = (0..s).map(|j| !(lo..hi).contains(&j)).collect();
+            assert_eq!(got, expect, "query row {n}");
+        }
+        assert!(l.fits(2 * 4 + 4) && !l.fits(3));
+    }
+}
