@@ -15,6 +15,15 @@ pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) 
     let name = B::name(device);
     match precision {
         Precision::F32 => (DType::F32, None),
+        // The CPU's bf16 dot products: the linear layers' large GEMMs take bf16 operands, the rest
+        // stays f32 (experiments/cpu-speed.md).
+        Precision::Bf16 if !B::native_low_precision() && B::cpu_bf16_gemms() && !forced_low_precision() => (
+            DType::F32,
+            Some(format!(
+                "{name} runs `bf16` as bf16 operands with f32 sums in the linear layers' large GEMMs \
+                 (AVX512_BF16); activations, attention, norms, softmax, loss and master weights stay f32"
+            )),
+        ),
         // Measured: bf16 through f32 conversions runs the nano step ~6x slower than f32 on the CPU
         // (experiments/mixed-precision-and-loss.md); it must never be a trap.
         p if !B::native_low_precision() && !forced_low_precision() => (
@@ -92,13 +101,19 @@ mod tests {
     fn cpu_backends_train_low_precision_in_f32_and_say_so() {
         // Flex and NdArray compute bf16/f16 GEMMs through f32 conversions, slower than f32: f32.
         for (d, note) in [
-            compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::Bf16),
             compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::F16),
             compute_dtype::<burn::backend::NdArray>(&Default::default(), Precision::Bf16),
         ] {
             assert_eq!(d, DType::F32);
             assert!(note.unwrap().contains("slower than f32: training in f32"));
         }
+        // bf16 on Flex: bf16 GEMM operands where the CPU has AVX512_BF16, f32 otherwise; f32 tensors
+        // either way.
+        let (d, note) = compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::Bf16);
+        assert_eq!(d, DType::F32);
+        let want =
+            if ember_model::ops::bf16_gemm::supported() { "bf16 operands with f32 sums" } else { "training in f32" };
+        assert!(note.unwrap().contains(want));
         assert_eq!(compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::F32), (DType::F32, None));
     }
 }

@@ -17,9 +17,9 @@ use ember_model::Decoder;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainState, TrainingData, CONFIG_FILE, TOKENIZER_FILE};
-use crate::config::TrainConfig;
 use crate::config::{DataFormat, EvalStrategy};
 use crate::config::{MetricsConfig, SinkKind};
+use crate::config::{Precision, TrainConfig};
 use crate::distributed::{digest, Collective};
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
@@ -736,6 +736,9 @@ pub(crate) fn resolve_dtype<B: TrainBackend>(device: &Device<B>, config: &TrainC
     if let Some(note) = note {
         tracing::warn!("{note}");
     }
+    // The CPU's bf16 GEMMs are a process-wide switch of the linear kernels.
+    let cpu_bf16 = dtype == DType::F32 && config.train.precision == Precision::Bf16 && B::cpu_bf16_gemms();
+    ember_model::ops::kernels::set_bf16_gemms(cpu_bf16);
     dtype
 }
 

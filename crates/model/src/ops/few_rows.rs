@@ -503,12 +503,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len)
-            .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 2001) as f32 / 1000.0 - 1.0)
-            .collect()
-    }
+    use crate::ops::testing::values;
 
     fn check(path: fn(&mut [f32], bool, &[f32], &[f32], (usize, usize, usize)), (m, k, n): (usize, usize, usize)) {
         let (x, w) = (values(m * k, 1), values(k * n, 2));

@@ -25,6 +25,10 @@ impl EmberBackend for Flex {
     fn native_low_precision() -> bool {
         false
     }
+
+    fn cpu_bf16_gemms() -> bool {
+        super::bf16_gemm::supported() && !kernels_disabled()
+    }
 }
 
 impl DeviceReduceOps for Flex {}

@@ -86,18 +86,66 @@ fn gemm_parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
     }
 }
 
+/// Whether large GEMMs of the linear layers round their operands to bf16 (sums in f32) on CPUs
+/// that have the instructions ([`super::bf16_gemm`]): `--precision bf16` on the CPU. Set once by a
+/// training or benchmark run; read by [`linear`] and [`linear_backward`].
+static BF16_GEMMS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Turns bf16 GEMMs on or off for the linear layers of this process; returns whether they are on
+/// (never where the CPU lacks AVX512_BF16).
+pub fn set_bf16_gemms(on: bool) -> bool {
+    let on = on && super::bf16_gemm::supported();
+    BF16_GEMMS.store(on, std::sync::atomic::Ordering::Relaxed);
+    on
+}
+
+/// Whether bf16 GEMMs are on (see [`set_bf16_gemms`]).
+pub fn bf16_gemms() -> bool {
+    BF16_GEMMS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether a GEMM is large enough for bf16 to win: below about 50 MFLOP packing and conversion cost
+/// more than the faster products save (the nano model's GEMMs stay f32).
+fn bf16_worth_it(m: usize, n: usize, k: usize) -> bool {
+    m > FEW_ROWS && 2 * m * n * k >= 50_000_000
+}
+
+/// `x · w` (`[M, K]` · `[K, N]`, row-major) through the bf16 GEMM when bf16 GEMMs are on and the
+/// product is large enough; `None` otherwise (the caller runs its f32 path).
+pub fn bf16_product(x: &[f32], w: &[f32], mkn: (usize, usize, usize)) -> Option<Vec<f32>> {
+    bf16_product_in(x, w, mkn, bf16_gemms())
+}
+
+/// [`bf16_product`] with the switch given.
+fn bf16_product_in(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize), on: bool) -> Option<Vec<f32>> {
+    if !(on && bf16_worth_it(m, n, k)) {
+        return None;
+    }
+    let mut y = vec![0.0f32; m * n];
+    super::bf16_gemm::gemm(&mut y, false, (x, (k, 1)), (w, (n, 1)), (m, k, n)).then_some(y)
+}
+
 /// `y = x · w (+ b)`.
 ///
 /// # Shapes
 /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
-pub fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
+pub fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, mkn: (usize, usize, usize)) -> Vec<f32> {
+    linear_in(x, w, b, mkn, bf16_gemms())
+}
+
+/// [`linear`] with the GEMM's operands in bf16 (`bf16`, where the CPU can and the GEMM is large) or
+/// f32.
+pub fn linear_in(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize), bf16: bool) -> Vec<f32> {
     let mut y = match b {
         Some(b) => b.repeat(m),
         None => vec![0.0f32; m * n],
     };
     if (2..=FEW_ROWS).contains(&m) {
         super::few_rows::product(&mut y, b.is_some(), x, w, (m, k, n));
-    } else {
+    } else if !(bf16
+        && bf16_worth_it(m, n, k)
+        && super::bf16_gemm::gemm(&mut y, b.is_some(), (x, (k, 1)), (w, (n, 1)), (m, k, n)))
+    {
         gemm_into((m, n, k), &mut y, n, b.is_some(), x, (k, 1), w, (n, 1), 1.0, gemm_parallelism(m, n, k));
     }
     y
@@ -122,17 +170,38 @@ pub fn linear_backward(
     x: &[f32],
     w: &[f32],
     dy: &[f32],
-    (m, k, n): (usize, usize, usize),
+    mkn: (usize, usize, usize),
     need: LinearGrads,
 ) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
+    linear_backward_in(x, w, dy, mkn, need, bf16_gemms())
+}
+
+/// [`linear_backward`] with the GEMMs' operands in bf16 (`bf16`, where the CPU can and a GEMM is
+/// large) or f32.
+#[allow(clippy::type_complexity)]
+pub fn linear_backward_in(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    (m, k, n): (usize, usize, usize),
+    need: LinearGrads,
+    bf16: bool,
+) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
+    let bf16 = bf16 && bf16_worth_it(m, n, k);
     let grad_x = |par| {
         let mut dx = vec![0.0f32; m * k];
-        gemm_into((m, k, n), &mut dx, k, false, dy, (n, 1), w, (1, n), 1.0, par);
+        // dX = dY · Wᵀ: Wᵀ read where W is (strides (1, n)).
+        if !(bf16 && super::bf16_gemm::gemm(&mut dx, false, (dy, (n, 1)), (w, (1, n)), (m, n, k))) {
+            gemm_into((m, k, n), &mut dx, k, false, dy, (n, 1), w, (1, n), 1.0, par);
+        }
         dx
     };
     let grad_w = |par| {
         let mut dw = vec![0.0f32; k * n];
-        gemm_into((k, n, m), &mut dw, n, false, x, (1, k), dy, (n, 1), 1.0, par);
+        // dW = Xᵀ · dY: Xᵀ read where X is (strides (1, k)).
+        if !(bf16 && super::bf16_gemm::gemm(&mut dw, false, (x, (1, k)), (dy, (n, 1)), (k, m, n))) {
+            gemm_into((k, n, m), &mut dw, n, false, x, (1, k), dy, (n, 1), 1.0, par);
+        }
         dw
     };
     let (dx, dw) = match (need.x, need.w) {
@@ -383,7 +452,7 @@ pub(super) fn lanes_sum(x: &[f32]) -> f32 {
 }
 
 /// `Σ a·b` with 8 independent lanes.
-fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let rest: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
@@ -594,6 +663,46 @@ pub fn swiglu_packed_backward(gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_linear_layers_equal_the_bf16_reference() {
+        if !super::super::bf16_gemm::supported() {
+            eprintln!("no AVX512_BF16 on this CPU: the bf16 linear path is not reachable here");
+            return;
+        }
+        use super::super::bf16_gemm::reference;
+        // Large enough for the bf16 path (≥ 50 MFLOP each way).
+        let (m, k, n) = (256, 320, 320);
+        let val = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len).map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0 - 1.0).collect()
+        };
+        let (x, w, dy, b) = (val(m * k, 1), val(k * n, 2), val(m * n, 3), val(n, 4));
+        let close = |got: &[f32], want: &[f32], what: &str| {
+            let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(err < 1e-3, "{what}: {err}");
+        };
+        let y = linear_in(&x, &w, Some(&b), (m, k, n), true);
+        let mut want = b.repeat(m);
+        reference(&mut want, true, (&x, (k, 1)), (&w, (n, 1)), (m, k, n));
+        close(&y, &want, "y");
+        // The bf16 path was taken: f32 differs by more than f32 rounding.
+        let y32 = linear_in(&x, &w, Some(&b), (m, k, n), false);
+        assert!(y.iter().zip(&y32).any(|(a, b)| (a - b).abs() > 1e-3), "bf16 equals f32: not taken");
+        let all = LinearGrads { x: true, w: true, b: false };
+        let (dx, dw, _) = linear_backward_in(&x, &w, &dy, (m, k, n), all, true);
+        let mut want_dx = vec![0.0; m * k];
+        reference(&mut want_dx, false, (&dy, (n, 1)), (&w, (1, n)), (m, n, k));
+        close(&dx.expect("dx"), &want_dx, "dx");
+        let mut want_dw = vec![0.0; k * n];
+        reference(&mut want_dw, false, (&x, (1, k)), (&dy, (n, 1)), (k, m, n));
+        close(&dw.expect("dw"), &want_dw, "dw");
+        // The LM head's tile products: bf16 when on and large, nothing (the caller's f32) otherwise.
+        let mut want_p = vec![0.0; m * n];
+        reference(&mut want_p, false, (&x, (k, 1)), (&w, (n, 1)), (m, k, n));
+        close(&bf16_product_in(&x, &w, (m, k, n), true).expect("a bf16 product"), &want_p, "tile product");
+        assert!(bf16_product_in(&x, &w, (m, k, n), false).is_none());
+        assert!(bf16_product_in(&x[..8 * k], &w, (8, k, n), true).is_none(), "a small product stays f32");
+    }
     use rand::{Rng, SeedableRng};
 
     fn random(n: usize, seed: u64) -> Vec<f32> {

@@ -19,6 +19,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod bf16_gemm;
 pub mod collective;
 pub mod cross_entropy;
 pub mod documents;
@@ -83,6 +84,12 @@ pub trait EmberBackend:
     fn native_low_precision() -> bool {
         true
     }
+
+    /// Whether, without native low precision, the linear layers' large GEMMs can take bf16 operands
+    /// with f32 sums on this CPU ([`kernels::set_bf16_gemms`]): what `--precision bf16` then runs.
+    fn cpu_bf16_gemms() -> bool {
+        false
+    }
 }
 
 /// A backend to train on: autodiff over an [`EmberBackend`], whose inner backend (used for
@@ -138,6 +145,10 @@ impl<B: EmberBackend, C: CheckpointStrategy> EmberBackend for Autodiff<B, C> {
 
     fn native_low_precision() -> bool {
         B::native_low_precision()
+    }
+
+    fn cpu_bf16_gemms() -> bool {
+        B::cpu_bf16_gemms()
     }
 }
 

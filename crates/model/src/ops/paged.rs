@@ -31,7 +31,7 @@ use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::attention::masked_attention;
-use super::kernels::{exp, lanes_max, lanes_sum};
+use super::kernels::{exp, lanes_dot, lanes_max, lanes_sum};
 use super::{flex, float, prim, EmberBackend};
 
 /// Where a cached call's queries find their keys: each batch row's block table and how many
@@ -86,7 +86,7 @@ impl PagedLayout {
             && self.starts.len() == self.batch()
             && self.totals.len() == self.batch()
             && self.tables.iter().zip(&self.totals).all(|(table, &total)| {
-                table.len() * bs >= total && table.iter().all(|&blk| (blk + 1).saturating_mul(bs) <= pool_rows)
+                table.len().saturating_mul(bs) >= total && table.iter().all(|&blk| blk < pool_rows / bs)
             })
     }
 
@@ -229,6 +229,8 @@ impl PagedAttentionOps for Flex {
             && ks.len() == 2
             && ks == vs
             && rep > 0
+            && qs[1] > 0
+            && qs[3] > 0
             && qs[1] % rep == 0
             && qs[0] == l.batch()
             && qs[2] == l.queries
@@ -281,6 +283,7 @@ enum Path {
 
 fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads, path: Path) -> Vec<f32> {
     let (b, t, dh) = (layout.batch(), layout.queries, s.head_dim);
+    assert!(s.kv_heads > 0 && dh > 0 && s.heads % s.kv_heads == 0, "paged attention: head counts {s:?}");
     let rep = s.heads / s.kv_heads;
     assert!(q.len() == b * s.heads * t * dh && keys.len() == values.len(), "paged attention: shapes");
     assert!(layout.fits(keys.len() / (s.kv_heads * dh).max(1)), "paged attention: tables outside the pool");
@@ -407,19 +410,24 @@ impl Task<'_> {
             // SAFETY: the features the function is compiled for were just detected.
             return unsafe { self.run_avx512() };
         }
-        self.run_with::<false>()
+        // SAFETY: the portable compilation needs no CPU feature.
+        unsafe { self.run_with::<false>() }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,fma")]
     unsafe fn run_avx512(&self) -> Partial {
-        self.run_with::<true>()
+        // SAFETY: this function's features are the ones `AVX512` asks for.
+        unsafe { self.run_with::<true>() }
     }
 
-    /// The online softmax over the task's blocks; `AVX512`: whether the caller runs with AVX-512
-    /// and FMA (the dot products and weighted sums then use them explicitly).
+    /// The online softmax over the task's blocks; `AVX512`: the dot products and weighted sums use
+    /// AVX-512 and FMA explicitly.
+    ///
+    /// # Safety
+    /// With `AVX512`, the CPU must have AVX-512F and FMA.
     #[inline(always)]
-    fn run_with<const AVX512: bool>(&self) -> Partial {
+    unsafe fn run_with<const AVX512: bool>(&self) -> Partial {
         let dh = self.rows.first().map_or(0, |row| row.q.len());
         let n = self.rows.len();
         let (bs, w) = (self.block_size, self.width);
@@ -435,7 +443,8 @@ impl Task<'_> {
                 let row_of = |j: usize| (base + j - c0) * w + offset;
                 let sc = &mut scores[..e - a];
                 for (j, out) in (a..e).zip(sc.iter_mut()) {
-                    *out = dot::<AVX512>(q, &self.keys[row_of(j)..][..dh]) * self.scale;
+                    // SAFETY: as this function's.
+                    *out = unsafe { dot::<AVX512>(q, &self.keys[row_of(j)..][..dh]) } * self.scale;
                 }
                 let old = part.max[r];
                 let max = lanes_max(sc).max(old);
@@ -450,33 +459,28 @@ impl Task<'_> {
                 part.sum[r] += lanes_sum(sc);
                 // The block's value rows are `w` apart: the last one ends at row_of(e - 1) + dh.
                 let rows = &self.values[row_of(a)..row_of(e - 1) + dh];
-                weighted_sum::<AVX512>(out, sc, rows, w);
+                // SAFETY: as this function's.
+                unsafe { weighted_sum::<AVX512>(out, sc, rows, w) };
             }
         }
         part
     }
 }
 
-/// `Σ a·b` (`a`, `b` of one length): 16-lane fused multiply-adds where `AVX512` (the caller runs
-/// with AVX-512 and FMA), else 8 independent lanes.
+/// `Σ a·b` (`a`, `b` of one length): 16-lane fused multiply-adds where `AVX512`, else 8
+/// independent lanes.
+///
+/// # Safety
+/// With `AVX512`, the CPU must have AVX-512F and FMA.
 #[inline(always)]
-fn dot<const AVX512: bool>(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn dot<const AVX512: bool>(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if AVX512 {
-        // SAFETY: `AVX512` is only set by `Task::run_avx512`, which runs after both features were
-        // detected; the lengths are checked.
         assert_eq!(a.len(), b.len());
+        // SAFETY: the features are the caller's promise; the lengths were just checked.
         return unsafe { avx512_dot(a, b) };
     }
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let rest: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + rest
+    lanes_dot(a, b)
 }
 
 /// `Σ a·b` over 16-lane vectors, the tail masked.
@@ -513,14 +517,16 @@ unsafe fn avx512_dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// `out += Σ_j p[j] · rows[j·stride ..][..out.len()]`: 64 columns at a time held in four 16-lane
 /// registers across all rows where `AVX512`, plain multiply-adds otherwise.
+///
+/// # Safety
+/// With `AVX512`, the CPU must have AVX-512F and FMA.
 #[inline(always)]
-fn weighted_sum<const AVX512: bool>(out: &mut [f32], p: &[f32], rows: &[f32], stride: usize) {
+unsafe fn weighted_sum<const AVX512: bool>(out: &mut [f32], p: &[f32], rows: &[f32], stride: usize) {
     let dh = out.len();
     assert!(p.is_empty() || rows.len() >= (p.len() - 1) * stride + dh, "weighted_sum: rows too short");
     #[cfg(target_arch = "x86_64")]
     if AVX512 {
-        // SAFETY: `AVX512` is only set by `Task::run_avx512`, which runs after both features were
-        // detected; the rows' extent is checked above.
+        // SAFETY: the features are the caller's promise; the rows' extent is checked above.
         unsafe { avx512_weighted_sum(out, p, rows, stride) };
         return;
     }
@@ -617,13 +623,8 @@ pub fn attention_reference(q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::testing::values;
     use burn::tensor::Distribution;
-
-    fn values(len: usize, seed: u32) -> Vec<f32> {
-        (0..len)
-            .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 2001) as f32 / 1000.0 - 1.0)
-            .collect()
-    }
 
     /// A pool of `blocks` blocks and a layout of rows with the given (start, new) positions, their
     /// blocks taken from the pool in a scrambled order.
@@ -671,22 +672,32 @@ mod tests {
             layout(&[(30, 4), (2, 2)], 4, 8, Some(7)),        // a sliding window
             layout(&[(0, 40)], 40, 64, None),                 // a long first chunk
             layout(&[(200, 1)], 1, 8, None),                  // one sequence: blocks split
+            layout(&[(300, 2)], 2, 8, Some(20)),              // a window far into a long sequence
         ]
     }
 
     #[test]
     fn kernel_matches_the_plain_loops() {
-        // Head widths below one vector, SmolLM2's, and past one group of four vectors.
-        let heads =
-            [HEADS, Heads { heads: 9, kv_heads: 3, head_dim: 64 }, Heads { heads: 4, kv_heads: 4, head_dim: 80 }];
-        for s in heads {
+        // Head widths below one vector, between one and two, SmolLM2's, and past a group of four
+        // vectors; every case on 1, 3 and 7 threads (so that blocks are shared out differently).
+        let heads = [
+            Heads { heads: 2, kv_heads: 1, head_dim: 8 },
+            HEADS,
+            Heads { heads: 9, kv_heads: 3, head_dim: 64 },
+            Heads { heads: 4, kv_heads: 4, head_dim: 80 },
+        ];
+        let pools: Vec<rayon::ThreadPool> = [1, 3, 7]
+            .iter()
+            .map(|&n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("a thread pool"))
+            .collect();
+        for (s, pool) in heads.into_iter().flat_map(|s| pools.iter().map(move |p| (s, p))) {
             for (case, (l, pool_rows)) in cases().into_iter().enumerate() {
                 let w = s.kv_heads * s.head_dim;
                 let q = values(l.batch() * s.heads * l.queries * s.head_dim, 1);
                 let (k, v) = (values(pool_rows * w, 2), values(pool_rows * w, 3));
                 let want = attention_reference(&q, &k, &v, &l, s);
                 for path in [Path::Detected, Path::Portable] {
-                    let got = attention_on(&q, &k, &v, &l, s, path);
+                    let got = pool.install(|| attention_on(&q, &k, &v, &l, s, path));
                     let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
                     assert!(err < 1e-5, "{s:?}, case {case}, {path:?}: max error {err}");
                 }
@@ -721,11 +732,21 @@ mod tests {
             // A strided q (a swapped view), as the model hands it over.
             let q_view = q.clone().swap_dims(1, 2).into_data();
             let q_strided = Tensor::<Flex, 4>::from_data(q_view, &dev).swap_dims(1, 2);
+            assert!(l.fits(pool_rows), "case {case}: the kernel must take this layout");
+            let kernel = attention(
+                &q.clone().into_data().to_vec::<f32>().unwrap(),
+                &keys.clone().into_data().to_vec::<f32>().unwrap(),
+                &values.clone().into_data().to_vec::<f32>().unwrap(),
+                &l,
+                HEADS,
+            );
             let got: Tensor<Flex, 4> =
                 float(Flex::paged_attention(prim(q_strided), prim(keys), prim(values), &paged, h / k, DType::F32));
             // Compare the rows that see a key (a padding row a window leaves without any is NaN in
             // the composition, zero in the kernel).
             let (got, want) = (got.into_data().to_vec::<f32>().unwrap(), want.into_data().to_vec::<f32>().unwrap());
+            // The op ran the kernel (not its fallback): its output is the kernel's, bit for bit.
+            assert_eq!(got, kernel, "case {case}: the op did not run the kernel");
             let mut compared = 0;
             for b in 0..l.batch() {
                 for head in 0..h {

@@ -6,6 +6,11 @@ use burn::tensor::{Distribution, Tensor};
 
 pub(super) type AB = Autodiff<Flex>;
 
+/// `len` deterministic values in [-1, 1], different for each seed (for the kernels' slice tests).
+pub(crate) fn values(len: usize, seed: u32) -> Vec<f32> {
+    (0..len).map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 2001) as f32 / 1000.0 - 1.0).collect()
+}
+
 pub(super) fn rel_err(a: Tensor<Flex, 2>, b: Tensor<Flex, 2>) -> f32 {
     // Floor: a gradient that is zero in theory (one key per query) is compared absolutely.
     let scale = b.clone().abs().max().into_scalar().max(0.1);
