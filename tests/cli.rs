@@ -133,9 +133,16 @@ fn mixed_precision_and_activation_checkpointing() {
     for (a, b) in finals[0].iter().zip(&finals[3]) {
         assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits(), "step {}", a.step);
     }
-    // By default bf16 on the CPU says why and trains in f32: the f32 run, bit for bit.
+    // By default bf16 on the CPU says what it does: f32 where the CPU lacks AVX512_BF16, bf16 operands
+    // for the large GEMMs where it has it. This model's GEMMs are all below that size, so either way
+    // the run is the f32 run, bit for bit.
     let o = s.ember(&["train", "--config", "tiny.toml", "--run-dir", "cpu-bf16", "--precision", "bf16"]);
-    assert!(o.status.success() && stderr(&o).contains("slower than f32: training in f32"), "{}", stderr(&o));
+    let said = |text: &str| stderr(&o).contains(text);
+    assert!(
+        o.status.success() && (said("slower than f32: training in f32") || said("bf16 operands with f32 sums")),
+        "{}",
+        stderr(&o)
+    );
     let default_bf16 = read_metrics(&s.path().join("cpu-bf16/metrics.jsonl")).unwrap();
     for (a, b) in finals[0].iter().zip(&default_bf16) {
         assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits(), "step {}", a.step);

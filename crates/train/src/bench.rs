@@ -67,7 +67,7 @@ pub fn bench_run<B: TrainBackend>(
 ) -> Result<TrainBench, TrainError> {
     let setup = prepare(run, locations)?;
     let config = &setup.config;
-    let dtype = resolve_dtype::<B>(device, config);
+    let (dtype, _bf16_gemms) = resolve_dtype::<B>(device, config);
     let peak = resolve_peak::<B::InnerBackend>(
         device,
         peak_source.device_name.as_deref(),

@@ -116,7 +116,7 @@ pub fn train<B: TrainBackend>(
     let (config, c) = (&setup.config, opts.collective.as_ref());
     // Start-up waits for slow work of other ranks (loading a model); steps do not.
     c.set_timeout(config.distributed.io_timeout());
-    let dtype = resolve_dtype::<B>(device, config);
+    let (dtype, _bf16_gemms) = resolve_dtype::<B>(device, config);
     let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, opts, dtype, device)?;
     c.set_timeout(config.distributed.timeout());
     let t = &config.train;
@@ -730,16 +730,31 @@ fn sample_text<B: ember_model::ops::EmberBackend>(
     }
 }
 
-/// The GEMM dtype for the config's precision on this device, said out loud when it differs.
-pub(crate) fn resolve_dtype<B: TrainBackend>(device: &Device<B>, config: &TrainConfig) -> DType {
+/// The CPU's bf16 GEMMs, switched on for one run (`--precision bf16` on a CPU with AVX512_BF16) and
+/// off again when the run ends. The switch is process-wide: one such run at a time.
+#[must_use = "the switch goes off when this is dropped"]
+pub(crate) struct CpuBf16Gemms {
+    on: bool,
+}
+
+impl Drop for CpuBf16Gemms {
+    fn drop(&mut self) {
+        if self.on {
+            ember_model::ops::kernels::set_bf16_gemms(false);
+        }
+    }
+}
+
+/// The GEMM dtype for the config's precision on this device, said out loud when it differs, and the
+/// CPU's bf16 GEMMs for the run's lifetime where they apply.
+pub(crate) fn resolve_dtype<B: TrainBackend>(device: &Device<B>, config: &TrainConfig) -> (DType, CpuBf16Gemms) {
     let (dtype, note) = compute_dtype::<B>(device, config.train.precision);
     if let Some(note) = note {
         tracing::warn!("{note}");
     }
-    // The CPU's bf16 GEMMs are a process-wide switch of the linear kernels.
     let cpu_bf16 = dtype == DType::F32 && config.train.precision == Precision::Bf16 && B::cpu_bf16_gemms();
-    ember_model::ops::kernels::set_bf16_gemms(cpu_bf16);
-    dtype
+    let on = cpu_bf16 && ember_model::ops::kernels::set_bf16_gemms(true);
+    (dtype, CpuBf16Gemms { on })
 }
 
 fn log_setup(config: &TrainConfig, dtype: DType, peak: &Peak, tokens_per_step: usize) {

@@ -359,7 +359,7 @@ mod tests {
                 for transposed in [false, true] {
                     let a = values(m * k, 1);
                     let b = values(k * n, 2);
-                    // b as stored, or as the transpose of an [n, k] matrix (strides (1, k)).
+                    // b as stored, or as the transpose of an [n, k] matrix (strides (1, k)); and
                     let (b, bs) = if transposed {
                         let mut t = vec![0.0; k * n];
                         for p in 0..k {
@@ -371,11 +371,23 @@ mod tests {
                     } else {
                         (b, (n, 1))
                     };
+                    // a likewise: as stored, or as the transpose of a [k, m] matrix (strides (1, m)).
+                    let (a, a_strides) = if transposed {
+                        let mut t = vec![0.0; m * k];
+                        for i in 0..m {
+                            for p in 0..k {
+                                t[p * m + i] = a[i * k + p];
+                            }
+                        }
+                        (t, (1, m))
+                    } else {
+                        (a, (k, 1))
+                    };
                     let start = values(m * n, 3);
                     let mut want = start.clone();
-                    reference(&mut want, accumulate, (&a, (k, 1)), (&b, bs), (m, k, n));
+                    reference(&mut want, accumulate, (&a, a_strides), (&b, bs), (m, k, n));
                     let mut got = start.clone();
-                    assert!(gemm(&mut got, accumulate, (&a, (k, 1)), (&b, bs), (m, k, n)));
+                    assert!(gemm(&mut got, accumulate, (&a, a_strides), (&b, bs), (m, k, n)));
                     let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
                     // f32 sums of k products of bf16 values ≤ 1: within k · 2^-24 · k of the f64 sum.
                     let tolerance = 1e-6 * (k as f32).max(1.0);
