@@ -10,7 +10,11 @@
 //! column panels. Chosen at run time (`avx512bf16` and `avx512f`); [`reference`] is the plain loop
 //! over the same rounded values that it is tested against.
 
+#[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::SharedOut;
 
 /// Columns of a packed panel of `b`: three vectors of 16.
 pub const PANEL: usize = 48;
@@ -69,6 +73,14 @@ pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m,
     if m == 0 || n == 0 {
         return true;
     }
+    #[cfg(target_arch = "x86_64")]
+    multiply(c, accumulate, a, b, (m, k, n));
+    true
+}
+
+/// [`gemm`]'s work, once the features are known to be there and the shapes to be checked.
+#[cfg(target_arch = "x86_64")]
+fn multiply(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m, k, n): (usize, usize, usize)) {
     let pairs = k.div_ceil(2);
     let packed_a = pack_a(a, m, k);
     let panels = n.div_ceil(PANEL);
@@ -96,9 +108,9 @@ pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m,
             };
         }
     });
-    true
 }
 
+#[cfg(target_arch = "x86_64")]
 /// `a`'s rows as pairs of bf16 along k (a zero pads an odd k), rows padded with zeros to a
 /// multiple of [`ROWS`]: `[m', k/2]` of `u32`, the lower half the even k.
 fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize) -> Vec<u32> {
@@ -121,6 +133,7 @@ fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize) -> Vec<u32> {
     packed
 }
 
+#[cfg(target_arch = "x86_64")]
 /// Columns `c0 .. c0 + cols` of `b` as a panel: for each k-pair, [`PANEL`] columns of two bf16 (even
 /// k first), zeros past `cols` and past k.
 fn pack_panel((b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize) -> Vec<u32> {
@@ -160,23 +173,6 @@ fn pack_panel((b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize) -> V
         }
     }
     panel
-}
-
-/// The output pointer the panel tasks share; each writes its own columns.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: the tasks sharing it write disjoint column ranges of the output.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// The output `offset` elements in.
-    ///
-    /// # Safety
-    /// `offset` must lie inside the output.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
-        self.0.add(offset)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -324,6 +320,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(target_arch = "x86_64")]
     fn the_vector_conversions_round_as_the_scalar_one() {
         if !supported() {
             eprintln!("no AVX512_BF16 on this CPU: the vector conversions are not reachable here");

@@ -14,8 +14,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor};
 
-use super::{flex, float, int, prim};
-use burn::backend::flex::FlexTensor;
+use super::{float, int};
 
 /// Target id that takes no part in the loss (padding, prompt tokens).
 pub const IGNORE: i32 = -1;
@@ -106,7 +105,7 @@ pub struct ForwardOut<B: Backend> {
 
 /// # Shapes
 /// - hidden: `[N, D]`, weight: `[D, V]`, targets: `[N]`
-pub fn chunked_forward<B: LmHeadLossOps>(
+pub fn chunked_forward<B: Backend>(
     hidden: Tensor<B, 2>,
     weight: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
@@ -128,7 +127,7 @@ pub fn chunked_forward<B: LmHeadLossOps>(
         let mut picked = Tensor::<B, 2>::zeros([nr, 1], &device); // [R, 1] the target's logit
         for (v0, w) in &tiles {
             let cv = w.dims()[1];
-            let logits = cast(tile_product(h.clone(), w.clone()), DType::F32); // [R, cv]
+            let logits = cast(h.clone().matmul(w.clone()), DType::F32); // [R, cv]
             let tile_max = logits.clone().max_dim(1); //                     [R, 1]
             let new_max = match &max {
                 Some(m) => m.clone().max_pair(tile_max),
@@ -155,7 +154,7 @@ pub fn chunked_forward<B: LmHeadLossOps>(
 ///
 /// # Shapes
 /// - hidden: `[N, D]`, weight: `[D, V]`, targets: `[N]`, lse: `[N]`, grad: `[1]` -> (`[N, D]`, `[D, V]`)
-pub fn chunked_backward<B: LmHeadLossOps>(
+pub fn chunked_backward<B: Backend>(
     hidden: Tensor<B, 2>,
     weight: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
@@ -183,18 +182,18 @@ pub fn chunked_backward<B: LmHeadLossOps>(
         let mut dh: Option<Tensor<B, 2>> = None;
         for (j, (v0, w)) in tiles.iter().enumerate() {
             let cv = w.dims()[1];
-            let logits = cast(tile_product(h.clone(), w.clone()), DType::F32); // [R, cv]
+            let logits = cast(h.clone().matmul(w.clone()), DType::F32); // [R, cv]
             let probs = (logits - lse.clone()).exp(); //                   [R, cv] softmax
             let (col, inside) = target_in_tile(&t, *v0, cv);
             let dlogits = probs.scatter(1, col, -inside, IndexingUpdateOp::Add) * scale.clone(); // softmax - onehot
             let dlogits = cast(dlogits, spec.compute);
-            let dh_tile = cast(tile_product(dlogits.clone(), tiles_t[j].clone()), DType::F32); // [R, D]
+            let dh_tile = cast(dlogits.clone().matmul(tiles_t[j].clone()), DType::F32); // [R, D]
             dh = Some(match dh {
                 Some(acc) => acc + dh_tile,
                 None => dh_tile,
             });
             if need_weight {
-                let dw_tile = cast(tile_product(h_t.clone(), dlogits), DType::F32); // [D, cv]
+                let dw_tile = cast(h_t.clone().matmul(dlogits), DType::F32); // [D, cv]
                 dw[j] = Some(match dw[j].take() {
                     Some(acc) => acc + dw_tile,
                     None => dw_tile,
@@ -226,32 +225,9 @@ pub trait LmHeadLossOps: Backend {
         let (h, w, t) = (float::<Self, 2>(hidden), float::<Self, 2>(weight), int::<Self, 1>(targets));
         chunked_forward(h, w, t, spec).loss.into_primitive().tensor()
     }
-
-    /// One tile's product `a · b` (`[M, K]` · `[K, N]`); the reference is Burn's matmul.
-    fn tile_product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        prim(float::<Self, 2>(a).matmul(float(b)))
-    }
 }
 
-/// [`LmHeadLossOps::tile_product`] on tensors.
-fn tile_product<B: LmHeadLossOps>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
-    float(B::tile_product(prim(a), prim(b)))
-}
-
-/// The tiles' products through the CPU's bf16 GEMM when `--precision bf16` turned it on and they
-/// are large enough ([`kernels::bf16_product`]); Burn's matmul otherwise.
-impl LmHeadLossOps for Flex {
-    fn tile_product(a: FlexTensor, b: FlexTensor) -> FlexTensor {
-        let (sa, sb) = (flex::shape(&a), flex::shape(&b));
-        if flex::all_f32(&[&a, &b]) && sa.len() == 2 && sb.len() == 2 && sa[1] == sb[0] {
-            let mkn = (sa[0], sa[1], sb[1]);
-            if let Some(y) = super::kernels::bf16_product(&flex::f32s(&a), &flex::f32s(&b), mkn) {
-                return flex::tensor(y, vec![sa[0], sb[1]]);
-            }
-        }
-        prim(float::<Self, 2>(a).matmul(float(b)))
-    }
-}
+impl LmHeadLossOps for Flex {}
 
 impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
     fn lm_head_cross_entropy(
@@ -265,7 +241,7 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
         #[derive(Debug)]
         struct LmHeadCrossEntropy;
 
-        impl<B: LmHeadLossOps> Backward<B, 2> for LmHeadCrossEntropy {
+        impl<B: Backend> Backward<B, 2> for LmHeadCrossEntropy {
             type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>, FloatTensor<B>, ChunkSpec);
 
             fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {

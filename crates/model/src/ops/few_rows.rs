@@ -150,20 +150,10 @@ unsafe fn strided_gemm(
     }
 }
 
-/// A pointer that tasks writing disjoint parts of one buffer may share.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: the tasks that share one write disjoint parts: in `avx512::product` only the first task
-// writes y (the others their own buffers), in `avx512::product_nt` disjoint column ranges.
-#[cfg(target_arch = "x86_64")]
-unsafe impl Send for SharedOut {}
-#[cfg(target_arch = "x86_64")]
-unsafe impl Sync for SharedOut {}
-
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::*;
+    use crate::ops::SharedOut;
     use rayon::prelude::*;
     use std::arch::x86_64::*;
 

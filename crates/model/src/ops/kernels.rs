@@ -110,21 +110,6 @@ fn bf16_worth_it(m: usize, n: usize, k: usize) -> bool {
     m > FEW_ROWS && 2 * m * n * k >= 50_000_000
 }
 
-/// `x · w` (`[M, K]` · `[K, N]`, row-major) through the bf16 GEMM when bf16 GEMMs are on and the
-/// product is large enough; `None` otherwise (the caller runs its f32 path).
-pub fn bf16_product(x: &[f32], w: &[f32], mkn: (usize, usize, usize)) -> Option<Vec<f32>> {
-    bf16_product_in(x, w, mkn, bf16_gemms())
-}
-
-/// [`bf16_product`] with the switch given.
-fn bf16_product_in(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize), on: bool) -> Option<Vec<f32>> {
-    if !(on && bf16_worth_it(m, n, k)) {
-        return None;
-    }
-    let mut y = vec![0.0f32; m * n];
-    super::bf16_gemm::gemm(&mut y, false, (x, (k, 1)), (w, (n, 1)), (m, k, n)).then_some(y)
-}
-
 /// `y = x · w (+ b)`.
 ///
 /// # Shapes
@@ -696,12 +681,7 @@ mod tests {
         let mut want_dw = vec![0.0; k * n];
         reference(&mut want_dw, false, (&x, (1, k)), (&dy, (n, 1)), (k, m, n));
         close(&dw.expect("dw"), &want_dw, "dw");
-        // The LM head's tile products: bf16 when on and large, nothing (the caller's f32) otherwise.
-        let mut want_p = vec![0.0; m * n];
-        reference(&mut want_p, false, (&x, (k, 1)), (&w, (n, 1)), (m, k, n));
-        close(&bf16_product_in(&x, &w, (m, k, n), true).expect("a bf16 product"), &want_p, "tile product");
-        assert!(bf16_product_in(&x, &w, (m, k, n), false).is_none());
-        assert!(bf16_product_in(&x[..8 * k], &w, (8, k, n), true).is_none(), "a small product stays f32");
+        assert!(!bf16_worth_it(8, n, k), "a few rows stay f32");
     }
     use rand::{Rng, SeedableRng};
 

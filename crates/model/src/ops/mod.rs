@@ -57,6 +57,28 @@ pub use rms_norm::{rms_norm, RmsNormOps};
 pub use rope::RopeOps;
 pub use swiglu::{swiglu_packed, SwigluOps};
 
+/// A pointer to one output buffer that parallel tasks share, each writing its own disjoint part
+/// (the few-rows products: whole outputs or column ranges; the bf16 GEMM: column panels).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct SharedOut(pub(crate) *mut f32);
+// SAFETY: the tasks sharing one write disjoint parts of the buffer, which outlives them.
+#[cfg(target_arch = "x86_64")]
+unsafe impl Send for SharedOut {}
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for SharedOut {}
+
+#[cfg(target_arch = "x86_64")]
+impl SharedOut {
+    /// The output `offset` elements in.
+    ///
+    /// # Safety
+    /// `offset` must lie inside the output.
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut f32 {
+        self.0.add(offset)
+    }
+}
+
 /// A Burn backend with every one of ember's ops.
 pub trait EmberBackend:
     Backend
