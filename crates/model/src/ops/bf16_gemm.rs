@@ -54,6 +54,11 @@ pub fn supported() -> bool {
 /// An operand with its (row, column) strides.
 pub type Strided<'a> = (&'a [f32], (usize, usize));
 
+/// Whether a strided operand's `rows × cols` elements lie inside its slice.
+fn reaches((s, (rs, cs)): Strided<'_>, rows: usize, cols: usize) -> bool {
+    rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < s.len()
+}
+
 /// `c (+)= a · b`, `a` `[m, k]`, `b` `[k, n]` given with strides (so that transposed operands are
 /// read where they are), `c` `[m, n]` row-major; the operands rounded to bf16, the sums in f32.
 /// Returns `false` (and leaves `c` alone) where the CPU lacks the instructions: the caller then
@@ -63,9 +68,6 @@ pub type Strided<'a> = (&'a [f32], (usize, usize));
 /// If a slice is shorter than its shape and strides reach.
 pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m, k, n): (usize, usize, usize)) -> bool {
     assert!(c.len() >= m * n, "bf16 GEMM: output slice too short");
-    let reaches = |(s, (rs, cs)): Strided<'_>, rows: usize, cols: usize| {
-        rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < s.len()
-    };
     assert!(reaches(a, m, k) && reaches(b, k, n), "bf16 GEMM: operand slice too short");
     if !supported() {
         return false;
@@ -74,40 +76,109 @@ pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m,
         return true;
     }
     #[cfg(target_arch = "x86_64")]
-    multiply(c, accumulate, a, b, (m, k, n));
+    {
+        let packed_a = pack_a(a, m, k);
+        // Each thread packs and multiplies its own panels: the packed panel stays in its cache.
+        let out = SharedOut(c.as_mut_ptr());
+        (0..n.div_ceil(PANEL)).into_par_iter().for_each(|p| {
+            let panel = pack_panel(b, k, p * PANEL, PANEL.min(n - p * PANEL));
+            // SAFETY: the features were checked by `supported`, the shapes against the slices above;
+            // the panel is panel `p` of b, and no two tasks write the same columns.
+            unsafe { panel_product(out, accumulate, &packed_a, &panel, p, (m, k, n)) };
+        });
+    }
     true
 }
 
-/// [`gemm`]'s work, once the features are known to be there and the shapes to be checked.
+/// `b` (`[k, n]`) packed into bf16 panels once, for several products with it ([`gemm_packed`]):
+/// the LM head's weight, multiplied by every block of rows.
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    #[cfg(target_arch = "x86_64")]
+    panels: Vec<Vec<u32>>,
+}
+
+/// `b` packed for [`gemm_packed`], or `None` where the CPU lacks the instructions.
+///
+/// # Panics
+/// If the slice is shorter than the shape and strides reach.
+pub fn pack_b(b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
+    assert!(reaches(b, k, n), "bf16 GEMM: operand slice too short");
+    if !supported() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let panels =
+            (0..n.div_ceil(PANEL)).into_par_iter().map(|p| pack_panel(b, k, p * PANEL, PANEL.min(n - p * PANEL)));
+        Some(PackedB { k, n, panels: panels.collect() })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+/// [`gemm`] with `b` packed beforehand: `c (+)= a · b`, `a` `[m, k]` strided, `c` `[m, n]`.
+///
+/// # Panics
+/// If a slice is shorter than its shape and strides reach.
+pub fn gemm_packed(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: &PackedB, m: usize) {
+    let (k, n) = (b.k, b.n);
+    assert!(c.len() >= m * n, "bf16 GEMM: output slice too short");
+    assert!(reaches(a, m, k), "bf16 GEMM: operand slice too short");
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let packed_a = pack_a(a, m, k);
+        let out = SharedOut(c.as_mut_ptr());
+        b.panels.par_iter().enumerate().for_each(|(p, panel)| {
+            // SAFETY: a `PackedB` exists only where `supported` held; the shapes were checked above and
+            // when b was packed; no two tasks write the same columns.
+            unsafe { panel_product(out, accumulate, &packed_a, panel, p, (m, k, n)) };
+        });
+    }
+}
+
+/// Pairs of `k` per pass over a panel: 1,024 pairs of 48 columns (192 KiB) stay in the L2 cache
+/// while every block of rows is multiplied by them.
 #[cfg(target_arch = "x86_64")]
-fn multiply(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m, k, n): (usize, usize, usize)) {
+const PAIRS_PER_PASS: usize = 1024;
+
+/// Columns of panel `p` of `c` `(+)=` the packed rows of a times the panel, in passes over
+/// [`PAIRS_PER_PASS`] pairs of `k`.
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX512_BF16; `c` must be an `[m, n]` output, `packed_a` come
+/// from [`pack_a`] of an `[m, k]` operand and `panel` from [`pack_panel`] of panel `p` of a
+/// `[k, n]` one, and no other task may write these columns meanwhile.
+#[cfg(target_arch = "x86_64")]
+unsafe fn panel_product(
+    c: SharedOut,
+    accumulate: bool,
+    packed_a: &[u32],
+    panel: &[u32],
+    p: usize,
+    (m, k, n): (usize, usize, usize),
+) {
     let pairs = k.div_ceil(2);
-    let packed_a = pack_a(a, m, k);
-    let panels = n.div_ceil(PANEL);
-    // Each thread packs and multiplies its own panels: the packed panel stays in its cache.
-    let out = SharedOut(c.as_mut_ptr());
-    (0..panels).into_par_iter().for_each(|p| {
-        let cols = PANEL.min(n - p * PANEL);
-        let panel = pack_panel(b, k, p * PANEL, cols);
+    let cols = PANEL.min(n - p * PANEL);
+    debug_assert!(packed_a.len() >= m.next_multiple_of(ROWS) * pairs && panel.len() >= pairs * PANEL);
+    for p0 in (0..pairs.max(1)).step_by(PAIRS_PER_PASS) {
+        let pass = PAIRS_PER_PASS.min(pairs - p0);
         for r0 in (0..m).step_by(ROWS) {
-            let rows = ROWS.min(m - r0);
-            // SAFETY: the CPU features were checked by `supported`; the panel holds `pairs` pairs of
-            // PANEL columns, packed_a holds `pairs` pairs for each of m.next_multiple_of(ROWS) rows,
-            // and the block written is rows r0..r0+rows, columns p·PANEL..p·PANEL+cols of c, inside
-            // m × n; no two tasks write the same columns.
-            unsafe {
-                avx512::block(
-                    out.at(r0 * n + p * PANEL),
-                    n,
-                    (rows, cols),
-                    accumulate,
-                    packed_a.as_ptr().add(r0 * pairs),
-                    pairs,
-                    panel.as_ptr(),
-                )
-            };
+            avx512::block(
+                c.at(r0 * n + p * PANEL),
+                n,
+                (ROWS.min(m - r0), cols),
+                accumulate || p0 > 0,
+                packed_a.as_ptr().add(r0 * pairs + p0),
+                (pass, pairs),
+                panel.as_ptr().add(p0 * PANEL),
+            );
         }
-    });
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -237,11 +308,11 @@ mod avx512 {
     }
 
     /// One block: `rows` (≤ 8) rows × `cols` (≤ 48) columns of c (row stride `ldc`) `(+)=` the
-    /// packed rows of a (`pairs` pairs each, row after row) times the packed panel.
+    /// packed rows of a (`pairs` pairs each, `stride` apart) times the packed panel.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F and AVX512_BF16; `a` must hold `ROWS · pairs` values, `panel`
-    /// `pairs · PANEL`, and c `rows` rows of `cols` at stride `ldc`.
+    /// The CPU must have AVX-512F and AVX512_BF16; `a` must hold [`ROWS`] rows of `pairs` values
+    /// `stride` apart, `panel` `pairs · PANEL` values, and c `rows` rows of `cols` at stride `ldc`.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn block(
         c: *mut f32,
@@ -249,7 +320,7 @@ mod avx512 {
         (rows, cols): (usize, usize),
         accumulate: bool,
         a: *const u32,
-        pairs: usize,
+        (pairs, stride): (usize, usize),
         panel: *const u32,
     ) {
         let mut acc = [[_mm512_setzero_ps(); 3]; ROWS];
@@ -261,7 +332,7 @@ mod avx512 {
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(32).cast())),
             ];
             for (r, row) in acc.iter_mut().enumerate() {
-                let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.add(r * pairs + p) as i32));
+                let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.add(r * stride + p) as i32));
                 for (sum, &bj) in row.iter_mut().zip(&bv) {
                     *sum = _mm512_dpbf16_ps(*sum, av, bj);
                 }
@@ -351,7 +422,10 @@ mod tests {
             return;
         }
         // Shapes with row and column tails, odd k, and one bigger than a panel in every way.
-        for &(m, k, n) in &[(1, 1, 1), (3, 5, 7), (8, 64, 48), (9, 33, 50), (17, 130, 100), (40, 576, 200)] {
+        // k = 2,100: three passes over a panel's pairs (1,024 a pass).
+        for &(m, k, n) in
+            &[(1, 1, 1), (3, 5, 7), (8, 64, 48), (9, 33, 50), (17, 130, 100), (40, 576, 200), (9, 2100, 50)]
+        {
             for accumulate in [false, true] {
                 for transposed in [false, true] {
                     let a = values(m * k, 1);
@@ -385,13 +459,18 @@ mod tests {
                     reference(&mut want, accumulate, (&a, a_strides), (&b, bs), (m, k, n));
                     let mut got = start.clone();
                     assert!(gemm(&mut got, accumulate, (&a, a_strides), (&b, bs), (m, k, n)));
-                    let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
-                    // f32 sums of k products of bf16 values ≤ 1: within k · 2^-24 · k of the f64 sum.
-                    let tolerance = 1e-6 * (k as f32).max(1.0);
-                    assert!(
-                        err <= tolerance,
-                        "({m}, {k}, {n}), accumulate {accumulate}, transposed {transposed}: {err}"
-                    );
+                    let mut got_packed = start.clone();
+                    let packed = pack_b((&b, bs), (k, n)).expect("supported");
+                    gemm_packed(&mut got_packed, accumulate, (&a, a_strides), &packed, m);
+                    for (got, how) in [(got, "packed per call"), (got_packed, "packed once")] {
+                        let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                        // f32 sums of k products of bf16 values ≤ 1: within k · 2^-24 · k of the f64 sum.
+                        let tolerance = 1e-6 * (k as f32).max(1.0);
+                        assert!(
+                            err <= tolerance,
+                            "({m}, {k}, {n}), accumulate {accumulate}, transposed {transposed}, {how}: {err}"
+                        );
+                    }
                 }
             }
         }

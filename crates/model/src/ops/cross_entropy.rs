@@ -4,6 +4,11 @@
 //! The tiled forward walks tiles of `rows × vocab` logits, keeping a running max and sum per row
 //! (online log-sum-exp), and saves only the per-row log-sum-exp. The backward recomputes each tile's
 //! logits, turns them into `softmax - onehot`, and multiplies them into `dH` and `dW` at once.
+//!
+//! Under autodiff the loss of a training step is always differentiated, so the op computes its
+//! gradients in the forward pass ([`LmHeadLossOps::lm_head_loss_and_grads`]) and the backward only
+//! scales them. On the CPU ([`head_loss`]) that is one pass over blocks of rows, each against the
+//! whole vocabulary: the logits are made once instead of twice.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -14,7 +19,12 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor};
 
-use super::{float, int};
+use burn::backend::flex::FlexTensor;
+use rayon::prelude::*;
+
+use super::bf16_gemm::{self, Strided};
+use super::kernels::{self, exp, lanes_max, lanes_sum};
+use super::{flex, float, int, prim, EmberBackend};
 
 /// Target id that takes no part in the loss (padding, prompt tokens).
 pub const IGNORE: i32 = -1;
@@ -207,8 +217,12 @@ pub fn chunked_backward<B: Backend>(
     (cast(dh, h_dtype), dw.map(|dw| cast(dw, w_dtype)))
 }
 
-/// A backend's tiled LM-head loss; the default method is the tiled composition of tensor ops,
-/// under autodiff one node whose backward recomputes each tile.
+/// The loss and, where asked for, its gradients for an upstream gradient of one: `(loss [1],
+/// dH [N, D], dW [D, V])`.
+pub type LossAndGrads<B> = (FloatTensor<B>, Option<FloatTensor<B>>, Option<FloatTensor<B>>);
+
+/// A backend's tiled LM-head loss; the default methods are the tiled composition of tensor ops,
+/// under autodiff one node whose gradients are computed with the loss.
 pub trait LmHeadLossOps: Backend {
     /// Mean cross-entropy of `targets` under the logits `hidden · weight`, computed over tiles of rows
     /// and vocabulary so that the `[N, V]` logits never exist at once. Targets equal to [`IGNORE`] do
@@ -222,12 +236,218 @@ pub trait LmHeadLossOps: Backend {
         targets: IntTensor<Self>,
         spec: ChunkSpec,
     ) -> FloatTensor<Self> {
-        let (h, w, t) = (float::<Self, 2>(hidden), float::<Self, 2>(weight), int::<Self, 1>(targets));
-        chunked_forward(h, w, t, spec).loss.into_primitive().tensor()
+        reference_loss::<Self>(hidden, weight, targets, spec)
+    }
+
+    /// [`Self::lm_head_cross_entropy`] with the gradients of the loss (for an upstream gradient of
+    /// one) with respect to `hidden` and `weight` where `need` = `(hidden, weight)` asks for them.
+    /// The default is the tiled forward, then the tiled backward.
+    ///
+    /// # Shapes
+    /// - hidden: `[N, D]`, weight: `[D, V]`, targets: `[N]` -> (`[1]`, `[N, D]`, `[D, V]`)
+    fn lm_head_loss_and_grads(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        spec: ChunkSpec,
+        need: (bool, bool),
+    ) -> LossAndGrads<Self> {
+        reference_loss_and_grads::<Self>(hidden, weight, targets, spec, need)
     }
 }
 
-impl LmHeadLossOps for Flex {}
+/// The tiled forward: [`LmHeadLossOps::lm_head_cross_entropy`]'s reference.
+pub fn reference_loss<B: Backend>(
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    targets: IntTensor<B>,
+    spec: ChunkSpec,
+) -> FloatTensor<B> {
+    prim(chunked_forward(float::<B, 2>(hidden), float(weight), int(targets), spec).loss)
+}
+
+/// The tiled forward, then the tiled backward for an upstream gradient of one:
+/// [`LmHeadLossOps::lm_head_loss_and_grads`]'s reference.
+pub fn reference_loss_and_grads<B: Backend>(
+    hidden: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    targets: IntTensor<B>,
+    spec: ChunkSpec,
+    need: (bool, bool),
+) -> LossAndGrads<B> {
+    let (h, w, t) = (float::<B, 2>(hidden), float::<B, 2>(weight), int::<B, 1>(targets));
+    let out = chunked_forward(h.clone(), w.clone(), t.clone(), spec);
+    if !need.0 && !need.1 {
+        return (prim(out.loss), None, None);
+    }
+    let one = Tensor::<B, 1>::ones([1], &h.device());
+    let (dh, dw) = chunked_backward(h, w, t, out.lse, one, spec, need.1);
+    (prim(out.loss), need.0.then(|| prim(dh)), dw.map(prim))
+}
+
+/// What [`head_loss`] computes: the mean loss and, where asked for, its gradients for an upstream
+/// gradient of one.
+#[derive(Debug)]
+pub struct HeadLoss {
+    pub loss: f32,
+    /// `[N, D]`.
+    pub dh: Option<Vec<f32>>,
+    /// `[D, V]`.
+    pub dw: Option<Vec<f32>>,
+}
+
+/// Rows of logits a block of [`head_loss`] holds: about 16M logits (64 MB) at once, between 8 and
+/// 512 rows, the blocks of one call equal.
+fn head_block_rows(n: usize, v: usize) -> usize {
+    let most = ((16 << 20) / v.max(1)).clamp(8, 512);
+    n.div_ceil(n.div_ceil(most).max(1)).max(1)
+}
+
+/// The LM head and its loss on the CPU, in one pass over blocks of rows, each against the whole
+/// vocabulary: the block's logits (one GEMM); each row's log-sum-exp and, when gradients are asked
+/// for (`need` = (hidden, weight)), `(softmax − onehot) / scored rows` in place of the logits; then
+/// `dH = dlogits · Wᵀ` and `dW += Hᵀ · dlogits` while the block is at hand. The logits are made once
+/// and never recomputed. `bf16`: the large GEMMs take bf16 operands (where the CPU can; the
+/// weight packed once for all blocks) with f32 sums; softmax and loss stay f32. Targets below zero
+/// ([`IGNORE`]) do not count; one past the vocabulary counts with nothing picked, as in the
+/// composition.
+///
+/// # Panics
+/// If a slice is shorter than its shape (and strides) reach.
+///
+/// # Shapes
+/// - hidden: `[N, D]`, weight: `[D, V]` with (row, column) strides, targets: `[N]`
+pub fn head_loss(
+    hidden: &[f32],
+    weight: Strided<'_>,
+    targets: &[i64],
+    (n, d, v): (usize, usize, usize),
+    need: (bool, bool),
+    bf16: bool,
+) -> HeadLoss {
+    assert!(hidden.len() >= n * d && targets.len() >= n, "LM head: a slice is shorter than its shape");
+    let scored = targets[..n].iter().filter(|&&t| t >= 0).count();
+    let scale = 1.0 / scored.max(1) as f32;
+    let grads = need.0 || need.1;
+    let mut dh = need.0.then(|| vec![0.0f32; n * d]);
+    let mut dw = need.1.then(|| vec![0.0f32; d * v]);
+    if n == 0 || v == 0 {
+        return HeadLoss { loss: 0.0, dh, dw };
+    }
+    let rows = head_block_rows(n, v);
+    let (w, (rs, cs)) = weight;
+    let w_t: Strided<'_> = (w, (cs, rs)); // [V, D]
+    let bf16 = bf16 && kernels::bf16_worth_it(rows, v, d);
+    let packed_w = if bf16 { bf16_gemm::pack_b(weight, (d, v)) } else { None };
+    let packed_wt = if bf16 && need.0 { bf16_gemm::pack_b(w_t, (v, d)) } else { None };
+    let mut logits = vec![0.0f32; rows * v];
+    let mut total = 0.0f64;
+    for r0 in (0..n).step_by(rows) {
+        let r = rows.min(n - r0);
+        let h: Strided<'_> = (&hidden[r0 * d..(r0 + r) * d], (d, 1));
+        let block = &mut logits[..r * v];
+        match &packed_w {
+            Some(p) => bf16_gemm::gemm_packed(block, false, h, p, r),
+            None => kernels::product(block, false, h, weight, (r, d, v), bf16),
+        }
+        let rows_loss = block.par_chunks_mut(v).zip(&targets[r0..r0 + r]);
+        total += rows_loss.map(|(row, &t)| row_loss(row, t, grads.then_some(scale))).sum::<f64>();
+        let dlogits: Strided<'_> = (block, (v, 1));
+        if let Some(dh) = &mut dh {
+            let out = &mut dh[r0 * d..(r0 + r) * d];
+            match &packed_wt {
+                Some(p) => bf16_gemm::gemm_packed(out, false, dlogits, p, r),
+                None => kernels::product(out, false, dlogits, w_t, (r, v, d), bf16),
+            }
+        }
+        if let Some(dw) = &mut dw {
+            kernels::product(dw, r0 > 0, (h.0, (1, d)), dlogits, (d, r, v), bf16);
+        }
+    }
+    HeadLoss { loss: (total / scored.max(1) as f64) as f32, dh, dw }
+}
+
+/// One row's `log-sum-exp − logit[target]` (zero for an ignored row). With `grad` (the upstream
+/// gradient of each scored row), the row becomes its logits' gradient `(softmax − onehot) · grad`
+/// (zeros for an ignored row); without, scratch.
+fn row_loss(row: &mut [f32], target: i64, grad: Option<f32>) -> f64 {
+    if target < 0 {
+        if grad.is_some() {
+            row.fill(0.0);
+        }
+        return 0.0;
+    }
+    let t = usize::try_from(target).unwrap_or(usize::MAX);
+    let picked = row.get(t).copied().unwrap_or(0.0);
+    let max = lanes_max(row);
+    row.iter_mut().for_each(|x| *x = exp(*x - max));
+    let sum = lanes_sum(row);
+    if let Some(g) = grad {
+        let s = g / sum;
+        row.iter_mut().for_each(|x| *x *= s);
+        if let Some(x) = row.get_mut(t) {
+            *x -= g;
+        }
+    }
+    f64::from(max + sum.ln() - picked)
+}
+
+/// [`head_loss`] on Flex tensors, or `None` where it does not take them (other dtypes, a compute
+/// dtype other than f32, `EMBER_FUSED=0`, shapes that do not fit): the composition runs then.
+fn flex_head_loss(
+    hidden: &FlexTensor,
+    weight: &FlexTensor,
+    targets: &FlexTensor,
+    spec: ChunkSpec,
+    need: (bool, bool),
+) -> Option<(FlexTensor, Option<FlexTensor>, Option<FlexTensor>)> {
+    let (hs, ws, ts) = (flex::shape(hidden), flex::shape(weight), flex::shape(targets));
+    let fits = hs.len() == 2 && ws.len() == 2 && ts.len() == 1 && hs[1] == ws[0] && ts[0] == hs[0];
+    if !fits || spec.compute != DType::F32 || !flex::all_f32(&[hidden, weight]) || !Flex::fused(DType::F32) {
+        return None;
+    }
+    let (n, d, v) = (hs[0], hs[1], ws[1]);
+    // The weight read where it is: a tied head is the embedding table seen transposed.
+    let layout = weight.layout();
+    let strides = layout.strides();
+    let (rs, cs) = (usize::try_from(strides[0]).ok()?, usize::try_from(strides[1]).ok()?);
+    let storage = &weight.storage::<f32>()[layout.start_offset()..];
+    let targets: Vec<i64> = int::<Flex, 1>(targets.clone()).into_data().iter::<i64>().collect();
+    let h = flex::f32s(hidden);
+    let out = head_loss(&h, (storage, (rs, cs)), &targets, (n, d, v), need, kernels::bf16_gemms());
+    Some((
+        flex::tensor(vec![out.loss], vec![1]),
+        out.dh.map(|dh| flex::tensor(dh, vec![n, d])),
+        out.dw.map(|dw| flex::tensor(dw, vec![d, v])),
+    ))
+}
+
+impl LmHeadLossOps for Flex {
+    fn lm_head_cross_entropy(
+        hidden: FlexTensor,
+        weight: FlexTensor,
+        targets: FlexTensor,
+        spec: ChunkSpec,
+    ) -> FlexTensor {
+        match flex_head_loss(&hidden, &weight, &targets, spec, (false, false)) {
+            Some((loss, _, _)) => loss,
+            None => reference_loss::<Self>(hidden, weight, targets, spec),
+        }
+    }
+
+    fn lm_head_loss_and_grads(
+        hidden: FlexTensor,
+        weight: FlexTensor,
+        targets: FlexTensor,
+        spec: ChunkSpec,
+        need: (bool, bool),
+    ) -> LossAndGrads<Self> {
+        match flex_head_loss(&hidden, &weight, &targets, spec, need) {
+            Some(out) => out,
+            None => reference_loss_and_grads::<Self>(hidden, weight, targets, spec, need),
+        }
+    }
+}
 
 impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
     fn lm_head_cross_entropy(
@@ -236,48 +456,43 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
         targets: IntTensor<Self>,
         spec: ChunkSpec,
     ) -> FloatTensor<Self> {
-        /// The backward recomputes each tile's logits from `hidden`, `weight` and the per-row
-        /// log-sum-exp saved by the forward: memory O(N·D + D·V + tile), never O(N·V).
+        /// The gradients are computed with the loss (a training step's loss is always
+        /// differentiated): the backward only scales them by the upstream gradient. Memory: `dH`
+        /// `[N, D]` and, for a trained head, `dW` `[D, V]` (the head's gradient, made at the start
+        /// of the backward pass anyway); never `[N, V]`.
         #[derive(Debug)]
         struct LmHeadCrossEntropy;
 
         impl<B: Backend> Backward<B, 2> for LmHeadCrossEntropy {
-            type State = (FloatTensor<B>, FloatTensor<B>, IntTensor<B>, FloatTensor<B>, ChunkSpec);
+            type State = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
 
             fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
                 let [node_hidden, node_weight] = ops.parents;
-                let grad = float::<B, 1>(grads.consume::<B>(&ops.node));
-                let (hidden, weight, targets, lse, spec) = ops.state;
-                let (dh, dw) = chunked_backward(
-                    float::<B, 2>(hidden),
-                    float::<B, 2>(weight),
-                    int::<B, 1>(targets),
-                    float::<B, 1>(lse),
-                    grad,
-                    spec,
-                    // A frozen head (LoRA) has no node: its gradient, a third of the work, is skipped.
-                    node_weight.is_some(),
-                );
-                if let Some(node) = node_hidden {
-                    grads.register::<B>(node.id, dh.into_primitive().tensor());
+                let grad = float::<B, 1>(grads.consume::<B>(&ops.node)); // [1]
+                let (dh, dw) = ops.state;
+                let scaled = |g: FloatTensor<B>| {
+                    let g = float::<B, 2>(g);
+                    let scale = grad.clone().cast(g.dtype()).reshape([1, 1]);
+                    prim(g * scale)
+                };
+                if let (Some(node), Some(dh)) = (node_hidden, dh) {
+                    grads.register::<B>(node.id, scaled(dh));
                 }
                 if let (Some(node), Some(dw)) = (node_weight, dw) {
-                    grads.register::<B>(node.id, dw.into_primitive().tensor());
+                    grads.register::<B>(node.id, scaled(dw));
                 }
             }
         }
 
-        let forward = |h: FloatTensor<B>, w: FloatTensor<B>, t: IntTensor<B>| {
-            chunked_forward(float::<B, 2>(h), float::<B, 2>(w), int::<B, 1>(t), spec)
-        };
+        // A frozen input (the head under LoRA) gets no gradient: for the head that is a third of the work.
+        let need = (!hidden.node.requirement.is_none(), !weight.node.requirement.is_none());
         match LmHeadCrossEntropy.prepare::<C>([hidden.node.clone(), weight.node.clone()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let out = forward(hidden.primitive.clone(), weight.primitive.clone(), targets.clone());
-                let state = (hidden.primitive, weight.primitive, targets, out.lse.into_primitive().tensor(), spec);
-                prep.finish(state, out.loss.into_primitive().tensor())
+                let (loss, dh, dw) = B::lm_head_loss_and_grads(hidden.primitive, weight.primitive, targets, spec, need);
+                prep.finish((dh, dw), loss)
             }
             OpsKind::UnTracked(prep) => {
-                prep.finish(forward(hidden.primitive, weight.primitive, targets).loss.into_primitive().tensor())
+                prep.finish(B::lm_head_cross_entropy(hidden.primitive, weight.primitive, targets, spec))
             }
         }
     }
@@ -327,7 +542,9 @@ mod tests {
         a.iter().zip(&b).fold(0f64, |m, (&x, &y)| m.max((x as f64 - y as f64).abs())) / scale
     }
 
-    /// Loss and both gradients of the tiled op against the plain composition.
+    /// Loss and both gradients against the plain composition (times an upstream gradient of 2.5),
+    /// three ways: the op under autodiff (on Flex: the CPU kernel), the tiled composition called
+    /// directly, and the op on the inner backend (loss only).
     fn compare(n: usize, d: usize, v: usize, spec: ChunkSpec, ignored: usize, tied: bool) {
         let dev = Default::default();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((n * 31 + v) as u64);
@@ -338,6 +555,7 @@ mod tests {
         let t = || Tensor::<AB, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), &dev);
         let h0 = Tensor::<Flex, 2>::random([n, d], Distribution::Normal(0.0, 1.0), &dev);
         let w0 = Tensor::<Flex, 2>::random(if tied { [v, d] } else { [d, v] }, Distribution::Normal(0.0, 0.3), &dev);
+        let head = |w: Tensor<Flex, 2>| if tied { w.transpose() } else { w };
         let run = |chunked: bool| {
             let h = Tensor::<AB, 2>::from_inner(h0.clone()).require_grad();
             let w = Tensor::<AB, 2>::from_inner(w0.clone()).require_grad();
@@ -347,7 +565,7 @@ mod tests {
             } else {
                 lm_head_loss_reference(h.clone(), head, t(), DType::F32)
             };
-            let grads = loss.backward();
+            let grads = (loss.clone() * 2.5).backward();
             (loss.into_data(), h.grad(&grads).unwrap().into_data(), w.grad(&grads).unwrap().into_data())
         };
         let (l1, dh1, dw1) = run(true);
@@ -356,6 +574,30 @@ mod tests {
         assert!(max_rel(&l1, &l0) < 1e-5, "loss {tag}: {l1:?} vs {l0:?}");
         assert!(max_rel(&dh1, &dh0) < 1e-5, "dH {tag}: {}", max_rel(&dh1, &dh0));
         assert!(max_rel(&dw1, &dw0) < 1e-5, "dW {tag}: {}", max_rel(&dw1, &dw0));
+        // The tiled composition itself, and the loss alone on the inner backend.
+        let t_inner = Tensor::<Flex, 1, Int>::from_data(TensorData::new(targets.clone(), [n]), &dev);
+        let (l2, dh2, dw2) = reference_loss_and_grads::<Flex>(
+            prim(h0.clone()),
+            prim(head(w0.clone())),
+            t_inner.clone().into_primitive(),
+            spec,
+            (true, true),
+        );
+        let dw2 = float::<Flex, 2>(dw2.unwrap()) * 2.5;
+        let dw2 = if tied { dw2.transpose() } else { dw2 };
+        assert!(max_rel(&float::<Flex, 1>(l2).into_data(), &l0) < 1e-5, "composition loss {tag}");
+        assert!(max_rel(&(float::<Flex, 2>(dh2.unwrap()) * 2.5).into_data(), &dh0) < 1e-5, "composition dH {tag}");
+        assert!(max_rel(&dw2.into_data(), &dw0) < 1e-5, "composition dW {tag}");
+        let kernel = flex_head_loss(
+            &prim(h0.clone()),
+            &prim(head(w0.clone())),
+            &t_inner.clone().into_primitive(),
+            spec,
+            (true, true),
+        );
+        assert!(kernel.is_some(), "the CPU kernel did not take {tag}");
+        let l3 = lm_head_cross_entropy(h0.clone(), head(w0.clone()), t_inner, spec).into_data();
+        assert!(max_rel(&l3, &l0) < 1e-5, "inner loss {tag}: {l3:?} vs {l0:?}");
     }
 
     #[test]
@@ -369,6 +611,44 @@ mod tests {
         compare(1, 4, 9, spec(1, 4), 0, false);
         // The head tied to an embedding table ([V, D], transposed).
         compare(20, 8, 50, spec(6, 16), 2, true);
+        // More rows than the CPU kernel's block (three blocks of 367), tied and not.
+        compare(1100, 8, 40, spec(64, 16), 9, true);
+        compare(1100, 8, 40, spec(64, 16), 0, false);
+    }
+
+    #[test]
+    fn the_cpu_kernel_blocks_rows_by_the_vocabulary() {
+        assert_eq!(head_block_rows(1100, 40), 367);
+        assert_eq!(head_block_rows(1024, 49_152), 256);
+        assert_eq!(head_block_rows(3, 49_152), 3);
+        assert!(head_block_rows(8192, 128_256) * 128_256 <= 16 << 20);
+        assert_eq!(head_block_rows(0, 10), 1);
+    }
+
+    #[test]
+    fn the_cpu_kernel_in_bf16_stays_close_to_f32() {
+        if !bf16_gemm::supported() {
+            eprintln!("no AVX512_BF16 on this CPU: the bf16 LM head is not reachable here");
+            return;
+        }
+        // Large enough for bf16 GEMMs (≥ 50 MFLOP each); the weight transposed, as a tied head.
+        let (n, d, v) = (64, 256, 4096);
+        let h = crate::ops::testing::values(n * d, 4);
+        let w = crate::ops::testing::values(v * d, 5); // [V, D]
+        let targets: Vec<i64> = (0..n as i64).map(|i| if i % 9 == 0 { -1 } else { i * 61 % v as i64 }).collect();
+        let weight: Strided<'_> = (&w, (1, d));
+        let exact = head_loss(&h, weight, &targets, (n, d, v), (true, true), false);
+        let low = head_loss(&h, weight, &targets, (n, d, v), (true, true), true);
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            // bf16 keeps 8 bits: operands within 2^-9 relative, sums of D or V products in f32.
+            assert!(err <= 2e-2 * scale, "{what}: {err} against {scale}");
+            assert!(err > 0.0, "{what}: bf16 equals f32, the bf16 path was not taken");
+        };
+        assert!((low.loss - exact.loss).abs() < 1e-2 * exact.loss.abs(), "{} vs {}", low.loss, exact.loss);
+        close(low.dh.as_deref().unwrap(), exact.dh.as_deref().unwrap(), "dH");
+        close(low.dw.as_deref().unwrap(), exact.dw.as_deref().unwrap(), "dW");
     }
 
     #[test]

@@ -106,7 +106,7 @@ pub fn bf16_gemms() -> bool {
 
 /// Whether a GEMM is large enough for bf16 to win: below about 50 MFLOP packing and conversion cost
 /// more than the faster products save (the nano model's GEMMs stay f32).
-fn bf16_worth_it(m: usize, n: usize, k: usize) -> bool {
+pub(super) fn bf16_worth_it(m: usize, n: usize, k: usize) -> bool {
     m > FEW_ROWS && 2 * m * n * k >= 50_000_000
 }
 
@@ -127,13 +127,29 @@ pub fn linear_in(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usi
     };
     if (2..=FEW_ROWS).contains(&m) {
         super::few_rows::product(&mut y, b.is_some(), x, w, (m, k, n));
-    } else if !(bf16
-        && bf16_worth_it(m, n, k)
-        && super::bf16_gemm::gemm(&mut y, b.is_some(), (x, (k, 1)), (w, (n, 1)), (m, k, n)))
-    {
-        gemm_into((m, n, k), &mut y, n, b.is_some(), x, (k, 1), w, (n, 1), 1.0, gemm_parallelism(m, n, k));
+    } else {
+        product(&mut y, b.is_some(), (x, (k, 1)), (w, (n, 1)), (m, k, n), bf16);
     }
     y
+}
+
+/// `c (+)= a · b`, `a` `[m, k]` and `b` `[k, n]` read through their (row, column) strides, `c`
+/// `[m, n]` row-major, on all threads when large: bf16 operands with f32 sums (`bf16`, where the CPU
+/// can and the product is large enough to gain), else f32.
+pub(super) fn product(
+    c: &mut [f32],
+    accumulate: bool,
+    (a, a_strides): super::bf16_gemm::Strided<'_>,
+    (b, b_strides): super::bf16_gemm::Strided<'_>,
+    (m, k, n): (usize, usize, usize),
+    bf16: bool,
+) {
+    if !(bf16
+        && bf16_worth_it(m, n, k)
+        && super::bf16_gemm::gemm(c, accumulate, (a, a_strides), (b, b_strides), (m, k, n)))
+    {
+        gemm_into((m, n, k), c, n, accumulate, a, a_strides, b, b_strides, 1.0, gemm_parallelism(m, n, k));
+    }
 }
 
 /// Rows up to which [`linear`] runs the few-rows product ([`super::few_rows`]); one row is a
