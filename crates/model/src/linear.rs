@@ -78,8 +78,10 @@ const DECODE_ROWS: usize = 16;
 
 /// Several projections of the same input, side by side: `x·[W_1 | W_2 | …] + [b_1 | b_2 | …]` as
 /// one GEMM (the concatenated weight is built per call; its gradient splits back into the parts).
-/// With adapters attached, and when decoding a few rows, each projection runs on its own and the
-/// outputs are concatenated.
+/// Adapters attached to some or all of them run packed too ([`crate::lora::forward_packed`]), so
+/// that the output and its gradient stay one contiguous `[N, Σ out_i]`. When decoding a few rows,
+/// and with adapter dropout (one mask each), each projection runs on its own and the outputs are
+/// concatenated.
 /// Computed in `compute`, returned in f32.
 ///
 /// # Shapes
@@ -90,7 +92,8 @@ pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, co
     // concatenating them would copy every packed weight at every token (280 MB a token for
     // SmolLM2-135M) for a product that is bound by reading the weights anyway.
     let decoding = x.dims()[0] <= DECODE_ROWS && !B::ad_enabled(&x.device());
-    if parts.len() == 1 || decoding || parts.iter().any(|p| p.has_lora()) || (biased != 0 && biased != parts.len()) {
+    let dropout = parts.iter().any(|p| p.lora.as_ref().is_some_and(|l| l.dropout > 0.0));
+    if parts.len() == 1 || decoding || dropout || (biased != 0 && biased != parts.len()) {
         let outputs: Vec<_> = parts.iter().map(|p| p.forward(x.clone(), compute)).collect();
         return if outputs.len() == 1 {
             outputs.into_iter().next().expect("one output")
@@ -101,7 +104,13 @@ pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, co
     let weight = Tensor::cat(parts.iter().map(|p| p.weight.val()).collect(), 1);
     let bias =
         (biased != 0).then(|| Tensor::cat(parts.iter().filter_map(|p| p.bias.as_ref().map(|b| b.val())).collect(), 0));
-    linear_packed(x, weight, bias, compute)
+    let y = linear_packed(x.clone(), weight, bias, compute);
+    if parts.iter().any(|p| p.has_lora()) {
+        let adapters: Vec<_> = parts.iter().map(|p| (p.lora.as_ref(), p.d_out())).collect();
+        y + crate::lora::forward_packed(&adapters, x, compute)
+    } else {
+        y
+    }
 }
 
 /// `x·W + b` in `compute`, returned in f32.
@@ -113,4 +122,58 @@ fn linear_packed<B: EmberBackend>(
 ) -> Tensor<B, 2> {
     let bias = b.map(|b| to_dtype(b, compute));
     to_dtype(linear(to_dtype(x, compute), to_dtype(w, compute), bias), DType::F32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lora::LoraConfig;
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::{Distribution, TensorData, Tolerance};
+
+    type AB = Autodiff<Flex>;
+
+    #[test]
+    fn packed_adapters_equal_the_adapters_one_by_one() {
+        let dev = Default::default();
+        let mut init = Init::new(7);
+        let config = LoraConfig { rank: 3, alpha: 6.0, dropout: 0.0, targets: vec![] };
+        let (rows, d_in, outs) = (21, 12, [10, 4, 6]);
+        let mut parts: Vec<Linear<AB>> = outs.iter().map(|&o| Linear::new(&mut init, d_in, o, false, 0.5, &dev)).collect();
+        // Adapters on the first and the last projection, none on the middle one (LoRA's default
+        // targets q and v leave k alone); B made non-zero so that it counts.
+        for i in [0, 2] {
+            let mut lora = Lora::new(&mut init, d_in, outs[i], &config, &dev);
+            let b = Tensor::<AB, 2>::random([config.rank, outs[i]], Distribution::Normal(0.0, 1.0), &dev);
+            lora.lora_b = lora.lora_b.map(|_| b.require_grad());
+            parts[i].lora = Some(lora);
+        }
+        let parts: Vec<&Linear<AB>> = parts.iter().collect();
+        let x0 = Tensor::<Flex, 2>::random([rows, d_in], Distribution::Normal(0.0, 1.0), &dev);
+        let mix = Tensor::<AB, 2>::random([rows, outs.iter().sum()], Distribution::Normal(0.0, 1.0), &dev);
+        let run = |packed: bool| -> Vec<TensorData> {
+            let x = Tensor::<AB, 2>::from_inner(x0.clone()).require_grad();
+            let y = if packed {
+                forward_packed(&parts, x.clone(), DType::F32)
+            } else {
+                Tensor::cat(parts.iter().map(|p| p.forward(x.clone(), DType::F32)).collect(), 1)
+            };
+            let grads = (y.clone() * mix.clone()).sum().backward();
+            let mut out = vec![y.into_data(), x.grad(&grads).expect("dx").into_data()];
+            for p in &parts {
+                out.push(p.weight.val().grad(&grads).expect("dW").into_data());
+                if let Some(lora) = &p.lora {
+                    out.push(lora.lora_a.val().grad(&grads).expect("dA").into_data());
+                    out.push(lora.lora_b.val().grad(&grads).expect("dB").into_data());
+                }
+            }
+            out
+        };
+        let (got, want) = (run(true), run(false));
+        assert_eq!(got.len(), 2 + 3 + 4);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            g.assert_approx_eq::<f32>(w, Tolerance::absolute(1e-4));
+            assert!(i > 0 || g.iter::<f32>().any(|v| v != 0.0), "all zeros");
+        }
+    }
 }
