@@ -139,7 +139,8 @@ mod tests {
         let mut init = Init::new(7);
         let config = LoraConfig { rank: 3, alpha: 6.0, dropout: 0.0, targets: vec![] };
         let (rows, d_in, outs) = (21, 12, [10, 4, 6]);
-        let mut parts: Vec<Linear<AB>> = outs.iter().map(|&o| Linear::new(&mut init, d_in, o, false, 0.5, &dev)).collect();
+        let mut parts: Vec<Linear<AB>> =
+            outs.iter().map(|&o| Linear::new(&mut init, d_in, o, false, 0.5, &dev)).collect();
         // Adapters on the first and the last projection, none on the middle one (LoRA's default
         // targets q and v leave k alone); B made non-zero so that it counts.
         for i in [0, 2] {

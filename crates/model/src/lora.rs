@@ -127,14 +127,14 @@ pub fn forward_packed<B: EmberBackend>(
     for &(lora, out) in adapters {
         if let Some(lora) = lora {
             let b = lora.lora_b.val().mul_scalar(lora.scale); // [r, out]
-            let r = b.dims()[0];
+            let (r, dtype) = (b.dims()[0], b.dtype());
             let mut row = Vec::new();
             if before > 0 {
-                row.push(Tensor::zeros([r, before], &device));
+                row.push(Tensor::<B, 2>::zeros([r, before], &device).cast(dtype));
             }
             row.push(b);
             if total > before + out {
-                row.push(Tensor::zeros([r, total - before - out], &device));
+                row.push(Tensor::<B, 2>::zeros([r, total - before - out], &device).cast(dtype));
             }
             b_rows.push(Tensor::cat(row, 1)); // [r, Σ out]
             a_parts.push(lora.lora_a.val()); // [in, r]

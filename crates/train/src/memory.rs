@@ -20,8 +20,9 @@ pub struct MemoryEstimate {
 /// outputs (3D), q, k, v and their rotated copies (2·H·Dh + 3·K·Dh), the attention output and
 /// projection (2·H·Dh), the MLP's gate, up, activation and product (4F), its output (D), and the
 /// `[T, T]` score and probability matrices per head (2·H·T). Low-precision compute keeps cast
-/// copies of the GEMM inputs besides (counted as half again, in 2 bytes). The tiled loss adds a
-/// `[D, V]` gradient and one tile.
+/// copies of the GEMM inputs besides (counted as half again, in 2 bytes). The LM head's loss adds a
+/// `[D, V]` gradient and up to 24M logits (three tiles of the composition, or the CPU kernel's block
+/// of rows), and in low precision the weight packed twice in 2 bytes (the CPU's bf16 GEMMs).
 pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
     // In u128 and saturated: every size is bounded by validation, but a product of bounds may still
     // pass 2^64, and a wrapped estimate would wave a config through.
@@ -40,14 +41,17 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
     if config.train.activation_checkpointing {
         act /= 2; // elementwise outputs are recomputed; GEMM outputs and scores stay
     }
-    let loss = 4 * (d * m.vocab_size as u128 + 3 * (8 << 20));
+    let mut loss = 4 * (d * m.vocab_size as u128 + 3 * (8 << 20));
+    if config.train.precision != crate::config::Precision::F32 {
+        loss += 4 * d * m.vocab_size as u128;
+    }
     let sat = |x: u128| u64::try_from(x).unwrap_or(u64::MAX);
     let mut terms = vec![
         ("weights (f32)".to_string(), sat(4 * n)),
         ("gradients".to_string(), sat(4 * trainable)),
         ("AdamW moments".to_string(), sat(8 * trainable)),
         (format!("activations ({b}×{t} tokens, {l} layers)"), sat(act)),
-        ("LM head + loss (weight gradient, one tile)".to_string(), sat(loss)),
+        ("LM head + loss (weight gradient, logits, packed weight)".to_string(), sat(loss)),
     ];
     terms.sort_by_key(|t| std::cmp::Reverse(t.1));
     let total = terms.iter().fold(0u64, |acc, (_, v)| acc.saturating_add(*v));

@@ -20,8 +20,9 @@ pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) 
         Precision::Bf16 if !B::native_low_precision() && B::cpu_bf16_gemms() && !forced_low_precision() => (
             DType::F32,
             Some(format!(
-                "{name} runs `bf16` as bf16 operands with f32 sums in the linear layers' large GEMMs \
-                 (AVX512_BF16); activations, attention, norms, softmax, loss and master weights stay f32"
+                "{name} runs `bf16` as bf16 operands with f32 sums in the large GEMMs of the linear \
+                 layers and the LM head (AVX512_BF16); activations, attention, norms, softmax, loss and \
+                 master weights stay f32"
             )),
         ),
         // Measured: bf16 through f32 conversions runs the nano step ~6x slower than f32 on the CPU

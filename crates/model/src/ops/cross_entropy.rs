@@ -309,8 +309,8 @@ fn head_block_rows(n: usize, v: usize) -> usize {
 /// `dH = dlogits · Wᵀ` and `dW += Hᵀ · dlogits` while the block is at hand. The logits are made once
 /// and never recomputed. `bf16`: the large GEMMs take bf16 operands (where the CPU can; the
 /// weight packed once for all blocks) with f32 sums; softmax and loss stay f32. Targets below zero
-/// ([`IGNORE`]) do not count; one past the vocabulary counts with nothing picked, as in the
-/// composition.
+/// ([`IGNORE`]) do not count; a target at or past the vocabulary counts with nothing picked, as in
+/// the composition.
 ///
 /// # Panics
 /// If a slice is shorter than its shape (and strides) reach.
@@ -350,8 +350,13 @@ pub fn head_loss(
             Some(p) => bf16_gemm::gemm_packed(block, false, h, p, r),
             None => kernels::product(block, false, h, weight, (r, d, v), bf16),
         }
-        let rows_loss = block.par_chunks_mut(v).zip(&targets[r0..r0 + r]);
-        total += rows_loss.map(|(row, &t)| row_loss(row, t, grads.then_some(scale))).sum::<f64>();
+        let rows_loss: Vec<f64> = block
+            .par_chunks_mut(v)
+            .zip(&targets[r0..r0 + r])
+            .map(|(row, &t)| row_loss(row, t, grads.then_some(scale)))
+            .collect();
+        // Summed in row order: the same loss on every run, whatever the threads did.
+        total += rows_loss.iter().sum::<f64>();
         let dlogits: Strided<'_> = (block, (v, 1));
         if let Some(dh) = &mut dh {
             let out = &mut dh[r0 * d..(r0 + r) * d];
@@ -459,27 +464,46 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
         /// The gradients are computed with the loss (a training step's loss is always
         /// differentiated): the backward only scales them by the upstream gradient. Memory: `dH`
         /// `[N, D]` and, for a trained head, `dW` `[D, V]` (the head's gradient, made at the start
-        /// of the backward pass anyway); never `[N, V]`.
+        /// of the backward pass anyway); never `[N, V]`. With f16 GEMMs the backward recomputes
+        /// instead: the logits' gradients must carry the loss scale (the upstream gradient) before
+        /// they are rounded to f16, or most of them flush to zero.
         #[derive(Debug)]
         struct LmHeadCrossEntropy;
 
+        /// `(dH, dW)` for an upstream gradient of one, or what the tiled backward recomputes from.
+        type Saved<B> = (
+            Option<FloatTensor<B>>,
+            Option<FloatTensor<B>>,
+            Option<(FloatTensor<B>, FloatTensor<B>, IntTensor<B>, FloatTensor<B>, ChunkSpec)>,
+        );
+
         impl<B: Backend> Backward<B, 2> for LmHeadCrossEntropy {
-            type State = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
+            type State = Saved<B>;
 
             fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
                 let [node_hidden, node_weight] = ops.parents;
                 let grad = float::<B, 1>(grads.consume::<B>(&ops.node)); // [1]
-                let (dh, dw) = ops.state;
-                let scaled = |g: FloatTensor<B>| {
-                    let g = float::<B, 2>(g);
-                    let scale = grad.clone().cast(g.dtype()).reshape([1, 1]);
-                    prim(g * scale)
+                let (dh, dw) = match ops.state {
+                    (_, _, Some((hidden, weight, targets, lse, spec))) => {
+                        let (h, w, t) = (float::<B, 2>(hidden), float::<B, 2>(weight), int::<B, 1>(targets));
+                        let need_weight = node_weight.is_some();
+                        let (dh, dw) = chunked_backward(h, w, t, float(lse), grad, spec, need_weight);
+                        (Some(prim(dh)), dw.map(prim))
+                    }
+                    (dh, dw, None) => {
+                        let scaled = |g: FloatTensor<B>| {
+                            let g = float::<B, 2>(g);
+                            let scale = grad.clone().cast(g.dtype()).reshape([1, 1]);
+                            prim(g * scale)
+                        };
+                        (dh.map(scaled), dw.map(scaled))
+                    }
                 };
                 if let (Some(node), Some(dh)) = (node_hidden, dh) {
-                    grads.register::<B>(node.id, scaled(dh));
+                    grads.register::<B>(node.id, dh);
                 }
                 if let (Some(node), Some(dw)) = (node_weight, dw) {
-                    grads.register::<B>(node.id, scaled(dw));
+                    grads.register::<B>(node.id, dw);
                 }
             }
         }
@@ -487,9 +511,15 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
         // A frozen input (the head under LoRA) gets no gradient: for the head that is a third of the work.
         let need = (!hidden.node.requirement.is_none(), !weight.node.requirement.is_none());
         match LmHeadCrossEntropy.prepare::<C>([hidden.node.clone(), weight.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) if spec.compute == DType::F16 => {
+                let (h, w) = (float::<B, 2>(hidden.primitive), float::<B, 2>(weight.primitive));
+                let out = chunked_forward(h.clone(), w.clone(), int::<B, 1>(targets.clone()), spec);
+                let saved = (prim(h), prim(w), targets, prim(out.lse), spec);
+                prep.finish((None, None, Some(saved)), prim(out.loss))
+            }
             OpsKind::Tracked(prep) => {
                 let (loss, dh, dw) = B::lm_head_loss_and_grads(hidden.primitive, weight.primitive, targets, spec, need);
-                prep.finish((dh, dw), loss)
+                prep.finish((dh, dw, None), loss)
             }
             OpsKind::UnTracked(prep) => {
                 prep.finish(B::lm_head_cross_entropy(hidden.primitive, weight.primitive, targets, spec))
@@ -614,6 +644,35 @@ mod tests {
         // More rows than the CPU kernel's block (three blocks of 367), tied and not.
         compare(1100, 8, 40, spec(64, 16), 9, true);
         compare(1100, 8, 40, spec(64, 16), 0, false);
+    }
+
+    #[test]
+    fn f16_gemms_recompute_in_the_backward_with_the_loss_scale() {
+        // The upstream gradient (a loss scale) reaches the logits' gradients before their f16
+        // rounding: with it applied afterwards, (softmax − onehot) / N of a large N flushes to zero.
+        let dev = Default::default();
+        let (n, d, v) = (64, 16, 50);
+        let h0 = Tensor::<Flex, 2>::random([n, d], Distribution::Normal(0.0, 1.0), &dev);
+        let w0 = Tensor::<Flex, 2>::random([d, v], Distribution::Normal(0.0, 0.3), &dev);
+        let t = || {
+            Tensor::<AB, 1, Int>::from_data(TensorData::new((0..n as i32).map(|i| i * 13 % 50).collect(), [n]), &dev)
+        };
+        let grads = |compute: DType, chunked: bool| {
+            let h = Tensor::<AB, 2>::from_inner(h0.clone()).require_grad();
+            let w = Tensor::<AB, 2>::from_inner(w0.clone()).require_grad();
+            let spec = ChunkSpec { rows: 16, vocab: 24, compute };
+            let loss = if chunked {
+                lm_head_cross_entropy(h.clone(), w.clone(), t(), spec)
+            } else {
+                lm_head_loss_reference(h.clone(), w.clone(), t(), DType::F32)
+            };
+            let g = (loss * 1024.0).backward();
+            (h.grad(&g).unwrap().into_data(), w.grad(&g).unwrap().into_data())
+        };
+        let (dh, dw) = grads(DType::F16, true);
+        let (want_dh, want_dw) = grads(DType::F32, false);
+        assert!(max_rel(&dh, &want_dh) < 1e-2, "dH {}", max_rel(&dh, &want_dh));
+        assert!(max_rel(&dw, &want_dw) < 1e-2, "dW {}", max_rel(&dw, &want_dw));
     }
 
     #[test]

@@ -88,7 +88,8 @@ fn gemm_parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
 
 /// Whether large GEMMs of the linear layers round their operands to bf16 (sums in f32) on CPUs
 /// that have the instructions ([`super::bf16_gemm`]): `--precision bf16` on the CPU. Set once by a
-/// training or benchmark run; read by [`linear`] and [`linear_backward`].
+/// training or benchmark run; read by [`linear`], [`linear_backward`] and the LM head's loss
+/// ([`super::cross_entropy::head_loss`]).
 static BF16_GEMMS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Turns bf16 GEMMs on or off for the linear layers of this process; returns whether they are on
