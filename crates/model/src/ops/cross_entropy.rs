@@ -24,6 +24,7 @@ use rayon::prelude::*;
 
 use super::bf16_gemm::{self, Strided};
 use super::kernels::{self, exp, lanes_max, lanes_sum};
+use super::simd::multiversion;
 use super::{flex, float, int, prim, EmberBackend};
 
 /// Target id that takes no part in the loss (padding, prompt tokens).
@@ -372,29 +373,31 @@ pub fn head_loss(
     HeadLoss { loss: (total / scored.max(1) as f64) as f32, dh, dw }
 }
 
-/// One row's `log-sum-exp − logit[target]` (zero for an ignored row). With `grad` (the upstream
-/// gradient of each scored row), the row becomes its logits' gradient `(softmax − onehot) · grad`
-/// (zeros for an ignored row); without, scratch.
-fn row_loss(row: &mut [f32], target: i64, grad: Option<f32>) -> f64 {
-    if target < 0 {
-        if grad.is_some() {
-            row.fill(0.0);
+multiversion! {
+    /// One row's `log-sum-exp − logit[target]` (zero for an ignored row). With `grad` (the upstream
+    /// gradient of each scored row), the row becomes its logits' gradient `(softmax − onehot) · grad`
+    /// (zeros for an ignored row); without, scratch.
+    pub(super) fn row_loss(row: &mut [f32], target: i64, grad: Option<f32>) -> f64 {
+        if target < 0 {
+            if grad.is_some() {
+                row.fill(0.0);
+            }
+            return 0.0;
         }
-        return 0.0;
-    }
-    let t = usize::try_from(target).unwrap_or(usize::MAX);
-    let picked = row.get(t).copied().unwrap_or(0.0);
-    let max = lanes_max(row);
-    row.iter_mut().for_each(|x| *x = exp(*x - max));
-    let sum = lanes_sum(row);
-    if let Some(g) = grad {
-        let s = g / sum;
-        row.iter_mut().for_each(|x| *x *= s);
-        if let Some(x) = row.get_mut(t) {
-            *x -= g;
+        let t = usize::try_from(target).unwrap_or(usize::MAX);
+        let picked = row.get(t).copied().unwrap_or(0.0);
+        let max = lanes_max(row);
+        row.iter_mut().for_each(|x| *x = exp(*x - max));
+        let sum = lanes_sum(row);
+        if let Some(g) = grad {
+            let s = g / sum;
+            row.iter_mut().for_each(|x| *x *= s);
+            if let Some(x) = row.get_mut(t) {
+                *x -= g;
+            }
         }
+        f64::from(max + sum.ln() - picked)
     }
-    f64::from(max + sum.ln() - picked)
 }
 
 /// [`head_loss`] on Flex tensors, or `None` where it does not take them (other dtypes, a compute

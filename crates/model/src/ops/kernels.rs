@@ -4,6 +4,10 @@
 //! reads queries, keys and values where the packed q/k/v projection put them (`[B·T, (H + 2K)·Dh]`
 //! rows) and no transposed copy is ever made.
 //!
+//! The element-wise kernels (norms, SwiGLU, RoPE, the attention's softmax rows, AdamW, the loss's
+//! rows) are compiled twice by [`super::simd::multiversion!`], once for the baseline x86-64 and
+//! once with AVX-512 and FMA, the copy chosen at run time by the CPU's features.
+//!
 //! The kernels here are tested against direct transcriptions of their formulas or finite differences
 //! (`mod tests`); the Burn-level ops built on them are tested against the plain tensor compositions
 //! (values and gradients) in each op's file (`ops::rms_norm`, `ops::swiglu`, `ops::linear`,
@@ -12,68 +16,73 @@
 use rayon::prelude::*;
 
 use super::rope::RopeLayout;
+use super::simd::multiversion;
 
 /// Rows per rayon task in the row-wise kernels: enough work per task to outweigh scheduling.
 fn rows_per_task(d: usize) -> usize {
     (16_384 / d.max(1)).max(1)
 }
 
-/// `y = x / sqrt(mean(x²) + eps) · w`, row by row.
-///
-/// # Shapes
-/// - x: `[N, D]`, w: `[D]` -> `[N, D]`
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let d = w.len();
-    let mut y = vec![0.0f32; x.len()];
-    let chunk = rows_per_task(d) * d;
-    y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(y, x)| {
-        for (yr, xr) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-            let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-            let inv = 1.0 / (ms + eps).sqrt();
-            for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
-                *o = v * inv * g;
+multiversion! {
+    /// `y = x / sqrt(mean(x²) + eps) · w`, row by row.
+    ///
+    /// # Shapes
+    /// - x: `[N, D]`, w: `[D]` -> `[N, D]`
+    pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+        let d = w.len();
+        let mut y = vec![0.0f32; x.len()];
+        let chunk = rows_per_task(d) * d;
+        y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(y, x)| {
+            for (yr, xr) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
+                    *o = v * inv * g;
+                }
             }
-        }
-    });
-    y
+        });
+        y
+    }
 }
 
-/// Gradients of [`rms_norm`]: with `x̂ = x·r`, `r = 1/sqrt(mean(x²)+eps)` and `g = dy·w`,
-/// `dx = r·(g − x̂·mean(g·x̂))` and `dw = Σ_rows dy·x̂`.
-pub fn rms_norm_backward(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
-    let d = w.len();
-    let mut dx = vec![0.0f32; x.len()];
-    let chunk = rows_per_task(d) * d;
-    let dw = dx
-        .par_chunks_mut(chunk)
-        .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
-        .map(|(dx, (x, dy))| {
-            let mut dw = vec![0.0f32; d];
-            for ((dxr, xr), dyr) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(dy.chunks_exact(d)) {
-                let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-                let r = 1.0 / (ms + eps).sqrt();
-                let mut dot = 0.0f32; // Σ g·x̂
-                for j in 0..d {
-                    let xh = xr[j] * r;
-                    dot += dyr[j] * w[j] * xh;
-                    dw[j] += dyr[j] * xh;
+multiversion! {
+    /// Gradients of [`rms_norm`]: with `x̂ = x·r`, `r = 1/sqrt(mean(x²)+eps)` and `g = dy·w`,
+    /// `dx = r·(g − x̂·mean(g·x̂))` and `dw = Σ_rows dy·x̂`.
+    pub fn rms_norm_backward(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+        let d = w.len();
+        let mut dx = vec![0.0f32; x.len()];
+        let chunk = rows_per_task(d) * d;
+        let dw = dx
+            .par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk).zip(dy.par_chunks(chunk)))
+            .map(|(dx, (x, dy))| {
+                let mut dw = vec![0.0f32; d];
+                for ((dxr, xr), dyr) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(dy.chunks_exact(d)) {
+                    let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                    let r = 1.0 / (ms + eps).sqrt();
+                    let mut dot = 0.0f32; // Σ g·x̂
+                    for j in 0..d {
+                        let xh = xr[j] * r;
+                        dot += dyr[j] * w[j] * xh;
+                        dw[j] += dyr[j] * xh;
+                    }
+                    let mean = dot / d as f32;
+                    for j in 0..d {
+                        dxr[j] = r * (dyr[j] * w[j] - xr[j] * r * mean);
+                    }
                 }
-                let mean = dot / d as f32;
-                for j in 0..d {
-                    dxr[j] = r * (dyr[j] * w[j] - xr[j] * r * mean);
-                }
-            }
-            dw
-        })
-        .collect::<Vec<Vec<f32>>>()
-        // Summed in chunk order, on one thread: the result does not depend on scheduling, so that
-        // training is reproducible bit for bit.
-        .into_iter()
-        .fold(vec![0.0f32; d], |mut a, b| {
-            a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-            a
-        });
-    (dx, dw)
+                dw
+            })
+            .collect::<Vec<Vec<f32>>>()
+            // Summed in chunk order, on one thread: the result does not depend on scheduling, so that
+            // training is reproducible bit for bit.
+            .into_iter()
+            .fold(vec![0.0f32; d], |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                a
+            });
+        (dx, dw)
+    }
 }
 
 /// Whether a GEMM is worth splitting across threads: below about 50 MFLOP the split costs more than
@@ -229,28 +238,32 @@ fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + exp(-z))
 }
 
-/// One AdamW update in place (see [`super::AdamWStep`]), in f32 like torch's, one pass over memory.
-pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &super::AdamWStep) {
-    let (b1, b2, scale) = (h.beta1 as f32, h.beta2 as f32, h.grad_scale as f32);
-    let (lr, eps, keep) = (h.lr as f32, h.eps as f32, (1.0 - h.decay) as f32);
-    let (inv_bias1, inv_bias2) = ((1.0 / h.bias1) as f32, (1.0 / h.bias2) as f32);
-    const CHUNK: usize = 1 << 14;
-    p.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-        .for_each(|((p, g), (m, v))| {
-            for i in 0..p.len() {
-                let g = g[i] * scale;
-                m[i] = b1 * m[i] + (1.0 - b1) * g;
-                v[i] = b2 * v[i] + (1.0 - b2) * g * g;
-                p[i] = p[i] * keep - lr * (m[i] * inv_bias1) / ((v[i] * inv_bias2).sqrt() + eps);
-            }
-        });
+multiversion! {
+    /// One AdamW update in place (see [`super::AdamWStep`]), in f32 like torch's, one pass over memory.
+    pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &super::AdamWStep) {
+        let (b1, b2, scale) = (h.beta1 as f32, h.beta2 as f32, h.grad_scale as f32);
+        let (lr, eps, keep) = (h.lr as f32, h.eps as f32, (1.0 - h.decay) as f32);
+        let (inv_bias1, inv_bias2) = ((1.0 / h.bias1) as f32, (1.0 / h.bias2) as f32);
+        const CHUNK: usize = 1 << 14;
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+            .for_each(|((p, g), (m, v))| {
+                for i in 0..p.len() {
+                    let g = g[i] * scale;
+                    m[i] = b1 * m[i] + (1.0 - b1) * g;
+                    v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+                    p[i] = p[i] * keep - lr * (m[i] * inv_bias1) / ((v[i] * inv_bias2).sqrt() + eps);
+                }
+            });
+    }
 }
 
-/// `Σ x²`, accumulated in f64.
-pub fn sum_squares(x: &[f32]) -> f64 {
-    x.par_chunks(1 << 14).map(|c| c.chunks(8).map(|c| c.iter().map(|&v| v * v).sum::<f32>() as f64).sum::<f64>()).sum()
+multiversion! {
+    /// `Σ x²`, accumulated in f64.
+    pub fn sum_squares(x: &[f32]) -> f64 {
+        x.par_chunks(1 << 14).map(|c| c.chunks(8).map(|c| c.iter().map(|&v| v * v).sum::<f32>() as f64).sum::<f64>()).sum()
+    }
 }
 
 /// `e^x` in f32 without a libm call, so that loops over it vectorise: `x = n·ln2 + r` with
@@ -391,32 +404,34 @@ impl AttnShape {
     }
 }
 
-/// Rotates the q and k heads of every packed row (the first `H + K` heads) by their position's
-/// angles and copies the v heads; `inverse` rotates back (the gradient of the rotation).
-/// `cos`, `sin`: `[T_max, Dh/2]`.
-pub fn rope_packed(qkv: &[f32], s: &AttnShape, cos: &[f32], sin: &[f32], inverse: bool) -> Vec<f32> {
-    let dh = s.head_dim;
-    let half = dh / 2;
-    let width = s.packed_width();
-    let rotated = (s.heads + s.kv_heads) * dh;
-    let mut out = vec![0.0f32; qkv.len()];
-    out.par_chunks_mut(width).zip(qkv.par_chunks(width)).enumerate().for_each(|(r, (o, xr))| {
-        let pos = s.position(r);
-        let (c, sn) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
-        for (o, xr) in o[..rotated].chunks_exact_mut(dh).zip(xr[..rotated].chunks_exact(dh)) {
-            for i in 0..half {
-                let (a, b) = match s.layout {
-                    RopeLayout::HalfSplit => (i, i + half),
-                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-                };
-                let sin = if inverse { -sn[i] } else { sn[i] };
-                o[a] = xr[a] * c[i] - xr[b] * sin;
-                o[b] = xr[a] * sin + xr[b] * c[i];
+multiversion! {
+    /// Rotates the q and k heads of every packed row (the first `H + K` heads) by their position's
+    /// angles and copies the v heads; `inverse` rotates back (the gradient of the rotation).
+    /// `cos`, `sin`: `[T_max, Dh/2]`.
+    pub fn rope_packed(qkv: &[f32], s: &AttnShape, cos: &[f32], sin: &[f32], inverse: bool) -> Vec<f32> {
+        let dh = s.head_dim;
+        let half = dh / 2;
+        let width = s.packed_width();
+        let rotated = (s.heads + s.kv_heads) * dh;
+        let mut out = vec![0.0f32; qkv.len()];
+        out.par_chunks_mut(width).zip(qkv.par_chunks(width)).enumerate().for_each(|(r, (o, xr))| {
+            let pos = s.position(r);
+            let (c, sn) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+            for (o, xr) in o[..rotated].chunks_exact_mut(dh).zip(xr[..rotated].chunks_exact(dh)) {
+                for i in 0..half {
+                    let (a, b) = match s.layout {
+                        RopeLayout::HalfSplit => (i, i + half),
+                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                    };
+                    let sin = if inverse { -sn[i] } else { sn[i] };
+                    o[a] = xr[a] * c[i] - xr[b] * sin;
+                    o[b] = xr[a] * sin + xr[b] * c[i];
+                }
             }
-        }
-        o[rotated..].copy_from_slice(&xr[rotated..]);
-    });
-    out
+            o[rotated..].copy_from_slice(&xr[rotated..]);
+        });
+        out
+    }
 }
 
 /// What the forward pass keeps for the backward pass.
@@ -428,6 +443,7 @@ pub struct AttnOut {
 }
 
 /// The maximum of `x` (at least one element) with 8 independent lanes, so that it vectorises.
+#[inline(always)]
 pub(super) fn lanes_max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let chunks = x.chunks_exact(8);
@@ -441,6 +457,7 @@ pub(super) fn lanes_max(x: &[f32]) -> f32 {
 }
 
 /// The sum of `x` with 8 independent lanes, so that it vectorises.
+#[inline(always)]
 pub(super) fn lanes_sum(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = x.chunks_exact(8);
@@ -454,6 +471,7 @@ pub(super) fn lanes_sum(x: &[f32]) -> f32 {
 }
 
 /// `Σ a·b` with 8 independent lanes.
+#[inline(always)]
 pub(super) fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -475,191 +493,200 @@ fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t).step_by(CAUSAL_BLOCK).map(move |r0| (r0, (r0 + CAUSAL_BLOCK).min(t)))
 }
 
-/// Causal attention over packed rotated q/k/v rows, for every (batch, head); query head `h` reads
-/// key/value head `h / (H/K)`. Query `i` sees keys `0..=i`, or `first..=i` within its document
-/// (block-diagonal causal, see [`AttnShape::docs`]).
-///
-/// # Shapes
-/// - qkv: `[B·T, (H + 2K)·Dh]` -> o: `[B·T, H·Dh]`, lse: `[B·H·T]`
-pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
-    let (t, h, dh) = (s.seq, s.heads, s.head_dim);
-    let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
-    let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..s.batch * h)
-        .into_par_iter()
-        .map(|bh| {
-            let (b, head) = (bh / h, bh % h);
-            let kv = head / s.group();
-            let rows = &qkv[b * t * w..];
-            let (qb, kb, vb) = (&rows[head * dh..], &rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
-            // One row block's scores at a time: row stride t, block rows use columns 0..r1.
-            let mut scores = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
-            let mut lse = vec![0.0f32; t];
-            let mut o = vec![0.0f32; t * dh];
-            for (r0, r1) in causal_blocks(t) {
-                let m = r1 - r0;
-                // Keys before `k0` are in earlier documents for every query of the block: skipped.
-                let k0 = (r0..r1).map(|i| s.first_key(b, i)).min().unwrap_or(0);
-                let sc = &mut scores[..m * t];
-                matmul(
-                    (m, r1 - k0, dh),
-                    &mut sc[k0..],
-                    t,
-                    false,
-                    &qb[r0 * w..],
-                    (w, 1),
-                    &kb[k0 * w..],
-                    (1, w),
-                    s.scale,
-                );
-                for i in r0..r1 {
-                    let row = &mut sc[(i - r0) * t..(i - r0) * t + r1];
-                    let lo = s.first_key(b, i);
-                    let max = lanes_max(&row[lo..=i]);
-                    row[lo..=i].iter_mut().for_each(|p| *p = exp(*p - max));
-                    let sum = lanes_sum(&row[lo..=i]);
-                    let inv = 1.0 / sum;
-                    row[lo..=i].iter_mut().for_each(|p| *p *= inv);
-                    row[k0..lo].iter_mut().for_each(|p| *p = 0.0);
-                    row[i + 1..].iter_mut().for_each(|p| *p = 0.0);
-                    lse[i] = max + sum.ln();
-                }
-                let (o_blk, v_blk) = (&mut o[r0 * dh..r1 * dh], &vb[k0 * w..]);
-                matmul((m, dh, r1 - k0), o_blk, dh, false, &sc[k0..], (t, 1), v_blk, (w, 1), 1.0);
-            }
-            (o, lse)
-        })
-        .collect();
-    let mut o = vec![0.0f32; s.batch * t * h * dh];
-    let mut lse = vec![0.0f32; s.batch * h * t];
-    for (bh, (ob, lb)) in blocks.into_iter().enumerate() {
-        let (b, head) = (bh / h, bh % h);
-        for i in 0..t {
-            let at = ((b * t + i) * h + head) * dh;
-            o[at..at + dh].copy_from_slice(&ob[i * dh..(i + 1) * dh]);
-        }
-        lse[bh * t..(bh + 1) * t].copy_from_slice(&lb);
-    }
-    AttnOut { o, lse }
-}
-
-/// Gradients of [`attention`] with respect to the packed rotated q/k/v, given the forward's output
-/// and log-sum-exp: per query head, `P` is recomputed from the scores and `lse`, `dV += Pᵀ dO`,
-/// `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O))`, `dQ = scale · dS K`, `dK += scale · dSᵀ Q`. Heads sharing a
-/// key/value head are done by one task, which owns that head's `dK`, `dV`.
-///
-/// # Shapes
-/// - qkv: `[B·T, (H + 2K)·Dh]`, d_o: `[B·T, H·Dh]` -> `[B·T, (H + 2K)·Dh]`
-pub fn attention_backward(qkv: &[f32], (o, lse): (&[f32], &[f32]), d_o: &[f32], s: &AttnShape) -> Vec<f32> {
-    let (t, h, kh, dh) = (s.seq, s.heads, s.kv_heads, s.head_dim);
-    let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
-    let o_rs = h * dh;
-    let group = s.group();
-    let blocks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..s.batch * kh)
-        .into_par_iter()
-        .map(|bk| {
-            let (b, kv) = (bk / kh, bk % kh);
-            let rows = &qkv[b * t * w..];
-            let (kb, vb) = (&rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
-            let (mut dk, mut dv) = (vec![0.0f32; t * dh], vec![0.0f32; t * dh]);
-            let mut dq = vec![0.0f32; group * t * dh];
-            // One row block of P and dP at a time (row stride t).
-            let mut p = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
-            let mut dp = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
-            for g in 0..group {
-                let head = kv * group + g;
-                let qb = &rows[head * dh..];
-                let off = b * t * o_rs + head * dh;
-                let (ob, dob) = (&o[off..], &d_o[off..]);
-                let lse = &lse[(b * h + head) * t..(b * h + head + 1) * t];
-                let dqg = &mut dq[g * t * dh..(g + 1) * t * dh];
+multiversion! {
+    /// Causal attention over packed rotated q/k/v rows, for every (batch, head); query head `h` reads
+    /// key/value head `h / (H/K)`. Query `i` sees keys `0..=i`, or `first..=i` within its document
+    /// (block-diagonal causal, see [`AttnShape::docs`]).
+    ///
+    /// # Shapes
+    /// - qkv: `[B·T, (H + 2K)·Dh]` -> o: `[B·T, H·Dh]`, lse: `[B·H·T]`
+    pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
+        let (t, h, dh) = (s.seq, s.heads, s.head_dim);
+        let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
+        let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..s.batch * h)
+            .into_par_iter()
+            .map(|bh| {
+                let (b, head) = (bh / h, bh % h);
+                let kv = head / s.group();
+                let rows = &qkv[b * t * w..];
+                let (qb, kb, vb) = (&rows[head * dh..], &rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
+                // One row block's scores at a time: row stride t, block rows use columns 0..r1.
+                let mut scores = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
+                let mut lse = vec![0.0f32; t];
+                let mut o = vec![0.0f32; t * dh];
                 for (r0, r1) in causal_blocks(t) {
                     let m = r1 - r0;
-                    // Columns `k0..r1` only: earlier keys are in other documents for the whole block.
+                    // Keys before `k0` are in earlier documents for every query of the block: skipped.
                     let k0 = (r0..r1).map(|i| s.first_key(b, i)).min().unwrap_or(0);
-                    let n = r1 - k0;
-                    let (p, dp) = (&mut p[..m * t], &mut dp[..m * t]);
-                    let (q_blk, do_blk) = (&qb[r0 * w..], &dob[r0 * o_rs..]);
-                    let (k_blk, v_blk) = (&kb[k0 * w..], &vb[k0 * w..]);
-                    matmul((m, n, dh), &mut p[k0..], t, false, q_blk, (w, 1), k_blk, (1, w), s.scale);
+                    let sc = &mut scores[..m * t];
+                    matmul(
+                        (m, r1 - k0, dh),
+                        &mut sc[k0..],
+                        t,
+                        false,
+                        &qb[r0 * w..],
+                        (w, 1),
+                        &kb[k0 * w..],
+                        (1, w),
+                        s.scale,
+                    );
                     for i in r0..r1 {
-                        let (row, l, lo) = (&mut p[(i - r0) * t..(i - r0) * t + r1], lse[i], s.first_key(b, i));
-                        row[lo..=i].iter_mut().for_each(|x| *x = exp(*x - l));
-                        row[k0..lo].iter_mut().for_each(|x| *x = 0.0);
-                        row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
+                        let row = &mut sc[(i - r0) * t..(i - r0) * t + r1];
+                        let lo = s.first_key(b, i);
+                        let max = lanes_max(&row[lo..=i]);
+                        row[lo..=i].iter_mut().for_each(|p| *p = exp(*p - max));
+                        let sum = lanes_sum(&row[lo..=i]);
+                        let inv = 1.0 / sum;
+                        row[lo..=i].iter_mut().for_each(|p| *p *= inv);
+                        row[k0..lo].iter_mut().for_each(|p| *p = 0.0);
+                        row[i + 1..].iter_mut().for_each(|p| *p = 0.0);
+                        lse[i] = max + sum.ln();
                     }
-                    let dv_blk = &mut dv[k0 * dh..r1 * dh];
-                    matmul((n, dh, m), dv_blk, dh, true, &p[k0..], (1, t), do_blk, (o_rs, 1), 1.0);
-                    matmul((m, n, dh), &mut dp[k0..], t, false, do_blk, (o_rs, 1), v_blk, (1, w), 1.0);
-                    for i in r0..r1 {
-                        let (o_i, do_i) = (&ob[i * o_rs..i * o_rs + dh], &dob[i * o_rs..i * o_rs + dh]);
-                        let delta = lanes_dot(o_i, do_i);
-                        let at = (i - r0) * t;
-                        let (ds, p_row) = (&mut dp[at + k0..at + r1], &p[at + k0..at + i + 1]);
-                        // P is zero outside the query's keys, so dS is too.
-                        ds[..=i - k0].iter_mut().zip(p_row).for_each(|(d, &p)| *d = p * (*d - delta));
-                        ds[i + 1 - k0..].iter_mut().for_each(|x| *x = 0.0);
-                    }
-                    let dq_blk = &mut dqg[r0 * dh..r1 * dh];
-                    matmul((m, dh, n), dq_blk, dh, false, &dp[k0..], (t, 1), k_blk, (w, 1), s.scale);
-                    matmul((n, dh, m), &mut dk[k0 * dh..r1 * dh], dh, true, &dp[k0..], (1, t), q_blk, (w, 1), s.scale);
+                    let (o_blk, v_blk) = (&mut o[r0 * dh..r1 * dh], &vb[k0 * w..]);
+                    matmul((m, dh, r1 - k0), o_blk, dh, false, &sc[k0..], (t, 1), v_blk, (w, 1), 1.0);
                 }
+                (o, lse)
+            })
+            .collect();
+        let mut o = vec![0.0f32; s.batch * t * h * dh];
+        let mut lse = vec![0.0f32; s.batch * h * t];
+        for (bh, (ob, lb)) in blocks.into_iter().enumerate() {
+            let (b, head) = (bh / h, bh % h);
+            for i in 0..t {
+                let at = ((b * t + i) * h + head) * dh;
+                o[at..at + dh].copy_from_slice(&ob[i * dh..(i + 1) * dh]);
             }
-            (dq, dk, dv)
-        })
-        .collect();
-    let mut d_qkv = vec![0.0f32; qkv.len()];
-    for (bk, (dqb, dkb, dvb)) in blocks.into_iter().enumerate() {
-        let (b, kv) = (bk / kh, bk % kh);
-        for i in 0..t {
-            let row = &mut d_qkv[(b * t + i) * w..(b * t + i + 1) * w];
-            row[k_off + kv * dh..k_off + (kv + 1) * dh].copy_from_slice(&dkb[i * dh..(i + 1) * dh]);
-            row[v_off + kv * dh..v_off + (kv + 1) * dh].copy_from_slice(&dvb[i * dh..(i + 1) * dh]);
-            for g in 0..group {
-                let head = kv * group + g;
-                row[head * dh..(head + 1) * dh].copy_from_slice(&dqb[(g * t + i) * dh..(g * t + i + 1) * dh]);
-            }
+            lse[bh * t..(bh + 1) * t].copy_from_slice(&lb);
         }
+        AttnOut { o, lse }
     }
-    d_qkv
 }
 
-/// `silu(g) · u` of packed rows `[g | u]`, `2F` wide.
-///
-/// # Shapes
-/// - gu: `[N, 2F]` -> `[N, F]`
-pub fn swiglu_packed(gu: &[f32], f: usize) -> Vec<f32> {
-    let rows = gu.len() / (2 * f).max(1);
-    let mut y = vec![0.0f32; rows * f];
-    let per = rows_per_task(2 * f);
-    y.par_chunks_mut(per * f).zip(gu.par_chunks(per * 2 * f)).for_each(|(y, gu)| {
-        for (y, gu) in y.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
-            let (g, u) = gu.split_at(f);
-            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                *y = g * sigmoid(g) * u;
-            }
-        }
-    });
-    y
-}
-
-/// Gradient of [`swiglu_packed`], packed the same way.
-pub fn swiglu_packed_backward(gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
-    let mut d = vec![0.0f32; gu.len()];
-    let per = rows_per_task(2 * f);
-    d.par_chunks_mut(per * 2 * f).zip(gu.par_chunks(per * 2 * f).zip(dy.par_chunks(per * f))).for_each(
-        |(d, (gu, dy))| {
-            for ((d, gu), dy) in d.chunks_exact_mut(2 * f).zip(gu.chunks_exact(2 * f)).zip(dy.chunks_exact(f)) {
-                let (g, u) = gu.split_at(f);
-                let (dg, du) = d.split_at_mut(f);
-                for i in 0..f {
-                    let s = sigmoid(g[i]);
-                    du[i] = dy[i] * g[i] * s;
-                    dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+multiversion! {
+    /// Gradients of [`attention`] with respect to the packed rotated q/k/v, given the forward's output
+    /// and log-sum-exp: per query head, `P` is recomputed from the scores and `lse`, `dV += Pᵀ dO`,
+    /// `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O))`, `dQ = scale · dS K`, `dK += scale · dSᵀ Q`. Heads sharing a
+    /// key/value head are done by one task, which owns that head's `dK`, `dV`.
+    ///
+    /// # Shapes
+    /// - qkv: `[B·T, (H + 2K)·Dh]`, d_o: `[B·T, H·Dh]` -> `[B·T, (H + 2K)·Dh]`
+    pub fn attention_backward(qkv: &[f32], saved: (&[f32], &[f32]), d_o: &[f32], s: &AttnShape) -> Vec<f32> {
+        let (o, lse) = saved;
+        let (t, h, kh, dh) = (s.seq, s.heads, s.kv_heads, s.head_dim);
+        let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
+        let o_rs = h * dh;
+        let group = s.group();
+        let blocks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..s.batch * kh)
+            .into_par_iter()
+            .map(|bk| {
+                let (b, kv) = (bk / kh, bk % kh);
+                let rows = &qkv[b * t * w..];
+                let (kb, vb) = (&rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
+                let (mut dk, mut dv) = (vec![0.0f32; t * dh], vec![0.0f32; t * dh]);
+                let mut dq = vec![0.0f32; group * t * dh];
+                // One row block of P and dP at a time (row stride t).
+                let mut p = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
+                let mut dp = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
+                for g in 0..group {
+                    let head = kv * group + g;
+                    let qb = &rows[head * dh..];
+                    let off = b * t * o_rs + head * dh;
+                    let (ob, dob) = (&o[off..], &d_o[off..]);
+                    let lse = &lse[(b * h + head) * t..(b * h + head + 1) * t];
+                    let dqg = &mut dq[g * t * dh..(g + 1) * t * dh];
+                    for (r0, r1) in causal_blocks(t) {
+                        let m = r1 - r0;
+                        // Columns `k0..r1` only: earlier keys are in other documents for the whole block.
+                        let k0 = (r0..r1).map(|i| s.first_key(b, i)).min().unwrap_or(0);
+                        let n = r1 - k0;
+                        let (p, dp) = (&mut p[..m * t], &mut dp[..m * t]);
+                        let (q_blk, do_blk) = (&qb[r0 * w..], &dob[r0 * o_rs..]);
+                        let (k_blk, v_blk) = (&kb[k0 * w..], &vb[k0 * w..]);
+                        matmul((m, n, dh), &mut p[k0..], t, false, q_blk, (w, 1), k_blk, (1, w), s.scale);
+                        for i in r0..r1 {
+                            let (row, l, lo) = (&mut p[(i - r0) * t..(i - r0) * t + r1], lse[i], s.first_key(b, i));
+                            row[lo..=i].iter_mut().for_each(|x| *x = exp(*x - l));
+                            row[k0..lo].iter_mut().for_each(|x| *x = 0.0);
+                            row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
+                        }
+                        let dv_blk = &mut dv[k0 * dh..r1 * dh];
+                        matmul((n, dh, m), dv_blk, dh, true, &p[k0..], (1, t), do_blk, (o_rs, 1), 1.0);
+                        matmul((m, n, dh), &mut dp[k0..], t, false, do_blk, (o_rs, 1), v_blk, (1, w), 1.0);
+                        for i in r0..r1 {
+                            let (o_i, do_i) = (&ob[i * o_rs..i * o_rs + dh], &dob[i * o_rs..i * o_rs + dh]);
+                            let delta = lanes_dot(o_i, do_i);
+                            let at = (i - r0) * t;
+                            let (ds, p_row) = (&mut dp[at + k0..at + r1], &p[at + k0..at + i + 1]);
+                            // P is zero outside the query's keys, so dS is too.
+                            ds[..=i - k0].iter_mut().zip(p_row).for_each(|(d, &p)| *d = p * (*d - delta));
+                            ds[i + 1 - k0..].iter_mut().for_each(|x| *x = 0.0);
+                        }
+                        let dq_blk = &mut dqg[r0 * dh..r1 * dh];
+                        matmul((m, dh, n), dq_blk, dh, false, &dp[k0..], (t, 1), k_blk, (w, 1), s.scale);
+                        matmul((n, dh, m), &mut dk[k0 * dh..r1 * dh], dh, true, &dp[k0..], (1, t), q_blk, (w, 1), s.scale);
+                    }
+                }
+                (dq, dk, dv)
+            })
+            .collect();
+        let mut d_qkv = vec![0.0f32; qkv.len()];
+        for (bk, (dqb, dkb, dvb)) in blocks.into_iter().enumerate() {
+            let (b, kv) = (bk / kh, bk % kh);
+            for i in 0..t {
+                let row = &mut d_qkv[(b * t + i) * w..(b * t + i + 1) * w];
+                row[k_off + kv * dh..k_off + (kv + 1) * dh].copy_from_slice(&dkb[i * dh..(i + 1) * dh]);
+                row[v_off + kv * dh..v_off + (kv + 1) * dh].copy_from_slice(&dvb[i * dh..(i + 1) * dh]);
+                for g in 0..group {
+                    let head = kv * group + g;
+                    row[head * dh..(head + 1) * dh].copy_from_slice(&dqb[(g * t + i) * dh..(g * t + i + 1) * dh]);
                 }
             }
-        },
-    );
-    d
+        }
+        d_qkv
+    }
+}
+
+multiversion! {
+    /// `silu(g) · u` of packed rows `[g | u]`, `2F` wide.
+    ///
+    /// # Shapes
+    /// - gu: `[N, 2F]` -> `[N, F]`
+    pub fn swiglu_packed(gu: &[f32], f: usize) -> Vec<f32> {
+        let rows = gu.len() / (2 * f).max(1);
+        let mut y = vec![0.0f32; rows * f];
+        let per = rows_per_task(2 * f);
+        y.par_chunks_mut(per * f).zip(gu.par_chunks(per * 2 * f)).for_each(|(y, gu)| {
+            for (y, gu) in y.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
+                let (g, u) = gu.split_at(f);
+                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                    *y = g * sigmoid(g) * u;
+                }
+            }
+        });
+        y
+    }
+}
+
+multiversion! {
+    /// Gradient of [`swiglu_packed`], packed the same way.
+    pub fn swiglu_packed_backward(gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+        let mut d = vec![0.0f32; gu.len()];
+        let per = rows_per_task(2 * f);
+        d.par_chunks_mut(per * 2 * f).zip(gu.par_chunks(per * 2 * f).zip(dy.par_chunks(per * f))).for_each(
+            |(d, (gu, dy))| {
+                for ((d, gu), dy) in d.chunks_exact_mut(2 * f).zip(gu.chunks_exact(2 * f)).zip(dy.chunks_exact(f)) {
+                    let (g, u) = gu.split_at(f);
+                    let (dg, du) = d.split_at_mut(f);
+                    for i in 0..f {
+                        let s = sigmoid(g[i]);
+                        du[i] = dy[i] * g[i] * s;
+                        dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+                    }
+                }
+            },
+        );
+        d
+    }
 }
 
 #[cfg(test)]
@@ -756,6 +783,71 @@ mod tests {
             layout: RopeLayout::HalfSplit,
             scale: 1.0 / (head_dim as f32).sqrt(),
             docs: None,
+        }
+    }
+
+    /// Every kernel built by `multiversion!` gives the same bits from its wide copy (AVX-512, where
+    /// this CPU has it) and its baseline copy (what a CPU without it runs).
+    #[test]
+    fn wide_and_portable_copies_of_the_kernels_agree() {
+        use super::super::simd::{detected, portable_only};
+        if !detected() {
+            eprintln!("no AVX-512 on this CPU: only the baseline copies are reachable, and the other tests run them");
+        }
+        let val = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len).map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 401.0 - 2.5).collect()
+        };
+        let s = AttnShape { docs: docs(&[&[40, 60], &[100]]), ..shape(2, 100, 6, 2, 16) };
+        let (cos, sin) = (val(100 * 8, 9).iter().map(|x| x.cos()).collect::<Vec<_>>(), val(100 * 8, 10));
+        let (d, f) = (48, 40);
+        let (x, w, dy) = (val(64 * d, 1), val(d, 2), val(64 * d, 3));
+        let (gu, dyf) = (val(64 * 2 * f, 4), val(64 * f, 5));
+        let qkv = val(2 * 100 * s.packed_width(), 6);
+        let d_o = val(2 * 100 * 6 * 16, 7);
+        let step = super::super::AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            decay: 1e-4,
+            bias1: 0.1,
+            bias2: 0.05,
+            grad_scale: 0.7,
+        };
+        let logits = val(3000, 8);
+        let run = || {
+            let rope = rope_packed(&qkv, &s, &cos, &sin, false);
+            let attn = attention(&rope, &s);
+            let d_qkv = attention_backward(&rope, (&attn.o, &attn.lse), &d_o, &s);
+            let (mut p, mut m, mut v) =
+                (val(5000, 11), val(5000, 12), val(5000, 13).iter().map(|x| x.abs()).collect::<Vec<f32>>());
+            adamw(&mut p, &val(5000, 14), &mut m, &mut v, &step);
+            let (dx, dw) = rms_norm_backward(&x, &w, &dy, 1e-5);
+            let mut dlogits = logits.clone();
+            let loss = super::super::cross_entropy::row_loss(&mut dlogits, 17, Some(0.5));
+            [
+                rms_norm(&x, &w, 1e-5),
+                dx,
+                dw,
+                swiglu_packed(&gu, f),
+                swiglu_packed_backward(&gu, &dyf, f),
+                rope,
+                attn.o,
+                attn.lse,
+                d_qkv,
+                p,
+                m,
+                v,
+                dlogits,
+                vec![sum_squares(&x) as f32, loss as f32],
+            ]
+        };
+        let wide = run();
+        let portable = portable_only(run);
+        for (i, (a, b)) in wide.iter().zip(&portable).enumerate() {
+            assert_eq!(a.len(), b.len());
+            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "output {i}: the wide and portable copies differ");
         }
     }
 

@@ -33,6 +33,7 @@ pub mod nccl;
 pub mod paged;
 pub mod rms_norm;
 pub mod rope;
+pub mod simd;
 pub mod swiglu;
 #[cfg(test)]
 mod testing;
