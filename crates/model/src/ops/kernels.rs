@@ -4,9 +4,10 @@
 //! reads queries, keys and values where the packed q/k/v projection put them (`[B·T, (H + 2K)·Dh]`
 //! rows) and no transposed copy is ever made.
 //!
-//! The element-wise kernels (norms, SwiGLU, RoPE, the attention's softmax rows, AdamW, the loss's
-//! rows) are compiled twice by [`super::simd::multiversion!`], once for the baseline x86-64 and
-//! once with AVX-512 and FMA, the copy chosen at run time by the CPU's features.
+//! The element-wise kernels here (norms, SwiGLU, RoPE, the attention's softmax rows, AdamW, the
+//! sum of squares), like the loss's rows in `ops::cross_entropy`, are compiled twice by
+//! [`super::simd::multiversion!`], once for the baseline x86-64 and once with AVX-512 and FMA, the
+//! copy chosen at run time by the CPU's features.
 //!
 //! The kernels here are tested against direct transcriptions of their formulas or finite differences
 //! (`mod tests`); the Burn-level ops built on them are tested against the plain tensor compositions
@@ -234,6 +235,7 @@ pub fn linear_backward_in(
     (dx, dw, db)
 }
 
+#[inline(always)]
 fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + exp(-z))
 }
@@ -262,15 +264,19 @@ multiversion! {
 multiversion! {
     /// `Σ x²`, accumulated in f64.
     pub fn sum_squares(x: &[f32]) -> f64 {
-        x.par_chunks(1 << 14).map(|c| c.chunks(8).map(|c| c.iter().map(|&v| v * v).sum::<f32>() as f64).sum::<f64>()).sum()
+        let chunk = |c: &[f32]| c.chunks(8).map(|c| c.iter().map(|&v| v * v).sum::<f32>() as f64).sum::<f64>();
+        // The chunks' sums added in order on one thread: rayon's own `sum` combines them in an order
+        // that depends on work stealing, and the gradient norm would change from run to run.
+        x.par_chunks(1 << 14).map(chunk).collect::<Vec<f64>>().into_iter().sum()
     }
 }
 
 /// `e^x` in f32 without a libm call, so that loops over it vectorise: `x = n·ln2 + r` with
 /// `|r| <= ln2/2`, `e^r` from a degree-6 polynomial (Cephes' `expf` coefficients), `2^n` built in the
-/// exponent bits. Plain multiply-adds: `mul_add` is a libm call where the target has no FMA. Within 2e-7 relative of `f32::exp` for normal results (test below); inputs are
-/// clamped to `[-87.3, 88.7]`, so results below f32's smallest normal come out as about 1e-38
-/// instead of 0. NaN stays NaN.
+/// exponent bits. Plain multiply-adds: `mul_add` is a libm call where the target has no FMA.
+/// Within 2e-7 relative of `f32::exp` for normal results (test below); inputs are clamped to
+/// `[-87.3, 88.7]`, so results below f32's smallest normal come out as about 1e-38 instead of 0.
+/// NaN stays NaN.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -623,7 +629,8 @@ multiversion! {
                         }
                         let dq_blk = &mut dqg[r0 * dh..r1 * dh];
                         matmul((m, dh, n), dq_blk, dh, false, &dp[k0..], (t, 1), k_blk, (w, 1), s.scale);
-                        matmul((n, dh, m), &mut dk[k0 * dh..r1 * dh], dh, true, &dp[k0..], (1, t), q_blk, (w, 1), s.scale);
+                        let dk_blk = &mut dk[k0 * dh..r1 * dh];
+                        matmul((n, dh, m), dk_blk, dh, true, &dp[k0..], (1, t), q_blk, (w, 1), s.scale);
                     }
                 }
                 (dq, dk, dv)
@@ -817,6 +824,8 @@ mod tests {
         let logits = val(3000, 8);
         let run = || {
             let rope = rope_packed(&qkv, &s, &cos, &sin, false);
+            let interleaved = AttnShape { layout: RopeLayout::Interleaved, ..s.clone() };
+            let unrotated = rope_packed(&rope, &interleaved, &cos, &sin, true);
             let attn = attention(&rope, &s);
             let d_qkv = attention_backward(&rope, (&attn.o, &attn.lse), &d_o, &s);
             let (mut p, mut m, mut v) =
@@ -839,7 +848,10 @@ mod tests {
                 m,
                 v,
                 dlogits,
-                vec![sum_squares(&x) as f32, loss as f32],
+                unrotated,
+                vec![loss as f32],
+                // The f64's bytes, compared exactly like the rest.
+                sum_squares(&x).to_bits().to_le_bytes().map(f32::from).to_vec(),
             ]
         };
         let wide = run();

@@ -56,7 +56,11 @@ pub fn portable_only<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Defines `fn name(args) -> ret { body }` whose body is compiled twice, baseline and with
-/// AVX-512 + FMA, the second taken when [`wide`] holds. Arguments must be plain names.
+/// AVX-512 + FMA, the second taken when [`wide`] holds. Arguments must be plain names; no generics,
+/// `self` or `impl Trait` arguments. The body is written inside the macro (rustfmt leaves it
+/// alone) rather than in an `#[inline(always)]` function the two copies call: closures take their
+/// target features from the function they are written in, so the rayon tasks of an inlined body
+/// would stay baseline.
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
@@ -64,9 +68,9 @@ macro_rules! multiversion {
             #[cfg(target_arch = "x86_64")]
             if $crate::ops::simd::wide() {
                 #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
-                #[allow(clippy::too_many_arguments)]
                 fn wide($($arg: $ty),*) $(-> $ret)? $body
-                // SAFETY: `wide()` checked that this CPU has every feature the copy enables.
+                // SAFETY: `wide()` checked that this CPU has the four features named above (those
+                // imply the rest that `avx512f` switches on, such as F16C, on every CPU that has it).
                 return unsafe { wide($($arg),*) };
             }
             $body
