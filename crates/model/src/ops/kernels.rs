@@ -798,12 +798,10 @@ mod tests {
     #[test]
     fn wide_and_portable_copies_of_the_kernels_agree() {
         use super::super::simd::{detected, portable_only};
+        use super::super::testing::values as val;
         if !detected() {
             eprintln!("no AVX-512 on this CPU: only the baseline copies are reachable, and the other tests run them");
         }
-        let val = |len: usize, seed: usize| -> Vec<f32> {
-            (0..len).map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 401.0 - 2.5).collect()
-        };
         let s = AttnShape { docs: docs(&[&[40, 60], &[100]]), ..shape(2, 100, 6, 2, 16) };
         let (cos, sin) = (val(100 * 8, 9).iter().map(|x| x.cos()).collect::<Vec<_>>(), val(100 * 8, 10));
         let (d, f) = (48, 40);

@@ -10,29 +10,25 @@
 //! fuse multiplies and adds on its own, so the wide build changes speed, not results (tested).
 
 use std::cell::Cell;
-use std::sync::OnceLock;
 
 thread_local! {
     /// Set by [`portable_only`]: this thread's calls run the baseline copy.
     static PORTABLE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Whether the CPU has what the wide copies are compiled for.
+/// Whether the CPU has what the wide copies are compiled for (std caches the detection).
 pub fn detected() -> bool {
-    static DETECTED: OnceLock<bool> = OnceLock::new();
-    *DETECTED.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512vl")
-                && std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// Whether a kernel called on this thread now runs its wide copy.
