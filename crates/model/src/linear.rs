@@ -77,7 +77,8 @@ impl<B: EmberBackend> Linear<B> {
 const DECODE_ROWS: usize = 16;
 
 /// Several projections of the same input, side by side: `x·[W_1 | W_2 | …] + [b_1 | b_2 | …]` as
-/// one GEMM (the concatenated weight is built per call; its gradient splits back into the parts).
+/// one op ([`linear::linear_multi`]: on the CPU each weight is read where it is and gets its own
+/// contiguous gradient; elsewhere the weights are concatenated per call).
 /// Adapters attached to some or all of them run packed too ([`crate::lora::forward_packed`]), so
 /// that the output and its gradient stay one contiguous `[N, Σ out_i]`. When decoding a few rows,
 /// and with adapter dropout (one mask each), each projection runs on its own and the outputs are
@@ -101,10 +102,9 @@ pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, co
             Tensor::cat(outputs, 1)
         };
     }
-    let weight = Tensor::cat(parts.iter().map(|p| p.weight.val()).collect(), 1);
-    let bias =
-        (biased != 0).then(|| Tensor::cat(parts.iter().filter_map(|p| p.bias.as_ref().map(|b| b.val())).collect(), 0));
-    let y = linear_packed(x.clone(), weight, bias, compute);
+    let weights = parts.iter().map(|p| to_dtype(p.weight.val(), compute)).collect();
+    let biases = parts.iter().filter_map(|p| p.bias.as_ref().map(|b| to_dtype(b.val(), compute))).collect();
+    let y = to_dtype(linear::linear_multi(to_dtype(x.clone(), compute), weights, biases), DType::F32);
     if parts.iter().any(|p| p.has_lora()) {
         let adapters: Vec<_> = parts.iter().map(|p| (p.lora.as_ref(), p.d_out())).collect();
         y + crate::lora::forward_packed(&adapters, x, compute)

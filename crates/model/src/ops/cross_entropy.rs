@@ -255,6 +255,19 @@ pub trait LmHeadLossOps: Backend {
     ) -> LossAndGrads<Self> {
         reference_loss_and_grads::<Self>(hidden, weight, targets, spec, need)
     }
+
+    /// `grad · by` (`by`: `[1]`, the upstream gradient of the loss): the backward's scaling of a
+    /// gradient [`Self::lm_head_loss_and_grads`] made for an upstream gradient of one.
+    fn scale_saved_grad(grad: FloatTensor<Self>, by: FloatTensor<Self>) -> FloatTensor<Self> {
+        scale_composition::<Self>(grad, by)
+    }
+}
+
+/// [`LmHeadLossOps::scale_saved_grad`] as a broadcast product.
+fn scale_composition<B: Backend>(grad: FloatTensor<B>, by: FloatTensor<B>) -> FloatTensor<B> {
+    let g = float::<B, 2>(grad);
+    let by = float::<B, 1>(by).cast(g.dtype()).reshape([1, 1]);
+    prim(g * by)
 }
 
 /// The tiled forward: [`LmHeadLossOps::lm_head_cross_entropy`]'s reference.
@@ -293,8 +306,12 @@ pub struct HeadLoss {
     pub loss: f32,
     /// `[N, D]`.
     pub dh: Option<Vec<f32>>,
-    /// `[D, V]`.
+    /// `[D, V]` row-major, or `[V, D]` row-major (its transpose) where `dw_transposed`.
     pub dw: Option<Vec<f32>>,
+    /// Whether `dw` is stored `[V, D]`: so it is where the weight is read through a row stride of
+    /// one (a tied head: the `[V, D]` embedding table seen transposed), and the gradient then adds
+    /// to the table's own gradient without a transposing copy.
+    pub dw_transposed: bool,
 }
 
 /// Rows of logits a block of [`head_loss`] holds: about 16M logits (64 MB) at once, between 8 and
@@ -332,11 +349,12 @@ pub fn head_loss(
     let grads = need.0 || need.1;
     let mut dh = need.0.then(|| vec![0.0f32; n * d]);
     let mut dw = need.1.then(|| vec![0.0f32; d * v]);
+    let (w, (rs, cs)) = weight;
+    let dw_transposed = rs == 1 && cs != 1;
     if n == 0 || v == 0 {
-        return HeadLoss { loss: 0.0, dh, dw };
+        return HeadLoss { loss: 0.0, dh, dw, dw_transposed };
     }
     let rows = head_block_rows(n, v);
-    let (w, (rs, cs)) = weight;
     let w_t: Strided<'_> = (w, (cs, rs)); // [V, D]
     let bf16 = bf16 && kernels::bf16_worth_it(rows, v, d);
     let packed_w = if bf16 { bf16_gemm::pack_b(weight, (d, v)) } else { None };
@@ -367,10 +385,16 @@ pub fn head_loss(
             }
         }
         if let Some(dw) = &mut dw {
-            kernels::product(dw, r0 > 0, (h.0, (1, d)), dlogits, (d, r, v), bf16);
+            if dw_transposed {
+                kernels::product(dw, r0 > 0, (block, (1, v)), h, (v, r, d), bf16);
+            // dlogitsᵀ · H
+            } else {
+                kernels::product(dw, r0 > 0, (h.0, (1, d)), dlogits, (d, r, v), bf16);
+                // Hᵀ · dlogits
+            }
         }
     }
-    HeadLoss { loss: (total / scored.max(1) as f64) as f32, dh, dw }
+    HeadLoss { loss: (total / scored.max(1) as f64) as f32, dh, dw, dw_transposed }
 }
 
 multiversion! {
@@ -423,11 +447,12 @@ fn flex_head_loss(
     let targets: Vec<i64> = int::<Flex, 1>(targets.clone()).into_data().iter::<i64>().collect();
     let h = flex::f32s(hidden);
     let out = head_loss(&h, (storage, (rs, cs)), &targets, (n, d, v), need, kernels::bf16_gemms());
-    Some((
-        flex::tensor(vec![out.loss], vec![1]),
-        out.dh.map(|dh| flex::tensor(dh, vec![n, d])),
-        out.dw.map(|dw| flex::tensor(dw, vec![d, v])),
-    ))
+    let dw = out.dw.map(|dw| match out.dw_transposed {
+        // `[D, V]` seen through strides over `[V, D]` storage, as the weight is.
+        true => flex::tensor(dw, vec![v, d]).transpose(0, 1),
+        false => flex::tensor(dw, vec![d, v]),
+    });
+    Some((flex::tensor(vec![out.loss], vec![1]), out.dh.map(|dh| flex::tensor(dh, vec![n, d])), dw))
 }
 
 impl LmHeadLossOps for Flex {
@@ -455,6 +480,25 @@ impl LmHeadLossOps for Flex {
             None => reference_loss_and_grads::<Self>(hidden, weight, targets, spec, need),
         }
     }
+
+    /// In place and in the gradient's own layout: a tied head's `dW` is a transposed view, which
+    /// the broadcast product would copy into the other layout, only for the add to the embedding
+    /// table's gradient to walk it transposed again. Nothing to do for an upstream gradient of one.
+    fn scale_saved_grad(mut grad: FlexTensor, by: FlexTensor) -> FlexTensor {
+        let scalar = if flex::all_f32(&[&grad, &by]) { flex::f32s(&by).first().copied() } else { None };
+        if let Some(s) = scalar {
+            if s == 1.0 {
+                return grad;
+            }
+            let n: usize = flex::shape(&grad).iter().product();
+            let whole = grad.layout().start_offset() == 0 && grad.storage::<f32>().len() == n;
+            if let (true, Some(storage)) = (whole, grad.try_storage_mut::<f32>()) {
+                storage.par_iter_mut().for_each(|x| *x *= s);
+                return grad;
+            }
+        }
+        scale_composition::<Self>(grad, by)
+    }
 }
 
 impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
@@ -480,7 +524,7 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
             Option<(FloatTensor<B>, FloatTensor<B>, IntTensor<B>, FloatTensor<B>, ChunkSpec)>,
         );
 
-        impl<B: Backend> Backward<B, 2> for LmHeadCrossEntropy {
+        impl<B: LmHeadLossOps> Backward<B, 2> for LmHeadCrossEntropy {
             type State = Saved<B>;
 
             fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
@@ -494,11 +538,7 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
                         (Some(prim(dh)), dw.map(prim))
                     }
                     (dh, dw, None) => {
-                        let scaled = |g: FloatTensor<B>| {
-                            let g = float::<B, 2>(g);
-                            let scale = grad.clone().cast(g.dtype()).reshape([1, 1]);
-                            prim(g * scale)
-                        };
+                        let scaled = |g: FloatTensor<B>| B::scale_saved_grad(g, prim(grad.clone()));
                         (dh.map(scaled), dw.map(scaled))
                     }
                 };

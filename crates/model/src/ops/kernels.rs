@@ -35,7 +35,7 @@ multiversion! {
         let chunk = rows_per_task(d) * d;
         y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(y, x)| {
             for (yr, xr) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                let ms = lanes_dot(xr, xr) / d as f32;
                 let inv = 1.0 / (ms + eps).sqrt();
                 for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
                     *o = v * inv * g;
@@ -59,13 +59,23 @@ multiversion! {
             .map(|(dx, (x, dy))| {
                 let mut dw = vec![0.0f32; d];
                 for ((dxr, xr), dyr) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(dy.chunks_exact(d)) {
-                    let ms = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                    let ms = lanes_dot(xr, xr) / d as f32;
                     let r = 1.0 / (ms + eps).sqrt();
-                    let mut dot = 0.0f32; // Σ g·x̂
+                    // Σ g·x̂ = r · Σ dy·w·x, in eight lanes like `lanes_dot`.
+                    let mut lanes = [0.0f32; 8];
+                    let (mut tail, mut j) = (0.0f32, 0);
+                    while j + 8 <= d {
+                        for (l, lane) in lanes.iter_mut().enumerate() {
+                            *lane += dyr[j + l] * w[j + l] * xr[j + l];
+                        }
+                        j += 8;
+                    }
+                    for j in j..d {
+                        tail += dyr[j] * w[j] * xr[j];
+                    }
+                    let dot = r * (lanes.iter().sum::<f32>() + tail);
                     for j in 0..d {
-                        let xh = xr[j] * r;
-                        dot += dyr[j] * w[j] * xh;
-                        dw[j] += dyr[j] * xh;
+                        dw[j] += dyr[j] * (xr[j] * r);
                     }
                     let mean = dot / d as f32;
                     for j in 0..d {
@@ -132,6 +142,9 @@ pub fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, mkn: (usize, usize, usize
 /// [`linear`] with the GEMM's operands in bf16 (`bf16`, where the CPU can and the GEMM is large) or
 /// f32.
 pub fn linear_in(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize), bf16: bool) -> Vec<f32> {
+    if b.is_none() && m > FEW_ROWS && !(bf16 && bf16_worth_it(m, n, k) && super::bf16_gemm::supported()) {
+        return gemm_new((m, n, k), (x, (k, 1)), (w, (n, 1)), gemm_parallelism(m, n, k));
+    }
     let mut y = match b {
         Some(b) => b.repeat(m),
         None => vec![0.0f32; m * n],
@@ -199,22 +212,24 @@ pub fn linear_backward_in(
     need: LinearGrads,
     bf16: bool,
 ) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
-    let bf16 = bf16 && bf16_worth_it(m, n, k);
-    let grad_x = |par| {
-        let mut dx = vec![0.0f32; m * k];
-        // dX = dY · Wᵀ: Wᵀ read where W is (strides (1, n)).
-        if !(bf16 && super::bf16_gemm::gemm(&mut dx, false, (dy, (n, 1)), (w, (1, n)), (m, n, k))) {
-            gemm_into((m, k, n), &mut dx, k, false, dy, (n, 1), w, (1, n), 1.0, par);
+    let bf16 = bf16 && bf16_worth_it(m, n, k) && super::bf16_gemm::supported();
+    // dX = dY · Wᵀ: Wᵀ read where W is (strides (1, n)).
+    let grad_x = |par| match bf16 {
+        true => {
+            let mut dx = vec![0.0f32; m * k];
+            super::bf16_gemm::gemm(&mut dx, false, (dy, (n, 1)), (w, (1, n)), (m, n, k));
+            dx
         }
-        dx
+        false => gemm_new((m, k, n), (dy, (n, 1)), (w, (1, n)), par),
     };
-    let grad_w = |par| {
-        let mut dw = vec![0.0f32; k * n];
-        // dW = Xᵀ · dY: Xᵀ read where X is (strides (1, k)).
-        if !(bf16 && super::bf16_gemm::gemm(&mut dw, false, (x, (1, k)), (dy, (n, 1)), (k, m, n))) {
-            gemm_into((k, n, m), &mut dw, n, false, x, (1, k), dy, (n, 1), 1.0, par);
+    // dW = Xᵀ · dY: Xᵀ read where X is (strides (1, k)).
+    let grad_w = |par| match bf16 {
+        true => {
+            let mut dw = vec![0.0f32; k * n];
+            super::bf16_gemm::gemm(&mut dw, false, (x, (1, k)), (dy, (n, 1)), (k, m, n));
+            dw
         }
-        dw
+        false => gemm_new((k, n, m), (x, (1, k)), (dy, (n, 1)), par),
     };
     let (dx, dw) = match (need.x, need.w) {
         (true, true) if 2 * m * n * k < 400_000_000 => {
@@ -233,6 +248,98 @@ pub fn linear_backward_in(
         db
     });
     (dx, dw, db)
+}
+
+/// The columns `[M, Σ N_i]` of several row-major `[M, N_i]` (or `[K, N_i]`) blocks side by side.
+pub fn concat_columns(parts: &[&[f32]], ns: &[usize], rows: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * ns.iter().sum::<usize>());
+    for r in 0..rows {
+        for (part, &n) in parts.iter().zip(ns) {
+            out.extend_from_slice(&part[r * n..(r + 1) * n]);
+        }
+    }
+    out
+}
+
+/// `y = x · [w_1 | … | w_p] (+ b)`: several linear layers of one input (q/k/v, gate/up) with their
+/// outputs side by side in one `[M, Σ N_i]`, each product writing its own columns, so that the
+/// weights are read where they are instead of being concatenated at every call. `b`: the parts'
+/// biases concatenated, `[Σ N_i]`. f32 GEMMs (the bf16 path multiplies a concatenated weight).
+///
+/// # Panics
+/// If the parts' count differs from the widths' or a slice is shorter than its shape.
+///
+/// # Shapes
+/// - x: `[M, K]`, w_i: `[K, N_i]`, b: `[Σ N_i]` -> `[M, Σ N_i]`
+pub fn linear_multi(x: &[f32], ws: &[&[f32]], ns: &[usize], b: Option<&[f32]>, (m, k): (usize, usize)) -> Vec<f32> {
+    assert_eq!(ws.len(), ns.len(), "linear_multi: one width a weight");
+    let total: usize = ns.iter().sum();
+    let offsets = ns.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n)));
+    if let Some(b) = b {
+        let mut y = b[..total].repeat(m);
+        for ((w, &n), off) in ws.iter().zip(ns).zip(offsets) {
+            gemm_into((m, n, k), &mut y[off..], total, true, x, (k, 1), w, (n, 1), 1.0, gemm_parallelism(m, n, k));
+        }
+        return y;
+    }
+    let mut y = Box::<[f32]>::new_uninit_slice(m * total);
+    for ((w, &n), off) in ws.iter().zip(ns).zip(offsets) {
+        let dst = y[off..].as_mut_ptr().cast::<f32>();
+        let dst = (dst, m * total - off, total);
+        // SAFETY: `dst` is the rest of the buffer allocated above, owned here; writing needs no
+        // initialised value.
+        unsafe { gemm_raw((m, n, k), dst, false, (x, (k, 1)), (w, (n, 1)), 1.0, gemm_parallelism(m, n, k)) };
+    }
+    // SAFETY: the parts' columns tile `0..total`, and each GEMM wrote all of its `m × n` block
+    // (see [`gemm_new`]): every element is written.
+    unsafe { y.assume_init() }.into_vec()
+}
+
+/// Gradients of [`linear_multi`] without a bias (the caller sums `dy`'s columns for one): `dX = Σ
+/// dY_i · W_iᵀ` and `dW_i = Xᵀ · dY_i` where `need_w[i]`, `dY_i` the columns of part `i` of `dy`
+/// read where they are; each `dW_i` comes out contiguous. Small products run as two tasks of one
+/// thread (`dX`, the `dW`s), large ones one after the other on all threads.
+///
+/// # Shapes
+/// - x: `[M, K]`, w_i: `[K, N_i]`, dy: `[M, Σ N_i]` -> (`[M, K]`, `[K, N_i]` each)
+pub fn linear_multi_backward(
+    x: &[f32],
+    ws: &[&[f32]],
+    ns: &[usize],
+    dy: &[f32],
+    (m, k): (usize, usize),
+    (need_x, need_w): (bool, &[bool]),
+) -> (Option<Vec<f32>>, Vec<Option<Vec<f32>>>) {
+    assert!(ws.len() == ns.len() && need_w.len() == ns.len(), "linear_multi_backward: one width and need a weight");
+    let total: usize = ns.iter().sum();
+    let offsets: Vec<usize> = ns.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    let grad_x = |par: fn(usize, usize, usize) -> gemm::Parallelism| {
+        let mut dx: Option<Vec<f32>> = None;
+        for ((w, &n), &off) in ws.iter().zip(ns).zip(&offsets) {
+            let (dy_i, w_t) = ((&dy[off..], (total, 1)), (*w, (1, n)));
+            match &mut dx {
+                None => dx = Some(gemm_new((m, k, n), dy_i, w_t, par(m, k, n))),
+                Some(dx) => gemm_into((m, k, n), dx, k, true, dy_i.0, dy_i.1, w_t.0, w_t.1, 1.0, par(m, k, n)),
+            }
+        }
+        dx.unwrap_or_else(|| vec![0.0; m * k])
+    };
+    let grad_w = |par: fn(usize, usize, usize) -> gemm::Parallelism| -> Vec<Option<Vec<f32>>> {
+        ns.iter()
+            .zip(&offsets)
+            .zip(need_w)
+            .map(|((&n, &off), &need)| {
+                need.then(|| gemm_new((k, n, m), (x, (1, k)), (&dy[off..], (total, 1)), par(k, n, m)))
+            })
+            .collect()
+    };
+    let one_thread: fn(usize, usize, usize) -> gemm::Parallelism = |_, _, _| gemm::Parallelism::None;
+    if need_x && need_w.iter().any(|&w| w) && 2 * m * total * k < 400_000_000 {
+        let (dx, dw) = rayon::join(|| grad_x(one_thread), || grad_w(one_thread));
+        (Some(dx), dw)
+    } else {
+        (need_x.then(|| grad_x(gemm_parallelism)), grad_w(gemm_parallelism))
+    }
 }
 
 #[inline(always)]
@@ -264,7 +371,26 @@ multiversion! {
 multiversion! {
     /// `Σ x²`, accumulated in f64.
     pub fn sum_squares(x: &[f32]) -> f64 {
-        let chunk = |c: &[f32]| c.chunks(8).map(|c| c.iter().map(|&v| v * v).sum::<f32>() as f64).sum::<f64>();
+        // Eight f64 lanes a chunk (one vector of them), each summed in order, then added in order:
+        // plain loops over arrays, so that nothing of it is left to a generic iterator that LLVM
+        // may not inline into the wide copy.
+        let chunk = |c: &[f32]| {
+            let mut lanes = [0.0f64; 8];
+            let (blocks, rest) = c.as_chunks::<8>();
+            for block in blocks {
+                for (lane, &v) in lanes.iter_mut().zip(block) {
+                    *lane += f64::from(v) * f64::from(v);
+                }
+            }
+            for (lane, &v) in lanes.iter_mut().zip(rest) {
+                *lane += f64::from(v) * f64::from(v);
+            }
+            let mut sum = 0.0;
+            for lane in lanes {
+                sum += lane;
+            }
+            sum
+        };
         // The chunks' sums added in order on one thread: rayon's own `sum` combines them in an order
         // that depends on work stealing, and the gradient norm would change from run to run.
         x.par_chunks(1 << 14).map(chunk).collect::<Vec<f64>>().into_iter().sum()
@@ -318,14 +444,52 @@ fn matmul(
 /// [`matmul`] with a choice of threads.
 #[allow(clippy::too_many_arguments)]
 fn gemm_into(
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     dst: &mut [f32],
     dst_rs: usize,
     accumulate: bool,
     lhs: &[f32],
-    (lhs_rs, lhs_cs): (usize, usize),
+    lhs_strides: (usize, usize),
     rhs: &[f32],
-    (rhs_rs, rhs_cs): (usize, usize),
+    rhs_strides: (usize, usize),
+    beta: f32,
+    parallelism: gemm::Parallelism,
+) {
+    let dst = (dst.as_mut_ptr(), dst.len(), dst_rs);
+    // SAFETY: `dst` is a live, exclusively borrowed slice of `dst.len()` elements.
+    unsafe { gemm_raw(mnk, dst, accumulate, (lhs, lhs_strides), (rhs, rhs_strides), beta, parallelism) }
+}
+
+/// `a · b` into a new `[m, n]` row-major vector, which is not zero-filled first: with `read_dst`
+/// false the GEMM writes every output element without reading it (its kernels store `β·sum`, and
+/// for `k = 0` it stores zeros), and the memset of every GEMM's output was 2–5 % of a training step.
+fn gemm_new(
+    (m, n, k): (usize, usize, usize),
+    lhs: super::bf16_gemm::Strided<'_>,
+    rhs: super::bf16_gemm::Strided<'_>,
+    parallelism: gemm::Parallelism,
+) -> Vec<f32> {
+    let mut out = Box::<[f32]>::new_uninit_slice(m * n);
+    let dst = (out.as_mut_ptr().cast::<f32>(), m * n, n);
+    // SAFETY: `dst` is the `m·n` elements just allocated, owned here; writing through the pointer
+    // needs no initialised value.
+    unsafe { gemm_raw((m, n, k), dst, false, lhs, rhs, 1.0, parallelism) };
+    // SAFETY: the GEMM above wrote all `m·n` elements (see the doc comment), each row `n` apart.
+    unsafe { out.assume_init() }.into_vec()
+}
+
+/// `dst (+)= beta · lhs · rhs` through the `gemm` crate, `dst` given as (pointer, elements, row
+/// stride): the extents the strides reach are checked against the lengths.
+///
+/// # Safety
+/// `dst.0` must be valid for writes (and, with `accumulate`, reads) of `dst.1` f32 elements, and
+/// alias nothing else in use during the call.
+unsafe fn gemm_raw(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_len, dst_rs): (*mut f32, usize, usize),
+    accumulate: bool,
+    (lhs, (lhs_rs, lhs_cs)): super::bf16_gemm::Strided<'_>,
+    (rhs, (rhs_rs, rhs_cs)): super::bf16_gemm::Strided<'_>,
     beta: f32,
     parallelism: gemm::Parallelism,
 ) {
@@ -334,16 +498,17 @@ fn gemm_into(
     }
     // Three comparisons a GEMM, in release builds too: a wrong shape from a caller is a panic, never
     // memory outside the slices.
-    assert!((m - 1) * dst_rs + n <= dst.len(), "GEMM output slice too short");
+    assert!((m - 1) * dst_rs + n <= dst_len, "GEMM output slice too short");
     assert!(k == 0 || (m - 1) * lhs_rs + (k - 1) * lhs_cs < lhs.len(), "GEMM left operand slice too short");
     assert!(k == 0 || (k - 1) * rhs_rs + (n - 1) * rhs_cs < rhs.len(), "GEMM right operand slice too short");
-    // SAFETY: the assertions above check the extents the strides reach against the slices.
+    // SAFETY: the assertions above check the extents the strides reach against the slices; the
+    // caller vouches for `dst`.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             dst_rs as isize,
             accumulate,
@@ -423,15 +588,27 @@ multiversion! {
         out.par_chunks_mut(width).zip(qkv.par_chunks(width)).enumerate().for_each(|(r, (o, xr))| {
             let pos = s.position(r);
             let (c, sn) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+            // The inverse rotation by the negated sine (a product by −1 is exact).
+            let sign = if inverse { -1.0f32 } else { 1.0 };
             for (o, xr) in o[..rotated].chunks_exact_mut(dh).zip(xr[..rotated].chunks_exact(dh)) {
-                for i in 0..half {
-                    let (a, b) = match s.layout {
-                        RopeLayout::HalfSplit => (i, i + half),
-                        RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-                    };
-                    let sin = if inverse { -sn[i] } else { sn[i] };
-                    o[a] = xr[a] * c[i] - xr[b] * sin;
-                    o[b] = xr[a] * sin + xr[b] * c[i];
+                match s.layout {
+                    // Pairs `(i, i + Dh/2)`: four plain slices, so that the loop vectorises.
+                    RopeLayout::HalfSplit => {
+                        let ((oa, ob), (xa, xb)) = (o.split_at_mut(half), xr.split_at(half));
+                        for i in 0..half {
+                            let sin = sn[i] * sign;
+                            oa[i] = xa[i] * c[i] - xb[i] * sin;
+                            ob[i] = xa[i] * sin + xb[i] * c[i];
+                        }
+                    }
+                    RopeLayout::Interleaved => {
+                        for i in 0..half {
+                            let (a, b) = (2 * i, 2 * i + 1);
+                            let sin = sn[i] * sign;
+                            o[a] = xr[a] * c[i] - xr[b] * sin;
+                            o[b] = xr[a] * sin + xr[b] * c[i];
+                        }
+                    }
                 }
             }
             o[rotated..].copy_from_slice(&xr[rotated..]);
@@ -966,6 +1143,78 @@ mod tests {
             assert!((y[i * n + j] - want_y).abs() < 1e-3, "y[{i},{j}]");
             assert!((dx[i * k + p] - want_dx).abs() < 1e-3, "dx[{i},{p}]");
             assert!((dw[p * n + j] - want_dw).abs() < 1e-3, "dw[{p},{j}]");
+        }
+    }
+
+    #[test]
+    fn products_into_unfilled_outputs_write_every_element() {
+        // The outputs of `gemm_new` are not zero-filled: every element must come from the GEMM. The
+        // allocator tends to hand back what was just freed, so NaN-filled blocks of the same sizes
+        // are freed first; one element left unwritten would show as NaN or garbage.
+        let all = LinearGrads { x: true, w: true, b: false };
+        for (m, k, n) in [(40, 0, 24), (17, 1, 9), (33, 64, 70), (300, 40, 130)] {
+            let (x, w, dy) = (random(m * k, 40), random(k * n, 41), random(m * n, 42));
+            for len in [m * n, m * k, k * n] {
+                drop(std::hint::black_box(vec![f32::NAN; len]));
+            }
+            let y = linear_in(&x, &w, None, (m, k, n), false);
+            let (dx, dw, _) = linear_backward_in(&x, &w, &dy, (m, k, n), all, false);
+            let (dx, dw) = (dx.expect("dx"), dw.expect("dw"));
+            assert_eq!((y.len(), dx.len(), dw.len()), (m * n, m * k, k * n));
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f32 = (0..k).map(|p| x[i * k + p] * w[p * n + j]).sum();
+                    assert!((y[i * n + j] - want).abs() < 1e-4, "({m}, {k}, {n}) y[{i},{j}]: {}", y[i * n + j]);
+                }
+                for p in 0..k {
+                    let want: f32 = (0..n).map(|j| dy[i * n + j] * w[p * n + j]).sum();
+                    assert!((dx[i * k + p] - want).abs() < 1e-4, "({m}, {k}, {n}) dx[{i},{p}]");
+                }
+            }
+            for p in 0..k {
+                for j in 0..n {
+                    let want: f32 = (0..m).map(|i| x[i * k + p] * dy[i * n + j]).sum();
+                    assert!((dw[p * n + j] - want).abs() < 1e-4, "({m}, {k}, {n}) dw[{p},{j}]");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn side_by_side_products_equal_the_concatenated_weight() {
+        // q/k/v-like parts, a part of one column, and K = 0; with and without a bias.
+        for (m, k, ns) in [(50, 24, vec![16, 8, 8]), (300, 40, vec![64, 1, 130]), (20, 0, vec![5, 7])] {
+            let ws: Vec<Vec<f32>> = ns.iter().enumerate().map(|(i, &n)| random(k * n, 50 + i as u64)).collect();
+            let parts: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
+            let total: usize = ns.iter().sum();
+            let (x, dy, b) = (random(m * k, 60), random(m * total, 61), random(total, 62));
+            let packed = concat_columns(&parts, &ns, k);
+            for bias in [None, Some(&b[..])] {
+                drop(std::hint::black_box(vec![f32::NAN; m * total]));
+                let got = linear_multi(&x, &parts, &ns, bias, (m, k));
+                let want = linear_in(&x, &packed, bias, (m, k, total), false);
+                assert_close(&got, &want, 1e-5, &format!("y ({m}, {k}, {ns:?}) bias {}", bias.is_some()));
+            }
+            let all = LinearGrads { x: true, w: true, b: false };
+            let (want_dx, want_dw, _) = linear_backward_in(&x, &packed, &dy, (m, k, total), all, false);
+            let (want_dx, want_dw) = (want_dx.expect("dx"), want_dw.expect("dw"));
+            let mut need = vec![true; ns.len()];
+            need[0] = false; // a frozen part
+            let (dx, dws) = linear_multi_backward(&x, &parts, &ns, &dy, (m, k), (true, &need));
+            assert_close(&dx.expect("dx"), &want_dx, 1e-5, &format!("dx ({m}, {k}, {ns:?})"));
+            assert!(dws[0].is_none(), "a frozen part got a gradient");
+            let mut off = 0;
+            for (dw, &n) in dws.iter().zip(&ns) {
+                if let Some(dw) = dw {
+                    let want: Vec<f32> =
+                        (0..k).flat_map(|r| want_dw[r * total + off..r * total + off + n].to_vec()).collect();
+                    assert_close(dw, &want, 1e-5, &format!("dw at column {off} ({m}, {k}, {ns:?})"));
+                }
+                off += n;
+            }
+            // dX alone: the products one after the other.
+            let (dx, _) = linear_multi_backward(&x, &parts, &ns, &dy, (m, k), (true, &vec![false; ns.len()]));
+            assert_close(&dx.expect("dx"), &want_dx, 1e-5, "dx alone");
         }
     }
 
