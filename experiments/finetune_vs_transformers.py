@@ -11,7 +11,7 @@ hits both), pinned to the same CPUs, the same thread count; each run is timed by
 step and its peak RSS is read by `/usr/bin/time`.
 
     python experiments/finetune_vs_transformers.py --config configs/smollm2-135m-lora.toml \\
-        --precisions f32,bf16 --rounds 3 --steps 3 --warmup 1
+        --precisions f32,bf16 --rounds 3 --steps 3 --warmup 2
 
 Run it with a Python that has torch, transformers and peft.
 """
@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per run: two, so that the timed ones find their memory faulted in")
     ap.add_argument("--ember", default=str(ROOT / "target" / "release" / "ember"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -385,12 +385,11 @@ pub fn head_loss(
             }
         }
         if let Some(dw) = &mut dw {
-            if dw_transposed {
-                kernels::product(dw, r0 > 0, (block, (1, v)), h, (v, r, d), bf16);
-            // dlogitsᵀ · H
-            } else {
-                kernels::product(dw, r0 > 0, (h.0, (1, d)), dlogits, (d, r, v), bf16);
-                // Hᵀ · dlogits
+            match dw_transposed {
+                // dlogitsᵀ · H, `[V, D]`.
+                true => kernels::product(dw, r0 > 0, (block, (1, v)), h, (v, r, d), bf16),
+                // Hᵀ · dlogits, `[D, V]`.
+                false => kernels::product(dw, r0 > 0, (h.0, (1, d)), dlogits, (d, r, v), bf16),
             }
         }
     }

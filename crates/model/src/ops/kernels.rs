@@ -214,22 +214,20 @@ pub fn linear_backward_in(
 ) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
     let bf16 = bf16 && bf16_worth_it(m, n, k) && super::bf16_gemm::supported();
     // dX = dY · Wᵀ: Wᵀ read where W is (strides (1, n)).
-    let grad_x = |par| match bf16 {
-        true => {
-            let mut dx = vec![0.0f32; m * k];
-            super::bf16_gemm::gemm(&mut dx, false, (dy, (n, 1)), (w, (1, n)), (m, n, k));
-            dx
+    let grad_x = |par| {
+        let mut dx = vec![0.0f32; if bf16 { m * k } else { 0 }];
+        match bf16 && super::bf16_gemm::gemm(&mut dx, false, (dy, (n, 1)), (w, (1, n)), (m, n, k)) {
+            true => dx,
+            false => gemm_new((m, k, n), (dy, (n, 1)), (w, (1, n)), par),
         }
-        false => gemm_new((m, k, n), (dy, (n, 1)), (w, (1, n)), par),
     };
     // dW = Xᵀ · dY: Xᵀ read where X is (strides (1, k)).
-    let grad_w = |par| match bf16 {
-        true => {
-            let mut dw = vec![0.0f32; k * n];
-            super::bf16_gemm::gemm(&mut dw, false, (x, (1, k)), (dy, (n, 1)), (k, m, n));
-            dw
+    let grad_w = |par| {
+        let mut dw = vec![0.0f32; if bf16 { k * n } else { 0 }];
+        match bf16 && super::bf16_gemm::gemm(&mut dw, false, (x, (1, k)), (dy, (n, 1)), (k, m, n)) {
+            true => dw,
+            false => gemm_new((k, n, m), (x, (1, k)), (dy, (n, 1)), par),
         }
-        false => gemm_new((k, n, m), (x, (1, k)), (dy, (n, 1)), par),
     };
     let (dx, dw) = match (need.x, need.w) {
         (true, true) if 2 * m * n * k < 400_000_000 => {
@@ -248,6 +246,16 @@ pub fn linear_backward_in(
         db
     });
     (dx, dw, db)
+}
+
+/// Where each of blocks `ns` wide starts when they sit side by side: `[0, n_1, n_1 + n_2, …]`.
+fn column_offsets(ns: &[usize]) -> Vec<usize> {
+    ns.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect()
+}
+
+/// Columns `at..at + n` of a row-major matrix `total` wide, as a contiguous `[rows, n]`.
+pub fn column_block(matrix: &[f32], total: usize, (at, n): (usize, usize), rows: usize) -> Vec<f32> {
+    (0..rows).flat_map(|r| &matrix[r * total + at..r * total + at + n]).copied().collect()
 }
 
 /// The columns `[M, Σ N_i]` of several row-major `[M, N_i]` (or `[K, N_i]`) blocks side by side.
@@ -274,16 +282,19 @@ pub fn concat_columns(parts: &[&[f32]], ns: &[usize], rows: usize) -> Vec<f32> {
 pub fn linear_multi(x: &[f32], ws: &[&[f32]], ns: &[usize], b: Option<&[f32]>, (m, k): (usize, usize)) -> Vec<f32> {
     assert_eq!(ws.len(), ns.len(), "linear_multi: one width a weight");
     let total: usize = ns.iter().sum();
-    let offsets = ns.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n)));
+    if m == 0 {
+        return Vec::new();
+    }
+    let offsets = column_offsets(ns);
     if let Some(b) = b {
         let mut y = b[..total].repeat(m);
-        for ((w, &n), off) in ws.iter().zip(ns).zip(offsets) {
+        for ((w, &n), &off) in ws.iter().zip(ns).zip(&offsets) {
             gemm_into((m, n, k), &mut y[off..], total, true, x, (k, 1), w, (n, 1), 1.0, gemm_parallelism(m, n, k));
         }
         return y;
     }
     let mut y = Box::<[f32]>::new_uninit_slice(m * total);
-    for ((w, &n), off) in ws.iter().zip(ns).zip(offsets) {
+    for ((w, &n), &off) in ws.iter().zip(ns).zip(&offsets) {
         let dst = y[off..].as_mut_ptr().cast::<f32>();
         let dst = (dst, m * total - off, total);
         // SAFETY: `dst` is the rest of the buffer allocated above, owned here; writing needs no
@@ -312,7 +323,12 @@ pub fn linear_multi_backward(
 ) -> (Option<Vec<f32>>, Vec<Option<Vec<f32>>>) {
     assert!(ws.len() == ns.len() && need_w.len() == ns.len(), "linear_multi_backward: one width and need a weight");
     let total: usize = ns.iter().sum();
-    let offsets: Vec<usize> = ns.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect();
+    if m == 0 {
+        // No rows: zero gradients (and no slice of the empty `dy` to take).
+        let dws = ns.iter().zip(need_w).map(|(&n, &need)| need.then(|| vec![0.0; k * n])).collect();
+        return (need_x.then(Vec::new), dws);
+    }
+    let offsets = column_offsets(ns);
     let grad_x = |par: fn(usize, usize, usize) -> gemm::Parallelism| {
         let mut dx: Option<Vec<f32>> = None;
         for ((w, &n), &off) in ws.iter().zip(ns).zip(&offsets) {
@@ -371,7 +387,7 @@ multiversion! {
 multiversion! {
     /// `Σ x²`, accumulated in f64.
     pub fn sum_squares(x: &[f32]) -> f64 {
-        // Eight f64 lanes a chunk (one vector of them), each summed in order, then added in order:
+        // Eight f64 lanes a chunk (one AVX-512 vector), each summed in order, then added in order:
         // plain loops over arrays, so that nothing of it is left to a generic iterator that LLVM
         // may not inline into the wide copy.
         let chunk = |c: &[f32]| {
@@ -1149,8 +1165,10 @@ mod tests {
     #[test]
     fn products_into_unfilled_outputs_write_every_element() {
         // The outputs of `gemm_new` are not zero-filled: every element must come from the GEMM. The
-        // allocator tends to hand back what was just freed, so NaN-filled blocks of the same sizes
-        // are freed first; one element left unwritten would show as NaN or garbage.
+        // allocator tends to hand this thread back what it just freed, so NaN-filled blocks of the
+        // same sizes are freed first (best effort: outputs made on other threads, or fresh from
+        // the kernel, start as zeros); an unwritten element shows as NaN, or as a zero where the
+        // product is not.
         let all = LinearGrads { x: true, w: true, b: false };
         for (m, k, n) in [(40, 0, 24), (17, 1, 9), (33, 64, 70), (300, 40, 130)] {
             let (x, w, dy) = (random(m * k, 40), random(k * n, 41), random(m * n, 42));
@@ -1183,7 +1201,15 @@ mod tests {
     #[test]
     fn side_by_side_products_equal_the_concatenated_weight() {
         // q/k/v-like parts, a part of one column, and K = 0; with and without a bias.
-        for (m, k, ns) in [(50, 24, vec![16, 8, 8]), (300, 40, vec![64, 1, 130]), (20, 0, vec![5, 7])] {
+        // Then: dX's products large enough for all threads (≥ 50 MFLOP each); no rows.
+        let cases = [
+            (50, 24, vec![16, 8, 8]),
+            (300, 40, vec![64, 1, 130]),
+            (20, 0, vec![5, 7]),
+            (512, 128, vec![384, 128, 128]),
+            (0, 8, vec![3, 5]),
+        ];
+        for (m, k, ns) in cases {
             let ws: Vec<Vec<f32>> = ns.iter().enumerate().map(|(i, &n)| random(k * n, 50 + i as u64)).collect();
             let parts: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
             let total: usize = ns.iter().sum();
@@ -1206,8 +1232,7 @@ mod tests {
             let mut off = 0;
             for (dw, &n) in dws.iter().zip(&ns) {
                 if let Some(dw) = dw {
-                    let want: Vec<f32> =
-                        (0..k).flat_map(|r| want_dw[r * total + off..r * total + off + n].to_vec()).collect();
+                    let want = column_block(&want_dw, total, (off, n), k);
                     assert_close(dw, &want, 1e-5, &format!("dw at column {off} ({m}, {k}, {ns:?})"));
                 }
                 off += n;

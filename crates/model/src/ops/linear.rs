@@ -224,7 +224,8 @@ impl LinearOps for Flex {
 
     fn linear_multi_backward(x: FlexTensor, ws: Vec<FlexTensor>, dy: FlexTensor, need: &MultiNeed) -> MultiGrads<Self> {
         let fits = multi_fits(&x, &ws, &[]).filter(|(m, _, ns)| flex::shape(&dy) == [*m, ns.iter().sum()]);
-        let Some((m, k, ns)) = fits.filter(|_| flex::all_f32(&[&dy]) && need.w.len() == ws.len()) else {
+        let needs_fit = need.w.len() == ws.len() && (need.b.is_empty() || need.b.len() == ws.len());
+        let Some((m, k, ns)) = fits.filter(|_| flex::all_f32(&[&dy]) && needs_fit) else {
             return reference_multi_backward::<Self>(x, ws, dy, need);
         };
         let total: usize = ns.iter().sum();
@@ -236,14 +237,9 @@ impl LinearOps for Flex {
                 let packed = kernels::concat_columns(&w, &ns, k);
                 let grads = LinearGrads { x: need.x, w: need.w.iter().any(|&w| w), b: false };
                 let (dx, dw, _) = kernels::linear_backward_in(&x, &packed, &dy, (m, k, total), grads, true);
-                let mut at = 0;
-                let dws = ns.iter().zip(&need.w).map(|(&n, &want)| {
-                    let part = want.then(|| {
-                        dw.as_ref()
-                            .map(|dw| (0..k).flat_map(|r| dw[r * total + at..r * total + at + n].to_vec()).collect())
-                    });
-                    at += n;
-                    part.flatten()
+                let parts = ns.iter().scan(0, |at, &n| Some((std::mem::replace(at, *at + n), n)));
+                let dws = parts.zip(&need.w).map(|(part, &want)| {
+                    dw.as_ref().filter(|_| want).map(|dw| kernels::column_block(dw, total, part, k))
                 });
                 (dx, dws.collect())
             }
@@ -345,8 +341,9 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
         }
     }
 
-    /// One graph node with the input, the weights and the biases as parents (3, 4, 5 or 7 of them:
-    /// two or three parts); other counts run the composition.
+    /// One graph node with the input, the weights and the biases as parents, for 3, 4, 5 or 7 of
+    /// them (two or three parts with or without biases, or four or six without); other counts run
+    /// the composition.
     fn linear_multi_forward(
         x: FloatTensor<Self>,
         ws: Vec<FloatTensor<Self>>,
@@ -427,13 +424,15 @@ mod tests {
 
     #[test]
     fn side_by_side_linear_layers_equal_the_concatenated_composition() {
-        // Two parts (gate/up), three with biases (Qwen2's q/k/v), four (the composition's path),
-        // large enough for the products on all threads, and one row.
-        let cases: [(usize, usize, &[usize], bool); 5] = [
+        // Two parts (gate/up), three with biases (Qwen2's q/k/v), four without (five parents),
+        // four with biases (nine parents: the composition's path under autodiff), a forward whose
+        // largest product runs on all threads (≥ 50 MFLOP), one row.
+        let cases: [(usize, usize, &[usize], bool); 6] = [
             (9, 6, &[5, 7], false),
             (13, 8, &[8, 4, 4], true),
             (7, 5, &[3, 2, 4, 1], false),
-            (600, 96, &[384, 128, 128], false),
+            (7, 5, &[3, 2, 4, 1], true),
+            (600, 128, &[384, 128, 128], false),
             (1, 4, &[3, 3], true),
         ];
         for (m, k, ns, bias) in cases {
