@@ -1201,12 +1201,13 @@ mod tests {
     #[test]
     fn side_by_side_products_equal_the_concatenated_weight() {
         // q/k/v-like parts, a part of one column, and K = 0; with and without a bias.
-        // Then: dX's products large enough for all threads (≥ 50 MFLOP each); no rows.
+        // Then: a middle part whose dX product (≥ 50 MFLOP) accumulates on all threads when dX is
+        // asked for alone; no rows.
         let cases = [
             (50, 24, vec![16, 8, 8]),
             (300, 40, vec![64, 1, 130]),
             (20, 0, vec![5, 7]),
-            (512, 128, vec![384, 128, 128]),
+            (512, 128, vec![128, 384, 128]),
             (0, 8, vec![3, 5]),
         ];
         for (m, k, ns) in cases {
