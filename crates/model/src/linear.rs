@@ -6,7 +6,7 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
 use crate::lora::Lora;
-use crate::ops::linear;
+use crate::ops::linear::{self, linear, LowRank};
 use crate::ops::EmberBackend;
 use crate::to_dtype;
 
@@ -55,9 +55,9 @@ impl<B: Backend> Linear<B> {
 }
 
 impl<B: EmberBackend> Linear<B> {
-    /// `x·W + b` with the GEMM in `compute` (f32, bf16 or f16) and the result in f32. With a low
-    /// precision `compute`, the f32 master weight is cast on the way in; autodiff casts its gradient
-    /// back to f32 on the way out.
+    /// `x·W + b` (plus the adapter's `(α/r)·x·A·B` when one is attached) with the GEMMs in `compute`
+    /// (f32, bf16 or f16) and the result in f32. With a low precision `compute`, the f32 master
+    /// weights are cast on the way in; autodiff casts their gradients back to f32 on the way out.
     ///
     /// # Shapes
     /// - x: `[N, in]` -> `[N, out]`
@@ -65,11 +65,23 @@ impl<B: EmberBackend> Linear<B> {
     /// Callers fold leading dimensions into N: a 2-D GEMM avoids the batched-matmul broadcast and the
     /// per-batch reduction of the weight gradient.
     pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+        forward_packed(&[self], x, compute)
+    }
+
+    /// [`Self::forward`] as separate ops: the layer, then the adapter (with its dropout) added.
+    fn forward_apart(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
         let y = linear_packed(x.clone(), self.weight.val(), self.bias.as_ref().map(|b| b.val()), compute);
         match &self.lora {
             Some(lora) => y + lora.forward(x, compute),
             None => y,
         }
+    }
+
+    /// The adapter as the linear op's low-rank update, its factors in `compute`.
+    fn low_rank(&self, compute: DType) -> Option<LowRank<Tensor<B, 2>>> {
+        let lora = self.lora.as_ref()?;
+        let (a, b) = (to_dtype(lora.lora_a.val(), compute), to_dtype(lora.lora_b.val(), compute));
+        Some(LowRank { a, b, scale: lora.scale as f32 })
     }
 }
 
@@ -78,24 +90,25 @@ const DECODE_ROWS: usize = 16;
 
 /// Several projections of the same input, side by side: `x·[W_1 | W_2 | …] + [b_1 | b_2 | …]` as
 /// one op ([`linear::linear_multi`]: on the CPU each weight is read where it is and gets its own
-/// contiguous gradient; elsewhere the weights are concatenated per call).
-/// Adapters attached to some or all of them run packed too ([`crate::lora::forward_packed`]), so
-/// that the output and its gradient stay one contiguous `[N, Σ out_i]`. When decoding a few rows,
-/// and with adapter dropout (one mask each), each projection runs on its own and the outputs are
-/// concatenated.
-/// Computed in `compute`, returned in f32.
+/// contiguous gradient; elsewhere the weights are concatenated per call). Attached adapters run
+/// inside that op ([`linear::linear_lora`]): each `(α/r)·(x·A)·B` accumulates into its projection's
+/// columns and the frozen weights are never differentiated. When decoding a few rows, and with
+/// adapter dropout (one mask each), each projection runs on its own and the outputs are
+/// concatenated. Computed in `compute`, returned in f32.
 ///
 /// # Shapes
 /// - x: `[N, in]` -> `[N, Σ out_i]`
 pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
     let biased = parts.iter().filter(|p| p.bias.is_some()).count();
+    let adapted = parts.iter().any(|p| p.has_lora());
     // Decoding (a few rows, no autodiff): the weights are read where they are, one GEMM each;
     // concatenating them would copy every packed weight at every token (280 MB a token for
     // SmolLM2-135M) for a product that is bound by reading the weights anyway.
     let decoding = x.dims()[0] <= DECODE_ROWS && !B::ad_enabled(&x.device());
     let dropout = parts.iter().any(|p| p.lora.as_ref().is_some_and(|l| l.dropout > 0.0));
-    if parts.len() == 1 || decoding || dropout || (biased != 0 && biased != parts.len()) {
-        let outputs: Vec<_> = parts.iter().map(|p| p.forward(x.clone(), compute)).collect();
+    let apart = decoding || dropout || (biased != 0 && biased != parts.len());
+    if apart || (parts.len() == 1 && !adapted) {
+        let outputs: Vec<_> = parts.iter().map(|p| p.forward_apart(x.clone(), compute)).collect();
         return if outputs.len() == 1 {
             outputs.into_iter().next().expect("one output")
         } else {
@@ -104,13 +117,12 @@ pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, co
     }
     let weights = parts.iter().map(|p| to_dtype(p.weight.val(), compute)).collect();
     let biases = parts.iter().filter_map(|p| p.bias.as_ref().map(|b| to_dtype(b.val(), compute))).collect();
-    let y = to_dtype(linear::linear_multi(to_dtype(x.clone(), compute), weights, biases), DType::F32);
-    if parts.iter().any(|p| p.has_lora()) {
-        let adapters: Vec<_> = parts.iter().map(|p| (p.lora.as_ref(), p.d_out())).collect();
-        y + crate::lora::forward_packed(&adapters, x, compute)
-    } else {
-        y
-    }
+    let x = to_dtype(x, compute);
+    let y = match adapted {
+        true => linear::linear_lora(x, weights, biases, parts.iter().map(|p| p.low_rank(compute)).collect()),
+        false => linear::linear_multi(x, weights, biases),
+    };
+    to_dtype(y, DType::F32)
 }
 
 /// `x·W + b` in `compute`, returned in f32.
@@ -134,47 +146,63 @@ mod tests {
     type AB = Autodiff<Flex>;
 
     #[test]
-    fn packed_adapters_equal_the_adapters_one_by_one() {
-        let dev = Default::default();
-        let mut init = Init::new(7);
-        let config = LoraConfig { rank: 3, alpha: 6.0, dropout: 0.0, targets: vec![] };
-        let (rows, d_in, outs) = (21, 12, [10, 4, 6]);
-        let mut parts: Vec<Linear<AB>> =
-            outs.iter().map(|&o| Linear::new(&mut init, d_in, o, false, 0.5, &dev)).collect();
-        // Adapters on the first and the last projection, none on the middle one (LoRA's default
-        // targets q and v leave k alone); B made non-zero so that it counts.
-        for i in [0, 2] {
-            let mut lora = Lora::new(&mut init, d_in, outs[i], &config, &dev);
-            let b = Tensor::<AB, 2>::random([config.rank, outs[i]], Distribution::Normal(0.0, 1.0), &dev);
-            lora.lora_b = lora.lora_b.map(|_| b.require_grad());
-            parts[i].lora = Some(lora);
-        }
-        let parts: Vec<&Linear<AB>> = parts.iter().collect();
-        let x0 = Tensor::<Flex, 2>::random([rows, d_in], Distribution::Normal(0.0, 1.0), &dev);
-        let mix = Tensor::<AB, 2>::random([rows, outs.iter().sum()], Distribution::Normal(0.0, 1.0), &dev);
-        let run = |packed: bool| -> Vec<TensorData> {
-            let x = Tensor::<AB, 2>::from_inner(x0.clone()).require_grad();
-            let y = if packed {
-                forward_packed(&parts, x.clone(), DType::F32)
-            } else {
-                Tensor::cat(parts.iter().map(|p| p.forward(x.clone(), DType::F32)).collect(), 1)
+    fn adapters_inside_the_packed_op_equal_the_layers_apart() {
+        // q/k/v with adapters on the first and the last (LoRA's default targets q and v leave k
+        // alone), gate/up both adapted, one adapted layer alone (o_proj, down_proj); the base
+        // weights trained and frozen (LoRA's case: no weight gradient, the input's still needed).
+        let cases: [(&[usize], &[usize], bool); 4] =
+            [(&[10, 4, 6], &[0, 2], false), (&[10, 4, 6], &[0, 2], true), (&[7, 7], &[0, 1], true), (&[9], &[0], true)];
+        for (outs, adapted, frozen) in cases {
+            let dev = Default::default();
+            let mut init = Init::new(7);
+            let config = LoraConfig { rank: 3, alpha: 6.0, dropout: 0.0, targets: vec![] };
+            let (rows, d_in) = (21, 12);
+            let mut parts: Vec<Linear<AB>> =
+                outs.iter().map(|&o| Linear::new(&mut init, d_in, o, false, 0.5, &dev)).collect();
+            if frozen {
+                parts = parts.into_iter().map(|p| Linear { weight: p.weight.set_require_grad(false), ..p }).collect();
+            }
+            for &i in adapted {
+                // B made non-zero so that it counts.
+                let mut lora = Lora::new(&mut init, d_in, outs[i], &config, &dev);
+                let b = Tensor::<AB, 2>::random([config.rank, outs[i]], Distribution::Normal(0.0, 1.0), &dev);
+                lora.lora_b = lora.lora_b.map(|_| b.require_grad());
+                parts[i].lora = Some(lora);
+            }
+            let parts: Vec<&Linear<AB>> = parts.iter().collect();
+            let x0 = Tensor::<Flex, 2>::random([rows, d_in], Distribution::Normal(0.0, 1.0), &dev);
+            let mix = Tensor::<AB, 2>::random([rows, outs.iter().sum()], Distribution::Normal(0.0, 1.0), &dev);
+            let run = |inside: bool| -> Vec<(&str, Option<TensorData>)> {
+                let x = Tensor::<AB, 2>::from_inner(x0.clone()).require_grad();
+                let y = match inside {
+                    true => forward_packed(&parts, x.clone(), DType::F32),
+                    false => Tensor::cat(parts.iter().map(|p| p.forward_apart(x.clone(), DType::F32)).collect(), 1),
+                };
+                let grads = (y.clone() * mix.clone()).sum().backward();
+                let grad = |t: Tensor<AB, 2>| t.grad(&grads).map(|g| g.into_data());
+                let mut out = vec![("y", Some(y.into_data())), ("dX", grad(x))];
+                for p in &parts {
+                    out.push(("dW", grad(p.weight.val())));
+                    if let Some(lora) = &p.lora {
+                        out.extend([("dA", grad(lora.lora_a.val())), ("dB", grad(lora.lora_b.val()))]);
+                    }
+                }
+                out
             };
-            let grads = (y.clone() * mix.clone()).sum().backward();
-            let mut out = vec![y.into_data(), x.grad(&grads).expect("dx").into_data()];
-            for p in &parts {
-                out.push(p.weight.val().grad(&grads).expect("dW").into_data());
-                if let Some(lora) = &p.lora {
-                    out.push(lora.lora_a.val().grad(&grads).expect("dA").into_data());
-                    out.push(lora.lora_b.val().grad(&grads).expect("dB").into_data());
+            let (got, want) = (run(true), run(false));
+            let what = format!("{outs:?} adapted {adapted:?} frozen {frozen}");
+            assert_eq!(got.len(), 2 + outs.len() + 2 * adapted.len(), "{what}");
+            for (i, ((name, g), (_, w))) in got.iter().zip(&want).enumerate() {
+                match (g, w) {
+                    (Some(g), Some(w)) => {
+                        g.assert_approx_eq::<f32>(w, Tolerance::absolute(1e-4));
+                        assert!(g.iter::<f32>().any(|v| v != 0.0), "{what}: {name} ({i}) all zeros");
+                        assert!(!(frozen && *name == "dW"), "{what}: a frozen weight got a gradient");
+                    }
+                    (None, None) => assert!(frozen && *name == "dW", "{what}: {name} ({i}) missing"),
+                    _ => panic!("{what}: {name} ({i}) on one side only"),
                 }
             }
-            out
-        };
-        let (got, want) = (run(true), run(false));
-        assert_eq!(got.len(), 2 + 3 + 4);
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            g.assert_approx_eq::<f32>(w, Tolerance::absolute(1e-4));
-            assert!(i > 0 || g.iter::<f32>().any(|v| v != 0.0), "all zeros");
         }
     }
 }

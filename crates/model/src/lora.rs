@@ -104,52 +104,6 @@ impl<B: EmberBackend> Lora<B> {
     }
 }
 
-/// The adapters of projections of one input packed side by side (each with its projection's output
-/// width; `None` where a projection has none): `x · [A_1 | A_2 | …] · B`, `B` block-diagonal with
-/// each `(α/r)·B_i` in its adapter's rows and its projection's columns and zeros elsewhere. Two
-/// GEMMs each way for all the adapters, and the output gradient arrives contiguous (the outputs
-/// computed apart and concatenated would hand each adapter a strided slice of it to copy). The
-/// zero blocks cost `r · Σ out` multiply-adds a row. Dropout is not applied (callers with dropout
-/// run the adapters one by one: one mask each).
-///
-/// # Shapes
-/// - x: `[N, in]` -> `[N, Σ out_i]`
-pub fn forward_packed<B: EmberBackend>(
-    adapters: &[(Option<&Lora<B>>, usize)],
-    x: Tensor<B, 2>,
-    compute: DType,
-) -> Tensor<B, 2> {
-    let device = x.device();
-    let total: usize = adapters.iter().map(|(_, out)| out).sum();
-    let mut a_parts = Vec::new();
-    let mut b_rows = Vec::new();
-    let mut before = 0;
-    for &(lora, out) in adapters {
-        if let Some(lora) = lora {
-            let b = lora.lora_b.val().mul_scalar(lora.scale); // [r, out]
-            let (r, dtype) = (b.dims()[0], b.dtype());
-            let mut row = Vec::new();
-            if before > 0 {
-                row.push(Tensor::<B, 2>::zeros([r, before], &device).cast(dtype));
-            }
-            row.push(b);
-            if total > before + out {
-                row.push(Tensor::<B, 2>::zeros([r, total - before - out], &device).cast(dtype));
-            }
-            b_rows.push(Tensor::cat(row, 1)); // [r, Σ out]
-            a_parts.push(lora.lora_a.val()); // [in, r]
-        }
-        before += out;
-    }
-    if a_parts.is_empty() {
-        return Tensor::zeros([x.dims()[0], total], &device);
-    }
-    let a = to_dtype(Tensor::cat(a_parts, 1), compute); // [in, Σ r]
-    let b = to_dtype(Tensor::cat(b_rows, 0), compute); // [Σ r, Σ out]
-    let u = linear(to_dtype(x, compute), a, None); // [N, Σ r]
-    to_dtype(linear(u, b, None), DType::F32)
-}
-
 /// Marks every parameter outside the adapters as frozen (no gradient, not in the optimizer).
 pub(crate) struct FreezeBase {
     path: Vec<String>,

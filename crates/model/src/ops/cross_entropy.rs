@@ -696,9 +696,7 @@ mod tests {
         let (n, d, v) = (64, 16, 50);
         let h0 = Tensor::<Flex, 2>::random([n, d], Distribution::Normal(0.0, 1.0), &dev);
         let w0 = Tensor::<Flex, 2>::random([d, v], Distribution::Normal(0.0, 0.3), &dev);
-        let t = || {
-            Tensor::<AB, 1, Int>::from_data(TensorData::new((0..n as i32).map(|i| i * 13 % 50).collect(), [n]), &dev)
-        };
+        let t = || Tensor::<AB, 1, Int>::from_data(TensorData::new((0..n).map(|i| i * 13 % 50).collect(), [n]), &dev);
         let grads = |compute: DType, chunked: bool| {
             let h = Tensor::<AB, 2>::from_inner(h0.clone()).require_grad();
             let w = Tensor::<AB, 2>::from_inner(w0.clone()).require_grad();
@@ -756,8 +754,7 @@ mod tests {
     fn a_frozen_head_gets_no_gradient_and_the_hidden_one_is_unchanged() {
         let dev = Default::default();
         let (n, d, v) = (19, 8, 45);
-        let t =
-            || Tensor::<AB, 1, Int>::from_data(TensorData::new((0..n as i32).map(|i| i * 7 % 45).collect(), [n]), &dev);
+        let t = || Tensor::<AB, 1, Int>::from_data(TensorData::new((0..n).map(|i| i * 7 % 45).collect(), [n]), &dev);
         let h0 = Tensor::<Flex, 2>::random([n, d], Distribution::Normal(0.0, 1.0), &dev);
         let w0 = Tensor::<Flex, 2>::random([d, v], Distribution::Normal(0.0, 0.3), &dev);
         let spec = ChunkSpec { rows: 6, vocab: 16, compute: DType::F32 };

@@ -495,7 +495,10 @@ mod tests {
     use super::*;
     use crate::ops::testing::values;
 
-    fn check(path: fn(&mut [f32], bool, &[f32], &[f32], (usize, usize, usize)), (m, k, n): (usize, usize, usize)) {
+    /// A few-rows product: `(y, accumulate, x, w, (m, k, n))`.
+    type Product = fn(&mut [f32], bool, &[f32], &[f32], (usize, usize, usize));
+
+    fn check(path: Product, (m, k, n): (usize, usize, usize)) {
         let (x, w) = (values(m * k, 1), values(k * n, 2));
         for accumulate in [false, true] {
             let start = values(m * n, 3);

@@ -238,24 +238,27 @@ pub fn linear_backward_in(
             (need_x.then(|| grad_x(gemm_parallelism(m, k, n))), need_w.then(|| grad_w(gemm_parallelism(k, n, m))))
         }
     };
-    let db = need.b.then(|| {
-        let mut db = vec![0.0f32; n];
-        for row in dy.chunks_exact(n) {
-            db.iter_mut().zip(row).for_each(|(a, b)| *a += b);
-        }
-        db
-    });
+    let db = need.b.then(|| column_sums(dy, n, (0, n)));
     (dx, dw, db)
 }
 
 /// Where each of blocks `ns` wide starts when they sit side by side: `[0, n_1, n_1 + n_2, …]`.
-fn column_offsets(ns: &[usize]) -> Vec<usize> {
+pub fn column_offsets(ns: &[usize]) -> Vec<usize> {
     ns.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect()
 }
 
 /// Columns `at..at + n` of a row-major matrix `total` wide, as a contiguous `[rows, n]`.
 pub fn column_block(matrix: &[f32], total: usize, (at, n): (usize, usize), rows: usize) -> Vec<f32> {
     (0..rows).flat_map(|r| &matrix[r * total + at..r * total + at + n]).copied().collect()
+}
+
+/// The sums of columns `at..at + n` of a row-major matrix `total` wide (a bias's gradient).
+pub fn column_sums(matrix: &[f32], total: usize, (at, n): (usize, usize)) -> Vec<f32> {
+    let mut sums = vec![0.0f32; n];
+    for row in matrix.chunks_exact(total.max(1)) {
+        sums.iter_mut().zip(&row[at..at + n]).for_each(|(s, v)| *s += v);
+    }
+    sums
 }
 
 /// The columns `[M, Σ N_i]` of several row-major `[M, N_i]` (or `[K, N_i]`) blocks side by side.
@@ -356,6 +359,135 @@ pub fn linear_multi_backward(
     } else {
         (need_x.then(|| grad_x(gemm_parallelism)), grad_w(gemm_parallelism))
     }
+}
+
+/// One part's low-rank update in [`add_low_rank`]: `scale · (x · a) · b` (a LoRA adapter).
+#[derive(Debug, Clone, Copy)]
+pub struct LowRank<'a> {
+    /// `[K, rank]`.
+    pub a: &'a [f32],
+    /// `[rank, N_i]`.
+    pub b: &'a [f32],
+    pub rank: usize,
+    pub scale: f32,
+}
+
+/// The adapted parts of a side-by-side product: (column offset, width, update) of each part that
+/// has an update.
+fn adapted<'p, 'a>(ns: &[usize], parts: &'p [Option<LowRank<'a>>]) -> Vec<(usize, usize, &'p LowRank<'a>)> {
+    let offsets = column_offsets(ns);
+    parts.iter().zip(ns).zip(offsets).filter_map(|((part, &n), off)| part.as_ref().map(|lr| (off, n, lr))).collect()
+}
+
+/// `u = x · [a_1 | a_2 | …]`, `[M, Σ rank]`: the adapters' inputs side by side (their `a`s read
+/// where they are).
+fn low_rank_inputs(x: &[f32], adapted: &[(usize, usize, &LowRank)], (m, k): (usize, usize)) -> Vec<f32> {
+    let (a, ranks): (Vec<&[f32]>, Vec<usize>) = adapted.iter().map(|(_, _, lr)| (lr.a, lr.rank)).unzip();
+    linear_multi(x, &a, &ranks, None, (m, k))
+}
+
+/// Adds the low-rank updates `scale_i · (x · a_i) · b_i` of the parts that have one to their
+/// columns of `y` `[M, Σ N_i]` (the side-by-side product [`linear_multi`] made): LoRA inside the
+/// linear layer, no `[M, N]` update tensor and no separate addition. `u = x · [a_1 | …]` is made
+/// once for all the adapters, and each `u_i · b_i` accumulates into its columns with the scale
+/// folded into the GEMM.
+///
+/// # Panics
+/// If the parts' count differs from the widths' or a slice is shorter than its shape.
+///
+/// # Shapes
+/// - y: `[M, Σ N_i]`, x: `[M, K]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]`
+pub fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowRank>], (m, k): (usize, usize)) {
+    assert_eq!(parts.len(), ns.len(), "add_low_rank: one part a width");
+    let adapted = adapted(ns, parts);
+    if m == 0 || adapted.is_empty() {
+        return;
+    }
+    let total: usize = ns.iter().sum();
+    let u = low_rank_inputs(x, &adapted, (m, k));
+    let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
+    let mut at = 0;
+    for &(off, n, lr) in &adapted {
+        let (u_i, b_i) = ((&u[at..], (ranks, 1)), (lr.b, (n, 1)));
+        let par = gemm_parallelism(m, n, lr.rank);
+        gemm_into((m, n, lr.rank), &mut y[off..], total, true, u_i.0, u_i.1, b_i.0, b_i.1, lr.scale, par);
+        at += lr.rank;
+    }
+}
+
+/// The gradients `(dA_i, dB_i)` of one adapted part, each `None` where not asked for.
+pub type LowRankGrads = (Option<Vec<f32>>, Option<Vec<f32>>);
+
+/// Gradients of [`add_low_rank`] given `dy` `[M, Σ N_i]`: with `dU_i = scale_i · dY_i · b_iᵀ`,
+/// adds `Σ dU_i · a_iᵀ` to `dx` (the base product's input gradient) where given, and returns each
+/// adapted part's `dA_i = xᵀ · dU_i` and `dB_i = scale_i · u_iᵀ · dY_i` where `need` (one pair an
+/// adapted part) asks; `u` is made again from `x` (`M × Σ r`, cheaper than keeping it). `dY_i`, the
+/// `a`s and the `b`s are read where they are.
+///
+/// # Panics
+/// If the parts' count differs from the widths' or from `need`'s, or a slice is shorter than its
+/// shape.
+///
+/// # Shapes
+/// - x: `[M, K]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]`, dy: `[M, Σ N_i]`, dx: `[M, K]` ->
+///   (`[K, r_i]`, `[r_i, N_i]`) each
+pub fn low_rank_backward(
+    x: &[f32],
+    ns: &[usize],
+    parts: &[Option<LowRank>],
+    dy: &[f32],
+    (m, k): (usize, usize),
+    dx: Option<&mut [f32]>,
+    need: &[(bool, bool)],
+) -> Vec<LowRankGrads> {
+    assert_eq!(parts.len(), ns.len(), "low_rank_backward: one part a width");
+    let adapted = adapted(ns, parts);
+    assert_eq!(adapted.len(), need.len(), "low_rank_backward: one need an adapted part");
+    if m == 0 {
+        // No rows: zero gradients (and no slice of the empty `dy` to take).
+        let zeros = |want: bool, len: usize| want.then(|| vec![0.0; len]);
+        let grads = adapted.iter().zip(need);
+        return grads.map(|((_, n, lr), &(a, b))| (zeros(a, k * lr.rank), zeros(b, lr.rank * n))).collect();
+    }
+    let total: usize = ns.iter().sum();
+    let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
+    let need_du = dx.is_some() || need.iter().any(|&(a, _)| a);
+    let mut du = vec![0.0f32; if need_du { m * ranks } else { 0 }];
+    let mut at = 0;
+    for &(off, n, lr) in adapted.iter().filter(|_| need_du) {
+        // dU_i = scale · dY_i · b_iᵀ: b_iᵀ read where b_i is (strides (1, n)).
+        let (dy_i, b_t) = ((&dy[off..], (total, 1)), (lr.b, (1, n)));
+        let par = gemm_parallelism(m, lr.rank, n);
+        gemm_into((m, lr.rank, n), &mut du[at..], ranks, false, dy_i.0, dy_i.1, b_t.0, b_t.1, lr.scale, par);
+        at += lr.rank;
+    }
+    if let Some(dx) = dx {
+        let mut at = 0;
+        for &(_, _, lr) in &adapted {
+            // dX += dU_i · a_iᵀ.
+            let (du_i, a_t) = ((&du[at..], (ranks, 1)), (lr.a, (1, lr.rank)));
+            let par = gemm_parallelism(m, k, lr.rank);
+            gemm_into((m, k, lr.rank), dx, k, true, du_i.0, du_i.1, a_t.0, a_t.1, 1.0, par);
+            at += lr.rank;
+        }
+    }
+    let u = match need.iter().any(|&(_, b)| b) {
+        true => low_rank_inputs(x, &adapted, (m, k)),
+        false => Vec::new(),
+    };
+    let mut at = 0;
+    let mut grads = Vec::with_capacity(adapted.len());
+    for (&(off, n, lr), &(need_a, need_b)) in adapted.iter().zip(need) {
+        let r = lr.rank;
+        let da = need_a.then(|| gemm_new((k, r, m), (x, (1, k)), (&du[at..], (ranks, 1)), gemm_parallelism(k, r, m)));
+        let db = need_b.then(|| {
+            let (u_t, dy_i) = ((&u[at..], (1, ranks)), (&dy[off..], (total, 1)));
+            gemm_new_scaled((r, n, m), u_t, dy_i, lr.scale, gemm_parallelism(r, n, m))
+        });
+        grads.push((da, db));
+        at += r;
+    }
+    grads
 }
 
 #[inline(always)]
@@ -485,11 +617,22 @@ fn gemm_new(
     rhs: super::bf16_gemm::Strided<'_>,
     parallelism: gemm::Parallelism,
 ) -> Vec<f32> {
+    gemm_new_scaled((m, n, k), lhs, rhs, 1.0, parallelism)
+}
+
+/// [`gemm_new`] of `beta · a · b`.
+fn gemm_new_scaled(
+    (m, n, k): (usize, usize, usize),
+    lhs: super::bf16_gemm::Strided<'_>,
+    rhs: super::bf16_gemm::Strided<'_>,
+    beta: f32,
+    parallelism: gemm::Parallelism,
+) -> Vec<f32> {
     let mut out = Box::<[f32]>::new_uninit_slice(m * n);
     let dst = (out.as_mut_ptr().cast::<f32>(), m * n, n);
     // SAFETY: `dst` is the `m·n` elements just allocated, owned here; writing through the pointer
     // needs no initialised value.
-    unsafe { gemm_raw((m, n, k), dst, false, lhs, rhs, 1.0, parallelism) };
+    unsafe { gemm_raw((m, n, k), dst, false, lhs, rhs, beta, parallelism) };
     // SAFETY: the GEMM above wrote all `m·n` elements (see the doc comment), each row `n` apart.
     unsafe { out.assume_init() }.into_vec()
 }
@@ -1195,6 +1338,98 @@ mod tests {
                     assert!((dw[p * n + j] - want).abs() < 1e-4, "({m}, {k}, {n}) dw[{p},{j}]");
                 }
             }
+        }
+    }
+
+    /// `a · b` by the plain loop in f64, both read through their (row, column) strides.
+    fn plain(
+        a: &[f32],
+        (ars, acs): (usize, usize),
+        b: &[f32],
+        (brs, bcs): (usize, usize),
+        mkn: [usize; 3],
+    ) -> Vec<f32> {
+        let [m, k, n] = mkn;
+        let at = |i: usize, j: usize| {
+            (0..k).map(|p| f64::from(a[i * ars + p * acs]) * f64::from(b[p * brs + j * bcs])).sum::<f64>() as f32
+        };
+        (0..m).flat_map(|i| (0..n).map(move |j| (i, j))).map(|(i, j)| at(i, j)).collect()
+    }
+
+    #[test]
+    fn low_rank_updates_equal_the_plain_products() {
+        // q/k/v with adapters on q and v (k without one); two parts of different ranks; a part whose
+        // u·b, dU and dB products (2·2048·8·1536 ≥ 50 MFLOP) run on all threads; K = 0; no rows.
+        let cases = [
+            (37, 24, vec![16, 8, 8], vec![4, 0, 2]),
+            (130, 40, vec![64, 33], vec![8, 16]),
+            (2048, 16, vec![1536], vec![8]),
+            (9, 0, vec![5], vec![3]),
+            (0, 8, vec![3, 5], vec![2, 2]),
+        ];
+        for (m, k, ns, ranks) in cases {
+            let what = format!("({m}, {k}, {ns:?}, ranks {ranks:?})");
+            let total: usize = ns.iter().sum();
+            let (x, dy) = (random(m * k, 70), random(m * total, 71));
+            let ws: Vec<Vec<f32>> = ns.iter().enumerate().map(|(i, &n)| random(k * n, 72 + i as u64)).collect();
+            let ws: Vec<&[f32]> = ws.iter().map(Vec::as_slice).collect();
+            let ab: Vec<(Vec<f32>, Vec<f32>)> = ns
+                .iter()
+                .zip(&ranks)
+                .map(|(&n, &r)| (random(k * r, 80 + r as u64), random(r * n, 90 + n as u64)))
+                .collect();
+            let parts: Vec<Option<LowRank>> = (0..ns.len())
+                .map(|i| {
+                    (ranks[i] > 0).then(|| LowRank { a: &ab[i].0, b: &ab[i].1, rank: ranks[i], scale: 0.5 + i as f32 })
+                })
+                .collect();
+            // The reference: one weight with each update folded in, W_i + scale_i · a_i · b_i.
+            let mut w = concat_columns(&ws, &ns, k);
+            let mut off = 0;
+            for (part, &n) in parts.iter().zip(&ns) {
+                if let Some(lr) = part {
+                    let delta = plain(lr.a, (lr.rank, 1), lr.b, (n, 1), [k, lr.rank, n]);
+                    for (row, d) in delta.chunks_exact(n.max(1)).enumerate().filter(|_| n > 0) {
+                        let w_row = &mut w[row * total + off..row * total + off + n];
+                        w_row.iter_mut().zip(d).for_each(|(w, d)| *w += lr.scale * d);
+                    }
+                }
+                off += n;
+            }
+            let mut y = linear_multi(&x, &ws, &ns, None, (m, k));
+            add_low_rank(&mut y, &x, &ns, &parts, (m, k));
+            assert_close(&y, &plain(&x, (k, 1), &w, (total, 1), [m, k, total]), 1e-5, &format!("y {what}"));
+
+            let (dx, _) = linear_multi_backward(&x, &ws, &ns, &dy, (m, k), (true, &vec![false; ns.len()]));
+            let mut dx = dx.expect("dx");
+            let adapted = parts.iter().filter(|p| p.is_some()).count();
+            let grads = low_rank_backward(&x, &ns, &parts, &dy, (m, k), Some(&mut dx), &vec![(true, true); adapted]);
+            assert_close(&dx, &plain(&dy, (total, 1), &w, (1, total), [m, total, k]), 1e-5, &format!("dx {what}"));
+            let (mut off, mut grads) = (0, grads.into_iter());
+            for (part, &n) in parts.iter().zip(&ns) {
+                if let Some(lr) = part {
+                    let (da, db) = grads.next().expect("one pair an adapted part");
+                    let r = lr.rank;
+                    let dy_i = column_block(&dy, total, (off, n), m);
+                    // dA = xᵀ · (scale · dY_i · bᵀ); dB = scale · (x · a)ᵀ · dY_i.
+                    let du: Vec<f32> =
+                        plain(&dy_i, (n, 1), lr.b, (1, n), [m, n, r]).iter().map(|v| v * lr.scale).collect();
+                    let u = plain(&x, (k, 1), lr.a, (r, 1), [m, k, r]);
+                    let want_db: Vec<f32> =
+                        plain(&u, (1, r), &dy_i, (n, 1), [r, m, n]).iter().map(|v| v * lr.scale).collect();
+                    assert_close(
+                        &da.expect("dA"),
+                        &plain(&x, (1, k), &du, (r, 1), [k, m, r]),
+                        1e-5,
+                        &format!("dA {what}"),
+                    );
+                    assert_close(&db.expect("dB"), &want_db, 1e-5, &format!("dB {what}"));
+                }
+                off += n;
+            }
+            // Only dB asked for, no dX: dA not formed.
+            let grads = low_rank_backward(&x, &ns, &parts, &dy, (m, k), None, &vec![(false, true); adapted]);
+            assert!(grads.iter().all(|(da, db)| da.is_none() && db.is_some()), "{what}: gradients not asked for");
         }
     }
 

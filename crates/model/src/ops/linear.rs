@@ -1,6 +1,8 @@
 //! Linear layers: `x · w (+ b)`, the backward pass computing only the gradients asked for (a
 //! frozen weight's product is never formed).
 
+use std::borrow::Cow;
+
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
@@ -70,7 +72,64 @@ pub trait LinearOps: Backend {
     ) -> MultiGrads<Self> {
         reference_multi_backward::<Self>(x, ws, dy, need)
     }
+
+    /// Side-by-side linear layers with low-rank updates (LoRA adapters) on some of them:
+    /// `x · [w_1 | … | w_p] + [b_1 | … | b_p] + [s_1·(x·a_1)·b_1 | … ]`, `None` where a part has no
+    /// update. The default is the composition ([`reference_lora`]); a kernel adds each update into
+    /// its columns of the product.
+    ///
+    /// # Shapes
+    /// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]` -> `[M, Σ N_i]`
+    fn linear_lora_forward(
+        x: FloatTensor<Self>,
+        ws: Vec<FloatTensor<Self>>,
+        bs: Vec<FloatTensor<Self>>,
+        lora: Vec<Option<LowRank<FloatTensor<Self>>>>,
+    ) -> FloatTensor<Self> {
+        reference_lora_of::<Self>(x, ws, bs, lora)
+    }
+
+    /// The gradients that `need` asks for: the side-by-side product's (a frozen weight's never
+    /// formed) and each update's `(a, b)`.
+    fn linear_lora_backward(
+        x: FloatTensor<Self>,
+        ws: Vec<FloatTensor<Self>>,
+        lora: Vec<Option<LowRank<FloatTensor<Self>>>>,
+        dy: FloatTensor<Self>,
+        need: &LoraNeed,
+    ) -> LoraGrads<Self> {
+        reference_lora_backward::<Self>(x, ws, lora, dy, need)
+    }
 }
+
+/// A part's low-rank update in [`linear_lora`]: `scale · (x · a) · b`, a LoRA adapter's.
+#[derive(Debug, Clone)]
+pub struct LowRank<T> {
+    /// `[K, r]`.
+    pub a: T,
+    /// `[r, N_i]`.
+    pub b: T,
+    pub scale: f32,
+}
+
+impl<T> LowRank<T> {
+    /// The same update with `f` applied to both factors.
+    pub fn map<U>(self, f: impl Fn(T) -> U) -> LowRank<U> {
+        LowRank { a: f(self.a), b: f(self.b), scale: self.scale }
+    }
+}
+
+/// Which gradients [`LinearOps::linear_lora_backward`] computes: the side-by-side product's, and
+/// `(a, b)` of each part that has an update, in the parts' order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraNeed {
+    pub multi: MultiNeed,
+    pub low_rank: Vec<(bool, bool)>,
+}
+
+/// The side-by-side product's gradients and `(da, db)` of each part that has an update, those not
+/// asked for `None`.
+pub type LoraGrads<B> = (MultiGrads<B>, Vec<(Option<FloatTensor<B>>, Option<FloatTensor<B>>)>);
 
 /// Which gradients [`LinearOps::linear_multi_backward`] computes: the input's, each part's weight's,
 /// and each part's bias's (empty without biases).
@@ -108,6 +167,64 @@ pub fn linear_multi<B: EmberBackend>(x: Tensor<B, 2>, ws: Vec<Tensor<B, 2>>, bs:
         float(B::linear_multi_forward(prim(x), ws.into_iter().map(prim).collect(), bs.into_iter().map(prim).collect()))
     } else {
         reference_multi(x, ws, bs)
+    }
+}
+
+/// The composition of [`LinearOps::linear_lora_forward`]: the side-by-side product plus each
+/// part's update `scale · (x · a) · b` (zeros where a part has none), concatenated.
+///
+/// # Shapes
+/// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]` -> `[M, Σ N_i]`
+pub fn reference_lora<B: Backend>(
+    x: Tensor<B, 2>,
+    ws: Vec<Tensor<B, 2>>,
+    bs: Vec<Tensor<B, 1>>,
+    lora: &[Option<LowRank<Tensor<B, 2>>>],
+) -> Tensor<B, 2> {
+    let (m, dtype, device) = (x.dims()[0], x.dtype(), x.device());
+    let updates = ws.iter().zip(lora).map(|(w, update)| match update {
+        Some(l) => x.clone().matmul(l.a.clone()).matmul(l.b.clone()).mul_scalar(l.scale),
+        None => Tensor::<B, 2>::zeros([m, w.dims()[1]], &device).cast(dtype),
+    });
+    let updates = Tensor::cat(updates.collect(), 1);
+    reference_multi(x, ws, bs) + updates
+}
+
+/// [`reference_lora`] on a backend's primitives.
+fn reference_lora_of<B: Backend>(
+    x: FloatTensor<B>,
+    ws: Vec<FloatTensor<B>>,
+    bs: Vec<FloatTensor<B>>,
+    lora: Vec<Option<LowRank<FloatTensor<B>>>>,
+) -> FloatTensor<B> {
+    let lora: Vec<_> = lora.into_iter().map(|l| l.map(|l| l.map(float))).collect();
+    let (ws, bs) = (ws.into_iter().map(float).collect(), bs.into_iter().map(float).collect());
+    prim(reference_lora(float::<B, 2>(x), ws, bs, &lora))
+}
+
+/// Side-by-side linear layers with LoRA updates on some of them (`lora`: one entry a weight,
+/// `None` where a part has no adapter): one op where the backend has a kernel (on the CPU the
+/// updates accumulate into the product's columns, the frozen weights are never differentiated,
+/// and neither an update tensor nor a sum of two input gradients is made), else the composition.
+///
+/// # Shapes
+/// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]` -> `[M, Σ N_i]`
+pub fn linear_lora<B: EmberBackend>(
+    x: Tensor<B, 2>,
+    ws: Vec<Tensor<B, 2>>,
+    bs: Vec<Tensor<B, 1>>,
+    lora: Vec<Option<LowRank<Tensor<B, 2>>>>,
+) -> Tensor<B, 2> {
+    let dtype = x.dtype();
+    let factors = lora.iter().flatten().flat_map(|l| [&l.a, &l.b]);
+    let same = ws.iter().chain(factors).all(|w| w.dtype() == dtype) && bs.iter().all(|b| b.dtype() == dtype);
+    let parts_fit = !ws.is_empty() && lora.len() == ws.len() && (bs.is_empty() || bs.len() == ws.len());
+    if B::fused(dtype) && same && parts_fit {
+        let lora = lora.into_iter().map(|l| l.map(|l| l.map(prim))).collect();
+        let (ws, bs) = (ws.into_iter().map(prim).collect(), bs.into_iter().map(prim).collect());
+        float(B::linear_lora_forward(prim(x), ws, bs, lora))
+    } else {
+        reference_lora(x, ws, bs, &lora)
     }
 }
 
@@ -210,16 +327,7 @@ impl LinearOps for Flex {
             return prim(reference_multi(float::<Self, 2>(x), ws, bs));
         };
         let total = ns.iter().sum();
-        let w: Vec<_> = ws.iter().map(flex::f32s).collect();
-        let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
-        let b = (!bs.is_empty()).then(|| bs.iter().flat_map(|b| flex::f32s(b).into_owned()).collect::<Vec<f32>>());
-        let x = flex::f32s(&x);
-        let y = match multi_in_bf16(m, k, total) {
-            // The bf16 GEMM packs its operands anyway: the weights concatenated for it.
-            true => kernels::linear_in(&x, &kernels::concat_columns(&w, &ns, k), b.as_deref(), (m, k, total), true),
-            false => kernels::linear_multi(&x, &w, &ns, b.as_deref(), (m, k)),
-        };
-        flex::tensor(y, vec![m, total])
+        flex::tensor(multi_product(&x, &ws, &bs, (m, k), &ns), vec![m, total])
     }
 
     fn linear_multi_backward(x: FlexTensor, ws: Vec<FlexTensor>, dy: FlexTensor, need: &MultiNeed) -> MultiGrads<Self> {
@@ -228,41 +336,190 @@ impl LinearOps for Flex {
         let Some((m, k, ns)) = fits.filter(|_| flex::all_f32(&[&dy]) && needs_fit) else {
             return reference_multi_backward::<Self>(x, ws, dy, need);
         };
-        let total: usize = ns.iter().sum();
-        let w: Vec<_> = ws.iter().map(flex::f32s).collect();
-        let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
-        let (x, dy) = (flex::f32s(&x), flex::f32s(&dy));
-        let (dx, dws) = match multi_in_bf16(m, k, total) {
-            true => {
-                let packed = kernels::concat_columns(&w, &ns, k);
-                let grads = LinearGrads { x: need.x, w: need.w.iter().any(|&w| w), b: false };
-                let (dx, dw, _) = kernels::linear_backward_in(&x, &packed, &dy, (m, k, total), grads, true);
-                let parts = ns.iter().scan(0, |at, &n| Some((std::mem::replace(at, *at + n), n)));
-                let dws = parts.zip(&need.w).map(|(part, &want)| {
-                    dw.as_ref().filter(|_| want).map(|dw| kernels::column_block(dw, total, part, k))
-                });
-                (dx, dws.collect())
-            }
-            false => kernels::linear_multi_backward(&x, &w, &ns, &dy, (m, k), (need.x, &need.w)),
+        let (dx, dws, dbs) = multi_grads(&flex::f32s(&x), &ws, &flex::f32s(&dy), (m, k), &ns, need);
+        multi_tensors((dx, dws, dbs), (m, k), &ns)
+    }
+
+    fn linear_lora_forward(
+        x: FlexTensor,
+        ws: Vec<FlexTensor>,
+        bs: Vec<FlexTensor>,
+        lora: Vec<Option<LowRank<FlexTensor>>>,
+    ) -> FlexTensor {
+        let fits = multi_fits(&x, &ws, &bs).filter(|(_, k, ns)| lora_fits(&lora, *k, ns));
+        let Some((m, k, ns)) = fits else {
+            return reference_lora_of::<Self>(x, ws, bs, lora);
         };
-        let mut at = 0;
-        let dbs = ns.iter().zip(&need.b).map(|(&n, &want)| {
-            let part = want.then(|| {
-                let mut db = vec![0.0f32; n];
-                for row in dy.chunks_exact(total) {
-                    db.iter_mut().zip(&row[at..at + n]).for_each(|(a, b)| *a += b);
-                }
-                flex::tensor(db, vec![n])
-            });
-            at += n;
-            part
+        let mut y = multi_product(&x, &ws, &bs, (m, k), &ns);
+        let factors = lora_factors(&lora);
+        kernels::add_low_rank(&mut y, &flex::f32s(&x), &ns, &low_ranks(&factors, &lora), (m, k));
+        flex::tensor(y, vec![m, ns.iter().sum()])
+    }
+
+    fn linear_lora_backward(
+        x: FlexTensor,
+        ws: Vec<FlexTensor>,
+        lora: Vec<Option<LowRank<FlexTensor>>>,
+        dy: FlexTensor,
+        need: &LoraNeed,
+    ) -> LoraGrads<Self> {
+        let fits = multi_fits(&x, &ws, &[])
+            .filter(|(m, k, ns)| flex::shape(&dy) == [*m, ns.iter().sum()] && lora_fits(&lora, *k, ns));
+        let multi = &need.multi;
+        let needs_fit = multi.w.len() == ws.len()
+            && (multi.b.is_empty() || multi.b.len() == ws.len())
+            && need.low_rank.len() == lora.iter().flatten().count();
+        let Some((m, k, ns)) = fits.filter(|_| flex::all_f32(&[&dy]) && needs_fit) else {
+            return reference_lora_backward::<Self>(x, ws, lora, dy, need);
+        };
+        let (x, dy) = (flex::f32s(&x), flex::f32s(&dy));
+        let (mut dx, dws, dbs) = multi_grads(&x, &ws, &dy, (m, k), &ns, multi);
+        let factors = lora_factors(&lora);
+        let parts = low_ranks(&factors, &lora);
+        let grads = kernels::low_rank_backward(&x, &ns, &parts, &dy, (m, k), dx.as_deref_mut(), &need.low_rank);
+        let tensors =
+            grads.into_iter().zip(parts.iter().flatten()).zip(ns.iter().zip(&parts).filter(|(_, p)| p.is_some()));
+        let low_rank = tensors.map(|(((da, db), lr), (&n, _))| {
+            (da.map(|da| flex::tensor(da, vec![k, lr.rank])), db.map(|db| flex::tensor(db, vec![lr.rank, n])))
         });
-        let dbs: Vec<_> = dbs.collect();
-        let dws = dws.into_iter().zip(&ns).map(|(dw, &n)| dw.map(|dw| flex::tensor(dw, vec![k, n]))).collect();
-        (dx.map(|dx| flex::tensor(dx, vec![m, k])), dws, dbs)
+        let low_rank = low_rank.collect();
+        (multi_tensors((dx, dws, dbs), (m, k), &ns), low_rank)
     }
 }
 
+/// The side-by-side product of [`LinearOps::linear_multi_forward`] on tensors that
+/// [`multi_fits`] took: one bf16 GEMM of the concatenated weights where bf16 GEMMs are on and
+/// win, else each weight read where it is.
+fn multi_product(
+    x: &FlexTensor,
+    ws: &[FlexTensor],
+    bs: &[FlexTensor],
+    (m, k): (usize, usize),
+    ns: &[usize],
+) -> Vec<f32> {
+    let total = ns.iter().sum();
+    let w: Vec<_> = ws.iter().map(flex::f32s).collect();
+    let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
+    let b = (!bs.is_empty()).then(|| bs.iter().flat_map(|b| flex::f32s(b).into_owned()).collect::<Vec<f32>>());
+    let x = flex::f32s(x);
+    match multi_in_bf16(m, k, total) {
+        // The bf16 GEMM packs its operands anyway: the weights concatenated for it.
+        true => kernels::linear_in(&x, &kernels::concat_columns(&w, ns, k), b.as_deref(), (m, k, total), true),
+        false => kernels::linear_multi(&x, &w, ns, b.as_deref(), (m, k)),
+    }
+}
+
+/// The side-by-side product's gradients as vectors: `dX`, each `dW_i` and each `db_i` that `need`
+/// asks for.
+type MultiVecs = (Option<Vec<f32>>, Vec<Option<Vec<f32>>>, Vec<Option<Vec<f32>>>);
+
+/// The gradients of [`multi_product`] that `need` asks for, given `dy` `[M, Σ N_i]`.
+fn multi_grads(
+    x: &[f32],
+    ws: &[FlexTensor],
+    dy: &[f32],
+    (m, k): (usize, usize),
+    ns: &[usize],
+    need: &MultiNeed,
+) -> MultiVecs {
+    let total: usize = ns.iter().sum();
+    let w: Vec<_> = ws.iter().map(flex::f32s).collect();
+    let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
+    let (dx, dws) = match multi_in_bf16(m, k, total) {
+        true => {
+            let packed = kernels::concat_columns(&w, ns, k);
+            let grads = LinearGrads { x: need.x, w: need.w.iter().any(|&w| w), b: false };
+            let (dx, dw, _) = kernels::linear_backward_in(x, &packed, dy, (m, k, total), grads, true);
+            let parts = kernels::column_offsets(ns).into_iter().zip(ns.iter().copied());
+            let dws = parts
+                .zip(&need.w)
+                .map(|(part, &want)| dw.as_ref().filter(|_| want).map(|dw| kernels::column_block(dw, total, part, k)));
+            (dx, dws.collect())
+        }
+        false => kernels::linear_multi_backward(x, &w, ns, dy, (m, k), (need.x, &need.w)),
+    };
+    let parts = kernels::column_offsets(ns).into_iter().zip(ns.iter().copied());
+    let dbs = parts.zip(&need.b).map(|(part, &want)| want.then(|| kernels::column_sums(dy, total, part)));
+    (dx, dws, dbs.collect())
+}
+
+/// [`MultiVecs`] as tensors: `dX` `[M, K]`, `dW_i` `[K, N_i]`, `db_i` `[N_i]`.
+fn multi_tensors((dx, dws, dbs): MultiVecs, (m, k): (usize, usize), ns: &[usize]) -> MultiGrads<Flex> {
+    let dws = dws.into_iter().zip(ns).map(|(dw, &n)| dw.map(|dw| flex::tensor(dw, vec![k, n]))).collect();
+    let dbs = dbs.into_iter().zip(ns).map(|(db, &n)| db.map(|db| flex::tensor(db, vec![n]))).collect();
+    (dx.map(|dx| flex::tensor(dx, vec![m, k])), dws, dbs)
+}
+
+/// Whether the kernels take these updates: one entry a part, each update's factors f32 `[K, r]`
+/// and `[r, N_i]` with `r ≥ 1`.
+fn lora_fits(lora: &[Option<LowRank<FlexTensor>>], k: usize, ns: &[usize]) -> bool {
+    let fits = |l: &LowRank<FlexTensor>, n: usize| {
+        let (a, b) = (flex::shape(&l.a), flex::shape(&l.b));
+        flex::all_f32(&[&l.a, &l.b]) && a.len() == 2 && a[0] == k && a[1] >= 1 && b == [a[1], n]
+    };
+    lora.len() == ns.len() && lora.iter().zip(ns).all(|(l, &n)| l.as_ref().is_none_or(|l| fits(l, n)))
+}
+
+/// An update's two factors as f32 slices (contiguous copies of views), `None` for a part without.
+type Factors<'a> = Option<(Cow<'a, [f32]>, Cow<'a, [f32]>)>;
+
+/// Each update's factors as f32 slices.
+fn lora_factors(lora: &[Option<LowRank<FlexTensor>>]) -> Vec<Factors<'_>> {
+    lora.iter().map(|l| l.as_ref().map(|l| (flex::f32s(&l.a), flex::f32s(&l.b)))).collect()
+}
+
+/// The kernels' view of the updates whose factors [`lora_factors`] took.
+fn low_ranks<'a>(
+    factors: &'a [Factors<'a>],
+    lora: &[Option<LowRank<FlexTensor>>],
+) -> Vec<Option<kernels::LowRank<'a>>> {
+    let parts = factors.iter().zip(lora);
+    let part = |(f, l): (&'a Factors<'a>, &Option<LowRank<FlexTensor>>)| {
+        let ((a, b), l) = (f.as_ref()?, l.as_ref()?);
+        Some(kernels::LowRank { a, b, rank: flex::shape(&l.a)[1], scale: l.scale })
+    };
+    parts.map(part).collect()
+}
+
+/// The reference of [`LinearOps::linear_lora_backward`]: the composition's gradients through Burn's
+/// autodiff; each bias's, `dy`'s column sums.
+fn reference_lora_backward<B: Backend>(
+    x: FloatTensor<B>,
+    ws: Vec<FloatTensor<B>>,
+    lora: Vec<Option<LowRank<FloatTensor<B>>>>,
+    dy: FloatTensor<B>,
+    need: &LoraNeed,
+) -> LoraGrads<B> {
+    let (p, dy) = (ws.len(), float::<B, 2>(dy));
+    let ns: Vec<usize> = ws.iter().map(|w| w.shape()[1]).collect();
+    let scales: Vec<Option<f32>> = lora.iter().map(|l| l.as_ref().map(|l| l.scale)).collect();
+    let mut inputs = vec![float::<B, 2>(x)];
+    inputs.extend(ws.into_iter().map(float));
+    inputs.extend(lora.into_iter().flatten().flat_map(|l| [float(l.a), float(l.b)]));
+    let grads = super::reference_grads_of(inputs, dy.clone(), |leaves| {
+        let mut factors = leaves[1 + p..].chunks(2);
+        let mut update = |scale| {
+            let ab = factors.next().expect("two factors an update");
+            LowRank { a: ab[0].clone(), b: ab[1].clone(), scale }
+        };
+        let lora: Vec<_> = scales.iter().map(|s| s.map(&mut update)).collect();
+        reference_lora(leaves[0].clone(), leaves[1..=p].to_vec(), vec![], &lora)
+    });
+    let mut grads = grads.into_iter();
+    let dx = grads.next().filter(|_| need.multi.x).map(prim);
+    let dws = need.multi.w.iter().map(|&want| grads.next().filter(|_| want).map(prim)).collect();
+    let (m, mut at) = (dy.dims()[0], 0);
+    let mut dbs = Vec::new();
+    for (&n, &want) in ns.iter().zip(&need.multi.b) {
+        dbs.push(want.then(|| prim(dy.clone().slice([0..m, at..at + n]).sum_dim(0).reshape([n]))));
+        at += n;
+    }
+    let low_rank = need.low_rank.iter().map(|&(want_a, want_b)| {
+        let (da, db) = (grads.next(), grads.next());
+        (da.filter(|_| want_a).map(prim), db.filter(|_| want_b).map(prim))
+    });
+    ((dx, dws, dbs), low_rank.collect())
+}
 /// The reference of [`LinearOps::linear_multi_backward`]: the concatenated composition's gradients
 /// through Burn's autodiff, the parts' gradients sliced out of them.
 fn reference_multi_backward<B: Backend>(
@@ -397,11 +654,86 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
             )),
         }
     }
+
+    /// One graph node with the input, the weights, the biases and each update's two factors as
+    /// parents, for 4 to 13 of them (LoRA on one to three parts, with or without biases); other
+    /// counts run the composition.
+    fn linear_lora_forward(
+        x: FloatTensor<Self>,
+        ws: Vec<FloatTensor<Self>>,
+        bs: Vec<FloatTensor<Self>>,
+        lora: Vec<Option<LowRank<FloatTensor<Self>>>>,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct LoraBackward<const N: usize>;
+        impl<B: EmberBackend, const N: usize> Backward<B, N> for LoraBackward<N> {
+            /// The input, the weights and the updates.
+            type State = (FloatTensor<B>, Vec<FloatTensor<B>>, Vec<Option<LowRank<FloatTensor<B>>>>);
+            fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+                let (x, ws, lora) = ops.state;
+                let (parts, updates) = (ws.len(), lora.iter().flatten().count());
+                let biases = N - 1 - parts - 2 * updates;
+                let (weights, rest) = ops.parents[1..].split_at(parts);
+                let (bias_nodes, factors) = rest.split_at(biases);
+                let need = LoraNeed {
+                    multi: MultiNeed {
+                        x: ops.parents[0].is_some(),
+                        w: weights.iter().map(Option::is_some).collect(),
+                        b: bias_nodes.iter().map(Option::is_some).collect(),
+                    },
+                    low_rank: factors.chunks(2).map(|ab| (ab[0].is_some(), ab[1].is_some())).collect(),
+                };
+                let dy = grads.consume::<B>(&ops.node);
+                let ((dx, dws, dbs), low_rank) = B::linear_lora_backward(x, ws, lora, dy, &need);
+                let factor_grads = low_rank.into_iter().flat_map(|(da, db)| [da, db]);
+                let all = std::iter::once(dx).chain(dws).chain(dbs).chain(factor_grads);
+                for (node, grad) in ops.parents.iter().zip(all) {
+                    if let (Some(n), Some(g)) = (node, grad) {
+                        grads.register::<B>(n.id, g);
+                    }
+                }
+            }
+        }
+        let factors = lora.iter().flatten().flat_map(|l| [&l.a, &l.b]);
+        let nodes: Vec<_> = std::iter::once(&x).chain(&ws).chain(&bs).chain(factors).map(|t| t.node.clone()).collect();
+        let inner = |ts: Vec<FloatTensor<Self>>| ts.into_iter().map(|t| t.primitive).collect::<Vec<_>>();
+        let inner_lora = |lora: Vec<Option<LowRank<FloatTensor<Self>>>>| -> Vec<Option<LowRank<FloatTensor<B>>>> {
+            lora.into_iter().map(|l| l.map(|l| l.map(|t| t.primitive))).collect()
+        };
+        macro_rules! node {
+            ($n:literal) => {{
+                let parents: [_; $n] = nodes.try_into().expect("the parent count matched");
+                match LoraBackward::<$n>.prepare::<C>(parents).compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => {
+                        let (x, ws, lora) = (x.primitive, inner(ws), inner_lora(lora));
+                        let saved = (x.clone(), ws.clone(), lora.clone());
+                        prep.finish(saved, B::linear_lora_forward(x, ws, inner(bs), lora))
+                    }
+                    OpsKind::UnTracked(prep) => {
+                        prep.finish(B::linear_lora_forward(x.primitive, inner(ws), inner(bs), inner_lora(lora)))
+                    }
+                }
+            }};
+        }
+        match nodes.len() {
+            4 => node!(4),
+            5 => node!(5),
+            6 => node!(6),
+            7 => node!(7),
+            8 => node!(8),
+            9 => node!(9),
+            10 => node!(10),
+            11 => node!(11),
+            12 => node!(12),
+            13 => node!(13),
+            _ => reference_lora_of::<Self>(x, ws, bs, lora),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{assert_close, compare, leaf, AB};
+    use super::super::testing::{assert_close, compare, leaf, FusedOrReference, AB};
     use super::*;
 
     #[test]
@@ -453,6 +785,110 @@ mod tests {
                 }
             });
         }
+    }
+
+    /// Inputs `[x, w_1…, (b_1…), (a_j, b_j for each adapted part)…]` of a LoRA case, and a closure
+    /// building the op (fused or the composition) from their leaves.
+    fn lora_case<'a>(
+        (m, k): (usize, usize),
+        ns: &'a [usize],
+        ranks: &'a [usize],
+        bias: bool,
+    ) -> (Vec<Tensor<Flex, 2>>, Box<FusedOrReference<'a>>) {
+        let p = ns.len();
+        let mut inputs = vec![leaf([m, k], 31)];
+        inputs.extend(ns.iter().enumerate().map(|(i, &n)| leaf([k, n], 32 + i as u64)));
+        if bias {
+            inputs.extend(ns.iter().enumerate().map(|(i, &n)| leaf([1, n], 40 + i as u64)));
+        }
+        for (i, (&n, &r)) in ns.iter().zip(ranks).enumerate().filter(|(_, (_, &r))| r > 0) {
+            inputs.extend([leaf([k, r], 50 + i as u64), leaf([r, n], 60 + i as u64)]);
+        }
+        let op = move |xs: &[Tensor<AB, 2>], fused: bool| {
+            let ws = xs[1..=p].to_vec();
+            let nb = if bias { p } else { 0 };
+            let bs: Vec<_> = xs[p + 1..p + 1 + nb].iter().zip(ns).map(|(b, &n)| b.clone().reshape([n])).collect();
+            let mut factors = xs[p + 1 + nb..].chunks(2);
+            let lora: Vec<_> = ranks
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| {
+                    let ab = (r > 0).then(|| factors.next().expect("two factors an adapted part"));
+                    ab.map(|ab| LowRank { a: ab[0].clone(), b: ab[1].clone(), scale: 0.75 + i as f32 })
+                })
+                .collect();
+            if fused {
+                linear_lora(xs[0].clone(), ws, bs, lora)
+            } else {
+                reference_lora(xs[0].clone(), ws, bs, &lora)
+            }
+        };
+        (inputs, Box::new(op))
+    }
+
+    #[test]
+    fn low_rank_updates_inside_the_linear_op_equal_the_composition() {
+        // q/k/v with biases, all adapted (13 parents); q and v adapted, no biases (8); gate/up (7);
+        // one part alone (4); a part whose update products run on all threads; one row; four
+        // parts adapted with biases (17 parents: the composition's path under autodiff).
+        // (rows, K, the parts' widths, their ranks (0: no update), biases)
+        type Case = (usize, usize, &'static [usize], &'static [usize], bool);
+        let cases: [Case; 7] = [
+            (13, 8, &[8, 4, 4], &[2, 3, 1], true),
+            (9, 6, &[6, 2, 2], &[4, 0, 2], false),
+            (11, 5, &[7, 7], &[3, 3], false),
+            (10, 7, &[5], &[2], false),
+            (2048, 16, &[1536], &[8], false),
+            (1, 4, &[3, 3], &[2, 0], true),
+            (7, 5, &[3, 2, 4, 1], &[1, 1, 1, 1], true),
+        ];
+        for (m, k, ns, ranks, bias) in cases {
+            let (inputs, op) = lora_case((m, k), ns, ranks, bias);
+            let name = format!("linear_lora {m}x{k}x{ns:?} ranks {ranks:?} bias {bias}");
+            compare(&name, inputs, [m, ns.iter().sum()], &*op);
+        }
+    }
+
+    #[test]
+    fn low_rank_kernels_equal_the_reference_and_compute_only_what_is_asked() {
+        let (m, k, ns, ranks) = (12, 6, [5usize, 3, 4], [2usize, 0, 3]);
+        let (inputs, _) = lora_case((m, k), &ns, &ranks, false);
+        let total = ns.iter().sum();
+        let dy = leaf([m, total], 70);
+        let lora = |xs: &[Tensor<Flex, 2>]| -> Vec<Option<LowRank<FloatTensor<Flex>>>> {
+            let mut factors = xs[4..].chunks(2);
+            let update = |i: usize| {
+                let ab = factors.next().expect("two factors");
+                LowRank { a: prim(ab[0].clone()), b: prim(ab[1].clone()), scale: 0.75 + i as f32 }
+            };
+            let mut update = update;
+            ranks.iter().enumerate().map(|(i, &r)| (r > 0).then(|| update(i))).collect()
+        };
+        let ws = |xs: &[Tensor<Flex, 2>]| xs[1..4].iter().cloned().map(prim).collect::<Vec<_>>();
+        // Frozen weights (LoRA), one bias asked for, dA of the first update and dB of the second.
+        let need = LoraNeed {
+            multi: MultiNeed { x: true, w: vec![false; 3], b: vec![false, true, false] },
+            low_rank: vec![(true, false), (false, true)],
+        };
+        let (x, dy_p) = (prim(inputs[0].clone()), prim(dy.clone()));
+        let ((dx, dws, dbs), low_rank) =
+            <Flex as LinearOps>::linear_lora_backward(x.clone(), ws(&inputs), lora(&inputs), dy_p.clone(), &need);
+        let ((want_dx, _, want_dbs), want_low_rank) =
+            reference_lora_backward::<Flex>(x, ws(&inputs), lora(&inputs), dy_p, &need);
+        assert!(dws.iter().all(Option::is_none), "a frozen weight's gradient was formed");
+        assert!(dbs[0].is_none() && dbs[2].is_none(), "a bias gradient not asked for was formed");
+        assert!(low_rank[0].1.is_none() && low_rank[1].0.is_none(), "a factor gradient not asked for was formed");
+        let db = |t: Option<FloatTensor<Flex>>| float::<Flex, 1>(t.expect("asked for")).unsqueeze::<2>();
+        let two = |t: Option<FloatTensor<Flex>>| float::<Flex, 2>(t.expect("asked for"));
+        let [(da, _), (_, dbb)] = <[_; 2]>::try_from(low_rank).expect("two updates");
+        let [(want_da, _), (_, want_dbb)] = <[_; 2]>::try_from(want_low_rank).expect("two updates");
+        let [_, want_db1, _] = <[_; 3]>::try_from(want_dbs).expect("three biases");
+        let [_, db1, _] = <[_; 3]>::try_from(dbs).expect("three biases");
+        assert_close(
+            "linear_lora backward",
+            vec![two(dx), db(db1), two(da), two(dbb)],
+            vec![two(want_dx), db(want_db1), two(want_da), two(want_dbb)],
+        );
     }
 
     #[test]

@@ -192,17 +192,23 @@ pub(crate) fn reference_grads<B: Backend, const N: usize>(
     dy: Tensor<B, 2>,
     f: impl FnOnce([Tensor<Autodiff<B>, 2>; N]) -> Tensor<Autodiff<B>, 2>,
 ) -> [Tensor<B, 2>; N] {
-    let zeros: [Tensor<B, 2>; N] = inputs.clone().map(|x| x.zeros_like());
-    let leaves = inputs.map(|x| Tensor::<Autodiff<B>, 2>::from_inner(x).require_grad());
+    fn as_array<T, const N: usize>(xs: Vec<T>) -> [T; N] {
+        xs.try_into().unwrap_or_else(|_| unreachable!("N inputs, N leaves, N gradients"))
+    }
+    as_array(reference_grads_of(inputs.into(), dy, |leaves| f(as_array(leaves))))
+}
+
+/// [`reference_grads`] of any number of inputs.
+pub(crate) fn reference_grads_of<B: Backend>(
+    inputs: Vec<Tensor<B, 2>>,
+    dy: Tensor<B, 2>,
+    f: impl FnOnce(Vec<Tensor<Autodiff<B>, 2>>) -> Tensor<Autodiff<B>, 2>,
+) -> Vec<Tensor<B, 2>> {
+    let zeros: Vec<Tensor<B, 2>> = inputs.iter().map(Tensor::zeros_like).collect();
+    let leaves: Vec<_> = inputs.into_iter().map(|x| Tensor::<Autodiff<B>, 2>::from_inner(x).require_grad()).collect();
     let y = f(leaves.clone());
     let grads = (y * Tensor::from_inner(dy)).sum().backward();
-    let mut out = zeros;
-    for (o, leaf) in out.iter_mut().zip(&leaves) {
-        if let Some(g) = leaf.grad(&grads) {
-            *o = g;
-        }
-    }
-    out
+    zeros.into_iter().zip(&leaves).map(|(zero, leaf)| leaf.grad(&grads).unwrap_or(zero)).collect()
 }
 
 /// Threads of the CPU kernels' pool (what a measured CPU peak depends on).

@@ -283,7 +283,7 @@ enum Path {
 
 fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads, path: Path) -> Vec<f32> {
     let (b, t, dh) = (layout.batch(), layout.queries, s.head_dim);
-    assert!(s.kv_heads > 0 && dh > 0 && s.heads % s.kv_heads == 0, "paged attention: head counts {s:?}");
+    assert!(s.kv_heads > 0 && dh > 0 && s.heads.is_multiple_of(s.kv_heads), "paged attention: head counts {s:?}");
     let rep = s.heads / s.kv_heads;
     assert!(q.len() == b * s.heads * t * dh && keys.len() == values.len(), "paged attention: shapes");
     assert!(layout.fits(keys.len() / (s.kv_heads * dh).max(1)), "paged attention: tables outside the pool");

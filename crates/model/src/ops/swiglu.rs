@@ -56,7 +56,7 @@ pub fn swiglu_packed<B: EmberBackend>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
 impl SwigluOps for Flex {
     fn swiglu(gu: FlexTensor) -> FlexTensor {
         let shape = flex::shape(&gu);
-        if !flex::all_f32(&[&gu]) || shape[1] % 2 != 0 {
+        if !flex::all_f32(&[&gu]) || !shape[1].is_multiple_of(2) {
             return prim(reference(float::<Self, 2>(gu)));
         }
         let f = shape[1] / 2;
@@ -65,7 +65,7 @@ impl SwigluOps for Flex {
 
     fn swiglu_backward(gu: FlexTensor, dy: FlexTensor) -> FlexTensor {
         let shape = flex::shape(&gu);
-        if !flex::all_f32(&[&gu, &dy]) || shape[1] % 2 != 0 || flex::shape(&dy) != [shape[0], shape[1] / 2] {
+        if !flex::all_f32(&[&gu, &dy]) || !shape[1].is_multiple_of(2) || flex::shape(&dy) != [shape[0], shape[1] / 2] {
             return prim(reference_backward(float::<Self, 2>(gu), float(dy)));
         }
         flex::tensor(kernels::swiglu_packed_backward(&flex::f32s(&gu), &flex::f32s(&dy), shape[1] / 2), shape)
