@@ -104,10 +104,12 @@ pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, co
     // Decoding (a few rows, no autodiff): the weights are read where they are, one GEMM each;
     // concatenating them would copy every packed weight at every token (280 MB a token for
     // SmolLM2-135M) for a product that is bound by reading the weights anyway.
-    let decoding = x.dims()[0] <= DECODE_ROWS && !B::ad_enabled(&x.device());
-    let dropout = parts.iter().any(|p| p.lora.as_ref().is_some_and(|l| l.dropout > 0.0));
+    let training = B::ad_enabled(&x.device());
+    let decoding = x.dims()[0] <= DECODE_ROWS && !training;
+    let dropout = training && parts.iter().any(|p| p.lora.as_ref().is_some_and(|l| l.dropout > 0.0));
     let apart = decoding || dropout || (biased != 0 && biased != parts.len());
-    if apart || (parts.len() == 1 && !adapted) {
+    // One layer: the plain linear op, and its adapter added where no kernel takes it inside.
+    if apart || (parts.len() == 1 && !(adapted && B::fused(compute))) {
         let outputs: Vec<_> = parts.iter().map(|p| p.forward_apart(x.clone(), compute)).collect();
         return if outputs.len() == 1 {
             outputs.into_iter().next().expect("one output")
@@ -150,17 +152,29 @@ mod tests {
         // q/k/v with adapters on the first and the last (LoRA's default targets q and v leave k
         // alone), gate/up both adapted, one adapted layer alone (o_proj, down_proj); the base
         // weights trained and frozen (LoRA's case: no weight gradient, the input's still needed).
-        let cases: [(&[usize], &[usize], bool); 4] =
-            [(&[10, 4, 6], &[0, 2], false), (&[10, 4, 6], &[0, 2], true), (&[7, 7], &[0, 1], true), (&[9], &[0], true)];
-        for (outs, adapted, frozen) in cases {
+        // (widths, adapted parts, base frozen, biases: Qwen2's q/k/v, frozen as LoRA freezes them)
+        type Case = (&'static [usize], &'static [usize], bool, bool);
+        let cases: [Case; 5] = [
+            (&[10, 4, 6], &[0, 2], false, false),
+            (&[10, 4, 6], &[0, 2], true, false),
+            (&[8, 4, 4], &[0, 1, 2], true, true),
+            (&[7, 7], &[0, 1], true, false),
+            (&[9], &[0], true, false),
+        ];
+        for (outs, adapted, frozen, bias) in cases {
             let dev = Default::default();
             let mut init = Init::new(7);
             let config = LoraConfig { rank: 3, alpha: 6.0, dropout: 0.0, targets: vec![] };
             let (rows, d_in) = (21, 12);
             let mut parts: Vec<Linear<AB>> =
-                outs.iter().map(|&o| Linear::new(&mut init, d_in, o, false, 0.5, &dev)).collect();
+                outs.iter().map(|&o| Linear::new(&mut init, d_in, o, bias, 0.5, &dev)).collect();
             if frozen {
-                parts = parts.into_iter().map(|p| Linear { weight: p.weight.set_require_grad(false), ..p }).collect();
+                let freeze = |p: Linear<AB>| Linear {
+                    weight: p.weight.set_require_grad(false),
+                    bias: p.bias.map(|b| b.map(|b| b.add_scalar(0.25)).set_require_grad(false)),
+                    ..p
+                };
+                parts = parts.into_iter().map(freeze).collect();
             }
             for &i in adapted {
                 // B made non-zero so that it counts.
@@ -190,7 +204,7 @@ mod tests {
                 out
             };
             let (got, want) = (run(true), run(false));
-            let what = format!("{outs:?} adapted {adapted:?} frozen {frozen}");
+            let what = format!("{outs:?} adapted {adapted:?} frozen {frozen} bias {bias}");
             assert_eq!(got.len(), 2 + outs.len() + 2 * adapted.len(), "{what}");
             for (i, ((name, g), (_, w))) in got.iter().zip(&want).enumerate() {
                 match (g, w) {

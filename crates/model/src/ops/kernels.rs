@@ -374,45 +374,77 @@ pub struct LowRank<'a> {
 
 /// The adapted parts of a side-by-side product: (column offset, width, update) of each part that
 /// has an update.
+///
+/// # Panics
+/// If an update's rank is 0.
 fn adapted<'p, 'a>(ns: &[usize], parts: &'p [Option<LowRank<'a>>]) -> Vec<(usize, usize, &'p LowRank<'a>)> {
+    assert!(parts.iter().flatten().all(|lr| lr.rank > 0), "a low-rank update of rank 0");
     let offsets = column_offsets(ns);
     parts.iter().zip(ns).zip(offsets).filter_map(|((part, &n), off)| part.as_ref().map(|lr| (off, n, lr))).collect()
 }
 
-/// `u = x · [a_1 | a_2 | …]`, `[M, Σ rank]`: the adapters' inputs side by side (their `a`s read
-/// where they are).
-fn low_rank_inputs(x: &[f32], adapted: &[(usize, usize, &LowRank)], (m, k): (usize, usize)) -> Vec<f32> {
-    let (a, ranks): (Vec<&[f32]>, Vec<usize>) = adapted.iter().map(|(_, _, lr)| (lr.a, lr.rank)).unzip();
-    linear_multi(x, &a, &ranks, None, (m, k))
+/// Rows of each task of the low-rank products: their GEMMs are too small (`r` of 8 or 16) to
+/// split inside, so the rows are split across the threads instead.
+fn low_rank_rows(m: usize) -> usize {
+    m.div_ceil(rayon::current_num_threads()).max(64)
+}
+
+/// `u = x · [a_1 | a_2 | …]` for a block of rows: `u` `[rows, Σ rank]`, `x` `[rows, K]`.
+fn low_rank_inputs(u: &mut [f32], x: &[f32], adapted: &[(usize, usize, &LowRank)], k: usize) {
+    let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
+    let rows = u.len() / ranks.max(1);
+    let mut at = 0;
+    for &(_, _, lr) in adapted {
+        let none = gemm::Parallelism::None;
+        gemm_into((rows, lr.rank, k), &mut u[at..], ranks, false, x, (k, 1), lr.a, (lr.rank, 1), 1.0, none);
+        at += lr.rank;
+    }
 }
 
 /// Adds the low-rank updates `scale_i · (x · a_i) · b_i` of the parts that have one to their
 /// columns of `y` `[M, Σ N_i]` (the side-by-side product [`linear_multi`] made): LoRA inside the
-/// linear layer, no `[M, N]` update tensor and no separate addition. `u = x · [a_1 | …]` is made
-/// once for all the adapters, and each `u_i · b_i` accumulates into its columns with the scale
-/// folded into the GEMM.
+/// linear layer, no `[M, N]` update tensor and no separate addition. Each block of rows makes its
+/// `u = x · [a_1 | …]` once for all the adapters and accumulates each `u_i · b_i` into its columns,
+/// the scale folded into the GEMM; the blocks run on all threads.
 ///
 /// # Panics
-/// If the parts' count differs from the widths' or a slice is shorter than its shape.
+/// If the parts' count differs from the widths', an update's rank is 0, or a slice is shorter than
+/// its shape.
 ///
 /// # Shapes
 /// - y: `[M, Σ N_i]`, x: `[M, K]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]`
 pub fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowRank>], (m, k): (usize, usize)) {
     assert_eq!(parts.len(), ns.len(), "add_low_rank: one part a width");
     let adapted = adapted(ns, parts);
-    if m == 0 || adapted.is_empty() {
+    let total: usize = ns.iter().sum();
+    if m == 0 || k == 0 || total == 0 || adapted.is_empty() {
+        // Nothing to add (with K = 0 every update is zero).
         return;
     }
-    let total: usize = ns.iter().sum();
-    let u = low_rank_inputs(x, &adapted, (m, k));
     let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
-    let mut at = 0;
-    for &(off, n, lr) in &adapted {
-        let (u_i, b_i) = ((&u[at..], (ranks, 1)), (lr.b, (n, 1)));
-        let par = gemm_parallelism(m, n, lr.rank);
-        gemm_into((m, n, lr.rank), &mut y[off..], total, true, u_i.0, u_i.1, b_i.0, b_i.1, lr.scale, par);
-        at += lr.rank;
-    }
+    let rows = low_rank_rows(m);
+    y[..m * total].par_chunks_mut(rows * total).zip(x[..m * k].par_chunks(rows * k)).for_each(|(y, x)| {
+        let mut u = vec![0.0f32; y.len() / total * ranks];
+        low_rank_inputs(&mut u, x, &adapted, k);
+        let mut at = 0;
+        for &(off, n, lr) in &adapted {
+            let (u_i, b_i) = ((&u[at..], (ranks, 1)), (lr.b, (n, 1)));
+            let none = gemm::Parallelism::None;
+            gemm_into(
+                (u.len() / ranks, n, lr.rank),
+                &mut y[off..],
+                total,
+                true,
+                u_i.0,
+                u_i.1,
+                b_i.0,
+                b_i.1,
+                lr.scale,
+                none,
+            );
+            at += lr.rank;
+        }
+    });
 }
 
 /// The gradients `(dA_i, dB_i)` of one adapted part, each `None` where not asked for.
@@ -421,12 +453,13 @@ pub type LowRankGrads = (Option<Vec<f32>>, Option<Vec<f32>>);
 /// Gradients of [`add_low_rank`] given `dy` `[M, Σ N_i]`: with `dU_i = scale_i · dY_i · b_iᵀ`,
 /// adds `Σ dU_i · a_iᵀ` to `dx` (the base product's input gradient) where given, and returns each
 /// adapted part's `dA_i = xᵀ · dU_i` and `dB_i = scale_i · u_iᵀ · dY_i` where `need` (one pair an
-/// adapted part) asks; `u` is made again from `x` (`M × Σ r`, cheaper than keeping it). `dY_i`, the
-/// `a`s and the `b`s are read where they are.
+/// adapted part) asks; `u` is made again from `x` (`M × Σ r`, cheaper than keeping it). `dU`, `u`
+/// and the `dX` term run in blocks of rows on all threads, the `dA`s and `dB`s (sums over the rows)
+/// as one task each; `dY_i`, the `a`s and the `b`s are read where they are.
 ///
 /// # Panics
-/// If the parts' count differs from the widths' or from `need`'s, or a slice is shorter than its
-/// shape.
+/// If the parts' count differs from the widths' or from `need`'s, an update's rank is 0, or a
+/// slice is shorter than its shape.
 ///
 /// # Shapes
 /// - x: `[M, K]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]`, dy: `[M, Σ N_i]`, dx: `[M, K]` ->
@@ -443,51 +476,69 @@ pub fn low_rank_backward(
     assert_eq!(parts.len(), ns.len(), "low_rank_backward: one part a width");
     let adapted = adapted(ns, parts);
     assert_eq!(adapted.len(), need.len(), "low_rank_backward: one need an adapted part");
-    if m == 0 {
-        // No rows: zero gradients (and no slice of the empty `dy` to take).
+    let total: usize = ns.iter().sum();
+    if m == 0 || k == 0 || total == 0 {
+        // No rows, no inputs (u = 0) or no outputs (dU = 0): zero gradients, and dX unchanged.
         let zeros = |want: bool, len: usize| want.then(|| vec![0.0; len]);
         let grads = adapted.iter().zip(need);
         return grads.map(|((_, n, lr), &(a, b))| (zeros(a, k * lr.rank), zeros(b, lr.rank * n))).collect();
     }
-    let total: usize = ns.iter().sum();
     let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
-    let need_du = dx.is_some() || need.iter().any(|&(a, _)| a);
-    let mut du = vec![0.0f32; if need_du { m * ranks } else { 0 }];
-    let mut at = 0;
-    for &(off, n, lr) in adapted.iter().filter(|_| need_du) {
-        // dU_i = scale · dY_i · b_iᵀ: b_iᵀ read where b_i is (strides (1, n)).
-        let (dy_i, b_t) = ((&dy[off..], (total, 1)), (lr.b, (1, n)));
-        let par = gemm_parallelism(m, lr.rank, n);
-        gemm_into((m, lr.rank, n), &mut du[at..], ranks, false, dy_i.0, dy_i.1, b_t.0, b_t.1, lr.scale, par);
-        at += lr.rank;
-    }
-    if let Some(dx) = dx {
+    let (need_du, need_u) = (dx.is_some() || need.iter().any(|&(a, _)| a), need.iter().any(|&(_, b)| b));
+    let (mut du, mut u) = (vec![0.0f32; m * ranks], vec![0.0f32; m * ranks]);
+    // One block of rows: its dU (and dX += dU · aᵀ), its u.
+    let block = |du: &mut [f32], u: &mut [f32], dx: Option<&mut [f32]>, x: &[f32], dy: &[f32]| {
+        let (rows, none) = (du.len() / ranks.max(1), gemm::Parallelism::None);
+        if need_u {
+            low_rank_inputs(u, x, &adapted, k);
+        }
         let mut at = 0;
-        for &(_, _, lr) in &adapted {
-            // dX += dU_i · a_iᵀ.
-            let (du_i, a_t) = ((&du[at..], (ranks, 1)), (lr.a, (1, lr.rank)));
-            let par = gemm_parallelism(m, k, lr.rank);
-            gemm_into((m, k, lr.rank), dx, k, true, du_i.0, du_i.1, a_t.0, a_t.1, 1.0, par);
+        for &(off, n, lr) in adapted.iter().filter(|_| need_du) {
+            // dU_i = scale · dY_i · b_iᵀ: b_iᵀ read where b_i is (strides (1, n)).
+            let (dy_i, b_t) = ((&dy[off..], (total, 1)), (lr.b, (1, n)));
+            gemm_into((rows, lr.rank, n), &mut du[at..], ranks, false, dy_i.0, dy_i.1, b_t.0, b_t.1, lr.scale, none);
             at += lr.rank;
         }
-    }
-    let u = match need.iter().any(|&(_, b)| b) {
-        true => low_rank_inputs(x, &adapted, (m, k)),
-        false => Vec::new(),
+        if let Some(dx) = dx {
+            let mut at = 0;
+            for &(_, _, lr) in &adapted {
+                // dX += dU_i · a_iᵀ.
+                let (du_i, a_t) = ((&du[at..], (ranks, 1)), (lr.a, (1, lr.rank)));
+                gemm_into((rows, k, lr.rank), dx, k, true, du_i.0, du_i.1, a_t.0, a_t.1, 1.0, none);
+                at += lr.rank;
+            }
+        }
     };
-    let mut at = 0;
-    let mut grads = Vec::with_capacity(adapted.len());
-    for (&(off, n, lr), &(need_a, need_b)) in adapted.iter().zip(need) {
-        let r = lr.rank;
-        let da = need_a.then(|| gemm_new((k, r, m), (x, (1, k)), (&du[at..], (ranks, 1)), gemm_parallelism(k, r, m)));
-        let db = need_b.then(|| {
-            let (u_t, dy_i) = ((&u[at..], (1, ranks)), (&dy[off..], (total, 1)));
-            gemm_new_scaled((r, n, m), u_t, dy_i, lr.scale, gemm_parallelism(r, n, m))
-        });
-        grads.push((da, db));
-        at += r;
+    let rows = low_rank_rows(m);
+    let blocks = du.par_chunks_mut(rows * ranks).zip(u.par_chunks_mut(rows * ranks));
+    let inputs = x[..m * k].par_chunks(rows * k).zip(dy[..m * total].par_chunks(rows * total));
+    match dx {
+        Some(dx) => {
+            blocks.zip(dx[..m * k].par_chunks_mut(rows * k)).zip(inputs).for_each(|(((du, u), dx), (x, dy))| {
+                block(du, u, Some(dx), x, dy);
+            })
+        }
+        None => blocks.zip(inputs).for_each(|((du, u), (x, dy))| block(du, u, None, x, dy)),
     }
-    grads
+    // dA_i = xᵀ · dU_i and dB_i = scale · u_iᵀ · dY_i: one task each.
+    let at: Vec<usize> = adapted.iter().scan(0, |at, (_, _, lr)| Some(std::mem::replace(at, *at + lr.rank))).collect();
+    let (du, u) = (&du, &u);
+    let tasks = adapted.iter().zip(need).zip(at).flat_map(|((&(off, n, lr), &(need_a, need_b)), at)| {
+        [(need_a, false, off, n, lr, at), (need_b, true, off, n, lr, at)]
+    });
+    let products: Vec<Option<Vec<f32>>> = tasks
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|(want, is_b, off, n, lr, at)| {
+            let (r, none) = (lr.rank, gemm::Parallelism::None);
+            want.then(|| match is_b {
+                false => gemm_new((k, r, m), (x, (1, k)), (&du[at..], (ranks, 1)), none),
+                true => gemm_new_scaled((r, n, m), (&u[at..], (1, ranks)), (&dy[off..], (total, 1)), lr.scale, none),
+            })
+        })
+        .collect();
+    let mut products = products.into_iter();
+    adapted.iter().map(|_| (products.next().flatten(), products.next().flatten())).collect()
 }
 
 #[inline(always)]

@@ -79,7 +79,7 @@ pub trait LinearOps: Backend {
     /// its columns of the product.
     ///
     /// # Shapes
-    /// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]` -> `[M, Σ N_i]`
+    /// - x: `[M, K]`, w_i: `[K, N_i]`, bias_i: `[N_i]`, A_i: `[K, r_i]`, B_i: `[r_i, N_i]` -> `[M, Σ N_i]`
     fn linear_lora_forward(
         x: FloatTensor<Self>,
         ws: Vec<FloatTensor<Self>>,
@@ -89,8 +89,9 @@ pub trait LinearOps: Backend {
         reference_lora_of::<Self>(x, ws, bs, lora)
     }
 
-    /// The gradients that `need` asks for: the side-by-side product's (a frozen weight's never
-    /// formed) and each update's `(a, b)`.
+    /// The gradients that `need` asks for: the side-by-side product's and each update's `(A, B)`.
+    /// The default forms them all through the composition and keeps those asked for; a kernel never
+    /// forms a frozen weight's.
     fn linear_lora_backward(
         x: FloatTensor<Self>,
         ws: Vec<FloatTensor<Self>>,
@@ -148,7 +149,15 @@ pub type MultiGrads<B> = (Option<FloatTensor<B>>, Vec<Option<FloatTensor<B>>>, V
 ///
 /// # Shapes
 /// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]` -> `[M, Σ N_i]`
-pub fn reference_multi<B: Backend>(x: Tensor<B, 2>, ws: Vec<Tensor<B, 2>>, bs: Vec<Tensor<B, 1>>) -> Tensor<B, 2> {
+pub fn reference_multi<B: Backend>(
+    x: Tensor<B, 2>,
+    mut ws: Vec<Tensor<B, 2>>,
+    mut bs: Vec<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    if ws.len() == 1 {
+        // One part: no concatenation (which copies even one tensor).
+        return reference(x, ws.remove(0), bs.pop());
+    }
     let b = (!bs.is_empty()).then(|| Tensor::cat(bs, 0));
     reference(x, Tensor::cat(ws, 1), b)
 }
@@ -174,7 +183,7 @@ pub fn linear_multi<B: EmberBackend>(x: Tensor<B, 2>, ws: Vec<Tensor<B, 2>>, bs:
 /// part's update `scale · (x · a) · b` (zeros where a part has none), concatenated.
 ///
 /// # Shapes
-/// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]` -> `[M, Σ N_i]`
+/// - x: `[M, K]`, w_i: `[K, N_i]`, bias_i: `[N_i]`, A_i: `[K, r_i]`, B_i: `[r_i, N_i]` -> `[M, Σ N_i]`
 pub fn reference_lora<B: Backend>(
     x: Tensor<B, 2>,
     ws: Vec<Tensor<B, 2>>,
@@ -183,7 +192,7 @@ pub fn reference_lora<B: Backend>(
 ) -> Tensor<B, 2> {
     let (m, dtype, device) = (x.dims()[0], x.dtype(), x.device());
     let updates = ws.iter().zip(lora).map(|(w, update)| match update {
-        Some(l) => x.clone().matmul(l.a.clone()).matmul(l.b.clone()).mul_scalar(l.scale),
+        Some(l) => x.clone().matmul(l.a.clone()).matmul(l.b.clone().mul_scalar(l.scale)),
         None => Tensor::<B, 2>::zeros([m, w.dims()[1]], &device).cast(dtype),
     });
     let updates = Tensor::cat(updates.collect(), 1);
@@ -208,7 +217,7 @@ fn reference_lora_of<B: Backend>(
 /// and neither an update tensor nor a sum of two input gradients is made), else the composition.
 ///
 /// # Shapes
-/// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]` -> `[M, Σ N_i]`
+/// - x: `[M, K]`, w_i: `[K, N_i]`, bias_i: `[N_i]`, A_i: `[K, r_i]`, B_i: `[r_i, N_i]` -> `[M, Σ N_i]`
 pub fn linear_lora<B: EmberBackend>(
     x: Tensor<B, 2>,
     ws: Vec<Tensor<B, 2>>,
@@ -363,15 +372,10 @@ impl LinearOps for Flex {
         dy: FlexTensor,
         need: &LoraNeed,
     ) -> LoraGrads<Self> {
-        let fits = multi_fits(&x, &ws, &[])
-            .filter(|(m, k, ns)| flex::shape(&dy) == [*m, ns.iter().sum()] && lora_fits(&lora, *k, ns));
-        let multi = &need.multi;
-        let needs_fit = multi.w.len() == ws.len()
-            && (multi.b.is_empty() || multi.b.len() == ws.len())
-            && need.low_rank.len() == lora.iter().flatten().count();
-        let Some((m, k, ns)) = fits.filter(|_| flex::all_f32(&[&dy]) && needs_fit) else {
+        let Some((m, k, ns)) = lora_backward_fits(&x, &ws, &lora, &dy, need) else {
             return reference_lora_backward::<Self>(x, ws, lora, dy, need);
         };
+        let multi = &need.multi;
         let (x, dy) = (flex::f32s(&x), flex::f32s(&dy));
         let (mut dx, dws, dbs) = multi_grads(&x, &ws, &dy, (m, k), &ns, multi);
         let factors = lora_factors(&lora);
@@ -426,6 +430,8 @@ fn multi_grads(
     let w: Vec<_> = ws.iter().map(flex::f32s).collect();
     let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
     let (dx, dws) = match multi_in_bf16(m, k, total) {
+        // Nothing of the product asked for (its input and weights frozen, only an update trained).
+        _ if !need.x && !need.w.contains(&true) => (None, vec![None; ns.len()]),
         true => {
             let packed = kernels::concat_columns(&w, ns, k);
             let grads = LinearGrads { x: need.x, w: need.w.iter().any(|&w| w), b: false };
@@ -462,6 +468,25 @@ fn lora_fits(lora: &[Option<LowRank<FlexTensor>>], k: usize, ns: &[usize]) -> bo
 
 /// An update's two factors as f32 slices (contiguous copies of views), `None` for a part without.
 type Factors<'a> = Option<(Cow<'a, [f32]>, Cow<'a, [f32]>)>;
+
+/// `(M, K, [N_i])` where the kernels take this backward pass (f32 tensors whose shapes fit, one
+/// need a part and a pair of needs an update), else `None`.
+fn lora_backward_fits(
+    x: &FlexTensor,
+    ws: &[FlexTensor],
+    lora: &[Option<LowRank<FlexTensor>>],
+    dy: &FlexTensor,
+    need: &LoraNeed,
+) -> Option<(usize, usize, Vec<usize>)> {
+    let multi = &need.multi;
+    let needs_fit = multi.w.len() == ws.len()
+        && (multi.b.is_empty() || multi.b.len() == ws.len())
+        && need.low_rank.len() == lora.iter().flatten().count();
+    let fits = multi_fits(x, ws, &[]).filter(|(m, k, ns)| {
+        flex::all_f32(&[dy]) && flex::shape(dy) == [*m, ns.iter().sum()] && lora_fits(lora, *k, ns)
+    });
+    fits.filter(|_| needs_fit)
+}
 
 /// Each update's factors as f32 slices.
 fn lora_factors(lora: &[Option<LowRank<FlexTensor>>]) -> Vec<Factors<'_>> {
@@ -857,11 +882,10 @@ mod tests {
         let dy = leaf([m, total], 70);
         let lora = |xs: &[Tensor<Flex, 2>]| -> Vec<Option<LowRank<FloatTensor<Flex>>>> {
             let mut factors = xs[4..].chunks(2);
-            let update = |i: usize| {
+            let mut update = |i: usize| {
                 let ab = factors.next().expect("two factors");
                 LowRank { a: prim(ab[0].clone()), b: prim(ab[1].clone()), scale: 0.75 + i as f32 }
             };
-            let mut update = update;
             ranks.iter().enumerate().map(|(i, &r)| (r > 0).then(|| update(i))).collect()
         };
         let ws = |xs: &[Tensor<Flex, 2>]| xs[1..4].iter().cloned().map(prim).collect::<Vec<_>>();
@@ -871,6 +895,12 @@ mod tests {
             low_rank: vec![(true, false), (false, true)],
         };
         let (x, dy_p) = (prim(inputs[0].clone()), prim(dy.clone()));
+        let takes = lora_backward_fits(&x, &ws(&inputs), &lora(&inputs), &dy_p, &need);
+        assert_eq!(
+            takes,
+            Some((m, k, ns.to_vec())),
+            "the kernels do not take this case: the test compares the reference with itself"
+        );
         let ((dx, dws, dbs), low_rank) =
             <Flex as LinearOps>::linear_lora_backward(x.clone(), ws(&inputs), lora(&inputs), dy_p.clone(), &need);
         let ((want_dx, _, want_dbs), want_low_rank) =
