@@ -477,14 +477,18 @@ pub fn low_rank_backward(
     let adapted = adapted(ns, parts);
     assert_eq!(adapted.len(), need.len(), "low_rank_backward: one need an adapted part");
     let total: usize = ns.iter().sum();
-    if m == 0 || k == 0 || total == 0 {
-        // No rows, no inputs (u = 0) or no outputs (dU = 0): zero gradients, and dX unchanged.
+    if m == 0 || k == 0 || total == 0 || adapted.is_empty() {
+        // No rows, no inputs (u = 0), no outputs (dU = 0) or no updates: zero gradients, and dX
+        // unchanged.
         let zeros = |want: bool, len: usize| want.then(|| vec![0.0; len]);
         let grads = adapted.iter().zip(need);
         return grads.map(|((_, n, lr), &(a, b))| (zeros(a, k * lr.rank), zeros(b, lr.rank * n))).collect();
     }
     let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
     let (need_du, need_u) = (dx.is_some() || need.iter().any(|&(a, _)| a), need.iter().any(|&(_, b)| b));
+    if !need_du && !need_u {
+        return vec![(None, None); adapted.len()];
+    }
     let (mut du, mut u) = (vec![0.0f32; m * ranks], vec![0.0f32; m * ranks]);
     // One block of rows: its dU (and dX += dU · aᵀ), its u.
     let block = |du: &mut [f32], u: &mut [f32], dx: Option<&mut [f32]>, x: &[f32], dy: &[f32]| {
@@ -530,10 +534,14 @@ pub fn low_rank_backward(
         .collect::<Vec<_>>()
         .into_par_iter()
         .map(|(want, is_b, off, n, lr, at)| {
-            let (r, none) = (lr.rank, gemm::Parallelism::None);
+            // A large product (long sequences) splits across the threads too.
+            let r = lr.rank;
             want.then(|| match is_b {
-                false => gemm_new((k, r, m), (x, (1, k)), (&du[at..], (ranks, 1)), none),
-                true => gemm_new_scaled((r, n, m), (&u[at..], (1, ranks)), (&dy[off..], (total, 1)), lr.scale, none),
+                false => gemm_new((k, r, m), (x, (1, k)), (&du[at..], (ranks, 1)), gemm_parallelism(k, r, m)),
+                true => {
+                    let (u_t, dy_i) = ((&u[at..], (1, ranks)), (&dy[off..], (total, 1)));
+                    gemm_new_scaled((r, n, m), u_t, dy_i, lr.scale, gemm_parallelism(r, n, m))
+                }
             })
         })
         .collect();
@@ -1410,13 +1418,15 @@ mod tests {
     #[test]
     fn low_rank_updates_equal_the_plain_products() {
         // q/k/v with adapters on q and v (k without one); two parts of different ranks; a part whose
-        // u·b, dU and dB products (2·2048·8·1536 ≥ 50 MFLOP) run on all threads; K = 0; no rows.
+        // u·b, dU and dB products (2·2048·8·1536 ≥ 50 MFLOP) run on all threads; K = 0; no rows;
+        // no part adapted.
         let cases = [
             (37, 24, vec![16, 8, 8], vec![4, 0, 2]),
             (130, 40, vec![64, 33], vec![8, 16]),
             (2048, 16, vec![1536], vec![8]),
             (9, 0, vec![5], vec![3]),
             (0, 8, vec![3, 5], vec![2, 2]),
+            (10, 6, vec![4, 3], vec![0, 0]),
         ];
         for (m, k, ns, ranks) in cases {
             let what = format!("({m}, {k}, {ns:?}, ranks {ranks:?})");

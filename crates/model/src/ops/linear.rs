@@ -154,7 +154,7 @@ pub fn reference_multi<B: Backend>(
     mut ws: Vec<Tensor<B, 2>>,
     mut bs: Vec<Tensor<B, 1>>,
 ) -> Tensor<B, 2> {
-    if ws.len() == 1 {
+    if ws.len() == 1 && bs.len() <= 1 {
         // One part: no concatenation (which copies even one tensor).
         return reference(x, ws.remove(0), bs.pop());
     }
@@ -855,10 +855,11 @@ mod tests {
     fn low_rank_updates_inside_the_linear_op_equal_the_composition() {
         // q/k/v with biases, all adapted (13 parents); q and v adapted, no biases (8); gate/up (7);
         // one part alone (4); a part whose update products run on all threads; one row; four
-        // parts adapted with biases (17 parents: the composition's path under autodiff).
+        // parts adapted with biases (17 parents: the composition's path under autodiff); two parts
+        // with biases and no update (5 parents: the node, the kernels with nothing to add).
         // (rows, K, the parts' widths, their ranks (0: no update), biases)
         type Case = (usize, usize, &'static [usize], &'static [usize], bool);
-        let cases: [Case; 7] = [
+        let cases: [Case; 8] = [
             (13, 8, &[8, 4, 4], &[2, 3, 1], true),
             (9, 6, &[6, 2, 2], &[4, 0, 2], false),
             (11, 5, &[7, 7], &[3, 3], false),
@@ -866,6 +867,7 @@ mod tests {
             (2048, 16, &[1536], &[8], false),
             (1, 4, &[3, 3], &[2, 0], true),
             (7, 5, &[3, 2, 4, 1], &[1, 1, 1, 1], true),
+            (6, 4, &[3, 2], &[0, 0], true),
         ];
         for (m, k, ns, ranks, bias) in cases {
             let (inputs, op) = lora_case((m, k), ns, ranks, bias);
