@@ -372,15 +372,30 @@ pub struct LowRank<'a> {
     pub scale: f32,
 }
 
-/// The adapted parts of a side-by-side product: (column offset, width, update) of each part that
-/// has an update.
+/// A part of a side-by-side product that has an update.
+struct Adapted<'p, 'a> {
+    /// Where its columns start in the product, and how many.
+    off: usize,
+    n: usize,
+    /// Where its `r` columns start in `u = x · [a_1 | a_2 | …]`.
+    at: usize,
+    lr: &'p LowRank<'a>,
+}
+
+/// The parts that have an update, and `Σ r` (the width of `u`).
 ///
 /// # Panics
 /// If an update's rank is 0.
-fn adapted<'p, 'a>(ns: &[usize], parts: &'p [Option<LowRank<'a>>]) -> Vec<(usize, usize, &'p LowRank<'a>)> {
+fn adapted<'p, 'a>(ns: &[usize], parts: &'p [Option<LowRank<'a>>]) -> (Vec<Adapted<'p, 'a>>, usize) {
     assert!(parts.iter().flatten().all(|lr| lr.rank > 0), "a low-rank update of rank 0");
-    let offsets = column_offsets(ns);
-    parts.iter().zip(ns).zip(offsets).filter_map(|((part, &n), off)| part.as_ref().map(|lr| (off, n, lr))).collect()
+    let (mut adapted, mut ranks) = (Vec::new(), 0);
+    for ((part, &n), off) in parts.iter().zip(ns).zip(column_offsets(ns)) {
+        if let Some(lr) = part {
+            adapted.push(Adapted { off, n, at: ranks, lr });
+            ranks += lr.rank;
+        }
+    }
+    (adapted, ranks)
 }
 
 /// Rows of each task of the low-rank products: their GEMMs are too small (`r` of 8 or 16) to
@@ -390,14 +405,11 @@ fn low_rank_rows(m: usize) -> usize {
 }
 
 /// `u = x · [a_1 | a_2 | …]` for a block of rows: `u` `[rows, Σ rank]`, `x` `[rows, K]`.
-fn low_rank_inputs(u: &mut [f32], x: &[f32], adapted: &[(usize, usize, &LowRank)], k: usize) {
-    let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
+fn low_rank_inputs(u: &mut [f32], x: &[f32], (adapted, ranks): (&[Adapted], usize), k: usize) {
     let rows = u.len() / ranks.max(1);
-    let mut at = 0;
-    for &(_, _, lr) in adapted {
+    for &Adapted { at, lr, .. } in adapted {
         let none = gemm::Parallelism::None;
         gemm_into((rows, lr.rank, k), &mut u[at..], ranks, false, x, (k, 1), lr.a, (lr.rank, 1), 1.0, none);
-        at += lr.rank;
     }
 }
 
@@ -415,34 +427,31 @@ fn low_rank_inputs(u: &mut [f32], x: &[f32], adapted: &[(usize, usize, &LowRank)
 /// - y: `[M, Σ N_i]`, x: `[M, K]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]`
 pub fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowRank>], (m, k): (usize, usize)) {
     assert_eq!(parts.len(), ns.len(), "add_low_rank: one part a width");
-    let adapted = adapted(ns, parts);
+    let (adapted, ranks) = adapted(ns, parts);
     let total: usize = ns.iter().sum();
     if m == 0 || k == 0 || total == 0 || adapted.is_empty() {
         // Nothing to add (with K = 0 every update is zero).
         return;
     }
-    let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
-    let rows = low_rank_rows(m);
-    y[..m * total].par_chunks_mut(rows * total).zip(x[..m * k].par_chunks(rows * k)).for_each(|(y, x)| {
-        let mut u = vec![0.0f32; y.len() / total * ranks];
-        low_rank_inputs(&mut u, x, &adapted, k);
-        let mut at = 0;
-        for &(off, n, lr) in &adapted {
-            let (u_i, b_i) = ((&u[at..], (ranks, 1)), (lr.b, (n, 1)));
+    let block = low_rank_rows(m);
+    y[..m * total].par_chunks_mut(block * total).zip(x[..m * k].par_chunks(block * k)).for_each(|(y, x)| {
+        let rows = y.len() / total;
+        let mut u = vec![0.0f32; rows * ranks];
+        low_rank_inputs(&mut u, x, (&adapted, ranks), k);
+        for &Adapted { off, n, at, lr } in &adapted {
             let none = gemm::Parallelism::None;
             gemm_into(
-                (u.len() / ranks, n, lr.rank),
+                (rows, n, lr.rank),
                 &mut y[off..],
                 total,
                 true,
-                u_i.0,
-                u_i.1,
-                b_i.0,
-                b_i.1,
+                &u[at..],
+                (ranks, 1),
+                lr.b,
+                (n, 1),
                 lr.scale,
                 none,
             );
-            at += lr.rank;
         }
     });
 }
@@ -474,7 +483,7 @@ pub fn low_rank_backward(
     need: &[(bool, bool)],
 ) -> Vec<LowRankGrads> {
     assert_eq!(parts.len(), ns.len(), "low_rank_backward: one part a width");
-    let adapted = adapted(ns, parts);
+    let (adapted, ranks) = adapted(ns, parts);
     assert_eq!(adapted.len(), need.len(), "low_rank_backward: one need an adapted part");
     let total: usize = ns.iter().sum();
     if m == 0 || k == 0 || total == 0 || adapted.is_empty() {
@@ -482,9 +491,8 @@ pub fn low_rank_backward(
         // unchanged.
         let zeros = |want: bool, len: usize| want.then(|| vec![0.0; len]);
         let grads = adapted.iter().zip(need);
-        return grads.map(|((_, n, lr), &(a, b))| (zeros(a, k * lr.rank), zeros(b, lr.rank * n))).collect();
+        return grads.map(|(p, &(a, b))| (zeros(a, k * p.lr.rank), zeros(b, p.lr.rank * p.n))).collect();
     }
-    let ranks: usize = adapted.iter().map(|(_, _, lr)| lr.rank).sum();
     let (need_du, need_u) = (dx.is_some() || need.iter().any(|&(a, _)| a), need.iter().any(|&(_, b)| b));
     if !need_du && !need_u {
         return vec![(None, None); adapted.len()];
@@ -494,22 +502,17 @@ pub fn low_rank_backward(
     let block = |du: &mut [f32], u: &mut [f32], dx: Option<&mut [f32]>, x: &[f32], dy: &[f32]| {
         let (rows, none) = (du.len() / ranks.max(1), gemm::Parallelism::None);
         if need_u {
-            low_rank_inputs(u, x, &adapted, k);
+            low_rank_inputs(u, x, (&adapted, ranks), k);
         }
-        let mut at = 0;
-        for &(off, n, lr) in adapted.iter().filter(|_| need_du) {
+        for &Adapted { off, n, at, lr } in adapted.iter().filter(|_| need_du) {
             // dU_i = scale · dY_i · b_iᵀ: b_iᵀ read where b_i is (strides (1, n)).
             let (dy_i, b_t) = ((&dy[off..], (total, 1)), (lr.b, (1, n)));
             gemm_into((rows, lr.rank, n), &mut du[at..], ranks, false, dy_i.0, dy_i.1, b_t.0, b_t.1, lr.scale, none);
-            at += lr.rank;
         }
         if let Some(dx) = dx {
-            let mut at = 0;
-            for &(_, _, lr) in &adapted {
+            for &Adapted { at, lr, .. } in &adapted {
                 // dX += dU_i · a_iᵀ.
-                let (du_i, a_t) = ((&du[at..], (ranks, 1)), (lr.a, (1, lr.rank)));
-                gemm_into((rows, k, lr.rank), dx, k, true, du_i.0, du_i.1, a_t.0, a_t.1, 1.0, none);
-                at += lr.rank;
+                gemm_into((rows, k, lr.rank), dx, k, true, &du[at..], (ranks, 1), lr.a, (1, lr.rank), 1.0, none);
             }
         }
     };
@@ -525,9 +528,8 @@ pub fn low_rank_backward(
         None => blocks.zip(inputs).for_each(|((du, u), (x, dy))| block(du, u, None, x, dy)),
     }
     // dA_i = xᵀ · dU_i and dB_i = scale · u_iᵀ · dY_i: one task each.
-    let at: Vec<usize> = adapted.iter().scan(0, |at, (_, _, lr)| Some(std::mem::replace(at, *at + lr.rank))).collect();
     let (du, u) = (&du, &u);
-    let tasks = adapted.iter().zip(need).zip(at).flat_map(|((&(off, n, lr), &(need_a, need_b)), at)| {
+    let tasks = adapted.iter().zip(need).flat_map(|(&Adapted { off, n, at, lr }, &(need_a, need_b))| {
         [(need_a, false, off, n, lr, at), (need_b, true, off, n, lr, at)]
     });
     let products: Vec<Option<Vec<f32>>> = tasks

@@ -336,7 +336,7 @@ impl LinearOps for Flex {
             return prim(reference_multi(float::<Self, 2>(x), ws, bs));
         };
         let total = ns.iter().sum();
-        flex::tensor(multi_product(&x, &ws, &bs, (m, k), &ns), vec![m, total])
+        flex::tensor(multi_product(&flex::f32s(&x), &ws, &bs, (m, k), &ns), vec![m, total])
     }
 
     fn linear_multi_backward(x: FlexTensor, ws: Vec<FlexTensor>, dy: FlexTensor, need: &MultiNeed) -> MultiGrads<Self> {
@@ -359,9 +359,10 @@ impl LinearOps for Flex {
         let Some((m, k, ns)) = fits else {
             return reference_lora_of::<Self>(x, ws, bs, lora);
         };
+        let x = flex::f32s(&x);
         let mut y = multi_product(&x, &ws, &bs, (m, k), &ns);
         let factors = lora_factors(&lora);
-        kernels::add_low_rank(&mut y, &flex::f32s(&x), &ns, &low_ranks(&factors, &lora), (m, k));
+        kernels::add_low_rank(&mut y, &x, &ns, &low_ranks(&factors, &lora), (m, k));
         flex::tensor(y, vec![m, ns.iter().sum()])
     }
 
@@ -381,10 +382,9 @@ impl LinearOps for Flex {
         let factors = lora_factors(&lora);
         let parts = low_ranks(&factors, &lora);
         let grads = kernels::low_rank_backward(&x, &ns, &parts, &dy, (m, k), dx.as_deref_mut(), &need.low_rank);
-        let tensors =
-            grads.into_iter().zip(parts.iter().flatten()).zip(ns.iter().zip(&parts).filter(|(_, p)| p.is_some()));
-        let low_rank = tensors.map(|(((da, db), lr), (&n, _))| {
-            (da.map(|da| flex::tensor(da, vec![k, lr.rank])), db.map(|db| flex::tensor(db, vec![lr.rank, n])))
+        let shapes = parts.iter().zip(&ns).filter_map(|(p, &n)| p.as_ref().map(|lr| (lr.rank, n)));
+        let low_rank = grads.into_iter().zip(shapes).map(|((da, db), (r, n))| {
+            (da.map(|da| flex::tensor(da, vec![k, r])), db.map(|db| flex::tensor(db, vec![r, n])))
         });
         let low_rank = low_rank.collect();
         (multi_tensors((dx, dws, dbs), (m, k), &ns), low_rank)
@@ -394,22 +394,15 @@ impl LinearOps for Flex {
 /// The side-by-side product of [`LinearOps::linear_multi_forward`] on tensors that
 /// [`multi_fits`] took: one bf16 GEMM of the concatenated weights where bf16 GEMMs are on and
 /// win, else each weight read where it is.
-fn multi_product(
-    x: &FlexTensor,
-    ws: &[FlexTensor],
-    bs: &[FlexTensor],
-    (m, k): (usize, usize),
-    ns: &[usize],
-) -> Vec<f32> {
+fn multi_product(x: &[f32], ws: &[FlexTensor], bs: &[FlexTensor], (m, k): (usize, usize), ns: &[usize]) -> Vec<f32> {
     let total = ns.iter().sum();
     let w: Vec<_> = ws.iter().map(flex::f32s).collect();
     let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
     let b = (!bs.is_empty()).then(|| bs.iter().flat_map(|b| flex::f32s(b).into_owned()).collect::<Vec<f32>>());
-    let x = flex::f32s(x);
     match multi_in_bf16(m, k, total) {
         // The bf16 GEMM packs its operands anyway: the weights concatenated for it.
-        true => kernels::linear_in(&x, &kernels::concat_columns(&w, ns, k), b.as_deref(), (m, k, total), true),
-        false => kernels::linear_multi(&x, &w, ns, b.as_deref(), (m, k)),
+        true => kernels::linear_in(x, &kernels::concat_columns(&w, ns, k), b.as_deref(), (m, k, total), true),
+        false => kernels::linear_multi(x, &w, ns, b.as_deref(), (m, k)),
     }
 }
 
