@@ -5,9 +5,9 @@
 //! rows) and no transposed copy is ever made.
 //!
 //! The element-wise kernels here (norms, SwiGLU, RoPE, the attention's softmax rows, AdamW, the
-//! sum of squares), like the loss's rows in `ops::cross_entropy`, are compiled twice by
-//! [`super::simd::multiversion!`], once for the baseline x86-64 and once with AVX-512 and FMA, the
-//! copy chosen at run time by the CPU's features.
+//! sum of squares), like the loss's rows in `ops::cross_entropy`, are compiled three times by
+//! [`super::simd::multiversion!`], for the baseline x86-64, with AVX2 and FMA, and with AVX-512,
+//! the copy chosen at run time by the CPU's features.
 //!
 //! The kernels here are tested against direct transcriptions of their formulas or finite differences
 //! (`mod tests`); the Burn-level ops built on them are tested against the plain tensor compositions
@@ -31,18 +31,20 @@ multiversion! {
     /// - x: `[N, D]`, w: `[D]` -> `[N, D]`
     pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         let d = w.len();
-        let mut y = vec![0.0f32; x.len()];
+        assert!(d > 0 && x.len().is_multiple_of(d), "rms_norm: {} values in rows of {d}", x.len());
+        let mut y = Box::<[f32]>::new_uninit_slice(x.len());
         let chunk = rows_per_task(d) * d;
         y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(y, x)| {
             for (yr, xr) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 let ms = lanes_dot(xr, xr) / d as f32;
                 let inv = 1.0 / (ms + eps).sqrt();
                 for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
-                    *o = v * inv * g;
+                    o.write(v * inv * g);
                 }
             }
         });
-        y
+        // SAFETY: x is whole rows of d (asserted), so the chunks above cover y and write every element.
+        unsafe { y.assume_init() }.into_vec()
     }
 }
 
@@ -51,7 +53,13 @@ multiversion! {
     /// `dx = r·(g − x̂·mean(g·x̂))` and `dw = Σ_rows dy·x̂`.
     pub fn rms_norm_backward(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
         let d = w.len();
-        let mut dx = vec![0.0f32; x.len()];
+        assert!(
+            d > 0 && x.len().is_multiple_of(d) && dy.len() == x.len(),
+            "rms_norm_backward: {} values and {} gradients in rows of {d}",
+            x.len(),
+            dy.len()
+        );
+        let mut dx = Box::<[f32]>::new_uninit_slice(x.len());
         let chunk = rows_per_task(d) * d;
         let dw = dx
             .par_chunks_mut(chunk)
@@ -79,7 +87,7 @@ multiversion! {
                     }
                     let mean = dot / d as f32;
                     for j in 0..d {
-                        dxr[j] = r * (dyr[j] * w[j] - xr[j] * r * mean);
+                        dxr[j].write(r * (dyr[j] * w[j] - xr[j] * r * mean));
                     }
                 }
                 dw
@@ -92,7 +100,8 @@ multiversion! {
                 a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
                 a
             });
-        (dx, dw)
+        // SAFETY: x and dy are whole rows of d (asserted): every row of dx was written above.
+        (unsafe { dx.assume_init() }.into_vec(), dw)
     }
 }
 
@@ -1056,25 +1065,33 @@ multiversion! {
     /// # Shapes
     /// - gu: `[N, 2F]` -> `[N, F]`
     pub fn swiglu_packed(gu: &[f32], f: usize) -> Vec<f32> {
-        let rows = gu.len() / (2 * f).max(1);
-        let mut y = vec![0.0f32; rows * f];
+        assert!(f > 0 && gu.len().is_multiple_of(2 * f), "swiglu: {} values in rows of 2·{f}", gu.len());
+        let rows = gu.len() / (2 * f);
+        let mut y = Box::<[f32]>::new_uninit_slice(rows * f);
         let per = rows_per_task(2 * f);
         y.par_chunks_mut(per * f).zip(gu.par_chunks(per * 2 * f)).for_each(|(y, gu)| {
             for (y, gu) in y.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
                 let (g, u) = gu.split_at(f);
                 for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *y = g * sigmoid(g) * u;
+                    y.write(g * sigmoid(g) * u);
                 }
             }
         });
-        y
+        // SAFETY: gu is whole rows of 2F (asserted): each of y's rows was written above.
+        unsafe { y.assume_init() }.into_vec()
     }
 }
 
 multiversion! {
     /// Gradient of [`swiglu_packed`], packed the same way.
     pub fn swiglu_packed_backward(gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
-        let mut d = vec![0.0f32; gu.len()];
+        assert!(
+            f > 0 && gu.len().is_multiple_of(2 * f) && dy.len() * 2 == gu.len(),
+            "swiglu_backward: {} values and {} gradients in rows of 2·{f}",
+            gu.len(),
+            dy.len()
+        );
+        let mut d = Box::<[f32]>::new_uninit_slice(gu.len());
         let per = rows_per_task(2 * f);
         d.par_chunks_mut(per * 2 * f).zip(gu.par_chunks(per * 2 * f).zip(dy.par_chunks(per * f))).for_each(
             |(d, (gu, dy))| {
@@ -1083,13 +1100,14 @@ multiversion! {
                     let (dg, du) = d.split_at_mut(f);
                     for i in 0..f {
                         let s = sigmoid(g[i]);
-                        du[i] = dy[i] * g[i] * s;
-                        dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+                        du[i].write(dy[i] * g[i] * s);
+                        dg[i].write(dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s)));
                     }
                 }
             },
         );
-        d
+        // SAFETY: gu is whole rows of 2F and dy one row of F for each (asserted): every row was written.
+        unsafe { d.assume_init() }.into_vec()
     }
 }
 
@@ -1190,14 +1208,15 @@ mod tests {
         }
     }
 
-    /// Every kernel built by `multiversion!` gives the same bits from its wide copy (AVX-512, where
-    /// this CPU has it) and its baseline copy (what a CPU without it runs).
+    /// Every kernel built by `multiversion!` gives the same bits from each of its copies that this
+    /// CPU can run: AVX-512, AVX2 + FMA, the baseline (what a CPU without them runs).
     #[test]
-    fn wide_and_portable_copies_of_the_kernels_agree() {
-        use super::super::simd::{detected, portable_only};
+    fn every_copy_of_the_kernels_gives_the_same_bits() {
+        use super::super::simd::{capped, detected, Tier};
         use super::super::testing::values as val;
-        if !detected() {
-            eprintln!("no AVX-512 on this CPU: only the baseline copies are reachable, and the other tests run them");
+        let reachable: Vec<Tier> = Tier::ALL.into_iter().filter(|&t| t <= detected()).collect();
+        if reachable.len() < Tier::ALL.len() {
+            eprintln!("this CPU reaches the copies {reachable:?} only; the others are left to a CPU that has them");
         }
         let s = AttnShape { docs: docs(&[&[40, 60], &[100]]), ..shape(2, 100, 6, 2, 16) };
         let (cos, sin) = (val(100 * 8, 9).iter().map(|x| x.cos()).collect::<Vec<_>>(), val(100 * 8, 10));
@@ -1249,12 +1268,14 @@ mod tests {
                 sum_squares(&x).to_bits().to_le_bytes().map(f32::from).to_vec(),
             ]
         };
-        let wide = run();
-        let portable = portable_only(run);
-        for (i, (a, b)) in wide.iter().zip(&portable).enumerate() {
-            assert_eq!(a.len(), b.len());
-            let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "output {i}: the wide and portable copies differ");
+        let widest = run();
+        for &cap in &reachable {
+            let narrower = capped(cap, run);
+            for (i, (a, b)) in widest.iter().zip(&narrower).enumerate() {
+                assert_eq!(a.len(), b.len());
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "output {i}: the {cap:?} copy differs from the {:?} one", detected());
+            }
         }
     }
 

@@ -17,8 +17,8 @@
 //! walks the table's blocks in the visible span; per block it scores its rows against the block's
 //! keys, updates each row's running maximum and sum (the online softmax of flash attention: nothing
 //! as large as `T × S` is ever made) and adds the block's values weighted by the probabilities.
-//! Compiled twice and chosen at run time: with AVX-512 and FMA where the CPU has them (16-lane
-//! multiply-adds), plain otherwise.
+//! Compiled three times and chosen at run time: with AVX-512 and FMA where the CPU has them (16-lane
+//! multiply-adds written out), the plain loops with AVX2 and FMA enabled (8 lanes), plain otherwise.
 
 use std::cell::OnceCell;
 use std::ops::Range;
@@ -32,6 +32,7 @@ use rayon::prelude::*;
 
 use super::attention::masked_attention;
 use super::kernels::{exp, lanes_dot, lanes_max, lanes_sum};
+use super::simd::{self, Tier};
 use super::{flex, float, prim, EmberBackend};
 
 /// Where a cached call's queries find their keys: each batch row's block table and how many
@@ -269,19 +270,12 @@ const ROWS_PER_TASK: usize = 16;
 /// # Panics
 /// If the slices or the layout do not match the shapes (the op checks them first).
 pub fn attention(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
-    attention_on(q, keys, values, layout, s, Path::Detected)
+    attention_on(q, keys, values, layout, s, Tier::Avx512)
 }
 
-/// Which compilation of the kernel runs: the one the CPU allows, or the portable one (to test it on
-/// any CPU).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Path {
-    Detected,
-    #[cfg_attr(not(test), allow(dead_code))]
-    Portable,
-}
-
-fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads, path: Path) -> Vec<f32> {
+/// [`attention`] compiled no wider than `cap` (the CPU's widest tier at most): tests reach the
+/// narrower CPUs' paths with it.
+fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads, cap: Tier) -> Vec<f32> {
     let (b, t, dh) = (layout.batch(), layout.queries, s.head_dim);
     assert!(s.kv_heads > 0 && dh > 0 && s.heads.is_multiple_of(s.kv_heads), "paged attention: head counts {s:?}");
     let rep = s.heads / s.kv_heads;
@@ -327,7 +321,7 @@ fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s
                 width: s.kv_heads * dh,
                 scale,
             };
-            task.run(path)
+            task.run(cap)
         })
         .collect();
     let mut o = vec![0.0f32; q.len()];
@@ -404,13 +398,25 @@ struct Task<'a> {
 }
 
 impl Task<'_> {
-    fn run(&self, path: Path) -> Partial {
+    fn run(&self, cap: Tier) -> Partial {
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = cap;
         #[cfg(target_arch = "x86_64")]
-        if path == Path::Detected && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the features the function is compiled for were just detected.
-            return unsafe { self.run_avx512() };
+        match simd::detected().min(cap) {
+            // SAFETY (both): `detected()` found the features these copies are compiled for.
+            Tier::Avx512 => return unsafe { self.run_avx512() },
+            Tier::Avx2 => return unsafe { self.run_avx2() },
+            Tier::Baseline => {}
         }
         // SAFETY: the portable compilation needs no CPU feature.
+        unsafe { self.run_with::<false>() }
+    }
+
+    /// The portable loops compiled with AVX2 and FMA: eight lanes where the CPU has no AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(&self) -> Partial {
+        // SAFETY: the portable loops need no CPU feature.
         unsafe { self.run_with::<false>() }
     }
 
@@ -696,10 +702,10 @@ mod tests {
                 let q = values(l.batch() * s.heads * l.queries * s.head_dim, 1);
                 let (k, v) = (values(pool_rows * w, 2), values(pool_rows * w, 3));
                 let want = attention_reference(&q, &k, &v, &l, s);
-                for path in [Path::Detected, Path::Portable] {
-                    let got = pool.install(|| attention_on(&q, &k, &v, &l, s, path));
+                for cap in Tier::ALL.into_iter().filter(|&t| t <= simd::detected()) {
+                    let got = pool.install(|| attention_on(&q, &k, &v, &l, s, cap));
                     let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-                    assert!(err < 1e-5, "{s:?}, case {case}, {path:?}: max error {err}");
+                    assert!(err < 1e-5, "{s:?}, case {case}, {cap:?}: max error {err}");
                 }
             }
         }
