@@ -591,7 +591,7 @@ multiversion! {
     pub fn sum_squares(x: &[f32]) -> f64 {
         // Eight f64 lanes a chunk (one AVX-512 vector), each summed in order, then added in order:
         // plain loops over arrays, so that nothing of it is left to a generic iterator that LLVM
-        // may not inline into the wide copy.
+        // may not inline into the wider copies.
         let chunk = |c: &[f32]| {
             let mut lanes = [0.0f64; 8];
             let (blocks, rest) = c.as_chunks::<8>();

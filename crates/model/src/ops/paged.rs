@@ -17,8 +17,9 @@
 //! walks the table's blocks in the visible span; per block it scores its rows against the block's
 //! keys, updates each row's running maximum and sum (the online softmax of flash attention: nothing
 //! as large as `T × S` is ever made) and adds the block's values weighted by the probabilities.
-//! Compiled three times and chosen at run time: with AVX-512 and FMA where the CPU has them (16-lane
-//! multiply-adds written out), the plain loops with AVX2 and FMA enabled (8 lanes), plain otherwise.
+//! Compiled three times and chosen at run time by [`super::simd::tier`]: with AVX-512 (F, VL) and
+//! FMA (16-lane multiply-adds written out), the plain loops with AVX2 and FMA enabled (8 lanes),
+//! plain otherwise.
 
 use std::cell::OnceCell;
 use std::ops::Range;
@@ -270,11 +271,11 @@ const ROWS_PER_TASK: usize = 16;
 /// # Panics
 /// If the slices or the layout do not match the shapes (the op checks them first).
 pub fn attention(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
-    attention_on(q, keys, values, layout, s, Tier::Avx512)
+    attention_on(q, keys, values, layout, s, simd::tier())
 }
 
 /// [`attention`] compiled no wider than `cap` (the CPU's widest tier at most): tests reach the
-/// narrower CPUs' paths with it.
+/// narrower CPUs' paths with it ([`attention`] itself follows [`simd::capped`]).
 fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads, cap: Tier) -> Vec<f32> {
     let (b, t, dh) = (layout.batch(), layout.queries, s.head_dim);
     assert!(s.kv_heads > 0 && dh > 0 && s.heads.is_multiple_of(s.kv_heads), "paged attention: head counts {s:?}");
