@@ -73,11 +73,6 @@ pub fn capped<R>(cap: Tier, f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// [`capped`] at the baseline: what a CPU without AVX2 runs.
-pub fn portable_only<R>(f: impl FnOnce() -> R) -> R {
-    capped(Tier::Baseline, f)
-}
-
 /// Defines `fn name(args) -> ret { body }` whose body is compiled three times, baseline, with AVX2 +
 /// FMA and with AVX-512 as well, the copy taken by [`tier`]. Arguments must be plain names; no
 /// generics, `self` or `impl Trait` arguments. The body is written inside the macro (rustfmt leaves
@@ -131,6 +126,5 @@ mod tests {
             assert_eq!(tier(), detected(), "the cap was not restored");
             assert_eq!(out, widest, "the {now:?} copy differs from the {:?} one", detected());
         }
-        assert_eq!(portable_only(tier), Tier::Baseline);
     }
 }
