@@ -14,14 +14,16 @@
 //! added. The tied head (`x · Wᵀ`, W as stored) has its own kernel: dot products of a few input rows
 //! with two weight rows at a time.
 //!
-//! Chosen at run time: the AVX-512 kernels where the CPU has `avx512f`, the GEMM crate's transposed
-//! products otherwise. [`reference`] and [`reference_nt`] are the plain loops all are tested against.
+//! The AVX2 + FMA kernels are the same with half the width: stripes of 24 columns (three 8-lane
+//! vectors) and up to 4 input rows a pass (12 accumulators of the 16 registers). The threads,
+//! blocks, prefetching and passes are shared (`wide`); only the innermost loops differ
+//! (`wide::Isa`).
+//!
+//! Chosen at run time by [`super::simd::tier`]: the AVX-512 kernels, the AVX2 ones, or the GEMM
+//! crate's transposed products on the baseline. [`reference`] and [`reference_nt`] are the plain
+//! loops all are tested against.
 
-/// Rows one pass of the kernel carries in registers (`ROWS_PER_PASS × 3` accumulators of 16 lanes).
-pub const ROWS_PER_PASS: usize = 8;
-
-/// Columns of one stripe: three 16-lane vectors.
-const STRIPE: usize = 48;
+use super::simd::{self, Tier};
 
 /// `y (+)= x · w` with x `[m, k]`, w `[k, n]`, y `[m, n]`, all row-major; `accumulate` adds to y's
 /// contents instead of overwriting them.
@@ -40,9 +42,10 @@ pub fn product(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n):
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        avx512::product(y, accumulate, x, w, (m, k, n));
-        return;
+    match simd::tier() {
+        Tier::Avx512 => return wide::product::<wide::Avx512>(y, accumulate, x, w, (m, k, n)),
+        Tier::Avx2 => return wide::product::<wide::Avx2>(y, accumulate, x, w, (m, k, n)),
+        Tier::Baseline => {}
     }
     transposed_gemm(y, accumulate, x, w, (m, k, n));
 }
@@ -57,9 +60,10 @@ pub fn product_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize,
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if k > 0 && std::is_x86_feature_detected!("avx512f") {
-        avx512::product_nt(y, x, w, (m, k, n));
-        return;
+    match simd::tier() {
+        Tier::Avx512 if k > 0 => return wide::product_nt::<wide::Avx512>(y, x, w, (m, k, n)),
+        Tier::Avx2 if k > 0 => return wide::product_nt::<wide::Avx2>(y, x, w, (m, k, n)),
+        _ => {}
     }
     transposed_gemm_nt(y, x, w, (m, k, n));
 }
@@ -151,19 +155,97 @@ unsafe fn strided_gemm(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::*;
+mod wide {
     use crate::ops::SharedOut;
     use rayon::prelude::*;
     use std::arch::x86_64::*;
 
-    pub(super) fn product(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+    /// The innermost loops of one instruction set; the rest of the kernels is shared.
+    ///
+    /// # Safety
+    /// Implementors' kernels may only be called where `simd::tier()` is their set or a wider one.
+    pub(super) unsafe trait Isa {
+        /// Input rows one pass carries in registers.
+        const ROWS: usize;
+        /// Columns of one stripe: three vectors.
+        const STRIPE: usize;
+
+        /// `y[r][0..width] (+)= Σ_kk xt[kk·R + r] · w[kk·ldw + 0..width]` for R rows, the R ×
+        /// [`Isa::STRIPE`] sums held in registers while the weight's rows stream past.
+        ///
+        /// # Safety
+        /// The CPU must have the features; `xt` must hold `k·R` values, `w` `k` rows of `width` at
+        /// stride `ldw`, `y` R rows of `width` at stride `ldy`; `width ≤ STRIPE`, `R ≤ ROWS`.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn stripe<const R: usize>(
+            y: *mut f32,
+            ldy: usize,
+            xt: &[f32],
+            w: *const f32,
+            ldw: usize,
+            k: usize,
+            width: usize,
+            accumulate: bool,
+            prefetch: &mut Prefetch,
+        );
+
+        /// `y[r·ldy + j] = x[r] · w[j]` for R rows of x and J rows of w, each of length k: R × J
+        /// accumulators along k, summed across lanes at the end.
+        ///
+        /// # Safety
+        /// The CPU must have the features; `x` must hold R rows of k, `w` J rows of k (both
+        /// contiguous), `y` R rows at stride `ldy` with J columns; `R ≤ ROWS`.
+        unsafe fn dots<const R: usize, const J: usize>(y: *mut f32, ldy: usize, x: *const f32, w: *const f32, k: usize);
+    }
+
+    /// AVX-512 F: 16 lanes, 8 rows a pass (24 accumulators of the 32 registers).
+    pub(super) struct Avx512;
+
+    /// AVX2 and FMA: 8 lanes, 4 rows a pass (12 accumulators of the 16 registers).
+    pub(super) struct Avx2;
+
+    /// The stripe kernel for `rows` (≤ `I::ROWS`) rows.
+    ///
+    /// # Safety
+    /// As for [`Isa::stripe`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn stripe_of<I: Isa>(
+        rows: usize,
+        y: *mut f32,
+        ldy: usize,
+        xt: &[f32],
+        w: *const f32,
+        ldw: usize,
+        k: usize,
+        width: usize,
+        add: bool,
+        pf: &mut Prefetch,
+    ) {
+        match rows.min(I::ROWS) {
+            1 => I::stripe::<1>(y, ldy, xt, w, ldw, k, width, add, pf),
+            2 => I::stripe::<2>(y, ldy, xt, w, ldw, k, width, add, pf),
+            3 => I::stripe::<3>(y, ldy, xt, w, ldw, k, width, add, pf),
+            4 => I::stripe::<4>(y, ldy, xt, w, ldw, k, width, add, pf),
+            5 => I::stripe::<5>(y, ldy, xt, w, ldw, k, width, add, pf),
+            6 => I::stripe::<6>(y, ldy, xt, w, ldw, k, width, add, pf),
+            7 => I::stripe::<7>(y, ldy, xt, w, ldw, k, width, add, pf),
+            _ => I::stripe::<8>(y, ldy, xt, w, ldw, k, width, add, pf),
+        }
+    }
+
+    pub(super) fn product<I: Isa>(
+        y: &mut [f32],
+        accumulate: bool,
+        x: &[f32],
+        w: &[f32],
+        (m, k, n): (usize, usize, usize),
+    ) {
         // The inputs transposed, one pass of rows at a time: `xt[kk·rows + r] = x[r0 + r][kk]`, so
         // that one step down the weight reads its multipliers from one place.
         let passes: Vec<(usize, Vec<f32>)> = (0..m)
-            .step_by(ROWS_PER_PASS)
+            .step_by(I::ROWS)
             .map(|r0| {
-                let rows = ROWS_PER_PASS.min(m - r0);
+                let rows = I::ROWS.min(m - r0);
                 let mut xt = vec![0.0f32; k * rows];
                 for r in 0..rows {
                     for (kk, &v) in x[(r0 + r) * k..(r0 + r + 1) * k].iter().enumerate() {
@@ -187,10 +269,10 @@ mod avx512 {
                 Some(buffer) => (SharedOut(buffer.as_mut_ptr()), false),
                 None => (out, accumulate),
             };
-            // SAFETY: avx512f was detected by the caller; every pass's rows of dst (m·n, y or this
-            // task's own buffer), weight rows ranges[t] (inside k) and every column lie inside
+            // SAFETY: the caller chose `I` by the CPU's tier; every pass's rows of dst (m·n, y or
+            // this task's own buffer), weight rows ranges[t] (inside k) and every column lie inside
             // their slices by product's assertion; only task 0 writes y.
-            unsafe { block_passes(dst, &passes, w, (k, n), ranges[t], first_accumulates) }
+            unsafe { block_passes::<I>(dst, &passes, w, (k, n), ranges[t], first_accumulates) }
             own
         };
         let partials: Vec<Vec<f32>> = if threads > 1 {
@@ -209,16 +291,19 @@ mod avx512 {
     /// Lines of the next block to prefetch, in address order, a few at each step of the current one:
     /// the weight is then read from memory as one sequential stream, though the kernel walks it down
     /// its columns.
-    struct Prefetch {
+    pub(super) struct Prefetch {
         next: *const i8,
         lines: usize,
         done: usize,
+        /// Lines a step: as many as a stripe's row spans, so that the next block is fetched as fast
+        /// as the current one is consumed.
+        per_step: usize,
     }
 
     impl Prefetch {
         #[inline(always)]
         unsafe fn step(&mut self) {
-            for _ in 0..LINES_PER_STEP {
+            for _ in 0..self.per_step {
                 if self.done < self.lines {
                     _mm_prefetch::<_MM_HINT_T1>(self.next.wrapping_add(64 * self.done));
                     self.done += 1;
@@ -227,16 +312,14 @@ mod avx512 {
         }
     }
 
-    /// Lines prefetched per weight row of a stripe: a stripe's row is three lines, so the next
-    /// block is fetched as fast as the current one is consumed.
-    const LINES_PER_STEP: usize = 3;
-
     /// Every pass of rows (`(r0, xt)`: rows `r0 ..`, as many as `xt` holds) of `x · w` over the
     /// weight rows `[k0, k1)`, every column, block by block: all passes of a block run while it is
     /// in cache, so the weight is read from memory once whatever the rows. `accumulate` adds the
     /// first block's sums to y.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn block_passes(
+    ///
+    /// # Safety
+    /// The CPU must have `I`'s features; the passes, weight rows and columns must lie inside y and w.
+    unsafe fn block_passes<I: Isa>(
         y: SharedOut,
         passes: &[(usize, Vec<f32>)],
         w: &[f32],
@@ -252,59 +335,36 @@ mod avx512 {
                 next: w.as_ptr().wrapping_add((kb + block) * n) as *const i8,
                 lines: (next_rows * n).div_ceil(16),
                 done: 0,
+                per_step: I::STRIPE.div_ceil(16),
             };
             let add = accumulate || kb > k0;
             for (r0, xt) in passes {
                 let rows = xt.len() / k.max(1);
                 let xt = &xt[kb * rows..(kb + block) * rows];
-                block_pass(y.0.add(r0 * n), rows, xt, w.as_ptr().add(kb * n), (block, n), add, &mut prefetch);
+                let (mut c, y, w) = (0, y.0.add(r0 * n), w.as_ptr().add(kb * n));
+                // The block's rows of y, stripe by stripe.
+                while c < n {
+                    let width = (n - c).min(I::STRIPE);
+                    stripe_of::<I>(rows, y.add(c), n, xt, w.add(c), n, block, width, add, &mut prefetch);
+                    c += width;
+                }
             }
             kb += block;
         }
     }
 
-    /// `rows` rows of y (`ldy = n`) (+)= their inputs `xt` (`[block, rows]`) times one block of the
-    /// weight (`[block, n]`), stripe by stripe.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn block_pass(
-        y: *mut f32,
-        rows: usize,
-        xt: &[f32],
-        w: *const f32,
-        (block, n): (usize, usize),
-        add: bool,
-        pf: &mut Prefetch,
-    ) {
-        let mut c = 0;
-        while c < n {
-            let width = (n - c).min(STRIPE);
-            let (w, y) = (w.add(c), y.add(c));
-            match rows {
-                1 => stripe::<1>(y, n, xt, w, n, block, width, add, pf),
-                2 => stripe::<2>(y, n, xt, w, n, block, width, add, pf),
-                3 => stripe::<3>(y, n, xt, w, n, block, width, add, pf),
-                4 => stripe::<4>(y, n, xt, w, n, block, width, add, pf),
-                5 => stripe::<5>(y, n, xt, w, n, block, width, add, pf),
-                6 => stripe::<6>(y, n, xt, w, n, block, width, add, pf),
-                7 => stripe::<7>(y, n, xt, w, n, block, width, add, pf),
-                _ => stripe::<8>(y, n, xt, w, n, block, width, add, pf),
-            }
-            c += width;
-        }
-    }
-
-    pub(super) fn product_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+    pub(super) fn product_nt<I: Isa>(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
         let out = SharedOut(y.as_mut_ptr());
         // Whole groups of weight rows per task, ~256 KiB of weight each.
         let per_task = ((1 << 16) / k.max(1)).max(WEIGHT_ROWS) / WEIGHT_ROWS * WEIGHT_ROWS;
         let tasks: Vec<(usize, usize)> = (0..n).step_by(per_task).map(|j| (j, (j + per_task).min(n))).collect();
         let run = |&(j0, j1): &(usize, usize)| {
-            for r0 in (0..m).step_by(ROWS_PER_PASS) {
-                let rows = ROWS_PER_PASS.min(m - r0);
-                // SAFETY: avx512f was detected by the caller; rows [r0, r0 + rows) of x and y and
+            for r0 in (0..m).step_by(I::ROWS) {
+                let rows = I::ROWS.min(m - r0);
+                // SAFETY: the caller chose `I` by the CPU's tier; rows [r0, r0 + rows) of x and y and
                 // weight rows [j0, j1) lie inside their slices by product_nt's assertion; tasks
                 // write disjoint column ranges [j0, j1) of y.
-                unsafe { pass_nt(out, r0, rows, x, w, (k, n), (j0, j1)) }
+                unsafe { pass_nt::<I>(out, r0, rows, x, w, (k, n), (j0, j1)) }
             }
         };
         if k * n >= 1 << 18 {
@@ -314,16 +374,18 @@ mod avx512 {
         }
     }
 
-    /// How many groups of weight rows ahead [`dots`] prefetches.
+    /// How many groups of weight rows ahead [`Isa::dots`] prefetches.
     const PREFETCH_GROUPS: usize = 2;
 
-    /// Weight rows one step of [`dots`] reads together.
+    /// Weight rows one step of [`Isa::dots`] reads together.
     const WEIGHT_ROWS: usize = 2;
 
     /// Columns `[j0, j1)` of rows `r0 .. r0 + rows` of `x · wᵀ`.
-    #[target_feature(enable = "avx512f")]
+    ///
+    /// # Safety
+    /// The CPU must have `I`'s features; the rows and columns must lie inside x, w and y.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn pass_nt(
+    unsafe fn pass_nt<I: Isa>(
         y: SharedOut,
         r0: usize,
         rows: usize,
@@ -337,23 +399,25 @@ mod avx512 {
         while j < j1 {
             let group = (j1 - j).min(WEIGHT_ROWS);
             let (w, y) = (w.as_ptr().add(j * k), y.add(j));
-            match rows {
-                1 => group_dots::<1>(y, n, x, w, k, group),
-                2 => group_dots::<2>(y, n, x, w, k, group),
-                3 => group_dots::<3>(y, n, x, w, k, group),
-                4 => group_dots::<4>(y, n, x, w, k, group),
-                5 => group_dots::<5>(y, n, x, w, k, group),
-                6 => group_dots::<6>(y, n, x, w, k, group),
-                7 => group_dots::<7>(y, n, x, w, k, group),
-                _ => group_dots::<8>(y, n, x, w, k, group),
+            match rows.min(I::ROWS) {
+                1 => group_dots::<I, 1>(y, n, x, w, k, group),
+                2 => group_dots::<I, 2>(y, n, x, w, k, group),
+                3 => group_dots::<I, 3>(y, n, x, w, k, group),
+                4 => group_dots::<I, 4>(y, n, x, w, k, group),
+                5 => group_dots::<I, 5>(y, n, x, w, k, group),
+                6 => group_dots::<I, 6>(y, n, x, w, k, group),
+                7 => group_dots::<I, 7>(y, n, x, w, k, group),
+                _ => group_dots::<I, 8>(y, n, x, w, k, group),
             }
             j += group;
         }
     }
 
-    /// [`dots`] of R rows of x with `group` (≤ [`WEIGHT_ROWS`]) rows of w.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn group_dots<const R: usize>(
+    /// [`Isa::dots`] of R rows of x with `group` (≤ [`WEIGHT_ROWS`]) rows of w.
+    ///
+    /// # Safety
+    /// As for [`Isa::dots`].
+    unsafe fn group_dots<I: Isa, const R: usize>(
         y: *mut f32,
         ldy: usize,
         x: *const f32,
@@ -362,71 +426,128 @@ mod avx512 {
         group: usize,
     ) {
         if group == WEIGHT_ROWS {
-            dots::<R, WEIGHT_ROWS>(y, ldy, x, w, k);
+            I::dots::<R, WEIGHT_ROWS>(y, ldy, x, w, k);
         } else {
             for g in 0..group {
-                dots::<R, 1>(y.add(g), ldy, x, w.add(g * k), k);
+                I::dots::<R, 1>(y.add(g), ldy, x, w.add(g * k), k);
             }
         }
     }
 
-    /// `y[r·ldy + j] = x[r] · w[j]` for R rows of x and J rows of w, each of length k: R×J
-    /// accumulators of 16 lanes along k, summed across lanes at the end.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn dots<const R: usize, const J: usize>(y: *mut f32, ldy: usize, x: *const f32, w: *const f32, k: usize) {
-        let mut acc = [[_mm512_setzero_ps(); J]; R];
-        let full = k / 16 * 16;
-        let mut c = 0;
-        while c < full {
-            // The next group's rows, the same distance ahead: the streaming prefetcher alone lets
-            // the loads wait behind the multiplications.
-            for j in 0..J {
-                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((PREFETCH_GROUPS * J + j) * k + c) as *const i8);
-            }
-            let b: [__m512; J] = std::array::from_fn(|j| _mm512_loadu_ps(w.add(j * k + c)));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let a = _mm512_loadu_ps(x.add(r * k + c));
-                for j in 0..J {
-                    acc[j] = _mm512_fmadd_ps(a, b[j], acc[j]);
-                }
-            }
-            c += 16;
+    /// One instruction set's vectors, which the kernels below are written in: the kernels are
+    /// compiled once per set, inside `isa!`'s functions that enable its features.
+    ///
+    /// # Safety
+    /// The methods may only run where the CPU has the set, inlined into a function that enables it.
+    unsafe trait Lanes {
+        type V: Copy;
+        /// Which lanes a partial load or store touches.
+        type Mask: Copy;
+        /// Lanes of a vector.
+        const N: usize;
+        unsafe fn zero() -> Self::V;
+        unsafe fn load(p: *const f32) -> Self::V;
+        /// The value at `p` in every lane.
+        unsafe fn splat(p: *const f32) -> Self::V;
+        /// `a · b + c`, fused.
+        unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+        /// The lanes below `live` (0 ..= N).
+        unsafe fn mask(live: usize) -> Self::Mask;
+        /// The masked lanes from `p`, zeros in the others, whose memory is not touched.
+        unsafe fn load_masked(p: *const f32, mask: Self::Mask) -> Self::V;
+        unsafe fn store_masked(p: *mut f32, mask: Self::Mask, v: Self::V);
+        /// The sum of the lanes.
+        unsafe fn sum(v: Self::V) -> f32;
+    }
+
+    // SAFETY: AVX-512 F intrinsics only; `isa!` inlines them into functions enabling `avx512f`.
+    unsafe impl Lanes for Avx512 {
+        type V = __m512;
+        type Mask = __mmask16;
+        const N: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
         }
-        if full < k {
-            let mask: __mmask16 = ((1u32 << (k - full)) - 1) as u16;
-            let b: [__m512; J] = std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w.add(j * k + full)));
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let a = _mm512_maskz_loadu_ps(mask, x.add(r * k + full));
-                for j in 0..J {
-                    acc[j] = _mm512_fmadd_ps(a, b[j], acc[j]);
-                }
-            }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
         }
-        for (r, acc) in acc.iter().enumerate() {
-            for (j, a) in acc.iter().enumerate() {
-                *y.add(r * ldy + j) = _mm512_reduce_add_ps(*a);
-            }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m512 {
+            _mm512_set1_ps(*p)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn mask(live: usize) -> __mmask16 {
+            ((1u32 << live.min(16)) - 1) as u16
+        }
+        #[inline(always)]
+        unsafe fn load_masked(p: *const f32, mask: __mmask16) -> __m512 {
+            _mm512_maskz_loadu_ps(mask, p)
+        }
+        #[inline(always)]
+        unsafe fn store_masked(p: *mut f32, mask: __mmask16, v: __m512) {
+            _mm512_mask_storeu_ps(p, mask, v)
+        }
+        #[inline(always)]
+        unsafe fn sum(v: __m512) -> f32 {
+            _mm512_reduce_add_ps(v)
         }
     }
 
-    /// Lane masks of the three vectors of a stripe `width` columns wide (≤ 48).
-    fn masks(width: usize) -> [__mmask16; 3] {
-        let lanes = |v: usize| {
-            let live = width.saturating_sub(16 * v).min(16);
-            if live == 16 {
-                0xFFFF
-            } else {
-                ((1u32 << live) - 1) as u16
-            }
-        };
-        [lanes(0), lanes(1), lanes(2)]
+    // SAFETY: AVX and AVX2 intrinsics only; `isa!` inlines them into functions enabling `avx2,fma`.
+    unsafe impl Lanes for Avx2 {
+        type V = __m256;
+        type Mask = __m256i;
+        const N: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m256 {
+            _mm256_broadcast_ss(&*p)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        /// All ones in the lanes below `live`: `maskload` and `maskstore` read a lane's top bit.
+        #[inline(always)]
+        unsafe fn mask(live: usize) -> __m256i {
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(live.min(8) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+        }
+        #[inline(always)]
+        unsafe fn load_masked(p: *const f32, mask: __m256i) -> __m256 {
+            _mm256_maskload_ps(p, mask)
+        }
+        #[inline(always)]
+        unsafe fn store_masked(p: *mut f32, mask: __m256i, v: __m256) {
+            _mm256_maskstore_ps(p, mask, v)
+        }
+        #[inline(always)]
+        unsafe fn sum(v: __m256) -> f32 {
+            let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+            _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
+        }
     }
 
-    /// `y[r][0..width] (+)= Σ_kk xt[kk·R + r] · w[kk·ldw + 0..width]` for R rows, the R×48 sums
-    /// held in registers while the weight's rows stream past.
-    #[target_feature(enable = "avx512f")]
+    /// [`Isa::stripe`] in `L`'s vectors: three a stripe.
+    ///
+    /// # Safety
+    /// As for [`Isa::stripe`], inlined into a function that enables `L`'s features.
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn stripe<const R: usize>(
+    unsafe fn stripe<L: Lanes, const R: usize>(
         y: *mut f32,
         ldy: usize,
         xt: &[f32],
@@ -437,27 +558,28 @@ mod avx512 {
         accumulate: bool,
         prefetch: &mut Prefetch,
     ) {
-        let mask = masks(width);
-        let mut acc = [[_mm512_setzero_ps(); 3]; R];
+        let live: [usize; 3] = std::array::from_fn(|v| width.saturating_sub(v * L::N).min(L::N));
+        let mask: [L::Mask; 3] = std::array::from_fn(|v| L::mask(live[v]));
+        let mut acc = [[L::zero(); 3]; R];
         if accumulate {
             for (r, acc) in acc.iter_mut().enumerate() {
                 for (v, a) in acc.iter_mut().enumerate() {
-                    if mask[v] != 0 {
-                        *a = _mm512_maskz_loadu_ps(mask[v], y.add(r * ldy + 16 * v));
+                    if live[v] > 0 {
+                        *a = L::load_masked(y.add(r * ldy + v * L::N), mask[v]);
                     }
                 }
             }
         }
         let xt = xt.as_ptr();
-        if mask == [0xFFFF; 3] {
+        if width == 3 * L::N {
             for kk in 0..k {
                 let row = w.add(kk * ldw);
                 prefetch.step();
-                let b = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)), _mm512_loadu_ps(row.add(32))];
+                let b = [L::load(row), L::load(row.add(L::N)), L::load(row.add(2 * L::N))];
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*xt.add(kk * R + r));
+                    let a = L::splat(xt.add(kk * R + r));
                     for v in 0..3 {
-                        acc[v] = _mm512_fmadd_ps(a, b[v], acc[v]);
+                        acc[v] = L::fmadd(a, b[v], acc[v]);
                     }
                 }
             }
@@ -465,29 +587,115 @@ mod avx512 {
             for kk in 0..k {
                 let row = w.add(kk * ldw);
                 prefetch.step();
-                let b = [
-                    _mm512_maskz_loadu_ps(mask[0], row),
-                    // A cut stripe's later vectors may start past the slice: masked loads of no
-                    // lane never touch memory, and their addresses are only wrapped, not offset.
-                    _mm512_maskz_loadu_ps(mask[1], row.wrapping_add(16)),
-                    _mm512_maskz_loadu_ps(mask[2], row.wrapping_add(32)),
-                ];
+                // A cut stripe's later vectors may start past the slice: masked loads of no lane
+                // never touch memory, and their addresses are only wrapped, not offset.
+                let b: [L::V; 3] = std::array::from_fn(|v| L::load_masked(row.wrapping_add(v * L::N), mask[v]));
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*xt.add(kk * R + r));
+                    let a = L::splat(xt.add(kk * R + r));
                     for v in 0..3 {
-                        acc[v] = _mm512_fmadd_ps(a, b[v], acc[v]);
+                        acc[v] = L::fmadd(a, b[v], acc[v]);
                     }
                 }
             }
         }
         for (r, acc) in acc.iter().enumerate() {
             for (v, a) in acc.iter().enumerate() {
-                if mask[v] != 0 {
-                    _mm512_mask_storeu_ps(y.add(r * ldy + 16 * v), mask[v], *a);
+                if live[v] > 0 {
+                    L::store_masked(y.add(r * ldy + v * L::N), mask[v], *a);
                 }
             }
         }
     }
+
+    /// [`Isa::dots`] in `L`'s vectors.
+    ///
+    /// # Safety
+    /// As for [`Isa::dots`], inlined into a function that enables `L`'s features.
+    #[inline(always)]
+    unsafe fn dots<L: Lanes, const R: usize, const J: usize>(
+        y: *mut f32,
+        ldy: usize,
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+    ) {
+        let mut acc = [[L::zero(); J]; R];
+        let full = k / L::N * L::N;
+        let mut c = 0;
+        while c < full {
+            // The next group's rows, the same distance ahead, a line (16 values) at a time: the
+            // streaming prefetcher alone lets the loads wait behind the multiplications.
+            if c % 16 == 0 {
+                for j in 0..J {
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((PREFETCH_GROUPS * J + j) * k + c) as *const i8);
+                }
+            }
+            let b: [L::V; J] = std::array::from_fn(|j| L::load(w.add(j * k + c)));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = L::load(x.add(r * k + c));
+                for j in 0..J {
+                    acc[j] = L::fmadd(a, b[j], acc[j]);
+                }
+            }
+            c += L::N;
+        }
+        if full < k {
+            let mask = L::mask(k - full);
+            let b: [L::V; J] = std::array::from_fn(|j| L::load_masked(w.add(j * k + full), mask));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let a = L::load_masked(x.add(r * k + full), mask);
+                for j in 0..J {
+                    acc[j] = L::fmadd(a, b[j], acc[j]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (j, a) in acc.iter().enumerate() {
+                *y.add(r * ldy + j) = L::sum(*a);
+            }
+        }
+    }
+
+    /// Implements [`Isa`] for an instruction set: the generic kernels compiled inside functions
+    /// that enable its features.
+    macro_rules! isa {
+        ($set:ty, $features:literal, rows $rows:literal) => {
+            // SAFETY: the kernels enable the features `simd::tier()` vouches for with this set.
+            unsafe impl Isa for $set {
+                const ROWS: usize = $rows;
+                const STRIPE: usize = 3 * <$set as Lanes>::N;
+
+                #[target_feature(enable = $features)]
+                unsafe fn stripe<const R: usize>(
+                    y: *mut f32,
+                    ldy: usize,
+                    xt: &[f32],
+                    w: *const f32,
+                    ldw: usize,
+                    k: usize,
+                    width: usize,
+                    accumulate: bool,
+                    prefetch: &mut Prefetch,
+                ) {
+                    stripe::<$set, R>(y, ldy, xt, w, ldw, k, width, accumulate, prefetch)
+                }
+
+                #[target_feature(enable = $features)]
+                unsafe fn dots<const R: usize, const J: usize>(
+                    y: *mut f32,
+                    ldy: usize,
+                    x: *const f32,
+                    w: *const f32,
+                    k: usize,
+                ) {
+                    dots::<$set, R, J>(y, ldy, x, w, k)
+                }
+            }
+        };
+    }
+
+    isa!(Avx512, "avx512f", rows 8);
+    isa!(Avx2, "avx2,fma", rows 4);
 }
 
 #[cfg(test)]
@@ -528,10 +736,22 @@ mod tests {
         (4, 1, 3),
     ];
 
+    /// The tiers this CPU reaches, narrowest first: each runs its own kernels under
+    /// [`simd::capped`] (the baseline the GEMM crate's path).
+    fn reachable() -> impl Iterator<Item = Tier> {
+        Tier::ALL.into_iter().filter(|&t| t <= simd::detected())
+    }
+
     #[test]
     fn kernel_matches_the_reference() {
-        for shape in SHAPES {
-            check(product, shape);
+        for tier in reachable() {
+            eprintln!("few-rows kernels: {tier:?}");
+            simd::capped(tier, || {
+                assert_eq!(simd::tier(), tier);
+                for shape in SHAPES {
+                    check(product, shape);
+                }
+            });
         }
     }
 
@@ -544,13 +764,15 @@ mod tests {
 
     #[test]
     fn transposed_kernel_matches_the_reference() {
-        for (m, k, n) in SHAPES.into_iter().chain([(8, 576, 4099), (2, 16, 7), (3, 40, 1)]) {
-            let (x, w) = (values(m * k, 1), values(k * n, 2));
-            let (mut got, mut want) = (values(m * n, 3), vec![0.0; m * n]);
-            product_nt(&mut got, &x, &w, (m, k, n));
-            reference_nt(&mut want, &x, &w, (m, k, n));
-            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "nt {m}x{k}x{n} [{i}]: {g} vs {e}");
+        for tier in reachable() {
+            for (m, k, n) in SHAPES.into_iter().chain([(8, 576, 4099), (2, 16, 7), (3, 40, 1), (6, 9, 5)]) {
+                let (x, w) = (values(m * k, 1), values(k * n, 2));
+                let (mut got, mut want) = (values(m * n, 3), vec![0.0; m * n]);
+                simd::capped(tier, || product_nt(&mut got, &x, &w, (m, k, n)));
+                reference_nt(&mut want, &x, &w, (m, k, n));
+                for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                    assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "nt {tier:?} {m}x{k}x{n} [{i}]: {g} vs {e}");
+                }
             }
         }
     }

@@ -158,7 +158,7 @@ pub fn linear_in(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usi
         Some(b) => b.repeat(m),
         None => vec![0.0f32; m * n],
     };
-    if (2..=FEW_ROWS).contains(&m) {
+    if (2..=FEW_ROWS).contains(&m) || (m == 1 && super::simd::tier() == super::simd::Tier::Avx2) {
         super::few_rows::product(&mut y, b.is_some(), x, w, (m, k, n));
     } else {
         product(&mut y, b.is_some(), (x, (k, 1)), (w, (n, 1)), (m, k, n), bf16);
@@ -185,8 +185,10 @@ pub(super) fn product(
     }
 }
 
-/// Rows up to which [`linear`] runs the few-rows product ([`super::few_rows`]); one row is a
-/// matrix-vector product, which the GEMM crate already runs at the memory bound.
+/// Rows up to which [`linear`] runs the few-rows product ([`super::few_rows`]). One row is a
+/// matrix-vector product, which the GEMM crate runs at the memory bound with AVX-512; on AVX2-only
+/// CPUs the few-rows kernel's one-row pass was 10 % faster (46 against 51 ms a decode step of the
+/// 135M model, experiments/serve.md), so one row takes it there.
 pub const FEW_ROWS: usize = 16;
 
 /// Which gradients a linear layer's backward pass computes.
