@@ -8,8 +8,8 @@
 //! weight's rows reading 48 contiguous columns of each (three cache lines), and multiplies each by
 //! every input row's broadcast element. Walking down columns defeats the hardware prefetchers, so
 //! the weight goes in blocks of 16 rows, the next block prefetched into L2 in
-//! address order while one is multiplied: memory sees one sequential stream. Every pass of up to
-//! [`ROWS_PER_PASS`] rows runs over a block while it is cached, so the weight is read from memory
+//! address order while one is multiplied: memory sees one sequential stream. Every pass of up to 8
+//! rows runs over a block while it is cached, so the weight is read from memory
 //! once per call; each thread takes a contiguous range of the weight's rows and the partial sums are
 //! added. The tied head (`x · Wᵀ`, W as stored) has its own kernel: dot products of a few input rows
 //! with two weight rows at a time.
@@ -23,6 +23,7 @@
 //! crate's transposed products on the baseline. [`reference`] and [`reference_nt`] are the plain
 //! loops all are tested against.
 
+#[cfg(target_arch = "x86_64")]
 use super::simd::{self, Tier};
 
 /// `y (+)= x · w` with x `[m, k]`, w `[k, n]`, y `[m, n]`, all row-major; `accumulate` adds to y's
@@ -221,7 +222,8 @@ mod wide {
         add: bool,
         pf: &mut Prefetch,
     ) {
-        match rows.min(I::ROWS) {
+        debug_assert!(rows <= I::ROWS, "a pass of {rows} rows for kernels of {}", I::ROWS);
+        match rows {
             1 => I::stripe::<1>(y, ldy, xt, w, ldw, k, width, add, pf),
             2 => I::stripe::<2>(y, ldy, xt, w, ldw, k, width, add, pf),
             3 => I::stripe::<3>(y, ldy, xt, w, ldw, k, width, add, pf),
@@ -399,7 +401,8 @@ mod wide {
         while j < j1 {
             let group = (j1 - j).min(WEIGHT_ROWS);
             let (w, y) = (w.as_ptr().add(j * k), y.add(j));
-            match rows.min(I::ROWS) {
+            debug_assert!(rows <= I::ROWS, "a pass of {rows} rows for kernels of {}", I::ROWS);
+            match rows {
                 1 => group_dots::<I, 1>(y, n, x, w, k, group),
                 2 => group_dots::<I, 2>(y, n, x, w, k, group),
                 3 => group_dots::<I, 3>(y, n, x, w, k, group),
@@ -499,7 +502,8 @@ mod wide {
         }
     }
 
-    // SAFETY: AVX and AVX2 intrinsics only; `isa!` inlines them into functions enabling `avx2,fma`.
+    // SAFETY: SSE3, AVX, AVX2 and FMA intrinsics only; `isa!` inlines them into functions enabling
+    // `avx2,fma` (which imply the older sets).
     unsafe impl Lanes for Avx2 {
         type V = __m256;
         type Mask = __m256i;
@@ -701,6 +705,7 @@ mod wide {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::simd::{self, Tier};
     use crate::ops::testing::values;
 
     /// A few-rows product: `(y, accumulate, x, w, (m, k, n))`.
@@ -719,9 +724,11 @@ mod tests {
         }
     }
 
-    /// Every row count of a pass and past it, stripes whole and cut (widths not multiples of 16 or
-    /// 48), one thread and two (the threaded split starts at k·n = 2^18), blocks whole and cut.
-    const SHAPES: [(usize, usize, usize); 12] = [
+    /// Every row count of a pass (1–8 for AVX-512, 1–4 for AVX2) and past it, stripes whole and cut
+    /// (widths not multiples of the lanes or of a stripe: 16 and 48, 8 and 24), one thread and two
+    /// (the threaded split starts at k·n = 2^18), blocks whole and cut, k not a multiple of the
+    /// lanes (the dot products' tails).
+    const SHAPES: [(usize, usize, usize); 13] = [
         (1, 7, 5),
         (5, 1000, 300), // threaded, the weight's rows not a whole number of blocks
         (2, 3000, 90),
@@ -734,6 +741,7 @@ mod tests {
         (16, 576, 576),
         (13, 512, 1030),
         (4, 1, 3),
+        (6, 100, 70),
     ];
 
     /// The tiers this CPU reaches, narrowest first: each runs its own kernels under

@@ -1118,6 +1118,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn linear_layers_of_one_and_a_few_rows_match_the_plain_loop_on_every_tier() {
+        use super::super::simd::{capped, detected, Tier};
+        use super::super::testing::values;
+        // One row (the few-rows kernel on AVX2-only CPUs, the GEMM crate elsewhere), a few, and
+        // past FEW_ROWS; with and without a bias.
+        let (k, n) = (70, 53);
+        for tier in Tier::ALL.into_iter().filter(|&t| t <= detected()) {
+            for m in [1, 3, FEW_ROWS, FEW_ROWS + 1] {
+                let (x, w, b) = (values(m * k, 1), values(k * n, 2), values(n, 3));
+                for bias in [None, Some(b.as_slice())] {
+                    let got = capped(tier, || linear_in(&x, &w, bias, (m, k, n), false));
+                    let mut want = match bias {
+                        Some(b) => b.repeat(m),
+                        None => vec![0.0; m * n],
+                    };
+                    super::super::few_rows::reference(&mut want, bias.is_some(), &x, &w, (m, k, n));
+                    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                    let written = got.len() == m * n && got.iter().all(|v| v.is_finite());
+                    assert!(written && err < 1e-4, "{tier:?}, {m} rows, bias {}: {err}", bias.is_some());
+                }
+            }
+        }
+    }
+
+    #[test]
     fn bf16_linear_layers_equal_the_bf16_reference() {
         if !super::super::bf16_gemm::supported() {
             eprintln!("no AVX512_BF16 on this CPU: the bf16 linear path is not reachable here");
