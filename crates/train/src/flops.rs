@@ -111,23 +111,32 @@ pub fn resolve_peak<B: Backend>(
     Peak { flops: best.flops, source: format!("measured: best {dtype:?} GEMM on {} ({}³)", B::name(device), best.n) }
 }
 
-/// The cache file of a measured peak: backend, dtype, CPU model and thread count in the name.
+/// The cache file of a measured peak: backend, dtype, CPU model, a hash of the CPU's feature flags
+/// and the thread count in the name.
 pub fn peak_cache_name<B: Backend>(device: &Device<B>, dtype: DType) -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_default();
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     // The pool's threads, not the machine's cores: data-parallel ranks (and RAYON_NUM_THREADS)
     // run with fewer.
-    let threads = ember_model::ops::cpu_workers();
-    let key = format!("{}-{dtype:?}-{cpu}-{threads}", B::name(device));
+    cache_name(&format!("{}-{dtype:?}", B::name(device)), &cpuinfo, ember_model::ops::cpu_workers())
+}
+
+/// [`peak_cache_name`] given the text of `/proc/cpuinfo`.
+fn cache_name(backend: &str, cpuinfo: &str, threads: usize) -> String {
+    let field = |name: &str| {
+        let line = cpuinfo.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == name));
+        line.and_then(|l| l.split_once(':')).map_or("", |(_, v)| v.trim())
+    };
+    // Virtual machines often name only the vendor ("AMD EPYC" for a Zen 3 with AVX2 and a Zen 4
+    // with AVX-512 alike): the flags tell them apart.
+    let flags = fnv1a(field("flags").as_bytes());
+    let key = format!("{backend}-{}-{flags:08x}-{threads}", field("model name"));
     let key: String = key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
     format!("peak-{key}.txt")
+}
+
+/// 32-bit FNV-1a of `bytes`: a short, stable name for a long string.
+fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
 /// Remembers a measured peak, keeping the higher of it and any earlier one: a peak is the best the
@@ -145,6 +154,19 @@ pub fn store_peak(file: &Path, flops: f64) {
 mod tests {
     use super::*;
     use ember_model::ModelConfig;
+
+    #[test]
+    fn the_peak_cache_tells_cpus_of_one_name_apart_by_their_flags() {
+        let zen3 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma\n";
+        let zen4 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16\n";
+        let name = |info| cache_name("flex-F32", info, 2);
+        assert_ne!(name(zen3), name(zen4));
+        assert_eq!(name(zen3), name(zen3));
+        assert!(name(zen3).starts_with("peak-flex-F32-AMD_EPYC-") && name(zen3).ends_with("-2.txt"), "{}", name(zen3));
+        assert_ne!(cache_name("flex-F32", zen3, 1), name(zen3));
+        // No /proc/cpuinfo (another OS): still a name.
+        assert_eq!(cache_name("flex-F32", "", 2), format!("peak-flex-F32--{:08x}-2.txt", fnv1a(b"")));
+    }
 
     #[test]
     fn mfu_on_a_known_config_by_hand() {
