@@ -185,11 +185,36 @@ fn bench_commands_print_one_json_object() {
     );
     let lora = json(&["bench", "train", "--config", "lora.toml", "--steps", "2", "--warmup", "1", "--json"]);
     assert!(lora["tokens_per_sec"].as_f64().unwrap() > 0.0, "{lora}");
+    // A frozen base has no weight gradients: its FLOPs are 4N and the adapters', not 6N.
+    let (lora_flops, full_flops) = (lora["flops_per_token"].as_f64().unwrap(), t["flops_per_token"].as_f64().unwrap());
+    assert!(lora_flops < full_flops && lora_flops > 0.6 * full_flops, "{lora_flops} vs {full_flops}");
+    // bf16 on the CPU: a bf16 run measured against the bf16 kernel's peak where the CPU has it,
+    // an f32 one (said so) where it has not.
+    let o = s.ember(&[
+        "bench",
+        "train",
+        "--config",
+        "tiny.toml",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--precision",
+        "bf16",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let b: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let kernel = stderr(&o).contains("bf16 operands with f32 sums");
+    assert_eq!(b["precision"], if kernel { "bf16" } else { "f32" }, "{b}");
+    assert_eq!(b["peak_source"].as_str().unwrap().contains("bf16-kernel"), kernel, "{b}");
     let o = s.ember(&["train", "--config", "lora.toml"]);
     assert_clean_error(&o, "adapters fine-tune a pretrained model; set init_from");
     let p = json(&["bench", "peak", "--sizes", "64,128", "--reps", "2", "--json"]);
     assert!(p["peak_flops"].as_f64().unwrap() > 0.0, "{p}");
     assert_eq!(p["gemms"].as_array().unwrap().len(), 2);
+    let p = json(&["bench", "peak", "--sizes", "64", "--reps", "2", "--dtype", "bf16", "--json"]);
+    assert_eq!(p["dtype"].as_str().unwrap().contains("kernel"), kernel, "{p}");
 }
 
 #[test]

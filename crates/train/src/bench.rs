@@ -12,7 +12,7 @@ use ember_model::Decoder;
 use serde::Serialize;
 
 use crate::error::TrainError;
-use crate::flops::{measure_gemm, mfu, resolve_peak, GemmRate};
+use crate::flops::{mfu, resolve_peak, GemmRate, Gemms};
 use crate::init::ResolvedConfig;
 use crate::optim::AdamW;
 use crate::precision::LossScaler;
@@ -67,11 +67,11 @@ pub fn bench_run<B: TrainBackend>(
 ) -> Result<TrainBench, TrainError> {
     let setup = prepare(run, locations)?;
     let config = &setup.config;
-    let (dtype, _bf16_gemms) = resolve_dtype::<B>(device, config);
+    let (dtype, bf16_gemms) = resolve_dtype::<B>(device, config);
     let peak = resolve_peak::<B::InnerBackend>(
         device,
         peak_source.device_name.as_deref(),
-        dtype,
+        bf16_gemms.peak_gemms(dtype),
         peak_source.peak_tflops,
         Some(locations.cache_dir.as_path()),
     );
@@ -109,10 +109,15 @@ pub fn bench_run<B: TrainBackend>(
     let step_ms = times[times.len() / 2];
     let tokens_per_step = config.tokens_per_step();
     let tokens_per_sec = tokens_per_step as f64 / (step_ms / 1e3);
-    let flops_per_token = config.model.train_flops_per_token(config.seq_len());
+    let flops_per_token = config.train_flops_per_token();
     Ok(TrainBench {
         device: device_label.to_string(),
-        precision: format!("{dtype:?}").to_lowercase(),
+        // f32 tensors with the bf16 kernel's GEMMs are a bf16 run.
+        precision: if bf16_gemms.peak_gemms(dtype) == Gemms::CpuBf16 {
+            "bf16".into()
+        } else {
+            format!("{dtype:?}").to_lowercase()
+        },
         activation_checkpointing: config.train.activation_checkpointing,
         steps,
         step_ms,
@@ -137,21 +142,29 @@ pub struct PeakBench {
     pub peak_flops: f64,
 }
 
-/// The best square-GEMM rate the backend reaches in `dtype`, remembered in `cache` for MFU.
+/// The best square-GEMM rate the backend (or the CPU's bf16 kernel) reaches, remembered in `cache`
+/// for MFU.
 pub fn bench_peak<B: Backend>(
     device: &Device<B>,
     device_label: &str,
-    dtype: DType,
+    which: Gemms,
     sizes: &[usize],
     reps: usize,
     cache: Option<&std::path::Path>,
 ) -> PeakBench {
-    let gemms = measure_gemm::<B>(device, dtype, sizes, reps);
+    let gemms = which.measure::<B>(device, sizes, reps);
     let peak_flops = gemms.iter().map(|g| g.flops).fold(0.0, f64::max);
     if let Some(dir) = cache {
-        crate::flops::store_peak(&dir.join(crate::flops::peak_cache_name::<B>(device, dtype)), peak_flops);
+        crate::flops::store_peak(&dir.join(crate::flops::peak_cache_name::<B>(device, which)), peak_flops);
     }
-    PeakBench { device: device_label.to_string(), dtype: format!("{dtype:?}").to_lowercase(), gemms, peak_flops }
+    let dtype = match which {
+        Gemms::Backend(dtype) => format!("{dtype:?}").to_lowercase(),
+        Gemms::CpuBf16 => match ember_model::ops::bf16_gemm::kernel() {
+            Some(ember_model::ops::bf16_gemm::Kernel::Amx) => "bf16 (AMX tiles, f32 sums)".into(),
+            _ => "bf16 (AVX512_BF16 kernel, f32 sums)".into(),
+        },
+    };
+    PeakBench { device: device_label.to_string(), dtype, gemms, peak_flops }
 }
 
 #[derive(Debug, Clone, Serialize)]

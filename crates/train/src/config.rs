@@ -402,6 +402,15 @@ impl TrainConfig {
         self.train.seq_len.unwrap_or(self.model.max_seq_len)
     }
 
+    /// Model FLOPs per token of a training step, for MFU: `6N + 12·L·T·d`, or with LoRA (a frozen
+    /// base: no weight gradients but the adapters') `4N + 6·L·Σ r·(in + out) + 12·L·T·d`.
+    pub fn train_flops_per_token(&self) -> f64 {
+        match &self.lora {
+            Some(lora) => self.model.lora_train_flops_per_token(self.seq_len(), lora.rank, &lora.targets),
+            None => self.model.train_flops_per_token(self.seq_len()),
+        }
+    }
+
     /// Tokens per optimizer step.
     pub fn tokens_per_step(&self) -> usize {
         self.train.batch_size * self.seq_len() * self.train.grad_accum_steps

@@ -1,6 +1,8 @@
 //! Model FLOPs utilisation: `MFU = (6N + 12·L·T·d) · tokens/s / peak` (PaLM, appendix B), with N the
-//! parameters that take part in matmuls. The peak comes from a table of dense peaks per GPU and
-//! dtype, from the user, or, on the CPU and unknown devices, from measuring the backend's best GEMM.
+//! parameters that take part in matmuls (`4N` and the adapters' FLOPs for LoRA on a frozen base:
+//! `TrainConfig::train_flops_per_token`). The peak comes from a table of dense peaks per GPU and
+//! dtype, from the user, or, on the CPU and unknown devices, from measuring the best GEMM of the
+//! kind the run uses (the backend's, or the CPU's bf16 kernel: [`Gemms`]).
 
 use std::path::Path;
 use std::time::Instant;
@@ -82,42 +84,104 @@ pub fn measure_gemm<B: Backend>(device: &Device<B>, dtype: DType, sizes: &[usize
         .collect()
 }
 
+/// The rate of square `n×n×n` GEMMs through the CPU's bf16 kernel (`ops::bf16_gemm`: f32 in and
+/// out, the operands rounded to bf16, the sums f32), the fastest of `reps` after a warm-up: what
+/// `--precision bf16` runs its large GEMMs on there. `None` where the CPU lacks the instructions.
+pub fn measure_cpu_bf16_gemm(sizes: &[usize], reps: usize) -> Option<Vec<GemmRate>> {
+    use ember_model::ops::bf16_gemm;
+    if !bf16_gemm::supported() {
+        return None;
+    }
+    let rates = sizes.iter().map(|&n| {
+        let a: Vec<f32> = (0..n * n).map(|i| (i % 997) as f32 / 997.0 - 0.5).collect();
+        let mut c = vec![0.0f32; n * n];
+        let t = (0..reps + 1)
+            .map(|_| {
+                let start = Instant::now();
+                bf16_gemm::gemm(&mut c, false, (&a, (n, 1)), (&a, (n, 1)), (n, n, n));
+                start.elapsed().as_secs_f64()
+            })
+            .skip(1)
+            .fold(f64::INFINITY, f64::min);
+        GemmRate { n, ms: t * 1e3, flops: 2.0 * (n as f64).powi(3) / t }
+    });
+    Some(rates.collect())
+}
+
+/// Which GEMMs a run's MFU is measured against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gemms {
+    /// The backend's matmul in this dtype.
+    Backend(DType),
+    /// The CPU's bf16 kernel under f32 tensors (`--precision bf16` on a CPU with AVX512_BF16): up
+    /// to twice the f32 rate, so that an f32 peak would put MFU near 200 %.
+    CpuBf16,
+}
+
+impl Gemms {
+    /// The dtype of a device's table peak.
+    fn dtype(self) -> DType {
+        match self {
+            Gemms::Backend(dtype) => dtype,
+            Gemms::CpuBf16 => DType::BF16,
+        }
+    }
+
+    /// How the cache file and the logs name these GEMMs.
+    fn label(self) -> String {
+        match self {
+            Gemms::Backend(dtype) => format!("{dtype:?}"),
+            Gemms::CpuBf16 => "bf16-kernel".into(),
+        }
+    }
+
+    /// The best square-GEMM rates in `sizes` (each the fastest of `reps`).
+    pub fn measure<B: Backend>(self, device: &Device<B>, sizes: &[usize], reps: usize) -> Vec<GemmRate> {
+        let kernel = match self {
+            Gemms::CpuBf16 => measure_cpu_bf16_gemm(sizes, reps),
+            Gemms::Backend(_) => None,
+        };
+        kernel.unwrap_or_else(|| measure_gemm::<B>(device, self.dtype(), sizes, reps))
+    }
+}
+
 /// The peak for MFU: `override_tflops`, else the table entry for `device_name`, else the GEMM peak
 /// measured on this machine: read from `cache` (written by `ember bench peak` or an earlier run),
 /// or measured now and cached, so that MFU is comparable across runs.
 pub fn resolve_peak<B: Backend>(
     device: &Device<B>,
     device_name: Option<&str>,
-    dtype: DType,
+    gemms: Gemms,
     override_tflops: Option<f64>,
     cache: Option<&Path>,
 ) -> Peak {
     if let Some(t) = override_tflops {
         return Peak { flops: t * 1e12, source: "--peak-tflops".into() };
     }
-    if let Some(p) = device_name.and_then(|n| table_peak(n, dtype)) {
+    if let Some(p) = device_name.and_then(|n| table_peak(n, gemms.dtype())) {
         return p;
     }
-    let file = cache.map(|dir| dir.join(peak_cache_name::<B>(device, dtype)));
+    let label = gemms.label();
+    let file = cache.map(|dir| dir.join(peak_cache_name::<B>(device, gemms)));
     let cached = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()).and_then(|t| t.trim().parse::<f64>().ok());
     if let Some(flops) = cached {
-        return Peak { flops, source: format!("measured earlier: best {dtype:?} GEMM on {}", B::name(device)) };
+        return Peak { flops, source: format!("measured earlier: best {label} GEMM on {}", B::name(device)) };
     }
-    let rates = measure_gemm::<B>(device, dtype, &[512, 1024, 2048], 3);
+    let rates = gemms.measure::<B>(device, &[512, 1024, 2048], 3);
     let best = rates.iter().max_by(|a, b| a.flops.total_cmp(&b.flops)).expect("three sizes");
     if let Some(f) = file {
         store_peak(&f, best.flops);
     }
-    Peak { flops: best.flops, source: format!("measured: best {dtype:?} GEMM on {} ({}³)", B::name(device), best.n) }
+    Peak { flops: best.flops, source: format!("measured: best {label} GEMM on {} ({}³)", B::name(device), best.n) }
 }
 
-/// The cache file of a measured peak: backend, dtype, CPU model, a hash of the CPU's feature flags
+/// The cache file of a measured peak: backend, GEMMs, CPU model, a hash of the CPU's feature flags
 /// and the thread count in the name.
-pub fn peak_cache_name<B: Backend>(device: &Device<B>, dtype: DType) -> String {
+pub fn peak_cache_name<B: Backend>(device: &Device<B>, gemms: Gemms) -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     // The pool's threads, not the machine's cores: data-parallel ranks (and RAYON_NUM_THREADS)
     // run with fewer.
-    cache_name(&format!("{}-{dtype:?}", B::name(device)), &cpuinfo, ember_model::ops::cpu_workers())
+    cache_name(&format!("{}-{}", B::name(device), gemms.label()), &cpuinfo, ember_model::ops::cpu_workers())
 }
 
 /// [`peak_cache_name`] given the text of `/proc/cpuinfo`.
@@ -184,6 +248,43 @@ mod tests {
         let got = mfu(m.train_flops_per_token(64), 5000.0, &peak);
         assert!((got - per_token * 5000.0 / 315e9).abs() < 1e-12);
         assert!((got - 0.08232).abs() < 1e-4, "{got}"); // 5,186,304 · 5000 / 315e9
+    }
+
+    #[test]
+    fn a_lora_run_counts_no_weight_gradients_of_its_frozen_base() {
+        // The LoRA config's shapes and adapters (its file needs `init_from` for a run).
+        let text = include_str!("../../../configs/smollm2-135m-full.toml");
+        let mut c = crate::TrainConfig::from_toml(text, std::path::Path::new("smollm2-135m-full.toml")).unwrap();
+        let lora: toml::Table = include_str!("../../../configs/smollm2-135m-lora.toml").parse().unwrap();
+        c.lora = Some(lora["lora"].clone().try_into().unwrap());
+        // SmolLM2-135M: 30 layers of q/o 576×576, k/v 576×192, gate/up/down 576×1536; the tied head 49,152×576.
+        let n = 30.0 * (2.0 * 576.0 * 576.0 + 2.0 * 576.0 * 192.0 + 3.0 * 576.0 * 1536.0) + 49152.0 * 576.0;
+        assert_eq!(c.model.matmul_params() as f64, n);
+        // Rank 8 on all seven: r·(in + out) each.
+        let adapters = 30.0 * 8.0 * (2.0 * 1152.0 + 2.0 * 768.0 + 3.0 * 2112.0);
+        let attention = 12.0 * 30.0 * 512.0 * 576.0;
+        assert_eq!(c.train_flops_per_token(), 4.0 * n + 6.0 * adapters + attention);
+        // The full fine-tune of the same shapes is the usual 6N.
+        let full = crate::TrainConfig { lora: None, ..c.clone() };
+        assert_eq!(full.train_flops_per_token(), 6.0 * n + attention);
+    }
+
+    #[test]
+    fn a_cpu_bf16_peak_is_measured_and_cached_apart_from_f32() {
+        let info = "model name\t: AMD EPYC\nflags\t\t: avx512f avx512_bf16\n";
+        let f32 = cache_name(&format!("flex-{}", Gemms::Backend(DType::F32).label()), info, 2);
+        let bf16 = cache_name(&format!("flex-{}", Gemms::CpuBf16.label()), info, 2);
+        let backend_bf16 = cache_name(&format!("flex-{}", Gemms::Backend(DType::BF16).label()), info, 2);
+        assert!(f32 != bf16 && bf16 != backend_bf16, "{f32} {bf16} {backend_bf16}");
+        assert_eq!(Gemms::CpuBf16.dtype(), DType::BF16);
+        match measure_cpu_bf16_gemm(&[64, 96], 1) {
+            // Where the CPU has the kernel: a positive rate for each size, timed on a real product.
+            Some(rates) => {
+                assert_eq!(rates.iter().map(|r| r.n).collect::<Vec<_>>(), [64, 96]);
+                assert!(rates.iter().all(|r| r.flops.is_finite() && r.flops > 0.0 && r.ms > 0.0));
+            }
+            None => assert!(!ember_model::ops::bf16_gemm::supported()),
+        }
     }
 
     #[test]

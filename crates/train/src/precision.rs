@@ -21,8 +21,12 @@ pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) 
             DType::F32,
             Some(format!(
                 "{name} runs `bf16` as bf16 operands with f32 sums in the large GEMMs of the linear \
-                 layers and the LM head (AVX512_BF16); activations, attention, norms, softmax, loss and \
-                 master weights stay f32"
+                 layers and the LM head ({}); activations, attention, norms, softmax, loss and \
+                 master weights stay f32",
+                match ember_model::ops::bf16_gemm::kernel() {
+                    Some(ember_model::ops::bf16_gemm::Kernel::Amx) => "AMX tiles",
+                    _ => "AVX512_BF16",
+                }
             )),
         ),
         // Measured: bf16 through f32 conversions runs the nano step ~6x slower than f32 on the CPU

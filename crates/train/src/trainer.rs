@@ -23,7 +23,7 @@ use crate::config::{Precision, TrainConfig};
 use crate::distributed::{digest, Collective};
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
-use crate::flops::{mfu, resolve_peak, Peak};
+use crate::flops::{mfu, resolve_peak, Gemms, Peak};
 use crate::init::{ResolvedConfig, ResolvedInit};
 use crate::memory::MemoryProbe;
 use crate::metrics::{JsonlSink, MetricsSink, SampleRecord, Sinks, StepRecord, TensorBoardSink, METRICS_FILE};
@@ -116,7 +116,7 @@ pub fn train<B: TrainBackend>(
     let (config, c) = (&setup.config, opts.collective.as_ref());
     // Start-up waits for slow work of other ranks (loading a model); steps do not.
     c.set_timeout(config.distributed.io_timeout());
-    let (dtype, _bf16_gemms) = resolve_dtype::<B>(device, config);
+    let (dtype, bf16_gemms) = resolve_dtype::<B>(device, config);
     let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, opts, dtype, device)?;
     c.set_timeout(config.distributed.timeout());
     let t = &config.train;
@@ -131,7 +131,7 @@ pub fn train<B: TrainBackend>(
         buffers: Default::default(),
         device_comm: opts.device_comm.as_ref(),
     };
-    let peak = device_peak::<B>(opts, device, dtype);
+    let peak = device_peak::<B>(opts, device, bf16_gemms.peak_gemms(dtype));
     log_setup(config, dtype, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
     let evaluator = Evaluator::new(&setup, c);
@@ -190,9 +190,9 @@ fn take_step<B: TrainBackend>(
 }
 
 /// The device's peak FLOP/s, for MFU: `--peak-tflops`, the table, or a measured GEMM rate.
-fn device_peak<B: TrainBackend>(opts: &TrainOptions, device: &Device<B>, dtype: DType) -> Peak {
+fn device_peak<B: TrainBackend>(opts: &TrainOptions, device: &Device<B>, gemms: Gemms) -> Peak {
     let cache = Some(opts.locations.cache_dir.as_path());
-    resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), dtype, opts.peak_tflops, cache)
+    resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), gemms, opts.peak_tflops, cache)
 }
 
 type Opened<B> = (Decoder<B>, Optimizer<B>, TrainState, Sinks);
@@ -278,7 +278,7 @@ impl<'a> Recorder<'a> {
         let (config, world, speed) = (self.config, self.world, &self.speed);
         let tokens_per_step = self.tokens_per_step();
         let tokens_per_sec = speed.window_rate();
-        let flops_per_token = config.model.train_flops_per_token(config.seq_len());
+        let flops_per_token = config.train_flops_per_token();
         let record = StepRecord {
             step: state.step,
             train_loss: out.loss,
@@ -314,7 +314,7 @@ impl<'a> Recorder<'a> {
     fn finish(self, run_dir: &Path, state: &TrainState, last_val_loss: Option<f64>) -> TrainSummary {
         self.bar.finish_and_clear();
         let tokens_per_sec = self.speed.total_rate();
-        let flops_per_token = self.config.model.train_flops_per_token(self.config.seq_len());
+        let flops_per_token = self.config.train_flops_per_token();
         TrainSummary {
             run_dir: run_dir.to_path_buf(),
             steps: state.step,
@@ -737,6 +737,17 @@ pub(crate) struct CpuBf16Gemms {
     on: bool,
 }
 
+impl CpuBf16Gemms {
+    /// The GEMMs a run's MFU is measured against: the bf16 kernel's while it is on.
+    pub(crate) fn peak_gemms(&self, dtype: DType) -> Gemms {
+        if self.on {
+            Gemms::CpuBf16
+        } else {
+            Gemms::Backend(dtype)
+        }
+    }
+}
+
 impl Drop for CpuBf16Gemms {
     fn drop(&mut self) {
         if self.on {
@@ -769,13 +780,18 @@ fn log_setup(config: &TrainConfig, dtype: DType, peak: &Peak, tokens_per_step: u
         m.vocab_size,
         m.num_params()
     );
+    let formula = if config.lora.is_some() {
+        "4N + 6·L·Σ r·(in + out) + 12·L·T·d, LoRA on a frozen base"
+    } else {
+        "6N + 12·L·T·d"
+    };
     tracing::info!(
-        "MFU = (6N + 12·L·T·d) · tokens/s / peak, N = {} matmul parameters, L = {}, T = {}, d = {}: {:.4e} FLOPs per token; peak {:.3} TFLOP/s ({})",
+        "MFU = ({formula}) · tokens/s / peak, N = {} matmul parameters, L = {}, T = {}, d = {}: {:.4e} FLOPs per token; peak {:.3} TFLOP/s ({})",
         m.matmul_params(),
         m.n_layers,
         config.seq_len(),
         m.n_heads * m.head_dim(),
-        m.train_flops_per_token(config.seq_len()),
+        config.train_flops_per_token(),
         peak.flops / 1e12,
         peak.source
     );

@@ -1,13 +1,14 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use burn::tensor::Device;
+use burn::tensor::{DType, Device};
 use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
 use ember_model::engine::{Engine, EngineConfig};
 use ember_model::ops::TrainBackend;
 use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, DecodeBenchSpec, PeakSource};
 use ember_train::config::{Precision, Purpose};
+use ember_train::flops::Gemms;
 use ember_train::{Checkpoint, ConfigFile, ResolvedConfig};
 use serde::Serialize;
 
@@ -201,7 +202,10 @@ impl BenchFn for PeakBenchFn {
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
         let cache = Locations::from_env().cache_dir;
-        Ok(bench_peak::<B::InnerBackend>(device, name, a.dtype.dtype(), &a.sizes, a.reps, Some(&cache)))
+        // The CPU runs `--precision bf16` on its bf16 kernel (f32 tensors): that is the rate to know.
+        let dtype = a.dtype.dtype();
+        let gemms = if dtype == DType::BF16 && B::cpu_bf16_gemms() { Gemms::CpuBf16 } else { Gemms::Backend(dtype) };
+        Ok(bench_peak::<B::InnerBackend>(device, name, gemms, &a.sizes, a.reps, Some(&cache)))
     }
 }
 

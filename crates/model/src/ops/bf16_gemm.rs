@@ -9,6 +9,13 @@
 //! vectors of `b`, broadcasts each row's pair of `a`, and issues 24 dot products. Threads take
 //! column panels. Chosen at run time (`avx512bf16` and `avx512f`); [`reference`] is the plain loop
 //! over the same rounded values that it is tested against.
+//!
+//! Where the CPU has AMX (Intel Sapphire Rapids and later) and Linux grants this process the tile
+//! state, the same panels go through the tile unit instead ([`Kernel::Amx`]): `tdpbf16ps` multiplies
+//! a tile of 16 rows × 16 pairs of `a` by a tile of 16 pairs × 16 columns of `b` (8,192
+//! multiply-adds an instruction), a block of 16 rows × 48 columns summed in three tiles. The packed
+//! layouts are the vector kernel's, padded to whole tiles (rows to 16, pairs to 16 with zeros).
+//! `EMBER_AMX=0` keeps the vector kernel.
 
 #[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
@@ -35,6 +42,58 @@ pub fn to_bf16(x: f32) -> u16 {
 /// The f32 a bf16 stands for.
 pub fn from_bf16(h: u16) -> f32 {
     f32::from_bits(u32::from(h) << 16)
+}
+
+/// The instructions that multiply the bf16 operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// AVX512_BF16's `vdpbf16ps`: 8 rows × 48 columns of sums in vector registers.
+    Avx512,
+    /// AMX's `tdpbf16ps`: 16 rows × 48 columns of sums in three tile registers.
+    Amx,
+}
+
+impl Kernel {
+    /// The kernels this CPU (and OS) runs, the faster first: every one of them is tested.
+    pub fn reachable() -> Vec<Kernel> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if supported() && amx::usable() {
+            kernels.push(Kernel::Amx);
+        }
+        if supported() {
+            kernels.push(Kernel::Avx512);
+        }
+        kernels
+    }
+
+    /// The packed operands' shape for this kernel: rows of `a` padded to a multiple of `rows`, and
+    /// `stride` pairs (≥ `k / 2`, zeros past it) to a row of `a` and to a panel of `b`.
+    fn layout(self, k: usize) -> Layout {
+        let pairs = k.div_ceil(2);
+        match self {
+            Kernel::Avx512 => Layout { rows: ROWS, stride: pairs },
+            Kernel::Amx => Layout { rows: TILE_ROWS, stride: pairs.next_multiple_of(TILE_PAIRS) },
+        }
+    }
+}
+
+/// Rows of `a` in an AMX tile (and in a block of its kernel).
+const TILE_ROWS: usize = 16;
+/// k-pairs in an AMX tile's row of `a` (64 bytes), and rows of a tile of `b`.
+const TILE_PAIRS: usize = 16;
+
+/// How a kernel's packed operands are laid out ([`Kernel::layout`]).
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    rows: usize,
+    stride: usize,
+}
+
+/// The kernel [`gemm`] and [`pack_b`] use on this CPU: the tiles where AMX is there and granted
+/// (and `EMBER_AMX` is not `0`), else AVX512_BF16; `None` without either.
+pub fn kernel() -> Option<Kernel> {
+    Kernel::reachable().first().copied()
 }
 
 /// Whether this CPU runs [`gemm`]'s kernel.
@@ -66,10 +125,28 @@ fn reaches((s, (rs, cs)): Strided<'_>, rows: usize, cols: usize) -> bool {
 ///
 /// # Panics
 /// If a slice is shorter than its shape and strides reach.
-pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m, k, n): (usize, usize, usize)) -> bool {
+pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, shape: (usize, usize, usize)) -> bool {
+    match kernel() {
+        Some(kernel) => gemm_with(kernel, c, accumulate, a, b, shape),
+        None => false,
+    }
+}
+
+/// [`gemm`] on a given kernel (the tests run each one this CPU has); `false` where the CPU lacks it.
+///
+/// # Panics
+/// If a slice is shorter than its shape and strides reach.
+pub fn gemm_with(
+    kernel: Kernel,
+    c: &mut [f32],
+    accumulate: bool,
+    a: Strided<'_>,
+    b: Strided<'_>,
+    (m, k, n): (usize, usize, usize),
+) -> bool {
     assert!(c.len() >= m * n, "bf16 GEMM: output slice too short");
     assert!(reaches(a, m, k) && reaches(b, k, n), "bf16 GEMM: operand slice too short");
-    if !supported() {
+    if !Kernel::reachable().contains(&kernel) {
         return false;
     }
     if m == 0 || n == 0 {
@@ -77,14 +154,15 @@ pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, (m,
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let packed_a = pack_a(a, m, k);
+        let layout = kernel.layout(k);
+        let packed_a = pack_a(a, m, k, layout);
         // Each thread packs and multiplies its own panels: the packed panel stays in its cache.
         let out = SharedOut(c.as_mut_ptr());
         (0..n.div_ceil(PANEL)).into_par_iter().for_each(|p| {
-            let panel = pack_panel(b, k, p * PANEL, PANEL.min(n - p * PANEL));
-            // SAFETY: the features were checked by `supported`, the shapes against the slices above;
-            // the panel is panel `p` of b, and no two tasks write the same columns.
-            unsafe { panel_product(out, accumulate, &packed_a, &panel, p, (m, k, n)) };
+            let panel = pack_panel(b, k, p * PANEL, PANEL.min(n - p * PANEL), layout);
+            // SAFETY: the kernel is reachable (checked above), the shapes were checked against the
+            // slices; the panel is panel `p` of b, and no two tasks write the same columns.
+            unsafe { panel_product(kernel, out, accumulate, &packed_a, &panel, p, (m, n), layout) };
         });
     }
     true
@@ -96,6 +174,8 @@ pub struct PackedB {
     k: usize,
     n: usize,
     #[cfg(target_arch = "x86_64")]
+    kernel: Kernel,
+    #[cfg(target_arch = "x86_64")]
     panels: Vec<Vec<u32>>,
 }
 
@@ -103,16 +183,26 @@ pub struct PackedB {
 ///
 /// # Panics
 /// If the slice is shorter than the shape and strides reach.
-pub fn pack_b(b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
+pub fn pack_b(b: Strided<'_>, shape: (usize, usize)) -> Option<PackedB> {
+    pack_b_with(kernel()?, b, shape)
+}
+
+/// [`pack_b`] for a given kernel; `None` where the CPU lacks it.
+///
+/// # Panics
+/// If the slice is shorter than the shape and strides reach.
+pub fn pack_b_with(kernel: Kernel, b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
     assert!(reaches(b, k, n), "bf16 GEMM: operand slice too short");
-    if !supported() {
+    if !Kernel::reachable().contains(&kernel) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let panels =
-            (0..n.div_ceil(PANEL)).into_par_iter().map(|p| pack_panel(b, k, p * PANEL, PANEL.min(n - p * PANEL)));
-        Some(PackedB { k, n, panels: panels.collect() })
+        let layout = kernel.layout(k);
+        let panels = (0..n.div_ceil(PANEL))
+            .into_par_iter()
+            .map(|p| pack_panel(b, k, p * PANEL, PANEL.min(n - p * PANEL), layout));
+        Some(PackedB { k, n, kernel, panels: panels.collect() })
     }
     #[cfg(not(target_arch = "x86_64"))]
     None
@@ -133,12 +223,13 @@ pub fn gemm_packed(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: &PackedB,
     let _ = (accumulate, a); // no `PackedB` exists there: `pack_b` answers `None`
     #[cfg(target_arch = "x86_64")]
     {
-        let packed_a = pack_a(a, m, k);
+        let layout = b.kernel.layout(k);
+        let packed_a = pack_a(a, m, k, layout);
         let out = SharedOut(c.as_mut_ptr());
         b.panels.par_iter().enumerate().for_each(|(p, panel)| {
-            // SAFETY: a `PackedB` exists only where `supported` held; the shapes were checked above and
-            // when b was packed; no two tasks write the same columns.
-            unsafe { panel_product(out, accumulate, &packed_a, panel, p, (m, k, n)) };
+            // SAFETY: a `PackedB` exists only where its kernel is reachable; the shapes were checked
+            // above and when b was packed, in this kernel's layout; no two tasks write the same columns.
+            unsafe { panel_product(b.kernel, out, accumulate, &packed_a, panel, p, (m, n), layout) };
         });
     }
 }
@@ -152,44 +243,106 @@ const PAIRS_PER_PASS: usize = 1024;
 /// [`PAIRS_PER_PASS`] pairs of `k`.
 ///
 /// # Safety
-/// The CPU must have AVX-512F and AVX512_BF16; `c` must be an `[m, n]` output, `packed_a` come
-/// from [`pack_a`] of an `[m, k]` operand and `panel` from [`pack_panel`] of panel `p` of a
-/// `[k, n]` one, and no other task may write these columns meanwhile.
+/// The CPU must run `kernel` ([`Kernel::reachable`]); `c` must be an `[m, n]` output, `packed_a`
+/// come from [`pack_a`] of an `[m, k]` operand and `panel` from [`pack_panel`] of panel `p` of a
+/// `[k, n]` one, both in `layout` (the kernel's for this `k`), and no other task may write these
+/// columns meanwhile.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn panel_product(
+    kernel: Kernel,
     c: SharedOut,
     accumulate: bool,
     packed_a: &[u32],
     panel: &[u32],
     p: usize,
-    (m, k, n): (usize, usize, usize),
+    (m, n): (usize, usize),
+    layout: Layout,
 ) {
-    let pairs = k.div_ceil(2);
+    let pairs = layout.stride;
     let cols = PANEL.min(n - p * PANEL);
-    debug_assert!(packed_a.len() >= m.next_multiple_of(ROWS) * pairs && panel.len() >= pairs * PANEL);
+    debug_assert!(packed_a.len() >= m.next_multiple_of(layout.rows) * pairs && panel.len() >= pairs * PANEL);
+    match kernel {
+        Kernel::Avx512 => {
+            for p0 in (0..pairs.max(1)).step_by(PAIRS_PER_PASS) {
+                let pass = PAIRS_PER_PASS.min(pairs - p0);
+                for r0 in (0..m).step_by(ROWS) {
+                    avx512::block(
+                        c.at(r0 * n + p * PANEL),
+                        n,
+                        (ROWS.min(m - r0), cols),
+                        accumulate || p0 > 0,
+                        packed_a.as_ptr().add(r0 * pairs + p0),
+                        (pass, pairs),
+                        panel.as_ptr().add(p0 * PANEL),
+                    );
+                }
+            }
+        }
+        Kernel::Amx => {
+            amx::configure();
+            tile_panel_product(amx::block, c, accumulate, (packed_a, panel), p, (m, n), layout);
+            amx::release();
+        }
+    }
+}
+
+/// A block of [`TILE_ROWS`] rows × [`PANEL`] columns of sums from packed `a` rows (a pointer and
+/// their stride in pairs), a packed panel and a number of tile steps of [`TILE_PAIRS`] pairs:
+/// [`amx::block`], or in the tests a plain model of the tiles.
+#[cfg(target_arch = "x86_64")]
+type TileBlock = unsafe fn(&mut [f32; TILE_ROWS * PANEL], (*const u32, usize), *const u32, usize);
+
+/// The AMX arm of [`panel_product`] around its block kernel: passes over the pairs, blocks of 16
+/// rows, and each block's sums into the rows and columns of c that exist.
+///
+/// # Safety
+/// As [`panel_product`]'s, in the AMX layout; `block` must be safe to call on this thread (the
+/// tiles configured).
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile_panel_product(
+    block: TileBlock,
+    c: SharedOut,
+    accumulate: bool,
+    (packed_a, panel): (&[u32], &[u32]),
+    p: usize,
+    (m, n): (usize, usize),
+    layout: Layout,
+) {
+    let pairs = layout.stride;
+    let cols = PANEL.min(n - p * PANEL);
+    debug_assert!(
+        layout.rows == TILE_ROWS && pairs.is_multiple_of(TILE_PAIRS) && PAIRS_PER_PASS.is_multiple_of(TILE_PAIRS)
+    );
+    let mut sums = [0.0f32; TILE_ROWS * PANEL];
+    // `pairs` is a whole number of tiles, and so is every pass; k = 0 makes one pass of no steps.
     for p0 in (0..pairs.max(1)).step_by(PAIRS_PER_PASS) {
         let pass = PAIRS_PER_PASS.min(pairs - p0);
-        for r0 in (0..m).step_by(ROWS) {
-            avx512::block(
-                c.at(r0 * n + p * PANEL),
-                n,
-                (ROWS.min(m - r0), cols),
-                accumulate || p0 > 0,
-                packed_a.as_ptr().add(r0 * pairs + p0),
-                (pass, pairs),
-                panel.as_ptr().add(p0 * PANEL),
-            );
+        for r0 in (0..m).step_by(TILE_ROWS) {
+            let a = packed_a.as_ptr().add(r0 * pairs + p0);
+            block(&mut sums, (a, pairs), panel.as_ptr().add(p0 * PANEL), pass / TILE_PAIRS);
+            let add = accumulate || p0 > 0;
+            for (r, row) in sums.chunks_exact(PANEL).take(TILE_ROWS.min(m - r0)).enumerate() {
+                let out = std::slice::from_raw_parts_mut(c.at((r0 + r) * n + p * PANEL), cols);
+                if add {
+                    out.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
+                } else {
+                    out.copy_from_slice(&row[..cols]);
+                }
+            }
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 /// `a`'s rows as pairs of bf16 along k (a zero pads an odd k), rows padded with zeros to a
-/// multiple of [`ROWS`]: `[m', k/2]` of `u32`, the lower half the even k.
-fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize) -> Vec<u32> {
+/// multiple of `layout.rows` and to `layout.stride` pairs: `[m', stride]` of `u32`, the lower half
+/// the even k.
+fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec<u32> {
     let pairs = k.div_ceil(2);
-    let mut packed = vec![0u32; m.next_multiple_of(ROWS) * pairs];
-    packed.par_chunks_mut(pairs.max(1)).take(m).enumerate().for_each(|(i, row)| {
+    let mut packed = vec![0u32; m.next_multiple_of(layout.rows) * layout.stride];
+    packed.par_chunks_mut(layout.stride.max(1)).take(m).enumerate().for_each(|(i, row)| {
+        let row = &mut row[..pairs];
         #[cfg(target_arch = "x86_64")]
         if cs == 1 {
             // SAFETY: `gemm` runs this only after `supported`; the row's k elements are inside `a`
@@ -207,11 +360,11 @@ fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize) -> Vec<u32> {
 }
 
 #[cfg(target_arch = "x86_64")]
-/// Columns `c0 .. c0 + cols` of `b` as a panel: for each k-pair, [`PANEL`] columns of two bf16 (even
-/// k first), zeros past `cols` and past k.
-fn pack_panel((b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize) -> Vec<u32> {
+/// Columns `c0 .. c0 + cols` of `b` as a panel: for each of `layout.stride` k-pairs, [`PANEL`]
+/// columns of two bf16 (even k first), zeros past `cols` and past k.
+fn pack_panel((b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize, layout: Layout) -> Vec<u32> {
     let pairs = k.div_ceil(2);
-    let mut panel = vec![0u32; pairs * PANEL];
+    let mut panel = vec![0u32; layout.stride * PANEL];
     #[cfg(target_arch = "x86_64")]
     if rs == 1 && cs != 1 {
         // A transposed operand (W read as Wᵀ): each column's k values are contiguous, so each is
@@ -228,7 +381,7 @@ fn pack_panel((b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize) -> V
         }
         return panel;
     }
-    for (p, out) in panel.chunks_exact_mut(PANEL).enumerate() {
+    for (p, out) in panel.chunks_exact_mut(PANEL).take(pairs).enumerate() {
         let (k0, k1) = (2 * p, 2 * p + 1);
         #[cfg(target_arch = "x86_64")]
         if cs == 1 {
@@ -354,6 +507,150 @@ mod avx512 {
     }
 }
 
+/// The tile unit: the OS permission, the tile configuration and the block kernel. The tile
+/// instructions go through `asm!` (stable Rust has no intrinsics for them); the compiler never uses
+/// the tile registers itself, so that they keep their values from one `asm!` to the next.
+#[cfg(target_arch = "x86_64")]
+mod amx {
+    use super::{PANEL, TILE_PAIRS, TILE_ROWS};
+    use std::arch::asm;
+    use std::sync::OnceLock;
+
+    /// Whether the CPU has AMX-TILE and AMX-BF16, Linux lets this process use the tile state, and
+    /// `EMBER_AMX` is not `0`. Asked once; the permission holds for every thread of the process.
+    pub(super) fn usable() -> bool {
+        static USABLE: OnceLock<bool> = OnceLock::new();
+        *USABLE.get_or_init(|| {
+            let off = std::env::var("EMBER_AMX").is_ok_and(|v| v.trim() == "0");
+            !off && cpu_has_amx() && request_tiles()
+        })
+    }
+
+    /// CPUID leaf 7, sub-leaf 0: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+    fn cpu_has_amx() -> bool {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        #[allow(unused_unsafe)] // `__cpuid` is safe in newer compilers
+        // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 is read only where leaf 0 says it exists.
+        let edx = unsafe {
+            if __cpuid(0).eax < 7 {
+                return false;
+            }
+            __cpuid_count(7, 0).edx
+        };
+        edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+    }
+
+    /// Asks Linux (5.16 and later) for the tile data state: `arch_prctl(ARCH_REQ_XCOMP_PERM,
+    /// XFEATURE_XTILEDATA)`. Without it the first tile instruction kills the process.
+    #[cfg(target_os = "linux")]
+    fn request_tiles() -> bool {
+        const SYS_ARCH_PRCTL: isize = 158;
+        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+        const XFEATURE_XTILEDATA: usize = 18;
+        let ret: isize;
+        // SAFETY: arch_prctl takes two integers and changes only this process's permissions; the
+        // syscall instruction clobbers rcx and r11, declared.
+        unsafe {
+            asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL => ret,
+                in("rdi") ARCH_REQ_XCOMP_PERM,
+                in("rsi") XFEATURE_XTILEDATA,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        ret == 0
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn request_tiles() -> bool {
+        false
+    }
+
+    /// The 64-byte operand of `ldtilecfg` (Intel SDM, vol. 2: LDTILECFG).
+    #[repr(C, align(64))]
+    pub(super) struct TileConfig {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        /// Bytes a row, per tile.
+        colsb: [u16; 16],
+        /// Rows, per tile.
+        rows: [u8; 16],
+    }
+
+    /// Palette 1; tiles 0–2 the sums (16 rows × 16 f32), tile 3 `a` (16 rows × 16 pairs), tiles
+    /// 4–6 `b` (16 pairs × 16 columns of pairs): all 16 rows of 64 bytes. Tile 7 unused (zeros).
+    pub(super) const CONFIG: TileConfig = {
+        let (mut colsb, mut rows) = ([0u16; 16], [0u8; 16]);
+        let mut t = 0;
+        while t < 7 {
+            colsb[t] = 64;
+            rows[t] = TILE_ROWS as u8;
+            t += 1;
+        }
+        TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb, rows }
+    };
+
+    /// Configures this thread's tiles for [`block`].
+    ///
+    /// # Safety
+    /// [`usable`] must have returned `true`.
+    pub(super) unsafe fn configure() {
+        asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly, preserves_flags));
+    }
+
+    /// Returns this thread's tiles to their initial state (nothing to save at a context switch).
+    ///
+    /// # Safety
+    /// [`usable`] must have returned `true`.
+    pub(super) unsafe fn release() {
+        asm!("tilerelease", options(nostack, nomem, preserves_flags));
+    }
+
+    /// `sums` (16 rows × 48 columns, row-major) = 16 packed rows of a (`steps · 16` pairs each,
+    /// `stride` pairs apart) times a packed panel (`steps · 16` pairs of 48 columns).
+    ///
+    /// # Safety
+    /// [`configure`] must have run on this thread; `a` must point at 16 rows of `steps · 16` values
+    /// `stride` apart, `panel` at `steps · 16 · PANEL` values.
+    pub(super) unsafe fn block(
+        sums: &mut [f32; TILE_ROWS * PANEL],
+        (a, stride): (*const u32, usize),
+        panel: *const u32,
+        steps: usize,
+    ) {
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", options(nostack, nomem, preserves_flags));
+        for s in 0..steps {
+            // Tile rows: a row of a (16 pairs), or a pair row of the panel (16 of its 48 columns).
+            asm!(
+                "tileloadd tmm3, [{a} + {a_stride} * 1]",
+                "tileloadd tmm4, [{b} + {b_stride} * 1]",
+                "tileloadd tmm5, [{b} + {b_stride} * 1 + 64]",
+                "tileloadd tmm6, [{b} + {b_stride} * 1 + 128]",
+                "tdpbf16ps tmm0, tmm3, tmm4",
+                "tdpbf16ps tmm1, tmm3, tmm5",
+                "tdpbf16ps tmm2, tmm3, tmm6",
+                a = in(reg) a.add(s * TILE_PAIRS),
+                a_stride = in(reg) stride * 4,
+                b = in(reg) panel.add(s * TILE_PAIRS * PANEL),
+                b_stride = in(reg) PANEL * 4,
+                options(nostack, readonly, preserves_flags),
+            );
+        }
+        asm!(
+            "tilestored [{c} + {c_stride} * 1], tmm0",
+            "tilestored [{c} + {c_stride} * 1 + 64], tmm1",
+            "tilestored [{c} + {c_stride} * 1 + 128], tmm2",
+            c = in(reg) sums.as_mut_ptr(),
+            c_stride = in(reg) PANEL * 4,
+            options(nostack, preserves_flags),
+        );
+    }
+}
+
 /// The plain loop over the bf16-rounded operands, in f64: what [`gemm`] is tested against.
 pub fn reference(
     c: &mut [f32],
@@ -417,61 +714,157 @@ mod tests {
         assert_eq!(out, expect);
     }
 
+    /// A plain model of [`amx::block`]: what `tdpbf16ps` computes (Intel SDM, vol. 2: TDPBF16PS)
+    /// on the same packed memory, up to the order of the f32 sums (the instruction keeps the even
+    /// and odd products apart, and flushes denormals): the tests' tolerance covers both.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn model_of_the_tiles(
+        sums: &mut [f32; TILE_ROWS * PANEL],
+        (a, stride): (*const u32, usize),
+        panel: *const u32,
+        steps: usize,
+    ) {
+        let half = |v: u32, hi: bool| from_bf16(if hi { (v >> 16) as u16 } else { v as u16 });
+        for r in 0..TILE_ROWS {
+            for j in 0..PANEL {
+                let mut sum = 0.0f32;
+                for q in 0..steps * TILE_PAIRS {
+                    let (x, y) = (*a.add(r * stride + q), *panel.add(q * PANEL + j));
+                    sum += half(x, false) * half(y, false) + half(x, true) * half(y, true);
+                }
+                sums[r * PANEL + j] = sum;
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_tile_layout_is_the_vector_one_padded_with_zeros() {
+        assert_eq!(std::mem::size_of::<amx::TileConfig>(), 64);
+        let config = unsafe { std::slice::from_raw_parts((&amx::CONFIG as *const amx::TileConfig).cast::<u8>(), 64) };
+        // Byte 0 the palette, 16..48 bytes a row per tile (u16), 48..64 rows per tile.
+        assert_eq!(config[0], 1);
+        assert!(config[1..16].iter().all(|&b| b == 0));
+        for t in 0..16 {
+            let (colsb, rows) = (u16::from_le_bytes([config[16 + 2 * t], config[17 + 2 * t]]), config[48 + t]);
+            assert_eq!((colsb, rows), if t < 7 { (64, 16) } else { (0, 0) }, "tile {t}");
+        }
+        assert_eq!((Kernel::Amx.layout(33).rows, Kernel::Amx.layout(33).stride), (16, 32));
+        assert_eq!((Kernel::Amx.layout(0).stride, Kernel::Avx512.layout(33).stride), (0, 17));
+        if !supported() {
+            eprintln!("no AVX512_BF16 on this CPU: the packing is not reachable here");
+            return;
+        }
+        let (m, k, n) = (9, 33, 50);
+        let (a, b) = (values(m * k, 4), values(k * n, 5));
+        let (vector, tile) = (Kernel::Avx512.layout(k), Kernel::Amx.layout(k));
+        let (va, ta) = (pack_a((&a, (k, 1)), m, k, vector), pack_a((&a, (k, 1)), m, k, tile));
+        assert_eq!(ta.len(), 16 * 32);
+        for r in 0..16 {
+            for q in 0..32 {
+                let want = if r < m && q < 17 { va[r * 17 + q] } else { 0 };
+                assert_eq!(ta[r * 32 + q], want, "a row {r} pair {q}");
+            }
+        }
+        let (vp, tp) = (pack_panel((&b, (n, 1)), k, 48, 2, vector), pack_panel((&b, (n, 1)), k, 48, 2, tile));
+        assert_eq!((vp.len(), tp.len()), (17 * PANEL, 32 * PANEL));
+        assert_eq!(&tp[..17 * PANEL], &vp[..]);
+        assert!(tp[17 * PANEL..].iter().all(|&v| v == 0));
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_tile_kernels_passes_and_tails_match_the_reference_on_a_model_of_the_tiles() {
+        if !supported() {
+            eprintln!("no AVX512_BF16 on this CPU: the packing is not reachable here");
+            return;
+        }
+        // Row tails (17, 40), column tails, odd k, k of several tiles and (2,100: 1,056 pairs) of
+        // two passes; k = 0.
+        for &(m, k, n) in &[(1, 1, 1), (17, 33, 50), (40, 576, 100), (9, 2100, 50), (3, 0, 5)] {
+            for accumulate in [false, true] {
+                let (a, b) = (values(m * k, 6), values(k * n, 7));
+                let start = values(m * n, 8);
+                let mut want = start.clone();
+                reference(&mut want, accumulate, (&a, (k, 1)), (&b, (n, 1)), (m, k, n));
+                let layout = Kernel::Amx.layout(k);
+                let packed_a = pack_a((&a, (k, 1)), m, k, layout);
+                let mut got = start.clone();
+                for p in 0..n.div_ceil(PANEL) {
+                    let panel = pack_panel((&b, (n, 1)), k, p * PANEL, PANEL.min(n - p * PANEL), layout);
+                    let out = SharedOut(got.as_mut_ptr());
+                    // SAFETY: the model reads only the packed slices, in the layout it was packed in.
+                    unsafe {
+                        tile_panel_product(model_of_the_tiles, out, accumulate, (&packed_a, &panel), p, (m, n), layout)
+                    };
+                }
+                let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                assert!(err <= 1e-6 * (k as f32).max(1.0), "({m}, {k}, {n}), accumulate {accumulate}: {err}");
+            }
+        }
+    }
+
     #[test]
     fn kernel_matches_the_reference() {
-        if !supported() {
+        let kernels = Kernel::reachable();
+        if kernels.is_empty() {
             eprintln!("no AVX512_BF16 on this CPU: the bf16 GEMM kernel is not reachable here");
             return;
         }
-        // Shapes with row and column tails, odd k, and one bigger than a panel in every way.
-        // k = 2,100: 1,050 pairs, two passes over a panel (1,024 pairs a pass, then 26).
-        for &(m, k, n) in
-            &[(1, 1, 1), (3, 5, 7), (8, 64, 48), (9, 33, 50), (17, 130, 100), (40, 576, 200), (9, 2100, 50)]
-        {
-            for accumulate in [false, true] {
-                for transposed in [false, true] {
-                    let a = values(m * k, 1);
-                    let b = values(k * n, 2);
-                    // b as stored, or as the transpose of an [n, k] matrix (strides (1, k)); and
-                    let (b, bs) = if transposed {
-                        let mut t = vec![0.0; k * n];
-                        for p in 0..k {
-                            for j in 0..n {
-                                t[j * k + p] = b[p * n + j];
-                            }
-                        }
-                        (t, (1, k))
-                    } else {
-                        (b, (n, 1))
-                    };
-                    // a likewise: as stored, or as the transpose of a [k, m] matrix (strides (1, m)).
-                    let (a, a_strides) = if transposed {
-                        let mut t = vec![0.0; m * k];
-                        for i in 0..m {
+        if !kernels.contains(&Kernel::Amx) {
+            eprintln!("no AMX on this CPU (or not granted): the tile kernel is tested on a model of the tiles only");
+        }
+        for kernel in kernels {
+            // Shapes with row and column tails, odd k, and one bigger than a panel in every way.
+            // k = 2,100: 1,050 pairs, two passes over a panel (1,024 pairs a pass, then 26).
+            for &(m, k, n) in
+                &[(1, 1, 1), (3, 5, 7), (8, 64, 48), (9, 33, 50), (17, 130, 100), (40, 576, 200), (9, 2100, 50)]
+            {
+                for accumulate in [false, true] {
+                    for transposed in [false, true] {
+                        let a = values(m * k, 1);
+                        let b = values(k * n, 2);
+                        // b as stored, or as the transpose of an [n, k] matrix (strides (1, k)); and
+                        let (b, bs) = if transposed {
+                            let mut t = vec![0.0; k * n];
                             for p in 0..k {
-                                t[p * m + i] = a[i * k + p];
+                                for j in 0..n {
+                                    t[j * k + p] = b[p * n + j];
+                                }
                             }
-                        }
-                        (t, (1, m))
-                    } else {
-                        (a, (k, 1))
-                    };
-                    let start = values(m * n, 3);
-                    let mut want = start.clone();
-                    reference(&mut want, accumulate, (&a, a_strides), (&b, bs), (m, k, n));
-                    let mut got = start.clone();
-                    assert!(gemm(&mut got, accumulate, (&a, a_strides), (&b, bs), (m, k, n)));
-                    let mut got_packed = start.clone();
-                    let packed = pack_b((&b, bs), (k, n)).expect("supported");
-                    gemm_packed(&mut got_packed, accumulate, (&a, a_strides), &packed, m);
-                    for (got, how) in [(got, "packed per call"), (got_packed, "packed once")] {
-                        let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
-                        // f32 sums of k products of bf16 values ≤ 1: within k · 2^-24 · k of the f64 sum.
-                        let tolerance = 1e-6 * (k as f32).max(1.0);
-                        assert!(
+                            (t, (1, k))
+                        } else {
+                            (b, (n, 1))
+                        };
+                        // a likewise: as stored, or as the transpose of a [k, m] matrix (strides (1, m)).
+                        let (a, a_strides) = if transposed {
+                            let mut t = vec![0.0; m * k];
+                            for i in 0..m {
+                                for p in 0..k {
+                                    t[p * m + i] = a[i * k + p];
+                                }
+                            }
+                            (t, (1, m))
+                        } else {
+                            (a, (k, 1))
+                        };
+                        let start = values(m * n, 3);
+                        let mut want = start.clone();
+                        reference(&mut want, accumulate, (&a, a_strides), (&b, bs), (m, k, n));
+                        let mut got = start.clone();
+                        assert!(gemm_with(kernel, &mut got, accumulate, (&a, a_strides), (&b, bs), (m, k, n)));
+                        let mut got_packed = start.clone();
+                        let packed = pack_b_with(kernel, (&b, bs), (k, n)).expect("reachable");
+                        gemm_packed(&mut got_packed, accumulate, (&a, a_strides), &packed, m);
+                        for (got, how) in [(got, "packed per call"), (got_packed, "packed once")] {
+                            let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                            // f32 sums of k products of bf16 values ≤ 1: within k · 2^-24 · k of the f64 sum.
+                            let tolerance = 1e-6 * (k as f32).max(1.0);
+                            assert!(
                             err <= tolerance,
-                            "({m}, {k}, {n}), accumulate {accumulate}, transposed {transposed}, {how}: {err}"
+                            "{kernel:?} ({m}, {k}, {n}), accumulate {accumulate}, transposed {transposed}, {how}: {err}"
                         );
+                        }
                     }
                 }
             }
