@@ -149,23 +149,62 @@ pub fn gemm_with(
     if !Kernel::reachable().contains(&kernel) {
         return false;
     }
+    // SAFETY: the kernel is reachable, the shapes were checked against the slices, and `c` is a
+    // live, exclusively borrowed `[m, n]` output.
+    unsafe { run(kernel, c.as_mut_ptr(), accumulate, a, b, (m, k, n)) };
+    true
+}
+
+/// `a · b` into a new `[m, n]` vector, as [`gemm`] without accumulating, which is not zero-filled
+/// first: the kernels write every element of an output they do not add to. `None` where the CPU
+/// lacks the instructions (the caller then runs its f32 path).
+///
+/// # Panics
+/// If a slice is shorter than its shape and strides reach.
+pub fn gemm_new(a: Strided<'_>, b: Strided<'_>, (m, k, n): (usize, usize, usize)) -> Option<Vec<f32>> {
+    assert!(reaches(a, m, k) && reaches(b, k, n), "bf16 GEMM: operand slice too short");
+    let kernel = kernel()?;
+    let mut out = Box::<[f32]>::new_uninit_slice(m * n);
+    // SAFETY: the kernel is reachable, the operands' shapes were checked; `out` is the `m·n`
+    // elements just allocated, owned here, and without accumulation the kernels only write it.
+    unsafe { run(kernel, out.as_mut_ptr().cast::<f32>(), false, a, b, (m, k, n)) };
+    // SAFETY: every panel's columns of every row were written (the vector kernel's masked stores
+    // and the tiles' copies cover `cols` columns of `rows` rows of each block, and k = 0 stores
+    // zeros).
+    Some(unsafe { out.assume_init() }.into_vec())
+}
+
+/// The body of [`gemm_with`] and [`gemm_new`]: packs a, then each thread packs and multiplies its
+/// own panels of b (the packed panel stays in its cache).
+///
+/// # Safety
+/// `kernel` must be reachable; `a` and `b` must hold their shapes; `c` must be valid for writes of
+/// `m·n` elements (and reads, with `accumulate`) that nothing else touches meanwhile.
+unsafe fn run(
+    kernel: Kernel,
+    c: *mut f32,
+    accumulate: bool,
+    a: Strided<'_>,
+    b: Strided<'_>,
+    (m, k, n): (usize, usize, usize),
+) {
     if m == 0 || n == 0 {
-        return true;
+        return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (kernel, c, accumulate, a, b, k); // no kernel is reachable there
     #[cfg(target_arch = "x86_64")]
     {
         let layout = kernel.layout(k);
         let packed_a = pack_a(a, m, k, layout);
-        // Each thread packs and multiplies its own panels: the packed panel stays in its cache.
-        let out = SharedOut(c.as_mut_ptr());
+        let out = SharedOut(c);
         (0..n.div_ceil(PANEL)).into_par_iter().for_each(|p| {
             let panel = pack_panel(b, k, p * PANEL, PANEL.min(n - p * PANEL), layout);
-            // SAFETY: the kernel is reachable (checked above), the shapes were checked against the
-            // slices; the panel is panel `p` of b, and no two tasks write the same columns.
+            // SAFETY: as the caller vouches; the panel is panel `p` of b, and no two tasks write the
+            // same columns.
             unsafe { panel_product(kernel, out, accumulate, &packed_a, &panel, p, (m, n), layout) };
         });
     }
-    true
 }
 
 /// `b` (`[k, n]`) packed into bf16 panels once, for several products with it ([`gemm_packed`]):
@@ -323,11 +362,13 @@ unsafe fn tile_panel_product(
             block(&mut sums, (a, pairs), panel.as_ptr().add(p0 * PANEL), pass / TILE_PAIRS);
             let add = accumulate || p0 > 0;
             for (r, row) in sums.chunks_exact(PANEL).take(TILE_ROWS.min(m - r0)).enumerate() {
-                let out = std::slice::from_raw_parts_mut(c.at((r0 + r) * n + p * PANEL), cols);
+                let out = c.at((r0 + r) * n + p * PANEL);
                 if add {
-                    out.iter_mut().zip(row).for_each(|(o, &v)| *o += v);
+                    // Written already (this pass's first block, or the caller's): a slice may be made.
+                    std::slice::from_raw_parts_mut(out, cols).iter_mut().zip(row).for_each(|(o, &v)| *o += v);
                 } else {
-                    out.copy_from_slice(&row[..cols]);
+                    // Possibly uninitialised ([`gemm_new`]): written through the pointer only.
+                    std::ptr::copy_nonoverlapping(row.as_ptr(), out, cols);
                 }
             }
         }
@@ -341,6 +382,23 @@ unsafe fn tile_panel_product(
 fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let mut packed = vec![0u32; m.next_multiple_of(layout.rows) * layout.stride];
+    if rs == 1 && cs != 1 && pairs > 0 {
+        // A transposed operand (Xᵀ of a weight gradient): the 16 rows of a block are contiguous at
+        // each k, so they are converted a vector at a time and transposed through a small tile,
+        // instead of gathered an element at a time, each a cache line apart.
+        let stride = layout.stride;
+        packed.par_chunks_mut(16 * stride).enumerate().for_each(|(block, rows)| {
+            let i0 = 16 * block;
+            if i0 < m {
+                // SAFETY: `gemm` runs this only after `supported`; rows `i0 .. i0 + 16.min(m - i0)`
+                // of `a` are inside it (checked by `gemm`), and `rows` holds them `stride` apart
+                // (the packed rows are a multiple of 8 past `m`, so that a last chunk of 8 holds
+                // the rows left).
+                unsafe { avx512::convert_columns(rows, stride, a, cs, (i0, 16.min(m - i0)), k) };
+            }
+        });
+        return packed;
+    }
     packed.par_chunks_mut(layout.stride.max(1)).take(m).enumerate().for_each(|(i, row)| {
         let row = &mut row[..pairs];
         #[cfg(target_arch = "x86_64")]
@@ -459,6 +517,47 @@ mod avx512 {
                 None => _mm512_setzero_si512(),
             };
             _mm512_mask_storeu_epi32(out.as_mut_ptr().add(c).cast(), mask, _mm512_or_si512(low, high));
+        }
+    }
+
+    /// Rows `i0 .. i0 + rows` (`rows` ≤ 16) of a transposed operand (`a[i][q]` at `i + q·cs`) as
+    /// pairs of bf16 along q (a zero pads an odd `k`): row `r`'s `k.div_ceil(2)` pairs at
+    /// `out[r · stride]`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `a` must hold those rows' `k` elements, and `out` `rows` rows of
+    /// `k.div_ceil(2)` values `stride` apart.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn convert_columns(
+        out: &mut [u32],
+        stride: usize,
+        a: &[f32],
+        cs: usize,
+        (i0, rows): (usize, usize),
+        k: usize,
+    ) {
+        let pairs = k.div_ceil(2);
+        assert!(rows <= 16 && rows > 0 && out.len() >= (rows - 1) * stride + pairs);
+        assert!(i0 + rows - 1 + (k - 1) * cs < a.len());
+        let mask = lanes(rows);
+        // 16 pairs of the block's rows: `tile[pair][row]`.
+        let mut tile = [[0u32; 16]; 16];
+        for p0 in (0..pairs).step_by(16) {
+            let count = 16.min(pairs - p0);
+            for (j, lane) in tile.iter_mut().enumerate().take(count) {
+                let q = 2 * (p0 + j);
+                let low = round_lanes(_mm512_maskz_loadu_ps(mask, a.as_ptr().add(q * cs + i0)));
+                let high = if q + 1 < k {
+                    _mm512_slli_epi32::<16>(round_lanes(_mm512_maskz_loadu_ps(mask, a.as_ptr().add((q + 1) * cs + i0))))
+                } else {
+                    _mm512_setzero_si512()
+                };
+                _mm512_storeu_si512(lane.as_mut_ptr().cast(), _mm512_or_si512(low, high));
+            }
+            for r in 0..rows {
+                let row = &mut out[r * stride + p0..r * stride + p0 + count];
+                row.iter_mut().zip(&tile).for_each(|(o, lane)| *o = lane[r]);
+            }
         }
     }
 
@@ -801,6 +900,27 @@ mod tests {
                 let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
                 assert!(err <= 1e-6 * (k as f32).max(1.0), "({m}, {k}, {n}), accumulate {accumulate}: {err}");
             }
+        }
+    }
+
+    #[test]
+    fn a_new_output_is_written_whole() {
+        if kernel().is_none() {
+            eprintln!("no AVX512_BF16 on this CPU: the bf16 GEMM kernel is not reachable here");
+            return;
+        }
+        // Row and column tails, k = 0, a transposed b; the output's size in NaN-filled blocks just
+        // freed first, so that an element the kernel leaves unwritten shows.
+        for &(m, k, n, transposed) in &[(9, 33, 50, false), (17, 0, 5, false), (40, 576, 100, true)] {
+            drop(std::hint::black_box(vec![f32::NAN; m * n]));
+            let (a, b) = (values(m * k, 9), values(k * n, 10));
+            let bs = if transposed { (1, k) } else { (n, 1) };
+            let got = gemm_new((&a, (k, 1)), (&b, bs), (m, k, n)).expect("reachable");
+            let mut want = vec![0.0; m * n];
+            reference(&mut want, false, (&a, (k, 1)), (&b, bs), (m, k, n));
+            let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            assert!(got.len() == m * n && got.iter().all(|v| v.is_finite()), "({m}, {k}, {n})");
+            assert!(err <= 1e-6 * (k as f32).max(1.0), "({m}, {k}, {n}): {err}");
         }
     }
 

@@ -151,8 +151,14 @@ pub fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, mkn: (usize, usize, usize
 /// [`linear`] with the GEMM's operands in bf16 (`bf16`, where the CPU can and the GEMM is large) or
 /// f32.
 pub fn linear_in(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize), bf16: bool) -> Vec<f32> {
-    if b.is_none() && m > FEW_ROWS && !(bf16 && bf16_worth_it(m, n, k) && super::bf16_gemm::supported()) {
-        return gemm_new((m, n, k), (x, (k, 1)), (w, (n, 1)), gemm_parallelism(m, n, k));
+    if b.is_none() && m > FEW_ROWS {
+        // Neither GEMM zero-fills its new output first.
+        let bf16 =
+            (bf16 && bf16_worth_it(m, n, k)).then(|| super::bf16_gemm::gemm_new((x, (k, 1)), (w, (n, 1)), (m, k, n)));
+        return match bf16.flatten() {
+            Some(y) => y,
+            None => gemm_new((m, n, k), (x, (k, 1)), (w, (n, 1)), gemm_parallelism(m, n, k)),
+        };
     }
     let mut y = match b {
         Some(b) => b.repeat(m),
@@ -223,22 +229,16 @@ pub fn linear_backward_in(
     need: LinearGrads,
     bf16: bool,
 ) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
-    let bf16 = bf16 && bf16_worth_it(m, n, k) && super::bf16_gemm::supported();
-    // dX = dY · Wᵀ: Wᵀ read where W is (strides (1, n)).
-    let grad_x = |par| {
-        let mut dx = vec![0.0f32; if bf16 { m * k } else { 0 }];
-        match bf16 && super::bf16_gemm::gemm(&mut dx, false, (dy, (n, 1)), (w, (1, n)), (m, n, k)) {
-            true => dx,
-            false => gemm_new((m, k, n), (dy, (n, 1)), (w, (1, n)), par),
-        }
+    let bf16 = bf16 && bf16_worth_it(m, n, k);
+    // dX = dY · Wᵀ: Wᵀ read where W is (strides (1, n)). Neither GEMM zero-fills its output first.
+    let grad_x = |par| match bf16.then(|| super::bf16_gemm::gemm_new((dy, (n, 1)), (w, (1, n)), (m, n, k))).flatten() {
+        Some(dx) => dx,
+        None => gemm_new((m, k, n), (dy, (n, 1)), (w, (1, n)), par),
     };
     // dW = Xᵀ · dY: Xᵀ read where X is (strides (1, k)).
-    let grad_w = |par| {
-        let mut dw = vec![0.0f32; if bf16 { k * n } else { 0 }];
-        match bf16 && super::bf16_gemm::gemm(&mut dw, false, (x, (1, k)), (dy, (n, 1)), (k, m, n)) {
-            true => dw,
-            false => gemm_new((k, n, m), (x, (1, k)), (dy, (n, 1)), par),
-        }
+    let grad_w = |par| match bf16.then(|| super::bf16_gemm::gemm_new((x, (1, k)), (dy, (n, 1)), (k, m, n))).flatten() {
+        Some(dw) => dw,
+        None => gemm_new((k, n, m), (x, (1, k)), (dy, (n, 1)), par),
     };
     let (dx, dw) = match (need.x, need.w) {
         (true, true) if 2 * m * n * k < 400_000_000 => {
@@ -1166,6 +1166,14 @@ mod tests {
         // The bf16 path was taken: f32 differs by more than f32 rounding.
         let y32 = linear_in(&x, &w, Some(&b), (m, k, n), false);
         assert!(y.iter().zip(&y32).any(|(a, b)| (a - b).abs() > 1e-3), "bf16 equals f32: not taken");
+        // Without a bias: a new output the kernel writes whole (freed NaN blocks first).
+        drop(std::hint::black_box(vec![f32::NAN; m * n]));
+        let y = linear_in(&x, &w, None, (m, k, n), true);
+        let mut want = vec![0.0; m * n];
+        reference(&mut want, false, (&x, (k, 1)), (&w, (n, 1)), (m, k, n));
+        close(&y, &want, "y without a bias");
+        let y32 = linear_in(&x, &w, None, (m, k, n), false);
+        assert!(y.iter().zip(&y32).any(|(a, b)| (a - b).abs() > 1e-3), "bf16 equals f32 without a bias: not taken");
         let all = LinearGrads { x: true, w: true, b: false };
         let (dx, dw, _) = linear_backward_in(&x, &w, &dy, (m, k, n), all, true);
         let mut want_dx = vec![0.0; m * k];
