@@ -161,9 +161,24 @@ pub fn gemm_with(
 ///
 /// # Panics
 /// If a slice is shorter than its shape and strides reach.
-pub fn gemm_new(a: Strided<'_>, b: Strided<'_>, (m, k, n): (usize, usize, usize)) -> Option<Vec<f32>> {
+pub fn gemm_new(a: Strided<'_>, b: Strided<'_>, shape: (usize, usize, usize)) -> Option<Vec<f32>> {
+    gemm_new_with(kernel()?, a, b, shape)
+}
+
+/// [`gemm_new`] on a given kernel; `None` where the CPU lacks it.
+///
+/// # Panics
+/// If a slice is shorter than its shape and strides reach.
+pub fn gemm_new_with(
+    kernel: Kernel,
+    a: Strided<'_>,
+    b: Strided<'_>,
+    (m, k, n): (usize, usize, usize),
+) -> Option<Vec<f32>> {
     assert!(reaches(a, m, k) && reaches(b, k, n), "bf16 GEMM: operand slice too short");
-    let kernel = kernel()?;
+    if !Kernel::reachable().contains(&kernel) {
+        return None;
+    }
     let mut out = Box::<[f32]>::new_uninit_slice(m * n);
     // SAFETY: the kernel is reachable, the operands' shapes were checked; `out` is the `m·n`
     // elements just allocated, owned here, and without accumulation the kernels only write it.
@@ -909,18 +924,28 @@ mod tests {
             eprintln!("no AVX512_BF16 on this CPU: the bf16 GEMM kernel is not reachable here");
             return;
         }
-        // Row and column tails, k = 0, a transposed b; the output's size in NaN-filled blocks just
-        // freed first, so that an element the kernel leaves unwritten shows.
-        for &(m, k, n, transposed) in &[(9, 33, 50, false), (17, 0, 5, false), (40, 576, 100, true)] {
-            drop(std::hint::black_box(vec![f32::NAN; m * n]));
-            let (a, b) = (values(m * k, 9), values(k * n, 10));
-            let bs = if transposed { (1, k) } else { (n, 1) };
-            let got = gemm_new((&a, (k, 1)), (&b, bs), (m, k, n)).expect("reachable");
-            let mut want = vec![0.0; m * n];
-            reference(&mut want, false, (&a, (k, 1)), (&b, bs), (m, k, n));
-            let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
-            assert!(got.len() == m * n && got.iter().all(|v| v.is_finite()), "({m}, {k}, {n})");
-            assert!(err <= 1e-6 * (k as f32).max(1.0), "({m}, {k}, {n}): {err}");
+        assert_eq!(gemm_new((&[], (0, 1)), (&[], (0, 1)), (0, 0, 0)), Some(Vec::new()));
+        // Every kernel here; row and column tails, k = 0, a transposed b, k of two passes (2,100:
+        // 1,050 pairs); the output's size in NaN-filled blocks just freed first, so that an element
+        // the kernel leaves unwritten is likely to show.
+        for kernel in Kernel::reachable() {
+            let shapes = [(9, 33, 50, false), (17, 0, 5, false), (40, 576, 100, true), (19, 2100, 60, true)];
+            for (m, k, n, transposed) in shapes {
+                drop(std::hint::black_box(vec![f32::NAN; m * n]));
+                let (a, b) = (values(m * k, 9), values(k * n, 10));
+                let bs = if transposed { (1, k) } else { (n, 1) };
+                let got = gemm_new_with(kernel, (&a, (k, 1)), (&b, bs), (m, k, n)).expect("reachable");
+                let mut want = vec![0.0; m * n];
+                reference(&mut want, false, (&a, (k, 1)), (&b, bs), (m, k, n));
+                // The same bits as the product into a zero-filled output.
+                let mut zeroed = vec![0.0; m * n];
+                assert!(gemm_with(kernel, &mut zeroed, false, (&a, (k, 1)), (&b, bs), (m, k, n)));
+                assert!(got.iter().zip(&zeroed).all(|(x, y)| x.to_bits() == y.to_bits()), "{kernel:?} ({m}, {k}, {n})");
+                // And the reference's values, within f32 summation's error of sums up to k terms.
+                let scale = want.iter().fold(1.0f32, |s, v| s.max(v.abs()));
+                let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                assert!(err <= 1e-6 * (k as f32).max(1.0) * scale, "{kernel:?} ({m}, {k}, {n}): {err}");
+            }
         }
     }
 
