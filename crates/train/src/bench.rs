@@ -159,10 +159,10 @@ pub fn bench_peak<B: Backend>(
     }
     let dtype = match which {
         Gemms::Backend(dtype) => format!("{dtype:?}").to_lowercase(),
-        Gemms::CpuBf16 => match ember_model::ops::bf16_gemm::kernel() {
-            Some(ember_model::ops::bf16_gemm::Kernel::Amx) => "bf16 (AMX tiles, f32 sums)".into(),
-            _ => "bf16 (AVX512_BF16 kernel, f32 sums)".into(),
-        },
+        Gemms::CpuBf16 => {
+            let kernel = ember_model::ops::bf16_gemm::kernel().map_or("AVX512_BF16", |k| k.name());
+            format!("bf16 ({kernel} kernel, f32 sums)")
+        }
     };
     PeakBench { device: device_label.to_string(), dtype, gemms, peak_flops }
 }

@@ -23,10 +23,7 @@ pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) 
                 "{name} runs `bf16` as bf16 operands with f32 sums in the large GEMMs of the linear \
                  layers and the LM head ({}); activations, attention, norms, softmax, loss and \
                  master weights stay f32",
-                match ember_model::ops::bf16_gemm::kernel() {
-                    Some(ember_model::ops::bf16_gemm::Kernel::Amx) => "AMX tiles",
-                    _ => "AVX512_BF16",
-                }
+                ember_model::ops::bf16_gemm::kernel().map_or("AVX512_BF16", |k| k.name())
             )),
         ),
         // Measured: bf16 through f32 conversions runs the nano step ~6x slower than f32 on the CPU

@@ -56,15 +56,26 @@ pub enum Kernel {
 impl Kernel {
     /// The kernels this CPU (and OS) runs, the faster first: every one of them is tested.
     pub fn reachable() -> Vec<Kernel> {
-        let mut kernels = Vec::new();
-        #[cfg(target_arch = "x86_64")]
-        if supported() && amx::usable() {
-            kernels.push(Kernel::Amx);
+        [Kernel::Amx, Kernel::Avx512].into_iter().filter(|k| k.runs_here()).collect()
+    }
+
+    /// Whether this CPU (and OS) runs this kernel.
+    pub fn runs_here(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => supported() && amx::usable(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Kernel::Amx => false,
+            Kernel::Avx512 => supported(),
         }
-        if supported() {
-            kernels.push(Kernel::Avx512);
+    }
+
+    /// How logs name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Amx => "AMX tiles",
+            Kernel::Avx512 => "AVX512_BF16",
         }
-        kernels
     }
 
     /// The packed operands' shape for this kernel: rows of `a` padded to a multiple of `rows`, and
@@ -93,7 +104,7 @@ struct Layout {
 /// The kernel [`gemm`] and [`pack_b`] use on this CPU: the tiles where AMX is there and granted
 /// (and `EMBER_AMX` is not `0`), else AVX512_BF16; `None` without either.
 pub fn kernel() -> Option<Kernel> {
-    Kernel::reachable().first().copied()
+    [Kernel::Amx, Kernel::Avx512].into_iter().find(|k| k.runs_here())
 }
 
 /// Whether this CPU runs [`gemm`]'s kernel.
@@ -146,7 +157,7 @@ pub fn gemm_with(
 ) -> bool {
     assert!(c.len() >= m * n, "bf16 GEMM: output slice too short");
     assert!(reaches(a, m, k) && reaches(b, k, n), "bf16 GEMM: operand slice too short");
-    if !Kernel::reachable().contains(&kernel) {
+    if !kernel.runs_here() {
         return false;
     }
     // SAFETY: the kernel is reachable, the shapes were checked against the slices, and `c` is a
@@ -176,7 +187,7 @@ pub fn gemm_new_with(
     (m, k, n): (usize, usize, usize),
 ) -> Option<Vec<f32>> {
     assert!(reaches(a, m, k) && reaches(b, k, n), "bf16 GEMM: operand slice too short");
-    if !Kernel::reachable().contains(&kernel) {
+    if !kernel.runs_here() {
         return None;
     }
     let mut out = Box::<[f32]>::new_uninit_slice(m * n);
@@ -247,7 +258,7 @@ pub fn pack_b(b: Strided<'_>, shape: (usize, usize)) -> Option<PackedB> {
 /// If the slice is shorter than the shape and strides reach.
 pub fn pack_b_with(kernel: Kernel, b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
     assert!(reaches(b, k, n), "bf16 GEMM: operand slice too short");
-    if !Kernel::reachable().contains(&kernel) {
+    if !kernel.runs_here() {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -949,6 +960,17 @@ mod tests {
         }
     }
 
+    /// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix.
+    fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        let mut t = vec![0.0; rows * cols];
+        for i in 0..rows {
+            for j in 0..cols {
+                t[j * rows + i] = x[i * cols + j];
+            }
+        }
+        t
+    }
+
     #[test]
     fn kernel_matches_the_reference() {
         let kernels = Kernel::reachable();
@@ -970,29 +992,9 @@ mod tests {
                         let a = values(m * k, 1);
                         let b = values(k * n, 2);
                         // b as stored, or as the transpose of an [n, k] matrix (strides (1, k)); and
-                        let (b, bs) = if transposed {
-                            let mut t = vec![0.0; k * n];
-                            for p in 0..k {
-                                for j in 0..n {
-                                    t[j * k + p] = b[p * n + j];
-                                }
-                            }
-                            (t, (1, k))
-                        } else {
-                            (b, (n, 1))
-                        };
+                        let (b, bs) = if transposed { (transpose(&b, k, n), (1, k)) } else { (b, (n, 1)) };
                         // a likewise: as stored, or as the transpose of a [k, m] matrix (strides (1, m)).
-                        let (a, a_strides) = if transposed {
-                            let mut t = vec![0.0; m * k];
-                            for i in 0..m {
-                                for p in 0..k {
-                                    t[p * m + i] = a[i * k + p];
-                                }
-                            }
-                            (t, (1, m))
-                        } else {
-                            (a, (k, 1))
-                        };
+                        let (a, a_strides) = if transposed { (transpose(&a, m, k), (1, m)) } else { (a, (k, 1)) };
                         let start = values(m * n, 3);
                         let mut want = start.clone();
                         reference(&mut want, accumulate, (&a, a_strides), (&b, bs), (m, k, n));
