@@ -215,6 +215,20 @@ fn bench_commands_print_one_json_object() {
     assert_eq!(p["gemms"].as_array().unwrap().len(), 2);
     let p = json(&["bench", "peak", "--sizes", "64", "--reps", "2", "--dtype", "bf16", "--json"]);
     assert_eq!(p["dtype"].as_str().unwrap().contains("kernel"), kernel, "{p}");
+    // The attention kernels: f32 always, bf16 products where the CPU has the kernel, within bf16
+    // rounding of f32 (160 positions: three blocks, the last partial).
+    let shape = ["--batch", "1", "--seq", "160", "--heads", "4", "--kv-heads", "2", "--head-dim", "32"];
+    let a = json(&[&["bench", "attention"][..], &shape, &["--reps", "2", "--json"]].concat());
+    assert!(a["f32_forward_ms"].as_f64().unwrap() > 0.0 && a["f32_backward_ms"].as_f64().unwrap() > 0.0, "{a}");
+    assert_eq!(a["bf16_backward_ms"].is_null(), !kernel, "{a}");
+    if kernel {
+        let error = a["bf16_output_error"].as_f64().unwrap();
+        assert!(error > 0.0 && error < 2e-2, "{a}");
+    }
+    let o = s.ember(&["bench", "attention", "--heads", "9", "--kv-heads", "2"]);
+    assert_clean_error(&o, "--heads 9 is not a multiple of --kv-heads 2");
+    let o = s.ember(&["bench", "attention", "--seq", "100000000", "--batch", "1000"]);
+    assert_clean_error(&o, "needs more than the 8 GiB");
 }
 
 #[test]

@@ -167,6 +167,111 @@ pub fn bench_peak<B: Backend>(
     PeakBench { device: device_label.to_string(), dtype, gemms, peak_flops }
 }
 
+/// Forward and backward times of the CPU's causal attention kernels on one shape, with f32 and with
+/// bf16 products (`--precision bf16` on a CPU with AVX512_BF16, over 256 positions): the best of the
+/// repetitions, the two alternating.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionBench {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub reps: usize,
+    pub f32_forward_ms: f64,
+    pub f32_backward_ms: f64,
+    /// `None` where the CPU lacks AVX512_BF16.
+    pub bf16_forward_ms: Option<f64>,
+    pub bf16_backward_ms: Option<f64>,
+    /// The largest `|o_bf16 − o_f32|` over the largest `|o_f32|`.
+    pub bf16_output_error: Option<f64>,
+}
+
+/// Times [`ember_model::ops::kernels::attention_in`] and its backward on random q/k/v of `shape`
+/// (batch, positions, heads, key/value heads, head size): `reps` runs each, f32 and bf16
+/// alternating, the best kept.
+pub fn bench_attention(shape: (usize, usize, usize, usize, usize), reps: usize) -> AttentionBench {
+    use ember_model::ops::kernels::{attention_backward_in, attention_in, AttnShape};
+    let (batch, seq, heads, kv_heads, head_dim) = shape;
+    let s = AttnShape::causal(batch, seq, heads, kv_heads, head_dim);
+    // Deterministic values in [-1, 1): queries larger than keys, for peaked attention.
+    let noise = |n: usize, seed: u64, scale: f32| -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| {
+                let h =
+                    (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                scale * ((h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            })
+            .collect()
+    };
+    let (rows, width) = (batch * seq, s.packed_width());
+    let mut qkv = noise(rows * width, 1, 1.0);
+    for row in qkv.chunks_exact_mut(width) {
+        row[..heads * head_dim].iter_mut().for_each(|q| *q *= 3.0);
+    }
+    let d_o = noise(rows * heads * head_dim, 2, 1.0);
+    let bf16 = ember_model::ops::bf16_gemm::supported();
+    let mut best = [[f64::INFINITY; 2]; 2];
+    let mut error = None;
+    for _ in 0..reps.max(1) {
+        let mut outputs = Vec::new();
+        for (i, on) in [false, true].into_iter().enumerate().filter(|&(_, on)| !on || bf16) {
+            let start = Instant::now();
+            let out = attention_in(&qkv, &s, on);
+            let forward = start.elapsed().as_secs_f64() * 1e3;
+            let start = Instant::now();
+            std::hint::black_box(attention_backward_in(&qkv, (&out.o, &out.lse), &d_o, &s, on));
+            let backward = start.elapsed().as_secs_f64() * 1e3;
+            best[i] = [best[i][0].min(forward), best[i][1].min(backward)];
+            outputs.push(out.o);
+        }
+        if let [exact, rounded] = &outputs[..] {
+            let scale = exact.iter().fold(f32::MIN_POSITIVE, |m, x| m.max(x.abs()));
+            let diff = exact.iter().zip(rounded).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            error = Some(f64::from(diff / scale));
+        }
+    }
+    AttentionBench {
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_dim,
+        reps,
+        f32_forward_ms: best[0][0],
+        f32_backward_ms: best[0][1],
+        bf16_forward_ms: bf16.then_some(best[1][0]),
+        bf16_backward_ms: bf16.then_some(best[1][1]),
+        bf16_output_error: error,
+    }
+}
+
+impl std::fmt::Display for AttentionBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "attention B {} T {} heads {}/{} of {} (best of {}): f32 forward {:.2} ms, backward {:.2} ms",
+            self.batch,
+            self.seq,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.reps,
+            self.f32_forward_ms,
+            self.f32_backward_ms
+        )?;
+        match (self.bf16_forward_ms, self.bf16_backward_ms) {
+            (Some(fw), Some(bw)) => write!(
+                f,
+                "; bf16 products forward {fw:.2} ms, backward {bw:.2} ms ({:.2}x f32), output within {:.1e} of f32",
+                (self.f32_forward_ms + self.f32_backward_ms) / (fw + bw),
+                self.bf16_output_error.unwrap_or(f64::NAN)
+            ),
+            _ => write!(f, "; no AVX512_BF16 on this CPU: no bf16 products"),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct LossBench {
     pub device: String,

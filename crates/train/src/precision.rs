@@ -21,8 +21,8 @@ pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) 
             DType::F32,
             Some(format!(
                 "{name} runs `bf16` as bf16 operands with f32 sums in the large GEMMs of the linear \
-                 layers and the LM head ({}); activations, attention, norms, softmax, loss and \
-                 master weights stay f32",
+                 layers and the LM head ({}) and in the attention's products (sequences over 256 \
+                 positions); activations, norms, softmax, loss and master weights stay f32",
                 ember_model::ops::bf16_gemm::kernel().map_or("AVX512_BF16", |k| k.name())
             )),
         ),

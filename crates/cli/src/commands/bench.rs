@@ -28,6 +28,8 @@ enum BenchCommand {
     Peak(PeakBenchArgs),
     /// Memory and time of the LM head + loss, plain against tiled (forward and backward).
     Loss(LossBenchArgs),
+    /// The CPU's causal attention kernels, forward and backward, with f32 and with bf16 products.
+    Attention(AttentionBenchArgs),
     /// Decode speed with and without the KV cache as the context grows.
     Decode(DecodeBenchArgs),
     /// How long `ember dashboard` takes to load a log directory of many long runs.
@@ -51,6 +53,27 @@ struct AllreduceBenchArgs {
     /// Gradient bucket size in MiB, as `[distributed] bucket_mib`.
     #[arg(long, default_value_t = 25)]
     bucket_mib: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct AttentionBenchArgs {
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Positions a sequence.
+    #[arg(long, default_value_t = 512)]
+    seq: usize,
+    #[arg(long, default_value_t = 9)]
+    heads: usize,
+    #[arg(long, default_value_t = 3)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Runs of each (f32 and bf16 alternating); the best is reported.
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -308,6 +331,7 @@ pub fn run(
         BenchCommand::Train(a) => train(a),
         BenchCommand::Peak(a) => peak(a),
         BenchCommand::Loss(a) => loss(a),
+        BenchCommand::Attention(a) => attention(a),
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Dashboard(a) => dashboard(a),
         BenchCommand::Serve(a) => serve(a),
@@ -358,6 +382,37 @@ fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {
     let checkpoint = Checkpoint::open(&a.checkpoint)?;
     let (device, json) = (a.common.device, a.common.json);
     report(json, &dispatch(device, false, BenchJob(ServeBenchFn(a, checkpoint)))?)
+}
+
+fn attention(a: AttentionBenchArgs) -> anyhow::Result<()> {
+    let sizes = [("--batch", a.batch), ("--seq", a.seq), ("--heads", a.heads), ("--kv-heads", a.kv_heads)];
+    if let Some((flag, _)) =
+        sizes.iter().chain(&[("--head-dim", a.head_dim), ("--reps", a.reps)]).find(|(_, v)| *v == 0)
+    {
+        anyhow::bail!("{flag} must be at least 1");
+    }
+    anyhow::ensure!(
+        a.heads.is_multiple_of(a.kv_heads),
+        "--heads {} is not a multiple of --kv-heads {}",
+        a.heads,
+        a.kv_heads
+    );
+    // q/k/v, the output, its gradient and q/k/v's gradient: about three q/k/v's worth of f32.
+    let width = (a.heads + 2 * a.kv_heads).checked_mul(a.head_dim);
+    let bytes =
+        width.and_then(|w| w.checked_mul(a.batch)).and_then(|n| n.checked_mul(a.seq)).and_then(|n| n.checked_mul(12));
+    const LIMIT: usize = 8 << 30;
+    anyhow::ensure!(
+        bytes.is_some_and(|b| b <= LIMIT),
+        "--batch {} --seq {} --heads {} --kv-heads {} --head-dim {} needs more than the 8 GiB this benchmark allows",
+        a.batch,
+        a.seq,
+        a.heads,
+        a.kv_heads,
+        a.head_dim
+    );
+    let r = ember_train::bench::bench_attention((a.batch, a.seq, a.heads, a.kv_heads, a.head_dim), a.reps);
+    report(a.json, &r)
 }
 
 fn dashboard(a: DashboardBenchArgs) -> anyhow::Result<()> {

@@ -29,11 +29,15 @@ pub const PANEL: usize = 48;
 /// Rows of `a` per microkernel call.
 const ROWS: usize = 8;
 
-/// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN), as its bits.
+/// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN; zeros and denormals to a zero of
+/// their sign), as its bits: what AVX512_BF16's `vcvtne2ps2bf16` computes, which the packing runs.
 pub fn to_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
     if x.is_nan() {
         return ((bits >> 16) | 0x40) as u16;
+    }
+    if bits & 0x7F80_0000 == 0 {
+        return ((bits >> 16) & 0x8000) as u16;
     }
     let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1));
     (rounded >> 16) as u16
@@ -404,8 +408,14 @@ unsafe fn tile_panel_product(
 #[cfg(target_arch = "x86_64")]
 /// `a`'s rows as pairs of bf16 along k (a zero pads an odd k), rows padded with zeros to a
 /// multiple of `layout.rows` and to `layout.stride` pairs: `[m', stride]` of `u32`, the lower half
-/// the even k.
-fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec<u32> {
+/// the even k. Converted on all threads.
+fn pack_a(a: Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec<u32> {
+    pack_a_on(a, m, k, layout, true)
+}
+
+#[cfg(target_arch = "x86_64")]
+/// [`pack_a`] on all threads (`parallel`) or on the calling one.
+fn pack_a_on((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout, parallel: bool) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let mut packed = vec![0u32; m.next_multiple_of(layout.rows) * layout.stride];
     if rs == 1 && cs != 1 && pairs > 0 {
@@ -413,7 +423,7 @@ fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec
         // each k, so they are converted a vector at a time and transposed through a small tile,
         // instead of gathered an element at a time, each a cache line apart.
         let stride = layout.stride;
-        packed.par_chunks_mut(16 * stride).enumerate().for_each(|(block, rows)| {
+        let convert = |(block, rows): (usize, &mut [u32])| {
             let i0 = 16 * block;
             if i0 < m {
                 // SAFETY: `gemm` runs this only after `supported`; rows `i0 .. i0 + 16.min(m - i0)`
@@ -422,12 +432,15 @@ fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec
                 // the rows left).
                 unsafe { avx512::convert_columns(rows, stride, a, cs, (i0, 16.min(m - i0)), k) };
             }
-        });
+        };
+        match parallel {
+            true => packed.par_chunks_mut(16 * stride).enumerate().for_each(convert),
+            false => packed.chunks_mut(16 * stride).enumerate().for_each(convert),
+        }
         return packed;
     }
-    packed.par_chunks_mut(layout.stride.max(1)).take(m).enumerate().for_each(|(i, row)| {
+    let convert = |(i, row): (usize, &mut [u32])| {
         let row = &mut row[..pairs];
-        #[cfg(target_arch = "x86_64")]
         if cs == 1 {
             // SAFETY: `gemm` runs this only after `supported`; the row's k elements are inside `a`
             // (checked by `gemm`), and `row` holds k.div_ceil(2) pairs.
@@ -439,31 +452,44 @@ fn pack_a((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec
             let hi = if 2 * p + 1 < k { to_bf16(a[i * rs + (2 * p + 1) * cs]) } else { 0 };
             *out = u32::from(lo) | (u32::from(hi) << 16);
         }
-    });
+    };
+    match parallel {
+        true => packed.par_chunks_mut(layout.stride.max(1)).take(m).enumerate().for_each(convert),
+        false => packed.chunks_mut(layout.stride.max(1)).take(m).enumerate().for_each(convert),
+    }
     packed
 }
 
 #[cfg(target_arch = "x86_64")]
 /// Columns `c0 .. c0 + cols` of `b` as a panel: for each of `layout.stride` k-pairs, [`PANEL`]
 /// columns of two bf16 (even k first), zeros past `cols` and past k.
-fn pack_panel((b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize, layout: Layout) -> Vec<u32> {
-    let pairs = k.div_ceil(2);
+fn pack_panel(b: Strided<'_>, k: usize, c0: usize, cols: usize, layout: Layout) -> Vec<u32> {
     let mut panel = vec![0u32; layout.stride * PANEL];
-    #[cfg(target_arch = "x86_64")]
+    pack_panel_into(&mut panel, b, k, c0, cols);
+    panel
+}
+
+#[cfg(target_arch = "x86_64")]
+/// [`pack_panel`] into `panel`, zeros already (`k.div_ceil(2)` pairs of [`PANEL`] values or more).
+fn pack_panel_into(panel: &mut [u32], (b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize) {
+    let pairs = k.div_ceil(2);
+    assert!(panel.len() >= pairs * PANEL && cols <= PANEL);
     if rs == 1 && cs != 1 {
         // A transposed operand (W read as Wᵀ): each column's k values are contiguous, so each is
-        // converted as a row and its pairs written down the panel.
-        let mut pairs_of = vec![0u32; pairs];
-        for j in 0..cols {
+        // converted as a row, and the rows' pairs gathered down the panel 16 columns a vector.
+        if pairs == 0 || cols == 0 {
+            return;
+        }
+        let mut rows = vec![0u32; cols * pairs];
+        for (j, row) in rows.chunks_exact_mut(pairs).enumerate() {
             let col = (c0 + j) * cs;
             // SAFETY: `gemm` runs this only after `supported`; the column is inside `b` (checked by
-            // `gemm`) and `pairs_of` holds its pairs.
-            unsafe { avx512::convert_row(&mut pairs_of, &b[col..col + k]) };
-            for (p, &v) in pairs_of.iter().enumerate() {
-                panel[p * PANEL + j] = v;
-            }
+            // `gemm`) and `row` holds its pairs.
+            unsafe { avx512::convert_row(row, &b[col..col + k]) };
         }
-        return panel;
+        // SAFETY: as above; `rows` holds `cols` rows of `pairs`, and `panel` one panel of them.
+        unsafe { avx512::gather_columns(panel, &rows, cols, pairs) };
+        return;
     }
     for (p, out) in panel.chunks_exact_mut(PANEL).take(pairs).enumerate() {
         let (k0, k1) = (2 * p, 2 * p + 1);
@@ -482,7 +508,6 @@ fn pack_panel((b, (rs, cs)): Strided<'_>, k: usize, c0: usize, cols: usize, layo
             *o = u32::from(lo) | (u32::from(hi) << 16);
         }
     }
-    panel
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -492,13 +517,9 @@ mod avx512 {
 
     /// [`super::to_bf16`] of 16 lanes, each result in the low half of its 32-bit lane.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     unsafe fn round_lanes(x: __m512) -> __m512i {
-        let bits = _mm512_castps_si512(x);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))));
-        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
-        _mm512_mask_blend_epi32(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), rounded, quiet)
+        _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)))
     }
 
     /// The mask of the first `n` (≤ 16) lanes.
@@ -510,16 +531,21 @@ mod avx512 {
     /// length).
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; `out` must hold `x.len().div_ceil(2)` values.
-    #[target_feature(enable = "avx512f")]
+    /// The CPU must have AVX-512F, AVX-512BW and AVX512_BF16; `out` must hold `x.len().div_ceil(2)`
+    /// values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn convert_row(out: &mut [u32], x: &[f32]) {
         assert!(out.len() >= x.len().div_ceil(2));
         let dst = out.as_mut_ptr().cast::<u16>();
-        for c in (0..x.len()).step_by(16) {
-            let mask = lanes(x.len() - c);
-            let v = round_lanes(_mm512_maskz_loadu_ps(mask, x.as_ptr().add(c)));
-            // Narrowed to 16 bits a lane, in order: exactly the pairs' layout in memory.
-            _mm512_mask_cvtepi32_storeu_epi16(dst.add(c).cast(), mask, v);
+        for c in (0..x.len()).step_by(32) {
+            let (lo, hi) = (lanes(x.len() - c), lanes((x.len() - c).saturating_sub(16)));
+            let low = _mm512_maskz_loadu_ps(lo, x.as_ptr().add(c));
+            // Masked off past the end: the address is only computed.
+            let high = _mm512_maskz_loadu_ps(hi, x.as_ptr().wrapping_add(c + 16));
+            // 32 bf16 in order, the first 16 from `low`: exactly the pairs' layout in memory.
+            let both = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low));
+            let mask = (u32::from(hi) << 16) | u32::from(lo);
+            _mm512_mask_storeu_epi16(dst.add(c).cast(), mask, both);
         }
         if x.len() % 2 == 1 {
             *dst.add(x.len()) = 0;
@@ -530,19 +556,26 @@ mod avx512 {
     /// `out` past them is left as it is.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; `out` must hold `lo.len()` values and `hi` be as long as `lo`.
-    #[target_feature(enable = "avx512f")]
+    /// The CPU must have AVX-512F, AVX-512BW and AVX512_BF16; `out` must hold `lo.len()` values and
+    /// `hi` be as long as `lo`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn interleave_rows(out: &mut [u32], lo: &[f32], hi: Option<&[f32]>) {
         let n = lo.len();
         assert!(out.len() >= n && hi.is_none_or(|h| h.len() == n));
+        // Word `2j` from word `j` (the low row's), word `2j + 1` from word `16 + j` (the high row's).
+        let order = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+            1, 16, 0,
+        );
         for c in (0..n).step_by(16) {
             let mask = lanes(n - c);
-            let low = round_lanes(_mm512_maskz_loadu_ps(mask, lo.as_ptr().add(c)));
+            let low = _mm512_maskz_loadu_ps(mask, lo.as_ptr().add(c));
             let high = match hi {
-                Some(h) => _mm512_slli_epi32::<16>(round_lanes(_mm512_maskz_loadu_ps(mask, h.as_ptr().add(c)))),
-                None => _mm512_setzero_si512(),
+                Some(h) => _mm512_maskz_loadu_ps(mask, h.as_ptr().add(c)),
+                None => _mm512_setzero_ps(),
             };
-            _mm512_mask_storeu_epi32(out.as_mut_ptr().add(c).cast(), mask, _mm512_or_si512(low, high));
+            let both = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low));
+            _mm512_mask_storeu_epi32(out.as_mut_ptr().add(c).cast(), mask, _mm512_permutexvar_epi16(order, both));
         }
     }
 
@@ -551,9 +584,9 @@ mod avx512 {
     /// `out[r · stride]`.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; `a` must hold those rows' `k` elements, and `out` `rows` rows of
-    /// `k.div_ceil(2)` values `stride` apart.
-    #[target_feature(enable = "avx512f")]
+    /// The CPU must have AVX-512F, AVX-512BW and AVX512_BF16; `a` must hold those rows' `k`
+    /// elements, and `out` `rows` rows of `k.div_ceil(2)` values `stride` apart.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn convert_columns(
         out: &mut [u32],
         stride: usize,
@@ -583,6 +616,37 @@ mod avx512 {
             for r in 0..rows {
                 let row = &mut out[r * stride + p0..r * stride + p0 + count];
                 row.iter_mut().zip(&tile).for_each(|(o, lane)| *o = lane[r]);
+            }
+        }
+    }
+
+    /// Panels of the transpose of `m` packed rows of `pairs` values: `out[(p · pairs + q) · PANEL
+    /// + j] = rows[(PANEL · p + j) · pairs + q]`, zeros past row `m`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `rows` must hold `m · pairs` values and `out` `m.div_ceil(PANEL)`
+    /// panels of `pairs · PANEL`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gather_columns(out: &mut [u32], rows: &[u32], m: usize, pairs: usize) {
+        assert!(rows.len() >= m * pairs && out.len() >= m.div_ceil(PANEL) * pairs * PANEL && pairs > 0);
+        assert!(PANEL * pairs * 16 < i32::MAX as usize, "gather offsets fit 32 bits");
+        let step = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(pairs as i32),
+        );
+        for (p, panel) in out.chunks_exact_mut(pairs * PANEL).take(m.div_ceil(PANEL)).enumerate() {
+            for g in 0..PANEL / 16 {
+                let j0 = PANEL * p + 16 * g;
+                if j0 >= m {
+                    break;
+                }
+                let mask = lanes(m - j0);
+                for (q, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+                    // Lane l reads row j0 + l's pair q: offsets l · pairs from there (masked past m).
+                    let base = rows.as_ptr().add(j0 * pairs + q);
+                    let v = _mm512_mask_i32gather_epi32::<4>(_mm512_setzero_si512(), mask, step, base.cast());
+                    _mm512_storeu_si512(row.as_mut_ptr().add(16 * g).cast(), v);
+                }
             }
         }
     }
@@ -776,6 +840,134 @@ mod amx {
     }
 }
 
+/// `a` (`[m, k]`) packed on the calling thread in the vector kernel's layout, for
+/// [`product_on_this_thread`]: the operands of many small products that run side by side, one a
+/// thread (the attention's blocks of one head).
+pub struct PackedRows {
+    m: usize,
+    pairs: usize,
+    #[cfg(target_arch = "x86_64")]
+    data: Vec<u32>,
+}
+
+/// `b` (`[k, n]`) packed on the calling thread into all its panels, for
+/// [`product_on_this_thread`] with any run of its k-pairs and panels.
+pub struct PackedPanels {
+    n: usize,
+    pairs: usize,
+    #[cfg(target_arch = "x86_64")]
+    data: Vec<u32>,
+}
+
+/// [`PackedRows`] of `a`, or `None` where the CPU lacks AVX512_BF16.
+///
+/// # Panics
+/// If the slice is shorter than the shape and strides reach.
+pub fn pack_rows(a: Strided<'_>, (m, k): (usize, usize)) -> Option<PackedRows> {
+    assert!(reaches(a, m, k), "bf16 GEMM: operand slice too short");
+    if !supported() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let layout = Kernel::Avx512.layout(k);
+        Some(PackedRows { m, pairs: layout.stride, data: pack_a_on(a, m, k, layout, false) })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+/// [`PackedPanels`] of `b`, or `None` where the CPU lacks AVX512_BF16.
+///
+/// # Panics
+/// If the slice is shorter than the shape and strides reach.
+pub fn pack_panels(b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedPanels> {
+    assert!(reaches(b, k, n), "bf16 GEMM: operand slice too short");
+    if !supported() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let pairs = k.div_ceil(2);
+        let mut data = vec![0u32; n.div_ceil(PANEL) * pairs * PANEL];
+        for (p, panel) in data.chunks_exact_mut((pairs * PANEL).max(1)).take(n.div_ceil(PANEL)).enumerate() {
+            pack_panel_into(panel, b, k, p * PANEL, PANEL.min(n - p * PANEL));
+        }
+        Some(PackedPanels { n, pairs, data })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+/// The panels of `aᵀ` (`[k, m]`) from `a` packed as rows: pair `q` of column `j` is pair `q` of
+/// row `j`, gathered 16 columns a vector (the keys of the attention's scores, converted a row at a
+/// time instead of a column at a time).
+pub fn transpose_rows(a: &PackedRows) -> PackedPanels {
+    let (m, pairs) = (a.m, a.pairs);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut data = vec![0u32; m.div_ceil(PANEL) * pairs * PANEL];
+        if pairs > 0 {
+            // SAFETY: packed rows exist only where `supported` holds; rows `j0 .. j0 + lanes` of `a`
+            // (each `pairs` long) are inside it, and each panel holds `pairs` rows of PANEL values.
+            unsafe { avx512::gather_columns(&mut data, &a.data, m, pairs) };
+        }
+        PackedPanels { n: m, pairs, data }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    PackedPanels { n: m, pairs }
+}
+
+/// `c (+)= a · b[2·pair0 .., c0 .. c0 + cols]` on the calling thread, on the vector kernel: `a`'s
+/// k-pairs meet `b`'s from pair `pair0` on (so a product may use a run of `b`'s rows, from an even
+/// one), and `c`'s `cols` columns (row stride `ldc`) are `b`'s from `c0`, a multiple of [`PANEL`].
+///
+/// # Panics
+/// If `c0` is not a multiple of [`PANEL`], the pairs or columns run past `b`'s, `cols` past `ldc`,
+/// or `c` is shorter than `a`'s rows at stride `ldc`.
+#[allow(clippy::too_many_arguments)]
+pub fn product_on_this_thread(
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    a: &PackedRows,
+    b: &PackedPanels,
+    pair0: usize,
+    (c0, cols): (usize, usize),
+) {
+    assert!(c0.is_multiple_of(PANEL) && c0 + cols <= b.n && cols <= ldc, "bf16 GEMM: columns outside b");
+    assert!(pair0 + a.pairs <= b.pairs, "bf16 GEMM: k-pairs outside b");
+    let m = a.m;
+    assert!(m == 0 || cols == 0 || (m - 1) * ldc + cols <= c.len(), "bf16 GEMM: output slice too short");
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (c, accumulate); // no packed operand exists there
+    #[cfg(target_arch = "x86_64")]
+    for p in (c0 / PANEL)..(c0 + cols).div_ceil(PANEL) {
+        let (at, width) = (p * PANEL - c0, PANEL.min(c0 + cols - p * PANEL));
+        let panel = &b.data[p * b.pairs * PANEL..(p + 1) * b.pairs * PANEL];
+        for q0 in (0..a.pairs.max(1)).step_by(PAIRS_PER_PASS) {
+            let pass = PAIRS_PER_PASS.min(a.pairs - q0);
+            for r0 in (0..m).step_by(ROWS) {
+                // SAFETY: packed operands exist only where `supported` holds; `a` holds whole blocks
+                // of ROWS rows of `a.pairs` values (zeros past m), the panel its pairs from `pair0 +
+                // q0` on (checked above), and c the block's rows of `width` columns at `at`
+                // (checked above: the last row ends inside c).
+                unsafe {
+                    avx512::block(
+                        c.as_mut_ptr().add(r0 * ldc + at),
+                        ldc,
+                        (ROWS.min(m - r0), width),
+                        accumulate || q0 > 0,
+                        a.data.as_ptr().add(r0 * a.pairs + q0),
+                        (pass, a.pairs),
+                        panel.as_ptr().add((pair0 + q0) * PANEL),
+                    )
+                };
+            }
+        }
+    }
+}
+
 /// The plain loop over the bf16-rounded operands, in f64: what [`gemm`] is tested against.
 pub fn reference(
     c: &mut [f32],
@@ -811,6 +1003,9 @@ mod tests {
         assert_eq!(to_bf16(1.0 + 3.0 / 256.0), 0x3F82);
         assert_eq!(from_bf16(to_bf16(-2.5)), -2.5);
         assert!(from_bf16(to_bf16(f32::NAN)).is_nan());
+        // Denormals go to a zero of their sign, as the conversion instruction flushes them.
+        assert_eq!((to_bf16(1e-40), to_bf16(-1e-40), to_bf16(-0.0)), (0, 0x8000, 0x8000));
+        assert_eq!(to_bf16(f32::MIN_POSITIVE), 0x0080);
         assert_eq!(from_bf16(to_bf16(f32::INFINITY)), f32::INFINITY);
     }
 
@@ -821,7 +1016,7 @@ mod tests {
             eprintln!("no AVX512_BF16 on this CPU: the vector conversions are not reachable here");
             return;
         }
-        let specials = [1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, f32::NAN, f32::INFINITY, -0.0, 1e-40, f32::MAX];
+        let specials = [1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, f32::NAN, f32::INFINITY, -0.0, 1e-40, -1e-40, f32::MAX];
         let x: Vec<f32> = specials.iter().copied().chain(values(30, 9).into_iter().map(|v| v * 3.7)).collect();
         let want: Vec<u16> = x.iter().map(|&v| to_bf16(v)).collect();
         let pair = |lo: u16, hi: u16| u32::from(lo) | (u32::from(hi) << 16);
@@ -957,6 +1152,69 @@ mod tests {
                 let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
                 assert!(err <= 1e-6 * (k as f32).max(1.0) * scale, "{kernel:?} ({m}, {k}, {n}): {err}");
             }
+        }
+    }
+
+    #[test]
+    fn products_on_one_thread_match_the_reference() {
+        if !supported() {
+            eprintln!("no AVX512_BF16 on this CPU: the one-thread bf16 products are not reachable here");
+            return;
+        }
+        assert!(pack_rows((&[], (0, 1)), (0, 0)).is_some());
+        // (m, k, n, pair0, c0, cols, ldc): a run of b's rows from pair `pair0` and of its columns from
+        // panel `c0 / 48`, into a window of a wider output; odd k, row tails, column tails, k of
+        // two passes (2,100: 1,050 pairs).
+        let cases = [
+            (9, 33, 150, 0, 0, 150, 150),
+            (17, 64, 200, 5, 48, 100, 160),
+            (64, 130, 100, 3, 96, 4, 10),
+            (3, 2100, 50, 1, 0, 50, 50),
+            (8, 0, 60, 0, 48, 12, 12),
+        ];
+        for (m, k, n, pair0, c0, cols, ldc) in cases {
+            for accumulate in [false, true] {
+                for transposed in [false, true] {
+                    let kb = 2 * pair0 + k + 1; // b has rows before and after the ones used
+                    let (a, b) = (values(m * k, 11), values(kb * n, 12));
+                    let (a, a_strides) = if transposed { (transpose(&a, m, k), (1, m)) } else { (a, (k, 1)) };
+                    let (b, bs) = if transposed { (transpose(&b, kb, n), (1, kb)) } else { (b, (n, 1)) };
+                    let start = values(m * ldc, 13);
+                    let mut got = start.clone();
+                    let packed_a = pack_rows((&a, a_strides), (m, k)).expect("reachable");
+                    let packed_b = pack_panels((&b, bs), (kb, n)).expect("reachable");
+                    product_on_this_thread(&mut got, ldc, accumulate, &packed_a, &packed_b, pair0, (c0, cols));
+                    let mut want: Vec<f32> = start.chunks(ldc).flat_map(|r| r[..cols].to_vec()).collect();
+                    let used_b = &b[2 * pair0 * bs.0 + c0 * bs.1..];
+                    reference(&mut want, accumulate, (&a, a_strides), (used_b, bs), (m, k, cols));
+                    let case =
+                        format!("({m}, {k}, {n}) from pair {pair0}, columns {c0}+{cols}, transposed {transposed}");
+                    for (i, (row, start)) in got.chunks(ldc).zip(start.chunks(ldc)).enumerate() {
+                        let want = &want[i * cols..(i + 1) * cols];
+                        let err = row[..cols].iter().zip(want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                        assert!(err <= 1e-6 * (k as f32).max(1.0), "{case}, accumulate {accumulate}: {err}");
+                        assert_eq!(&row[cols..], &start[cols..], "{case}: columns past the window written");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_rows_are_the_panels_of_the_transpose() {
+        if !supported() {
+            eprintln!("no AVX512_BF16 on this CPU: the one-thread bf16 products are not reachable here");
+            return;
+        }
+        // Column tails inside a group of 16 and inside a panel, an odd k, one row.
+        for (m, k) in [(100, 64), (37, 9), (1, 2), (48, 30)] {
+            let a = values(m * k, 14);
+            let rows = pack_rows((&a, (k, 1)), (m, k)).expect("reachable");
+            let got = transpose_rows(&rows);
+            // The same panels as packing aᵀ (`[k, m]`, read through strides (1, k)) directly.
+            let want = pack_panels((&a, (1, k)), (k, m)).expect("reachable");
+            assert_eq!((got.n, got.pairs), (want.n, want.pairs), "({m}, {k})");
+            assert_eq!(got.data, want.data, "({m}, {k})");
         }
     }
 

@@ -415,13 +415,24 @@ fn low_rank_rows(m: usize) -> usize {
     m.div_ceil(rayon::current_num_threads()).max(64)
 }
 
-/// `u = x · [a_1 | a_2 | …]` for a block of rows: `u` `[rows, Σ rank]`, `x` `[rows, K]`.
-fn low_rank_inputs(u: &mut [f32], x: &[f32], (adapted, ranks): (&[Adapted], usize), k: usize) {
-    let rows = u.len() / ranks.max(1);
+/// The adapted parts' down-projections side by side, `[a_1 | a_2 | …]` (`[K, Σ r]`): one GEMM makes
+/// every part's `u`, and one pass adds every `dU_i · a_iᵀ` to `dX`, instead of one a part.
+fn side_by_side_a((adapted, ranks): (&[Adapted], usize), k: usize) -> Vec<f32> {
+    let mut a = vec![0.0f32; k * ranks];
     for &Adapted { at, lr, .. } in adapted {
-        let none = gemm::Parallelism::None;
-        gemm_into((rows, lr.rank, k), &mut u[at..], ranks, false, x, (k, 1), lr.a, (lr.rank, 1), 1.0, none);
+        assert!(lr.a.len() >= k * lr.rank, "low-rank update: a holds {} values, not [{k}, {}]", lr.a.len(), lr.rank);
+        for (row, part) in a.chunks_exact_mut(ranks).zip(lr.a.chunks_exact(lr.rank)).take(k) {
+            row[at..at + lr.rank].copy_from_slice(part);
+        }
     }
+    a
+}
+
+/// `u = x · [a_1 | a_2 | …]` for a block of rows: `u` `[rows, Σ rank]`, `x` `[rows, K]`, `a` from
+/// [`side_by_side_a`].
+fn low_rank_inputs(u: &mut [f32], x: &[f32], a: &[f32], ranks: usize, k: usize) {
+    let rows = u.len() / ranks.max(1);
+    gemm_into((rows, ranks, k), u, ranks, false, x, (k, 1), a, (ranks, 1), 1.0, gemm::Parallelism::None);
 }
 
 /// Adds the low-rank updates `scale_i · (x · a_i) · b_i` of the parts that have one to their
@@ -445,10 +456,11 @@ pub fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowR
         return;
     }
     let block = low_rank_rows(m);
+    let a = side_by_side_a((&adapted, ranks), k);
     y[..m * total].par_chunks_mut(block * total).zip(x[..m * k].par_chunks(block * k)).for_each(|(y, x)| {
         let rows = y.len() / total;
         let mut u = vec![0.0f32; rows * ranks];
-        low_rank_inputs(&mut u, x, (&adapted, ranks), k);
+        low_rank_inputs(&mut u, x, &a, ranks, k);
         for &Adapted { off, n, at, lr } in &adapted {
             let none = gemm::Parallelism::None;
             gemm_into(
@@ -509,11 +521,12 @@ pub fn low_rank_backward(
         return vec![(None, None); adapted.len()];
     }
     let (mut du, mut u) = (vec![0.0f32; m * ranks], vec![0.0f32; m * ranks]);
+    let a = side_by_side_a((&adapted, ranks), k);
     // One block of rows: its dU (and dX += dU · aᵀ), its u.
     let block = |du: &mut [f32], u: &mut [f32], dx: Option<&mut [f32]>, x: &[f32], dy: &[f32]| {
         let (rows, none) = (du.len() / ranks.max(1), gemm::Parallelism::None);
         if need_u {
-            low_rank_inputs(u, x, (&adapted, ranks), k);
+            low_rank_inputs(u, x, &a, ranks, k);
         }
         for &Adapted { off, n, at, lr } in adapted.iter().filter(|_| need_du) {
             // dU_i = scale · dY_i · b_iᵀ: b_iᵀ read where b_i is (strides (1, n)).
@@ -521,10 +534,8 @@ pub fn low_rank_backward(
             gemm_into((rows, lr.rank, n), &mut du[at..], ranks, false, dy_i.0, dy_i.1, b_t.0, b_t.1, lr.scale, none);
         }
         if let Some(dx) = dx {
-            for &Adapted { at, lr, .. } in &adapted {
-                // dX += dU_i · a_iᵀ.
-                gemm_into((rows, k, lr.rank), dx, k, true, &du[at..], (ranks, 1), lr.a, (1, lr.rank), 1.0, none);
-            }
+            // dX += Σ dU_i · a_iᵀ = dU · [a_1 | a_2 | …]ᵀ: one pass over dX.
+            gemm_into((rows, k, ranks), dx, k, true, du, (ranks, 1), &a, (1, ranks), 1.0, none);
         }
     };
     let rows = low_rank_rows(m);
@@ -538,8 +549,17 @@ pub fn low_rank_backward(
         }
         None => blocks.zip(inputs).for_each(|((du, u), (x, dy))| block(du, u, None, x, dy)),
     }
-    // dA_i = xᵀ · dU_i and dB_i = scale · u_iᵀ · dY_i: one task each.
+    // dA = xᵀ · dU for every part at once (`[K, Σ r]`, each part's columns its dA_i), on all threads;
+    // then dB_i = scale · u_iᵀ · dY_i, one task each.
     let (du, u) = (&du, &u);
+    let da = need
+        .iter()
+        .any(|&(a, _)| a)
+        .then(|| gemm_new((k, ranks, m), (x, (1, k)), (du, (ranks, 1)), gemm_parallelism(k, ranks, m)));
+    let da_of = |at: usize, r: usize| -> Vec<f32> {
+        da.as_deref()
+            .map_or_else(Vec::new, |da| da.chunks_exact(ranks).flat_map(|row| &row[at..at + r]).copied().collect())
+    };
     let tasks = adapted.iter().zip(need).flat_map(|(&Adapted { off, n, at, lr }, &(need_a, need_b))| {
         [(need_a, false, off, n, lr, at), (need_b, true, off, n, lr, at)]
     });
@@ -550,7 +570,7 @@ pub fn low_rank_backward(
             // A large product (long sequences) splits across the threads too.
             let r = lr.rank;
             want.then(|| match is_b {
-                false => gemm_new((k, r, m), (x, (1, k)), (&du[at..], (ranks, 1)), gemm_parallelism(k, r, m)),
+                false => da_of(at, r),
                 true => {
                     let (u_t, dy_i) = ((&u[at..], (1, ranks)), (&dy[off..], (total, 1)));
                     gemm_new_scaled((r, n, m), u_t, dy_i, lr.scale, gemm_parallelism(r, n, m))
@@ -780,6 +800,22 @@ pub struct AttnShape {
 }
 
 impl AttnShape {
+    /// Plain causal attention from position 0, one document a row, the half-split RoPE layout and
+    /// the usual `1/√Dh` scale.
+    pub fn causal(batch: usize, seq: usize, heads: usize, kv_heads: usize, head_dim: usize) -> AttnShape {
+        AttnShape {
+            batch,
+            seq,
+            heads,
+            kv_heads,
+            head_dim,
+            start: 0,
+            layout: RopeLayout::HalfSplit,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            docs: None,
+        }
+    }
+
     fn group(&self) -> usize {
         self.heads / self.kv_heads
     }
@@ -907,16 +943,119 @@ fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t).step_by(CAUSAL_BLOCK).map(move |r0| (r0, (r0 + CAUSAL_BLOCK).min(t)))
 }
 
+/// Whether the attention's products take bf16 operands (f32 sums; the softmax stays f32): where
+/// bf16 GEMMs are on ([`set_bf16_gemms`]) and the sequences longer than 256 positions. Measured
+/// (`ember bench attention`, 9/3 heads of 64, 2 Zen 5 cores): forward + backward 1.0× f32 at 256
+/// positions (0.94× with 6/6 heads), 1.2× at 320, 1.23× at 512, 1.42× at 1,024, 1.49× at 2,048.
+pub fn attention_in_bf16(s: &AttnShape) -> bool {
+    bf16_gemms() && s.seq > 4 * CAUSAL_BLOCK && s.head_dim >= 32
+}
+
+/// Where a row block's products start in bf16: the block's first key rounded down to a panel of
+/// the packed keys (the keys before it have `P = 0` in every row of the block, as those before the
+/// first key do).
+fn first_column(k0: usize, bf16: bool) -> usize {
+    if bf16 {
+        k0 - k0 % super::bf16_gemm::PANEL
+    } else {
+        k0
+    }
+}
+
+/// One (batch, key/value head)'s keys and values packed for the bf16 products of all its blocks:
+/// `Kᵀ` (`[Dh, T]`) for the scores; for the forward `V` (`[T, Dh]`), for the backward `Vᵀ` and `K`.
+struct PackedKv {
+    k_t: super::bf16_gemm::PackedPanels,
+    v: Option<super::bf16_gemm::PackedPanels>,
+    v_t: Option<super::bf16_gemm::PackedPanels>,
+    k: Option<super::bf16_gemm::PackedPanels>,
+}
+
+impl PackedKv {
+    /// `None` where the CPU lacks AVX512_BF16.
+    fn new(kb: &[f32], vb: &[f32], s: &AttnShape, backward: bool) -> Option<PackedKv> {
+        use super::bf16_gemm::{pack_panels, pack_rows, transpose_rows};
+        let (t, dh, w) = (s.seq, s.head_dim, s.packed_width());
+        // The transposes from rows converted a key at a time (each key's values are contiguous).
+        let transposed = |x: &[f32]| pack_rows((x, (w, 1)), (t, dh)).map(|rows| transpose_rows(&rows));
+        let k_t = transposed(kb)?;
+        let (v, v_t, k) = match backward {
+            true => (None, transposed(vb), pack_panels((kb, (w, 1)), (t, dh))),
+            false => (pack_panels((vb, (w, 1)), (t, dh)), None, None),
+        };
+        Some(PackedKv { k_t, v, v_t, k })
+    }
+}
+
+/// `c (+)= a · b` of an `[m, k]` operand and packed panels, on this thread (the bf16 arm of the
+/// attention's products, see [`super::bf16_gemm::product_on_this_thread`]).
+#[allow(clippy::too_many_arguments)]
+fn bf16_product(
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    a: super::bf16_gemm::Strided<'_>,
+    (m, k): (usize, usize),
+    b: &super::bf16_gemm::PackedPanels,
+    pair0: usize,
+    columns: (usize, usize),
+) {
+    // Packed panels exist only where the CPU has the instructions, and so then do packed rows.
+    if let Some(a) = super::bf16_gemm::pack_rows(a, (m, k)) {
+        super::bf16_gemm::product_on_this_thread(c, ldc, accumulate, &a, b, pair0, columns);
+    }
+}
+
+/// The panels of a `[rows, cols]` block (row stride `rs`) for the bf16 products that take it as `b`.
+fn block_panels(x: &[f32], rs: usize, shape: (usize, usize)) -> Option<super::bf16_gemm::PackedPanels> {
+    super::bf16_gemm::pack_panels((x, (rs, 1)), shape)
+}
+
+/// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix.
+fn transposed(x: &[f32], (rows, cols): (usize, usize)) -> Vec<f32> {
+    let mut out = vec![0.0f32; rows * cols];
+    for (i, row) in x.chunks_exact(cols).take(rows).enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            out[j * rows + i] = v;
+        }
+    }
+    out
+}
+
+/// Causal attention (see [`attention_in`]), its products in bf16 where [`attention_in_bf16`].
+pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
+    attention_in(qkv, s, attention_in_bf16(s))
+}
+
+/// Gradients of [`attention`] (see [`attention_backward_in`]), in bf16 as its forward.
+pub fn attention_backward(qkv: &[f32], saved: (&[f32], &[f32]), d_o: &[f32], s: &AttnShape) -> Vec<f32> {
+    attention_backward_in(qkv, saved, d_o, s, attention_in_bf16(s))
+}
+
 multiversion! {
     /// Causal attention over packed rotated q/k/v rows, for every (batch, head); query head `h` reads
     /// key/value head `h / (H/K)`. Query `i` sees keys `0..=i`, or `first..=i` within its document
-    /// (block-diagonal causal, see [`AttnShape::docs`]).
+    /// (block-diagonal causal, see [`AttnShape::docs`]). With `bf16` (where the CPU has AVX512_BF16)
+    /// the two products of each row block take bf16 operands with f32 sums, the keys and values
+    /// packed once a head; the scale, the softmax and the log-sum-exp stay f32.
     ///
     /// # Shapes
     /// - qkv: `[B·T, (H + 2K)·Dh]` -> o: `[B·T, H·Dh]`, lse: `[B·H·T]`
-    pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
+    pub fn attention_in(qkv: &[f32], s: &AttnShape, bf16: bool) -> AttnOut {
         let (t, h, dh) = (s.seq, s.heads, s.head_dim);
         let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
+        // bf16: each (batch, key/value head)'s keys and values packed once for the heads that share them.
+        let kh = s.kv_heads;
+        let packed_kv: Vec<Option<PackedKv>> = match bf16 {
+            true => (0..s.batch * kh)
+                .into_par_iter()
+                .map(|bk| {
+                    let (rows, kv) = (&qkv[(bk / kh) * t * w..], bk % kh);
+                    PackedKv::new(&rows[k_off + kv * dh..], &rows[v_off + kv * dh..], s, false)
+                })
+                .collect(),
+            false => Vec::new(),
+        };
         let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..s.batch * h)
             .into_par_iter()
             .map(|bh| {
@@ -924,6 +1063,9 @@ multiversion! {
                 let kv = head / s.group();
                 let rows = &qkv[b * t * w..];
                 let (qb, kb, vb) = (&rows[head * dh..], &rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
+                let packed = packed_kv.get(b * kh + kv).and_then(Option::as_ref);
+                // The bf16 products leave the scale to the softmax.
+                let scale = if packed.is_some() { s.scale } else { 1.0 };
                 // One row block's scores at a time: row stride t, block rows use columns 0..r1.
                 let mut scores = vec![0.0f32; CAUSAL_BLOCK.min(t) * t];
                 let mut lse = vec![0.0f32; t];
@@ -932,23 +1074,27 @@ multiversion! {
                     let m = r1 - r0;
                     // Keys before `k0` are in earlier documents for every query of the block: skipped.
                     let k0 = (r0..r1).map(|i| s.first_key(b, i)).min().unwrap_or(0);
+                    let k0 = first_column(k0, packed.is_some());
                     let sc = &mut scores[..m * t];
-                    matmul(
-                        (m, r1 - k0, dh),
-                        &mut sc[k0..],
-                        t,
-                        false,
-                        &qb[r0 * w..],
-                        (w, 1),
-                        &kb[k0 * w..],
-                        (1, w),
-                        s.scale,
-                    );
+                    match packed {
+                        Some(p) => bf16_product(&mut sc[k0..], t, false, (&qb[r0 * w..], (w, 1)), (m, dh), &p.k_t, 0, (k0, r1 - k0)),
+                        None => matmul(
+                            (m, r1 - k0, dh),
+                            &mut sc[k0..],
+                            t,
+                            false,
+                            &qb[r0 * w..],
+                            (w, 1),
+                            &kb[k0 * w..],
+                            (1, w),
+                            s.scale,
+                        ),
+                    }
                     for i in r0..r1 {
                         let row = &mut sc[(i - r0) * t..(i - r0) * t + r1];
                         let lo = s.first_key(b, i);
-                        let max = lanes_max(&row[lo..=i]);
-                        row[lo..=i].iter_mut().for_each(|p| *p = exp(*p - max));
+                        let max = lanes_max(&row[lo..=i]) * scale;
+                        row[lo..=i].iter_mut().for_each(|p| *p = exp(*p * scale - max));
                         let sum = lanes_sum(&row[lo..=i]);
                         let inv = 1.0 / sum;
                         row[lo..=i].iter_mut().for_each(|p| *p *= inv);
@@ -956,8 +1102,11 @@ multiversion! {
                         row[i + 1..].iter_mut().for_each(|p| *p = 0.0);
                         lse[i] = max + sum.ln();
                     }
-                    let (o_blk, v_blk) = (&mut o[r0 * dh..r1 * dh], &vb[k0 * w..]);
-                    matmul((m, dh, r1 - k0), o_blk, dh, false, &sc[k0..], (t, 1), v_blk, (w, 1), 1.0);
+                    let o_blk = &mut o[r0 * dh..r1 * dh];
+                    match packed.and_then(|p| p.v.as_ref()) {
+                        Some(v) => bf16_product(o_blk, dh, false, (&sc[k0..], (t, 1)), (m, r1 - k0), v, k0 / 2, (0, dh)),
+                        None => matmul((m, dh, r1 - k0), o_blk, dh, false, &sc[k0..], (t, 1), &vb[k0 * w..], (w, 1), 1.0),
+                    }
                 }
                 (o, lse)
             })
@@ -977,14 +1126,22 @@ multiversion! {
 }
 
 multiversion! {
-    /// Gradients of [`attention`] with respect to the packed rotated q/k/v, given the forward's output
-    /// and log-sum-exp: per query head, `P` is recomputed from the scores and `lse`, `dV += Pᵀ dO`,
-    /// `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O))`, `dQ = scale · dS K`, `dK += scale · dSᵀ Q`. Heads sharing a
-    /// key/value head are done by one task, which owns that head's `dK`, `dV`.
+    /// Gradients of [`attention_in`] with respect to the packed rotated q/k/v, given the forward's
+    /// output and log-sum-exp: per query head, `P` is recomputed from the scores and `lse`,
+    /// `dV += Pᵀ dO`, `dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O))`, `dQ = scale · dS K`,
+    /// `dK += scale · dSᵀ Q`. Heads sharing a key/value head are done by one task, which owns that
+    /// head's `dK`, `dV`. With `bf16` the five products of each block take bf16 operands with f32
+    /// sums (the scale folded into `dS`), as the forward's.
     ///
     /// # Shapes
     /// - qkv: `[B·T, (H + 2K)·Dh]`, d_o: `[B·T, H·Dh]` -> `[B·T, (H + 2K)·Dh]`
-    pub fn attention_backward(qkv: &[f32], saved: (&[f32], &[f32]), d_o: &[f32], s: &AttnShape) -> Vec<f32> {
+    pub fn attention_backward_in(
+        qkv: &[f32],
+        saved: (&[f32], &[f32]),
+        d_o: &[f32],
+        s: &AttnShape,
+        bf16: bool,
+    ) -> Vec<f32> {
         let (o, lse) = saved;
         let (t, h, kh, dh) = (s.seq, s.heads, s.kv_heads, s.head_dim);
         let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
@@ -996,6 +1153,9 @@ multiversion! {
                 let (b, kv) = (bk / kh, bk % kh);
                 let rows = &qkv[b * t * w..];
                 let (kb, vb) = (&rows[k_off + kv * dh..], &rows[v_off + kv * dh..]);
+                let packed = bf16.then(|| PackedKv::new(kb, vb, s, true)).flatten();
+                // The bf16 products leave the scale to the softmax and to dS.
+                let scale = if packed.is_some() { s.scale } else { 1.0 };
                 let (mut dk, mut dv) = (vec![0.0f32; t * dh], vec![0.0f32; t * dh]);
                 let mut dq = vec![0.0f32; group * t * dh];
                 // One row block of P and dP at a time (row stride t).
@@ -1012,34 +1172,60 @@ multiversion! {
                         let m = r1 - r0;
                         // Columns `k0..r1` only: earlier keys are in other documents for the whole block.
                         let k0 = (r0..r1).map(|i| s.first_key(b, i)).min().unwrap_or(0);
+                        let k0 = first_column(k0, packed.is_some());
                         let n = r1 - k0;
                         let (p, dp) = (&mut p[..m * t], &mut dp[..m * t]);
                         let (q_blk, do_blk) = (&qb[r0 * w..], &dob[r0 * o_rs..]);
                         let (k_blk, v_blk) = (&kb[k0 * w..], &vb[k0 * w..]);
-                        matmul((m, n, dh), &mut p[k0..], t, false, q_blk, (w, 1), k_blk, (1, w), s.scale);
+                        match &packed {
+                            Some(kv) => bf16_product(&mut p[k0..], t, false, (q_blk, (w, 1)), (m, dh), &kv.k_t, 0, (k0, n)),
+                            None => matmul((m, n, dh), &mut p[k0..], t, false, q_blk, (w, 1), k_blk, (1, w), s.scale),
+                        }
                         for i in r0..r1 {
                             let (row, l, lo) = (&mut p[(i - r0) * t..(i - r0) * t + r1], lse[i], s.first_key(b, i));
-                            row[lo..=i].iter_mut().for_each(|x| *x = exp(*x - l));
+                            row[lo..=i].iter_mut().for_each(|x| *x = exp(*x * scale - l));
                             row[k0..lo].iter_mut().for_each(|x| *x = 0.0);
                             row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
                         }
-                        let dv_blk = &mut dv[k0 * dh..r1 * dh];
-                        matmul((n, dh, m), dv_blk, dh, true, &p[k0..], (1, t), do_blk, (o_rs, 1), 1.0);
-                        matmul((m, n, dh), &mut dp[k0..], t, false, do_blk, (o_rs, 1), v_blk, (1, w), 1.0);
+                        // bf16: dVᵀ[:, k0..r1] += dO_blkᵀ · P (dV kept transposed): P's rows become panels
+                        // as they lie, and the output is as wide as the keys, not the head.
+                        match packed.as_ref().and_then(|_| block_panels(&p[k0..], t, (m, n))) {
+                            Some(p) => bf16_product(&mut dv[k0..], t, true, (do_blk, (1, o_rs)), (dh, m), &p, 0, (0, n)),
+                            None => {
+                                let dv_blk = &mut dv[k0 * dh..r1 * dh];
+                                matmul((n, dh, m), dv_blk, dh, true, &p[k0..], (1, t), do_blk, (o_rs, 1), 1.0)
+                            }
+                        }
+                        match packed.as_ref().and_then(|kv| kv.v_t.as_ref()) {
+                            Some(v_t) => bf16_product(&mut dp[k0..], t, false, (do_blk, (o_rs, 1)), (m, dh), v_t, 0, (k0, n)),
+                            None => matmul((m, n, dh), &mut dp[k0..], t, false, do_blk, (o_rs, 1), v_blk, (1, w), 1.0),
+                        }
                         for i in r0..r1 {
                             let (o_i, do_i) = (&ob[i * o_rs..i * o_rs + dh], &dob[i * o_rs..i * o_rs + dh]);
                             let delta = lanes_dot(o_i, do_i);
                             let at = (i - r0) * t;
                             let (ds, p_row) = (&mut dp[at + k0..at + r1], &p[at + k0..at + i + 1]);
                             // P is zero outside the query's keys, so dS is too.
-                            ds[..=i - k0].iter_mut().zip(p_row).for_each(|(d, &p)| *d = p * (*d - delta));
+                            ds[..=i - k0].iter_mut().zip(p_row).for_each(|(d, &p)| *d = p * (*d - delta) * scale);
                             ds[i + 1 - k0..].iter_mut().for_each(|x| *x = 0.0);
                         }
                         let dq_blk = &mut dqg[r0 * dh..r1 * dh];
-                        matmul((m, dh, n), dq_blk, dh, false, &dp[k0..], (t, 1), k_blk, (w, 1), s.scale);
-                        let dk_blk = &mut dk[k0 * dh..r1 * dh];
-                        matmul((n, dh, m), dk_blk, dh, true, &dp[k0..], (1, t), q_blk, (w, 1), s.scale);
+                        match packed.as_ref().and_then(|kv| kv.k.as_ref()) {
+                            Some(k) => bf16_product(dq_blk, dh, false, (&dp[k0..], (t, 1)), (m, n), k, k0 / 2, (0, dh)),
+                            None => matmul((m, dh, n), dq_blk, dh, false, &dp[k0..], (t, 1), k_blk, (w, 1), s.scale),
+                        }
+                        // bf16: dKᵀ[:, k0..r1] += Q_blkᵀ · dS, as dV.
+                        match packed.as_ref().and_then(|_| block_panels(&dp[k0..], t, (m, n))) {
+                            Some(ds) => bf16_product(&mut dk[k0..], t, true, (q_blk, (1, w)), (dh, m), &ds, 0, (0, n)),
+                            None => {
+                                let dk_blk = &mut dk[k0 * dh..r1 * dh];
+                                matmul((n, dh, m), dk_blk, dh, true, &dp[k0..], (1, t), q_blk, (w, 1), s.scale)
+                            }
+                        }
                     }
+                }
+                if packed.is_some() {
+                    (dk, dv) = (transposed(&dk, (dh, t)), transposed(&dv, (dh, t)));
                 }
                 (dq, dk, dv)
             })
@@ -1230,17 +1416,7 @@ mod tests {
     }
 
     fn shape(batch: usize, seq: usize, heads: usize, kv_heads: usize, head_dim: usize) -> AttnShape {
-        AttnShape {
-            batch,
-            seq,
-            heads,
-            kv_heads,
-            head_dim,
-            start: 0,
-            layout: RopeLayout::HalfSplit,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-            docs: None,
-        }
+        AttnShape::causal(batch, seq, heads, kv_heads, head_dim)
     }
 
     /// Every kernel built by `multiversion!` gives the same bits from each of its copies that this
@@ -1368,6 +1544,47 @@ mod tests {
             let v = random(s.batch * s.seq * s.kv_heads * s.head_dim, 3);
             let got = attention(&pack(&q, &k, &v, &s), &s);
             assert_close(&got.o, &attention_slow(&q, &k, &v, &s), 1e-5, &format!("{s:?}"));
+        }
+    }
+
+    #[test]
+    fn bf16_attention_and_its_backward_are_within_bf16_rounding_of_f32() {
+        if !super::super::bf16_gemm::supported() {
+            eprintln!("no AVX512_BF16 on this CPU: the bf16 attention is not reachable here");
+            return;
+        }
+        // 200 positions: neither a whole number of 48-key panels nor of 64-row blocks; grouped
+        // heads; documents that start inside a panel and inside a block; a head size of 32.
+        let long: &[usize] = &[1, 70, 5, 74, 50];
+        for s in [
+            shape(2, 200, 4, 2, 64),
+            AttnShape { docs: docs(&[long, &[100, 100]]), ..shape(2, 200, 4, 2, 64) },
+            shape(1, 129, 2, 1, 32),
+        ] {
+            let (n, dh) = (s.batch * s.seq, s.head_dim);
+            // Queries three times the keys' size: peaked attention, as trained models have.
+            let q: Vec<f32> = random(n * s.heads * dh, 41).iter().map(|x| 3.0 * x).collect();
+            let (k, v) = (random(n * s.kv_heads * dh, 42), random(n * s.kv_heads * dh, 43));
+            let qkv = pack(&q, &k, &v, &s);
+            let (exact, rounded) = (attention_in(&qkv, &s, false), attention_in(&qkv, &s, true));
+            let what = format!("{s:?}");
+            // bf16 operands (8 significant bits, f32 sums): outputs within 1 % of their largest.
+            assert_close(&rounded.o, &exact.o, 1e-2, &format!("o, {what}"));
+            assert_close(&rounded.lse, &exact.lse, 1e-2, &format!("lse, {what}"));
+            let diff = rounded.o.iter().zip(&exact.o).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff > 1e-5, "bf16 equals f32: not taken ({what})");
+            assert!(rounded.o.iter().chain(&rounded.lse).all(|x| x.is_finite()), "{what}");
+            let d_o = random(n * s.heads * dh, 44);
+            let grads = |out: &AttnOut, bf16| attention_backward_in(&qkv, (&out.o, &out.lse), &d_o, &s, bf16);
+            let (exact, rounded) = (grads(&exact, false), grads(&rounded, true));
+            // Gradients within 2 % of their largest, per part (q, k, v).
+            let (qw, kw) = (s.heads * dh, s.kv_heads * dh);
+            for (part, (at, width)) in ["dq", "dk", "dv"].iter().zip([(0, qw), (qw, kw), (qw + kw, kw)]) {
+                let cols = |g: &[f32]| -> Vec<f32> {
+                    g.chunks(s.packed_width()).flat_map(|r| r[at..at + width].to_vec()).collect()
+                };
+                assert_close(&cols(&rounded), &cols(&exact), 2e-2, &format!("{part}, {what}"));
+            }
         }
     }
 
