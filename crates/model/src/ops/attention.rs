@@ -23,7 +23,9 @@ use super::{flex, float, prim, reference_grads, EmberBackend};
 pub enum AttentionSaved<B: Backend> {
     /// The CPU kernels': the output `[B·T, H·Dh]`, the per-row log-sum-exp `[B·H·T]` and the packed
     /// q/k/v after RoPE `[B·T, (H + 2K)·Dh]`.
-    Kernel { o: FloatTensor<B>, lse: FloatTensor<B>, qkv_rot: FloatTensor<B> },
+    /// The kernels' forward: its output, log-sum-exp and rotated q/k/v, and whether its products
+    /// took bf16 operands (the backward then does too: `P` recomputed from the same scores).
+    Kernel { o: FloatTensor<B>, lse: FloatTensor<B>, qkv_rot: FloatTensor<B>, bf16: bool },
     /// The reference's: the output and the packed q/k/v input (the backward recomputes the rest).
     Input { o: FloatTensor<B>, qkv: FloatTensor<B> },
 }
@@ -299,11 +301,13 @@ impl AttentionOps for Flex {
         }
         let rows = flex::shape(&qkv)[0];
         let qkv_rot = kernels::rope_packed(&flex::f32s(&qkv), &s, &flex::f32s(&cos), &flex::f32s(&sin), false);
-        let out = kernels::attention(&qkv_rot, &s);
+        let bf16 = kernels::attention_in_bf16(&s);
+        let out = kernels::attention_in(&qkv_rot, &s, bf16);
         AttentionSaved::Kernel {
             o: flex::tensor(out.o, vec![rows, s.heads * s.head_dim]),
             lse: flex::tensor(out.lse, vec![s.batch * s.heads * s.seq]),
             qkv_rot: flex::tensor(qkv_rot, vec![rows, s.packed_width()]),
+            bf16,
         }
     }
 
@@ -314,15 +318,15 @@ impl AttentionOps for Flex {
         sin: FlexTensor,
         s: AttnShape,
     ) -> FlexTensor {
-        let (o, lse, qkv_rot) = match saved {
-            AttentionSaved::Kernel { o, lse, qkv_rot } => (o, lse, qkv_rot),
+        let (o, lse, qkv_rot, bf16) = match saved {
+            AttentionSaved::Kernel { o, lse, qkv_rot, bf16 } => (o, lse, qkv_rot, bf16),
             AttentionSaved::Input { qkv, .. } => {
                 return prim(reference_backward(float::<Self, 2>(qkv), float(d_o), float(cos), float(sin), &s));
             }
         };
         let shape = flex::shape(&qkv_rot);
         let (o, lse) = (flex::f32s(&o), flex::f32s(&lse));
-        let d_rot = kernels::attention_backward(&flex::f32s(&qkv_rot), (&o, &lse), &flex::f32s(&d_o), &s);
+        let d_rot = kernels::attention_backward_in(&flex::f32s(&qkv_rot), (&o, &lse), &flex::f32s(&d_o), &s, bf16);
         flex::tensor(kernels::rope_packed(&d_rot, &s, &flex::f32s(&cos), &flex::f32s(&sin), true), shape)
     }
 }

@@ -629,7 +629,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn gather_columns(out: &mut [u32], rows: &[u32], m: usize, pairs: usize) {
         assert!(rows.len() >= m * pairs && out.len() >= m.div_ceil(PANEL) * pairs * PANEL && pairs > 0);
-        assert!(PANEL * pairs * 16 < i32::MAX as usize, "gather offsets fit 32 bits");
+        assert!(15 * pairs <= i32::MAX as usize, "gather offsets fit 32 bits");
         let step = _mm512_mullo_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
             _mm512_set1_epi32(pairs as i32),
@@ -935,10 +935,12 @@ pub fn product_on_this_thread(
     pair0: usize,
     (c0, cols): (usize, usize),
 ) {
-    assert!(c0.is_multiple_of(PANEL) && c0 + cols <= b.n && cols <= ldc, "bf16 GEMM: columns outside b");
-    assert!(pair0 + a.pairs <= b.pairs, "bf16 GEMM: k-pairs outside b");
+    let end = c0.checked_add(cols);
+    assert!(c0.is_multiple_of(PANEL) && end.is_some_and(|e| e <= b.n) && cols <= ldc, "bf16 GEMM: columns outside b");
+    assert!(pair0.checked_add(a.pairs).is_some_and(|e| e <= b.pairs), "bf16 GEMM: k-pairs outside b");
     let m = a.m;
-    assert!(m == 0 || cols == 0 || (m - 1) * ldc + cols <= c.len(), "bf16 GEMM: output slice too short");
+    let last = (m.saturating_sub(1)).checked_mul(ldc).and_then(|r| r.checked_add(cols));
+    assert!(m == 0 || cols == 0 || last.is_some_and(|l| l <= c.len()), "bf16 GEMM: output slice too short");
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (c, accumulate); // no packed operand exists there
     #[cfg(target_arch = "x86_64")]

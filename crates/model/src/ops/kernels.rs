@@ -1001,9 +1001,8 @@ fn bf16_product(
     columns: (usize, usize),
 ) {
     // Packed panels exist only where the CPU has the instructions, and so then do packed rows.
-    if let Some(a) = super::bf16_gemm::pack_rows(a, (m, k)) {
-        super::bf16_gemm::product_on_this_thread(c, ldc, accumulate, &a, b, pair0, columns);
-    }
+    let a = super::bf16_gemm::pack_rows(a, (m, k)).expect("packed panels, so the CPU has AVX512_BF16");
+    super::bf16_gemm::product_on_this_thread(c, ldc, accumulate, &a, b, pair0, columns);
 }
 
 /// The panels of a `[rows, cols]` block (row stride `rs`) for the bf16 products that take it as `b`.
@@ -1020,16 +1019,6 @@ fn transposed(x: &[f32], (rows, cols): (usize, usize)) -> Vec<f32> {
         }
     }
     out
-}
-
-/// Causal attention (see [`attention_in`]), its products in bf16 where [`attention_in_bf16`].
-pub fn attention(qkv: &[f32], s: &AttnShape) -> AttnOut {
-    attention_in(qkv, s, attention_in_bf16(s))
-}
-
-/// Gradients of [`attention`] (see [`attention_backward_in`]), in bf16 as its forward.
-pub fn attention_backward(qkv: &[f32], saved: (&[f32], &[f32]), d_o: &[f32], s: &AttnShape) -> Vec<f32> {
-    attention_backward_in(qkv, saved, d_o, s, attention_in_bf16(s))
 }
 
 multiversion! {
@@ -1451,8 +1440,8 @@ mod tests {
             let rope = rope_packed(&qkv, &s, &cos, &sin, false);
             let interleaved = AttnShape { layout: RopeLayout::Interleaved, ..s.clone() };
             let unrotated = rope_packed(&rope, &interleaved, &cos, &sin, true);
-            let attn = attention(&rope, &s);
-            let d_qkv = attention_backward(&rope, (&attn.o, &attn.lse), &d_o, &s);
+            let attn = attention_in(&rope, &s, false);
+            let d_qkv = attention_backward_in(&rope, (&attn.o, &attn.lse), &d_o, &s, false);
             let (mut p, mut m, mut v) =
                 (val(5000, 11), val(5000, 12), val(5000, 13).iter().map(|x| x.abs()).collect::<Vec<f32>>());
             adamw(&mut p, &val(5000, 14), &mut m, &mut v, &step);
@@ -1511,7 +1500,7 @@ mod tests {
             let q = random(s.batch * s.seq * s.heads * s.head_dim, 1);
             let k = random(s.batch * s.seq * s.kv_heads * s.head_dim, 2);
             let v = random(s.batch * s.seq * s.kv_heads * s.head_dim, 3);
-            let got = attention(&pack(&q, &k, &v, &s), &s);
+            let got = attention_in(&pack(&q, &k, &v, &s), &s, false);
             assert_close(&got.o, &attention_slow(&q, &k, &v, &s), 1e-5, &format!("{s:?}"));
         }
     }
@@ -1542,7 +1531,7 @@ mod tests {
             let q = random(s.batch * s.seq * s.heads * s.head_dim, 1);
             let k = random(s.batch * s.seq * s.kv_heads * s.head_dim, 2);
             let v = random(s.batch * s.seq * s.kv_heads * s.head_dim, 3);
-            let got = attention(&pack(&q, &k, &v, &s), &s);
+            let got = attention_in(&pack(&q, &k, &v, &s), &s, false);
             assert_close(&got.o, &attention_slow(&q, &k, &v, &s), 1e-5, &format!("{s:?}"));
         }
     }
@@ -1602,10 +1591,11 @@ mod tests {
         let v = random(s.batch * s.seq * 2 * 4, 6);
         let packed = pack(&q, &k, &v, &s);
         let w = random(q.len(), 7); // loss = Σ w ⊙ o
-        let loss =
-            |qkv: &[f32]| -> f64 { attention(qkv, &s).o.iter().zip(&w).map(|(a, b)| (*a as f64) * (*b as f64)).sum() };
-        let out = attention(&packed, &s);
-        let grad = attention_backward(&packed, (&out.o, &out.lse), &w, &s);
+        let loss = |qkv: &[f32]| -> f64 {
+            attention_in(qkv, &s, false).o.iter().zip(&w).map(|(a, b)| (*a as f64) * (*b as f64)).sum()
+        };
+        let out = attention_in(&packed, &s, false);
+        let grad = attention_backward_in(&packed, (&out.o, &out.lse), &w, &s, false);
         let eps = 1e-3f32;
         let width = s.packed_width();
         // A q, a k and a v entry of the first and last rows, and a few more.
@@ -1912,3 +1902,4 @@ mod tests {
         assert_close(&back, &x, 1e-6, "inverse");
     }
 }
+
