@@ -333,25 +333,45 @@ unsafe fn panel_product(
     debug_assert!(packed_a.len() >= m.next_multiple_of(layout.rows) * pairs && panel.len() >= pairs * PANEL);
     match kernel {
         Kernel::Avx512 => {
-            for p0 in (0..pairs.max(1)).step_by(PAIRS_PER_PASS) {
-                let pass = PAIRS_PER_PASS.min(pairs - p0);
-                for r0 in (0..m).step_by(ROWS) {
-                    avx512::block(
-                        c.at(r0 * n + p * PANEL),
-                        n,
-                        (ROWS.min(m - r0), cols),
-                        accumulate || p0 > 0,
-                        packed_a.as_ptr().add(r0 * pairs + p0),
-                        (pass, pairs),
-                        panel.as_ptr().add(p0 * PANEL),
-                    );
-                }
-            }
+            vector_panel_product(c.at(p * PANEL), n, accumulate, (packed_a, pairs, m), panel.as_ptr(), cols)
         }
         Kernel::Amx => {
             amx::configure();
             tile_panel_product(amx::block, c, accumulate, (packed_a, panel), p, (m, n), layout);
             amx::release();
+        }
+    }
+}
+
+/// The vector kernel over one panel: `c`'s `cols` columns (row stride `ldc`) `(+)=` the `m` packed
+/// rows of a (`pairs` values each) times the panel from its first pair on, in passes of
+/// [`PAIRS_PER_PASS`] pairs and blocks of [`ROWS`] rows.
+///
+/// # Safety
+/// The CPU must have AVX-512F and AVX512_BF16; `packed_a` must hold `m` rows (padded to whole
+/// blocks of [`ROWS`]) of `pairs` values, `panel` `pairs · PANEL` values, and `c` `m` rows of `cols`
+/// columns at stride `ldc` that no other task writes meanwhile.
+#[cfg(target_arch = "x86_64")]
+unsafe fn vector_panel_product(
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+    (packed_a, pairs, m): (&[u32], usize, usize),
+    panel: *const u32,
+    cols: usize,
+) {
+    for p0 in (0..pairs.max(1)).step_by(PAIRS_PER_PASS) {
+        let pass = PAIRS_PER_PASS.min(pairs - p0);
+        for r0 in (0..m).step_by(ROWS) {
+            avx512::block(
+                c.add(r0 * ldc),
+                ldc,
+                (ROWS.min(m - r0), cols),
+                accumulate || p0 > 0,
+                packed_a.as_ptr().add(r0 * pairs + p0),
+                (pass, pairs),
+                panel.add(p0 * PANEL),
+            );
         }
     }
 }
@@ -947,25 +967,12 @@ pub fn product_on_this_thread(
     for p in (c0 / PANEL)..(c0 + cols).div_ceil(PANEL) {
         let (at, width) = (p * PANEL - c0, PANEL.min(c0 + cols - p * PANEL));
         let panel = &b.data[p * b.pairs * PANEL..(p + 1) * b.pairs * PANEL];
-        for q0 in (0..a.pairs.max(1)).step_by(PAIRS_PER_PASS) {
-            let pass = PAIRS_PER_PASS.min(a.pairs - q0);
-            for r0 in (0..m).step_by(ROWS) {
-                // SAFETY: packed operands exist only where `supported` holds; `a` holds whole blocks
-                // of ROWS rows of `a.pairs` values (zeros past m), the panel its pairs from `pair0 +
-                // q0` on (checked above), and c the block's rows of `width` columns at `at`
-                // (checked above: the last row ends inside c).
-                unsafe {
-                    avx512::block(
-                        c.as_mut_ptr().add(r0 * ldc + at),
-                        ldc,
-                        (ROWS.min(m - r0), width),
-                        accumulate || q0 > 0,
-                        a.data.as_ptr().add(r0 * a.pairs + q0),
-                        (pass, a.pairs),
-                        panel.as_ptr().add((pair0 + q0) * PANEL),
-                    )
-                };
-            }
+        // SAFETY: packed operands exist only where `supported` holds; `a` holds whole blocks of
+        // ROWS rows of `a.pairs` values (zeros past m), the panel its pairs from `pair0` on, and c
+        // the rows of `width` columns at `at` (all checked above: the last row ends inside c).
+        unsafe {
+            let (c, panel) = (c.as_mut_ptr().add(at), panel.as_ptr().add(pair0 * PANEL));
+            vector_panel_product(c, ldc, accumulate, (&a.data, a.pairs, m), panel, width);
         }
     }
 }
@@ -994,6 +1001,7 @@ pub fn reference(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::kernels::transposed as transpose;
     use crate::ops::testing::values;
 
     #[test]
@@ -1179,8 +1187,8 @@ mod tests {
                 for transposed in [false, true] {
                     let kb = 2 * pair0 + k + 1; // b has rows before and after the ones used
                     let (a, b) = (values(m * k, 11), values(kb * n, 12));
-                    let (a, a_strides) = if transposed { (transpose(&a, m, k), (1, m)) } else { (a, (k, 1)) };
-                    let (b, bs) = if transposed { (transpose(&b, kb, n), (1, kb)) } else { (b, (n, 1)) };
+                    let (a, a_strides) = if transposed { (transpose(&a, (m, k)), (1, m)) } else { (a, (k, 1)) };
+                    let (b, bs) = if transposed { (transpose(&b, (kb, n)), (1, kb)) } else { (b, (n, 1)) };
                     let start = values(m * ldc, 13);
                     let mut got = start.clone();
                     let packed_a = pack_rows((&a, a_strides), (m, k)).expect("reachable");
@@ -1220,17 +1228,6 @@ mod tests {
         }
     }
 
-    /// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix.
-    fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-        let mut t = vec![0.0; rows * cols];
-        for i in 0..rows {
-            for j in 0..cols {
-                t[j * rows + i] = x[i * cols + j];
-            }
-        }
-        t
-    }
-
     #[test]
     fn kernel_matches_the_reference() {
         let kernels = Kernel::reachable();
@@ -1252,9 +1249,9 @@ mod tests {
                         let a = values(m * k, 1);
                         let b = values(k * n, 2);
                         // b as stored, or as the transpose of an [n, k] matrix (strides (1, k)); and
-                        let (b, bs) = if transposed { (transpose(&b, k, n), (1, k)) } else { (b, (n, 1)) };
+                        let (b, bs) = if transposed { (transpose(&b, (k, n)), (1, k)) } else { (b, (n, 1)) };
                         // a likewise: as stored, or as the transpose of a [k, m] matrix (strides (1, m)).
-                        let (a, a_strides) = if transposed { (transpose(&a, m, k), (1, m)) } else { (a, (k, 1)) };
+                        let (a, a_strides) = if transposed { (transpose(&a, (m, k)), (1, m)) } else { (a, (k, 1)) };
                         let start = values(m * n, 3);
                         let mut want = start.clone();
                         reference(&mut want, accumulate, (&a, a_strides), (&b, bs), (m, k, n));

@@ -1011,9 +1011,9 @@ fn block_panels(x: &[f32], rs: usize, shape: (usize, usize)) -> Option<super::bf
 }
 
 /// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix.
-fn transposed(x: &[f32], (rows, cols): (usize, usize)) -> Vec<f32> {
+pub(super) fn transposed(x: &[f32], (rows, cols): (usize, usize)) -> Vec<f32> {
     let mut out = vec![0.0f32; rows * cols];
-    for (i, row) in x.chunks_exact(cols).take(rows).enumerate() {
+    for (i, row) in x.chunks_exact(cols.max(1)).take(rows).enumerate().filter(|_| cols > 0) {
         for (j, &v) in row.iter().enumerate() {
             out[j * rows + i] = v;
         }
@@ -1902,4 +1902,3 @@ mod tests {
         assert_close(&back, &x, 1e-6, "inverse");
     }
 }
-
