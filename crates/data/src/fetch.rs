@@ -17,21 +17,13 @@ use crate::manifest::Manifest;
 pub struct Locations {
     /// The repository's `datasets/` folder (relative to the working directory by default).
     pub repo_dir: PathBuf,
-    /// `$EMBER_DATA_DIR`.
+    /// A folder of datasets the user points at (`$EMBER_DATA_DIR` for the binary).
     pub data_dir: Option<PathBuf>,
     /// ember's cache: downloads go to `<cache>/datasets/<name>/`.
     pub cache_dir: PathBuf,
 }
 
 impl Locations {
-    pub fn from_env() -> Self {
-        Self {
-            repo_dir: PathBuf::from("datasets"),
-            data_dir: std::env::var_os("EMBER_DATA_DIR").map(PathBuf::from),
-            cache_dir: cache_dir_from_env(),
-        }
-    }
-
     fn candidates(&self, m: &Manifest) -> Vec<PathBuf> {
         let mut out = vec![self.repo_dir.join(&m.name).join(&m.file)];
         if let Some(dir) = &self.data_dir {
@@ -44,15 +36,6 @@ impl Locations {
     fn cached(&self, m: &Manifest) -> PathBuf {
         self.cache_dir.join("datasets").join(&m.name).join(&m.file)
     }
-}
-
-/// `$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`, else `.ember-cache`.
-pub fn cache_dir_from_env() -> PathBuf {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    var("EMBER_CACHE_DIR")
-        .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("ember")))
-        .or_else(|| var("HOME").map(|p| p.join(".cache").join("ember")))
-        .unwrap_or_else(|| PathBuf::from(".ember-cache"))
 }
 
 /// Lower-case hex sha256 of a file.

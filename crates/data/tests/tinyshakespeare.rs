@@ -11,8 +11,11 @@ use ember_data::{Manifest, TokenizerSpec};
 use sha2::{Digest, Sha256};
 
 fn input_txt() -> PathBuf {
-    let mut loc = Locations::from_env();
-    loc.repo_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../datasets");
+    let loc = Locations {
+        repo_dir: PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../datasets"),
+        data_dir: std::env::var_os("EMBER_DATA_DIR").map(PathBuf::from),
+        cache_dir: std::env::temp_dir().join("ember-test-cache"),
+    };
     let m = Manifest::built_in("tinyshakespeare").unwrap();
     // Found, or downloaded (sha256 checked); offline the error says where to put the file.
     locate(&m, &loc).unwrap_or_else(|e| panic!("{e}"))

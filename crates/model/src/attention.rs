@@ -8,10 +8,10 @@ use crate::config::AttentionConfig;
 use crate::init::Init;
 use crate::kv_cache::LayerKv;
 use crate::linear::{forward_packed, Linear};
-use crate::ops::attention::{attention_rope_packed, causal_mask, masked_attention, repeat_kv};
-use crate::ops::documents::Documents;
-use crate::ops::rope::Rope;
-use crate::ops::EmberBackend;
+use ember_kernels::attention::{attention_rope_packed, causal_mask, masked_attention, repeat_kv};
+use ember_kernels::documents::Documents;
+use ember_kernels::rope::Rope;
+use ember_kernels::{Compute, EmberBackend};
 
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
@@ -67,23 +67,24 @@ impl<B: EmberBackend> Attention<B> {
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
     ///
-    /// Projections and the attention GEMMs run in `compute`; RoPE, the softmax and the result are f32.
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, compute: DType) -> Tensor<B, 3> {
+    /// Projections and the attention GEMMs run in `cx.dtype`; RoPE, the softmax and the result are
+    /// f32.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let qkv = self.qkv(x.reshape([b * t, d]), compute); // [B·T, (H + 2K)·Dh]
+        let qkv = self.qkv(x.reshape([b * t, d]), cx); // [B·T, (H + 2K)·Dh]
         let o = match keys {
-            Keys::Own { start, docs } => self.attend_own(qkv, rope, (b, t), start, docs, compute),
-            Keys::Cache(kv) => self.attend_cache(qkv, rope, (b, t), kv, compute),
+            Keys::Own { start, docs } => self.attend_own(qkv, rope, (b, t), start, docs, cx),
+            Keys::Cache(kv) => self.attend_cache(qkv, rope, (b, t), kv, cx),
         }; // [B·T, H·Dh]
-        self.o_proj.forward(o, compute).reshape([b, t, d])
+        self.o_proj.forward(o, cx).reshape([b, t, d])
     }
 
     /// The three projections as one GEMM.
     ///
     /// # Shapes
     /// - x: `[N, D]` -> `[N, (H + 2K)·Dh]`, rows `[q | k | v]`
-    fn qkv(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        forward_packed(&[&self.q_proj, &self.k_proj, &self.v_proj], x, compute)
+    fn qkv(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+        forward_packed(&[&self.q_proj, &self.k_proj, &self.v_proj], x, cx)
     }
 
     /// # Shapes
@@ -95,15 +96,15 @@ impl<B: EmberBackend> Attention<B> {
         (b, t): (usize, usize),
         start: usize,
         docs: Option<&Documents>,
-        compute: DType,
+        cx: Compute,
     ) -> Tensor<B, 2> {
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
         if let Some(docs) = docs {
             assert_eq!(docs.dims(), [b, t], "documents of another batch shape than the tokens");
         }
-        if compute == DType::F32 && self.sliding_window.is_none_or(|w| w >= t) {
+        if cx.dtype == DType::F32 && self.sliding_window.is_none_or(|w| w >= t) {
             // RoPE and causal GQA attention as one op, on the projections' own layout.
-            return attention_rope_packed(qkv, rope, (b, t), (h, k, dh), start, docs);
+            return attention_rope_packed(qkv, rope, (b, t), (h, k, dh), start, docs, cx);
         }
         let device = qkv.device();
         let [q, key, v] = self.split_heads(qkv, b, t);
@@ -118,7 +119,7 @@ impl<B: EmberBackend> Attention<B> {
                 (rope.apply(q, start), rope.apply(key, start), hidden)
             }
         };
-        let o = masked_attention(q, repeat_kv(key, h / k), repeat_kv(v, h / k), Some(hidden), compute);
+        let o = masked_attention(q, repeat_kv(key, h / k), repeat_kv(v, h / k), Some(hidden), cx.dtype);
         o.swap_dims(1, 2).reshape([b * t, h * dh]) // from [B, H, T, Dh]
     }
 
@@ -130,13 +131,13 @@ impl<B: EmberBackend> Attention<B> {
         rope: &Rope<B>,
         (b, t): (usize, usize),
         kv: LayerKv<'_, B>,
-        compute: DType,
+        cx: Compute,
     ) -> Tensor<B, 2> {
         let (h, k, dh) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let [q, key, v] = self.split_heads(qkv, b, t);
         let starts = kv.starts();
-        let (q, key) = (rope.apply_rows_op(q, &starts), rope.apply_rows_op(key, &starts)); // post-RoPE, as stored
-        let o = kv.attend(q, key, v, h / k, compute); // [B, H, T, Dh]
+        let (q, key) = (rope.apply_rows_op(q, &starts, cx), rope.apply_rows_op(key, &starts, cx)); // post-RoPE, as stored
+        let o = kv.attend(q, key, v, h / k, cx); // [B, H, T, Dh]
         o.swap_dims(1, 2).reshape([b * t, h * dh])
     }
 
@@ -197,7 +198,7 @@ mod tests {
         }
         let rope = Rope::new(cfg.max_seq_len, cfg.head_dim(), cfg.rope_theta, cfg.rope_layout, &dev);
         let x = Tensor::<B, 3>::random([2, 7, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
-        let got = att.forward(x.clone(), &rope, Keys::Own { start: 0, docs: None }, DType::F32).into_data();
+        let got = att.forward(x.clone(), &rope, Keys::Own { start: 0, docs: None }, Compute::default()).into_data();
         let want = plain_mha(&att, x, &rope).into_data();
         got.assert_approx_eq::<f32>(&want, Tolerance::absolute(1e-5));
     }
@@ -221,8 +222,8 @@ mod tests {
         mha.v_proj.weight = Param::from_tensor(repeat(gqa.v_proj.weight.val()));
         let rope = Rope::new(cfg.max_seq_len, dh, cfg.rope_theta, cfg.rope_layout, &dev);
         let x = Tensor::<B, 3>::random([1, 9, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
-        let a = gqa.forward(x.clone(), &rope, Keys::Own { start: 0, docs: None }, DType::F32).into_data();
-        let b = mha.forward(x, &rope, Keys::Own { start: 0, docs: None }, DType::F32).into_data();
+        let a = gqa.forward(x.clone(), &rope, Keys::Own { start: 0, docs: None }, Compute::default()).into_data();
+        let b = mha.forward(x, &rope, Keys::Own { start: 0, docs: None }, Compute::default()).into_data();
         a.assert_approx_eq::<f32>(&b, Tolerance::absolute(1e-6));
     }
 
@@ -235,7 +236,7 @@ mod tests {
         assert_eq!((att.k_proj.d_out(), att.q_proj.d_out()), (8, 16));
         let rope = Rope::new(8, 8, 10_000.0, crate::config::RopeLayout::HalfSplit, &dev);
         let x = Tensor::<B, 3>::random([1, 5, 16], Distribution::Normal(0.0, 1.0), &dev);
-        let y = att.forward(x, &rope, Keys::Own { start: 0, docs: None }, DType::F32);
+        let y = att.forward(x, &rope, Keys::Own { start: 0, docs: None }, Compute::default());
         assert_eq!(y.dims(), [1, 5, 16]);
     }
 }

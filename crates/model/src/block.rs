@@ -2,16 +2,18 @@
 //! distinct: the MLP output is added to `h`, not to the block input.
 
 use burn::module::Module;
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::{backend::Backend, Tensor};
 
 use crate::attention::{Attention, Keys};
 use crate::config::BlockConfig;
 use crate::dropout;
 use crate::init::Init;
+use crate::linear::Linear;
+use crate::lora::Target;
 use crate::mlp::Mlp;
 use crate::norm::RmsNorm;
-use crate::ops::rope::Rope;
-use crate::ops::EmberBackend;
+use ember_kernels::rope::Rope;
+use ember_kernels::{Compute, EmberBackend};
 
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
@@ -37,14 +39,44 @@ impl BlockConfig {
     }
 }
 
+impl<B: Backend> Block<B> {
+    /// The projection `target` names.
+    pub fn projection(&self, target: Target) -> &Linear<B> {
+        let (att, mlp) = (&self.self_attn, &self.mlp);
+        match target {
+            Target::QProj => &att.q_proj,
+            Target::KProj => &att.k_proj,
+            Target::VProj => &att.v_proj,
+            Target::OProj => &att.o_proj,
+            Target::GateProj => &mlp.gate_proj,
+            Target::UpProj => &mlp.up_proj,
+            Target::DownProj => &mlp.down_proj,
+        }
+    }
+
+    /// The projection `target` names, to change.
+    pub fn projection_mut(&mut self, target: Target) -> &mut Linear<B> {
+        let (att, mlp) = (&mut self.self_attn, &mut self.mlp);
+        match target {
+            Target::QProj => &mut att.q_proj,
+            Target::KProj => &mut att.k_proj,
+            Target::VProj => &mut att.v_proj,
+            Target::OProj => &mut att.o_proj,
+            Target::GateProj => &mut mlp.gate_proj,
+            Target::UpProj => &mut mlp.up_proj,
+            Target::DownProj => &mut mlp.down_proj,
+        }
+    }
+}
+
 impl<B: EmberBackend> Block<B> {
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, compute: DType) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone()), rope, keys, compute);
+        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone(), cx), rope, keys, cx);
         let h = (x + dropout(attn, self.dropout)).reshape([b * t, d]); // [B·T, D]
-        let y = h.clone() + dropout(self.mlp.forward(self.post_attention_layernorm.forward(h), compute), self.dropout);
+        let y = h.clone() + dropout(self.mlp.forward(self.post_attention_layernorm.forward(h, cx), cx), self.dropout);
         y.reshape([b, t, d])
     }
 }

@@ -3,8 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::rope::Rope;
-pub use crate::ops::rope::{RopeLayout, RopeScaling};
+use ember_kernels::rope::Rope;
+pub use ember_kernels::rope::{RopeLayout, RopeScaling};
 
 /// Architecture of a Llama-style decoder. Hugging Face `config.json` names in brackets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -261,27 +261,13 @@ impl ModelConfig {
         3.0 * self.forward_flops_per_token(seq_len)
     }
 
-    /// `(in, out)` of the projection a LoRA target names, `None` for a name that is not one.
-    pub fn projection_shape(&self, name: &str) -> Option<(usize, usize)> {
-        let (d, f) = (self.d_model, self.d_ff);
-        let (q, kv) = (self.n_heads * self.head_dim(), self.n_kv_heads() * self.head_dim());
-        Some(match name {
-            "q_proj" => (d, q),
-            "k_proj" | "v_proj" => (d, kv),
-            "o_proj" => (q, d),
-            "gate_proj" | "up_proj" => (d, f),
-            "down_proj" => (f, d),
-            _ => return None,
-        })
-    }
-
     /// Training FLOPs per token with LoRA adapters of rank `rank` on the projections `targets`
     /// names and everything else frozen: `4N + 6·L·Σ r·(in + out) + 12·L·T·(H·Dh)`. The frozen
     /// weights take part in the forward product and the input gradient's, never in a weight
     /// gradient's, so that counting them 6N would put MFU above what the GEMMs do (over 100 %).
-    pub fn lora_train_flops_per_token(&self, seq_len: usize, rank: usize, targets: &[String]) -> f64 {
+    pub fn lora_train_flops_per_token(&self, seq_len: usize, rank: usize, targets: &[crate::lora::Target]) -> f64 {
         let attention = 12.0 * self.n_layers as f64 * seq_len as f64 * (self.n_heads * self.head_dim()) as f64;
-        let adapter: usize = targets.iter().filter_map(|t| self.projection_shape(t)).map(|(i, o)| rank * (i + o)).sum();
+        let adapter: usize = targets.iter().map(|t| t.shape(self)).map(|(i, o)| rank * (i + o)).sum();
         4.0 * self.matmul_params() as f64 + 6.0 * (self.n_layers * adapter) as f64 + attention
     }
 }
@@ -527,13 +513,13 @@ mod tests {
         let t = 16;
         assert_eq!(c.train_flops_per_token(t), 6.0 * n + 12.0 * 2.0 * 16.0 * 32.0);
         // LoRA r 4 on q and down: the base 4N, each adapter 6·r·(in + out) a layer.
-        let (q, down) = (c.projection_shape("q_proj").unwrap(), c.projection_shape("down_proj").unwrap());
+        use crate::lora::Target;
+        let (q, down) = (Target::QProj.shape(&c), Target::DownProj.shape(&c));
         assert_eq!(q, (c.d_model, c.n_heads * c.head_dim()));
         assert_eq!(down, (c.d_ff, c.d_model));
-        let targets = ["q_proj".to_string(), "down_proj".to_string()];
         let adapters = 6.0 * 2.0 * 4.0 * (q.0 + q.1 + down.0 + down.1) as f64;
+        let targets = [Target::QProj, Target::DownProj];
         assert_eq!(c.lora_train_flops_per_token(t, 4, &targets), 4.0 * n + adapters + 12.0 * 2.0 * 16.0 * 32.0);
-        assert_eq!(c.projection_shape("lm_head"), None);
         // Tied: the head is the embedding table, still counted once as a matmul.
         let tied = ModelConfig { tie_embeddings: true, ..c.clone() };
         assert_eq!(tied.matmul_params(), c.matmul_params());

@@ -11,11 +11,11 @@ use crate::config::{ConfigError, ModelConfig};
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
-use crate::lora::{FreezeBase, Lora, LoraConfig};
+use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
 use crate::norm::RmsNorm;
-use crate::ops::documents::Documents;
-use crate::ops::rope::Rope;
-use crate::ops::EmberBackend;
+use ember_kernels::documents::Documents;
+use ember_kernels::rope::Rope;
+use ember_kernels::{Compute, EmberBackend};
 use crate::to_dtype;
 
 #[derive(Module, Debug)]
@@ -30,9 +30,10 @@ pub struct Decoder<B: Backend> {
     pub rope: Rope<B>,
     #[module(skip)]
     config: ModelConfig,
-    /// dtype of the GEMMs (mixed precision); parameters and everything else stay f32.
+    /// How the model computes: the GEMMs' dtype (mixed precision; parameters and everything else
+    /// stay f32), the CPU products' precision, kernels or reference. Every op is called with it.
     #[module(skip)]
-    compute: DType,
+    compute: Compute,
 }
 
 impl<B: EmberBackend> Decoder<B> {
@@ -61,17 +62,18 @@ impl<B: EmberBackend> Decoder<B> {
             lm_head,
             rope: config.rope(device),
             config: config.clone(),
-            compute: DType::F32,
+            compute: Compute::default(),
         })
     }
 
-    /// Runs the GEMMs in `dtype` (bf16 or f16 for mixed precision; f32 for full precision).
-    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
-        self.compute = dtype;
+    /// Computes as `compute` says (see [`Compute`]; the default: f32 on ember's kernels, with
+    /// everything the CPU has).
+    pub fn with_compute(mut self, compute: Compute) -> Self {
+        self.compute = compute;
         self
     }
 
-    pub fn compute_dtype(&self) -> DType {
+    pub fn compute(&self) -> Compute {
         self.compute
     }
 
@@ -99,7 +101,7 @@ impl<B: EmberBackend> Decoder<B> {
         for layer in &self.layers {
             x = layer.forward(x, &self.rope, Keys::Own { start, docs }, self.compute);
         }
-        self.norm.forward(x)
+        self.norm.forward(x, self.compute)
     }
 
     /// Final hidden states of new positions fed through the KV cache: row `b` brings `new_lens[b]`
@@ -141,7 +143,7 @@ impl<B: EmberBackend> Decoder<B> {
             x = layer.forward(x, &self.rope, Keys::Cache(step.layer(i)), self.compute);
         }
         step.finish();
-        self.norm.forward(x)
+        self.norm.forward(x, self.compute)
     }
 
     /// A fresh KV cache for `batch` sequences of this model.
@@ -160,12 +162,13 @@ impl<B: EmberBackend> Decoder<B> {
     /// # Shapes
     /// - hidden: `[N, D]` -> `[N, V]`
     pub fn logits(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
-        let hidden = to_dtype(hidden, self.compute);
+        let dtype = self.compute.dtype;
+        let hidden = to_dtype(hidden, dtype);
         let logits = match &self.lm_head {
-            Some(head) => hidden.matmul(to_dtype(head.weight.val(), self.compute)),
+            Some(head) => hidden.matmul(to_dtype(head.weight.val(), dtype)),
             // Tied: the embedding table `[V, D]` read where it is; `h · Eᵀ` through matmul would
             // copy the whole transposed table (113 MB for SmolLM2) at every call.
-            None => crate::ops::linear::linear_nt(hidden, to_dtype(self.embed_tokens.val(), self.compute)),
+            None => ember_kernels::linear::linear_nt(hidden, to_dtype(self.embed_tokens.val(), dtype), self.compute),
         };
         to_dtype(logits, DType::F32)
     }
@@ -175,23 +178,12 @@ impl<B: EmberBackend> Decoder<B> {
     pub fn with_lora(self, config: &LoraConfig, seed: u64) -> Self {
         let device = self.embed_tokens.device();
         let mut init = Init::new(seed);
-        let mut model = self.map(&mut FreezeBase::new());
+        let mut model = crate::weights::map_paths(self, &mut FreezeBase);
         for layer in model.layers.iter_mut() {
-            let att = &mut layer.self_attn;
-            let mlp = &mut layer.mlp;
-            let projections: [(&str, &mut Linear<B>); 7] = [
-                ("q_proj", &mut att.q_proj),
-                ("k_proj", &mut att.k_proj),
-                ("v_proj", &mut att.v_proj),
-                ("o_proj", &mut att.o_proj),
-                ("gate_proj", &mut mlp.gate_proj),
-                ("up_proj", &mut mlp.up_proj),
-                ("down_proj", &mut mlp.down_proj),
-            ];
-            for (name, lin) in projections {
-                if config.targets.iter().any(|t| t == name) {
-                    lin.lora = Some(Lora::new(&mut init, lin.d_in(), lin.d_out(), config, &device));
-                }
+            // In the table's order, whatever the config's: the adapters' draws do not depend on it.
+            for target in Target::ALL.into_iter().filter(|t| config.targets.contains(t)) {
+                let lin = layer.projection_mut(target);
+                lin.lora = Some(Lora::new(&mut init, lin.d_in(), lin.d_out(), config, &device));
             }
         }
         model
@@ -199,18 +191,14 @@ impl<B: EmberBackend> Decoder<B> {
 
     /// Whether any projection carries a LoRA adapter.
     pub fn has_lora(&self) -> bool {
-        crate::weights::param_shapes::<B, _>(self).iter().any(|(k, _)| k.contains(".lora."))
+        self.layers.iter().any(|layer| Target::ALL.into_iter().any(|t| layer.projection(t).has_lora()))
     }
 
     /// Folds every adapter into its projection's weight.
     pub fn merge_lora(mut self) -> Self {
         for layer in self.layers.iter_mut() {
-            let att = &mut layer.self_attn;
-            for lin in [&mut att.q_proj, &mut att.k_proj, &mut att.v_proj, &mut att.o_proj] {
-                *lin = lin.clone().merge_lora();
-            }
-            let mlp = &mut layer.mlp;
-            for lin in [&mut mlp.gate_proj, &mut mlp.up_proj, &mut mlp.down_proj] {
+            for target in Target::ALL {
+                let lin = layer.projection_mut(target);
                 *lin = lin.clone().merge_lora();
             }
         }
@@ -218,7 +206,7 @@ impl<B: EmberBackend> Decoder<B> {
     }
 
     /// Stores every parameter in `dtype` (f32 for training; bf16 or f16 halves the memory of a model
-    /// used for inference). Computation keeps its own dtype: see [`Self::with_compute_dtype`].
+    /// used for inference). Computation keeps its own dtype: see [`Self::with_compute`].
     pub fn with_param_dtype(self, dtype: DType) -> Self {
         struct Cast(DType);
         impl<B: Backend> burn::module::ModuleMapper<B> for Cast {
@@ -254,7 +242,7 @@ mod tests {
     use super::*;
     use crate::config::{tiny_config, RopeLayout};
     use crate::lora::LoraConfig;
-    use crate::ops::rope::interleaved_to_half_split;
+    use ember_kernels::rope::interleaved_to_half_split;
     use crate::TestBackend;
     use burn::tensor::{TensorData, Tolerance};
 
@@ -366,7 +354,7 @@ mod tests {
         let ids: Vec<i32> = (0..16).map(|i| (i * 5 + 3) % 37).collect();
         let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(ids, [2, 8]), &dev);
         let grads_for = |dtype: DType| {
-            let model = Decoder::<AB>::new(&cfg, 3, &dev).unwrap().with_compute_dtype(dtype);
+            let model = Decoder::<AB>::new(&cfg, 3, &dev).unwrap().with_compute(Compute::default().with_dtype(dtype));
             let logits = model.forward(tokens.clone());
             assert_eq!(logits.dtype(), DType::F32);
             let loss = logits.powi_scalar(2).mean();
@@ -392,7 +380,7 @@ mod tests {
         type AB = Autodiff<B>;
         let dev = Default::default();
         let cfg = ModelConfig { init_std: 0.1, ..tiny_config() };
-        let lora = LoraConfig { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec!["q_proj".into(), "down_proj".into()] };
+        let lora = LoraConfig { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec![Target::QProj, Target::DownProj] };
         let base = Decoder::<AB>::new(&cfg, 3, &dev).unwrap();
         let ids: Vec<i32> = (0..10).map(|i| (i * 3) % 37).collect();
         let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(ids, [1, 10]), &dev);

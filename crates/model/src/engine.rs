@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 
 use crate::decoder::Decoder;
 use crate::kv_cache::KvCache;
-use crate::ops::EmberBackend;
+use ember_kernels::EmberBackend;
 use crate::sample::{check_prompts, feed_rows, SampleError, Sampler};
 
 /// The engine's name for a request, in submission order.

@@ -13,12 +13,13 @@
 //! on the CPU; elsewhere a gather and a mask, made once for all layers).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::config::ModelConfig;
-use crate::ops::kv::KvWriteOps;
-use crate::ops::paged::{grouped_attention, Paged, PagedAttentionOps, PagedLayout};
-use crate::ops::{float, prim};
+use ember_kernels::kv::KvWriteOps;
+use ember_kernels::paged::{grouped_attention, Paged, PagedAttentionOps, PagedLayout};
+use ember_kernels::Compute;
 
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
@@ -245,11 +246,11 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
     ///
     /// # Shapes
     /// - q: `[B, H, T, Dh]`, k, v: `[B, K, T, Dh]` -> `[B, H, T, Dh]`
-    pub fn attend(self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, rep: usize, compute: DType) -> Tensor<B, 4> {
+    pub fn attend(self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, rep: usize, cx: Compute) -> Tensor<B, 4> {
         let c = self.cache;
         let (kh, dh) = (c.n_kv_heads, c.head_dim);
         let Some(plan) = c.plan.as_ref() else {
-            return grouped_attention(q, k, v, None, rep, compute); // no step under way: own keys only
+            return grouped_attention(q, k, v, None, rep, cx.dtype); // no step under way: own keys only
         };
         let b = plan.rows.len();
         let rows = |x: Tensor<B, 4>| {
@@ -268,6 +269,14 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
         let values = std::mem::replace(&mut c.values[l], placeholder());
         c.values[l] = float(B::kv_write(prim(values), &plan.write, prim(nv)));
         let (keys, values) = (prim(c.keys[l].clone()), prim(c.values[l].clone()));
-        float(B::paged_attention(prim(q), keys, values, &plan.paged, rep, compute))
+        float(B::paged_attention(prim(q), keys, values, &plan.paged, rep, cx))
     }
+}
+
+fn float<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
 }

@@ -14,8 +14,6 @@ pub mod linear;
 pub mod lora;
 pub mod mlp;
 pub mod norm;
-pub mod ops;
-pub use ops::{documents, rope};
 pub mod sample;
 pub mod weights;
 
@@ -24,11 +22,12 @@ pub use config::{
     AttentionConfig, BlockConfig, ConfigError, MlpConfig, ModelConfig, RmsNormConfig, RopeLayout, RopeScaling,
 };
 pub use decoder::Decoder;
-pub use documents::{Documents, DocumentsError};
+pub use ember_kernels::documents::{Documents, DocumentsError};
+pub use ember_kernels::Compute;
 pub use kv_cache::KvCache;
 pub use lora::LoraConfig;
 
-pub(crate) use ops::to_dtype;
+pub(crate) use ember_kernels::to_dtype;
 
 /// Inverted dropout with probability `p`, active only while autodiff records (training).
 pub(crate) fn dropout<B: burn::tensor::backend::Backend, const D: usize>(

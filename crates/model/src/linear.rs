@@ -6,8 +6,8 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
 use crate::lora::Lora;
-use crate::ops::linear::{self, linear, LowRank};
-use crate::ops::EmberBackend;
+use ember_kernels::linear::{self, linear, LowRank};
+use ember_kernels::{Compute, EmberBackend};
 use crate::to_dtype;
 
 #[derive(Module, Debug)]
@@ -55,8 +55,8 @@ impl<B: Backend> Linear<B> {
 }
 
 impl<B: EmberBackend> Linear<B> {
-    /// `x·W + b` (plus the adapter's `(α/r)·x·A·B` when one is attached) with the GEMMs in `compute`
-    /// (f32, bf16 or f16) and the result in f32. With a low precision `compute`, the f32 master
+    /// `x·W + b` (plus the adapter's `(α/r)·x·A·B` when one is attached) with the GEMMs in `cx.dtype`
+    /// (f32, bf16 or f16) and the result in f32. With a low precision `cx.dtype`, the f32 master
     /// weights are cast on the way in; autodiff casts their gradients back to f32 on the way out.
     ///
     /// # Shapes
@@ -64,15 +64,15 @@ impl<B: EmberBackend> Linear<B> {
     ///
     /// Callers fold leading dimensions into N: a 2-D GEMM avoids the batched-matmul broadcast and the
     /// per-batch reduction of the weight gradient.
-    pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        forward_packed(&[self], x, compute)
+    pub fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+        forward_packed(&[self], x, cx)
     }
 
     /// [`Self::forward`] as separate ops: the layer, then the adapter (with its dropout) added.
-    fn forward_apart(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        let y = linear_packed(x.clone(), self.weight.val(), self.bias.as_ref().map(|b| b.val()), compute);
+    fn forward_apart(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+        let y = linear_packed(x.clone(), self.weight.val(), self.bias.as_ref().map(|b| b.val()), cx);
         match &self.lora {
-            Some(lora) => y + lora.forward(x, compute),
+            Some(lora) => y + lora.forward(x, cx),
             None => y,
         }
     }
@@ -94,11 +94,12 @@ const DECODE_ROWS: usize = 16;
 /// inside that op ([`linear::linear_lora`]): each `(α/r)·(x·A)·B` accumulates into its projection's
 /// columns and the frozen weights are never differentiated. When decoding a few rows, and with
 /// adapter dropout (one mask each), each projection runs on its own and the outputs are
-/// concatenated. Computed in `compute`, returned in f32.
+/// concatenated. Computed in `cx.dtype`, returned in f32.
 ///
 /// # Shapes
 /// - x: `[N, in]` -> `[N, Σ out_i]`
-pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+    let compute = cx.dtype;
     let biased = parts.iter().filter(|p| p.bias.is_some()).count();
     let adapted = parts.iter().any(|p| p.has_lora());
     // Decoding (a few rows, no autodiff): the weights are read where they are, one GEMM each;
@@ -109,8 +110,8 @@ pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, co
     let dropout = training && parts.iter().any(|p| p.lora.as_ref().is_some_and(|l| l.dropout > 0.0));
     let apart = decoding || dropout || (biased != 0 && biased != parts.len());
     // One layer: the plain linear op, and its adapter added where no kernel takes it inside.
-    if apart || (parts.len() == 1 && !(adapted && B::fused(compute))) {
-        let outputs: Vec<_> = parts.iter().map(|p| p.forward_apart(x.clone(), compute)).collect();
+    if apart || (parts.len() == 1 && !(adapted && cx.fused::<B>(compute))) {
+        let outputs: Vec<_> = parts.iter().map(|p| p.forward_apart(x.clone(), cx)).collect();
         return if outputs.len() == 1 {
             outputs.into_iter().next().expect("one output")
         } else {
@@ -121,21 +122,21 @@ pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, co
     let biases = parts.iter().filter_map(|p| p.bias.as_ref().map(|b| to_dtype(b.val(), compute))).collect();
     let x = to_dtype(x, compute);
     let y = match adapted {
-        true => linear::linear_lora(x, weights, biases, parts.iter().map(|p| p.low_rank(compute)).collect()),
-        false => linear::linear_multi(x, weights, biases),
+        true => linear::linear_lora(x, weights, biases, parts.iter().map(|p| p.low_rank(compute)).collect(), cx),
+        false => linear::linear_multi(x, weights, biases, cx),
     };
     to_dtype(y, DType::F32)
 }
 
-/// `x·W + b` in `compute`, returned in f32.
+/// `x·W + b` in `cx.dtype`, returned in f32.
 fn linear_packed<B: EmberBackend>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
     b: Option<Tensor<B, 1>>,
-    compute: DType,
+    cx: Compute,
 ) -> Tensor<B, 2> {
-    let bias = b.map(|b| to_dtype(b, compute));
-    to_dtype(linear(to_dtype(x, compute), to_dtype(w, compute), bias), DType::F32)
+    let bias = b.map(|b| to_dtype(b, cx.dtype));
+    to_dtype(linear(to_dtype(x, cx.dtype), to_dtype(w, cx.dtype), bias, cx), DType::F32)
 }
 
 #[cfg(test)]
@@ -189,8 +190,8 @@ mod tests {
             let run = |inside: bool| -> Vec<(&str, Option<TensorData>)> {
                 let x = Tensor::<AB, 2>::from_inner(x0.clone()).require_grad();
                 let y = match inside {
-                    true => forward_packed(&parts, x.clone(), DType::F32),
-                    false => Tensor::cat(parts.iter().map(|p| p.forward_apart(x.clone(), DType::F32)).collect(), 1),
+                    true => forward_packed(&parts, x.clone(), Compute::default()),
+                    false => Tensor::cat(parts.iter().map(|p| p.forward_apart(x.clone(), Compute::default())).collect(), 1),
                 };
                 let grads = (y.clone() * mix.clone()).sum().backward();
                 let grad = |t: Tensor<AB, 2>| t.grad(&grads).map(|g| g.into_data());

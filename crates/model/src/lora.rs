@@ -2,16 +2,69 @@
 //! `A: [in, r]` and `B: [r, out]` the only trained weights. `B` starts at zero, so the adapted model
 //! starts as the base model.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Distribution, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::init::{const_param, Init};
-use crate::ops::{linear, EmberBackend};
-use crate::to_dtype;
+use ember_kernels::linear::linear;
+use ember_kernels::{Compute, EmberBackend};
 
-/// The projections an adapter can target.
-pub const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+use crate::config::ModelConfig;
+use crate::init::{const_param, Init};
+use crate::to_dtype;
+use crate::weights::PathMapper;
+
+/// A projection an adapter can target, spelled in configs as Hugging Face names the module (and
+/// peft's `target_modules` does): `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
+/// `down_proj`. The one table of them: [`Target::ALL`], [`Target::name`], [`Target::shape`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] =
+        [Target::QProj, Target::KProj, Target::VProj, Target::OProj, Target::GateProj, Target::UpProj, Target::DownProj];
+
+    /// The Hugging Face module name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::QProj => "q_proj",
+            Target::KProj => "k_proj",
+            Target::VProj => "v_proj",
+            Target::OProj => "o_proj",
+            Target::GateProj => "gate_proj",
+            Target::UpProj => "up_proj",
+            Target::DownProj => "down_proj",
+        }
+    }
+
+    /// `(in, out)` of the projection in a model of `config`.
+    pub fn shape(self, config: &ModelConfig) -> (usize, usize) {
+        let (d, f) = (config.d_model, config.d_ff);
+        let (q, kv) = (config.n_heads * config.head_dim(), config.n_kv_heads() * config.head_dim());
+        match self {
+            Target::QProj => (d, q),
+            Target::KProj | Target::VProj => (d, kv),
+            Target::OProj => (q, d),
+            Target::GateProj | Target::UpProj => (d, f),
+            Target::DownProj => (f, d),
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -23,13 +76,13 @@ pub struct LoraConfig {
     /// Dropout on the adapter's input during training.
     #[serde(default)]
     pub dropout: f64,
-    /// Projection names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).
+    /// The projections to adapt.
     #[serde(default = "default_targets")]
-    pub targets: Vec<String>,
+    pub targets: Vec<Target>,
 }
 
-fn default_targets() -> Vec<String> {
-    vec!["q_proj".into(), "v_proj".into()]
+fn default_targets() -> Vec<Target> {
+    vec![Target::QProj, Target::VProj]
 }
 
 impl LoraConfig {
@@ -45,9 +98,6 @@ impl LoraConfig {
         }
         if self.targets.is_empty() {
             return Err("lora.targets is empty".into());
-        }
-        if let Some(t) = self.targets.iter().find(|t| !TARGETS.contains(&t.as_str())) {
-            return Err(format!("lora.targets: unknown projection `{t}` (expected one of {})", TARGETS.join(", ")));
         }
         Ok(())
     }
@@ -90,7 +140,8 @@ impl<B: EmberBackend> Lora<B> {
     ///
     /// # Shapes
     /// - x: `[N, in]` -> `[N, out]`
-    pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
+    pub fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+        let compute = cx.dtype;
         let x = if self.dropout > 0.0 && B::ad_enabled(&x.device()) {
             let keep = 1.0 - self.dropout;
             x.clone() * x.random_like(Distribution::Bernoulli(keep)).div_scalar(keep)
@@ -99,31 +150,17 @@ impl<B: EmberBackend> Lora<B> {
         };
         let a = to_dtype(self.lora_a.val(), compute);
         let b = to_dtype(self.lora_b.val().mul_scalar(self.scale), compute);
-        let u = linear(to_dtype(x, compute), a, None); // [N, r]
-        to_dtype(linear(u, b, None), DType::F32)
+        let u = linear(to_dtype(x, compute), a, None, cx); // [N, r]
+        to_dtype(linear(u, b, None, cx), DType::F32)
     }
 }
 
 /// Marks every parameter outside the adapters as frozen (no gradient, not in the optimizer).
-pub(crate) struct FreezeBase {
-    path: Vec<String>,
-}
+pub(crate) struct FreezeBase;
 
-impl FreezeBase {
-    pub(crate) fn new() -> Self {
-        Self { path: Vec::new() }
-    }
-}
-
-impl<B: Backend> ModuleMapper<B> for FreezeBase {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
-    }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
-    }
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        if self.path.iter().any(|p| p == "lora") {
+impl<B: Backend> PathMapper<B> for FreezeBase {
+    fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if path.split('.').any(|p| p == "lora") {
             return param;
         }
         param.set_require_grad(false)

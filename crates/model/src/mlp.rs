@@ -2,13 +2,13 @@
 //! 4D GELU MLP costs.
 
 use burn::module::Module;
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::MlpConfig;
 use crate::init::Init;
 use crate::linear::{forward_packed, Linear};
-use crate::ops::swiglu_packed;
-use crate::ops::EmberBackend;
+use ember_kernels::swiglu::swiglu_packed;
+use ember_kernels::{Compute, EmberBackend};
 
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
@@ -36,8 +36,8 @@ impl MlpConfig {
 impl<B: EmberBackend> Mlp<B> {
     /// # Shapes
     /// - x: `[N, D]` -> `[N, D]`
-    pub fn forward(&self, x: Tensor<B, 2>, compute: DType) -> Tensor<B, 2> {
-        let gate_up = forward_packed(&[&self.gate_proj, &self.up_proj], x, compute); // [N, 2F]
-        self.down_proj.forward(swiglu_packed(gate_up), compute)
+    pub fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+        let gate_up = forward_packed(&[&self.gate_proj, &self.up_proj], x, cx); // [N, 2F]
+        self.down_proj.forward(swiglu_packed(gate_up, cx), cx)
     }
 }

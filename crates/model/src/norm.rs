@@ -7,8 +7,8 @@ use burn::tensor::{backend::Backend, Tensor};
 
 use crate::config::RmsNormConfig;
 use crate::init::const_param;
-use crate::ops::rms_norm;
-use crate::ops::EmberBackend;
+use ember_kernels::rms_norm::rms_norm;
+use ember_kernels::{Compute, EmberBackend};
 
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
@@ -25,15 +25,15 @@ impl RmsNormConfig {
 }
 
 impl<B: EmberBackend> RmsNorm<B> {
-    /// One fused op on backends with kernels (`ops::rms_norm`), else the composition.
+    /// One fused op on backends with kernels (`ember_kernels::rms_norm`), else the composition.
     ///
     /// # Shapes
     /// - x: `[..., D]` -> `[..., D]`
-    pub fn forward<const N: usize>(&self, x: Tensor<B, N>) -> Tensor<B, N> {
+    pub fn forward<const N: usize>(&self, x: Tensor<B, N>, cx: Compute) -> Tensor<B, N> {
         let dims = x.dims();
         let d = dims[N - 1];
         let rows = dims.iter().product::<usize>() / d.max(1);
-        rms_norm(x.reshape([rows, d]), self.weight.val(), self.eps).reshape(dims)
+        rms_norm(x.reshape([rows, d]), self.weight.val(), self.eps, cx).reshape(dims)
     }
 }
 
@@ -48,7 +48,7 @@ mod tests {
         let dev = Default::default();
         let norm = RmsNormConfig::new(3).with_eps(1e-5).init::<TestBackend>(&dev);
         let x = Tensor::<TestBackend, 2>::from_data([[1.0, 2.0, 3.0], [0.0, -4.0, 0.0]], &dev);
-        let y = norm.forward(x).into_data();
+        let y = norm.forward(x, Compute::default()).into_data();
         let r1 = ((1.0f32 + 4.0 + 9.0) / 3.0 + 1e-5).sqrt();
         let r2 = (16.0f32 / 3.0 + 1e-5).sqrt();
         let want = TensorData::from([[1.0 / r1, 2.0 / r1, 3.0 / r1], [0.0, -4.0 / r2, 0.0]]);

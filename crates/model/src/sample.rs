@@ -7,7 +7,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::decoder::Decoder;
 use crate::kv_cache::KvCache;
-use crate::ops::EmberBackend;
+use ember_kernels::EmberBackend;
 
 /// How the next token is chosen from the logits.
 #[derive(Debug, Clone, PartialEq)]

@@ -58,6 +58,65 @@ pub fn host_available() -> Option<u64> {
     Some(kb.saturating_mul(1024))
 }
 
+/// A visit of every float parameter with its path (`layers.0.self_attn.q_proj.weight`), through
+/// [`visit_paths`]: the one place that follows Burn's modules to a parameter's name.
+pub trait PathVisitor<B: Backend> {
+    fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>);
+}
+
+/// A change of every float parameter with its path, through [`map_paths`].
+pub trait PathMapper<B: Backend> {
+    fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>>;
+}
+
+/// A visitor or mapper with the dotted path of the module being visited.
+struct Paths<V> {
+    path: Vec<String>,
+    inner: V,
+}
+
+impl<V> Paths<V> {
+    fn joined(&self) -> String {
+        self.path.join(".")
+    }
+}
+
+impl<B: Backend, V: PathVisitor<B>> ModuleVisitor<B> for Paths<&mut V> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let path = self.joined();
+        self.inner.visit(&path, param);
+    }
+}
+
+impl<B: Backend, V: PathMapper<B>> ModuleMapper<B> for Paths<&mut V> {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let path = self.joined();
+        self.inner.map(&path, param)
+    }
+}
+
+/// Visits every float parameter of `module` with its path, in visiting order.
+pub fn visit_paths<B: Backend, M: Module<B>, V: PathVisitor<B>>(module: &M, visitor: &mut V) {
+    module.visit(&mut Paths { path: Vec::new(), inner: visitor });
+}
+
+/// Maps every float parameter of `module` with its path, in visiting order.
+pub fn map_paths<B: Backend, M: Module<B>, V: PathMapper<B>>(module: M, mapper: &mut V) -> M {
+    module.map(&mut Paths { path: Vec::new(), inner: mapper })
+}
+
 /// Every float parameter of `module`, by path, in visiting order.
 pub fn named_tensors<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, TensorData)> {
     named_tensors_where::<B, M, _>(module, |_| true)
@@ -70,49 +129,32 @@ pub fn named_tensors_where<B: Backend, M: Module<B>, F: Fn(&str) -> bool>(
     keep: F,
 ) -> Vec<(String, TensorData)> {
     struct Collect<F> {
-        path: Vec<String>,
         out: Vec<(String, TensorData)>,
         keep: F,
     }
-    impl<B: Backend, F: Fn(&str) -> bool> ModuleVisitor<B> for Collect<F> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let path = self.path.join(".");
-            if (self.keep)(&path) {
-                self.out.push((path, param.val().into_data()));
+    impl<B: Backend, F: Fn(&str) -> bool> PathVisitor<B> for Collect<F> {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+            if (self.keep)(path) {
+                self.out.push((path.to_string(), param.val().into_data()));
             }
         }
     }
-    let mut c = Collect { path: Vec::new(), out: Vec::new(), keep };
-    module.visit(&mut c);
+    let mut c = Collect { out: Vec::new(), keep };
+    visit_paths(module, &mut c);
     c.out
 }
 
 /// Every float parameter's path and shape, without reading values.
 pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
-    struct Shapes {
-        path: Vec<String>,
-        out: Vec<(String, Vec<usize>)>,
-    }
-    impl<B: Backend> ModuleVisitor<B> for Shapes {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.out.push((self.path.join("."), param.lazy_shape().to_vec()));
+    struct Shapes(Vec<(String, Vec<usize>)>);
+    impl<B: Backend> PathVisitor<B> for Shapes {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+            self.0.push((path.to_string(), param.lazy_shape().to_vec()));
         }
     }
-    let mut s = Shapes { path: Vec::new(), out: Vec::new() };
-    module.visit(&mut s);
-    s.out
+    let mut s = Shapes(Vec::new());
+    visit_paths(module, &mut s);
+    s.0
 }
 
 /// Replaces the values of `module`'s parameters with `tensors` (by path), keeping parameter ids and
@@ -149,27 +191,18 @@ pub fn assign<B: Backend, M: Module<B>>(
         return Err(WeightsError::Unexpected { source_name: source_name.into(), keys: unused });
     }
 
-    struct Assign<'a> {
-        path: Vec<String>,
-        tensors: &'a mut BTreeMap<String, TensorData>,
-    }
-    impl<B: Backend> ModuleMapper<B> for Assign<'_> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+    struct Assign<'a>(&'a mut BTreeMap<String, TensorData>);
+    impl<B: Backend> PathMapper<B> for Assign<'_> {
+        fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
-            let data = self.tensors.remove(&self.path.join(".")).expect("checked above");
+            let data = self.0.remove(path).expect("checked above");
             let require_grad = tensor.is_require_grad();
             let new = Tensor::<B, D>::from_data(data.convert_dtype(tensor.dtype()), &tensor.device());
             let new = if require_grad { new.require_grad() } else { new };
             Param::from_mapped_value(id, new, mapper)
         }
     }
-    Ok(module.map(&mut Assign { path: Vec::new(), tensors: &mut tensors }))
+    Ok(map_paths(module, &mut Assign(&mut tensors)))
 }
 
 fn st_dtype(dtype: DType) -> Option<Dtype> {

@@ -4,7 +4,7 @@
 use burn::backend::Flex;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use ember_model::sample::{generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
-use ember_model::{Decoder, ModelConfig, RopeLayout};
+use ember_model::{Compute, Decoder, ModelConfig, RopeLayout};
 
 type B = Flex;
 
@@ -106,7 +106,7 @@ fn bf16_parameters_give_logits_close_to_f32() {
     let half = model.clone().with_param_dtype(DType::BF16);
     assert_eq!(half.embed_tokens.val().dtype(), DType::BF16);
     for compute in [DType::F32, DType::BF16] {
-        let got = half.clone().with_compute_dtype(compute).forward(tokens(&ids));
+        let got = half.clone().with_compute(Compute::default().with_dtype(compute)).forward(tokens(&ids));
         assert_eq!(got.dtype(), DType::F32);
         let diff = (got - want.clone()).abs().max().into_scalar();
         let scale = want.clone().abs().max().into_scalar();

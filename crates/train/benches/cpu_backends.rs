@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use ember_data::fetch::Locations;
-use ember_model::ops::{on_cpu_workers, TrainBackend};
+use ember_kernels::{on_cpu_workers, TrainBackend};
 use ember_train::bench::{bench_run, NoProbe, PeakSource};
 use ember_train::TrainConfig;
 
@@ -21,7 +21,12 @@ fn step_ms<B: TrainBackend>(config: &TrainConfig, name: &str) -> f64 {
     let device = Default::default();
     let run = || {
         let run = config.clone().resolve()?;
-        bench_run::<B>(run, &Locations::from_env(), 3, 10, &device, name, &PeakSource::default(), &NoProbe)
+        let locations = Locations {
+            repo_dir: PathBuf::from("datasets"),
+            data_dir: std::env::var_os("EMBER_DATA_DIR").map(PathBuf::from),
+            cache_dir: PathBuf::from(".ember-cache"),
+        };
+        bench_run::<B>(run, &locations, 3, 10, &device, name, &PeakSource::default(), &NoProbe)
     };
     match on_cpu_workers(run) {
         Ok(r) => r.step_ms,

@@ -7,7 +7,7 @@
 use burn::data::dataset::Dataset;
 use burn::tensor::Tensor;
 use ember_data::{LmBatch, Window, WindowSampler};
-use ember_model::ops::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
+use ember_kernels::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
 use ember_model::{Decoder, Documents};
 
 /// Mean next-token cross-entropy over the scored targets of a batch, through the tiled LM head +
@@ -18,7 +18,7 @@ pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor
     let (d, v) = (model.config().d_model, model.config().vocab_size);
     let docs = batch.docs.map(|first| Documents::new(first, b, t).expect("the batcher writes valid document starts"));
     let hidden = model.hidden_documents(batch.inputs, 0, docs.as_ref()).reshape([b * t, d]); // [B·T, D]
-    let spec = ChunkSpec::auto(b * t, v, model.compute_dtype());
+    let spec = ChunkSpec::auto(b * t, v, model.compute());
     lm_head_cross_entropy(hidden, model.head_weight(), batch.targets.reshape([b * t]), spec)
 }
 

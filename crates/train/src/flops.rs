@@ -11,6 +11,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use serde::Serialize;
 
+use ember_kernels::Bf16Kernel;
+
 /// Peak FLOP/s that MFU is measured against, and where the number comes from.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Peak {
@@ -84,28 +86,15 @@ pub fn measure_gemm<B: Backend>(device: &Device<B>, dtype: DType, sizes: &[usize
         .collect()
 }
 
-/// The rate of square `n×n×n` GEMMs through the CPU's bf16 kernel (`ops::bf16_gemm`: f32 in and
-/// out, the operands rounded to bf16, the sums f32), the fastest of `reps` after a warm-up: what
-/// `--precision bf16` runs its large GEMMs on there. `None` where the CPU lacks the instructions.
-pub fn measure_cpu_bf16_gemm(sizes: &[usize], reps: usize) -> Option<Vec<GemmRate>> {
-    use ember_model::ops::bf16_gemm;
-    if !bf16_gemm::supported() {
-        return None;
-    }
+/// The rate of square `n×n×n` GEMMs through the CPU's bf16 kernel `kernel` (f32 in and out, the
+/// operands rounded to bf16, the sums f32), the fastest of `reps` after a warm-up: what
+/// `--precision bf16` runs its large GEMMs on there. `None` where the CPU lacks the kernel.
+pub fn measure_cpu_bf16_gemm(kernel: Bf16Kernel, sizes: &[usize], reps: usize) -> Option<Vec<GemmRate>> {
     let rates = sizes.iter().map(|&n| {
-        let a: Vec<f32> = (0..n * n).map(|i| (i % 997) as f32 / 997.0 - 0.5).collect();
-        let mut c = vec![0.0f32; n * n];
-        let t = (0..reps + 1)
-            .map(|_| {
-                let start = Instant::now();
-                bf16_gemm::gemm(&mut c, false, (&a, (n, 1)), (&a, (n, 1)), (n, n, n));
-                start.elapsed().as_secs_f64()
-            })
-            .skip(1)
-            .fold(f64::INFINITY, f64::min);
-        GemmRate { n, ms: t * 1e3, flops: 2.0 * (n as f64).powi(3) / t }
+        let t = ember_kernels::bench::bf16_gemm_seconds(kernel, n, reps)?;
+        Some(GemmRate { n, ms: t * 1e3, flops: 2.0 * (n as f64).powi(3) / t })
     });
-    Some(rates.collect())
+    rates.collect()
 }
 
 /// Which GEMMs a run's MFU is measured against.
@@ -114,8 +103,9 @@ pub enum Gemms {
     /// The backend's matmul in this dtype.
     Backend(DType),
     /// The CPU's bf16 kernel under f32 tensors (`--precision bf16` on a CPU with AVX512_BF16): up
-    /// to twice the f32 rate, so that an f32 peak would put MFU near 200 %.
-    CpuBf16,
+    /// to twice the f32 rate on the vector kernel (more on AMX tiles), so that an f32 peak would put
+    /// MFU near 200 %.
+    CpuBf16(Bf16Kernel),
 }
 
 impl Gemms {
@@ -123,7 +113,7 @@ impl Gemms {
     fn dtype(self) -> DType {
         match self {
             Gemms::Backend(dtype) => dtype,
-            Gemms::CpuBf16 => DType::BF16,
+            Gemms::CpuBf16(_) => DType::BF16,
         }
     }
 
@@ -131,14 +121,15 @@ impl Gemms {
     fn label(self) -> String {
         match self {
             Gemms::Backend(dtype) => format!("{dtype:?}"),
-            Gemms::CpuBf16 => "bf16-kernel".into(),
+            Gemms::CpuBf16(Bf16Kernel::Avx512) => "bf16-kernel".into(),
+            Gemms::CpuBf16(Bf16Kernel::Amx) => "bf16-amx".into(),
         }
     }
 
     /// The best square-GEMM rates in `sizes` (each the fastest of `reps`).
     pub fn measure<B: Backend>(self, device: &Device<B>, sizes: &[usize], reps: usize) -> Vec<GemmRate> {
         let kernel = match self {
-            Gemms::CpuBf16 => measure_cpu_bf16_gemm(sizes, reps),
+            Gemms::CpuBf16(kernel) => measure_cpu_bf16_gemm(kernel, sizes, reps),
             Gemms::Backend(_) => None,
         };
         kernel.unwrap_or_else(|| measure_gemm::<B>(device, self.dtype(), sizes, reps))
@@ -181,7 +172,7 @@ pub fn peak_cache_name<B: Backend>(device: &Device<B>, gemms: Gemms) -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     // The pool's threads, not the machine's cores: data-parallel ranks (and RAYON_NUM_THREADS)
     // run with fewer.
-    cache_name(&format!("{}-{}", B::name(device), gemms.label()), &cpuinfo, ember_model::ops::cpu_workers())
+    cache_name(&format!("{}-{}", B::name(device), gemms.label()), &cpuinfo, ember_kernels::cpu_workers())
 }
 
 /// [`peak_cache_name`] given the text of `/proc/cpuinfo`.
@@ -273,17 +264,20 @@ mod tests {
     fn a_cpu_bf16_peak_is_measured_and_cached_apart_from_f32() {
         let info = "model name\t: AMD EPYC\nflags\t\t: avx512f avx512_bf16\n";
         let f32 = cache_name(&format!("flex-{}", Gemms::Backend(DType::F32).label()), info, 2);
-        let bf16 = cache_name(&format!("flex-{}", Gemms::CpuBf16.label()), info, 2);
+        let bf16 = cache_name(&format!("flex-{}", Gemms::CpuBf16(Bf16Kernel::Avx512).label()), info, 2);
+        let amx = cache_name(&format!("flex-{}", Gemms::CpuBf16(Bf16Kernel::Amx).label()), info, 2);
+        assert_ne!(bf16, amx, "the two kernels' peaks are cached apart");
         let backend_bf16 = cache_name(&format!("flex-{}", Gemms::Backend(DType::BF16).label()), info, 2);
         assert!(f32 != bf16 && bf16 != backend_bf16, "{f32} {bf16} {backend_bf16}");
-        assert_eq!(Gemms::CpuBf16.dtype(), DType::BF16);
-        match measure_cpu_bf16_gemm(&[64, 96], 1) {
+        assert_eq!(Gemms::CpuBf16(Bf16Kernel::Avx512).dtype(), DType::BF16);
+        let cpu = ember_kernels::Cpu::detect();
+        match cpu.bf16.and_then(|kernel| measure_cpu_bf16_gemm(kernel, &[64, 96], 1)) {
             // Where the CPU has the kernel: a positive rate for each size, timed on a real product.
             Some(rates) => {
                 assert_eq!(rates.iter().map(|r| r.n).collect::<Vec<_>>(), [64, 96]);
                 assert!(rates.iter().all(|r| r.flops.is_finite() && r.flops > 0.0 && r.ms > 0.0));
             }
-            None => assert!(!ember_model::ops::bf16_gemm::supported()),
+            None => assert!(cpu.bf16.is_none(), "the CPU's own kernel is measured"),
         }
     }
 

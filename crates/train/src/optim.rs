@@ -13,12 +13,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Device, ElementConversion, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
 
-use ember_model::ops::{adamw, AdamWOps, AdamWStep, TrainBackend};
+use ember_kernels::{adamw, sum_squares, AdamWStep, Compute, TrainBackend};
+use ember_model::weights::{map_paths, PathMapper};
 
 use crate::config::OptimConfig;
 
@@ -30,14 +31,16 @@ struct Moments<B: Backend> {
 
 pub struct AdamW<B: TrainBackend> {
     config: OptimConfig,
+    /// How the updates compute: the model's.
+    compute: Compute,
     /// Optimizer steps taken (t in the bias corrections is `steps + 1` during a step).
     steps: u64,
     state: HashMap<String, Moments<B::InnerBackend>>,
 }
 
 impl<B: TrainBackend> AdamW<B> {
-    pub fn new(config: OptimConfig) -> Self {
-        Self { config, steps: 0, state: HashMap::new() }
+    pub fn new(config: OptimConfig, compute: Compute) -> Self {
+        Self { config, compute, steps: 0, state: HashMap::new() }
     }
 
     pub fn steps(&self) -> u64 {
@@ -51,7 +54,7 @@ impl<B: TrainBackend> AdamW<B> {
         let t = self.steps as i32;
         let c = &self.config;
         let mut mapper = Update::<B> {
-            path: Vec::new(),
+            compute: self.compute,
             grads: &mut grads,
             state: &mut self.state,
             lr,
@@ -63,7 +66,7 @@ impl<B: TrainBackend> AdamW<B> {
             bias1: 1.0 - c.beta1.powi(t),
             bias2: 1.0 - c.beta2.powi(t),
         };
-        model.map(&mut mapper)
+        map_paths(model, &mut mapper)
     }
 
     /// Moments as named tensors: `<param path>.exp_avg` and `<param path>.exp_avg_sq` (torch's names).
@@ -122,7 +125,7 @@ impl<B: TrainBackend> AdamW<B> {
 }
 
 struct Update<'a, B: TrainBackend> {
-    path: Vec<String>,
+    compute: Compute,
     grads: &'a mut GradientsParams,
     state: &'a mut HashMap<String, Moments<B::InnerBackend>>,
     lr: f64,
@@ -135,23 +138,15 @@ struct Update<'a, B: TrainBackend> {
     bias2: f64,
 }
 
-impl<B: TrainBackend> ModuleMapper<B> for Update<'_, B> {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<B: TrainBackend> PathMapper<B> for Update<'_, B> {
+    fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
         let Some(grad) = self.grads.remove::<B::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let dims = tensor.dims();
         let n = tensor.shape().num_elements();
-        let key = self.path.join(".");
+        let key = path.to_string();
         let g = grad.reshape([n]); // [n]
         let moments = self.state.remove(&key).unwrap_or_else(|| {
             let zeros = || Tensor::zeros([n], &g.device());
@@ -167,7 +162,7 @@ impl<B: TrainBackend> ModuleMapper<B> for Update<'_, B> {
             bias2: self.bias2,
             grad_scale: self.grad_scale,
         };
-        let (p, m, v) = adamw(tensor.inner().reshape([n]), g, moments.m, moments.v, h);
+        let (p, m, v) = adamw(tensor.inner().reshape([n]), g, moments.m, moments.v, h, self.compute);
         self.state.insert(key, Moments { m, v });
         let p = Tensor::<B, D>::from_inner(p.reshape(dims)).require_grad();
         Param::from_mapped_value(id, p, mapper)
@@ -180,17 +175,16 @@ fn param_sizes<B: Backend, M: burn::module::Module<B>>(model: &M) -> Vec<(String
 }
 
 /// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it, in f32.
-pub fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> f64 {
+pub fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &GradientsParams, cx: Compute) -> f64 {
     struct SumSquares<'a, IB: Backend> {
         grads: &'a GradientsParams,
         total: Option<Tensor<IB, 1>>,
+        cx: Compute,
     }
     impl<B: TrainBackend> ModuleVisitor<B> for SumSquares<'_, B::InnerBackend> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-                let s: Tensor<B::InnerBackend, 1> = Tensor::from_primitive(TensorPrimitive::Float(
-                    <B::InnerBackend as AdamWOps>::sum_squares(g.into_primitive().tensor()),
-                ));
+                let s = sum_squares(g, self.cx);
                 self.total = Some(match self.total.take() {
                     Some(t) => t + s,
                     None => s,
@@ -198,7 +192,7 @@ pub fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads:
             }
         }
     }
-    let mut v = SumSquares::<B::InnerBackend> { grads, total: None };
+    let mut v = SumSquares::<B::InnerBackend> { grads, total: None, cx };
     model.visit(&mut v);
     v.total.map_or(0.0, |t| t.into_scalar().elem::<f64>().sqrt())
 }
@@ -258,7 +252,7 @@ mod tests {
         let dev = Default::default();
         let mut m = model(&dev);
         let (w0, b0) = (m.w.val().into_data().to_vec::<f32>().unwrap(), m.b.val().into_data().to_vec::<f32>().unwrap());
-        let mut opt = AdamW::<AB>::new(config());
+        let mut opt = AdamW::<AB>::new(config(), Compute::default());
         let (mut gw, mut gb) = (Vec::new(), Vec::new());
         for _ in 0..3 {
             let grads = GradientsParams::from_grads(loss(&m, &dev).backward(), &m);
@@ -284,7 +278,7 @@ mod tests {
         ]
         .concat();
         let want = all.iter().map(|&g| (g as f64).powi(2)).sum::<f64>().sqrt();
-        let norm = global_grad_norm(&m, &grads);
+        let norm = global_grad_norm(&m, &grads, Compute::default());
         assert!((norm - want).abs() < 1e-5 * want, "{norm} vs {want}");
         assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
         assert!((clip_coefficient(4.0, 1.0) - 1.0 / (4.0 + 1e-6)).abs() < 1e-12);
@@ -295,7 +289,7 @@ mod tests {
     fn state_round_trips_through_named_tensors() {
         let dev = Default::default();
         let mut m = model(&dev);
-        let mut opt = AdamW::<AB>::new(config());
+        let mut opt = AdamW::<AB>::new(config(), Compute::default());
         for _ in 0..2 {
             let grads = GradientsParams::from_grads(loss(&m, &dev).backward(), &m);
             m = opt.step(0.01, m, grads, 1.0);
@@ -305,7 +299,7 @@ mod tests {
             saved.keys().cloned().collect::<Vec<_>>(),
             ["b.exp_avg", "b.exp_avg_sq", "w.exp_avg", "w.exp_avg_sq"]
         );
-        let mut restored = AdamW::<AB>::new(config());
+        let mut restored = AdamW::<AB>::new(config(), Compute::default());
         restored.load_state(&m, saved.clone(), 2, &dev).unwrap();
         let (mut a, mut b) = (m.clone(), m.clone());
         let grads = GradientsParams::from_grads(loss(&a, &dev).backward(), &a);

@@ -4,7 +4,7 @@
 //! context except near the start.
 
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
-use ember_model::ops::{lm_head_cross_entropy, ChunkSpec, EmberBackend, IGNORE};
+use ember_kernels::{lm_head_cross_entropy, ChunkSpec, EmberBackend, IGNORE};
 use ember_model::Decoder;
 use serde::Serialize;
 
@@ -78,7 +78,7 @@ pub fn perplexity<B: EmberBackend>(
             let inputs = Tensor::<B, 2, Int>::from_data(TensorData::new(inputs, [b, t]), &device);
             let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [b * t]), &device);
             let hidden = model.hidden(inputs, 0).reshape([b * t, d]);
-            let spec = ChunkSpec::auto(b * t, v, model.compute_dtype());
+            let spec = ChunkSpec::auto(b * t, v, model.compute());
             let mean = lm_head_cross_entropy(hidden, model.head_weight(), targets, spec);
             total += mean.into_scalar().elem::<f64>() * count as f64;
         }

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, ElementConversion, Int, Tensor, TensorData};
-use ember_model::ops::{lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec, TrainBackend};
+use ember_kernels::cross_entropy::lm_head_loss_reference;
+use ember_kernels::{lm_head_cross_entropy, ChunkSpec, Compute, TrainBackend};
 use ember_model::{Decoder, ModelConfig, RopeLayout};
 use serde::Serialize;
 
@@ -148,7 +149,7 @@ fn tiled_loss<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String) {
         let w = Tensor::<B, 2>::from_inner(w0.clone()).require_grad();
         let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(t.clone(), [n]), device);
         let loss = if chunked {
-            lm_head_cross_entropy(h.clone(), w.clone(), targets, ChunkSpec { rows: 8, vocab: 24, compute: DType::F32 })
+            lm_head_cross_entropy(h.clone(), w.clone(), targets, ChunkSpec { rows: 8, vocab: 24, compute: Compute::default() })
         } else {
             lm_head_loss_reference(h.clone(), w.clone(), targets, DType::F32)
         };
@@ -173,7 +174,7 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
             TensorData::new(ids.iter().map(|i| (i + 1) % 53).collect::<Vec<_>>(), [24]),
             device,
         );
-        let loss = lm_head_cross_entropy(hidden, m.head_weight(), t, ChunkSpec::auto(24, 53, DType::F32));
+        let loss = lm_head_cross_entropy(hidden, m.head_weight(), t, ChunkSpec::auto(24, 53, m.compute()));
         GradientsParams::from_grads(loss.backward(), m)
     };
     // Two identical ranks: the sum is twice each gradient.
@@ -186,11 +187,11 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
     let d_sum = max_abs(got, want.mul_scalar(2.0));
     // One rank's ZeRO-1 step against AdamW's, from the same gradients.
     let o = OptimConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, grad_clip: 0.0 };
-    let mut zero = match ShardedAdamW::new::<B, _>(o.clone(), &model, &Solo) {
+    let mut zero = match ShardedAdamW::new::<B, _>(o.clone(), &model, &Solo, model.compute()) {
         Ok(z) => z,
         Err(e) => return (false, e),
     };
-    let plain = AdamW::<B>::new(o).step(1e-2, model.clone(), loss_grads(&model), 1.0);
+    let plain = AdamW::<B>::new(o, model.compute()).step(1e-2, model.clone(), loss_grads(&model), 1.0);
     let sharded = zero.step(&Solo, 1e-2, model.clone(), loss_grads(&model), 1.0, None, device, "check");
     let d_zero = match sharded {
         Ok(s) => {
@@ -204,9 +205,10 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
 fn training_steps<B: TrainBackend>(device: &Device<B>, precision: DType) -> (bool, String) {
     // A repeating pattern is easy to learn: 25 AdamW steps must cut the loss clearly.
     let cfg = config(2, RopeLayout::HalfSplit);
-    let mut model = Decoder::<B>::new(&cfg, 3, device).expect("valid").with_compute_dtype(precision);
+    let cx = Compute::default().with_dtype(precision);
+    let mut model = Decoder::<B>::new(&cfg, 3, device).expect("valid").with_compute(cx);
     let mut optim =
-        AdamW::<B>::new(OptimConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0 });
+        AdamW::<B>::new(OptimConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0 }, cx);
     let pattern: Vec<i32> = (0..4 * 17).map(|i| [5, 9, 2, 44, 31, 7, 19][i % 7]).collect();
     let (inputs, targets): (Vec<i32>, Vec<i32>) =
         (0..4).flat_map(|r| (0..16).map(move |c| (r * 17 + c) as usize)).map(|i| (pattern[i], pattern[i + 1])).unzip();
@@ -214,7 +216,7 @@ fn training_steps<B: TrainBackend>(device: &Device<B>, precision: DType) -> (boo
     for _ in 0..25 {
         let hidden = model.hidden(tokens(&inputs, 4, device), 0).reshape([64, cfg.d_model]);
         let t = Tensor::<B, 1, Int>::from_data(TensorData::new(targets.clone(), [64]), device);
-        let loss = lm_head_cross_entropy(hidden, model.head_weight(), t, ChunkSpec::auto(64, 53, precision));
+        let loss = lm_head_cross_entropy(hidden, model.head_weight(), t, ChunkSpec::auto(64, 53, cx));
         losses.push(loss.clone().into_scalar().elem::<f64>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(3e-3, model, grads, 1.0);

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
 use ember_data::{Examples, LmBatch, LmBatcher, Window, WindowSampler};
-use ember_model::ops::{DeviceComm, TrainBackend};
+use ember_kernels::{DeviceComm, TrainBackend};
 use ember_model::Decoder;
 
 use crate::config::TrainConfig;
@@ -37,14 +37,14 @@ impl<B: TrainBackend> Optimizer<B> {
         device: &Device<B>,
     ) -> Result<Self, String> {
         if config.distributed.shard_optimizer && c.world() > 1 {
-            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c)?;
+            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c, model.compute())?;
             o.load_state(saved, steps)?;
             return Ok(Self::Sharded(o));
         }
         if config.distributed.shard_optimizer {
             tracing::info!("distributed.shard_optimizer has no effect in a single process");
         }
-        let mut o = AdamW::<B>::new(config.optim.clone());
+        let mut o = AdamW::<B>::new(config.optim.clone(), model.compute());
         o.load_state(model, saved, steps, device)?;
         Ok(Self::Replicated(o))
     }
@@ -138,7 +138,7 @@ impl<B: TrainBackend> Stepper<'_, B> {
                     None => all_reduce_grads(c, &model, grads, bucket, &mut self.buffers.borrow_mut(), &what)?,
                 };
                 let comm = t.elapsed();
-                let scaled_norm = global_grad_norm(&model, &grads);
+                let scaled_norm = global_grad_norm(&model, &grads, model.compute());
                 let grad_norm = scaled_norm / loss_scale;
                 if let Some(scaler) = scaler {
                     if !scaler.update(scaled_norm.is_finite()) {

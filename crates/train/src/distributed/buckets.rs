@@ -5,7 +5,7 @@
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
-use ember_model::ops::{DeviceComm, DeviceReduceOps, TrainBackend};
+use ember_kernels::{DeviceComm, DeviceReduceOps, TrainBackend};
 
 use super::{Collective, DistError};
 

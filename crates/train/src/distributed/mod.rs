@@ -137,24 +137,28 @@ pub fn solo() -> Arc<dyn Collective> {
     Arc::new(Solo)
 }
 
-/// The number of ranks a launcher (mpirun, srun) started, from its environment; 1 outside one.
-pub fn launched_world_size() -> usize {
-    // SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: the latter is set in a batch script too, where a plain
-    // `ember train` is one process.
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS"]
-        .iter()
-        .filter_map(|k| std::env::var(k).ok()?.trim().parse::<usize>().ok())
-        .max()
-        .unwrap_or(1)
+/// What a launcher (mpirun, srun) said about the ranks it started, read from its environment by
+/// the binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// How many ranks it started: 1 outside a launcher.
+    pub world_size: usize,
+    /// Whether Open MPI's `mpirun` started this process (even as one rank).
+    pub open_mpi: bool,
+}
+
+impl Launch {
+    /// A plain process.
+    pub const SOLO: Launch = Launch { world_size: 1, open_mpi: false };
 }
 
 /// The engine of this process: MPI when a launcher started several ranks (and this binary has
 /// MPI), else [`Solo`]. Several ranks without MPI is an error: they would train N copies into
 /// one run directory.
-pub fn init() -> Result<Arc<dyn Collective>, DistError> {
-    let n = launched_world_size();
+pub fn init(launch: Launch) -> Result<Arc<dyn Collective>, DistError> {
+    let n = launch.world_size;
     #[cfg(feature = "mpi")]
-    if n > 1 || std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+    if n > 1 || launch.open_mpi {
         return Ok(Arc::new(mpi::MpiCollective::init()?));
     }
     if n > 1 {

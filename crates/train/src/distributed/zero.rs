@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
-use ember_model::ops::{adamw, AdamWStep, TrainBackend};
+use ember_kernels::{adamw, AdamWStep, Compute, TrainBackend};
 
 use super::buckets::{assign_params, flatten_into, flatten_params, Slot};
 use super::{Collective, DistError};
@@ -82,6 +82,8 @@ impl Layout {
 /// AdamW with this rank's share of the moments.
 pub struct ShardedAdamW {
     config: OptimConfig,
+    /// How the updates compute: the model's.
+    compute: Compute,
     steps: u64,
     layout: Layout,
     /// Moments of `layout.range()` (zeros in the padding).
@@ -110,6 +112,7 @@ impl ShardedAdamW {
         config: OptimConfig,
         model: &M,
         c: &dyn Collective,
+        compute: Compute,
     ) -> Result<Self, String> {
         let layout = Layout::of::<B, M>(model, c.rank(), c.world());
         if layout.per_rank * c.world() > i32::MAX as usize {
@@ -120,7 +123,8 @@ impl ShardedAdamW {
             ));
         }
         let n = layout.per_rank;
-        Ok(Self { config, steps: 0, layout, m: vec![0.0; n], v: vec![0.0; n], grads: Vec::new(), gathered: Vec::new() })
+        let (m, v) = (vec![0.0; n], vec![0.0; n]);
+        Ok(Self { config, compute, steps: 0, layout, m, v, grads: Vec::new(), gathered: Vec::new() })
     }
 
     pub fn steps(&self) -> u64 {
@@ -200,6 +204,7 @@ impl ShardedAdamW {
                 tensor(&self.m[r.clone()]),
                 tensor(&self.v[r.clone()]),
                 h,
+                self.compute,
             );
             read(p, &mut mine[r.clone()]);
             read(m, &mut self.m[r.clone()]);
@@ -301,11 +306,11 @@ mod tests {
     fn one_shard_is_adamw() {
         let dev = Default::default();
         let (mut a, mut z) = (model(&dev), model(&dev));
-        let mut plain = AdamW::<AB>::new(config());
-        let mut sharded = ShardedAdamW::new::<AB, _>(config(), &z, &Solo).unwrap();
+        let mut plain = AdamW::<AB>::new(config(), Compute::default());
+        let mut sharded = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default()).unwrap();
         for _ in 0..3 {
             let g = grads(&a, &dev);
-            let norm = crate::optim::global_grad_norm(&a, &g);
+            let norm = crate::optim::global_grad_norm(&a, &g, Compute::default());
             a = plain.step(0.01, a, g, clip_coefficient(norm, 0.5));
             let g = grads(&z, &dev);
             let step = sharded.step(&Solo, 0.01, z, g, 1.0, None, &dev, "test").unwrap();
@@ -319,7 +324,7 @@ mod tests {
         let state: BTreeMap<_, _> = sharded.state_tensors(&Solo).unwrap().into_iter().collect();
         let theirs: BTreeMap<_, _> = plain.state_tensors().into_iter().collect();
         assert_eq!(state.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>());
-        let mut back = ShardedAdamW::new::<AB, _>(config(), &z, &Solo).unwrap();
+        let mut back = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default()).unwrap();
         back.load_state(state.clone(), 3).unwrap();
         assert_eq!(back.state_tensors(&Solo).unwrap().into_iter().collect::<BTreeMap<_, _>>(), state);
     }

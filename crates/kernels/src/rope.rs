@@ -10,7 +10,8 @@ use burn::tensor::{backend::Backend, Tensor, TensorData};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::{flex, float, prim, EmberBackend};
+use crate::compute::Compute;
+use crate::{flex, float, prim, EmberBackend};
 
 /// How RoPE pairs the channels of a head.
 ///
@@ -167,8 +168,8 @@ impl<B: EmberBackend> Rope<B> {
     ///
     /// # Shapes
     /// - x: `[B, H, T, Dh]` -> `[B, H, T, Dh]`, one start per row
-    pub fn apply_rows_op(&self, x: Tensor<B, 4>, starts: &[usize]) -> Tensor<B, 4> {
-        if !B::fused(x.dtype()) || self.cos.dtype() != x.dtype() {
+    pub fn apply_rows_op(&self, x: Tensor<B, 4>, starts: &[usize], cx: Compute) -> Tensor<B, 4> {
+        if !cx.fused::<B>(x.dtype()) || self.cos.dtype() != x.dtype() {
             return self.apply_rows(x, starts);
         }
         let t = x.dims()[2];
@@ -355,7 +356,7 @@ mod tests {
             let want = rope.apply_positions(x.clone(), &positions);
             float::<Flex, 4>(got).into_data().assert_approx_eq::<f32>(&want.into_data(), Tolerance::absolute(1e-6));
             let starts = [0, 7, 14];
-            let fused = rope.apply_rows_op(x.clone(), &starts);
+            let fused = rope.apply_rows_op(x.clone(), &starts, Compute::default());
             fused
                 .into_data()
                 .assert_approx_eq::<f32>(&rope.apply_rows(x, &starts).into_data(), Tolerance::absolute(1e-6));

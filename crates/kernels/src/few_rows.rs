@@ -19,19 +19,20 @@
 //! blocks, prefetching and passes are shared (`wide`); only the innermost loops differ
 //! (`wide::Isa`).
 //!
-//! Chosen at run time by [`super::simd::tier`]: the AVX-512 kernels, the AVX2 ones, or the GEMM
+//! Chosen at run time by the caller's [`Cpu`]: the AVX-512 kernels, the AVX2 ones, or the GEMM
 //! crate's transposed products on the baseline. [`reference`] and [`reference_nt`] are the plain
 //! loops all are tested against.
 
+use crate::compute::Cpu;
 #[cfg(target_arch = "x86_64")]
-use super::simd::{self, Tier};
+use crate::simd::{self, Tier};
 
 /// `y (+)= x · w` with x `[m, k]`, w `[k, n]`, y `[m, n]`, all row-major; `accumulate` adds to y's
 /// contents instead of overwriting them.
 ///
 /// # Panics
 /// If a slice is shorter than its shape (the callers' shape checks make this unreachable from input).
-pub fn product(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+pub fn product(cpu: Cpu, y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
     if m == 0 || n == 0 {
         return;
@@ -42,8 +43,10 @@ pub fn product(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n):
         }
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = cpu;
     #[cfg(target_arch = "x86_64")]
-    match simd::tier() {
+    match simd::detected().min(cpu.tier) {
         Tier::Avx512 => return wide::product::<wide::Avx512>(y, accumulate, x, w, (m, k, n)),
         Tier::Avx2 => return wide::product::<wide::Avx2>(y, accumulate, x, w, (m, k, n)),
         Tier::Baseline => {}
@@ -55,13 +58,15 @@ pub fn product(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n):
 ///
 /// # Panics
 /// If a slice is shorter than its shape (the callers' shape checks make this unreachable from input).
-pub fn product_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+pub fn product_nt(cpu: Cpu, y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
     if m == 0 || n == 0 {
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = cpu;
     #[cfg(target_arch = "x86_64")]
-    match simd::tier() {
+    match simd::detected().min(cpu.tier) {
         Tier::Avx512 if k > 0 => return wide::product_nt::<wide::Avx512>(y, x, w, (m, k, n)),
         Tier::Avx2 if k > 0 => return wide::product_nt::<wide::Avx2>(y, x, w, (m, k, n)),
         _ => {}
@@ -70,6 +75,7 @@ pub fn product_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize,
 }
 
 /// `y = x · wᵀ` as the plain loop, in f64: what [`product_nt`] is tested against.
+#[cfg(test)]
 pub fn reference_nt(y: &mut [f32], x: &[f32], w: &[f32], (_, k, n): (usize, usize, usize)) {
     for (y, x) in y.chunks_mut(n.max(1)).zip(x.chunks(k.max(1))) {
         for (j, out) in y.iter_mut().enumerate() {
@@ -80,6 +86,7 @@ pub fn reference_nt(y: &mut [f32], x: &[f32], w: &[f32], (_, k, n): (usize, usiz
 }
 
 /// The plain triple loop, in f64: what the kernels are tested against.
+#[cfg(test)]
 pub fn reference(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     for i in 0..m {
         for j in 0..n {
@@ -96,75 +103,39 @@ pub fn reference(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n
 /// along the layer's outputs instead of the few rows.
 pub fn transposed_gemm(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
-    // SAFETY: with the assertion above, every index the strides reach is inside its slice: dst
-    // (n_i, m_i) at m_i·n + n_i < m·n; lhs = wᵀ (n_i, k_i) at k_i·n + n_i < k·n; rhs = xᵀ (k_i, m_i)
-    // at m_i·k + k_i < m·k.
-    unsafe { strided_gemm((n, m, k), (y, (1, n)), accumulate, (w, (1, n)), (x, (1, k))) }
+    transposed_product((n, m, k), (y, (1, n)), accumulate, (w, (1, n)), (x, (1, k)));
 }
 
 /// The portable path of [`product_nt`]: `yᵀ = w · xᵀ` through the GEMM crate's strides (its kernels
 /// vectorise along w's many rows; w is read where it is).
 pub fn transposed_gemm_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
-    // SAFETY: with the assertion above, every index the strides reach is inside its slice: dst
-    // (j, i) at i·n + j < m·n; lhs = w (j, kk) at j·k + kk < n·k; rhs = xᵀ (kk, i) at i·k + kk < m·k.
-    unsafe { strided_gemm((n, m, k), (y, (1, n)), false, (w, (k, 1)), (x, (1, k))) }
+    transposed_product((n, m, k), (y, (1, n)), false, (w, (k, 1)), (x, (1, k)));
 }
 
-/// An operand and its (row, column) strides.
-type Strided<T> = (T, (usize, usize));
-
-/// `dst (+)= lhs · rhs` (`[rows, cols]`, inner dimension `inner`) through the GEMM crate, each
+/// `dst (+)= lhs · rhs` (`[rows, cols]`, inner dimension `inner`) through the GEMM front, each
 /// operand given with its (row, column) strides; on all threads when the weight is large.
-///
-/// # Safety
-/// Every element the strides reach must lie inside its slice.
-unsafe fn strided_gemm(
+fn transposed_product(
     (rows, cols, inner): (usize, usize, usize),
-    (dst, (dst_rs, dst_cs)): Strided<&mut [f32]>,
+    dst: (&mut [f32], (usize, usize)),
     accumulate: bool,
-    (lhs, (lhs_rs, lhs_cs)): Strided<&[f32]>,
-    (rhs, (rhs_rs, rhs_cs)): Strided<&[f32]>,
+    lhs: crate::bf16_gemm::Strided<'_>,
+    rhs: crate::bf16_gemm::Strided<'_>,
 ) {
-    if rows == 0 || cols == 0 {
-        return;
-    }
     let parallelism = if rows * inner >= 1 << 18 { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
-    unsafe {
-        gemm::gemm(
-            rows,
-            cols,
-            inner,
-            dst.as_mut_ptr(),
-            dst_cs as isize,
-            dst_rs as isize,
-            accumulate,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
+    crate::kernels::gemm_strided((rows, cols, inner), dst, accumulate, lhs, rhs, 1.0, parallelism);
 }
 
 #[cfg(target_arch = "x86_64")]
 mod wide {
-    use crate::ops::SharedOut;
+    use crate::SharedOut;
     use rayon::prelude::*;
     use std::arch::x86_64::*;
 
     /// The innermost loops of one instruction set; the rest of the kernels is shared.
     ///
     /// # Safety
-    /// Implementors' kernels may only be called where `simd::tier()` is their set or a wider one.
+    /// Implementors' kernels may only be called where the CPU has their set (`simd::detected()` is it or a wider one).
     pub(super) unsafe trait Isa {
         /// Input rows one pass carries in registers.
         const ROWS: usize;
@@ -664,7 +635,7 @@ mod wide {
     /// that enable its features.
     macro_rules! isa {
         ($set:ty, $features:literal, rows $rows:literal) => {
-            // SAFETY: the kernels enable the features `simd::tier()` vouches for with this set.
+            // SAFETY: the kernels enable the features `simd::detected()` vouches for with this set.
             unsafe impl Isa for $set {
                 const ROWS: usize = $rows;
                 const STRIPE: usize = 3 * <$set as Lanes>::N;
@@ -705,13 +676,13 @@ mod wide {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::simd::{self, Tier};
-    use crate::ops::testing::values;
+    use crate::simd::{self, Tier};
+    use crate::testing::values;
 
     /// A few-rows product: `(y, accumulate, x, w, (m, k, n))`.
-    type Product = fn(&mut [f32], bool, &[f32], &[f32], (usize, usize, usize));
+    type Product<'a> = &'a dyn Fn(&mut [f32], bool, &[f32], &[f32], (usize, usize, usize));
 
-    fn check(path: Product, (m, k, n): (usize, usize, usize)) {
+    fn check(path: Product<'_>, (m, k, n): (usize, usize, usize)) {
         let (x, w) = (values(m * k, 1), values(k * n, 2));
         for accumulate in [false, true] {
             let start = values(m * n, 3);
@@ -744,8 +715,8 @@ mod tests {
         (6, 100, 70),
     ];
 
-    /// The tiers this CPU reaches, narrowest first: each runs its own kernels under
-    /// [`simd::capped`] (the baseline the GEMM crate's path).
+    /// The tiers this CPU reaches, narrowest first: each runs its own kernels (the baseline the GEMM
+    /// crate's path).
     fn reachable() -> impl Iterator<Item = Tier> {
         Tier::ALL.into_iter().filter(|&t| t <= simd::detected())
     }
@@ -754,19 +725,17 @@ mod tests {
     fn kernel_matches_the_reference() {
         for tier in reachable() {
             eprintln!("few-rows kernels: {tier:?}");
-            simd::capped(tier, || {
-                assert_eq!(simd::tier(), tier);
-                for shape in SHAPES {
-                    check(product, shape);
-                }
-            });
+            let cpu = Cpu::detect().capped(tier);
+            for shape in SHAPES {
+                check(&|y, acc, x, w, shape| product(cpu, y, acc, x, w, shape), shape);
+            }
         }
     }
 
     #[test]
     fn portable_path_matches_the_reference() {
         for shape in SHAPES {
-            check(transposed_gemm, shape);
+            check(&transposed_gemm, shape);
         }
     }
 
@@ -776,7 +745,7 @@ mod tests {
             for (m, k, n) in SHAPES.into_iter().chain([(8, 576, 4099), (2, 16, 7), (3, 40, 1), (6, 9, 5)]) {
                 let (x, w) = (values(m * k, 1), values(k * n, 2));
                 let (mut got, mut want) = (values(m * n, 3), vec![0.0; m * n]);
-                simd::capped(tier, || product_nt(&mut got, &x, &w, (m, k, n)));
+                product_nt(Cpu::detect().capped(tier), &mut got, &x, &w, (m, k, n));
                 reference_nt(&mut want, &x, &w, (m, k, n));
                 for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                     assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "nt {tier:?} {m}x{k}x{n} [{i}]: {g} vs {e}");
@@ -801,9 +770,9 @@ mod tests {
     #[test]
     fn empty_shapes_do_nothing() {
         let mut y = vec![];
-        product(&mut y, false, &[], &[], (0, 4, 0));
+        product(Cpu::detect(), &mut y, false, &[], &[], (0, 4, 0));
         let mut y = vec![1.0; 6];
-        product(&mut y, false, &[], &[], (2, 0, 3));
+        product(Cpu::detect(), &mut y, false, &[], &[], (2, 0, 3));
         assert_eq!(y, vec![0.0; 6], "k = 0 is a product of empty sums");
     }
 }

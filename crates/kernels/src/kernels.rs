@@ -6,8 +6,8 @@
 //!
 //! The element-wise kernels here (norms, SwiGLU, RoPE, the attention's softmax rows, AdamW, the
 //! sum of squares), like the loss's rows in `ops::cross_entropy`, are compiled three times by
-//! [`super::simd::multiversion!`], for the baseline x86-64, with AVX2 and FMA, and with AVX-512,
-//! the copy chosen at run time by the CPU's features.
+//! [`crate::simd::multiversion!`], for the baseline x86-64, with AVX2 and FMA, and with AVX-512,
+//! the copy chosen at run time by the [`Cpu`] the caller passes (the run's [`crate::Compute`]).
 //!
 //! The kernels here are tested against direct transcriptions of their formulas or finite differences
 //! (`mod tests`); the Burn-level ops built on them are tested against the plain tensor compositions
@@ -16,8 +16,10 @@
 
 use rayon::prelude::*;
 
-use super::rope::RopeLayout;
-use super::simd::multiversion;
+use crate::bf16_gemm::{self, Strided};
+use crate::compute::Cpu;
+use crate::rope::RopeLayout;
+use crate::simd::multiversion;
 
 /// Rows per rayon task in the row-wise kernels: enough work per task to outweigh scheduling.
 fn rows_per_task(d: usize) -> usize {
@@ -29,7 +31,7 @@ multiversion! {
     ///
     /// # Shapes
     /// - x: `[N, D]`, w: `[D]` -> `[N, D]`
-    pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    pub fn rms_norm(cpu: Cpu, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         let d = w.len();
         assert!(d > 0 && x.len().is_multiple_of(d), "rms_norm: {} values in rows of {d}", x.len());
         let mut y = Box::<[f32]>::new_uninit_slice(x.len());
@@ -51,7 +53,7 @@ multiversion! {
 multiversion! {
     /// Gradients of [`rms_norm`]: with `x̂ = x·r`, `r = 1/sqrt(mean(x²)+eps)` and `g = dy·w`,
     /// `dx = r·(g − x̂·mean(g·x̂))` and `dw = Σ_rows dy·x̂`.
-    pub fn rms_norm_backward(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    pub fn rms_norm_backward(cpu: Cpu, x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
         let d = w.len();
         assert!(
             d > 0 && x.len().is_multiple_of(d) && dy.len() == x.len(),
@@ -115,47 +117,22 @@ fn gemm_parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
     }
 }
 
-/// Whether large GEMMs of the linear layers round their operands to bf16 (sums in f32) on CPUs
-/// that have the instructions ([`super::bf16_gemm`]): `--precision bf16` on the CPU. Set once by a
-/// training or benchmark run; read by [`linear`], [`linear_backward`] and the LM head's loss
-/// ([`super::cross_entropy::head_loss`]).
-static BF16_GEMMS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Turns bf16 GEMMs on or off for the linear layers of this process; returns whether they are on
-/// (never where the CPU lacks AVX512_BF16).
-pub fn set_bf16_gemms(on: bool) -> bool {
-    let on = on && super::bf16_gemm::supported();
-    BF16_GEMMS.store(on, std::sync::atomic::Ordering::Relaxed);
-    on
-}
-
-/// Whether bf16 GEMMs are on (see [`set_bf16_gemms`]).
-pub fn bf16_gemms() -> bool {
-    BF16_GEMMS.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Whether a GEMM is large enough for bf16 to win: below about 50 MFLOP packing and conversion cost
 /// more than the faster products save (the nano model's GEMMs stay f32).
 pub(super) fn bf16_worth_it(m: usize, n: usize, k: usize) -> bool {
     m > FEW_ROWS && 2 * m * n * k >= 50_000_000
 }
 
-/// `y = x · w (+ b)`.
+/// `y = x · w (+ b)`, the GEMM's operands in bf16 where `cpu` has a bf16 kernel and the GEMM is
+/// large ([`bf16_worth_it`]), else f32.
 ///
 /// # Shapes
 /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
-pub fn linear(x: &[f32], w: &[f32], b: Option<&[f32]>, mkn: (usize, usize, usize)) -> Vec<f32> {
-    linear_in(x, w, b, mkn, bf16_gemms())
-}
-
-/// [`linear`] with the GEMM's operands in bf16 (`bf16`, where the CPU can and the GEMM is large) or
-/// f32.
-pub fn linear_in(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize), bf16: bool) -> Vec<f32> {
+pub fn linear(cpu: Cpu, x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
     if b.is_none() && m > FEW_ROWS {
         // Neither GEMM zero-fills its new output first.
-        let bf16 =
-            (bf16 && bf16_worth_it(m, n, k)).then(|| super::bf16_gemm::gemm_new((x, (k, 1)), (w, (n, 1)), (m, k, n)));
-        return match bf16.flatten() {
+        let bf16 = large_bf16(cpu, (m, n, k)).and_then(|kernel| bf16_gemm::gemm_new(kernel, (x, (k, 1)), (w, (n, 1)), (m, k, n)));
+        return match bf16 {
             Some(y) => y,
             None => gemm_new((m, n, k), (x, (k, 1)), (w, (n, 1)), gemm_parallelism(m, n, k)),
         };
@@ -164,34 +141,38 @@ pub fn linear_in(x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usi
         Some(b) => b.repeat(m),
         None => vec![0.0f32; m * n],
     };
-    if (2..=FEW_ROWS).contains(&m) || (m == 1 && super::simd::tier() == super::simd::Tier::Avx2) {
-        super::few_rows::product(&mut y, b.is_some(), x, w, (m, k, n));
+    if (2..=FEW_ROWS).contains(&m) || (m == 1 && crate::simd::detected().min(cpu.tier) == crate::simd::Tier::Avx2) {
+        crate::few_rows::product(cpu, &mut y, b.is_some(), x, w, (m, k, n));
     } else {
-        product(&mut y, b.is_some(), (x, (k, 1)), (w, (n, 1)), (m, k, n), bf16);
+        product(cpu, &mut y, b.is_some(), (x, (k, 1)), (w, (n, 1)), (m, k, n));
     }
     y
 }
 
+/// The bf16 kernel an `m×k·k×n` product of `cpu` runs on: `cpu`'s, when it has one and the product
+/// is large enough to gain.
+pub(crate) fn large_bf16(cpu: Cpu, (m, n, k): (usize, usize, usize)) -> Option<bf16_gemm::Kernel> {
+    cpu.bf16.filter(|_| bf16_worth_it(m, n, k))
+}
+
 /// `c (+)= a · b`, `a` `[m, k]` and `b` `[k, n]` read through their (row, column) strides, `c`
-/// `[m, n]` row-major, on all threads when large: bf16 operands with f32 sums (`bf16`, where the CPU
-/// can and the product is large enough to gain), else f32.
-pub(super) fn product(
+/// `[m, n]` row-major, on all threads when large: bf16 operands with f32 sums (where `cpu` has a
+/// bf16 kernel and the product is large enough to gain), else f32.
+pub(crate) fn product(
+    cpu: Cpu,
     c: &mut [f32],
     accumulate: bool,
-    (a, a_strides): super::bf16_gemm::Strided<'_>,
-    (b, b_strides): super::bf16_gemm::Strided<'_>,
+    (a, a_strides): Strided<'_>,
+    (b, b_strides): Strided<'_>,
     (m, k, n): (usize, usize, usize),
-    bf16: bool,
 ) {
-    if !(bf16
-        && bf16_worth_it(m, n, k)
-        && super::bf16_gemm::gemm(c, accumulate, (a, a_strides), (b, b_strides), (m, k, n)))
-    {
+    let bf16 = large_bf16(cpu, (m, n, k));
+    if !bf16.is_some_and(|kernel| bf16_gemm::gemm(kernel, c, accumulate, (a, a_strides), (b, b_strides), (m, k, n))) {
         gemm_into((m, n, k), c, n, accumulate, a, a_strides, b, b_strides, 1.0, gemm_parallelism(m, n, k));
     }
 }
 
-/// Rows up to which [`linear`] runs the few-rows product ([`super::few_rows`]). One row is a
+/// Rows up to which [`linear`] runs the few-rows product ([`crate::few_rows`]). One row is a
 /// matrix-vector product, which the GEMM crate runs at the memory bound with AVX-512; on AVX2-only
 /// CPUs the few-rows kernel's one-row pass was 10 % faster (46 against 51 ms a decode step of the
 /// 135M model, experiments/serve.md), so one row takes it there.
@@ -205,38 +186,26 @@ pub struct LinearGrads {
     pub b: bool,
 }
 
-/// Gradients of [`linear`]: `dX = dY·Wᵀ`, `dW = Xᵀ·dY`, `db = Σ_rows dY`, each only when asked for.
-/// Small products run side by side on one thread each; large ones one after the other on all threads.
+/// Gradients of [`linear`]: `dX = dY·Wᵀ`, `dW = Xᵀ·dY`, `db = Σ_rows dY`, each only when asked for,
+/// the GEMMs' operands in bf16 where `cpu` has a bf16 kernel and a GEMM is large, else f32. Small
+/// products run side by side on one thread each; large ones one after the other on all threads.
 #[allow(clippy::type_complexity)]
 pub fn linear_backward(
-    x: &[f32],
-    w: &[f32],
-    dy: &[f32],
-    mkn: (usize, usize, usize),
-    need: LinearGrads,
-) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
-    linear_backward_in(x, w, dy, mkn, need, bf16_gemms())
-}
-
-/// [`linear_backward`] with the GEMMs' operands in bf16 (`bf16`, where the CPU can and a GEMM is
-/// large) or f32.
-#[allow(clippy::type_complexity)]
-pub fn linear_backward_in(
+    cpu: Cpu,
     x: &[f32],
     w: &[f32],
     dy: &[f32],
     (m, k, n): (usize, usize, usize),
     need: LinearGrads,
-    bf16: bool,
 ) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
-    let bf16 = bf16 && bf16_worth_it(m, n, k);
+    let bf16 = large_bf16(cpu, (m, n, k));
     // dX = dY · Wᵀ: Wᵀ read where W is (strides (1, n)). Neither GEMM zero-fills its output first.
-    let grad_x = |par| match bf16.then(|| super::bf16_gemm::gemm_new((dy, (n, 1)), (w, (1, n)), (m, n, k))).flatten() {
+    let grad_x = |par| match bf16.and_then(|kernel| bf16_gemm::gemm_new(kernel, (dy, (n, 1)), (w, (1, n)), (m, n, k))) {
         Some(dx) => dx,
         None => gemm_new((m, k, n), (dy, (n, 1)), (w, (1, n)), par),
     };
     // dW = Xᵀ · dY: Xᵀ read where X is (strides (1, k)).
-    let grad_w = |par| match bf16.then(|| super::bf16_gemm::gemm_new((x, (1, k)), (dy, (n, 1)), (k, m, n))).flatten() {
+    let grad_w = |par| match bf16.and_then(|kernel| bf16_gemm::gemm_new(kernel, (x, (1, k)), (dy, (n, 1)), (k, m, n))) {
         Some(dw) => dw,
         None => gemm_new((k, n, m), (x, (1, k)), (dy, (n, 1)), par),
     };
@@ -310,7 +279,7 @@ pub fn linear_multi(x: &[f32], ws: &[&[f32]], ns: &[usize], b: Option<&[f32]>, (
     let mut y = Box::<[f32]>::new_uninit_slice(m * total);
     for ((w, &n), &off) in ws.iter().zip(ns).zip(&offsets) {
         let dst = y[off..].as_mut_ptr().cast::<f32>();
-        let dst = (dst, m * total - off, total);
+        let dst = (dst, m * total - off, (total, 1));
         // SAFETY: `dst` is the rest of the buffer allocated above, owned here; writing needs no
         // initialised value.
         unsafe { gemm_raw((m, n, k), dst, false, (x, (k, 1)), (w, (n, 1)), 1.0, gemm_parallelism(m, n, k)) };
@@ -588,8 +557,8 @@ fn sigmoid(z: f32) -> f32 {
 }
 
 multiversion! {
-    /// One AdamW update in place (see [`super::AdamWStep`]), in f32 like torch's, one pass over memory.
-    pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &super::AdamWStep) {
+    /// One AdamW update in place (see [`crate::AdamWStep`]), in f32 like torch's, one pass over memory.
+    pub fn adamw(cpu: Cpu, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &crate::AdamWStep) {
         let (b1, b2, scale) = (h.beta1 as f32, h.beta2 as f32, h.grad_scale as f32);
         let (lr, eps, keep) = (h.lr as f32, h.eps as f32, (1.0 - h.decay) as f32);
         let (inv_bias1, inv_bias2) = ((1.0 / h.bias1) as f32, (1.0 / h.bias2) as f32);
@@ -610,7 +579,7 @@ multiversion! {
 
 multiversion! {
     /// `Σ x²`, accumulated in f64.
-    pub fn sum_squares(x: &[f32]) -> f64 {
+    pub fn sum_squares(cpu: Cpu, x: &[f32]) -> f64 {
         // Eight f64 lanes a chunk (one AVX-512 vector), each summed in order, then added in order:
         // plain loops over arrays, so that nothing of it is left to a generic iterator that LLVM
         // may not inline into the wider copies.
@@ -695,9 +664,23 @@ fn gemm_into(
     beta: f32,
     parallelism: gemm::Parallelism,
 ) {
-    let dst = (dst.as_mut_ptr(), dst.len(), dst_rs);
+    gemm_strided(mnk, (dst, (dst_rs, 1)), accumulate, (lhs, lhs_strides), (rhs, rhs_strides), beta, parallelism)
+}
+
+/// `dst (+)= beta · lhs · rhs`, the output too with (row, column) strides (a transposed product's
+/// output: the few-rows kernels' portable path).
+pub(crate) fn gemm_strided(
+    mnk: (usize, usize, usize),
+    (dst, dst_strides): (&mut [f32], (usize, usize)),
+    accumulate: bool,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
+    beta: f32,
+    parallelism: gemm::Parallelism,
+) {
+    let dst = (dst.as_mut_ptr(), dst.len(), dst_strides);
     // SAFETY: `dst` is a live, exclusively borrowed slice of `dst.len()` elements.
-    unsafe { gemm_raw(mnk, dst, accumulate, (lhs, lhs_strides), (rhs, rhs_strides), beta, parallelism) }
+    unsafe { gemm_raw(mnk, dst, accumulate, lhs, rhs, beta, parallelism) }
 }
 
 /// `a · b` into a new `[m, n]` row-major vector, which is not zero-filled first: with `read_dst`
@@ -705,8 +688,8 @@ fn gemm_into(
 /// for `k = 0` it stores zeros), and the memset of every GEMM's output was 2–5 % of a training step.
 fn gemm_new(
     (m, n, k): (usize, usize, usize),
-    lhs: super::bf16_gemm::Strided<'_>,
-    rhs: super::bf16_gemm::Strided<'_>,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
     parallelism: gemm::Parallelism,
 ) -> Vec<f32> {
     gemm_new_scaled((m, n, k), lhs, rhs, 1.0, parallelism)
@@ -715,13 +698,13 @@ fn gemm_new(
 /// [`gemm_new`] of `beta · a · b`.
 fn gemm_new_scaled(
     (m, n, k): (usize, usize, usize),
-    lhs: super::bf16_gemm::Strided<'_>,
-    rhs: super::bf16_gemm::Strided<'_>,
+    lhs: Strided<'_>,
+    rhs: Strided<'_>,
     beta: f32,
     parallelism: gemm::Parallelism,
 ) -> Vec<f32> {
     let mut out = Box::<[f32]>::new_uninit_slice(m * n);
-    let dst = (out.as_mut_ptr().cast::<f32>(), m * n, n);
+    let dst = (out.as_mut_ptr().cast::<f32>(), m * n, (n, 1));
     // SAFETY: `dst` is the `m·n` elements just allocated, owned here; writing through the pointer
     // needs no initialised value.
     unsafe { gemm_raw((m, n, k), dst, false, lhs, rhs, beta, parallelism) };
@@ -729,18 +712,19 @@ fn gemm_new_scaled(
     unsafe { out.assume_init() }.into_vec()
 }
 
-/// `dst (+)= beta · lhs · rhs` through the `gemm` crate, `dst` given as (pointer, elements, row
-/// stride): the extents the strides reach are checked against the lengths.
+/// `dst (+)= beta · lhs · rhs` through the `gemm` crate, `dst` given as (pointer, elements, (row,
+/// column) strides): the extents the strides reach are checked against the lengths. The one front
+/// of the GEMM crate: every f32 product of the CPU kernels goes through it.
 ///
 /// # Safety
 /// `dst.0` must be valid for writes (and, with `accumulate`, reads) of `dst.1` f32 elements, and
 /// alias nothing else in use during the call.
 unsafe fn gemm_raw(
     (m, n, k): (usize, usize, usize),
-    (dst, dst_len, dst_rs): (*mut f32, usize, usize),
+    (dst, dst_len, (dst_rs, dst_cs)): (*mut f32, usize, (usize, usize)),
     accumulate: bool,
-    (lhs, (lhs_rs, lhs_cs)): super::bf16_gemm::Strided<'_>,
-    (rhs, (rhs_rs, rhs_cs)): super::bf16_gemm::Strided<'_>,
+    (lhs, (lhs_rs, lhs_cs)): Strided<'_>,
+    (rhs, (rhs_rs, rhs_cs)): Strided<'_>,
     beta: f32,
     parallelism: gemm::Parallelism,
 ) {
@@ -749,7 +733,7 @@ unsafe fn gemm_raw(
     }
     // Three comparisons a GEMM, in release builds too: a wrong shape from a caller is a panic, never
     // memory outside the slices.
-    assert!((m - 1) * dst_rs + n <= dst_len, "GEMM output slice too short");
+    assert!((m - 1) * dst_rs + (n - 1) * dst_cs < dst_len, "GEMM output slice too short");
     assert!(k == 0 || (m - 1) * lhs_rs + (k - 1) * lhs_cs < lhs.len(), "GEMM left operand slice too short");
     assert!(k == 0 || (k - 1) * rhs_rs + (n - 1) * rhs_cs < rhs.len(), "GEMM right operand slice too short");
     // SAFETY: the assertions above check the extents the strides reach against the slices; the
@@ -760,7 +744,7 @@ unsafe fn gemm_raw(
             n,
             k,
             dst,
-            1,
+            dst_cs as isize,
             dst_rs as isize,
             accumulate,
             lhs.as_ptr(),
@@ -846,7 +830,7 @@ multiversion! {
     /// Rotates the q and k heads of every packed row (the first `H + K` heads) by their position's
     /// angles and copies the v heads; `inverse` rotates back (the gradient of the rotation).
     /// `cos`, `sin`: `[T_max, Dh/2]`.
-    pub fn rope_packed(qkv: &[f32], s: &AttnShape, cos: &[f32], sin: &[f32], inverse: bool) -> Vec<f32> {
+    pub fn rope_packed(cpu: Cpu, qkv: &[f32], s: &AttnShape, cos: &[f32], sin: &[f32], inverse: bool) -> Vec<f32> {
         let dh = s.head_dim;
         let half = dh / 2;
         let width = s.packed_width();
@@ -944,11 +928,12 @@ fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 }
 
 /// Whether the attention's products take bf16 operands (f32 sums; the softmax stays f32): where
-/// bf16 GEMMs are on ([`set_bf16_gemms`]) and the sequences longer than 256 positions. Measured
-/// (`ember bench attention`, 9/3 heads of 64, 2 Zen 5 cores): forward + backward 1.0× f32 at 256
-/// positions (0.94× with 6/6 heads), 1.2× at 320, 1.23× at 512, 1.42× at 1,024, 1.49× at 2,048.
-pub fn attention_in_bf16(s: &AttnShape) -> bool {
-    bf16_gemms() && s.seq > 4 * CAUSAL_BLOCK && s.head_dim >= 32
+/// `cpu` has a bf16 kernel and the sequences are longer than 256 positions. Measured (`ember bench
+/// attention`, 9/3 heads of 64, 2 Zen 5 cores): forward + backward 1.0× f32 at 256 positions (0.94×
+/// with 6/6 heads), 1.2× at 320, 1.23× at 512, 1.42× at 1,024, 1.49× at 2,048. The products run on
+/// the AVX512_BF16 vector kernel (AMX CPUs have it too).
+pub fn attention_in_bf16(cpu: Cpu, s: &AttnShape) -> bool {
+    cpu.bf16.is_some() && bf16_gemm::supported() && s.seq > 4 * CAUSAL_BLOCK && s.head_dim >= 32
 }
 
 /// Where a row block's products start in bf16: the block's first key rounded down to a panel of
@@ -956,7 +941,7 @@ pub fn attention_in_bf16(s: &AttnShape) -> bool {
 /// first key do).
 fn first_column(k0: usize, bf16: bool) -> usize {
     if bf16 {
-        k0 - k0 % super::bf16_gemm::PANEL
+        k0 - k0 % bf16_gemm::PANEL
     } else {
         k0
     }
@@ -965,16 +950,16 @@ fn first_column(k0: usize, bf16: bool) -> usize {
 /// One (batch, key/value head)'s keys and values packed for the bf16 products of all its blocks:
 /// `Kᵀ` (`[Dh, T]`) for the scores; for the forward `V` (`[T, Dh]`), for the backward `Vᵀ` and `K`.
 struct PackedKv {
-    k_t: super::bf16_gemm::PackedPanels,
-    v: Option<super::bf16_gemm::PackedPanels>,
-    v_t: Option<super::bf16_gemm::PackedPanels>,
-    k: Option<super::bf16_gemm::PackedPanels>,
+    k_t: bf16_gemm::PackedPanels,
+    v: Option<bf16_gemm::PackedPanels>,
+    v_t: Option<bf16_gemm::PackedPanels>,
+    k: Option<bf16_gemm::PackedPanels>,
 }
 
 impl PackedKv {
     /// `None` where the CPU lacks AVX512_BF16.
     fn new(kb: &[f32], vb: &[f32], s: &AttnShape, backward: bool) -> Option<PackedKv> {
-        use super::bf16_gemm::{pack_panels, pack_rows, transpose_rows};
+        use bf16_gemm::{pack_panels, pack_rows, transpose_rows};
         let (t, dh, w) = (s.seq, s.head_dim, s.packed_width());
         // The transposes from rows converted a key at a time (each key's values are contiguous).
         let transposed = |x: &[f32]| pack_rows((x, (w, 1)), (t, dh)).map(|rows| transpose_rows(&rows));
@@ -988,26 +973,26 @@ impl PackedKv {
 }
 
 /// `c (+)= a · b` of an `[m, k]` operand and packed panels, on this thread (the bf16 arm of the
-/// attention's products, see [`super::bf16_gemm::product_on_this_thread`]).
+/// attention's products, see [`bf16_gemm::product_on_this_thread`]).
 #[allow(clippy::too_many_arguments)]
 fn bf16_product(
     c: &mut [f32],
     ldc: usize,
     accumulate: bool,
-    a: super::bf16_gemm::Strided<'_>,
+    a: Strided<'_>,
     (m, k): (usize, usize),
-    b: &super::bf16_gemm::PackedPanels,
+    b: &bf16_gemm::PackedPanels,
     pair0: usize,
     columns: (usize, usize),
 ) {
     // Packed panels exist only where the CPU has the instructions, and so then do packed rows.
-    let a = super::bf16_gemm::pack_rows(a, (m, k)).expect("packed panels, so the CPU has AVX512_BF16");
-    super::bf16_gemm::product_on_this_thread(c, ldc, accumulate, &a, b, pair0, columns);
+    let a = bf16_gemm::pack_rows(a, (m, k)).expect("packed panels, so the CPU has AVX512_BF16");
+    bf16_gemm::product_on_this_thread(c, ldc, accumulate, &a, b, pair0, columns);
 }
 
 /// The panels of a `[rows, cols]` block (row stride `rs`) for the bf16 products that take it as `b`.
-fn block_panels(x: &[f32], rs: usize, shape: (usize, usize)) -> Option<super::bf16_gemm::PackedPanels> {
-    super::bf16_gemm::pack_panels((x, (rs, 1)), shape)
+fn block_panels(x: &[f32], rs: usize, shape: (usize, usize)) -> Option<bf16_gemm::PackedPanels> {
+    bf16_gemm::pack_panels((x, (rs, 1)), shape)
 }
 
 /// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix.
@@ -1030,7 +1015,7 @@ multiversion! {
     ///
     /// # Shapes
     /// - qkv: `[B·T, (H + 2K)·Dh]` -> o: `[B·T, H·Dh]`, lse: `[B·H·T]`
-    pub fn attention_in(qkv: &[f32], s: &AttnShape, bf16: bool) -> AttnOut {
+    pub fn attention_in(cpu: Cpu, qkv: &[f32], s: &AttnShape, bf16: bool) -> AttnOut {
         let (t, h, dh) = (s.seq, s.heads, s.head_dim);
         let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
         // bf16: each (batch, key/value head)'s keys and values packed once for the heads that share them.
@@ -1125,6 +1110,7 @@ multiversion! {
     /// # Shapes
     /// - qkv: `[B·T, (H + 2K)·Dh]`, d_o: `[B·T, H·Dh]` -> `[B·T, (H + 2K)·Dh]`
     pub fn attention_backward_in(
+        cpu: Cpu,
         qkv: &[f32],
         saved: (&[f32], &[f32]),
         d_o: &[f32],
@@ -1241,7 +1227,7 @@ multiversion! {
     ///
     /// # Shapes
     /// - gu: `[N, 2F]` -> `[N, F]`
-    pub fn swiglu_packed(gu: &[f32], f: usize) -> Vec<f32> {
+    pub fn swiglu_packed(cpu: Cpu, gu: &[f32], f: usize) -> Vec<f32> {
         assert!(f > 0 && gu.len().is_multiple_of(2 * f), "swiglu: {} values in rows of 2·{f}", gu.len());
         let rows = gu.len() / (2 * f);
         let mut y = Box::<[f32]>::new_uninit_slice(rows * f);
@@ -1261,7 +1247,7 @@ multiversion! {
 
 multiversion! {
     /// Gradient of [`swiglu_packed`], packed the same way.
-    pub fn swiglu_packed_backward(gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+    pub fn swiglu_packed_backward(cpu: Cpu, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
         assert!(
             f > 0 && gu.len().is_multiple_of(2 * f) && dy.len() * 2 == gu.len(),
             "swiglu_backward: {} values and {} gradients in rows of 2·{f}",
@@ -1292,10 +1278,20 @@ multiversion! {
 mod tests {
     use super::*;
 
+    /// This CPU, every product in f32.
+    fn f32_cpu() -> Cpu {
+        Cpu::f32_products()
+    }
+
+    /// This CPU with its bf16 kernel (`None` where it has none).
+    fn bf16_cpu() -> Cpu {
+        Cpu::detect()
+    }
+
     #[test]
     fn linear_layers_of_one_and_a_few_rows_match_the_plain_loop_on_every_tier() {
-        use super::super::simd::{capped, detected, Tier};
-        use super::super::testing::values;
+        use crate::simd::{detected, Tier};
+        use crate::testing::values;
         // One row (the few-rows kernel on AVX2-only CPUs, the GEMM crate elsewhere), a few, and
         // past FEW_ROWS; with and without a bias.
         let (k, n) = (70, 53);
@@ -1303,12 +1299,12 @@ mod tests {
             for m in [1, 3, FEW_ROWS, FEW_ROWS + 1] {
                 let (x, w, b) = (values(m * k, 1), values(k * n, 2), values(n, 3));
                 for bias in [None, Some(b.as_slice())] {
-                    let got = capped(tier, || linear_in(&x, &w, bias, (m, k, n), false));
+                    let got = linear(f32_cpu().capped(tier), &x, &w, bias, (m, k, n));
                     let mut want = match bias {
                         Some(b) => b.repeat(m),
                         None => vec![0.0; m * n],
                     };
-                    super::super::few_rows::reference(&mut want, bias.is_some(), &x, &w, (m, k, n));
+                    crate::few_rows::reference(&mut want, bias.is_some(), &x, &w, (m, k, n));
                     let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
                     let written = got.len() == m * n && got.iter().all(|v| v.is_finite());
                     assert!(written && err < 1e-4, "{tier:?}, {m} rows, bias {}: {err}", bias.is_some());
@@ -1319,11 +1315,11 @@ mod tests {
 
     #[test]
     fn bf16_linear_layers_equal_the_bf16_reference() {
-        if !super::super::bf16_gemm::supported() {
+        if !crate::bf16_gemm::supported() {
             eprintln!("no AVX512_BF16 on this CPU: the bf16 linear path is not reachable here");
             return;
         }
-        use super::super::bf16_gemm::reference;
+        use crate::bf16_gemm::reference;
         // Large enough for the bf16 path (≥ 50 MFLOP each way).
         let (m, k, n) = (256, 320, 320);
         let val = |len: usize, seed: usize| -> Vec<f32> {
@@ -1334,23 +1330,23 @@ mod tests {
             let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
             assert!(err < 1e-3, "{what}: {err}");
         };
-        let y = linear_in(&x, &w, Some(&b), (m, k, n), true);
+        let y = linear(bf16_cpu(), &x, &w, Some(&b), (m, k, n));
         let mut want = b.repeat(m);
         reference(&mut want, true, (&x, (k, 1)), (&w, (n, 1)), (m, k, n));
         close(&y, &want, "y");
         // The bf16 path was taken: f32 differs by more than f32 rounding.
-        let y32 = linear_in(&x, &w, Some(&b), (m, k, n), false);
+        let y32 = linear(f32_cpu(), &x, &w, Some(&b), (m, k, n));
         assert!(y.iter().zip(&y32).any(|(a, b)| (a - b).abs() > 1e-3), "bf16 equals f32: not taken");
         // Without a bias: a new output the kernel writes whole (freed NaN blocks first).
         drop(std::hint::black_box(vec![f32::NAN; m * n]));
-        let y = linear_in(&x, &w, None, (m, k, n), true);
+        let y = linear(bf16_cpu(), &x, &w, None, (m, k, n));
         let mut want = vec![0.0; m * n];
         reference(&mut want, false, (&x, (k, 1)), (&w, (n, 1)), (m, k, n));
         close(&y, &want, "y without a bias");
-        let y32 = linear_in(&x, &w, None, (m, k, n), false);
+        let y32 = linear(f32_cpu(), &x, &w, None, (m, k, n));
         assert!(y.iter().zip(&y32).any(|(a, b)| (a - b).abs() > 1e-3), "bf16 equals f32 without a bias: not taken");
         let all = LinearGrads { x: true, w: true, b: false };
-        let (dx, dw, _) = linear_backward_in(&x, &w, &dy, (m, k, n), all, true);
+        let (dx, dw, _) = linear_backward(bf16_cpu(), &x, &w, &dy, (m, k, n), all);
         let mut want_dx = vec![0.0; m * k];
         reference(&mut want_dx, false, (&dy, (n, 1)), (&w, (1, n)), (m, n, k));
         close(&dx.expect("dx"), &want_dx, "dx");
@@ -1412,8 +1408,8 @@ mod tests {
     /// CPU can run: AVX-512, AVX2 + FMA, the baseline (what a CPU without them runs).
     #[test]
     fn every_copy_of_the_kernels_gives_the_same_bits() {
-        use super::super::simd::{capped, detected, Tier};
-        use super::super::testing::values as val;
+        use crate::simd::{detected, Tier};
+        use crate::testing::values as val;
         let reachable: Vec<Tier> = Tier::ALL.into_iter().filter(|&t| t <= detected()).collect();
         if reachable.len() < Tier::ALL.len() {
             eprintln!("this CPU reaches the copies {reachable:?} only; the others are left to a CPU that has them");
@@ -1425,7 +1421,7 @@ mod tests {
         let (gu, dyf) = (val(64 * 2 * f, 4), val(64 * f, 5));
         let qkv = val(2 * 100 * s.packed_width(), 6);
         let d_o = val(2 * 100 * 6 * 16, 7);
-        let step = super::super::AdamWStep {
+        let step = crate::AdamWStep {
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -1436,24 +1432,24 @@ mod tests {
             grad_scale: 0.7,
         };
         let logits = val(3000, 8);
-        let run = || {
-            let rope = rope_packed(&qkv, &s, &cos, &sin, false);
+        let run = |cpu: Cpu| {
+            let rope = rope_packed(cpu, &qkv, &s, &cos, &sin, false);
             let interleaved = AttnShape { layout: RopeLayout::Interleaved, ..s.clone() };
-            let unrotated = rope_packed(&rope, &interleaved, &cos, &sin, true);
-            let attn = attention_in(&rope, &s, false);
-            let d_qkv = attention_backward_in(&rope, (&attn.o, &attn.lse), &d_o, &s, false);
+            let unrotated = rope_packed(cpu, &rope, &interleaved, &cos, &sin, true);
+            let attn = attention_in(cpu, &rope, &s, false);
+            let d_qkv = attention_backward_in(cpu, &rope, (&attn.o, &attn.lse), &d_o, &s, false);
             let (mut p, mut m, mut v) =
                 (val(5000, 11), val(5000, 12), val(5000, 13).iter().map(|x| x.abs()).collect::<Vec<f32>>());
-            adamw(&mut p, &val(5000, 14), &mut m, &mut v, &step);
-            let (dx, dw) = rms_norm_backward(&x, &w, &dy, 1e-5);
+            adamw(cpu, &mut p, &val(5000, 14), &mut m, &mut v, &step);
+            let (dx, dw) = rms_norm_backward(cpu, &x, &w, &dy, 1e-5);
             let mut dlogits = logits.clone();
-            let loss = super::super::cross_entropy::row_loss(&mut dlogits, 17, Some(0.5));
+            let loss = crate::cross_entropy::row_loss(cpu, &mut dlogits, 17, Some(0.5));
             [
-                rms_norm(&x, &w, 1e-5),
+                rms_norm(cpu, &x, &w, 1e-5),
                 dx,
                 dw,
-                swiglu_packed(&gu, f),
-                swiglu_packed_backward(&gu, &dyf, f),
+                swiglu_packed(cpu, &gu, f),
+                swiglu_packed_backward(cpu, &gu, &dyf, f),
                 rope,
                 attn.o,
                 attn.lse,
@@ -1465,12 +1461,12 @@ mod tests {
                 unrotated,
                 vec![loss as f32],
                 // The f64's bytes, compared exactly like the rest.
-                sum_squares(&x).to_bits().to_le_bytes().map(f32::from).to_vec(),
+                sum_squares(cpu, &x).to_bits().to_le_bytes().map(f32::from).to_vec(),
             ]
         };
-        let widest = run();
+        let widest = run(f32_cpu());
         for &cap in &reachable {
-            let narrower = capped(cap, run);
+            let narrower = run(f32_cpu().capped(cap));
             for (i, (a, b)) in widest.iter().zip(&narrower).enumerate() {
                 assert_eq!(a.len(), b.len());
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -1500,7 +1496,7 @@ mod tests {
             let q = random(s.batch * s.seq * s.heads * s.head_dim, 1);
             let k = random(s.batch * s.seq * s.kv_heads * s.head_dim, 2);
             let v = random(s.batch * s.seq * s.kv_heads * s.head_dim, 3);
-            let got = attention_in(&pack(&q, &k, &v, &s), &s, false);
+            let got = attention_in(bf16_cpu(), &pack(&q, &k, &v, &s), &s, false);
             assert_close(&got.o, &attention_slow(&q, &k, &v, &s), 1e-5, &format!("{s:?}"));
         }
     }
@@ -1531,14 +1527,14 @@ mod tests {
             let q = random(s.batch * s.seq * s.heads * s.head_dim, 1);
             let k = random(s.batch * s.seq * s.kv_heads * s.head_dim, 2);
             let v = random(s.batch * s.seq * s.kv_heads * s.head_dim, 3);
-            let got = attention_in(&pack(&q, &k, &v, &s), &s, false);
+            let got = attention_in(bf16_cpu(), &pack(&q, &k, &v, &s), &s, false);
             assert_close(&got.o, &attention_slow(&q, &k, &v, &s), 1e-5, &format!("{s:?}"));
         }
     }
 
     #[test]
     fn bf16_attention_and_its_backward_are_within_bf16_rounding_of_f32() {
-        if !super::super::bf16_gemm::supported() {
+        if !crate::bf16_gemm::supported() {
             eprintln!("no AVX512_BF16 on this CPU: the bf16 attention is not reachable here");
             return;
         }
@@ -1555,7 +1551,7 @@ mod tests {
             let q: Vec<f32> = random(n * s.heads * dh, 41).iter().map(|x| 3.0 * x).collect();
             let (k, v) = (random(n * s.kv_heads * dh, 42), random(n * s.kv_heads * dh, 43));
             let qkv = pack(&q, &k, &v, &s);
-            let (exact, rounded) = (attention_in(&qkv, &s, false), attention_in(&qkv, &s, true));
+            let (exact, rounded) = (attention_in(bf16_cpu(), &qkv, &s, false), attention_in(bf16_cpu(), &qkv, &s, true));
             let what = format!("{s:?}");
             // bf16 operands (8 significant bits, f32 sums): outputs within 1 % of their largest.
             assert_close(&rounded.o, &exact.o, 1e-2, &format!("o, {what}"));
@@ -1564,7 +1560,7 @@ mod tests {
             assert!(diff > 1e-5, "bf16 equals f32: not taken ({what})");
             assert!(rounded.o.iter().chain(&rounded.lse).all(|x| x.is_finite()), "{what}");
             let d_o = random(n * s.heads * dh, 44);
-            let grads = |out: &AttnOut, bf16| attention_backward_in(&qkv, (&out.o, &out.lse), &d_o, &s, bf16);
+            let grads = |out: &AttnOut, bf16| attention_backward_in(bf16_cpu(), &qkv, (&out.o, &out.lse), &d_o, &s, bf16);
             let (exact, rounded) = (grads(&exact, false), grads(&rounded, true));
             // Gradients within 2 % of their largest, per part (q, k, v).
             let (qw, kw) = (s.heads * dh, s.kv_heads * dh);
@@ -1592,10 +1588,10 @@ mod tests {
         let packed = pack(&q, &k, &v, &s);
         let w = random(q.len(), 7); // loss = Σ w ⊙ o
         let loss = |qkv: &[f32]| -> f64 {
-            attention_in(qkv, &s, false).o.iter().zip(&w).map(|(a, b)| (*a as f64) * (*b as f64)).sum()
+            attention_in(bf16_cpu(), qkv, &s, false).o.iter().zip(&w).map(|(a, b)| (*a as f64) * (*b as f64)).sum()
         };
-        let out = attention_in(&packed, &s, false);
-        let grad = attention_backward_in(&packed, (&out.o, &out.lse), &w, &s, false);
+        let out = attention_in(bf16_cpu(), &packed, &s, false);
+        let grad = attention_backward_in(bf16_cpu(), &packed, (&out.o, &out.lse), &w, &s, false);
         let eps = 1e-3f32;
         let width = s.packed_width();
         // A q, a k and a v entry of the first and last rows, and a few more.
@@ -1614,8 +1610,8 @@ mod tests {
         // sample of entries.
         let (m, k, n) = (1024, 512, 400);
         let (x, w, dy) = (random(m * k, 30), random(k * n, 31), random(m * n, 32));
-        let y = linear(&x, &w, None, (m, k, n));
-        let (dx, dw, _) = linear_backward(&x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: false });
+        let y = linear(f32_cpu(), &x, &w, None, (m, k, n));
+        let (dx, dw, _) = linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: false });
         let (dx, dw) = (dx.unwrap(), dw.unwrap());
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(33);
         for _ in 0..200 {
@@ -1642,8 +1638,8 @@ mod tests {
             for len in [m * n, m * k, k * n] {
                 drop(std::hint::black_box(vec![f32::NAN; len]));
             }
-            let y = linear_in(&x, &w, None, (m, k, n), false);
-            let (dx, dw, _) = linear_backward_in(&x, &w, &dy, (m, k, n), all, false);
+            let y = linear(f32_cpu(), &x, &w, None, (m, k, n));
+            let (dx, dw, _) = linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), all);
             let (dx, dw) = (dx.expect("dx"), dw.expect("dw"));
             assert_eq!((y.len(), dx.len(), dw.len()), (m * n, m * k, k * n));
             for i in 0..m {
@@ -1780,11 +1776,11 @@ mod tests {
             for bias in [None, Some(&b[..])] {
                 drop(std::hint::black_box(vec![f32::NAN; m * total]));
                 let got = linear_multi(&x, &parts, &ns, bias, (m, k));
-                let want = linear_in(&x, &packed, bias, (m, k, total), false);
+                let want = linear(f32_cpu(), &x, &packed, bias, (m, k, total));
                 assert_close(&got, &want, 1e-5, &format!("y ({m}, {k}, {ns:?}) bias {}", bias.is_some()));
             }
             let all = LinearGrads { x: true, w: true, b: false };
-            let (want_dx, want_dw, _) = linear_backward_in(&x, &packed, &dy, (m, k, total), all, false);
+            let (want_dx, want_dw, _) = linear_backward(f32_cpu(), &x, &packed, &dy, (m, k, total), all);
             let (want_dx, want_dw) = (want_dx.expect("dx"), want_dw.expect("dw"));
             let mut need = vec![true; ns.len()];
             need[0] = false; // a frozen part
@@ -1809,10 +1805,10 @@ mod tests {
     fn linear_and_its_backward_match_the_definition() {
         let (m, k, n) = (5, 7, 3);
         let (x, w, b, dy) = (random(m * k, 20), random(k * n, 21), random(n, 22), random(m * n, 23));
-        let y = linear(&x, &w, Some(&b), (m, k, n));
-        let (dx, dw, db) = linear_backward(&x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: true });
+        let y = linear(f32_cpu(), &x, &w, Some(&b), (m, k, n));
+        let (dx, dw, db) = linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: true });
         let (dx, dw) = (dx.unwrap(), dw.unwrap());
-        let only_w = linear_backward(&x, &w, &dy, (m, k, n), LinearGrads { x: false, w: true, b: false });
+        let only_w = linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: false, w: true, b: false });
         assert!(only_w.0.is_none() && only_w.2.is_none() && only_w.1.as_deref() == Some(&dw[..]));
         for i in 0..m {
             for j in 0..n {
@@ -1843,9 +1839,9 @@ mod tests {
         let w = random(d, 9);
         let dy = random(n * d, 10);
         let loss = |x: &[f32], w: &[f32]| -> f64 {
-            rms_norm(x, w, 1e-5).iter().zip(&dy).map(|(a, b)| (*a as f64) * (*b as f64)).sum()
+            rms_norm(f32_cpu(), x, w, 1e-5).iter().zip(&dy).map(|(a, b)| (*a as f64) * (*b as f64)).sum()
         };
-        let (dx, dw) = rms_norm_backward(&x, &w, &dy, 1e-5);
+        let (dx, dw) = rms_norm_backward(f32_cpu(), &x, &w, &dy, 1e-5);
         let eps = 1e-3f32;
         for idx in 0..n * d {
             let (mut up, mut down) = (x.clone(), x.clone());
@@ -1864,8 +1860,8 @@ mod tests {
         let f = 11;
         let gu = random(2 * f, 11);
         let dy = random(f, 13);
-        let y = swiglu_packed(&gu, f);
-        let d = swiglu_packed_backward(&gu, &dy, f);
+        let y = swiglu_packed(f32_cpu(), &gu, f);
+        let d = swiglu_packed_backward(f32_cpu(), &gu, &dy, f);
         let silu_mul = |g: f32, u: f32| g / (1.0 + (-g).exp()) * u;
         for i in 0..f {
             let (g, u) = (gu[i], gu[f + i]);
@@ -1896,9 +1892,9 @@ mod tests {
         let (cos, sin): (Vec<f32>, Vec<f32>) =
             (0..(16 * 4)).map(|i| ((i as f32 * 0.37).cos(), (i as f32 * 0.37).sin())).unzip();
         let x = random(2 * 5 * s.packed_width(), 14);
-        let rotated = rope_packed(&x, &s, &cos, &sin, false);
+        let rotated = rope_packed(f32_cpu(), &x, &s, &cos, &sin, false);
         assert!(rotated.iter().zip(&x).any(|(a, b)| (a - b).abs() > 1e-3), "the rotation moved nothing");
-        let back = rope_packed(&rotated, &s, &cos, &sin, true);
+        let back = rope_packed(f32_cpu(), &rotated, &s, &cos, &sin, true);
         assert_close(&back, &x, 1e-6, "inverse");
     }
 }

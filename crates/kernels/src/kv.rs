@@ -7,7 +7,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::{flex, float, prim};
+use crate::{flex, float, prim};
 
 /// A backend's row write into a cache pool; the default method is the reference.
 pub trait KvWriteOps: Backend {

@@ -1,31 +1,40 @@
-//! Ops that Burn does not fuse for us, as backend extensions. A leaf of the crate: nothing here
-//! imports the model.
+//! ember's kernels: the ops that Burn does not fuse for us, as backend extensions, with their CPU
+//! kernels. Depends on Burn and on nothing of ember; the model crate calls the tensor-level entry
+//! points, the trainer the optimizer's and the loss's.
 //!
 //! One op a file, each with the same parts:
 //! - a capability trait (`RmsNormOps`, `SwigluOps`, `LinearOps`, `AttentionOps`, `AdamWOps`,
-//!   `LmHeadLossOps`, `KvWriteOps`, `PagedAttentionOps`, `DeviceReduceOps`) whose default methods are the reference: the plain
-//!   composition of Burn tensor ops for the forward pass, and its gradients through Burn's autodiff
-//!   for the backward pass. A backend without kernels implements the trait with no body and is
-//!   correct; nothing panics for want of a kernel;
-//! - the `Flex` impl, which runs the CPU kernels of [`kernels`] on f32 tensors and the reference
-//!   otherwise;
+//!   `LmHeadLossOps`, `KvWriteOps`, `PagedAttentionOps`, `RopeOps`, `DeviceReduceOps`) whose default
+//!   methods are the reference: the plain composition of Burn tensor ops for the forward pass, and
+//!   its gradients through Burn's autodiff for the backward pass. A backend without kernels
+//!   implements the trait with no body and is correct; nothing panics for want of a kernel;
+//! - the `Flex` impl, which runs the CPU kernels (the private `kernels`, `few_rows`, `bf16_gemm`
+//!   modules) on f32 tensors and the reference otherwise;
 //! - the `Autodiff` impl, which makes the op one graph node whose backward is the inner backend's;
 //! - a tensor-level entry point that the model calls;
 //! - tests comparing the kernels with the reference, values and gradients.
 //!
-//! [`EmberBackend`] is all of them, plus two facts about a backend that choose a path, never
+//! Every op takes a [`Compute`]: how the run computes (the products' dtype, which CPU products take
+//! bf16 operands, kernels or reference, which instruction-set copies may run), one value resolved
+//! by the binary and carried by the model; an op's backward runs as its forward did. Nothing in
+//! this crate reads the environment or keeps process-wide switches; what it caches is the CPU's
+//! detection.
+//!
+//! [`EmberBackend`] is all of the traits, plus facts about a backend that choose a path, never
 //! correctness: [`EmberBackend::fused`] (whether running an op as one node is faster than its
-//! composition) and [`EmberBackend::native_low_precision`].
+//! composition), [`EmberBackend::native_low_precision`] and [`EmberBackend::cpu_bf16_gemms`].
 
 pub mod adamw;
 pub mod attention;
-pub mod bf16_gemm;
+pub mod bench;
+mod bf16_gemm;
 pub mod collective;
+mod compute;
 pub mod cross_entropy;
 pub mod documents;
-pub mod few_rows;
+mod few_rows;
 mod flex;
-pub mod kernels;
+mod kernels;
 pub mod kv;
 pub mod linear;
 #[cfg(feature = "nccl")]
@@ -33,7 +42,7 @@ pub mod nccl;
 pub mod paged;
 pub mod rms_norm;
 pub mod rope;
-pub mod simd;
+mod simd;
 pub mod swiglu;
 #[cfg(test)]
 mod testing;
@@ -44,19 +53,18 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
-pub use adamw::{adamw, adamw_reference, AdamWOps, AdamWStep};
-pub use attention::{attention_rope_packed, AttentionOps, AttentionSaved};
+pub use adamw::{adamw, sum_squares, AdamWOps, AdamWStep};
+pub use attention::{AttentionOps, AttentionSaved};
 pub use collective::{DeviceComm, DeviceReduceOps};
-pub use cross_entropy::{
-    cross_entropy, lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec, LmHeadLossOps, IGNORE,
-};
+pub use compute::{Bf16Kernel, Bf16Products, Compute, Cpu, Path, Tier};
+pub use cross_entropy::{lm_head_cross_entropy, ChunkSpec, LmHeadLossOps, IGNORE};
 pub use kernels::{AttnShape, LinearGrads};
 pub use kv::KvWriteOps;
-pub use linear::{linear, LinearOps};
-pub use paged::{Paged, PagedAttentionOps, PagedLayout};
-pub use rms_norm::{rms_norm, RmsNormOps};
+pub use linear::LinearOps;
+pub use paged::PagedAttentionOps;
+pub use rms_norm::RmsNormOps;
 pub use rope::RopeOps;
-pub use swiglu::{swiglu_packed, SwigluOps};
+pub use swiglu::SwigluOps;
 
 /// A pointer to one output buffer that parallel tasks share, each writing its own disjoint part
 /// (the few-rows products: whole outputs or column ranges; the bf16 GEMM: column panels).
@@ -108,8 +116,8 @@ pub trait EmberBackend:
         true
     }
 
-    /// Whether, without native low precision, the linear layers' large GEMMs can take bf16 operands
-    /// with f32 sums on this CPU ([`kernels::set_bf16_gemms`]): what `--precision bf16` then runs.
+    /// Whether, without native low precision, the large matrix products can take bf16 operands with
+    /// f32 sums on this CPU ([`Compute::bf16`]): what `--precision bf16` then runs.
     fn cpu_bf16_gemms() -> bool {
         false
     }
@@ -250,6 +258,10 @@ pub(crate) fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B
     t.into_primitive().tensor()
 }
 
+/// The backend the unit tests run on.
+#[cfg(test)]
+pub(crate) type TestBackend = burn::backend::Flex;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,23 +276,24 @@ mod tests {
         let dev = Default::default();
         let t = |shape: [usize; 2]| Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), &dev);
         let (x, w, dy) = (t([5, 8]), t([1, 8]).reshape([8]), t([5, 8]));
-        let y = float::<B, 2>(B::rms_norm(prim(x.clone()), prim(w.clone()), 1e-5));
+        let cx = Compute::default();
+        let y = float::<B, 2>(B::rms_norm(prim(x.clone()), prim(w.clone()), 1e-5, cx));
         y.into_data().assert_approx_eq::<f32>(
             &rms_norm::reference(x.clone(), w.clone(), 1e-5).into_data(),
             Tolerance::absolute(1e-6),
         );
-        let (dx, dw) = B::rms_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), 1e-5);
+        let (dx, dw) = B::rms_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), 1e-5, cx);
         let (want_dx, want_dw) = rms_norm::reference_backward(x.clone(), w, dy.clone(), 1e-5);
         float::<B, 2>(dx).into_data().assert_approx_eq::<f32>(&want_dx.into_data(), Tolerance::absolute(1e-6));
         float::<B, 1>(dw).into_data().assert_approx_eq::<f32>(&want_dw.into_data(), Tolerance::absolute(1e-6));
         let gu = t([5, 16]);
-        let d = float::<B, 2>(B::swiglu_backward(prim(gu.clone()), prim(dy.clone())));
+        let d = float::<B, 2>(B::swiglu_backward(prim(gu.clone()), prim(dy.clone()), cx));
         assert_eq!(d.dims(), [5, 16]);
         let lw = t([8, 3]);
         let need = LinearGrads { x: true, w: false, b: true };
-        let (dx, dw, db) = B::linear_backward(prim(x.clone()), prim(lw.clone()), prim(t([5, 3])), need);
+        let (dx, dw, db) = B::linear_backward(prim(x.clone()), prim(lw.clone()), prim(t([5, 3])), need, cx);
         assert!(dx.is_some() && dw.is_none() && db.is_some());
-        let y = float::<B, 2>(B::linear_forward(prim(x), prim(lw), None));
+        let y = float::<B, 2>(B::linear_forward(prim(x), prim(lw), None, cx));
         assert_eq!(y.dims(), [5, 3]);
         let rope = rope::Rope::<B>::new(8, 4, 10_000.0, rope::RopeLayout::HalfSplit, &dev);
         let s = AttnShape {
@@ -296,9 +309,9 @@ mod tests {
         };
         let (cos, sin) = rope.tables();
         let qkv = t([3, s.packed_width()]);
-        let saved = B::attention_forward(prim(qkv), prim(cos.clone()), prim(sin.clone()), s.clone());
+        let saved = B::attention_forward(prim(qkv), prim(cos.clone()), prim(sin.clone()), s.clone(), cx);
         let width = s.packed_width();
-        let d = float::<B, 2>(B::attention_backward(saved, prim(t([3, 8])), prim(cos), prim(sin), s));
+        let d = float::<B, 2>(B::attention_backward(saved, prim(t([3, 8])), prim(cos), prim(sin), s, cx));
         assert_eq!(d.dims(), [3, width]);
     }
 }

@@ -17,7 +17,7 @@
 //! walks the table's blocks in the visible span; per block it scores its rows against the block's
 //! keys, updates each row's running maximum and sum (the online softmax of flash attention: nothing
 //! as large as `T × S` is ever made) and adds the block's values weighted by the probabilities.
-//! Compiled three times and chosen at run time by [`super::simd::tier`]: with AVX-512 (F, VL) and
+//! Compiled three times and chosen at run time by the caller's [`Cpu`]: with AVX-512 (F, VL) and
 //! FMA (16-lane multiply-adds written out), the plain loops with AVX2 and FMA enabled (8 lanes),
 //! plain otherwise.
 
@@ -31,10 +31,12 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::attention::masked_attention;
-use super::kernels::{exp, lanes_dot, lanes_max, lanes_sum};
-use super::simd::{self, Tier};
-use super::{flex, float, prim, EmberBackend};
+use crate::attention::masked_attention;
+use crate::compute::{Compute, Cpu};
+use crate::kernels::{exp, lanes_dot, lanes_max, lanes_sum};
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{self, Tier};
+use crate::{flex, float, prim};
 
 /// Where a cached call's queries find their keys: each batch row's block table and how many
 /// positions it had before the call and has after it.
@@ -155,7 +157,7 @@ impl<B: Backend> Paged<B> {
 /// A backend's attention over a paged cache; the default method is the reference.
 pub trait PagedAttentionOps: Backend {
     /// Attention of `q` over the keys and values the layout's tables point at, each key/value head
-    /// shared by `rep` query heads; both products in `compute`, the softmax in f32.
+    /// shared by `rep` query heads; both products in `cx.dtype`, the softmax in f32.
     ///
     /// # Shapes
     /// - q: `[B, H, T, Dh]`, keys, values: the pools `[N, K·Dh]` (`K = H / rep`) -> `[B, H, T, Dh]`
@@ -165,9 +167,9 @@ pub trait PagedAttentionOps: Backend {
         values: FloatTensor<Self>,
         paged: &Paged<Self>,
         rep: usize,
-        compute: DType,
+        cx: Compute,
     ) -> FloatTensor<Self> {
-        prim(reference(float(q), float(keys), float(values), paged, rep, compute))
+        prim(reference(float(q), float(keys), float(values), paged, rep, cx.dtype))
     }
 }
 
@@ -221,11 +223,11 @@ impl PagedAttentionOps for Flex {
         values: FlexTensor,
         paged: &Paged<Self>,
         rep: usize,
-        compute: DType,
+        cx: Compute,
     ) -> FlexTensor {
         let (qs, ks, vs) = (flex::shape(&q), flex::shape(&keys), flex::shape(&values));
         let l = &paged.layout;
-        let fits = <Self as EmberBackend>::fused(compute)
+        let fits = cx.fused::<Self>(cx.dtype)
             && flex::all_f32(&[&q, &keys, &values])
             && qs.len() == 4
             && ks.len() == 2
@@ -239,10 +241,10 @@ impl PagedAttentionOps for Flex {
             && ks[1] == qs[1] / rep * qs[3]
             && l.fits(ks[0]);
         if !fits {
-            return prim(reference(float(q), float(keys), float(values), paged, rep, compute));
+            return prim(reference(float(q), float(keys), float(values), paged, rep, cx.dtype));
         }
         let heads = Heads { heads: qs[1], kv_heads: qs[1] / rep, head_dim: qs[3] };
-        let o = attention(&flex::f32s(&q), &flex::f32s(&keys), &flex::f32s(&values), l, heads);
+        let o = attention(cx.elementwise_cpu(), &flex::f32s(&q), &flex::f32s(&keys), &flex::f32s(&values), l, heads);
         flex::tensor(o, qs)
     }
 }
@@ -268,15 +270,11 @@ const ROWS_PER_TASK: usize = 16;
 /// (few sequences decoding), each also takes only a share of the blocks (flash decoding's split):
 /// the shares' partial maxima, sums and outputs are merged after.
 ///
+/// The copy of the loops that runs is the widest `cpu` allows (the CPU's widest at most).
+///
 /// # Panics
 /// If the slices or the layout do not match the shapes (the op checks them first).
-pub fn attention(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
-    attention_on(q, keys, values, layout, s, simd::tier())
-}
-
-/// [`attention`] compiled no wider than `cap` (the CPU's widest tier at most): tests reach the
-/// narrower CPUs' paths with it ([`attention`] itself follows [`simd::capped`]).
-fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads, cap: Tier) -> Vec<f32> {
+pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
     let (b, t, dh) = (layout.batch(), layout.queries, s.head_dim);
     assert!(s.kv_heads > 0 && dh > 0 && s.heads.is_multiple_of(s.kv_heads), "paged attention: head counts {s:?}");
     let rep = s.heads / s.kv_heads;
@@ -322,7 +320,7 @@ fn attention_on(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s
                 width: s.kv_heads * dh,
                 scale,
             };
-            task.run(cap)
+            task.run(cpu)
         })
         .collect();
     let mut o = vec![0.0f32; q.len()];
@@ -399,11 +397,11 @@ struct Task<'a> {
 }
 
 impl Task<'_> {
-    fn run(&self, cap: Tier) -> Partial {
+    fn run(&self, cpu: Cpu) -> Partial {
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = cap;
+        let _ = cpu;
         #[cfg(target_arch = "x86_64")]
-        match simd::detected().min(cap) {
+        match simd::detected().min(cpu.tier) {
             // SAFETY (both): `detected()` found the features these copies are compiled for.
             Tier::Avx512 => return unsafe { self.run_avx512() },
             Tier::Avx2 => return unsafe { self.run_avx2() },
@@ -630,7 +628,8 @@ pub fn attention_reference(q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::testing::values;
+    use crate::simd::{self, Tier};
+    use crate::testing::values;
     use burn::tensor::Distribution;
 
     /// A pool of `blocks` blocks and a layout of rows with the given (start, new) positions, their
@@ -704,7 +703,7 @@ mod tests {
                 let (k, v) = (values(pool_rows * w, 2), values(pool_rows * w, 3));
                 let want = attention_reference(&q, &k, &v, &l, s);
                 for cap in Tier::ALL.into_iter().filter(|&t| t <= simd::detected()) {
-                    let got = pool.install(|| attention_on(&q, &k, &v, &l, s, cap));
+                    let got = pool.install(|| attention(Cpu::detect().capped(cap), &q, &k, &v, &l, s));
                     let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
                     assert!(err < 1e-5, "{s:?}, case {case}, {cap:?}: max error {err}");
                 }
@@ -720,7 +719,7 @@ mod tests {
         let (k, v) = (values(pool_rows * w, 5), values(pool_rows * w, 6));
         let want = attention_reference(&q, &k, &v, &l, HEADS);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(7).build().expect("a thread pool");
-        let got = pool.install(|| attention(&q, &k, &v, &l, HEADS));
+        let got = pool.install(|| attention(Cpu::detect(), &q, &k, &v, &l, HEADS));
         let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         assert!(err < 1e-5, "max error {err}");
     }
@@ -736,11 +735,13 @@ mod tests {
             let values = Tensor::<Flex, 2>::random([pool_rows, k * dh], normal, &dev);
             let paged = Paged::<Flex>::new(l.clone(), &dev);
             let want = reference(q.clone(), keys.clone(), values.clone(), &paged, h / k, DType::F32);
+            let cx = Compute::default();
             // A strided q (a swapped view), as the model hands it over.
             let q_view = q.clone().swap_dims(1, 2).into_data();
             let q_strided = Tensor::<Flex, 4>::from_data(q_view, &dev).swap_dims(1, 2);
             assert!(l.fits(pool_rows), "case {case}: the kernel must take this layout");
             let kernel = attention(
+                cx.cpu,
                 &q.clone().into_data().to_vec::<f32>().unwrap(),
                 &keys.clone().into_data().to_vec::<f32>().unwrap(),
                 &values.clone().into_data().to_vec::<f32>().unwrap(),
@@ -748,7 +749,7 @@ mod tests {
                 HEADS,
             );
             let got: Tensor<Flex, 4> =
-                float(Flex::paged_attention(prim(q_strided), prim(keys), prim(values), &paged, h / k, DType::F32));
+                float(Flex::paged_attention(prim(q_strided), prim(keys), prim(values), &paged, h / k, cx));
             // Compare the rows that see a key (a padding row a window leaves without any is NaN in
             // the composition, zero in the kernel).
             let (got, want) = (got.into_data().to_vec::<f32>().unwrap(), want.into_data().to_vec::<f32>().unwrap());

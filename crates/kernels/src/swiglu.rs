@@ -10,18 +10,21 @@ use burn::tensor::activation::silu;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::{flex, float, kernels, prim, reference_grads, EmberBackend};
+use crate::compute::Compute;
+use crate::{flex, float, kernels, prim, reference_grads, EmberBackend};
 
 /// A backend's packed SwiGLU; the default methods are the reference.
 pub trait SwigluOps: Backend {
     /// # Shapes
     /// - gu: `[N, 2F]` -> `[N, F]`
-    fn swiglu(gu: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn swiglu(gu: FloatTensor<Self>, cx: Compute) -> FloatTensor<Self> {
+        let _ = cx;
         prim(reference(float::<Self, 2>(gu)))
     }
 
     /// Gradient of the packed input given the output gradient.
-    fn swiglu_backward(gu: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn swiglu_backward(gu: FloatTensor<Self>, dy: FloatTensor<Self>, cx: Compute) -> FloatTensor<Self> {
+        let _ = cx;
         prim(reference_backward(float::<Self, 2>(gu), float(dy)))
     }
 }
@@ -45,61 +48,62 @@ pub fn reference_backward<B: Backend>(gu: Tensor<B, 2>, dy: Tensor<B, 2>) -> Ten
 ///
 /// # Shapes
 /// - gu: `[N, 2F]` -> `[N, F]`
-pub fn swiglu_packed<B: EmberBackend>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
-    if B::fused(gu.dtype()) {
-        float(B::swiglu(prim(gu)))
+pub fn swiglu_packed<B: EmberBackend>(gu: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+    if cx.fused::<B>(gu.dtype()) {
+        float(B::swiglu(prim(gu), cx))
     } else {
         reference(gu)
     }
 }
 
 impl SwigluOps for Flex {
-    fn swiglu(gu: FlexTensor) -> FlexTensor {
+    fn swiglu(gu: FlexTensor, cx: Compute) -> FlexTensor {
         let shape = flex::shape(&gu);
         if !flex::all_f32(&[&gu]) || !shape[1].is_multiple_of(2) {
             return prim(reference(float::<Self, 2>(gu)));
         }
         let f = shape[1] / 2;
-        flex::tensor(kernels::swiglu_packed(&flex::f32s(&gu), f), vec![shape[0], f])
+        flex::tensor(kernels::swiglu_packed(cx.elementwise_cpu(), &flex::f32s(&gu), f), vec![shape[0], f])
     }
 
-    fn swiglu_backward(gu: FlexTensor, dy: FlexTensor) -> FlexTensor {
+    fn swiglu_backward(gu: FlexTensor, dy: FlexTensor, cx: Compute) -> FlexTensor {
         let shape = flex::shape(&gu);
         if !flex::all_f32(&[&gu, &dy]) || !shape[1].is_multiple_of(2) || flex::shape(&dy) != [shape[0], shape[1] / 2] {
             return prim(reference_backward(float::<Self, 2>(gu), float(dy)));
         }
-        flex::tensor(kernels::swiglu_packed_backward(&flex::f32s(&gu), &flex::f32s(&dy), shape[1] / 2), shape)
+        flex::tensor(kernels::swiglu_packed_backward(cx.elementwise_cpu(), &flex::f32s(&gu), &flex::f32s(&dy), shape[1] / 2), shape)
     }
 }
 
 /// One graph node whose backward is the inner backend's.
 impl<B: EmberBackend, C: CheckpointStrategy> SwigluOps for Autodiff<B, C> {
-    fn swiglu(gu: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn swiglu(gu: FloatTensor<Self>, cx: Compute) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct SwigluBackward;
         impl<B: EmberBackend> Backward<B, 1> for SwigluBackward {
-            type State = FloatTensor<B>;
+            type State = (FloatTensor<B>, Compute);
             fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
                 let [node] = ops.parents;
                 let dy = grads.consume::<B>(&ops.node);
+                let (gu, cx) = ops.state;
                 if let Some(n) = node {
-                    grads.register::<B>(n.id, B::swiglu_backward(ops.state, dy));
+                    grads.register::<B>(n.id, B::swiglu_backward(gu, dy, cx));
                 }
             }
         }
         match SwigluBackward.prepare::<C>([gu.node.clone()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let y = B::swiglu(gu.primitive.clone());
-                prep.finish(gu.primitive, y)
+                let y = B::swiglu(gu.primitive.clone(), cx);
+                prep.finish((gu.primitive, cx), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(gu.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(B::swiglu(gu.primitive, cx)),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{assert_close, compare, leaf};
+    use crate::testing::{assert_close, compare, leaf};
     use super::*;
 
     #[test]
@@ -107,7 +111,7 @@ mod tests {
         for (n, f) in [(1, 5), (9, 31), (64, 344)] {
             compare(&format!("swiglu {n}x{f}"), vec![leaf([n, 2 * f], 3)], [n, f], &|xs, fused| {
                 if fused {
-                    swiglu_packed(xs[0].clone())
+                    swiglu_packed(xs[0].clone(), Compute::default())
                 } else {
                     reference(xs[0].clone())
                 }
@@ -118,7 +122,7 @@ mod tests {
     #[test]
     fn kernel_backward_equals_the_reference_backward() {
         let (gu, dy) = (leaf([7, 2 * 19], 1), leaf([7, 19], 2));
-        let got = Flex::swiglu_backward(prim(gu.clone()), prim(dy.clone()));
+        let got = Flex::swiglu_backward(prim(gu.clone()), prim(dy.clone()), Compute::default());
         assert_close("swiglu", vec![float(got)], vec![reference_backward(gu, dy)]);
     }
 }

@@ -13,10 +13,11 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::{AttentionModuleOptions, FloatTensor};
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor};
 
-use super::documents::Documents;
-use super::kernels::{self, AttnShape};
-use super::rope::Rope;
-use super::{flex, float, prim, reference_grads, EmberBackend};
+use crate::compute::Compute;
+use crate::documents::Documents;
+use crate::kernels::{self, AttnShape};
+use crate::rope::Rope;
+use crate::{flex, float, prim, reference_grads, EmberBackend};
 
 /// What the attention's forward pass keeps for its backward pass.
 #[derive(Debug, Clone)]
@@ -51,6 +52,7 @@ pub trait AttentionOps: Backend {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         shape: AttnShape,
+        _cx: Compute,
     ) -> AttentionSaved<Self> {
         let rope = Rope::from_tables(float::<Self, 2>(cos), float(sin), shape.layout);
         let o = prim(reference(float(qkv.clone()), &rope, &shape));
@@ -64,6 +66,7 @@ pub trait AttentionOps: Backend {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         shape: AttnShape,
+        _cx: Compute,
     ) -> FloatTensor<Self> {
         match saved {
             AttentionSaved::Input { qkv, .. } => {
@@ -83,8 +86,9 @@ pub trait AttentionOps: Backend {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         shape: AttnShape,
+        cx: Compute,
     ) -> FloatTensor<Self> {
-        Self::attention_forward(qkv, cos, sin, shape).output()
+        Self::attention_forward(qkv, cos, sin, shape, cx).output()
     }
 }
 
@@ -180,8 +184,9 @@ pub fn attention_rope_packed<B: EmberBackend>(
     (h, kh, dh): (usize, usize, usize),
     start: usize,
     docs: Option<&Documents>,
+    cx: Compute,
 ) -> Tensor<B, 2> {
-    if !(B::fused(qkv.dtype()) && start + t <= rope.max_seq_len()) {
+    if !(cx.fused::<B>(qkv.dtype()) && start + t <= rope.max_seq_len()) {
         return attention_rope_reference(qkv, rope, (b, t), (h, kh, dh), start, docs);
     }
     let s = AttnShape {
@@ -196,7 +201,7 @@ pub fn attention_rope_packed<B: EmberBackend>(
         docs: docs.map(|d| d.first_positions().clone()),
     };
     let (cos, sin) = rope.tables();
-    float(B::attention_rope(prim(qkv), prim(cos), prim(sin), s))
+    float(B::attention_rope(prim(qkv), prim(cos), prim(sin), s, cx))
 }
 
 /// Attention of queries over keys and values held in segments (in position order), every key
@@ -293,16 +298,23 @@ pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, rep: usize) -> Tensor<B, 4> {
 }
 
 impl AttentionOps for Flex {
-    fn attention_forward(qkv: FlexTensor, cos: FlexTensor, sin: FlexTensor, s: AttnShape) -> AttentionSaved<Self> {
+    fn attention_forward(
+        qkv: FlexTensor,
+        cos: FlexTensor,
+        sin: FlexTensor,
+        s: AttnShape,
+        cx: Compute,
+    ) -> AttentionSaved<Self> {
         if !flex::all_f32(&[&qkv, &cos, &sin]) {
             let rope = Rope::from_tables(float::<Self, 2>(cos), float(sin), s.layout);
             let o = prim(reference(float(qkv.clone()), &rope, &s));
             return AttentionSaved::Input { o, qkv };
         }
         let rows = flex::shape(&qkv)[0];
-        let qkv_rot = kernels::rope_packed(&flex::f32s(&qkv), &s, &flex::f32s(&cos), &flex::f32s(&sin), false);
-        let bf16 = kernels::attention_in_bf16(&s);
-        let out = kernels::attention_in(&qkv_rot, &s, bf16);
+        let (cpu, elementwise) = (cx.attention_cpu(), cx.elementwise_cpu());
+        let qkv_rot = kernels::rope_packed(elementwise, &flex::f32s(&qkv), &s, &flex::f32s(&cos), &flex::f32s(&sin), false);
+        let bf16 = kernels::attention_in_bf16(cpu, &s);
+        let out = kernels::attention_in(cpu, &qkv_rot, &s, bf16);
         AttentionSaved::Kernel {
             o: flex::tensor(out.o, vec![rows, s.heads * s.head_dim]),
             lse: flex::tensor(out.lse, vec![s.batch * s.heads * s.seq]),
@@ -317,6 +329,7 @@ impl AttentionOps for Flex {
         cos: FlexTensor,
         sin: FlexTensor,
         s: AttnShape,
+        cx: Compute,
     ) -> FlexTensor {
         let (o, lse, qkv_rot, bf16) = match saved {
             AttentionSaved::Kernel { o, lse, qkv_rot, bf16 } => (o, lse, qkv_rot, bf16),
@@ -326,8 +339,10 @@ impl AttentionOps for Flex {
         };
         let shape = flex::shape(&qkv_rot);
         let (o, lse) = (flex::f32s(&o), flex::f32s(&lse));
-        let d_rot = kernels::attention_backward_in(&flex::f32s(&qkv_rot), (&o, &lse), &flex::f32s(&d_o), &s, bf16);
-        flex::tensor(kernels::rope_packed(&d_rot, &s, &flex::f32s(&cos), &flex::f32s(&sin), true), shape)
+        let (qkv_rot, d_o) = (flex::f32s(&qkv_rot), flex::f32s(&d_o));
+        let d_rot = kernels::attention_backward_in(cx.attention_cpu(), &qkv_rot, (&o, &lse), &d_o, &s, bf16);
+        let (cos, sin) = (flex::f32s(&cos), flex::f32s(&sin));
+        flex::tensor(kernels::rope_packed(cx.elementwise_cpu(), &d_rot, &s, &cos, &sin, true), shape)
     }
 }
 
@@ -338,27 +353,28 @@ impl<B: EmberBackend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
         s: AttnShape,
+        cx: Compute,
     ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct AttentionBackward;
         impl<B: EmberBackend> Backward<B, 1> for AttentionBackward {
-            type State = (AttentionSaved<B>, FloatTensor<B>, FloatTensor<B>, AttnShape);
+            type State = (AttentionSaved<B>, FloatTensor<B>, FloatTensor<B>, AttnShape, Compute);
             fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
                 let [node] = ops.parents;
                 let d_o = grads.consume::<B>(&ops.node);
-                let (saved, cos, sin, s) = ops.state;
+                let (saved, cos, sin, s, cx) = ops.state;
                 if let Some(n) = node {
-                    grads.register::<B>(n.id, B::attention_backward(saved, d_o, cos, sin, s));
+                    grads.register::<B>(n.id, B::attention_backward(saved, d_o, cos, sin, s, cx));
                 }
             }
         }
         let (cos, sin) = (cos.primitive, sin.primitive);
         let prep = AttentionBackward.prepare::<C>([qkv.node.clone()]).compute_bound().stateful();
-        let saved = B::attention_forward(qkv.primitive, cos.clone(), sin.clone(), s.clone());
+        let saved = B::attention_forward(qkv.primitive, cos.clone(), sin.clone(), s.clone(), cx);
         match prep {
             OpsKind::Tracked(prep) => {
                 let o = saved.output();
-                prep.finish((saved, cos, sin, s), o)
+                prep.finish((saved, cos, sin, s, cx), o)
             }
             OpsKind::UnTracked(prep) => prep.finish(saved.output()),
         }
@@ -367,8 +383,8 @@ impl<B: EmberBackend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::rope::RopeLayout;
-    use super::super::testing::{assert_close, compare, leaf, AB};
+    use crate::rope::RopeLayout;
+    use crate::testing::{assert_close, compare, leaf, AB};
     use super::*;
     use burn::tensor::{Distribution, Tolerance};
 
@@ -399,7 +415,7 @@ mod tests {
                     format!("attention b{b} t{t} h{h} k{kh} dh{dh} start{start} {layout:?} docs {}", docs.is_some());
                 compare(&name, inputs, [b * t, h * dh], &|xs, fused| {
                     if fused {
-                        attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs)
+                        attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs, Compute::default())
                     } else {
                         attention_rope_reference(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs)
                     }
@@ -433,6 +449,7 @@ mod tests {
                 prim(cos.clone()),
                 prim(sin.clone()),
                 s.clone(),
+                Compute::default(),
             );
             let got = <Flex as AttentionOps>::attention_backward(
                 saved,
@@ -440,6 +457,7 @@ mod tests {
                 prim(cos.clone()),
                 prim(sin.clone()),
                 s.clone(),
+                Compute::default(),
             );
             let want = reference_backward(qkv, d_o, cos, sin, &s);
             assert_close(&format!("attention b{b} t{t} {layout:?}"), vec![float(got)], vec![want]);
@@ -468,7 +486,7 @@ mod tests {
                 let qkv = leaf([b * t, s.packed_width()], 6);
                 let (cos, sin) = rope.tables();
                 let vals = |x: &Tensor<Flex, 2>| x.to_data().to_vec::<f32>().unwrap();
-                let rotated = kernels::rope_packed(&vals(&qkv), &s, &vals(&cos), &vals(&sin), false);
+                let rotated = kernels::rope_packed(crate::Cpu::detect(), &vals(&qkv), &s, &vals(&cos), &vals(&sin), false);
                 let rotated = Tensor::<Flex, 2>::from_data(
                     burn::tensor::TensorData::new(rotated, [b * t, s.packed_width()]),
                     &dev,

@@ -12,8 +12,9 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor, TensorMetadata};
 
-use super::kernels::LinearGrads;
-use super::{flex, float, kernels, prim, reference_grads, EmberBackend};
+use crate::compute::{Compute, Cpu};
+use crate::kernels::{self, LinearGrads};
+use crate::{flex, float, prim, reference_grads, EmberBackend};
 
 /// The gradients of x, w and b, those not asked for `None`.
 pub type Grads<B> = (Option<FloatTensor<B>>, Option<FloatTensor<B>>, Option<FloatTensor<B>>);
@@ -22,7 +23,12 @@ pub type Grads<B> = (Option<FloatTensor<B>>, Option<FloatTensor<B>>, Option<Floa
 pub trait LinearOps: Backend {
     /// # Shapes
     /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
-    fn linear_forward(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+    fn linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+        _cx: Compute,
+    ) -> FloatTensor<Self> {
         prim(reference(float::<Self, 2>(x), float(w), b.map(float)))
     }
 
@@ -32,6 +38,7 @@ pub trait LinearOps: Backend {
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
         need: LinearGrads,
+        _cx: Compute,
     ) -> Grads<Self> {
         let (dx, dw, db) = reference_backward(float::<Self, 2>(x), float(w), float(dy));
         (need.x.then(|| prim(dx)), need.w.then(|| prim(dw)), need.b.then(|| prim(db)))
@@ -41,7 +48,7 @@ pub trait LinearOps: Backend {
     ///
     /// # Shapes
     /// - x: `[M, K]`, w: `[N, K]` -> `[M, N]`
-    fn linear_nt_forward(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn linear_nt_forward(x: FloatTensor<Self>, w: FloatTensor<Self>, _cx: Compute) -> FloatTensor<Self> {
         prim(reference_nt(float::<Self, 2>(x), float(w)))
     }
 
@@ -55,6 +62,7 @@ pub trait LinearOps: Backend {
         x: FloatTensor<Self>,
         ws: Vec<FloatTensor<Self>>,
         bs: Vec<FloatTensor<Self>>,
+        _cx: Compute,
     ) -> FloatTensor<Self> {
         prim(reference_multi(
             float::<Self, 2>(x),
@@ -69,6 +77,7 @@ pub trait LinearOps: Backend {
         ws: Vec<FloatTensor<Self>>,
         dy: FloatTensor<Self>,
         need: &MultiNeed,
+        _cx: Compute,
     ) -> MultiGrads<Self> {
         reference_multi_backward::<Self>(x, ws, dy, need)
     }
@@ -85,6 +94,7 @@ pub trait LinearOps: Backend {
         ws: Vec<FloatTensor<Self>>,
         bs: Vec<FloatTensor<Self>>,
         lora: Vec<Option<LowRank<FloatTensor<Self>>>>,
+        _cx: Compute,
     ) -> FloatTensor<Self> {
         reference_lora_of::<Self>(x, ws, bs, lora)
     }
@@ -98,6 +108,7 @@ pub trait LinearOps: Backend {
         lora: Vec<Option<LowRank<FloatTensor<Self>>>>,
         dy: FloatTensor<Self>,
         need: &LoraNeed,
+        _cx: Compute,
     ) -> LoraGrads<Self> {
         reference_lora_backward::<Self>(x, ws, lora, dy, need)
     }
@@ -169,11 +180,17 @@ pub fn reference_multi<B: Backend>(
 ///
 /// # Shapes
 /// - x: `[M, K]`, w_i: `[K, N_i]`, b_i: `[N_i]` -> `[M, Σ N_i]`
-pub fn linear_multi<B: EmberBackend>(x: Tensor<B, 2>, ws: Vec<Tensor<B, 2>>, bs: Vec<Tensor<B, 1>>) -> Tensor<B, 2> {
+pub fn linear_multi<B: EmberBackend>(
+    x: Tensor<B, 2>,
+    ws: Vec<Tensor<B, 2>>,
+    bs: Vec<Tensor<B, 1>>,
+    cx: Compute,
+) -> Tensor<B, 2> {
     let dtype = x.dtype();
     let same = ws.iter().all(|w| w.dtype() == dtype) && bs.iter().all(|b| b.dtype() == dtype);
-    if B::fused(dtype) && same && !ws.is_empty() && (bs.is_empty() || bs.len() == ws.len()) {
-        float(B::linear_multi_forward(prim(x), ws.into_iter().map(prim).collect(), bs.into_iter().map(prim).collect()))
+    if cx.fused::<B>(dtype) && same && !ws.is_empty() && (bs.is_empty() || bs.len() == ws.len()) {
+        let (ws, bs) = (ws.into_iter().map(prim).collect(), bs.into_iter().map(prim).collect());
+        float(B::linear_multi_forward(prim(x), ws, bs, cx))
     } else {
         reference_multi(x, ws, bs)
     }
@@ -223,15 +240,16 @@ pub fn linear_lora<B: EmberBackend>(
     ws: Vec<Tensor<B, 2>>,
     bs: Vec<Tensor<B, 1>>,
     lora: Vec<Option<LowRank<Tensor<B, 2>>>>,
+    cx: Compute,
 ) -> Tensor<B, 2> {
     let dtype = x.dtype();
     let factors = lora.iter().flatten().flat_map(|l| [&l.a, &l.b]);
     let same = ws.iter().chain(factors).all(|w| w.dtype() == dtype) && bs.iter().all(|b| b.dtype() == dtype);
     let parts_fit = !ws.is_empty() && lora.len() == ws.len() && (bs.is_empty() || bs.len() == ws.len());
-    if B::fused(dtype) && same && parts_fit {
+    if cx.fused::<B>(dtype) && same && parts_fit {
         let lora = lora.into_iter().map(|l| l.map(|l| l.map(prim))).collect();
         let (ws, bs) = (ws.into_iter().map(prim).collect(), bs.into_iter().map(prim).collect());
-        float(B::linear_lora_forward(prim(x), ws, bs, lora))
+        float(B::linear_lora_forward(prim(x), ws, bs, lora, cx))
     } else {
         reference_lora(x, ws, bs, &lora)
     }
@@ -251,9 +269,9 @@ pub fn reference_nt<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2
 ///
 /// # Shapes
 /// - x: `[M, K]`, w: `[N, K]` -> `[M, N]`
-pub fn linear_nt<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
-    if B::fused(x.dtype()) && w.dtype() == x.dtype() {
-        float(B::linear_nt_forward(prim(x), prim(w)))
+pub fn linear_nt<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+    if cx.fused::<B>(x.dtype()) && w.dtype() == x.dtype() {
+        float(B::linear_nt_forward(prim(x), prim(w), cx))
     } else {
         reference_nt(x, w)
     }
@@ -284,17 +302,17 @@ pub fn reference_backward<B: Backend>(
 ///
 /// # Shapes
 /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
-pub fn linear<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
+pub fn linear<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>, b: Option<Tensor<B, 1>>, cx: Compute) -> Tensor<B, 2> {
     let dtype = x.dtype();
-    if B::fused(dtype) && w.dtype() == dtype && b.as_ref().is_none_or(|b| b.dtype() == dtype) {
-        float(B::linear_forward(prim(x), prim(w), b.map(prim)))
+    if cx.fused::<B>(dtype) && w.dtype() == dtype && b.as_ref().is_none_or(|b| b.dtype() == dtype) {
+        float(B::linear_forward(prim(x), prim(w), b.map(prim), cx))
     } else {
         reference(x, w, b)
     }
 }
 
 impl LinearOps for Flex {
-    fn linear_forward(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>) -> FlexTensor {
+    fn linear_forward(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>, cx: Compute) -> FlexTensor {
         let (xs, ws) = (flex::shape(&x), flex::shape(&w));
         let bias_fits = b.as_ref().is_none_or(|b| flex::all_f32(&[b]) && flex::shape(b) == [ws[1]]);
         if !flex::all_f32(&[&x, &w]) || !bias_fits || xs[1] != ws[0] {
@@ -302,11 +320,11 @@ impl LinearOps for Flex {
             return prim(reference(float::<Self, 2>(x), float(w), b.map(float)));
         }
         let b = b.as_ref().map(flex::f32s);
-        let y = kernels::linear(&flex::f32s(&x), &flex::f32s(&w), b.as_deref(), (xs[0], xs[1], ws[1]));
+        let y = kernels::linear(cx.linear_cpu(), &flex::f32s(&x), &flex::f32s(&w), b.as_deref(), (xs[0], xs[1], ws[1]));
         flex::tensor(y, vec![xs[0], ws[1]])
     }
 
-    fn linear_nt_forward(x: FlexTensor, w: FlexTensor) -> FlexTensor {
+    fn linear_nt_forward(x: FlexTensor, w: FlexTensor, cx: Compute) -> FlexTensor {
         let (xs, ws) = (flex::shape(&x), flex::shape(&w));
         if !flex::all_f32(&[&x, &w]) || xs[1] != ws[1] || xs[0] > kernels::FEW_ROWS || w.as_slice::<f32>().is_none() {
             // Many rows (a GEMM's job), other dtypes, a weight that is a view, shapes that do not
@@ -314,38 +332,44 @@ impl LinearOps for Flex {
             return prim(reference_nt(float::<Self, 2>(x), float(w)));
         }
         let mut y = vec![0.0f32; xs[0] * ws[0]];
-        super::few_rows::product_nt(&mut y, &flex::f32s(&x), &flex::f32s(&w), (xs[0], xs[1], ws[0]));
+        crate::few_rows::product_nt(cx.linear_cpu(), &mut y, &flex::f32s(&x), &flex::f32s(&w), (xs[0], xs[1], ws[0]));
         flex::tensor(y, vec![xs[0], ws[0]])
     }
 
-    fn linear_backward(x: FlexTensor, w: FlexTensor, dy: FlexTensor, need: LinearGrads) -> Grads<Self> {
+    fn linear_backward(x: FlexTensor, w: FlexTensor, dy: FlexTensor, need: LinearGrads, cx: Compute) -> Grads<Self> {
         let (xs, ws) = (flex::shape(&x), flex::shape(&w));
         if !flex::all_f32(&[&x, &w, &dy]) || xs[1] != ws[0] || flex::shape(&dy) != [xs[0], ws[1]] {
             let (dx, dw, db) = reference_backward(float::<Self, 2>(x), float(w), float(dy));
             return (need.x.then(|| prim(dx)), need.w.then(|| prim(dw)), need.b.then(|| prim(db)));
         }
-        let (dx, dw, db) =
-            kernels::linear_backward(&flex::f32s(&x), &flex::f32s(&w), &flex::f32s(&dy), (xs[0], xs[1], ws[1]), need);
+        let (x, w, dy) = (flex::f32s(&x), flex::f32s(&w), flex::f32s(&dy));
+        let (dx, dw, db) = kernels::linear_backward(cx.linear_cpu(), &x, &w, &dy, (xs[0], xs[1], ws[1]), need);
         let tensor = flex::tensor;
         (dx.map(|dx| tensor(dx, xs)), dw.map(|dw| tensor(dw, ws.clone())), db.map(|db| tensor(db, vec![ws[1]])))
     }
 
-    fn linear_multi_forward(x: FlexTensor, ws: Vec<FlexTensor>, bs: Vec<FlexTensor>) -> FlexTensor {
+    fn linear_multi_forward(x: FlexTensor, ws: Vec<FlexTensor>, bs: Vec<FlexTensor>, cx: Compute) -> FlexTensor {
         let Some((m, k, ns)) = multi_fits(&x, &ws, &bs) else {
             let (ws, bs) = (ws.into_iter().map(float).collect(), bs.into_iter().map(float).collect());
             return prim(reference_multi(float::<Self, 2>(x), ws, bs));
         };
         let total = ns.iter().sum();
-        flex::tensor(multi_product(&flex::f32s(&x), &ws, &bs, (m, k), &ns), vec![m, total])
+        flex::tensor(multi_product(cx.linear_cpu(), &flex::f32s(&x), &ws, &bs, (m, k), &ns), vec![m, total])
     }
 
-    fn linear_multi_backward(x: FlexTensor, ws: Vec<FlexTensor>, dy: FlexTensor, need: &MultiNeed) -> MultiGrads<Self> {
+    fn linear_multi_backward(
+        x: FlexTensor,
+        ws: Vec<FlexTensor>,
+        dy: FlexTensor,
+        need: &MultiNeed,
+        cx: Compute,
+    ) -> MultiGrads<Self> {
         let fits = multi_fits(&x, &ws, &[]).filter(|(m, _, ns)| flex::shape(&dy) == [*m, ns.iter().sum()]);
         let needs_fit = need.w.len() == ws.len() && (need.b.is_empty() || need.b.len() == ws.len());
         let Some((m, k, ns)) = fits.filter(|_| flex::all_f32(&[&dy]) && needs_fit) else {
             return reference_multi_backward::<Self>(x, ws, dy, need);
         };
-        let (dx, dws, dbs) = multi_grads(&flex::f32s(&x), &ws, &flex::f32s(&dy), (m, k), &ns, need);
+        let (dx, dws, dbs) = multi_grads(cx.linear_cpu(), &flex::f32s(&x), &ws, &flex::f32s(&dy), (m, k), &ns, need);
         multi_tensors((dx, dws, dbs), (m, k), &ns)
     }
 
@@ -354,13 +378,14 @@ impl LinearOps for Flex {
         ws: Vec<FlexTensor>,
         bs: Vec<FlexTensor>,
         lora: Vec<Option<LowRank<FlexTensor>>>,
+        cx: Compute,
     ) -> FlexTensor {
         let fits = multi_fits(&x, &ws, &bs).filter(|(_, k, ns)| lora_fits(&lora, *k, ns));
         let Some((m, k, ns)) = fits else {
             return reference_lora_of::<Self>(x, ws, bs, lora);
         };
         let x = flex::f32s(&x);
-        let mut y = multi_product(&x, &ws, &bs, (m, k), &ns);
+        let mut y = multi_product(cx.linear_cpu(), &x, &ws, &bs, (m, k), &ns);
         let factors = lora_factors(&lora);
         kernels::add_low_rank(&mut y, &x, &ns, &low_ranks(&factors, &lora), (m, k));
         flex::tensor(y, vec![m, ns.iter().sum()])
@@ -372,13 +397,14 @@ impl LinearOps for Flex {
         lora: Vec<Option<LowRank<FlexTensor>>>,
         dy: FlexTensor,
         need: &LoraNeed,
+        cx: Compute,
     ) -> LoraGrads<Self> {
         let Some((m, k, ns)) = lora_backward_fits(&x, &ws, &lora, &dy, need) else {
             return reference_lora_backward::<Self>(x, ws, lora, dy, need);
         };
         let multi = &need.multi;
         let (x, dy) = (flex::f32s(&x), flex::f32s(&dy));
-        let (mut dx, dws, dbs) = multi_grads(&x, &ws, &dy, (m, k), &ns, multi);
+        let (mut dx, dws, dbs) = multi_grads(cx.linear_cpu(), &x, &ws, &dy, (m, k), &ns, multi);
         let factors = lora_factors(&lora);
         let parts = low_ranks(&factors, &lora);
         let grads = kernels::low_rank_backward(&x, &ns, &parts, &dy, (m, k), dx.as_deref_mut(), &need.low_rank);
@@ -392,17 +418,24 @@ impl LinearOps for Flex {
 }
 
 /// The side-by-side product of [`LinearOps::linear_multi_forward`] on tensors that
-/// [`multi_fits`] took: one bf16 GEMM of the concatenated weights where bf16 GEMMs are on and
-/// win, else each weight read where it is.
-fn multi_product(x: &[f32], ws: &[FlexTensor], bs: &[FlexTensor], (m, k): (usize, usize), ns: &[usize]) -> Vec<f32> {
+/// [`multi_fits`] took: one bf16 GEMM of the concatenated weights where `cpu` has a bf16 kernel and
+/// it wins, else each weight read where it is.
+fn multi_product(
+    cpu: Cpu,
+    x: &[f32],
+    ws: &[FlexTensor],
+    bs: &[FlexTensor],
+    (m, k): (usize, usize),
+    ns: &[usize],
+) -> Vec<f32> {
     let total = ns.iter().sum();
     let w: Vec<_> = ws.iter().map(flex::f32s).collect();
     let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
     let b = (!bs.is_empty()).then(|| bs.iter().flat_map(|b| flex::f32s(b).into_owned()).collect::<Vec<f32>>());
-    match multi_in_bf16(m, k, total) {
+    match kernels::large_bf16(cpu, (m, total, k)) {
         // The bf16 GEMM packs its operands anyway: the weights concatenated for it.
-        true => kernels::linear_in(x, &kernels::concat_columns(&w, ns, k), b.as_deref(), (m, k, total), true),
-        false => kernels::linear_multi(x, &w, ns, b.as_deref(), (m, k)),
+        Some(_) => kernels::linear(cpu, x, &kernels::concat_columns(&w, ns, k), b.as_deref(), (m, k, total)),
+        None => kernels::linear_multi(x, &w, ns, b.as_deref(), (m, k)),
     }
 }
 
@@ -412,6 +445,7 @@ type MultiVecs = (Option<Vec<f32>>, Vec<Option<Vec<f32>>>, Vec<Option<Vec<f32>>>
 
 /// The gradients of [`multi_product`] that `need` asks for, given `dy` `[M, Σ N_i]`.
 fn multi_grads(
+    cpu: Cpu,
     x: &[f32],
     ws: &[FlexTensor],
     dy: &[f32],
@@ -422,13 +456,13 @@ fn multi_grads(
     let total: usize = ns.iter().sum();
     let w: Vec<_> = ws.iter().map(flex::f32s).collect();
     let w: Vec<&[f32]> = w.iter().map(|w| &w[..]).collect();
-    let (dx, dws) = match multi_in_bf16(m, k, total) {
+    let (dx, dws) = match kernels::large_bf16(cpu, (m, total, k)).is_some() {
         // Nothing of the product asked for (its input and weights frozen, only an update trained).
         _ if !need.x && !need.w.contains(&true) => (None, vec![None; ns.len()]),
         true => {
             let packed = kernels::concat_columns(&w, ns, k);
             let grads = LinearGrads { x: need.x, w: need.w.iter().any(|&w| w), b: false };
-            let (dx, dw, _) = kernels::linear_backward_in(x, &packed, dy, (m, k, total), grads, true);
+            let (dx, dw, _) = kernels::linear_backward(cpu, x, &packed, dy, (m, k, total), grads);
             let parts = kernels::column_offsets(ns).into_iter().zip(ns.iter().copied());
             let dws = parts
                 .zip(&need.w)
@@ -572,25 +606,25 @@ fn multi_fits(x: &FlexTensor, ws: &[FlexTensor], bs: &[FlexTensor]) -> Option<(u
     (f32s && fits).then(|| (xs[0], xs[1], ws.iter().map(|w| w[1]).collect()))
 }
 
-/// Whether a side-by-side product runs as one bf16 GEMM of the concatenated weight.
-fn multi_in_bf16(m: usize, k: usize, total: usize) -> bool {
-    kernels::bf16_gemms() && super::bf16_gemm::supported() && kernels::bf16_worth_it(m, total, k)
-}
-
 /// One graph node whose backward is the inner backend's (with a bias: three parents, else two).
 impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
-    fn linear_forward(x: FloatTensor<Self>, w: FloatTensor<Self>, b: Option<FloatTensor<Self>>) -> FloatTensor<Self> {
+    fn linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+        cx: Compute,
+    ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct LinearBackward<const N: usize>;
         impl<B: EmberBackend, const N: usize> Backward<B, N> for LinearBackward<N> {
-            type State = (FloatTensor<B>, FloatTensor<B>);
+            type State = (FloatTensor<B>, FloatTensor<B>, Compute);
             fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
                 let node = |i: usize| ops.parents.get(i).cloned().flatten();
                 let (node_x, node_w, node_b) = (node(0), node(1), node(2));
                 let dy = grads.consume::<B>(&ops.node);
-                let (x, w) = ops.state;
+                let (x, w, cx) = ops.state;
                 let need = LinearGrads { x: node_x.is_some(), w: node_w.is_some(), b: node_b.is_some() };
-                let (dx, dw, db) = B::linear_backward(x, w, dy, need);
+                let (dx, dw, db) = B::linear_backward(x, w, dy, need, cx);
                 for (node, grad) in [(node_x, dx), (node_w, dw), (node_b, db)] {
                     if let (Some(n), Some(g)) = (node, grad) {
                         grads.register::<B>(n.id, g);
@@ -603,10 +637,10 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
             ($n:literal, [$($parent:expr),+], $b:expr) => {
                 match LinearBackward::<$n>.prepare::<C>([$($parent.node.clone()),+]).compute_bound().stateful() {
                     OpsKind::Tracked(prep) => {
-                        let y = B::linear_forward(x.primitive.clone(), w.primitive.clone(), $b);
-                        prep.finish((x.primitive, w.primitive), y)
+                        let y = B::linear_forward(x.primitive.clone(), w.primitive.clone(), $b, cx);
+                        prep.finish((x.primitive, w.primitive, cx), y)
                     }
-                    OpsKind::UnTracked(prep) => prep.finish(B::linear_forward(x.primitive, w.primitive, $b)),
+                    OpsKind::UnTracked(prep) => prep.finish(B::linear_forward(x.primitive, w.primitive, $b, cx)),
                 }
             };
         }
@@ -623,14 +657,15 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
         x: FloatTensor<Self>,
         ws: Vec<FloatTensor<Self>>,
         bs: Vec<FloatTensor<Self>>,
+        cx: Compute,
     ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct MultiBackward<const N: usize>;
         impl<B: EmberBackend, const N: usize> Backward<B, N> for MultiBackward<N> {
-            /// The input and the weights.
-            type State = (FloatTensor<B>, Vec<FloatTensor<B>>);
+            /// The input, the weights and how the forward computed.
+            type State = (FloatTensor<B>, Vec<FloatTensor<B>>, Compute);
             fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
-                let (x, ws) = ops.state;
+                let (x, ws, cx) = ops.state;
                 let parts = ws.len();
                 let need = MultiNeed {
                     x: ops.parents[0].is_some(),
@@ -638,7 +673,7 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
                     b: ops.parents[1 + parts..].iter().map(Option::is_some).collect(),
                 };
                 let dy = grads.consume::<B>(&ops.node);
-                let (dx, dws, dbs) = B::linear_multi_backward(x, ws, dy, &need);
+                let (dx, dws, dbs) = B::linear_multi_backward(x, ws, dy, &need, cx);
                 for (node, grad) in ops.parents.iter().zip(std::iter::once(dx).chain(dws).chain(dbs)) {
                     if let (Some(n), Some(g)) = (node, grad) {
                         grads.register::<B>(n.id, g);
@@ -653,10 +688,12 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
                 let parents: [_; $n] = nodes.try_into().expect("the parent count matched");
                 match MultiBackward::<$n>.prepare::<C>(parents).compute_bound().stateful() {
                     OpsKind::Tracked(prep) => {
-                        let saved = (x.primitive.clone(), ws.iter().map(|w| w.primitive.clone()).collect());
-                        prep.finish(saved, B::linear_multi_forward(x.primitive, inner(ws), inner(bs)))
+                        let saved = (x.primitive.clone(), ws.iter().map(|w| w.primitive.clone()).collect(), cx);
+                        prep.finish(saved, B::linear_multi_forward(x.primitive, inner(ws), inner(bs), cx))
                     }
-                    OpsKind::UnTracked(prep) => prep.finish(B::linear_multi_forward(x.primitive, inner(ws), inner(bs))),
+                    OpsKind::UnTracked(prep) => {
+                        prep.finish(B::linear_multi_forward(x.primitive, inner(ws), inner(bs), cx))
+                    }
                 }
             }};
         }
@@ -681,14 +718,15 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
         ws: Vec<FloatTensor<Self>>,
         bs: Vec<FloatTensor<Self>>,
         lora: Vec<Option<LowRank<FloatTensor<Self>>>>,
+        cx: Compute,
     ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct LoraBackward<const N: usize>;
         impl<B: EmberBackend, const N: usize> Backward<B, N> for LoraBackward<N> {
-            /// The input, the weights and the updates.
-            type State = (FloatTensor<B>, Vec<FloatTensor<B>>, Vec<Option<LowRank<FloatTensor<B>>>>);
+            /// The input, the weights, the updates and how the forward computed.
+            type State = (FloatTensor<B>, Vec<FloatTensor<B>>, Vec<Option<LowRank<FloatTensor<B>>>>, Compute);
             fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
-                let (x, ws, lora) = ops.state;
+                let (x, ws, lora, cx) = ops.state;
                 let (parts, updates) = (ws.len(), lora.iter().flatten().count());
                 let biases = N - 1 - parts - 2 * updates;
                 let (weights, rest) = ops.parents[1..].split_at(parts);
@@ -702,7 +740,7 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
                     low_rank: factors.chunks(2).map(|ab| (ab[0].is_some(), ab[1].is_some())).collect(),
                 };
                 let dy = grads.consume::<B>(&ops.node);
-                let ((dx, dws, dbs), low_rank) = B::linear_lora_backward(x, ws, lora, dy, &need);
+                let ((dx, dws, dbs), low_rank) = B::linear_lora_backward(x, ws, lora, dy, &need, cx);
                 let factor_grads = low_rank.into_iter().flat_map(|(da, db)| [da, db]);
                 let all = std::iter::once(dx).chain(dws).chain(dbs).chain(factor_grads);
                 for (node, grad) in ops.parents.iter().zip(all) {
@@ -724,11 +762,11 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
                 match LoraBackward::<$n>.prepare::<C>(parents).compute_bound().stateful() {
                     OpsKind::Tracked(prep) => {
                         let (x, ws, lora) = (x.primitive, inner(ws), inner_lora(lora));
-                        let saved = (x.clone(), ws.clone(), lora.clone());
-                        prep.finish(saved, B::linear_lora_forward(x, ws, inner(bs), lora))
+                        let saved = (x.clone(), ws.clone(), lora.clone(), cx);
+                        prep.finish(saved, B::linear_lora_forward(x, ws, inner(bs), lora, cx))
                     }
                     OpsKind::UnTracked(prep) => {
-                        prep.finish(B::linear_lora_forward(x.primitive, inner(ws), inner(bs), inner_lora(lora)))
+                        prep.finish(B::linear_lora_forward(x.primitive, inner(ws), inner(bs), inner_lora(lora), cx))
                     }
                 }
             }};
@@ -751,7 +789,7 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{assert_close, compare, leaf, FusedOrReference, AB};
+    use crate::testing::{assert_close, compare, leaf, FusedOrReference, AB};
     use super::*;
 
     #[test]
@@ -764,7 +802,7 @@ mod tests {
             compare(&format!("linear {m}x{k}x{n} bias {bias}"), inputs, [m, n], &|xs, fused| {
                 let b = xs.get(2).map(|b| b.clone().reshape([n]));
                 if fused {
-                    linear(xs[0].clone(), xs[1].clone(), b)
+                    linear(xs[0].clone(), xs[1].clone(), b, Compute::default())
                 } else {
                     reference(xs[0].clone(), xs[1].clone(), b)
                 }
@@ -797,7 +835,7 @@ mod tests {
                 let ws = xs[1..=p].to_vec();
                 let bs = xs[p + 1..].iter().zip(ns).map(|(b, &n)| b.clone().reshape([n])).collect();
                 if fused {
-                    linear_multi(xs[0].clone(), ws, bs)
+                    linear_multi(xs[0].clone(), ws, bs, Compute::default())
                 } else {
                     reference_multi(xs[0].clone(), ws, bs)
                 }
@@ -836,7 +874,7 @@ mod tests {
                 })
                 .collect();
             if fused {
-                linear_lora(xs[0].clone(), ws, bs, lora)
+                linear_lora(xs[0].clone(), ws, bs, lora, Compute::default())
             } else {
                 reference_lora(xs[0].clone(), ws, bs, &lora)
             }
@@ -897,7 +935,7 @@ mod tests {
             "the kernels do not take this case: the test compares the reference with itself"
         );
         let ((dx, dws, dbs), low_rank) =
-            <Flex as LinearOps>::linear_lora_backward(x.clone(), ws(&inputs), lora(&inputs), dy_p.clone(), &need);
+            <Flex as LinearOps>::linear_lora_backward(x.clone(), ws(&inputs), lora(&inputs), dy_p.clone(), &need, Compute::default());
         let ((want_dx, _, want_dbs), want_low_rank) =
             reference_lora_backward::<Flex>(x, ws(&inputs), lora(&inputs), dy_p, &need);
         assert!(dws.iter().all(Option::is_none), "a frozen weight's gradient was formed");
@@ -923,7 +961,7 @@ mod tests {
         let ws: Vec<Tensor<AB, 2>> =
             ns.iter().enumerate().map(|(i, &n)| Tensor::from_inner(leaf([k, n], 2 + i as u64))).collect();
         let ws: Vec<_> = ws.into_iter().enumerate().map(|(i, w)| if i == 1 { w } else { w.require_grad() }).collect();
-        let grads = linear_multi(x.clone(), ws.clone(), vec![]).sum().backward();
+        let grads = linear_multi(x.clone(), ws.clone(), vec![], Compute::default()).sum().backward();
         assert!(ws[1].grad(&grads).is_none(), "the frozen weight got a gradient");
         for i in [0, 2] {
             let g = ws[i].grad(&grads).expect("gradient").into_primitive().tensor();
@@ -943,12 +981,12 @@ mod tests {
         // 1..=16 rows take the kernel, 17 the composition.
         for (m, k, n) in [(1, 64, 300), (8, 40, 97), (16, 576, 50), (17, 33, 20)] {
             let (x, w) = (leaf([m, k], 4), leaf([n, k], 5));
-            let got = float::<Flex, 2>(<Flex as LinearOps>::linear_nt_forward(prim(x.clone()), prim(w.clone())));
+            let got = float::<Flex, 2>(<Flex as LinearOps>::linear_nt_forward(prim(x.clone()), prim(w.clone()), Compute::default()));
             assert_close(&format!("linear_nt {m}x{k}x{n}"), vec![got], vec![x.clone().matmul(w.clone().transpose())]);
             // Under autodiff (the composition, differentiable), values and gradients.
             compare(&format!("linear_nt {m}x{k}x{n} autodiff"), vec![x, w], [m, n], &|xs, fused| {
                 if fused {
-                    linear_nt(xs[0].clone(), xs[1].clone())
+                    linear_nt(xs[0].clone(), xs[1].clone(), Compute::default())
                 } else {
                     xs[0].clone().matmul(xs[1].clone().transpose())
                 }
@@ -962,14 +1000,14 @@ mod tests {
         let (x, w, dy) = (leaf([m, k], 1), leaf([k, n], 2), leaf([m, n], 3));
         let need = LinearGrads { x: true, w: true, b: true };
         let (dx, dw, db) =
-            <Flex as LinearOps>::linear_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), need);
+            <Flex as LinearOps>::linear_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), need, Compute::default());
         let got = [dx, dw].into_iter().map(|g| float(g.expect("asked for"))).collect();
         let (want_dx, want_dw, want_db) = reference_backward(x.clone(), w.clone(), dy.clone());
         assert_close("linear", got, vec![want_dx, want_dw]);
         let db = float::<Flex, 1>(db.expect("asked for")).unsqueeze();
         assert_close("linear bias", vec![db], vec![want_db.unsqueeze()]);
         let frozen = LinearGrads { x: true, w: false, b: false };
-        let (dx, dw, db) = <Flex as LinearOps>::linear_backward(prim(x), prim(w), prim(dy), frozen);
+        let (dx, dw, db) = <Flex as LinearOps>::linear_backward(prim(x), prim(w), prim(dy), frozen, Compute::default());
         assert!(dx.is_some() && dw.is_none() && db.is_none(), "gradients not asked for were computed");
     }
 }

@@ -15,13 +15,14 @@
 //! a tile of 16 rows × 16 pairs of `a` by a tile of 16 pairs × 16 columns of `b` (8,192
 //! multiply-adds an instruction), a block of 16 rows × 48 columns summed in three tiles. The packed
 //! layouts are the vector kernel's, padded to whole tiles (rows to 16, pairs to 16 with zeros).
-//! `EMBER_AMX=0` keeps the vector kernel.
+//! Which kernel a product runs on is the caller's choice (the run's [`crate::Cpu`]; `EMBER_AMX=0`
+//! makes the binary choose the vector kernel).
 
 #[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::SharedOut;
+use crate::SharedOut;
 
 /// Columns of a packed panel of `b`: three vectors of 16.
 pub const PANEL: usize = 48;
@@ -44,6 +45,7 @@ pub fn to_bf16(x: f32) -> u16 {
 }
 
 /// The f32 a bf16 stands for.
+#[cfg(test)]
 pub fn from_bf16(h: u16) -> f32 {
     f32::from_bits(u32::from(h) << 16)
 }
@@ -105,13 +107,8 @@ struct Layout {
     stride: usize,
 }
 
-/// The kernel [`gemm`] and [`pack_b`] use on this CPU: the tiles where AMX is there and granted
-/// (and `EMBER_AMX` is not `0`), else AVX512_BF16; `None` without either.
-pub fn kernel() -> Option<Kernel> {
-    [Kernel::Amx, Kernel::Avx512].into_iter().find(|k| k.runs_here())
-}
-
-/// Whether this CPU runs [`gemm`]'s kernel.
+/// Whether this CPU has AVX512_BF16 (which the AMX CPUs have too): the vector kernel, and the packing
+/// of every kernel.
 pub fn supported() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -133,25 +130,14 @@ fn reaches((s, (rs, cs)): Strided<'_>, rows: usize, cols: usize) -> bool {
     rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < s.len()
 }
 
-/// `c (+)= a · b`, `a` `[m, k]`, `b` `[k, n]` given with strides (so that transposed operands are
-/// read where they are), `c` `[m, n]` row-major; the operands rounded to bf16, the sums in f32.
-/// Returns `false` (and leaves `c` alone) where the CPU lacks the instructions: the caller then
+/// `c (+)= a · b` on `kernel`, `a` `[m, k]`, `b` `[k, n]` given with strides (so that transposed
+/// operands are read where they are), `c` `[m, n]` row-major; the operands rounded to bf16, the sums
+/// in f32. Returns `false` (and leaves `c` alone) where the CPU lacks the kernel: the caller then
 /// runs its f32 path.
 ///
 /// # Panics
 /// If a slice is shorter than its shape and strides reach.
-pub fn gemm(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: Strided<'_>, shape: (usize, usize, usize)) -> bool {
-    match kernel() {
-        Some(kernel) => gemm_with(kernel, c, accumulate, a, b, shape),
-        None => false,
-    }
-}
-
-/// [`gemm`] on a given kernel (the tests run each one this CPU has); `false` where the CPU lacks it.
-///
-/// # Panics
-/// If a slice is shorter than its shape and strides reach.
-pub fn gemm_with(
+pub fn gemm(
     kernel: Kernel,
     c: &mut [f32],
     accumulate: bool,
@@ -172,19 +158,11 @@ pub fn gemm_with(
 
 /// `a · b` into a new `[m, n]` vector, as [`gemm`] without accumulating, which is not zero-filled
 /// first: the kernels write every element of an output they do not add to. `None` where the CPU
-/// lacks the instructions (the caller then runs its f32 path).
+/// lacks the kernel (the caller then runs its f32 path).
 ///
 /// # Panics
 /// If a slice is shorter than its shape and strides reach.
-pub fn gemm_new(a: Strided<'_>, b: Strided<'_>, shape: (usize, usize, usize)) -> Option<Vec<f32>> {
-    gemm_new_with(kernel()?, a, b, shape)
-}
-
-/// [`gemm_new`] on a given kernel; `None` where the CPU lacks it.
-///
-/// # Panics
-/// If a slice is shorter than its shape and strides reach.
-pub fn gemm_new_with(
+pub fn gemm_new(
     kernel: Kernel,
     a: Strided<'_>,
     b: Strided<'_>,
@@ -204,7 +182,7 @@ pub fn gemm_new_with(
     Some(unsafe { out.assume_init() }.into_vec())
 }
 
-/// The body of [`gemm_with`] and [`gemm_new`]: packs a, then each thread packs and multiplies its
+/// The body of [`gemm`] and [`gemm_new`]: packs a, then each thread packs and multiplies its
 /// own panels of b (the packed panel stays in its cache).
 ///
 /// # Safety
@@ -248,19 +226,11 @@ pub struct PackedB {
     panels: Vec<Vec<u32>>,
 }
 
-/// `b` packed for [`gemm_packed`], or `None` where the CPU lacks the instructions.
+/// `b` packed for [`gemm_packed`] on `kernel`, or `None` where the CPU lacks it.
 ///
 /// # Panics
 /// If the slice is shorter than the shape and strides reach.
-pub fn pack_b(b: Strided<'_>, shape: (usize, usize)) -> Option<PackedB> {
-    pack_b_with(kernel()?, b, shape)
-}
-
-/// [`pack_b`] for a given kernel; `None` where the CPU lacks it.
-///
-/// # Panics
-/// If the slice is shorter than the shape and strides reach.
-pub fn pack_b_with(kernel: Kernel, b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
+pub fn pack_b(kernel: Kernel, b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
     assert!(reaches(b, k, n), "bf16 GEMM: operand slice too short");
     if !kernel.runs_here() {
         return None;
@@ -725,14 +695,11 @@ mod amx {
     use std::arch::asm;
     use std::sync::OnceLock;
 
-    /// Whether the CPU has AMX-TILE and AMX-BF16, Linux lets this process use the tile state, and
-    /// `EMBER_AMX` is not `0`. Asked once; the permission holds for every thread of the process.
+    /// Whether the CPU has AMX-TILE and AMX-BF16 and Linux lets this process use the tile state.
+    /// Asked once (a cache of the detection); the permission holds for every thread of the process.
     pub(super) fn usable() -> bool {
         static USABLE: OnceLock<bool> = OnceLock::new();
-        *USABLE.get_or_init(|| {
-            let off = std::env::var("EMBER_AMX").is_ok_and(|v| v.trim() == "0");
-            !off && cpu_has_amx() && request_tiles()
-        })
+        *USABLE.get_or_init(|| cpu_has_amx() && request_tiles())
     }
 
     /// CPUID leaf 7, sub-leaf 0: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
@@ -978,6 +945,7 @@ pub fn product_on_this_thread(
 }
 
 /// The plain loop over the bf16-rounded operands, in f64: what [`gemm`] is tested against.
+#[cfg(test)]
 pub fn reference(
     c: &mut [f32],
     accumulate: bool,
@@ -1001,8 +969,8 @@ pub fn reference(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::kernels::transposed as transpose;
-    use crate::ops::testing::values;
+    use crate::kernels::transposed as transpose;
+    use crate::testing::values;
 
     #[test]
     fn rounding_is_to_nearest_even() {
@@ -1136,11 +1104,11 @@ mod tests {
 
     #[test]
     fn a_new_output_is_written_whole() {
-        if kernel().is_none() {
+        let Some(&fastest) = Kernel::reachable().first() else {
             eprintln!("no AVX512_BF16 on this CPU: the bf16 GEMM kernel is not reachable here");
             return;
-        }
-        assert_eq!(gemm_new((&[], (0, 1)), (&[], (0, 1)), (0, 0, 0)), Some(Vec::new()));
+        };
+        assert_eq!(gemm_new(fastest, (&[], (0, 1)), (&[], (0, 1)), (0, 0, 0)), Some(Vec::new()));
         // Every kernel here; row and column tails, k = 0, a transposed b, k of two passes (2,100:
         // 1,050 pairs); the output's size in NaN-filled blocks just freed first, so that an element
         // the kernel leaves unwritten is likely to show.
@@ -1150,12 +1118,12 @@ mod tests {
                 drop(std::hint::black_box(vec![f32::NAN; m * n]));
                 let (a, b) = (values(m * k, 9), values(k * n, 10));
                 let bs = if transposed { (1, k) } else { (n, 1) };
-                let got = gemm_new_with(kernel, (&a, (k, 1)), (&b, bs), (m, k, n)).expect("reachable");
+                let got = gemm_new(kernel, (&a, (k, 1)), (&b, bs), (m, k, n)).expect("reachable");
                 let mut want = vec![0.0; m * n];
                 reference(&mut want, false, (&a, (k, 1)), (&b, bs), (m, k, n));
                 // The same bits as the product into a zero-filled output.
                 let mut zeroed = vec![0.0; m * n];
-                assert!(gemm_with(kernel, &mut zeroed, false, (&a, (k, 1)), (&b, bs), (m, k, n)));
+                assert!(gemm(kernel, &mut zeroed, false, (&a, (k, 1)), (&b, bs), (m, k, n)));
                 assert!(got.iter().zip(&zeroed).all(|(x, y)| x.to_bits() == y.to_bits()), "{kernel:?} ({m}, {k}, {n})");
                 // And the reference's values, within f32 summation's error of sums up to k terms.
                 let scale = want.iter().fold(1.0f32, |s, v| s.max(v.abs()));
@@ -1256,9 +1224,9 @@ mod tests {
                         let mut want = start.clone();
                         reference(&mut want, accumulate, (&a, a_strides), (&b, bs), (m, k, n));
                         let mut got = start.clone();
-                        assert!(gemm_with(kernel, &mut got, accumulate, (&a, a_strides), (&b, bs), (m, k, n)));
+                        assert!(gemm(kernel, &mut got, accumulate, (&a, a_strides), (&b, bs), (m, k, n)));
                         let mut got_packed = start.clone();
-                        let packed = pack_b_with(kernel, (&b, bs), (k, n)).expect("reachable");
+                        let packed = pack_b(kernel, (&b, bs), (k, n)).expect("reachable");
                         gemm_packed(&mut got_packed, accumulate, (&a, a_strides), &packed, m);
                         for (got, how) in [(got, "packed per call"), (got_packed, "packed once")] {
                             let err = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);

@@ -9,13 +9,15 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use super::{flex, float, kernels, prim, reference_grads, to_dtype, EmberBackend};
+use crate::compute::Compute;
+use crate::{flex, float, kernels, prim, reference_grads, to_dtype, EmberBackend};
 
 /// A backend's RMSNorm; the default methods are the reference.
 pub trait RmsNormOps: Backend {
     /// # Shapes
     /// - x: `[N, D]`, w: `[D]` -> `[N, D]`
-    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, cx: Compute) -> FloatTensor<Self> {
+        let _ = cx;
         prim(reference(float::<Self, 2>(x), float(w), eps))
     }
 
@@ -25,7 +27,9 @@ pub trait RmsNormOps: Backend {
         w: FloatTensor<Self>,
         dy: FloatTensor<Self>,
         eps: f64,
+        cx: Compute,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = cx;
         let (dx, dw) = reference_backward(float::<Self, 2>(x), float(w), float(dy), eps);
         (prim(dx), prim(dw))
     }
@@ -58,46 +62,52 @@ pub fn reference_backward<B: Backend>(
 ///
 /// # Shapes
 /// - x: `[N, D]`, w: `[D]` -> `[N, D]`
-pub fn rms_norm<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 1>, eps: f64) -> Tensor<B, 2> {
-    if B::fused(x.dtype()) && w.dtype() == x.dtype() {
-        float(B::rms_norm(prim(x), prim(w), eps))
+pub fn rms_norm<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 1>, eps: f64, cx: Compute) -> Tensor<B, 2> {
+    if cx.fused::<B>(x.dtype()) && w.dtype() == x.dtype() {
+        float(B::rms_norm(prim(x), prim(w), eps, cx))
     } else {
         reference(x, w, eps)
     }
 }
 
 impl RmsNormOps for Flex {
-    fn rms_norm(x: FlexTensor, w: FlexTensor, eps: f64) -> FlexTensor {
+    fn rms_norm(x: FlexTensor, w: FlexTensor, eps: f64, cx: Compute) -> FlexTensor {
         let shape = flex::shape(&x);
         if !flex::all_f32(&[&x, &w]) || flex::shape(&w) != [shape[1]] {
             return prim(reference(float::<Self, 2>(x), float(w), eps));
         }
-        flex::tensor(kernels::rms_norm(&flex::f32s(&x), &flex::f32s(&w), eps as f32), shape)
+        flex::tensor(kernels::rms_norm(cx.elementwise_cpu(), &flex::f32s(&x), &flex::f32s(&w), eps as f32), shape)
     }
 
-    fn rms_norm_backward(x: FlexTensor, w: FlexTensor, dy: FlexTensor, eps: f64) -> (FlexTensor, FlexTensor) {
+    fn rms_norm_backward(
+        x: FlexTensor,
+        w: FlexTensor,
+        dy: FlexTensor,
+        eps: f64,
+        cx: Compute,
+    ) -> (FlexTensor, FlexTensor) {
         let (xs, ws) = (flex::shape(&x), flex::shape(&w));
         if !flex::all_f32(&[&x, &w, &dy]) || ws != [xs[1]] || flex::shape(&dy) != xs {
             let (dx, dw) = reference_backward(float::<Self, 2>(x), float(w), float(dy), eps);
             return (prim(dx), prim(dw));
         }
-        let (dx, dw) = kernels::rms_norm_backward(&flex::f32s(&x), &flex::f32s(&w), &flex::f32s(&dy), eps as f32);
+        let (dx, dw) = kernels::rms_norm_backward(cx.elementwise_cpu(), &flex::f32s(&x), &flex::f32s(&w), &flex::f32s(&dy), eps as f32);
         (flex::tensor(dx, xs), flex::tensor(dw, ws))
     }
 }
 
 /// One graph node whose backward is the inner backend's.
 impl<B: EmberBackend, C: CheckpointStrategy> RmsNormOps for Autodiff<B, C> {
-    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+    fn rms_norm(x: FloatTensor<Self>, w: FloatTensor<Self>, eps: f64, cx: Compute) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct RmsNormBackward;
         impl<B: EmberBackend> Backward<B, 2> for RmsNormBackward {
-            type State = (FloatTensor<B>, FloatTensor<B>, f64);
+            type State = (FloatTensor<B>, FloatTensor<B>, f64, Compute);
             fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
                 let [node_x, node_w] = ops.parents;
                 let dy = grads.consume::<B>(&ops.node);
-                let (x, w, eps) = ops.state;
-                let (dx, dw) = B::rms_norm_backward(x, w, dy, eps);
+                let (x, w, eps, cx) = ops.state;
+                let (dx, dw) = B::rms_norm_backward(x, w, dy, eps, cx);
                 if let Some(n) = node_x {
                     grads.register::<B>(n.id, dx);
                 }
@@ -108,17 +118,17 @@ impl<B: EmberBackend, C: CheckpointStrategy> RmsNormOps for Autodiff<B, C> {
         }
         match RmsNormBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let y = B::rms_norm(x.primitive.clone(), w.primitive.clone(), eps);
-                prep.finish((x.primitive, w.primitive, eps), y)
+                let y = B::rms_norm(x.primitive.clone(), w.primitive.clone(), eps, cx);
+                prep.finish((x.primitive, w.primitive, eps, cx), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::rms_norm(x.primitive, w.primitive, eps)),
+            OpsKind::UnTracked(prep) => prep.finish(B::rms_norm(x.primitive, w.primitive, eps, cx)),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{assert_close, compare, leaf};
+    use crate::testing::{assert_close, compare, leaf};
     use super::*;
 
     #[test]
@@ -128,7 +138,7 @@ mod tests {
             compare(&format!("rms_norm {n}x{d}"), vec![leaf([n, d], 1), w], [n, d], &|xs, fused| {
                 let w = xs[1].clone().reshape([d]);
                 if fused {
-                    rms_norm(xs[0].clone(), w, 1e-5)
+                    rms_norm(xs[0].clone(), w, 1e-5, Compute::default())
                 } else {
                     reference(xs[0].clone(), w, 1e-5)
                 }
@@ -140,7 +150,7 @@ mod tests {
     fn kernel_backward_equals_the_reference_backward() {
         let (n, d) = (9, 24);
         let (x, w, dy) = (leaf([n, d], 1), leaf([1, d], 2).reshape([d]), leaf([n, d], 3));
-        let (dx, dw) = Flex::rms_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), 1e-5);
+        let (dx, dw) = Flex::rms_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), 1e-5, Compute::default());
         let (want_dx, want_dw) = reference_backward(x, w, dy, 1e-5);
         let got = vec![float(dx), float::<Flex, 1>(dw).unsqueeze()];
         assert_close("rms_norm", got, vec![want_dx, want_dw.unsqueeze()]);

@@ -7,7 +7,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::{flex, float, kernels, prim, EmberBackend};
+use crate::compute::{Compute, Path};
+use crate::{flex, float, kernels, prim, EmberBackend};
 
 /// The scalars of one AdamW update (decoupled weight decay, as `torch.optim.AdamW`):
 ///
@@ -42,7 +43,9 @@ pub trait AdamWOps: Backend {
         m: FloatTensor<Self>,
         v: FloatTensor<Self>,
         h: AdamWStep,
+        cx: Compute,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = cx;
         let (p, m, v) = adamw_reference(float::<Self, 1>(p), float(g), float(m), float(v), h);
         (prim(p), prim(m), prim(v))
     }
@@ -51,7 +54,8 @@ pub trait AdamWOps: Backend {
     ///
     /// # Shapes
     /// - x: any -> `[1]`
-    fn sum_squares(x: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn sum_squares(x: FloatTensor<Self>, cx: Compute) -> FloatTensor<Self> {
+        let _ = cx;
         prim(float::<Self, 1>(x).square().sum())
     }
 }
@@ -73,16 +77,32 @@ pub fn adamw_reference<B: Backend>(
     (p - update.mul_scalar(h.lr), m, v)
 }
 
-/// Tensor-level entry point of [`AdamWOps::adamw`].
+/// Tensor-level entry point of [`AdamWOps::adamw`]: the backend's kernel, or the reference where
+/// `cx` asks for the reference path.
 pub fn adamw<B: EmberBackend>(
     p: Tensor<B, 1>,
     g: Tensor<B, 1>,
     m: Tensor<B, 1>,
     v: Tensor<B, 1>,
     h: AdamWStep,
+    cx: Compute,
 ) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
-    let (p, m, v) = B::adamw(prim(p), prim(g), prim(m), prim(v), h);
+    if cx.path == Path::Reference {
+        return adamw_reference(p, g, m, v, h);
+    }
+    let (p, m, v) = B::adamw(prim(p), prim(g), prim(m), prim(v), h, cx);
     (float(p), float(m), float(v))
+}
+
+/// `Σ x²` over all elements (`[1]`), for the global gradient norm: the backend's kernel, or the
+/// composition where `cx` asks for the reference path.
+pub fn sum_squares<B: EmberBackend, const D: usize>(x: Tensor<B, D>, cx: Compute) -> Tensor<B, 1> {
+    let n = x.shape().num_elements();
+    let x = x.reshape([n]);
+    match cx.path {
+        Path::Kernels => float(B::sum_squares(prim(x), cx)),
+        Path::Reference => x.square().sum(),
+    }
 }
 
 /// One pass over memory for f32 parameters, updating the moments in place.
@@ -93,21 +113,22 @@ impl AdamWOps for Flex {
         m: FlexTensor,
         v: FlexTensor,
         h: AdamWStep,
+        cx: Compute,
     ) -> (FlexTensor, FlexTensor, FlexTensor) {
         if !flex::all_f32(&[&p, &g, &m, &v]) {
             let (p, m, v) = adamw_reference(float::<Self, 1>(p), float(g), float(m), float(v), h);
             return (prim(p), prim(m), prim(v));
         }
         let (mut p, mut m, mut v) = (flex::exclusive(p), flex::exclusive(m), flex::exclusive(v));
-        kernels::adamw(p.storage_mut(), &flex::f32s(&g), m.storage_mut(), v.storage_mut(), &h);
+        kernels::adamw(cx.elementwise_cpu(), p.storage_mut(), &flex::f32s(&g), m.storage_mut(), v.storage_mut(), &h);
         (p, m, v)
     }
 
-    fn sum_squares(x: FlexTensor) -> FlexTensor {
+    fn sum_squares(x: FlexTensor, cx: Compute) -> FlexTensor {
         if !flex::all_f32(&[&x]) {
             return prim(float::<Self, 1>(x).square().sum());
         }
-        flex::tensor(vec![kernels::sum_squares(&flex::f32s(&x)) as f32], vec![1])
+        flex::tensor(vec![kernels::sum_squares(cx.elementwise_cpu(), &flex::f32s(&x)) as f32], vec![1])
     }
 }
 
@@ -116,7 +137,7 @@ impl<B: EmberBackend, C: CheckpointStrategy> AdamWOps for Autodiff<B, C> {}
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{leaf, rel_err};
+    use crate::testing::{leaf, rel_err};
     use super::*;
 
     #[test]
@@ -137,7 +158,8 @@ mod tests {
             };
             let want = adamw_reference(p.clone(), g.clone(), m.clone(), v.clone(), h);
             // `p` is still shared here: the kernel must copy, not write into the caller's tensor.
-            let got = adamw(p.clone(), g.clone(), m, v, h);
+            let cx = Compute::default();
+            let got = adamw(p.clone(), g.clone(), m, v, h, cx);
             for (name, a, b) in [("p", got.0, want.0), ("m", got.1, want.1), ("v", got.2, want.2)] {
                 let err = rel_err(a.unsqueeze::<2>(), b.unsqueeze::<2>());
                 assert!(err < 1e-5, "adamw n={n} {name}: {err}");
@@ -146,12 +168,12 @@ mod tests {
             // The kernel itself, on slices (the backend op above must be it, not the default body).
             let vals = |t: &Tensor<Flex, 1>| t.to_data().into_vec::<f32>().expect("f32");
             let (mut pk, mut mk, mut vk) = (vals(&p), vals(&vec1(n, 3)), vals(&vec1(n, 4).abs()));
-            kernels::adamw(&mut pk, &vals(&g), &mut mk, &mut vk, &h);
-            let got_p = adamw(p.clone(), g.clone(), vec1(n, 3), vec1(n, 4).abs(), h).0;
+            kernels::adamw(cx.cpu, &mut pk, &vals(&g), &mut mk, &mut vk, &h);
+            let got_p = adamw(p.clone(), g.clone(), vec1(n, 3), vec1(n, 4).abs(), h, cx).0;
             assert_eq!(pk, vals(&got_p), "adamw n={n}: the backend op is not the kernel");
-            let fused: f32 = float::<Flex, 1>(Flex::sum_squares(prim(g.clone()))).into_scalar();
+            let fused: f32 = sum_squares(g.clone(), cx).into_scalar();
             let plain: f32 = g.clone().square().sum().into_scalar();
-            assert_eq!(fused, kernels::sum_squares(&vals(&g)) as f32, "sum of squares: not the kernel");
+            assert_eq!(fused, kernels::sum_squares(cx.cpu, &vals(&g)) as f32, "sum of squares: not the kernel");
             assert!((fused - plain).abs() <= 1e-5 * plain.abs(), "sum of squares n={n}: {fused} vs {plain}");
         }
     }

@@ -22,28 +22,31 @@ use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor};
 use burn::backend::flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::bf16_gemm::{self, Strided};
-use super::kernels::{self, exp, lanes_max, lanes_sum};
-use super::simd::multiversion;
-use super::{flex, float, int, prim, EmberBackend};
+use crate::bf16_gemm::{self, Strided};
+use crate::compute::{Compute, Cpu};
+use crate::kernels::{self, exp, lanes_max, lanes_sum};
+use crate::simd::multiversion;
+use crate::{flex, float, int, prim};
 
 /// Target id that takes no part in the loss (padding, prompt tokens).
 pub const IGNORE: i32 = -1;
 
-/// Tile sizes of the chunked loss, and the dtype of its GEMMs.
+/// Tile sizes of the chunked loss, and how it computes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ChunkSpec {
     /// Rows (tokens) per tile.
     pub rows: usize,
     /// Vocabulary entries per tile.
     pub vocab: usize,
-    /// dtype of the logits GEMMs (f32, bf16, f16); softmax and the loss are always f32.
-    pub compute: DType,
+    /// The run's compute: `compute.dtype` is the logits GEMMs' (f32, bf16, f16; softmax and the
+    /// loss are always f32), and on the CPU it says whether the fused kernel runs and in which
+    /// precision its products are.
+    pub compute: Compute,
 }
 
 impl ChunkSpec {
     /// Tiles of at most 32,768 vocabulary entries and about 8M logits (32 MB in f32).
-    pub fn auto(n_rows: usize, vocab_size: usize, compute: DType) -> Self {
+    pub fn auto(n_rows: usize, vocab_size: usize, compute: Compute) -> Self {
         const TILE: usize = 8 << 20;
         let vocab = vocab_size.clamp(1, 32_768);
         Self { rows: (TILE / vocab).clamp(1, n_rows.max(1)), vocab, compute }
@@ -91,7 +94,7 @@ fn vocab_tiles<B: Backend>(weight: &Tensor<B, 2>, spec: &ChunkSpec) -> Vec<(usiz
     let v = weight.dims()[1];
     (0..v)
         .step_by(spec.vocab)
-        .map(|v0| (v0, cast(weight.clone().narrow(1, v0, spec.vocab.min(v - v0)), spec.compute)))
+        .map(|v0| (v0, cast(weight.clone().narrow(1, v0, spec.vocab.min(v - v0)), spec.compute.dtype)))
         .collect()
 }
 
@@ -131,7 +134,7 @@ pub fn chunked_forward<B: Backend>(
     let mut lse_parts = Vec::new();
     for r0 in (0..n).step_by(spec.rows) {
         let nr = spec.rows.min(n - r0);
-        let h = cast(hidden.clone().narrow(0, r0, nr), spec.compute); // [R, D]
+        let h = cast(hidden.clone().narrow(0, r0, nr), spec.compute.dtype); // [R, D]
         let t = targets.clone().narrow(0, r0, nr); //                   [R]
         let mut max: Option<Tensor<B, 2>> = None; // [R, 1] running max
         let mut sum = Tensor::<B, 2>::zeros([nr, 1], &device); // [R, 1] running sum of exp(logit - max)
@@ -185,7 +188,7 @@ pub fn chunked_backward<B: Backend>(
     let mut dh_parts = Vec::new();
     for r0 in (0..n).step_by(spec.rows) {
         let nr = spec.rows.min(n - r0);
-        let h = cast(hidden.clone().narrow(0, r0, nr), spec.compute); // [R, D]
+        let h = cast(hidden.clone().narrow(0, r0, nr), spec.compute.dtype); // [R, D]
         let h_t = h.clone().transpose(); //                              [D, R]
         let t = targets.clone().narrow(0, r0, nr);
         let lse = lse.clone().narrow(0, r0, nr).reshape([nr, 1]);
@@ -197,7 +200,7 @@ pub fn chunked_backward<B: Backend>(
             let probs = (logits - lse.clone()).exp(); //                   [R, cv] softmax
             let (col, inside) = target_in_tile(&t, *v0, cv);
             let dlogits = probs.scatter(1, col, -inside, IndexingUpdateOp::Add) * scale.clone(); // softmax - onehot
-            let dlogits = cast(dlogits, spec.compute);
+            let dlogits = cast(dlogits, spec.compute.dtype);
             let dh_tile = cast(dlogits.clone().matmul(tiles_t[j].clone()), DType::F32); // [R, D]
             dh = Some(match dh {
                 Some(acc) => acc + dh_tile,
@@ -341,7 +344,7 @@ pub fn head_loss(
     targets: &[i64],
     (n, d, v): (usize, usize, usize),
     need: (bool, bool),
-    bf16: bool,
+    cpu: Cpu,
 ) -> HeadLoss {
     assert!(hidden.len() >= n * d && targets.len() >= n, "LM head: a slice is shorter than its shape");
     let scored = targets[..n].iter().filter(|&&t| t >= 0).count();
@@ -356,9 +359,9 @@ pub fn head_loss(
     }
     let rows = head_block_rows(n, v);
     let w_t: Strided<'_> = (w, (cs, rs)); // [V, D]
-    let bf16 = bf16 && kernels::bf16_worth_it(rows, v, d);
-    let packed_w = if bf16 { bf16_gemm::pack_b(weight, (d, v)) } else { None };
-    let packed_wt = if bf16 && need.0 { bf16_gemm::pack_b(w_t, (v, d)) } else { None };
+    let bf16 = kernels::large_bf16(cpu, (rows, v, d));
+    let packed_w = bf16.and_then(|kernel| bf16_gemm::pack_b(kernel, weight, (d, v)));
+    let packed_wt = bf16.filter(|_| need.0).and_then(|kernel| bf16_gemm::pack_b(kernel, w_t, (v, d)));
     let mut logits = vec![0.0f32; rows * v];
     let mut total = 0.0f64;
     for r0 in (0..n).step_by(rows) {
@@ -367,12 +370,12 @@ pub fn head_loss(
         let block = &mut logits[..r * v];
         match &packed_w {
             Some(p) => bf16_gemm::gemm_packed(block, false, h, p, r),
-            None => kernels::product(block, false, h, weight, (r, d, v), bf16),
+            None => kernels::product(cpu, block, false, h, weight, (r, d, v)),
         }
         let rows_loss: Vec<f64> = block
             .par_chunks_mut(v)
             .zip(&targets[r0..r0 + r])
-            .map(|(row, &t)| row_loss(row, t, grads.then_some(scale)))
+            .map(|(row, &t)| row_loss(cpu, row, t, grads.then_some(scale)))
             .collect();
         // Summed in row order: the same loss on every run, whatever the threads did.
         total += rows_loss.iter().sum::<f64>();
@@ -381,15 +384,15 @@ pub fn head_loss(
             let out = &mut dh[r0 * d..(r0 + r) * d];
             match &packed_wt {
                 Some(p) => bf16_gemm::gemm_packed(out, false, dlogits, p, r),
-                None => kernels::product(out, false, dlogits, w_t, (r, v, d), bf16),
+                None => kernels::product(cpu, out, false, dlogits, w_t, (r, v, d)),
             }
         }
         if let Some(dw) = &mut dw {
             match dw_transposed {
                 // dlogitsᵀ · H, `[V, D]`.
-                true => kernels::product(dw, r0 > 0, (block, (1, v)), h, (v, r, d), bf16),
+                true => kernels::product(cpu, dw, r0 > 0, (block, (1, v)), h, (v, r, d)),
                 // Hᵀ · dlogits, `[D, V]`.
-                false => kernels::product(dw, r0 > 0, (h.0, (1, d)), dlogits, (d, r, v), bf16),
+                false => kernels::product(cpu, dw, r0 > 0, (h.0, (1, d)), dlogits, (d, r, v)),
             }
         }
     }
@@ -400,7 +403,7 @@ multiversion! {
     /// One row's `log-sum-exp − logit[target]` (zero for an ignored row). With `grad` (the upstream
     /// gradient of each scored row), the row becomes its logits' gradient `(softmax − onehot) · grad`
     /// (zeros for an ignored row); without, scratch.
-    pub(super) fn row_loss(row: &mut [f32], target: i64, grad: Option<f32>) -> f64 {
+    pub(crate) fn row_loss(cpu: Cpu, row: &mut [f32], target: i64, grad: Option<f32>) -> f64 {
         if target < 0 {
             if grad.is_some() {
                 row.fill(0.0);
@@ -424,7 +427,8 @@ multiversion! {
 }
 
 /// [`head_loss`] on Flex tensors, or `None` where it does not take them (other dtypes, a compute
-/// dtype other than f32, `EMBER_FUSED=0`, shapes that do not fit): the composition runs then.
+/// dtype other than f32, the reference path asked for, shapes that do not fit): the composition
+/// runs then.
 fn flex_head_loss(
     hidden: &FlexTensor,
     weight: &FlexTensor,
@@ -434,7 +438,8 @@ fn flex_head_loss(
 ) -> Option<(FlexTensor, Option<FlexTensor>, Option<FlexTensor>)> {
     let (hs, ws, ts) = (flex::shape(hidden), flex::shape(weight), flex::shape(targets));
     let fits = hs.len() == 2 && ws.len() == 2 && ts.len() == 1 && hs[1] == ws[0] && ts[0] == hs[0];
-    if !fits || spec.compute != DType::F32 || !flex::all_f32(&[hidden, weight]) || !Flex::fused(DType::F32) {
+    let compute = spec.compute;
+    if !fits || compute.dtype != DType::F32 || !flex::all_f32(&[hidden, weight]) || !compute.fused::<Flex>(DType::F32) {
         return None;
     }
     let (n, d, v) = (hs[0], hs[1], ws[1]);
@@ -445,7 +450,7 @@ fn flex_head_loss(
     let storage = &weight.storage::<f32>()[layout.start_offset()..];
     let targets: Vec<i64> = int::<Flex, 1>(targets.clone()).into_data().iter::<i64>().collect();
     let h = flex::f32s(hidden);
-    let out = head_loss(&h, (storage, (rs, cs)), &targets, (n, d, v), need, kernels::bf16_gemms());
+    let out = head_loss(&h, (storage, (rs, cs)), &targets, (n, d, v), need, compute.head_cpu());
     let dw = out.dw.map(|dw| match out.dw_transposed {
         // `[D, V]` seen through strides over `[V, D]` storage, as the weight is.
         true => flex::tensor(dw, vec![v, d]).transpose(0, 1),
@@ -553,7 +558,7 @@ impl<B: LmHeadLossOps, C: CheckpointStrategy> LmHeadLossOps for Autodiff<B, C> {
         // A frozen input (the head under LoRA) gets no gradient: for the head that is a third of the work.
         let need = (!hidden.node.requirement.is_none(), !weight.node.requirement.is_none());
         match LmHeadCrossEntropy.prepare::<C>([hidden.node.clone(), weight.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) if spec.compute == DType::F16 => {
+            OpsKind::Tracked(prep) if spec.compute.dtype == DType::F16 => {
                 let (h, w) = (float::<B, 2>(hidden.primitive), float::<B, 2>(weight.primitive));
                 let out = chunked_forward(h.clone(), w.clone(), int::<B, 1>(targets.clone()), spec);
                 let saved = (prim(h), prim(w), targets, prim(out.lse), spec);
@@ -674,7 +679,7 @@ mod tests {
 
     #[test]
     fn chunked_equals_plain_values_and_gradients() {
-        let spec = |rows, vocab| ChunkSpec { rows, vocab, compute: DType::F32 };
+        let spec = |rows, vocab| ChunkSpec { rows, vocab, compute: Compute::default() };
         // Vocabulary and rows not divisible by the tile sizes; a single tile; one row at a time.
         compare(37, 16, 101, spec(8, 24), 0, false);
         compare(37, 16, 101, spec(8, 24), 5, false);
@@ -700,7 +705,7 @@ mod tests {
         let grads = |compute: DType, chunked: bool| {
             let h = Tensor::<AB, 2>::from_inner(h0.clone()).require_grad();
             let w = Tensor::<AB, 2>::from_inner(w0.clone()).require_grad();
-            let spec = ChunkSpec { rows: 16, vocab: 24, compute };
+            let spec = ChunkSpec { rows: 16, vocab: 24, compute: Compute::default().with_dtype(compute) };
             let loss = if chunked {
                 lm_head_cross_entropy(h.clone(), w.clone(), t(), spec)
             } else {
@@ -732,12 +737,12 @@ mod tests {
         }
         // Large enough for bf16 GEMMs (≥ 50 MFLOP each); the weight transposed, as a tied head.
         let (n, d, v) = (64, 256, 4096);
-        let h = crate::ops::testing::values(n * d, 4);
-        let w = crate::ops::testing::values(v * d, 5); // [V, D]
+        let h = crate::testing::values(n * d, 4);
+        let w = crate::testing::values(v * d, 5); // [V, D]
         let targets: Vec<i64> = (0..n as i64).map(|i| if i % 9 == 0 { -1 } else { i * 61 % v as i64 }).collect();
         let weight: Strided<'_> = (&w, (1, d));
-        let exact = head_loss(&h, weight, &targets, (n, d, v), (true, true), false);
-        let low = head_loss(&h, weight, &targets, (n, d, v), (true, true), true);
+        let exact = head_loss(&h, weight, &targets, (n, d, v), (true, true), Cpu::f32_products());
+        let low = head_loss(&h, weight, &targets, (n, d, v), (true, true), Cpu::detect());
         let close = |a: &[f32], b: &[f32], what: &str| {
             let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
             let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
@@ -757,7 +762,7 @@ mod tests {
         let t = || Tensor::<AB, 1, Int>::from_data(TensorData::new((0..n).map(|i| i * 7 % 45).collect(), [n]), &dev);
         let h0 = Tensor::<Flex, 2>::random([n, d], Distribution::Normal(0.0, 1.0), &dev);
         let w0 = Tensor::<Flex, 2>::random([d, v], Distribution::Normal(0.0, 0.3), &dev);
-        let spec = ChunkSpec { rows: 6, vocab: 16, compute: DType::F32 };
+        let spec = ChunkSpec { rows: 6, vocab: 16, compute: Compute::default() };
         let dh = |frozen: bool| {
             let h = Tensor::<AB, 2>::from_inner(h0.clone()).require_grad();
             let w = Tensor::<AB, 2>::from_inner(w0.clone());
@@ -775,7 +780,7 @@ mod tests {
         let h = Tensor::<AB, 2>::random([4, 3], Distribution::Normal(0.0, 1.0), &dev).require_grad();
         let w = Tensor::<AB, 2>::random([3, 5], Distribution::Normal(0.0, 1.0), &dev).require_grad();
         let t = Tensor::<AB, 1, Int>::from_data(TensorData::new(vec![IGNORE; 4], [4]), &dev);
-        let loss = lm_head_cross_entropy(h.clone(), w.clone(), t, ChunkSpec::auto(4, 5, DType::F32));
+        let loss = lm_head_cross_entropy(h.clone(), w.clone(), t, ChunkSpec::auto(4, 5, Compute::default()));
         let grads = loss.backward();
         assert_eq!(loss.into_scalar(), 0.0);
         assert_eq!(h.grad(&grads).unwrap().abs().max().into_scalar(), 0.0);
@@ -792,7 +797,7 @@ mod tests {
             &dev,
         );
         let f32_loss = lm_head_loss_reference(h.clone(), w.clone(), t.clone(), DType::F32).into_scalar();
-        let spec = ChunkSpec { rows: 8, vocab: 16, compute: DType::BF16 };
+        let spec = ChunkSpec { rows: 8, vocab: 16, compute: Compute::default().with_dtype(DType::BF16) };
         let out = chunked_forward(h, w, t, spec);
         assert_eq!(out.loss.dtype(), DType::F32);
         let bf16_loss = out.loss.into_scalar();
@@ -801,10 +806,10 @@ mod tests {
 
     #[test]
     fn auto_tiles_bound_the_tile() {
-        let s = ChunkSpec::auto(8192, 128_256, DType::F32);
+        let s = ChunkSpec::auto(8192, 128_256, Compute::default());
         assert_eq!(s.vocab, 32_768);
         assert!(s.rows * s.vocab <= 8 << 20);
-        let s = ChunkSpec::auto(768, 65, DType::F32);
+        let s = ChunkSpec::auto(768, 65, Compute::default());
         assert_eq!((s.rows, s.vocab), (768, 65));
     }
 }

@@ -9,7 +9,7 @@ use burn::tensor::ops::FloatTensor;
 #[derive(Clone)]
 pub struct DeviceComm {
     #[cfg(feature = "nccl")]
-    pub(crate) nccl: std::sync::Arc<super::nccl::Nccl>,
+    pub(crate) nccl: std::sync::Arc<crate::nccl::Nccl>,
     #[cfg(not(feature = "nccl"))]
     _none: (),
 }
@@ -40,6 +40,6 @@ impl<B: DeviceReduceOps, C: burn::backend::autodiff::checkpoint::strategy::Check
 impl DeviceReduceOps for burn::backend::Cuda {
     #[cfg(feature = "nccl")]
     fn device_all_reduce(x: FloatTensor<Self>, comm: &DeviceComm) -> Result<FloatTensor<Self>, String> {
-        super::nccl::all_reduce(x, &comm.nccl)
+        crate::nccl::all_reduce(x, &comm.nccl)
     }
 }

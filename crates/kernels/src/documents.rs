@@ -48,7 +48,7 @@ impl Documents {
         Ok(Self { first: first.into(), batch, seq })
     }
 
-    /// The documents whose first positions an [`AttnShape`](super::kernels::AttnShape) carries
+    /// The documents whose first positions an [`AttnShape`](crate::AttnShape) carries
     /// (taken from a checked `Documents`).
     pub(crate) fn from_parts(first: Arc<[u32]>, batch: usize, seq: usize) -> Self {
         Self { first, batch, seq }

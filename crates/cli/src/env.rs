@@ -1,0 +1,78 @@
+//! Every environment variable ember reads, read here, by the binary: the library crates take what
+//! these say as values (a [`Compute`], [`Locations`], a [`Launch`]), so that two runs in one process
+//! can differ and a test can say what it wants without touching the environment.
+//!
+//! | variable | what it changes |
+//! |---|---|
+//! | `EMBER_FUSED=0` | the reference compositions instead of ember's kernels ([`Path::Reference`]) |
+//! | `EMBER_AMX=0` | the AVX512_BF16 vector kernel instead of AMX tiles for bf16 products |
+//! | `EMBER_CPU_LOW_PRECISION=1` | bf16/f16 tensors on the CPU too (emulated, slower): tests mixed precision |
+//! | `EMBER_DATA_DIR`, `EMBER_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME` | where datasets are looked for and cached |
+//! | `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, `PMIX_SIZE`, `MPI_LOCALNRANKS`, `SLURM_STEP_NUM_TASKS` | how many ranks a launcher started |
+//! | `RAYON_NUM_THREADS` | the CPU kernels' threads (read by rayon; ranks sharing a machine split its cores unless it is set) |
+//! | `EMBER_API_KEY`, `EMBER_NCCL` | `serve --api-key`; NCCL on CUDA (read where their commands parse flags) |
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use ember_data::fetch::Locations;
+use ember_kernels::{Bf16Kernel, Compute, Cpu, Path};
+use ember_train::distributed::Launch;
+
+fn var(name: &str) -> Option<OsString> {
+    std::env::var_os(name).filter(|v| !v.is_empty())
+}
+
+fn is(name: &str, value: &str) -> bool {
+    var(name).is_some_and(|v| v.to_string_lossy().trim() == value)
+}
+
+/// How this process computes before any flag says more: ember's kernels or the references
+/// (`EMBER_FUSED=0`), and the CPU's kernels (`EMBER_AMX=0` keeps the vector kernel for bf16
+/// products).
+pub fn compute() -> Compute {
+    let mut cpu = Cpu::detect();
+    if is("EMBER_AMX", "0") && cpu.bf16 == Some(Bf16Kernel::Amx) {
+        cpu.bf16 = Some(Bf16Kernel::Avx512);
+    }
+    let path = if is("EMBER_FUSED", "0") { Path::Reference } else { Path::Kernels };
+    Compute::default().with_cpu(cpu).with_path(path)
+}
+
+/// `EMBER_CPU_LOW_PRECISION=1`: compute bf16/f16 where it is emulated anyway (slower), to test the
+/// mixed-precision path on the CPU.
+pub fn emulate_low_precision() -> bool {
+    is("EMBER_CPU_LOW_PRECISION", "1")
+}
+
+/// Where datasets are looked for: `datasets/` here, `$EMBER_DATA_DIR`, then the cache
+/// (`$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`, else `.ember-cache`).
+pub fn locations() -> Locations {
+    Locations { repo_dir: PathBuf::from("datasets"), data_dir: var("EMBER_DATA_DIR").map(PathBuf::from), cache_dir: cache_dir() }
+}
+
+/// ember's cache folder (see [`locations`]).
+pub fn cache_dir() -> PathBuf {
+    var("EMBER_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("ember")))
+        .or_else(|| var("HOME").map(|p| PathBuf::from(p).join(".cache").join("ember")))
+        .unwrap_or_else(|| PathBuf::from(".ember-cache"))
+}
+
+/// What a launcher (mpirun, srun) says about the ranks it started; one rank outside one.
+pub fn launch() -> Launch {
+    // SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: the latter is set in a batch script too, where a plain
+    // `ember train` is one process.
+    let world_size = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS"]
+        .iter()
+        .filter_map(|k| var(k)?.to_string_lossy().trim().parse::<usize>().ok())
+        .max()
+        .unwrap_or(1);
+    Launch { world_size, open_mpi: var("OMPI_COMM_WORLD_SIZE").is_some() }
+}
+
+/// Whether `RAYON_NUM_THREADS` sets the CPU kernels' threads.
+pub fn threads_set() -> bool {
+    var("RAYON_NUM_THREADS").is_some()
+}
