@@ -7,6 +7,9 @@ use clap::{Parser, Subcommand};
 mod alloc;
 mod backend;
 mod commands;
+mod needs;
+
+use needs::Needs;
 
 #[global_allocator]
 static ALLOCATOR: alloc::Counting = alloc::Counting;
@@ -49,59 +52,37 @@ enum Command {
     Backends,
 }
 
+impl Command {
+    /// What the command needs from the process (see [`Needs`]).
+    fn needs(&self) -> Needs {
+        match self {
+            Command::Train(_) => Needs::TRAINING,
+            // The model server's bench runs the server, whose engine enters the pool itself.
+            Command::Bench(b) => Needs { cpu_worker: !b.serves(), ..Needs::TRAINING },
+            Command::Dashboard(_) | Command::Serve(_) => Needs::SERVER,
+            Command::Sample(_)
+            | Command::Eval(_)
+            | Command::Import(_)
+            | Command::Export(_)
+            | Command::Prepare(_)
+            | Command::Chat(_)
+            | Command::Check(_)
+            | Command::Backends => Needs::COMPUTE,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Train(_) | Command::Bench(_)) {
-        // Steps allocate the same buffers again and again; a long-lived server keeps mimalloc's
-        // default of handing memory back after a spike.
-        alloc::keep_freed_memory();
-    }
-    // The ranks of a data-parallel run (`mpirun -n N ember train`): MPI starts before anything else.
-    let collective = match cli.command {
-        Command::Train(_) | Command::Bench(_) => match ember_train::distributed::init() {
-            Ok(c) => c,
-            Err(err) => {
-                eprintln!("error: {err}");
-                return ExitCode::FAILURE;
-            }
-        },
-        _ => ember_train::distributed::solo(),
+    let needs = cli.command.needs();
+    let collective = match needs.set_up(&cli.log) {
+        Ok(c) => c,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return ExitCode::FAILURE;
+        }
     };
-    // A rank that panics stops the job at once: the others would otherwise wait in their next
-    // collective until the deadline and blame it on a hang.
-    // (A weak reference: the hook must not keep MPI alive past `main`, where it is finalised.)
-    if collective.world() > 1 {
-        let weak = std::sync::Arc::downgrade(&collective);
-        let report = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            report(info);
-            if let Some(c) = weak.upgrade() {
-                eprintln!("error: rank {} panicked; stopping every rank", c.rank());
-                c.abort(101);
-            }
-        }));
-    }
-    // Rank 0 speaks for the run; the others only warn (RUST_LOG still rules).
-    let level = if collective.rank() == 0 { cli.log.clone() } else { "warn".into() };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
-    // Ranks on one machine share its cores.
-    let local = collective.local_world();
-    if local > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        ember_model::ops::init_cpu_workers(Some((cores / local).max(1)));
-    }
-    // Compute on a worker of the CPU kernels' thread pool (see `on_cpu_workers`); the dashboard only
-    // serves files and needs no worker.
-    let result = match cli.command {
-        // The dashboard only serves files; the model server runs its engine on a thread of its own
-        // (which enters the pool itself): neither may hold a worker of the pool while it waits.
-        Command::Dashboard(_) | Command::Serve(_) => run(cli, collective.clone()),
-        Command::Bench(ref b) if b.serves() => run(cli, collective.clone()),
-        _ => ember_model::ops::on_cpu_workers(|| run(cli, collective.clone())),
-    };
-    match result {
+    match needs.run(|| run(cli, collective.clone())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");

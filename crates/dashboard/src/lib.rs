@@ -1,15 +1,15 @@
 //! `ember dashboard`: a TensorBoard-style page over run directories. It reads what training writes
 //! (`metrics.jsonl`, `samples.jsonl`, `config.toml`) and never imports the trainer or writes to a run.
 
+mod columns;
 pub mod confine;
-mod conn;
-pub mod hosts;
 pub mod runs;
 pub mod server;
 
-pub use hosts::AllowedHosts;
-pub use runs::{Columns, MetricsJson, RunError, RunStore, RunSummary};
-pub use server::{Dashboard, Limits, Options, ServeError};
+pub use columns::{Columns, MetricsJson};
+pub use ember_http::{Idle, Limits};
+pub use runs::{RunError, RunStore, RunSummary};
+pub use server::{start, Dashboard, Options, ServeError};
 
 /// `ember bench dashboard`: how long a log directory of many long runs takes to load.
 pub mod bench {

@@ -2,39 +2,32 @@
 //! [`RunStore`]. Only GET; run names are looked up among the discovered runs, never joined to a path.
 //!
 //! The server may run inside `ember train --dashboard`, so nothing a client sends may take the
-//! process down, hold its memory or compete with training for the CPU:
-//! - a tokio runtime of its own (1–4 threads, at nice 10, or `SCHED_IDLE` beside training; see
-//!   [`Options::idle_priority`]), driven from an OS thread of its own, so the caller never waits on it;
-//! - hyper's HTTP/1 connections with a cap on the request head ([`Limits::max_header_bytes`]) and
-//!   a deadline to send it ([`Limits::header_read_timeout`]); bodies are never read: a request
-//!   announcing more than [`Limits::max_body`] bytes (or an unknown length) gets 413 and the
-//!   connection is closed;
-//! - at most [`Limits::max_connections`] connections, closed when silent or when the client does
-//!   not take its answer (see [`crate::conn`]); a full house makes room by closing the idlest one;
+//! process down, hold its memory or compete with training for the CPU. The shell
+//! ([`ember_http`]) gives it threads of its own at nice 10 (or `SCHED_IDLE` beside training; see
+//! [`Options::idle_priority`]), capped request heads, at most [`Limits::max_connections`]
+//! connections and a `Host` allow-list against DNS rebinding; the dashboard's own limits are these:
+//! - bodies are never read: a request announcing more than [`Limits::max_body`] bytes (or an
+//!   unknown length) gets 413, and a connection that sent a body is closed after its answer;
+//! - connections are closed when silent or when the client does not take its answer, and a full
+//!   house makes room by closing the idlest one ([`Idle::Closed`]);
 //! - a run's metrics (the one answer that grows large) are written a piece at a time, as the
 //!   client takes them; other answers waiting for slow clients share a fixed budget of bytes
-//!   ([`Limits::response_budget`]); past it, 503;
-//! - accept errors (out of file descriptors, say) are logged and retried, never fatal;
-//! - a `Host` allow-list against DNS rebinding ([`AllowedHosts`]).
+//!   ([`Limits::response_budget`]); past it, 503.
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use ember_http::{Conn, Idle, Limits, Priority, Refused, Server, Service, Settings, StartError};
 use http_body_util::Full;
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
-use hyper::header::{HeaderValue, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, HOST, RETRY_AFTER};
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONNECTION, CONTENT_TYPE, RETRY_AFTER};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::{Notify, Semaphore};
 
-use crate::conn::{ConnState, Conns, Deadlines, Place, Watched};
-use crate::hosts::AllowedHosts;
-use crate::runs::{MetricsJson, RunError, RunStore};
+use crate::columns::MetricsJson;
+use crate::runs::{RunError, RunStore};
 
 const INDEX: &str = include_str!("../assets/index.html");
 const APP_JS: &str = include_str!("../assets/app.js");
@@ -42,56 +35,14 @@ const APP_CSS: &str = include_str!("../assets/app.css");
 const UPLOT_JS: &str = include_str!("../assets/vendor/uPlot.iife.min.js");
 const UPLOT_CSS: &str = include_str!("../assets/vendor/uPlot.min.css");
 
-/// What a connection turned away at a full house gets (written once, without waiting).
-const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 15\r\n\
-Retry-After: 1\r\nConnection: close\r\n\r\nserver is busy\n";
+const NO_BODIES: &str = "request bodies are not accepted\n";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("cannot listen on {addr}: {message}")]
-    Bind { addr: SocketAddr, message: String },
+    #[error(transparent)]
+    Start(#[from] StartError),
     #[error(transparent)]
     Runs(#[from] RunError),
-    #[error("cannot start the dashboard's threads: {0}")]
-    Threads(std::io::Error),
-}
-
-/// What the server allows a client.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    /// Open connections at most (and half the process's file descriptor limit at most); see
-    /// [`crate::conn`].
-    pub max_connections: usize,
-    /// A request head (request line and headers) larger than this is refused (431).
-    pub max_header_bytes: usize,
-    /// The request head must arrive within this (from the connection's start or the previous
-    /// answer), or the connection is closed.
-    pub header_read_timeout: Duration,
-    /// A connection with no byte either way and no request being answered for this long is closed.
-    pub idle_timeout: Duration,
-    /// Output the client has not taken within this is dropped with its connection: a client that
-    /// never reads is cut off, and one that reads a metrics answer (written in 64 KiB pieces) must
-    /// take each piece within this.
-    pub write_timeout: Duration,
-    /// Requests announcing a larger body (or one of unknown length) get 413, unread.
-    pub max_body: u64,
-    /// Bytes of whole answers (all but metrics, which are written a piece at a time) that may wait
-    /// for their clients at once; past it, 503.
-    pub response_budget: usize,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_connections: 256,
-            max_header_bytes: 16 << 10,
-            header_read_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(15),
-            write_timeout: Duration::from_secs(30),
-            max_body: 4 << 10,
-            response_budget: 64 << 20,
-        }
-    }
 }
 
 /// How to serve.
@@ -102,179 +53,44 @@ pub struct Options {
     /// `Host` names or addresses answered besides localhost, 127.0.0.1, [::1] and the address a
     /// connection came in on.
     pub allowed_hosts: Vec<String>,
+    /// By default the shell's, with bodies of 4 KiB at most (none is read) and connections closed
+    /// after 15 s of silence or 30 s with an answer the client does not take (a metrics answer is
+    /// written in 64 KiB pieces, each to be taken within that).
     pub limits: Limits,
-    /// Run the server's threads under `SCHED_IDLE` (Linux): only on CPU time nothing else wants,
-    /// and preempted as soon as another thread wakes up. For a dashboard beside training, which must
-    /// not slow it down however hard the server is pushed; the page may then lag by seconds while
-    /// every core trains. Otherwise the threads run at nice 10.
+    /// Run the server's threads under `SCHED_IDLE` (Linux) instead of nice 10: for a dashboard
+    /// beside training (see [`Priority::IdleTime`]).
     pub idle_priority: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { threads: 2, allowed_hosts: Vec::new(), limits: Limits::default(), idle_priority: false }
+        let idle = Idle::Closed { idle: Duration::from_secs(15), write: Duration::from_secs(30) };
+        let limits = Limits { max_body: 4 << 10, idle, ..Limits::default() };
+        Self { threads: 2, allowed_hosts: Vec::new(), limits, idle_priority: false }
     }
 }
 
 /// A running dashboard. Dropping it stops the server (without waiting for it).
-pub struct Dashboard {
-    addr: SocketAddr,
-    shutdown: Arc<Notify>,
-    thread: Option<std::thread::JoinHandle<()>>,
+pub type Dashboard = Server;
+
+/// Serves `logdir` on `addr` (port 0: any free port). Returns once listening; the server runs on
+/// threads of its own.
+pub fn start(logdir: &std::path::Path, addr: SocketAddr, options: Options) -> Result<Dashboard, ServeError> {
+    let threads = options.threads.clamp(1, 4);
+    let store = RunStore::new(logdir)?.with_parallelism(threads);
+    let settings = Settings {
+        name: "ember-dashboard",
+        threads,
+        priority: if options.idle_priority { Priority::IdleTime } else { Priority::Lower },
+        allowed_hosts: options.allowed_hosts,
+        limits: options.limits,
+    };
+    Ok(Server::start(addr, settings, Pages { store })?)
 }
 
-impl Dashboard {
-    /// Serves `logdir` on `addr` (port 0: any free port) from `threads` threads, with the default
-    /// [`Limits`].
-    pub fn start(logdir: &std::path::Path, addr: SocketAddr, threads: usize) -> Result<Self, ServeError> {
-        Self::start_with(logdir, addr, Options { threads, ..Options::default() })
-    }
-
-    /// Serves `logdir` on `addr`. Returns once listening; the server runs on threads of its own.
-    pub fn start_with(logdir: &std::path::Path, addr: SocketAddr, options: Options) -> Result<Self, ServeError> {
-        let threads = options.threads.clamp(1, 4);
-        let store = RunStore::new(logdir)?.with_parallelism(threads);
-        let idle = options.idle_priority;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(threads)
-            .max_blocking_threads(threads)
-            .thread_name("ember-dashboard")
-            .on_thread_start(move || lower_priority(idle))
-            .enable_io()
-            .enable_time()
-            .build()
-            .map_err(ServeError::Threads)?;
-        let listener = {
-            let _context = runtime.enter();
-            listen(addr).map_err(|e| ServeError::Bind { addr, message: e.to_string() })?
-        };
-        let addr = listener.local_addr().unwrap_or(addr);
-        let mut limits = options.limits;
-        // Half the descriptors at most, so that files (and, under `ember train`, training) still
-        // have some when every connection is taken.
-        if let Some(fds) = fd_limit() {
-            limits.max_connections = limits.max_connections.min((fds / 2).max(1) as usize);
-        }
-        let server = Arc::new(Server {
-            store,
-            hosts: AllowedHosts::new(&options.allowed_hosts),
-            conns: Conns::new(limits.max_connections),
-            budget: Arc::new(Semaphore::new(kib(limits.response_budget) as usize)),
-            limits,
-        });
-        let shutdown = Arc::new(Notify::new());
-        let stop = shutdown.clone();
-        let thread = std::thread::Builder::new()
-            .name("ember-dashboard".into())
-            .spawn(move || {
-                lower_priority(idle);
-                let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    runtime.block_on(server.serve(listener, stop));
-                }));
-                if served.is_err() {
-                    tracing::error!("the dashboard stopped after a panic");
-                }
-                runtime.shutdown_timeout(Duration::from_secs(1));
-            })
-            .map_err(ServeError::Threads)?;
-        Ok(Self { addr, shutdown, thread: Some(thread) })
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Serves until the process ends.
-    pub fn wait(mut self) {
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-
-    /// Stops accepting connections, drops the open ones and waits (about a second at most) for the
-    /// server's threads to end.
-    pub fn stop(mut self) {
-        self.shutdown.notify_one();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for Dashboard {
-    fn drop(&mut self) {
-        self.shutdown.notify_one();
-    }
-}
-
-fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
-    // A restarted dashboard can take its port back while old connections linger in TIME_WAIT.
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    // Room for a burst of connections while the accept loop catches up.
-    socket.listen(1024)
-}
-
-/// Puts the calling thread at nice 10 (unless it is lower already) and, if `idle`, under
-/// `SCHED_IDLE`, so that the server takes little CPU from whatever else runs (training, under
-/// `ember train --dashboard`). On Linux both are per thread, and new threads inherit them. Failures
-/// leave the thread as it was.
-fn lower_priority(idle: bool) {
-    #[cfg(target_os = "linux")]
-    // SAFETY: plain system calls on the calling thread's own id, with a parameter struct they read.
-    unsafe {
-        let tid = libc::gettid() as libc::id_t;
-        if libc::getpriority(libc::PRIO_PROCESS, tid) < 10 {
-            libc::setpriority(libc::PRIO_PROCESS, tid, 10);
-        }
-        if idle {
-            let param = libc::sched_param { sched_priority: 0 };
-            libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = idle;
-}
-
-/// The soft limit on open file descriptors.
-fn fd_limit() -> Option<u64> {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `getrlimit` writes the struct it is given.
-    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
-    #[allow(clippy::unnecessary_cast)] // `rlim_t` is not `u64` on every target
-    (ok && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as u64)
-}
-
-fn kib(bytes: usize) -> u32 {
-    bytes.div_ceil(1024).clamp(1, u32::MAX as usize) as u32
-}
-
-enum Either<A, B> {
-    Left(A),
-    Right(B),
-}
-
-/// Whichever of `a` and `b` finishes first (`a` when both are ready).
-async fn race<A: Future, B: Future>(a: A, b: B) -> Either<A::Output, B::Output> {
-    let mut a = std::pin::pin!(a);
-    let mut b = std::pin::pin!(b);
-    std::future::poll_fn(move |cx| {
-        if let Poll::Ready(x) = a.as_mut().poll(cx) {
-            return Poll::Ready(Either::Left(x));
-        }
-        b.as_mut().poll(cx).map(Either::Right)
-    })
-    .await
-}
-
-struct Server {
+/// The page and the JSON API over the runs.
+struct Pages {
     store: RunStore,
-    hosts: AllowedHosts,
-    conns: Arc<Conns>,
-    /// KiB of answers that may wait for their clients.
-    budget: Arc<Semaphore>,
-    limits: Limits,
 }
 
 /// An answer's body: whole, or a run's metrics written a piece at a time (chunked).
@@ -338,120 +154,34 @@ fn text(status: u16, body: impl Into<Bytes>) -> Answer {
     answer(status, "text/plain; charset=utf-8", body)
 }
 
-impl Server {
-    async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: Arc<Notify>) {
-        let reaper = tokio::spawn({
-            let server = self.clone();
-            async move {
-                let l = &server.limits;
-                let deadlines = Deadlines { idle: l.idle_timeout, write: l.write_timeout };
-                let period =
-                    (l.idle_timeout.min(l.write_timeout) / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-                let mut tick = tokio::time::interval(period);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-                loop {
-                    tick.tick().await;
-                    server.conns.reap(deadlines);
-                }
-            }
-        });
-        let mut warned: Option<Instant> = None;
-        let mut unreported = 0usize;
-        loop {
-            let accepted = match race(shutdown.notified(), listener.accept()).await {
-                Either::Left(()) => break,
-                Either::Right(accepted) => accepted,
-            };
-            match accepted {
-                Ok((stream, _)) => self.clone().admit(stream),
-                Err(e) => {
-                    // Out of file descriptors (EMFILE, ENFILE), or a connection reset before it
-                    // was accepted: nothing to end the server for. The connection stays queued
-                    // and is accepted once a descriptor is free.
-                    let out_of_fds = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
-                    if warned.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
-                        let more = if unreported > 0 {
-                            format!(" ({unreported} more since the last report)")
-                        } else {
-                            String::new()
-                        };
-                        tracing::warn!("dashboard: cannot accept a connection: {e}{more}; retrying");
-                        warned = Some(Instant::now());
-                        unreported = 0;
-                    } else {
-                        unreported += 1;
-                    }
-                    // Out of descriptors, the idlest connection gives its own up (closed within a
-                    // moment, by its task), so that a real client still gets in.
-                    let made_room = out_of_fds && self.conns.evict_one();
-                    tokio::time::sleep(Duration::from_millis(if made_room { 1 } else { 20 })).await;
-                }
-            }
+impl Service for Pages {
+    type Body = Reply;
+
+    fn refuse(&self, why: Refused) -> Answer {
+        match why {
+            Refused::Host(_) => text(403, "this dashboard answers only to localhost (see --allow-host)\n"),
+            Refused::BodyTooLarge(_) => text(413, NO_BODIES),
         }
-        reaper.abort();
     }
 
-    fn admit(self: Arc<Self>, stream: TcpStream) {
-        let Some(place) = self.conns.admit() else {
-            // Every connection is being answered: say so and close, without waiting.
-            let _ = stream.try_write(BUSY);
-            return;
+    async fn answer(self: Arc<Self>, request: Request<Incoming>, conn: Arc<Conn>) -> Answer {
+        if request.body().is_end_stream() {
+            return self.route(&request, &conn).await;
+        }
+        // Never read: a body of unknown length is refused, a small one left unread, and the
+        // connection is closed after the answer.
+        let mut r = if request.body().size_hint().upper().is_none() {
+            text(413, NO_BODIES)
+        } else {
+            self.clone().route(&request, &conn).await
         };
-        let _ = stream.set_nodelay(true);
-        tokio::spawn(self.connection(stream, place));
+        r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+        r
     }
+}
 
-    async fn connection(self: Arc<Self>, stream: TcpStream, place: Place) {
-        let local = stream.local_addr().ok().map(|a| a.ip());
-        let state = place.state.clone();
-        let server = self.clone();
-        let service = hyper::service::service_fn(move |request| {
-            let (server, state) = (server.clone(), state.clone());
-            async move { Ok::<_, Infallible>(server.handle(request, local, &state).await) }
-        });
-        let mut http = hyper::server::conn::http1::Builder::new();
-        http.timer(TokioTimer::new())
-            .header_read_timeout(self.limits.header_read_timeout)
-            .max_buf_size(self.limits.max_header_bytes.max(8192))
-            .keep_alive(true);
-        let connection = http.serve_connection(TokioIo::new(Watched::new(stream, place.state.clone())), service);
-        match race(place.state.close.notified(), connection).await {
-            Either::Left(()) => {}
-            Either::Right(Ok(())) => {}
-            Either::Right(Err(e)) => tracing::debug!("dashboard connection: {e}"),
-        }
-    }
-
-    async fn handle(
-        self: Arc<Self>,
-        request: Request<Incoming>,
-        local: Option<IpAddr>,
-        conn: &Arc<ConnState>,
-    ) -> Answer {
-        let _busy = conn.busy();
-        let host_ok = match request.headers().get(HOST).map(|h| h.to_str()) {
-            Some(Ok(host)) => self.hosts.allows(host, local),
-            _ => false,
-        };
-        let authority_ok = request.uri().authority().is_none_or(|a| self.hosts.allows(a.as_str(), local));
-        if !host_ok || !authority_ok {
-            return text(403, "this dashboard answers only to localhost (see --allow-host)\n");
-        }
-        let body = request.body();
-        if !body.is_end_stream() {
-            // Never read: the body is left unread and the connection closed after the answer.
-            let mut r = if body.size_hint().upper().is_none_or(|n| n > self.limits.max_body) {
-                text(413, "request bodies are not accepted\n")
-            } else {
-                self.clone().route(&request, conn).await
-            };
-            r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
-            return r;
-        }
-        self.clone().route(&request, conn).await
-    }
-
-    async fn route(self: Arc<Self>, request: &Request<Incoming>, conn: &Arc<ConnState>) -> Answer {
+impl Pages {
+    async fn route(self: Arc<Self>, request: &Request<Incoming>, conn: &Conn) -> Answer {
         if request.method() != Method::GET {
             return text(405, "GET only\n");
         }
@@ -476,18 +206,11 @@ impl Server {
                 };
                 match result {
                     Ok(Api::Metrics(json)) => with_body(200, "application/json", Reply::Metrics(json)),
-                    Ok(Api::Whole(json)) => {
-                        let Ok(permit) = self
-                            .budget
-                            .clone()
-                            .try_acquire_many_owned(kib(json.len()).min(kib(self.limits.response_budget)))
-                        else {
-                            let mut r = text(503, "too many answers are waiting for their clients\n");
-                            r.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("1"));
-                            return r;
-                        };
-                        conn.hold(permit);
-                        answer(200, "application/json", json)
+                    Ok(Api::Whole(json)) if conn.reserve(json.len()) => answer(200, "application/json", json),
+                    Ok(Api::Whole(_)) => {
+                        let mut r = text(503, "too many answers are waiting for their clients\n");
+                        r.headers_mut().insert(RETRY_AFTER, HeaderValue::from_static("1"));
+                        r
                     }
                     Err((status, message)) => text(status, message),
                 }

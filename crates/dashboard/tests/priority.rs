@@ -1,7 +1,7 @@
 //! The server's threads beside training: in a process of their own (a test binary holds one
 //! test), since the check reads every `ember-dashboard` thread of the process.
 
-use ember_dashboard::{Dashboard, Options};
+use ember_dashboard::Options;
 
 /// The scheduling policy and nice value of this process's `ember-dashboard` threads.
 fn dashboard_threads() -> Vec<(u32, i64)> {
@@ -25,7 +25,7 @@ fn beside_training_the_server_runs_on_idle_time_only() {
     std::fs::create_dir_all(dir.path().join("a")).unwrap();
     std::fs::write(dir.path().join("a/metrics.jsonl"), "{\"step\":1,\"train_loss\":3.0}\n").unwrap();
     let options = Options { idle_priority: true, ..Options::default() };
-    let d = Dashboard::start_with(dir.path(), "127.0.0.1:0".parse().unwrap(), options).unwrap();
+    let d = ember_dashboard::start(dir.path(), "127.0.0.1:0".parse().unwrap(), options).unwrap();
     // A request, so that the blocking threads that read runs exist too.
     let url = format!("http://127.0.0.1:{}/api/runs", d.addr().port());
     assert!(ureq::get(&url).call().unwrap().into_string().unwrap().contains("\"name\":\"a\""));

@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ember_dashboard::{Dashboard, Limits, Options};
+use ember_dashboard::{Dashboard, Idle, Limits, Options};
 
 fn line(step: usize) -> String {
     format!(
@@ -28,15 +28,14 @@ fn limits() -> Limits {
     Limits {
         max_connections: 8,
         header_read_timeout: Duration::from_millis(400),
-        idle_timeout: Duration::from_millis(600),
-        write_timeout: Duration::from_millis(500),
-        ..Limits::default()
+        idle: Idle::Closed { idle: Duration::from_millis(600), write: Duration::from_millis(500) },
+        ..Options::default().limits
     }
 }
 
 fn start(dir: &Path, limits: Limits) -> Dashboard {
     let options = Options { threads: 2, allowed_hosts: vec!["box.lan".into()], limits, idle_priority: false };
-    Dashboard::start_with(dir, "127.0.0.1:0".parse().unwrap(), options).unwrap()
+    ember_dashboard::start(dir, "127.0.0.1:0".parse().unwrap(), options).unwrap()
 }
 
 fn connect(addr: SocketAddr) -> TcpStream {
@@ -172,7 +171,11 @@ fn a_crowd_of_idle_connections_does_not_lock_out_a_client() {
     // Long deadlines: only making room can let the client in.
     let d = start(
         dir.path(),
-        Limits { header_read_timeout: Duration::from_secs(60), idle_timeout: Duration::from_secs(60), ..limits() },
+        Limits {
+            header_read_timeout: Duration::from_secs(60),
+            idle: Idle::Closed { idle: Duration::from_secs(60), write: Duration::from_millis(500) },
+            ..limits()
+        },
     );
     let addr = d.addr();
     let crowd: Vec<TcpStream> = (0..100).map(|_| connect(addr)).collect();

@@ -7,5 +7,6 @@ pub mod bench;
 pub mod server;
 pub mod worker;
 
-pub use server::{Limits, Options, ServeError, Server};
+pub use ember_http::{Limits, StartError};
+pub use server::{Options, Server};
 pub use worker::Worker;

@@ -1,12 +1,12 @@
 //! The HTTP side: OpenAI's `/v1/completions`, `/v1/chat/completions` (streamed as server-sent
 //! events with `stream: true`) and `/v1/models`, and a chat page at `/`.
 //!
-//! Hardening, as the dashboard's: a tokio runtime of its own on OS threads of its own; hyper's
-//! HTTP/1 with a cap on the request head and a deadline to send it; at most
-//! [`Limits::max_connections`] connections (503 past it); bodies of at most [`Limits::max_body`]
-//! bytes, read within [`Limits::body_timeout`] (413, 408); a `Host` allow-list against DNS
-//! rebinding; an optional API key (`Authorization: Bearer …`); a full queue is 429. A client that
-//! disconnects mid-answer has its request cancelled at the next token.
+//! Hardening: the shell ([`ember_http`]) gives it threads of its own, capped request heads, at most
+//! [`Limits::max_connections`] connections (503 past it; kept however long an answer waits on the
+//! model), bodies announced over [`Limits::max_body`] refused (413) and a `Host` allow-list against
+//! DNS rebinding; bodies are read within [`Limits::body_timeout`] (408), an optional API key is
+//! required (`Authorization: Bearer …`), and a full queue is 429. A client that disconnects
+//! mid-answer has its request cancelled at the next token.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -16,59 +16,23 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ember_dashboard::AllowedHosts;
 use ember_data::finetune::ChatTemplate;
 use ember_data::stream::TextStream;
 use ember_data::Tokenizer;
+use ember_http::{race, Conn, Either, Limits, Priority, Refused, Service, Settings, StartError};
 use ember_model::engine::{EngineError, Event, Finish, Request as EngineRequest};
 use ember_model::sample::Sampler;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
-use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, HOST, RETRY_AFTER};
+use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::sync::mpsc;
 
 use crate::api::{error_body, ChatRequest, CompletionRequest, Generation, Invalid, Kind, Usage};
 use crate::worker::{SubmitError, Worker};
 
 const CHAT_PAGE: &str = include_str!("../assets/chat.html");
-
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("cannot listen on {addr}: {message}")]
-    Bind { addr: SocketAddr, message: String },
-    #[error("cannot start the server's threads: {0}")]
-    Threads(std::io::Error),
-}
-
-/// What the server allows a client.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    pub max_connections: usize,
-    /// A request head larger than this is refused.
-    pub max_header_bytes: usize,
-    /// The request head must arrive within this.
-    pub header_read_timeout: Duration,
-    /// A larger body gets 413, unread.
-    pub max_body: usize,
-    /// The body must arrive within this (408).
-    pub body_timeout: Duration,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_connections: 256,
-            max_header_bytes: 16 << 10,
-            header_read_timeout: Duration::from_secs(10),
-            max_body: 1 << 20,
-            body_timeout: Duration::from_secs(30),
-        }
-    }
-}
 
 /// What the server answers with and how.
 pub struct Options {
@@ -87,110 +51,56 @@ pub struct Options {
 }
 
 /// A running server; dropping it stops accepting connections.
-pub struct Server {
-    addr: SocketAddr,
-    shutdown: Arc<Notify>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
+pub struct Server(ember_http::Server);
 
 impl Server {
     /// Serves on `addr` (port 0: any free port) with the engine behind `worker`. Returns once listening.
-    pub fn start(addr: SocketAddr, worker: Worker, options: Options) -> Result<Self, ServeError> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("ember-serve")
-            .enable_io()
-            .enable_time()
-            .build()
-            .map_err(ServeError::Threads)?;
-        let listener = {
-            let _context = runtime.enter();
-            let std_listener =
-                std::net::TcpListener::bind(addr).map_err(|e| ServeError::Bind { addr, message: e.to_string() })?;
-            std_listener.set_nonblocking(true).map_err(|e| ServeError::Bind { addr, message: e.to_string() })?;
-            TcpListener::from_std(std_listener).map_err(|e| ServeError::Bind { addr, message: e.to_string() })?
+    pub fn start(addr: SocketAddr, worker: Worker, options: Options) -> Result<Self, StartError> {
+        let settings = Settings {
+            name: "ember-serve",
+            threads: 2,
+            priority: Priority::Normal,
+            allowed_hosts: options.allowed_hosts.clone(),
+            limits: options.limits.clone(),
         };
-        let addr = listener.local_addr().unwrap_or(addr);
-        let state = Arc::new(State {
-            hosts: AllowedHosts::new(&options.allowed_hosts),
-            connections: Arc::new(Semaphore::new(options.limits.max_connections.max(1))),
-            worker,
-            options,
-            next_id: AtomicU64::new(1),
-        });
-        let shutdown = Arc::new(Notify::new());
-        let stop = shutdown.clone();
-        let thread = std::thread::Builder::new()
-            .name("ember-serve".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let accepting = tokio::spawn(accept(listener, state));
-                    stop.notified().await;
-                    accepting.abort();
-                });
-                runtime.shutdown_timeout(Duration::from_secs(1));
-            })
-            .map_err(ServeError::Threads)?;
-        Ok(Self { addr, shutdown, thread: Some(thread) })
+        let state = State { worker, options, next_id: AtomicU64::new(1) };
+        ember_http::Server::start(addr, settings, state).map(Self)
     }
 
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.0.addr()
     }
 
     /// Serves until the process ends.
-    pub fn wait(mut self) {
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.shutdown.notify_one();
+    pub fn wait(self) {
+        self.0.wait()
     }
 }
 
 struct State {
-    hosts: AllowedHosts,
-    connections: Arc<Semaphore>,
     worker: Worker,
     options: Options,
     next_id: AtomicU64,
 }
 
-async fn accept(listener: TcpListener, state: Arc<State>) {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                tracing::warn!("accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
+impl Service for State {
+    type Body = AnswerBody;
+
+    fn refuse(&self, why: Refused) -> Answer {
+        match why {
+            Refused::Host(host) => {
+                let message = format!("Host `{host}` is not served");
+                error(StatusCode::FORBIDDEN, "invalid_request_error", &message, None, None)
             }
-        };
-        let Ok(permit) = state.connections.clone().try_acquire_owned() else {
-            // Answered once, without waiting for the client, and closed.
-            let busy = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 15\r\nRetry-After: 1\r\nConnection: close\r\n\r\nserver is busy\n";
-            let _ = stream.try_write(busy);
-            continue;
-        };
-        let local = stream.local_addr().ok().map(|a| a.ip());
-        let state = state.clone();
-        tokio::spawn(async move {
-            let limits = &state.options.limits;
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .max_buf_size(limits.max_header_bytes.max(8192));
-            let service = hyper::service::service_fn(|req| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(route(&state, req, local).await) }
-            });
-            let _ = http.serve_connection(TokioIo::new(stream), service).await;
-            drop(permit);
-        });
+            Refused::BodyTooLarge(limit) => {
+                let message = format!("the body is larger than {limit} bytes");
+                error(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", &message, None, None)
+            }
+        }
+    }
+
+    async fn answer(self: Arc<Self>, request: Request<Incoming>, _: Arc<Conn>) -> Answer {
+        route(&self, request).await
     }
 }
 
@@ -246,17 +156,7 @@ fn invalid(e: Invalid) -> Answer {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.message, Some(e.param), None)
 }
 
-async fn route(state: &State, req: Request<Incoming>, local: Option<std::net::IpAddr>) -> Answer {
-    let host = req.headers().get(HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
-    if !state.hosts.allows(host, local) {
-        return error(
-            StatusCode::FORBIDDEN,
-            "invalid_request_error",
-            &format!("Host `{host}` is not served"),
-            None,
-            None,
-        );
-    }
+async fn route(state: &State, req: Request<Incoming>) -> Answer {
     if let Some(key) = &state.options.api_key {
         let given =
             req.headers().get(AUTHORIZATION).and_then(|h| h.to_str().ok()).and_then(|h| h.strip_prefix("Bearer "));
@@ -292,18 +192,11 @@ async fn route(state: &State, req: Request<Incoming>, local: Option<std::net::Ip
     }
 }
 
-/// The body as JSON of type `T`, within the size and time limits.
+/// The body as JSON of type `T`, within the size and time limits (a body announced over the size
+/// limit never gets here: the shell refuses it).
 async fn read_json<T: serde::de::DeserializeOwned>(state: &State, req: Request<Incoming>) -> Result<T, Answer> {
     let limits = &state.options.limits;
-    let too_large = || {
-        let message = format!("the body is larger than {} bytes", limits.max_body);
-        error(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", &message, None, None)
-    };
-    let announced = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if announced.is_some_and(|n| n > limits.max_body as u64) {
-        return Err(too_large());
-    }
-    let body = Limited::new(req.into_body(), limits.max_body);
+    let body = Limited::new(req.into_body(), usize::try_from(limits.max_body).unwrap_or(usize::MAX));
     let bytes = match tokio::time::timeout(limits.body_timeout, body.collect()).await {
         Err(_) => {
             return Err(error(
@@ -314,7 +207,7 @@ async fn read_json<T: serde::de::DeserializeOwned>(state: &State, req: Request<I
                 None,
             ))
         }
-        Ok(Err(_)) => return Err(too_large()),
+        Ok(Err(_)) => return Err(state.refuse(Refused::BodyTooLarge(limits.max_body))),
         Ok(Ok(collected)) => collected.to_bytes(),
     };
     serde_json::from_slice(&bytes).map_err(|e| {
@@ -501,7 +394,7 @@ impl Answering {
             // A client that leaves while its request waits in the queue sends nothing to notice:
             // the body's end going away says so.
             let next = race(next_piece(&mut text, &mut events, &mut generated), tx.closed()).await;
-            let Some(next) = next else {
+            let Either::Left(next) = next else {
                 return; // the client disconnected
             };
             let Ok((piece, finish)) = next else {
@@ -537,19 +430,6 @@ impl Drop for CancelOnDrop<'_> {
     fn drop(&mut self) {
         self.worker.cancel(self.id);
     }
-}
-
-/// `a`'s output, or `None` if `b` finishes first.
-async fn race<A: std::future::Future, B: std::future::Future>(a: A, b: B) -> Option<A::Output> {
-    let mut a = std::pin::pin!(a);
-    let mut b = std::pin::pin!(b);
-    std::future::poll_fn(move |cx| {
-        if let Poll::Ready(x) = a.as_mut().poll(cx) {
-            return Poll::Ready(Some(x));
-        }
-        b.as_mut().poll(cx).map(|_| None)
-    })
-    .await
 }
 
 /// How long a streamed piece may wait for a client that does not read before the answer (and its

@@ -36,7 +36,7 @@ pub fn start(
         allowed.push(host.to_string());
     }
     let options = Options { threads: 2, allowed_hosts: allowed, idle_priority: beside_training, ..Options::default() };
-    let dashboard = Dashboard::start_with(logdir, SocketAddr::new(host, port), options)
+    let dashboard = ember_dashboard::start(logdir, SocketAddr::new(host, port), options)
         .with_context(|| format!("starting the dashboard over {}", logdir.display()))?;
     if !host.is_loopback() {
         tracing::warn!("the dashboard listens on {host}: other machines can read the runs");

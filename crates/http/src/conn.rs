@@ -1,9 +1,9 @@
-//! The open connections: a fixed number at most, each watched for progress. A connection that
-//! neither sends nor takes bytes for a while, or whose answer the client does not take within the
-//! write deadline, is closed; when every place is taken, the connection that has waited longest
-//! without a request being worked on makes room for the new one (so a crowd of idle sockets cannot
-//! lock out a real client), and only when all of them are being answered is the newcomer turned
-//! away.
+//! The open connections: a fixed number at most, each watched for progress. Under
+//! [`Idle::Closed`], a connection that neither sends nor takes bytes for a while, or whose answer
+//! the client does not take within the write deadline, is closed; when every place is taken, the
+//! connection that has waited longest without a request being worked on makes room for the new one
+//! (so a crowd of idle sockets cannot lock out a real client), and only when all of them are being
+//! answered is the newcomer turned away. Under [`Idle::Kept`] a full house turns newcomers away.
 
 use std::collections::HashMap;
 use std::io;
@@ -14,10 +14,28 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
-/// One connection's state, shared by its task, its I/O and the reaper.
-pub struct ConnState {
+/// What happens to connections that hold a place without using it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idle {
+    /// Kept open however long they wait, and a newcomer at a full house is turned away (503): for
+    /// answers that may wait on work for minutes without a byte either way.
+    Kept,
+    /// Closed when silent or when the client does not take its answer, and a full house makes room
+    /// by closing the idlest.
+    Closed {
+        /// No byte in either direction and no request being worked on for this long.
+        idle: Duration,
+        /// Output the client has not taken within this is dropped with its connection: a client
+        /// that never reads is cut off, and one that reads an answer written in pieces must take
+        /// each piece within this.
+        write: Duration,
+    },
+}
+
+/// One connection, as its task, its I/O, the reaper and the service answering it share it.
+pub struct Conn {
     epoch: Instant,
     /// Requests being worked on (not yet handed to the connection to write).
     busy: AtomicUsize,
@@ -27,17 +45,29 @@ pub struct ConnState {
     /// client to take it.
     write_blocked: AtomicU64,
     /// Told to close.
-    pub close: Notify,
+    pub(crate) close: Notify,
+    /// KiB of whole answers that may wait for their clients, shared by every connection.
+    budget: Arc<Budget>,
     /// The share of the response budget the last answer holds until the client has taken it.
     response_bytes: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+/// KiB of whole answers that may wait for their clients ([`crate::Limits::response_budget`]).
+struct Budget {
+    kib: Arc<Semaphore>,
+    max_kib: u32,
+}
+
+fn kib(bytes: usize) -> u32 {
+    bytes.div_ceil(1024).clamp(1, u32::MAX as usize) as u32
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl ConnState {
-    fn new(epoch: Instant) -> Self {
+impl Conn {
+    fn new(epoch: Instant, budget: Arc<Budget>) -> Self {
         let now = epoch.elapsed().as_millis() as u64;
         Self {
             epoch,
@@ -45,6 +75,7 @@ impl ConnState {
             last_progress: AtomicU64::new(now),
             write_blocked: AtomicU64::new(0),
             close: Notify::new(),
+            budget,
             response_bytes: Mutex::new(None),
         }
     }
@@ -58,18 +89,28 @@ impl ConnState {
     }
 
     /// Marks a request as being worked on until the guard drops.
-    pub fn busy(self: &Arc<Self>) -> BusyGuard {
+    pub(crate) fn busy(self: &Arc<Self>) -> BusyGuard {
         self.busy.fetch_add(1, Ordering::AcqRel);
         BusyGuard(self.clone())
     }
 
-    /// Keeps `permit` (the answer's bytes) until the client has taken the answer.
-    pub fn hold(&self, permit: OwnedSemaphorePermit) {
-        *lock(&self.response_bytes) = Some(permit);
+    /// Takes `bytes` of the response budget for a whole answer about to be written on this
+    /// connection, held until the client has taken it (as the reaper sees) or the connection ends;
+    /// `false` when the budget is spent (answer 503). An answer larger than the whole budget takes
+    /// all of it.
+    pub fn reserve(&self, bytes: usize) -> bool {
+        let want = kib(bytes).min(self.budget.max_kib);
+        match self.budget.kib.clone().try_acquire_many_owned(want) {
+            Ok(permit) => {
+                *lock(&self.response_bytes) = Some(permit);
+                true
+            }
+            Err(_) => false,
+        }
     }
 }
 
-pub struct BusyGuard(Arc<ConnState>);
+pub(crate) struct BusyGuard(Arc<Conn>);
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
@@ -78,28 +119,21 @@ impl Drop for BusyGuard {
     }
 }
 
-/// How long connections may stay silent.
-#[derive(Debug, Clone, Copy)]
-pub struct Deadlines {
-    /// No byte in either direction and no request being worked on.
-    pub idle: Duration,
-    /// Output waiting for the client to take it.
-    pub write: Duration,
-}
-
 /// The open connections, at most `max`.
-pub struct Conns {
+pub(crate) struct Conns {
     max: usize,
+    idle: Idle,
     epoch: Instant,
+    budget: Arc<Budget>,
     next_id: AtomicU64,
-    live: Mutex<HashMap<u64, Arc<ConnState>>>,
+    live: Mutex<HashMap<u64, Arc<Conn>>>,
 }
 
 /// A connection's place; dropping it frees the place.
-pub struct Place {
+pub(crate) struct Place {
     conns: Arc<Conns>,
     id: u64,
-    pub state: Arc<ConnState>,
+    pub(crate) state: Arc<Conn>,
 }
 
 impl Drop for Place {
@@ -109,40 +143,47 @@ impl Drop for Place {
 }
 
 impl Conns {
-    pub fn new(max: usize) -> Arc<Self> {
+    /// At most `max` connections, treated as `idle` says, sharing `budget` bytes of whole answers.
+    pub(crate) fn new(max: usize, idle: Idle, budget: usize) -> Arc<Self> {
+        let max_kib = kib(budget);
         Arc::new(Self {
             max: max.max(1),
+            idle,
             epoch: Instant::now(),
+            budget: Arc::new(Budget { kib: Arc::new(Semaphore::new(max_kib as usize)), max_kib }),
             next_id: AtomicU64::new(0),
             live: Mutex::new(HashMap::new()),
         })
     }
 
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         lock(&self.live).len()
     }
 
     /// A place for a new connection, making room by closing the longest-idle one when all are
-    /// taken; `None` when every connection is being answered.
-    pub fn admit(self: &Arc<Self>) -> Option<Place> {
+    /// taken (under [`Idle::Closed`]); `None` when the house is full.
+    pub(crate) fn admit(self: &Arc<Self>) -> Option<Place> {
         let mut live = lock(&self.live);
-        if live.len() >= self.max && !Self::evict_idlest(&mut live) {
+        if live.len() >= self.max && !self.evict_idlest(&mut live) {
             return None;
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let state = Arc::new(ConnState::new(self.epoch));
+        let state = Arc::new(Conn::new(self.epoch, self.budget.clone()));
         live.insert(id, state.clone());
         Some(Place { conns: self.clone(), id, state })
     }
 
     /// Closes the connection that has gone longest without progress and without a request being
-    /// worked on (out of file descriptors, say); whether there was one.
-    pub fn evict_one(&self) -> bool {
-        Self::evict_idlest(&mut lock(&self.live))
+    /// worked on (out of file descriptors, say), under [`Idle::Closed`]; whether there was one.
+    pub(crate) fn evict_one(&self) -> bool {
+        self.evict_idlest(&mut lock(&self.live))
     }
 
-    fn evict_idlest(live: &mut HashMap<u64, Arc<ConnState>>) -> bool {
+    fn evict_idlest(&self, live: &mut HashMap<u64, Arc<Conn>>) -> bool {
+        if self.idle == Idle::Kept {
+            return false;
+        }
         let idlest = live
             .iter()
             .filter(|(_, c)| c.busy.load(Ordering::Acquire) == 0)
@@ -157,13 +198,25 @@ impl Conns {
         }
     }
 
-    /// Closes the connections past a deadline and frees the response budget of answers the client
-    /// has taken. Called every fraction of the shortest deadline.
-    pub fn reap(&self, deadlines: Deadlines) {
+    /// How often [`Conns::reap`] should run: a fraction of the shortest deadline.
+    pub(crate) fn reap_period(&self) -> Duration {
+        match self.idle {
+            Idle::Kept => Duration::from_secs(1),
+            Idle::Closed { idle, write } => {
+                (idle.min(write) / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
+            }
+        }
+    }
+
+    /// Closes the connections past a deadline (under [`Idle::Closed`]) and frees the response
+    /// budget of answers the client has taken. Called every [`Conns::reap_period`].
+    pub(crate) fn reap(&self) {
         let mut live = lock(&self.live);
         let now = self.epoch.elapsed().as_millis() as u64;
-        let idle = deadlines.idle.as_millis() as u64;
-        let write = deadlines.write.as_millis() as u64;
+        let (idle, write) = match self.idle {
+            Idle::Kept => (u64::MAX, u64::MAX),
+            Idle::Closed { idle, write } => (idle.as_millis() as u64, write.as_millis() as u64),
+        };
         let mut expired = Vec::new();
         for (&id, c) in live.iter() {
             if c.busy.load(Ordering::Acquire) > 0 {
@@ -172,7 +225,7 @@ impl Conns {
             let blocked = c.write_blocked.load(Ordering::Relaxed);
             let silent = now.saturating_sub(c.last_progress.load(Ordering::Relaxed));
             if blocked != 0 && now.saturating_sub(blocked - 1) > write {
-                tracing::debug!("dashboard: closing a connection whose client does not read");
+                tracing::debug!("closing a connection whose client does not read");
                 expired.push(id);
             } else if silent > idle {
                 expired.push(id);
@@ -190,14 +243,14 @@ impl Conns {
     }
 }
 
-/// A TCP stream that records progress in its [`ConnState`].
-pub struct Watched<S> {
+/// A TCP stream that records progress in its [`Conn`].
+pub(crate) struct Watched<S> {
     inner: S,
-    state: Arc<ConnState>,
+    state: Arc<Conn>,
 }
 
 impl<S> Watched<S> {
-    pub fn new(inner: S, state: Arc<ConnState>) -> Self {
+    pub(crate) fn new(inner: S, state: Arc<Conn>) -> Self {
         Self { inner, state }
     }
 
@@ -279,9 +332,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
 mod tests {
     use super::*;
 
+    const CLOSED: Idle = Idle::Closed { idle: Duration::from_millis(200), write: Duration::from_millis(50) };
+
     #[test]
     fn a_full_house_makes_room_by_closing_the_idlest() {
-        let conns = Conns::new(2);
+        let conns = Conns::new(2, CLOSED, 1 << 20);
         let a = conns.admit().unwrap();
         std::thread::sleep(Duration::from_millis(5));
         let b = conns.admit().unwrap();
@@ -302,22 +357,51 @@ mod tests {
 
     #[test]
     fn silent_and_unread_connections_are_reaped() {
-        let conns = Conns::new(8);
+        let conns = Conns::new(8, CLOSED, 1 << 20);
         let idle = conns.admit().unwrap();
         let unread = conns.admit().unwrap();
         let working = conns.admit().unwrap();
         let _busy = working.state.busy();
         unread.state.write_blocked.store(unread.state.now() + 1, Ordering::Relaxed);
-        let deadlines = Deadlines { idle: Duration::from_millis(200), write: Duration::from_millis(50) };
         std::thread::sleep(Duration::from_millis(100));
         unread.state.progressed();
-        conns.reap(deadlines);
+        conns.reap();
         assert_eq!(conns.len(), 2, "the unread one is closed though it made progress");
         assert!(!lock(&conns.live).contains_key(&unread.id));
         std::thread::sleep(Duration::from_millis(150));
-        conns.reap(deadlines);
+        conns.reap();
         assert_eq!(conns.len(), 1, "then the idle one; the one being answered stays");
         assert!(lock(&conns.live).contains_key(&working.id));
         drop(idle);
+    }
+
+    #[test]
+    fn a_house_that_keeps_idle_connections_turns_newcomers_away() {
+        let conns = Conns::new(2, Idle::Kept, 1 << 20);
+        let (a, b) = (conns.admit().unwrap(), conns.admit().unwrap());
+        assert!(conns.admit().is_none());
+        assert!(!conns.evict_one());
+        a.state.write_blocked.store(a.state.now() + 1, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(20));
+        conns.reap();
+        assert_eq!(conns.len(), 2, "never closed for silence or an unread answer");
+        drop(b);
+        assert!(conns.admit().is_some());
+    }
+
+    #[test]
+    fn whole_answers_share_the_budget_until_taken() {
+        let conns = Conns::new(4, CLOSED, 64 << 10);
+        let (a, b) = (conns.admit().unwrap(), conns.admit().unwrap());
+        assert!(a.state.reserve(1 << 20), "an answer larger than the budget takes all of it");
+        assert!(!b.state.reserve(1));
+        a.state.write_blocked.store(a.state.now() + 1, Ordering::Relaxed);
+        conns.reap();
+        assert!(!b.state.reserve(1), "held while the client has not taken it");
+        a.state.write_blocked.store(0, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(60));
+        b.state.progressed();
+        conns.reap();
+        assert!(b.state.reserve(1), "freed once taken");
     }
 }

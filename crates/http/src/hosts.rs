@@ -1,8 +1,9 @@
-//! Which `Host` header values the dashboard answers. A page on any web site can make the browser
-//! send requests to `http://127.0.0.1:8686`, but cannot read the answers (same-origin policy) —
-//! unless it rebinds its own name: `evil.example` first resolves to the attacker's server, then to
-//! 127.0.0.1, and the browser then sends `Host: evil.example:8686` to the dashboard and lets the
-//! page read every run. Answering only the names this machine calls itself closes that door.
+//! Which `Host` header values a server answers. A page on any web site can make the browser send
+//! requests to `http://127.0.0.1:8686`, but cannot read the answers (same-origin policy) — unless it
+//! rebinds its own name: `evil.example` first resolves to the attacker's server, then to 127.0.0.1,
+//! and the browser then sends `Host: evil.example:8686` to the dashboard and lets the page read
+//! every run (or use the model server). Answering only the names this machine calls itself closes
+//! that door.
 
 use std::net::IpAddr;
 
@@ -15,7 +16,7 @@ const DEFAULT_IPS: [IpAddr; 2] = [IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), IpA
 /// (the one `--host` names, or the machine's address when listening on all of them), and names
 /// added with `--allow-host`. An IP literal is safe to accept: rebinding needs a name.
 #[derive(Debug, Clone)]
-pub struct AllowedHosts {
+pub(crate) struct AllowedHosts {
     names: Vec<String>,
     ips: Vec<IpAddr>,
 }
@@ -28,7 +29,7 @@ impl Default for AllowedHosts {
 
 impl AllowedHosts {
     /// The defaults and `extra` (names or addresses, with or without a port or brackets).
-    pub fn new<S: AsRef<str>>(extra: impl IntoIterator<Item = S>) -> Self {
+    pub(crate) fn new<S: AsRef<str>>(extra: impl IntoIterator<Item = S>) -> Self {
         let mut out = Self::default();
         for e in extra {
             let e = e.as_ref().trim();
@@ -44,7 +45,7 @@ impl AllowedHosts {
 
     /// Whether a request whose `Host` is `host` (the header value, port included) and that arrived on
     /// the local address `local` is answered.
-    pub fn allows(&self, host: &str, local: Option<IpAddr>) -> bool {
+    pub(crate) fn allows(&self, host: &str, local: Option<IpAddr>) -> bool {
         let Some(name) = split_host(host) else { return false };
         match parse_ip(name) {
             Some(ip) => {
