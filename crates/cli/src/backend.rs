@@ -7,7 +7,7 @@ use std::str::FromStr;
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
 use burn::backend::Autodiff;
 use burn::tensor::Device;
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 
 /// A device as given on the command line: `cpu`, `wgpu[:N]` or `cuda[:N]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,7 @@ pub struct Needs {
     pub keep_freed_memory: bool,
     /// MPI starts before anything else, for the ranks of a data-parallel run (`mpirun -n N`).
     pub ranks: bool,
-    /// Runs on a worker of the CPU kernels' thread pool (see `ember_model::ops::on_cpu_workers`).
+    /// Runs on a worker of the CPU kernels' thread pool (see `ember_kernels::on_cpu_workers`).
     /// A server waits on clients and must not hold a worker of the pool while it waits (the model
     /// server's engine enters the pool on a thread of its own).
     pub cpu_worker: bool,
@@ -60,7 +60,7 @@ impl Needs {
         let local = collective.local_world();
         if local > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            ember_model::ops::init_cpu_workers(Some((cores / local).max(1)));
+            ember_kernels::init_cpu_workers(Some((cores / local).max(1)));
         }
         Ok(collective)
     }
@@ -68,7 +68,7 @@ impl Needs {
     /// Runs `f` where the command computes: on a worker of the CPU pool, or on this thread.
     pub fn run<R: Send>(self, f: impl FnOnce() -> R + Send) -> R {
         if self.cpu_worker {
-            ember_model::ops::on_cpu_workers(f)
+            ember_kernels::on_cpu_workers(f)
         } else {
             f()
         }

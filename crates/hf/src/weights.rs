@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, Device, TensorData};
-use ember_model::ops::EmberBackend;
-use ember_model::rope::interleaved_to_half_split;
+use ember_kernels::EmberBackend;
+use ember_kernels::rope::interleaved_to_half_split;
 use ember_model::weights::{assign, named_tensors, named_tensors_where, param_shapes};
 use ember_model::{Decoder, RopeLayout};
 use safetensors::{Dtype, SafeTensors};

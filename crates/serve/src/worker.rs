@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 
 use ember_model::engine::{Engine, EngineError, Event, Request, RequestId};
-use ember_model::ops::EmberBackend;
+use ember_kernels::EmberBackend;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 pub enum Command {
@@ -33,7 +33,7 @@ impl Worker {
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("ember-engine".into())
-            .spawn(move || ember_model::ops::on_cpu_workers(move || serve(engine, rx)))?;
+            .spawn(move || ember_kernels::on_cpu_workers(move || serve(engine, rx)))?;
         Ok(Self { tx })
     }
 

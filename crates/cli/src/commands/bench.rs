@@ -5,7 +5,7 @@ use burn::tensor::{DType, Device};
 use clap::{Args, Subcommand};
 use ember_data::fetch::Locations;
 use ember_model::engine::{Engine, EngineConfig};
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, DecodeBenchSpec, PeakSource};
 use ember_train::config::{Precision, Purpose};
 use ember_train::flops::Gemms;
@@ -224,10 +224,11 @@ impl BenchFn for PeakBenchFn {
     type Out = ember_train::bench::PeakBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
-        let cache = Locations::from_env().cache_dir;
+        let cache = crate::env::cache_dir();
         // The CPU runs `--precision bf16` on its bf16 kernel (f32 tensors): that is the rate to know.
         let dtype = a.dtype.dtype();
-        let gemms = if dtype == DType::BF16 && B::cpu_bf16_gemms() { Gemms::CpuBf16 } else { Gemms::Backend(dtype) };
+        let cpu_bf16 = crate::env::compute().cpu.bf16.filter(|_| dtype == DType::BF16 && B::cpu_bf16_gemms());
+        let gemms = cpu_bf16.map_or(Gemms::Backend(dtype), Gemms::CpuBf16);
         Ok(bench_peak::<B::InnerBackend>(device, name, gemms, &a.sizes, a.reps, Some(&cache)))
     }
 }
@@ -246,7 +247,7 @@ impl BenchFn for DecodeBenchFn {
     type Out = ember_train::bench::DecodeBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
-        let model = self.1.decoder::<B::InnerBackend>(device)?;
+        let model = self.1.decoder::<B::InnerBackend>(device)?.with_compute(crate::env::compute());
         let spec = DecodeBenchSpec {
             contexts: a.contexts.clone(),
             new_tokens: a.new_tokens,
@@ -263,7 +264,7 @@ impl BenchFn for ServeBenchFn {
     type Out = ServeBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let (a, checkpoint) = (self.0, self.1);
-        let model = checkpoint.decoder::<B::InnerBackend>(device)?;
+        let model = checkpoint.decoder::<B::InnerBackend>(device)?.with_compute(crate::env::compute());
         let context = model.config().max_seq_len;
         let slots = a.clients.iter().copied().max().unwrap_or(1);
         let engine = Engine::new(model, EngineConfig { slots, queue_limit: 4096, ..EngineConfig::default() });

@@ -1,6 +1,6 @@
 use burn::tensor::Device;
 use clap::Args;
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_train::selfcheck::{run as run_checks, Check};
 
 use crate::backend::{dispatch, DeviceSpec, Job};

@@ -3,10 +3,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
-use ember_data::fetch::Locations;
 use ember_data::finetune::PackedExamples;
 use ember_data::Tokenizer;
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_train::config::DataFormat;
 use ember_train::config::InitSource;
 use ember_train::perplexity::{completion_loss, perplexity, CompletionLoss, Perplexity};
@@ -69,6 +68,7 @@ impl Job for EvalJob {
     type Output = Report;
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Report> {
         let model = self.checkpoint.decoder_over::<B::InnerBackend>(self.init.as_ref(), &device)?;
+        let model = model.with_compute(crate::env::compute());
         Ok(match self.scored {
             Scored::Stream { tokens, bytes, context, stride } => {
                 Report::Perplexity(perplexity(&model, &tokens, context, stride, self.batch, bytes))
@@ -154,7 +154,7 @@ fn split_data(
     let needed = config.data.tokenizer.is_none() || checkpoint.is_adapter();
     let init = config.init_from.as_ref().filter(|_| needed).map(InitSource::resolve).transpose();
     let init = init.context("opening the run's init_from source")?;
-    let locations = Locations::from_env();
+    let locations = crate::env::locations();
     if config.data.format() == DataFormat::Jsonl {
         let loaded = ember_train::data::load(config, init.as_ref(), &locations)
             .with_context(|| format!("loading the {split} examples of the checkpoint's data"))?;

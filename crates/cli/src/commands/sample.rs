@@ -6,7 +6,7 @@ use burn::tensor::Device;
 use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_model::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_train::Checkpoint;
 
@@ -123,7 +123,7 @@ impl Job for SampleJob {
         let mut samplers = (0..prompts.len())
             .map(|i| Sampler::new(config.clone(), args.seed.wrapping_add(i as u64)))
             .collect::<Result<Vec<_>, _>>()?;
-        let model = checkpoint.decoder::<B::InnerBackend>(&device)?;
+        let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
         let mut streams: Vec<TextStream> =
             prompts.iter().map(|p| TextStream::new(tokenizer, p, args.stop.clone(), &ends)).collect();
         let mut out = std::io::stdout().lock();

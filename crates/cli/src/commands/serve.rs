@@ -11,7 +11,7 @@ use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
 use ember_model::engine::{Engine, EngineConfig};
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_serve::{Limits, Options, Server, Worker};
 use ember_train::Checkpoint;
@@ -84,7 +84,7 @@ impl Job for ServeJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<()> {
         let Self { args, checkpoint, template } = self;
-        let model = checkpoint.decoder::<B::InnerBackend>(&device)?;
+        let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
         let context = model.config().max_seq_len;
         let config = EngineConfig {
             slots: args.slots,
@@ -168,7 +168,7 @@ struct ChatJob {
 impl Job for ChatJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
-        let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?;
+        let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
         let tokenizer = &self.checkpoint.tokenizer;
         let ends = tokenizer.end_ids();
         let context = model.config().max_seq_len;

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
-use ember_data::fetch::Locations;
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_train::config::Precision;
 use ember_train::distributed::Collective;
 use ember_train::{ConfigFile, ResolvedConfig, TrainOptions, TrainSummary};
@@ -113,7 +112,7 @@ fn options(args: &TrainArgs, device: DeviceSpec, collective: Arc<dyn Collective>
         resume: args.resume,
         stop_at: args.max_steps,
         show_progress: !args.no_progress && std::io::stderr().is_terminal(),
-        locations: Locations::from_env(),
+        locations: crate::env::locations(),
         device_name: crate::backend::gpu_name(device),
         peak_tflops: args.peak_tflops,
         memory: Some(crate::backend::memory_probe(device)),
@@ -139,7 +138,7 @@ fn dashboard(run_dir: &Path, port: u16) -> Option<ember_dashboard::Dashboard> {
 /// the others over MPI. `EMBER_NCCL=1` makes one in a single process too (to check the path on one
 /// GPU); `EMBER_NCCL=0` keeps the reduction on the host.
 #[cfg(feature = "nccl")]
-fn device_comm(device: DeviceSpec, c: &dyn Collective) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
+fn device_comm(device: DeviceSpec, c: &dyn Collective) -> anyhow::Result<Option<ember_kernels::DeviceComm>> {
     let wanted = match std::env::var("EMBER_NCCL").as_deref() {
         Ok("0") => false,
         Ok("1") => true,
@@ -152,18 +151,18 @@ fn device_comm(device: DeviceSpec, c: &dyn Collective) -> anyhow::Result<Option<
         return Ok(None);
     }
     let id = if c.rank() == 0 {
-        ember_model::ops::nccl::unique_id().map_err(|e| anyhow::anyhow!(e))?
+        ember_kernels::nccl::unique_id().map_err(|e| anyhow::anyhow!(e))?
     } else {
         vec![0u8; 128]
     };
     let all = c.all_gather_bytes(&id, "start-up: NCCL id")?;
     let comm =
-        ember_model::ops::nccl::communicator(ordinal, c.rank(), c.world(), &all[0]).map_err(|e| anyhow::anyhow!(e))?;
+        ember_kernels::nccl::communicator(ordinal, c.rank(), c.world(), &all[0]).map_err(|e| anyhow::anyhow!(e))?;
     tracing::info!("gradients summed on the device by NCCL ({} rank(s))", c.world());
     Ok(Some(comm))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn device_comm(_: DeviceSpec, _: &dyn Collective) -> anyhow::Result<Option<ember_model::ops::DeviceComm>> {
+fn device_comm(_: DeviceSpec, _: &dyn Collective) -> anyhow::Result<Option<ember_kernels::DeviceComm>> {
     Ok(None)
 }

@@ -481,7 +481,7 @@ fn export_tensor(
 }
 
 /// A GGUF model imported as a decoder, with its tokenizer files' contents.
-pub struct GgufImport<B: ember_model::ops::EmberBackend> {
+pub struct GgufImport<B: ember_kernels::EmberBackend> {
     pub imported: crate::Imported<B>,
     pub arch: GgufArch,
     pub tokenizer_json: String,
@@ -491,7 +491,7 @@ pub struct GgufImport<B: ember_model::ops::EmberBackend> {
 }
 
 /// Reads a GGUF file into a decoder whose parameters are stored in `param_dtype`.
-pub fn import<B: ember_model::ops::EmberBackend>(
+pub fn import<B: ember_kernels::EmberBackend>(
     path: &Path,
     param_dtype: burn::tensor::DType,
     device: &burn::tensor::Device<B>,
