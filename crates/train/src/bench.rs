@@ -15,10 +15,11 @@ use crate::error::TrainError;
 use crate::flops::{mfu, resolve_peak, GemmRate, Gemms};
 use crate::init::ResolvedConfig;
 use crate::optim::AdamW;
+use crate::precision::resolve_dtype;
 use crate::precision::LossScaler;
 use crate::schedule::LrSchedule;
 use crate::step::{Optimizer, Stepper};
-use crate::trainer::{initial_model, prepare, resolve_dtype};
+use crate::trainer::{initial_model, prepare};
 
 pub use crate::memory::{MemoryProbe, NoProbe};
 

@@ -22,6 +22,8 @@ pub enum TrainError {
     NotACheckpoint { path: PathBuf, reason: String },
     #[error("{path}: damaged checkpoint: {message}")]
     Checkpoint { path: PathBuf, message: String },
+    #[error("cannot build the optimizer: {0}")]
+    Optimizer(#[from] OptimizerError),
     #[error(
         "run directory {path} already holds a run with a checkpoint; pass --resume to continue it, \
          or choose another --run-dir"
@@ -50,6 +52,21 @@ impl TrainError {
         let path = path.into();
         move |err| TrainError::Io { path, err }
     }
+}
+
+/// Why [`crate::step::Optimizer::build`] failed. Moments that do not fit the model can only come
+/// from a checkpoint being resumed (the trainer reports those as a damaged checkpoint); a model
+/// ZeRO-1 cannot shard is a fault of the run's config, fresh or resumed.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimizerError {
+    /// ZeRO-1 (`distributed.shard_optimizer`) refuses the model; the message says why and what to
+    /// do instead.
+    #[error("{0}")]
+    Sharding(String),
+    /// Saved AdamW moments that do not fit the model's parameters: `` `w.exp_avg` has 3 elements,
+    /// the parameter has 4 ``.
+    #[error("{0}")]
+    Moments(String),
 }
 
 /// A config value that breaks a rule: each variant names the key, the value and the rule, in the

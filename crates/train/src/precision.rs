@@ -6,8 +6,9 @@
 use burn::tensor::{DType, Device};
 use serde::{Deserialize, Serialize};
 
-use crate::config::Precision;
-use ember_model::ops::EmberBackend;
+use crate::config::{Precision, TrainConfig};
+use crate::flops::Gemms;
+use ember_model::ops::{EmberBackend, TrainBackend};
 
 /// The GEMM dtype for `precision` on `device`, and a note when the device forced another choice.
 pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) -> (DType, Option<String>) {
@@ -48,6 +49,44 @@ pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) 
 /// mixed-precision path on the CPU.
 fn forced_low_precision() -> bool {
     std::env::var("EMBER_CPU_LOW_PRECISION").is_ok_and(|v| v == "1")
+}
+
+/// The CPU's bf16 GEMMs, switched on for one run (`--precision bf16` on a CPU with AVX512_BF16) and
+/// off again when the run ends. The switch is process-wide: one such run at a time.
+#[must_use = "the switch goes off when this is dropped"]
+pub(crate) struct CpuBf16Gemms {
+    on: bool,
+}
+
+impl CpuBf16Gemms {
+    /// The GEMMs a run's MFU is measured against: the bf16 kernel's while it is on.
+    pub(crate) fn peak_gemms(&self, dtype: DType) -> Gemms {
+        if self.on {
+            Gemms::CpuBf16
+        } else {
+            Gemms::Backend(dtype)
+        }
+    }
+}
+
+impl Drop for CpuBf16Gemms {
+    fn drop(&mut self) {
+        if self.on {
+            ember_model::ops::kernels::set_bf16_gemms(false);
+        }
+    }
+}
+
+/// The GEMM dtype for the config's precision on this device, said out loud when it differs, and the
+/// CPU's bf16 GEMMs for the run's lifetime where they apply.
+pub(crate) fn resolve_dtype<B: TrainBackend>(device: &Device<B>, config: &TrainConfig) -> (DType, CpuBf16Gemms) {
+    let (dtype, note) = compute_dtype::<B>(device, config.train.precision);
+    if let Some(note) = note {
+        tracing::warn!("{note}");
+    }
+    let cpu_bf16 = dtype == DType::F32 && config.train.precision == Precision::Bf16 && B::cpu_bf16_gemms();
+    let on = cpu_bf16 && ember_model::ops::kernels::set_bf16_gemms(true);
+    (dtype, CpuBf16Gemms { on })
 }
 
 /// Dynamic loss scaling, with `torch.amp.GradScaler`'s defaults: the loss is multiplied by `scale`

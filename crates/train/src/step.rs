@@ -14,7 +14,7 @@ use crate::config::TrainConfig;
 use crate::distributed::buckets::{all_reduce_grads, all_reduce_grads_on_device, GradBuffers};
 use crate::distributed::zero::ShardedAdamW;
 use crate::distributed::{Collective, DistError};
-use crate::error::TrainError;
+use crate::error::{OptimizerError, TrainError};
 use crate::eval::lm_loss;
 use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
 use crate::precision::LossScaler;
@@ -35,17 +35,18 @@ impl<B: TrainBackend> Optimizer<B> {
         saved: BTreeMap<String, TensorData>,
         steps: u64,
         device: &Device<B>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, OptimizerError> {
         if config.distributed.shard_optimizer && c.world() > 1 {
-            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c, model.compute())?;
-            o.load_state(saved, steps)?;
+            let cx = model.compute();
+            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c, cx).map_err(OptimizerError::Sharding)?;
+            o.load_state(saved, steps).map_err(OptimizerError::Moments)?;
             return Ok(Self::Sharded(o));
         }
         if config.distributed.shard_optimizer {
             tracing::info!("distributed.shard_optimizer has no effect in a single process");
         }
         let mut o = AdamW::<B>::new(config.optim.clone(), model.compute());
-        o.load_state(model, saved, steps, device)?;
+        o.load_state(model, saved, steps, device).map_err(OptimizerError::Moments)?;
         Ok(Self::Replicated(o))
     }
 

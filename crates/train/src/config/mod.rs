@@ -1,0 +1,107 @@
+//! The training config file: one TOML with `[model]`, `[data]`, `[train]`, `[optim]` and
+//! `[schedule]`. Unknown keys are errors, named with their section; a value that breaks a rule is
+//! an [`InvalidConfig`] naming the key, the value and the rule. Parsing reads the file alone: a
+//! `[model]` left out for `init_from`'s is filled in when the source is opened
+//! ([`ConfigFile::resolve`], in `init`).
+//!
+//! [`sections`]: the schema, one struct per section; [`file`]: reading a file (syntax, unknown
+//! keys) and `init_from`; [`validate`]: the rules, within and across sections, and the bounds that
+//! keep products of sizes far from overflow.
+
+mod file;
+mod sections;
+mod validate;
+
+use ember_model::{LoraConfig, ModelConfig};
+use serde::{Deserialize, Serialize};
+
+pub use file::{ConfigFile, InitSource, Purpose};
+pub use sections::{
+    DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig, OptimConfig, Precision,
+    ScheduleConfig, SinkKind,
+};
+
+/// A run's config: pure data, read from TOML. `M` is the architecture: a [`ModelConfig`], or in a
+/// [`ConfigFile`] an `Option` of one (`[model]` may be left out when `init_from` is set).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig<M = ModelConfig> {
+    /// Start from pretrained weights: `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run
+    /// or checkpoint). `[model]` may then be left out: it comes from the source.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<InitSource>,
+    pub model: M,
+    pub data: DataConfig,
+    pub train: LoopConfig,
+    pub optim: OptimConfig,
+    pub schedule: ScheduleConfig,
+    /// Fine-tune low-rank adapters instead of every weight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraConfig>,
+    /// Where metrics go, and the text sampled at evaluations.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    /// How the ranks of a data-parallel run (`mpirun -n N ember train`) cooperate.
+    #[serde(default, skip_serializing_if = "is_default_distributed")]
+    pub distributed: DistributedConfig,
+}
+
+fn is_default_distributed(d: &DistributedConfig) -> bool {
+    *d == DistributedConfig::default()
+}
+
+impl TrainConfig {
+    /// Tokens per sequence: `train.seq_len`, or the model's context when absent.
+    pub fn seq_len(&self) -> usize {
+        self.train.seq_len.unwrap_or(self.model.max_seq_len)
+    }
+
+    /// Model FLOPs per token of a training step, for MFU: `6N + 12·L·T·d`, or with LoRA (a frozen
+    /// base: no weight gradients but the adapters') `4N + 6·L·Σ r·(in + out) + 12·L·T·d`.
+    pub fn train_flops_per_token(&self) -> f64 {
+        match &self.lora {
+            Some(lora) => self.model.lora_train_flops_per_token(self.seq_len(), lora.rank, &lora.targets),
+            None => self.model.train_flops_per_token(self.seq_len()),
+        }
+    }
+
+    /// Tokens per optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.train.batch_size * self.seq_len() * self.train.grad_accum_steps
+    }
+}
+
+impl<M> TrainConfig<M> {
+    /// The same config with the architecture `model`.
+    pub fn with_model<N>(self, model: N) -> TrainConfig<N> {
+        let Self { init_from, model: _, data, train, optim, schedule, lora, metrics, distributed } = self;
+        TrainConfig { init_from, model, data, train, optim, schedule, lora, metrics, distributed }
+    }
+
+    pub fn decay_steps(&self) -> usize {
+        self.schedule.decay_steps.unwrap_or(self.train.max_steps)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::path::Path;
+
+    pub(crate) const NANO: &str = include_str!("../../../../configs/nano.toml");
+
+    pub(crate) fn parse(text: &str) -> Result<TrainConfig, String> {
+        TrainConfig::from_toml(text, Path::new("c.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn nano_config_is_nanogpts_cpu_setting() {
+        let c = parse(NANO).unwrap();
+        assert_eq!((c.model.n_layers, c.model.n_heads, c.model.d_model), (4, 4, 128));
+        assert_eq!((c.seq_len(), c.train.batch_size, c.train.max_steps), (64, 12, 2000));
+        assert_eq!((c.schedule.lr, c.schedule.min_lr, c.schedule.warmup_steps), (1e-3, 1e-4, 100));
+        assert_eq!((c.optim.beta1, c.optim.beta2, c.optim.weight_decay, c.optim.grad_clip), (0.9, 0.99, 0.1, 1.0));
+        // Round trip through the resolved form saved in run directories.
+        assert_eq!(parse(&c.to_toml()).unwrap(), c);
+    }
+}

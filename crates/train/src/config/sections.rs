@@ -1,0 +1,306 @@
+//! The schema: one struct per section of the config file, each key with its default and the reason
+//! for it. The rules they must follow are in [`super::validate`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ember_data::finetune::Packing;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// `jsonl` (metrics.jsonl and samples.jsonl, what `ember dashboard` reads) and/or
+    /// `tensorboard` (events.out.tfevents.* files).
+    #[serde(default = "default_sinks")]
+    pub sinks: Vec<SinkKind>,
+    /// Tokens of text generated from `sample_prompt` at every evaluation; 0 turns sampling off.
+    #[serde(default = "default_sample_tokens")]
+    pub sample_tokens: usize,
+    #[serde(default = "default_sample_prompt")]
+    pub sample_prompt: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkKind {
+    Jsonl,
+    Tensorboard,
+}
+
+fn default_sinks() -> Vec<SinkKind> {
+    vec![SinkKind::Jsonl, SinkKind::Tensorboard]
+}
+fn default_sample_tokens() -> usize {
+    200
+}
+fn default_sample_prompt() -> String {
+    "\n".into()
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self { sinks: default_sinks(), sample_tokens: default_sample_tokens(), sample_prompt: default_sample_prompt() }
+    }
+}
+
+/// Where the text comes from and how it is tokenized.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// A built-in dataset (its manifest is compiled into ember), e.g. "tinyshakespeare".
+    #[serde(default)]
+    pub dataset: Option<String>,
+    /// Or a plain text file (relative paths are relative to the working directory).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// `char`, `bpe`, `bpe:VOCAB` or a path to a tokenizer.json [default: the `init_from` model's
+    /// tokenizer, else `char`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// `text` (a token stream cut into windows) or `jsonl` (fine-tuning examples: prompt/completion,
+    /// chat messages or text, packed, loss on completions only) [default: from the file extension].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<DataFormat>,
+    /// Fraction of the text (or of the examples) held out for validation; the dataset's manifest
+    /// value when absent.
+    #[serde(default)]
+    pub val_fraction: Option<f64>,
+    /// JSONL only: how examples fill rows: `documents` (whole examples side by side, each attending
+    /// only to itself from position 0), `stream` (one stream cut into rows; examples see each
+    /// other) or `none` (one example per row) [default: documents].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packing: Option<Packing>,
+    /// JSONL only: cut examples longer than a row (`seq_len + 1` tokens) instead of stopping with
+    /// an error (`documents` and `none` packing).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncate: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    Text,
+    Jsonl,
+}
+
+impl DataConfig {
+    /// The packing of JSONL examples.
+    pub fn packing(&self) -> Packing {
+        self.packing.unwrap_or_default()
+    }
+
+    pub fn format(&self) -> DataFormat {
+        self.format.unwrap_or(match &self.path {
+            Some(p) if p.extension().is_some_and(|e| e == "jsonl") => DataFormat::Jsonl,
+            _ => DataFormat::Text,
+        })
+    }
+}
+
+/// The loop: batch shape, length, and how often to log, evaluate and checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoopConfig {
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Tokens per sequence; `model.max_seq_len` when absent.
+    #[serde(default)]
+    pub seq_len: Option<usize>,
+    /// Micro-batches per optimizer step (gradients are averaged over them).
+    #[serde(default = "one")]
+    pub grad_accum_steps: usize,
+    /// Optimizer steps of the whole run.
+    pub max_steps: usize,
+    /// Evaluate every this many steps (and at the first and last).
+    pub eval_interval: usize,
+    /// `steps` (every `eval_interval` steps) or `epoch` (JSONL data: each time the run has drawn
+    /// as many rows as the training examples fill) [default: steps].
+    #[serde(default, skip_serializing_if = "EvalStrategy::is_steps")]
+    pub eval_strategy: EvalStrategy,
+    /// Batches per split in each evaluation.
+    pub eval_iters: usize,
+    /// Write a metrics record every this many steps.
+    #[serde(default = "one")]
+    pub log_interval: usize,
+    /// Save a checkpoint every this many steps (and at the end); 0: only at the end.
+    #[serde(default)]
+    pub checkpoint_interval: usize,
+    /// Checkpoints kept in the run directory (older ones are deleted).
+    #[serde(default = "two")]
+    pub keep_checkpoints: usize,
+    /// Seeds the initial weights and the batch sampler.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// dtype of the GEMMs: "f32", or "bf16"/"f16" mixed precision (f32 master weights and moments).
+    #[serde(default)]
+    pub precision: Precision,
+    /// Recompute memory-bound activations in the backward pass (Burn's balanced checkpointing).
+    #[serde(default)]
+    pub activation_checkpointing: bool,
+}
+
+/// When a run evaluates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvalStrategy {
+    #[default]
+    Steps,
+    Epoch,
+}
+
+impl EvalStrategy {
+    fn is_steps(&self) -> bool {
+        *self == EvalStrategy::Steps
+    }
+}
+
+/// Training precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            "f16" => Ok(Self::F16),
+            _ => Err(format!("precision `{s}`: expected f32, bf16 or f16")),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        })
+    }
+}
+
+impl Precision {
+    pub fn dtype(self) -> burn::tensor::DType {
+        match self {
+            Self::F32 => burn::tensor::DType::F32,
+            Self::Bf16 => burn::tensor::DType::BF16,
+            Self::F16 => burn::tensor::DType::F16,
+        }
+    }
+}
+
+fn one() -> usize {
+    1
+}
+fn two() -> usize {
+    2
+}
+fn default_seed() -> u64 {
+    1337
+}
+
+/// AdamW (Loshchilov and Hutter, 2019) with decoupled weight decay on matrices only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimConfig {
+    #[serde(default = "beta1")]
+    pub beta1: f64,
+    #[serde(default = "beta2")]
+    pub beta2: f64,
+    #[serde(default = "eps")]
+    pub eps: f64,
+    /// Applied to parameters of rank >= 2 (projections, embedding); never to norm gains or biases.
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm (over all parameters) to this; 0 disables clipping.
+    #[serde(default)]
+    pub grad_clip: f64,
+}
+
+fn beta1() -> f64 {
+    0.9
+}
+fn beta2() -> f64 {
+    0.95
+}
+fn eps() -> f64 {
+    1e-8
+}
+
+/// Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps`, then constant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    pub lr: f64,
+    #[serde(default)]
+    pub min_lr: f64,
+    #[serde(default)]
+    pub warmup_steps: usize,
+    /// Step at which the cosine reaches `min_lr`; `train.max_steps` when absent.
+    #[serde(default)]
+    pub decay_steps: Option<usize>,
+}
+
+/// `[distributed]`: how the ranks of a data-parallel run cooperate (ignored by a single process).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// ZeRO-1: each rank keeps the AdamW moments of its share of the parameters (reduce-scatter of
+    /// the gradients, all-gather of the updated parameters) instead of all of them.
+    #[serde(default)]
+    pub shard_optimizer: bool,
+    /// Size of a gradient bucket in MiB (PyTorch DDP's default is 25).
+    #[serde(default = "default_bucket_mib")]
+    pub bucket_mib: usize,
+    /// Seconds a rank waits for the others at a training step's synchronisation points before it
+    /// names the ranks that did not arrive and stops the run.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+    /// The same at start-up and at checkpoints, where ranks wait for slow work of others (data
+    /// preparation, loading a model, rank 0 writing a checkpoint).
+    #[serde(default = "default_io_timeout_s")]
+    pub io_timeout_s: f64,
+}
+
+fn default_bucket_mib() -> usize {
+    25
+}
+fn default_timeout_s() -> f64 {
+    300.0
+}
+fn default_io_timeout_s() -> f64 {
+    3600.0
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            shard_optimizer: false,
+            bucket_mib: default_bucket_mib(),
+            timeout_s: default_timeout_s(),
+            io_timeout_s: default_io_timeout_s(),
+        }
+    }
+}
+
+impl DistributedConfig {
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout_s)
+    }
+
+    pub fn io_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.io_timeout_s.max(self.timeout_s))
+    }
+
+    pub fn bucket_elems(&self) -> usize {
+        self.bucket_mib * (1 << 20) / 4
+    }
+}

@@ -1,0 +1,264 @@
+//! The rules of a config: each section's own, then those across sections; a value that breaks one
+//! is an [`InvalidConfig`] naming the key, the value and the rule. The bounds on sizes keep every
+//! product of them (tokens per step, memory estimates) far from overflow.
+
+use ember_model::ModelConfig;
+
+use super::file::Purpose;
+use super::sections::{DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig};
+use super::sections::{OptimConfig, ScheduleConfig};
+use super::TrainConfig;
+use crate::error::{InvalidConfig, Relation};
+
+impl TrainConfig {
+    /// Every rule, within and across sections. The model's own rules run once the vocabulary is
+    /// known (a vocabulary of 0 comes from the tokenizer).
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        self.validate_sections()?;
+        self.validate_model()
+    }
+
+    /// The rules that need the model: its own, and the sequence length within its context.
+    pub(super) fn validate_model(&self) -> Result<(), InvalidConfig> {
+        if self.seq_len() == 0 || self.seq_len() > self.model.max_seq_len {
+            return Err(InvalidConfig::Bounded {
+                key: "train.seq_len",
+                value: self.seq_len().to_string(),
+                relation: Relation::OneTo,
+                bound_key: "model.max_seq_len",
+                bound: self.model.max_seq_len.to_string(),
+            });
+        }
+        if self.model.vocab_size != 0 {
+            self.model.validate()?;
+        } else {
+            // Everything but the vocabulary can be checked now.
+            ModelConfig { vocab_size: 1, ..self.model.clone() }.validate()?;
+        }
+        Ok(())
+    }
+}
+
+impl<M> TrainConfig<M> {
+    /// The rules of every section but `[model]`, then those across sections.
+    pub fn validate_sections(&self) -> Result<(), InvalidConfig> {
+        self.validate_sections_for(Purpose::Run)
+    }
+
+    /// [`Self::validate_sections`] for `purpose`.
+    pub fn validate_sections_for(&self, purpose: Purpose) -> Result<(), InvalidConfig> {
+        self.distributed.validate()?;
+        self.metrics.validate()?;
+        if let Some(lora) = &self.lora {
+            lora.validate().map_err(InvalidConfig::Lora)?;
+            if self.init_from.is_none() && purpose == Purpose::Run {
+                return Err(InvalidConfig::LoraWithoutInit);
+            }
+        }
+        self.data.validate()?;
+        if self.data.format() == DataFormat::Text && self.train.eval_strategy == EvalStrategy::Epoch {
+            return Err(InvalidConfig::JsonlOnly { key: "train.eval_strategy", value: "\"epoch\"".into() });
+        }
+        self.train.validate()?;
+        self.optim.validate()?;
+        self.schedule.validate()?;
+        if self.schedule.warmup_steps > self.decay_steps() {
+            return Err(InvalidConfig::Bounded {
+                key: "schedule.warmup_steps",
+                value: self.schedule.warmup_steps.to_string(),
+                relation: Relation::NotAbove,
+                // `decay_steps` is `train.max_steps` when absent.
+                bound_key: if self.schedule.decay_steps.is_some() { "schedule.decay_steps" } else { "train.max_steps" },
+                bound: self.decay_steps().to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl MetricsConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.sinks.is_empty() {
+            return Err(InvalidConfig::NoSinks);
+        }
+        // Far above any sensible sample; keeps the generation's buffers far from overflow.
+        at_most("metrics.sample_tokens", self.sample_tokens, 1 << 20)
+    }
+}
+
+impl DataConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.format() == DataFormat::Jsonl && self.path.is_none() {
+            return Err(InvalidConfig::Needs { key: "data.format", value: "\"jsonl\"".into(), needs: "data.path" });
+        }
+        match (&self.dataset, &self.path) {
+            (None, None) => return Err(InvalidConfig::NoData),
+            (Some(dataset), Some(path)) => {
+                return Err(InvalidConfig::TwoData { dataset: dataset.clone(), path: path.display().to_string() })
+            }
+            _ => {}
+        }
+        if self.format() == DataFormat::Text {
+            if let Some(p) = self.packing {
+                return Err(InvalidConfig::JsonlOnly { key: "data.packing", value: format!("\"{p}\"") });
+            }
+            if self.truncate {
+                return Err(InvalidConfig::JsonlOnly { key: "data.truncate", value: "true".into() });
+            }
+        }
+        match self.val_fraction {
+            Some(f) if !(f > 0.0 && f < 1.0) => Err(out_of_range("data.val_fraction", f, "in (0, 1)")),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl LoopConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        for (key, v) in [
+            ("train.batch_size", self.batch_size),
+            ("train.grad_accum_steps", self.grad_accum_steps),
+            ("train.max_steps", self.max_steps),
+            ("train.eval_interval", self.eval_interval),
+            ("train.eval_iters", self.eval_iters),
+            ("train.log_interval", self.log_interval),
+            ("train.keep_checkpoints", self.keep_checkpoints),
+        ] {
+            if v == 0 {
+                return Err(out_of_range(key, v, "at least 1"));
+            }
+        }
+        // Bounds that keep every product of sizes (tokens per step, memory estimates, evaluation
+        // work) far from overflow, each far above any sensible run.
+        at_most("train.batch_size", self.batch_size, 1 << 20)?;
+        at_most("train.grad_accum_steps", self.grad_accum_steps, 1 << 20)?;
+        at_most("train.max_steps", self.max_steps, 1 << 40)?;
+        at_most("train.eval_iters", self.eval_iters, 1 << 20)?;
+        at_most("train.keep_checkpoints", self.keep_checkpoints, 1 << 20)
+    }
+}
+
+impl OptimConfig {
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        for (key, v) in [("optim.beta1", self.beta1), ("optim.beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(out_of_range(key, v, "in [0, 1)"));
+            }
+        }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            return Err(out_of_range("optim.eps", self.eps, "positive"));
+        }
+        for (key, v) in [("optim.weight_decay", self.weight_decay), ("optim.grad_clip", self.grad_clip)] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(out_of_range(key, v, ">= 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ScheduleConfig {
+    /// The rates (the warmup against the decay steps, `train.max_steps` by default, is checked
+    /// across sections).
+    fn validate(&self) -> Result<(), InvalidConfig> {
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(out_of_range("schedule.lr", self.lr, "positive"));
+        }
+        if !(self.min_lr >= 0.0 && self.min_lr.is_finite()) {
+            return Err(out_of_range("schedule.min_lr", self.min_lr, ">= 0"));
+        }
+        if self.min_lr > self.lr {
+            return Err(InvalidConfig::Bounded {
+                key: "schedule.min_lr",
+                value: self.min_lr.to_string(),
+                relation: Relation::NotAbove,
+                bound_key: "schedule.lr",
+                bound: self.lr.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl DistributedConfig {
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        // MPI counts elements in a C int: a bucket stays below 2^31 f32 values.
+        if self.bucket_mib == 0 || self.bucket_mib > 4096 {
+            return Err(out_of_range("distributed.bucket_mib", self.bucket_mib, "in 1..=4096"));
+        }
+        for (key, v) in [("distributed.timeout_s", self.timeout_s), ("distributed.io_timeout_s", self.io_timeout_s)] {
+            if !(v > 0.0 && v <= 7.0 * 86_400.0) {
+                return Err(out_of_range(key, v, "in (0, 604800] seconds"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn out_of_range(key: &'static str, value: impl std::fmt::Display, rule: &'static str) -> InvalidConfig {
+    InvalidConfig::OutOfRange { key, value: value.to_string(), rule }
+}
+
+fn at_most(key: &'static str, value: usize, limit: u64) -> Result<(), InvalidConfig> {
+    match value as u64 {
+        v if v > limit => Err(InvalidConfig::TooLarge { key, value: v, limit }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::{parse, NANO};
+    use ember_data::finetune::Packing;
+
+    #[test]
+    fn heads_not_divisible_by_kv_heads_is_an_error() {
+        let text = NANO.replace("n_kv_heads = 4", "n_kv_heads = 3");
+        assert_eq!(parse(&text).unwrap_err(), "c.toml: model.n_kv_heads (3) must divide model.n_heads (4)");
+    }
+
+    #[test]
+    fn cross_section_rules() {
+        let e = parse(&NANO.replace("warmup_steps = 100", "warmup_steps = 5000")).unwrap_err();
+        assert!(e.contains("schedule.warmup_steps (5000)"), "{e}");
+        let e = parse(&NANO.replace("batch_size = 12", "batch_size = 0")).unwrap_err();
+        assert!(e.contains("train.batch_size must be at least 1"), "{e}");
+        let e = parse(&NANO.replace("dataset = \"tinyshakespeare\"", "")).unwrap_err();
+        assert!(e.contains("data: set `dataset`"), "{e}");
+        let e = parse(&NANO.replace("lr = 1e-3", "lr = -1.0")).unwrap_err();
+        assert!(e.contains("schedule.lr must be positive"), "{e}");
+        let e = parse(&NANO.replace("batch_size = 12", "batch_size = \"twelve\"")).unwrap_err();
+        assert!(e.contains("train.batch_size"), "{e}");
+    }
+
+    #[test]
+    fn a_broken_rule_names_the_key_the_value_and_the_rule() {
+        let nano = parse(NANO).unwrap();
+        let mut c = nano.clone();
+        c.train.batch_size = 0;
+        let want = InvalidConfig::OutOfRange { key: "train.batch_size", value: "0".into(), rule: "at least 1" };
+        assert_eq!(c.validate(), Err(want));
+        let mut c = nano.clone();
+        c.schedule.min_lr = 0.5;
+        let e = c.validate().unwrap_err();
+        assert!(matches!(e, InvalidConfig::Bounded { key: "schedule.min_lr", bound_key: "schedule.lr", .. }), "{e:?}");
+        assert_eq!(e.to_string(), "schedule.min_lr (0.5) must not exceed schedule.lr (0.001)");
+        let mut c = nano.clone();
+        c.schedule.warmup_steps = 5000;
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "schedule.warmup_steps (5000) must not exceed schedule.decay_steps (2000)");
+        // Without decay_steps the bound is the key it defaults to.
+        c.schedule.decay_steps = None;
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "schedule.warmup_steps (5000) must not exceed train.max_steps (2000)");
+        let mut c = nano.clone();
+        c.data.packing = Some(Packing::Stream);
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "data.packing = \"stream\" applies to JSONL examples; this data is a text stream");
+        let mut c = nano;
+        c.train.max_steps = 1 << 41;
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(e, "train.max_steps = 2199023255552 is larger than ember's limit of 1099511627776");
+    }
+}

@@ -1,0 +1,203 @@
+//! The periodic evaluation: fixed batches of both splits (text), or every held-out example
+//! (fine-tuning: the completion loss each has alone under documents packing), and a sample. The
+//! batches are shared out over the ranks and their sums added.
+
+use ember_data::Tokenizer;
+use ember_model::Decoder;
+
+use super::recorder::Recorder;
+use super::setup::Setup;
+use crate::config::{DataFormat, EvalStrategy, MetricsConfig, TrainConfig};
+use crate::distributed::Collective;
+use crate::error::TrainError;
+use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
+use crate::metrics::{MetricsSink, SampleRecord, StepRecord};
+
+/// What the evaluator reads of the run's config.
+pub(super) struct EvaluatorConfig {
+    /// Fine-tuning examples (JSONL data): every held-out example is scored instead of `iters` fixed
+    /// batches, and the run counts epochs.
+    held_out: bool,
+    /// `train.batch_size`: rows per evaluation batch.
+    batch_size: usize,
+    /// `train.eval_iters`: batches per split.
+    iters: usize,
+    /// `train.eval_interval` and `train.eval_strategy`: when to evaluate.
+    interval: usize,
+    strategy: EvalStrategy,
+    /// `train.max_steps`: the last step always evaluates.
+    max_steps: usize,
+    /// `train.seed`: the fixed batches' seeds and each sample's come from it.
+    seed: u64,
+    /// `model.vocab_size`: ln V is the loss of a model that knows nothing.
+    vocab_size: usize,
+    /// `[metrics]`: the prompt and length of the sample.
+    sample: MetricsConfig,
+}
+
+impl EvaluatorConfig {
+    pub(super) fn of(config: &TrainConfig) -> Self {
+        let t = &config.train;
+        Self {
+            held_out: config.data.format() == DataFormat::Jsonl,
+            batch_size: t.batch_size,
+            iters: t.eval_iters,
+            interval: t.eval_interval,
+            strategy: t.eval_strategy,
+            max_steps: t.max_steps,
+            seed: t.seed,
+            vocab_size: config.model.vocab_size,
+            sample: config.metrics.clone(),
+        }
+    }
+
+    /// The evaluator of `setup`'s splits and tokenizer, its batches shared out over the ranks of
+    /// `collective`.
+    pub(super) fn build<'a>(self, setup: &'a Setup, collective: &'a dyn Collective) -> Evaluator<'a> {
+        Evaluator {
+            setup,
+            collective,
+            train_seed: eval_seed(self.seed, "train"),
+            val_seed: eval_seed(self.seed, "val"),
+            config: self,
+        }
+    }
+}
+
+pub(super) struct Evaluator<'a> {
+    config: EvaluatorConfig,
+    setup: &'a Setup,
+    collective: &'a dyn Collective,
+    train_seed: u64,
+    val_seed: u64,
+}
+
+impl Evaluator<'_> {
+    fn part(&self) -> Part {
+        Part { rank: self.collective.rank(), world: self.collective.world() }
+    }
+
+    /// `sum` added over the ranks, as a mean.
+    fn reduce(&self, sum: LossSum, what: &str) -> Result<f64, TrainError> {
+        let mut v = [sum.weighted, sum.scored];
+        self.collective.all_reduce_f64(&mut v, what)?;
+        Ok(LossSum { weighted: v[0], scored: v[1] }.mean())
+    }
+
+    fn val<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
+        let c = &self.config;
+        let sum = if c.held_out {
+            evaluate_all_part(model, self.setup.val.as_ref(), c.batch_size, self.part())
+        } else {
+            evaluate_part(model, self.setup.val.as_ref(), self.val_seed, c.iters, c.batch_size, self.part())
+        };
+        self.reduce(sum, "evaluation (val)")
+    }
+
+    /// The loss before training, beside ln V (what a model that knows nothing scores).
+    pub(super) fn initial<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> Result<(), TrainError> {
+        let val = self.val(model)?;
+        let ln_v = (self.config.vocab_size as f64).ln();
+        tracing::info!("step 0: val loss {val:.4} (ln V = {ln_v:.4})");
+        Ok(())
+    }
+
+    /// Whether step `step` ends with an evaluation: every `eval_interval` steps, or each time the
+    /// run completes an epoch of the (fine-tuning) examples; and at the last step.
+    pub(super) fn due(&self, step: usize, epoch_before: Option<f64>, epoch: Option<f64>) -> bool {
+        let c = &self.config;
+        step == c.max_steps
+            || match c.strategy {
+                EvalStrategy::Steps => step.is_multiple_of(c.interval),
+                EvalStrategy::Epoch => matches!((epoch_before, epoch), (Some(a), Some(b)) if b.floor() > a.floor()),
+            }
+    }
+
+    /// Epochs of the training rows drawn before micro-batch `stream` (fine-tuning runs only).
+    pub(super) fn epoch(&self, stream: u64) -> Option<f64> {
+        let rows = self.setup.train.len().max(1) as f64;
+        self.config.held_out.then(|| stream as f64 * self.config.batch_size as f64 / rows)
+    }
+
+    /// Evaluates both splits into `record`, logs them, writes a sample (rank 0); returns the val loss.
+    pub(super) fn record<IB: ember_model::ops::EmberBackend>(
+        &self,
+        model: &Decoder<IB>,
+        record: &mut StepRecord,
+        rec: &mut Recorder,
+    ) -> Result<f64, TrainError> {
+        let (c, step) = (&self.config, record.step);
+        let part = evaluate_part(model, self.setup.train.as_ref(), self.train_seed, c.iters, c.batch_size, self.part());
+        let tl = self.reduce(part, "evaluation (train)")?;
+        let vl = self.val(model)?;
+        (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
+        if self.collective.rank() != 0 {
+            return Ok(vl);
+        }
+        let memory =
+            record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
+        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
+        if let Some(text) = sample_text(model, &self.setup.tokenizer, &c.sample, c.seed ^ step as u64) {
+            let prompt = c.sample.sample_prompt.clone();
+            rec.sinks.sample(&SampleRecord { step, elapsed_s: rec.clock.elapsed_s(), prompt, text })?;
+        }
+        Ok(vl)
+    }
+}
+
+/// Text generated from the configured prompt (temperature 0.8, top-k 200) through the KV cache;
+/// `None` when sampling is off or the prompt cannot be encoded.
+fn sample_text<B: ember_model::ops::EmberBackend>(
+    model: &Decoder<B>,
+    tokenizer: &Tokenizer,
+    config: &MetricsConfig,
+    seed: u64,
+) -> Option<String> {
+    use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+    if config.sample_tokens == 0 {
+        return None;
+    }
+    let prompt = match tokenizer.encode(&config.sample_prompt) {
+        Ok(p) if !p.is_empty() => p,
+        _ => {
+            tracing::warn!("metrics.sample_prompt {:?} does not encode; no samples", config.sample_prompt);
+            return None;
+        }
+    };
+    let mut sampler = [Sampler::new(SamplingConfig::default(), seed).ok()?];
+    let options = GenerateOptions {
+        max_new_tokens: config.sample_tokens,
+        stop_tokens: tokenizer.eos_id().into_iter().collect(),
+        block_size: 16,
+    };
+    let prompt = prompt[prompt.len().saturating_sub(model.config().max_seq_len)..].to_vec();
+    // A sample is a nicety of the evaluation: whatever goes wrong (a prompt id past the model's
+    // vocabulary, a decoder that fails), the run goes on without it, and nothing here panics.
+    let ids = match generate_batch(model, std::slice::from_ref(&prompt), &options, &mut sampler, |_, _| true) {
+        Ok(mut ids) => ids.remove(0),
+        Err(e) => {
+            tracing::warn!("no evaluation sample: {e}");
+            return None;
+        }
+    };
+    // Decoded as `ember sample` streams it: after the prompt (so SentencePiece's leading-space strip
+    // does not eat the first new space), up to the end-of-text token, special tokens left out, in
+    // O(1) work per token.
+    let eos = tokenizer.eos_id();
+    let decode = || -> Result<String, ember_data::DataError> {
+        let mut stream = tokenizer.decode_stream(&prompt);
+        let mut text = String::new();
+        for &id in ids.iter().take_while(|&&id| Some(id) != eos) {
+            text.push_str(&stream.step(id)?);
+        }
+        text.push_str(&stream.finish()?);
+        Ok(text)
+    };
+    match decode() {
+        Ok(text) => Some(text),
+        Err(e) => {
+            tracing::warn!("no evaluation sample: {e}");
+            None
+        }
+    }
+}

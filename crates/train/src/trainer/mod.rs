@@ -1,0 +1,276 @@
+//! The training loop, nanoGPT's `while True:` in Burn: LR -> micro-batches (forward, backward,
+//! accumulate) -> global-norm clip -> AdamW -> log -> maybe evaluate / checkpoint -> stop.
+//!
+//! The loop composes its parts, torchtitan's way: each is built from a config (what it reads of the
+//! run's) by a `build`. [`setup`]: the data, the tokenizer and the starting model; [`checkpointer`]:
+//! the run directory, started, resumed and checkpointed; the optimizer ([`Optimizer::build`]);
+//! [`evaluator`]: the periodic evaluation and its sample; [`recorder`]: metrics, progress bar and
+//! [`throughput`]; [`ranks`]: what the ranks of a data-parallel run must agree on.
+
+mod checkpointer;
+mod evaluator;
+mod ranks;
+mod recorder;
+mod setup;
+#[cfg(test)]
+mod tests;
+mod throughput;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::tensor::{DType, Device};
+use ember_data::fetch::Locations;
+use ember_data::WindowSampler;
+use ember_model::ops::TrainBackend;
+use ember_model::Decoder;
+use indicatif::ProgressBar;
+
+use crate::checkpoint::{TrainState, CONFIG_FILE, TOKENIZER_FILE};
+use crate::config::TrainConfig;
+use crate::distributed::Collective;
+use crate::error::{OptimizerError, TrainError};
+use crate::flops::{resolve_peak, Gemms, Peak};
+use crate::init::ResolvedConfig;
+use crate::memory::MemoryProbe;
+use crate::metrics::Sinks;
+use crate::precision::resolve_dtype;
+use crate::schedule::LrSchedule;
+use crate::step::{Optimizer, StepOutput, Stepper};
+use checkpointer::{Checkpointer, CheckpointerConfig};
+use evaluator::EvaluatorConfig;
+use ranks::{check_ranks_agree, Stage};
+use recorder::{open_sinks, RecorderConfig};
+pub(crate) use setup::{initial_model, prepare, Setup};
+
+/// How to run, beyond the config.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    pub run_dir: PathBuf,
+    /// Continue the run in `run_dir` from its latest checkpoint.
+    pub resume: bool,
+    /// Stop after this many optimizer steps, checkpointing there; the LR schedule still follows the
+    /// config, so a later `--resume` continues the same run.
+    pub stop_at: Option<usize>,
+    pub show_progress: bool,
+    pub locations: Locations,
+    /// The GPU's name (as `nvidia-smi` prints it), to find its peak in the table.
+    pub device_name: Option<String>,
+    /// Peak TFLOP/s for MFU, instead of the table or a measurement.
+    pub peak_tflops: Option<f64>,
+    /// Reads the device memory in use, for the metrics (the heap on the CPU).
+    pub memory: Option<&'static dyn MemoryProbe>,
+    /// Memory the device can give the run, checked against an estimate before the first step.
+    pub memory_available: Option<u64>,
+    /// The other ranks of a data-parallel run ([`crate::distributed::Solo`] alone).
+    pub collective: Arc<dyn Collective>,
+    /// The device's reduction engine (NCCL for CUDA, `--features nccl`); none: through the host.
+    pub device_comm: Option<ember_model::ops::DeviceComm>,
+}
+
+impl std::fmt::Debug for dyn MemoryProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MemoryProbe")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSummary {
+    pub run_dir: PathBuf,
+    pub steps: usize,
+    pub best_val_loss: Option<f64>,
+    pub last_val_loss: Option<f64>,
+    /// Training tokens per second over this invocation (evaluation and checkpoints excluded).
+    pub tokens_per_sec: f64,
+    pub mfu: f64,
+    pub elapsed_s: f64,
+}
+
+impl std::fmt::Display for TrainSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let best = self.best_val_loss.map_or("n/a".into(), |v| format!("{v:.4}"));
+        write!(
+            f,
+            "trained {} steps in {:.0} s ({:.0} tokens/s, MFU {:.2}%); best val loss {best}; run directory {}",
+            self.steps,
+            self.elapsed_s,
+            self.tokens_per_sec,
+            100.0 * self.mfu,
+            self.run_dir.display()
+        )
+    }
+}
+
+/// Trains (or resumes) the run described by `run` (its `init_from` source already open) in
+/// `opts.run_dir`: nanoGPT's loop of step -> record -> maybe evaluate -> maybe checkpoint, its parts
+/// in the modules above. In a data-parallel run every rank calls this; rank 0 alone writes the run
+/// directory.
+pub fn train<B: TrainBackend>(
+    run: ResolvedConfig,
+    opts: &TrainOptions,
+    device: &Device<B>,
+) -> Result<TrainSummary, TrainError> {
+    // A run's config, however it was made: adapters need a pretrained base (only `ember bench
+    // train` may put them on a random one).
+    run.config.validate_sections().map_err(|error| TrainError::Invalid { path: "config".into(), error })?;
+    let setup = prepare(run, &opts.locations)?;
+    let (config, c) = (&setup.config, opts.collective.as_ref());
+    // Start-up waits for slow work of other ranks (loading a model); steps do not.
+    c.set_timeout(config.distributed.io_timeout());
+    let (dtype, bf16_gemms) = resolve_dtype::<B>(device, config);
+    let checkpointer = CheckpointerConfig::of(config).build(&setup, &opts.run_dir, c);
+    let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, &checkpointer, opts, dtype, device)?;
+    c.set_timeout(config.distributed.timeout());
+    let schedule = LrSchedule::from_config(config);
+    let stop = opts.stop_at.unwrap_or(config.train.max_steps).min(config.train.max_steps);
+    let stepper = Stepper {
+        data: &setup.train,
+        sampler: WindowSampler { seed: state.sampler_seed },
+        config,
+        device,
+        collective: c,
+        buffers: Default::default(),
+        device_comm: opts.device_comm.as_ref(),
+    };
+    let peak = device_peak::<B>(opts, device, bf16_gemms.peak_gemms(dtype));
+    log_setup(config, dtype, &peak, config.tokens_per_step() * c.world());
+    log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
+    let evaluator = EvaluatorConfig::of(config).build(&setup, c);
+    if state.step == 0 {
+        evaluator.initial(&model.valid())?;
+    }
+    let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
+    let mut last_val = None;
+    while state.step < stop {
+        let (started, lr) = (Instant::now(), schedule.lr(state.step));
+        let epoch_before = evaluator.epoch(state.next_stream);
+        let out;
+        (model, out) = take_step(&stepper, model, &mut optim, &mut state, lr, &rec.bar)?;
+        rec.add_step(started.elapsed(), &out);
+        let (step, epoch) = (state.step, evaluator.epoch(state.next_stream));
+        let is_eval = evaluator.due(step, epoch_before, epoch);
+        if rec.due(step, is_eval) {
+            let mut record = rec.step_record(&state, &out, lr, epoch);
+            if is_eval {
+                let vl = evaluator.record(&model.valid(), &mut record, &mut rec)?;
+                state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
+                last_val = Some(vl);
+            }
+            rec.write(&record)?;
+        }
+        if checkpointer.due(step, stop) {
+            state.elapsed_s = rec.clock.elapsed_s();
+            checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
+        }
+        rec.bar.set_position(step as u64);
+    }
+    Ok(rec.finish(&opts.run_dir, &state, last_val))
+}
+
+/// One step of the loop: taken at `state`, its loss checked, the loop state moved past it.
+fn take_step<B: TrainBackend>(
+    stepper: &Stepper<'_, B>,
+    model: Decoder<B>,
+    optim: &mut Optimizer<B>,
+    state: &mut TrainState,
+    lr: f64,
+    bar: &ProgressBar,
+) -> Result<(Decoder<B>, StepOutput), TrainError> {
+    let (model, out) = stepper.step(model, optim, state.next_stream, state.step + 1, lr, state.loss_scaler.as_mut())?;
+    if !out.loss.is_finite() {
+        return Err(TrainError::Diverged { step: state.step, loss: out.loss });
+    }
+    if out.skipped {
+        bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
+    }
+    state.step += 1;
+    state.next_stream += stepper.micro_batches_per_step();
+    state.tokens_seen += (stepper.config.tokens_per_step() * stepper.collective.world()) as u64;
+    Ok((model, out))
+}
+
+/// The device's peak FLOP/s, for MFU: `--peak-tflops`, the table, or a measured GEMM rate.
+fn device_peak<B: TrainBackend>(opts: &TrainOptions, device: &Device<B>, gemms: Gemms) -> Peak {
+    let cache = Some(opts.locations.cache_dir.as_path());
+    resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), gemms, opts.peak_tflops, cache)
+}
+
+type Opened<B> = (Decoder<B>, Optimizer<B>, TrainState, Sinks);
+
+/// The run's model, optimizer, loop state and metric sinks: checked against the device's memory,
+/// started or resumed, agreed on by every rank; the run directory's config and tokenizer written.
+fn open_run<B: TrainBackend>(
+    setup: &Setup,
+    checkpointer: &Checkpointer<'_>,
+    opts: &TrainOptions,
+    dtype: DType,
+    device: &Device<B>,
+) -> Result<Opened<B>, TrainError> {
+    let (config, run_dir, c) = (&setup.config, &opts.run_dir, opts.collective.as_ref());
+    // Before any weight is allocated: a config too big for the device is an error, not an abort.
+    setup::check_fits(config, opts.memory_available)?;
+    let (model, saved, state) = checkpointer.start::<B>(opts.resume, dtype, device)?;
+    check_ranks_agree(c, setup, &model, Stage::Start)?;
+    let optim = Optimizer::build(config, &model, c, saved, state.optimizer_steps, device).map_err(|e| match e {
+        // Saved moments come from the checkpoint resumed: ones that do not fit the model mean it is
+        // damaged (or not this model's).
+        OptimizerError::Moments(message) => TrainError::Checkpoint { path: run_dir.clone(), message },
+        e => TrainError::Optimizer(e),
+    })?;
+    let model = model.with_compute_dtype(dtype);
+    if c.rank() != 0 {
+        return Ok((model, optim, state, Sinks(Vec::new())));
+    }
+    std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
+    ember_data::write_atomic(&run_dir.join(CONFIG_FILE), config.to_toml().as_bytes())?;
+    setup.tokenizer.save(&run_dir.join(TOKENIZER_FILE))?;
+    let resumed_at = opts.resume.then_some(state.step);
+    let metrics = open_sinks(&config.metrics.sinks, run_dir, resumed_at, state.elapsed_s)?;
+    Ok((model, optim, state, metrics))
+}
+
+fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {
+    let (c, config) = (stepper.collective, stepper.config);
+    if c.world() > 1 {
+        tracing::info!(
+            "data parallel over {} ranks ({}): {} micro-batches of {} per step, gradients in {} MiB buckets{}",
+            c.world(),
+            c.engine(),
+            stepper.micro_batches_per_step(),
+            config.train.batch_size,
+            config.distributed.bucket_mib,
+            if sharded { ", optimizer state sharded (ZeRO-1)" } else { "" }
+        );
+    }
+}
+
+fn log_setup(config: &TrainConfig, dtype: DType, peak: &Peak, tokens_per_step: usize) {
+    let m = &config.model;
+    tracing::info!(
+        "model: {} layers, d_model {}, {} heads ({} kv), d_ff {}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
+        m.n_layers,
+        m.d_model,
+        m.n_heads,
+        m.n_kv_heads(),
+        m.d_ff,
+        m.vocab_size,
+        m.num_params()
+    );
+    let formula = if config.lora.is_some() {
+        "4N + 6·L·Σ r·(in + out) + 12·L·T·d, LoRA on a frozen base"
+    } else {
+        "6N + 12·L·T·d"
+    };
+    tracing::info!(
+        "MFU = ({formula}) · tokens/s / peak, N = {} matmul parameters, L = {}, T = {}, d = {}: {:.4e} FLOPs per token; peak {:.3} TFLOP/s ({})",
+        m.matmul_params(),
+        m.n_layers,
+        config.seq_len(),
+        m.n_heads * m.head_dim(),
+        config.train_flops_per_token(),
+        peak.flops / 1e12,
+        peak.source
+    );
+}

@@ -1,0 +1,106 @@
+//! What a run reads but does not change: its config completed by the data (the vocabulary), the
+//! tokenizer and both splits; the model a fresh run starts from; the memory check before it is built.
+
+use std::path::PathBuf;
+
+use burn::tensor::Device;
+use ember_data::fetch::Locations;
+use ember_data::{Examples, Tokenizer};
+use ember_model::ops::TrainBackend;
+use ember_model::Decoder;
+
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+use crate::init::{ResolvedConfig, ResolvedInit};
+
+/// Everything the loop reads but does not change.
+pub(crate) struct Setup {
+    pub(crate) config: TrainConfig,
+    /// The `init_from` source, opened once for the whole run.
+    pub(crate) init: Option<ResolvedInit>,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) tokenizer_dir: Option<PathBuf>,
+    pub(crate) train: Examples,
+    pub(crate) val: Examples,
+}
+
+/// Finds the data, fills in the vocabulary size and checks that both splits hold a window.
+pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations) -> Result<Setup, TrainError> {
+    let ResolvedConfig { mut config, init } = run;
+    config.absolutize_paths();
+    let data = crate::data::load(&config, init.as_ref(), locations)?;
+    let vocab = data.tokenizer.vocab_size();
+    if config.model.vocab_size == 0 {
+        config.model.vocab_size = vocab;
+    } else if config.model.vocab_size < vocab {
+        return Err(TrainError::VocabTooSmall { config: config.model.vocab_size, tokenizer: vocab });
+    }
+    config.model.validate()?;
+    Ok(Setup {
+        config,
+        init,
+        tokenizer: data.tokenizer,
+        tokenizer_dir: data.tokenizer_dir,
+        train: data.train,
+        val: data.val,
+    })
+}
+
+/// The model a fresh run starts from: random weights, or `init_from`'s (with LoRA adapters when
+/// configured, everything else frozen).
+pub(crate) fn initial_model<B: TrainBackend>(setup: &Setup, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    let config = &setup.config;
+    let Some(init) = &setup.init else {
+        let model = Decoder::<B>::new(&config.model, config.train.seed, device)?;
+        // Adapters on a random base: only a benchmark's config gets here (a run's needs init_from).
+        return Ok(match &config.lora {
+            Some(lora) => model.with_lora(lora, config.train.seed),
+            None => model,
+        });
+    };
+    let model = init.load::<B>(device)?;
+    if model.config() != &config.model {
+        return Err(init
+            .source
+            .err("its architecture differs from the config's [model]; leave [model] out to take the model's"));
+    }
+    B::seed(device, config.train.seed);
+    Ok(match &config.lora {
+        Some(lora) => model.with_lora(lora, config.train.seed),
+        None => model,
+    })
+}
+
+/// Fails before the model is built when the estimated memory of the run exceeds what the device has.
+pub(super) fn check_fits(config: &TrainConfig, available: Option<u64>) -> Result<(), TrainError> {
+    let e = crate::memory::estimate(config, trainable_params(config));
+    let terms = e.terms.iter().map(|(k, v)| format!("{k} {}", crate::memory::gib(*v))).collect::<Vec<_>>().join(", ");
+    tracing::info!("estimated training memory {} ({terms})", crate::memory::gib(e.total));
+    match available {
+        Some(have) if e.total > have => {
+            Err(TrainError::DoesNotFit { need: crate::memory::gib(e.total), have: crate::memory::gib(have), terms })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Parameters that receive gradients, from the config alone: all of them, or the LoRA adapters
+/// (`r·(d_in + d_out)` per adapted projection and layer).
+fn trainable_params(config: &TrainConfig) -> u64 {
+    let m = &config.model;
+    let Some(lora) = &config.lora else { return m.num_params() };
+    let (d, f) = (m.d_model as u64, m.d_ff as u64);
+    let (q, kv) = ((m.n_heads * m.head_dim()) as u64, (m.n_kv_heads() * m.head_dim()) as u64);
+    let per_layer: u64 = lora
+        .targets
+        .iter()
+        .map(|t| match t.as_str() {
+            "q_proj" => d + q,
+            "k_proj" | "v_proj" => d + kv,
+            "o_proj" => q + d,
+            "gate_proj" | "up_proj" | "down_proj" => d + f,
+            _ => 0,
+        })
+        .sum();
+    lora.rank as u64 * per_layer * m.n_layers as u64
+}
