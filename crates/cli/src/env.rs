@@ -10,7 +10,8 @@
 //! | `EMBER_DATA_DIR`, `EMBER_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME` | where datasets are looked for and cached |
 //! | `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, `PMIX_SIZE`, `MPI_LOCALNRANKS`, `SLURM_STEP_NUM_TASKS` | how many ranks a launcher started |
 //! | `RAYON_NUM_THREADS` | the CPU kernels' threads (read by rayon; ranks sharing a machine split its cores unless it is set) |
-//! | `EMBER_API_KEY`, `EMBER_NCCL` | `serve --api-key`; NCCL on CUDA (read where their commands parse flags) |
+//! | `EMBER_API_KEY` | `serve --api-key` |
+//! | `EMBER_NCCL` | `0`: a CUDA run's gradients through the host even with NCCL; `1`: NCCL in one process too |
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -18,6 +19,7 @@ use std::path::PathBuf;
 use ember_data::fetch::Locations;
 use ember_kernels::{Bf16Kernel, Compute, Cpu, Path};
 use ember_train::distributed::Launch;
+use ember_train::precision::ComputeRequest;
 
 fn var(name: &str) -> Option<OsString> {
     std::env::var_os(name).filter(|v| !v.is_empty())
@@ -39,16 +41,20 @@ pub fn compute() -> Compute {
     Compute::default().with_cpu(cpu).with_path(path)
 }
 
-/// `EMBER_CPU_LOW_PRECISION=1`: compute bf16/f16 where it is emulated anyway (slower), to test the
-/// mixed-precision path on the CPU.
-pub fn emulate_low_precision() -> bool {
-    is("EMBER_CPU_LOW_PRECISION", "1")
+/// How a training run is asked to compute: [`compute`], and `EMBER_CPU_LOW_PRECISION=1` (compute
+/// bf16/f16 where it is emulated anyway, slower, to test the mixed-precision path on the CPU).
+pub fn compute_request() -> ComputeRequest {
+    ComputeRequest { base: compute(), emulate_low_precision: is("EMBER_CPU_LOW_PRECISION", "1") }
 }
 
 /// Where datasets are looked for: `datasets/` here, `$EMBER_DATA_DIR`, then the cache
 /// (`$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`, else `.ember-cache`).
 pub fn locations() -> Locations {
-    Locations { repo_dir: PathBuf::from("datasets"), data_dir: var("EMBER_DATA_DIR").map(PathBuf::from), cache_dir: cache_dir() }
+    Locations {
+        repo_dir: PathBuf::from("datasets"),
+        data_dir: var("EMBER_DATA_DIR").map(PathBuf::from),
+        cache_dir: cache_dir(),
+    }
 }
 
 /// ember's cache folder (see [`locations`]).
@@ -75,4 +81,20 @@ pub fn launch() -> Launch {
 /// Whether `RAYON_NUM_THREADS` sets the CPU kernels' threads.
 pub fn threads_set() -> bool {
     var("RAYON_NUM_THREADS").is_some()
+}
+
+/// `EMBER_API_KEY`: the key `ember serve` asks for when `--api-key` is not given.
+pub fn api_key() -> Option<String> {
+    var("EMBER_API_KEY").map(|k| k.to_string_lossy().into_owned())
+}
+
+/// `EMBER_NCCL`: `Some(false)` for `0`, `Some(true)` for `1`, else `None` (NCCL when several ranks
+/// run on CUDA).
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub fn nccl() -> Option<bool> {
+    match var("EMBER_NCCL")?.to_string_lossy().trim() {
+        "0" => Some(false),
+        "1" => Some(true),
+        _ => None,
+    }
 }

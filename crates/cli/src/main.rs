@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod alloc;
 mod backend;
 mod commands;
+mod env;
 mod needs;
 
 use needs::Needs;

@@ -36,7 +36,11 @@ impl Needs {
         if self.keep_freed_memory {
             crate::alloc::keep_freed_memory();
         }
-        let collective = if self.ranks { ember_train::distributed::init()? } else { ember_train::distributed::solo() };
+        let collective = if self.ranks {
+            ember_train::distributed::init(crate::env::launch())?
+        } else {
+            ember_train::distributed::solo()
+        };
         // A rank that panics stops the job at once: the others would otherwise wait in their next
         // collective until the deadline and blame it on a hang.
         // (A weak reference: the hook must not keep MPI alive past `main`, where it is finalised.)
@@ -58,7 +62,7 @@ impl Needs {
         tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
         // Ranks on one machine share its cores.
         let local = collective.local_world();
-        if local > 1 && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        if local > 1 && !crate::env::threads_set() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             ember_kernels::init_cpu_workers(Some((cores / local).max(1)));
         }

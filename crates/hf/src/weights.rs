@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, Device, TensorData};
-use ember_kernels::EmberBackend;
 use ember_kernels::rope::interleaved_to_half_split;
+use ember_kernels::EmberBackend;
 use ember_model::weights::{assign, named_tensors, named_tensors_where, param_shapes};
 use ember_model::{Decoder, RopeLayout};
 use safetensors::{Dtype, SafeTensors};
@@ -49,7 +49,7 @@ pub fn ember_to_hf(path: &str) -> Option<(String, bool)> {
         "embed_tokens" => Some(("model.embed_tokens.weight".into(), false)),
         "lm_head.weight" => Some((path.into(), true)),
         "norm.weight" => Some(("model.norm.weight".into(), false)),
-        p if p.starts_with("layers.") && !p.contains("lora") => {
+        p if p.starts_with("layers.") && !ember_model::lora::is_adapter(p) => {
             Some((format!("model.{p}"), p.ends_with("_proj.weight")))
         }
         _ => None,

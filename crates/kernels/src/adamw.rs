@@ -137,8 +137,8 @@ impl<B: EmberBackend, C: CheckpointStrategy> AdamWOps for Autodiff<B, C> {}
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{leaf, rel_err};
     use super::*;
+    use crate::testing::{leaf, rel_err};
 
     #[test]
     fn fused_adamw_and_sum_squares_equal_the_compositions() {

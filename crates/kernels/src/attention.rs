@@ -312,7 +312,8 @@ impl AttentionOps for Flex {
         }
         let rows = flex::shape(&qkv)[0];
         let (cpu, elementwise) = (cx.attention_cpu(), cx.elementwise_cpu());
-        let qkv_rot = kernels::rope_packed(elementwise, &flex::f32s(&qkv), &s, &flex::f32s(&cos), &flex::f32s(&sin), false);
+        let qkv_rot =
+            kernels::rope_packed(elementwise, &flex::f32s(&qkv), &s, &flex::f32s(&cos), &flex::f32s(&sin), false);
         let bf16 = kernels::attention_in_bf16(cpu, &s);
         let out = kernels::attention_in(cpu, &qkv_rot, &s, bf16);
         AttentionSaved::Kernel {
@@ -383,9 +384,9 @@ impl<B: EmberBackend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::rope::RopeLayout;
     use crate::testing::{assert_close, compare, leaf, AB};
-    use super::*;
     use burn::tensor::{Distribution, Tolerance};
 
     type B = Flex;
@@ -415,7 +416,15 @@ mod tests {
                     format!("attention b{b} t{t} h{h} k{kh} dh{dh} start{start} {layout:?} docs {}", docs.is_some());
                 compare(&name, inputs, [b * t, h * dh], &|xs, fused| {
                     if fused {
-                        attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs, Compute::default())
+                        attention_rope_packed(
+                            xs[0].clone(),
+                            &rope,
+                            (b, t),
+                            (h, kh, dh),
+                            start,
+                            docs,
+                            Compute::default(),
+                        )
                     } else {
                         attention_rope_reference(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs)
                     }
@@ -486,7 +495,8 @@ mod tests {
                 let qkv = leaf([b * t, s.packed_width()], 6);
                 let (cos, sin) = rope.tables();
                 let vals = |x: &Tensor<Flex, 2>| x.to_data().to_vec::<f32>().unwrap();
-                let rotated = kernels::rope_packed(crate::Cpu::detect(), &vals(&qkv), &s, &vals(&cos), &vals(&sin), false);
+                let rotated =
+                    kernels::rope_packed(crate::Cpu::detect(), &vals(&qkv), &s, &vals(&cos), &vals(&sin), false);
                 let rotated = Tensor::<Flex, 2>::from_data(
                     burn::tensor::TensorData::new(rotated, [b * t, s.packed_width()]),
                     &dev,

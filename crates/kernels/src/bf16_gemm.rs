@@ -25,14 +25,14 @@ use rayon::prelude::*;
 use crate::SharedOut;
 
 /// Columns of a packed panel of `b`: three vectors of 16.
-pub const PANEL: usize = 48;
+pub(crate) const PANEL: usize = 48;
 
 /// Rows of `a` per microkernel call.
 const ROWS: usize = 8;
 
 /// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN; zeros and denormals to a zero of
 /// their sign), as its bits: what AVX512_BF16's `vcvtne2ps2bf16` computes, which the packing runs.
-pub fn to_bf16(x: f32) -> u16 {
+pub(crate) fn to_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
     if x.is_nan() {
         return ((bits >> 16) | 0x40) as u16;
@@ -46,7 +46,7 @@ pub fn to_bf16(x: f32) -> u16 {
 
 /// The f32 a bf16 stands for.
 #[cfg(test)]
-pub fn from_bf16(h: u16) -> f32 {
+pub(crate) fn from_bf16(h: u16) -> f32 {
     f32::from_bits(u32::from(h) << 16)
 }
 
@@ -109,7 +109,7 @@ struct Layout {
 
 /// Whether this CPU has AVX512_BF16 (which the AMX CPUs have too): the vector kernel, and the packing
 /// of every kernel.
-pub fn supported() -> bool {
+pub(crate) fn supported() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::is_x86_feature_detected!("avx512f")
@@ -123,7 +123,7 @@ pub fn supported() -> bool {
 }
 
 /// An operand with its (row, column) strides.
-pub type Strided<'a> = (&'a [f32], (usize, usize));
+pub(crate) type Strided<'a> = (&'a [f32], (usize, usize));
 
 /// Whether a strided operand's `rows × cols` elements lie inside its slice.
 fn reaches((s, (rs, cs)): Strided<'_>, rows: usize, cols: usize) -> bool {
@@ -137,7 +137,7 @@ fn reaches((s, (rs, cs)): Strided<'_>, rows: usize, cols: usize) -> bool {
 ///
 /// # Panics
 /// If a slice is shorter than its shape and strides reach.
-pub fn gemm(
+pub(crate) fn gemm(
     kernel: Kernel,
     c: &mut [f32],
     accumulate: bool,
@@ -162,7 +162,7 @@ pub fn gemm(
 ///
 /// # Panics
 /// If a slice is shorter than its shape and strides reach.
-pub fn gemm_new(
+pub(crate) fn gemm_new(
     kernel: Kernel,
     a: Strided<'_>,
     b: Strided<'_>,
@@ -217,7 +217,7 @@ unsafe fn run(
 
 /// `b` (`[k, n]`) packed into bf16 panels once, for several products with it ([`gemm_packed`]):
 /// the LM head's weight, multiplied by every block of rows.
-pub struct PackedB {
+pub(crate) struct PackedB {
     k: usize,
     n: usize,
     #[cfg(target_arch = "x86_64")]
@@ -230,7 +230,7 @@ pub struct PackedB {
 ///
 /// # Panics
 /// If the slice is shorter than the shape and strides reach.
-pub fn pack_b(kernel: Kernel, b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
+pub(crate) fn pack_b(kernel: Kernel, b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedB> {
     assert!(reaches(b, k, n), "bf16 GEMM: operand slice too short");
     if !kernel.runs_here() {
         return None;
@@ -251,7 +251,7 @@ pub fn pack_b(kernel: Kernel, b: Strided<'_>, (k, n): (usize, usize)) -> Option<
 ///
 /// # Panics
 /// If a slice is shorter than its shape and strides reach.
-pub fn gemm_packed(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: &PackedB, m: usize) {
+pub(crate) fn gemm_packed(c: &mut [f32], accumulate: bool, a: Strided<'_>, b: &PackedB, m: usize) {
     let (k, n) = (b.k, b.n);
     assert!(c.len() >= m * n, "bf16 GEMM: output slice too short");
     assert!(reaches(a, m, k), "bf16 GEMM: operand slice too short");
@@ -830,7 +830,7 @@ mod amx {
 /// `a` (`[m, k]`) packed on the calling thread in the vector kernel's layout, for
 /// [`product_on_this_thread`]: the operands of many small products that run side by side, one a
 /// thread (the attention's blocks of one head).
-pub struct PackedRows {
+pub(crate) struct PackedRows {
     m: usize,
     pairs: usize,
     #[cfg(target_arch = "x86_64")]
@@ -839,7 +839,7 @@ pub struct PackedRows {
 
 /// `b` (`[k, n]`) packed on the calling thread into all its panels, for
 /// [`product_on_this_thread`] with any run of its k-pairs and panels.
-pub struct PackedPanels {
+pub(crate) struct PackedPanels {
     n: usize,
     pairs: usize,
     #[cfg(target_arch = "x86_64")]
@@ -850,7 +850,7 @@ pub struct PackedPanels {
 ///
 /// # Panics
 /// If the slice is shorter than the shape and strides reach.
-pub fn pack_rows(a: Strided<'_>, (m, k): (usize, usize)) -> Option<PackedRows> {
+pub(crate) fn pack_rows(a: Strided<'_>, (m, k): (usize, usize)) -> Option<PackedRows> {
     assert!(reaches(a, m, k), "bf16 GEMM: operand slice too short");
     if !supported() {
         return None;
@@ -868,7 +868,7 @@ pub fn pack_rows(a: Strided<'_>, (m, k): (usize, usize)) -> Option<PackedRows> {
 ///
 /// # Panics
 /// If the slice is shorter than the shape and strides reach.
-pub fn pack_panels(b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedPanels> {
+pub(crate) fn pack_panels(b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedPanels> {
     assert!(reaches(b, k, n), "bf16 GEMM: operand slice too short");
     if !supported() {
         return None;
@@ -889,7 +889,7 @@ pub fn pack_panels(b: Strided<'_>, (k, n): (usize, usize)) -> Option<PackedPanel
 /// The panels of `aᵀ` (`[k, m]`) from `a` packed as rows: pair `q` of column `j` is pair `q` of
 /// row `j`, gathered 16 columns a vector (the keys of the attention's scores, converted a row at a
 /// time instead of a column at a time).
-pub fn transpose_rows(a: &PackedRows) -> PackedPanels {
+pub(crate) fn transpose_rows(a: &PackedRows) -> PackedPanels {
     let (m, pairs) = (a.m, a.pairs);
     #[cfg(target_arch = "x86_64")]
     {
@@ -913,7 +913,7 @@ pub fn transpose_rows(a: &PackedRows) -> PackedPanels {
 /// If `c0` is not a multiple of [`PANEL`], the pairs or columns run past `b`'s, `cols` past `ldc`,
 /// or `c` is shorter than `a`'s rows at stride `ldc`.
 #[allow(clippy::too_many_arguments)]
-pub fn product_on_this_thread(
+pub(crate) fn product_on_this_thread(
     c: &mut [f32],
     ldc: usize,
     accumulate: bool,
@@ -946,7 +946,7 @@ pub fn product_on_this_thread(
 
 /// The plain loop over the bf16-rounded operands, in f64: what [`gemm`] is tested against.
 #[cfg(test)]
-pub fn reference(
+pub(crate) fn reference(
     c: &mut [f32],
     accumulate: bool,
     (a, (ars, acs)): Strided<'_>,

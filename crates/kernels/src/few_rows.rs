@@ -32,7 +32,14 @@ use crate::simd::{self, Tier};
 ///
 /// # Panics
 /// If a slice is shorter than its shape (the callers' shape checks make this unreachable from input).
-pub fn product(cpu: Cpu, y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+pub(crate) fn product(
+    cpu: Cpu,
+    y: &mut [f32],
+    accumulate: bool,
+    x: &[f32],
+    w: &[f32],
+    (m, k, n): (usize, usize, usize),
+) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
     if m == 0 || n == 0 {
         return;
@@ -58,7 +65,7 @@ pub fn product(cpu: Cpu, y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], 
 ///
 /// # Panics
 /// If a slice is shorter than its shape (the callers' shape checks make this unreachable from input).
-pub fn product_nt(cpu: Cpu, y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+pub(crate) fn product_nt(cpu: Cpu, y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
     if m == 0 || n == 0 {
         return;
@@ -76,7 +83,7 @@ pub fn product_nt(cpu: Cpu, y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usi
 
 /// `y = x · wᵀ` as the plain loop, in f64: what [`product_nt`] is tested against.
 #[cfg(test)]
-pub fn reference_nt(y: &mut [f32], x: &[f32], w: &[f32], (_, k, n): (usize, usize, usize)) {
+pub(crate) fn reference_nt(y: &mut [f32], x: &[f32], w: &[f32], (_, k, n): (usize, usize, usize)) {
     for (y, x) in y.chunks_mut(n.max(1)).zip(x.chunks(k.max(1))) {
         for (j, out) in y.iter_mut().enumerate() {
             let row = &w[j * k..(j + 1) * k];
@@ -87,7 +94,7 @@ pub fn reference_nt(y: &mut [f32], x: &[f32], w: &[f32], (_, k, n): (usize, usiz
 
 /// The plain triple loop, in f64: what the kernels are tested against.
 #[cfg(test)]
-pub fn reference(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+pub(crate) fn reference(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     for i in 0..m {
         for j in 0..n {
             let mut sum = if accumulate { f64::from(y[i * n + j]) } else { 0.0 };
@@ -101,14 +108,14 @@ pub fn reference(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n
 
 /// The portable path: `yᵀ = wᵀ · xᵀ` through the GEMM crate's strides, so that its kernels vectorise
 /// along the layer's outputs instead of the few rows.
-pub fn transposed_gemm(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+pub(crate) fn transposed_gemm(y: &mut [f32], accumulate: bool, x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
     transposed_product((n, m, k), (y, (1, n)), accumulate, (w, (1, n)), (x, (1, k)));
 }
 
 /// The portable path of [`product_nt`]: `yᵀ = w · xᵀ` through the GEMM crate's strides (its kernels
 /// vectorise along w's many rows; w is read where it is).
-pub fn transposed_gemm_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
+pub(crate) fn transposed_gemm_nt(y: &mut [f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) {
     assert!(y.len() == m * n && x.len() >= m * k && w.len() >= k * n, "few_rows: slices shorter than their shapes");
     transposed_product((n, m, k), (y, (1, n)), false, (w, (k, 1)), (x, (1, k)));
 }

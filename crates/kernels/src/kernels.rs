@@ -31,7 +31,7 @@ multiversion! {
     ///
     /// # Shapes
     /// - x: `[N, D]`, w: `[D]` -> `[N, D]`
-    pub fn rms_norm(cpu: Cpu, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    pub(crate) fn rms_norm(cpu: Cpu, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         let d = w.len();
         assert!(d > 0 && x.len().is_multiple_of(d), "rms_norm: {} values in rows of {d}", x.len());
         let mut y = Box::<[f32]>::new_uninit_slice(x.len());
@@ -53,7 +53,7 @@ multiversion! {
 multiversion! {
     /// Gradients of [`rms_norm`]: with `x̂ = x·r`, `r = 1/sqrt(mean(x²)+eps)` and `g = dy·w`,
     /// `dx = r·(g − x̂·mean(g·x̂))` and `dw = Σ_rows dy·x̂`.
-    pub fn rms_norm_backward(cpu: Cpu, x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    pub(crate) fn rms_norm_backward(cpu: Cpu, x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
         let d = w.len();
         assert!(
             d > 0 && x.len().is_multiple_of(d) && dy.len() == x.len(),
@@ -128,10 +128,11 @@ pub(super) fn bf16_worth_it(m: usize, n: usize, k: usize) -> bool {
 ///
 /// # Shapes
 /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
-pub fn linear(cpu: Cpu, x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
+pub(crate) fn linear(cpu: Cpu, x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
     if b.is_none() && m > FEW_ROWS {
         // Neither GEMM zero-fills its new output first.
-        let bf16 = large_bf16(cpu, (m, n, k)).and_then(|kernel| bf16_gemm::gemm_new(kernel, (x, (k, 1)), (w, (n, 1)), (m, k, n)));
+        let bf16 = large_bf16(cpu, (m, n, k))
+            .and_then(|kernel| bf16_gemm::gemm_new(kernel, (x, (k, 1)), (w, (n, 1)), (m, k, n)));
         return match bf16 {
             Some(y) => y,
             None => gemm_new((m, n, k), (x, (k, 1)), (w, (n, 1)), gemm_parallelism(m, n, k)),
@@ -168,7 +169,15 @@ pub(crate) fn product(
 ) {
     let bf16 = large_bf16(cpu, (m, n, k));
     if !bf16.is_some_and(|kernel| bf16_gemm::gemm(kernel, c, accumulate, (a, a_strides), (b, b_strides), (m, k, n))) {
-        gemm_into((m, n, k), c, n, accumulate, a, a_strides, b, b_strides, 1.0, gemm_parallelism(m, n, k));
+        gemm_strided(
+            (m, n, k),
+            (c, (n, 1)),
+            accumulate,
+            (a, a_strides),
+            (b, b_strides),
+            1.0,
+            gemm_parallelism(m, n, k),
+        );
     }
 }
 
@@ -176,7 +185,7 @@ pub(crate) fn product(
 /// matrix-vector product, which the GEMM crate runs at the memory bound with AVX-512; on AVX2-only
 /// CPUs the few-rows kernel's one-row pass was 10 % faster (46 against 51 ms a decode step of the
 /// 135M model, experiments/serve.md), so one row takes it there.
-pub const FEW_ROWS: usize = 16;
+pub(crate) const FEW_ROWS: usize = 16;
 
 /// Which gradients a linear layer's backward pass computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,7 +199,7 @@ pub struct LinearGrads {
 /// the GEMMs' operands in bf16 where `cpu` has a bf16 kernel and a GEMM is large, else f32. Small
 /// products run side by side on one thread each; large ones one after the other on all threads.
 #[allow(clippy::type_complexity)]
-pub fn linear_backward(
+pub(crate) fn linear_backward(
     cpu: Cpu,
     x: &[f32],
     w: &[f32],
@@ -223,17 +232,17 @@ pub fn linear_backward(
 }
 
 /// Where each of blocks `ns` wide starts when they sit side by side: `[0, n_1, n_1 + n_2, …]`.
-pub fn column_offsets(ns: &[usize]) -> Vec<usize> {
+pub(crate) fn column_offsets(ns: &[usize]) -> Vec<usize> {
     ns.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n))).collect()
 }
 
 /// Columns `at..at + n` of a row-major matrix `total` wide, as a contiguous `[rows, n]`.
-pub fn column_block(matrix: &[f32], total: usize, (at, n): (usize, usize), rows: usize) -> Vec<f32> {
+pub(crate) fn column_block(matrix: &[f32], total: usize, (at, n): (usize, usize), rows: usize) -> Vec<f32> {
     (0..rows).flat_map(|r| &matrix[r * total + at..r * total + at + n]).copied().collect()
 }
 
 /// The sums of columns `at..at + n` of a row-major matrix `total` wide (a bias's gradient).
-pub fn column_sums(matrix: &[f32], total: usize, (at, n): (usize, usize)) -> Vec<f32> {
+pub(crate) fn column_sums(matrix: &[f32], total: usize, (at, n): (usize, usize)) -> Vec<f32> {
     let mut sums = vec![0.0f32; n];
     for row in matrix.chunks_exact(total.max(1)) {
         sums.iter_mut().zip(&row[at..at + n]).for_each(|(s, v)| *s += v);
@@ -242,7 +251,7 @@ pub fn column_sums(matrix: &[f32], total: usize, (at, n): (usize, usize)) -> Vec
 }
 
 /// The columns `[M, Σ N_i]` of several row-major `[M, N_i]` (or `[K, N_i]`) blocks side by side.
-pub fn concat_columns(parts: &[&[f32]], ns: &[usize], rows: usize) -> Vec<f32> {
+pub(crate) fn concat_columns(parts: &[&[f32]], ns: &[usize], rows: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(rows * ns.iter().sum::<usize>());
     for r in 0..rows {
         for (part, &n) in parts.iter().zip(ns) {
@@ -262,7 +271,13 @@ pub fn concat_columns(parts: &[&[f32]], ns: &[usize], rows: usize) -> Vec<f32> {
 ///
 /// # Shapes
 /// - x: `[M, K]`, w_i: `[K, N_i]`, b: `[Σ N_i]` -> `[M, Σ N_i]`
-pub fn linear_multi(x: &[f32], ws: &[&[f32]], ns: &[usize], b: Option<&[f32]>, (m, k): (usize, usize)) -> Vec<f32> {
+pub(crate) fn linear_multi(
+    x: &[f32],
+    ws: &[&[f32]],
+    ns: &[usize],
+    b: Option<&[f32]>,
+    (m, k): (usize, usize),
+) -> Vec<f32> {
     assert_eq!(ws.len(), ns.len(), "linear_multi: one width a weight");
     let total: usize = ns.iter().sum();
     if m == 0 {
@@ -272,7 +287,15 @@ pub fn linear_multi(x: &[f32], ws: &[&[f32]], ns: &[usize], b: Option<&[f32]>, (
     if let Some(b) = b {
         let mut y = b[..total].repeat(m);
         for ((w, &n), &off) in ws.iter().zip(ns).zip(&offsets) {
-            gemm_into((m, n, k), &mut y[off..], total, true, x, (k, 1), w, (n, 1), 1.0, gemm_parallelism(m, n, k));
+            gemm_strided(
+                (m, n, k),
+                (&mut y[off..], (total, 1)),
+                true,
+                (x, (k, 1)),
+                (w, (n, 1)),
+                1.0,
+                gemm_parallelism(m, n, k),
+            );
         }
         return y;
     }
@@ -296,7 +319,7 @@ pub fn linear_multi(x: &[f32], ws: &[&[f32]], ns: &[usize], b: Option<&[f32]>, (
 ///
 /// # Shapes
 /// - x: `[M, K]`, w_i: `[K, N_i]`, dy: `[M, Σ N_i]` -> (`[M, K]`, `[K, N_i]` each)
-pub fn linear_multi_backward(
+pub(crate) fn linear_multi_backward(
     x: &[f32],
     ws: &[&[f32]],
     ns: &[usize],
@@ -318,7 +341,9 @@ pub fn linear_multi_backward(
             let (dy_i, w_t) = ((&dy[off..], (total, 1)), (*w, (1, n)));
             match &mut dx {
                 None => dx = Some(gemm_new((m, k, n), dy_i, w_t, par(m, k, n))),
-                Some(dx) => gemm_into((m, k, n), dx, k, true, dy_i.0, dy_i.1, w_t.0, w_t.1, 1.0, par(m, k, n)),
+                Some(dx) => {
+                    gemm_strided((m, k, n), (dx, (k, 1)), true, (dy_i.0, dy_i.1), (w_t.0, w_t.1), 1.0, par(m, k, n))
+                }
             }
         }
         dx.unwrap_or_else(|| vec![0.0; m * k])
@@ -343,7 +368,7 @@ pub fn linear_multi_backward(
 
 /// One part's low-rank update in [`add_low_rank`]: `scale · (x · a) · b` (a LoRA adapter).
 #[derive(Debug, Clone, Copy)]
-pub struct LowRank<'a> {
+pub(crate) struct LowRank<'a> {
     /// `[K, rank]`.
     pub a: &'a [f32],
     /// `[rank, N_i]`.
@@ -401,7 +426,7 @@ fn side_by_side_a((adapted, ranks): (&[Adapted], usize), k: usize) -> Vec<f32> {
 /// [`side_by_side_a`].
 fn low_rank_inputs(u: &mut [f32], x: &[f32], a: &[f32], ranks: usize, k: usize) {
     let rows = u.len() / ranks.max(1);
-    gemm_into((rows, ranks, k), u, ranks, false, x, (k, 1), a, (ranks, 1), 1.0, gemm::Parallelism::None);
+    gemm_strided((rows, ranks, k), (u, (ranks, 1)), false, (x, (k, 1)), (a, (ranks, 1)), 1.0, gemm::Parallelism::None);
 }
 
 /// Adds the low-rank updates `scale_i · (x · a_i) · b_i` of the parts that have one to their
@@ -416,7 +441,7 @@ fn low_rank_inputs(u: &mut [f32], x: &[f32], a: &[f32], ranks: usize, k: usize) 
 ///
 /// # Shapes
 /// - y: `[M, Σ N_i]`, x: `[M, K]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]`
-pub fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowRank>], (m, k): (usize, usize)) {
+pub(crate) fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowRank>], (m, k): (usize, usize)) {
     assert_eq!(parts.len(), ns.len(), "add_low_rank: one part a width");
     let (adapted, ranks) = adapted(ns, parts);
     let total: usize = ns.iter().sum();
@@ -432,15 +457,12 @@ pub fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowR
         low_rank_inputs(&mut u, x, &a, ranks, k);
         for &Adapted { off, n, at, lr } in &adapted {
             let none = gemm::Parallelism::None;
-            gemm_into(
+            gemm_strided(
                 (rows, n, lr.rank),
-                &mut y[off..],
-                total,
+                (&mut y[off..], (total, 1)),
                 true,
-                &u[at..],
-                (ranks, 1),
-                lr.b,
-                (n, 1),
+                (&u[at..], (ranks, 1)),
+                (lr.b, (n, 1)),
                 lr.scale,
                 none,
             );
@@ -449,7 +471,7 @@ pub fn add_low_rank(y: &mut [f32], x: &[f32], ns: &[usize], parts: &[Option<LowR
 }
 
 /// The gradients `(dA_i, dB_i)` of one adapted part, each `None` where not asked for.
-pub type LowRankGrads = (Option<Vec<f32>>, Option<Vec<f32>>);
+pub(crate) type LowRankGrads = (Option<Vec<f32>>, Option<Vec<f32>>);
 
 /// Gradients of [`add_low_rank`] given `dy` `[M, Σ N_i]`: with `dU_i = scale_i · dY_i · b_iᵀ`,
 /// adds `Σ dU_i · a_iᵀ` to `dx` (the base product's input gradient) where given, and returns each
@@ -465,7 +487,7 @@ pub type LowRankGrads = (Option<Vec<f32>>, Option<Vec<f32>>);
 /// # Shapes
 /// - x: `[M, K]`, a_i: `[K, r_i]`, b_i: `[r_i, N_i]`, dy: `[M, Σ N_i]`, dx: `[M, K]` ->
 ///   (`[K, r_i]`, `[r_i, N_i]`) each
-pub fn low_rank_backward(
+pub(crate) fn low_rank_backward(
     x: &[f32],
     ns: &[usize],
     parts: &[Option<LowRank>],
@@ -500,11 +522,19 @@ pub fn low_rank_backward(
         for &Adapted { off, n, at, lr } in adapted.iter().filter(|_| need_du) {
             // dU_i = scale · dY_i · b_iᵀ: b_iᵀ read where b_i is (strides (1, n)).
             let (dy_i, b_t) = ((&dy[off..], (total, 1)), (lr.b, (1, n)));
-            gemm_into((rows, lr.rank, n), &mut du[at..], ranks, false, dy_i.0, dy_i.1, b_t.0, b_t.1, lr.scale, none);
+            gemm_strided(
+                (rows, lr.rank, n),
+                (&mut du[at..], (ranks, 1)),
+                false,
+                (dy_i.0, dy_i.1),
+                (b_t.0, b_t.1),
+                lr.scale,
+                none,
+            );
         }
         if let Some(dx) = dx {
             // dX += Σ dU_i · a_iᵀ = dU · [a_1 | a_2 | …]ᵀ: one pass over dX.
-            gemm_into((rows, k, ranks), dx, k, true, du, (ranks, 1), &a, (1, ranks), 1.0, none);
+            gemm_strided((rows, k, ranks), (dx, (k, 1)), true, (du, (ranks, 1)), (&a, (1, ranks)), 1.0, none);
         }
     };
     let rows = low_rank_rows(m);
@@ -558,7 +588,7 @@ fn sigmoid(z: f32) -> f32 {
 
 multiversion! {
     /// One AdamW update in place (see [`crate::AdamWStep`]), in f32 like torch's, one pass over memory.
-    pub fn adamw(cpu: Cpu, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &crate::AdamWStep) {
+    pub(crate) fn adamw(cpu: Cpu, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &crate::AdamWStep) {
         let (b1, b2, scale) = (h.beta1 as f32, h.beta2 as f32, h.grad_scale as f32);
         let (lr, eps, keep) = (h.lr as f32, h.eps as f32, (1.0 - h.decay) as f32);
         let (inv_bias1, inv_bias2) = ((1.0 / h.bias1) as f32, (1.0 / h.bias2) as f32);
@@ -579,7 +609,7 @@ multiversion! {
 
 multiversion! {
     /// `Σ x²`, accumulated in f64.
-    pub fn sum_squares(cpu: Cpu, x: &[f32]) -> f64 {
+    pub(crate) fn sum_squares(cpu: Cpu, x: &[f32]) -> f64 {
         // Eight f64 lanes a chunk (one AVX-512 vector), each summed in order, then added in order:
         // plain loops over arrays, so that nothing of it is left to a generic iterator that LLVM
         // may not inline into the wider copies.
@@ -613,7 +643,7 @@ multiversion! {
 /// `[-87.3, 88.7]`, so results below f32's smallest normal come out as about 1e-38 instead of 0.
 /// NaN stays NaN.
 #[inline(always)]
-pub fn exp(x: f32) -> f32 {
+pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
@@ -647,28 +677,19 @@ fn matmul(
     rhs_strides: (usize, usize),
     beta: f32,
 ) {
-    gemm_into(mnk, dst, dst_rs, accumulate, lhs, lhs_strides, rhs, rhs_strides, beta, gemm::Parallelism::None)
+    gemm_strided(
+        mnk,
+        (dst, (dst_rs, 1)),
+        accumulate,
+        (lhs, lhs_strides),
+        (rhs, rhs_strides),
+        beta,
+        gemm::Parallelism::None,
+    )
 }
 
-/// [`matmul`] with a choice of threads.
-#[allow(clippy::too_many_arguments)]
-fn gemm_into(
-    mnk: (usize, usize, usize),
-    dst: &mut [f32],
-    dst_rs: usize,
-    accumulate: bool,
-    lhs: &[f32],
-    lhs_strides: (usize, usize),
-    rhs: &[f32],
-    rhs_strides: (usize, usize),
-    beta: f32,
-    parallelism: gemm::Parallelism,
-) {
-    gemm_strided(mnk, (dst, (dst_rs, 1)), accumulate, (lhs, lhs_strides), (rhs, rhs_strides), beta, parallelism)
-}
-
-/// `dst (+)= beta · lhs · rhs`, the output too with (row, column) strides (a transposed product's
-/// output: the few-rows kernels' portable path).
+/// `dst (+)= beta · lhs · rhs`, every operand (the output too) with (row, column) strides, on the
+/// threads `parallelism` allows.
 pub(crate) fn gemm_strided(
     mnk: (usize, usize, usize),
     (dst, dst_strides): (&mut [f32], (usize, usize)),
@@ -830,7 +851,7 @@ multiversion! {
     /// Rotates the q and k heads of every packed row (the first `H + K` heads) by their position's
     /// angles and copies the v heads; `inverse` rotates back (the gradient of the rotation).
     /// `cos`, `sin`: `[T_max, Dh/2]`.
-    pub fn rope_packed(cpu: Cpu, qkv: &[f32], s: &AttnShape, cos: &[f32], sin: &[f32], inverse: bool) -> Vec<f32> {
+    pub(crate) fn rope_packed(cpu: Cpu, qkv: &[f32], s: &AttnShape, cos: &[f32], sin: &[f32], inverse: bool) -> Vec<f32> {
         let dh = s.head_dim;
         let half = dh / 2;
         let width = s.packed_width();
@@ -869,7 +890,7 @@ multiversion! {
 }
 
 /// What the forward pass keeps for the backward pass.
-pub struct AttnOut {
+pub(crate) struct AttnOut {
     /// `[B, T, H, Dh]` rows.
     pub o: Vec<f32>,
     /// Log-sum-exp of each query's scaled scores, `[B, H, T]`.
@@ -932,7 +953,7 @@ fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
 /// attention`, 9/3 heads of 64, 2 Zen 5 cores): forward + backward 1.0× f32 at 256 positions (0.94×
 /// with 6/6 heads), 1.2× at 320, 1.23× at 512, 1.42× at 1,024, 1.49× at 2,048. The products run on
 /// the AVX512_BF16 vector kernel (AMX CPUs have it too).
-pub fn attention_in_bf16(cpu: Cpu, s: &AttnShape) -> bool {
+pub(crate) fn attention_in_bf16(cpu: Cpu, s: &AttnShape) -> bool {
     cpu.bf16.is_some() && bf16_gemm::supported() && s.seq > 4 * CAUSAL_BLOCK && s.head_dim >= 32
 }
 
@@ -1015,7 +1036,7 @@ multiversion! {
     ///
     /// # Shapes
     /// - qkv: `[B·T, (H + 2K)·Dh]` -> o: `[B·T, H·Dh]`, lse: `[B·H·T]`
-    pub fn attention_in(cpu: Cpu, qkv: &[f32], s: &AttnShape, bf16: bool) -> AttnOut {
+    pub(crate) fn attention_in(cpu: Cpu, qkv: &[f32], s: &AttnShape, bf16: bool) -> AttnOut {
         let (t, h, dh) = (s.seq, s.heads, s.head_dim);
         let (w, (k_off, v_off)) = (s.packed_width(), s.offsets());
         // bf16: each (batch, key/value head)'s keys and values packed once for the heads that share them.
@@ -1109,7 +1130,7 @@ multiversion! {
     ///
     /// # Shapes
     /// - qkv: `[B·T, (H + 2K)·Dh]`, d_o: `[B·T, H·Dh]` -> `[B·T, (H + 2K)·Dh]`
-    pub fn attention_backward_in(
+    pub(crate) fn attention_backward_in(
         cpu: Cpu,
         qkv: &[f32],
         saved: (&[f32], &[f32]),
@@ -1227,7 +1248,7 @@ multiversion! {
     ///
     /// # Shapes
     /// - gu: `[N, 2F]` -> `[N, F]`
-    pub fn swiglu_packed(cpu: Cpu, gu: &[f32], f: usize) -> Vec<f32> {
+    pub(crate) fn swiglu_packed(cpu: Cpu, gu: &[f32], f: usize) -> Vec<f32> {
         assert!(f > 0 && gu.len().is_multiple_of(2 * f), "swiglu: {} values in rows of 2·{f}", gu.len());
         let rows = gu.len() / (2 * f);
         let mut y = Box::<[f32]>::new_uninit_slice(rows * f);
@@ -1247,7 +1268,7 @@ multiversion! {
 
 multiversion! {
     /// Gradient of [`swiglu_packed`], packed the same way.
-    pub fn swiglu_packed_backward(cpu: Cpu, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+    pub(crate) fn swiglu_packed_backward(cpu: Cpu, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
         assert!(
             f > 0 && gu.len().is_multiple_of(2 * f) && dy.len() * 2 == gu.len(),
             "swiglu_backward: {} values and {} gradients in rows of 2·{f}",
@@ -1551,7 +1572,8 @@ mod tests {
             let q: Vec<f32> = random(n * s.heads * dh, 41).iter().map(|x| 3.0 * x).collect();
             let (k, v) = (random(n * s.kv_heads * dh, 42), random(n * s.kv_heads * dh, 43));
             let qkv = pack(&q, &k, &v, &s);
-            let (exact, rounded) = (attention_in(bf16_cpu(), &qkv, &s, false), attention_in(bf16_cpu(), &qkv, &s, true));
+            let (exact, rounded) =
+                (attention_in(bf16_cpu(), &qkv, &s, false), attention_in(bf16_cpu(), &qkv, &s, true));
             let what = format!("{s:?}");
             // bf16 operands (8 significant bits, f32 sums): outputs within 1 % of their largest.
             assert_close(&rounded.o, &exact.o, 1e-2, &format!("o, {what}"));
@@ -1560,7 +1582,8 @@ mod tests {
             assert!(diff > 1e-5, "bf16 equals f32: not taken ({what})");
             assert!(rounded.o.iter().chain(&rounded.lse).all(|x| x.is_finite()), "{what}");
             let d_o = random(n * s.heads * dh, 44);
-            let grads = |out: &AttnOut, bf16| attention_backward_in(bf16_cpu(), &qkv, (&out.o, &out.lse), &d_o, &s, bf16);
+            let grads =
+                |out: &AttnOut, bf16| attention_backward_in(bf16_cpu(), &qkv, (&out.o, &out.lse), &d_o, &s, bf16);
             let (exact, rounded) = (grads(&exact, false), grads(&rounded, true));
             // Gradients within 2 % of their largest, per part (q, k, v).
             let (qw, kw) = (s.heads * dh, s.kv_heads * dh);
@@ -1611,7 +1634,8 @@ mod tests {
         let (m, k, n) = (1024, 512, 400);
         let (x, w, dy) = (random(m * k, 30), random(k * n, 31), random(m * n, 32));
         let y = linear(f32_cpu(), &x, &w, None, (m, k, n));
-        let (dx, dw, _) = linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: false });
+        let (dx, dw, _) =
+            linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: false });
         let (dx, dw) = (dx.unwrap(), dw.unwrap());
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(33);
         for _ in 0..200 {
@@ -1806,7 +1830,8 @@ mod tests {
         let (m, k, n) = (5, 7, 3);
         let (x, w, b, dy) = (random(m * k, 20), random(k * n, 21), random(n, 22), random(m * n, 23));
         let y = linear(f32_cpu(), &x, &w, Some(&b), (m, k, n));
-        let (dx, dw, db) = linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: true });
+        let (dx, dw, db) =
+            linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: true, w: true, b: true });
         let (dx, dw) = (dx.unwrap(), dw.unwrap());
         let only_w = linear_backward(f32_cpu(), &x, &w, &dy, (m, k, n), LinearGrads { x: false, w: true, b: false });
         assert!(only_w.0.is_none() && only_w.2.is_none() && only_w.1.as_deref() == Some(&dw[..]));

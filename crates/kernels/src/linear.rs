@@ -789,8 +789,8 @@ impl<B: EmberBackend, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{assert_close, compare, leaf, FusedOrReference, AB};
     use super::*;
+    use crate::testing::{assert_close, compare, leaf, FusedOrReference, AB};
 
     #[test]
     fn fused_linear_equals_the_composition() {
@@ -934,8 +934,14 @@ mod tests {
             Some((m, k, ns.to_vec())),
             "the kernels do not take this case: the test compares the reference with itself"
         );
-        let ((dx, dws, dbs), low_rank) =
-            <Flex as LinearOps>::linear_lora_backward(x.clone(), ws(&inputs), lora(&inputs), dy_p.clone(), &need, Compute::default());
+        let ((dx, dws, dbs), low_rank) = <Flex as LinearOps>::linear_lora_backward(
+            x.clone(),
+            ws(&inputs),
+            lora(&inputs),
+            dy_p.clone(),
+            &need,
+            Compute::default(),
+        );
         let ((want_dx, _, want_dbs), want_low_rank) =
             reference_lora_backward::<Flex>(x, ws(&inputs), lora(&inputs), dy_p, &need);
         assert!(dws.iter().all(Option::is_none), "a frozen weight's gradient was formed");
@@ -981,7 +987,11 @@ mod tests {
         // 1..=16 rows take the kernel, 17 the composition.
         for (m, k, n) in [(1, 64, 300), (8, 40, 97), (16, 576, 50), (17, 33, 20)] {
             let (x, w) = (leaf([m, k], 4), leaf([n, k], 5));
-            let got = float::<Flex, 2>(<Flex as LinearOps>::linear_nt_forward(prim(x.clone()), prim(w.clone()), Compute::default()));
+            let got = float::<Flex, 2>(<Flex as LinearOps>::linear_nt_forward(
+                prim(x.clone()),
+                prim(w.clone()),
+                Compute::default(),
+            ));
             assert_close(&format!("linear_nt {m}x{k}x{n}"), vec![got], vec![x.clone().matmul(w.clone().transpose())]);
             // Under autodiff (the composition, differentiable), values and gradients.
             compare(&format!("linear_nt {m}x{k}x{n} autodiff"), vec![x, w], [m, n], &|xs, fused| {
@@ -999,8 +1009,13 @@ mod tests {
         let (m, k, n) = (11, 7, 5);
         let (x, w, dy) = (leaf([m, k], 1), leaf([k, n], 2), leaf([m, n], 3));
         let need = LinearGrads { x: true, w: true, b: true };
-        let (dx, dw, db) =
-            <Flex as LinearOps>::linear_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), need, Compute::default());
+        let (dx, dw, db) = <Flex as LinearOps>::linear_backward(
+            prim(x.clone()),
+            prim(w.clone()),
+            prim(dy.clone()),
+            need,
+            Compute::default(),
+        );
         let got = [dx, dw].into_iter().map(|g| float(g.expect("asked for"))).collect();
         let (want_dx, want_dw, want_db) = reference_backward(x.clone(), w.clone(), dy.clone());
         assert_close("linear", got, vec![want_dx, want_dw]);

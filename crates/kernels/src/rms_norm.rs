@@ -91,7 +91,13 @@ impl RmsNormOps for Flex {
             let (dx, dw) = reference_backward(float::<Self, 2>(x), float(w), float(dy), eps);
             return (prim(dx), prim(dw));
         }
-        let (dx, dw) = kernels::rms_norm_backward(cx.elementwise_cpu(), &flex::f32s(&x), &flex::f32s(&w), &flex::f32s(&dy), eps as f32);
+        let (dx, dw) = kernels::rms_norm_backward(
+            cx.elementwise_cpu(),
+            &flex::f32s(&x),
+            &flex::f32s(&w),
+            &flex::f32s(&dy),
+            eps as f32,
+        );
         (flex::tensor(dx, xs), flex::tensor(dw, ws))
     }
 }
@@ -128,8 +134,8 @@ impl<B: EmberBackend, C: CheckpointStrategy> RmsNormOps for Autodiff<B, C> {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{assert_close, compare, leaf};
     use super::*;
+    use crate::testing::{assert_close, compare, leaf};
 
     #[test]
     fn fused_rms_norm_equals_the_composition() {
@@ -150,7 +156,8 @@ mod tests {
     fn kernel_backward_equals_the_reference_backward() {
         let (n, d) = (9, 24);
         let (x, w, dy) = (leaf([n, d], 1), leaf([1, d], 2).reshape([d]), leaf([n, d], 3));
-        let (dx, dw) = Flex::rms_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), 1e-5, Compute::default());
+        let (dx, dw) =
+            Flex::rms_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), 1e-5, Compute::default());
         let (want_dx, want_dw) = reference_backward(x, w, dy, 1e-5);
         let got = vec![float(dx), float::<Flex, 1>(dw).unsqueeze()];
         assert_close("rms_norm", got, vec![want_dx, want_dw.unsqueeze()]);

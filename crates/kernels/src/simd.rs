@@ -29,7 +29,7 @@ impl Tier {
 }
 
 /// The widest tier the CPU has (std caches the detection).
-pub fn detected() -> Tier {
+pub(crate) fn detected() -> Tier {
     #[cfg(target_arch = "x86_64")]
     {
         let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");

@@ -71,7 +71,10 @@ impl SwigluOps for Flex {
         if !flex::all_f32(&[&gu, &dy]) || !shape[1].is_multiple_of(2) || flex::shape(&dy) != [shape[0], shape[1] / 2] {
             return prim(reference_backward(float::<Self, 2>(gu), float(dy)));
         }
-        flex::tensor(kernels::swiglu_packed_backward(cx.elementwise_cpu(), &flex::f32s(&gu), &flex::f32s(&dy), shape[1] / 2), shape)
+        flex::tensor(
+            kernels::swiglu_packed_backward(cx.elementwise_cpu(), &flex::f32s(&gu), &flex::f32s(&dy), shape[1] / 2),
+            shape,
+        )
     }
 }
 
@@ -103,8 +106,8 @@ impl<B: EmberBackend, C: CheckpointStrategy> SwigluOps for Autodiff<B, C> {
 
 #[cfg(test)]
 mod tests {
-    use crate::testing::{assert_close, compare, leaf};
     use super::*;
+    use crate::testing::{assert_close, compare, leaf};
 
     #[test]
     fn fused_swiglu_equals_the_composition() {

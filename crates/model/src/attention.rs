@@ -36,7 +36,7 @@ pub struct Attention<B: Backend> {
 impl AttentionConfig {
     /// The projections, drawn from `init`. Call [`AttentionConfig::validate`] first (as
     /// `Decoder::new` does): a config that breaks its rules builds a part that panics when run.
-    pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
+    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
         let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
         Attention {
             q_proj: Linear::new(init, d, h * dh, self.qkv_bias, self.init_std, device),
@@ -52,7 +52,7 @@ impl AttentionConfig {
 }
 
 /// Where an attention call's keys and values come from.
-pub enum Keys<'a, B: Backend> {
+pub(crate) enum Keys<'a, B: Backend> {
     /// The call's own: whole sequences whose first position is absolute position `start`; with
     /// `docs`, each packed document of a row alone (its positions restart at `start`).
     Own { start: usize, docs: Option<&'a Documents> },
@@ -69,7 +69,7 @@ impl<B: EmberBackend> Attention<B> {
     ///
     /// Projections and the attention GEMMs run in `cx.dtype`; RoPE, the softmax and the result are
     /// f32.
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
+    pub(crate) fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let qkv = self.qkv(x.reshape([b * t, d]), cx); // [B·T, (H + 2K)·Dh]
         let o = match keys {

@@ -28,7 +28,7 @@ pub struct Block<B: Backend> {
 impl BlockConfig {
     /// The part, its weights drawn from `init`. Call [`BlockConfig::validate`] first (as `Decoder::new`
     /// does): a config that breaks its rules builds a part that panics when run.
-    pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Block<B> {
+    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Block<B> {
         Block {
             input_layernorm: self.norm.init(device),
             self_attn: self.attention.init(init, device),
@@ -55,7 +55,7 @@ impl<B: Backend> Block<B> {
     }
 
     /// The projection `target` names, to change.
-    pub fn projection_mut(&mut self, target: Target) -> &mut Linear<B> {
+    pub(crate) fn projection_mut(&mut self, target: Target) -> &mut Linear<B> {
         let (att, mlp) = (&mut self.self_attn, &mut self.mlp);
         match target {
             Target::QProj => &mut att.q_proj,
@@ -72,7 +72,7 @@ impl<B: Backend> Block<B> {
 impl<B: EmberBackend> Block<B> {
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
+    pub(crate) fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone(), cx), rope, keys, cx);
         let h = (x + dropout(attn, self.dropout)).reshape([b * t, d]); // [B·T, D]

@@ -93,7 +93,7 @@ pub enum ConfigError {
 /// Upper bounds on a config's sizes, checked before anything is allocated: far above any released
 /// model of this family (Llama 3 405B: d_model 16,384, 126 layers, 128 heads, d_ff 53,248; Gemma's
 /// 262,144-token vocabulary; 1M-token contexts), low enough that products of them cannot overflow.
-pub const LIMITS: [(&str, u64); 8] = [
+pub(crate) const LIMITS: [(&str, u64); 8] = [
     ("vocab_size", 1 << 24),
     ("d_model", 1 << 16),
     ("n_layers", 1 << 10),
@@ -105,11 +105,11 @@ pub const LIMITS: [(&str, u64); 8] = [
 ];
 
 /// Parameters a config may describe (4.4 trillion).
-pub const MAX_PARAMS: u64 = 1 << 42;
+pub(crate) const MAX_PARAMS: u64 = 1 << 42;
 
 impl ModelConfig {
     /// The RoPE tables of this model (its base, layout and scaling), `[T_max, Dh/2]`.
-    pub fn rope<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Rope<B> {
+    pub(crate) fn rope<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Rope<B> {
         let scaling = self.rope_scaling.as_ref();
         Rope::with_scaling(self.max_seq_len, self.head_dim(), self.rope_theta, self.rope_layout, scaling, device)
     }
@@ -191,7 +191,7 @@ impl ModelConfig {
     }
 
     /// The config of every block's attention.
-    pub fn attention(&self) -> AttentionConfig {
+    pub(crate) fn attention(&self) -> AttentionConfig {
         AttentionConfig {
             d_model: self.d_model,
             n_heads: self.n_heads,
@@ -205,17 +205,17 @@ impl ModelConfig {
     }
 
     /// The config of every block's MLP.
-    pub fn mlp(&self) -> MlpConfig {
+    pub(crate) fn mlp(&self) -> MlpConfig {
         MlpConfig { d_model: self.d_model, d_ff: self.d_ff, init_std: self.init_std, out_std: self.residual_out_std() }
     }
 
     /// The config of every RMSNorm of the model.
-    pub fn norm(&self) -> RmsNormConfig {
+    pub(crate) fn norm(&self) -> RmsNormConfig {
         RmsNormConfig { d_model: self.d_model, eps: self.norm_eps }
     }
 
     /// The config of every block.
-    pub fn block(&self) -> BlockConfig {
+    pub(crate) fn block(&self) -> BlockConfig {
         BlockConfig { attention: self.attention(), mlp: self.mlp(), norm: self.norm(), dropout: self.dropout }
     }
 
@@ -251,7 +251,7 @@ impl ModelConfig {
     /// Forward FLOPs per token at context `seq_len`: `2N + 4·L·T·(H·Dh)` (PaLM appendix B; a
     /// multiply-add is 2 FLOPs; the attention term counts the full T×T score matrix, as MFU does).
     /// `H·Dh` is the attention width, equal to `d_model` for Llama and Qwen2.
-    pub fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
+    pub(crate) fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
         let attn_width = (self.n_heads * self.head_dim()) as f64;
         2.0 * self.matmul_params() as f64 + 4.0 * self.n_layers as f64 * seq_len as f64 * attn_width
     }
@@ -294,7 +294,7 @@ fn validate_rope_scaling(scaling: &RopeScaling) -> Result<(), ConfigError> {
 
 /// What an `Attention` is built from (its `init` is in the attention module).
 #[derive(Debug, Clone, PartialEq)]
-pub struct AttentionConfig {
+pub(crate) struct AttentionConfig {
     pub d_model: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
@@ -309,7 +309,8 @@ pub struct AttentionConfig {
 impl AttentionConfig {
     /// Multi-head attention of `n_heads` heads over `d_model` (one key/value head a query head, no
     /// bias, no window, init std 0.02): the fields are public for the rest.
-    pub fn new(d_model: usize, n_heads: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(d_model: usize, n_heads: usize) -> Self {
         let head_dim = d_model / n_heads.max(1);
         let (init_std, out_std) = (0.02, 0.02);
         Self {
@@ -324,7 +325,7 @@ impl AttentionConfig {
         }
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         let sizes = [("d_model", self.d_model), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)];
         if let Some((name, _)) = sizes.into_iter().find(|&(_, value)| value == 0) {
             return Err(ConfigError::NotPositive { name, value: 0.0 });
@@ -352,7 +353,7 @@ impl AttentionConfig {
 
 /// What an `Mlp` is built from (its `init` is in the mlp module).
 #[derive(Debug, Clone, PartialEq)]
-pub struct MlpConfig {
+pub(crate) struct MlpConfig {
     pub d_model: usize,
     pub d_ff: usize,
     /// Init standard deviation of the gate and up projections and of the down projection.
@@ -362,11 +363,12 @@ pub struct MlpConfig {
 
 impl MlpConfig {
     /// A SwiGLU MLP of width `d_ff` over `d_model`, init std 0.02.
-    pub fn new(d_model: usize, d_ff: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(d_model: usize, d_ff: usize) -> Self {
         Self { d_model, d_ff, init_std: 0.02, out_std: 0.02 }
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         if let Some((name, _)) = [("d_model", self.d_model), ("d_ff", self.d_ff)].into_iter().find(|&(_, v)| v == 0) {
             return Err(ConfigError::NotPositive { name, value: 0.0 });
         }
@@ -376,22 +378,24 @@ impl MlpConfig {
 
 /// What an `RmsNorm` is built from (its `init` is in the norm module).
 #[derive(Debug, Clone, PartialEq)]
-pub struct RmsNormConfig {
+pub(crate) struct RmsNormConfig {
     pub d_model: usize,
     pub eps: f64,
 }
 
 impl RmsNormConfig {
     /// An RMSNorm over `d_model` channels with eps 1e-5 (Llama's; Qwen2 uses 1e-6).
-    pub fn new(d_model: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(d_model: usize) -> Self {
         Self { d_model, eps: 1e-5 }
     }
 
-    pub fn with_eps(self, eps: f64) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_eps(self, eps: f64) -> Self {
         Self { eps, ..self }
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         if self.d_model == 0 {
             return Err(ConfigError::NotPositive { name: "d_model", value: 0.0 });
         }
@@ -404,7 +408,7 @@ impl RmsNormConfig {
 
 /// What a `Block` is built from (its `init` is in the block module).
 #[derive(Debug, Clone, PartialEq)]
-pub struct BlockConfig {
+pub(crate) struct BlockConfig {
     pub attention: AttentionConfig,
     pub mlp: MlpConfig,
     /// Both norms of the block.
@@ -413,7 +417,7 @@ pub struct BlockConfig {
 }
 
 impl BlockConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         self.attention.validate()?;
         self.mlp.validate()?;
         self.norm.validate()?;

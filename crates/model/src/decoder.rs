@@ -13,10 +13,10 @@ use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
 use crate::norm::RmsNorm;
+use crate::to_dtype;
 use ember_kernels::documents::Documents;
 use ember_kernels::rope::Rope;
 use ember_kernels::{Compute, EmberBackend};
-use crate::to_dtype;
 
 #[derive(Module, Debug)]
 pub struct Decoder<B: Backend> {
@@ -130,7 +130,7 @@ impl<B: EmberBackend> Decoder<B> {
     ///
     /// # Panics
     /// As [`KvCache::step_rows`].
-    pub fn forward_cached_rows(
+    pub(crate) fn forward_cached_rows(
         &self,
         tokens: Tensor<B, 2, Int>,
         rows: &[usize],
@@ -242,9 +242,9 @@ mod tests {
     use super::*;
     use crate::config::{tiny_config, RopeLayout};
     use crate::lora::LoraConfig;
-    use ember_kernels::rope::interleaved_to_half_split;
     use crate::TestBackend;
     use burn::tensor::{TensorData, Tolerance};
+    use ember_kernels::rope::interleaved_to_half_split;
 
     type B = TestBackend;
 

@@ -12,8 +12,8 @@ use std::collections::VecDeque;
 
 use crate::decoder::Decoder;
 use crate::kv_cache::KvCache;
-use ember_kernels::EmberBackend;
 use crate::sample::{check_prompts, feed_rows, SampleError, Sampler};
+use ember_kernels::EmberBackend;
 
 /// The engine's name for a request, in submission order.
 pub type RequestId = u64;

@@ -8,23 +8,23 @@ use rand_chacha::ChaCha8Rng;
 
 /// Seeded source of initial weights. ChaCha8's output is fixed by its specification, so a seed keeps
 /// meaning the same weights across `rand` releases.
-pub struct Init {
+pub(crate) struct Init {
     /// `None`: every weight is zero (a model about to be overwritten by loaded weights).
     rng: Option<ChaCha8Rng>,
 }
 
 impl Init {
-    pub fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         Self { rng: Some(ChaCha8Rng::seed_from_u64(seed)) }
     }
 
     /// Zeros instead of random draws: cheap for a model whose weights are loaded next.
-    pub fn zeros() -> Self {
+    pub(crate) fn zeros() -> Self {
         Self { rng: None }
     }
 
     /// `n` draws from normal(0, std), by Box-Muller in f64.
-    pub fn normal(&mut self, n: usize, std: f64) -> Vec<f32> {
+    pub(crate) fn normal(&mut self, n: usize, std: f64) -> Vec<f32> {
         let Some(rng) = self.rng.as_mut() else { return vec![0.0; n] };
         let mut out = Vec::with_capacity(n + 1);
         while out.len() < n {
@@ -41,7 +41,7 @@ impl Init {
     }
 
     /// A trainable parameter drawn from uniform(-bound, bound).
-    pub fn uniform_param<B: Backend, const D: usize>(
+    pub(crate) fn uniform_param<B: Backend, const D: usize>(
         &mut self,
         shape: [usize; D],
         bound: f64,
@@ -56,7 +56,7 @@ impl Init {
     }
 
     /// A trainable parameter drawn from normal(0, std).
-    pub fn normal_param<B: Backend, const D: usize>(
+    pub(crate) fn normal_param<B: Backend, const D: usize>(
         &mut self,
         shape: [usize; D],
         std: f64,
@@ -71,7 +71,7 @@ impl Init {
 }
 
 /// A trainable parameter filled with `value` (RMSNorm gains: 1, biases: 0).
-pub fn const_param<B: Backend, const D: usize>(
+pub(crate) fn const_param<B: Backend, const D: usize>(
     shape: [usize; D],
     value: f32,
     device: &B::Device,

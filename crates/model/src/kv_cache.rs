@@ -110,16 +110,6 @@ impl<B: Backend> KvCache<B> {
         self.lens[b] = 0;
     }
 
-    /// Starts a forward call that brings `new_lens[b]` real positions to sequence `b`, for every
-    /// sequence of the cache: [`Self::step_rows`] over all of them.
-    ///
-    /// # Panics
-    /// As [`Self::step_rows`].
-    pub fn step(&mut self, new_lens: &[usize]) -> CacheStep<'_, B> {
-        let rows: Vec<usize> = (0..self.batch()).collect();
-        self.step_rows(&rows, new_lens)
-    }
-
     /// Starts a forward call over some of the cache's sequences: batch row `i` of the call is
     /// sequence `rows[i]` and brings `new_lens[i]` real positions. The step hands each layer its view
     /// of the cache, and [`CacheStep::finish`] makes the new positions part of the sequences. The
@@ -129,7 +119,7 @@ impl<B: Backend> KvCache<B> {
     /// If `rows` and `new_lens` differ in length, a row is named twice or does not exist, or a
     /// sequence would outgrow the model's context (callers check the lengths first:
     /// `generate_batch` and the engine refuse prompts that do not fit).
-    pub fn step_rows(&mut self, rows: &[usize], new_lens: &[usize]) -> CacheStep<'_, B> {
+    pub(crate) fn step_rows(&mut self, rows: &[usize], new_lens: &[usize]) -> CacheStep<'_, B> {
         assert_eq!(new_lens.len(), rows.len(), "one length per row");
         for (i, (&row, &n)) in rows.iter().zip(new_lens).enumerate() {
             assert!(row < self.batch() && !rows[..i].contains(&row), "row {row} named twice or out of range");
@@ -204,18 +194,18 @@ impl<B: Backend> KvCache<B> {
 /// new positions count only once [`CacheStep::finish`] is called: a step dropped without it leaves
 /// the lengths where they were (and what it wrote is overwritten by the next call).
 #[must_use = "a cache step's positions count only after `finish`"]
-pub struct CacheStep<'a, B: Backend> {
+pub(crate) struct CacheStep<'a, B: Backend> {
     cache: &'a mut KvCache<B>,
 }
 
 impl<B: Backend> CacheStep<'_, B> {
     /// Layer `layer`'s view of the cache for this call.
-    pub fn layer(&mut self, layer: usize) -> LayerKv<'_, B> {
+    pub(crate) fn layer(&mut self, layer: usize) -> LayerKv<'_, B> {
         LayerKv { cache: self.cache, layer }
     }
 
     /// Ends the call: the new positions become part of the call's sequences.
-    pub fn finish(self) {
+    pub(crate) fn finish(self) {
         let c = self.cache;
         if let Some(plan) = c.plan.take() {
             for (&row, &n) in plan.rows.iter().zip(&plan.pending) {
@@ -227,14 +217,14 @@ impl<B: Backend> CacheStep<'_, B> {
 
 /// One layer's keys and values for the call under way: where each row's new positions start, and
 /// what its queries attend over once the new keys and values are stored.
-pub struct LayerKv<'a, B: Backend> {
+pub(crate) struct LayerKv<'a, B: Backend> {
     cache: &'a mut KvCache<B>,
     layer: usize,
 }
 
 impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
     /// The absolute position of each batch row's first new token.
-    pub fn starts(&self) -> Vec<usize> {
+    pub(crate) fn starts(&self) -> Vec<usize> {
         let plan = self.cache.plan.as_ref();
         plan.map_or_else(Vec::new, |p| p.rows.iter().map(|&row| self.cache.lens[row]).collect())
     }
@@ -246,7 +236,14 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
     ///
     /// # Shapes
     /// - q: `[B, H, T, Dh]`, k, v: `[B, K, T, Dh]` -> `[B, H, T, Dh]`
-    pub fn attend(self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, rep: usize, cx: Compute) -> Tensor<B, 4> {
+    pub(crate) fn attend(
+        self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        rep: usize,
+        cx: Compute,
+    ) -> Tensor<B, 4> {
         let c = self.cache;
         let (kh, dh) = (c.n_kv_heads, c.head_dim);
         let Some(plan) = c.plan.as_ref() else {

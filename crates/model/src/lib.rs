@@ -3,24 +3,22 @@
 //! Shape letters: B batch, T new positions in this call, S key positions (cache + T),
 //! D d_model, H n_heads, K n_kv_heads, Dh head_dim, F d_ff, V vocab_size, N rows of a folded batch.
 
-pub mod attention;
-pub mod block;
-pub mod config;
-pub mod decoder;
+mod attention;
+mod block;
+mod config;
+mod decoder;
 pub mod engine;
-pub mod init;
-pub mod kv_cache;
-pub mod linear;
+mod init;
+mod kv_cache;
+mod linear;
 pub mod lora;
-pub mod mlp;
-pub mod norm;
+mod mlp;
+mod norm;
 pub mod sample;
 pub mod weights;
 
 pub use block::Block;
-pub use config::{
-    AttentionConfig, BlockConfig, ConfigError, MlpConfig, ModelConfig, RmsNormConfig, RopeLayout, RopeScaling,
-};
+pub use config::{ConfigError, ModelConfig, RopeLayout, RopeScaling};
 pub use decoder::Decoder;
 pub use ember_kernels::documents::{Documents, DocumentsError};
 pub use ember_kernels::Compute;

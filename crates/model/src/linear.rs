@@ -6,9 +6,9 @@ use burn::tensor::{backend::Backend, DType, Tensor};
 
 use crate::init::{const_param, Init};
 use crate::lora::Lora;
+use crate::to_dtype;
 use ember_kernels::linear::{self, linear, LowRank};
 use ember_kernels::{Compute, EmberBackend};
-use crate::to_dtype;
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -21,7 +21,7 @@ pub struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    pub fn new(init: &mut Init, d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
+    pub(crate) fn new(init: &mut Init, d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
         Self {
             weight: init.normal_param([d_in, d_out], std, device),
             bias: bias.then(|| const_param([d_out], 0.0, device)),
@@ -98,7 +98,7 @@ const DECODE_ROWS: usize = 16;
 ///
 /// # Shapes
 /// - x: `[N, in]` -> `[N, Σ out_i]`
-pub fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+pub(crate) fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
     let compute = cx.dtype;
     let biased = parts.iter().filter(|p| p.bias.is_some()).count();
     let adapted = parts.iter().any(|p| p.has_lora());
@@ -191,7 +191,9 @@ mod tests {
                 let x = Tensor::<AB, 2>::from_inner(x0.clone()).require_grad();
                 let y = match inside {
                     true => forward_packed(&parts, x.clone(), Compute::default()),
-                    false => Tensor::cat(parts.iter().map(|p| p.forward_apart(x.clone(), Compute::default())).collect(), 1),
+                    false => {
+                        Tensor::cat(parts.iter().map(|p| p.forward_apart(x.clone(), Compute::default())).collect(), 1)
+                    }
                 };
                 let grads = (y.clone() * mix.clone()).sum().backward();
                 let grad = |t: Tensor<AB, 2>| t.grad(&grads).map(|g| g.into_data());

@@ -30,8 +30,15 @@ pub enum Target {
 }
 
 impl Target {
-    pub const ALL: [Target; 7] =
-        [Target::QProj, Target::KProj, Target::VProj, Target::OProj, Target::GateProj, Target::UpProj, Target::DownProj];
+    pub const ALL: [Target; 7] = [
+        Target::QProj,
+        Target::KProj,
+        Target::VProj,
+        Target::OProj,
+        Target::GateProj,
+        Target::UpProj,
+        Target::DownProj,
+    ];
 
     /// The Hugging Face module name.
     pub fn name(self) -> &'static str {
@@ -117,7 +124,7 @@ pub struct Lora<B: Backend> {
 }
 
 impl<B: Backend> Lora<B> {
-    pub fn new(init: &mut Init, d_in: usize, d_out: usize, config: &LoraConfig, device: &B::Device) -> Self {
+    pub(crate) fn new(init: &mut Init, d_in: usize, d_out: usize, config: &LoraConfig, device: &B::Device) -> Self {
         let bound = 1.0 / (d_in as f64).sqrt();
         Self {
             lora_a: init.uniform_param([d_in, config.rank], bound, device),
@@ -140,7 +147,7 @@ impl<B: EmberBackend> Lora<B> {
     ///
     /// # Shapes
     /// - x: `[N, in]` -> `[N, out]`
-    pub fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+    pub(crate) fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
         let compute = cx.dtype;
         let x = if self.dropout > 0.0 && B::ad_enabled(&x.device()) {
             let keep = 1.0 - self.dropout;
@@ -155,12 +162,18 @@ impl<B: EmberBackend> Lora<B> {
     }
 }
 
+/// Whether the parameter at `path` belongs to an adapter (the `lora` field of a projection): the one
+/// place that knows how adapters' parameters are named.
+pub fn is_adapter(path: &str) -> bool {
+    path.split('.').any(|p| p == "lora")
+}
+
 /// Marks every parameter outside the adapters as frozen (no gradient, not in the optimizer).
 pub(crate) struct FreezeBase;
 
 impl<B: Backend> PathMapper<B> for FreezeBase {
     fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        if path.split('.').any(|p| p == "lora") {
+        if is_adapter(path) {
             return param;
         }
         param.set_require_grad(false)

@@ -23,7 +23,7 @@ pub struct Mlp<B: Backend> {
 impl MlpConfig {
     /// The part, its weights drawn from `init`. Call [`MlpConfig::validate`] first (as `Decoder::new`
     /// does): a config that breaks its rules builds a part that panics when run.
-    pub fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Mlp<B> {
+    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Mlp<B> {
         let (d, f) = (self.d_model, self.d_ff);
         Mlp {
             gate_proj: Linear::new(init, d, f, false, self.init_std, device),
@@ -36,7 +36,7 @@ impl MlpConfig {
 impl<B: EmberBackend> Mlp<B> {
     /// # Shapes
     /// - x: `[N, D]` -> `[N, D]`
-    pub fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+    pub(crate) fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
         let gate_up = forward_packed(&[&self.gate_proj, &self.up_proj], x, cx); // [N, 2F]
         self.down_proj.forward(swiglu_packed(gate_up, cx), cx)
     }

@@ -19,7 +19,7 @@ pub struct RmsNorm<B: Backend> {
 
 impl RmsNormConfig {
     /// Gains of one.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> RmsNorm<B> {
+    pub(crate) fn init<B: Backend>(&self, device: &B::Device) -> RmsNorm<B> {
         RmsNorm { weight: const_param([self.d_model], 1.0, device), eps: self.eps }
     }
 }
@@ -29,7 +29,7 @@ impl<B: EmberBackend> RmsNorm<B> {
     ///
     /// # Shapes
     /// - x: `[..., D]` -> `[..., D]`
-    pub fn forward<const N: usize>(&self, x: Tensor<B, N>, cx: Compute) -> Tensor<B, N> {
+    pub(crate) fn forward<const N: usize>(&self, x: Tensor<B, N>, cx: Compute) -> Tensor<B, N> {
         let dims = x.dims();
         let d = dims[N - 1];
         let rows = dims.iter().product::<usize>() / d.max(1);

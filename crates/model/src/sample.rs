@@ -116,7 +116,7 @@ impl Sampler {
 
     /// Picks a token id from one row of logits `[V]`, given the ids already in the sequence
     /// (used by the repetition penalty).
-    pub fn sample_with_history(&mut self, logits: &[f32], history: &[u32]) -> usize {
+    pub(crate) fn sample_with_history(&mut self, logits: &[f32], history: &[u32]) -> usize {
         let p = self.config.repetition_penalty;
         if p == 1.0 || history.is_empty() {
             return self.sample(logits);

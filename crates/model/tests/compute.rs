@@ -11,7 +11,14 @@ type B = Autodiff<Flex>;
 
 /// Large enough for every bf16 path: GEMMs over 50 MFLOP, sequences over 256 positions, heads of 64.
 fn config() -> ModelConfig {
-    ModelConfig { d_model: 256, n_heads: 4, n_kv_heads: Some(2), d_ff: 1024, init_std: 0.05, ..ModelConfig::tiny(97, 320) }
+    ModelConfig {
+        d_model: 256,
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        d_ff: 1024,
+        init_std: 0.05,
+        ..ModelConfig::tiny(97, 320)
+    }
 }
 
 /// The logits and the gradient of the first layer's q projection, as plain vectors.

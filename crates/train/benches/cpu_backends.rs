@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use burn::backend::{Autodiff, Flex, NdArray};
 use ember_data::fetch::Locations;
 use ember_kernels::{on_cpu_workers, TrainBackend};
-use ember_train::bench::{bench_run, NoProbe, PeakSource};
+use ember_train::bench::{bench_run, BenchSettings, NoProbe};
 use ember_train::TrainConfig;
 
 fn step_ms<B: TrainBackend>(config: &TrainConfig, name: &str) -> f64 {
@@ -26,7 +26,8 @@ fn step_ms<B: TrainBackend>(config: &TrainConfig, name: &str) -> f64 {
             data_dir: std::env::var_os("EMBER_DATA_DIR").map(PathBuf::from),
             cache_dir: PathBuf::from(".ember-cache"),
         };
-        bench_run::<B>(run, &locations, 3, 10, &device, name, &PeakSource::default(), &NoProbe)
+        let settings = BenchSettings { warmup: 3, steps: 10, ..Default::default() };
+        bench_run::<B>(run, &locations, &settings, &device, name, &NoProbe)
     };
     match on_cpu_workers(run) {
         Ok(r) => r.step_ms,

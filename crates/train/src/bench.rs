@@ -7,7 +7,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use ember_data::fetch::Locations;
 use ember_data::WindowSampler;
-use ember_model::ops::{lm_head_cross_entropy, lm_head_loss_reference, ChunkSpec, TrainBackend};
+use ember_kernels::cross_entropy::lm_head_loss_reference;
+use ember_kernels::{lm_head_cross_entropy, ChunkSpec, Compute, Cpu, TrainBackend};
 use ember_model::Decoder;
 use serde::Serialize;
 
@@ -15,8 +16,8 @@ use crate::error::TrainError;
 use crate::flops::{mfu, resolve_peak, GemmRate, Gemms};
 use crate::init::ResolvedConfig;
 use crate::optim::AdamW;
-use crate::precision::resolve_dtype;
 use crate::precision::LossScaler;
+use crate::precision::{peak_gemms, precision_label, run_compute, ComputeRequest};
 use crate::schedule::LrSchedule;
 use crate::step::{Optimizer, Stepper};
 use crate::trainer::{initial_model, prepare};
@@ -53,33 +54,40 @@ pub struct PeakSource {
     pub peak_tflops: Option<f64>,
 }
 
-/// Times `steps` optimizer steps after `warmup` untimed ones, of a run whose `init_from` source
-/// is open (`TrainConfig::resolve` or `ConfigFile::resolve`).
-#[allow(clippy::too_many_arguments)]
+/// How a training benchmark runs: `steps` timed optimizer steps after `warmup` untimed ones.
+#[derive(Debug, Clone, Default)]
+pub struct BenchSettings {
+    pub warmup: usize,
+    pub steps: usize,
+    pub peak: PeakSource,
+    pub compute: ComputeRequest,
+}
+
+/// Times the steps of a run whose `init_from` source is open (`TrainConfig::resolve` or
+/// `ConfigFile::resolve`), as `settings` says.
 pub fn bench_run<B: TrainBackend>(
     run: ResolvedConfig,
     locations: &Locations,
-    warmup: usize,
-    steps: usize,
+    settings: &BenchSettings,
     device: &Device<B>,
     device_label: &str,
-    peak_source: &PeakSource,
     probe: &dyn MemoryProbe,
 ) -> Result<TrainBench, TrainError> {
+    let (warmup, steps) = (settings.warmup, settings.steps);
     let setup = prepare(run, locations)?;
     let config = &setup.config;
-    let (dtype, bf16_gemms) = resolve_dtype::<B>(device, config);
+    let compute = run_compute::<B>(device, config, settings.compute);
     let peak = resolve_peak::<B::InnerBackend>(
         device,
-        peak_source.device_name.as_deref(),
-        bf16_gemms.peak_gemms(dtype),
-        peak_source.peak_tflops,
+        settings.peak.device_name.as_deref(),
+        peak_gemms(&compute),
+        settings.peak.peak_tflops,
         Some(locations.cache_dir.as_path()),
     );
     // The model a run of this config trains: `init_from`'s weights and LoRA adapters included.
-    let mut model = initial_model::<B>(&setup, device)?.with_compute_dtype(dtype);
-    let mut optim = Optimizer::Replicated(AdamW::<B>::new(config.optim.clone()));
-    let mut scaler = (dtype == DType::F16).then(LossScaler::default);
+    let mut model = initial_model::<B>(&setup, device)?.with_compute(compute);
+    let mut optim = Optimizer::Replicated(AdamW::<B>::new(config.optim.clone(), compute));
+    let mut scaler = (compute.dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);
     let stepper = Stepper {
         data: &setup.train,
@@ -113,12 +121,7 @@ pub fn bench_run<B: TrainBackend>(
     let flops_per_token = config.train_flops_per_token();
     Ok(TrainBench {
         device: device_label.to_string(),
-        // f32 tensors with the bf16 kernel's GEMMs are a bf16 run.
-        precision: if bf16_gemms.peak_gemms(dtype) == Gemms::CpuBf16 {
-            "bf16".into()
-        } else {
-            format!("{dtype:?}").to_lowercase()
-        },
+        precision: precision_label(&compute),
         activation_checkpointing: config.train.activation_checkpointing,
         steps,
         step_ms,
@@ -160,10 +163,7 @@ pub fn bench_peak<B: Backend>(
     }
     let dtype = match which {
         Gemms::Backend(dtype) => format!("{dtype:?}").to_lowercase(),
-        Gemms::CpuBf16 => {
-            let kernel = ember_model::ops::bf16_gemm::kernel().map_or("AVX512_BF16", |k| k.name());
-            format!("bf16 ({kernel} kernel, f32 sums)")
-        }
+        Gemms::CpuBf16(kernel) => format!("bf16 ({} kernel, f32 sums)", kernel.name()),
     };
     PeakBench { device: device_label.to_string(), dtype, gemms, peak_flops }
 }
@@ -188,50 +188,12 @@ pub struct AttentionBench {
     pub bf16_output_error: Option<f64>,
 }
 
-/// Times [`ember_model::ops::kernels::attention_in`] and its backward on random q/k/v of `shape`
-/// (batch, positions, heads, key/value heads, head size): `reps` runs each, f32 and bf16
-/// alternating, the best kept.
-pub fn bench_attention(shape: (usize, usize, usize, usize, usize), reps: usize) -> AttentionBench {
-    use ember_model::ops::kernels::{attention_backward_in, attention_in, AttnShape};
+/// Times the CPU's attention kernels and their backward on random q/k/v of `shape` (batch,
+/// positions, heads, key/value heads, head size) on `cpu` ([`ember_kernels::bench::attention`]):
+/// `reps` runs each, f32 and bf16 alternating, the best kept.
+pub fn bench_attention(cpu: Cpu, shape: (usize, usize, usize, usize, usize), reps: usize) -> AttentionBench {
     let (batch, seq, heads, kv_heads, head_dim) = shape;
-    let s = AttnShape::causal(batch, seq, heads, kv_heads, head_dim);
-    // Deterministic values in [-1, 1): queries larger than keys, for peaked attention.
-    let noise = |n: usize, seed: u64, scale: f32| -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| {
-                let h =
-                    (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                scale * ((h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
-            })
-            .collect()
-    };
-    let (rows, width) = (batch * seq, s.packed_width());
-    let mut qkv = noise(rows * width, 1, 1.0);
-    for row in qkv.chunks_exact_mut(width) {
-        row[..heads * head_dim].iter_mut().for_each(|q| *q *= 3.0);
-    }
-    let d_o = noise(rows * heads * head_dim, 2, 1.0);
-    let bf16 = ember_model::ops::bf16_gemm::supported();
-    let mut best = [[f64::INFINITY; 2]; 2];
-    let mut error = None;
-    for _ in 0..reps.max(1) {
-        let mut outputs = Vec::new();
-        for (i, on) in [false, true].into_iter().enumerate().filter(|&(_, on)| !on || bf16) {
-            let start = Instant::now();
-            let out = attention_in(&qkv, &s, on);
-            let forward = start.elapsed().as_secs_f64() * 1e3;
-            let start = Instant::now();
-            std::hint::black_box(attention_backward_in(&qkv, (&out.o, &out.lse), &d_o, &s, on));
-            let backward = start.elapsed().as_secs_f64() * 1e3;
-            best[i] = [best[i][0].min(forward), best[i][1].min(backward)];
-            outputs.push(out.o);
-        }
-        if let [exact, rounded] = &outputs[..] {
-            let scale = exact.iter().fold(f32::MIN_POSITIVE, |m, x| m.max(x.abs()));
-            let diff = exact.iter().zip(rounded).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            error = Some(f64::from(diff / scale));
-        }
-    }
+    let t = ember_kernels::bench::attention(cpu, shape, reps);
     AttentionBench {
         batch,
         seq,
@@ -239,11 +201,11 @@ pub fn bench_attention(shape: (usize, usize, usize, usize, usize), reps: usize) 
         kv_heads,
         head_dim,
         reps,
-        f32_forward_ms: best[0][0],
-        f32_backward_ms: best[0][1],
-        bf16_forward_ms: bf16.then_some(best[1][0]),
-        bf16_backward_ms: bf16.then_some(best[1][1]),
-        bf16_output_error: error,
+        f32_forward_ms: t.f32_ms.0,
+        f32_backward_ms: t.f32_ms.1,
+        bf16_forward_ms: t.bf16_ms.map(|(fw, _)| fw),
+        bf16_backward_ms: t.bf16_ms.map(|(_, bw)| bw),
+        bf16_output_error: t.bf16_output_error,
     }
 }
 
@@ -298,9 +260,10 @@ pub fn bench_loss<B: AutodiffBackend + TrainBackend>(
     tokens: usize,
     d_model: usize,
     vocab_size: usize,
+    compute: Compute,
     probe: &dyn MemoryProbe,
 ) -> LossBench {
-    let spec = ChunkSpec::auto(tokens, vocab_size, DType::F32);
+    let spec = ChunkSpec::auto(tokens, vocab_size, compute.with_dtype(DType::F32));
     let targets: Vec<i32> = (0..tokens).map(|i| ((i as u64 * 2_654_435_761) % vocab_size as u64) as i32).collect();
     let h0 = Tensor::<B::InnerBackend, 2>::random([tokens, d_model], Distribution::Normal(0.0, 1.0), device);
     let w0 = Tensor::<B::InnerBackend, 2>::random([d_model, vocab_size], Distribution::Normal(0.0, 0.02), device);
@@ -375,7 +338,7 @@ pub struct DecodeBenchSpec {
 
 /// Time per decoding step as the context grows, with and without the KV cache (greedy). The prompt
 /// of sequence `b` at context `c` is `c` tokens (different for every sequence).
-pub fn bench_decode<B: ember_model::ops::EmberBackend>(
+pub fn bench_decode<B: ember_kernels::EmberBackend>(
     model: &Decoder<B>,
     device_label: &str,
     spec: &DecodeBenchSpec,

@@ -122,7 +122,7 @@ impl Gemms {
         match self {
             Gemms::Backend(dtype) => format!("{dtype:?}"),
             Gemms::CpuBf16(Bf16Kernel::Avx512) => "bf16-kernel".into(),
-            Gemms::CpuBf16(Bf16Kernel::Amx) => "bf16-amx".into(),
+            Gemms::CpuBf16(Bf16Kernel::Amx) => "bf16-amx-kernel".into(),
         }
     }
 

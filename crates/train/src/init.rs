@@ -70,7 +70,7 @@ impl ResolvedInit {
     }
 
     /// The starting weights, as f32 parameters.
-    pub fn load<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    pub fn load<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
         match &self.opened {
             // `import` reads config.json again, beside the weights (crates/hf reads a folder whole).
             Opened::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
@@ -114,13 +114,13 @@ impl TrainConfig {
 impl Checkpoint {
     /// The decoder with this checkpoint's weights (for a LoRA checkpoint: the base model with the
     /// adapters attached; its `init_from` source is opened for it).
-    pub fn decoder<B: ember_model::ops::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    pub fn decoder<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
         self.decoder_over(None, device)
     }
 
     /// [`Checkpoint::decoder`], the base of a LoRA checkpoint taken from `base` where its
     /// `init_from` source is already open (the caller's, checked to be the checkpoint's).
-    pub fn decoder_over<B: ember_model::ops::EmberBackend>(
+    pub fn decoder_over<B: ember_kernels::EmberBackend>(
         &self,
         base: Option<&ResolvedInit>,
         device: &Device<B>,

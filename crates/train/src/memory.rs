@@ -67,6 +67,29 @@ pub fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// Reads the memory in use, where the backend's memory can be observed (on the CPU: the heap).
+pub trait MemoryProbe: Send + Sync {
+    /// Bytes in use now.
+    fn current_bytes(&self) -> Option<u64>;
+    /// Restarts the high-water mark from the current use.
+    fn reset_peak(&self);
+    /// Highest use since the last reset.
+    fn peak_bytes(&self) -> Option<u64>;
+}
+
+/// For backends whose memory is not observed.
+pub struct NoProbe;
+
+impl MemoryProbe for NoProbe {
+    fn current_bytes(&self) -> Option<u64> {
+        None
+    }
+    fn reset_peak(&self) {}
+    fn peak_bytes(&self) -> Option<u64> {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,28 +115,5 @@ mod tests {
         let e = estimate(&c, c.model.num_params());
         // 16 bytes per parameter for weights, gradients and moments: over 100 GB before activations.
         assert!(e.total > 100_000_000_000, "{}", gib(e.total));
-    }
-}
-
-/// Reads the memory in use, where the backend's memory can be observed (on the CPU: the heap).
-pub trait MemoryProbe: Send + Sync {
-    /// Bytes in use now.
-    fn current_bytes(&self) -> Option<u64>;
-    /// Restarts the high-water mark from the current use.
-    fn reset_peak(&self);
-    /// Highest use since the last reset.
-    fn peak_bytes(&self) -> Option<u64>;
-}
-
-/// For backends whose memory is not observed.
-pub struct NoProbe;
-
-impl MemoryProbe for NoProbe {
-    fn current_bytes(&self) -> Option<u64> {
-        None
-    }
-    fn reset_peak(&self) {}
-    fn peak_bytes(&self) -> Option<u64> {
-        None
     }
 }

@@ -309,7 +309,7 @@ mod tests {
         a.w.val().into_data().assert_eq(&b.w.val().into_data(), true);
         let mut bad = saved;
         bad.insert("c.exp_avg".into(), TensorData::new(vec![0.0f32], [1]));
-        let e = AdamW::<AB>::new(config()).load_state(&m, bad, 2, &dev).unwrap_err();
+        let e = AdamW::<AB>::new(config(), Compute::default()).load_state(&m, bad, 2, &dev).unwrap_err();
         assert_eq!(e, "moment `c.exp_avg` belongs to no parameter of the model");
     }
 }

@@ -1,35 +1,56 @@
-//! Mixed precision: which GEMM dtype a device can run, and dynamic loss scaling for f16.
+//! Mixed precision and how a run computes: the [`Compute`] a run's precision resolves to on its
+//! device, and dynamic loss scaling for f16.
 //!
 //! Master weights and AdamW moments are always f32; the model casts them to the compute dtype at
-//! each GEMM (`ember_model::linear`), and keeps norms, softmax and the loss in f32.
+//! each GEMM (`ember_model::linear`), and keeps norms, softmax and the loss in f32. On the CPU,
+//! `bf16` means bf16 operands (f32 sums) in the CPU kernels' large products under f32 tensors.
 
 use burn::tensor::{DType, Device};
+use ember_kernels::{Bf16Products, Compute, EmberBackend, Path};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Precision, TrainConfig};
 use crate::flops::Gemms;
-use ember_model::ops::{EmberBackend, TrainBackend};
 
-/// The GEMM dtype for `precision` on `device`, and a note when the device forced another choice.
-pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) -> (DType, Option<String>) {
+/// What the binary asks of a run's computation before the device and the config's precision are
+/// known (it reads the flags and the environment; nothing here does).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ComputeRequest {
+    /// Kernels or references, and what the CPU's kernels may use.
+    pub base: Compute,
+    /// Compute bf16/f16 where the device only emulates them (slower): tests the mixed-precision
+    /// path on the CPU.
+    pub emulate_low_precision: bool,
+}
+
+/// How a run of `precision` computes on `device` (from `request`), and a note when the device
+/// forced another choice.
+pub fn resolve_compute<B: EmberBackend>(
+    device: &Device<B>,
+    precision: Precision,
+    request: ComputeRequest,
+) -> (Compute, Option<String>) {
     let supports = |d: DType| B::supports_dtype(device, d);
     let name = B::name(device);
-    match precision {
+    let base = request.base;
+    let emulated = !B::native_low_precision() && !request.emulate_low_precision;
+    let cpu_kernel = base.cpu.bf16.filter(|_| B::cpu_bf16_gemms() && base.path == Path::Kernels);
+    let (dtype, note) = match precision {
         Precision::F32 => (DType::F32, None),
-        // The CPU's bf16 dot products: the linear layers' large GEMMs take bf16 operands, the rest
-        // stays f32 (experiments/cpu-speed.md).
-        Precision::Bf16 if !B::native_low_precision() && B::cpu_bf16_gemms() && !forced_low_precision() => (
-            DType::F32,
-            Some(format!(
-                "{name} runs `bf16` as bf16 operands with f32 sums in the large GEMMs of the linear \
-                 layers and the LM head ({}) and in the attention's products (sequences over 256 \
-                 positions); activations, norms, softmax, loss and master weights stay f32",
-                ember_model::ops::bf16_gemm::kernel().map_or("AVX512_BF16", |k| k.name())
-            )),
-        ),
+        // The CPU's bf16 dot products: the large products of the linear layers, the LM head and
+        // the attention take bf16 operands, the rest stays f32 (experiments/cpu-speed.md).
+        Precision::Bf16 if emulated && cpu_kernel.is_some() => {
+            let kernel = cpu_kernel.map_or("AVX512_BF16", |k| k.name());
+            let note = format!(
+                "{name} runs `bf16` as bf16 operands with f32 sums in the large GEMMs of the linear layers and the \
+                 LM head ({kernel}) and in the attention's products (sequences over 256 positions); activations, \
+                 norms, softmax, loss and master weights stay f32"
+            );
+            return (base.with_dtype(DType::F32).with_bf16(Bf16Products::ALL), Some(note));
+        }
         // Measured: bf16 through f32 conversions runs the nano step ~6x slower than f32 on the CPU
         // (experiments/mixed-precision-and-loss.md); it must never be a trap.
-        p if !B::native_low_precision() && !forced_low_precision() => (
+        p if emulated => (
             DType::F32,
             Some(format!(
                 "{name} computes `{p}` GEMMs through f32 conversions, slower than f32: training in f32 \
@@ -42,51 +63,39 @@ pub fn compute_dtype<B: EmberBackend>(device: &Device<B>, precision: Precision) 
         }
         Precision::F16 if supports(DType::F16) => (DType::F16, None),
         p => (DType::F32, Some(format!("{name} supports neither bf16 nor f16; `{p}` falls back to f32"))),
-    }
+    };
+    (base.with_dtype(dtype).with_bf16(Bf16Products::NONE), note)
 }
 
-/// `EMBER_CPU_LOW_PRECISION=1`: compute bf16/f16 where it is emulated anyway (slower), to test the
-/// mixed-precision path on the CPU.
-fn forced_low_precision() -> bool {
-    std::env::var("EMBER_CPU_LOW_PRECISION").is_ok_and(|v| v == "1")
-}
-
-/// The CPU's bf16 GEMMs, switched on for one run (`--precision bf16` on a CPU with AVX512_BF16) and
-/// off again when the run ends. The switch is process-wide: one such run at a time.
-#[must_use = "the switch goes off when this is dropped"]
-pub(crate) struct CpuBf16Gemms {
-    on: bool,
-}
-
-impl CpuBf16Gemms {
-    /// The GEMMs a run's MFU is measured against: the bf16 kernel's while it is on.
-    pub(crate) fn peak_gemms(&self, dtype: DType) -> Gemms {
-        if self.on {
-            Gemms::CpuBf16
-        } else {
-            Gemms::Backend(dtype)
-        }
-    }
-}
-
-impl Drop for CpuBf16Gemms {
-    fn drop(&mut self) {
-        if self.on {
-            ember_model::ops::kernels::set_bf16_gemms(false);
-        }
-    }
-}
-
-/// The GEMM dtype for the config's precision on this device, said out loud when it differs, and the
-/// CPU's bf16 GEMMs for the run's lifetime where they apply.
-pub(crate) fn resolve_dtype<B: TrainBackend>(device: &Device<B>, config: &TrainConfig) -> (DType, CpuBf16Gemms) {
-    let (dtype, note) = compute_dtype::<B>(device, config.train.precision);
+/// How a run of `config` computes on `device`, the note logged.
+pub(crate) fn run_compute<B: EmberBackend>(
+    device: &Device<B>,
+    config: &TrainConfig,
+    request: ComputeRequest,
+) -> Compute {
+    let (compute, note) = resolve_compute::<B>(device, config.train.precision, request);
     if let Some(note) = note {
         tracing::warn!("{note}");
     }
-    let cpu_bf16 = dtype == DType::F32 && config.train.precision == Precision::Bf16 && B::cpu_bf16_gemms();
-    let on = cpu_bf16 && ember_model::ops::kernels::set_bf16_gemms(true);
-    (dtype, CpuBf16Gemms { on })
+    compute
+}
+
+/// The GEMMs a run's MFU is measured against: the CPU's bf16 kernel's where its products run on it.
+pub(crate) fn peak_gemms(compute: &Compute) -> Gemms {
+    match compute.bf16_kernel().filter(|_| compute.cpu_bf16()) {
+        Some(kernel) => Gemms::CpuBf16(kernel),
+        None => Gemms::Backend(compute.dtype),
+    }
+}
+
+/// The precision a run computes in, for reports: f32 tensors with the bf16 kernel's products are a
+/// bf16 run.
+pub(crate) fn precision_label(compute: &Compute) -> String {
+    if compute.cpu_bf16() {
+        "bf16".into()
+    } else {
+        format!("{:?}", compute.dtype).to_lowercase()
+    }
 }
 
 /// Dynamic loss scaling, with `torch.amp.GradScaler`'s defaults: the loss is multiplied by `scale`
@@ -140,21 +149,32 @@ mod tests {
 
     #[test]
     fn cpu_backends_train_low_precision_in_f32_and_say_so() {
+        let resolve =
+            |precision, request| resolve_compute::<burn::backend::Flex>(&Default::default(), precision, request);
+        let plain = ComputeRequest::default();
         // Flex and NdArray compute bf16/f16 GEMMs through f32 conversions, slower than f32: f32.
-        for (d, note) in [
-            compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::F16),
-            compute_dtype::<burn::backend::NdArray>(&Default::default(), Precision::Bf16),
+        for (c, note) in [
+            resolve(Precision::F16, plain),
+            resolve_compute::<burn::backend::NdArray>(&Default::default(), Precision::Bf16, plain),
         ] {
-            assert_eq!(d, DType::F32);
+            assert_eq!((c.dtype, c.bf16), (DType::F32, Bf16Products::NONE));
             assert!(note.unwrap().contains("slower than f32: training in f32"));
         }
-        // bf16 on Flex: bf16 GEMM operands where the CPU has AVX512_BF16, f32 otherwise; f32 tensors
+        // bf16 on Flex: bf16 products where the CPU has a bf16 kernel, f32 otherwise; f32 tensors
         // either way.
-        let (d, note) = compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::Bf16);
-        assert_eq!(d, DType::F32);
-        let want =
-            if burn::backend::Flex::cpu_bf16_gemms() { "bf16 operands with f32 sums" } else { "training in f32" };
+        let (c, note) = resolve(Precision::Bf16, plain);
+        assert_eq!(c.dtype, DType::F32);
+        let kernel = ember_kernels::Cpu::detect().bf16;
+        assert_eq!(c.cpu_bf16(), kernel.is_some());
+        assert_eq!(peak_gemms(&c), kernel.map_or(Gemms::Backend(DType::F32), Gemms::CpuBf16));
+        let want = if kernel.is_some() { "bf16 operands with f32 sums" } else { "training in f32" };
         assert!(note.unwrap().contains(want));
-        assert_eq!(compute_dtype::<burn::backend::Flex>(&Default::default(), Precision::F32), (DType::F32, None));
+        let (c, note) = resolve(Precision::F32, plain);
+        assert_eq!((c.dtype, c.cpu_bf16(), note), (DType::F32, false, None));
+        // The reference path has no bf16 kernel; emulation asks for bf16 tensors.
+        let reference = ComputeRequest { base: Compute::default().with_path(Path::Reference), ..plain };
+        assert!(!resolve(Precision::Bf16, reference).0.cpu_bf16());
+        let emulated = ComputeRequest { emulate_low_precision: true, ..plain };
+        assert_eq!(resolve(Precision::Bf16, emulated).0.dtype, DType::BF16);
     }
 }

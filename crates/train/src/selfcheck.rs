@@ -149,7 +149,12 @@ fn tiled_loss<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String) {
         let w = Tensor::<B, 2>::from_inner(w0.clone()).require_grad();
         let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(t.clone(), [n]), device);
         let loss = if chunked {
-            lm_head_cross_entropy(h.clone(), w.clone(), targets, ChunkSpec { rows: 8, vocab: 24, compute: Compute::default() })
+            lm_head_cross_entropy(
+                h.clone(),
+                w.clone(),
+                targets,
+                ChunkSpec { rows: 8, vocab: 24, compute: Compute::default() },
+            )
         } else {
             lm_head_loss_reference(h.clone(), w.clone(), targets, DType::F32)
         };

@@ -38,7 +38,8 @@ impl<B: TrainBackend> Optimizer<B> {
     ) -> Result<Self, OptimizerError> {
         if config.distributed.shard_optimizer && c.world() > 1 {
             let cx = model.compute();
-            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c, cx).map_err(OptimizerError::Sharding)?;
+            let mut o =
+                ShardedAdamW::new::<B, _>(config.optim.clone(), model, c, cx).map_err(OptimizerError::Sharding)?;
             o.load_state(saved, steps).map_err(OptimizerError::Moments)?;
             return Ok(Self::Sharded(o));
         }

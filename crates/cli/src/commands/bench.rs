@@ -3,10 +3,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn::tensor::{DType, Device};
 use clap::{Args, Subcommand};
-use ember_data::fetch::Locations;
-use ember_model::engine::{Engine, EngineConfig};
 use ember_kernels::TrainBackend;
-use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, DecodeBenchSpec, PeakSource};
+use ember_model::engine::{Engine, EngineConfig};
+use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, BenchSettings, DecodeBenchSpec, PeakSource};
 use ember_train::config::{Precision, Purpose};
 use ember_train::flops::Gemms;
 use ember_train::{Checkpoint, ConfigFile, ResolvedConfig};
@@ -213,9 +212,14 @@ impl BenchFn for TrainBenchFn {
     type Out = ember_train::bench::TrainBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
-        let peak = PeakSource { device_name: gpu_name(a.common.device), peak_tflops: a.peak_tflops };
+        let settings = BenchSettings {
+            warmup: a.warmup,
+            steps: a.steps,
+            peak: PeakSource { device_name: gpu_name(a.common.device), peak_tflops: a.peak_tflops },
+            compute: crate::env::compute_request(),
+        };
         let probe = memory_probe(a.common.device);
-        Ok(bench_run::<B>(self.1, &Locations::from_env(), a.warmup, a.steps, device, name, &peak, probe)?)
+        Ok(bench_run::<B>(self.1, &crate::env::locations(), &settings, device, name, probe)?)
     }
 }
 
@@ -238,7 +242,8 @@ impl BenchFn for LossBenchFn {
     type Out = ember_train::bench::LossBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
-        Ok(bench_loss::<B>(device, name, a.tokens, a.d_model, a.vocab, memory_probe(a.common.device)))
+        let compute = crate::env::compute();
+        Ok(bench_loss::<B>(device, name, a.tokens, a.d_model, a.vocab, compute, memory_probe(a.common.device)))
     }
 }
 
@@ -412,7 +417,8 @@ fn attention(a: AttentionBenchArgs) -> anyhow::Result<()> {
         a.kv_heads,
         a.head_dim
     );
-    let r = ember_train::bench::bench_attention((a.batch, a.seq, a.heads, a.kv_heads, a.head_dim), a.reps);
+    let shape = (a.batch, a.seq, a.heads, a.kv_heads, a.head_dim);
+    let r = ember_train::bench::bench_attention(crate::env::compute().cpu, shape, a.reps);
     report(a.json, &r)
 }
 

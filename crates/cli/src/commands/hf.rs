@@ -108,14 +108,10 @@ pub fn import(args: ImportArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_file(&tokenizer_path)?;
     let model = &imported.model;
     let dir = save_import(&args.out, model, &tokenizer, &args.dir, &imported.hf_config)?;
-    let c = model.config();
     println!(
-        "imported {} ({} layers, d_model {}, vocab {}, {} parameters in {:?}) into {}; {} tensors loaded, {} missing, {} unused",
+        "imported {} ({} in {:?}) into {}; {} tensors loaded, {} missing, {} unused",
         imported.architecture.class_name(),
-        c.n_layers,
-        c.d_model,
-        c.vocab_size,
-        c.num_params(),
+        shape_summary(model.config()),
         dtype,
         dir.display(),
         imported.loaded,
@@ -168,14 +164,10 @@ fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
     let dir = save_import(&args.out, model, &tokenizer, files.path(), &g.imported.hf_config)?;
     let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
     g.stored.iter().for_each(|(_, k)| *kinds.entry(*k).or_default() += 1);
-    let c = model.config();
     println!(
-        "imported GGUF {} ({} layers, d_model {}, vocab {}, {} parameters; tensors {:?}) as {:?} into {} in {:.1} s",
+        "imported GGUF {} ({}; tensors {:?}) as {:?} into {} in {:.1} s",
         g.arch.name(),
-        c.n_layers,
-        c.d_model,
-        c.vocab_size,
-        c.num_params(),
+        shape_summary(model.config()),
         kinds,
         dtype,
         dir.display(),
@@ -257,4 +249,9 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         args.out.display()
     );
     Ok(())
+}
+
+/// "L layers, d_model D, vocab V, N parameters": what an import reports of the model it made.
+fn shape_summary(c: &ember_model::ModelConfig) -> String {
+    format!("{} layers, d_model {}, vocab {}, {} parameters", c.n_layers, c.d_model, c.vocab_size, c.num_params())
 }

@@ -10,8 +10,8 @@ use burn::tensor::Device;
 use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
-use ember_model::engine::{Engine, EngineConfig};
 use ember_kernels::TrainBackend;
+use ember_model::engine::{Engine, EngineConfig};
 use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_serve::{Limits, Options, Server, Worker};
 use ember_train::Checkpoint;
@@ -101,7 +101,7 @@ impl Job for ServeJob {
             template,
             context,
             allowed_hosts: args.allow_host.clone(),
-            api_key: args.api_key.clone().or_else(|| std::env::var("EMBER_API_KEY").ok().filter(|k| !k.is_empty())),
+            api_key: args.api_key.clone().or_else(crate::env::api_key),
             limits,
         };
         let server = Server::start(SocketAddr::new(args.host, args.port), worker, options)?;
@@ -205,12 +205,18 @@ impl Job for ChatJob {
             };
             let mut text = TextStream::new(tokenizer, &prompt, Vec::new(), &ends);
             let mut answer = String::new();
-            generate_batch(&model, &[prompt.clone()], &options, std::slice::from_mut(&mut sampler), |_, id| {
-                let (piece, stopped) = text.push(id);
-                answer.push_str(&piece);
-                let _ = out.write_all(piece.as_bytes()).and_then(|_| out.flush());
-                !stopped
-            })?;
+            generate_batch(
+                &model,
+                std::slice::from_ref(&prompt),
+                &options,
+                std::slice::from_mut(&mut sampler),
+                |_, id| {
+                    let (piece, stopped) = text.push(id);
+                    answer.push_str(&piece);
+                    let _ = out.write_all(piece.as_bytes()).and_then(|_| out.flush());
+                    !stopped
+                },
+            )?;
             let rest = text.finish();
             answer.push_str(&rest);
             writeln!(out, "{rest}")?;

@@ -119,6 +119,7 @@ fn options(args: &TrainArgs, device: DeviceSpec, collective: Arc<dyn Collective>
         memory_available: crate::backend::memory_available(device),
         device_comm: device_comm(device, collective.as_ref())?,
         collective,
+        compute: crate::env::compute_request(),
     })
 }
 
@@ -139,22 +140,15 @@ fn dashboard(run_dir: &Path, port: u16) -> Option<ember_dashboard::Dashboard> {
 /// GPU); `EMBER_NCCL=0` keeps the reduction on the host.
 #[cfg(feature = "nccl")]
 fn device_comm(device: DeviceSpec, c: &dyn Collective) -> anyhow::Result<Option<ember_kernels::DeviceComm>> {
-    let wanted = match std::env::var("EMBER_NCCL").as_deref() {
-        Ok("0") => false,
-        Ok("1") => true,
-        _ => c.world() > 1,
-    };
+    let wanted = crate::env::nccl().unwrap_or(c.world() > 1);
     let DeviceSpec::Cuda(ordinal) = device else { return Ok(None) };
     // Every rank must take the same way, or some would wait in NCCL and the others in MPI.
     ember_train::distributed::check_same(c, &[u8::from(wanted)], "EMBER_NCCL (NCCL or the host for the gradients)")?;
     if !wanted {
         return Ok(None);
     }
-    let id = if c.rank() == 0 {
-        ember_kernels::nccl::unique_id().map_err(|e| anyhow::anyhow!(e))?
-    } else {
-        vec![0u8; 128]
-    };
+    let id =
+        if c.rank() == 0 { ember_kernels::nccl::unique_id().map_err(|e| anyhow::anyhow!(e))? } else { vec![0u8; 128] };
     let all = c.all_gather_bytes(&id, "start-up: NCCL id")?;
     let comm =
         ember_kernels::nccl::communicator(ordinal, c.rank(), c.world(), &all[0]).map_err(|e| anyhow::anyhow!(e))?;

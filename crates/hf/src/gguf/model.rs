@@ -362,7 +362,7 @@ impl ExportType {
             Self::F16 => GgmlType::F16,
             Self::Bf16 => GgmlType::Bf16,
             // llama.cpp keeps 1-D tensors (norms, biases) in f32; rows must be whole blocks.
-            Self::Q8_0 if shape.len() == 2 && shape[1] % 32 == 0 => GgmlType::Q8_0,
+            Self::Q8_0 if shape.len() == 2 && shape[1].is_multiple_of(32) => GgmlType::Q8_0,
             Self::Q8_0 => GgmlType::F32,
         }
     }

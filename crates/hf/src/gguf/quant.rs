@@ -101,7 +101,7 @@ impl GgmlType {
     /// Bytes of `n` values, or `None` when `n` is not a whole number of blocks (or overflows).
     pub fn bytes_for(self, n: u64) -> Option<u64> {
         let (per, bytes) = self.block();
-        (n % per as u64 == 0).then(|| (n / per as u64).checked_mul(bytes as u64)).flatten()
+        n.is_multiple_of(per as u64).then(|| (n / per as u64).checked_mul(bytes as u64)).flatten()
     }
 }
 
@@ -214,7 +214,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, String> {
         GgmlType::F16 => values.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
         GgmlType::Bf16 => values.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
         GgmlType::Q8_0 => {
-            if values.len() % 32 != 0 {
+            if !values.len().is_multiple_of(32) {
                 return Err(format!("{} values are not a whole number of Q8_0 blocks of 32", values.len()));
             }
             for x in values.chunks_exact(32) {

@@ -264,7 +264,7 @@ impl Checkpoint {
     }
 
     /// The decoder of a full checkpoint, from its own weights.
-    pub(crate) fn own_decoder<B: ember_model::ops::EmberBackend>(
+    pub(crate) fn own_decoder<B: ember_kernels::EmberBackend>(
         &self,
         device: &Device<B>,
     ) -> Result<Decoder<B>, TrainError> {
@@ -279,7 +279,7 @@ impl Checkpoint {
     }
 
     /// A LoRA checkpoint's adapters attached to `base`, the model its `init_from` source gives.
-    pub(crate) fn with_adapters<B: ember_model::ops::EmberBackend>(
+    pub(crate) fn with_adapters<B: ember_kernels::EmberBackend>(
         &self,
         base: Decoder<B>,
     ) -> Result<Decoder<B>, TrainError> {

@@ -2,10 +2,11 @@
 //! a few large all-reduces per step instead of one per parameter (PyTorch DDP's buckets, without
 //! the overlap: Burn's backward pass runs as one call).
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use ember_kernels::{DeviceComm, DeviceReduceOps, TrainBackend};
+use ember_model::weights::{map_paths, visit_paths, PathMapper, PathVisitor};
 
 use super::{Collective, DistError};
 
@@ -59,27 +60,20 @@ pub fn flatten_into<B: TrainBackend, M: AutodiffModule<B>>(
 ) -> FlatGrads {
     struct Take<'a> {
         grads: &'a mut GradientsParams,
-        path: Vec<String>,
         taken: Vec<(Slot, ParamId, DType, TensorData)>,
         total: usize,
     }
-    impl<B: TrainBackend> ModuleVisitor<B> for Take<'_> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    impl<B: TrainBackend> PathVisitor<B> for Take<'_> {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
             let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else { return };
-            let slot = Slot { path: self.path.join("."), offset: self.total, dims: g.dims().to_vec() };
+            let slot = Slot { path: path.to_string(), offset: self.total, dims: g.dims().to_vec() };
             self.total += slot.len();
             let dtype = g.dtype();
             self.taken.push((slot, param.id, dtype, g.into_data()));
         }
     }
-    let mut take = Take { grads, path: Vec::new(), taken: Vec::new(), total: 0 };
-    model.visit(&mut take);
+    let mut take = Take { grads, taken: Vec::new(), total: 0 };
+    visit_paths(model, &mut take);
     values.clear();
     values.reserve(take.total);
     let n = take.taken.len();
@@ -268,19 +262,11 @@ pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(
     struct Read<'a> {
         slots: std::collections::HashMap<&'a str, &'a Slot>,
         range: std::ops::Range<usize>,
-        path: Vec<String>,
         out: Vec<f32>,
     }
-    impl<B: TrainBackend> ModuleVisitor<B> for Read<'_> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let path = self.path.join(".");
-            let Some(slot) = self.slots.get(path.as_str()) else { return };
+    impl<B: TrainBackend> PathVisitor<B> for Read<'_> {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+            let Some(slot) = self.slots.get(path) else { return };
             let (lo, hi) = (self.range.start.max(slot.offset), self.range.end.min(slot.offset + slot.len()));
             if lo >= hi {
                 return;
@@ -292,8 +278,8 @@ pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(
         }
     }
     let out = vec![0.0; range.len()];
-    let mut read = Read { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), range, path: Vec::new(), out };
-    model.visit(&mut read);
+    let mut read = Read { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), range, out };
+    visit_paths(model, &mut read);
     read.out
 }
 
@@ -302,18 +288,10 @@ pub fn assign_params<B: TrainBackend, M: AutodiffModule<B>>(model: M, slots: &[S
     struct Write<'a> {
         slots: std::collections::HashMap<&'a str, &'a Slot>,
         values: &'a [f32],
-        path: Vec<String>,
     }
-    impl<B: TrainBackend> ModuleMapper<B> for Write<'_> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let path = self.path.join(".");
-            let Some(slot) = self.slots.get(path.as_str()) else { return param };
+    impl<B: TrainBackend> PathMapper<B> for Write<'_> {
+        fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some(slot) = self.slots.get(path) else { return param };
             let (id, tensor, mapper) = param.consume();
             let (dtype, device) = (tensor.dtype(), tensor.device());
             let data = TensorData::new(self.values[slot.offset..slot.offset + slot.len()].to_vec(), slot.dims.clone());
@@ -322,8 +300,8 @@ pub fn assign_params<B: TrainBackend, M: AutodiffModule<B>>(model: M, slots: &[S
             Param::from_mapped_value(id, Tensor::<B, D>::from_inner(t).require_grad(), mapper)
         }
     }
-    let mut write = Write { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), values, path: Vec::new() };
-    model.map(&mut write)
+    let mut write = Write { slots: slots.iter().map(|s| (s.path.as_str(), s)).collect(), values };
+    map_paths(model, &mut write)
 }
 
 #[cfg(test)]

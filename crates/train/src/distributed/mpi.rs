@@ -201,7 +201,7 @@ fn wait_all<'a, D: ?Sized, S: Scope<'a>>(requests: Vec<Request<'a, D, S>>, deadl
         }
         pending = still;
         polls += 1;
-        if polls % 256 == 0 {
+        if polls.is_multiple_of(256) {
             if Instant::now() >= deadline {
                 let late = pending.iter().map(|(i, _)| *i).collect();
                 // The requests cannot be completed: forget them, the caller aborts.

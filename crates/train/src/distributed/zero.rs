@@ -12,10 +12,11 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 use ember_kernels::{adamw, AdamWStep, Compute, TrainBackend};
+use ember_model::weights::{visit_paths, PathVisitor};
 
 use super::buckets::{assign_params, flatten_into, flatten_params, Slot};
 use super::{Collective, DistError};
@@ -37,28 +38,21 @@ impl Layout {
     /// The trainable parameters of `model` (those that require a gradient), in parameter order.
     pub fn of<B: TrainBackend, M: AutodiffModule<B>>(model: &M, rank: usize, world: usize) -> Self {
         struct Trainable {
-            path: Vec<String>,
             slots: Vec<Slot>,
             total: usize,
         }
-        impl<B: TrainBackend> ModuleVisitor<B> for Trainable {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.path.push(name.to_string());
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.path.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        impl<B: TrainBackend> PathVisitor<B> for Trainable {
+            fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
                 let t = param.val();
                 if t.is_require_grad() {
-                    let slot = Slot { path: self.path.join("."), offset: self.total, dims: t.dims().to_vec() };
+                    let slot = Slot { path: path.to_string(), offset: self.total, dims: t.dims().to_vec() };
                     self.total += slot.len();
                     self.slots.push(slot);
                 }
             }
         }
-        let mut v = Trainable { path: Vec::new(), slots: Vec::new(), total: 0 };
-        model.visit(&mut v);
+        let mut v = Trainable { slots: Vec::new(), total: 0 };
+        visit_paths(model, &mut v);
         let world = world.max(1);
         Self { slots: v.slots, total: v.total, per_rank: v.total.div_ceil(world), rank }
     }

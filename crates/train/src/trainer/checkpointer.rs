@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use burn::tensor::{DType, Device, TensorData};
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_model::weights::named_tensors_where;
 use ember_model::Decoder;
 use indicatif::ProgressBar;
@@ -204,7 +204,7 @@ impl Checkpointer<'_> {
         let data = CheckpointData {
             step: state.step,
             model_config: model.config(),
-            weights: named_tensors_where(model, |k| !lora || k.contains(".lora.")),
+            weights: named_tensors_where(model, |k| !lora || ember_model::lora::is_adapter(k)),
             adapters_only: lora,
             tokenizer: &setup.tokenizer,
             tokenizer_dir: setup.tokenizer_dir.as_deref(),

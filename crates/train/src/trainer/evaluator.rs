@@ -84,7 +84,7 @@ impl Evaluator<'_> {
         Ok(LossSum { weighted: v[0], scored: v[1] }.mean())
     }
 
-    fn val<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
+    fn val<IB: ember_kernels::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
         let c = &self.config;
         let sum = if c.held_out {
             evaluate_all_part(model, self.setup.val.as_ref(), c.batch_size, self.part())
@@ -95,7 +95,7 @@ impl Evaluator<'_> {
     }
 
     /// The loss before training, beside ln V (what a model that knows nothing scores).
-    pub(super) fn initial<IB: ember_model::ops::EmberBackend>(&self, model: &Decoder<IB>) -> Result<(), TrainError> {
+    pub(super) fn initial<IB: ember_kernels::EmberBackend>(&self, model: &Decoder<IB>) -> Result<(), TrainError> {
         let val = self.val(model)?;
         let ln_v = (self.config.vocab_size as f64).ln();
         tracing::info!("step 0: val loss {val:.4} (ln V = {ln_v:.4})");
@@ -120,7 +120,7 @@ impl Evaluator<'_> {
     }
 
     /// Evaluates both splits into `record`, logs them, writes a sample (rank 0); returns the val loss.
-    pub(super) fn record<IB: ember_model::ops::EmberBackend>(
+    pub(super) fn record<IB: ember_kernels::EmberBackend>(
         &self,
         model: &Decoder<IB>,
         record: &mut StepRecord,
@@ -147,7 +147,7 @@ impl Evaluator<'_> {
 
 /// Text generated from the configured prompt (temperature 0.8, top-k 200) through the KV cache;
 /// `None` when sampling is off or the prompt cannot be encoded.
-fn sample_text<B: ember_model::ops::EmberBackend>(
+fn sample_text<B: ember_kernels::EmberBackend>(
     model: &Decoder<B>,
     tokenizer: &Tokenizer,
     config: &MetricsConfig,

@@ -21,10 +21,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::tensor::{DType, Device};
+use burn::tensor::Device;
 use ember_data::fetch::Locations;
 use ember_data::WindowSampler;
-use ember_model::ops::TrainBackend;
+use ember_kernels::{Compute, TrainBackend};
 use ember_model::Decoder;
 use indicatif::ProgressBar;
 
@@ -36,7 +36,7 @@ use crate::flops::{resolve_peak, Gemms, Peak};
 use crate::init::ResolvedConfig;
 use crate::memory::MemoryProbe;
 use crate::metrics::Sinks;
-use crate::precision::resolve_dtype;
+use crate::precision::{peak_gemms, run_compute, ComputeRequest};
 use crate::schedule::LrSchedule;
 use crate::step::{Optimizer, StepOutput, Stepper};
 use checkpointer::{Checkpointer, CheckpointerConfig};
@@ -67,7 +67,9 @@ pub struct TrainOptions {
     /// The other ranks of a data-parallel run ([`crate::distributed::Solo`] alone).
     pub collective: Arc<dyn Collective>,
     /// The device's reduction engine (NCCL for CUDA, `--features nccl`); none: through the host.
-    pub device_comm: Option<ember_model::ops::DeviceComm>,
+    pub device_comm: Option<ember_kernels::DeviceComm>,
+    /// How the binary asks the run to compute (kernels or references, the CPU's kernels).
+    pub compute: ComputeRequest,
 }
 
 impl std::fmt::Debug for dyn MemoryProbe {
@@ -119,9 +121,9 @@ pub fn train<B: TrainBackend>(
     let (config, c) = (&setup.config, opts.collective.as_ref());
     // Start-up waits for slow work of other ranks (loading a model); steps do not.
     c.set_timeout(config.distributed.io_timeout());
-    let (dtype, bf16_gemms) = resolve_dtype::<B>(device, config);
+    let compute = run_compute::<B>(device, config, opts.compute);
     let checkpointer = CheckpointerConfig::of(config).build(&setup, &opts.run_dir, c);
-    let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, &checkpointer, opts, dtype, device)?;
+    let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, &checkpointer, opts, compute, device)?;
     c.set_timeout(config.distributed.timeout());
     let schedule = LrSchedule::from_config(config);
     let stop = opts.stop_at.unwrap_or(config.train.max_steps).min(config.train.max_steps);
@@ -134,8 +136,8 @@ pub fn train<B: TrainBackend>(
         buffers: Default::default(),
         device_comm: opts.device_comm.as_ref(),
     };
-    let peak = device_peak::<B>(opts, device, bf16_gemms.peak_gemms(dtype));
-    log_setup(config, dtype, &peak, config.tokens_per_step() * c.world());
+    let peak = device_peak::<B>(opts, device, peak_gemms(&compute));
+    log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
     let evaluator = EvaluatorConfig::of(config).build(&setup, c);
     if state.step == 0 {
@@ -205,13 +207,15 @@ fn open_run<B: TrainBackend>(
     setup: &Setup,
     checkpointer: &Checkpointer<'_>,
     opts: &TrainOptions,
-    dtype: DType,
+    compute: Compute,
     device: &Device<B>,
 ) -> Result<Opened<B>, TrainError> {
     let (config, run_dir, c) = (&setup.config, &opts.run_dir, opts.collective.as_ref());
     // Before any weight is allocated: a config too big for the device is an error, not an abort.
     setup::check_fits(config, opts.memory_available)?;
-    let (model, saved, state) = checkpointer.start::<B>(opts.resume, dtype, device)?;
+    let (model, saved, state) = checkpointer.start::<B>(opts.resume, compute.dtype, device)?;
+    // Before the optimizer, which computes as the model does.
+    let model = model.with_compute(compute);
     check_ranks_agree(c, setup, &model, Stage::Start)?;
     let optim = Optimizer::build(config, &model, c, saved, state.optimizer_steps, device).map_err(|e| match e {
         // Saved moments come from the checkpoint resumed: ones that do not fit the model mean it is
@@ -219,7 +223,6 @@ fn open_run<B: TrainBackend>(
         OptimizerError::Moments(message) => TrainError::Checkpoint { path: run_dir.clone(), message },
         e => TrainError::Optimizer(e),
     })?;
-    let model = model.with_compute_dtype(dtype);
     if c.rank() != 0 {
         return Ok((model, optim, state, Sinks(Vec::new())));
     }
@@ -246,8 +249,8 @@ fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {
     }
 }
 
-fn log_setup(config: &TrainConfig, dtype: DType, peak: &Peak, tokens_per_step: usize) {
-    let m = &config.model;
+fn log_setup(config: &TrainConfig, compute: &Compute, peak: &Peak, tokens_per_step: usize) {
+    let (m, dtype) = (&config.model, compute.dtype);
     tracing::info!(
         "model: {} layers, d_model {}, {} heads ({} kv), d_ff {}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
         m.n_layers,

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use ember_data::WindowSampler;
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
 use ember_model::weights::named_tensors_where;
 use ember_model::Decoder;
 

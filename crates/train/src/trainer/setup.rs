@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use burn::tensor::Device;
 use ember_data::fetch::Locations;
 use ember_data::{Examples, Tokenizer};
-use ember_model::ops::TrainBackend;
+use ember_kernels::TrainBackend;
+use ember_model::lora::Target;
 use ember_model::Decoder;
 
 use crate::config::TrainConfig;
@@ -89,18 +90,8 @@ pub(super) fn check_fits(config: &TrainConfig, available: Option<u64>) -> Result
 fn trainable_params(config: &TrainConfig) -> u64 {
     let m = &config.model;
     let Some(lora) = &config.lora else { return m.num_params() };
-    let (d, f) = (m.d_model as u64, m.d_ff as u64);
-    let (q, kv) = ((m.n_heads * m.head_dim()) as u64, (m.n_kv_heads() * m.head_dim()) as u64);
-    let per_layer: u64 = lora
-        .targets
-        .iter()
-        .map(|t| match t.as_str() {
-            "q_proj" => d + q,
-            "k_proj" | "v_proj" => d + kv,
-            "o_proj" => q + d,
-            "gate_proj" | "up_proj" | "down_proj" => d + f,
-            _ => 0,
-        })
-        .sum();
+    // Each target once, as `Decoder::with_lora` adds them.
+    let targets = Target::ALL.into_iter().filter(|t| lora.targets.contains(t));
+    let per_layer: u64 = targets.map(|t| t.shape(m)).map(|(i, o)| (i + o) as u64).sum();
     lora.rank as u64 * per_layer * m.n_layers as u64
 }

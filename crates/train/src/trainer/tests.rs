@@ -258,6 +258,7 @@ fn a_fresh_run_whose_optimizer_cannot_be_built_reports_the_optimizer() {
         memory_available: None,
         collective: Arc::new(VastWorld),
         device_comm: None,
+        compute: Default::default(),
     };
     let run = ResolvedConfig { config, init: None };
     let e = train::<AB>(run, &opts, &Default::default()).unwrap_err();
