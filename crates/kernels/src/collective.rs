@@ -1,15 +1,18 @@
 //! Sums over the ranks of a data-parallel run on the device: NCCL for CUDA tensors
 //! (`--features nccl`). Every other backend's gradients are summed through host memory.
 
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 
 /// A reduction engine on the device over the ranks of a data-parallel run: NCCL for CUDA tensors
-/// (`--features nccl`, made by `ops::nccl::communicator`).
+/// (`--features nccl`, made by `nccl::communicator`).
 #[derive(Clone)]
 pub struct DeviceComm {
     #[cfg(feature = "nccl")]
-    pub(crate) nccl: std::sync::Arc<crate::nccl::Nccl>,
+    pub(crate) nccl: std::sync::Arc<nccl::Nccl>,
     #[cfg(not(feature = "nccl"))]
     _none: (),
 }
@@ -40,6 +43,6 @@ impl<B: DeviceReduceOps, C: burn::backend::autodiff::checkpoint::strategy::Check
 impl DeviceReduceOps for burn::backend::Cuda {
     #[cfg(feature = "nccl")]
     fn device_all_reduce(x: FloatTensor<Self>, comm: &DeviceComm) -> Result<FloatTensor<Self>, String> {
-        crate::nccl::all_reduce(x, &comm.nccl)
+        nccl::all_reduce(x, &comm.nccl)
     }
 }

@@ -130,7 +130,7 @@ fn transposed_product(
     rhs: crate::bf16_gemm::Strided<'_>,
 ) {
     let parallelism = if rows * inner >= 1 << 18 { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
-    crate::kernels::gemm_strided((rows, cols, inner), dst, accumulate, lhs, rhs, 1.0, parallelism);
+    crate::products::gemm_strided((rows, cols, inner), dst, accumulate, lhs, rhs, 1.0, parallelism);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -37,9 +37,8 @@ mod flex;
 mod kernels;
 pub mod kv;
 pub mod linear;
-#[cfg(feature = "nccl")]
-pub mod nccl;
 pub mod paged;
+mod products;
 pub mod rms_norm;
 pub mod rope;
 mod simd;

@@ -6,7 +6,7 @@
 //! once as it is, once inside a function with AVX2 and FMA enabled (eight lanes: Intel since Haswell,
 //! AMD since Zen 1, up to Zen 3), once with AVX-512 as well (sixteen lanes: Zen 4 and 5, Intel Xeons
 //! since Skylake-SP). Closures in them, the rayon tasks included, inherit the features, and
-//! `#[inline(always)]` helpers such as [`crate::kernels::exp`] are compiled again inside each. The
+//! `#[inline(always)]` helpers such as the kernels' `exp` are compiled again inside each. The
 //! entry point takes the widest copy that its [`crate::Cpu`] argument allows (the run's
 //! [`crate::Compute`]: no process-wide switch). The copies compute the same thing: rustc
 //! does not reassociate float sums or fuse multiplies and adds on its own, so the wider builds

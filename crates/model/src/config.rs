@@ -260,16 +260,6 @@ impl ModelConfig {
     pub fn train_flops_per_token(&self, seq_len: usize) -> f64 {
         3.0 * self.forward_flops_per_token(seq_len)
     }
-
-    /// Training FLOPs per token with LoRA adapters of rank `rank` on the projections `targets`
-    /// names and everything else frozen: `4N + 6·L·Σ r·(in + out) + 12·L·T·(H·Dh)`. The frozen
-    /// weights take part in the forward product and the input gradient's, never in a weight
-    /// gradient's, so that counting them 6N would put MFU above what the GEMMs do (over 100 %).
-    pub fn lora_train_flops_per_token(&self, seq_len: usize, rank: usize, targets: &[crate::lora::Target]) -> f64 {
-        let attention = 12.0 * self.n_layers as f64 * seq_len as f64 * (self.n_heads * self.head_dim()) as f64;
-        let adapter: usize = targets.iter().map(|t| t.shape(self)).map(|(i, o)| rank * (i + o)).sum();
-        4.0 * self.matmul_params() as f64 + 6.0 * (self.n_layers * adapter) as f64 + attention
-    }
 }
 
 /// Checks Hugging Face's `rope_scaling` factors: each positive and finite, the high-frequency
@@ -516,14 +506,6 @@ mod tests {
         let n = c.matmul_params() as f64;
         let t = 16;
         assert_eq!(c.train_flops_per_token(t), 6.0 * n + 12.0 * 2.0 * 16.0 * 32.0);
-        // LoRA r 4 on q and down: the base 4N, each adapter 6·r·(in + out) a layer.
-        use crate::lora::Target;
-        let (q, down) = (Target::QProj.shape(&c), Target::DownProj.shape(&c));
-        assert_eq!(q, (c.d_model, c.n_heads * c.head_dim()));
-        assert_eq!(down, (c.d_ff, c.d_model));
-        let adapters = 6.0 * 2.0 * 4.0 * (q.0 + q.1 + down.0 + down.1) as f64;
-        let targets = [Target::QProj, Target::DownProj];
-        assert_eq!(c.lora_train_flops_per_token(t, 4, &targets), 4.0 * n + adapters + 12.0 * 2.0 * 16.0 * 32.0);
         // Tied: the head is the embedding table, still counted once as a matmul.
         let tied = ModelConfig { tie_embeddings: true, ..c.clone() };
         assert_eq!(tied.matmul_params(), c.matmul_params());

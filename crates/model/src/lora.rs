@@ -108,6 +108,16 @@ impl LoraConfig {
         }
         Ok(())
     }
+
+    /// Training FLOPs per token of `model` with these adapters and everything else frozen:
+    /// `4N + 6·L·Σ r·(in + out) + 12·L·T·(H·Dh)`. The frozen weights take part in the forward
+    /// product and the input gradient's, never in a weight gradient's, so that counting them 6N
+    /// would put MFU above what the GEMMs do (over 100 %).
+    pub fn train_flops_per_token(&self, model: &ModelConfig, seq_len: usize) -> f64 {
+        let attention = 12.0 * model.n_layers as f64 * seq_len as f64 * (model.n_heads * model.head_dim()) as f64;
+        let adapter: usize = self.targets.iter().map(|t| t.shape(model)).map(|(i, o)| self.rank * (i + o)).sum();
+        4.0 * model.matmul_params() as f64 + 6.0 * (model.n_layers * adapter) as f64 + attention
+    }
 }
 
 /// The adapter of one projection.
@@ -177,5 +187,35 @@ impl<B: Backend> PathMapper<B> for FreezeBase {
             return param;
         }
         param.set_require_grad(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lora_flops_count_the_frozen_base_4n_and_each_adapter_6r() {
+        let c = ModelConfig { d_ff: 48, ..ModelConfig::tiny(37, 32) };
+        let (n, t) = (c.matmul_params() as f64, 16);
+        // LoRA r 4 on q and down: the base 4N, each adapter 6·r·(in + out) a layer.
+        let (q, down) = (Target::QProj.shape(&c), Target::DownProj.shape(&c));
+        assert_eq!(q, (c.d_model, c.n_heads * c.head_dim()));
+        assert_eq!(down, (c.d_ff, c.d_model));
+        let adapters = 6.0 * 2.0 * 4.0 * (q.0 + q.1 + down.0 + down.1) as f64;
+        let lora = LoraConfig { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec![Target::QProj, Target::DownProj] };
+        assert_eq!(lora.train_flops_per_token(&c, t), 4.0 * n + adapters + 12.0 * 2.0 * 16.0 * 32.0);
+        assert_eq!(lora.train_flops_per_token(&c, t), 3.0 * c.forward_flops_per_token(t) - 2.0 * n + adapters);
+    }
+
+    #[test]
+    fn targets_are_spelled_as_hugging_face_names_them() {
+        for t in Target::ALL {
+            let toml = format!("rank = 2\nalpha = 4.0\ntargets = [\"{}\"]\n", t.name());
+            let c: LoraConfig = toml::from_str(&toml).expect("a target by its name");
+            assert_eq!(c.targets, [t]);
+        }
+        let e = toml::from_str::<LoraConfig>("rank = 2\nalpha = 4.0\ntargets = [\"qkv\"]\n").unwrap_err();
+        assert!(e.to_string().contains("unknown variant `qkv`") && e.to_string().contains("q_proj"), "{e}");
     }
 }

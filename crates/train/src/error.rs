@@ -54,7 +54,7 @@ impl TrainError {
     }
 }
 
-/// Why [`crate::step::Optimizer::build`] failed. Moments that do not fit the model can only come
+/// Why `Optimizer::build` (the `step` module's) failed. Moments that do not fit the model can only come
 /// from a checkpoint being resumed (the trainer reports those as a damaged checkpoint); a model
 /// ZeRO-1 cannot shard is a fault of the run's config, fresh or resumed.
 #[derive(Debug, thiserror::Error)]

@@ -147,11 +147,14 @@ fn device_comm(device: DeviceSpec, c: &dyn Collective) -> anyhow::Result<Option<
     if !wanted {
         return Ok(None);
     }
-    let id =
-        if c.rank() == 0 { ember_kernels::nccl::unique_id().map_err(|e| anyhow::anyhow!(e))? } else { vec![0u8; 128] };
+    let id = if c.rank() == 0 {
+        ember_kernels::collective::nccl::unique_id().map_err(|e| anyhow::anyhow!(e))?
+    } else {
+        vec![0u8; 128]
+    };
     let all = c.all_gather_bytes(&id, "start-up: NCCL id")?;
-    let comm =
-        ember_kernels::nccl::communicator(ordinal, c.rank(), c.world(), &all[0]).map_err(|e| anyhow::anyhow!(e))?;
+    let comm = ember_kernels::collective::nccl::communicator(ordinal, c.rank(), c.world(), &all[0])
+        .map_err(|e| anyhow::anyhow!(e))?;
     tracing::info!("gradients summed on the device by NCCL ({} rank(s))", c.world());
     Ok(Some(comm))
 }

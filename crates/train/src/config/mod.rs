@@ -60,7 +60,7 @@ impl TrainConfig {
     /// base: no weight gradients but the adapters') `4N + 6·L·Σ r·(in + out) + 12·L·T·d`.
     pub fn train_flops_per_token(&self) -> f64 {
         match &self.lora {
-            Some(lora) => self.model.lora_train_flops_per_token(self.seq_len(), lora.rank, &lora.targets),
+            Some(lora) => lora.train_flops_per_token(&self.model, self.seq_len()),
             None => self.model.train_flops_per_token(self.seq_len()),
         }
     }

@@ -20,7 +20,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
-use crate::collective::DeviceComm;
+use super::DeviceComm;
 
 type Inner = CubeBackend<CudaRuntime, f32, i32, u8>;
 
