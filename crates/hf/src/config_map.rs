@@ -4,7 +4,7 @@
 //! `rope_parameters` (`rope_theta` and `rope_type` inside) and the older top-level `rope_theta` with
 //! `rope_scaling`.
 
-use ember_model::{ModelConfig, RopeLayout, RopeScaling};
+use ember_model::{MlpKind, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
 use serde_json::{json, Map, Value};
 
 use crate::error::HfError;
@@ -123,6 +123,21 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         sliding_window,
         norm_eps: obj.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
         qkv_bias,
+        o_bias: false,
+        mlp_bias: false,
+        norm: NormKind::RmsNorm,
+        norm_bias: false,
+        mlp: MlpKind::Swiglu,
+        positions: Positions::Rope,
+        qk_norm: false,
+        sandwich_norms: false,
+        parallel_block: false,
+        embed_scale: false,
+        sliding_window_pattern: None,
+        rope_local_theta: None,
+        query_pre_attn_scalar: None,
+        attn_logit_softcap: None,
+        final_logit_softcap: None,
         tie_embeddings: flag("tie_word_embeddings").unwrap_or(tie_default),
         init_std: obj.get("initializer_range").and_then(Value::as_f64).unwrap_or(0.02),
         dropout: 0.0,

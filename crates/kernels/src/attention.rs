@@ -19,6 +19,30 @@ use crate::kernels::{self, AttnShape};
 use crate::rope::Rope;
 use crate::{flex, float, prim, reference_grads, EmberBackend};
 
+/// How attention scores are made from `q·kᵀ`: scaled (`1/sqrt(Dh)` unless a model says otherwise:
+/// Gemma's `query_pre_attn_scalar`), then optionally soft-capped as `c·tanh(s/c)` (Gemma 2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scores {
+    pub scale: f64,
+    pub softcap: Option<f64>,
+}
+
+impl Scores {
+    /// `1/sqrt(head_dim)`, no cap: the usual scores.
+    pub fn of_head(head_dim: usize) -> Self {
+        Self { scale: 1.0 / (head_dim as f64).sqrt(), softcap: None }
+    }
+
+    /// `q·kᵀ` (f32, `[..]`) made scores.
+    fn apply<B: Backend, const D: usize>(self, dots: Tensor<B, D>) -> Tensor<B, D> {
+        let scores = dots.mul_scalar(self.scale);
+        match self.softcap {
+            Some(c) => scores.div_scalar(c).tanh().mul_scalar(c),
+            None => scores,
+        }
+    }
+}
+
 /// What the attention's forward pass keeps for its backward pass.
 #[derive(Debug, Clone)]
 pub enum AttentionSaved<B: Backend> {
@@ -118,7 +142,9 @@ fn rotate_packed<B: Backend>(
 /// - qkv: `[B·T, (H + 2K)·Dh]` -> `[B·T, H·Dh]`
 pub fn reference<B: Backend>(qkv: Tensor<B, 2>, rope: &Rope<B>, s: &AttnShape) -> Tensor<B, 2> {
     let docs = s.docs.as_ref().map(|first| Documents::from_parts(first.clone(), s.batch, s.seq));
-    attention_rope_reference(qkv, rope, (s.batch, s.seq), (s.heads, s.kv_heads, s.head_dim), s.start, docs.as_ref())
+    let scores = Scores { scale: f64::from(s.scale), softcap: None };
+    let shape = (s.heads, s.kv_heads, s.head_dim);
+    attention_rope_reference(qkv, rope, (s.batch, s.seq), shape, (s.start, docs.as_ref()), scores)
 }
 
 /// The reference's gradient of the packed q/k/v, through Burn's autodiff.
@@ -147,8 +173,8 @@ pub fn attention_rope_reference<B: Backend>(
     rope: &Rope<B>,
     (b, t): (usize, usize),
     (h, kh, dh): (usize, usize, usize),
-    start: usize,
-    docs: Option<&Documents>,
+    (start, docs): (usize, Option<&Documents>),
+    scores: Scores,
 ) -> Tensor<B, 2> {
     let heads = |from: usize, n: usize| qkv.clone().narrow(1, from * dh, n * dh).reshape([b, t, n, dh]).swap_dims(1, 2);
     let (q, k, v) = (heads(0, h), heads(h, kh), heads(h + kh, kh)); // [B, heads, T, Dh]
@@ -158,12 +184,12 @@ pub fn attention_rope_reference<B: Backend>(
             let (q, k) = (rope.apply_positions(q, &positions), rope.apply_positions(k, &positions));
             let (k, v) = (repeat_kv(k, h / kh), repeat_kv(v, h / kh)); // [B, H, T, Dh]
             let hidden = docs.hidden_mask::<B>(None, &q.device()); //      [B, 1, T, T]
-            masked_attention(q, k, v, Some(hidden), DType::F32)
+            masked_attention(q, k, v, Some(hidden), DType::F32, scores)
         }
         None => {
             let (q, k) = (rope.apply(q, start), rope.apply(k, start));
             let (k, v) = (repeat_kv(k, h / kh), repeat_kv(v, h / kh)); // [B, H, T, Dh]
-            let opts = AttentionModuleOptions { is_causal: true, ..Default::default() };
+            let opts = AttentionModuleOptions { is_causal: true, scale: Some(scores.scale), softcap: scores.softcap };
             attention(q, k, v, None, None, opts)
         }
     };
@@ -173,7 +199,7 @@ pub fn attention_rope_reference<B: Backend>(
 /// RoPE and causal grouped-query attention over packed `[q | k | v]` rows of whole sequences
 /// starting at position `start`, as one op where the backend runs it faster so, else the
 /// composition; with `docs`, block-diagonal: each document of a row restarts its positions and
-/// sees only itself.
+/// sees only itself. The kernels take scaled scores; soft-capped ones run the composition.
 ///
 /// # Shapes
 /// - qkv: `[B·T, (H + 2K)·Dh]` -> `[B·T, H·Dh]`
@@ -182,12 +208,12 @@ pub fn attention_rope_packed<B: EmberBackend>(
     rope: &Rope<B>,
     (b, t): (usize, usize),
     (h, kh, dh): (usize, usize, usize),
-    start: usize,
-    docs: Option<&Documents>,
+    (start, docs): (usize, Option<&Documents>),
+    scores: Scores,
     cx: Compute,
 ) -> Tensor<B, 2> {
-    if !(cx.fused::<B>(qkv.dtype()) && start + t <= rope.max_seq_len()) {
-        return attention_rope_reference(qkv, rope, (b, t), (h, kh, dh), start, docs);
+    if !(cx.fused::<B>(qkv.dtype()) && start + t <= rope.max_seq_len() && scores.softcap.is_none()) {
+        return attention_rope_reference(qkv, rope, (b, t), (h, kh, dh), (start, docs), scores);
     }
     let s = AttnShape {
         batch: b,
@@ -197,49 +223,15 @@ pub fn attention_rope_packed<B: EmberBackend>(
         head_dim: dh,
         start,
         layout: rope.layout(),
-        scale: 1.0 / (dh as f32).sqrt(),
+        scale: scores.scale as f32,
         docs: docs.map(|d| d.first_positions().clone()),
     };
     let (cos, sin) = rope.tables();
     float(B::attention_rope(prim(qkv), prim(cos), prim(sin), s, cx))
 }
 
-/// Attention of queries over keys and values held in segments (in position order), every key
-/// visible: one softmax across all segments' scores, then the segments' values weighted by their
-/// share. Equal to [`masked_attention`] over the concatenated segments without building them.
-///
-/// # Shapes
-/// - q: `[B, H, T, Dh]`, segments: (`[B, H, s_i, Dh]`, `[B, H, s_i, Dh]`) -> `[B, H, T, Dh]`
-pub fn segmented_attention<B: Backend>(
-    q: Tensor<B, 4>,
-    segments: Vec<(Tensor<B, 4>, Tensor<B, 4>)>,
-    compute: DType,
-) -> Tensor<B, 4> {
-    let dh = q.dims()[3];
-    let cast = |x: Tensor<B, 4>, d: DType| if x.dtype() == d { x } else { x.cast(d) };
-    let q = cast(q, compute);
-    let sizes: Vec<usize> = segments.iter().map(|(k, _)| k.dims()[2]).collect();
-    let scores: Vec<Tensor<B, 4>> = segments
-        .iter()
-        .map(|(k, _)| cast(q.clone().matmul(cast(k.clone(), compute).swap_dims(2, 3)), DType::F32))
-        .collect();
-    let probs = softmax(Tensor::cat(scores, 3).div_scalar((dh as f64).sqrt()), 3); // [B, H, T, S]
-    let mut start = 0;
-    let mut out: Option<Tensor<B, 4>> = None;
-    for ((_, v), size) in segments.into_iter().zip(sizes) {
-        let p = cast(probs.clone().narrow(3, start, size), compute);
-        let part = cast(p.matmul(cast(v, compute)), DType::F32);
-        out = Some(match out {
-            Some(acc) => acc + part,
-            None => part,
-        });
-        start += size;
-    }
-    out.expect("at least one segment")
-}
-
 /// Attention with an explicit mask (true = hidden; `None`: every key visible), both GEMMs in
-/// `compute`, the softmax in f32.
+/// `compute`, the scores and the softmax in f32.
 ///
 /// # Shapes
 /// - q: `[B, H, T, Dh]`, k, v: `[B, H, S, Dh]`, hidden: `[B or 1, 1, T, S]` -> `[B, H, T, Dh]`
@@ -249,11 +241,11 @@ pub fn masked_attention<B: Backend>(
     v: Tensor<B, 4>,
     hidden: Option<Tensor<B, 4, Bool>>,
     compute: DType,
+    scores: Scores,
 ) -> Tensor<B, 4> {
-    let dh = q.dims()[3];
     let cast = |x: Tensor<B, 4>, d: DType| if x.dtype() == d { x } else { x.cast(d) };
-    let scores = cast(q, compute).matmul(cast(k, compute).swap_dims(2, 3)); // [B, H, T, S]
-    let scores = cast(scores, DType::F32).div_scalar((dh as f64).sqrt());
+    let dots = cast(q, compute).matmul(cast(k, compute).swap_dims(2, 3)); // [B, H, T, S]
+    let scores = scores.apply(cast(dots, DType::F32));
     let scores = match hidden {
         Some(hidden) => scores.mask_fill(hidden, f32::NEG_INFINITY),
         None => scores,
@@ -416,17 +408,10 @@ mod tests {
                     format!("attention b{b} t{t} h{h} k{kh} dh{dh} start{start} {layout:?} docs {}", docs.is_some());
                 compare(&name, inputs, [b * t, h * dh], &|xs, fused| {
                     if fused {
-                        attention_rope_packed(
-                            xs[0].clone(),
-                            &rope,
-                            (b, t),
-                            (h, kh, dh),
-                            start,
-                            docs,
-                            Compute::default(),
-                        )
+                        let scores = Scores::of_head(dh);
+                        attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), (start, docs), scores, Compute::default())
                     } else {
-                        attention_rope_reference(xs[0].clone(), &rope, (b, t), (h, kh, dh), start, docs)
+                        attention_rope_reference(xs[0].clone(), &rope, (b, t), (h, kh, dh), (start, docs), Scores::of_head(dh))
                     }
                 });
             }
@@ -535,7 +520,8 @@ mod tests {
         compute: DType,
     ) -> Tensor<B, 4> {
         let hidden = causal_mask::<B>(q.dims()[2], k.dims()[2], None, &q.device());
-        masked_attention(q, k, v, Some(hidden), compute)
+        let dh = q.dims()[3];
+        masked_attention(q, k, v, Some(hidden), compute, Scores::of_head(dh))
     }
 
     #[test]

@@ -31,7 +31,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
-use crate::attention::masked_attention;
+use crate::attention::{masked_attention, Scores};
 use crate::compute::{Compute, Cpu};
 use crate::kernels::{exp, lanes_dot, lanes_max, lanes_sum};
 #[cfg(target_arch = "x86_64")]
@@ -157,7 +157,8 @@ impl<B: Backend> Paged<B> {
 /// A backend's attention over a paged cache; the default method is the reference.
 pub trait PagedAttentionOps: Backend {
     /// Attention of `q` over the keys and values the layout's tables point at, each key/value head
-    /// shared by `rep` query heads; both products in `cx.dtype`, the softmax in f32.
+    /// shared by `rep` query heads, the scores made as `scores` says; both products in `cx.dtype`,
+    /// the softmax in f32.
     ///
     /// # Shapes
     /// - q: `[B, H, T, Dh]`, keys, values: the pools `[N, K·Dh]` (`K = H / rep`) -> `[B, H, T, Dh]`
@@ -166,10 +167,10 @@ pub trait PagedAttentionOps: Backend {
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
         paged: &Paged<Self>,
-        rep: usize,
+        (rep, scores): (usize, Scores),
         cx: Compute,
     ) -> FloatTensor<Self> {
-        prim(reference(float(q), float(keys), float(values), paged, rep, cx.dtype))
+        prim(reference(float(q), float(keys), float(values), paged, (rep, scores), cx.dtype))
     }
 }
 
@@ -181,14 +182,14 @@ pub fn reference<B: Backend>(
     keys: Tensor<B, 2>,
     values: Tensor<B, 2>,
     paged: &Paged<B>,
-    rep: usize,
+    (rep, scores): (usize, Scores),
     compute: DType,
 ) -> Tensor<B, 4> {
     let [b, h, t, dh] = q.dims();
     let (read, hidden) = paged.view();
     let (k, s) = (h / rep, paged.layout.keys());
     let gather = |pool: Tensor<B, 2>| pool.select(0, read.clone()).reshape([b, s, k, dh]).swap_dims(1, 2);
-    grouped_attention(q, gather(keys), gather(values), hidden.clone(), rep, compute).reshape([b, h, t, dh])
+    grouped_attention(q, gather(keys), gather(values), hidden.clone(), (rep, scores), compute).reshape([b, h, t, dh])
 }
 
 /// Masked attention with each key/value head shared by `rep` query heads: the `rep` heads of a
@@ -201,19 +202,19 @@ pub fn grouped_attention<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     hidden: Option<Tensor<B, 4, Bool>>,
-    rep: usize,
+    (rep, scores): (usize, Scores),
     compute: DType,
 ) -> Tensor<B, 4> {
     let [b, h, t, dh] = q.dims();
     if rep == 1 {
-        return masked_attention(q, k, v, hidden, compute);
+        return masked_attention(q, k, v, hidden, compute, scores);
     }
     let q = q.reshape([b, h / rep, rep * t, dh]); // head j = group j / rep, row (j % rep)·T + i
     let hidden = hidden.map(|m| {
         let s = m.dims()[3];
         m.unsqueeze_dim::<5>(2).expand([b, 1, rep, t, s]).reshape([b, 1, rep * t, s])
     });
-    masked_attention(q, k, v, hidden, compute).reshape([b, h, t, dh])
+    masked_attention(q, k, v, hidden, compute, scores).reshape([b, h, t, dh])
 }
 
 impl PagedAttentionOps for Flex {
@@ -222,12 +223,13 @@ impl PagedAttentionOps for Flex {
         keys: FlexTensor,
         values: FlexTensor,
         paged: &Paged<Self>,
-        rep: usize,
+        (rep, scores): (usize, Scores),
         cx: Compute,
     ) -> FlexTensor {
         let (qs, ks, vs) = (flex::shape(&q), flex::shape(&keys), flex::shape(&values));
         let l = &paged.layout;
         let fits = cx.fused::<Self>(cx.dtype)
+            && scores.softcap.is_none()
             && flex::all_f32(&[&q, &keys, &values])
             && qs.len() == 4
             && ks.len() == 2
@@ -241,9 +243,9 @@ impl PagedAttentionOps for Flex {
             && ks[1] == qs[1] / rep * qs[3]
             && l.fits(ks[0]);
         if !fits {
-            return prim(reference(float(q), float(keys), float(values), paged, rep, cx.dtype));
+            return prim(reference(float(q), float(keys), float(values), paged, (rep, scores), cx.dtype));
         }
-        let heads = Heads { heads: qs[1], kv_heads: qs[1] / rep, head_dim: qs[3] };
+        let heads = Heads { heads: qs[1], kv_heads: qs[1] / rep, head_dim: qs[3], scale: scores.scale as f32 };
         let o = attention(cx.elementwise_cpu(), &flex::f32s(&q), &flex::f32s(&keys), &flex::f32s(&values), l, heads);
         flex::tensor(o, qs)
     }
@@ -257,6 +259,8 @@ pub struct Heads {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// What `q·k` is multiplied by (`1/sqrt(head_dim)` unless the model says otherwise).
+    pub scale: f32,
 }
 
 /// Query rows one task carries at most (heads times positions: a decode step's heads fit).
@@ -299,7 +303,7 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
             (0..p).map(move |i| (n, blocks * i / p..blocks * (i + 1) / p))
         })
         .collect();
-    let scale = 1.0 / (dh as f32).sqrt();
+    let scale = s.scale;
     let partials: Vec<Partial> = tasks
         .par_iter()
         .map(|(n, blocks)| {
@@ -594,7 +598,7 @@ unsafe fn avx512_weighted_sum(out: &mut [f32], p: &[f32], rows: &[f32], stride: 
 /// The plain loops, in f64 with a two-pass softmax: what the kernel is tested against.
 pub fn attention_reference(q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
     let (t, dh, rep, w) = (layout.queries, s.head_dim, s.heads / s.kv_heads, s.kv_heads * s.head_dim);
-    let scale = 1.0 / (dh as f64).sqrt();
+    let scale = f64::from(s.scale);
     let mut o = vec![0.0f32; q.len()];
     for b in 0..layout.batch() {
         for head in 0..s.heads {
@@ -667,7 +671,7 @@ mod tests {
         (layout, n * block_size)
     }
 
-    const HEADS: Heads = Heads { heads: 6, kv_heads: 2, head_dim: 20 };
+    const HEADS: Heads = Heads { heads: 6, kv_heads: 2, head_dim: 20, scale: 0.223_606_8 };
 
     fn cases() -> Vec<(PagedLayout, usize)> {
         vec![
@@ -687,10 +691,10 @@ mod tests {
         // Head widths below one vector, between one and two, SmolLM2's, and past a group of four
         // vectors; every case on 1, 3 and 7 threads (so that blocks are shared out differently).
         let heads = [
-            Heads { heads: 2, kv_heads: 1, head_dim: 8 },
+            Heads { heads: 2, kv_heads: 1, head_dim: 8, scale: 0.353_553_4 },
             HEADS,
-            Heads { heads: 9, kv_heads: 3, head_dim: 64 },
-            Heads { heads: 4, kv_heads: 4, head_dim: 80 },
+            Heads { heads: 9, kv_heads: 3, head_dim: 64, scale: 0.125 },
+            Heads { heads: 4, kv_heads: 4, head_dim: 80, scale: 0.7 },
         ];
         let pools: Vec<rayon::ThreadPool> = [1, 3, 7]
             .iter()
@@ -734,7 +738,8 @@ mod tests {
             let keys = Tensor::<Flex, 2>::random([pool_rows, k * dh], normal, &dev);
             let values = Tensor::<Flex, 2>::random([pool_rows, k * dh], normal, &dev);
             let paged = Paged::<Flex>::new(l.clone(), &dev);
-            let want = reference(q.clone(), keys.clone(), values.clone(), &paged, h / k, DType::F32);
+            let scores = Scores { scale: f64::from(HEADS.scale), softcap: None };
+            let want = reference(q.clone(), keys.clone(), values.clone(), &paged, (h / k, scores), DType::F32);
             let cx = Compute::default();
             // A strided q (a swapped view), as the model hands it over.
             let q_view = q.clone().swap_dims(1, 2).into_data();
@@ -749,7 +754,7 @@ mod tests {
                 HEADS,
             );
             let got: Tensor<Flex, 4> =
-                float(Flex::paged_attention(prim(q_strided), prim(keys), prim(values), &paged, h / k, cx));
+                float(Flex::paged_attention(prim(q_strided), prim(keys), prim(values), &paged, (h / k, scores), cx));
             // Compare the rows that see a key (a padding row a window leaves without any is NaN in
             // the composition, zero in the kernel).
             let (got, want) = (got.into_data().to_vec::<f32>().unwrap(), want.into_data().to_vec::<f32>().unwrap());

@@ -104,6 +104,14 @@ impl<B: Backend> Rope<B> {
         Self { cos: table(cos), sin: table(sin), layout }
     }
 
+    /// Tables of angle zero (cos 1, sin 0): the rotation is the identity, exactly (`x·1 − y·0 = x`).
+    /// What a model with learned positions runs through the attention kernels, which rotate.
+    pub fn identity(max_seq_len: usize, head_dim: usize, layout: RopeLayout, device: &B::Device) -> Self {
+        let half = head_dim / 2;
+        let table = |v: f32| Tensor::full([max_seq_len, half], v, device);
+        Self { cos: table(1.0), sin: table(0.0), layout }
+    }
+
     /// Rope over given cos and sin tables, `[T_max, Dh/2]` each (as [`Self::tables`] returns them).
     pub fn from_tables(cos: Tensor<B, 2>, sin: Tensor<B, 2>, layout: RopeLayout) -> Self {
         Self { cos, sin, layout }

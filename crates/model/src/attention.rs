@@ -1,17 +1,114 @@
 //! Causal grouped-query self-attention: H query heads share K key/value heads, H/K queries per group
-//! (Ainslie et al., 2023). MHA is K = H, MQA is K = 1.
+//! (Ainslie et al., 2023). MHA is K = H, MQA is K = 1. Options the families need: biases on the
+//! projections (Qwen2, GPT-2), a per-head norm of the queries and keys before RoPE (Qwen3, Gemma 3),
+//! a sliding window (Mistral; Gemma 3's local layers), a scale other than `1/sqrt(Dh)` (Gemma's
+//! `query_pre_attn_scalar`) and soft-capped scores (Gemma 2).
 
 use burn::module::Module;
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use crate::config::AttentionConfig;
+use ember_kernels::attention::{attention_rope_packed, causal_mask, masked_attention, repeat_kv, Scores};
+use ember_kernels::documents::Documents;
+use ember_kernels::qk_norm::qk_norm_packed;
+use ember_kernels::rope::Rope;
+use ember_kernels::{Compute, EmberBackend};
+
+use crate::config::{positive_std, ConfigError};
 use crate::init::Init;
 use crate::kv_cache::LayerKv;
 use crate::linear::{forward_packed, Linear};
-use ember_kernels::attention::{attention_rope_packed, causal_mask, masked_attention, repeat_kv};
-use ember_kernels::documents::Documents;
-use ember_kernels::rope::Rope;
-use ember_kernels::{Compute, EmberBackend};
+use crate::norm::{Norm, NormConfig};
+
+/// What an [`Attention`] is built from.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct AttentionConfig {
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// The per-head norm of queries and keys (over `head_dim`), if any.
+    pub qk_norm: Option<NormConfig>,
+    pub sliding_window: Option<usize>,
+    /// What `q·k` is multiplied by, and the soft cap of the scores.
+    pub scale: f64,
+    pub softcap: Option<f64>,
+    /// Init standard deviation of the q/k/v projections and of the output projection.
+    pub init_std: f64,
+    pub out_std: f64,
+}
+
+impl AttentionConfig {
+    /// Multi-head attention of `n_heads` heads over `d_model` (one key/value head a query head, no
+    /// bias, no window, init std 0.02): the fields are public for the rest.
+    #[cfg(test)]
+    pub(crate) fn new(d_model: usize, n_heads: usize) -> Self {
+        let head_dim = d_model / n_heads.max(1);
+        Self {
+            d_model,
+            n_heads,
+            n_kv_heads: n_heads,
+            head_dim,
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: None,
+            sliding_window: None,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            softcap: None,
+            init_std: 0.02,
+            out_std: 0.02,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        let sizes = [("d_model", self.d_model), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)];
+        if let Some((name, _)) = sizes.into_iter().find(|&(_, value)| value == 0) {
+            return Err(ConfigError::NotPositive { name, value: 0.0 });
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(ConfigError::NotDivisible {
+                divisor: "n_kv_heads",
+                divisor_value: self.n_kv_heads,
+                dividend: "n_heads",
+                dividend_value: self.n_heads,
+            });
+        }
+        if self.head_dim == 0 {
+            return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 });
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(ConfigError::OddHeadDim(self.head_dim));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(ConfigError::NotPositive { name: "sliding_window", value: 0.0 });
+        }
+        if let Some(norm) = &self.qk_norm {
+            norm.validate()?;
+        }
+        positive_std(self.init_std, self.out_std)
+    }
+
+    /// The projections, drawn from `init` (q, k, v, o in that order); the q/k norms start at a
+    /// gain of one. Call [`AttentionConfig::validate`] first (as `Decoder::new` does): a config
+    /// that breaks its rules builds a part that panics when run.
+    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
+        let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
+        Attention {
+            q_proj: Linear::new(init, d, h * dh, self.qkv_bias, self.init_std, device),
+            k_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
+            v_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
+            o_proj: Linear::new(init, h * dh, d, self.o_bias, self.out_std, device),
+            q_norm: self.qk_norm.as_ref().map(|n| n.init(device)),
+            k_norm: self.qk_norm.as_ref().map(|n| n.init(device)),
+            n_heads: h,
+            n_kv_heads: k,
+            head_dim: dh,
+            sliding_window: self.sliding_window,
+            scores: Scores { scale: self.scale, softcap: self.softcap },
+        }
+    }
+}
 
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
@@ -23,6 +120,9 @@ pub struct Attention<B: Backend> {
     pub v_proj: Linear<B>,
     /// `[H·Dh, D]`
     pub o_proj: Linear<B>,
+    /// Per-head norms of the queries and keys, `[Dh]` each.
+    pub q_norm: Option<Norm<B>>,
+    pub k_norm: Option<Norm<B>>,
     #[module(skip)]
     n_heads: usize,
     #[module(skip)]
@@ -31,24 +131,8 @@ pub struct Attention<B: Backend> {
     head_dim: usize,
     #[module(skip)]
     sliding_window: Option<usize>,
-}
-
-impl AttentionConfig {
-    /// The projections, drawn from `init`. Call [`AttentionConfig::validate`] first (as
-    /// `Decoder::new` does): a config that breaks its rules builds a part that panics when run.
-    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
-        let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
-        Attention {
-            q_proj: Linear::new(init, d, h * dh, self.qkv_bias, self.init_std, device),
-            k_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
-            v_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
-            o_proj: Linear::new(init, h * dh, d, false, self.out_std, device),
-            n_heads: h,
-            n_kv_heads: k,
-            head_dim: dh,
-            sliding_window: self.sliding_window,
-        }
-    }
+    #[module(skip)]
+    scores: Scores,
 }
 
 /// Where an attention call's keys and values come from.
@@ -79,12 +163,20 @@ impl<B: EmberBackend> Attention<B> {
         self.o_proj.forward(o, cx).reshape([b, t, d])
     }
 
-    /// The three projections as one GEMM.
+    /// The three projections as one GEMM, the queries and keys normed per head where the model
+    /// does so.
     ///
     /// # Shapes
     /// - x: `[N, D]` -> `[N, (H + 2K)·Dh]`, rows `[q | k | v]`
     fn qkv(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
-        forward_packed(&[&self.q_proj, &self.k_proj, &self.v_proj], x, cx)
+        let qkv = forward_packed(&[&self.q_proj, &self.k_proj, &self.v_proj], x, cx);
+        match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => {
+                let shape = (self.n_heads, self.n_kv_heads, self.head_dim);
+                qk_norm_packed(qkv, qn.gain(), kn.gain(), shape, qn.eps, cx)
+            }
+            _ => qkv,
+        }
     }
 
     /// # Shapes
@@ -104,7 +196,7 @@ impl<B: EmberBackend> Attention<B> {
         }
         if cx.dtype == DType::F32 && self.sliding_window.is_none_or(|w| w >= t) {
             // RoPE and causal GQA attention as one op, on the projections' own layout.
-            return attention_rope_packed(qkv, rope, (b, t), (h, k, dh), start, docs, cx);
+            return attention_rope_packed(qkv, rope, (b, t), (h, k, dh), (start, docs), self.scores, cx);
         }
         let device = qkv.device();
         let [q, key, v] = self.split_heads(qkv, b, t);
@@ -119,7 +211,8 @@ impl<B: EmberBackend> Attention<B> {
                 (rope.apply(q, start), rope.apply(key, start), hidden)
             }
         };
-        let o = masked_attention(q, repeat_kv(key, h / k), repeat_kv(v, h / k), Some(hidden), cx.dtype);
+        let (key, v) = (repeat_kv(key, h / k), repeat_kv(v, h / k)); // [B, H, T, Dh]
+        let o = masked_attention(q, key, v, Some(hidden), cx.dtype, self.scores);
         o.swap_dims(1, 2).reshape([b * t, h * dh]) // from [B, H, T, Dh]
     }
 
@@ -137,7 +230,7 @@ impl<B: EmberBackend> Attention<B> {
         let [q, key, v] = self.split_heads(qkv, b, t);
         let starts = kv.starts();
         let (q, key) = (rope.apply_rows_op(q, &starts, cx), rope.apply_rows_op(key, &starts, cx)); // post-RoPE, as stored
-        let o = kv.attend(q, key, v, h / k, cx); // [B, H, T, Dh]
+        let o = kv.attend(q, key, v, (h / k, self.scores), cx); // [B, H, T, Dh]
         o.swap_dims(1, 2).reshape([b * t, h * dh])
     }
 
@@ -190,7 +283,7 @@ mod tests {
     fn gqa_with_as_many_kv_heads_as_heads_is_plain_mha() {
         let dev = Default::default();
         let cfg = ModelConfig { n_kv_heads: Some(4), qkv_bias: true, ..tiny_config() };
-        let mut att = cfg.attention().init::<B>(&mut Init::new(1), &dev);
+        let mut att = cfg.attention(0).init::<B>(&mut Init::new(1), &dev);
         // Non-zero biases so that the bias path is checked too.
         for lin in [&mut att.q_proj, &mut att.k_proj, &mut att.v_proj] {
             let n = lin.d_out();
@@ -207,9 +300,9 @@ mod tests {
     fn gqa_equals_mha_with_repeated_kv_weights() {
         let dev = Default::default();
         let cfg = tiny_config(); // 4 heads, 2 KV heads
-        let gqa = cfg.attention().init::<B>(&mut Init::new(2), &dev);
+        let gqa = cfg.attention(0).init::<B>(&mut Init::new(2), &dev);
         let mha_cfg = ModelConfig { n_kv_heads: Some(4), ..cfg.clone() };
-        let mut mha = mha_cfg.attention().init::<B>(&mut Init::new(3), &dev);
+        let mut mha = mha_cfg.attention(0).init::<B>(&mut Init::new(3), &dev);
         let dh = cfg.head_dim();
         // KV head j serves query heads 2j and 2j+1: repeat its columns.
         let repeat = |w: Tensor<B, 2>| {

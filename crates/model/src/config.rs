@@ -3,10 +3,17 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::attention::AttentionConfig;
+use crate::block::BlockConfig;
+use crate::mlp::MlpConfig;
+use crate::norm::NormConfig;
+
 use ember_kernels::rope::Rope;
 pub use ember_kernels::rope::{RopeLayout, RopeScaling};
 
-/// Architecture of a Llama-style decoder. Hugging Face `config.json` names in brackets.
+/// Architecture of a decoder: the sizes, then the parts each block is made of (the defaults are
+/// Llama's: RMSNorm, RoPE, SwiGLU, no biases). Hugging Face `config.json` names in brackets; the
+/// family table in `ember-hf` maps each family's keys onto these.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
@@ -25,9 +32,10 @@ pub struct ModelConfig {
     /// Per-head width [head_dim]; defaults to `d_model / n_heads`.
     #[serde(default)]
     pub head_dim: Option<usize>,
-    /// SwiGLU hidden width [intermediate_size].
+    /// MLP hidden width [intermediate_size; GPT-2: n_inner, 4·n_embd].
     pub d_ff: usize,
-    /// Longest sequence the RoPE tables cover [max_position_embeddings].
+    /// Longest sequence the positions cover: the RoPE tables, or the learned table
+    /// [max_position_embeddings; GPT-2: n_positions].
     pub max_seq_len: usize,
     /// RoPE base [rope_theta]. 10,000 for Llama 2, 500,000 for Llama 3, 1,000,000 for Qwen2.5.
     #[serde(default = "default_rope_theta")]
@@ -41,12 +49,60 @@ pub struct ModelConfig {
     /// Each query sees at most this many keys, itself included (Mistral v0.1: 4096) [sliding_window].
     #[serde(default)]
     pub sliding_window: Option<usize>,
-    /// RMSNorm epsilon [rms_norm_eps].
+    /// Norm epsilon [rms_norm_eps; GPT-2: layer_norm_epsilon].
     #[serde(default = "default_norm_eps")]
     pub norm_eps: f64,
-    /// Bias on the q/k/v projections (Qwen2: true; Llama, Mistral: false).
+    /// Bias on the q/k/v projections (Qwen2, GPT-2: true; Llama, Mistral: false).
     #[serde(default)]
     pub qkv_bias: bool,
+    /// Bias on the attention's output projection (GPT-2).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub o_bias: bool,
+    /// Biases on the MLP's projections (GPT-2).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub mlp_bias: bool,
+    /// The norms of the blocks and the final norm.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub norm: NormKind,
+    /// Bias on every LayerNorm (GPT-2; nanoGPT's `bias=False` has none).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub norm_bias: bool,
+    /// The feed-forward part.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub mlp: MlpKind,
+    /// How positions enter: RoPE in the attention, or a learned table added to the embeddings.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub positions: Positions,
+    /// A per-head norm of the queries and keys before RoPE, of the model's norm kind (Qwen3,
+    /// Gemma 3; the recipe's QK-norm).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub qk_norm: bool,
+    /// Norms of the attention's and the MLP's outputs too, before each residual add (Gemma 2, 3).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub sandwich_norms: bool,
+    /// The attention and the MLP read the same normed input and add to the residual together.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub parallel_block: bool,
+    /// Embeddings multiplied by `sqrt(d_model)` (Gemma).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub embed_scale: bool,
+    /// With `sliding_window`: every this-many-th layer attends globally, the others within the
+    /// window (Gemma 3: 6, five local layers to one global) [sliding_window_pattern].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window_pattern: Option<usize>,
+    /// RoPE base of the sliding-window layers when it differs from `rope_theta` (Gemma 3: 10,000
+    /// local, 1,000,000 global) [rope_local_base_freq].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_theta: Option<f64>,
+    /// Attention scores scaled by `1/sqrt(this)` instead of `1/sqrt(head_dim)` [query_pre_attn_scalar].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Attention scores soft-capped as `c·tanh(s/c)` (Gemma 2) [attn_logit_softcapping].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_logit_softcap: Option<f64>,
+    /// Logits soft-capped as `c·tanh(z/c)` (Gemma 2) [final_logit_softcapping].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcap: Option<f64>,
     /// LM head shares the embedding table [tie_word_embeddings].
     #[serde(default)]
     pub tie_embeddings: bool,
@@ -61,6 +117,60 @@ pub struct ModelConfig {
 
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
+}
+
+fn is_false(x: &bool) -> bool {
+    !*x
+}
+
+fn is_default<T: Default + PartialEq>(x: &T) -> bool {
+    *x == T::default()
+}
+
+/// A norm.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// RMSNorm, `x / rms(x) · w` (Llama, Qwen, Mistral).
+    #[default]
+    RmsNorm,
+    /// Gemma's RMSNorm, `x / rms(x) · (1 + w)`: the weight is stored as its difference from one.
+    RmsNormPlusOne,
+    /// LayerNorm, `(x − mean(x)) / std(x) · w (+ b)` (GPT-2).
+    LayerNorm,
+}
+
+/// A feed-forward part.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpKind {
+    /// `down(silu(gate(x)) ⊙ up(x))` (Llama, Qwen, Mistral).
+    #[default]
+    Swiglu,
+    /// `down(gelu_tanh(gate(x)) ⊙ up(x))` (Gemma).
+    Geglu,
+    /// `down(gelu_tanh(up(x)))`: GPT-2 as Hugging Face runs it (`gelu_new`).
+    Gelu,
+    /// `down(gelu(up(x)))` with the exact erf GELU: nanoGPT's (`nn.GELU()`).
+    GeluExact,
+}
+
+impl MlpKind {
+    /// Whether the part has a gate projection.
+    pub fn gated(self) -> bool {
+        matches!(self, MlpKind::Swiglu | MlpKind::Geglu)
+    }
+}
+
+/// How positions enter the model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Positions {
+    /// Rotary embeddings of the queries and keys.
+    #[default]
+    Rope,
+    /// A learned table `[max_seq_len, d_model]` added to the token embeddings (GPT-2's `wpe`).
+    Learned,
 }
 
 fn default_rope_theta() -> f64 {
@@ -88,6 +198,8 @@ pub enum ConfigError {
     VocabUnset,
     #[error("model.{name} = {value} is larger than ember's limit of {limit}")]
     TooLarge { name: &'static str, value: u64, limit: u64 },
+    #[error("model.{key} needs {needs}")]
+    Needs { key: &'static str, needs: &'static str },
 }
 
 /// Upper bounds on a config's sizes, checked before anything is allocated: far above any released
@@ -108,10 +220,37 @@ pub(crate) const LIMITS: [(&str, u64); 8] = [
 pub(crate) const MAX_PARAMS: u64 = 1 << 42;
 
 impl ModelConfig {
-    /// The RoPE tables of this model (its base, layout and scaling), `[T_max, Dh/2]`.
+    /// The RoPE tables of this model's global layers (its base, layout and scaling), `[T_max, Dh/2]`;
+    /// with learned positions, tables of angle zero (the rotation is the identity, exactly).
     pub(crate) fn rope<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Rope<B> {
-        let scaling = self.rope_scaling.as_ref();
-        Rope::with_scaling(self.max_seq_len, self.head_dim(), self.rope_theta, self.rope_layout, scaling, device)
+        match self.positions {
+            Positions::Rope => {
+                let scaling = self.rope_scaling.as_ref();
+                Rope::with_scaling(self.max_seq_len, self.head_dim(), self.rope_theta, self.rope_layout, scaling, device)
+            }
+            Positions::Learned => Rope::identity(self.max_seq_len, self.head_dim(), self.rope_layout, device),
+        }
+    }
+
+    /// The RoPE tables of the sliding-window layers, where their base differs (Gemma 3; no scaling).
+    pub(crate) fn rope_local<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> Option<Rope<B>> {
+        let theta = self.rope_local_theta.filter(|_| self.positions == Positions::Rope && self.has_local_layers())?;
+        Some(Rope::new(self.max_seq_len, self.head_dim(), theta, self.rope_layout, device))
+    }
+
+    /// Whether layer `layer` attends within the sliding window (every layer with a window and no
+    /// pattern, Mistral's; with a pattern, all but every `pattern`-th, Gemma 3's).
+    pub fn is_local(&self, layer: usize) -> bool {
+        match (self.sliding_window, self.sliding_window_pattern) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(_), Some(p)) => !(layer + 1).is_multiple_of(p.max(1)),
+        }
+    }
+
+    /// Whether some layers attend within a window and others globally.
+    pub(crate) fn has_local_layers(&self) -> bool {
+        (0..self.n_layers).any(|l| self.is_local(l))
     }
 }
 
@@ -141,14 +280,27 @@ impl ModelConfig {
                 dividend_value: self.d_model,
             });
         }
-        self.block().validate()?;
+        self.block(0).validate()?;
         if let Some(scaling) = &self.rope_scaling {
             validate_rope_scaling(scaling)?;
         }
-        for (name, value) in [("rope_theta", self.rope_theta), ("init_std", self.init_std)] {
+        let optional = [
+            ("rope_local_theta", self.rope_local_theta),
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("attn_logit_softcap", self.attn_logit_softcap),
+            ("final_logit_softcap", self.final_logit_softcap),
+        ];
+        let given = optional.into_iter().filter_map(|(name, value)| Some((name, value?)));
+        for (name, value) in [("rope_theta", self.rope_theta), ("init_std", self.init_std)].into_iter().chain(given) {
             if !(value > 0.0 && value.is_finite()) {
                 return Err(ConfigError::NotPositive { name, value });
             }
+        }
+        if self.sliding_window_pattern == Some(0) {
+            return Err(ConfigError::NotPositive { name: "sliding_window_pattern", value: 0.0 });
+        }
+        if self.norm_bias && self.norm != NormKind::LayerNorm {
+            return Err(ConfigError::Needs { key: "norm_bias", needs: "norm = \"layer_norm\"" });
         }
         let params = self.num_params();
         if params > MAX_PARAMS {
@@ -190,15 +342,21 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// The config of every block's attention.
-    pub(crate) fn attention(&self) -> AttentionConfig {
+    /// The config of layer `layer`'s attention (its window depends on the layer).
+    pub(crate) fn attention(&self, layer: usize) -> AttentionConfig {
+        let head_dim = self.head_dim();
+        let scale = 1.0 / self.query_pre_attn_scalar.unwrap_or(head_dim as f64).sqrt();
         AttentionConfig {
             d_model: self.d_model,
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads(),
-            head_dim: self.head_dim(),
+            head_dim,
             qkv_bias: self.qkv_bias,
-            sliding_window: self.sliding_window,
+            o_bias: self.o_bias,
+            qk_norm: self.qk_norm.then(|| NormConfig { d_model: head_dim, eps: self.norm_eps, kind: self.norm, bias: false }),
+            sliding_window: self.sliding_window.filter(|_| self.is_local(layer)),
+            scale,
+            softcap: self.attn_logit_softcap,
             init_std: self.init_std,
             out_std: self.residual_out_std(),
         }
@@ -206,17 +364,31 @@ impl ModelConfig {
 
     /// The config of every block's MLP.
     pub(crate) fn mlp(&self) -> MlpConfig {
-        MlpConfig { d_model: self.d_model, d_ff: self.d_ff, init_std: self.init_std, out_std: self.residual_out_std() }
+        MlpConfig {
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            kind: self.mlp,
+            bias: self.mlp_bias,
+            init_std: self.init_std,
+            out_std: self.residual_out_std(),
+        }
     }
 
-    /// The config of every RMSNorm of the model.
-    pub(crate) fn norm(&self) -> RmsNormConfig {
-        RmsNormConfig { d_model: self.d_model, eps: self.norm_eps }
+    /// The config of every norm over the residual stream (the blocks' and the final one).
+    pub(crate) fn norm(&self) -> NormConfig {
+        NormConfig { d_model: self.d_model, eps: self.norm_eps, kind: self.norm, bias: self.norm_bias }
     }
 
-    /// The config of every block.
-    pub(crate) fn block(&self) -> BlockConfig {
-        BlockConfig { attention: self.attention(), mlp: self.mlp(), norm: self.norm(), dropout: self.dropout }
+    /// The config of block `layer`.
+    pub(crate) fn block(&self, layer: usize) -> BlockConfig {
+        BlockConfig {
+            attention: self.attention(layer),
+            mlp: self.mlp(),
+            norm: self.norm(),
+            sandwich_norms: self.sandwich_norms,
+            parallel: self.parallel_block,
+            dropout: self.dropout,
+        }
     }
 
     /// GPT-2's init of the projections that write into the residual stream: `init_std / sqrt(2L)`,
@@ -227,25 +399,50 @@ impl ModelConfig {
 
     /// Total number of parameters, computed from the config alone.
     ///
-    /// Per block: q/k/v/o projections `D·H·Dh + 2·D·K·Dh + H·Dh·D` (+ `H·Dh + 2·K·Dh` bias), SwiGLU
-    /// `3·D·F`, two RMSNorm gains `2·D`. Plus the embedding `V·D`, the final norm `D`, and an untied head `D·V`.
+    /// Per block: the projections' weights (below) and biases, the norms (two, four with sandwich
+    /// norms, one in a parallel block; a weight each and a LayerNorm's bias), the q/k norms
+    /// (`2·Dh`). Plus the embedding `V·D`, a learned position table `T·D`, the final norm, and an
+    /// untied head `D·V`.
     pub fn num_params(&self) -> u64 {
-        let (d, v, l) = (self.d_model as u64, self.vocab_size as u64, self.n_layers as u64);
+        let (d, v, l, f) = (self.d_model as u64, self.vocab_size as u64, self.n_layers as u64, self.d_ff as u64);
         let q = (self.n_heads * self.head_dim()) as u64;
         let kv = (self.n_kv_heads() * self.head_dim()) as u64;
-        let bias = if self.qkv_bias { q + 2 * kv } else { 0 };
-        let block = d * q + 2 * d * kv + q * d + bias + 3 * d * self.d_ff as u64 + 2 * d;
+        let norm = if self.norm_bias { 2 * d } else { d };
+        let norms = match (self.parallel_block, self.sandwich_norms) {
+            (true, false) => 1,
+            (true, true) => 2,
+            (false, false) => 2,
+            (false, true) => 4,
+        };
+        let qkv_bias = if self.qkv_bias { q + 2 * kv } else { 0 };
+        let o_bias = if self.o_bias { d } else { 0 };
+        let mlp_bias = match (self.mlp_bias, self.mlp.gated()) {
+            (false, _) => 0,
+            (true, true) => 2 * f + d,
+            (true, false) => f + d,
+        };
+        let qk_norm = if self.qk_norm { 2 * self.head_dim() as u64 } else { 0 };
+        let block = self.block_matmul_params() + qkv_bias + o_bias + mlp_bias + norms * norm + qk_norm;
+        let positions = if self.positions == Positions::Learned { self.max_seq_len as u64 * d } else { 0 };
         let head = if self.tie_embeddings { 0 } else { d * v };
-        v * d + l * block + d + head
+        v * d + positions + l * block + norm + head
+    }
+
+    /// A block's projection weights: `D·H·Dh + 2·D·K·Dh + H·Dh·D` for the attention, `3·D·F`
+    /// for a gated MLP or `2·D·F` for a plain one.
+    fn block_matmul_params(&self) -> u64 {
+        let (d, f) = (self.d_model as u64, self.d_ff as u64);
+        let q = (self.n_heads * self.head_dim()) as u64;
+        let kv = (self.n_kv_heads() * self.head_dim()) as u64;
+        let mlp = if self.mlp.gated() { 3 * d * f } else { 2 * d * f };
+        d * q + 2 * d * kv + q * d + mlp
     }
 
     /// Parameters that take part in matmuls: every projection and the LM head (the embedding table
     /// when tied). Not the embedding lookup, the norm gains or the biases. This is N in 6N.
     pub fn matmul_params(&self) -> u64 {
         let (d, v, l) = (self.d_model as u64, self.vocab_size as u64, self.n_layers as u64);
-        let q = (self.n_heads * self.head_dim()) as u64;
-        let kv = (self.n_kv_heads() * self.head_dim()) as u64;
-        l * (d * q + 2 * d * kv + q * d + 3 * d * self.d_ff as u64) + d * v
+        l * self.block_matmul_params() + d * v
     }
 
     /// Forward FLOPs per token at context `seq_len`: `2N + 4·L·T·(H·Dh)` (PaLM appendix B; a
@@ -282,143 +479,8 @@ fn validate_rope_scaling(scaling: &RopeScaling) -> Result<(), ConfigError> {
     }
 }
 
-/// What an `Attention` is built from (its `init` is in the attention module).
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct AttentionConfig {
-    pub d_model: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub qkv_bias: bool,
-    pub sliding_window: Option<usize>,
-    /// Init standard deviation of the q/k/v projections and of the output projection.
-    pub init_std: f64,
-    pub out_std: f64,
-}
-
-impl AttentionConfig {
-    /// Multi-head attention of `n_heads` heads over `d_model` (one key/value head a query head, no
-    /// bias, no window, init std 0.02): the fields are public for the rest.
-    #[cfg(test)]
-    pub(crate) fn new(d_model: usize, n_heads: usize) -> Self {
-        let head_dim = d_model / n_heads.max(1);
-        let (init_std, out_std) = (0.02, 0.02);
-        Self {
-            d_model,
-            n_heads,
-            n_kv_heads: n_heads,
-            head_dim,
-            qkv_bias: false,
-            sliding_window: None,
-            init_std,
-            out_std,
-        }
-    }
-
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        let sizes = [("d_model", self.d_model), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)];
-        if let Some((name, _)) = sizes.into_iter().find(|&(_, value)| value == 0) {
-            return Err(ConfigError::NotPositive { name, value: 0.0 });
-        }
-        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(ConfigError::NotDivisible {
-                divisor: "n_kv_heads",
-                divisor_value: self.n_kv_heads,
-                dividend: "n_heads",
-                dividend_value: self.n_heads,
-            });
-        }
-        if self.head_dim == 0 {
-            return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 });
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(ConfigError::OddHeadDim(self.head_dim));
-        }
-        if self.sliding_window == Some(0) {
-            return Err(ConfigError::NotPositive { name: "sliding_window", value: 0.0 });
-        }
-        positive_std(self.init_std, self.out_std)
-    }
-}
-
-/// What an `Mlp` is built from (its `init` is in the mlp module).
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct MlpConfig {
-    pub d_model: usize,
-    pub d_ff: usize,
-    /// Init standard deviation of the gate and up projections and of the down projection.
-    pub init_std: f64,
-    pub out_std: f64,
-}
-
-impl MlpConfig {
-    /// A SwiGLU MLP of width `d_ff` over `d_model`, init std 0.02.
-    #[cfg(test)]
-    pub(crate) fn new(d_model: usize, d_ff: usize) -> Self {
-        Self { d_model, d_ff, init_std: 0.02, out_std: 0.02 }
-    }
-
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        if let Some((name, _)) = [("d_model", self.d_model), ("d_ff", self.d_ff)].into_iter().find(|&(_, v)| v == 0) {
-            return Err(ConfigError::NotPositive { name, value: 0.0 });
-        }
-        positive_std(self.init_std, self.out_std)
-    }
-}
-
-/// What an `RmsNorm` is built from (its `init` is in the norm module).
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct RmsNormConfig {
-    pub d_model: usize,
-    pub eps: f64,
-}
-
-impl RmsNormConfig {
-    /// An RMSNorm over `d_model` channels with eps 1e-5 (Llama's; Qwen2 uses 1e-6).
-    #[cfg(test)]
-    pub(crate) fn new(d_model: usize) -> Self {
-        Self { d_model, eps: 1e-5 }
-    }
-
-    #[cfg(test)]
-    pub(crate) fn with_eps(self, eps: f64) -> Self {
-        Self { eps, ..self }
-    }
-
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        if self.d_model == 0 {
-            return Err(ConfigError::NotPositive { name: "d_model", value: 0.0 });
-        }
-        if !(self.eps > 0.0 && self.eps.is_finite()) {
-            return Err(ConfigError::NotPositive { name: "norm_eps", value: self.eps });
-        }
-        Ok(())
-    }
-}
-
-/// What a `Block` is built from (its `init` is in the block module).
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct BlockConfig {
-    pub attention: AttentionConfig,
-    pub mlp: MlpConfig,
-    /// Both norms of the block.
-    pub norm: RmsNormConfig,
-    pub dropout: f64,
-}
-
-impl BlockConfig {
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        self.attention.validate()?;
-        self.mlp.validate()?;
-        self.norm.validate()?;
-        if !(0.0..1.0).contains(&self.dropout) {
-            return Err(ConfigError::Dropout(self.dropout));
-        }
-        Ok(())
-    }
-}
-
-fn positive_std(init_std: f64, out_std: f64) -> Result<(), ConfigError> {
+/// Init standard deviations must be positive and finite.
+pub(crate) fn positive_std(init_std: f64, out_std: f64) -> Result<(), ConfigError> {
     match [("init_std", init_std), ("init_std / sqrt(2 n_layers)", out_std)]
         .into_iter()
         .find(|(_, v)| !(*v > 0.0 && v.is_finite()))
@@ -447,6 +509,21 @@ impl ModelConfig {
             sliding_window: None,
             norm_eps: 1e-5,
             qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            norm: NormKind::RmsNorm,
+            norm_bias: false,
+            mlp: MlpKind::Swiglu,
+            positions: Positions::Rope,
+            qk_norm: false,
+            sandwich_norms: false,
+            parallel_block: false,
+            embed_scale: false,
+            sliding_window_pattern: None,
+            rope_local_theta: None,
+            query_pre_attn_scalar: None,
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
             tie_embeddings: false,
             init_std: 0.02,
             dropout: 0.0,
@@ -530,13 +607,18 @@ mod tests {
 
     #[test]
     fn parts_get_their_configs_from_the_model_and_check_their_own_rules() {
+        use crate::attention::AttentionConfig;
+        use crate::block::BlockConfig;
+        use crate::mlp::MlpConfig;
+        use crate::norm::NormConfig;
         let c = ModelConfig::tiny(50, 16);
-        let att = c.attention();
+        let att = c.attention(0);
         assert_eq!((att.n_heads, att.n_kv_heads, att.head_dim), (4, 2, 8));
         assert!((att.out_std - 0.02 / 2.0).abs() < 1e-12, "GPT-2 residual init: 0.02 / sqrt(2·2)");
+        assert!((att.scale - 1.0 / 8f64.sqrt()).abs() < 1e-15 && att.softcap.is_none() && att.qk_norm.is_none());
         assert_eq!(c.mlp().d_ff, 64);
-        assert_eq!(c.norm(), RmsNormConfig::new(32).with_eps(1e-5));
-        c.block().validate().unwrap();
+        assert_eq!(c.norm(), NormConfig { eps: 1e-5, ..NormConfig::new(32) });
+        c.block(0).validate().unwrap();
 
         let gqa = AttentionConfig { n_kv_heads: 3, ..AttentionConfig::new(32, 4) };
         let err = gqa.validate().unwrap_err().to_string();
@@ -545,12 +627,101 @@ mod tests {
         assert!(matches!(odd.validate(), Err(ConfigError::OddHeadDim(7))));
         let err = MlpConfig::new(32, 0).validate().unwrap_err().to_string();
         assert!(err.contains("d_ff"), "{err}");
-        let err = RmsNormConfig::new(8).with_eps(0.0).validate().unwrap_err().to_string();
+        let err = NormConfig { eps: 0.0, ..NormConfig::new(8) }.validate().unwrap_err().to_string();
         assert!(err.contains("norm_eps"), "{err}");
-        let block = BlockConfig { dropout: 1.0, ..c.block() };
+        let block = BlockConfig { dropout: 1.0, ..c.block(0) };
         assert!(matches!(block.validate(), Err(ConfigError::Dropout(_))));
         // A model config whose part breaks a rule is refused with the part's error.
         let bad = ModelConfig { n_kv_heads: Some(3), ..c };
         assert!(matches!(bad.validate(), Err(ConfigError::NotDivisible { divisor: "n_kv_heads", .. })));
+    }
+
+    #[test]
+    fn the_layer_pattern_and_the_scores_follow_the_config() {
+        // Gemma 3's five local layers to one global.
+        let c = ModelConfig {
+            n_layers: 12,
+            sliding_window: Some(4),
+            sliding_window_pattern: Some(6),
+            rope_local_theta: Some(10_000.0),
+            rope_theta: 1e6,
+            query_pre_attn_scalar: Some(16.0),
+            attn_logit_softcap: Some(50.0),
+            ..tiny_config()
+        };
+        let local: Vec<bool> = (0..12).map(|l| c.is_local(l)).collect();
+        assert_eq!(local, [true, true, true, true, true, false, true, true, true, true, true, false]);
+        assert_eq!((c.attention(0).sliding_window, c.attention(5).sliding_window), (Some(4), None));
+        assert_eq!((c.attention(0).scale, c.attention(0).softcap), (0.25, Some(50.0)));
+        // Mistral: every layer local; no window: none.
+        let mistral = ModelConfig { sliding_window: Some(4), ..tiny_config() };
+        assert!((0..2).all(|l| mistral.is_local(l)) && !tiny_config().is_local(0));
+        for (bad, name) in [
+            (ModelConfig { sliding_window_pattern: Some(0), ..c.clone() }, "sliding_window_pattern"),
+            (ModelConfig { query_pre_attn_scalar: Some(0.0), ..c.clone() }, "query_pre_attn_scalar"),
+            (ModelConfig { final_logit_softcap: Some(f64::NAN), ..c.clone() }, "final_logit_softcap"),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+        }
+        let e = ModelConfig { norm_bias: true, ..tiny_config() }.validate().unwrap_err().to_string();
+        assert_eq!(e, "model.norm_bias needs norm = \"layer_norm\"");
+    }
+
+    #[test]
+    fn parameter_counts_follow_the_parts() {
+        // GPT-2 small: 124,439,808 parameters (Hugging Face's count, tied head).
+        let gpt2 = ModelConfig {
+            vocab_size: 50_257,
+            d_model: 768,
+            n_layers: 12,
+            n_heads: 12,
+            n_kv_heads: None,
+            d_ff: 3072,
+            max_seq_len: 1024,
+            qkv_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            norm: NormKind::LayerNorm,
+            norm_bias: true,
+            mlp: MlpKind::Gelu,
+            positions: Positions::Learned,
+            tie_embeddings: true,
+            ..tiny_config()
+        };
+        assert_eq!(gpt2.num_params(), 124_439_808);
+        // Qwen3-0.6B: 596,049,920 (q/k norms, head_dim 128 over d_model 1024, tied).
+        let qwen3 = ModelConfig {
+            vocab_size: 151_936,
+            d_model: 1024,
+            n_layers: 28,
+            n_heads: 16,
+            n_kv_heads: Some(8),
+            head_dim: Some(128),
+            d_ff: 3072,
+            max_seq_len: 40_960,
+            qk_norm: true,
+            tie_embeddings: true,
+            ..tiny_config()
+        };
+        assert_eq!(qwen3.num_params(), 596_049_920);
+        // Gemma-3-270M: 268,098,176 (four norms a block, q/k norms, GeGLU, tied 262,144 vocabulary).
+        let gemma = ModelConfig {
+            vocab_size: 262_144,
+            d_model: 640,
+            n_layers: 18,
+            n_heads: 4,
+            n_kv_heads: Some(1),
+            head_dim: Some(256),
+            d_ff: 2048,
+            max_seq_len: 32_768,
+            norm: NormKind::RmsNormPlusOne,
+            mlp: MlpKind::Geglu,
+            qk_norm: true,
+            sandwich_norms: true,
+            tie_embeddings: true,
+            ..tiny_config()
+        };
+        assert_eq!(gemma.num_params(), 268_098_176);
     }
 }

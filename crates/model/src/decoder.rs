@@ -1,9 +1,10 @@
-//! The decoder: token embedding, a stack of blocks, a final norm and the LM head (optionally the
-//! embedding table itself).
+//! The decoder: token embedding (scaled by `sqrt(D)` in Gemma; plus a learned position table in
+//! GPT-2), a stack of blocks, a final norm and the LM head (optionally the embedding table itself;
+//! soft-capped in Gemma 2).
 
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
-use burn::tensor::{backend::Backend, DType, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::attention::Keys;
 use crate::block::Block;
@@ -12,7 +13,8 @@ use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
-use crate::norm::RmsNorm;
+use crate::config::Positions;
+use crate::norm::Norm;
 use crate::to_dtype;
 use ember_kernels::documents::Documents;
 use ember_kernels::rope::Rope;
@@ -22,12 +24,17 @@ use ember_kernels::{Compute, EmberBackend};
 pub struct Decoder<B: Backend> {
     /// `[V, D]`
     pub embed_tokens: Param<Tensor<B, 2>>,
+    /// `[T_max, D]`, learned positions (GPT-2's `wpe`).
+    pub embed_positions: Option<Param<Tensor<B, 2>>>,
     pub layers: Vec<Block<B>>,
     /// Final norm: with pre-norm blocks the residual stream grows with depth and the head needs it.
-    pub norm: RmsNorm<B>,
+    pub norm: Norm<B>,
     /// `[D, V]`; `None` when tied to `embed_tokens`.
     pub lm_head: Option<Linear<B>>,
+    /// The RoPE tables of the global layers (with learned positions, the identity).
     pub rope: Rope<B>,
+    /// The sliding-window layers' RoPE tables where their base differs (Gemma 3).
+    pub rope_local: Option<Rope<B>>,
     #[module(skip)]
     config: ModelConfig,
     /// How the model computes: the GEMMs' dtype (mixed precision; parameters and everything else
@@ -52,15 +59,18 @@ impl<B: EmberBackend> Decoder<B> {
         config.validate()?;
         let (v, d) = (config.vocab_size, config.d_model);
         let embed_tokens = init.normal_param([v, d], config.init_std, device);
-        let block = config.block();
-        let layers = (0..config.n_layers).map(|_| block.init(&mut init, device)).collect();
+        let learned = config.positions == Positions::Learned;
+        let embed_positions = learned.then(|| init.normal_param([config.max_seq_len, d], config.init_std, device));
+        let layers = (0..config.n_layers).map(|l| config.block(l).init(&mut init, device)).collect();
         let lm_head = (!config.tie_embeddings).then(|| Linear::new(&mut init, d, v, false, config.init_std, device));
         Ok(Self {
             embed_tokens,
+            embed_positions,
             layers,
             norm: config.norm().init(device),
             lm_head,
             rope: config.rope(device),
+            rope_local: config.rope_local(device),
             config: config.clone(),
             compute: Compute::default(),
         })
@@ -96,12 +106,41 @@ impl<B: EmberBackend> Decoder<B> {
     /// # Shapes
     /// - tokens: `[B, T]` -> `[B, T, D]`
     pub fn hidden_documents(&self, tokens: Tensor<B, 2, Int>, start: usize, docs: Option<&Documents>) -> Tensor<B, 3> {
-        let x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
+        let [b, t] = tokens.dims();
+        let positions = || match docs {
+            Some(docs) => docs.positions(start),
+            None => (0..b).flat_map(|_| start..start + t).collect(),
+        };
+        let x = self.embed(tokens, positions); // [B, T, D]
         let mut x = crate::dropout(x, self.config.dropout);
-        for layer in &self.layers {
-            x = layer.forward(x, &self.rope, Keys::Own { start, docs }, self.compute);
+        for (l, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(x, self.rope_of(l), Keys::Own { start, docs }, self.compute);
         }
         self.norm.forward(x, self.compute)
+    }
+
+    /// The blocks' input: token embeddings (times `sqrt(D)` where the model scales them), plus the
+    /// learned table's rows at `positions` (`B·T` of them, row by row) where the model has one.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]` -> `[B, T, D]`
+    fn embed(&self, tokens: Tensor<B, 2, Int>, positions: impl FnOnce() -> Vec<usize>) -> Tensor<B, 3> {
+        let [b, t] = tokens.dims();
+        let x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
+        let x = if self.config.embed_scale { x.mul_scalar((self.config.d_model as f32).sqrt()) } else { x };
+        let Some(table) = &self.embed_positions else { return x };
+        let last = self.config.max_seq_len.saturating_sub(1);
+        let ids: Vec<i32> = positions().into_iter().map(|p| p.min(last) as i32).collect();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), &x.device());
+        x + to_dtype(embedding(table.val(), ids), DType::F32)
+    }
+
+    /// The RoPE tables layer `layer` rotates with.
+    fn rope_of(&self, layer: usize) -> &Rope<B> {
+        match &self.rope_local {
+            Some(local) if self.config.is_local(layer) => local,
+            _ => &self.rope,
+        }
     }
 
     /// Final hidden states of new positions fed through the KV cache: row `b` brings `new_lens[b]`
@@ -137,10 +176,13 @@ impl<B: EmberBackend> Decoder<B> {
         new_lens: &[usize],
         cache: &mut KvCache<B>,
     ) -> Tensor<B, 3> {
+        let t = tokens.dims()[1];
         let mut step = cache.step_rows(rows, new_lens);
-        let mut x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [R, T, D]
+        let starts = step.layer(0).starts();
+        let x = self.embed(tokens, || starts.iter().flat_map(|&s| s..s + t).collect()); // [R, T, D]
+        let mut x = x;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x, &self.rope, Keys::Cache(step.layer(i)), self.compute);
+            x = layer.forward(x, self.rope_of(i), Keys::Cache(step.layer(i)), self.compute);
         }
         step.finish();
         self.norm.forward(x, self.compute)
@@ -170,7 +212,26 @@ impl<B: EmberBackend> Decoder<B> {
             // copy the whole transposed table (113 MB for SmolLM2) at every call.
             None => ember_kernels::linear::linear_nt(hidden, to_dtype(self.embed_tokens.val(), dtype), self.compute),
         };
-        to_dtype(logits, DType::F32)
+        let logits = to_dtype(logits, DType::F32);
+        match self.config.final_logit_softcap {
+            Some(c) => logits.div_scalar(c).tanh().mul_scalar(c),
+            None => logits,
+        }
+    }
+
+    /// Mean next-token cross-entropy of `targets` (those not [`ember_kernels::IGNORE`]) under the
+    /// logits of `hidden`: the tiled LM head + loss (the `[N, V]` logits never held at once, in the
+    /// forward or the backward pass), or, for a model that soft-caps its logits, the logits then the
+    /// loss.
+    ///
+    /// # Shapes
+    /// - hidden: `[N, D]`, targets: `[N]` -> `[1]`
+    pub fn loss(&self, hidden: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+        if self.config.final_logit_softcap.is_some() {
+            return ember_kernels::cross_entropy::cross_entropy(self.logits(hidden), targets);
+        }
+        let spec = ember_kernels::ChunkSpec::auto(hidden.dims()[0], self.config.vocab_size, self.compute);
+        ember_kernels::lm_head_cross_entropy(hidden, self.head_weight(), targets, spec)
     }
 
     /// Adds LoRA adapters to the projections `config.targets` names in every block and freezes
@@ -182,8 +243,10 @@ impl<B: EmberBackend> Decoder<B> {
         for layer in model.layers.iter_mut() {
             // In the table's order, whatever the config's: the adapters' draws do not depend on it.
             for target in Target::ALL.into_iter().filter(|t| config.targets.contains(t)) {
-                let lin = layer.projection_mut(target);
-                lin.lora = Some(Lora::new(&mut init, lin.d_in(), lin.d_out(), config, &device));
+                // A target the model lacks (a plain MLP's gate) is refused by the config's checks.
+                if let Some(lin) = layer.projection_mut(target) {
+                    lin.lora = Some(Lora::new(&mut init, lin.d_in(), lin.d_out(), config, &device));
+                }
             }
         }
         model
@@ -191,15 +254,16 @@ impl<B: EmberBackend> Decoder<B> {
 
     /// Whether any projection carries a LoRA adapter.
     pub fn has_lora(&self) -> bool {
-        self.layers.iter().any(|layer| Target::ALL.into_iter().any(|t| layer.projection(t).has_lora()))
+        self.layers.iter().any(|layer| Target::ALL.into_iter().any(|t| layer.projection(t).is_some_and(Linear::has_lora)))
     }
 
     /// Folds every adapter into its projection's weight.
     pub fn merge_lora(mut self) -> Self {
         for layer in self.layers.iter_mut() {
             for target in Target::ALL {
-                let lin = layer.projection_mut(target);
-                *lin = lin.clone().merge_lora();
+                if let Some(lin) = layer.projection_mut(target) {
+                    *lin = lin.clone().merge_lora();
+                }
             }
         }
         self

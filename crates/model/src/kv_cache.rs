@@ -19,6 +19,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData, TensorPrimitive};
 use crate::config::ModelConfig;
 use ember_kernels::kv::KvWriteOps;
 use ember_kernels::paged::{grouped_attention, Paged, PagedAttentionOps, PagedLayout};
+use ember_kernels::attention::Scores;
 use ember_kernels::Compute;
 
 #[derive(Debug, Clone)]
@@ -27,8 +28,11 @@ pub struct KvCache<B: Backend> {
     n_kv_heads: usize,
     head_dim: usize,
     max_len: usize,
-    /// The model's sliding window: a query at position `p` sees keys after `p - window`.
+    /// The model's sliding window: a query at position `p` of a local layer sees keys after
+    /// `p - window`.
     window: Option<usize>,
+    /// Per layer: whether it attends within the window (Gemma 3 mixes local and global layers).
+    local: Vec<bool>,
     /// Per layer: keys and values of every block of the pool, one row a position,
     /// `[blocks · block_size, K·Dh]`.
     keys: Vec<Tensor<B, 2>>,
@@ -58,8 +62,11 @@ struct Plan<B: Backend> {
     write: Vec<usize>,
     /// Which of the `B·T` new rows are real (`None`: all are).
     real: Option<Tensor<B, 1, Int>>,
-    /// The batch rows' block tables and lengths, for the attention.
+    /// The batch rows' block tables and lengths, for the attention (of the local layers, when
+    /// some attend globally).
     paged: Paged<B>,
+    /// The same without the window, for the global layers of a model that mixes them.
+    paged_global: Option<Paged<B>>,
 }
 
 impl<B: Backend> KvCache<B> {
@@ -73,6 +80,7 @@ impl<B: Backend> KvCache<B> {
             head_dim: config.head_dim(),
             max_len: config.max_seq_len,
             window: config.sliding_window,
+            local: (0..config.n_layers).map(|l| config.is_local(l)).collect(),
             keys: empty(),
             values: empty(),
             free: Vec::new(),
@@ -178,6 +186,8 @@ impl<B: Backend> KvCache<B> {
             queries: t,
             window: self.window,
         };
+        let mixed = self.window.is_some() && self.local.contains(&false);
+        let global = mixed.then(|| Paged::new(PagedLayout { window: None, ..layout.clone() }, &self.device));
         let n = real.len();
         Plan {
             rows: rows.to_vec(),
@@ -186,6 +196,7 @@ impl<B: Backend> KvCache<B> {
             write,
             real: (!all_real).then(|| Tensor::from_data(TensorData::new(real, [n]), &self.device)),
             paged: Paged::new(layout, &self.device),
+            paged_global: global,
         }
     }
 }
@@ -241,13 +252,13 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
-        rep: usize,
+        (rep, scores): (usize, Scores),
         cx: Compute,
     ) -> Tensor<B, 4> {
         let c = self.cache;
         let (kh, dh) = (c.n_kv_heads, c.head_dim);
         let Some(plan) = c.plan.as_ref() else {
-            return grouped_attention(q, k, v, None, rep, cx.dtype); // no step under way: own keys only
+            return grouped_attention(q, k, v, None, (rep, scores), cx.dtype); // no step under way: own keys only
         };
         let b = plan.rows.len();
         let rows = |x: Tensor<B, 4>| {
@@ -266,7 +277,11 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
         let values = std::mem::replace(&mut c.values[l], placeholder());
         c.values[l] = float(B::kv_write(prim(values), &plan.write, prim(nv)));
         let (keys, values) = (prim(c.keys[l].clone()), prim(c.values[l].clone()));
-        float(B::paged_attention(prim(q), keys, values, &plan.paged, rep, cx))
+        let paged = match &plan.paged_global {
+            Some(global) if !c.local[l] => global,
+            _ => &plan.paged,
+        };
+        float(B::paged_attention(prim(q), keys, values, paged, (rep, scores), cx))
     }
 }
 

@@ -18,7 +18,7 @@ pub mod sample;
 pub mod weights;
 
 pub use block::Block;
-pub use config::{ConfigError, ModelConfig, RopeLayout, RopeScaling};
+pub use config::{ConfigError, MlpKind, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
 pub use decoder::Decoder;
 pub use ember_kernels::documents::{Documents, DocumentsError};
 pub use ember_kernels::Compute;

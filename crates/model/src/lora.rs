@@ -109,6 +109,14 @@ impl LoraConfig {
         Ok(())
     }
 
+    /// Checks the targets against the model they adapt: a plain (GPT-2) MLP has no gate.
+    pub fn validate_for(&self, model: &ModelConfig) -> Result<(), String> {
+        match self.targets.iter().find(|t| **t == Target::GateProj && !model.mlp.gated()) {
+            Some(t) => Err(format!("lora.targets: `{t}` is not a projection of this model (its MLP has no gate)")),
+            None => Ok(()),
+        }
+    }
+
     /// Training FLOPs per token of `model` with these adapters and everything else frozen:
     /// `4N + 6·L·Σ r·(in + out) + 12·L·T·(H·Dh)`. The frozen weights take part in the forward
     /// product and the input gradient's, never in a weight gradient's, so that counting them 6N

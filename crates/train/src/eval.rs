@@ -7,7 +7,7 @@
 use burn::data::dataset::Dataset;
 use burn::tensor::Tensor;
 use ember_data::{LmBatch, Window, WindowSampler};
-use ember_kernels::{lm_head_cross_entropy, ChunkSpec, EmberBackend};
+use ember_kernels::EmberBackend;
 use ember_model::{Decoder, Documents};
 
 /// Mean next-token cross-entropy over the scored targets of a batch, through the tiled LM head +
@@ -15,11 +15,10 @@ use ember_model::{Decoder, Documents};
 /// packed with documents are attended to document by document.
 pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
     let [b, t] = batch.inputs.dims();
-    let (d, v) = (model.config().d_model, model.config().vocab_size);
+    let d = model.config().d_model;
     let docs = batch.docs.map(|first| Documents::new(first, b, t).expect("the batcher writes valid document starts"));
     let hidden = model.hidden_documents(batch.inputs, 0, docs.as_ref()).reshape([b * t, d]); // [B·T, D]
-    let spec = ChunkSpec::auto(b * t, v, model.compute());
-    lm_head_cross_entropy(hidden, model.head_weight(), batch.targets.reshape([b * t]), spec)
+    model.loss(hidden, batch.targets.reshape([b * t]))
 }
 
 /// Sampler seeds of the fixed evaluation batches, one per split, apart from the training stream.

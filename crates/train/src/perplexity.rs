@@ -4,7 +4,7 @@
 //! context except near the start.
 
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
-use ember_kernels::{lm_head_cross_entropy, ChunkSpec, EmberBackend, IGNORE};
+use ember_kernels::{EmberBackend, IGNORE};
 use ember_model::Decoder;
 use serde::Serialize;
 
@@ -60,7 +60,7 @@ pub fn perplexity<B: EmberBackend>(
     bytes: usize,
 ) -> Perplexity {
     let device = model.embed_tokens.device();
-    let (d, v) = (model.config().d_model, model.config().vocab_size);
+    let d = model.config().d_model;
     let windows = sliding_windows(tokens.len(), context, stride);
     let mut total = 0.0f64;
     // Windows of equal length go through together; only the last one is ever shorter.
@@ -78,8 +78,7 @@ pub fn perplexity<B: EmberBackend>(
             let inputs = Tensor::<B, 2, Int>::from_data(TensorData::new(inputs, [b, t]), &device);
             let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [b * t]), &device);
             let hidden = model.hidden(inputs, 0).reshape([b * t, d]);
-            let spec = ChunkSpec::auto(b * t, v, model.compute());
-            let mean = lm_head_cross_entropy(hidden, model.head_weight(), targets, spec);
+            let mean = model.loss(hidden, targets);
             total += mean.into_scalar().elem::<f64>() * count as f64;
         }
     }

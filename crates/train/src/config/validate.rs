@@ -35,6 +35,9 @@ impl TrainConfig {
             // Everything but the vocabulary can be checked now.
             ModelConfig { vocab_size: 1, ..self.model.clone() }.validate()?;
         }
+        if let Some(lora) = &self.lora {
+            lora.validate_for(&self.model).map_err(InvalidConfig::Lora)?;
+        }
         Ok(())
     }
 }
