@@ -132,8 +132,8 @@ fn gguf_files() {
     offset[offset_at..offset_at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
     import(&s, "offset.gguf", &offset, &["output_norm.weight", "run past the end"]);
     let mut kind = good.clone();
-    kind[kind_at..kind_at + 4].copy_from_slice(&13u32.to_le_bytes());
-    import(&s, "kind.gguf", &kind, &["output_norm.weight", "Q5_K"]);
+    kind[kind_at..kind_at + 4].copy_from_slice(&23u32.to_le_bytes());
+    import(&s, "kind.gguf", &kind, &["output_norm.weight", "IQ4_XS"]);
     // An architecture ember does not map.
     let at = after(&good, b"general.architecture") + 4 + 8;
     let mut arch = good.clone();

@@ -14,7 +14,8 @@ use ember_train::Checkpoint;
 #[derive(Args, Debug)]
 pub struct ImportArgs {
     /// A Hugging Face model folder (config.json, model.safetensors or shards and their index,
-    /// tokenizer.json), or a llama.cpp `.gguf` file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+    /// tokenizer.json), or a llama.cpp `.gguf` file (F32, F16,
+    /// BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K).
     dir: PathBuf,
     /// The run directory to create (sample, eval, export or fine-tune from it).
     #[arg(long)]

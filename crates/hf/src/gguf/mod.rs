@@ -28,7 +28,7 @@ pub enum GgufError {
     Io { path: PathBuf, err: std::io::Error },
     #[error("{}: not a GGUF file: {message}", path.display())]
     Format { path: PathBuf, message: String },
-    #[error("{}: tensor `{name}` is stored as {kind}, which ember cannot read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)", path.display())]
+    #[error("{}: tensor `{name}` is stored as {kind}, which ember cannot read (it reads {})", path.display(), GgmlType::all_names())]
     Unsupported { path: PathBuf, name: String, kind: String },
     #[error("{}: metadata `{key}`: {message}", path.display())]
     Metadata { path: PathBuf, key: String, message: String },
@@ -474,7 +474,8 @@ mod tests {
         let at = good.windows(9).position(|w| w == b"\x01\0\0\0\0\0\0\0y").unwrap() + 9;
         let mut v = good.clone();
         let kind_at = at + 4 + 8;
-        v[kind_at..kind_at + 4].copy_from_slice(&13u32.to_le_bytes());
-        assert!(err(v).contains("Q5_K"));
+        v[kind_at..kind_at + 4].copy_from_slice(&23u32.to_le_bytes());
+        let e = err(v);
+        assert!(e.contains("IQ4_XS") && e.contains("Q5_K"), "names the type and what ember reads: {e}");
     }
 }

@@ -1,14 +1,26 @@
 //! ggml tensor types: block sizes and dequantization to f32, and the quantizers export writes.
 //!
-//! Block layouts as ggml defines them (`ggml-common.h`); every block starts with its f16 scale(s):
+//! Block layouts as ggml defines them (`ggml-common.h`, `dequantize_row_*` in `ggml-quants.c`). Every
+//! block holds f16 scale(s): first, except in Q2_K, Q3_K and Q6_K, which put them last.
 //!
 //! | type | values per block | bytes | value |
 //! |------|------------------|-------|-------|
 //! | Q4_0 | 32  | 18  | `d · (q - 8)`, q a nibble: element `j` low nibble of byte `j`, element `j + 16` high |
 //! | Q4_1 | 32  | 20  | `d · q + m` |
+//! | Q5_0 | 32  | 22  | `d · (q - 16)`, q 5 bits: nibbles as in Q4_0, element `j`'s fifth bit bit `j` of a u32 |
+//! | Q5_1 | 32  | 24  | `d · q + m`, q 5 bits as in Q5_0 |
 //! | Q8_0 | 32  | 34  | `d · q`, q an i8 |
+//! | IQ4_NL | 32 | 18 | `d · K[q]`, q a nibble as in Q4_0, K ggml's 16-entry non-linear table |
+//! | Q2_K | 256 | 84  | 16 sub-blocks of 16 with 4-bit scales and mins: `d · sc · q - dmin · m`, q 2 bits |
+//! | Q3_K | 256 | 110 | 16 sub-blocks of 16, 6-bit scales: `d · (sc - 32) · (q - 4·(1 - h))`, q 2 bits, h 1 bit |
 //! | Q4_K | 256 | 144 | 8 sub-blocks of 32 with 6-bit scales and mins: `d · sc · q - dmin · m` |
+//! | Q5_K | 256 | 176 | as Q4_K, q 5 bits: a nibble and a high bit |
 //! | Q6_K | 256 | 210 | 16 sub-blocks of 16 with i8 scales: `d · sc · (q - 32)`, q 6 bits (4 low + 2 high) |
+//!
+//! In the K-quants (256 values) the low bits of value `v` come from byte `32·(v / 128) + v % 32` of
+//! the 2-bit quants (Q2_K, Q3_K; shift `2·((v % 128) / 32)`) or `32·(v / 64) + v % 32` of the
+//! nibbles (Q4_K, Q5_K; high nibble when `(v / 32)` is odd), and a high bit (Q3_K, Q5_K) is bit
+//! `v / 32` of byte `v % 32` of the high-bit array.
 
 use half::{bf16, f16};
 
@@ -19,44 +31,67 @@ pub enum GgmlType {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
+    Q5K,
     Q6K,
+    Iq4Nl,
     Bf16,
 }
 
 impl GgmlType {
+    /// Every type ember reads, in ggml id order.
+    pub const ALL: [GgmlType; 14] = [
+        Self::F32,
+        Self::F16,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q2K,
+        Self::Q3K,
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+        Self::Iq4Nl,
+        Self::Bf16,
+    ];
+
     /// The type of a ggml type id; `Err` carries the id and its name for the error message.
     pub fn from_id(id: u32) -> Result<Self, String> {
-        Ok(match id {
-            0 => Self::F32,
-            1 => Self::F16,
-            2 => Self::Q4_0,
-            3 => Self::Q4_1,
-            8 => Self::Q8_0,
-            12 => Self::Q4K,
-            14 => Self::Q6K,
-            30 => Self::Bf16,
-            other => {
-                let name = match other {
-                    6 => "Q5_0",
-                    7 => "Q5_1",
-                    9 => "Q8_1",
-                    10 => "Q2_K",
-                    11 => "Q3_K",
-                    13 => "Q5_K",
-                    15 => "Q8_K",
-                    16..=23 => "an IQ quantization",
-                    24 => "I8",
-                    25 => "I16",
-                    26 => "I32",
-                    27 => "I64",
-                    28 => "F64",
-                    _ => "unknown",
-                };
-                return Err(format!("ggml type {other} ({name})"));
-            }
-        })
+        if let Some(ty) = Self::ALL.into_iter().find(|ty| ty.id() == id) {
+            return Ok(ty);
+        }
+        // Names as ggml.h's `enum ggml_type` spells them; ids it no longer uses are `unknown`.
+        let name = match id {
+            9 => "Q8_1",
+            15 => "Q8_K",
+            16 => "IQ2_XXS",
+            17 => "IQ2_XS",
+            18 => "IQ3_XXS",
+            19 => "IQ1_S",
+            21 => "IQ3_S",
+            22 => "IQ2_S",
+            23 => "IQ4_XS",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            29 => "IQ1_M",
+            34 => "TQ1_0",
+            35 => "TQ2_0",
+            39 => "MXFP4",
+            40 => "NVFP4",
+            41 => "Q1_0",
+            _ => "unknown",
+        };
+        Err(format!("ggml type {id} ({name})"))
     }
 
     pub fn id(self) -> u32 {
@@ -65,9 +100,15 @@ impl GgmlType {
             Self::F16 => 1,
             Self::Q4_0 => 2,
             Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
+            Self::Q5_1 => 7,
             Self::Q8_0 => 8,
+            Self::Q2K => 10,
+            Self::Q3K => 11,
             Self::Q4K => 12,
+            Self::Q5K => 13,
             Self::Q6K => 14,
+            Self::Iq4Nl => 20,
             Self::Bf16 => 30,
         }
     }
@@ -78,22 +119,38 @@ impl GgmlType {
             Self::F16 => "F16",
             Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
             Self::Q8_0 => "Q8_0",
+            Self::Q2K => "Q2_K",
+            Self::Q3K => "Q3_K",
             Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
+            Self::Iq4Nl => "IQ4_NL",
             Self::Bf16 => "BF16",
         }
     }
 
-    /// (values per block, bytes per block).
+    /// The names of [`GgmlType::ALL`], comma-separated, for error messages.
+    pub fn all_names() -> String {
+        Self::ALL.map(Self::name).join(", ")
+    }
+
+    /// (values per block, bytes per block), the sizes of ggml's `block_*` structs.
     pub fn block(self) -> (usize, usize) {
         match self {
             Self::F32 => (1, 4),
             Self::F16 | Self::Bf16 => (1, 2),
-            Self::Q4_0 => (32, 18),
+            Self::Q4_0 | Self::Iq4Nl => (32, 18),
             Self::Q4_1 => (32, 20),
+            Self::Q5_0 => (32, 22),
+            Self::Q5_1 => (32, 24),
             Self::Q8_0 => (32, 34),
+            Self::Q2K => (256, 84),
+            Self::Q3K => (256, 110),
             Self::Q4K => (256, 144),
+            Self::Q5K => (256, 176),
             Self::Q6K => (256, 210),
         }
     }
@@ -120,8 +177,14 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) {
         GgmlType::Bf16 => blocks.for_each(|(y, b)| y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
         GgmlType::Q4_0 => blocks.for_each(|(y, b)| dequantize_q4_0(b, y)),
         GgmlType::Q4_1 => blocks.for_each(|(y, b)| dequantize_q4_1(b, y)),
+        GgmlType::Q5_0 => blocks.for_each(|(y, b)| dequantize_q5_0(b, y)),
+        GgmlType::Q5_1 => blocks.for_each(|(y, b)| dequantize_q5_1(b, y)),
         GgmlType::Q8_0 => blocks.for_each(|(y, b)| dequantize_q8_0(b, y)),
+        GgmlType::Iq4Nl => blocks.for_each(|(y, b)| dequantize_iq4_nl(b, y)),
+        GgmlType::Q2K => blocks.for_each(|(y, b)| dequantize_q2k(b, y)),
+        GgmlType::Q3K => blocks.for_each(|(y, b)| dequantize_q3k(b, y)),
         GgmlType::Q4K => blocks.for_each(|(y, b)| dequantize_q4k(b, y)),
+        GgmlType::Q5K => blocks.for_each(|(y, b)| dequantize_q5k(b, y)),
         GgmlType::Q6K => blocks.for_each(|(y, b)| dequantize_q6k(b, y)),
     }
 }
@@ -144,12 +207,86 @@ fn dequantize_q4_1(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// One Q5_0 block: 22 bytes -> 32 values.
+fn dequantize_q5_0(b: &[u8], y: &mut [f32]) {
+    let (d, qh, qs) = (f16_at(b, 0), u32::from_le_bytes([b[2], b[3], b[4], b[5]]), &b[6..22]);
+    for (j, y) in y.iter_mut().enumerate() {
+        *y = d * (five_bits(qs, qh, j) as i32 - 16) as f32;
+    }
+}
+
+/// One Q5_1 block: 24 bytes -> 32 values.
+fn dequantize_q5_1(b: &[u8], y: &mut [f32]) {
+    let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+    let (qh, qs) = (u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &b[8..24]);
+    for (j, y) in y.iter_mut().enumerate() {
+        *y = d * five_bits(qs, qh, j) as f32 + m;
+    }
+}
+
+/// Value `j` (of 32) of a Q5_0 or Q5_1 block: its nibble as in Q4_0, its fifth bit bit `j` of `qh`.
+fn five_bits(qs: &[u8], qh: u32, j: usize) -> u8 {
+    let nibble = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+    nibble | (((qh >> j) & 1) as u8) << 4
+}
+
 /// One Q8_0 block: 34 bytes -> 32 values.
 fn dequantize_q8_0(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     for j in 0..32 {
         y[j] = d * (b[2 + j] as i8) as f32;
     }
+}
+
+/// IQ4_NL's code book: `kvalues_iq4nl` in ggml-common.h, a non-uniform grid denser near zero.
+const IQ4_NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// One IQ4_NL block: 18 bytes -> 32 values, nibbles laid out as Q4_0's.
+fn dequantize_iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..16 {
+        y[j] = d * IQ4_NL_VALUES[(b[2 + j] & 0xF) as usize] as f32;
+        y[j + 16] = d * IQ4_NL_VALUES[(b[2 + j] >> 4) as usize] as f32;
+    }
+}
+
+/// The 2 low bits of value `v` of a Q2_K or Q3_K super-block from its 64 bytes of quants: each
+/// half of 128 values reads 32 bytes four times, two bits further up each time.
+fn two_bits(qs: &[u8], v: usize) -> u8 {
+    (qs[32 * (v / 128) + v % 32] >> (2 * (v % 128 / 32))) & 3
+}
+
+/// One Q2_K super-block: 84 bytes -> 256 values.
+fn dequantize_q2k(b: &[u8], y: &mut [f32]) {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (v, y) in y.iter_mut().enumerate() {
+        // Sub-block v / 16: its scale in the low nibble, its min in the high.
+        let sc = scales[v / 16];
+        let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+        *y = dl * two_bits(qs, v) as f32 - ml;
+    }
+}
+
+/// One Q3_K super-block: 110 bytes -> 256 values.
+fn dequantize_q3k(b: &[u8], y: &mut [f32]) {
+    let (hmask, qs, scales) = (&b[0..32], &b[32..96], &b[96..108]);
+    let d = f16_at(b, 108);
+    for (v, y) in y.iter_mut().enumerate() {
+        // A clear high bit subtracts 4: q runs over -4..=3.
+        let high = (hmask[v % 32] >> (v / 32)) & 1;
+        let q = two_bits(qs, v) as i32 - if high == 1 { 0 } else { 4 };
+        *y = d * scale_k3(v / 16, scales) as f32 * q as f32;
+    }
+}
+
+/// Scale `s` (of 16) of a Q3_K super-block, 6 bits less 32, packed into 12 bytes: the low 4 bits in
+/// the nibbles of bytes 0..8 (scales 0..8 low nibbles, 8..16 high), the top 2 bits in bytes 8..12,
+/// scale `s` at bit `2·(s / 4)` of byte `8 + s % 4`.
+fn scale_k3(s: usize, q: &[u8]) -> i32 {
+    let low = if s < 8 { q[s] & 0xF } else { q[s - 8] >> 4 };
+    let high = (q[8 + s % 4] >> (2 * (s / 4))) & 3;
+    (low | high << 4) as i32 - 32
 }
 
 /// One Q4_K super-block: 144 bytes -> 256 values.
@@ -169,6 +306,27 @@ fn dequantize_q4k(b: &[u8], y: &mut [f32]) {
         for l in 0..32 {
             y[l] = d1 * (q[l] & 0xF) as f32 - min1;
             y[l + 32] = d2 * (q[l] >> 4) as f32 - min2;
+        }
+    }
+}
+
+/// One Q5_K super-block: 176 bytes -> 256 values; Q4_K's layout with a fifth bit per value.
+fn dequantize_q5k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+    for g in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * g, scales);
+        let (sc2, m2) = scale_min_k4(2 * g + 1, scales);
+        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let q = &qs[32 * g..32 * g + 32];
+        let y = &mut y[64 * g..64 * g + 64];
+        for l in 0..32 {
+            // Values 64·g + l and 64·g + 32 + l: high bits 2·g and 2·g + 1 of qh[l].
+            let h1 = ((qh[l] >> (2 * g)) & 1) << 4;
+            let h2 = ((qh[l] >> (2 * g + 1)) & 1) << 4;
+            y[l] = d1 * ((q[l] & 0xF) | h1) as f32 - min1;
+            y[l + 32] = d2 * ((q[l] >> 4) | h2) as f32 - min2;
         }
     }
 }
@@ -277,10 +435,25 @@ mod tests {
     }
 
     #[test]
+    fn ids_round_trip_and_any_bytes_dequantize() {
+        for ty in GgmlType::ALL {
+            assert_eq!(GgmlType::from_id(ty.id()), Ok(ty));
+            let (per, size) = ty.block();
+            // Every bit pattern is a valid block (0xFF scales are f16 NaNs): no panic, no length change.
+            for fill in [0x00u8, 0xFF, 0x5A] {
+                let mut out = vec![0f32; 2 * per];
+                dequantize(ty, &vec![fill; 2 * size], &mut out);
+                assert_eq!(out.len(), 2 * per, "{}", ty.name());
+            }
+        }
+    }
+
+    #[test]
     fn sizes_and_unknown_types() {
         assert_eq!(GgmlType::Q6K.bytes_for(512), Some(420));
         assert_eq!(GgmlType::Q4_1.bytes_for(33), None);
-        assert_eq!(GgmlType::from_id(13).unwrap_err(), "ggml type 13 (Q5_K)");
+        assert_eq!(GgmlType::Q5K.bytes_for(256), Some(176));
+        assert_eq!(GgmlType::from_id(23).unwrap_err(), "ggml type 23 (IQ4_XS)");
         assert_eq!(GgmlType::from_id(99).unwrap_err(), "ggml type 99 (unknown)");
     }
 }
