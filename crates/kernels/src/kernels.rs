@@ -1,11 +1,12 @@
-//! CPU kernels of the fused ops, on f32 slices: RMSNorm, SwiGLU, linear layers and RoPE + causal
-//! grouped-query attention, each with its backward pass, and AdamW. Rows are split
-//! across threads with rayon; the GEMMs run through the `gemm` crate with strides, so the attention
-//! reads queries, keys and values where the packed q/k/v projection put them (`[B·T, (H + 2K)·Dh]`
-//! rows) and no transposed copy is ever made.
+//! CPU kernels of the fused ops, on f32 slices: RMSNorm, the gated units (SwiGLU, GeGLU), linear
+//! layers and RoPE + causal grouped-query attention, each with its backward pass, and AdamW. Rows
+//! are split across threads with rayon; the GEMMs run through the `gemm` crate with strides, so the
+//! attention reads queries, keys and values where the packed q/k/v projection put them
+//! (`[B·T, (H + 2K)·Dh]` rows) and no transposed copy is ever made. The kernels of LayerNorm, GELU
+//! and the q/k norm live in their ops' files.
 //!
-//! The element-wise kernels here (norms, SwiGLU, RoPE, the attention's softmax rows, AdamW, the
-//! sum of squares), like the loss's rows in `cross_entropy`, are compiled three times by
+//! The element-wise kernels here (norms, the gated units, RoPE, the attention's softmax rows, AdamW,
+//! the sum of squares), like the loss's rows in `cross_entropy`, are compiled three times by
 //! [`crate::simd::multiversion!`], for the baseline x86-64, with AVX2 and FMA, and with AVX-512,
 //! the copy chosen at run time by the [`Cpu`] the caller passes (the run's [`crate::Compute`]).
 //!
@@ -17,12 +18,14 @@ use rayon::prelude::*;
 
 use crate::bf16_gemm::{self, Strided};
 use crate::compute::Cpu;
+use crate::gelu::{gelu_tanh, gelu_tanh_grad};
 use crate::products::{gemm_new, gemm_new_scaled, gemm_parallelism, gemm_raw, gemm_strided};
 use crate::rope::RopeLayout;
 use crate::simd::multiversion;
+use crate::swiglu::Gate;
 
 /// Rows per rayon task in the row-wise kernels: enough work per task to outweigh scheduling.
-fn rows_per_task(d: usize) -> usize {
+pub(crate) fn rows_per_task(d: usize) -> usize {
     (16_384 / d.max(1)).max(1)
 }
 
@@ -572,7 +575,7 @@ pub(crate) fn low_rank_backward(
 }
 
 #[inline(always)]
-fn sigmoid(z: f32) -> f32 {
+pub(crate) fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + exp(-z))
 }
 
@@ -831,6 +834,25 @@ pub(super) fn lanes_dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + rest
+}
+
+/// `Σ f(j)` over `j < n` with 8 independent lanes, like [`lanes_sum`], for sums of products that
+/// are not in one slice.
+#[inline(always)]
+pub(crate) fn lanes_sum_by(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let mut j = 0;
+    while j + 8 <= n {
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            *lane += f(j + l);
+        }
+        j += 8;
+    }
+    let mut tail = 0.0f32;
+    for j in j..n {
+        tail += f(j);
+    }
+    lanes.iter().sum::<f32>() + tail
 }
 
 /// Query rows per block of the causal attention: block `[r0, r1)` only meets keys `0..r1`, so the
@@ -1138,20 +1160,30 @@ multiversion! {
 }
 
 multiversion! {
-    /// `silu(g) · u` of packed rows `[g | u]`, `2F` wide.
+    /// `act(g) · u` of packed rows `[g | u]`, `2F` wide, `act` the gate's activation.
     ///
     /// # Shapes
     /// - gu: `[N, 2F]` -> `[N, F]`
-    pub(crate) fn swiglu_packed(cpu: Cpu, gu: &[f32], f: usize) -> Vec<f32> {
-        assert!(f > 0 && gu.len().is_multiple_of(2 * f), "swiglu: {} values in rows of 2·{f}", gu.len());
+    pub(crate) fn glu_packed(cpu: Cpu, gu: &[f32], f: usize, gate: Gate) -> Vec<f32> {
+        assert!(f > 0 && gu.len().is_multiple_of(2 * f), "glu: {} values in rows of 2·{f}", gu.len());
         let rows = gu.len() / (2 * f);
         let mut y = Box::<[f32]>::new_uninit_slice(rows * f);
         let per = rows_per_task(2 * f);
         y.par_chunks_mut(per * f).zip(gu.par_chunks(per * 2 * f)).for_each(|(y, gu)| {
             for (y, gu) in y.chunks_exact_mut(f).zip(gu.chunks_exact(2 * f)) {
                 let (g, u) = gu.split_at(f);
-                for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    y.write(g * sigmoid(g) * u);
+                // One loop a gate, each of which vectorises (the match stays out of the loop).
+                match gate {
+                    Gate::Silu => {
+                        for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                            y.write(g * sigmoid(g) * u);
+                        }
+                    }
+                    Gate::GeluTanh => {
+                        for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                            y.write(gelu_tanh(g) * u);
+                        }
+                    }
                 }
             }
         });
@@ -1161,11 +1193,11 @@ multiversion! {
 }
 
 multiversion! {
-    /// Gradient of [`swiglu_packed`], packed the same way.
-    pub(crate) fn swiglu_packed_backward(cpu: Cpu, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+    /// Gradient of [`glu_packed`], packed the same way: `dg = dy·u·act'(g)`, `du = dy·act(g)`.
+    pub(crate) fn glu_packed_backward(cpu: Cpu, gu: &[f32], dy: &[f32], f: usize, gate: Gate) -> Vec<f32> {
         assert!(
             f > 0 && gu.len().is_multiple_of(2 * f) && dy.len() * 2 == gu.len(),
-            "swiglu_backward: {} values and {} gradients in rows of 2·{f}",
+            "glu_backward: {} values and {} gradients in rows of 2·{f}",
             gu.len(),
             dy.len()
         );
@@ -1176,10 +1208,20 @@ multiversion! {
                 for ((d, gu), dy) in d.chunks_exact_mut(2 * f).zip(gu.chunks_exact(2 * f)).zip(dy.chunks_exact(f)) {
                     let (g, u) = gu.split_at(f);
                     let (dg, du) = d.split_at_mut(f);
-                    for i in 0..f {
-                        let s = sigmoid(g[i]);
-                        du[i].write(dy[i] * g[i] * s);
-                        dg[i].write(dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s)));
+                    match gate {
+                        Gate::Silu => {
+                            for i in 0..f {
+                                let s = sigmoid(g[i]);
+                                du[i].write(dy[i] * g[i] * s);
+                                dg[i].write(dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s)));
+                            }
+                        }
+                        Gate::GeluTanh => {
+                            for i in 0..f {
+                                du[i].write(dy[i] * gelu_tanh(g[i]));
+                                dg[i].write(dy[i] * u[i] * gelu_tanh_grad(g[i]));
+                            }
+                        }
                     }
                 }
             },
@@ -1363,8 +1405,10 @@ mod tests {
                 rms_norm(cpu, &x, &w, 1e-5),
                 dx,
                 dw,
-                swiglu_packed(cpu, &gu, f),
-                swiglu_packed_backward(cpu, &gu, &dyf, f),
+                glu_packed(cpu, &gu, f, Gate::Silu),
+                glu_packed_backward(cpu, &gu, &dyf, f, Gate::Silu),
+                glu_packed(cpu, &gu, f, Gate::GeluTanh),
+                glu_packed_backward(cpu, &gu, &dyf, f, Gate::GeluTanh),
                 rope,
                 attn.o,
                 attn.lse,
@@ -1779,8 +1823,8 @@ mod tests {
         let f = 11;
         let gu = random(2 * f, 11);
         let dy = random(f, 13);
-        let y = swiglu_packed(f32_cpu(), &gu, f);
-        let d = swiglu_packed_backward(f32_cpu(), &gu, &dy, f);
+        let y = glu_packed(f32_cpu(), &gu, f, Gate::Silu);
+        let d = glu_packed_backward(f32_cpu(), &gu, &dy, f, Gate::Silu);
         let silu_mul = |g: f32, u: f32| g / (1.0 + (-g).exp()) * u;
         for i in 0..f {
             let (g, u) = (gu[i], gu[f + i]);

@@ -3,13 +3,14 @@
 //! points, the trainer the optimizer's and the loss's.
 //!
 //! One op a file, each with the same parts:
-//! - a capability trait (`RmsNormOps`, `SwigluOps`, `LinearOps`, `AttentionOps`, `AdamWOps`,
-//!   `LmHeadLossOps`, `KvWriteOps`, `PagedAttentionOps`, `RopeOps`, `DeviceReduceOps`) whose default
-//!   methods are the reference: the plain composition of Burn tensor ops for the forward pass, and
-//!   its gradients through Burn's autodiff for the backward pass. A backend without kernels
+//! - a capability trait (`RmsNormOps`, `LayerNormOps`, `QkNormOps`, `GluOps`, `GeluOps`,
+//!   `ReluSquaredOps`, `LinearOps`, `AttentionOps`, `AdamWOps`, `LmHeadLossOps`, `KvWriteOps`,
+//!   `PagedAttentionOps`, `RopeOps`, `DeviceReduceOps`) whose default methods are the reference:
+//!   the plain composition of Burn tensor ops for the forward pass, and its gradients through
+//!   Burn's autodiff for the backward pass. A backend without kernels
 //!   implements the trait with no body and is correct; nothing panics for want of a kernel;
 //! - the `Flex` impl, which runs the CPU kernels (the private `kernels`, `few_rows`, `bf16_gemm`
-//!   modules) on f32 tensors and the reference otherwise;
+//!   modules, or the op file's own `kernel` module) on f32 tensors and the reference otherwise;
 //! - the `Autodiff` impl, which makes the op one graph node whose backward is the inner backend's;
 //! - a tensor-level entry point that the model calls;
 //! - tests comparing the kernels with the reference, values and gradients.
@@ -34,11 +35,15 @@ pub mod cross_entropy;
 pub mod documents;
 mod few_rows;
 mod flex;
+pub mod gelu;
 mod kernels;
 pub mod kv;
+pub mod layer_norm;
 pub mod linear;
 pub mod paged;
 mod products;
+pub mod qk_norm;
+pub mod relu_squared;
 pub mod rms_norm;
 pub mod rope;
 mod simd;
@@ -57,13 +62,17 @@ pub use attention::{AttentionOps, AttentionSaved};
 pub use collective::{DeviceComm, DeviceReduceOps};
 pub use compute::{Bf16Kernel, Bf16Products, Compute, Cpu, Path, Tier};
 pub use cross_entropy::{lm_head_cross_entropy, ChunkSpec, LmHeadLossOps, IGNORE};
+pub use gelu::{Gelu, GeluOps};
 pub use kernels::{AttnShape, LinearGrads};
 pub use kv::KvWriteOps;
+pub use layer_norm::LayerNormOps;
 pub use linear::LinearOps;
 pub use paged::PagedAttentionOps;
+pub use qk_norm::QkNormOps;
+pub use relu_squared::ReluSquaredOps;
 pub use rms_norm::RmsNormOps;
 pub use rope::RopeOps;
-pub use swiglu::SwigluOps;
+pub use swiglu::{Gate, GluOps};
 
 /// A pointer to one output buffer that parallel tasks share, each writing its own disjoint part
 /// (the few-rows products: whole outputs or column ranges; the bf16 GEMM: column panels).
@@ -91,7 +100,11 @@ impl SharedOut {
 pub trait EmberBackend:
     Backend
     + RmsNormOps
-    + SwigluOps
+    + LayerNormOps
+    + QkNormOps
+    + GluOps
+    + GeluOps
+    + ReluSquaredOps
     + LinearOps
     + AttentionOps
     + AdamWOps
@@ -137,7 +150,11 @@ where
 macro_rules! reference_ops {
     ($backend:ty) => {
         impl RmsNormOps for $backend {}
-        impl SwigluOps for $backend {}
+        impl LayerNormOps for $backend {}
+        impl QkNormOps for $backend {}
+        impl GluOps for $backend {}
+        impl GeluOps for $backend {}
+        impl ReluSquaredOps for $backend {}
         impl LinearOps for $backend {}
         impl AttentionOps for $backend {}
         impl AdamWOps for $backend {}
@@ -282,12 +299,39 @@ mod tests {
             Tolerance::absolute(1e-6),
         );
         let (dx, dw) = B::rms_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), 1e-5, cx);
-        let (want_dx, want_dw) = rms_norm::reference_backward(x.clone(), w, dy.clone(), 1e-5);
+        let (want_dx, want_dw) = rms_norm::reference_backward(x.clone(), w.clone(), dy.clone(), 1e-5);
         float::<B, 2>(dx).into_data().assert_approx_eq::<f32>(&want_dx.into_data(), Tolerance::absolute(1e-6));
         float::<B, 1>(dw).into_data().assert_approx_eq::<f32>(&want_dw.into_data(), Tolerance::absolute(1e-6));
+        let (dx, dw, db) = B::layer_norm_backward(prim(x.clone()), prim(w.clone()), prim(dy.clone()), true, 1e-5, cx);
+        let (want_dx, want_dw, want_db) = layer_norm::reference_backward(x.clone(), w.clone(), dy.clone(), true, 1e-5);
+        float::<B, 2>(dx).into_data().assert_approx_eq::<f32>(&want_dx.into_data(), Tolerance::absolute(1e-6));
+        float::<B, 1>(dw).into_data().assert_approx_eq::<f32>(&want_dw.into_data(), Tolerance::absolute(1e-6));
+        assert!(db.is_some() && want_db.is_some());
         let gu = t([5, 16]);
-        let d = float::<B, 2>(B::swiglu_backward(prim(gu.clone()), prim(dy.clone()), cx));
-        assert_eq!(d.dims(), [5, 16]);
+        for gate in [Gate::Silu, Gate::GeluTanh] {
+            let d = float::<B, 2>(B::glu_backward(prim(gu.clone()), prim(dy.clone()), gate, cx));
+            assert_eq!(d.dims(), [5, 16]);
+        }
+        // The exact GELU's gradient is its own on every backend (not Burn's default `gelu_backward`,
+        // the tanh approximation's): Φ(x) + x·φ(x) at x = 1.5.
+        let at = Tensor::<B, 2>::from_data([[1.5f32]], &dev);
+        let d = float::<B, 2>(B::gelu_with_backward(prim(at.clone()), prim(at.ones_like()), Gelu::Erf, cx));
+        let want =
+            0.5 * (1.0 + libm::erf(1.5 / 2f64.sqrt())) + 1.5 * (-1.125f64).exp() / (2.0 * std::f64::consts::PI).sqrt();
+        assert!((d.into_scalar() as f64 - want).abs() < 1e-6, "exact GELU's gradient");
+        let qkv = t([5, 6]);
+        let qk = (1, 1, 2);
+        let (w2, w2b) = (t([1, 2]).reshape([2]), t([1, 2]).reshape([2]));
+        let (dqkv, _, _) = B::qk_norm_backward(
+            prim(qkv.clone()),
+            prim(w2.clone()),
+            prim(w2b.clone()),
+            prim(qkv.clone()),
+            qk,
+            1e-6,
+            cx,
+        );
+        assert_eq!(float::<B, 2>(dqkv).dims(), [5, 6]);
         let lw = t([8, 3]);
         let need = LinearGrads { x: true, w: false, b: true };
         let (dx, dw, db) = B::linear_backward(prim(x.clone()), prim(lw.clone()), prim(t([5, 3])), need, cx);

@@ -1,8 +1,11 @@
-//! Helpers of the ops' tests: each fused op against its reference, values and gradients.
+//! Helpers of the ops' tests: each fused op against its reference, values and gradients, and each
+//! kernel's copies against each other.
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
+
+use crate::{Cpu, Tier};
 
 pub(super) type AB = Autodiff<Flex>;
 
@@ -59,5 +62,20 @@ pub(super) fn assert_close(name: &str, got: Vec<Tensor<Flex, 2>>, want: Vec<Tens
     for (i, (a, b)) in got.into_iter().zip(want).enumerate() {
         let e = rel_err(a, b);
         assert!(e < 1e-5, "{name}: gradient {i} relative error {e}");
+    }
+}
+
+/// Asserts that `run` gives the same bits from every copy of the `multiversion!` kernels that this
+/// CPU can run (AVX-512, AVX2 + FMA, the baseline) as from the widest: the copies change speed,
+/// never results.
+pub(crate) fn same_bits_on_every_tier(name: &str, run: impl Fn(Cpu) -> Vec<Vec<f32>>) {
+    let widest = run(Cpu::f32_products());
+    for cap in Tier::ALL.into_iter().filter(|&t| t <= Cpu::f32_products().tier) {
+        let narrower = run(Cpu::f32_products().capped(cap));
+        assert_eq!(widest.len(), narrower.len(), "{name}: output count");
+        for (i, (a, b)) in widest.iter().zip(&narrower).enumerate() {
+            let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{name}, output {i}: the {cap:?} copy differs from the widest");
+        }
     }
 }
