@@ -116,23 +116,10 @@ fn an_export_holds_its_extra_files_or_is_not_there_at_all() {
 fn interleaved_models_export_in_the_half_split_layout() {
     // An ember model trained with interleaved RoPE exports as half-split: same logits after import.
     let cfg = ModelConfig {
-        vocab_size: 50,
-        d_model: 32,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: Some(2),
-        head_dim: None,
-        d_ff: 64,
-        max_seq_len: 32,
-        rope_theta: 10_000.0,
         rope_layout: ember_model::RopeLayout::Interleaved,
-        rope_scaling: None,
-        sliding_window: None,
-        norm_eps: 1e-5,
         qkv_bias: true,
-        tie_embeddings: false,
         init_std: 0.2,
-        dropout: 0.0,
+        ..ModelConfig::tiny(50, 32)
     };
     let model = Decoder::<B>::new(&cfg, 4, &Default::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -409,9 +409,24 @@ mod tests {
                 compare(&name, inputs, [b * t, h * dh], &|xs, fused| {
                     if fused {
                         let scores = Scores::of_head(dh);
-                        attention_rope_packed(xs[0].clone(), &rope, (b, t), (h, kh, dh), (start, docs), scores, Compute::default())
+                        attention_rope_packed(
+                            xs[0].clone(),
+                            &rope,
+                            (b, t),
+                            (h, kh, dh),
+                            (start, docs),
+                            scores,
+                            Compute::default(),
+                        )
                     } else {
-                        attention_rope_reference(xs[0].clone(), &rope, (b, t), (h, kh, dh), (start, docs), Scores::of_head(dh))
+                        attention_rope_reference(
+                            xs[0].clone(),
+                            &rope,
+                            (b, t),
+                            (h, kh, dh),
+                            (start, docs),
+                            Scores::of_head(dh),
+                        )
                     }
                 });
             }

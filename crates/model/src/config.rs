@@ -226,7 +226,14 @@ impl ModelConfig {
         match self.positions {
             Positions::Rope => {
                 let scaling = self.rope_scaling.as_ref();
-                Rope::with_scaling(self.max_seq_len, self.head_dim(), self.rope_theta, self.rope_layout, scaling, device)
+                Rope::with_scaling(
+                    self.max_seq_len,
+                    self.head_dim(),
+                    self.rope_theta,
+                    self.rope_layout,
+                    scaling,
+                    device,
+                )
             }
             Positions::Learned => Rope::identity(self.max_seq_len, self.head_dim(), self.rope_layout, device),
         }
@@ -353,7 +360,12 @@ impl ModelConfig {
             head_dim,
             qkv_bias: self.qkv_bias,
             o_bias: self.o_bias,
-            qk_norm: self.qk_norm.then(|| NormConfig { d_model: head_dim, eps: self.norm_eps, kind: self.norm, bias: false }),
+            qk_norm: self.qk_norm.then(|| NormConfig {
+                d_model: head_dim,
+                eps: self.norm_eps,
+                kind: self.norm,
+                bias: false,
+            }),
             sliding_window: self.sliding_window.filter(|_| self.is_local(layer)),
             scale,
             softcap: self.attn_logit_softcap,

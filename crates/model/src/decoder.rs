@@ -8,12 +8,12 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::attention::Keys;
 use crate::block::Block;
+use crate::config::Positions;
 use crate::config::{ConfigError, ModelConfig};
 use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
-use crate::config::Positions;
 use crate::norm::Norm;
 use crate::to_dtype;
 use ember_kernels::documents::Documents;
@@ -254,7 +254,9 @@ impl<B: EmberBackend> Decoder<B> {
 
     /// Whether any projection carries a LoRA adapter.
     pub fn has_lora(&self) -> bool {
-        self.layers.iter().any(|layer| Target::ALL.into_iter().any(|t| layer.projection(t).is_some_and(Linear::has_lora)))
+        self.layers
+            .iter()
+            .any(|layer| Target::ALL.into_iter().any(|t| layer.projection(t).is_some_and(Linear::has_lora)))
     }
 
     /// Folds every adapter into its projection's weight.

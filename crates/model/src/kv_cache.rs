@@ -17,9 +17,9 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::config::ModelConfig;
+use ember_kernels::attention::Scores;
 use ember_kernels::kv::KvWriteOps;
 use ember_kernels::paged::{grouped_attention, Paged, PagedAttentionOps, PagedLayout};
-use ember_kernels::attention::Scores;
 use ember_kernels::Compute;
 
 #[derive(Debug, Clone)]

@@ -132,7 +132,8 @@ mod tests {
                 .iter()
                 .flat_map(|r| {
                     let n = r.len() as f64;
-                    let mean = if kind == NormKind::LayerNorm { r.iter().map(|&v| v as f64).sum::<f64>() / n } else { 0.0 };
+                    let mean =
+                        if kind == NormKind::LayerNorm { r.iter().map(|&v| v as f64).sum::<f64>() / n } else { 0.0 };
                     let var = r.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
                     let inv = 1.0 / (var + 1e-6).sqrt();
                     r.iter().enumerate().map(move |(j, &v)| {

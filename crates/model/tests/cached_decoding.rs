@@ -10,23 +10,15 @@ type B = Flex;
 
 fn config(n_kv_heads: usize, layout: RopeLayout) -> ModelConfig {
     ModelConfig {
-        vocab_size: 41,
         d_model: 48,
         n_layers: 3,
         n_heads: 6,
         n_kv_heads: Some(n_kv_heads),
-        head_dim: None,
         d_ff: 96,
-        max_seq_len: 40,
-        rope_theta: 10_000.0,
         rope_layout: layout,
-        rope_scaling: None,
-        sliding_window: None,
-        norm_eps: 1e-5,
         qkv_bias: true,
-        tie_embeddings: false,
         init_std: 0.2,
-        dropout: 0.0,
+        ..ModelConfig::tiny(41, 40)
     }
 }
 

@@ -43,23 +43,13 @@ pub struct Check {
 
 fn config(n_kv_heads: usize, layout: RopeLayout) -> ModelConfig {
     ModelConfig {
-        vocab_size: 53,
         d_model: 64,
-        n_layers: 2,
-        n_heads: 4,
         n_kv_heads: Some(n_kv_heads),
-        head_dim: None,
         d_ff: 128,
-        max_seq_len: 32,
-        rope_theta: 10_000.0,
         rope_layout: layout,
-        rope_scaling: None,
-        sliding_window: None,
-        norm_eps: 1e-5,
         qkv_bias: true,
-        tie_embeddings: false,
         init_std: 0.1,
-        dropout: 0.0,
+        ..ModelConfig::tiny(53, 32)
     }
 }
 
