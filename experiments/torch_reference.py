@@ -5,6 +5,9 @@ The same architecture as crates/model (RMSNorm with an f32 reduction, split-half
 attention, SwiGLU, untied or tied head), the same init (normal(0, 0.02), o_proj/down_proj over
 sqrt(2L)), AdamW with weight decay on matrices only, global-norm clipping, nanoGPT's warmup + cosine
 schedule, and random windows of the char-level tinyshakespeare split. It reads ember's TOML configs.
+A config with `norm = "layer_norm"` and a plain GELU MLP (`mlp = "gelu"` or `"gelu_exact"`) with
+learned positions gets nanoGPT's GPT-2 block instead (one fused c_attn, LayerNorm with or without
+bias, GELU, learned `wpe`, `F.scaled_dot_product_attention`), written the way nanoGPT's model.py is.
 
     # time the training step (median over steps), as `ember bench train` does
     python experiments/torch_reference.py bench --config configs/nano.toml --threads 2
@@ -88,12 +91,45 @@ class Block(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
 
 
+class GptBlock(nn.Module):
+    """nanoGPT's Block: x + attn(ln_1(x)), then + mlp(ln_2(x)), with one q/k/v projection."""
+
+    def __init__(self, m):
+        super().__init__()
+        d, self.h = m["d_model"], m["n_heads"]
+        bias, eps = m.get("qkv_bias", False), m.get("norm_eps", 1e-5)
+        self.ln_1 = nn.LayerNorm(d, eps=eps, bias=m.get("norm_bias", False))
+        self.c_attn = nn.Linear(d, 3 * d, bias=bias)
+        self.c_proj = nn.Linear(d, d, bias=m.get("o_bias", False))
+        self.ln_2 = nn.LayerNorm(d, eps=eps, bias=m.get("norm_bias", False))
+        self.c_fc = nn.Linear(d, m["d_ff"], bias=m.get("mlp_bias", False))
+        self.gelu = nn.GELU(approximate="none" if m.get("mlp") == "gelu_exact" else "tanh")
+        self.mlp_proj = nn.Linear(m["d_ff"], d, bias=m.get("mlp_bias", False))
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(o.transpose(1, 2).contiguous().view(b, t, d))
+        return x + self.mlp_proj(self.gelu(self.c_fc(self.ln_2(x))))
+
+
+def is_gpt(m):
+    return m.get("norm") == "layer_norm" and m.get("mlp") in ("gelu", "gelu_exact") and m.get("positions") == "learned"
+
+
 class Decoder(nn.Module):
     def __init__(self, m):
         super().__init__()
         self.embed_tokens = nn.Embedding(m["vocab_size"], m["d_model"])
-        self.layers = nn.ModuleList([Block(m) for _ in range(m["n_layers"])])
-        self.norm = RMSNorm(m["d_model"], m.get("norm_eps", 1e-5))
+        self.gpt = is_gpt(m)
+        self.wpe = nn.Embedding(m["max_seq_len"], m["d_model"]) if self.gpt else None
+        self.layers = nn.ModuleList([(GptBlock if self.gpt else Block)(m) for _ in range(m["n_layers"])])
+        if self.gpt:
+            self.norm = nn.LayerNorm(m["d_model"], eps=m.get("norm_eps", 1e-5), bias=m.get("norm_bias", False))
+        else:
+            self.norm = RMSNorm(m["d_model"], m.get("norm_eps", 1e-5))
         self.tied = m.get("tie_embeddings", False)
         self.lm_head = None if self.tied else nn.Linear(m["d_model"], m["vocab_size"], bias=False)
         dh = m.get("head_dim") or m["d_model"] // m["n_heads"]
@@ -105,11 +141,14 @@ class Decoder(nn.Module):
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() >= 2:
-                scale = 1 / math.sqrt(2 * m["n_layers"]) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
+                out = ("o_proj.weight", "down_proj.weight", "c_proj.weight", "mlp_proj.weight")
+                scale = 1 / math.sqrt(2 * m["n_layers"]) if name.endswith(out) else 1
                 nn.init.normal_(p, 0.0, std * scale)
 
     def forward(self, idx, targets):
         x = self.embed_tokens(idx)
+        if self.gpt:
+            x = x + self.wpe(torch.arange(idx.shape[1]))
         for layer in self.layers:
             x = layer(x, self.cos, self.sin)
         x = self.norm(x)
