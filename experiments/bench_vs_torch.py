@@ -3,11 +3,13 @@
 
 Alternates `ember bench train --json` and `torch_reference.py bench --json` for several rounds (so
 that a slow spell of a shared machine hits both), both pinned to the same CPUs with the same thread
-count, f32. Each round reports each side's median step time; the summary is the median over rounds
+count, f32 unless `--precision` / `--torch-precision` say bf16 (ember's bf16 products; torch.autocast
+on the CPU, oneDNN). Each round reports each side's median step time; the summary is the median over rounds
 of the tokens/s of each, and of the per-round ratio ember / torch.
 
     python experiments/bench_vs_torch.py --config configs/nano.toml
     python experiments/bench_vs_torch.py --config configs/bench-cpu-large.toml --steps 10 --rounds 5
+    python experiments/bench_vs_torch.py --config configs/bench-cpu-large-gpt2.toml --precision bf16 --torch-precision f32
 
 Needs a release build of ember (`cargo build --release -p ember-cli`, or --ember PATH) and a Python
 with torch (run this script with it). Data: $EMBER_DATA_DIR as for `ember train`.
@@ -38,15 +40,19 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--ember", default=str(ROOT / "target" / "release" / "ember"))
     ap.add_argument("--json", action="store_true", help="print one JSON object with every round")
+    ap.add_argument("--precision", choices=["f32", "bf16"], default="f32", help="ember's precision")
+    ap.add_argument("--torch-precision", choices=["f32", "bf16"], default=None,
+                    help="PyTorch's (bf16: autocast); the same as --precision unless given")
     args = ap.parse_args()
 
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: args.threads])
     pin = ["taskset", "-c", cpus]
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-    ember = pin + [args.ember, "bench", "train", "--config", args.config, "--precision", "f32", "--json"] + steps
+    ember = pin + [args.ember, "bench", "train", "--config", args.config, "--precision", args.precision, "--json"] + steps
     torch = pin + [sys.executable, str(ROOT / "experiments" / "torch_reference.py"), "bench", "--config",
-                   args.config, "--threads", str(args.threads), "--json"] + steps
+                   args.config, "--threads", str(args.threads), "--json",
+                   "--precision", args.torch_precision or args.precision] + steps
 
     rounds = []
     for r in range(args.rounds):
@@ -60,12 +66,14 @@ def main():
     med = lambda key: statistics.median(x[key] for x in rounds)
     ratios = [x["ember_tokens_per_sec"] / x["torch_tokens_per_sec"] for x in rounds]
     summary = {"config": args.config, "threads": args.threads, "cpus": cpus, "rounds": rounds,
+               "ember_precision": args.precision, "torch_precision": args.torch_precision or args.precision,
                "ember_tokens_per_sec": med("ember_tokens_per_sec"), "torch_tokens_per_sec": med("torch_tokens_per_sec"),
                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"{args.config}, {args.threads} threads on CPUs {cpus}, {args.rounds} rounds: "
+        print(f"{args.config}, {args.threads} threads on CPUs {cpus}, {args.rounds} rounds, ember "
+              f"{summary['ember_precision']} against torch {summary['torch_precision']}: "
               f"ember {summary['ember_tokens_per_sec']:.0f} tok/s, torch {summary['torch_tokens_per_sec']:.0f} tok/s, "
               f"ember/torch {summary['ratio_median']:.3f} (range {summary['ratio_min']:.3f}-{summary['ratio_max']:.3f})")
 

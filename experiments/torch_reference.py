@@ -205,7 +205,7 @@ def setup(config_path):
     return cfg, model, opt, train, val
 
 
-def step(cfg, model, opt, data, i, gen):
+def step(cfg, model, opt, data, i, gen, autocast=None):
     t = cfg["train"]
     seq = t.get("seq_len") or cfg["model"]["max_seq_len"]
     accum = t.get("grad_accum_steps", 1)
@@ -214,7 +214,11 @@ def step(cfg, model, opt, data, i, gen):
     total = 0.0
     for _ in range(accum):
         x, y = batch(data, t["batch_size"], seq, gen)
-        loss = model(x, y) / accum
+        if autocast is None:
+            loss = model(x, y) / accum
+        else:
+            with torch.autocast("cpu", dtype=autocast):
+                loss = model(x, y) / accum
         loss.backward()
         total += loss.item()
     clip = cfg["optim"].get("grad_clip", 0.0)
@@ -241,7 +245,10 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                    help="bf16: the forward under torch.autocast(\"cpu\", bfloat16) (oneDNN's bf16 products)")
     args = ap.parse_args()
+    autocast = torch.bfloat16 if args.precision == "bf16" else None
     torch.set_num_threads(args.threads)
     cfg, model, opt, train, val = setup(args.config)
     gen = torch.Generator().manual_seed(cfg["train"].get("seed", 1337))
@@ -252,11 +259,11 @@ def main():
         times = []
         for i in range(args.warmup + args.steps):
             start = time.perf_counter()
-            step(cfg, model, opt, train, i, gen)
+            step(cfg, model, opt, train, i, gen, autocast)
             if i >= args.warmup:
                 times.append((time.perf_counter() - start) * 1e3)
         ms = statistics.median(times)
-        out = {"framework": f"torch {torch.__version__} eager", "threads": args.threads, "step_ms": ms,
+        out = {"framework": f"torch {torch.__version__} eager {args.precision}", "precision": args.precision, "threads": args.threads, "step_ms": ms,
                "step_ms_min": min(times), "step_ms_max": max(times), "tokens_per_sec": tokens_per_step / ms * 1e3}
         print(json.dumps(out) if args.json else
               f"{out['framework']}, {args.threads} threads: {ms:.1f} ms/step (median of {args.steps}), "
@@ -264,7 +271,7 @@ def main():
         return
     best, start = float("inf"), time.perf_counter()
     for i in range(t["max_steps"]):
-        loss = step(cfg, model, opt, train, i, gen)
+        loss = step(cfg, model, opt, train, i, gen, autocast)
         s = i + 1
         if s % t["eval_interval"] == 0 or s == t["max_steps"]:
             model.eval()
