@@ -249,7 +249,8 @@ impl Tokenizer {
     /// end-of-turn token for chat models) and the common end-of-text tokens the vocabulary has.
     pub fn end_ids(&self) -> Vec<u32> {
         let mut ends: Vec<u32> = self.eos.into_iter().collect();
-        for t in ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"] {
+        // Gemma's turns end with `<end_of_turn>` while its end-of-sequence token is `<eos>`.
+        for t in ["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<end_of_turn>"] {
             if let Some(id) = self.inner.token_to_id(t).filter(|id| !ends.contains(id)) {
                 ends.push(id);
             }

@@ -5,7 +5,12 @@
 //!   `token_type` (3 = control: special tokens), the pre-tokenizer named by `tokenizer.ggml.pre`.
 //! - `llama`: SentencePiece BPE with `scores`; merges are recovered from the scores (a merge of
 //!   two pieces whose concatenation is a piece, ranked by that piece's score), `▁` for spaces, byte
-//!   fallback through the `<0xXX>` tokens.
+//!   fallback through the `<0xXX>` tokens, `<bos>` put first when `add_bos_token` (the default).
+//! - `llama` in a Gemma file (`general.architecture` gemma, gemma2, gemma3): the same, as transformers'
+//!   GGUF reader builds Gemma's: merges ranked by the merged piece's position in the vocabulary (its
+//!   scores do not follow the merge order), and the runs of spaces that llama.cpp stores as real
+//!   spaces spelled with `▁` again. Gemma 3 files without a chat template get Google's
+//!   ([`GEMMA3_CHAT_TEMPLATE`]).
 
 use std::collections::HashMap;
 
@@ -52,23 +57,41 @@ fn pre_tokenizer(pre: &str) -> Json {
                 byte_level(false),
             ],
         }),
+        // GPT-2's own split, the regex ByteLevel applies (`gpt2`, `default`, and names not listed here).
         _ => byte_level(true),
     }
 }
 
+/// Gemma 3's chat template: Google's published template for its instruction-tuned models
+/// (`chat_template` of google/gemma-3-*-it's tokenizer_config.json), for the Gemma 3 files that carry
+/// none (GGUFs made from the pre-trained checkpoints). Turns are `<start_of_turn>{user|model}\n ...
+/// <end_of_turn>\n`, a system message goes before the first user turn's text, and the generation
+/// prompt opens a `model` turn. The model ends its answer with `<end_of_turn>`, one of the end
+/// tokens of ember-data's `Tokenizer::end_ids`.
+pub const GEMMA3_CHAT_TEMPLATE: &str = include_str!("gemma3_chat_template.jinja");
+
 /// `tokenizer.json` and `tokenizer_config.json` from a GGUF file's metadata.
 pub fn from_gguf(f: &GgufFile) -> Result<(String, Json), GgufError> {
     let model = f.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("gpt2");
-    let v = GgufVocab::read(f)?;
+    let arch = f.get("general.architecture").and_then(Value::as_str).unwrap_or_default();
+    let mut v = GgufVocab::read(f)?;
     let tokenizer = match model {
         "gpt2" => gpt2_tokenizer(f, &v)?,
-        "llama" => llama_tokenizer(f, &v)?,
+        "llama" if matches!(arch, "gemma" | "gemma2" | "gemma3") => {
+            v.respell_space_runs();
+            llama_tokenizer(f, &v, MergeOrder::Position)?
+        }
+        "llama" => llama_tokenizer(f, &v, MergeOrder::Score)?,
         other => {
             return Err(f.meta_err("tokenizer.ggml.model", format!("`{other}` is not supported (gpt2 and llama are)")))
         }
     };
     let text = serde_json::to_string(&tokenizer).expect("JSON serialises");
-    Ok((text, tokenizer_config(f, &v)))
+    let mut config = tokenizer_config(f, &v);
+    if arch == "gemma3" && config.get("chat_template").is_none() {
+        config["chat_template"] = json!(GEMMA3_CHAT_TEMPLATE);
+    }
+    Ok((text, config))
 }
 
 /// The tokens of a GGUF file's metadata, by id, with their ggml token types.
@@ -89,6 +112,19 @@ impl GgufVocab {
             return Err(f.meta_err("tokenizer.ggml.token_type", message));
         }
         Ok(Self { tokens, types })
+    }
+
+    /// Gemma's runs of spaces (user-defined tokens `"  "` to 31 spaces), which llama.cpp's converter
+    /// stores as real spaces, spelled `▁▁…` as in Gemma's tokenizer.json, where the normalizer's
+    /// `▁`s reach them: ordinary pieces then, not added tokens matched in the raw text.
+    /// transformers' GGUF reader does the same (`gemma_tokenizer`).
+    fn respell_space_runs(&mut self) {
+        for (token, ty) in self.tokens.iter_mut().zip(&mut self.types) {
+            if token.contains(' ') && token.chars().all(char::is_whitespace) {
+                *token = "▁".repeat(token.chars().count());
+                *ty = NORMAL;
+            }
+        }
     }
 
     /// tokenizer.json's `added_tokens`: the control tokens (special) and the user-defined ones.
@@ -133,14 +169,30 @@ fn gpt2_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
     }))
 }
 
+/// How the merges of a SentencePiece vocabulary are ranked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MergeOrder {
+    /// By the merged piece's score, higher first (Llama 2 and most SentencePiece files).
+    Score,
+    /// By the merged piece's id, lower first (Gemma, whose vocabulary is in merge order).
+    Position,
+}
+
 /// llama.cpp's `llama` tokenizer as a SentencePiece BPE `tokenizer.json`, merges recovered from
-/// the scores.
-fn llama_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
-    let scores: Vec<f64> = match f.get("tokenizer.ggml.scores").and_then(Value::as_array) {
-        Some(s) => s.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
-        None => return Err(f.meta_err("tokenizer.ggml.scores", "missing (a SentencePiece vocabulary needs them)")),
+/// the vocabulary in `order`.
+fn llama_tokenizer(f: &GgufFile, v: &GgufVocab, order: MergeOrder) -> Result<Json, GgufError> {
+    let merges = match order {
+        MergeOrder::Score => {
+            let scores: Vec<f64> = match f.get("tokenizer.ggml.scores").and_then(Value::as_array) {
+                Some(s) => s.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
+                None => {
+                    return Err(f.meta_err("tokenizer.ggml.scores", "missing (a SentencePiece vocabulary needs them)"))
+                }
+            };
+            spm_merges(&v.tokens, &scores, &v.types)
+        }
+        MergeOrder::Position => positional_merges(&v.tokens),
     };
-    let merges = spm_merges(&v.tokens, &scores, &v.types);
     let unk = v.id_of(f, "tokenizer.ggml.unknown_token_id").map(|i| v.tokens[i].clone());
     let add_space = f.get("tokenizer.ggml.add_space_prefix").is_none_or(|x| *x == Value::Bool(true));
     let (normalizers, decoders) = spm_normalizers_and_decoders(add_space);
@@ -151,7 +203,7 @@ fn llama_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
         "added_tokens": v.added_tokens(),
         "normalizer": {"type": "Sequence", "normalizers": normalizers},
         "pre_tokenizer": null,
-        "post_processor": null,
+        "post_processor": bos_eos_processor(f, v),
         "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
                   "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
@@ -178,6 +230,36 @@ fn spm_normalizers_and_decoders(add_space: bool) -> (Vec<Json>, Vec<Json>) {
     (normalizers, decoders)
 }
 
+/// The post-processor that puts `<bos>` first (`tokenizer.ggml.add_bos_token`, true when absent as
+/// llama.cpp and transformers assume for SentencePiece files) and `<eos>` last
+/// (`tokenizer.ggml.add_eos_token`) when special tokens are asked for; `null` when neither is.
+fn bos_eos_processor(f: &GgufFile, v: &GgufVocab) -> Json {
+    let flag = |key: &str, default: bool| match f.get(key) {
+        Some(Value::Bool(b)) => *b,
+        _ => default,
+    };
+    let bos = v.id_of(f, "tokenizer.ggml.bos_token_id").filter(|_| flag("tokenizer.ggml.add_bos_token", true));
+    let eos = v.id_of(f, "tokenizer.ggml.eos_token_id").filter(|_| flag("tokenizer.ggml.add_eos_token", false));
+    if bos.is_none() && eos.is_none() {
+        return Json::Null;
+    }
+    let special = |i: usize, type_id: u32| json!({"SpecialToken": {"id": v.tokens[i], "type_id": type_id}});
+    let sequence = |name: &str, type_id: u32| {
+        let mut items: Vec<Json> = bos.map(|b| special(b, type_id)).into_iter().collect();
+        items.push(json!({"Sequence": {"id": name, "type_id": type_id}}));
+        items.extend(eos.map(|e| special(e, type_id)));
+        items
+    };
+    let mut pair = sequence("A", 0);
+    pair.extend(sequence("B", 1));
+    let special_tokens: Map<String, Json> = bos
+        .into_iter()
+        .chain(eos)
+        .map(|i| (v.tokens[i].clone(), json!({"id": v.tokens[i], "ids": [i], "tokens": [v.tokens[i]]})))
+        .collect();
+    json!({"type": "TemplateProcessing", "single": sequence("A", 0), "pair": pair, "special_tokens": special_tokens})
+}
+
 /// `tokenizer_config.json`: the chat template, BOS and EOS, and `add_bos_token`.
 fn tokenizer_config(f: &GgufFile, v: &GgufVocab) -> Json {
     let mut config = json!({});
@@ -197,10 +279,11 @@ fn tokenizer_config(f: &GgufFile, v: &GgufVocab) -> Json {
 }
 
 /// SentencePiece BPE merges from piece scores: every split of a piece into two pieces is a merge,
-/// ranked by the merged piece's score (higher first), as Hugging Face's `SentencePieceExtractor`.
-fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<String> {
+/// ranked by the merged piece's score (higher first), as Hugging Face's `SentencePieceExtractor`; pairs
+/// `[a, b]`, which a piece holding a space cannot make ambiguous.
+fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<Json> {
     let index: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
-    let mut merges: Vec<(f64, usize, usize, String)> = Vec::new();
+    let mut merges: Vec<(f64, usize, usize, Json)> = Vec::new();
     for (i, piece) in tokens.iter().enumerate() {
         if types.get(i).is_some_and(|&t| t == BYTE || t == CONTROL) {
             continue;
@@ -208,12 +291,29 @@ fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<String> {
         for (at, _) in piece.char_indices().skip(1) {
             let (a, b) = piece.split_at(at);
             if let (Some(&ia), Some(&ib)) = (index.get(a), index.get(b)) {
-                merges.push((scores.get(i).copied().unwrap_or(0.0), ia, ib, format!("{a} {b}")));
+                merges.push((scores.get(i).copied().unwrap_or(0.0), ia, ib, json!([a, b])));
             }
         }
     }
     merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
     merges.into_iter().map(|m| m.3).collect()
+}
+
+/// SentencePiece BPE merges in vocabulary order: every split of a piece into two pieces is a merge,
+/// pieces in id order and, within one, the longer left part first: what transformers'
+/// `generate_merges` gives Gemma when ranking by position (`-id` as the score).
+fn positional_merges(tokens: &[String]) -> Vec<Json> {
+    let index: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
+    let mut merges = Vec::new();
+    for piece in tokens {
+        for (at, _) in piece.char_indices().skip(1).collect::<Vec<_>>().into_iter().rev() {
+            let (a, b) = piece.split_at(at);
+            if index.contains_key(a) && index.contains_key(b) {
+                merges.push(json!([a, b]));
+            }
+        }
+    }
+    merges
 }
 
 /// `tokenizer.ggml.*` metadata of a BPE `tokenizer.json`, byte-level (what ember exports) or over
@@ -392,4 +492,68 @@ fn spm_metadata(t: &Json) -> Result<SpmMetadata, String> {
     let text = format!("{}{}", t["normalizer"], t["pre_tokenizer"]);
     let add_space_prefix = text.contains("\"Prepend\"") || (text.contains("Metaspace") && !text.contains("\"never\""));
     Ok(SpmMetadata { merged, unk: t["model"]["unk_token"].as_str().map(String::from), add_space_prefix })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::encode;
+
+    /// A Gemma-like SentencePiece vocabulary: control tokens, a user-defined newline and a run of two
+    /// spaces stored as real spaces, and pieces whose scores rank `ab` above `▁a` though `▁a` comes
+    /// first (so the merge order tells scores from positions).
+    fn file(arch: &str, chat_template: Option<&str>) -> GgufFile {
+        let pieces = [
+            ("<pad>", 3, 0.0),
+            ("<eos>", 3, 0.0),
+            ("<bos>", 3, 0.0),
+            ("<unk>", 3, 0.0),
+            ("<start_of_turn>", 3, 0.0),
+            ("<end_of_turn>", 3, 0.0),
+            ("\n", 4, 0.0),
+            ("  ", 4, 0.0),
+            ("▁", 1, -1.0),
+            ("a", 1, -2.0),
+            ("b", 1, -3.0),
+            ("▁a", 1, -20.0),
+            ("ab", 1, -10.0),
+        ];
+        let s = |v: &str| Value::String(v.into());
+        let mut meta = vec![
+            ("general.architecture".to_string(), s(arch)),
+            ("tokenizer.ggml.model".to_string(), s("llama")),
+            ("tokenizer.ggml.tokens".to_string(), Value::Array(pieces.iter().map(|p| s(p.0)).collect())),
+            ("tokenizer.ggml.token_type".to_string(), Value::Array(pieces.iter().map(|p| Value::I32(p.1)).collect())),
+            ("tokenizer.ggml.scores".to_string(), Value::Array(pieces.iter().map(|p| Value::F32(p.2)).collect())),
+            ("tokenizer.ggml.bos_token_id".to_string(), Value::U32(2)),
+            ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(1)),
+            ("tokenizer.ggml.unknown_token_id".to_string(), Value::U32(3)),
+            ("tokenizer.ggml.add_space_prefix".to_string(), Value::Bool(false)),
+        ];
+        if let Some(t) = chat_template {
+            meta.push(("tokenizer.chat_template".to_string(), s(t)));
+        }
+        GgufFile::parse(encode(&meta, &[]), std::path::Path::new("t.gguf")).unwrap()
+    }
+
+    fn ids(f: &GgufFile, text: &str, add_special: bool) -> (Vec<u32>, Json) {
+        let (json, config) = from_gguf(f).unwrap();
+        let tok: tokenizers::Tokenizer = json.parse().unwrap();
+        (tok.encode(text, add_special).unwrap().get_ids().to_vec(), config)
+    }
+
+    #[test]
+    fn gemma_merges_follow_positions_and_space_runs_are_pieces() {
+        // `▁ab▁▁a`: `▁▁` merges first (its respelled piece is id 7), then `▁a` (id 11) before `ab`
+        // (id 12); `\n` and `<end_of_turn>` are matched whole in the text.
+        let (got, config) = ids(&file("gemma3", None), " ab  a\n<end_of_turn>", false);
+        assert_eq!(got, [11, 10, 7, 9, 6, 5]);
+        assert_eq!(config["chat_template"], GEMMA3_CHAT_TEMPLATE);
+        assert_eq!(ids(&file("gemma3", None), "a", true).0, [2, 9], "<bos> first (add_bos_token by default)");
+        // A file's own template wins; other architectures get none.
+        assert_eq!(ids(&file("gemma3", Some("{{ x }}")), "a", false).1["chat_template"], "{{ x }}");
+        let (got, config) = ids(&file("llama", None), " ab", false);
+        assert!(config.get("chat_template").is_none());
+        assert_eq!(got, [8, 12], "by score `ab` merges before `▁a`");
+    }
 }
