@@ -223,6 +223,7 @@ pub fn attention_rope_packed<B: EmberBackend>(
         head_dim: dh,
         start,
         layout: rope.layout(),
+        rotate: rope.rotates(),
         scale: scores.scale as f32,
         docs: docs.map(|d| d.first_positions().clone()),
     };
@@ -304,14 +305,19 @@ impl AttentionOps for Flex {
         }
         let rows = flex::shape(&qkv)[0];
         let (cpu, elementwise) = (cx.attention_cpu(), cx.elementwise_cpu());
-        let qkv_rot =
-            kernels::rope_packed(elementwise, &flex::f32s(&qkv), &s, &flex::f32s(&cos), &flex::f32s(&sin), false);
+        let qkv_rot = if s.rotate {
+            let rotated =
+                kernels::rope_packed(elementwise, &flex::f32s(&qkv), &s, &flex::f32s(&cos), &flex::f32s(&sin), false);
+            flex::tensor(rotated, vec![rows, s.packed_width()])
+        } else {
+            qkv
+        };
         let bf16 = kernels::attention_in_bf16(cpu, &s);
-        let out = kernels::attention_in(cpu, &qkv_rot, &s, bf16);
+        let out = kernels::attention_in(cpu, &flex::f32s(&qkv_rot), &s, bf16);
         AttentionSaved::Kernel {
             o: flex::tensor(out.o, vec![rows, s.heads * s.head_dim]),
             lse: flex::tensor(out.lse, vec![s.batch * s.heads * s.seq]),
-            qkv_rot: flex::tensor(qkv_rot, vec![rows, s.packed_width()]),
+            qkv_rot,
             bf16,
         }
     }
@@ -334,6 +340,9 @@ impl AttentionOps for Flex {
         let (o, lse) = (flex::f32s(&o), flex::f32s(&lse));
         let (qkv_rot, d_o) = (flex::f32s(&qkv_rot), flex::f32s(&d_o));
         let d_rot = kernels::attention_backward_in(cx.attention_cpu(), &qkv_rot, (&o, &lse), &d_o, &s, bf16);
+        if !s.rotate {
+            return flex::tensor(d_rot, shape);
+        }
         let (cos, sin) = (flex::f32s(&cos), flex::f32s(&sin));
         flex::tensor(kernels::rope_packed(cx.elementwise_cpu(), &d_rot, &s, &cos, &sin, true), shape)
     }
@@ -436,10 +445,16 @@ mod tests {
     #[test]
     fn kernel_backward_equals_the_reference_backward() {
         let dev = Default::default();
-        for (b, t, h, kh, dh, start, layout) in
-            [(2, 9, 4, 2, 8, 1, RopeLayout::HalfSplit), (1, 70, 3, 1, 6, 0, RopeLayout::Interleaved)]
-        {
-            let rope = Rope::<Flex>::new(start + t, dh, 10_000.0, layout, &dev);
+        // The last case is learned positions': identity tables, which the kernels skip.
+        for (b, t, h, kh, dh, start, layout, rotate) in [
+            (2, 9, 4, 2, 8, 1, RopeLayout::HalfSplit, true),
+            (1, 70, 3, 1, 6, 0, RopeLayout::Interleaved, true),
+            (2, 9, 4, 2, 8, 1, RopeLayout::HalfSplit, false),
+        ] {
+            let rope = match rotate {
+                true => Rope::<Flex>::new(start + t, dh, 10_000.0, layout, &dev),
+                false => Rope::<Flex>::identity(start + t, dh, layout, &dev),
+            };
             let s = AttnShape {
                 batch: b,
                 seq: t,
@@ -448,6 +463,7 @@ mod tests {
                 head_dim: dh,
                 start,
                 layout,
+                rotate: rope.rotates(),
                 scale: 1.0 / (dh as f32).sqrt(),
                 docs: None,
             };
@@ -469,7 +485,7 @@ mod tests {
                 Compute::default(),
             );
             let want = reference_backward(qkv, d_o, cos, sin, &s);
-            assert_close(&format!("attention b{b} t{t} {layout:?}"), vec![float(got)], vec![want]);
+            assert_close(&format!("attention b{b} t{t} {layout:?} rotate {rotate}"), vec![float(got)], vec![want]);
         }
     }
 
@@ -489,6 +505,7 @@ mod tests {
                     head_dim: dh,
                     start: 3,
                     layout,
+                    rotate: true,
                     scale: 1.0,
                     docs,
                 };

@@ -20,6 +20,8 @@
 
 #[cfg(target_arch = "x86_64")]
 use rayon::prelude::*;
+#[cfg(target_arch = "x86_64")]
+use std::mem::MaybeUninit;
 
 #[cfg(target_arch = "x86_64")]
 use crate::SharedOut;
@@ -73,6 +75,24 @@ impl Kernel {
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Amx => false,
             Kernel::Avx512 => supported(),
+        }
+    }
+
+    /// Whether the vector kernel's bf16 dot products outrun this CPU's f32 FMAs, which decides
+    /// whether the attention's products (small, per block of queries) take bf16 operands. Not
+    /// where the CPU has AMX: those Xeons issue `vdpbf16ps` on one port against the FMA's two, so
+    /// it multiplies no faster than f32 and the conversions make it slower (`ember bench attention
+    /// --batch 8 --seq 256 --heads 6 --kv-heads 6`, 2 Xeon cores with AMX: 0.65× f32, 0.69× at 512
+    /// positions, 0.60× at 128); AMD's Zen 4 and 5 issue it at the FMA's rate (2 Zen 5 cores, 9/3
+    /// heads: 1.0× at 256, 1.23× at 512, 1.49× at 2,048).
+    pub fn vector_outruns_f32() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            supported() && !amx::cpu_has_amx()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
         }
     }
 
@@ -407,7 +427,10 @@ fn pack_a(a: Strided<'_>, m: usize, k: usize, layout: Layout) -> Vec<u32> {
 /// [`pack_a`] on all threads (`parallel`) or on the calling one.
 fn pack_a_on((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout, parallel: bool) -> Vec<u32> {
     let pairs = k.div_ceil(2);
-    let mut packed = vec![0u32; m.next_multiple_of(layout.rows) * layout.stride];
+    let len = m.next_multiple_of(layout.rows) * layout.stride;
+    // Each chunk is zeroed just before it is converted into (in the cache) rather than the whole
+    // buffer first (a pass over memory that cost 2.6 % of a bf16 GPT-2 step in `memset`).
+    let mut packed = Box::<[u32]>::new_uninit_slice(len);
     if rs == 1 && cs != 1 && pairs > 0 {
         // A transposed operand (Xᵀ of a weight gradient): the 16 rows of a block are contiguous at
         // each k, so they are converted a vector at a time and transposed through a small tile,
@@ -423,13 +446,18 @@ fn pack_a_on((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout, par
                 unsafe { avx512::convert_columns(rows, stride, a, cs, (i0, 16.min(m - i0)), k) };
             }
         };
+        let convert = |(block, rows): (usize, &mut [MaybeUninit<u32>])| convert((block, zeroed(rows)));
         match parallel {
             true => packed.par_chunks_mut(16 * stride).enumerate().for_each(convert),
             false => packed.chunks_mut(16 * stride).enumerate().for_each(convert),
         }
-        return packed;
+        // SAFETY: `zeroed` wrote every chunk.
+        return unsafe { packed.assume_init() }.into_vec();
     }
     let convert = |(i, row): (usize, &mut [u32])| {
+        if i >= m {
+            return; // a padding row: zeros
+        }
         let row = &mut row[..pairs];
         if cs == 1 {
             // SAFETY: `gemm` runs this only after `supported`; the row's k elements are inside `a`
@@ -443,11 +471,21 @@ fn pack_a_on((a, (rs, cs)): Strided<'_>, m: usize, k: usize, layout: Layout, par
             *out = u32::from(lo) | (u32::from(hi) << 16);
         }
     };
+    let convert = |(i, row): (usize, &mut [MaybeUninit<u32>])| convert((i, zeroed(row)));
     match parallel {
-        true => packed.par_chunks_mut(layout.stride.max(1)).take(m).enumerate().for_each(convert),
-        false => packed.chunks_mut(layout.stride.max(1)).take(m).enumerate().for_each(convert),
+        true => packed.par_chunks_mut(layout.stride.max(1)).enumerate().for_each(convert),
+        false => packed.chunks_mut(layout.stride.max(1)).enumerate().for_each(convert),
     }
-    packed
+    // SAFETY: `zeroed` wrote every chunk.
+    unsafe { packed.assume_init() }.into_vec()
+}
+
+/// `c` filled with zeros, as the initialised slice it now is.
+#[cfg(target_arch = "x86_64")]
+fn zeroed(c: &mut [MaybeUninit<u32>]) -> &mut [u32] {
+    c.fill(MaybeUninit::new(0));
+    // SAFETY: every element was just written, and `MaybeUninit<u32>` has `u32`'s layout.
+    unsafe { std::slice::from_raw_parts_mut(c.as_mut_ptr().cast::<u32>(), c.len()) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -703,7 +741,7 @@ mod amx {
     }
 
     /// CPUID leaf 7, sub-leaf 0: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
-    fn cpu_has_amx() -> bool {
+    pub(super) fn cpu_has_amx() -> bool {
         use std::arch::x86_64::{__cpuid, __cpuid_count};
         #[allow(unused_unsafe)] // `__cpuid` is safe in newer compilers
         // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 is read only where leaf 0 says it exists.

@@ -55,7 +55,8 @@ pub struct Bf16Products {
     pub linear: bool,
     /// The LM head's GEMMs inside the fused loss.
     pub head: bool,
-    /// The attention's products (sequences over 256 positions).
+    /// The attention's products (sequences over 256 positions), where the vector kernel outruns
+    /// f32 ([`Bf16Kernel::vector_outruns_f32`]).
     pub attention: bool,
 }
 

@@ -694,6 +694,8 @@ pub struct AttnShape {
     /// Absolute position of each sequence's first token.
     pub start: usize,
     pub layout: RopeLayout,
+    /// False when the tables are the identity's (learned positions): the kernels skip RoPE.
+    pub rotate: bool,
     pub scale: f32,
     /// Packed documents: for each of the `B·T` positions, the index in its row of its document's
     /// first position. Query `i` then sees keys `first..=i` only, and its RoPE position is
@@ -713,6 +715,7 @@ impl AttnShape {
             head_dim,
             start: 0,
             layout: RopeLayout::HalfSplit,
+            rotate: true,
             scale: 1.0 / (head_dim as f32).sqrt(),
             docs: None,
         }

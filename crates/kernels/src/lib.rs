@@ -347,6 +347,7 @@ mod tests {
             head_dim: 4,
             start: 0,
             layout: rope::RopeLayout::HalfSplit,
+            rotate: true,
             scale: 0.5,
             docs: None,
         };

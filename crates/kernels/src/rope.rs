@@ -67,6 +67,9 @@ pub struct Rope<B: Backend> {
     sin: Tensor<B, 2>,
     #[module(skip)]
     layout: RopeLayout,
+    /// False for [`Rope::identity`]: the kernels skip the rotation instead of multiplying by 1 and 0.
+    #[module(skip)]
+    rotates: bool,
 }
 
 impl<B: Backend> Rope<B> {
@@ -101,20 +104,21 @@ impl<B: Backend> Rope<B> {
             }
         }
         let table = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [max_seq_len, half]), device);
-        Self { cos: table(cos), sin: table(sin), layout }
+        Self { cos: table(cos), sin: table(sin), layout, rotates: true }
     }
 
     /// Tables of angle zero (cos 1, sin 0): the rotation is the identity, exactly (`x·1 − y·0 = x`).
-    /// What a model with learned positions runs through the attention kernels, which rotate.
+    /// What a model with learned positions runs through the attention ops; the CPU kernels see
+    /// [`Rope::rotates`] false and skip the rotation, the compositions multiply by 1 and 0.
     pub fn identity(max_seq_len: usize, head_dim: usize, layout: RopeLayout, device: &B::Device) -> Self {
         let half = head_dim / 2;
         let table = |v: f32| Tensor::full([max_seq_len, half], v, device);
-        Self { cos: table(1.0), sin: table(0.0), layout }
+        Self { cos: table(1.0), sin: table(0.0), layout, rotates: false }
     }
 
     /// Rope over given cos and sin tables, `[T_max, Dh/2]` each (as [`Self::tables`] returns them).
     pub fn from_tables(cos: Tensor<B, 2>, sin: Tensor<B, 2>, layout: RopeLayout) -> Self {
-        Self { cos, sin, layout }
+        Self { cos, sin, layout, rotates: true }
     }
 
     /// The cos and sin tables, `[T_max, Dh/2]` each.
@@ -124,6 +128,11 @@ impl<B: Backend> Rope<B> {
 
     pub fn layout(&self) -> RopeLayout {
         self.layout
+    }
+
+    /// False for [`Rope::identity`]'s tables.
+    pub fn rotates(&self) -> bool {
+        self.rotates
     }
 
     /// Longest sequence the tables cover.

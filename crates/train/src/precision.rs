@@ -6,7 +6,7 @@
 //! `bf16` means bf16 operands (f32 sums) in the CPU kernels' large products under f32 tensors.
 
 use burn::tensor::{DType, Device};
-use ember_kernels::{Bf16Products, Compute, EmberBackend, Path};
+use ember_kernels::{Bf16Kernel, Bf16Products, Compute, EmberBackend, Path};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Precision, TrainConfig};
@@ -37,16 +37,22 @@ pub fn resolve_compute<B: EmberBackend>(
     let cpu_kernel = base.cpu.bf16.filter(|_| B::cpu_bf16_gemms() && base.path == Path::Kernels);
     let (dtype, note) = match precision {
         Precision::F32 => (DType::F32, None),
-        // The CPU's bf16 dot products: the large products of the linear layers, the LM head and
-        // the attention take bf16 operands, the rest stays f32 (experiments/cpu-speed.md).
+        // The CPU's bf16 dot products: the large products of the linear layers, the LM head and,
+        // where the vector kernel outruns f32, the attention take bf16 operands, the rest stays f32
+        // (experiments/cpu-speed.md).
         Precision::Bf16 if emulated && cpu_kernel.is_some() => {
             let kernel = cpu_kernel.map_or("AVX512_BF16", |k| k.name());
+            let attention = Bf16Kernel::vector_outruns_f32();
+            let where_ = match attention {
+                true => " and in the attention's products (sequences over 256 positions)",
+                false => " (the attention's products stay f32: this CPU's AVX512_BF16 does not outrun its f32)",
+            };
             let note = format!(
                 "{name} runs `bf16` as bf16 operands with f32 sums in the large GEMMs of the linear layers and the \
-                 LM head ({kernel}) and in the attention's products (sequences over 256 positions); activations, \
-                 norms, softmax, loss and master weights stay f32"
+                 LM head ({kernel}){where_}; activations, norms, softmax, loss and master weights stay f32"
             );
-            return (base.with_dtype(DType::F32).with_bf16(Bf16Products::ALL), Some(note));
+            let bf16 = Bf16Products { attention, ..Bf16Products::ALL };
+            return (base.with_dtype(DType::F32).with_bf16(bf16), Some(note));
         }
         // Measured: bf16 through f32 conversions runs the nano step ~6x slower than f32 on the CPU
         // (experiments/mixed-precision-and-loss.md); it must never be a trap.
@@ -168,7 +174,12 @@ mod tests {
         assert_eq!(c.cpu_bf16(), kernel.is_some());
         assert_eq!(peak_gemms(&c), kernel.map_or(Gemms::Backend(DType::F32), Gemms::CpuBf16));
         let want = if kernel.is_some() { "bf16 operands with f32 sums" } else { "training in f32" };
-        assert!(note.unwrap().contains(want));
+        let note = note.unwrap();
+        assert!(note.contains(want));
+        // The attention's products in bf16 only where the vector kernel outruns f32, and said so.
+        let attention = kernel.is_some() && Bf16Kernel::vector_outruns_f32();
+        assert_eq!(c.bf16.attention, attention);
+        assert_eq!(note.contains("attention's products stay f32"), kernel.is_some() && !attention);
         let (c, note) = resolve(Precision::F32, plain);
         assert_eq!((c.dtype, c.cpu_bf16(), note), (DType::F32, false, None));
         // The reference path has no bf16 kernel; emulation asks for bf16 tensors.
