@@ -32,7 +32,7 @@ fn config_json_values() {
         ("num_attention_heads", serde_json::json!(3), "must divide"),
         // Within every limit, but 64 layers where the file holds 2: the config does not describe it.
         ("num_hidden_layers", serde_json::json!(1000), "does not belong to these weights"),
-        ("architectures", serde_json::json!(["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
+        ("architectures", serde_json::json!(["PhiForCausalLM"]), "PhiForCausalLM"),
     ] {
         let s = with_model();
         edit_config(&s, key, value);

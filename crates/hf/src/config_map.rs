@@ -1,53 +1,53 @@
-//! `config.json` of the Llama, Qwen2 and Mistral families <-> [`ModelConfig`].
+//! `config.json` <-> [`ModelConfig`] for every family of the table in [`crate::family`]: the sizes
+//! under each family's key names, then each family's own keys, read and written by the functions
+//! below.
 //!
-//! Hugging Face names appear only in this crate. Both RoPE spellings are read: transformers 5's
-//! `rope_parameters` (`rope_theta` and `rope_type` inside) and the older top-level `rope_theta` with
-//! `rope_scaling`.
+//! Both RoPE spellings are read: transformers 5's `rope_parameters` (`rope_theta` and `rope_type`
+//! inside; per layer type for Gemma 3) and the older top-level `rope_theta` with `rope_scaling`
+//! (and Gemma 3's `rope_local_base_freq`). Exports write transformers 5's.
 
 use ember_model::{MlpKind, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
 use serde_json::{json, Map, Value};
 
 use crate::error::HfError;
+pub use crate::family::Architecture;
 
-/// The model families ember reads and writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Architecture {
-    Llama,
-    Qwen2,
-    Mistral,
+/// A parsed `config.json` and the file it came from, for errors.
+pub struct Reader<'a> {
+    obj: &'a Map<String, Value>,
+    source: &'a str,
 }
 
-impl Architecture {
-    pub fn class_name(self) -> &'static str {
-        match self {
-            Self::Llama => "LlamaForCausalLM",
-            Self::Qwen2 => "Qwen2ForCausalLM",
-            Self::Mistral => "MistralForCausalLM",
-        }
+impl Reader<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
     }
 
-    pub fn model_type(self) -> &'static str {
-        match self {
-            Self::Llama => "llama",
-            Self::Qwen2 => "qwen2",
-            Self::Mistral => "mistral",
-        }
+    fn usize(&self, key: &'static str) -> Result<usize, HfError> {
+        self.opt_usize(key).ok_or(HfError::MissingField { source_name: self.source.into(), field: key })
     }
 
-    /// The architecture of a `architectures[0]` class name, if ember supports it.
-    pub fn from_class(name: &str) -> Option<Self> {
-        [Self::Llama, Self::Qwen2, Self::Mistral].into_iter().find(|a| a.class_name() == name)
+    fn opt_usize(&self, key: &str) -> Option<usize> {
+        self.get(key).and_then(Value::as_u64).map(|v| v as usize)
     }
 
-    /// The family an ember model exports as: Qwen2 when it has q/k/v bias, Mistral with a sliding
-    /// window, Llama otherwise.
-    pub fn for_model(c: &ModelConfig) -> Self {
-        if c.qkv_bias {
-            Self::Qwen2
-        } else if c.sliding_window.is_some() {
-            Self::Mistral
-        } else {
-            Self::Llama
+    fn flag(&self, key: &str) -> Option<bool> {
+        self.get(key).and_then(Value::as_bool)
+    }
+
+    fn f64(&self, key: &str) -> Option<f64> {
+        self.get(key).and_then(Value::as_f64)
+    }
+
+    fn bad(&self, message: String) -> HfError {
+        HfError::Config { source_name: self.source.into(), message }
+    }
+
+    /// An error unless `key` is absent or `want` (the value ember's family always has).
+    fn require(&self, key: &str, want: bool, why: &str) -> Result<(), HfError> {
+        match self.flag(key) {
+            Some(v) if v != want => Err(self.bad(format!("{key} = {v}: {why}"))),
+            _ => Ok(()),
         }
     }
 }
@@ -64,86 +64,395 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         .ok_or_else(|| HfError::Config { source_name: source.into(), message: "no `architectures` entry".into() })?;
     let arch = Architecture::from_class(class)
         .ok_or_else(|| HfError::Unsupported { source_name: source.into(), architecture: class.into() })?;
-    let get = |k: &'static str| -> Result<usize, HfError> {
-        obj.get(k)
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .ok_or(HfError::MissingField { source_name: source.into(), field: k })
-    };
-    let opt_usize = |k: &str| obj.get(k).and_then(Value::as_u64).map(|v| v as usize);
-    let flag = |k: &str| obj.get(k).and_then(Value::as_bool);
-    let bad = |message: String| HfError::Config { source_name: source.into(), message };
+    let family = arch.family();
+    let (r, k) = (Reader { obj, source }, &family.keys);
 
-    if let Some(act) = obj.get("hidden_act").and_then(Value::as_str) {
-        if act != "silu" {
-            return Err(bad(format!("hidden_act `{act}`: ember's MLP is SwiGLU (silu)")));
+    let mlp = match r.get(k.activation).map(|v| v.as_str().ok_or(v)) {
+        None => family.activations[0].1,
+        Some(act) => {
+            let found = act.ok().and_then(|a| family.activations.iter().find(|(name, _)| *name == a));
+            let Some(&(_, mlp)) = found else {
+                let names: Vec<&str> = family.activations.iter().map(|(n, _)| *n).collect();
+                let act = act.map_or_else(|v| v.to_string(), |a| format!("`{a}`"));
+                return Err(r.bad(format!("{} {act}: ember runs {class} with {}", k.activation, names.join(" or "))));
+            };
+            mlp
         }
-    }
-    if flag("mlp_bias") == Some(true) {
-        return Err(bad("mlp_bias = true: ember's MLP projections have no bias".into()));
-    }
-    let qkv_bias = match arch {
-        Architecture::Qwen2 => true,
-        _ if flag("attention_bias") == Some(true) => {
-            return Err(bad("attention_bias = true (an o_proj bias): ember has q/k/v bias only".into()))
-        }
-        _ => false,
     };
-    let n_heads = get("num_attention_heads")?;
-    let rope = obj.get("rope_parameters").and_then(Value::as_object);
-    let rope_theta = rope
-        .and_then(|r| r.get("rope_theta"))
-        .or_else(|| obj.get("rope_theta"))
-        .and_then(Value::as_f64)
-        .unwrap_or(10_000.0);
-    let scaling = rope.or_else(|| obj.get("rope_scaling").and_then(Value::as_object));
-    let rope_scaling = match scaling {
-        Some(s) => rope_scaling(s).map_err(bad)?,
-        None => None,
+    let n_heads = r.usize(k.n_heads)?;
+    let d_model = r.usize(k.d_model)?;
+    let d_ff = match (k.d_ff_default, r.get(k.d_ff)) {
+        (Some(times), None) => d_model.saturating_mul(times),
+        _ => r.usize(k.d_ff)?,
     };
-    let sliding_window = match arch {
-        Architecture::Mistral => opt_usize("sliding_window"),
-        Architecture::Qwen2 if flag("use_sliding_window") == Some(true) => opt_usize("sliding_window"),
-        _ => None,
-    };
-    let tie_default = false;
-    let config = ModelConfig {
-        vocab_size: get("vocab_size")?,
-        d_model: get("hidden_size")?,
-        n_layers: get("num_hidden_layers")?,
+    let parts = family.parts;
+    let mut config = ModelConfig {
+        vocab_size: r.usize("vocab_size")?,
+        d_model,
+        n_layers: r.usize(k.n_layers)?,
         n_heads,
-        n_kv_heads: Some(opt_usize("num_key_value_heads").unwrap_or(n_heads)),
+        n_kv_heads: Some(k.n_kv_heads.and_then(|key| r.opt_usize(key)).unwrap_or(n_heads)),
         // Kept only when it differs from the default d_model / n_heads (Qwen3, Mistral Nemo).
-        head_dim: opt_usize("head_dim").filter(|&h| h * n_heads != get("hidden_size").unwrap_or(0)),
-        d_ff: get("intermediate_size")?,
-        max_seq_len: get("max_position_embeddings")?,
-        rope_theta,
+        head_dim: k.head_dim.and_then(|key| r.opt_usize(key)).filter(|&h| h.checked_mul(n_heads) != Some(d_model)),
+        d_ff,
+        max_seq_len: r.usize(k.max_seq_len)?,
+        rope_theta: 10_000.0,
         rope_layout: RopeLayout::HalfSplit,
-        rope_scaling,
-        sliding_window,
-        norm_eps: obj.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
-        qkv_bias,
+        rope_scaling: None,
+        sliding_window: None,
+        norm_eps: r.f64(k.norm_eps.0).unwrap_or(k.norm_eps.1),
+        qkv_bias: false,
         o_bias: false,
         mlp_bias: false,
-        norm: NormKind::RmsNorm,
+        norm: parts.norm,
         norm_bias: false,
-        mlp: MlpKind::Swiglu,
-        positions: Positions::Rope,
-        qk_norm: false,
-        sandwich_norms: false,
+        mlp,
+        positions: parts.positions,
+        qk_norm: parts.qk_norm,
+        sandwich_norms: parts.sandwich_norms,
         parallel_block: false,
-        embed_scale: false,
+        embed_scale: parts.embed_scale,
         sliding_window_pattern: None,
         rope_local_theta: None,
         query_pre_attn_scalar: None,
         attn_logit_softcap: None,
         final_logit_softcap: None,
-        tie_embeddings: flag("tie_word_embeddings").unwrap_or(tie_default),
-        init_std: obj.get("initializer_range").and_then(Value::as_f64).unwrap_or(0.02),
+        tie_embeddings: r.flag("tie_word_embeddings").unwrap_or(k.tie_default),
+        init_std: r.f64("initializer_range").unwrap_or(0.02),
         dropout: 0.0,
     };
-    config.validate().map_err(|e| bad(e.to_string()))?;
+    (family.read)(&r, &mut config)?;
+    config.validate().map_err(|e| r.bad(e.to_string()))?;
     Ok((config, arch))
+}
+
+/// A `config.json` for `config` as `arch`. Fields of `base` (the imported model's own config.json)
+/// that ember does not model, such as token ids, are kept. Check [`expressible`] first: this writes
+/// what it can.
+pub fn from_model_config(config: &ModelConfig, arch: Architecture, base: Option<&Value>) -> Value {
+    let family = arch.family();
+    let k = &family.keys;
+    let mut obj = base.and_then(Value::as_object).cloned().unwrap_or_default();
+    for key in family.replaced_keys {
+        obj.remove(*key);
+    }
+    let activation = family.activations.iter().find(|(_, m)| *m == config.mlp).unwrap_or(&family.activations[0]).0;
+    let d_ff = match k.d_ff_default {
+        Some(times) if config.d_ff == config.d_model * times => Value::Null,
+        _ => json!(config.d_ff),
+    };
+    let mut fields = vec![
+        ("architectures", json!([family.class_name])),
+        ("model_type", json!(family.model_type)),
+        ("vocab_size", json!(config.vocab_size)),
+        (k.d_model, json!(config.d_model)),
+        (k.n_layers, json!(config.n_layers)),
+        (k.n_heads, json!(config.n_heads)),
+        (k.d_ff, d_ff),
+        (k.max_seq_len, json!(config.max_seq_len)),
+        (k.norm_eps.0, json!(config.norm_eps)),
+        (k.activation, json!(activation)),
+        ("tie_word_embeddings", json!(config.tie_embeddings)),
+        ("initializer_range", json!(config.init_std)),
+        ("dtype", json!("float32")),
+    ];
+    if let Some(key) = k.n_kv_heads {
+        fields.push((key, json!(config.n_kv_heads())));
+    }
+    if let Some(key) = k.head_dim {
+        fields.push((key, json!(config.head_dim())));
+    }
+    obj.extend(fields.into_iter().map(|(key, v)| (key.to_string(), v)));
+    (family.write)(config, &mut obj);
+    Value::Object(obj)
+}
+
+/// Whether `arch` can hold `config`: what [`from_model_config`] writes must read back to the same
+/// model. The error lists each field that would change (a GPT-2 without biases, a Llama with
+/// LayerNorm), so that an export never writes a folder that transformers runs differently.
+pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfError> {
+    let class = arch.class_name();
+    let back = to_model_config(&from_model_config(config, arch, None), &format!("{class} config.json"))
+        .map(|(c, _)| canonical(&c));
+    let want = canonical(config);
+    let back = match back {
+        Ok(back) if back == want => return Ok(()),
+        Ok(back) => back,
+        Err(e) => return Err(HfError::Inexpressible { architecture: class.into(), fields: vec![e.to_string()] }),
+    };
+    let (want, back) = (serde_json::to_value(&want), serde_json::to_value(&back));
+    let (Ok(Value::Object(want)), Ok(Value::Object(back))) = (want, back) else {
+        return Err(HfError::Inexpressible { architecture: class.into(), fields: vec![] });
+    };
+    let mut keys: Vec<&String> = want.keys().chain(back.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    // A field left out of the serialised config has its default.
+    let value = |config: &Map<String, Value>, other: &Map<String, Value>, key: &str| {
+        config.get(key).cloned().unwrap_or_else(|| match key {
+            "norm" => json!(NormKind::default()),
+            "mlp" => json!(MlpKind::default()),
+            "positions" => json!(Positions::default()),
+            _ if other.get(key).is_some_and(Value::is_boolean) => json!(false),
+            _ => Value::Null,
+        })
+    };
+    let fields = keys
+        .into_iter()
+        .filter_map(|key| {
+            let (w, b) = (value(&want, &back, key), value(&back, &want, key));
+            (w != b).then(|| format!("model.{key} is {w}, {class} has {b}"))
+        })
+        .collect();
+    Err(HfError::Inexpressible { architecture: class.into(), fields })
+}
+
+/// One form of each model: the fields that do not change what it computes, as a reader leaves
+/// them (`n_kv_heads` and `head_dim` spelled out or not; RoPE, whose layout exports convert, with
+/// learned positions; windows on no layer; training-only dropout).
+fn canonical(c: &ModelConfig) -> ModelConfig {
+    let mut c = c.clone();
+    c.n_kv_heads = Some(c.n_kv_heads());
+    c.head_dim = c.head_dim.filter(|&h| h.checked_mul(c.n_heads) != Some(c.d_model));
+    c.rope_layout = RopeLayout::HalfSplit;
+    c.dropout = 0.0;
+    let local = (0..c.n_layers).filter(|&l| c.is_local(l)).count();
+    if local == 0 {
+        c.sliding_window = None;
+    }
+    if local == 0 || local == c.n_layers {
+        c.sliding_window_pattern = None;
+    }
+    if local == 0 || c.rope_local_theta == Some(c.rope_theta) {
+        c.rope_local_theta = None;
+    }
+    if c.query_pre_attn_scalar == Some(c.head_dim() as f64) {
+        c.query_pre_attn_scalar = None;
+    }
+    if c.positions == Positions::Learned {
+        c.rope_theta = 10_000.0;
+        c.rope_scaling = None;
+        c.rope_local_theta = None;
+    }
+    c
+}
+
+// ---- Llama, Qwen2, Mistral ----
+
+fn read_llama_like(r: &Reader, c: &mut ModelConfig, qkv_bias: bool) -> Result<(), HfError> {
+    if r.flag("mlp_bias") == Some(true) {
+        return Err(r.bad("mlp_bias = true: ember reads MLP biases for GPT-2 only".into()));
+    }
+    if !qkv_bias && r.flag("attention_bias") == Some(true) {
+        return Err(r.bad("attention_bias = true (an o_proj bias): ember reads q/k/v bias only here".into()));
+    }
+    c.qkv_bias = qkv_bias;
+    (c.rope_theta, c.rope_scaling) = read_rope(r, r.get("rope_parameters").and_then(Value::as_object), 10_000.0)?;
+    Ok(())
+}
+
+pub(crate) fn read_llama(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_llama_like(r, c, false)
+}
+
+pub(crate) fn read_qwen2(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_llama_like(r, c, true)?;
+    if r.flag("use_sliding_window") == Some(true) {
+        c.sliding_window = r.opt_usize("sliding_window");
+    }
+    Ok(())
+}
+
+pub(crate) fn read_mistral(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_llama_like(r, c, false)?;
+    c.sliding_window = r.opt_usize("sliding_window");
+    Ok(())
+}
+
+pub(crate) fn write_llama(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    obj.insert("rope_parameters".into(), rope_parameters(c.rope_theta, c.rope_scaling.as_ref()));
+    obj.insert("attention_bias".into(), json!(false));
+    obj.insert("mlp_bias".into(), json!(false));
+}
+
+pub(crate) fn write_qwen2(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    obj.insert("rope_parameters".into(), rope_parameters(c.rope_theta, c.rope_scaling.as_ref()));
+    obj.insert("use_sliding_window".into(), json!(c.sliding_window.is_some()));
+    obj.insert("sliding_window".into(), json!(c.sliding_window));
+}
+
+pub(crate) fn write_mistral(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    obj.insert("rope_parameters".into(), rope_parameters(c.rope_theta, c.rope_scaling.as_ref()));
+    obj.insert("sliding_window".into(), json!(c.sliding_window));
+}
+
+// ---- Qwen3: Qwen2 with q/k norms, no q/k/v bias by default, an explicit head_dim ----
+
+pub(crate) fn read_qwen3(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    // `attention_bias` puts a bias on all four projections, o_proj included.
+    let bias = r.flag("attention_bias").unwrap_or(false);
+    (c.qkv_bias, c.o_bias) = (bias, bias);
+    r.require("use_sliding_window", false, "ember reads Qwen3 without sliding windows")?;
+    (c.rope_theta, c.rope_scaling) = read_rope(r, r.get("rope_parameters").and_then(Value::as_object), 10_000.0)?;
+    Ok(())
+}
+
+pub(crate) fn write_qwen3(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    obj.insert("rope_parameters".into(), rope_parameters(c.rope_theta, c.rope_scaling.as_ref()));
+    obj.insert("attention_bias".into(), json!(c.qkv_bias));
+    obj.insert("use_sliding_window".into(), json!(false));
+    obj.insert("sliding_window".into(), Value::Null);
+    obj.insert("layer_types".into(), json!(vec!["full_attention"; c.n_layers]));
+}
+
+// ---- Gemma 3 ----
+
+/// Gemma 3's defaults where its config.json is silent (transformers' `Gemma3TextConfig`).
+const GEMMA3_HEAD_DIM: usize = 256;
+const GEMMA3_PATTERN: usize = 6;
+const GEMMA3_THETA: (f64, f64) = (1e6, 1e4);
+
+pub(crate) fn read_gemma3(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    if r.opt_usize("head_dim").is_none() {
+        c.head_dim = Some(GEMMA3_HEAD_DIM).filter(|&h| h.checked_mul(c.n_heads) != Some(c.d_model));
+    }
+    r.require("use_bidirectional_attention", false, "ember's attention is causal")?;
+    let bias = r.flag("attention_bias").unwrap_or(false);
+    (c.qkv_bias, c.o_bias) = (bias, bias);
+    c.attn_logit_softcap = r.f64("attn_logit_softcapping");
+    c.final_logit_softcap = r.f64("final_logit_softcapping");
+    let scalar = r.f64("query_pre_attn_scalar").unwrap_or(GEMMA3_HEAD_DIM as f64);
+    c.query_pre_attn_scalar = Some(scalar).filter(|&s| s != c.head_dim() as f64);
+
+    // Which layers attend within the window: `layer_types` (transformers 5), else every
+    // `sliding_window_pattern`-th layer full (4.x).
+    let local: Vec<bool> = match r.get("layer_types") {
+        Some(types) => {
+            let list = types.as_array().filter(|l| l.len() == c.n_layers);
+            let list = list
+                .ok_or_else(|| r.bad(format!("layer_types {types}: expected a list of {} layer types", c.n_layers)))?;
+            list.iter()
+                .map(|t| match t.as_str() {
+                    Some("sliding_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    _ => Err(r.bad(format!("layer_types: `{t}` is neither sliding_attention nor full_attention"))),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        None => {
+            let key =
+                ["sliding_window_pattern", "_sliding_window_pattern"].into_iter().find_map(|k| Some((k, r.get(k)?)));
+            let p = match key {
+                Some((key, v)) => v
+                    .as_u64()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| r.bad(format!("{key} = {v}: expected a positive integer")))?
+                    as usize,
+                None => GEMMA3_PATTERN,
+            };
+            (0..c.n_layers).map(|l| (l + 1) % p != 0).collect()
+        }
+    };
+    c.sliding_window = r.opt_usize("sliding_window").filter(|_| local.contains(&true));
+    // With some layers full: every p-th one, p the first full layer's position.
+    if let Some(first_full) = local.iter().position(|&l| !l).filter(|_| c.sliding_window.is_some()) {
+        let p = first_full + 1;
+        if local.iter().enumerate().any(|(l, &is_local)| is_local != ((l + 1) % p != 0)) {
+            let types: Vec<&str> = local.iter().map(|&l| if l { "sliding" } else { "full" }).collect();
+            return Err(r.bad(format!(
+                "layer_types [{}]: ember runs a sliding-window pattern of every p-th layer full, and this is not one",
+                types.join(", ")
+            )));
+        }
+        c.sliding_window_pattern = Some(p);
+    }
+
+    // RoPE: per layer type (transformers 5), or `rope_theta`, `rope_scaling` and
+    // `rope_local_base_freq` (4.x).
+    let params = r.get("rope_parameters").and_then(Value::as_object);
+    let per_type = params.filter(|p| p.contains_key("full_attention") || p.contains_key("sliding_attention"));
+    let (full, sliding) = match per_type {
+        Some(p) => {
+            (p.get("full_attention").and_then(Value::as_object), p.get("sliding_attention").and_then(Value::as_object))
+        }
+        None => (params, None),
+    };
+    (c.rope_theta, c.rope_scaling) = read_rope(r, full, GEMMA3_THETA.0)?;
+    let local_theta = match sliding {
+        Some(s) => {
+            if let Some(kind) = s.get("rope_type").and_then(Value::as_str).filter(|&k| k != "default") {
+                return Err(r.bad(format!(
+                    "rope_parameters.sliding_attention.rope_type `{kind}`: ember's sliding-window layers take no RoPE scaling"
+                )));
+            }
+            s.get("rope_theta").and_then(Value::as_f64).unwrap_or(GEMMA3_THETA.1)
+        }
+        None => r.f64("rope_local_base_freq").unwrap_or(GEMMA3_THETA.1),
+    };
+    let any_local = (0..c.n_layers).any(|l| c.is_local(l));
+    c.rope_local_theta = Some(local_theta).filter(|&t| any_local && t != c.rope_theta);
+    Ok(())
+}
+
+pub(crate) fn write_gemma3(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    let types: Vec<&str> =
+        (0..c.n_layers).map(|l| if c.is_local(l) { "sliding_attention" } else { "full_attention" }).collect();
+    let local_theta = c.rope_local_theta.unwrap_or(c.rope_theta);
+    let scalar = c.query_pre_attn_scalar.unwrap_or(c.head_dim() as f64);
+    let entries = [
+        ("layer_types", json!(types)),
+        ("sliding_window", json!(c.sliding_window)),
+        (
+            "rope_parameters",
+            json!({
+                "full_attention": rope_parameters(c.rope_theta, c.rope_scaling.as_ref()),
+                "sliding_attention": rope_parameters(local_theta, None),
+            }),
+        ),
+        // An integer where it is one: transformers types the field `int`.
+        ("query_pre_attn_scalar", if scalar.fract() == 0.0 { json!(scalar as u64) } else { json!(scalar) }),
+        ("attention_bias", json!(c.qkv_bias)),
+        ("attn_logit_softcapping", json!(c.attn_logit_softcap)),
+        ("final_logit_softcapping", json!(c.final_logit_softcap)),
+    ];
+    obj.extend(entries.into_iter().map(|(k, v)| (k.to_string(), v)));
+    if let Some(p) = c.sliding_window_pattern.filter(|_| c.sliding_window.is_some()) {
+        obj.insert("sliding_window_pattern".into(), json!(p));
+    }
+}
+
+// ---- GPT-2 ----
+
+pub(crate) fn read_gpt2(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    r.require("scale_attn_weights", true, "ember always scales attention scores by 1/sqrt(head_dim)")?;
+    r.require("scale_attn_by_inverse_layer_idx", false, "ember does not scale scores by layer")?;
+    r.require("reorder_and_upcast_attn", false, "ember does not run GPT-2's reordered attention")?;
+    r.require("add_cross_attention", false, "ember's blocks have no cross-attention")?;
+    (c.qkv_bias, c.o_bias, c.mlp_bias, c.norm_bias) = (true, true, true, true);
+    Ok(())
+}
+
+pub(crate) fn write_gpt2(_: &ModelConfig, obj: &mut Map<String, Value>) {
+    obj.insert("scale_attn_weights".into(), json!(true));
+    obj.insert("scale_attn_by_inverse_layer_idx".into(), json!(false));
+    obj.insert("reorder_and_upcast_attn".into(), json!(false));
+}
+
+// ---- RoPE ----
+
+/// `rope_theta` and the scaling of a RoPE parameter object (`rope_parameters`, or `None` for an
+/// older config.json: its top-level `rope_theta` and `rope_scaling`).
+fn read_rope(
+    r: &Reader,
+    params: Option<&Map<String, Value>>,
+    default_theta: f64,
+) -> Result<(f64, Option<RopeScaling>), HfError> {
+    let theta = params.and_then(|p| p.get("rope_theta")).or_else(|| r.get("rope_theta")).and_then(Value::as_f64);
+    let scaling = match params.or_else(|| r.get("rope_scaling").and_then(Value::as_object)) {
+        Some(s) => rope_scaling(s).map_err(|m| r.bad(m))?,
+        None => None,
+    };
+    Ok((theta.unwrap_or(default_theta), scaling))
 }
 
 fn rope_scaling(s: &Map<String, Value>) -> Result<Option<RopeScaling>, String> {
@@ -162,25 +471,19 @@ fn rope_scaling(s: &Map<String, Value>) -> Result<Option<RopeScaling>, String> {
     })
 }
 
-/// A `config.json` for `config` as `arch`. Fields of `base` (the imported model's own config.json)
-/// that ember does not model, such as token ids, are kept.
-pub fn from_model_config(config: &ModelConfig, arch: Architecture, base: Option<&Value>) -> Value {
-    let mut obj = base.and_then(Value::as_object).cloned().unwrap_or_default();
-    for k in ["rope_scaling", "rope_theta", "rope_parameters", "sliding_window", "use_sliding_window", "attention_bias"]
-    {
-        obj.remove(k);
-    }
+/// transformers 5's `rope_parameters` object.
+fn rope_parameters(theta: f64, scaling: Option<&RopeScaling>) -> Value {
     let mut rope = Map::new();
-    rope.insert("rope_theta".into(), json!(config.rope_theta));
-    match config.rope_scaling {
+    rope.insert("rope_theta".into(), json!(theta));
+    match scaling {
         None => {
             rope.insert("rope_type".into(), json!("default"));
         }
-        Some(RopeScaling::Linear { factor }) => {
+        Some(&RopeScaling::Linear { factor }) => {
             rope.insert("rope_type".into(), json!("linear"));
             rope.insert("factor".into(), json!(factor));
         }
-        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+        Some(&RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
             rope.insert("rope_type".into(), json!("llama3"));
             rope.insert("factor".into(), json!(factor));
             rope.insert("low_freq_factor".into(), json!(low_freq_factor));
@@ -188,39 +491,7 @@ pub fn from_model_config(config: &ModelConfig, arch: Architecture, base: Option<
             rope.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
         }
     }
-    let fields = json!({
-        "architectures": [arch.class_name()],
-        "model_type": arch.model_type(),
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads(),
-        "head_dim": config.head_dim(),
-        "intermediate_size": config.d_ff,
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "hidden_act": "silu",
-        "tie_word_embeddings": config.tie_embeddings,
-        "initializer_range": config.init_std,
-        "rope_parameters": Value::Object(rope),
-        "dtype": "float32",
-    });
-    obj.extend(fields.as_object().expect("object").clone());
-    match arch {
-        Architecture::Llama => {
-            obj.insert("attention_bias".into(), json!(false));
-            obj.insert("mlp_bias".into(), json!(false));
-        }
-        Architecture::Qwen2 => {
-            obj.insert("use_sliding_window".into(), json!(config.sliding_window.is_some()));
-            obj.insert("sliding_window".into(), json!(config.sliding_window));
-        }
-        Architecture::Mistral => {
-            obj.insert("sliding_window".into(), json!(config.sliding_window));
-        }
-    }
-    Value::Object(obj)
+    Value::Object(rope)
 }
 
 #[cfg(test)]
@@ -260,10 +531,11 @@ mod tests {
 
     #[test]
     fn unsupported_input_is_named() {
-        let e = to_model_config(&json!({"architectures": ["GPT2LMHeadModel"]}), "gpt2/config.json").unwrap_err();
+        let e = to_model_config(&json!({"architectures": ["PhiForCausalLM"]}), "phi/config.json").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "gpt2/config.json: architecture `GPT2LMHeadModel` is not supported (Llama, Qwen2 and Mistral are)"
+            "phi/config.json: architecture `PhiForCausalLM` is not supported \
+             (Llama, Qwen2, Qwen3, Mistral, Gemma 3 and GPT-2 are)"
         );
         let mut v: Value = serde_json::from_str(QWEN25_05B).unwrap();
         v.as_object_mut().unwrap().remove("hidden_size");

@@ -9,7 +9,7 @@ pub enum HfError {
     Config { source_name: String, message: String },
     #[error("{source_name}: missing field `{field}`")]
     MissingField { source_name: String, field: &'static str },
-    #[error("{source_name}: architecture `{architecture}` is not supported (Llama, Qwen2 and Mistral are)")]
+    #[error("{source_name}: architecture `{architecture}` is not supported (Llama, Qwen2, Qwen3, Mistral, Gemma 3 and GPT-2 are)")]
     Unsupported { source_name: String, architecture: String },
     #[error("{dir}: no model.safetensors and no model.safetensors.index.json")]
     NoWeights { dir: PathBuf },
@@ -25,6 +25,8 @@ pub enum HfError {
     Missing { dir: PathBuf, keys: Vec<String> },
     #[error("{dir}: tensor(s) {} match no ember parameter (pass --allow-unused to skip them)", keys.join(", "))]
     Unused { dir: PathBuf, keys: Vec<String> },
+    #[error("this model cannot be written as {architecture}: {}", fields.join("; "))]
+    Inexpressible { architecture: String, fields: Vec<String> },
     #[error("parameter `{0}` has no Hugging Face name (merge LoRA adapters before exporting)")]
     NoHfName(String),
     #[error("{0}: the output folder exists and is not empty; choose another --out")]

@@ -1,65 +1,25 @@
-//! The key table between Hugging Face tensor names and ember parameter paths, and reading and writing
-//! (sharded) safetensors folders.
-//!
-//! | Hugging Face (`[out, in]`)                          | ember (`[in, out]`)                        |
-//! |-----------------------------------------------------|--------------------------------------------|
-//! | `model.embed_tokens.weight` `[V, D]`                | `embed_tokens` `[V, D]` (no transpose)     |
-//! | `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`  | `layers.{i}.self_attn.{q,k,v,o}_proj.weight` (transposed) |
-//! | `model.layers.{i}.self_attn.{q,k,v}_proj.bias`      | `layers.{i}.self_attn.{q,k,v}_proj.bias`   |
-//! | `model.layers.{i}.mlp.{gate,up,down}_proj.weight`   | `layers.{i}.mlp.{gate,up,down}_proj.weight` (transposed) |
-//! | `model.layers.{i}.{input,post_attention}_layernorm.weight` | same without `model.`               |
-//! | `model.norm.weight`                                 | `norm.weight`                              |
-//! | `lm_head.weight` `[V, D]` (absent when tied)         | `lm_head.weight` `[D, V]` (transposed)     |
+//! Reading and writing (sharded) safetensors folders, the tensors renamed and laid out by the
+//! family table ([`crate::family`]): Hugging Face's linear weights are `[out, in]` and ember's `[in,
+//! out]`; GPT-2's `Conv1D` weights are `[in, out]` already, and its `c_attn` holds q, k and v side
+//! by side.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, Device, TensorData};
 use ember_kernels::rope::interleaved_to_half_split;
 use ember_kernels::EmberBackend;
 use ember_model::weights::{assign, named_tensors, named_tensors_where, param_shapes};
-use ember_model::{Decoder, RopeLayout};
+use ember_model::{Decoder, Positions, RopeLayout};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 
-use crate::config_map::{from_model_config, to_model_config, Architecture};
+use crate::config_map::{expressible, from_model_config, to_model_config, Architecture};
 use crate::error::HfError;
+use crate::family::Layout;
 
 const INDEX: &str = "model.safetensors.index.json";
 const SINGLE: &str = "model.safetensors";
-
-/// The ember path of a Hugging Face tensor, and whether it is a linear weight to transpose.
-pub fn hf_to_ember(key: &str) -> Option<(String, bool)> {
-    if key == "lm_head.weight" {
-        return Some((key.into(), true));
-    }
-    let rest = key.strip_prefix("model.")?;
-    if rest == "embed_tokens.weight" {
-        return Some(("embed_tokens".into(), false));
-    }
-    if rest.contains("rotary_emb") {
-        return None;
-    }
-    Some((rest.into(), rest.ends_with("_proj.weight")))
-}
-
-/// The Hugging Face name of an ember parameter (the inverse of [`hf_to_ember`]).
-pub fn ember_to_hf(path: &str) -> Option<(String, bool)> {
-    match path {
-        "embed_tokens" => Some(("model.embed_tokens.weight".into(), false)),
-        "lm_head.weight" => Some((path.into(), true)),
-        "norm.weight" => Some(("model.norm.weight".into(), false)),
-        p if p.starts_with("layers.") && !ember_model::lora::is_adapter(p) => {
-            Some((format!("model.{p}"), p.ends_with("_proj.weight")))
-        }
-        _ => None,
-    }
-}
-
-/// Buffers some checkpoints carry that are not parameters.
-fn ignorable(key: &str) -> bool {
-    key.ends_with("rotary_emb.inv_freq")
-}
 
 /// A 2-D tensor transposed on the host, whatever its dtype.
 fn transpose(data: TensorData) -> TensorData {
@@ -74,6 +34,68 @@ fn transpose(data: TensorData) -> TensorData {
         }
     }
     TensorData::from_bytes_vec(out, [cols, rows], data.dtype)
+}
+
+/// A tensor cut along its last axis into pieces `widths` wide (GPT-2's `c_attn` into q, k, v).
+fn split_last(data: &TensorData, widths: &[usize]) -> Vec<TensorData> {
+    let shape = data.shape.to_vec();
+    let (last, size) = (shape.last().copied().unwrap_or(1), data.dtype.size());
+    let rows = shape.iter().product::<usize>() / last.max(1);
+    let src = data.as_bytes();
+    let mut out: Vec<Vec<u8>> = widths.iter().map(|w| Vec::with_capacity(rows * w * size)).collect();
+    for r in 0..rows {
+        let mut at = r * last;
+        for (piece, &w) in out.iter_mut().zip(widths) {
+            piece.extend_from_slice(&src[at * size..(at + w) * size]);
+            at += w;
+        }
+    }
+    out.into_iter()
+        .zip(widths)
+        .map(|(bytes, &w)| {
+            let mut s = shape.clone();
+            *s.last_mut().expect("a tensor of rank >= 1") = w;
+            TensorData::from_bytes_vec(bytes, s, data.dtype)
+        })
+        .collect()
+}
+
+/// Tensors of one shape but the last axis, side by side along it (the inverse of [`split_last`]).
+fn concat_last(parts: &[TensorData]) -> TensorData {
+    let shape = parts[0].shape.to_vec();
+    let size = parts[0].dtype.size();
+    let widths: Vec<usize> = parts.iter().map(|p| p.shape.last().copied().unwrap_or(1)).collect();
+    let rows = shape.iter().product::<usize>() / widths[0].max(1);
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.as_bytes().len()).sum());
+    for r in 0..rows {
+        for (p, &w) in parts.iter().zip(&widths) {
+            out.extend_from_slice(&p.as_bytes()[r * w * size..(r + 1) * w * size]);
+        }
+    }
+    let mut s = shape;
+    *s.last_mut().expect("a tensor of rank >= 1") = widths.iter().sum();
+    TensorData::from_bytes_vec(out, s, parts[0].dtype)
+}
+
+/// The shape a file tensor of `layout` holding ember tensors of `shapes` has; `None` when they
+/// cannot sit side by side.
+fn hf_shape(shapes: &[&Vec<usize>], layout: Layout) -> Option<Vec<usize>> {
+    match layout {
+        Layout::AsIs => Some(shapes[0].clone()),
+        Layout::Transposed => Some(shapes[0].iter().rev().copied().collect()),
+        Layout::Fused => {
+            let (_, lead) = shapes[0].split_last()?;
+            let mut width = 0;
+            for s in shapes {
+                let (last, l) = s.split_last()?;
+                if l != lead {
+                    return None;
+                }
+                width += last;
+            }
+            Some([lead, &[width][..]].concat())
+        }
+    }
 }
 
 /// Every tensor of a model folder, by Hugging Face name, with the file it came from.
@@ -189,26 +211,41 @@ pub fn import_tensors<B: EmberBackend>(
         .map_err(|e| HfError::Config { source_name: config_path.display().to_string(), message: e.to_string() })?;
     let expected: HashMap<String, Vec<usize>> = param_shapes::<B, _>(&model).into_iter().collect();
 
+    let family = architecture.family();
     let mut values = BTreeMap::new();
     let mut unused = Vec::new();
     for (key, (data, file)) in tensors {
-        let Some((path, transposed)) = hf_to_ember(&key).filter(|(p, _)| expected.contains_key(p)) else {
-            if !ignorable(&key) {
+        let to = family.hf_to_ember(&key).filter(|t| t.paths.iter().all(|p| expected.contains_key(p)));
+        let Some(to) = to else {
+            if !family.is_buffer(&key) {
                 unused.push(key);
             }
             continue;
         };
-        let want = &expected[&path];
-        let want_hf: Vec<usize> = if transposed { want.iter().rev().copied().collect() } else { want.clone() };
+        let shapes: Vec<&Vec<usize>> = to.paths.iter().map(|p| &expected[p]).collect();
+        let want_hf = hf_shape(&shapes, to.layout).unwrap_or_default();
         if data.shape.as_slice() != want_hf.as_slice() {
             return Err(HfError::Shape { file, key, expected: want_hf, found: data.shape.to_vec() });
         }
-        values.insert(path, if transposed { transpose(data) } else { data });
+        match to.layout {
+            Layout::AsIs => drop(values.insert(to.paths[0].clone(), data)),
+            Layout::Transposed => drop(values.insert(to.paths[0].clone(), transpose(data))),
+            Layout::Fused => {
+                let widths: Vec<usize> = shapes.iter().map(|s| s.last().copied().unwrap_or(0)).collect();
+                values.extend(to.paths.into_iter().zip(split_last(&data, &widths)));
+            }
+        }
     }
     let mut missing: Vec<String> = expected.keys().filter(|k| !values.contains_key(*k)).cloned().collect();
     missing.sort();
     if !missing.is_empty() && !allow_missing {
-        let keys = missing.iter().map(|k| ember_to_hf(k).map_or(k.clone(), |(h, _)| h)).collect();
+        // A fused tensor is named once for all its parts.
+        let mut seen = HashSet::new();
+        let keys = missing
+            .iter()
+            .map(|k| family.ember_to_hf(k).map_or(k.clone(), |h| h.name))
+            .filter(|k| seen.insert(k.clone()))
+            .collect();
         return Err(HfError::Missing { dir: dir.into(), keys });
     }
     if !unused.is_empty() && !allow_unused {
@@ -258,7 +295,8 @@ pub fn export<B: EmberBackend>(
     let arch = base_config
         .and_then(|v| Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
         .unwrap_or_else(|| Architecture::for_model(config));
-    let tensors = hf_tensors(model)?;
+    expressible(config, arch)?;
+    let tensors = hf_tensors(model, arch)?;
     let mut hf_config = from_model_config(config, arch, base_config);
     hf_config["dtype"] = json!(match tensors.first().map(|(_, d)| d.dtype) {
         Some(DType::BF16) => "bfloat16",
@@ -292,21 +330,57 @@ pub fn export<B: EmberBackend>(
     Ok(ExportReport { architecture: arch, files, tensors: count, bytes: total })
 }
 
-/// Every parameter of `model` under its Hugging Face name, in Hugging Face's `[out, in]` layout
-/// (and half-split RoPE order for an interleaved-RoPE model).
-pub fn hf_tensors<B: EmberBackend>(model: &Decoder<B>) -> Result<Vec<(String, TensorData)>, HfError> {
+/// Every parameter of `model` under its Hugging Face name as `arch` names it, in that family's
+/// layout (transposed, or fused), and in the half-split RoPE order for an interleaved-RoPE model.
+pub fn hf_tensors<B: EmberBackend>(
+    model: &Decoder<B>,
+    arch: Architecture,
+) -> Result<Vec<(String, TensorData)>, HfError> {
     let config = model.config();
-    let interleaved = config.rope_layout == RopeLayout::Interleaved;
-    let mut tensors: Vec<(String, TensorData)> = Vec::new();
+    let family = arch.family();
+    let interleaved = config.rope_layout == RopeLayout::Interleaved && config.positions == Positions::Rope;
+    let mut named: Vec<(String, Option<TensorData>)> = Vec::new();
     for (path, data) in named_tensors::<B, _>(model) {
-        let (key, transposed) = ember_to_hf(&path).ok_or_else(|| HfError::NoHfName(path.clone()))?;
-        let data = if interleaved && (path.contains("q_proj") || path.contains("k_proj")) {
-            let heads = if path.contains("q_proj") { config.n_heads } else { config.n_kv_heads() };
-            permute_rope(data, heads, model)
-        } else {
-            data
+        // q/k columns (and the per-head q/k norm gains) move to the half-split pairs.
+        let heads = |p: &str| match p.rsplit('.').nth(1) {
+            Some("q_proj") => Some(config.n_heads),
+            Some("k_proj") => Some(config.n_kv_heads()),
+            Some("q_norm" | "k_norm") => Some(1),
+            _ => None,
         };
-        tensors.push((key, if transposed { transpose(data) } else { data }));
+        let data = match heads(&path).filter(|_| interleaved) {
+            Some(h) => permute_rope(data, h, model),
+            None => data,
+        };
+        named.push((path, Some(data)));
+    }
+    let index: HashMap<String, usize> = named.iter().enumerate().map(|(i, (p, _))| (p.clone(), i)).collect();
+    let mut tensors: Vec<(String, TensorData)> = Vec::new();
+    for i in 0..named.len() {
+        let path = named[i].0.clone();
+        let to = family.ember_to_hf(&path).ok_or_else(|| HfError::NoHfName(path.clone()))?;
+        let parts: Vec<usize> = to.paths.iter().filter_map(|p| index.get(p).copied()).collect();
+        if parts.len() != to.paths.len() {
+            let fields = vec![format!("`{}` holds {}, and the model lacks some", to.name, to.paths.join(", "))];
+            return Err(HfError::Inexpressible { architecture: arch.class_name().into(), fields });
+        }
+        if to.part != 0 {
+            continue; // written with the first part
+        }
+        let mut take = |j: usize| named[j].1.take().expect("each parameter is written once");
+        let data = match to.layout {
+            Layout::AsIs => take(i),
+            Layout::Transposed => transpose(take(i)),
+            Layout::Fused => {
+                let parts: Vec<TensorData> = parts.into_iter().map(take).collect();
+                if parts.iter().any(|p| p.dtype != parts[0].dtype || p.shape.is_empty()) {
+                    let fields = vec![format!("the parts of `{}` differ in dtype", to.name)];
+                    return Err(HfError::Inexpressible { architecture: arch.class_name().into(), fields });
+                }
+                concat_last(&parts)
+            }
+        };
+        tensors.push((to.name, data));
     }
     Ok(tensors)
 }
@@ -373,7 +447,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn key_table_round_trips() {
+    fn llama_key_table_is_as_before() {
+        let llama = Architecture::Llama.family();
         for (hf, ember, t) in [
             ("model.embed_tokens.weight", "embed_tokens", false),
             ("model.layers.3.self_attn.q_proj.weight", "layers.3.self_attn.q_proj.weight", true),
@@ -383,10 +458,32 @@ mod tests {
             ("model.norm.weight", "norm.weight", false),
             ("lm_head.weight", "lm_head.weight", true),
         ] {
-            assert_eq!(hf_to_ember(hf), Some((ember.to_string(), t)), "{hf}");
-            assert_eq!(ember_to_hf(ember), Some((hf.to_string(), t)), "{ember}");
+            let layout = if t { Layout::Transposed } else { Layout::AsIs };
+            let to = llama.hf_to_ember(hf).unwrap();
+            assert_eq!((to.paths, to.layout), (vec![ember.to_string()], layout), "{hf}");
+            let back = llama.ember_to_hf(ember).unwrap();
+            assert_eq!((back.name.as_str(), back.layout), (hf, layout), "{ember}");
         }
-        assert_eq!(hf_to_ember("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        assert_eq!(llama.hf_to_ember("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+    }
+
+    #[test]
+    fn fused_tensors_split_and_join_on_the_last_axis() {
+        // [2, 5] = [2, 2] | [2, 1] | [2, 2], in bf16 (any dtype: bytes move).
+        let d = TensorData::new((0..10).map(|x| x as f32).collect::<Vec<_>>(), [2, 5]).convert_dtype(DType::BF16);
+        let parts = split_last(&d, &[2, 1, 2]);
+        let f32s = |t: &TensorData| t.clone().convert_dtype(DType::F32).to_vec::<f32>().unwrap();
+        assert_eq!(
+            parts.iter().map(f32s).collect::<Vec<_>>(),
+            [vec![0., 1., 5., 6.], vec![2., 7.], vec![3., 4., 8., 9.]]
+        );
+        assert_eq!(parts[1].shape.to_vec(), vec![2, 1]);
+        assert_eq!(concat_last(&parts).as_bytes(), d.as_bytes());
+        let bias = TensorData::new(vec![1.0f32, 2.0, 3.0], [3]);
+        let split = split_last(&bias, &[1, 1, 1]);
+        assert_eq!(concat_last(&split).as_bytes(), bias.as_bytes());
+        assert_eq!(hf_shape(&[&vec![4, 2], &vec![4, 1]], Layout::Fused), Some(vec![4, 3]));
+        assert_eq!(hf_shape(&[&vec![4, 2], &vec![3, 1]], Layout::Fused), None);
     }
 
     #[test]

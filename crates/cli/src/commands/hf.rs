@@ -192,11 +192,12 @@ fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decode
         .as_ref()
         .and_then(|v| ember_hf::Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
         .unwrap_or_else(|| ember_hf::Architecture::for_model(model.config()));
+    ember_hf::expressible(model.config(), arch)?;
     let mut hf_config = ember_hf::from_model_config(model.config(), arch, base.as_ref());
     if let Some(g) = base.as_ref().and_then(|b| b.get("gguf")) {
         hf_config["gguf"] = g.clone();
     }
-    let tensors = ember_hf::hf_tensors(model)?;
+    let tensors = ember_hf::hf_tensors(model, arch)?;
     let tokenizer_json = std::fs::read_to_string(ckpt.dir.join(TOKENIZER_FILE))
         .with_context(|| format!("reading {}", ckpt.dir.join(TOKENIZER_FILE).display()))?;
     let config_path = ckpt.dir.join("tokenizer_config.json");

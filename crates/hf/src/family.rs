@@ -1,0 +1,545 @@
+//! The family table: for each Hugging Face model family ember reads and writes, its class and
+//! `model_type`, the `config.json` keys of its sizes and the parts its blocks are built from, the
+//! functions that read and write its other keys ([`crate::config_map`]), and how its tensor names
+//! map onto ember's parameter paths.
+//!
+//! | family        | class               | norms                  | MLP    | positions | tensors            |
+//! |---------------|---------------------|------------------------|--------|-----------|--------------------|
+//! | `llama`       | `LlamaForCausalLM`  | RMSNorm                | SwiGLU | RoPE      | [`LLAMA_TENSORS`]  |
+//! | `qwen2`       | `Qwen2ForCausalLM`  | RMSNorm                | SwiGLU | RoPE      | [`LLAMA_TENSORS`]  |
+//! | `mistral`     | `MistralForCausalLM`| RMSNorm                | SwiGLU | RoPE      | [`LLAMA_TENSORS`]  |
+//! | `qwen3`       | `Qwen3ForCausalLM`  | RMSNorm, q/k norms     | SwiGLU | RoPE      | [`LLAMA_TENSORS`]  |
+//! | `gemma3_text` | `Gemma3ForCausalLM` | RMSNorm (1 + w), q/k, sandwich | GeGLU | RoPE, two bases | [`GEMMA3_TENSORS`] |
+//! | `gpt2`        | `GPT2LMHeadModel`   | LayerNorm with bias    | GELU   | learned   | [`GPT2_TENSORS`]   |
+//!
+//! A tensor rule pairs a Hugging Face name with ember path(s); `{i}` stands for the layer index. The
+//! [`Layout`] says how the values move: as they are, transposed (Hugging Face's `nn.Linear` is
+//! `[out, in]`, ember's `[in, out]`), or several ember tensors side by side in one file tensor
+//! (GPT-2's `c_attn` holds q, k and v; its `Conv1D` weights are already `[in, out]`).
+
+use ember_model::{MlpKind, ModelConfig, NormKind, Positions};
+use serde_json::{Map, Value};
+
+use crate::config_map::{self, Reader};
+use crate::error::HfError;
+
+/// The model families ember reads and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+    Mistral,
+    Qwen3,
+    Gemma3,
+    Gpt2,
+}
+
+/// How a family's config.json and tensors map onto ember's. One row of [`FAMILIES`].
+pub struct Family {
+    pub architecture: Architecture,
+    /// `architectures[0]` of its config.json.
+    pub class_name: &'static str,
+    pub model_type: &'static str,
+    /// The keys of the sizes.
+    pub keys: SizeKeys,
+    /// What every model of the family is built from.
+    pub parts: Parts,
+    /// The values of the activation key, and the MLP each means (the first is the default).
+    pub activations: &'static [(&'static str, MlpKind)],
+    /// Reads the family's other keys (biases, RoPE, windows, soft caps) into a config that already
+    /// holds the sizes and the parts.
+    pub read: fn(&Reader, &mut ModelConfig) -> Result<(), HfError>,
+    /// Writes them.
+    pub write: fn(&ModelConfig, &mut Map<String, Value>),
+    /// Keys of a base config.json that `write` replaces, removed first so that none goes stale.
+    pub replaced_keys: &'static [&'static str],
+    /// The tensor names.
+    pub tensors: &'static [Rule],
+    /// Name endings of tensors some checkpoints carry that are not parameters.
+    pub buffers: &'static [&'static str],
+    /// A prefix the names may carry or lack (GPT-2's `transformer.`: Hub files have bare names,
+    /// transformers writes the prefix, as an export does).
+    pub optional_prefix: Option<&'static str>,
+}
+
+/// The config.json keys of the sizes ember's [`ModelConfig`] holds.
+pub struct SizeKeys {
+    pub d_model: &'static str,
+    pub n_layers: &'static str,
+    pub n_heads: &'static str,
+    /// `None`: as many key/value heads as query heads.
+    pub n_kv_heads: Option<&'static str>,
+    /// `None`: `d_model / n_heads`.
+    pub head_dim: Option<&'static str>,
+    pub d_ff: &'static str,
+    /// What a null or absent `d_ff` key means, in multiples of `d_model` (GPT-2's `n_inner`: 4).
+    pub d_ff_default: Option<usize>,
+    pub max_seq_len: &'static str,
+    /// The norm epsilon's key and its default.
+    pub norm_eps: (&'static str, f64),
+    pub activation: &'static str,
+    /// `tie_word_embeddings` when absent.
+    pub tie_default: bool,
+}
+
+/// The parts of the blocks, fixed for a family (its biases are read with its other keys).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Parts {
+    pub norm: NormKind,
+    pub positions: Positions,
+    pub qk_norm: bool,
+    pub sandwich_norms: bool,
+    pub embed_scale: bool,
+}
+
+impl Parts {
+    /// Whether `c` is built from these parts (its MLP aside).
+    pub fn of(&self, c: &ModelConfig) -> bool {
+        *self
+            == Parts {
+                norm: c.norm,
+                positions: c.positions,
+                qk_norm: c.qk_norm,
+                sandwich_norms: c.sandwich_norms,
+                embed_scale: c.embed_scale,
+            }
+    }
+}
+
+/// How a tensor's values go between the file and ember.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// The same shape and order: embeddings, norms, biases, `Conv1D` weights.
+    AsIs,
+    /// A linear weight: `[out, in]` in the file, `[in, out]` in ember.
+    Transposed,
+    /// The ember tensors side by side along the last axis, in order (GPT-2's `c_attn`: q, k, v).
+    Fused,
+}
+
+/// One tensor name: Hugging Face's, ember's (several for [`Layout::Fused`]), `{i}` the layer.
+#[derive(Debug, Clone, Copy)]
+pub struct Rule {
+    pub hf: &'static str,
+    pub ember: &'static [&'static str],
+    pub layout: Layout,
+}
+
+const fn as_is(hf: &'static str, ember: &'static [&'static str]) -> Rule {
+    Rule { hf, ember, layout: Layout::AsIs }
+}
+
+const fn linear(hf: &'static str, ember: &'static [&'static str]) -> Rule {
+    Rule { hf, ember, layout: Layout::Transposed }
+}
+
+const fn fused(hf: &'static str, ember: &'static [&'static str]) -> Rule {
+    Rule { hf, ember, layout: Layout::Fused }
+}
+
+/// Llama, Qwen2 (q/k/v biases), Mistral and Qwen3 (q/k norms; all four biases with
+/// `attention_bias`): ember's own names, under `model.`.
+pub const LLAMA_TENSORS: &[Rule] = &[
+    as_is("model.embed_tokens.weight", &["embed_tokens"]),
+    as_is("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]),
+    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]),
+    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]),
+    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]),
+    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]),
+    as_is("model.layers.{i}.self_attn.q_proj.bias", &["layers.{i}.self_attn.q_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.k_proj.bias", &["layers.{i}.self_attn.k_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.v_proj.bias", &["layers.{i}.self_attn.v_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.o_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.q_norm.weight", &["layers.{i}.self_attn.q_norm.weight"]),
+    as_is("model.layers.{i}.self_attn.k_norm.weight", &["layers.{i}.self_attn.k_norm.weight"]),
+    as_is("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"]),
+    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]),
+    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]),
+    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]),
+    as_is("model.norm.weight", &["norm.weight"]),
+    linear("lm_head.weight", &["lm_head.weight"]),
+];
+
+/// Gemma 3: four norms a block. Its `post_attention_layernorm` is the attention's output norm and
+/// `pre_feedforward_layernorm` the MLP's input norm (Llama's `post_attention_layernorm`).
+pub const GEMMA3_TENSORS: &[Rule] = &[
+    as_is("model.embed_tokens.weight", &["embed_tokens"]),
+    as_is("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]),
+    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]),
+    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]),
+    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]),
+    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]),
+    as_is("model.layers.{i}.self_attn.q_proj.bias", &["layers.{i}.self_attn.q_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.k_proj.bias", &["layers.{i}.self_attn.k_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.v_proj.bias", &["layers.{i}.self_attn.v_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.o_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]),
+    as_is("model.layers.{i}.self_attn.q_norm.weight", &["layers.{i}.self_attn.q_norm.weight"]),
+    as_is("model.layers.{i}.self_attn.k_norm.weight", &["layers.{i}.self_attn.k_norm.weight"]),
+    as_is("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.attn_output_norm.weight"]),
+    as_is("model.layers.{i}.pre_feedforward_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"]),
+    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]),
+    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]),
+    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]),
+    as_is("model.layers.{i}.post_feedforward_layernorm.weight", &["layers.{i}.mlp_output_norm.weight"]),
+    as_is("model.norm.weight", &["norm.weight"]),
+    linear("lm_head.weight", &["lm_head.weight"]),
+];
+
+/// GPT-2: `Conv1D` weights stored `[in, out]` as ember's (no transpose); `c_attn` is q, k and v
+/// side by side (`[D, 3D]`, bias `[3D]`); `c_fc` is the MLP's up projection, `c_proj` its down.
+pub const GPT2_TENSORS: &[Rule] = &[
+    as_is("transformer.wte.weight", &["embed_tokens"]),
+    as_is("transformer.wpe.weight", &["embed_positions"]),
+    as_is("transformer.h.{i}.ln_1.weight", &["layers.{i}.input_layernorm.weight"]),
+    as_is("transformer.h.{i}.ln_1.bias", &["layers.{i}.input_layernorm.bias"]),
+    fused(
+        "transformer.h.{i}.attn.c_attn.weight",
+        &[
+            "layers.{i}.self_attn.q_proj.weight",
+            "layers.{i}.self_attn.k_proj.weight",
+            "layers.{i}.self_attn.v_proj.weight",
+        ],
+    ),
+    fused(
+        "transformer.h.{i}.attn.c_attn.bias",
+        &["layers.{i}.self_attn.q_proj.bias", "layers.{i}.self_attn.k_proj.bias", "layers.{i}.self_attn.v_proj.bias"],
+    ),
+    as_is("transformer.h.{i}.attn.c_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]),
+    as_is("transformer.h.{i}.attn.c_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]),
+    as_is("transformer.h.{i}.ln_2.weight", &["layers.{i}.post_attention_layernorm.weight"]),
+    as_is("transformer.h.{i}.ln_2.bias", &["layers.{i}.post_attention_layernorm.bias"]),
+    as_is("transformer.h.{i}.mlp.c_fc.weight", &["layers.{i}.mlp.up_proj.weight"]),
+    as_is("transformer.h.{i}.mlp.c_fc.bias", &["layers.{i}.mlp.up_proj.bias"]),
+    as_is("transformer.h.{i}.mlp.c_proj.weight", &["layers.{i}.mlp.down_proj.weight"]),
+    as_is("transformer.h.{i}.mlp.c_proj.bias", &["layers.{i}.mlp.down_proj.bias"]),
+    as_is("transformer.ln_f.weight", &["norm.weight"]),
+    as_is("transformer.ln_f.bias", &["norm.bias"]),
+    linear("lm_head.weight", &["lm_head.weight"]),
+];
+
+/// Llama's sizes, shared by every family but GPT-2.
+const LLAMA_KEYS: SizeKeys = SizeKeys {
+    d_model: "hidden_size",
+    n_layers: "num_hidden_layers",
+    n_heads: "num_attention_heads",
+    n_kv_heads: Some("num_key_value_heads"),
+    head_dim: Some("head_dim"),
+    d_ff: "intermediate_size",
+    d_ff_default: None,
+    max_seq_len: "max_position_embeddings",
+    norm_eps: ("rms_norm_eps", 1e-6),
+    activation: "hidden_act",
+    tie_default: false,
+};
+
+const LLAMA_PARTS: Parts = Parts {
+    norm: NormKind::RmsNorm,
+    positions: Positions::Rope,
+    qk_norm: false,
+    sandwich_norms: false,
+    embed_scale: false,
+};
+
+const SILU: &[(&str, MlpKind)] = &[("silu", MlpKind::Swiglu)];
+
+/// What Llama's writer replaces (kept as it was before the table).
+const LLAMA_REPLACED: &[&str] =
+    &["rope_scaling", "rope_theta", "rope_parameters", "sliding_window", "use_sliding_window", "attention_bias"];
+
+const fn llama_like(
+    architecture: Architecture,
+    class_name: &'static str,
+    model_type: &'static str,
+    read: fn(&Reader, &mut ModelConfig) -> Result<(), HfError>,
+    write: fn(&ModelConfig, &mut Map<String, Value>),
+) -> Family {
+    Family {
+        architecture,
+        class_name,
+        model_type,
+        keys: LLAMA_KEYS,
+        parts: LLAMA_PARTS,
+        activations: SILU,
+        read,
+        write,
+        replaced_keys: LLAMA_REPLACED,
+        tensors: LLAMA_TENSORS,
+        buffers: &["rotary_emb.inv_freq"],
+        optional_prefix: None,
+    }
+}
+
+/// Every family, in the order [`Architecture::for_model`] prefers them.
+pub const FAMILIES: [Family; 6] = [
+    llama_like(Architecture::Llama, "LlamaForCausalLM", "llama", config_map::read_llama, config_map::write_llama),
+    llama_like(Architecture::Qwen2, "Qwen2ForCausalLM", "qwen2", config_map::read_qwen2, config_map::write_qwen2),
+    llama_like(
+        Architecture::Mistral,
+        "MistralForCausalLM",
+        "mistral",
+        config_map::read_mistral,
+        config_map::write_mistral,
+    ),
+    Family {
+        architecture: Architecture::Qwen3,
+        class_name: "Qwen3ForCausalLM",
+        model_type: "qwen3",
+        keys: LLAMA_KEYS,
+        parts: Parts { qk_norm: true, ..LLAMA_PARTS },
+        activations: SILU,
+        read: config_map::read_qwen3,
+        write: config_map::write_qwen3,
+        replaced_keys: &[
+            "rope_scaling",
+            "rope_theta",
+            "rope_parameters",
+            "sliding_window",
+            "use_sliding_window",
+            "attention_bias",
+            "layer_types",
+        ],
+        tensors: LLAMA_TENSORS,
+        buffers: &["rotary_emb.inv_freq"],
+        optional_prefix: None,
+    },
+    Family {
+        architecture: Architecture::Gemma3,
+        class_name: "Gemma3ForCausalLM",
+        model_type: "gemma3_text",
+        keys: SizeKeys { activation: "hidden_activation", tie_default: true, ..LLAMA_KEYS },
+        parts: Parts {
+            norm: NormKind::RmsNormPlusOne,
+            qk_norm: true,
+            sandwich_norms: true,
+            embed_scale: true,
+            ..LLAMA_PARTS
+        },
+        activations: &[("gelu_pytorch_tanh", MlpKind::Geglu)],
+        read: config_map::read_gemma3,
+        write: config_map::write_gemma3,
+        replaced_keys: &[
+            "rope_scaling",
+            "rope_theta",
+            "rope_parameters",
+            "rope_local_base_freq",
+            "sliding_window",
+            "sliding_window_pattern",
+            "layer_types",
+            "attention_bias",
+            "hidden_act",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        ],
+        tensors: GEMMA3_TENSORS,
+        buffers: &["rotary_emb.inv_freq", "rotary_emb_local.inv_freq"],
+        optional_prefix: None,
+    },
+    Family {
+        architecture: Architecture::Gpt2,
+        class_name: "GPT2LMHeadModel",
+        model_type: "gpt2",
+        keys: SizeKeys {
+            d_model: "n_embd",
+            n_layers: "n_layer",
+            n_heads: "n_head",
+            n_kv_heads: None,
+            head_dim: None,
+            d_ff: "n_inner",
+            d_ff_default: Some(4),
+            max_seq_len: "n_positions",
+            norm_eps: ("layer_norm_epsilon", 1e-5),
+            activation: "activation_function",
+            tie_default: true,
+        },
+        parts: Parts {
+            norm: NormKind::LayerNorm,
+            positions: Positions::Learned,
+            qk_norm: false,
+            sandwich_norms: false,
+            embed_scale: false,
+        },
+        activations: &[("gelu_new", MlpKind::Gelu), ("gelu", MlpKind::GeluExact)],
+        read: config_map::read_gpt2,
+        write: config_map::write_gpt2,
+        replaced_keys: &["scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"],
+        tensors: GPT2_TENSORS,
+        // The causal mask GPT-2 checkpoints saved as a buffer (`attn.bias`, `[1, 1, T, T]`).
+        buffers: &[".attn.bias", ".attn.masked_bias"],
+        optional_prefix: Some("transformer."),
+    },
+];
+
+impl Architecture {
+    /// Its row of the family table.
+    pub fn family(self) -> &'static Family {
+        FAMILIES.iter().find(|f| f.architecture == self).expect("every architecture has a row")
+    }
+
+    pub fn class_name(self) -> &'static str {
+        self.family().class_name
+    }
+
+    pub fn model_type(self) -> &'static str {
+        self.family().model_type
+    }
+
+    /// The architecture of a `architectures[0]` class name, if ember supports it.
+    pub fn from_class(name: &str) -> Option<Self> {
+        FAMILIES.iter().find(|f| f.class_name == name).map(|f| f.architecture)
+    }
+
+    /// The family an ember model exports as: the one built from its parts (GPT-2 for LayerNorm and
+    /// learned positions, Gemma 3 for Gemma's norms, Qwen3 for q/k norms); among Llama's, Qwen2
+    /// when it has q/k/v bias, Mistral with a sliding window, Llama otherwise. A model no family
+    /// is built from gets Llama's rule, and [`crate::config_map::expressible`] says why it fails.
+    pub fn for_model(c: &ModelConfig) -> Self {
+        let llama = || {
+            if c.qkv_bias {
+                Self::Qwen2
+            } else if c.sliding_window.is_some() {
+                Self::Mistral
+            } else {
+                Self::Llama
+            }
+        };
+        match FAMILIES.iter().find(|f| f.parts.of(c) && f.activations.iter().any(|&(_, m)| m == c.mlp)) {
+            Some(f) if f.parts == LLAMA_PARTS => llama(),
+            Some(f) => f.architecture,
+            None => llama(),
+        }
+    }
+}
+
+/// The layer index `key` has where `pattern` says `{i}`: `Some(None)` for a pattern without one.
+fn match_pattern(pattern: &str, key: &str) -> Option<Option<usize>> {
+    let Some((before, after)) = pattern.split_once("{i}") else {
+        return (pattern == key).then_some(None);
+    };
+    let digits = key.strip_prefix(before)?.strip_suffix(after)?;
+    let i: usize = digits.parse().ok()?;
+    // `01` and `+1` are not layer 1.
+    (i.to_string() == digits).then_some(Some(i))
+}
+
+fn fill(pattern: &str, layer: Option<usize>) -> String {
+    match layer {
+        Some(i) => pattern.replace("{i}", &i.to_string()),
+        None => pattern.to_string(),
+    }
+}
+
+/// A file tensor's place in ember: its path(s) and layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToEmber {
+    pub paths: Vec<String>,
+    pub layout: Layout,
+}
+
+/// An ember parameter's place in the file: the tensor's name and layout, and, for a fused tensor,
+/// every path it holds (this parameter at `part`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToHf {
+    pub name: String,
+    pub layout: Layout,
+    pub paths: Vec<String>,
+    pub part: usize,
+}
+
+impl Family {
+    /// Where a file tensor goes; `None` for a name the family does not have.
+    pub fn hf_to_ember(&self, key: &str) -> Option<ToEmber> {
+        let find = |key: &str| {
+            self.tensors.iter().find_map(|r| {
+                let layer = match_pattern(r.hf, key)?;
+                Some(ToEmber { paths: r.ember.iter().map(|e| fill(e, layer)).collect(), layout: r.layout })
+            })
+        };
+        find(key).or_else(|| {
+            let prefix = self.optional_prefix?;
+            (!key.starts_with(prefix)).then(|| find(&format!("{prefix}{key}"))).flatten()
+        })
+    }
+
+    /// Where an ember parameter goes; `None` for one the family has no name for (a LoRA adapter).
+    pub fn ember_to_hf(&self, path: &str) -> Option<ToHf> {
+        self.tensors.iter().find_map(|r| {
+            r.ember.iter().enumerate().find_map(|(part, e)| {
+                let layer = match_pattern(e, path)?;
+                Some(ToHf {
+                    name: fill(r.hf, layer),
+                    layout: r.layout,
+                    paths: r.ember.iter().map(|e| fill(e, layer)).collect(),
+                    part,
+                })
+            })
+        })
+    }
+
+    /// Whether `key` is a buffer, not a parameter.
+    pub fn is_buffer(&self, key: &str) -> bool {
+        self.buffers.iter().any(|b| key.ends_with(b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_architecture_has_one_row_and_names_round_trip() {
+        for f in &FAMILIES {
+            assert_eq!(f.architecture.family().class_name, f.class_name);
+            assert_eq!(Architecture::from_class(f.class_name), Some(f.architecture));
+            for r in f.tensors {
+                for (part, e) in r.ember.iter().enumerate() {
+                    let (hf, path) = (fill(r.hf, Some(7)), fill(e, Some(7)));
+                    let to = f.hf_to_ember(&hf).unwrap();
+                    assert_eq!((to.paths[part].as_str(), to.layout), (path.as_str(), r.layout), "{hf}");
+                    let back = f.ember_to_hf(&path).unwrap();
+                    assert_eq!((back.name.as_str(), back.part), (hf.as_str(), part), "{path}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn patterns_take_layer_indices_only() {
+        assert_eq!(match_pattern("a.{i}.b", "a.12.b"), Some(Some(12)));
+        assert_eq!(match_pattern("a.{i}.b", "a.012.b"), None);
+        assert_eq!(match_pattern("a.{i}.b", "a.+1.b"), None);
+        assert_eq!(match_pattern("a.{i}.b", "a..b"), None);
+        assert_eq!(match_pattern("a.b", "a.b"), Some(None));
+        let llama = Architecture::Llama.family();
+        assert_eq!(llama.hf_to_ember("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
+        assert!(llama.is_buffer("model.layers.0.self_attn.rotary_emb.inv_freq"));
+        assert_eq!(llama.ember_to_hf("layers.0.self_attn.q_proj.lora.a"), None);
+    }
+
+    #[test]
+    fn gpt2_names_come_with_or_without_the_prefix() {
+        let gpt2 = Architecture::Gpt2.family();
+        let qkv = |l: usize| -> Vec<String> {
+            ["q", "k", "v"].iter().map(|p| format!("layers.{l}.self_attn.{p}_proj.weight")).collect()
+        };
+        for key in ["h.3.attn.c_attn.weight", "transformer.h.3.attn.c_attn.weight"] {
+            assert_eq!(gpt2.hf_to_ember(key), Some(ToEmber { paths: qkv(3), layout: Layout::Fused }), "{key}");
+        }
+        assert_eq!(gpt2.hf_to_ember("wpe.weight").unwrap().paths, ["embed_positions"]);
+        assert_eq!(gpt2.hf_to_ember("lm_head.weight").unwrap().layout, Layout::Transposed);
+        assert_eq!(gpt2.hf_to_ember("transformer.transformer.wte.weight"), None);
+        let k = gpt2.ember_to_hf("layers.3.self_attn.k_proj.weight").unwrap();
+        assert_eq!((k.name.as_str(), k.part, k.paths), ("transformer.h.3.attn.c_attn.weight", 1, qkv(3)));
+        assert!(gpt2.is_buffer("h.0.attn.bias") && gpt2.is_buffer("transformer.h.0.attn.masked_bias"));
+        assert!(!gpt2.is_buffer("h.0.attn.c_attn.bias"));
+    }
+
+    #[test]
+    fn gemma3_norm_names_are_its_own() {
+        let gemma = Architecture::Gemma3.family();
+        let path = |k: &str| gemma.hf_to_ember(k).unwrap().paths.remove(0);
+        assert_eq!(path("model.layers.2.post_attention_layernorm.weight"), "layers.2.attn_output_norm.weight");
+        assert_eq!(path("model.layers.2.pre_feedforward_layernorm.weight"), "layers.2.post_attention_layernorm.weight");
+        assert_eq!(path("model.layers.2.post_feedforward_layernorm.weight"), "layers.2.mlp_output_norm.weight");
+    }
+}
