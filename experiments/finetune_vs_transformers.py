@@ -4,7 +4,8 @@
 Reads an ember config (configs/smollm2-135m-lora.toml, configs/smollm2-135m-full.toml): the model
 shapes, `seq_len`, `batch_size`, `grad_accum_steps`, the optimizer and, with a `[lora]` table, the
 adapters (rank, alpha, targets). PyTorch runs `LlamaForCausalLM` of those shapes (random init, SDPA
-attention, tied embeddings), wrapped by `peft` when the config has `[lora]`, AdamW with clipping, the
+attention, tied embeddings), or `Gemma3ForCausalLM` for a Gemma-shaped config (`norm =
+"rms_norm_plus_one"`, `mlp = "geglu"`: configs/gemma3-270m-lora.toml), wrapped by `peft` when the config has `[lora]`, AdamW with clipping, the
 same micro-batches, in f32 or under `torch.autocast("cpu", torch.bfloat16)`. ember runs
 `ember bench train --json` at the same precision. Runs alternate (a slow spell of a shared machine
 hits both), pinned to the same CPUs, the same thread count; each run is timed by its own median
@@ -40,19 +41,32 @@ def measured(cmd, env):
 
 def torch_child(args):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     cfg = tomllib.loads(Path(args.config).read_text())
     m, t, o = cfg["model"], cfg["train"], cfg.get("optim", {})
     torch.set_num_threads(args.threads)
     torch.manual_seed(1337)
-    config = LlamaConfig(
+    shapes = dict(
         vocab_size=m["vocab_size"], hidden_size=m["d_model"], intermediate_size=m["d_ff"],
         num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
         num_key_value_heads=m.get("n_kv_heads", m["n_heads"]), max_position_embeddings=m["max_seq_len"],
-        rope_theta=m.get("rope_theta", 10000.0), rms_norm_eps=m.get("norm_eps", 1e-5),
-        tie_word_embeddings=m.get("tie_embeddings", False), attn_implementation="sdpa")
-    model = LlamaForCausalLM(config)
+        rms_norm_eps=m.get("norm_eps", 1e-5), tie_word_embeddings=m.get("tie_embeddings", False),
+        attn_implementation="sdpa")
+    if m.get("norm") == "rms_norm_plus_one" and m.get("mlp") == "geglu":
+        pattern = m.get("sliding_window_pattern") or 1
+        config = Gemma3TextConfig(
+            **shapes, head_dim=m["head_dim"], query_pre_attn_scalar=int(m.get("query_pre_attn_scalar", m["head_dim"])),
+            sliding_window=m.get("sliding_window"), hidden_activation="gelu_pytorch_tanh",
+            layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                         for i in range(m["n_layers"])],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": m.get("rope_theta", 10000.0)},
+                "sliding_attention": {"rope_type": "default",
+                                      "rope_theta": m.get("rope_local_theta", m.get("rope_theta", 10000.0))}})
+        model = Gemma3ForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shapes, rope_theta=m.get("rope_theta", 10000.0)))
     if "lora" in cfg:
         from peft import LoraConfig, get_peft_model
 
