@@ -309,6 +309,15 @@ impl ModelConfig {
         if self.norm_bias && self.norm != NormKind::LayerNorm {
             return Err(ConfigError::Needs { key: "norm_bias", needs: "norm = \"layer_norm\"" });
         }
+        // Both describe the local layers of a windowed model: without a window every layer is global.
+        for (key, given) in [
+            ("sliding_window_pattern", self.sliding_window_pattern.is_some()),
+            ("rope_local_theta", self.rope_local_theta.is_some()),
+        ] {
+            if given && self.sliding_window.is_none() {
+                return Err(ConfigError::Needs { key, needs: "sliding_window" });
+            }
+        }
         let params = self.num_params();
         if params > MAX_PARAMS {
             return Err(ConfigError::TooLarge { name: "parameter count", value: params, limit: MAX_PARAMS });
@@ -678,6 +687,11 @@ mod tests {
         }
         let e = ModelConfig { norm_bias: true, ..tiny_config() }.validate().unwrap_err().to_string();
         assert_eq!(e, "model.norm_bias needs norm = \"layer_norm\"");
+        // The local layers' keys without a window describe nothing.
+        let e = ModelConfig { sliding_window: None, ..c.clone() }.validate().unwrap_err().to_string();
+        assert_eq!(e, "model.sliding_window_pattern needs sliding_window");
+        let e = ModelConfig { sliding_window: None, sliding_window_pattern: None, ..c }.validate().unwrap_err();
+        assert_eq!(e.to_string(), "model.rope_local_theta needs sliding_window");
     }
 
     #[test]
