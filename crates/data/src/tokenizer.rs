@@ -215,6 +215,20 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The ids of a prompt or document to run the model on: with the tokenizer's special-token
+    /// template ([`Tokenizer::encode_with_special`]: the `<bos>` a Gemma or Llama tokenizer puts
+    /// first, as transformers' tokenizers and llama.cpp's `add_bos_token` do), unless the text already
+    /// starts with what the template would put first (a chat template's rendered `<bos>`), which is
+    /// not doubled. A tokenizer without a template (GPT-2's, SmolLM2's) gives [`Tokenizer::encode`]'s.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let plain = self.encode(text)?;
+        let with = self.encode_with_special(text)?;
+        if with.len() > plain.len() && with.ends_with(&plain) && plain.starts_with(&with[..with.len() - plain.len()]) {
+            return Ok(plain);
+        }
+        Ok(with)
+    }
+
     /// Encoding through the `tokenizers` pipeline, whatever the vocabulary (the reference for the
     /// char-level table lookup).
     pub fn encode_reference(&self, text: &str) -> Result<Vec<u32>> {
@@ -490,6 +504,24 @@ mod tests {
             dir.display()
         );
         dir.join("tokenizers")
+    }
+
+    #[test]
+    fn prompts_get_the_templates_bos_once() {
+        let dir = assets();
+        let llama2 = Tokenizer::from_file(&dir.join("llama2_tokenizer.json")).unwrap();
+        let text = "Hello there";
+        let plain = llama2.encode(text).unwrap();
+        assert_eq!(llama2.encode_prompt(text).unwrap(), [&[1][..], &plain].concat(), "<s> first");
+        // A rendered chat template already starts with it: not doubled.
+        let rendered = llama2.encode("<s>Hello there").unwrap();
+        assert_eq!(rendered[0], 1);
+        assert_eq!(llama2.encode_prompt("<s>Hello there").unwrap(), rendered);
+        // GPT-2's has no template: the plain ids.
+        let gpt2 = Tokenizer::from_file(&dir.join("gpt2_tokenizer.json")).unwrap();
+        assert_eq!(gpt2.encode_prompt(text).unwrap(), gpt2.encode(text).unwrap());
+        let chars = Tokenizer::train_char("abc");
+        assert_eq!(chars.encode_prompt("cab").unwrap(), chars.encode("cab").unwrap());
     }
 
     #[test]

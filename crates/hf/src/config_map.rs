@@ -172,17 +172,26 @@ pub fn from_model_config(config: &ModelConfig, arch: Architecture, base: Option<
 /// LayerNorm), so that an export never writes a folder that transformers runs differently.
 pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfError> {
     let class = arch.class_name();
-    let back = to_model_config(&from_model_config(config, arch, None), &format!("{class} config.json"))
-        .map(|(c, _)| canonical(&c));
+    // Gains kept as GGUF keeps them are written the family's way ([`crate::family::Parts::holds_norm`]).
+    let parts = arch.family().parts;
+    let config = &ModelConfig { norm: if parts.holds_norm(config.norm) { parts.norm } else { config.norm }, ..config.clone() };
+    let back = to_model_config(&from_model_config(config, arch, None), &format!("{class} config.json")).map(|(c, _)| c);
+    differences(config, back, class)
+}
+
+/// `Ok` when `back` (what a file written for `config` reads back to) is the same model as `config`;
+/// otherwise the error lists each field that differs, naming the format `name`.
+pub(crate) fn differences(config: &ModelConfig, back: Result<ModelConfig, HfError>, name: &str) -> Result<(), HfError> {
+    let back = back.map(|c| canonical(&c));
     let want = canonical(config);
     let back = match back {
         Ok(back) if back == want => return Ok(()),
         Ok(back) => back,
-        Err(e) => return Err(HfError::Inexpressible { architecture: class.into(), fields: vec![e.to_string()] }),
+        Err(e) => return Err(HfError::Inexpressible { architecture: name.into(), fields: vec![e.to_string()] }),
     };
     let (want, back) = (serde_json::to_value(&want), serde_json::to_value(&back));
     let (Ok(Value::Object(want)), Ok(Value::Object(back))) = (want, back) else {
-        return Err(HfError::Inexpressible { architecture: class.into(), fields: vec![] });
+        return Err(HfError::Inexpressible { architecture: name.into(), fields: vec![] });
     };
     let mut keys: Vec<&String> = want.keys().chain(back.keys()).collect();
     keys.sort();
@@ -201,10 +210,10 @@ pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfErr
         .into_iter()
         .filter_map(|key| {
             let (w, b) = (value(&want, &back, key), value(&back, &want, key));
-            (w != b).then(|| format!("model.{key} is {w}, {class} has {b}"))
+            (w != b).then(|| format!("model.{key} is {w}, {name} has {b}"))
         })
         .collect();
-    Err(HfError::Inexpressible { architecture: class.into(), fields })
+    Err(HfError::Inexpressible { architecture: name.into(), fields })
 }
 
 /// One form of each model: the fields that do not change what it computes, as a reader leaves

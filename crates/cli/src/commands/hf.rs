@@ -167,7 +167,7 @@ fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
     g.stored.iter().for_each(|(_, k)| *kinds.entry(*k).or_default() += 1);
     println!(
         "imported GGUF {} ({}; tensors {:?}) as {:?} into {} in {:.1} s",
-        g.arch.name(),
+        g.arch.family().gguf_arch,
         shape_summary(model.config()),
         kinds,
         dtype,
@@ -187,17 +187,6 @@ fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decode
         GgufDtype::Q8_0 => ExportType::Q8_0,
     };
     anyhow::ensure!(!args.out.exists(), "{}: exists; choose another --out", args.out.display());
-    let base = ckpt.hf_config();
-    let arch = base
-        .as_ref()
-        .and_then(|v| ember_hf::Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
-        .unwrap_or_else(|| ember_hf::Architecture::for_model(model.config()));
-    ember_hf::expressible(model.config(), arch)?;
-    let mut hf_config = ember_hf::from_model_config(model.config(), arch, base.as_ref());
-    if let Some(g) = base.as_ref().and_then(|b| b.get("gguf")) {
-        hf_config["gguf"] = g.clone();
-    }
-    let tensors = ember_hf::hf_tensors(model, arch)?;
     let tokenizer_json = std::fs::read_to_string(ckpt.dir.join(TOKENIZER_FILE))
         .with_context(|| format!("reading {}", ckpt.dir.join(TOKENIZER_FILE).display()))?;
     let config_path = ckpt.dir.join("tokenizer_config.json");
@@ -205,15 +194,16 @@ fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decode
         Ok(text) => Some(serde_json::from_str(&text).with_context(|| format!("{}", config_path.display()))?),
         Err(_) => None,
     };
-    let bytes = encode_model(&hf_config, &tensors, &tokenizer_json, tokenizer_config.as_ref(), ty)
-        .map_err(|e| anyhow::anyhow!("exporting {} to GGUF: {e}", ckpt.dir.display()))?;
-    write_new(&args.out, &bytes).with_context(|| format!("writing {}", args.out.display()))?;
+    let encoded = encode_model(model, ckpt.hf_config().as_ref(), &tokenizer_json, tokenizer_config.as_ref(), ty)
+        .with_context(|| format!("exporting {} to GGUF", ckpt.dir.display()))?;
+    write_new(&args.out, &encoded.bytes).with_context(|| format!("writing {}", args.out.display()))?;
     println!(
-        "exported {} as GGUF ({:?}): {} tensors, {:.1} MB in {}",
+        "exported {} as GGUF {} ({:?}): {} tensors, {:.1} MB in {}",
         ckpt.dir.display(),
+        encoded.arch,
         args.dtype,
-        tensors.len(),
-        bytes.len() as f64 / 1e6,
+        encoded.tensors,
+        encoded.bytes.len() as f64 / 1e6,
         args.out.display()
     );
     Ok(())

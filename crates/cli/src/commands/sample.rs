@@ -210,7 +210,7 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
                 Some(t) => t.render(&[Message { role: "user".into(), content: p.clone() }], true)?,
                 None => p.clone(),
             };
-            tokenizer.encode(&text).with_context(|| format!("encoding prompt {i}"))
+            tokenizer.encode_prompt(&text).with_context(|| format!("encoding prompt {i}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let ends = checkpoint.tokenizer.end_ids();

@@ -191,7 +191,7 @@ impl Job for ChatJob {
                 _ => {}
             }
             history.push(Message { role: "user".into(), content: line });
-            let prompt = tokenizer.encode(&self.template.render(&history, true)?)?;
+            let prompt = tokenizer.encode_prompt(&self.template.render(&history, true)?)?;
             let room = context.saturating_sub(prompt.len());
             if room == 0 {
                 history.pop();

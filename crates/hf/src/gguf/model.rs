@@ -1,72 +1,54 @@
-//! A GGUF model as a Hugging Face one: the architecture's metadata as a `config.json`, the tensors
-//! under their Hugging Face names in `[out, in]` layout, dequantized to f32 — and back.
+//! A GGUF model as a Hugging Face one: the architecture's metadata read as an ember
+//! [`ModelConfig`] (and written out as a `config.json`), the tensors under their Hugging Face names
+//! in Hugging Face's layout, dequantized to f32 — and back.
 //!
-//! | GGUF                     | Hugging Face                                        |
-//! |--------------------------|-----------------------------------------------------|
-//! | `token_embd.weight`      | `model.embed_tokens.weight`                         |
-//! | `blk.{i}.attn_norm.weight` | `model.layers.{i}.input_layernorm.weight`         |
-//! | `blk.{i}.attn_{q,k,v}.{weight,bias}`, `attn_output.weight` | `…self_attn.{q,k,v,o}_proj…` |
-//! | `blk.{i}.ffn_norm.weight` | `model.layers.{i}.post_attention_layernorm.weight` |
-//! | `blk.{i}.ffn_{gate,up,down}.weight` | `model.layers.{i}.mlp.{gate,up,down}_proj.weight` |
-//! | `output_norm.weight`     | `model.norm.weight`                                 |
-//! | `output.weight` (absent when tied) | `lm_head.weight`                          |
+//! Tensor names come from the family table ([`crate::family`]): each rule names the tensor in
+//! Hugging Face, ember and llama.cpp's GGUF (`token_embd`, `blk.{i}.attn_q`, `blk.{i}.ffn_norm`, …),
+//! so that one table says for each family where every tensor goes. What differs between llama.cpp's
+//! architectures beyond names lives here:
+//!
+//! | GGUF     | family          | RoPE pairs            | metadata beyond the sizes                        |
+//! |----------|-----------------|-----------------------|--------------------------------------------------|
+//! | `llama`  | Llama, Mistral  | adjacent (rows permuted) | `rope.freq_base`, linear `rope.scaling`       |
+//! | `qwen2`  | Qwen2           | halves (NEOX)         | as `llama`; q/k/v biases                          |
+//! | `qwen3`  | Qwen3           | halves (NEOX)         | as `llama`; q/k norms, no biases                  |
+//! | `gemma3` | Gemma 3         | halves (NEOX)         | `attention.sliding_window`, `final_logit_softcapping` |
+//! | `gpt2`   | GPT-2           | none (`position_embd`) | `attention.layer_norm_epsilon`                   |
 //!
 //! llama.cpp's converter reorders the rows of a Llama model's q and k projections so that each
 //! head's rotary pairs sit next to each other (its RoPE rotates adjacent pairs); Hugging Face pairs
-//! channel `i` with `i + Dh/2`. Import undoes that permutation, export applies it. Qwen2 files are
-//! stored in the Hugging Face layout already.
+//! channel `i` with `i + Dh/2`. Import undoes that permutation, export applies it. The other
+//! architectures are stored in the Hugging Face layout already, but for GPT-2's `Conv1D` weights,
+//! which llama.cpp transposes to `[out, in]`.
+//!
+//! llama.cpp's `gemma3` fixes what Hugging Face's config spells out: every 6th layer global and the
+//! others within `attention.sliding_window`, RoPE base 10 000 on the local layers, and attention
+//! scores scaled by `1/sqrt(head_dim)` (`1/sqrt(d_model / heads)` for the 62-layer 27B). Import reads
+//! a file that way; export refuses a model that differs ([`expressible`]). Gemma's RMSNorm gains are
+//! stored as `1 + w`, the factor itself, as every GGUF gain is. An import keeps them so
+//! ([`NormKind::RmsNorm`]) rather than subtract one, so that an export of it writes the file's bits
+//! again; a Gemma read from Hugging Face (`w`, [`NormKind::RmsNormPlusOne`]) exports `1 + w` in f32,
+//! the value its forward pass multiplies by, and re-imports to the same logits bit for bit.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::TensorData;
+use ember_model::{Decoder, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
 use serde_json::{json, Value as Json};
 
 use super::{GgmlType, GgufError, GgufFile, TensorOut, Value};
-
-/// The architectures ember maps, by `general.architecture`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GgufArch {
-    Llama,
-    Qwen2,
-}
-
-impl GgufArch {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Llama => "llama",
-            Self::Qwen2 => "qwen2",
-        }
-    }
-
-    fn hf_class(self) -> &'static str {
-        match self {
-            Self::Llama => "LlamaForCausalLM",
-            Self::Qwen2 => "Qwen2ForCausalLM",
-        }
-    }
-
-    /// The architecture a Hugging Face class exports as (Mistral is a Llama to llama.cpp).
-    fn from_hf_class(class: &str) -> Option<Self> {
-        match class {
-            "LlamaForCausalLM" | "MistralForCausalLM" => Some(Self::Llama),
-            "Qwen2ForCausalLM" => Some(Self::Qwen2),
-            _ => None,
-        }
-    }
-
-    /// Whether llama.cpp permutes the q/k rows of this architecture.
-    fn permutes_qk(self) -> bool {
-        self == Self::Llama
-    }
-}
+use crate::family::Architecture;
+use crate::HfError;
 
 /// A GGUF model read as a Hugging Face one.
 pub struct GgufModel {
-    pub arch: GgufArch,
+    pub arch: Architecture,
+    /// The model's config, Gemma's norms as the file keeps their gains.
+    pub config: ModelConfig,
     /// A `config.json` for the model (with the GGUF facts export needs under `"gguf"`).
     pub hf_config: Json,
-    /// Hugging Face name -> f32 tensor in `[out, in]` layout.
+    /// Hugging Face name -> f32 tensor in Hugging Face's layout.
     pub tensors: BTreeMap<String, TensorData>,
     /// `tokenizer.json` rebuilt from the metadata.
     pub tokenizer_json: String,
@@ -76,49 +58,18 @@ pub struct GgufModel {
     pub stored: Vec<(String, &'static str)>,
 }
 
-/// GGUF name -> Hugging Face name of the tensors outside the layers.
-const MODEL_NAMES: [(&str, &str); 3] = [
-    ("token_embd.weight", "model.embed_tokens.weight"),
-    ("output_norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-];
-
-/// GGUF name -> Hugging Face name of a layer's tensors, after `blk.{i}.` / `model.layers.{i}.`.
-const LAYER_NAMES: [(&str, &str); 12] = [
-    ("attn_norm.weight", "input_layernorm.weight"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    ("attn_q.weight", "self_attn.q_proj.weight"),
-    ("attn_k.weight", "self_attn.k_proj.weight"),
-    ("attn_v.weight", "self_attn.v_proj.weight"),
-    ("attn_q.bias", "self_attn.q_proj.bias"),
-    ("attn_k.bias", "self_attn.k_proj.bias"),
-    ("attn_v.bias", "self_attn.v_proj.bias"),
-    ("attn_output.weight", "self_attn.o_proj.weight"),
-    ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    ("ffn_up.weight", "mlp.up_proj.weight"),
-    ("ffn_down.weight", "mlp.down_proj.weight"),
-];
-
-/// The Hugging Face name of a GGUF tensor.
-pub fn gguf_to_hf(name: &str) -> Option<String> {
-    if let Some((_, hf)) = MODEL_NAMES.iter().find(|(g, _)| *g == name) {
-        return Some(hf.to_string());
-    }
-    let (layer, part) = name.strip_prefix("blk.")?.split_once('.')?;
-    layer.parse::<usize>().ok()?;
-    let (_, hf) = LAYER_NAMES.iter().find(|(g, _)| *g == part)?;
-    Some(format!("model.layers.{layer}.{hf}"))
+/// Whether llama.cpp permutes the q/k rows of this architecture's files (its `llama`, whose RoPE
+/// rotates adjacent pairs).
+fn permutes_qk(arch: Architecture) -> bool {
+    arch.family().gguf_arch == "llama"
 }
 
-/// The GGUF name of a Hugging Face tensor (the inverse of [`gguf_to_hf`]).
-pub fn hf_to_gguf(name: &str) -> Option<String> {
-    if let Some((g, _)) = MODEL_NAMES.iter().find(|(_, hf)| *hf == name) {
-        return Some(g.to_string());
-    }
-    let (layer, part) = name.strip_prefix("model.layers.")?.split_once('.')?;
-    let (g, _) = LAYER_NAMES.iter().find(|(_, hf)| *hf == part)?;
-    Some(format!("blk.{layer}.{g}"))
-}
+/// llama.cpp's gemma3: every 6th layer global (`hparams.set_swa_pattern(6)`), RoPE base 10 000 on
+/// the others, whatever the file says.
+const GEMMA3_PATTERN: usize = 6;
+const GEMMA3_LOCAL_THETA: f64 = 10_000.0;
+/// The layer count of Gemma 3 27B, whose scores llama.cpp scales by `1/sqrt(d_model / heads)`.
+const GEMMA3_27B_LAYERS: usize = 62;
 
 /// Query and key/value heads: what the q/k row permutation needs.
 #[derive(Debug, Clone, Copy)]
@@ -130,10 +81,10 @@ struct Heads {
 impl Heads {
     /// The heads whose rows llama.cpp reorders in tensor `hf_name` of `shape`: those of a q or k
     /// projection matrix of an architecture it permutes; `None` for every other tensor.
-    fn permuted(self, arch: GgufArch, hf_name: &str, shape: &[usize]) -> Option<usize> {
+    fn permuted(self, arch: Architecture, hf_name: &str, shape: &[usize]) -> Option<usize> {
         let is_q = hf_name.ends_with("q_proj.weight");
         let is_qk = is_q || hf_name.ends_with("k_proj.weight");
-        (arch.permutes_qk() && shape.len() == 2 && is_qk).then_some(if is_q { self.q } else { self.kv } as usize)
+        (permutes_qk(arch) && shape.len() == 2 && is_qk).then_some(if is_q { self.q } else { self.kv } as usize)
     }
 }
 
@@ -159,101 +110,150 @@ fn permute_rows(values: &[f32], heads: usize, cols: usize, to_hf: bool) -> Vec<f
 
 /// Reads a GGUF model: config, tensors (dequantized, q/k rows restored), tokenizer.
 pub fn read(path: &Path) -> Result<GgufModel, GgufError> {
-    let f = GgufFile::open(path)?;
+    read_file(GgufFile::open(path)?)
+}
+
+/// [`read`] of a file already opened (or parsed from bytes).
+pub fn read_file(f: GgufFile) -> Result<GgufModel, GgufError> {
     let arch = read_arch(&f)?;
-    let hyper = Hyperparams::read(&f, arch)?;
     if f.tensor("rope_freqs.weight").is_some() {
         return Err(f.meta_err("rope_freqs.weight", "Llama 3.1 RoPE frequency factors are not supported yet"));
     }
-    let hf_config = hf_config(&f, arch, &hyper);
-    let (tensors, stored) = read_tensors(&f, arch, hyper.heads)?;
+    let tokens = f.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(<[Value]>::len);
+    let config = model_config(&f.metadata, &f.path, arch, f.tensor("output.weight").is_none(), tokens)?;
+    let hf_config = hf_config(&f, &config, arch);
+    let (tensors, stored) = read_tensors(&f, arch, &config)?;
     let (tokenizer_json, tokenizer_config) = super::tokenizer::from_gguf(&f)?;
-    Ok(GgufModel { arch, hf_config, tensors, tokenizer_json, tokenizer_config, stored })
+    Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored })
 }
 
 /// The architecture `general.architecture` names.
-fn read_arch(f: &GgufFile) -> Result<GgufArch, GgufError> {
+fn read_arch(f: &GgufFile) -> Result<Architecture, GgufError> {
     let key = "general.architecture";
-    match f.get(key).and_then(Value::as_str).ok_or_else(|| f.meta_err(key, "missing"))? {
-        "llama" => Ok(GgufArch::Llama),
-        "qwen2" => Ok(GgufArch::Qwen2),
-        other => Err(f.meta_err(key, format!("`{other}` is not supported (llama and qwen2 are)"))),
+    let name = f.get(key).and_then(Value::as_str).ok_or_else(|| f.meta_err(key, "missing"))?;
+    Architecture::from_gguf(name).ok_or_else(|| {
+        f.meta_err(key, format!("`{name}` is not supported (llama, qwen2, qwen3, gemma3 and gpt2 are)"))
+    })
+}
+
+/// The model a GGUF file's `{arch}.*` metadata describes, as llama.cpp runs it: its sizes, with
+/// defaults for the keys a file may leave out (KV heads = heads, `head_dim` = d_model / heads, RoPE
+/// base 10 000, norm epsilon 1e-5), the parts of its family, and the rules llama.cpp fixes for the
+/// architecture. `tied`: the file has no `output.weight`; `tokens`: the tokenizer's size, for a file
+/// without `vocab_size`.
+fn model_config(
+    meta: &BTreeMap<String, Value>,
+    path: &Path,
+    arch: Architecture,
+    tied: bool,
+    tokens: Option<usize>,
+) -> Result<ModelConfig, GgufError> {
+    let family = arch.family();
+    let a = family.gguf_arch;
+    let key = |k: &str| format!("{a}.{k}");
+    let err = |k: &str, message: String| GgufError::Metadata { path: path.into(), key: k.into(), message };
+    let opt_u64 = |k: &str| -> Result<Option<u64>, GgufError> {
+        let k = key(k);
+        meta.get(&k).map(|v| v.as_u64().ok_or_else(|| err(&k, format!("{v:?} is not an unsigned integer")))).transpose()
+    };
+    let u64_of = |k: &str| opt_u64(k)?.ok_or_else(|| err(&key(k), "missing".into()));
+    let f64_of = |k: &str| meta.get(&key(k)).and_then(decimal);
+    let usize_of = |k: &str| -> Result<usize, GgufError> { Ok(u64_of(k)? as usize) };
+
+    let n_layers = usize_of("block_count")?;
+    let d_model = usize_of("embedding_length")?;
+    let n_heads = usize_of("attention.head_count")?;
+    let n_kv_heads = opt_u64("attention.head_count_kv")?.map_or(n_heads, |v| v as usize);
+    if n_heads == 0 || n_kv_heads == 0 {
+        return Err(err(&key("attention.head_count"), "zero heads".into()));
     }
-}
-
-/// Metadata `key` as an unsigned integer, `None` when absent.
-fn optional_u64_key(f: &GgufFile, key: &str) -> Result<Option<u64>, GgufError> {
-    f.get(key).map(|v| v.as_u64().ok_or_else(|| f.meta_err(key, "not an unsigned integer"))).transpose()
-}
-
-fn u64_key(f: &GgufFile, key: &str) -> Result<u64, GgufError> {
-    optional_u64_key(f, key)?.ok_or_else(|| f.meta_err(key, "missing"))
-}
-
-/// The `{arch}.*` hyperparameters of a GGUF file, with defaults for the keys a file may leave out
-/// (KV heads = heads, `head_dim` = d_model / heads, RoPE base 10 000, RMS-norm epsilon 1e-5).
-struct Hyperparams {
-    n_layers: u64,
-    d_model: u64,
-    d_ff: u64,
-    heads: Heads,
-    head_dim: u64,
-    context: u64,
-    vocab: u64,
-    rope_theta: f64,
-    eps: f64,
-}
-
-impl Hyperparams {
-    fn read(f: &GgufFile, arch: GgufArch) -> Result<Self, GgufError> {
-        let a = arch.name();
-        let key = |k: &str| format!("{a}.{k}");
-        let n_layers = u64_key(f, &key("block_count"))?;
-        let d_model = u64_key(f, &key("embedding_length"))?;
-        let d_ff = u64_key(f, &key("feed_forward_length"))?;
-        let n_heads = u64_key(f, &key("attention.head_count"))?;
-        let n_kv_heads = optional_u64_key(f, &key("attention.head_count_kv"))?.unwrap_or(n_heads);
-        let context = u64_key(f, &key("context_length"))?;
-        let rope_theta = f.get(&key("rope.freq_base")).and_then(Value::as_f64).unwrap_or(10_000.0);
-        let eps = f.get(&key("attention.layer_norm_rms_epsilon")).and_then(Value::as_f64).unwrap_or(1e-5);
-        let tokens_len = f.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(<[Value]>::len);
-        let vocab = match optional_u64_key(f, &key("vocab_size"))? {
-            Some(v) => v,
-            None => {
-                tokens_len.ok_or_else(|| f.meta_err("tokenizer.ggml.tokens", "missing (and no vocab_size)"))? as u64
-            }
-        };
-        if n_heads == 0 || n_kv_heads == 0 {
-            return Err(f.meta_err(&key("attention.head_count"), "zero heads"));
+    let vocab_size = match opt_u64("vocab_size")? {
+        Some(v) => v as usize,
+        None => tokens.ok_or_else(|| err("tokenizer.ggml.tokens", "missing (and no vocab_size)".into()))?,
+    };
+    let head_dim = opt_u64("attention.key_length")?.map_or(d_model / n_heads, |v| v as usize);
+    let parts = family.parts;
+    let layer_norm = parts.norm == NormKind::LayerNorm;
+    let eps_key = if layer_norm { "attention.layer_norm_epsilon" } else { "attention.layer_norm_rms_epsilon" };
+    let rope_scaling = match (meta.get(&key("rope.scaling.type")).and_then(Value::as_str), f64_of("rope.scaling.factor"))
+    {
+        (Some("linear"), Some(factor)) => Some(RopeScaling::Linear { factor }),
+        _ => None,
+    };
+    let (qkv_bias, o_bias, mlp_bias) = match arch {
+        Architecture::Qwen2 => (true, false, false),
+        Architecture::Gpt2 => (true, true, true),
+        _ => (false, false, false),
+    };
+    let mut c = ModelConfig {
+        vocab_size,
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads: Some(n_kv_heads),
+        head_dim: Some(head_dim).filter(|&h| h.checked_mul(n_heads) != Some(d_model)),
+        d_ff: usize_of("feed_forward_length")?,
+        max_seq_len: usize_of("context_length")?,
+        rope_theta: f64_of("rope.freq_base").unwrap_or(10_000.0),
+        rope_layout: RopeLayout::HalfSplit,
+        rope_scaling,
+        sliding_window: None,
+        norm_eps: f64_of(eps_key).unwrap_or(1e-5),
+        qkv_bias,
+        o_bias,
+        mlp_bias,
+        // GGUF stores every RMSNorm gain as the factor itself (Gemma's `1 + w` included).
+        norm: if parts.norm == NormKind::RmsNormPlusOne { NormKind::RmsNorm } else { parts.norm },
+        norm_bias: layer_norm,
+        mlp: family.activations[0].1,
+        positions: parts.positions,
+        qk_norm: parts.qk_norm,
+        sandwich_norms: parts.sandwich_norms,
+        parallel_block: false,
+        embed_scale: parts.embed_scale,
+        sliding_window_pattern: None,
+        rope_local_theta: None,
+        query_pre_attn_scalar: None,
+        attn_logit_softcap: None,
+        final_logit_softcap: None,
+        tie_embeddings: tied,
+        init_std: 0.02,
+        dropout: 0.0,
+    };
+    if arch == Architecture::Gemma3 {
+        let window = opt_u64("attention.sliding_window")?.filter(|&w| w > 0);
+        c.sliding_window = window.map(|w| w as usize);
+        c.sliding_window_pattern = window.map(|_| GEMMA3_PATTERN);
+        let any_local = (0..n_layers).any(|l| c.is_local(l));
+        c.rope_local_theta = Some(GEMMA3_LOCAL_THETA).filter(|&t| any_local && t != c.rope_theta);
+        if n_layers == GEMMA3_27B_LAYERS {
+            c.query_pre_attn_scalar = Some((d_model / n_heads) as f64).filter(|&s| s != head_dim as f64);
         }
-        let head_dim = f.get(&key("attention.key_length")).and_then(Value::as_u64).unwrap_or(d_model / n_heads);
-        let heads = Heads { q: n_heads, kv: n_kv_heads };
-        Ok(Self { n_layers, d_model, d_ff, heads, head_dim, context, vocab, rope_theta, eps })
+        c.final_logit_softcap = f64_of("final_logit_softcapping").filter(|&s| s > 0.0);
+    }
+    c.validate().map_err(|e| err(&key("block_count"), format!("the model the metadata describes: {e}")))?;
+    Ok(c)
+}
+
+/// A metadata number as f64; an f32 (as llama.cpp's converter writes epsilons and RoPE bases) as the
+/// shortest decimal that is that f32, so that `1e-5` written as f32 reads back as `1e-5`, not
+/// `9.99999974e-6` (the same f32, which is what the kernels compute with).
+fn decimal(v: &Value) -> Option<f64> {
+    match *v {
+        Value::F32(x) => format!("{x}").parse().ok(),
+        ref v => v.as_f64(),
     }
 }
 
-/// A `config.json` for the model, with what an export needs to write the file back under `"gguf"`.
-fn hf_config(f: &GgufFile, arch: GgufArch, h: &Hyperparams) -> Json {
-    let a = arch.name();
-    let mut hf_config = json!({
-        "architectures": [arch.hf_class()],
-        "model_type": a,
-        "hidden_act": "silu",
-        "vocab_size": h.vocab,
-        "hidden_size": h.d_model,
-        "intermediate_size": h.d_ff,
-        "num_hidden_layers": h.n_layers,
-        "num_attention_heads": h.heads.q,
-        "num_key_value_heads": h.heads.kv,
-        "head_dim": h.head_dim,
-        "max_position_embeddings": h.context,
-        "rope_theta": h.rope_theta,
-        "rms_norm_eps": h.eps,
-        "tie_word_embeddings": f.tensor("output.weight").is_none(),
-        "gguf": {
-            "name": f.get("general.name").and_then(Value::as_str).unwrap_or_default(),
-            "tokenizer.ggml.pre": f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or_default(),
-        },
+/// A `config.json` for the model (transformers' layout of its family), with the token ids and what
+/// an export needs to write the file back under `"gguf"`.
+fn hf_config(f: &GgufFile, config: &ModelConfig, arch: Architecture) -> Json {
+    let parts = arch.family().parts;
+    let as_family = ModelConfig { norm: parts.norm, ..config.clone() };
+    let mut hf_config = crate::from_model_config(&as_family, arch, None);
+    hf_config["gguf"] = json!({
+        "name": f.get("general.name").and_then(Value::as_str).unwrap_or_default(),
+        "tokenizer.ggml.pre": f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or_default(),
     });
     hf_config["gguf"]["carry"] = Json::Object(carried_metadata(f));
     let id = |k: &str| f.get(k).and_then(Value::as_u64);
@@ -262,12 +262,6 @@ fn hf_config(f: &GgufFile, arch: GgufArch, h: &Hyperparams) -> Json {
     }
     if let Some(eos) = id("tokenizer.ggml.eos_token_id") {
         hf_config["eos_token_id"] = json!(eos);
-    }
-    if let (Some("linear"), Some(factor)) = (
-        f.get(&format!("{a}.rope.scaling.type")).and_then(Value::as_str),
-        f.get(&format!("{a}.rope.scaling.factor")).and_then(Value::as_f64),
-    ) {
-        hf_config["rope_scaling"] = json!({"rope_type": "linear", "factor": factor});
     }
     hf_config
 }
@@ -306,21 +300,23 @@ fn carried_to_json(value: &Value) -> Option<Json> {
 /// Hugging Face name -> f32 tensor, and (name, type) of every tensor as stored.
 type ReadTensors = (BTreeMap<String, TensorData>, Vec<(String, &'static str)>);
 
-/// Every tensor under its Hugging Face name, dequantized to f32, with q/k rows in Hugging Face
-/// order.
-fn read_tensors(f: &GgufFile, arch: GgufArch, heads: Heads) -> Result<ReadTensors, GgufError> {
+/// Every tensor under its Hugging Face name, dequantized to f32, in Hugging Face's layout (q/k rows
+/// in its order, GPT-2's `Conv1D` weights `[in, out]`).
+fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig) -> Result<ReadTensors, GgufError> {
+    let family = arch.family();
+    let heads = Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 };
     let mut tensors = BTreeMap::new();
     let mut stored = Vec::new();
     for t in &f.tensors {
-        let Some(hf) = gguf_to_hf(&t.name) else {
+        let Some((hf, transposed)) = family.gguf_to_hf(&t.name) else {
             return Err(GgufError::Unsupported {
                 path: f.path.clone(),
                 name: t.name.clone(),
-                kind: "a tensor ember does not map".into(),
+                kind: format!("a tensor ember does not map for {}", family.gguf_arch),
             });
         };
         stored.push((t.name.clone(), t.kind.name()));
-        let shape = t.shape();
+        let mut shape = t.shape();
         let mut values = f.dequantize(t);
         if let Some(heads) = heads.permuted(arch, &hf, &shape) {
             if shape[0] % (2 * heads) != 0 {
@@ -329,9 +325,24 @@ fn read_tensors(f: &GgufFile, arch: GgufArch, heads: Heads) -> Result<ReadTensor
             }
             values = permute_rows(&values, heads, shape[1], true);
         }
+        if transposed && shape.len() == 2 {
+            values = transpose(&values, shape[0], shape[1]);
+            shape.reverse();
+        }
         tensors.insert(hf, TensorData::new(values, shape));
     }
     Ok((tensors, stored))
+}
+
+/// A row-major `[rows, cols]` matrix transposed.
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
 }
 
 /// How export stores the weights.
@@ -368,75 +379,126 @@ impl ExportType {
     }
 }
 
-/// Writes a GGUF file from Hugging Face-named f32 tensors in `[out, in]` layout and the model's
-/// `config.json`, with the tokenizer (and chat template) of `tokenizer_json` / `tokenizer_config`
-/// in the metadata. Returns the encoded bytes.
-pub fn encode_model(
-    hf_config: &Json,
-    tensors: &[(String, TensorData)],
+/// What an export wrote.
+pub struct Encoded {
+    pub bytes: Vec<u8>,
+    /// llama.cpp's architecture.
+    pub arch: &'static str,
+    pub tensors: usize,
+}
+
+/// `model` as a GGUF file of llama.cpp's architecture for its family (the base config.json's,
+/// `base`, when there is one), with the tokenizer (and chat template) of `tokenizer_json` /
+/// `tokenizer_config` in the metadata. A model llama.cpp would run differently is refused
+/// ([`expressible`]).
+pub fn encode_model<B: ember_kernels::EmberBackend>(
+    model: &Decoder<B>,
+    base: Option<&Json>,
     tokenizer_json: &str,
     tokenizer_config: Option<&Json>,
     ty: ExportType,
-) -> Result<Vec<u8>, String> {
-    let class = hf_config["architectures"][0].as_str().unwrap_or("LlamaForCausalLM");
-    let arch = GgufArch::from_hf_class(class).ok_or_else(|| format!("{class} has no GGUF mapping"))?;
-    let n_heads = config_u64(hf_config, "num_attention_heads")?;
-    let heads = Heads { q: n_heads, kv: hf_config["num_key_value_heads"].as_u64().unwrap_or(n_heads) };
-    let mut meta = arch_metadata(hf_config, arch, heads, ty)?;
-    meta.extend(carried_back(hf_config));
+) -> Result<Encoded, HfError> {
+    let config = model.config();
+    let arch = base
+        .and_then(|v| Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
+        .unwrap_or_else(|| Architecture::for_model(config));
+    expressible(config, arch)?;
+    let family = arch.family();
+    let name = base.and_then(|b| b["gguf"]["name"].as_str()).filter(|n| !n.is_empty()).unwrap_or("ember export");
+    let mut meta = arch_metadata(config, arch, ty, name);
+    let hf_config = crate::from_model_config(&ModelConfig { norm: family.parts.norm, ..config.clone() }, arch, base);
     let pre = hf_config["gguf"]["tokenizer.ggml.pre"].as_str().filter(|p| !p.is_empty());
-    meta.extend(super::tokenizer::to_gguf(tokenizer_json, tokenizer_config, hf_config, pre)?);
-    let out =
-        tensors.iter().map(|(name, data)| export_tensor(name, data, arch, heads, ty)).collect::<Result<Vec<_>, _>>()?;
-    Ok(super::encode(&meta, &out))
+    let tokenizer = super::tokenizer::to_gguf(tokenizer_json, tokenizer_config, &hf_config, pre)
+        .map_err(|e| HfError::GgufExport(format!("the tokenizer: {e}")))?;
+    meta.extend(tokenizer);
+    // The source's descriptive keys, but those the tokenizer's metadata already has (a SentencePiece
+    // tokenizer's `add_space_prefix` and `unknown_token_id`): a key twice is an error to llama.cpp's
+    // readers.
+    for (key, value) in carried_back(&hf_config) {
+        if !meta.iter().any(|(k, _)| *k == key) {
+            meta.push((key, value));
+        }
+    }
+    // Every gain written as the factor itself.
+    let gains = if config.norm == NormKind::LayerNorm { NormKind::LayerNorm } else { NormKind::RmsNorm };
+    let mut seen = std::collections::HashSet::new();
+    if let Some((key, _)) = meta.iter().find(|(k, _)| !seen.insert(k.as_str())) {
+        return Err(HfError::GgufExport(format!("metadata `{key}` would be written twice")));
+    }
+    let tensors = crate::weights::named_hf_tensors(model, arch, gains)?;
+    let heads = Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 };
+    let out = tensors
+        .iter()
+        .map(|(name, data)| export_tensor(name, data, arch, heads, ty))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Encoded { bytes: super::encode(&meta, &out), arch: family.gguf_arch, tensors: out.len() })
 }
 
-fn config_u64(hf_config: &Json, key: &str) -> Result<u64, String> {
-    hf_config[key].as_u64().ok_or_else(|| format!("config.json has no `{key}`"))
+/// Whether llama.cpp's architecture for `arch` runs `config` as ember does: the metadata an export
+/// writes must read back to the same model (training-only fields aside; an RMSNorm's gains are
+/// written as factors whichever way ember keeps them). The error lists each field that would
+/// change: Mistral's sliding window (llama.cpp's `llama` has none), Llama 3's RoPE scaling (which
+/// llama.cpp keeps in a `rope_freqs` tensor ember does not write), a Gemma 3 layer pattern other
+/// than 5 local : 1 global, a `query_pre_attn_scalar` other than `head_dim`, Qwen3's biases.
+pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfError> {
+    let family = arch.family();
+    let name = format!("GGUF {}", family.gguf_arch);
+    let meta: BTreeMap<String, Value> = arch_metadata(config, arch, ExportType::F32, "").into_iter().collect();
+    let rms = |k: NormKind| k != NormKind::LayerNorm;
+    let back = model_config(&meta, Path::new(&name), arch, config.tie_embeddings, None).map(|b| ModelConfig {
+        norm: if rms(b.norm) && rms(config.norm) { config.norm } else { b.norm },
+        init_std: config.init_std,
+        ..b
+    });
+    crate::config_map::differences(config, back.map_err(HfError::from), &name)
 }
 
-/// `general.*` and the `{arch}.*` hyperparameters of a `config.json`.
-fn arch_metadata(
-    hf_config: &Json,
-    arch: GgufArch,
-    heads: Heads,
-    ty: ExportType,
-) -> Result<Vec<(String, Value)>, String> {
-    let a = arch.name();
-    let num = |k: &str| config_u64(hf_config, k);
-    let d_model = num("hidden_size")?;
-    let head_dim = hf_config["head_dim"].as_u64().unwrap_or(d_model / heads.q.max(1));
-    let rope_theta =
-        hf_config["rope_parameters"]["rope_theta"].as_f64().or(hf_config["rope_theta"].as_f64()).unwrap_or(10_000.0);
+/// `general.*` and the `{arch}.*` hyperparameters of `config`, as llama.cpp's converter writes
+/// them for the architecture.
+fn arch_metadata(config: &ModelConfig, arch: Architecture, ty: ExportType, name: &str) -> Vec<(String, Value)> {
+    let a = arch.family().gguf_arch;
     let s = |v: &str| Value::String(v.into());
+    let u = |v: usize| Value::U32(v as u32);
     let mut meta: Vec<(String, Value)> = vec![
         ("general.architecture".into(), s(a)),
-        ("general.name".into(), s(hf_config["gguf"]["name"].as_str().unwrap_or("ember export"))),
+        ("general.name".into(), s(name)),
         ("general.file_type".into(), Value::U32(ty.file_type())),
         ("general.quantization_version".into(), Value::U32(2)),
-        (format!("{a}.block_count"), Value::U32(num("num_hidden_layers")? as u32)),
-        (format!("{a}.context_length"), Value::U32(num("max_position_embeddings")? as u32)),
-        (format!("{a}.embedding_length"), Value::U32(d_model as u32)),
-        (format!("{a}.feed_forward_length"), Value::U32(num("intermediate_size")? as u32)),
-        (format!("{a}.attention.head_count"), Value::U32(heads.q as u32)),
-        (format!("{a}.attention.head_count_kv"), Value::U32(heads.kv as u32)),
-        (format!("{a}.attention.key_length"), Value::U32(head_dim as u32)),
-        (format!("{a}.attention.value_length"), Value::U32(head_dim as u32)),
-        (format!("{a}.rope.dimension_count"), Value::U32(head_dim as u32)),
-        (format!("{a}.rope.freq_base"), Value::F32(rope_theta as f32)),
-        (
-            format!("{a}.attention.layer_norm_rms_epsilon"),
-            Value::F32(hf_config["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32),
-        ),
-        (format!("{a}.vocab_size"), Value::U32(num("vocab_size")? as u32)),
+        (format!("{a}.block_count"), u(config.n_layers)),
+        (format!("{a}.context_length"), u(config.max_seq_len)),
+        (format!("{a}.embedding_length"), u(config.d_model)),
+        (format!("{a}.feed_forward_length"), u(config.d_ff)),
+        (format!("{a}.attention.head_count"), u(config.n_heads)),
     ];
-    let scaling = &hf_config["rope_scaling"];
-    if scaling["rope_type"].as_str().or(scaling["type"].as_str()) == Some("linear") {
-        meta.push((format!("{a}.rope.scaling.type"), s("linear")));
-        let factor = scaling["factor"].as_f64().unwrap_or(1.0) as f32;
-        meta.push((format!("{a}.rope.scaling.factor"), Value::F32(factor)));
+    if config.norm == NormKind::LayerNorm {
+        meta.push((format!("{a}.attention.layer_norm_epsilon"), Value::F32(config.norm_eps as f32)));
+    } else {
+        let head_dim = config.head_dim();
+        meta.extend([
+            (format!("{a}.attention.head_count_kv"), u(config.n_kv_heads())),
+            (format!("{a}.attention.key_length"), u(head_dim)),
+            (format!("{a}.attention.value_length"), u(head_dim)),
+            (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(config.norm_eps as f32)),
+        ]);
     }
-    Ok(meta)
+    if config.positions == Positions::Rope {
+        meta.push((format!("{a}.rope.dimension_count"), u(config.head_dim())));
+        meta.push((format!("{a}.rope.freq_base"), Value::F32(config.rope_theta as f32)));
+        if let Some(RopeScaling::Linear { factor }) = config.rope_scaling {
+            meta.push((format!("{a}.rope.scaling.type"), s("linear")));
+            meta.push((format!("{a}.rope.scaling.factor"), Value::F32(factor as f32)));
+        }
+    }
+    if arch == Architecture::Gemma3 {
+        if let Some(w) = config.sliding_window.filter(|_| (0..config.n_layers).any(|l| config.is_local(l))) {
+            meta.push((format!("{a}.attention.sliding_window"), u(w)));
+        }
+        if let Some(cap) = config.final_logit_softcap {
+            meta.push((format!("{a}.final_logit_softcapping"), Value::F32(cap as f32)));
+        }
+    }
+    meta.push((format!("{a}.vocab_size"), u(config.vocab_size)));
+    meta
 }
 
 /// What an import kept of the source file's descriptive metadata ([`carried_metadata`]), to be
@@ -460,30 +522,38 @@ fn carried_back(hf_config: &Json) -> Vec<(String, Value)> {
         .collect()
 }
 
-/// One tensor as export writes it: under its GGUF name, q/k rows in llama.cpp's order, stored as
-/// `ty` stores a tensor of its shape.
+/// One tensor as export writes it: under its GGUF name, q/k rows in llama.cpp's order, GPT-2's
+/// `Conv1D` weights transposed, stored as `ty` stores a tensor of its shape.
 fn export_tensor(
     name: &str,
     data: &TensorData,
-    arch: GgufArch,
+    arch: Architecture,
     heads: Heads,
     ty: ExportType,
-) -> Result<TensorOut, String> {
-    let gname = hf_to_gguf(name).ok_or_else(|| format!("tensor `{name}` has no GGUF name"))?;
-    let shape = data.shape.to_vec();
-    let mut values = data.clone().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{name}: {e:?}"))?;
+) -> Result<TensorOut, HfError> {
+    let family = arch.family();
+    let (gname, transposed) = family.hf_to_gguf(name).ok_or_else(|| {
+        HfError::GgufExport(format!("tensor `{name}` has no place in llama.cpp's {}", family.gguf_arch))
+    })?;
+    let mut shape = data.shape.to_vec();
+    let mut values =
+        data.clone().convert::<f32>().into_vec::<f32>().map_err(|e| HfError::GgufExport(format!("{name}: {e:?}")))?;
+    if transposed && shape.len() == 2 {
+        values = transpose(&values, shape[0], shape[1]);
+        shape.reverse();
+    }
     if let Some(heads) = heads.permuted(arch, name, &shape) {
         values = permute_rows(&values, heads, shape[1], false);
     }
     let kind = ty.ggml_type(&shape);
-    let data = super::quant::quantize(kind, &values).map_err(|e| format!("{name}: {e}"))?;
+    let data = super::quant::quantize(kind, &values).map_err(|e| HfError::GgufExport(format!("{name}: {e}")))?;
     Ok(TensorOut { name: gname, shape, kind, data })
 }
 
 /// A GGUF model imported as a decoder, with its tokenizer files' contents.
 pub struct GgufImport<B: ember_kernels::EmberBackend> {
     pub imported: crate::Imported<B>,
-    pub arch: GgufArch,
+    pub arch: Architecture,
     pub tokenizer_json: String,
     pub tokenizer_config: Json,
     /// (name, type) of every tensor as stored.
@@ -498,7 +568,8 @@ pub fn import<B: ember_kernels::EmberBackend>(
 ) -> Result<GgufImport<B>, crate::HfError> {
     let m = read(path)?;
     let tensors = m.tensors.into_iter().map(|(k, v)| (k, (v, path.to_path_buf()))).collect();
-    let imported = crate::import_tensors(m.hf_config, path, path, tensors, param_dtype, false, false, device)?;
+    let imported =
+        crate::weights::load_tensors(m.config, m.arch, m.hf_config, path, path, tensors, param_dtype, false, false, device)?;
     Ok(GgufImport {
         imported,
         arch: m.arch,
@@ -538,20 +609,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_map_both_ways() {
-        for g in [
-            "token_embd.weight",
-            "output.weight",
-            "output_norm.weight",
-            "blk.3.attn_q.weight",
-            "blk.0.attn_v.bias",
-            "blk.12.ffn_down.weight",
-        ] {
-            let hf = gguf_to_hf(g).unwrap();
-            assert_eq!(hf_to_gguf(&hf).as_deref(), Some(g), "{g} -> {hf}");
+    fn names_map_both_ways_per_architecture() {
+        let cases = [
+            (Architecture::Llama, "blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", false),
+            (Architecture::Llama, "blk.12.ffn_norm.weight", "model.layers.12.post_attention_layernorm.weight", false),
+            (Architecture::Qwen2, "blk.0.attn_v.bias", "model.layers.0.self_attn.v_proj.bias", false),
+            (Architecture::Qwen3, "blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight", false),
+            // Gemma's four norms: the attention's output norm is llama.cpp's post_attention_norm,
+            // the MLP's input norm its ffn_norm.
+            (Architecture::Gemma3, "blk.2.post_attention_norm.weight", "model.layers.2.post_attention_layernorm.weight", false),
+            (Architecture::Gemma3, "blk.2.ffn_norm.weight", "model.layers.2.pre_feedforward_layernorm.weight", false),
+            (Architecture::Gemma3, "blk.2.post_ffw_norm.weight", "model.layers.2.post_feedforward_layernorm.weight", false),
+            (Architecture::Gpt2, "position_embd.weight", "transformer.wpe.weight", false),
+            (Architecture::Gpt2, "blk.0.attn_qkv.weight", "transformer.h.0.attn.c_attn.weight", true),
+            (Architecture::Gpt2, "blk.0.attn_qkv.bias", "transformer.h.0.attn.c_attn.bias", false),
+            (Architecture::Gpt2, "blk.1.ffn_down.weight", "transformer.h.1.mlp.c_proj.weight", true),
+            (Architecture::Gpt2, "output.weight", "lm_head.weight", false),
+        ];
+        for (arch, g, hf, transposed) in cases {
+            let f = arch.family();
+            assert_eq!(f.gguf_to_hf(g), Some((hf.to_string(), transposed)), "{arch:?} {g}");
+            assert_eq!(f.hf_to_gguf(hf), Some((g.to_string(), transposed)), "{arch:?} {hf}");
         }
-        assert_eq!(gguf_to_hf("blk.x.attn_q.weight"), None);
-        assert_eq!(gguf_to_hf("rope_freqs.weight"), None);
+        // Hub GPT-2 names lack the prefix; Gemma's biases have no GGUF tensor; unknown names none.
+        assert_eq!(Architecture::Gpt2.family().hf_to_gguf("h.0.ln_1.bias").unwrap().0, "blk.0.attn_norm.bias");
+        assert_eq!(Architecture::Gemma3.family().hf_to_gguf("model.layers.0.self_attn.q_proj.bias"), None);
+        assert_eq!(Architecture::Llama.family().gguf_to_hf("blk.x.attn_q.weight"), None);
+        assert_eq!(Architecture::Llama.family().gguf_to_hf("rope_freqs.weight"), None);
+        assert_eq!(Architecture::from_gguf("llama"), Some(Architecture::Llama), "not Mistral");
     }
 
     #[test]

@@ -402,13 +402,14 @@ fn gpt2_metadata(tokens: &[String], types: &[i64], merges: Vec<String>, pre: Opt
 }
 
 /// llama.cpp's `llama` tokenizer: the pieces, scores that give the merges' order, token types
-/// (unknown and byte pieces marked) and the unknown piece's id.
+/// (an unknown piece not already control and the byte pieces marked) and the unknown piece's id.
 fn llama_metadata(tokens: &[String], types: &[i64], spm: &SpmMetadata) -> Vec<(String, Value)> {
     let types: Vec<Value> = tokens
         .iter()
         .zip(types)
         .map(|(t, &ty)| {
-            Value::I32(if Some(t) == spm.unk.as_ref() {
+            // A control `<unk>` (Gemma's) stays control: llama.cpp and the import match it in text.
+            Value::I32(if Some(t) == spm.unk.as_ref() && ty != CONTROL {
                 UNKNOWN as i32
             } else if t.len() == 6 && t.starts_with("<0x") && t.ends_with('>') {
                 BYTE as i32
