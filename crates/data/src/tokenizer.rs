@@ -215,18 +215,27 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// The ids of a prompt or document to run the model on: with the tokenizer's special-token
-    /// template ([`Tokenizer::encode_with_special`]: the `<bos>` a Gemma or Llama tokenizer puts
-    /// first, as transformers' tokenizers and llama.cpp's `add_bos_token` do), unless the text already
-    /// starts with what the template would put first (a chat template's rendered `<bos>`), which is
-    /// not doubled. A tokenizer without a template (GPT-2's, SmolLM2's) gives [`Tokenizer::encode`]'s.
+    /// The ids of a prompt or document to run the model on: the text's ids after what the tokenizer's
+    /// special-token template puts before them (the `<bos>` a Gemma or Llama tokenizer puts first, as
+    /// transformers' tokenizers and llama.cpp's `add_bos_token` do), unless the text already starts
+    /// with it (a chat template's rendered `<bos>`), which is not doubled. What a template appends
+    /// (an `add_eos_token` tokenizer's `</s>`) is left off: the model is to continue the text. A
+    /// tokenizer without a template (GPT-2's, SmolLM2's) gives [`Tokenizer::encode`]'s ids.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
-        let plain = self.encode(text)?;
-        let with = self.encode_with_special(text)?;
-        if with.len() > plain.len() && with.ends_with(&plain) && plain.starts_with(&with[..with.len() - plain.len()]) {
-            return Ok(plain);
+        if self.chars.is_some() {
+            return self.encode(text);
         }
-        Ok(with)
+        let enc = self.inner.encode(text, true).map_err(|e| DataError::Tokenizer(format!("encoding: {e}")))?;
+        // The template's own tokens have no sequence id; the text's (its special tokens too) have 0.
+        let of_text = enc.get_sequence_ids();
+        let ids = enc.get_ids();
+        let lead = of_text.iter().take_while(|s| s.is_none()).count();
+        let end = ids.len() - of_text.iter().rev().take_while(|s| s.is_none()).count().min(ids.len() - lead);
+        let (prefix, own) = (&ids[..lead], &ids[lead..end]);
+        if own.starts_with(prefix) {
+            return Ok(own.to_vec());
+        }
+        Ok([prefix, own].concat())
     }
 
     /// Encoding through the `tokenizers` pipeline, whatever the vocabulary (the reference for the
@@ -517,6 +526,19 @@ mod tests {
         let rendered = llama2.encode("<s>Hello there").unwrap();
         assert_eq!(rendered[0], 1);
         assert_eq!(llama2.encode_prompt("<s>Hello there").unwrap(), rendered);
+        // What a template appends is left off: a `<s> $A </s>` template gives `<s>` and the text.
+        let mut with_eos: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("llama2_tokenizer.json")).unwrap()).unwrap();
+        with_eos["post_processor"] = serde_json::json!({"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                       {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]},
+                               "</s>": {"id": "</s>", "ids": [2], "tokens": ["</s>"]}}});
+        let with_eos = Tokenizer::from_json(&with_eos.to_string()).unwrap();
+        assert_eq!(with_eos.encode_with_special(text).unwrap(), [&[1][..], &plain, &[2]].concat());
+        assert_eq!(with_eos.encode_prompt(text).unwrap(), [&[1][..], &plain].concat(), "no </s> after a prompt");
+        assert_eq!(with_eos.encode_prompt("<s>Hello there").unwrap(), rendered, "nor a second <s>");
         // GPT-2's has no template: the plain ids.
         let gpt2 = Tokenizer::from_file(&dir.join("gpt2_tokenizer.json")).unwrap();
         assert_eq!(gpt2.encode_prompt(text).unwrap(), gpt2.encode(text).unwrap());

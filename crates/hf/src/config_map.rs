@@ -174,7 +174,8 @@ pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfErr
     let class = arch.class_name();
     // Gains kept as GGUF keeps them are written the family's way ([`crate::family::Parts::holds_norm`]).
     let parts = arch.family().parts;
-    let config = &ModelConfig { norm: if parts.holds_norm(config.norm) { parts.norm } else { config.norm }, ..config.clone() };
+    let config =
+        &ModelConfig { norm: if parts.holds_norm(config.norm) { parts.norm } else { config.norm }, ..config.clone() };
     let back = to_model_config(&from_model_config(config, arch, None), &format!("{class} config.json")).map(|(c, _)| c);
     differences(config, back, class)
 }

@@ -184,6 +184,7 @@ impl Rule {
 
 /// Llama, Qwen2 (q/k/v biases), Mistral and Qwen3 (q/k norms; all four biases with
 /// `attention_bias`): ember's own names, under `model.`.
+#[rustfmt::skip]
 pub const LLAMA_TENSORS: &[Rule] = &[
     as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight"),
     gain("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
@@ -211,6 +212,7 @@ pub const LLAMA_TENSORS: &[Rule] = &[
 
 /// Gemma 3: four norms a block. Its `post_attention_layernorm` is the attention's output norm and
 /// `pre_feedforward_layernorm` the MLP's input norm (Llama's `post_attention_layernorm`).
+#[rustfmt::skip]
 pub const GEMMA3_TENSORS: &[Rule] = &[
     as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight"),
     gain("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
@@ -243,6 +245,7 @@ pub const GEMMA3_TENSORS: &[Rule] = &[
 
 /// GPT-2: `Conv1D` weights stored `[in, out]` as ember's (no transpose); `c_attn` is q, k and v
 /// side by side (`[D, 3D]`, bias `[3D]`); `c_fc` is the MLP's up projection, `c_proj` its down.
+#[rustfmt::skip]
 pub const GPT2_TENSORS: &[Rule] = &[
     as_is("transformer.wte.weight", &["embed_tokens"]).gguf("token_embd.weight"),
     as_is("transformer.wpe.weight", &["embed_positions"]).gguf("position_embd.weight"),
@@ -333,8 +336,22 @@ const fn llama_like(
 
 /// Every family, in the order [`Architecture::for_model`] prefers them.
 pub const FAMILIES: [Family; 6] = [
-    llama_like(Architecture::Llama, "llama", "LlamaForCausalLM", "llama", config_map::read_llama, config_map::write_llama),
-    llama_like(Architecture::Qwen2, "qwen2", "Qwen2ForCausalLM", "qwen2", config_map::read_qwen2, config_map::write_qwen2),
+    llama_like(
+        Architecture::Llama,
+        "llama",
+        "LlamaForCausalLM",
+        "llama",
+        config_map::read_llama,
+        config_map::write_llama,
+    ),
+    llama_like(
+        Architecture::Qwen2,
+        "qwen2",
+        "Qwen2ForCausalLM",
+        "qwen2",
+        config_map::read_qwen2,
+        config_map::write_qwen2,
+    ),
     llama_like(
         Architecture::Mistral,
         "llama",

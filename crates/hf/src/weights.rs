@@ -202,7 +202,18 @@ pub fn import_tensors<B: EmberBackend>(
     device: &Device<B>,
 ) -> Result<Imported<B>, HfError> {
     let (config, architecture) = to_model_config(&hf_config, &config_path.display().to_string())?;
-    load_tensors(config, architecture, hf_config, config_path, dir, tensors, param_dtype, allow_missing, allow_unused, device)
+    load_tensors(
+        config,
+        architecture,
+        hf_config,
+        config_path,
+        dir,
+        tensors,
+        param_dtype,
+        allow_missing,
+        allow_unused,
+        device,
+    )
 }
 
 /// [`import_tensors`] into a model of `config` already read (a GGUF file's, whose Gemma norms keep

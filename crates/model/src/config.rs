@@ -369,7 +369,7 @@ impl ModelConfig {
             head_dim,
             qkv_bias: self.qkv_bias,
             o_bias: self.o_bias,
-            qk_norm: self.qk_norm.then(|| NormConfig {
+            qk_norm: self.qk_norm.then_some(NormConfig {
                 d_model: head_dim,
                 eps: self.norm_eps,
                 kind: self.norm,

@@ -131,9 +131,8 @@ pub fn read_file(f: GgufFile) -> Result<GgufModel, GgufError> {
 fn read_arch(f: &GgufFile) -> Result<Architecture, GgufError> {
     let key = "general.architecture";
     let name = f.get(key).and_then(Value::as_str).ok_or_else(|| f.meta_err(key, "missing"))?;
-    Architecture::from_gguf(name).ok_or_else(|| {
-        f.meta_err(key, format!("`{name}` is not supported (llama, qwen2, qwen3, gemma3 and gpt2 are)"))
-    })
+    Architecture::from_gguf(name)
+        .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported (llama, qwen2, qwen3, gemma3 and gpt2 are)")))
 }
 
 /// The model a GGUF file's `{arch}.*` metadata describes, as llama.cpp runs it: its sizes, with
@@ -172,14 +171,21 @@ fn model_config(
         None => tokens.ok_or_else(|| err("tokenizer.ggml.tokens", "missing (and no vocab_size)".into()))?,
     };
     let head_dim = opt_u64("attention.key_length")?.map_or(d_model / n_heads, |v| v as usize);
+    // RoPE over part of each head (llama.cpp's n_rot below key_length) is not a model ember runs.
+    if let Some(n_rot) = opt_u64("rope.dimension_count")?.filter(|_| family.parts.positions != Positions::Learned) {
+        if n_rot != head_dim as u64 {
+            let message = format!("{n_rot}: RoPE over part of a head of {head_dim} is not supported");
+            return Err(err(&key("rope.dimension_count"), message));
+        }
+    }
     let parts = family.parts;
     let layer_norm = parts.norm == NormKind::LayerNorm;
     let eps_key = if layer_norm { "attention.layer_norm_epsilon" } else { "attention.layer_norm_rms_epsilon" };
-    let rope_scaling = match (meta.get(&key("rope.scaling.type")).and_then(Value::as_str), f64_of("rope.scaling.factor"))
-    {
-        (Some("linear"), Some(factor)) => Some(RopeScaling::Linear { factor }),
-        _ => None,
-    };
+    let rope_scaling =
+        match (meta.get(&key("rope.scaling.type")).and_then(Value::as_str), f64_of("rope.scaling.factor")) {
+            (Some("linear"), Some(factor)) => Some(RopeScaling::Linear { factor }),
+            _ => None,
+        };
     let (qkv_bias, o_bias, mlp_bias) = match arch {
         Architecture::Qwen2 => (true, false, false),
         Architecture::Gpt2 => (true, true, true),
@@ -224,7 +230,8 @@ fn model_config(
         let window = opt_u64("attention.sliding_window")?.filter(|&w| w > 0);
         c.sliding_window = window.map(|w| w as usize);
         c.sliding_window_pattern = window.map(|_| GEMMA3_PATTERN);
-        let any_local = (0..n_layers).any(|l| c.is_local(l));
+        // The pattern repeats: its first period says (and a huge block_count costs nothing here).
+        let any_local = (0..n_layers.min(GEMMA3_PATTERN)).any(|l| c.is_local(l));
         c.rope_local_theta = Some(GEMMA3_LOCAL_THETA).filter(|&t| any_local && t != c.rope_theta);
         if n_layers == GEMMA3_27B_LAYERS {
             c.query_pre_attn_scalar = Some((d_model / n_heads) as f64).filter(|&s| s != head_dim as f64);
@@ -427,10 +434,8 @@ pub fn encode_model<B: ember_kernels::EmberBackend>(
     }
     let tensors = crate::weights::named_hf_tensors(model, arch, gains)?;
     let heads = Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 };
-    let out = tensors
-        .iter()
-        .map(|(name, data)| export_tensor(name, data, arch, heads, ty))
-        .collect::<Result<Vec<_>, _>>()?;
+    let out =
+        tensors.iter().map(|(name, data)| export_tensor(name, data, arch, heads, ty)).collect::<Result<Vec<_>, _>>()?;
     Ok(Encoded { bytes: super::encode(&meta, &out), arch: family.gguf_arch, tensors: out.len() })
 }
 
@@ -568,8 +573,18 @@ pub fn import<B: ember_kernels::EmberBackend>(
 ) -> Result<GgufImport<B>, crate::HfError> {
     let m = read(path)?;
     let tensors = m.tensors.into_iter().map(|(k, v)| (k, (v, path.to_path_buf()))).collect();
-    let imported =
-        crate::weights::load_tensors(m.config, m.arch, m.hf_config, path, path, tensors, param_dtype, false, false, device)?;
+    let imported = crate::weights::load_tensors(
+        m.config,
+        m.arch,
+        m.hf_config,
+        path,
+        path,
+        tensors,
+        param_dtype,
+        false,
+        false,
+        device,
+    )?;
     Ok(GgufImport {
         imported,
         arch: m.arch,
@@ -617,9 +632,19 @@ mod tests {
             (Architecture::Qwen3, "blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight", false),
             // Gemma's four norms: the attention's output norm is llama.cpp's post_attention_norm,
             // the MLP's input norm its ffn_norm.
-            (Architecture::Gemma3, "blk.2.post_attention_norm.weight", "model.layers.2.post_attention_layernorm.weight", false),
+            (
+                Architecture::Gemma3,
+                "blk.2.post_attention_norm.weight",
+                "model.layers.2.post_attention_layernorm.weight",
+                false,
+            ),
             (Architecture::Gemma3, "blk.2.ffn_norm.weight", "model.layers.2.pre_feedforward_layernorm.weight", false),
-            (Architecture::Gemma3, "blk.2.post_ffw_norm.weight", "model.layers.2.post_feedforward_layernorm.weight", false),
+            (
+                Architecture::Gemma3,
+                "blk.2.post_ffw_norm.weight",
+                "model.layers.2.post_feedforward_layernorm.weight",
+                false,
+            ),
             (Architecture::Gpt2, "position_embd.weight", "transformer.wpe.weight", false),
             (Architecture::Gpt2, "blk.0.attn_qkv.weight", "transformer.h.0.attn.c_attn.weight", true),
             (Architecture::Gpt2, "blk.0.attn_qkv.bias", "transformer.h.0.attn.c_attn.bias", false),
