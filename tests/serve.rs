@@ -63,6 +63,18 @@ fn python() -> String {
     py
 }
 
+/// What tests/serve_client.py (the official `openai` client) got from the server, as JSON.
+fn openai_client(server: &Served, api_key: &str, model: &str) -> Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/serve_client.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args([&format!("http://{}/v1", server.addr), api_key, model])
+        .output()
+        .expect("run the openai client");
+    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("client JSON")
+}
+
 /// What `ember sample` prints after the prompt, greedy.
 fn sample(s: &Scratch, run: &Path, prompt: &str, n: usize, chat: bool) -> String {
     let n = n.to_string();
@@ -84,14 +96,7 @@ fn the_openai_client_gets_what_ember_sample_gets() {
     let s = Scratch::new();
     let run = smol(&s);
     let server = serve(&s, &run, &["--api-key", "secret-key", "--model-name", "smol"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/serve_client.py");
-    let out = Command::new(python())
-        .arg(&script)
-        .args([format!("http://{}/v1", server.addr), "secret-key".into(), "smol".into()])
-        .output()
-        .expect("run the openai client");
-    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
-    let got: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    let got = openai_client(&server, "secret-key", "smol");
 
     assert_eq!(got["models"], json!(["smol"]));
     let want = sample(&s, &run, PROMPT, 8, false);
@@ -138,14 +143,7 @@ fn gemma3_270m_chats_serves_and_fine_tunes() {
     assert!(!answer.contains("<start_of_turn>") && !answer.contains("<end_of_turn>"), "{answer:?}");
 
     let server = serve(&s, &run, &["--model-name", "gemma"]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/serve_client.py");
-    let out = Command::new(python())
-        .arg(&script)
-        .args([format!("http://{}/v1", server.addr), "no-key".into(), "gemma".into()])
-        .output()
-        .expect("run the openai client");
-    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
-    let got: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    let got = openai_client(&server, "no-key", "gemma");
     drop(server);
     assert_eq!(got["models"], json!(["gemma"]));
     let want = sample(&s, &run, PROMPT, 8, false);
