@@ -49,6 +49,41 @@ fn python() -> String {
     py
 }
 
+/// The `node_modules` folder holding `node-llama-cpp` 3.21.1 (llama.cpp's prebuilt CPU build):
+/// `$EMBER_NODE_MODULES`, else `target/node/node_modules`, where `.ci/run` installs it.
+fn node_modules() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = std::env::var_os("EMBER_NODE_MODULES")
+        .map(PathBuf::from)
+        .map(|d| if d.is_relative() { root.join(d) } else { d })
+        .unwrap_or_else(|| root.join("target/node/node_modules"));
+    assert!(
+        dir.join("node-llama-cpp").is_dir(),
+        "node-llama-cpp is not in {}: `npm i -E --omit=optional --prefix target/node node-llama-cpp@3.21.1 \
+         @node-llama-cpp/linux-x64@3.21.1` (as .ci/run does), or set EMBER_NODE_MODULES",
+        dir.display()
+    );
+    dir
+}
+
+/// llama.cpp itself running `file` (tests/llama_cpp_greedy.mjs): per prompt, its ids as llama.cpp
+/// tokenizes them and the `n` greedy ids after them.
+fn llama_cpp(file: &Path, n: usize, prompts: &[&str]) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/llama_cpp_greedy.mjs");
+    let out = Command::new("node")
+        .env("EMBER_NODE_MODULES", node_modules())
+        .arg(&script)
+        .arg(file)
+        .arg(n.to_string())
+        .args(prompts)
+        .output()
+        .expect("run node (install Node.js)");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "llama.cpp could not run {}: {err}", file.display());
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the script's JSON");
+    got["runs"].as_array().unwrap().iter().map(|r| (ids(&r["prompt_ids"]), ids(&r["ids"]))).collect()
+}
+
 fn logits(model: &ember_model::Decoder<Flex>, ids: &[u32]) -> Vec<f32> {
     let t: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
     let input = Tensor::<Flex, 2, Int>::from_data(TensorData::new(t, [1, ids.len()]), &Default::default());
@@ -235,6 +270,43 @@ fn smollm2_imports_as_transformers_reads_it_and_round_trips() {
     assert!(o.status.success(), "{}", stderr(&o));
     let answer = stdout(&o);
     assert!(answer.contains("Paris") && !answer.contains("<|im"), "{answer}");
+}
+
+/// Every export type runs in llama.cpp itself and continues a prompt as ember does: f32, f16 and
+/// bf16 (matrices in the type; norms and biases in f32, as llama.cpp's converter keeps them, without
+/// which its CPU kernels abort at the first decode) and q8_0. ember's side is its own import of the
+/// same file, so both read the same numbers.
+#[test]
+fn llama_cpp_runs_every_export() {
+    let s = Scratch::new();
+    let gguf = model_file();
+    let o = s.ember(&["import", gguf.to_str().unwrap(), "--out", "smol"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // One prompt a type: each run loads the model into llama.cpp anew (the time is in that).
+    let prompts = ["The capital of France is"];
+    let n = 12;
+    for (dtype, matrices) in [("f32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")] {
+        let file = format!("smol-{dtype}.gguf");
+        let o = s.ember(&["export", "smol", "--format", "gguf", "--dtype", dtype, "--out", &file]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let f = GgufFile::open(&s.path().join(&file)).unwrap();
+        for t in &f.tensors {
+            let want = if t.shape().len() == 1 { "F32" } else { matrices };
+            assert_eq!(t.kind.name(), want, "{dtype} export: {} {:?}", t.name, t.shape());
+        }
+        let run = format!("back-{dtype}");
+        let o = s.ember(&["import", &file, "--out", &run]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let ckpt = Checkpoint::open(&s.path().join(&run)).unwrap();
+        let model = ckpt.decoder::<Flex>(&Default::default()).unwrap();
+        let theirs = llama_cpp(&s.path().join(&file), n, &prompts);
+        for (prompt, (their_prompt, their_ids)) in prompts.iter().zip(theirs) {
+            let ours = ckpt.tokenizer.encode_prompt(prompt).unwrap();
+            assert_eq!(their_prompt, ours, "{dtype}: llama.cpp tokenizes {prompt:?} otherwise");
+            let want = greedy(&model, &ours, n);
+            assert_eq!(their_ids, want, "{dtype}: llama.cpp continues {prompt:?} otherwise");
+        }
+    }
 }
 
 /// The tensors of a run's checkpoint, by name.
@@ -634,6 +706,13 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
     let o = Command::new(python()).args(["-c", read]).arg(&path).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "gemma3 236");
+    // llama.cpp itself runs it: the fixture's three prompts (the chat one through the rendered
+    // template) continue as transformers and ember continue them.
+    let prompts: Vec<&str> = fx["prompts"].as_array().unwrap().iter().map(|p| p["prompt"].as_str().unwrap()).collect();
+    for (p, (their_prompt, their_ids)) in fx["prompts"].as_array().unwrap().iter().zip(llama_cpp(&path, 12, &prompts)) {
+        assert_eq!(their_prompt, ids(&p["ids"]), "llama.cpp tokenizes {:?} otherwise", p["prompt"]);
+        assert_eq!(their_ids, ids(&p["greedy"])[..12], "llama.cpp continues {:?} otherwise", p["prompt"]);
+    }
     let exported = GgufFile::parse(encoded.bytes, &path).unwrap();
     let orig = GgufFile::open(&gguf).unwrap();
     assert_eq!(exported.tensors.len(), orig.tensors.len());

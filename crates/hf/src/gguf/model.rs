@@ -352,13 +352,13 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// How export stores the weights.
+/// How export stores the weights (norms and biases stay f32 whatever the type: [`ExportType::ggml_type`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExportType {
     F32,
     F16,
     Bf16,
-    /// Matrices in Q8_0 (norms and biases stay f32, as llama.cpp keeps them).
+    /// Matrices in Q8_0.
     Q8_0,
 }
 
@@ -374,14 +374,16 @@ impl ExportType {
     }
 
     /// The type a tensor of `shape` is stored in.
+    /// Only matrices take the file's type: llama.cpp keeps 1-D tensors (norms, biases) in f32, as
+    /// its converter writes them, and its CPU kernels cannot add an f16 or bf16 bias or scale by such a
+    /// norm ("binary_op: unsupported types"). Q8_0 rows must be whole blocks.
     fn ggml_type(self, shape: &[usize]) -> GgmlType {
+        let matrix = shape.len() == 2;
         match self {
-            Self::F32 => GgmlType::F32,
-            Self::F16 => GgmlType::F16,
-            Self::Bf16 => GgmlType::Bf16,
-            // llama.cpp keeps 1-D tensors (norms, biases) in f32; rows must be whole blocks.
-            Self::Q8_0 if shape.len() == 2 && shape[1].is_multiple_of(32) => GgmlType::Q8_0,
-            Self::Q8_0 => GgmlType::F32,
+            Self::F16 if matrix => GgmlType::F16,
+            Self::Bf16 if matrix => GgmlType::Bf16,
+            Self::Q8_0 if matrix && shape[1].is_multiple_of(32) => GgmlType::Q8_0,
+            Self::F32 | Self::F16 | Self::Bf16 | Self::Q8_0 => GgmlType::F32,
         }
     }
 }
