@@ -9,6 +9,7 @@ mod backend;
 mod commands;
 mod env;
 mod needs;
+mod signals;
 
 use needs::Needs;
 

@@ -161,6 +161,7 @@ impl Service for Pages {
         match why {
             Refused::Host(_) => text(403, "this dashboard answers only to localhost (see --allow-host)\n"),
             Refused::BodyTooLarge(_) => text(413, NO_BODIES),
+            Refused::ShuttingDown => text(503, "the dashboard is stopping\n"),
         }
     }
 

@@ -27,6 +27,9 @@ pub struct Message {
     pub content: String,
 }
 
+/// The roles chat templates know (Hugging Face's conventions): a message's role is one of these.
+pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
 /// One line of a fine-tuning file.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Record {
@@ -49,6 +52,10 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
         let record = if let Some(m) = v.get("messages") {
             let messages: Vec<Message> =
                 serde_json::from_value(m.clone()).map_err(|e| bad(i + 1, format!("messages: {e}")))?;
+            if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
+                let role = m.role.escape_debug();
+                return Err(bad(i + 1, format!("messages[{j}].role `{role}` is not one of {}", ROLES.join(", "))));
+            }
             if !messages.iter().any(|m| m.role == "assistant") {
                 return Err(bad(i + 1, "messages without an assistant turn: nothing to learn".into()));
             }
@@ -71,6 +78,7 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos: String,
     eos: String,
+    roles: Vec<String>,
 }
 
 impl ChatTemplate {
@@ -108,8 +116,19 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        let roles = ROLES
+            .iter()
+            .filter(|&&r| r != "tool" || source.contains("'tool'") || source.contains("\"tool\""))
+            .map(|r| r.to_string())
+            .collect();
         env.add_template_owned("chat", source).map_err(template_error)?;
-        Ok(Self { env, bos, eos })
+        Ok(Self { env, bos, eos, roles })
+    }
+
+    /// The roles a message may have: system, user and assistant, and `tool` where the template
+    /// names it.
+    pub fn roles(&self) -> &[String] {
+        &self.roles
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
@@ -334,6 +353,18 @@ mod tests {
         assert!(e.contains("d.jsonl:2:") && e.contains("expected {\"prompt\""), "{e}");
         std::fs::write(&p, "{not json\n").unwrap();
         assert!(read_jsonl(&p).unwrap_err().to_string().contains("d.jsonl:1:"));
+        let chat = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "ho"}]}"#;
+        std::fs::write(&p, format!("{chat}\n")).unwrap();
+        let e = read_jsonl(&p).unwrap_err().to_string();
+        assert!(e.contains("d.jsonl:1:") && e.contains("messages[1].role `wizard`"), "{e}");
+    }
+
+    #[test]
+    fn a_template_names_its_roles() {
+        let plain = ChatTemplate::new(CHATML.into(), String::new(), String::new()).unwrap();
+        assert_eq!(plain.roles(), ["system", "user", "assistant"]);
+        let tools = format!("{{% if messages[0].role == 'tool' %}}{{% endif %}}{CHATML}");
+        assert_eq!(ChatTemplate::new(tools, String::new(), String::new()).unwrap().roles().len(), 4);
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! The open connections: a fixed number at most, each watched for progress. Under
 //! [`Idle::Closed`], a connection that neither sends nor takes bytes for a while, or whose answer
-//! the client does not take within the write deadline, is closed; when every place is taken, the
-//! connection that has waited longest without a request being worked on makes room for the new one
-//! (so a crowd of idle sockets cannot lock out a real client), and only when all of them are being
-//! answered is the newcomer turned away. Under [`Idle::Kept`] a full house turns newcomers away.
+//! the client does not take within the write deadline, is closed. Under either policy, when every
+//! place is taken, the connection that has waited longest without a request being worked on makes
+//! room for the new one (so a crowd of idle sockets cannot lock out a real client), and only when
+//! all of them are being answered is the newcomer turned away.
 
 use std::collections::HashMap;
 use std::io;
@@ -19,8 +19,8 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 /// What happens to connections that hold a place without using it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Idle {
-    /// Kept open however long they wait, and a newcomer at a full house is turned away (503): for
-    /// answers that may wait on work for minutes without a byte either way.
+    /// Kept open however long they wait (for answers that may wait on work for minutes without a
+    /// byte either way), until a full house needs the place of one with no request in work.
     Kept,
     /// Closed when silent or when the client does not take its answer, and a full house makes room
     /// by closing the idlest.
@@ -88,10 +88,12 @@ impl Conn {
         self.last_progress.store(self.now(), Ordering::Relaxed);
     }
 
-    /// Marks a request as being worked on until the guard drops.
-    pub(crate) fn busy(self: &Arc<Self>) -> BusyGuard {
+    /// Marks a request as being worked on until the guard drops: the connection is neither
+    /// closed for silence nor evicted to make room, and a draining server waits for it. A service
+    /// whose answer outlives its handler (a streamed body) keeps a guard in the body.
+    pub fn working(self: &Arc<Self>) -> Working {
         self.busy.fetch_add(1, Ordering::AcqRel);
-        BusyGuard(self.clone())
+        Working(self.clone())
     }
 
     /// Takes `bytes` of the response budget for a whole answer about to be written on this
@@ -110,9 +112,10 @@ impl Conn {
     }
 }
 
-pub(crate) struct BusyGuard(Arc<Conn>);
+/// A request in work on a connection ([`Conn::working`]).
+pub struct Working(Arc<Conn>);
 
-impl Drop for BusyGuard {
+impl Drop for Working {
     fn drop(&mut self) {
         self.0.busy.fetch_sub(1, Ordering::AcqRel);
         self.0.progressed();
@@ -162,7 +165,7 @@ impl Conns {
     }
 
     /// A place for a new connection, making room by closing the longest-idle one when all are
-    /// taken (under [`Idle::Closed`]); `None` when the house is full.
+    /// taken; `None` when every connection has a request in work.
     pub(crate) fn admit(self: &Arc<Self>) -> Option<Place> {
         let mut live = lock(&self.live);
         if live.len() >= self.max && !self.evict_idlest(&mut live) {
@@ -175,15 +178,29 @@ impl Conns {
     }
 
     /// Closes the connection that has gone longest without progress and without a request being
-    /// worked on (out of file descriptors, say), under [`Idle::Closed`]; whether there was one.
+    /// worked on (out of file descriptors, say); whether there was one.
     pub(crate) fn evict_one(&self) -> bool {
         self.evict_idlest(&mut lock(&self.live))
     }
 
+    /// Requests in work over every connection.
+    pub(crate) fn working(&self) -> usize {
+        lock(&self.live).values().map(|c| c.busy.load(Ordering::Acquire)).sum()
+    }
+
+    /// Closes every connection with no request in work (a draining server).
+    pub(crate) fn close_idle(&self) {
+        let mut live = lock(&self.live);
+        live.retain(|_, c| {
+            let idle = c.busy.load(Ordering::Acquire) == 0;
+            if idle {
+                c.close.notify_one();
+            }
+            !idle
+        });
+    }
+
     fn evict_idlest(&self, live: &mut HashMap<u64, Arc<Conn>>) -> bool {
-        if self.idle == Idle::Kept {
-            return false;
-        }
         let idlest = live
             .iter()
             .filter(|(_, c)| c.busy.load(Ordering::Acquire) == 0)
@@ -191,6 +208,7 @@ impl Conns {
             .map(|(&id, _)| id);
         match idlest.and_then(|id| live.remove(&id)) {
             Some(c) => {
+                tracing::debug!("a full house closes its idlest connection to make room");
                 c.close.notify_one();
                 true
             }
@@ -340,13 +358,13 @@ mod tests {
         let a = conns.admit().unwrap();
         std::thread::sleep(Duration::from_millis(5));
         let b = conns.admit().unwrap();
-        let _busy = b.state.busy();
+        let _busy = b.state.working();
         // `a` has been idle longest and nothing is being answered on it.
         let c = conns.admit().unwrap();
         assert_eq!(conns.len(), 2);
         assert!(!lock(&conns.live).contains_key(&a.id));
         // Both places are now held by requests being answered: the next one is turned away.
-        let _busy_c = c.state.busy();
+        let _busy_c = c.state.working();
         assert!(conns.admit().is_none());
         drop(_busy_c);
         let d = conns.admit();
@@ -361,7 +379,7 @@ mod tests {
         let idle = conns.admit().unwrap();
         let unread = conns.admit().unwrap();
         let working = conns.admit().unwrap();
-        let _busy = working.state.busy();
+        let _busy = working.state.working();
         unread.state.write_blocked.store(unread.state.now() + 1, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(100));
         unread.state.progressed();
@@ -376,17 +394,24 @@ mod tests {
     }
 
     #[test]
-    fn a_house_that_keeps_idle_connections_turns_newcomers_away() {
+    fn a_house_that_keeps_idle_connections_still_makes_room_for_a_newcomer() {
         let conns = Conns::new(2, Idle::Kept, 1 << 20);
         let (a, b) = (conns.admit().unwrap(), conns.admit().unwrap());
-        assert!(conns.admit().is_none());
-        assert!(!conns.evict_one());
         a.state.write_blocked.store(a.state.now() + 1, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(20));
         conns.reap();
         assert_eq!(conns.len(), 2, "never closed for silence or an unread answer");
-        drop(b);
-        assert!(conns.admit().is_some());
+        let (_a_works, _b_works) = (a.state.working(), b.state.working());
+        assert!(conns.admit().is_none(), "every connection has a request in work");
+        assert!(!conns.evict_one());
+        assert_eq!(conns.working(), 2);
+        drop(_a_works);
+        let c = conns.admit().expect("a is idle and gives its place up");
+        assert!(!lock(&conns.live).contains_key(&a.id));
+        conns.close_idle();
+        assert_eq!(conns.len(), 1, "draining closes c, idle; b is still answered");
+        assert!(lock(&conns.live).contains_key(&b.id));
+        drop(c);
     }
 
     #[test]

@@ -7,5 +7,5 @@ mod conn;
 mod hosts;
 mod server;
 
-pub use conn::{Conn, Idle};
-pub use server::{race, Either, Limits, Priority, Refused, Server, Service, Settings, StartError};
+pub use conn::{Conn, Idle, Working};
+pub use server::{race, Drained, Either, Limits, Priority, Refused, Server, Service, Settings, StartError};

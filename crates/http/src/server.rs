@@ -8,14 +8,18 @@
 //! - requests announcing a body over [`Limits::max_body`] get 413 unread, and the connection is
 //!   closed after the answer;
 //! - at most [`Limits::max_connections`] connections (and half the process's file descriptors),
-//!   treated as [`Limits::idle`] says (see [`crate::conn`]); a full house that cannot make room
-//!   answers 503;
+//!   treated as [`Limits::idle`] says (see [`crate::conn`]); a full house makes room by closing the
+//!   idlest connection, and answers 503 only when every connection has a request in work;
 //! - accept errors (out of file descriptors, say) are logged and retried, never fatal;
-//! - a `Host` allow-list against DNS rebinding ([`Settings::allowed_hosts`]).
+//! - a `Host` allow-list against DNS rebinding ([`Settings::allowed_hosts`]);
+//! - a graceful stop ([`Server::drain`]): no new connections or requests, the answers in work
+//!   finished within a grace period, then ended by the service ([`Service::cut`]);
+//! - every refusal logged (target `ember_http`), never a request's body.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -113,6 +117,18 @@ pub enum Refused {
     Host(String),
     /// A body announced over this many bytes (413).
     BodyTooLarge(u64),
+    /// The server is draining ([`Server::drain`]): no new requests (503, the connection closed).
+    ShuttingDown,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Host(host) => write!(f, "Host `{host}` is not served"),
+            Self::BodyTooLarge(limit) => write!(f, "a body announced over {limit} bytes"),
+            Self::ShuttingDown => f.write_str("the server is shutting down"),
+        }
+    }
 }
 
 /// What a server answers, behind the shell.
@@ -128,13 +144,31 @@ pub trait Service: Send + Sync + 'static {
         request: Request<Incoming>,
         conn: Arc<Conn>,
     ) -> impl Future<Output = Response<Self::Body>> + Send;
+
+    /// Ends every answer in work now, each with a last word its client can read (a draining server
+    /// whose grace period is over). Answers that end on their own within moments need nothing.
+    fn cut(&self) {}
 }
 
 /// A running server. Dropping it stops the server (without waiting for it).
 pub struct Server {
     addr: SocketAddr,
     shutdown: Arc<Notify>,
+    /// After the accept loop has ended, the runtime stays up until this is notified.
+    finish: Arc<Notify>,
+    draining: Arc<AtomicBool>,
+    conns: Arc<Conns>,
+    cut: Arc<dyn Fn() + Send + Sync>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How a drained server's answers ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drained {
+    /// Requests in work when the drain began.
+    pub in_work: usize,
+    /// Requests still in work when the grace period ended, ended by [`Service::cut`].
+    pub cut: usize,
 }
 
 impl Server {
@@ -162,21 +196,26 @@ impl Server {
         if let Some(fds) = fd_limit() {
             limits.max_connections = limits.max_connections.min((fds / 2).max(1) as usize);
         }
+        let service = Arc::new(service);
+        let conns = Conns::new(limits.max_connections, limits.idle, limits.response_budget);
+        let draining = Arc::new(AtomicBool::new(false));
         let shell = Arc::new(Shell {
             name,
             hosts: AllowedHosts::new(&allowed_hosts),
-            conns: Conns::new(limits.max_connections, limits.idle, limits.response_budget),
+            conns: conns.clone(),
             limits,
-            service: Arc::new(service),
+            service: service.clone(),
+            draining: draining.clone(),
         });
-        let shutdown = Arc::new(Notify::new());
-        let stop = shutdown.clone();
+        let cut = Arc::new(move || service.cut());
+        let (shutdown, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        let (stop, finished) = (shutdown.clone(), finish.clone());
         let thread = std::thread::Builder::new()
             .name(name.into())
             .spawn(move || {
                 lower_priority(priority);
                 let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    runtime.block_on(shell.serve(listener, stop));
+                    runtime.block_on(shell.serve(listener, stop, finished));
                 }));
                 if served.is_err() {
                     tracing::error!("{name} stopped after a panic");
@@ -184,7 +223,7 @@ impl Server {
                 runtime.shutdown_timeout(Duration::from_secs(1));
             })
             .map_err(threads_error)?;
-        Ok(Self { addr, shutdown, thread: Some(thread) })
+        Ok(Self { addr, shutdown, finish, draining, conns, cut, thread: Some(thread) })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -201,7 +240,38 @@ impl Server {
     /// Stops accepting connections, drops the open ones and waits (about a second at most) for the
     /// server's threads to end.
     pub fn stop(mut self) {
+        self.end();
+    }
+
+    /// Stops gracefully: new connections are no longer accepted and new requests on open ones get
+    /// 503, idle connections are closed, the requests in work have `grace` to finish, then the
+    /// service ends the rest ([`Service::cut`]) and gets a few seconds more; then the server stops.
+    pub fn drain(mut self, grace: Duration) -> Drained {
+        self.draining.store(true, Ordering::SeqCst);
         self.shutdown.notify_one();
+        self.conns.close_idle();
+        let in_work = self.conns.working();
+        let settled = |within: Duration| {
+            let start = Instant::now();
+            while self.conns.working() > 0 && start.elapsed() < within {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            self.conns.working()
+        };
+        let cut = settled(grace);
+        if cut > 0 {
+            (self.cut)();
+            settled(Duration::from_secs(5));
+        }
+        // The last answers' final bytes leave hyper's buffers for the sockets.
+        std::thread::sleep(Duration::from_millis(100));
+        self.end();
+        Drained { in_work, cut }
+    }
+
+    fn end(&mut self) {
+        self.shutdown.notify_one();
+        self.finish.notify_one();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -211,6 +281,7 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.shutdown.notify_one();
+        self.finish.notify_one();
     }
 }
 
@@ -278,10 +349,11 @@ struct Shell<S> {
     conns: Arc<Conns>,
     limits: Limits,
     service: Arc<S>,
+    draining: Arc<AtomicBool>,
 }
 
 impl<S: Service> Shell<S> {
-    async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: Arc<Notify>) {
+    async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: Arc<Notify>, finish: Arc<Notify>) {
         let reaper = tokio::spawn({
             let conns = self.conns.clone();
             async move {
@@ -326,12 +398,21 @@ impl<S: Service> Shell<S> {
                 }
             }
         }
+        // New connections are refused by the system from here; the open ones are served until
+        // the server is told to finish.
+        drop(listener);
+        finish.notified().await;
         reaper.abort();
     }
 
     fn admit(self: Arc<Self>, stream: TcpStream) {
         let Some(place) = self.conns.admit() else {
             // Every place is taken: say so and close, without waiting.
+            tracing::warn!(
+                "{}: every connection has a request in work; a new one from {} was turned away (503)",
+                self.name,
+                stream.peer_addr().map_or_else(|_| "?".into(), |a| a.to_string())
+            );
             let _ = stream.try_write(BUSY);
             return;
         };
@@ -362,19 +443,28 @@ impl<S: Service> Shell<S> {
 
     /// The checks every request passes (Host, announced body size), then the service's answer.
     async fn request(&self, request: Request<Incoming>, local: Option<IpAddr>, conn: Arc<Conn>) -> Response<S::Body> {
-        let _busy = conn.busy();
+        let _working = conn.working();
+        let refuse = |why: Refused, close: bool| {
+            tracing::info!("{}: {} {} refused: {why}", self.name, request.method(), request.uri().path());
+            let mut r = self.service.refuse(why);
+            if close {
+                r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            r
+        };
+        if self.draining.load(Ordering::SeqCst) {
+            return refuse(Refused::ShuttingDown, true);
+        }
         let host = request.headers().get(HOST).map(|h| h.to_str());
         let host_ok = matches!(host, Some(Ok(host)) if self.hosts.allows(host, local));
         let authority_ok = request.uri().authority().is_none_or(|a| self.hosts.allows(a.as_str(), local));
         if !host_ok || !authority_ok {
             let host = host.and_then(Result::ok).unwrap_or_default();
-            return self.service.refuse(Refused::Host(host.to_string()));
+            return refuse(Refused::Host(host.to_string()), false);
         }
         if request.body().size_hint().upper().is_some_and(|n| n > self.limits.max_body) {
             // Never read: the connection is closed after the answer.
-            let mut r = self.service.refuse(Refused::BodyTooLarge(self.limits.max_body));
-            r.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
-            return r;
+            return refuse(Refused::BodyTooLarge(self.limits.max_body), true);
         }
         self.service.clone().answer(request, conn).await
     }

@@ -5,29 +5,36 @@
 //! [`Limits::max_connections`] connections (503 past it; kept however long an answer waits on the
 //! model), bodies announced over [`Limits::max_body`] refused (413) and a `Host` allow-list against
 //! DNS rebinding; bodies are read within [`Limits::body_timeout`] (408), an optional API key is
-//! required (`Authorization: Bearer …`), and a full queue is 429. A client that disconnects
-//! mid-answer has its request cancelled at the next token.
+//! required (`Authorization: Bearer …`; the chat page itself is served without it and asks for
+//! it), and a full queue is 429. A POST must be JSON (`Content-Type: application/json`, else 415)
+//! and, when a browser sends an `Origin`, come from this server's own page (else 403): a web page
+//! elsewhere cannot make the user's browser run generations. A client that disconnects
+//! mid-answer has its request cancelled at the next token. [`Server::drain`] stops gracefully.
+//!
+//! Every request is logged (target `ember_serve`): method, route, status, milliseconds and, for
+//! generations, the token counts; never the prompt or the answer.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ember_data::finetune::ChatTemplate;
 use ember_data::stream::TextStream;
 use ember_data::Tokenizer;
-use ember_http::{race, Conn, Either, Limits, Priority, Refused, Service, Settings, StartError};
+use ember_http::{race, Conn, Drained, Either, Limits, Priority, Refused, Service, Settings, StartError, Working};
 use ember_model::engine::{EngineError, Event, Finish, Request as EngineRequest};
 use ember_model::sample::Sampler;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
-use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HOST, ORIGIN, RETRY_AFTER};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::api::{error_body, ChatRequest, CompletionRequest, Generation, Invalid, Kind, Usage};
 use crate::worker::{SubmitError, Worker};
@@ -63,8 +70,15 @@ impl Server {
             allowed_hosts: options.allowed_hosts.clone(),
             limits: options.limits.clone(),
         };
-        let state = State { worker, options, next_id: AtomicU64::new(1) };
+        let state = State { worker, options, next_id: AtomicU64::new(1), cut: watch::channel(false).0 };
         ember_http::Server::start(addr, settings, state).map(Self)
+    }
+
+    /// Stops gracefully (see [`ember_http::Server::drain`]): answers in work get `grace` to
+    /// finish; the rest end with a last event (streams) or 503 (whole answers) naming the
+    /// shutdown.
+    pub fn drain(self, grace: Duration) -> Drained {
+        self.0.drain(grace)
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -81,6 +95,16 @@ struct State {
     worker: Worker,
     options: Options,
     next_id: AtomicU64,
+    /// Set when the answers in work are to end now (a drain's grace period is over).
+    cut: watch::Sender<bool>,
+}
+
+impl State {
+    /// Resolves when the answers in work are to end ([`Service::cut`]).
+    async fn cut(&self) {
+        let mut rx = self.cut.subscribe();
+        let _ = rx.wait_for(|&cut| cut).await;
+    }
 }
 
 impl Service for State {
@@ -96,20 +120,55 @@ impl Service for State {
                 let message = format!("the body is larger than {limit} bytes");
                 error(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", &message, None, None)
             }
+            Refused::ShuttingDown => shutting_down(),
         }
     }
 
-    async fn answer(self: Arc<Self>, request: Request<Incoming>, _: Arc<Conn>) -> Answer {
-        route(&self, request).await
+    async fn answer(self: Arc<Self>, request: Request<Incoming>, conn: Arc<Conn>) -> Answer {
+        let (method, path) = (request.method().clone(), request.uri().path().to_string());
+        let start = Instant::now();
+        let answer = route(&self, request, &conn).await;
+        let ms = start.elapsed().as_millis();
+        let status = answer.status().as_u16();
+        match answer.extensions().get::<Logged>() {
+            Some(Logged::Usage(u)) => tracing::info!(
+                "{method} {path} {status} in {ms} ms: {} prompt + {} completion tokens",
+                u.prompt_tokens,
+                u.completion_tokens
+            ),
+            Some(Logged::Stream(id)) => tracing::info!("{method} {path} {status} in {ms} ms: streaming {id}"),
+            None => tracing::info!("{method} {path} {status} in {ms} ms"),
+        }
+        answer
+    }
+
+    fn cut(&self) {
+        self.cut.send_replace(true);
     }
 }
 
+/// What the request log adds to an answer's line.
+#[derive(Debug, Clone)]
+enum Logged {
+    Usage(Usage),
+    /// A streamed answer's id; its stream logs its own end.
+    Stream(String),
+}
+
+/// The answer to a request the server cannot finish because it is stopping.
+fn shutting_down() -> Answer {
+    error(StatusCode::SERVICE_UNAVAILABLE, "server_error", SHUTTING_DOWN, None, Some("server_shutdown"))
+}
+
+const SHUTTING_DOWN: &str = "the server is shutting down";
+
 type Answer = Response<AnswerBody>;
 
-/// A whole body, or the server-sent events of a streamed answer as they come.
+/// A whole body, or the server-sent events of a streamed answer as they come (its connection
+/// marked as working until the body ends).
 pub enum AnswerBody {
     Full(Full<Bytes>),
-    Events(mpsc::Receiver<Bytes>),
+    Events(mpsc::Receiver<Bytes>, Working),
 }
 
 impl Body for AnswerBody {
@@ -119,14 +178,14 @@ impl Body for AnswerBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         match self.get_mut() {
             Self::Full(full) => Pin::new(full).poll_frame(cx),
-            Self::Events(rx) => rx.poll_recv(cx).map(|chunk| chunk.map(|b| Ok(Frame::data(b)))),
+            Self::Events(rx, _) => rx.poll_recv(cx).map(|chunk| chunk.map(|b| Ok(Frame::data(b)))),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
             Self::Full(full) => full.size_hint(),
-            Self::Events(_) => SizeHint::default(),
+            Self::Events(..) => SizeHint::default(),
         }
     }
 }
@@ -153,11 +212,43 @@ fn invalid(e: Invalid) -> Answer {
             Some("model_not_found"),
         );
     }
-    error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.message, Some(e.param), None)
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.message, Some(&e.param), None)
 }
 
-async fn route(state: &State, req: Request<Incoming>) -> Answer {
-    if let Some(key) = &state.options.api_key {
+/// Why a POST is refused before its body is read: a cross-origin browser request (403) or a body
+/// that is not declared JSON (415).
+fn refuse_post(req: &Request<Incoming>) -> Option<Answer> {
+    let headers = req.headers();
+    if let Some(origin) = headers.get(ORIGIN) {
+        // A browser names the page that sent the request; only this server's own page may.
+        let host = headers.get(HOST).and_then(|h| h.to_str().ok()).unwrap_or_default();
+        let origin = origin.to_str().unwrap_or("(not text)");
+        if origin != format!("http://{host}") {
+            let message = format!(
+                "cross-origin requests are refused: Origin `{origin}` is not this server's page (http://{host})"
+            );
+            return Some(error(StatusCode::FORBIDDEN, "invalid_request_error", &message, None, Some("cross_origin")));
+        }
+    }
+    let content_type = headers.get(CONTENT_TYPE).map(|h| h.to_str().unwrap_or("(not text)"));
+    let media = content_type.map(|c| c.split(';').next().unwrap_or_default().trim().to_ascii_lowercase());
+    if media.as_deref() != Some("application/json") {
+        let message = format!(
+            "the body must be JSON sent as `Content-Type: application/json`; got {}",
+            content_type.map_or_else(|| "no Content-Type".to_string(), |c| format!("`{c}`"))
+        );
+        let code = Some("unsupported_media_type");
+        return Some(error(StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error", &message, None, code));
+    }
+    None
+}
+
+async fn route(state: &State, req: Request<Incoming>, conn: &Arc<Conn>) -> Answer {
+    let path = req.uri().path().to_string();
+    // The chat page holds no secret: it is served to anyone who reaches the server, and asks its
+    // user for the key.
+    let page = req.method() == Method::GET && path == "/";
+    if let (Some(key), false) = (&state.options.api_key, page) {
         let given =
             req.headers().get(AUTHORIZATION).and_then(|h| h.to_str().ok()).and_then(|h| h.strip_prefix("Bearer "));
         if given != Some(key.as_str()) {
@@ -165,7 +256,11 @@ async fn route(state: &State, req: Request<Incoming>) -> Answer {
             return error(StatusCode::UNAUTHORIZED, "invalid_request_error", message, None, Some("invalid_api_key"));
         }
     }
-    let path = req.uri().path().to_string();
+    if req.method() == Method::POST {
+        if let Some(refused) = refuse_post(&req) {
+            return refused;
+        }
+    }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/") => {
             let mut r = Response::new(AnswerBody::Full(Full::new(Bytes::from_static(CHAT_PAGE.as_bytes()))));
@@ -178,11 +273,11 @@ async fn route(state: &State, req: Request<Incoming>) -> Answer {
         }
         (Method::GET, "/health") => json_answer(StatusCode::OK, &json!({"status": "ok"})),
         (Method::POST, "/v1/completions") => match read_json::<CompletionRequest>(state, req).await {
-            Ok(r) => completion(state, r).await,
+            Ok(r) => completion(state, r, conn).await,
             Err(answer) => answer,
         },
         (Method::POST, "/v1/chat/completions") => match read_json::<ChatRequest>(state, req).await {
-            Ok(r) => chat(state, r).await,
+            Ok(r) => chat(state, r, conn).await,
             Err(answer) => answer,
         },
         (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/" | "/health") => {
@@ -216,37 +311,42 @@ async fn read_json<T: serde::de::DeserializeOwned>(state: &State, req: Request<I
     })
 }
 
-async fn completion(state: &State, r: CompletionRequest) -> Answer {
+/// New tokens of a completion whose request names no `max_tokens`, as OpenAI's default.
+pub const COMPLETION_MAX_TOKENS: usize = 16;
+
+async fn completion(state: &State, r: CompletionRequest, conn: &Arc<Conn>) -> Answer {
     let prepared = (|| {
         let prompt = r.prompt()?;
-        let generation = r.settings.generation(&state.options.model_name)?;
+        let mut generation = r.settings.generation(&state.options.model_name)?;
+        generation.max_tokens.get_or_insert(COMPLETION_MAX_TOKENS);
         let ids = state.options.tokenizer.encode_prompt(prompt).map_err(|e| Invalid::new("prompt", e.to_string()))?;
         Ok::<_, Invalid>((ids, generation))
     })();
     match prepared {
-        Ok((ids, generation)) => run(state, Kind::Completion, ids, generation).await,
+        Ok((ids, generation)) => run(state, Kind::Completion, ids, generation, conn).await,
         Err(e) => invalid(e),
     }
 }
 
-async fn chat(state: &State, r: ChatRequest) -> Answer {
+async fn chat(state: &State, r: ChatRequest, conn: &Arc<Conn>) -> Answer {
     let Some(template) = &state.options.template else {
         return invalid(Invalid::new("messages", "this model has no chat template; use /v1/completions"));
     };
     let prepared = (|| {
         let generation = r.settings.generation(&state.options.model_name)?;
-        let text = template.render(&r.messages()?, true).map_err(|e| Invalid::new("messages", e.to_string()))?;
+        let messages = r.messages(template.roles())?;
+        let text = template.render(&messages, true).map_err(|e| Invalid::new("messages", e.to_string()))?;
         let ids = state.options.tokenizer.encode_prompt(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;
         Ok::<_, Invalid>((ids, generation))
     })();
     match prepared {
-        Ok((ids, generation)) => run(state, Kind::Chat, ids, generation).await,
+        Ok((ids, generation)) => run(state, Kind::Chat, ids, generation, conn).await,
         Err(e) => invalid(e),
     }
 }
 
 /// Runs a checked request on the engine and answers it, whole or streamed.
-async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation) -> Answer {
+async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation, conn: &Arc<Conn>) -> Answer {
     let context = state.options.context;
     let max_new_tokens = g.max_tokens.unwrap_or(context.saturating_sub(prompt.len()).max(1));
     let seed =
@@ -279,19 +379,35 @@ async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation) -> Answ
         id,
     };
     if !g.stream {
-        return match collect(pending).await {
-            Ok((text, finish, usage)) => json_answer(
-                StatusCode::OK,
-                &kind.response(&answer.id, answer.created, &answer.model, &text, finish, usage),
-            ),
-            Err(()) => error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", ENGINE_FAILED, None, None),
+        let collected = race(collect(pending), state.cut()).await;
+        return match collected {
+            Either::Left(Ok((text, finish, usage))) => {
+                let mut r = json_answer(
+                    StatusCode::OK,
+                    &kind.response(&answer.id, answer.created, &answer.model, &text, finish, usage),
+                );
+                r.extensions_mut().insert(Logged::Usage(usage));
+                r
+            }
+            Either::Left(Err(())) => {
+                error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", ENGINE_FAILED, None, None)
+            }
+            Either::Right(()) => shutting_down(),
         };
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(async move { answer.stream(pending, tx).await });
-    let mut r = Response::new(AnswerBody::Events(rx));
+    let mut cut = state.cut.subscribe();
+    let id = answer.id.clone();
+    tokio::spawn(async move {
+        let cut = async move {
+            let _ = cut.wait_for(|&cut| cut).await;
+        };
+        answer.stream(pending, tx, cut).await
+    });
+    let mut r = Response::new(AnswerBody::Events(rx, conn.working()));
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r.extensions_mut().insert(Logged::Stream(id));
     r
 }
 
@@ -385,36 +501,59 @@ impl Answering {
         Bytes::from(format!("data: {chunk}\n\n"))
     }
 
-    async fn stream(self, p: Pending, tx: mpsc::Sender<Bytes>) {
+    /// Streams the answer's events into `tx` until it is over, the client leaves or `cut`
+    /// resolves (then a last error event says the server is shutting down), and logs how it ended.
+    async fn stream(self, p: Pending, tx: mpsc::Sender<Bytes>, cut: impl Future<Output = ()>) {
+        let start = Instant::now();
+        let mut generated = 0;
+        let ended = self.events(p, &tx, cut, &mut generated).await;
+        let (id, prompt, ms) = (&self.id, self.prompt_tokens, start.elapsed().as_millis());
+        tracing::info!("{id}: {ended} after {ms} ms: {prompt} prompt + {generated} completion tokens");
+    }
+
+    async fn events(
+        &self,
+        p: Pending,
+        tx: &mpsc::Sender<Bytes>,
+        cut: impl Future<Output = ()>,
+        generated: &mut usize,
+    ) -> &'static str {
         let Pending { tokenizer, prompt, stops, ends, mut events, worker, id } = p;
         let _cancel = CancelOnDrop { worker: &worker, id };
         let mut text = TextStream::new(&tokenizer, &prompt, stops, &ends);
-        let mut generated = 0;
+        let mut cut = std::pin::pin!(cut);
         loop {
             // A client that leaves while its request waits in the queue sends nothing to notice:
             // the body's end going away says so.
-            let next = race(next_piece(&mut text, &mut events, &mut generated), tx.closed()).await;
-            let Either::Left(next) = next else {
-                return; // the client disconnected
+            let next = race(next_piece(&mut text, &mut events, generated), race(tx.closed(), cut.as_mut())).await;
+            let next = match next {
+                Either::Left(next) => next,
+                Either::Right(Either::Left(())) => return "the client disconnected",
+                Either::Right(Either::Right(())) => {
+                    let last = error_body("server_error", SHUTTING_DOWN, None, Some("server_shutdown"));
+                    let _ = send_within(tx, Bytes::from(format!("data: {last}\n\n"))).await;
+                    let _ = send_within(tx, Bytes::from_static(b"data: [DONE]\n\n")).await;
+                    return "ended by the server's shutdown";
+                }
             };
             let Ok((piece, finish)) = next else {
                 let failed = error_body("server_error", ENGINE_FAILED, None, None);
-                let _ = send_within(&tx, Bytes::from(format!("data: {failed}\n\n"))).await;
-                return;
+                let _ = send_within(tx, Bytes::from(format!("data: {failed}\n\n"))).await;
+                return "ended by a failed decoding step";
             };
             let sent = match finish {
                 None if piece.is_empty() => true,
-                None => send_within(&tx, self.event(&piece, None, None)).await,
+                None => send_within(tx, self.event(&piece, None, None)).await,
                 Some(finish) => {
-                    let usage = Usage::new(self.prompt_tokens, generated);
-                    let last = piece.is_empty() || send_within(&tx, self.event(&piece, None, None)).await;
-                    let _ = last && send_within(&tx, self.event("", Some(finish), Some(usage))).await;
-                    let _ = send_within(&tx, Bytes::from_static(b"data: [DONE]\n\n")).await;
-                    return;
+                    let usage = Usage::new(self.prompt_tokens, *generated);
+                    let last = piece.is_empty() || send_within(tx, self.event(&piece, None, None)).await;
+                    let _ = last && send_within(tx, self.event("", Some(finish), Some(usage))).await;
+                    let _ = send_within(tx, Bytes::from_static(b"data: [DONE]\n\n")).await;
+                    return if finish == "length" { "finished (length)" } else { "finished (stop)" };
                 }
             };
             if !sent {
-                return; // the client disconnected
+                return "the client disconnected";
             }
         }
     }

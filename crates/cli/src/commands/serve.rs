@@ -4,9 +4,11 @@
 use std::io::{BufRead, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use burn::tensor::Device;
+use clap::builder::RangedU64ValueParser;
 use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
@@ -32,38 +34,44 @@ pub struct ServeArgs {
     /// The model's name in the API (default: the checkpoint folder's name).
     #[arg(long)]
     model_name: Option<String>,
-    /// Require `Authorization: Bearer KEY` (also read from EMBER_API_KEY).
+    /// Require `Authorization: Bearer KEY` (also read from EMBER_API_KEY); not empty. The chat
+    /// page at `/` is served without it and asks for it.
     #[arg(long)]
     api_key: Option<String>,
     /// Requests decoded together (continuous batching slots), 1 to 256.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = RangedU64ValueParser::<usize>::new().range(1..=256))]
     slots: usize,
-    /// Requests that may wait for a slot before the server answers 429.
-    #[arg(long, default_value_t = 64)]
+    /// Requests that may wait for a slot before the server answers 429, 0 to 4096.
+    #[arg(long, default_value_t = 64, value_parser = RangedU64ValueParser::<usize>::new().range(0..=4096))]
     queue: usize,
-    /// Prompt tokens a request prefills per step (long prompts do not stall the others).
-    #[arg(long, default_value_t = 256)]
+    /// Prompt tokens a request prefills per step (long prompts do not stall the others), 1 to 65536.
+    #[arg(long, default_value_t = 256, value_parser = RangedU64ValueParser::<usize>::new().range(1..=65536))]
     prefill_chunk: usize,
-    /// Positions per KV-cache block.
-    #[arg(long, default_value_t = 64)]
+    /// Positions per KV-cache block, 1 to 4096 (and at most the model's context).
+    #[arg(long, default_value_t = 64, value_parser = RangedU64ValueParser::<usize>::new().range(1..=4096))]
     block_size: usize,
     /// Host names answered besides localhost and the listening address (repeatable), for a
     /// server reached by name.
     #[arg(long)]
     allow_host: Vec<String>,
-    /// Open connections at most.
-    #[arg(long, default_value_t = 256)]
+    /// Open connections at most, 1 to 65536 (and half the file descriptors the process may
+    /// open). When all are taken, the one idle longest is closed to make room.
+    #[arg(long, default_value_t = 256, value_parser = RangedU64ValueParser::<usize>::new().range(1..=65536))]
     max_connections: usize,
+    /// On SIGTERM or Ctrl-C: seconds the answers in work get to finish before they are ended
+    /// (streams with a last event saying so), 0 to 600. A second signal stops at once.
+    #[arg(long, default_value_t = 10, value_parser = RangedU64ValueParser::<u64>::new().range(0..=600))]
+    shutdown_grace: u64,
     /// cpu, wgpu[:N] or cuda[:N].
     #[arg(long, default_value = "cpu")]
     device: DeviceSpec,
 }
 
-pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    anyhow::ensure!((1..=256).contains(&args.slots), "--slots {} must be in 1..=256", args.slots);
+pub fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
+    args.api_key = args.api_key.take().or_else(crate::env::api_key);
     anyhow::ensure!(
-        args.block_size >= 1 && args.prefill_chunk >= 1,
-        "--block-size and --prefill-chunk must be at least 1"
+        args.api_key.as_ref().is_none_or(|k| !k.trim().is_empty()),
+        "--api-key (or EMBER_API_KEY) is empty: every request would be refused; give a key or leave both unset"
     );
     let checkpoint = Checkpoint::open(&args.checkpoint)?;
     let template = ChatTemplate::from_dir(&checkpoint.dir)?;
@@ -86,6 +94,11 @@ impl Job for ServeJob {
         let Self { args, checkpoint, template } = self;
         let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
         let context = model.config().max_seq_len;
+        anyhow::ensure!(
+            args.block_size <= context,
+            "--block-size {} is larger than the model's context of {context} positions",
+            args.block_size
+        );
         let config = EngineConfig {
             slots: args.slots,
             queue_limit: args.queue,
@@ -101,15 +114,26 @@ impl Job for ServeJob {
             template,
             context,
             allowed_hosts: args.allow_host.clone(),
-            api_key: args.api_key.clone().or_else(crate::env::api_key),
+            api_key: args.api_key.clone(),
             limits,
         };
         let server = Server::start(SocketAddr::new(args.host, args.port), worker, options)?;
         tracing::info!("serving `{model_name}` on {name} with {} slots", args.slots);
+        crate::signals::catch_stop().context("asking for SIGTERM and SIGINT")?;
         // Tests and scripts read this line for the port.
         println!("listening on http://{}", server.addr());
         std::io::stdout().flush()?;
-        server.wait();
+        while !crate::signals::stop_requested() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let grace = Duration::from_secs(args.shutdown_grace);
+        tracing::info!("stopping: no new requests; answers in work get {grace:?} to finish (a second signal stops at once)");
+        let drained = server.drain(grace);
+        tracing::info!(
+            "stopped: {} answers were in work, {} of them ended by the shutdown",
+            drained.in_work,
+            drained.cut
+        );
         Ok(())
     }
 }

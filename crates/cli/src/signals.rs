@@ -1,0 +1,39 @@
+//! SIGTERM and SIGINT (Ctrl-C) as a request to stop, for commands that stop gracefully: the first
+//! one is noted ([`stop_requested`]) and the command finishes its work in hand; a second one ends
+//! the process at once, as the default action would have.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    // Only async-signal-safe work here: an atomic swap, and `_exit` on the second signal.
+    if STOP.swap(true, Ordering::SeqCst) {
+        // SAFETY: `_exit` is async-signal-safe and takes no pointers.
+        unsafe { libc::_exit(128 + signal) };
+    }
+}
+
+/// Routes SIGTERM and SIGINT to [`stop_requested`] from now on. An error when the system refuses.
+pub fn catch_stop() -> std::io::Result<()> {
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: `sigaction` reads the struct it is given; the handler is an `extern "C" fn`
+        // that only touches an atomic and calls `_exit`.
+        let failed = unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signal, &action, std::ptr::null_mut()) != 0
+        };
+        if failed {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Whether SIGTERM or SIGINT has arrived since [`catch_stop`].
+pub fn stop_requested() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
