@@ -143,3 +143,53 @@ fn gguf_files() {
     refuse(&s, &["export", "run", "--format", "gguf", "--out", "model.gguf"], &["model.gguf", "exists"]);
     refuse(&s, &["export", "run", "--format", "gguf", "--dtype", "q4_k", "--out", "q.gguf"], &["q4_k"]);
 }
+
+/// Issue 39: a metadata key twice is refused (not "the later one wins").
+#[test]
+fn gguf_duplicate_metadata_key() {
+    let (s, good) = with_gguf();
+    // `qwen2.block_count` renamed `general.file_type` (both 17 bytes): that key twice.
+    let at = after(&good, b"qwen2.block_count") - 17;
+    let mut twice = good.clone();
+    twice[at..at + 17].copy_from_slice(b"general.file_type");
+    std::fs::write(s.path().join("twice.gguf"), &twice).unwrap();
+    refuse(&s, &["import", "twice.gguf", "--out", "again"], &["twice.gguf", "`general.file_type` appears twice"]);
+}
+
+/// Issue 39: GGUF is told by its magic bytes, not by its name; NaN weights import with a warning
+/// that names the tensor.
+#[test]
+fn gguf_by_magic_and_non_finite_weights() {
+    let (s, good) = with_gguf();
+    std::fs::write(s.path().join("model.bin"), &good).unwrap();
+    let o = s.ember(&["import", "model.bin", "--out", "bin"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("imported GGUF qwen2"), "{}", stdout(&o));
+    // Two NaNs in the final norm's gains (f32): a warning, not a refusal.
+    let file = ember_hf::gguf::GgufFile::parse(good.clone(), Path::new("model.gguf")).unwrap();
+    let norm = file.tensor("output_norm.weight").expect("a final norm").clone();
+    let mut nan = good.clone();
+    for i in 0..2 {
+        nan[norm.start + 4 * i..norm.start + 4 * i + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(s.path().join("nan.gguf"), &nan).unwrap();
+    let o = s.ember(&["import", "nan.gguf", "--out", "nan"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = format!("output_norm.weight: 2 NaN/Inf values of {}", norm.num_values());
+    assert!(stderr(&o).contains(&want), "stderr lacks `{want}`:\n{}", stderr(&o));
+}
+
+/// Issue 39: a path that is neither a file nor a folder is named for what it is (it was
+/// "config.json: Not a directory"), and never opened; a file that is not GGUF says so.
+#[test]
+fn import_of_a_fifo_or_a_plain_file() {
+    let s = Scratch::new();
+    // The FIFO lives outside the scratch folder, whose snapshot would block reading it.
+    let elsewhere = Scratch::new();
+    let fifo = elsewhere.path().join("model.gguf");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let fifo = fifo.to_str().unwrap();
+    refuse(&s, &["import", fifo, "--out", "run"], &[fifo, "is a FIFO"]);
+    s.write("notes.txt", "not a model");
+    refuse(&s, &["import", "notes.txt", "--out", "run"], &["notes.txt", "a file that is not GGUF"]);
+}

@@ -14,7 +14,7 @@ use ember_train::Checkpoint;
 #[derive(Args, Debug)]
 pub struct ImportArgs {
     /// A Hugging Face model folder (config.json, model.safetensors or shards and their index,
-    /// tokenizer.json), or a llama.cpp `.gguf` file (F32, F16,
+    /// tokenizer.json), or a llama.cpp GGUF file, whatever its name (F32, F16,
     /// BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K).
     dir: PathBuf,
     /// The run directory to create (sample, eval, export or fine-tune from it).
@@ -99,9 +99,15 @@ pub fn import(args: ImportArgs) -> anyhow::Result<()> {
         ParamDtype::F32 => DType::F32,
         ParamDtype::Bf16 => DType::BF16,
     };
-    if ember_hf::gguf::model::is_gguf(&args.dir) {
+    // GGUF by its magic bytes, whatever the file's name; anything else must be a model folder.
+    if ember_hf::gguf::is_gguf(&args.dir)? {
         return import_gguf(&args, dtype);
     }
+    anyhow::ensure!(
+        !args.dir.is_file(),
+        "{}: a file that is not GGUF (it does not begin with \"GGUF\"); import takes a GGUF file or a Hugging Face model folder",
+        args.dir.display()
+    );
     let imported =
         ember_hf::import::<Flex>(&args.dir, dtype, args.allow_missing, args.allow_unused, &Default::default())
             .with_context(|| format!("importing {}", args.dir.display()))?;
@@ -150,7 +156,7 @@ fn save_import(
     Ok(checkpoint::save(out, data, 1)?)
 }
 
-/// `ember import FILE.gguf`: the model dequantized, its tokenizer and chat template rebuilt from
+/// `ember import FILE` of a GGUF file: the model dequantized, its tokenizer and chat template rebuilt from
 /// the metadata (written beside the weights as tokenizer.json and tokenizer_config.json).
 fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
     let started = std::time::Instant::now();

@@ -8,13 +8,17 @@
 //! ```
 //!
 //! Every count, length and offset is checked against the bytes that remain before anything is
-//! allocated, so a truncated or hostile file is an error that names it, never an abort.
+//! allocated, so a truncated or hostile file is an error that names it, never an abort. A metadata
+//! key or tensor name twice, and tensors whose data overlap, are errors too: no reader's choice of
+//! which one wins, no tensor reading another's bytes. [`Meta`] reads values by type, so that a value
+//! of the wrong type or a NaN is an error that names the key, never a default.
 
 pub mod model;
 pub mod quant;
 pub mod tokenizer;
 
-use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
 pub use quant::GgmlType;
@@ -32,6 +36,30 @@ pub enum GgufError {
     Unsupported { path: PathBuf, name: String, kind: String },
     #[error("{}: metadata `{key}`: {message}", path.display())]
     Metadata { path: PathBuf, key: String, message: String },
+    /// A value of another type than the key's: not taken for a missing one.
+    #[error("{}: metadata `{key}` has type {found}, expected {expected}", path.display())]
+    WrongType { path: PathBuf, key: String, found: String, expected: &'static str },
+    /// A NaN or infinite hyper-parameter, which no default may stand in for.
+    #[error("{}: metadata `{key}` is {value}, not a finite number", path.display())]
+    NonFinite { path: PathBuf, key: String, value: f64 },
+    /// A metadata key or tensor name twice: readers disagree on which one wins.
+    #[error("{}: {what} `{name}` appears twice (the file is damaged or its writer is broken)", path.display())]
+    Duplicate { path: PathBuf, what: &'static str, name: String },
+    /// Two tensors whose data share bytes: each would read the other's values.
+    #[error(
+        "{}: the data of tensors `{first}` (bytes {first_range:?}) and `{second}` (bytes {second_range:?}) overlap",
+        path.display()
+    )]
+    Overlap {
+        path: PathBuf,
+        first: String,
+        first_range: std::ops::Range<usize>,
+        second: String,
+        second_range: std::ops::Range<usize>,
+    },
+    /// A path that is neither a regular file nor a folder (a FIFO, a socket, a device), never opened.
+    #[error("{}: is {kind}, not a regular file (a GGUF model) or a folder (a Hugging Face model)", path.display())]
+    NotAFile { path: PathBuf, kind: &'static str },
 }
 
 /// A metadata value.
@@ -53,6 +81,42 @@ pub enum Value {
 }
 
 impl Value {
+    /// The type's name in messages: `u32`, `f32`, `string`, `array`, ...
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::U8(_) => "u8",
+            Value::I8(_) => "i8",
+            Value::U16(_) => "u16",
+            Value::I16(_) => "i16",
+            Value::U32(_) => "u32",
+            Value::I32(_) => "i32",
+            Value::U64(_) => "u64",
+            Value::I64(_) => "i64",
+            Value::F32(_) => "f32",
+            Value::F64(_) => "f64",
+            Value::Bool(_) => "bool",
+            Value::String(_) => "string",
+            Value::Array(_) => "array",
+        }
+    }
+
+    /// The type, and the value too when it is a short scalar: `i32 (-1)`, `string`.
+    fn describe(&self) -> String {
+        let value = match *self {
+            Value::Bool(b) => Some(b.to_string()),
+            Value::I8(x) => Some(x.to_string()),
+            Value::I16(x) => Some(x.to_string()),
+            Value::I32(x) => Some(x.to_string()),
+            Value::I64(x) => Some(x.to_string()),
+            Value::String(_) | Value::Array(_) => None,
+            ref v => v.as_f64().map(|x| x.to_string()),
+        };
+        match value {
+            Some(value) => format!("{} ({value})", self.type_name()),
+            None => self.type_name().to_string(),
+        }
+    }
+
     fn type_id(&self) -> u32 {
         match self {
             Value::U8(_) => 0,
@@ -261,7 +325,12 @@ impl GgufFile {
             let key = r.string("a metadata key")?;
             let ty = r.u32(&key)?;
             let value = r.value(ty, &key, 0)?;
-            metadata.insert(key, value);
+            match metadata.entry(key) {
+                Entry::Occupied(e) => {
+                    return Err(GgufError::Duplicate { path: path.into(), what: "metadata key", name: e.key().clone() })
+                }
+                Entry::Vacant(e) => drop(e.insert(value)),
+            }
         }
         let alignment = match metadata.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
@@ -271,8 +340,12 @@ impl GgufFile {
             },
         };
         let mut infos = Vec::with_capacity(n_tensors as usize);
+        let mut names = HashSet::with_capacity(n_tensors as usize);
         for _ in 0..n_tensors {
             let name = r.string("a tensor name")?;
+            if !names.insert(name.clone()) {
+                return Err(GgufError::Duplicate { path: path.into(), what: "tensor", name });
+            }
             let n_dims = r.u32(&name)?;
             if n_dims == 0 || n_dims > 4 {
                 return Err(r.err(format!("tensor `{name}` has {n_dims} dimensions (1 to 4 expected)")));
@@ -308,7 +381,13 @@ impl GgufFile {
             let start = start.expect("checked") as usize;
             tensors.push(TensorInfo { name, dims, kind, start, len: len as usize });
         }
+        check_disjoint(&tensors, path)?;
         Ok(Self { path: path.into(), version, metadata, tensors, bytes })
+    }
+
+    /// The metadata, read by type.
+    pub fn meta(&self) -> Meta<'_> {
+        Meta { path: &self.path, map: &self.metadata }
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
@@ -334,6 +413,119 @@ impl GgufFile {
         let mut out = vec![0f32; t.num_values() as usize];
         quant::dequantize(t.kind, self.raw(t), &mut out);
         out
+    }
+}
+
+/// Refuses tensors whose data share bytes (empty tensors share none): sorted by start, each must
+/// begin at or after the furthest end before it.
+fn check_disjoint(tensors: &[TensorInfo], path: &Path) -> Result<(), GgufError> {
+    let mut by_start: Vec<&TensorInfo> = tensors.iter().filter(|t| t.len > 0).collect();
+    by_start.sort_by_key(|t| t.start);
+    let range = |t: &TensorInfo| t.start..t.start + t.len;
+    let mut furthest: Option<&TensorInfo> = None;
+    for t in by_start {
+        if let Some(f) = furthest.filter(|f| f.start + f.len > t.start) {
+            return Err(GgufError::Overlap {
+                path: path.into(),
+                first: f.name.clone(),
+                first_range: range(f),
+                second: t.name.clone(),
+                second_range: range(t),
+            });
+        }
+        if furthest.is_none_or(|f| t.start + t.len > f.start + f.len) {
+            furthest = Some(t);
+        }
+    }
+    Ok(())
+}
+
+/// A GGUF file's metadata read by type: a value of another type than the key's is an error that
+/// names both types, never taken for a missing value; a float must be finite.
+#[derive(Clone, Copy)]
+pub struct Meta<'a> {
+    /// The file, for messages.
+    pub path: &'a Path,
+    pub map: &'a BTreeMap<String, Value>,
+}
+
+impl<'a> Meta<'a> {
+    /// `key`'s value as `read` takes it, `None` when absent; a value `read` refuses is
+    /// [`GgufError::WrongType`] (`expected` says what it takes).
+    fn typed<T>(
+        &self,
+        key: &str,
+        expected: &'static str,
+        read: impl FnOnce(&'a Value) -> Option<T>,
+    ) -> Result<Option<T>, GgufError> {
+        let Some(v) = self.map.get(key) else { return Ok(None) };
+        let wrong = || GgufError::WrongType { path: self.path.into(), key: key.into(), found: v.describe(), expected };
+        read(v).map(Some).ok_or_else(wrong)
+    }
+
+    /// A string.
+    pub fn str(&self, key: &str) -> Result<Option<&'a str>, GgufError> {
+        self.typed(key, "string", Value::as_str)
+    }
+
+    /// An unsigned integer of any width.
+    pub fn u64(&self, key: &str) -> Result<Option<u64>, GgufError> {
+        self.typed(key, "an unsigned integer", Value::as_u64)
+    }
+
+    /// A finite number (an f32 as its shortest decimal: `decimal`); NaN or infinity is
+    /// [`GgufError::NonFinite`].
+    pub fn float(&self, key: &str) -> Result<Option<f64>, GgufError> {
+        match self.typed(key, "a number", decimal)? {
+            Some(value) if !value.is_finite() => {
+                Err(GgufError::NonFinite { path: self.path.into(), key: key.into(), value })
+            }
+            x => Ok(x),
+        }
+    }
+}
+
+/// A metadata number as f64; an f32 (as llama.cpp's converter writes epsilons and RoPE bases) as the
+/// shortest decimal that is that f32, so that `1e-5` written as f32 reads back as `1e-5`, not
+/// `9.99999974e-6` (the same f32, which is what the kernels compute with).
+fn decimal(v: &Value) -> Option<f64> {
+    match *v {
+        Value::F32(x) if x.is_finite() => format!("{x}").parse().ok(),
+        ref v => v.as_f64(),
+    }
+}
+
+/// Whether `path` is a GGUF file: a regular file (or a link to one) whose first four bytes are
+/// "GGUF", whatever its name. A folder or a path that does not exist is not (the Hugging Face
+/// reader says what is wrong with it). Anything else — a FIFO, a socket, a device — is an error
+/// that says what it is, and is never opened (opening a FIFO blocks until a writer comes).
+pub fn is_gguf(path: &Path) -> Result<bool, GgufError> {
+    use std::io::Read;
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::metadata(path) else { return Ok(false) };
+    let kind = meta.file_type();
+    if kind.is_dir() {
+        return Ok(false);
+    }
+    if !kind.is_file() {
+        let kind = if kind.is_fifo() {
+            "a FIFO (named pipe)"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_block_device() || kind.is_char_device() {
+            "a device"
+        } else {
+            "a special file"
+        };
+        return Err(GgufError::NotAFile { path: path.into(), kind });
+    }
+    let io = |err| GgufError::Io { path: path.into(), err };
+    let mut magic = [0u8; 4];
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    match file.read_exact(&mut magic) {
+        Ok(()) => Ok(&magic == MAGIC),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(io(e)),
     }
 }
 
@@ -477,5 +669,86 @@ mod tests {
         v[kind_at..kind_at + 4].copy_from_slice(&23u32.to_le_bytes());
         let e = err(v);
         assert!(e.contains("IQ4_XS") && e.contains("Q5_K"), "names the type and what ember reads: {e}");
+    }
+
+    /// The byte offset of tensor `name`'s info (its `n_dims`) in `bytes`.
+    fn info_at(bytes: &[u8], name: &str) -> usize {
+        let mut needle = (name.len() as u64).to_le_bytes().to_vec();
+        needle.extend_from_slice(name.as_bytes());
+        bytes.windows(needle.len()).position(|w| w == needle).expect("tensor info") + needle.len()
+    }
+
+    #[test]
+    fn overlapping_and_duplicate_tensors_and_keys_are_refused_by_name() {
+        let err = |bytes: Vec<u8>| GgufFile::parse(bytes, Path::new("t.gguf")).err().expect("an error").to_string();
+        let good = sample();
+        // `x` (Q8_0 [2, 32]: 68 bytes at 0) and `y` (12 bytes at 96): `y` moved to 64 overlaps `x`.
+        let offset_at = info_at(&good, "y") + 4 + 8 + 4;
+        let mut v = good.clone();
+        v[offset_at..offset_at + 8].copy_from_slice(&64u64.to_le_bytes());
+        let e = err(v);
+        let x = GgufFile::parse(good.clone(), Path::new("t.gguf")).unwrap().tensor("x").unwrap().start;
+        let (x_bytes, y_bytes) = (format!("`x` (bytes {x}..{})", x + 68), format!("`y` (bytes {}..", x + 64));
+        assert!(e.contains("t.gguf") && e.contains(&x_bytes) && e.contains(&y_bytes), "{e}");
+        assert!(e.contains("overlap"), "{e}");
+        // Both at the same offset, whichever comes first in the file.
+        let mut v = good.clone();
+        v[offset_at..offset_at + 8].copy_from_slice(&0u64.to_le_bytes());
+        assert!(err(v).contains("overlap"));
+        // `y` renamed `x`.
+        let mut v = good.clone();
+        let name_at = info_at(&good, "y") - 1;
+        v[name_at] = b'x';
+        let e = err(v);
+        assert!(e.contains("t.gguf") && e.contains("tensor `x` appears twice"), "{e}");
+        // A metadata key twice: the later one does not silently win.
+        let meta = [("a.b".to_string(), Value::U32(1)), ("a.b".to_string(), Value::U32(2))];
+        let e = err(encode(&meta, &[]));
+        assert!(e.contains("t.gguf") && e.contains("metadata key `a.b` appears twice"), "{e}");
+    }
+
+    #[test]
+    fn typed_metadata_names_the_type_found_and_refuses_non_finite_floats() {
+        let map: BTreeMap<String, Value> = [
+            ("name".to_string(), Value::U32(7)),
+            ("negative".to_string(), Value::I32(-1)),
+            ("base".to_string(), Value::F32(f32::NAN)),
+            ("eps".to_string(), Value::F64(f64::INFINITY)),
+            ("text".to_string(), Value::String("1e-5".into())),
+            ("ok".to_string(), Value::F32(1e-5)),
+        ]
+        .into_iter()
+        .collect();
+        let meta = Meta { path: Path::new("t.gguf"), map: &map };
+        fn err<T>(r: Result<T, GgufError>) -> String {
+            r.err().expect("an error").to_string()
+        }
+        assert_eq!(err(meta.str("name")), "t.gguf: metadata `name` has type u32 (7), expected string");
+        assert!(err(meta.u64("negative")).contains("has type i32 (-1), expected an unsigned integer"));
+        assert!(err(meta.float("text")).contains("`text` has type string, expected a number"));
+        assert_eq!(err(meta.float("base")), "t.gguf: metadata `base` is NaN, not a finite number");
+        assert!(err(meta.float("eps")).contains("`eps` is inf"));
+        assert_eq!(meta.float("ok").unwrap(), Some(1e-5));
+        assert_eq!(meta.str("absent").unwrap(), None);
+    }
+
+    #[test]
+    fn gguf_is_told_by_its_magic_not_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, bytes: &[u8]| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).unwrap();
+            p
+        };
+        assert!(is_gguf(&file("model.bin", &sample())).unwrap());
+        assert!(!is_gguf(&file("model.gguf", b"not a model")).unwrap());
+        assert!(!is_gguf(&file("short.gguf", b"GG")).unwrap());
+        assert!(!is_gguf(dir.path()).unwrap());
+        assert!(!is_gguf(&dir.path().join("absent")).unwrap());
+        let fifo = dir.path().join("pipe.gguf");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(made.success());
+        let e = is_gguf(&fifo).err().expect("a FIFO is refused unopened").to_string();
+        assert!(e.contains("pipe.gguf") && e.contains("FIFO"), "{e}");
     }
 }

@@ -37,7 +37,7 @@ use burn::tensor::TensorData;
 use ember_model::{Decoder, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
 use serde_json::{json, Value as Json};
 
-use super::{GgmlType, GgufError, GgufFile, TensorOut, Value};
+use super::{GgmlType, GgufError, GgufFile, Meta, TensorOut, Value};
 use crate::family::Architecture;
 use crate::HfError;
 
@@ -130,7 +130,7 @@ pub fn read_file(f: GgufFile) -> Result<GgufModel, GgufError> {
 /// The architecture `general.architecture` names.
 fn read_arch(f: &GgufFile) -> Result<Architecture, GgufError> {
     let key = "general.architecture";
-    let name = f.get(key).and_then(Value::as_str).ok_or_else(|| f.meta_err(key, "missing"))?;
+    let name = f.meta().str(key)?.ok_or_else(|| f.meta_err(key, "missing"))?;
     Architecture::from_gguf(name)
         .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported (llama, qwen2, qwen3, gemma3 and gpt2 are)")))
 }
@@ -151,12 +151,10 @@ fn model_config(
     let a = family.gguf_arch;
     let key = |k: &str| format!("{a}.{k}");
     let err = |k: &str, message: String| GgufError::Metadata { path: path.into(), key: k.into(), message };
-    let opt_u64 = |k: &str| -> Result<Option<u64>, GgufError> {
-        let k = key(k);
-        meta.get(&k).map(|v| v.as_u64().ok_or_else(|| err(&k, format!("{v:?} is not an unsigned integer")))).transpose()
-    };
+    let meta = Meta { path, map: meta };
+    let opt_u64 = |k: &str| meta.u64(&key(k));
     let u64_of = |k: &str| opt_u64(k)?.ok_or_else(|| err(&key(k), "missing".into()));
-    let f64_of = |k: &str| meta.get(&key(k)).and_then(decimal);
+    let f64_of = |k: &str| meta.float(&key(k));
     let usize_of = |k: &str| -> Result<usize, GgufError> { Ok(u64_of(k)? as usize) };
 
     let n_layers = usize_of("block_count")?;
@@ -181,11 +179,10 @@ fn model_config(
     let parts = family.parts;
     let layer_norm = parts.norm == NormKind::LayerNorm;
     let eps_key = if layer_norm { "attention.layer_norm_epsilon" } else { "attention.layer_norm_rms_epsilon" };
-    let rope_scaling =
-        match (meta.get(&key("rope.scaling.type")).and_then(Value::as_str), f64_of("rope.scaling.factor")) {
-            (Some("linear"), Some(factor)) => Some(RopeScaling::Linear { factor }),
-            _ => None,
-        };
+    let rope_scaling = match (meta.str(&key("rope.scaling.type"))?, f64_of("rope.scaling.factor")?) {
+        (Some("linear"), Some(factor)) => Some(RopeScaling::Linear { factor }),
+        _ => None,
+    };
     let (qkv_bias, o_bias, mlp_bias) = match arch {
         Architecture::Qwen2 => (true, false, false),
         Architecture::Gpt2 => (true, true, true),
@@ -200,11 +197,11 @@ fn model_config(
         head_dim: Some(head_dim).filter(|&h| h.checked_mul(n_heads) != Some(d_model)),
         d_ff: usize_of("feed_forward_length")?,
         max_seq_len: usize_of("context_length")?,
-        rope_theta: f64_of("rope.freq_base").unwrap_or(10_000.0),
+        rope_theta: f64_of("rope.freq_base")?.unwrap_or(10_000.0),
         rope_layout: RopeLayout::HalfSplit,
         rope_scaling,
         sliding_window: None,
-        norm_eps: f64_of(eps_key).unwrap_or(1e-5),
+        norm_eps: f64_of(eps_key)?.unwrap_or(1e-5),
         qkv_bias,
         o_bias,
         mlp_bias,
@@ -236,20 +233,10 @@ fn model_config(
         if n_layers == GEMMA3_27B_LAYERS {
             c.query_pre_attn_scalar = Some((d_model / n_heads) as f64).filter(|&s| s != head_dim as f64);
         }
-        c.final_logit_softcap = f64_of("final_logit_softcapping").filter(|&s| s > 0.0);
+        c.final_logit_softcap = f64_of("final_logit_softcapping")?.filter(|&s| s > 0.0);
     }
     c.validate().map_err(|e| err(&key("block_count"), format!("the model the metadata describes: {e}")))?;
     Ok(c)
-}
-
-/// A metadata number as f64; an f32 (as llama.cpp's converter writes epsilons and RoPE bases) as the
-/// shortest decimal that is that f32, so that `1e-5` written as f32 reads back as `1e-5`, not
-/// `9.99999974e-6` (the same f32, which is what the kernels compute with).
-fn decimal(v: &Value) -> Option<f64> {
-    match *v {
-        Value::F32(x) => format!("{x}").parse().ok(),
-        ref v => v.as_f64(),
-    }
 }
 
 /// A `config.json` for the model (transformers' layout of its family), with the token ids and what
@@ -336,7 +323,9 @@ fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig) -> Resul
             values = transpose(&values, shape[0], shape[1]);
             shape.reverse();
         }
-        tensors.insert(hf, TensorData::new(values, shape));
+        let data = TensorData::new(values, shape);
+        crate::weights::warn_non_finite(&f.path, &t.name, &data);
+        tensors.insert(hf, data);
     }
     Ok((tensors, stored))
 }
@@ -596,11 +585,6 @@ pub fn import<B: ember_kernels::EmberBackend>(
     })
 }
 
-/// The path of a `.gguf` file, if `path` is one (by extension).
-pub fn is_gguf(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) && path.is_file()
-}
-
 /// Writes `bytes` to `out` atomically: a temporary file beside it, fsynced, then renamed; an
 /// existing `out` is an error.
 pub fn write_new(out: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
@@ -664,6 +648,52 @@ mod tests {
         assert_eq!(Architecture::Llama.family().gguf_to_hf("blk.x.attn_q.weight"), None);
         assert_eq!(Architecture::Llama.family().gguf_to_hf("rope_freqs.weight"), None);
         assert_eq!(Architecture::from_gguf("llama"), Some(Architecture::Llama), "not Mistral");
+    }
+
+    #[test]
+    fn non_finite_and_mistyped_hyper_parameters_are_refused_by_name() {
+        // The metadata an export writes for a tiny Llama with linear RoPE scaling and a tiny Gemma 3
+        // with a final softcap: every float key model_config reads.
+        let llama =
+            ModelConfig { rope_scaling: Some(RopeScaling::Linear { factor: 2.0 }), ..ModelConfig::tiny(64, 32) };
+        let gemma = ModelConfig { final_logit_softcap: Some(30.0), ..ModelConfig::tiny(64, 32) };
+        let metadata = |config: &ModelConfig, arch| -> BTreeMap<String, Value> {
+            arch_metadata(config, arch, ExportType::F32, "t").into_iter().collect()
+        };
+        let read = |meta: &BTreeMap<String, Value>, arch| model_config(meta, Path::new("t.gguf"), arch, false, None);
+        let bad = |config: &ModelConfig, arch, key: &str, value: Value| {
+            let mut meta = metadata(config, arch);
+            assert!(meta.insert(key.to_string(), value).is_some(), "{key} is written");
+            read(&meta, arch).err().expect("an error").to_string()
+        };
+        assert!(read(&metadata(&llama, Architecture::Llama), Architecture::Llama).is_ok());
+        assert!(read(&metadata(&gemma, Architecture::Gemma3), Architecture::Gemma3).is_ok());
+        for (config, arch, key, value) in [
+            (&llama, Architecture::Llama, "llama.rope.freq_base", Value::F32(f32::NAN)),
+            (&llama, Architecture::Llama, "llama.attention.layer_norm_rms_epsilon", Value::F32(f32::INFINITY)),
+            (&llama, Architecture::Llama, "llama.rope.scaling.factor", Value::F64(f64::NAN)),
+            (&gemma, Architecture::Gemma3, "gemma3.final_logit_softcapping", Value::F32(f32::NEG_INFINITY)),
+        ] {
+            let e = bad(config, arch, key, value);
+            assert!(
+                e.contains("t.gguf") && e.contains(&format!("`{key}`")) && e.contains("not a finite number"),
+                "{e}"
+            );
+        }
+        let e = bad(&llama, Architecture::Llama, "llama.rope.freq_base", Value::String("1e4".into()));
+        assert!(e.contains("`llama.rope.freq_base` has type string, expected a number"), "{e}");
+        let e = bad(&llama, Architecture::Llama, "llama.block_count", Value::F32(2.0));
+        assert!(e.contains("`llama.block_count` has type f32 (2), expected an unsigned integer"), "{e}");
+        let e = bad(&llama, Architecture::Llama, "llama.rope.scaling.type", Value::U32(1));
+        assert!(e.contains("`llama.rope.scaling.type` has type u32 (1), expected string"), "{e}");
+        // `general.architecture` as an integer: its type, not "missing".
+        let file = GgufFile::parse(
+            super::super::encode(&[("general.architecture".to_string(), Value::U32(7))], &[]),
+            Path::new("t.gguf"),
+        )
+        .unwrap();
+        let e = read_file(file).err().expect("an error").to_string();
+        assert_eq!(e, "t.gguf: metadata `general.architecture` has type u32 (7), expected string");
     }
 
     #[test]

@@ -33,33 +33,54 @@ fn strings(f: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
         .collect()
 }
 
-/// The pre-tokenizer of llama.cpp's `tokenizer.ggml.pre` names, as Hugging Face writes it.
-fn pre_tokenizer(pre: &str) -> Json {
+/// The ways llama.cpp's pre-tokenizers split text before byte-level BPE that ember rebuilds.
+#[derive(Debug, Clone, Copy)]
+enum PreSplit {
+    /// GPT-2's own split, the regex ByteLevel applies.
+    Gpt2,
+    /// Digits one by one, then GPT-2's split.
+    DigitsThenGpt2,
+    /// Llama 3's regex: numbers in runs of up to three digits.
+    Llama3,
+    /// Qwen2's: Llama 3's with single digits.
+    Qwen2,
+}
+
+/// llama.cpp's `tokenizer.ggml.pre` names that ember knows, and their splits.
+const PRE_TOKENIZERS: &[(&str, PreSplit)] = &[
+    ("default", PreSplit::Gpt2),
+    ("gpt2", PreSplit::Gpt2),
+    ("smollm", PreSplit::DigitsThenGpt2),
+    ("starcoder", PreSplit::DigitsThenGpt2),
+    ("refact", PreSplit::DigitsThenGpt2),
+    ("codeshell", PreSplit::DigitsThenGpt2),
+    ("command-r", PreSplit::DigitsThenGpt2),
+    ("exaone", PreSplit::DigitsThenGpt2),
+    ("minerva", PreSplit::DigitsThenGpt2),
+    ("llama-bpe", PreSplit::Llama3),
+    ("llama3", PreSplit::Llama3),
+    ("llama-v3", PreSplit::Llama3),
+    ("qwen2", PreSplit::Qwen2),
+];
+
+/// The pre-tokenizer of llama.cpp's `tokenizer.ggml.pre` name `pre`, as Hugging Face writes it;
+/// `None` for a name ember does not know (splitting as GPT-2 does instead would tokenize silently
+/// wrong).
+fn pre_tokenizer(pre: &str) -> Option<Json> {
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
-    match pre {
-        // Digits one by one, then GPT-2's split (SmolLM, StarCoder).
-        "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" | "exaone" | "minerva" => json!({
+    let regex_then_bytes =
+        |pattern: &str| json!({"type": "Sequence", "pretokenizers": [split(pattern), byte_level(false)]});
+    let (_, kind) = PRE_TOKENIZERS.iter().find(|(name, _)| *name == pre)?;
+    Some(match kind {
+        PreSplit::Gpt2 => byte_level(true),
+        PreSplit::DigitsThenGpt2 => json!({
             "type": "Sequence",
             "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)],
         }),
-        "llama-bpe" | "llama3" | "llama-v3" => json!({
-            "type": "Sequence",
-            "pretokenizers": [
-                split("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"),
-                byte_level(false),
-            ],
-        }),
-        "qwen2" => json!({
-            "type": "Sequence",
-            "pretokenizers": [
-                split("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"),
-                byte_level(false),
-            ],
-        }),
-        // GPT-2's own split, the regex ByteLevel applies (`gpt2`, `default`, and names not listed here).
-        _ => byte_level(true),
-    }
+        PreSplit::Llama3 => regex_then_bytes("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"),
+        PreSplit::Qwen2 => regex_then_bytes("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"),
+    })
 }
 
 /// Gemma 3's chat template: Google's published template for its instruction-tuned models
@@ -72,8 +93,8 @@ pub const GEMMA3_CHAT_TEMPLATE: &str = include_str!("gemma3_chat_template.jinja"
 
 /// `tokenizer.json` and `tokenizer_config.json` from a GGUF file's metadata.
 pub fn from_gguf(f: &GgufFile) -> Result<(String, Json), GgufError> {
-    let model = f.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("gpt2");
-    let arch = f.get("general.architecture").and_then(Value::as_str).unwrap_or_default();
+    let model = f.meta().str("tokenizer.ggml.model")?.unwrap_or("gpt2");
+    let arch = f.meta().str("general.architecture")?.unwrap_or_default();
     let mut v = GgufVocab::read(f)?;
     let tokenizer = match model {
         "gpt2" => gpt2_tokenizer(f, &v)?,
@@ -153,14 +174,20 @@ impl GgufVocab {
 /// llama.cpp's `gpt2` tokenizer as a byte-level BPE `tokenizer.json`.
 fn gpt2_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
     let merges = strings(f, "tokenizer.ggml.merges")?;
-    let pre = f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+    let key = "tokenizer.ggml.pre";
+    let pre = f.meta().str(key)?.unwrap_or("default");
+    let Some(pre_tokenizer) = pre_tokenizer(pre) else {
+        let known: Vec<&str> = PRE_TOKENIZERS.iter().map(|(name, _)| *name).collect();
+        let message = format!("`{pre}` is a pre-tokenizer ember does not know (it knows {})", known.join(", "));
+        return Err(f.meta_err(key, message));
+    };
     Ok(json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": v.added_tokens(),
         "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(pre),
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
@@ -541,6 +568,29 @@ mod tests {
         let (json, config) = from_gguf(f).unwrap();
         let tok: tokenizers::Tokenizer = json.parse().unwrap();
         (tok.encode(text, add_special).unwrap().get_ids().to_vec(), config)
+    }
+
+    #[test]
+    fn an_unknown_pre_tokenizer_is_an_error_that_lists_the_known_ones() {
+        let s = |v: &str| Value::String(v.into());
+        let file = |pre: Value| {
+            let meta = vec![
+                ("general.architecture".to_string(), s("gpt2")),
+                ("tokenizer.ggml.model".to_string(), s("gpt2")),
+                ("tokenizer.ggml.pre".to_string(), pre),
+                ("tokenizer.ggml.tokens".to_string(), Value::Array(vec![s("a"), s("b"), s("ab")])),
+                ("tokenizer.ggml.merges".to_string(), Value::Array(vec![s("a b")])),
+            ];
+            GgufFile::parse(encode(&meta, &[]), std::path::Path::new("t.gguf")).unwrap()
+        };
+        for known in ["smollm", "default", "gpt2", "llama-bpe", "qwen2"] {
+            assert!(from_gguf(&file(s(known))).is_ok(), "{known}");
+        }
+        let e = from_gguf(&file(s("deepseek-coder"))).err().expect("an error").to_string();
+        assert!(e.contains("t.gguf") && e.contains("tokenizer.ggml.pre") && e.contains("`deepseek-coder`"), "{e}");
+        assert!(e.contains("smollm") && e.contains("llama-bpe") && e.contains("qwen2"), "lists the known ones: {e}");
+        let e = from_gguf(&file(Value::U32(2))).err().expect("an error").to_string();
+        assert!(e.contains("`tokenizer.ggml.pre` has type u32 (2), expected string"), "{e}");
     }
 
     #[test]
