@@ -81,3 +81,44 @@ fn prepare_flags() {
     refuse(&s, &["prepare", "--data", "corpus.txt", "--tokenizer", "bpe:3", "--out", "p"], &["bpe:3"]);
     refuse(&s, &["prepare", "--data", "corpus.txt", "--val-fraction", "2", "--out", "p"], &["2"]);
 }
+
+#[test]
+fn data_paths_that_are_not_files() {
+    let s = with_config(&tiny_config(""));
+    std::fs::remove_file(s.path().join("corpus.txt")).unwrap();
+    std::fs::create_dir(s.path().join("corpus.txt")).unwrap();
+    refuse(&s, &["train", "--config", "cfg.toml"], &["corpus.txt: data.path: a directory"]);
+    // A FIFO outside the scratch folder (whose snapshot would wait on it).
+    let elsewhere = tempfile::tempdir().unwrap();
+    let fifo = elsewhere.path().join("corpus.fifo");
+    let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+    let s = with_config(&tiny_config("").replace("path = \"corpus.txt\"", &format!("path = {:?}", fifo.display().to_string())));
+    refuse(&s, &["train", "--config", "cfg.toml"], &["corpus.fifo: data.path: not a regular file"]);
+}
+
+#[test]
+fn a_jsonl_line_past_the_bound() {
+    let s = with_config(&jsonl_config(""));
+    let huge = format!("{{\"text\": \"{}\"}}\n", "a".repeat(17 << 20));
+    s.write("data.jsonl", &(examples(3, "so") + &huge));
+    refuse(&s, &["train", "--config", "cfg.toml"], &["data.jsonl:4:", "a line of 17 MiB; at most 16 MiB"]);
+}
+
+#[test]
+fn a_lora_rank_past_the_model_is_refused_before_anything_is_written() {
+    let s = Scratch::new();
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/qwen2");
+    let o = s.ember(&["import", fixture.to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    s.write("data.jsonl", &examples(8, "so"));
+    s.write(
+        "lora.toml",
+        "init_from = \"run:base\"\n[data]\npath = \"data.jsonl\"\n[train]\nbatch_size = 2\nseq_len = 16\n\
+         max_steps = 2\neval_interval = 2\neval_iters = 1\n[optim]\nweight_decay = 0.0\n[schedule]\nlr = 1e-3\n\
+         warmup_steps = 0\n[lora]\nrank = 1000000\nalpha = 16.0\n",
+    );
+    // The fixture's narrowest adapted projection is v_proj, 64 × 32 (two key-value heads of 16).
+    refuse(&s, &["train", "--config", "lora.toml", "--run-dir", "ft"], &["lora.rank 1000000", "`v_proj`'s smaller side (32"]);
+}

@@ -41,12 +41,20 @@ pub enum Record {
     Chat(Vec<Message>),
 }
 
+/// Bytes of one JSONL line at most: far past any context window, and well short of what tokenizing
+/// it would take (tens of bytes of memory per byte of text).
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
 /// Reads a JSON-lines file; a bad line is an error naming the file and line.
 pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
     let text = std::fs::read_to_string(path).map_err(DataError::io(path))?;
     let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        if line.len() > MAX_LINE_BYTES {
+            let message = format!("a line of {} MiB; at most {} MiB", line.len() >> 20, MAX_LINE_BYTES >> 20);
+            return Err(bad(i + 1, message));
+        }
         let v: Value = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
         let s = |k: &str| v.get(k).and_then(Value::as_str).map(String::from);
         let record = if let Some(m) = v.get("messages") {
@@ -69,7 +77,29 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
         };
         out.push(record);
     }
+    // Examples whose completions are empty teach only the end-of-text token: all of them is a
+    // mistake in the file (a misnamed key, an export gone wrong), some of them worth a word.
+    let scored = out.iter().filter(|r| !matches!(r, Record::Text(_))).count();
+    let empty = out.iter().filter(|r| r.completion_is_empty()).count();
+    if empty > 0 && empty == scored && scored == out.len() {
+        let message = format!("every example's completion is empty ({empty} of {scored}): only end-of-text would be learned");
+        return Err(bad(1, message));
+    }
+    if empty > 0 {
+        tracing::warn!("{}: {empty} of {scored} examples have an empty completion: they teach only end-of-text", path.display());
+    }
     Ok(out)
+}
+
+impl Record {
+    /// Whether the text to learn is empty: a blank completion, or assistant turns all blank.
+    fn completion_is_empty(&self) -> bool {
+        match self {
+            Self::Text(_) => false,
+            Self::Completion { completion, .. } => completion.trim().is_empty(),
+            Self::Chat(messages) => messages.iter().filter(|m| m.role == "assistant").all(|m| m.content.trim().is_empty()),
+        }
+    }
 }
 
 /// A Hugging Face chat template (Jinja), rendered with minijinja and Python-compatible methods.
@@ -357,6 +387,11 @@ mod tests {
         std::fs::write(&p, format!("{chat}\n")).unwrap();
         let e = read_jsonl(&p).unwrap_err().to_string();
         assert!(e.contains("d.jsonl:1:") && e.contains("messages[1].role `wizard`"), "{e}");
+        std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \" \"}\n{\"prompt\": \"y\", \"completion\": \"\"}\n").unwrap();
+        let e = read_jsonl(&p).unwrap_err().to_string();
+        assert!(e.contains("every example's completion is empty (2 of 2)"), "{e}");
+        std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \"z\"}\n{\"prompt\": \"y\", \"completion\": \"\"}\n").unwrap();
+        assert_eq!(read_jsonl(&p).unwrap().len(), 2, "some empty completions: a warning");
     }
 
     #[test]

@@ -111,9 +111,20 @@ impl LoraConfig {
 
     /// Checks the targets against the model they adapt: a plain (GPT-2) MLP has no gate.
     pub fn validate_for(&self, model: &ModelConfig) -> Result<(), String> {
-        match self.targets.iter().find(|t| **t == Target::GateProj && !model.mlp.gated()) {
-            Some(t) => Err(format!("lora.targets: `{t}` is not a projection of this model (its MLP has no gate)")),
-            None => Ok(()),
+        if let Some(t) = self.targets.iter().find(|t| **t == Target::GateProj && !model.mlp.gated()) {
+            return Err(format!("lora.targets: `{t}` is not a projection of this model (its MLP has no gate)"));
+        }
+        // A rank past a projection's smaller side adds parameters (and memory), never capacity:
+        // `B·A` already reaches every matrix of that shape at min(in, out).
+        let narrowest = self.targets.iter().map(|&t| (t, t.shape(model))).min_by_key(|(_, (i, o))| (*i).min(*o));
+        match narrowest {
+            Some((t, (i, o))) if self.rank > i.min(o) => Err(format!(
+                "lora.rank {} is larger than `{t}`'s smaller side ({}, of {i} × {o}): an adapter of rank past \
+                 min(in, out) adds memory, not capacity",
+                self.rank,
+                i.min(o)
+            )),
+            _ => Ok(()),
         }
     }
 
@@ -214,6 +225,16 @@ mod tests {
         let lora = LoraConfig { rank: 4, alpha: 8.0, dropout: 0.0, targets: vec![Target::QProj, Target::DownProj] };
         assert_eq!(lora.train_flops_per_token(&c, t), 4.0 * n + adapters + 12.0 * 2.0 * 16.0 * 32.0);
         assert_eq!(lora.train_flops_per_token(&c, t), 3.0 * c.forward_flops_per_token(t) - 2.0 * n + adapters);
+    }
+
+    #[test]
+    fn a_rank_past_the_narrowest_adapted_side_is_refused() {
+        let c = ModelConfig { d_ff: 48, ..ModelConfig::tiny(37, 32) };
+        let lora = |rank| LoraConfig { rank, alpha: 8.0, dropout: 0.0, targets: vec![Target::QProj, Target::DownProj] };
+        let narrowest = c.d_model.min(c.d_ff).min(c.n_heads * c.head_dim());
+        assert!(lora(narrowest).validate_for(&c).is_ok());
+        let e = lora(1_000_000).validate_for(&c).unwrap_err();
+        assert!(e.contains("lora.rank 1000000") && e.contains(&format!("smaller side ({narrowest}")), "{e}");
     }
 
     #[test]

@@ -22,11 +22,16 @@ pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBu
             Ok((path, config.val_fraction.unwrap_or(manifest.val_fraction)))
         }
         (None, Some(path)) => {
-            if !path.is_file() {
-                return Err(TrainError::Io {
-                    path: path.clone(),
-                    err: std::io::Error::new(std::io::ErrorKind::NotFound, "data.path: no such file"),
-                });
+            let what = match std::fs::metadata(path) {
+                Ok(m) if m.is_file() => None,
+                Ok(m) if m.is_dir() => Some("a directory, not a text or JSONL file"),
+                Ok(_) => Some("not a regular file (a FIFO, socket or device): ember reads the file twice"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("no such file"),
+                Err(_) => Some("cannot be read"),
+            };
+            if let Some(what) = what {
+                let kind = if what == "no such file" { std::io::ErrorKind::NotFound } else { std::io::ErrorKind::InvalidInput };
+                return Err(TrainError::Io { path: path.clone(), err: std::io::Error::new(kind, format!("data.path: {what}")) });
             }
             Ok((path.clone(), config.val_fraction.unwrap_or(0.1)))
         }

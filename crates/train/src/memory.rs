@@ -13,8 +13,9 @@ pub struct MemoryEstimate {
     pub total: u64,
 }
 
-/// Training memory of `config` in bytes: f32 weights, gradients and AdamW moments for the trained
-/// parameters, and the activations autodiff keeps for one micro-batch.
+/// Training memory of `config` in bytes: f32 weights (LoRA adapters besides), gradients and AdamW
+/// moments for the trained parameters, the activations autodiff keeps for one micro-batch, and a
+/// checkpoint's copy of what it saves.
 ///
 /// Activations per token per layer, in f32 (this implementation): the block input and two norm
 /// outputs (3D), q, k, v and their rotated copies (2·H·Dh + 3·K·Dh), the attention output and
@@ -46,13 +47,22 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
         loss += 4 * d * m.vocab_size as u128;
     }
     let sat = |x: u128| u64::try_from(x).unwrap_or(u64::MAX);
+    // Adapters are parameters besides the base's; a checkpoint copies what it saves (the trained
+    // weights — the adapters alone under LoRA — and the moments) and serialises the copy whole.
+    let (adapters, saved) = match config.lora {
+        Some(_) => (4 * trainable, 4 * trainable),
+        None => (0, 4 * n),
+    };
     let mut terms = vec![
         ("weights (f32)".to_string(), sat(4 * n)),
+        ("LoRA adapters (f32)".to_string(), sat(adapters)),
         ("gradients".to_string(), sat(4 * trainable)),
         ("AdamW moments".to_string(), sat(8 * trainable)),
+        ("checkpoint write (a copy, serialised)".to_string(), sat(2 * (saved + 8 * trainable))),
         (format!("activations ({b}×{t} tokens, {l} layers)"), sat(act)),
         ("LM head + loss (weight gradient, logits, packed weight)".to_string(), sat(loss)),
     ];
+    terms.retain(|t| t.1 > 0);
     terms.sort_by_key(|t| std::cmp::Reverse(t.1));
     let total = terms.iter().fold(0u64, |acc, (_, v)| acc.saturating_add(*v));
     MemoryEstimate { terms, total }
@@ -100,8 +110,17 @@ mod tests {
         let mut c = TrainConfig::from_toml(text, std::path::Path::new("nano.toml")).unwrap();
         c.model.vocab_size = 65;
         let e = estimate(&c, c.model.num_params());
-        assert!(e.total < 200 << 20, "{}", gib(e.total));
+        assert!(e.total < 600 << 20, "{}", gib(e.total));
         assert_eq!(e.terms.iter().map(|(_, v)| v).sum::<u64>(), e.total);
+        assert!(!e.terms.iter().any(|(k, _)| k.starts_with("LoRA")), "{:?}", e.terms);
+        // Adapters count as weights of their own, with their gradients, moments and saved copy.
+        let lora: ember_model::lora::LoraConfig = toml::from_str("rank = 8\nalpha = 16.0").unwrap();
+        let trainable = 1_000_000;
+        let e = estimate(&TrainConfig { lora: Some(lora), ..c.clone() }, trainable);
+        let term = |name: &str| e.terms.iter().find(|(k, _)| k.starts_with(name)).map(|t| t.1);
+        assert_eq!(term("LoRA adapters"), Some(4 * trainable));
+        assert_eq!(term("AdamW moments"), Some(8 * trainable));
+        assert_eq!(term("checkpoint write"), Some(2 * 12 * trainable));
         c.model = ember_model::ModelConfig {
             vocab_size: 32_000,
             d_model: 4096,
