@@ -72,3 +72,29 @@ fn resuming_and_restarting_runs() {
     s.write("lr.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2").replace("lr = 3e-3", "lr = 1e-2"));
     refuse(&s, &["train", "--config", "lr.toml", "--run-dir", "runs/cfg", "--resume"], &["[schedule] differs"]);
 }
+
+/// Weights holding NaN are sampled (the run is the user's), but not without a word naming the
+/// tensor and the count.
+#[test]
+fn non_finite_weights_are_reported_when_sampled() {
+    let s = with_run();
+    let path = latest(&s).join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let (name, info) = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, v)| k.as_str() != "__metadata__" && v["dtype"] == "F32")
+        .expect("an f32 tensor");
+    let start = 8 + header_len + info["data_offsets"][0].as_u64().unwrap() as usize;
+    for i in 0..3 {
+        bytes[start + 4 * i..start + 4 * i + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    let o = s.ember(&["sample", "--checkpoint", "runs/cfg", "--prompt", "ROMEO:", "--max-new-tokens", "2"]);
+    let err = stderr(&o);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains(&format!("{name}: 3 NaN/Inf values of")), "{err}");
+}

@@ -85,6 +85,32 @@ fn import_and_export_destinations() {
     refuse(&r, &["export", "nowhere", "--out", "out"], &["nowhere"]);
 }
 
+/// Flags that one format would ignore, an import into a folder of the user's own files, and a
+/// run's unreadable hf_config.json: each said, never silent.
+#[test]
+fn settings_that_would_be_ignored_and_folders_that_are_not_new() {
+    let s = with_model();
+    let o = s.ember(&["import", "model", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    refuse(&s, &["export", "run", "--out", "out", "--dtype", "q8_0"], &["--dtype", "--format gguf"]);
+    refuse(&s, &["export", "run", "--out", "m.gguf", "--max-shard-size", "1GB"], &["--max-shard-size", "one file"]);
+    refuse(&s, &["export", "run", "--format", "gguf", "--out", "m", "--max-shard-size", "1GB"], &["--max-shard-size"]);
+    std::fs::create_dir(s.path().join("mine")).unwrap();
+    s.write("mine/notes.txt", "keep me");
+    refuse(&s, &["import", "model", "--out", "mine"], &["mine exists and holds files"]);
+    refuse(&s, &["import", "model", "--out", "mine/notes.txt"], &["notes.txt is a file"]);
+    // An --out ending in .gguf is a GGUF export without --format.
+    let o = s.ember(&["export", "run", "--out", "auto.gguf"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(std::fs::read(s.path().join("auto.gguf")).unwrap().starts_with(b"GGUF"));
+    // A damaged hf_config.json is warned of, not silently dropped.
+    let latest = std::fs::read_to_string(s.path().join("run/checkpoints/latest")).unwrap();
+    s.write(&format!("run/checkpoints/{}/hf_config.json", latest.trim()), "{\"model_type\": ");
+    let o = s.ember(&["export", "run", "--out", "again.gguf"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("hf_config.json: not JSON"), "{}", stderr(&o));
+}
+
 /// A scratch folder with the Qwen2 fixture imported as `run` and exported as `model.gguf` (f32).
 fn with_gguf() -> (Scratch, Vec<u8>) {
     let s = with_model();

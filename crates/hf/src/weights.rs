@@ -36,33 +36,6 @@ fn transpose(data: TensorData) -> TensorData {
     TensorData::from_bytes_vec(out, [cols, rows], data.dtype)
 }
 
-/// How many of `data`'s values are NaN or infinite: those whose exponent bits are all set, counted
-/// on the stored bytes (f64, f32, bf16 or f16; other dtypes hold none).
-fn count_non_finite(data: &TensorData) -> usize {
-    let (width, exponent): (usize, u64) = match data.dtype {
-        DType::F64 => (8, 0x7ff0_0000_0000_0000),
-        DType::F32 => (4, 0x7f80_0000),
-        DType::BF16 => (2, 0x7f80),
-        DType::F16 => (2, 0x7c00),
-        _ => return 0,
-    };
-    let bits = |c: &[u8]| {
-        let mut word = [0u8; 8];
-        word[..width].copy_from_slice(c);
-        u64::from_le_bytes(word)
-    };
-    data.as_bytes().chunks_exact(width).filter(|c| bits(c) & exponent == exponent).count()
-}
-
-/// Warns when tensor `name` of `file` holds NaN or infinite values ("blk.3.attn_q.weight: 12
-/// NaN/Inf values of 65536"): an import goes on, but a model of such weights computes NaN.
-pub(crate) fn warn_non_finite(file: &Path, name: &str, data: &TensorData) {
-    let bad = count_non_finite(data);
-    if bad > 0 {
-        tracing::warn!("{}: {name}: {bad} NaN/Inf values of {}", file.display(), data.num_elements());
-    }
-}
-
 /// A tensor cut along its last axis into pieces `widths` wide (GPT-2's `c_attn` into q, k, v).
 fn split_last(data: &TensorData, widths: &[usize]) -> Vec<TensorData> {
     let shape = data.shape.to_vec();
@@ -175,7 +148,7 @@ fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (TensorData, PathBuf)>, H
                 other => return Err(HfError::Dtype { file: path.clone(), key: name, dtype: format!("{other:?}") }),
             };
             let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
-            warn_non_finite(&path, &name, &data);
+            ember_model::weights::warn_non_finite(&path.display().to_string(), &name, &data);
             tensors.insert(name, (data, path.clone()));
         }
     }
@@ -530,18 +503,6 @@ fn permute_rope<B: EmberBackend>(data: TensorData, heads: usize, model: &Decoder
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn non_finite_values_are_counted_in_every_float_dtype() {
-        let values = vec![1.0f32, f32::NAN, -2.5, f32::INFINITY, f32::NEG_INFINITY, 1e30, 0.0];
-        let data = TensorData::new(values, [7]);
-        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
-            // 1e30 overflows f16 (but not bf16) to infinity.
-            let want = if dtype == DType::F16 { 4 } else { 3 };
-            assert_eq!(count_non_finite(&data.clone().convert_dtype(dtype)), want, "{dtype:?}");
-        }
-        assert_eq!(count_non_finite(&TensorData::new(vec![1i32, -1], [2])), 0);
-    }
 
     #[test]
     fn llama_key_table_is_as_before() {

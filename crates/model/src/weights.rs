@@ -24,6 +24,35 @@ pub enum WeightsError {
     Shape { source_name: String, key: String, expected: Vec<usize>, found: Vec<usize> },
 }
 
+/// How many of `data`'s values are NaN or infinite: those whose exponent bits are all set, counted
+/// on the stored bytes (f64, f32, bf16 or f16; other dtypes hold none).
+pub fn count_non_finite(data: &TensorData) -> usize {
+    let (width, exponent): (usize, u64) = match data.dtype {
+        DType::F64 => (8, 0x7ff0_0000_0000_0000),
+        DType::F32 => (4, 0x7f80_0000),
+        DType::BF16 => (2, 0x7f80),
+        DType::F16 => (2, 0x7c00),
+        _ => return 0,
+    };
+    let bits = |c: &[u8]| {
+        let mut word = [0u8; 8];
+        word[..width].copy_from_slice(c);
+        u64::from_le_bytes(word)
+    };
+    data.as_bytes().chunks_exact(width).filter(|c| bits(c) & exponent == exponent).count()
+}
+
+/// Warns when tensor `name` of `source` (a file) holds NaN or infinite values
+/// ("blk.3.attn_q.weight: 12 NaN/Inf values of 65536"): an import or a sampling run goes on, but a
+/// model of such weights computes NaN. Whether it warned.
+pub fn warn_non_finite(source: &str, name: &str, data: &TensorData) -> bool {
+    let bad = count_non_finite(data);
+    if bad > 0 {
+        tracing::warn!("{source}: {name}: {bad} NaN/Inf values of {}", data.num_elements());
+    }
+    bad > 0
+}
+
 /// Checks, before a model of `config` is allocated, that its weights can be what `files` hold
 /// (`file_bytes` in all: at least one byte a parameter, as in any float or 8-bit format) and that
 /// its f32 parameters fit in the memory the host has left. A config that describes a far bigger
@@ -268,6 +297,18 @@ pub fn from_safetensors(bytes: &[u8], source_name: &str) -> Result<(NamedTensors
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_values_are_counted_in_every_float_dtype() {
+        let values = vec![1.0f32, f32::NAN, -2.5, f32::INFINITY, f32::NEG_INFINITY, 1e30, 0.0];
+        let data = TensorData::new(values, [7]);
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            // 1e30 overflows f16 (but not bf16) to infinity.
+            let want = if dtype == DType::F16 { 4 } else { 3 };
+            assert_eq!(count_non_finite(&data.clone().convert_dtype(dtype)), want, "{dtype:?}");
+        }
+        assert_eq!(count_non_finite(&TensorData::new(vec![1i32, -1], [2])), 0);
+    }
     use crate::config::tiny_config;
     use crate::{Decoder, TestBackend};
 

@@ -41,20 +41,46 @@ pub enum ParamDtype {
 pub struct ExportArgs {
     /// A run directory (its latest checkpoint) or a checkpoint folder.
     run_dir: PathBuf,
-    #[arg(long, value_enum, default_value = "hf")]
-    format: ExportFormat,
+    /// hf, or gguf (the default when --out ends in .gguf).
+    #[arg(long, value_enum)]
+    format: Option<ExportFormat>,
     /// The folder to write (must not exist or be empty).
     #[arg(long)]
     out: PathBuf,
     /// Fold LoRA adapters into the weights (required to export a LoRA checkpoint).
     #[arg(long)]
     merge: bool,
-    /// GGUF only: how the weights are stored (q8_0 quantizes the matrices; norms stay f32).
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: GgufDtype,
-    /// Largest safetensors shard, e.g. 5GB, 500MB or a byte count.
-    #[arg(long, default_value = "5GB", value_parser = parse_size)]
-    max_shard_size: u64,
+    /// GGUF only: how the weights are stored (default f32; q8_0 quantizes the matrices; norms
+    /// stay f32).
+    #[arg(long, value_enum)]
+    dtype: Option<GgufDtype>,
+    /// Hugging Face only: the largest safetensors shard, e.g. 5GB (the default), 500MB or a byte
+    /// count.
+    #[arg(long, value_parser = parse_size)]
+    max_shard_size: Option<u64>,
+}
+
+/// Shards of a Hugging Face export at most this large unless `--max-shard-size` says otherwise.
+const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
+
+impl ExportArgs {
+    /// The format asked for: `--format`, else GGUF for an `--out` ending in `.gguf`, else Hugging
+    /// Face; an error for a flag of the other format (it would be ignored).
+    fn format(&self) -> anyhow::Result<ExportFormat> {
+        let gguf_name = self.out.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        let format = self.format.unwrap_or(if gguf_name { ExportFormat::Gguf } else { ExportFormat::Hf });
+        match format {
+            ExportFormat::Hf => anyhow::ensure!(
+                self.dtype.is_none(),
+                "--dtype is a GGUF export's setting (add --format gguf); a Hugging Face export keeps the checkpoint's dtype"
+            ),
+            ExportFormat::Gguf => anyhow::ensure!(
+                self.max_shard_size.is_none(),
+                "--max-shard-size is a Hugging Face export's setting; a GGUF export is one file"
+            ),
+        }
+        Ok(format)
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -94,6 +120,13 @@ fn parse_size(s: &str) -> Result<u64, String> {
 pub fn import(args: ImportArgs) -> anyhow::Result<()> {
     if args.out.join(checkpoint::CHECKPOINTS).exists() {
         anyhow::bail!("{} already holds a run; choose another --out", args.out.display());
+    }
+    // A new run's folder: never inside a folder of the user's own files (nor over a file).
+    if args.out.is_file() {
+        anyhow::bail!("{} is a file; --out names the run folder to create", args.out.display());
+    }
+    if std::fs::read_dir(&args.out).is_ok_and(|mut entries| entries.next().is_some()) {
+        anyhow::bail!("{} exists and holds files; --out names a new (or empty) run folder", args.out.display());
     }
     let dtype = match args.dtype {
         ParamDtype::F32 => DType::F32,
@@ -186,7 +219,8 @@ fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
 /// `ember export RUN --format gguf --out FILE.gguf`.
 fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decoder<Flex>) -> anyhow::Result<()> {
     use ember_hf::gguf::model::{encode_model, write_new, ExportType};
-    let ty = match args.dtype {
+    let dtype = args.dtype.unwrap_or(GgufDtype::F32);
+    let ty = match dtype {
         GgufDtype::F32 => ExportType::F32,
         GgufDtype::F16 => ExportType::F16,
         GgufDtype::Bf16 => ExportType::Bf16,
@@ -207,7 +241,7 @@ fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decode
         "exported {} as GGUF {} ({:?}): {} tensors, {:.1} MB in {}",
         ckpt.dir.display(),
         encoded.arch,
-        args.dtype,
+        dtype,
         encoded.tensors,
         encoded.bytes.len() as f64 / 1e6,
         args.out.display()
@@ -216,6 +250,7 @@ fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decode
 }
 
 pub fn export(args: ExportArgs) -> anyhow::Result<()> {
+    let format = args.format()?;
     let ckpt = Checkpoint::open(&args.run_dir).with_context(|| format!("opening {}", args.run_dir.display()))?;
     let mut model = ckpt.decoder::<Flex>(&Default::default())?;
     if model.has_lora() {
@@ -226,7 +261,7 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         );
         model = model.merge_lora();
     }
-    if let ExportFormat::Gguf = args.format {
+    if let ExportFormat::Gguf = format {
         return export_gguf(&args, &ckpt, &model);
     }
     // The tokenizer travels inside the export, so that the folder appears complete or not at all.
@@ -235,7 +270,8 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
         .map(|name| ckpt.dir.join(name))
         .filter(|path| path.is_file())
         .collect();
-    let report = ember_hf::export(&model, ckpt.hf_config().as_ref(), &args.out, args.max_shard_size, &tokenizer_files)
+    let shard = args.max_shard_size.unwrap_or(DEFAULT_SHARD_BYTES);
+    let report = ember_hf::export(&model, ckpt.hf_config().as_ref(), &args.out, shard, &tokenizer_files)
         .with_context(|| format!("exporting to {}", args.out.display()))?;
     println!(
         "exported {} as {}: {} tensors, {:.1} MB in {} file(s) under {}",

@@ -324,7 +324,7 @@ fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig) -> Resul
             shape.reverse();
         }
         let data = TensorData::new(values, shape);
-        crate::weights::warn_non_finite(&f.path, &t.name, &data);
+        ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
         tensors.insert(hf, data);
     }
     Ok((tensors, stored))

@@ -244,9 +244,19 @@ impl Checkpoint {
         self.dir.join(ADAPTER_FILE).is_file()
     }
 
-    /// The Hugging Face config.json the model came from, if any.
+    /// The Hugging Face config.json the model came from, if any. One that cannot be read as JSON
+    /// is warned of (what an export takes from it, the name, licence and pre-tokenizer, is lost).
     pub fn hf_config(&self) -> Option<serde_json::Value> {
-        serde_json::from_str(&std::fs::read_to_string(self.dir.join(HF_CONFIG_FILE)).ok()?).ok()
+        let path = self.dir.join(HF_CONFIG_FILE);
+        let text = std::fs::read_to_string(&path).ok()?;
+        serde_json::from_str(&text)
+            .inspect_err(|e| {
+                tracing::warn!(
+                    "{}: not JSON ({e}): ignored, and with it the model's name, licence and pre-tokenizer",
+                    path.display()
+                )
+            })
+            .ok()
     }
 
     /// The `init_from` source a LoRA checkpoint's adapters sit on; `None` for a full checkpoint.
@@ -305,9 +315,16 @@ impl Checkpoint {
     }
 }
 
+/// The tensors of a weights file, each with NaN or infinite values warned of (which tensor, how
+/// many): a model of such weights computes NaN, so sampling and serving say so before it does.
 fn read_tensors(path: &Path) -> Result<BTreeMap<String, TensorData>, TrainError> {
     let bytes = std::fs::read(path).map_err(TrainError::io(path))?;
-    Ok(from_safetensors(&bytes, &path.display().to_string())?.0)
+    let source = path.display().to_string();
+    let tensors = from_safetensors(&bytes, &source)?.0;
+    for (name, data) in &tensors {
+        ember_model::weights::warn_non_finite(&source, name, data);
+    }
+    Ok(tensors)
 }
 
 /// Test helpers shared by the writing and the run-directory tests.
