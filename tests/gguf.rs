@@ -274,39 +274,92 @@ fn smollm2_imports_as_transformers_reads_it_and_round_trips() {
 
 /// Every export type runs in llama.cpp itself and continues a prompt as ember does: f32, f16 and
 /// bf16 (matrices in the type; norms and biases in f32, as llama.cpp's converter keeps them, without
-/// which its CPU kernels abort at the first decode) and q8_0. ember's side is its own import of the
-/// same file, so both read the same numbers.
+/// which its CPU kernels abort at the first decode) and q8_0, of the imported SmolLM2 and of a LoRA
+/// fine-tune of it merged on export. ember's side is its own import of the same file, so both read
+/// the same numbers.
 #[test]
 fn llama_cpp_runs_every_export() {
     let s = Scratch::new();
     let gguf = model_file();
     let o = s.ember(&["import", gguf.to_str().unwrap(), "--out", "smol"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    // One prompt a type: each run loads the model into llama.cpp anew (the time is in that).
-    let prompts = ["The capital of France is"];
+    // A short LoRA fine-tune that teaches one answer, merged into the weights on export.
+    let rows: String = (0..24)
+        .map(|_| format!("{}\n", serde_json::json!({"prompt": "Q: the sky?", "completion": " A: blue."})))
+        .collect();
+    s.write("sky.jsonl", &rows);
+    s.write(
+        "lora.toml",
+        r#"
+init_from = "run:smol"
+
+[data]
+path = "sky.jsonl"
+
+[train]
+batch_size = 2
+seq_len = 16
+max_steps = 12
+eval_interval = 12
+eval_iters = 1
+log_interval = 6
+checkpoint_interval = 12
+seed = 3
+
+[optim]
+weight_decay = 0.0
+
+[schedule]
+lr = 3e-3
+warmup_steps = 2
+
+[lora]
+rank = 8
+alpha = 16.0
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"#,
+    );
+    let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "ft"]);
+    assert!(o.status.success(), "fine-tune failed: {}", stderr(&o));
+    // One prompt a file: each run loads the model into llama.cpp anew (the time is in that).
     let n = 12;
-    for (dtype, matrices) in [("f32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")] {
-        let file = format!("smol-{dtype}.gguf");
-        let o = s.ember(&["export", "smol", "--format", "gguf", "--dtype", dtype, "--out", &file]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let f = GgufFile::open(&s.path().join(&file)).unwrap();
-        for t in &f.tensors {
-            let want = if t.shape().len() == 1 { "F32" } else { matrices };
-            assert_eq!(t.kind.name(), want, "{dtype} export: {} {:?}", t.name, t.shape());
-        }
-        let run = format!("back-{dtype}");
-        let o = s.ember(&["import", &file, "--out", &run]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let ckpt = Checkpoint::open(&s.path().join(&run)).unwrap();
-        let model = ckpt.decoder::<Flex>(&Default::default()).unwrap();
-        let theirs = llama_cpp(&s.path().join(&file), n, &prompts);
-        for (prompt, (their_prompt, their_ids)) in prompts.iter().zip(theirs) {
+    let mut continuations = std::collections::BTreeMap::new();
+    for (run, merge, prompt) in [("smol", false, "The capital of France is"), ("ft", true, "Q: the sky?")] {
+        for (dtype, matrices) in [("f32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")] {
+            let file = format!("{run}-{dtype}.gguf");
+            let mut args = vec!["export", run, "--format", "gguf", "--dtype", dtype, "--out", &file];
+            if merge {
+                args.push("--merge");
+            }
+            let o = s.ember(&args);
+            assert!(o.status.success(), "{}", stderr(&o));
+            let f = GgufFile::open(&s.path().join(&file)).unwrap();
+            for t in &f.tensors {
+                let want = if t.shape().len() == 1 { "F32" } else { matrices };
+                assert_eq!(t.kind.name(), want, "{file}: {} {:?}", t.name, t.shape());
+            }
+            let back = format!("back-{run}-{dtype}");
+            let o = s.ember(&["import", &file, "--out", &back]);
+            assert!(o.status.success(), "{}", stderr(&o));
+            let ckpt = Checkpoint::open(&s.path().join(&back)).unwrap();
+            let model = ckpt.decoder::<Flex>(&Default::default()).unwrap();
+            let (their_prompt, their_ids) = llama_cpp(&s.path().join(&file), n, &[prompt]).remove(0);
             let ours = ckpt.tokenizer.encode_prompt(prompt).unwrap();
-            assert_eq!(their_prompt, ours, "{dtype}: llama.cpp tokenizes {prompt:?} otherwise");
-            let want = greedy(&model, &ours, n);
-            assert_eq!(their_ids, want, "{dtype}: llama.cpp continues {prompt:?} otherwise");
+            assert_eq!(their_prompt, ours, "{file}: llama.cpp tokenizes {prompt:?} otherwise");
+            // llama.cpp stops at an end-of-generation token, and does not report it.
+            let ends = ckpt.tokenizer.end_ids();
+            let want: Vec<u32> = greedy(&model, &ours, n).into_iter().take_while(|id| !ends.contains(id)).collect();
+            assert_eq!(their_ids, want, "{file}: llama.cpp continues {prompt:?} otherwise");
+            if dtype == "f32" {
+                let base = Checkpoint::open(&s.path().join("back-smol-f32")).unwrap();
+                let base = base.decoder::<Flex>(&Default::default()).unwrap();
+                let base: Vec<u32> = greedy(&base, &ours, n).into_iter().take_while(|id| !ends.contains(id)).collect();
+                continuations.insert(run, (base, want));
+            }
         }
     }
+    let (base, tuned) = &continuations["ft"];
+    assert_ne!(base, tuned, "the merged fine-tune continues its prompt as the base model does");
 }
 
 /// The tensors of a run's checkpoint, by name.
