@@ -441,11 +441,16 @@ fn idle_crowds_foreign_origins_forged_roles_the_request_log_and_a_graceful_stop(
     // A page elsewhere cannot make the user's browser run generations: a foreign Origin is
     // refused, as is a body not declared JSON (what a cross-origin form or text/plain fetch sends).
     let json_type = ("Content-Type", "application/json");
-    let (code, body) = post_with(&addr, "/v1/completions", &completion, &[("Origin", "http://evil.example"), json_type]);
+    let (code, body) =
+        post_with(&addr, "/v1/completions", &completion, &[("Origin", "http://evil.example"), json_type]);
     assert_eq!(code, 403, "{body}");
     assert!(body.contains("http://evil.example") && body.contains("cross_origin"), "{body}");
-    let (code, body) =
-        post_with(&addr, "/v1/completions", &completion, &[("Origin", "http://evil.example"), ("Content-Type", "text/plain")]);
+    let (code, body) = post_with(
+        &addr,
+        "/v1/completions",
+        &completion,
+        &[("Origin", "http://evil.example"), ("Content-Type", "text/plain")],
+    );
     assert_eq!(code, 403, "{body}");
     let (code, body) = post_with(&addr, "/v1/completions", &completion, &[("Content-Type", "text/plain")]);
     assert_eq!(code, 415, "{body}");

@@ -94,7 +94,9 @@ fn data_paths_that_are_not_files() {
     let c_path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     // SAFETY: a NUL-terminated path that outlives the call.
     assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
-    let s = with_config(&tiny_config("").replace("path = \"corpus.txt\"", &format!("path = {:?}", fifo.display().to_string())));
+    let s = with_config(
+        &tiny_config("").replace("path = \"corpus.txt\"", &format!("path = {:?}", fifo.display().to_string())),
+    );
     refuse(&s, &["train", "--config", "cfg.toml"], &["corpus.fifo: data.path: not a regular file"]);
 }
 
@@ -120,5 +122,9 @@ fn a_lora_rank_past_the_model_is_refused_before_anything_is_written() {
          warmup_steps = 0\n[lora]\nrank = 1000000\nalpha = 16.0\n",
     );
     // The fixture's narrowest adapted projection is v_proj, 64 × 32 (two key-value heads of 16).
-    refuse(&s, &["train", "--config", "lora.toml", "--run-dir", "ft"], &["lora.rank 1000000", "`v_proj`'s smaller side (32"]);
+    refuse(
+        &s,
+        &["train", "--config", "lora.toml", "--run-dir", "ft"],
+        &["lora.rank 1000000", "`v_proj`'s smaller side (32"],
+    );
 }

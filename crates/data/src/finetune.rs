@@ -82,11 +82,15 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
     let scored = out.iter().filter(|r| !matches!(r, Record::Text(_))).count();
     let empty = out.iter().filter(|r| r.completion_is_empty()).count();
     if empty > 0 && empty == scored && scored == out.len() {
-        let message = format!("every example's completion is empty ({empty} of {scored}): only end-of-text would be learned");
+        let message =
+            format!("every example's completion is empty ({empty} of {scored}): only end-of-text would be learned");
         return Err(bad(1, message));
     }
     if empty > 0 {
-        tracing::warn!("{}: {empty} of {scored} examples have an empty completion: they teach only end-of-text", path.display());
+        tracing::warn!(
+            "{}: {empty} of {scored} examples have an empty completion: they teach only end-of-text",
+            path.display()
+        );
     }
     Ok(out)
 }
@@ -97,7 +101,9 @@ impl Record {
         match self {
             Self::Text(_) => false,
             Self::Completion { completion, .. } => completion.trim().is_empty(),
-            Self::Chat(messages) => messages.iter().filter(|m| m.role == "assistant").all(|m| m.content.trim().is_empty()),
+            Self::Chat(messages) => {
+                messages.iter().filter(|m| m.role == "assistant").all(|m| m.content.trim().is_empty())
+            }
         }
     }
 }
@@ -387,10 +393,12 @@ mod tests {
         std::fs::write(&p, format!("{chat}\n")).unwrap();
         let e = read_jsonl(&p).unwrap_err().to_string();
         assert!(e.contains("d.jsonl:1:") && e.contains("messages[1].role `wizard`"), "{e}");
-        std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \" \"}\n{\"prompt\": \"y\", \"completion\": \"\"}\n").unwrap();
+        std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \" \"}\n{\"prompt\": \"y\", \"completion\": \"\"}\n")
+            .unwrap();
         let e = read_jsonl(&p).unwrap_err().to_string();
         assert!(e.contains("every example's completion is empty (2 of 2)"), "{e}");
-        std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \"z\"}\n{\"prompt\": \"y\", \"completion\": \"\"}\n").unwrap();
+        std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \"z\"}\n{\"prompt\": \"y\", \"completion\": \"\"}\n")
+            .unwrap();
         assert_eq!(read_jsonl(&p).unwrap().len(), 2, "some empty completions: a warning");
     }
 

@@ -30,8 +30,15 @@ pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBu
                 Err(_) => Some("cannot be read"),
             };
             if let Some(what) = what {
-                let kind = if what == "no such file" { std::io::ErrorKind::NotFound } else { std::io::ErrorKind::InvalidInput };
-                return Err(TrainError::Io { path: path.clone(), err: std::io::Error::new(kind, format!("data.path: {what}")) });
+                let kind = if what == "no such file" {
+                    std::io::ErrorKind::NotFound
+                } else {
+                    std::io::ErrorKind::InvalidInput
+                };
+                return Err(TrainError::Io {
+                    path: path.clone(),
+                    err: std::io::Error::new(kind, format!("data.path: {what}")),
+                });
             }
             Ok((path.clone(), config.val_fraction.unwrap_or(0.1)))
         }

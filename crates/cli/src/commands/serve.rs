@@ -127,7 +127,9 @@ impl Job for ServeJob {
             std::thread::sleep(Duration::from_millis(50));
         }
         let grace = Duration::from_secs(args.shutdown_grace);
-        tracing::info!("stopping: no new requests; answers in work get {grace:?} to finish (a second signal stops at once)");
+        tracing::info!(
+            "stopping: no new requests; answers in work get {grace:?} to finish (a second signal stops at once)"
+        );
         let drained = server.drain(grace);
         tracing::info!(
             "stopped: {} answers were in work, {} of them ended by the shutdown",
