@@ -6,6 +6,7 @@
 #[path = "../common.rs"]
 mod common;
 
+mod bench;
 mod checkpoint;
 mod config;
 mod dashboard;

@@ -157,8 +157,10 @@ pub fn bench_peak<B: Backend>(
     cache: Option<&std::path::Path>,
 ) -> PeakBench {
     let gemms = which.measure::<B>(device, sizes, reps);
-    let peak_flops = gemms.iter().map(|g| g.flops).fold(0.0, f64::max);
-    if let Some(dir) = cache {
+    let peak_flops = gemms.iter().map(|g| g.flops).filter(|f| f.is_finite()).fold(0.0, f64::max);
+    // A peak of 0 (or none at all) would put every later run's MFU at inf %: only a real rate is
+    // remembered.
+    if let Some(dir) = cache.filter(|_| peak_flops > 0.0) {
         crate::flops::store_peak(&dir.join(crate::flops::peak_cache_name::<B>(device, which)), peak_flops);
     }
     let dtype = match which {

@@ -154,7 +154,7 @@ pub fn resolve_peak<B: Backend>(
     }
     let label = gemms.label();
     let file = cache.map(|dir| dir.join(peak_cache_name::<B>(device, gemms)));
-    let cached = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()).and_then(|t| t.trim().parse::<f64>().ok());
+    let cached = file.as_deref().and_then(read_peak);
     if let Some(flops) = cached {
         return Peak { flops, source: format!("measured earlier: best {label} GEMM on {}", B::name(device)) };
     }
@@ -194,10 +194,20 @@ fn fnv1a(bytes: &[u8]) -> u32 {
     bytes.iter().fold(0x811c_9dc5, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
+/// A cached peak, ignored unless it is a finite rate above 0 (a damaged file or an older build's 0).
+fn read_peak(file: &Path) -> Option<f64> {
+    let flops = std::fs::read_to_string(file).ok()?.trim().parse::<f64>().ok()?;
+    (flops.is_finite() && flops > 0.0).then_some(flops)
+}
+
 /// Remembers a measured peak, keeping the higher of it and any earlier one: a peak is the best the
 /// machine reached (best effort: a cache that cannot be written is only a warning).
+/// A peak that is 0, negative or not finite is never written (it would put MFU at inf %).
 pub fn store_peak(file: &Path, flops: f64) {
-    let earlier = std::fs::read_to_string(file).ok().and_then(|t| t.trim().parse::<f64>().ok()).unwrap_or(0.0);
+    if !(flops.is_finite() && flops > 0.0) {
+        return;
+    }
+    let earlier = read_peak(file).unwrap_or(0.0);
     let dir = file.parent().unwrap_or(Path::new("."));
     let written = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(file, format!("{}\n", flops.max(earlier))));
     if let Err(e) = written {
@@ -209,6 +219,26 @@ pub fn store_peak(file: &Path, flops: f64) {
 mod tests {
     use super::*;
     use ember_model::ModelConfig;
+
+    #[test]
+    fn a_peak_of_zero_or_not_finite_is_never_cached_nor_believed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("peak.txt");
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            store_peak(&file, bad);
+            assert!(!file.exists(), "{bad} was cached");
+        }
+        for bad in ["0", "-3e9", "NaN", "inf", "x"] {
+            std::fs::write(&file, bad).unwrap();
+            assert_eq!(read_peak(&file), None, "{bad}");
+        }
+        // A 0 left by an older build is replaced, not kept as the higher of the two.
+        std::fs::write(&file, "0\n").unwrap();
+        store_peak(&file, 2e9);
+        assert_eq!(read_peak(&file), Some(2e9));
+        store_peak(&file, 1e9);
+        assert_eq!(read_peak(&file), Some(2e9));
+    }
 
     #[test]
     fn the_peak_cache_tells_cpus_of_one_name_apart_by_their_flags() {

@@ -1,3 +1,4 @@
+use std::ops::RangeInclusive;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -11,7 +12,7 @@ use ember_train::flops::Gemms;
 use ember_train::{Checkpoint, ConfigFile, ResolvedConfig};
 use serde::Serialize;
 
-use crate::backend::{dispatch, gpu_name, memory_probe, DeviceSpec, Job};
+use crate::backend::{dispatch, gpu_name, memory_available, memory_probe, DeviceSpec, Job};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -43,13 +44,14 @@ enum BenchCommand {
 
 #[derive(Args, Debug)]
 struct AllreduceBenchArgs {
-    /// Message sizes in bytes.
+    /// Message sizes in bytes, each in 4..=4294967296 (4 GiB; a rank holds about eight buffers of
+    /// the size).
     #[arg(long, value_delimiter = ',', default_value = "4096,65536,1048576,16777216,67108864,268435456")]
     sizes: Vec<usize>,
-    /// Timed repetitions per size (the median is reported).
+    /// Timed repetitions per size (the median is reported), 1..=1000.
     #[arg(long, default_value_t = 10)]
     reps: usize,
-    /// Gradient bucket size in MiB, as `[distributed] bucket_mib`.
+    /// Gradient bucket size in MiB, as `[distributed] bucket_mib`, 1..=16384.
     #[arg(long, default_value_t = 25)]
     bucket_mib: usize,
     /// Print one JSON object instead of text.
@@ -59,18 +61,22 @@ struct AllreduceBenchArgs {
 
 #[derive(Args, Debug)]
 struct AttentionBenchArgs {
+    /// Sequences, 1..=4096. With the other sizes, q/k/v and their gradients must fit in 8 GiB.
     #[arg(long, default_value_t = 4)]
     batch: usize,
-    /// Positions a sequence.
+    /// Positions a sequence, 1..=1048576.
     #[arg(long, default_value_t = 512)]
     seq: usize,
+    /// Query heads, 1..=1024, a multiple of --kv-heads.
     #[arg(long, default_value_t = 9)]
     heads: usize,
+    /// Key/value heads, 1..=1024.
     #[arg(long, default_value_t = 3)]
     kv_heads: usize,
+    /// Head size, 1..=1024.
     #[arg(long, default_value_t = 64)]
     head_dim: usize,
-    /// Runs of each (f32 and bf16 alternating); the best is reported.
+    /// Runs of each (f32 and bf16 alternating), 1..=1000; the best is reported.
     #[arg(long, default_value_t = 10)]
     reps: usize,
     /// Print one JSON object instead of text.
@@ -80,8 +86,11 @@ struct AttentionBenchArgs {
 
 #[derive(Args, Debug)]
 struct DashboardBenchArgs {
+    /// Runs written to a scratch log directory, 1..=1000.
     #[arg(long, default_value_t = 100)]
     runs: usize,
+    /// Records each run, 1..=1000000; --runs × --steps at most 10000000 (about 2.3 GB of
+    /// metrics.jsonl).
     #[arg(long, default_value_t = 10_000)]
     steps: usize,
     /// Print one JSON object instead of text.
@@ -94,19 +103,21 @@ struct DecodeBenchArgs {
     /// A run directory or checkpoint folder.
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Context lengths (prompt tokens) to measure at; each must leave room for --new-tokens.
+    /// Context lengths (prompt tokens) to measure at, each at least 1 and leaving room for
+    /// --new-tokens and --uncached-tokens within the model's max_seq_len.
     #[arg(long, value_delimiter = ',', default_value = "64,128,256,512,1024")]
     contexts: Vec<usize>,
-    /// Tokens generated with the cache at each context.
+    /// Tokens generated with the cache at each context, 1..=1048576 (and within max_seq_len).
     #[arg(long, default_value_t = 32)]
     new_tokens: usize,
-    /// Tokens generated without the cache at each context.
+    /// Tokens generated without the cache at each context, 0..=1048576 (0: no uncached timing).
     #[arg(long, default_value_t = 4)]
     uncached_tokens: usize,
-    /// Positions per KV-cache block.
+    /// Positions per KV-cache block, 1..=65536. The cache of every sequence must fit in the
+    /// device's memory.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Sequences decoded side by side (each step feeds one token of every one).
+    /// Sequences decoded side by side (each step feeds one token of every one), 1..=256.
     #[arg(long, default_value_t = 1)]
     batch: usize,
     #[command(flatten)]
@@ -118,13 +129,15 @@ struct ServeBenchArgs {
     /// A run directory or checkpoint folder.
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Numbers of concurrent clients to measure (the server gets as many slots as the largest).
+    /// Numbers of concurrent clients to measure, each in 1..=256 (the server gets as many slots as
+    /// the largest).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     clients: Vec<usize>,
-    /// Requests each client sends, one after the other.
+    /// Requests each client sends, one after the other, 1..=10000.
     #[arg(long, default_value_t = 2)]
     requests: usize,
-    /// Tokens each answer streams (the end-of-text token is ignored, as vLLM's `ignore_eos`).
+    /// Tokens each answer streams (the end-of-text token is ignored, as vLLM's `ignore_eos`),
+    /// 1..=1048576 and at most the model's max_seq_len.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
     #[arg(long, default_value = "The capital of France is")]
@@ -147,16 +160,17 @@ struct Common {
 struct TrainBenchArgs {
     #[arg(long)]
     config: PathBuf,
-    /// Timed steps (the median is reported).
+    /// Timed steps (the median is reported), 1..=10000.
     #[arg(long, default_value_t = 30)]
     steps: usize,
-    /// Untimed steps first.
+    /// Untimed steps first, 0..=10000.
     #[arg(long, default_value_t = 5)]
     warmup: usize,
     /// f32, bf16 or f16 (overrides train.precision).
     #[arg(long)]
     precision: Option<Precision>,
-    /// Peak TFLOP/s for MFU (instead of the table or a measured GEMM peak).
+    /// Peak TFLOP/s for MFU (instead of the table or a measured GEMM peak), finite, above 0 and at
+    /// most 1000000.
     #[arg(long)]
     peak_tflops: Option<f64>,
     #[command(flatten)]
@@ -168,10 +182,11 @@ struct PeakBenchArgs {
     /// GEMM dtype: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: Precision,
-    /// Square sizes to try.
+    /// Square sizes to try, each in 1..=32768; three n×n matrices of the largest (16·n² bytes
+    /// counted) must fit in the device's memory.
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
     sizes: Vec<usize>,
-    /// Timed repetitions per size (the fastest is kept).
+    /// Timed repetitions per size (the fastest is kept), 1..=1000.
     #[arg(long, default_value_t = 5)]
     reps: usize,
     #[command(flatten)]
@@ -180,12 +195,14 @@ struct PeakBenchArgs {
 
 #[derive(Args, Debug)]
 struct LossBenchArgs {
-    /// Rows (B·T).
+    /// Rows (B·T), 1..=16777216. The plain loss holds three [tokens, vocab] f32 tensors: with the
+    /// inputs and their gradients they must fit in the device's memory.
     #[arg(long, default_value_t = 8192)]
     tokens: usize,
+    /// Model width, 1..=65536.
     #[arg(long, default_value_t = 512)]
     d_model: usize,
-    /// Vocabulary (Llama 3: 128,256).
+    /// Vocabulary (Llama 3: 128,256), 1..=16777216.
     #[arg(long, default_value_t = 128_256)]
     vocab: usize,
     #[command(flatten)]
@@ -257,7 +274,7 @@ impl BenchFn for DecodeBenchFn {
             contexts: a.contexts.clone(),
             new_tokens: a.new_tokens,
             uncached_tokens: a.uncached_tokens,
-            block_size: a.block_size.max(1),
+            block_size: a.block_size,
             batch: a.batch,
         };
         Ok(bench_decode(&model, name, &spec))
@@ -345,8 +362,47 @@ pub fn run(
     }
 }
 
+/// Refuses `value` of `flag` outside `range`, naming both: `--steps 0 is not in 1..=10000`.
+fn in_range(flag: &str, value: usize, range: RangeInclusive<usize>) -> anyhow::Result<()> {
+    anyhow::ensure!(range.contains(&value), "{flag} {value} is not in {}..={}", range.start(), range.end());
+    Ok(())
+}
+
+/// [`in_range`] for every value of a list flag, which must not be empty.
+fn each_in_range(flag: &str, values: &[usize], range: RangeInclusive<usize>) -> anyhow::Result<()> {
+    anyhow::ensure!(!values.is_empty(), "{flag} is empty: give at least one value");
+    values.iter().try_for_each(|&v| in_range(flag, v, range.clone()))
+}
+
+/// The memory a benchmark may take where the device's is unknown (WGPU).
+const UNKNOWN_MEMORY_CEILING: u64 = 64 << 30;
+
+/// Refuses a benchmark that needs `need` bytes (`None`: past 2^64) when the device has less free
+/// (or, where that is unknown, more than [`UNKNOWN_MEMORY_CEILING`]); `what` names the flags and
+/// their values, as `--sizes 100000`.
+fn fits_memory(what: &str, need: Option<u64>, device: DeviceSpec) -> anyhow::Result<()> {
+    let (limit, of) = match memory_available(device) {
+        Some(free) => (free, "of memory available"),
+        None => (UNKNOWN_MEMORY_CEILING, "this benchmark takes where the device's memory is unknown"),
+    };
+    if need.is_some_and(|n| n <= limit) {
+        return Ok(());
+    }
+    let need = need.map_or("more than 2^64 bytes".to_string(), ember_train::memory::gib);
+    anyhow::bail!("{what} needs {need}, more than the {} {of}", ember_train::memory::gib(limit))
+}
+
+/// `a · b · …` in u64, `None` past 2^64.
+fn product(factors: &[usize]) -> Option<u64> {
+    factors.iter().try_fold(1u64, |acc, &f| acc.checked_mul(f as u64))
+}
+
 fn train(mut a: TrainBenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
+    in_range("--steps", a.steps, 1..=10_000)?;
+    in_range("--warmup", a.warmup, 0..=10_000)?;
+    if let Some(t) = a.peak_tflops {
+        anyhow::ensure!(t.is_finite() && t > 0.0 && t <= 1e6, "--peak-tflops {t} is not in (0, 1000000]");
+    }
     let mut run = ConfigFile::read_for(&a.config, Purpose::Bench)?.resolve()?;
     if let Some(p) = a.precision.take() {
         run.config.train.precision = p;
@@ -356,47 +412,72 @@ fn train(mut a: TrainBenchArgs) -> anyhow::Result<()> {
 }
 
 fn peak(a: PeakBenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(!a.sizes.is_empty() && a.reps > 0, "--sizes and --reps must not be empty or 0");
+    each_in_range("--sizes", &a.sizes, 1..=32_768)?;
+    in_range("--reps", a.reps, 1..=1000)?;
+    // Two operands and the product, and a dtype cast of each operand: 16·n² bytes is an upper bound.
+    let n = a.sizes.iter().copied().max().unwrap_or(1);
+    fits_memory(&format!("--sizes {n}"), product(&[16, n, n]), a.common.device)?;
     let (device, json) = (a.common.device, a.common.json);
     report(json, &dispatch(device, false, BenchJob(PeakBenchFn(a)))?)
 }
 
 fn loss(a: LossBenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(a.tokens > 0 && a.d_model > 0 && a.vocab > 0, "sizes must be positive");
+    in_range("--tokens", a.tokens, 1..=1 << 24)?;
+    in_range("--d-model", a.d_model, 1..=1 << 16)?;
+    in_range("--vocab", a.vocab, 1..=1 << 24)?;
+    // The plain loss: logits, their softmax and gradient ([N, V] each), the inputs and their
+    // gradients ([N, D] and [D, V] twice), all f32 (its measured peak: 12.6 GB for the defaults).
+    let (n, d, v) = (a.tokens, a.d_model, a.vocab);
+    let need = [product(&[3, n, v]), product(&[2, n, d]), product(&[2, d, v])]
+        .into_iter()
+        .try_fold(0u64, |acc, t| acc.checked_add(t?))
+        .and_then(|elems| elems.checked_mul(4));
+    fits_memory(&format!("--tokens {n} --d-model {d} --vocab {v}"), need, a.common.device)?;
     let (device, json) = (a.common.device, a.common.json);
     report(json, &dispatch(device, false, BenchJob(LossBenchFn(a)))?)
 }
 
 fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
+    // Every flag first, before the checkpoint is read; then what the model bounds.
+    each_in_range("--contexts", &a.contexts, 1..=1 << 24)?;
+    in_range("--new-tokens", a.new_tokens, 1..=1 << 20)?;
+    in_range("--uncached-tokens", a.uncached_tokens, 0..=1 << 20)?;
+    in_range("--block-size", a.block_size, 1..=1 << 16)?;
+    in_range("--batch", a.batch, 1..=256)?;
     let checkpoint = Checkpoint::open(&a.checkpoint)?;
-    let max = checkpoint.model_config.max_seq_len;
+    let config = &checkpoint.model_config;
+    let max = config.max_seq_len;
     let longest = a.new_tokens.max(a.uncached_tokens);
-    if let Some(c) = a.contexts.iter().find(|&&c| c == 0 || c + longest > max) {
-        anyhow::bail!("context {c} plus {longest} generated tokens does not fit the model's max_seq_len of {max}");
+    if let Some(c) = a.contexts.iter().find(|&&c| c.saturating_add(longest) > max) {
+        anyhow::bail!("--contexts {c} plus {longest} generated tokens does not fit the model's max_seq_len of {max}");
     }
-    anyhow::ensure!((1..=256).contains(&a.batch), "--batch {} is not in 1..=256", a.batch);
+    // The KV cache of the longest context: whole blocks for every sequence, keys and values of
+    // every layer in f32, twice over while the pool grows.
+    let positions = a.contexts.iter().max().map_or(0, |c| c + longest).div_ceil(a.block_size) * a.block_size;
+    let per_position = product(&[2, config.n_layers, config.n_kv_heads(), config.head_dim(), 4]);
+    let need = per_position.and_then(|p| p.checked_mul(product(&[2, a.batch, positions])?));
+    let what = format!("--block-size {} --batch {} (KV cache of {positions} positions)", a.block_size, a.batch);
+    fits_memory(&what, need, a.common.device)?;
     let (device, json) = (a.common.device, a.common.json);
     report(json, &dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?)
 }
 
 fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !a.clients.is_empty() && a.clients.iter().all(|&n| (1..=256).contains(&n)),
-        "--clients: each in 1..=256"
-    );
-    anyhow::ensure!(a.requests > 0 && a.max_tokens > 0, "--requests and --max-tokens must be at least 1");
+    each_in_range("--clients", &a.clients, 1..=256)?;
+    in_range("--requests", a.requests, 1..=10_000)?;
+    in_range("--max-tokens", a.max_tokens, 1..=1 << 20)?;
     let checkpoint = Checkpoint::open(&a.checkpoint)?;
+    in_range("--max-tokens", a.max_tokens, 1..=checkpoint.model_config.max_seq_len)?;
     let (device, json) = (a.common.device, a.common.json);
     report(json, &dispatch(device, false, BenchJob(ServeBenchFn(a, checkpoint)))?)
 }
 
 fn attention(a: AttentionBenchArgs) -> anyhow::Result<()> {
-    let sizes = [("--batch", a.batch), ("--seq", a.seq), ("--heads", a.heads), ("--kv-heads", a.kv_heads)];
-    if let Some((flag, _)) =
-        sizes.iter().chain(&[("--head-dim", a.head_dim), ("--reps", a.reps)]).find(|(_, v)| *v == 0)
-    {
-        anyhow::bail!("{flag} must be at least 1");
-    }
+    in_range("--batch", a.batch, 1..=4096)?;
+    in_range("--heads", a.heads, 1..=1024)?;
+    in_range("--kv-heads", a.kv_heads, 1..=1024)?;
+    in_range("--head-dim", a.head_dim, 1..=1024)?;
+    in_range("--reps", a.reps, 1..=1000)?;
     anyhow::ensure!(
         a.heads.is_multiple_of(a.kv_heads),
         "--heads {} is not a multiple of --kv-heads {}",
@@ -404,10 +485,8 @@ fn attention(a: AttentionBenchArgs) -> anyhow::Result<()> {
         a.kv_heads
     );
     // q/k/v, the output, its gradient and q/k/v's gradient: about three q/k/v's worth of f32.
-    let width = (a.heads + 2 * a.kv_heads).checked_mul(a.head_dim);
-    let bytes =
-        width.and_then(|w| w.checked_mul(a.batch)).and_then(|n| n.checked_mul(a.seq)).and_then(|n| n.checked_mul(12));
-    const LIMIT: usize = 8 << 30;
+    let bytes = product(&[a.heads + 2 * a.kv_heads, a.head_dim, a.batch, a.seq, 12]);
+    const LIMIT: u64 = 8 << 30;
     anyhow::ensure!(
         bytes.is_some_and(|b| b <= LIMIT),
         "--batch {} --seq {} --heads {} --kv-heads {} --head-dim {} needs more than the 8 GiB this benchmark allows",
@@ -417,24 +496,27 @@ fn attention(a: AttentionBenchArgs) -> anyhow::Result<()> {
         a.kv_heads,
         a.head_dim
     );
+    // After the memory: a shape past 8 GiB is refused as such, whatever its length.
+    in_range("--seq", a.seq, 1..=1 << 20)?;
     let shape = (a.batch, a.seq, a.heads, a.kv_heads, a.head_dim);
     let r = ember_train::bench::bench_attention(crate::env::compute().cpu, shape, a.reps);
     report(a.json, &r)
 }
 
 fn dashboard(a: DashboardBenchArgs) -> anyhow::Result<()> {
+    in_range("--runs", a.runs, 1..=1000)?;
+    in_range("--steps", a.steps, 1..=1_000_000)?;
+    in_range("--runs × --steps", a.runs * a.steps, 1..=10_000_000)?;
     let dir = tempfile::tempdir().context("creating a scratch log directory")?;
     let r = ember_dashboard::bench::load(dir.path(), a.runs, a.steps)?;
     report(a.json, &r)
 }
 
 fn allreduce(a: AllreduceBenchArgs, c: &dyn ember_train::distributed::Collective) -> anyhow::Result<()> {
-    anyhow::ensure!(a.reps > 0 && !a.sizes.is_empty(), "--reps and --sizes must not be 0 or empty");
-    anyhow::ensure!(
-        a.sizes.iter().all(|&s| (4..=1 << 32).contains(&s)),
-        "--sizes: each size must be in 4..=4294967296 bytes"
-    );
-    anyhow::ensure!((1..=16384).contains(&a.bucket_mib), "--bucket-mib must be in 1..=16384");
+    // Fixed bounds, not the free memory: every rank must come to the same answer.
+    each_in_range("--sizes", &a.sizes, 4..=1 << 32)?;
+    in_range("--reps", a.reps, 1..=1000)?;
+    in_range("--bucket-mib", a.bucket_mib, 1..=16384)?;
     let r = ember_train::distributed::bench::bench_allreduce(c, &a.sizes, a.reps, a.bucket_mib)?;
     // Every rank measured; rank 0 reports.
     if c.rank() == 0 {
