@@ -748,7 +748,7 @@ mod tests {
         let fifo = dir.path().join("pipe.gguf");
         let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
         assert!(made.success());
-        let e = is_gguf(&fifo).err().expect("a FIFO is refused unopened").to_string();
+        let e = is_gguf(&fifo).expect_err("a FIFO is refused unopened").to_string();
         assert!(e.contains("pipe.gguf") && e.contains("FIFO"), "{e}");
     }
 }

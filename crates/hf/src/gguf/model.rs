@@ -664,7 +664,7 @@ mod tests {
         let bad = |config: &ModelConfig, arch, key: &str, value: Value| {
             let mut meta = metadata(config, arch);
             assert!(meta.insert(key.to_string(), value).is_some(), "{key} is written");
-            read(&meta, arch).err().expect("an error").to_string()
+            read(&meta, arch).expect_err("an error").to_string()
         };
         assert!(read(&metadata(&llama, Architecture::Llama), Architecture::Llama).is_ok());
         assert!(read(&metadata(&gemma, Architecture::Gemma3), Architecture::Gemma3).is_ok());

@@ -586,10 +586,10 @@ mod tests {
         for known in ["smollm", "default", "gpt2", "llama-bpe", "qwen2"] {
             assert!(from_gguf(&file(s(known))).is_ok(), "{known}");
         }
-        let e = from_gguf(&file(s("deepseek-coder"))).err().expect("an error").to_string();
+        let e = from_gguf(&file(s("deepseek-coder"))).expect_err("an error").to_string();
         assert!(e.contains("t.gguf") && e.contains("tokenizer.ggml.pre") && e.contains("`deepseek-coder`"), "{e}");
         assert!(e.contains("smollm") && e.contains("llama-bpe") && e.contains("qwen2"), "lists the known ones: {e}");
-        let e = from_gguf(&file(Value::U32(2))).err().expect("an error").to_string();
+        let e = from_gguf(&file(Value::U32(2))).expect_err("an error").to_string();
         assert!(e.contains("`tokenizer.ggml.pre` has type u32 (2), expected string"), "{e}");
     }
 
