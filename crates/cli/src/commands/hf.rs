@@ -195,9 +195,13 @@ fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let g = ember_hf::gguf::model::import::<Flex>(&args.dir, dtype, &Default::default())
         .with_context(|| format!("importing {}", args.dir.display()))?;
-    let files = tempfile::tempdir()?;
-    std::fs::write(files.path().join(TOKENIZER_FILE), &g.tokenizer_json)?;
-    std::fs::write(files.path().join("tokenizer_config.json"), serde_json::to_string_pretty(&g.tokenizer_config)?)?;
+    let files = tempfile::tempdir().context("creating a temporary folder for the tokenizer files (TMPDIR)")?;
+    let write = |name: &str, text: &str| {
+        let path = files.path().join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+    };
+    write(TOKENIZER_FILE, &g.tokenizer_json)?;
+    write("tokenizer_config.json", &serde_json::to_string_pretty(&g.tokenizer_config)?)?;
     let tokenizer = Tokenizer::from_json(&g.tokenizer_json)
         .with_context(|| format!("{}: the tokenizer rebuilt from its metadata does not load", args.dir.display()))?;
     let model = &g.imported.model;
