@@ -80,6 +80,11 @@ impl std::fmt::Debug for Tokenizer {
 
 const END_OF_TEXT: &str = "<|endoftext|>";
 
+/// Ids a tokenizer.json may leave unused past twice its number of entries (added tokens often sit
+/// apart from the vocabulary, a model's embedding table is often padded); `tokenizers` names every
+/// hole in a warning when it saves one.
+const MAX_ID_GAP: usize = 1 << 20;
+
 impl Tokenizer {
     /// Builds or loads the tokenizer a spec names; `text` is the corpus the trained kinds learn from.
     pub fn from_spec(spec: &TokenizerSpec, text: &str) -> Result<Self> {
@@ -138,14 +143,45 @@ impl Tokenizer {
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| DataError::TokenizerFile { path: path.into(), message: e.to_string() })?;
-        Ok(Self::wrap(inner))
+        let bad = |message: String| DataError::TokenizerFile { path: path.into(), message };
+        let json = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        Self::parse(&json).map(Self::wrap).map_err(bad)
     }
 
     pub fn from_json(json: &str) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_str(json).map_err(|e| DataError::Tokenizer(e.to_string()))?;
-        Ok(Self::wrap(inner))
+        Self::parse(json).map(Self::wrap).map_err(DataError::Tokenizer)
+    }
+
+    /// A tokenizer.json read by the `tokenizers` crate, with checks of ours around it. `tokenizers`
+    /// 0.22 panics instead of failing on some damaged files: on a JSON error inside the `decoder`
+    /// object (a bad escape, a missing brace: its `expect("Helper")`) and on a bad `Precompiled`
+    /// normalizer. Those two sections are parsed here first, and a panic left is caught. Then the
+    /// ids: a vocabulary whose largest id is far past its number of entries is mostly holes, which
+    /// saving it enumerates one by one (a warning per hole; an id of 2^32 - 1 never finishes).
+    fn parse(json: &str) -> std::result::Result<tokenizers::Tokenizer, String> {
+        #[derive(serde::Deserialize)]
+        #[allow(dead_code)] // read to be checked
+        struct Checked {
+            #[serde(default)]
+            decoder: serde_json::Value,
+            #[serde(default)]
+            normalizer: serde_json::Value,
+        }
+        serde_json::from_str::<Checked>(json).map_err(|e| e.to_string())?;
+        let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_str(json))
+            .map_err(|_| "the tokenizers library could not read it (it panicked)".to_string())?
+            .map_err(|e| e.to_string())?;
+        let vocab = inner.get_vocab(true);
+        if let Some((token, &id)) = vocab.iter().max_by_key(|(_, &id)| id) {
+            if id as usize >= (2 * vocab.len()).max(vocab.len() + MAX_ID_GAP) {
+                let token: String = token.chars().take(40).collect();
+                return Err(format!(
+                    "token {token:?} has id {id}, but the vocabulary has {} entries: ids that sparse are a damaged file",
+                    vocab.len()
+                ));
+            }
+        }
+        Ok(inner)
     }
 
     fn wrap(inner: tokenizers::Tokenizer) -> Self {
