@@ -255,8 +255,9 @@ fn request(addr: &str, method: &str, path: &str, body: &str, headers: &[(&str, &
 /// headers when `wait_for_data` is false). It runs to `max_tokens` whatever the model's end-of-text
 /// says, so that it is still running when the test needs it to be.
 fn open_stream(addr: &str, max_tokens: usize, wait_for_data: bool) -> TcpStream {
-    let body = json!({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": true, "ignore_eos": true})
-        .to_string();
+    let body =
+        json!({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": true, "ignore_eos": true})
+            .to_string();
     let mut stream = TcpStream::connect(addr).unwrap();
     let head = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
