@@ -14,6 +14,29 @@ pub mod stream;
 pub mod tokenizer;
 
 pub use error::DataError;
+
+/// What a path of type `kind` is when it is neither a regular file nor a folder ("a FIFO (named
+/// pipe)", "a socket", "a device", "a special file"); `None` for a file or a folder. Such a path is
+/// never opened to read it: a FIFO blocks until a writer comes, and cannot be read twice.
+pub fn special_file(kind: std::fs::FileType) -> Option<&'static str> {
+    if kind.is_file() || kind.is_dir() {
+        return None;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            return Some("a FIFO (named pipe)");
+        }
+        if kind.is_socket() {
+            return Some("a socket");
+        }
+        if kind.is_block_device() || kind.is_char_device() {
+            return Some("a device");
+        }
+    }
+    Some("a special file")
+}
 pub use loader::{Examples, LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
 pub use manifest::Manifest;
 pub use prepare::{prepare, Prepared};

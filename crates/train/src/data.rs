@@ -22,23 +22,24 @@ pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBu
             Ok((path, config.val_fraction.unwrap_or(manifest.val_fraction)))
         }
         (None, Some(path)) => {
-            let what = match std::fs::metadata(path) {
+            use std::io::{Error, ErrorKind};
+            let refused = match std::fs::metadata(path) {
                 Ok(m) if m.is_file() => None,
-                Ok(m) if m.is_dir() => Some("a directory, not a text or JSONL file"),
-                Ok(_) => Some("not a regular file (a FIFO, socket or device): ember reads the file twice"),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("no such file"),
-                Err(_) => Some("cannot be read"),
+                Ok(m) if m.is_dir() => {
+                    Some(Error::new(ErrorKind::InvalidInput, "data.path: a directory, not a text or JSONL file"))
+                }
+                Ok(m) => {
+                    let kind = ember_data::special_file(m.file_type()).unwrap_or("a special file");
+                    let message = format!("data.path: not a regular file ({kind}): ember reads the file twice");
+                    Some(Error::new(ErrorKind::InvalidInput, message))
+                }
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    Some(Error::new(ErrorKind::NotFound, "data.path: no such file"))
+                }
+                Err(e) => Some(e),
             };
-            if let Some(what) = what {
-                let kind = if what == "no such file" {
-                    std::io::ErrorKind::NotFound
-                } else {
-                    std::io::ErrorKind::InvalidInput
-                };
-                return Err(TrainError::Io {
-                    path: path.clone(),
-                    err: std::io::Error::new(kind, format!("data.path: {what}")),
-                });
+            if let Some(err) = refused {
+                return Err(TrainError::Io { path: path.clone(), err });
             }
             Ok((path.clone(), config.val_fraction.unwrap_or(0.1)))
         }

@@ -501,23 +501,12 @@ fn decimal(v: &Value) -> Option<f64> {
 /// that says what it is, and is never opened (opening a FIFO blocks until a writer comes).
 pub fn is_gguf(path: &Path) -> Result<bool, GgufError> {
     use std::io::Read;
-    use std::os::unix::fs::FileTypeExt;
     let Ok(meta) = std::fs::metadata(path) else { return Ok(false) };
-    let kind = meta.file_type();
-    if kind.is_dir() {
-        return Ok(false);
-    }
-    if !kind.is_file() {
-        let kind = if kind.is_fifo() {
-            "a FIFO (named pipe)"
-        } else if kind.is_socket() {
-            "a socket"
-        } else if kind.is_block_device() || kind.is_char_device() {
-            "a device"
-        } else {
-            "a special file"
-        };
+    if let Some(kind) = ember_data::special_file(meta.file_type()) {
         return Err(GgufError::NotAFile { path: path.into(), kind });
+    }
+    if meta.is_dir() {
+        return Ok(false);
     }
     let io = |err| GgufError::Io { path: path.into(), err };
     let mut magic = [0u8; 4];
