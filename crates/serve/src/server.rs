@@ -100,10 +100,13 @@ struct State {
 }
 
 impl State {
-    /// Resolves when the answers in work are to end ([`Service::cut`]).
-    async fn cut(&self) {
+    /// Resolves when the answers in work are to end ([`Service::cut`]); owns what it waits on, so
+    /// that a streamed answer's task can hold it.
+    fn cut_signal(&self) -> impl Future<Output = ()> + Send + 'static {
         let mut rx = self.cut.subscribe();
-        let _ = rx.wait_for(|&cut| cut).await;
+        async move {
+            let _ = rx.wait_for(|&cut| cut).await;
+        }
     }
 }
 
@@ -379,7 +382,7 @@ async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation, conn: &
         id,
     };
     if !g.stream {
-        let collected = race(collect(pending), state.cut()).await;
+        let collected = race(collect(pending), state.cut_signal()).await;
         return match collected {
             Either::Left(Ok((text, finish, usage))) => {
                 let mut r = json_answer(
@@ -396,14 +399,8 @@ async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation, conn: &
         };
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
-    let mut cut = state.cut.subscribe();
-    let id = answer.id.clone();
-    tokio::spawn(async move {
-        let cut = async move {
-            let _ = cut.wait_for(|&cut| cut).await;
-        };
-        answer.stream(pending, tx, cut).await
-    });
+    let (id, cut) = (answer.id.clone(), state.cut_signal());
+    tokio::spawn(answer.stream(pending, tx, cut));
     let mut r = Response::new(AnswerBody::Events(rx, conn.working()));
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
