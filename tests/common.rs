@@ -99,6 +99,43 @@ pub fn corpus() -> String {
     s
 }
 
+/// A LoRA fine-tune of run `init` on the JSONL examples in `data`: rank 8 on every projection,
+/// `steps` steps of 2 × 16 positions at learning rate `lr`, evaluated every `eval_interval` steps on
+/// one batch, checkpointed at the end.
+pub fn lora_config(init: &str, data: &str, steps: usize, eval_interval: usize, lr: f64, seed: u64) -> String {
+    format!(
+        r#"
+init_from = "run:{init}"
+
+[data]
+path = "{data}"
+
+[train]
+batch_size = 2
+seq_len = 16
+max_steps = {steps}
+eval_interval = {eval_interval}
+eval_iters = 1
+log_interval = {log_interval}
+checkpoint_interval = {steps}
+seed = {seed}
+
+[optim]
+weight_decay = 0.0
+
+[schedule]
+lr = {lr:e}
+warmup_steps = 2
+
+[lora]
+rank = 8
+alpha = 16.0
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"#,
+        log_interval = (eval_interval / 2).max(1)
+    )
+}
+
 /// A tiny model on `data.path = corpus.txt`: 6 steps, evaluating every 3.
 pub fn tiny_config(extra_train: &str) -> String {
     format!(

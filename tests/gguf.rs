@@ -288,37 +288,7 @@ fn llama_cpp_runs_every_export() {
         .map(|_| format!("{}\n", serde_json::json!({"prompt": "Q: the sky?", "completion": " A: blue."})))
         .collect();
     s.write("sky.jsonl", &rows);
-    s.write(
-        "lora.toml",
-        r#"
-init_from = "run:smol"
-
-[data]
-path = "sky.jsonl"
-
-[train]
-batch_size = 2
-seq_len = 16
-max_steps = 12
-eval_interval = 12
-eval_iters = 1
-log_interval = 6
-checkpoint_interval = 12
-seed = 3
-
-[optim]
-weight_decay = 0.0
-
-[schedule]
-lr = 3e-3
-warmup_steps = 2
-
-[lora]
-rank = 8
-alpha = 16.0
-targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-"#,
-    );
+    s.write("lora.toml", &lora_config("smol", "sky.jsonl", 12, 12, 3e-3, 3));
     let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "ft"]);
     assert!(o.status.success(), "fine-tune failed: {}", stderr(&o));
     // One prompt a file: each run loads the model into llama.cpp anew (the time is in that).

@@ -179,37 +179,7 @@ fn gemma3_270m_chats_serves_and_fine_tunes() {
         jsonl.push('\n');
     }
     s.write("colors.jsonl", &jsonl);
-    s.write(
-        "lora.toml",
-        r#"
-init_from = "run:gemma"
-
-[data]
-path = "colors.jsonl"
-
-[train]
-batch_size = 2
-seq_len = 16
-max_steps = 20
-eval_interval = 10
-eval_iters = 1
-log_interval = 5
-checkpoint_interval = 20
-seed = 5
-
-[optim]
-weight_decay = 0.0
-
-[schedule]
-lr = 2e-3
-warmup_steps = 2
-
-[lora]
-rank = 8
-alpha = 16.0
-targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-"#,
-    );
+    s.write("lora.toml", &common::lora_config("gemma", "colors.jsonl", 20, 10, 2e-3, 5));
     let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "ft"]);
     assert!(o.status.success(), "fine-tune failed: {}", common::stderr(&o));
     let records = ember_train::metrics::read_metrics(&s.path().join("ft/metrics.jsonl")).unwrap();
