@@ -290,11 +290,26 @@ fn children(parent: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Runs `args` as 2 ranks; after `after`, sends `signal` to rank 1's process; returns the output
-/// and the seconds from the signal to the end of mpirun.
-fn disrupt(s: &Scratch, args: &[&str], after: Duration, signal: i32) -> (Output, f64) {
-    let child: Child = command(s, 2, args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    std::thread::sleep(after);
+/// Runs `args` as 2 ranks writing run `run`; once the run has logged `steps` training steps (so
+/// that the signal lands among the steps, not in a start-up slower than the step timeout), sends
+/// `signal` to rank 1's process; returns the output and the seconds from the signal to the end of
+/// mpirun.
+fn disrupt(s: &Scratch, args: &[&str], run: &str, steps: usize, signal: i32) -> (Output, f64) {
+    let mut child: Child = command(s, 2, args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let metrics = s.path().join(run).join("metrics.jsonl");
+    let started = Instant::now();
+    loop {
+        let logged = std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count());
+        if logged >= steps {
+            break;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            panic!("the run ended ({status}) before {steps} steps: {}", stderr(&out));
+        }
+        assert!(started.elapsed() < Duration::from_secs(600), "no {steps} steps in {}", metrics.display());
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // Rank 1: the process among mpirun's children whose environment says so.
     let pids = children(child.id());
     let rank1 = pids
@@ -316,15 +331,17 @@ fn disrupt(s: &Scratch, args: &[&str], after: Duration, signal: i32) -> (Output,
 fn a_killed_or_hung_rank_ends_the_run_with_its_name() {
     let _g = serial();
     let s = Scratch::new();
-    let long = nano(&s, "long.toml", 100_000, 1, "\n[distributed]\ntimeout_s = 5\n");
+    // The same 5 s at checkpoints (every 15 steps), where a stopped rank would otherwise be waited
+    // for an hour (io_timeout_s's default).
+    let long = nano(&s, "long.toml", 100_000, 1, "\n[distributed]\ntimeout_s = 5\nio_timeout_s = 5\n");
     let args = ["train", "--no-progress", "--config", long.to_str().unwrap(), "--run-dir"];
-    let (out, secs) = disrupt(&s, &[&args[..], &["killed"]].concat(), Duration::from_secs(4), libc::SIGKILL);
+    let (out, secs) = disrupt(&s, &[&args[..], &["killed"]].concat(), "killed", 3, libc::SIGKILL);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(secs < 30.0, "the run went on {secs:.1} s after rank 1 died");
     assert!(err.contains("rank 1"), "the message names rank 1:\n{err}");
 
-    let (out, secs) = disrupt(&s, &[&args[..], &["hung"]].concat(), Duration::from_secs(4), libc::SIGSTOP);
+    let (out, secs) = disrupt(&s, &[&args[..], &["hung"]].concat(), "hung", 3, libc::SIGSTOP);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
     assert!(secs < 30.0, "the run went on {secs:.1} s after rank 1 stopped");
