@@ -12,6 +12,9 @@ pub enum TrainError {
     Config { path: PathBuf, key: Option<String>, message: String },
     #[error("{}: {error}", path.display())]
     Invalid { path: PathBuf, error: InvalidConfig },
+    /// Every unknown, missing or mistyped key of a config file, in the order of the file.
+    #[error("{}: {}", path.display(), problem_list(problems))]
+    Problems { path: PathBuf, problems: Vec<crate::config::ConfigProblem> },
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]
@@ -45,6 +48,17 @@ pub enum TrainError {
     Distributed(#[from] crate::distributed::DistError),
     #[error("model.vocab_size ({config}) is smaller than the tokenizer's vocabulary ({tokenizer})")]
     VocabTooSmall { config: usize, tokenizer: usize },
+}
+
+/// One problem on the line of the file name; several, one a line below it.
+fn problem_list(problems: &[crate::config::ConfigProblem]) -> String {
+    match problems {
+        [one] => one.to_string(),
+        many => {
+            let lines: Vec<String> = many.iter().map(|p| format!("\n  {p}")).collect();
+            format!("{} problems:{}", many.len(), lines.concat())
+        }
+    }
 }
 
 impl TrainError {

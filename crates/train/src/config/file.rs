@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use ember_model::ModelConfig;
 
-use super::TrainConfig;
+use super::{defaults, keys, TrainConfig};
 use crate::error::TrainError;
 
 /// A config file as written, parsed and checked without opening anything but itself. `model` is
@@ -60,12 +60,22 @@ impl ConfigFile {
             key: toml_key(text, e.span()),
         };
         // Syntax first, as a plain table: its errors carry the line and column.
-        toml::from_str::<toml::Table>(text).map_err(syntax)?;
-        let config: TrainConfig<Option<ModelConfig>> = toml::from_str(text).map_err(|e| TrainError::Config {
-            path: path.into(),
-            message: e.message().to_string(),
-            key: toml_key(text, e.span()),
-        })?;
+        let mut table = toml::from_str::<toml::Table>(text).map_err(syntax)?;
+        // Then every key at once (serde stops at the first): unknown, missing, mistyped.
+        let mut problems = keys::check(&mut table, text);
+        defaults::fill(&mut table);
+        problems.extend(keys::check_values(&table, text));
+        if !problems.is_empty() {
+            // In the order of the file; keys left out (no line) last.
+            problems.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
+            return Err(TrainError::Problems { path: path.into(), problems });
+        }
+        let config: TrainConfig<Option<ModelConfig>> =
+            toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| TrainError::Config {
+                path: path.into(),
+                message: e.message().to_string(),
+                key: None,
+            })?;
         config.validate_sections_for(purpose).map_err(|error| TrainError::Invalid { path: path.into(), error })?;
         Ok(Self { path: path.into(), config })
     }
@@ -125,7 +135,7 @@ impl TrainConfig {
 }
 
 /// The dotted key at a TOML error position: the section header above it and the key on its line.
-fn toml_key(text: &str, span: Option<std::ops::Range<usize>>) -> Option<String> {
+pub(super) fn toml_key(text: &str, span: Option<std::ops::Range<usize>>) -> Option<String> {
     let start = span?.start.min(text.len());
     let line_start = text[..start].rfind('\n').map_or(0, |i| i + 1);
     let line_end = text[start..].find('\n').map_or(text.len(), |i| start + i);
@@ -208,14 +218,156 @@ impl InitSource {
 mod tests {
     use super::*;
     use crate::config::tests::{parse, NANO};
+    use crate::config::REQUIRED;
 
     #[test]
-    fn an_unknown_key_is_named_with_its_section() {
+    fn an_unknown_key_is_named_with_its_section_and_line() {
         let text = NANO.replace("n_layers = 4", "n_layers = 4\nn_kv_head = 2");
+        let line = text.lines().position(|l| l == "n_kv_head = 2").unwrap() + 1;
         let e = parse(&text).unwrap_err();
-        assert!(e.contains("unknown field `n_kv_head`"), "{e}");
-        assert!(e.contains("model.n_kv_head"), "{e}");
-        assert!(e.starts_with("c.toml"), "{e}");
+        assert_eq!(e, format!("c.toml: line {line}: [model] unknown key \"n_kv_head\" — did you mean \"n_kv_heads\"?"));
+    }
+
+    /// Each problem of `text`, as parsing lists them (panics if parsing does not fail on its keys).
+    fn problems(text: &str) -> Vec<String> {
+        match ConfigFile::parse(text, Path::new("c.toml")) {
+            Err(TrainError::Problems { problems, .. }) => problems.iter().map(ToString::to_string).collect(),
+            other => panic!("expected key problems, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_key_problem_is_reported_at_once_in_file_order() {
+        let text = NANO
+            .replace("seed = 1337", "seed = 1337\neval_intervl = 5")
+            .replace("max_steps = 2000\n", "")
+            .replace("eps = 1e-8", "eps = \"small\"\nlr = 1e-3")
+            .replace("[schedule]", "[schedul]")
+            .replace("tokenizer = \"char\"", "tokenizer = \"char\"\nformat = \"csv\"")
+            + "\n[lora]\ntargets = [\"q_proj\"]\n";
+        let line = |needle: &str| text.lines().position(|l| l == needle).unwrap() + 1;
+        assert_eq!(
+            problems(&text),
+            [
+                format!(
+                    "line {}: [data] format: unknown variant `csv`, expected `text` or `jsonl`",
+                    line("format = \"csv\"")
+                ),
+                format!(
+                    "line {}: [train] unknown key \"eval_intervl\" — did you mean \"eval_interval\"?",
+                    line("eval_intervl = 5")
+                ),
+                format!("line {}: [optim] eps: invalid type: string \"small\", expected f64", line("eps = \"small\"")),
+                format!("line {}: [optim] unknown key \"lr\" — it belongs in [schedule]", line("lr = 1e-3")),
+                format!("line {}: [schedul] unknown section — did you mean [schedule]?", line("[schedul]")),
+                "[train] max_steps is missing".into(),
+                "[lora] rank is missing".into(),
+                "[lora] alpha is missing".into(),
+            ]
+        );
+        // Printed under the file's name, one a line.
+        let e = ConfigFile::parse(&text, Path::new("c.toml")).unwrap_err().to_string();
+        assert!(e.starts_with("c.toml: 8 problems:\n  line "), "{e}");
+        assert_eq!(e.lines().count(), 9, "{e}");
+        // Sections that are not tables, keys at the top that belong in a section, no [data].
+        let text = "init_from = 3\nmax_steps = 10\ntrain = 5\n";
+        assert_eq!(
+            problems(text),
+            [
+                "line 1: init_from: expected a string (`hf:DIR` or `run:DIR`), found integer",
+                "line 2: unknown key \"max_steps\" — it belongs in [train]",
+                "line 3: [train] must be a table (a [section] of keys), found integer",
+                "[data] is missing: set `dataset` (a built-in name) or `path` (a text or JSONL file)",
+            ]
+        );
+    }
+
+    /// NANO with every optional section, starting from a model it names and with adapters: a
+    /// config that sets a key of every section.
+    fn complete() -> String {
+        format!(
+            "init_from = \"run:/nonexistent\"\n{NANO}\n[lora]\nrank = 8\nalpha = 16.0\ntargets = [\"q_proj\"]\n\n\
+             [metrics]\nsample_tokens = 0\n\n[distributed]\nbucket_mib = 25\n"
+        )
+    }
+
+    #[test]
+    fn the_required_keys_are_those_parsing_cannot_do_without() {
+        let text = complete();
+        ConfigFile::parse(&text, Path::new("c.toml")).unwrap();
+        let mut section = None;
+        let mut seen = 0;
+        for (i, line) in text.lines().enumerate() {
+            if let Some(h) = line.strip_prefix('[') {
+                section = h.strip_suffix(']');
+                continue;
+            }
+            let Some((key, _)) = line.split_once(" = ") else { continue };
+            let (Some(s), false) = (section, line.starts_with('#')) else { continue };
+            let without: Vec<&str> = text.lines().enumerate().filter(|&(j, _)| j != i).map(|(_, l)| l).collect();
+            let result = ConfigFile::parse(&without.join("\n"), Path::new("c.toml"));
+            let required = REQUIRED.iter().any(|(rs, keys)| *rs == s && keys.contains(&key));
+            match result {
+                Err(TrainError::Problems { problems, .. }) => {
+                    assert!(required, "[{s}] {key} left out: {problems:?}");
+                    assert_eq!(problems.len(), 1);
+                    assert_eq!(problems[0].to_string(), format!("[{s}] {key} is missing"));
+                }
+                other => assert!(!required, "[{s}] {key} is listed as required, but without it: {other:?}"),
+            }
+            seen += 1;
+        }
+        assert!(seen > 30, "{seen} keys tried");
+        // Every required key was tried.
+        for (s, keys) in REQUIRED {
+            for k in *keys {
+                assert!(text.contains(&format!("\n{k} = ")), "[{s}] {k} is not in the complete config");
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_fill_what_a_minimal_config_leaves_out() {
+        let minimal =
+            "init_from = \"run:/m\"\n[data]\npath = \"chat.jsonl\"\n[train]\nbatch_size = 4\nmax_steps = 200\n";
+        let lora = format!("{minimal}[lora]\nrank = 8\nalpha = 16\n");
+        let c = ConfigFile::parse(&lora, Path::new("c.toml")).unwrap().config;
+        assert_eq!((c.schedule.lr, c.schedule.warmup_steps, c.schedule.min_lr), (2e-4, 10, 0.0));
+        assert_eq!((c.train.eval_interval, c.train.eval_iters, c.train.seq_len), (20, 20, None));
+        assert_eq!((c.optim.beta1, c.optim.beta2, c.optim.eps), (0.9, 0.95, 1e-8));
+        let c = ConfigFile::parse(minimal, Path::new("c.toml")).unwrap().config;
+        assert_eq!(c.schedule.lr, super::super::LR_FULL);
+        // Written keys win, and the warmup follows decay_steps.
+        let text = format!("{minimal}eval_interval = 7\n[schedule]\nlr = 1e-3\ndecay_steps = 100\n");
+        let c = ConfigFile::parse(&text, Path::new("c.toml")).unwrap().config;
+        assert_eq!((c.train.eval_interval, c.schedule.lr, c.schedule.warmup_steps), (7, 1e-3, 5));
+        // From scratch; a 5-step run evaluates every step.
+        let text = NANO
+            .replace("lr = 1e-3", "")
+            .replace("eval_interval = 250", "")
+            .replace("max_steps = 2000", "max_steps = 5");
+        let c = parse(&text.replace("decay_steps = 2000", "").replace("warmup_steps = 100", "")).unwrap();
+        assert_eq!((c.schedule.lr, c.train.eval_interval, c.schedule.warmup_steps), (6e-4, 1, 0));
+        // The resolved config names every default it took.
+        let saved = c.to_toml();
+        assert!(saved.contains("lr = 0.0006") && saved.contains("eval_interval = 1"), "{saved}");
+    }
+
+    #[test]
+    fn seq_len_defaults_to_the_longest_example_within_a_cap() {
+        let scratch = parse(NANO).unwrap();
+        let text = format!("init_from = \"run:/m\"\n{}", NANO.replace("max_seq_len = 64", "max_seq_len = 8192"));
+        let pretrained = ConfigFile::parse(&text, Path::new("c.toml")).unwrap().complete().unwrap();
+        assert_eq!(pretrained.default_seq_len(Some(100)), 128);
+        assert_eq!(pretrained.default_seq_len(Some(129)), 128, "129 tokens fill a row of 128 positions");
+        assert_eq!(pretrained.default_seq_len(Some(130)), 192);
+        assert_eq!(pretrained.default_seq_len(Some(1)), 64);
+        assert_eq!(pretrained.default_seq_len(Some(100_000)), super::super::SEQ_LEN_CAP);
+        assert_eq!(pretrained.default_seq_len(None), super::super::SEQ_LEN_CAP, "a text stream, from init_from");
+        // A model the config describes: its own context is the bound.
+        assert_eq!(scratch.default_seq_len(None), 64);
+        assert_eq!(scratch.default_seq_len(Some(1000)), 64);
+        assert_eq!(scratch.default_seq_len(Some(20)), 64);
     }
 
     /// The text of NANO without its `[model]` section, starting from `init_from`.

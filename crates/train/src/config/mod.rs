@@ -8,14 +8,18 @@
 //! keys) and `init_from`; [`validate`]: the rules, within and across sections, and the bounds that
 //! keep products of sizes far from overflow.
 
+mod defaults;
 mod file;
+mod keys;
 mod sections;
 mod validate;
 
 use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
+pub use defaults::{LR_FULL, LR_LORA, LR_SCRATCH};
 pub use file::{ConfigFile, InitSource, Purpose};
+pub use keys::{ConfigProblem, Hint, Problem, REQUIRED};
 pub use sections::{
     DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig, OptimConfig, Precision,
     ScheduleConfig, SinkKind,
@@ -50,10 +54,30 @@ fn is_default_distributed(d: &DistributedConfig) -> bool {
     *d == DistributedConfig::default()
 }
 
+/// The longest `train.seq_len` a run from `init_from` gets when it leaves the key out: the
+/// pretrained context (8,192 positions for SmolLM2) is far past what most fine-tunes need, and the
+/// activations grow with it.
+pub const SEQ_LEN_CAP: usize = 2048;
+/// A default `train.seq_len` from the examples is a multiple of this.
+const SEQ_LEN_STEP: usize = 64;
+
 impl TrainConfig {
-    /// Tokens per sequence: `train.seq_len`, or the model's context when absent.
+    /// Tokens per sequence: `train.seq_len`. A run fills it in when it loads the data
+    /// ([`TrainConfig::default_seq_len`]); before that, a config that leaves it out gets the model's
+    /// context.
     pub fn seq_len(&self) -> usize {
         self.train.seq_len.unwrap_or(self.model.max_seq_len)
+    }
+
+    /// The `train.seq_len` of a config that leaves it out. JSONL examples (the longest has
+    /// `longest` tokens): the longest rounded up to a multiple of 64, so that every example fits a
+    /// row; a text stream: the model's context. Never past the context, nor, for a model from
+    /// `init_from` (whose context the config did not choose), past [`SEQ_LEN_CAP`].
+    pub fn default_seq_len(&self, longest: Option<usize>) -> usize {
+        // A row of `seq_len` positions holds an example of `seq_len + 1` tokens (inputs and targets).
+        let wanted = longest.map_or(usize::MAX, |n| n.saturating_sub(1).max(1).div_ceil(SEQ_LEN_STEP) * SEQ_LEN_STEP);
+        let cap = if self.init_from.is_some() { SEQ_LEN_CAP } else { usize::MAX };
+        wanted.min(cap).min(self.model.max_seq_len)
     }
 
     /// Model FLOPs per token of a training step, for MFU: `6N + 12·L·T·d`, or with LoRA (a frozen

@@ -104,7 +104,8 @@ impl DataConfig {
 pub struct LoopConfig {
     /// Sequences per micro-batch.
     pub batch_size: usize,
-    /// Tokens per sequence; `model.max_seq_len` when absent.
+    /// Tokens per sequence [default: JSONL examples: the longest, rounded up to a multiple of
+    /// 64; text: `model.max_seq_len`; either at most 2048 for a model from `init_from`].
     #[serde(default)]
     pub seq_len: Option<usize>,
     /// Micro-batches per optimizer step (gradients are averaged over them).
@@ -112,13 +113,16 @@ pub struct LoopConfig {
     pub grad_accum_steps: usize,
     /// Optimizer steps of the whole run.
     pub max_steps: usize,
-    /// Evaluate every this many steps (and at the first and last).
+    /// Evaluate every this many steps (and at the first and last) [default: `max_steps / 10`, at
+    /// least 1: ten evaluations a run].
     pub eval_interval: usize,
     /// `steps` (every `eval_interval` steps) or `epoch` (JSONL data: each time the run has drawn
     /// as many rows as the training examples fill) [default: steps].
     #[serde(default, skip_serializing_if = "EvalStrategy::is_steps")]
     pub eval_strategy: EvalStrategy,
-    /// Batches per split in each evaluation.
+    /// Batches per split in each evaluation (of the train split only for JSONL data, whose
+    /// held-out examples are all scored) [default: 20, nanoGPT's CPU setting].
+    #[serde(default = "default_eval_iters")]
     pub eval_iters: usize,
     /// Write a metrics record every this many steps.
     #[serde(default = "one")]
@@ -206,8 +210,12 @@ fn two() -> usize {
 fn default_seed() -> u64 {
     1337
 }
+fn default_eval_iters() -> usize {
+    20
+}
 
-/// AdamW (Loshchilov and Hutter, 2019) with decoupled weight decay on matrices only.
+/// AdamW (Loshchilov and Hutter, 2019) with decoupled weight decay on matrices only. Every key
+/// has a default, and the section may be left out.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OptimConfig {
@@ -235,13 +243,18 @@ fn eps() -> f64 {
     1e-8
 }
 
-/// Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps`, then constant.
+/// Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps`, then constant. Every key
+/// has a default, and the section may be left out; the defaults that depend on other keys are
+/// filled in when the file is read (`config::defaults`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleConfig {
+    /// Peak learning rate [default: 2e-4 with `[lora]`, 5e-5 for every weight of an `init_from`
+    /// model, 6e-4 from scratch].
     pub lr: f64,
     #[serde(default)]
     pub min_lr: f64,
+    /// [default: `decay_steps / 20`].
     #[serde(default)]
     pub warmup_steps: usize,
     /// Step at which the cosine reaches `min_lr`; `train.max_steps` when absent.

@@ -97,7 +97,7 @@ impl DataConfig {
         match (&self.dataset, &self.path) {
             (None, None) => return Err(InvalidConfig::NoData),
             (Some(dataset), Some(path)) => {
-                return Err(InvalidConfig::TwoData { dataset: dataset.clone(), path: path.display().to_string() })
+                return Err(InvalidConfig::TwoData { dataset: dataset.clone(), path: path.display().to_string() });
             }
             _ => {}
         }
@@ -232,7 +232,7 @@ mod tests {
         let e = parse(&NANO.replace("lr = 1e-3", "lr = -1.0")).unwrap_err();
         assert!(e.contains("schedule.lr must be positive"), "{e}");
         let e = parse(&NANO.replace("batch_size = 12", "batch_size = \"twelve\"")).unwrap_err();
-        assert!(e.contains("train.batch_size"), "{e}");
+        assert!(e.contains("[train] batch_size: invalid type: string \"twelve\", expected usize"), "{e}");
     }
 
     #[test]

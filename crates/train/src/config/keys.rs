@@ -1,0 +1,429 @@
+//! The keys of a config file, checked over the parsed TOML before serde reads it, so that every
+//! unknown, missing or mistyped key is reported at once (serde stops at the first) in the words a
+//! user writes: `[train] max_steps is missing`, `line 9: [data] unknown key "trian" — did you mean
+//! "train"?`.
+//!
+//! The keys each section accepts are read from the section structs' own serde derive
+//! ([`serde_fields`]), so they cannot drift from the structs; the keys with no default are listed
+//! in [`REQUIRED`], which a test checks against what parsing does.
+
+use serde::Deserialize;
+
+use ember_model::{LoraConfig, ModelConfig};
+
+use super::sections::{DataConfig, DistributedConfig, LoopConfig, MetricsConfig, OptimConfig, ScheduleConfig};
+use super::{InitSource, TrainConfig};
+
+/// Keys with no default, by section (a section left out counts as empty). `[model]` may be left
+/// out as a whole when `init_from` gives the model; `[lora]` is optional as a whole.
+pub const REQUIRED: &[(&str, &[&str])] = &[
+    ("model", &["d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"]),
+    ("train", &["batch_size", "max_steps"]),
+    ("lora", &["rank", "alpha"]),
+];
+
+/// One thing wrong with a config file, where the file says it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}{}{what}", line.map(|l| format!("line {l}: ")).unwrap_or_default(), place(section.as_deref()))]
+pub struct ConfigProblem {
+    /// 1-based line of the key (or the section header) in the file, where it has one.
+    pub line: Option<usize>,
+    /// The section (`None`: the top of the file, before any `[section]`).
+    pub section: Option<String>,
+    pub what: Problem,
+}
+
+fn place(section: Option<&str>) -> String {
+    section.map(|s| format!("[{s}] ")).unwrap_or_default()
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Problem {
+    #[error("unknown key \"{key}\"{hint}")]
+    UnknownKey { key: String, hint: Hint },
+    #[error("unknown section{hint}")]
+    UnknownSection { hint: Hint },
+    #[error("{key} is missing")]
+    Missing { key: String },
+    /// A section left out that has no default: what to put in it.
+    #[error("is missing: {needs}")]
+    MissingSection { needs: &'static str },
+    #[error("must be a table (a [section] of keys), found {found}")]
+    NotATable { found: &'static str },
+    /// A value of the wrong type or outside its choices: serde's words.
+    #[error("{key}: {message}")]
+    BadValue { key: String, message: String },
+}
+
+/// What an unknown name may have meant.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Hint {
+    None,
+    /// A known name a typo away.
+    DidYouMean(String),
+    /// The key exists, in another section.
+    BelongsIn(String),
+    /// A known section a typo away.
+    Section(String),
+}
+
+impl std::fmt::Display for Hint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Hint::None => Ok(()),
+            Hint::DidYouMean(name) => write!(f, " — did you mean \"{name}\"?"),
+            Hint::BelongsIn(section) => write!(f, " — it belongs in [{section}]"),
+            Hint::Section(section) => write!(f, " — did you mean [{section}]?"),
+        }
+    }
+}
+
+/// The sections of a config file: the top-level keys of [`TrainConfig`] but `init_from`.
+pub fn sections() -> Vec<&'static str> {
+    top_level().iter().copied().filter(|k| *k != "init_from").collect()
+}
+
+fn top_level() -> &'static [&'static str] {
+    serde_fields::<TrainConfig<Option<ModelConfig>>>()
+}
+
+/// The keys section `name` accepts (`None`: no such section).
+pub fn section_keys(name: &str) -> Option<&'static [&'static str]> {
+    Some(match name {
+        "model" => serde_fields::<ModelConfig>(),
+        "data" => serde_fields::<DataConfig>(),
+        "train" => serde_fields::<LoopConfig>(),
+        "optim" => serde_fields::<OptimConfig>(),
+        "schedule" => serde_fields::<ScheduleConfig>(),
+        "lora" => serde_fields::<LoraConfig>(),
+        "metrics" => serde_fields::<MetricsConfig>(),
+        "distributed" => serde_fields::<DistributedConfig>(),
+        _ => return None,
+    })
+}
+
+/// Reads section `name` alone, as its struct: serde's error for a bad value, with its span in
+/// `text` (the section written back as TOML).
+fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
+    match name {
+        "model" => toml::from_str::<ModelConfig>(text).map(drop),
+        "data" => toml::from_str::<DataConfig>(text).map(drop),
+        "train" => toml::from_str::<LoopConfig>(text).map(drop),
+        "optim" => toml::from_str::<OptimConfig>(text).map(drop),
+        "schedule" => toml::from_str::<ScheduleConfig>(text).map(drop),
+        "lora" => toml::from_str::<LoraConfig>(text).map(drop),
+        "metrics" => toml::from_str::<MetricsConfig>(text).map(drop),
+        "distributed" => toml::from_str::<DistributedConfig>(text).map(drop),
+        _ => Ok(()),
+    }
+}
+
+/// Every problem with the keys of `table` (the file `text`, parsed): unknown sections and keys
+/// (with what they may have meant), required keys left out, values of the wrong type. Unknown
+/// keys are taken out of `table`, so that what is left can be read once the list is empty.
+pub fn check(table: &mut toml::Table, text: &str) -> Vec<ConfigProblem> {
+    let mut problems = Vec::new();
+    for (name, keys) in REQUIRED {
+        let section = match table.get(*name) {
+            Some(toml::Value::Table(t)) => t,
+            // Optional as a whole (`[model]` is checked once init_from is known), or reported.
+            Some(_) => continue,
+            None if *name == "train" => &toml::Table::new(),
+            None => continue,
+        };
+        for key in keys.iter().filter(|k| !section.contains_key(**k)) {
+            problems.push(ConfigProblem {
+                line: None,
+                section: Some(name.to_string()),
+                what: Problem::Missing { key: key.to_string() },
+            });
+        }
+    }
+    if !table.contains_key("data") {
+        problems.push(ConfigProblem {
+            line: None,
+            section: Some("data".into()),
+            what: Problem::MissingSection { needs: "set `dataset` (a built-in name) or `path` (a text or JSONL file)" },
+        });
+    }
+    let sections = sections();
+    let names: Vec<String> = table.keys().cloned().collect();
+    for name in names {
+        if name == "init_from" {
+            match &table[&name] {
+                toml::Value::String(spec) => {
+                    if let Err(e) = InitSource::try_from(spec.clone()) {
+                        problems.push(at(text, None, Some(&name), Problem::BadValue { key: name.clone(), message: e }));
+                    }
+                }
+                other => problems.push(at(
+                    text,
+                    None,
+                    Some(&name),
+                    Problem::BadValue {
+                        key: name.clone(),
+                        message: format!("expected a string (`hf:DIR` or `run:DIR`), found {}", other.type_str()),
+                    },
+                )),
+            }
+            continue;
+        }
+        let Some(keys) = section_keys(&name) else {
+            // A key of the top level, or a section: which one the user meant is in the text.
+            let is_section = table[&name].is_table();
+            let problem = if is_section {
+                Problem::UnknownSection { hint: suggest(&name, &sections).map_or(Hint::None, Hint::Section) }
+            } else {
+                Problem::UnknownKey { key: name.clone(), hint: hint(&name, top_level(), None) }
+            };
+            let section = is_section.then(|| name.clone());
+            let line = if is_section { header_line(text, &name) } else { key_line(text, None, &name) };
+            problems.push(ConfigProblem { line, section, what: problem });
+            table.remove(&name);
+            continue;
+        };
+        let Some(section) = table.get_mut(&name).and_then(toml::Value::as_table_mut) else {
+            let found = table[&name].type_str();
+            let line = key_line(text, None, &name);
+            problems.push(ConfigProblem { line, section: Some(name.clone()), what: Problem::NotATable { found } });
+            table.remove(&name);
+            continue;
+        };
+        let unknown: Vec<String> = section.keys().filter(|k| !keys.contains(&k.as_str())).cloned().collect();
+        for key in unknown {
+            let what = Problem::UnknownKey { hint: hint(&key, keys, Some(&name)), key: key.clone() };
+            problems.push(at(text, Some(&name), Some(&key), what));
+            section.remove(&key);
+        }
+    }
+    problems
+}
+
+/// Every value of the wrong type or outside its choices, section by section: each section is
+/// read alone, and a key whose value fails is reported and taken out before reading it again.
+pub fn check_values(table: &toml::Table, text: &str) -> Vec<ConfigProblem> {
+    let mut problems = Vec::new();
+    for (name, value) in table {
+        let Some(section) = value.as_table() else { continue };
+        let mut section = section.clone();
+        let required = REQUIRED.iter().find(|(s, _)| s == name).map_or(&[][..], |(_, keys)| keys);
+        // Each round takes one key out: at most one round per key, and one to see it pass.
+        for _ in 0..=section.len() {
+            let Ok(written) = toml::to_string(&section) else { break };
+            let Err(e) = read_section(name, &written) else { break };
+            let key = super::file::toml_key(&written, e.span()).map(|k| k.split('.').next().unwrap_or("").to_string());
+            let message = e.message().trim().to_string();
+            // Required keys left out are reported by `check`, with the other missing ones.
+            if let Some(field) = message.strip_prefix("missing field `").and_then(|m| m.strip_suffix('`')) {
+                if required.contains(&field) {
+                    break;
+                }
+            }
+            match key.filter(|k| section.contains_key(k)) {
+                Some(key) => {
+                    problems.push(at(text, Some(name), Some(&key), Problem::BadValue { key: key.clone(), message }));
+                    section.remove(&key);
+                }
+                None => {
+                    problems.push(ConfigProblem {
+                        line: header_line(text, name),
+                        section: Some(name.clone()),
+                        what: Problem::BadValue { key: String::new(), message },
+                    });
+                    break;
+                }
+            }
+        }
+    }
+    problems
+}
+
+/// A problem at `key` of `section` (the section's header where there is no key).
+fn at(text: &str, section: Option<&str>, key: Option<&str>, what: Problem) -> ConfigProblem {
+    let line = match (section, key) {
+        (_, Some(key)) => key_line(text, section, key),
+        (Some(section), None) => header_line(text, section),
+        (None, None) => None,
+    };
+    ConfigProblem { line, section: section.map(String::from), what }
+}
+
+/// What unknown key `key` of `section` may have meant: a key of the same section a typo away, or
+/// the same key in another section.
+fn hint(key: &str, keys: &[&str], section: Option<&str>) -> Hint {
+    if let Some(near) = suggest(key, keys) {
+        return Hint::DidYouMean(near);
+    }
+    let other = sections().into_iter().filter(|s| Some(*s) != section);
+    let home = other.clone().find(|s| section_keys(s).is_some_and(|keys| keys.contains(&key)));
+    if let Some(home) = home {
+        return Hint::BelongsIn(home.to_string());
+    }
+    // A section's name written as a key (`train = ...`), or a typo of one.
+    match suggest(key, &sections()) {
+        Some(near) => Hint::DidYouMean(near),
+        None => Hint::None,
+    }
+}
+
+/// The candidate nearest to `name`, if it is a typo away: at most one edit for short names, up to
+/// a third of the name's length for longer ones (a swap of two letters is one edit).
+pub fn suggest(name: &str, candidates: &[&str]) -> Option<String> {
+    let limit = (name.chars().count() / 3).max(1);
+    candidates
+        .iter()
+        .map(|c| (edit_distance(name, c), *c))
+        .filter(|&(d, _)| d <= limit)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, c)| c.to_string())
+}
+
+/// Optimal string alignment distance: insertions, deletions, substitutions and swaps of adjacent
+/// characters, each one edit.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.to_lowercase().chars().collect(), b.to_lowercase().chars().collect());
+    // d[i][j]: distance between a[..i] and b[..j].
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for j in 0..=b.len() {
+        d[0][j] = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            d[i][j] = (d[i - 1][j] + 1).min(d[i][j - 1] + 1).min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                d[i][j] = d[i][j].min(d[i - 2][j - 2] + 1);
+            }
+        }
+    }
+    d[a.len()][b.len()]
+}
+
+/// 1-based line of the header `[section]` in `text`.
+fn header_line(text: &str, section: &str) -> Option<usize> {
+    text.lines().position(|l| header(l) == Some(section)).map(|i| i + 1)
+}
+
+/// 1-based line of `key = ...` in `section` of `text` (`None`: the top of the file).
+fn key_line(text: &str, section: Option<&str>, key: &str) -> Option<usize> {
+    let mut current = None;
+    for (i, line) in text.lines().enumerate() {
+        if let Some(h) = header(line) {
+            current = Some(h);
+            continue;
+        }
+        let Some((name, _)) = line.split_once('=') else { continue };
+        let name = name.trim().trim_matches(|c| c == '"' || c == '\'');
+        if current == section && name == key {
+            return Some(i + 1);
+        }
+    }
+    // Written as a dotted key or an inline table at the top: the line that names the section.
+    section.and_then(|s| header_line(text, s))
+}
+
+/// The name in a `[section]` header line.
+fn header(line: &str) -> Option<&str> {
+    let line = line.split('#').next()?.trim();
+    let name = line.strip_prefix('[')?.strip_suffix(']')?;
+    (!name.starts_with('[')).then(|| name.trim())
+}
+
+/// The field names a struct's `Deserialize` derive accepts: it asks the deserializer for a struct
+/// with these fields, and this one records them and stops.
+pub fn serde_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+    let mut fields = None;
+    let _ = T::deserialize(FieldNames { fields: &mut fields });
+    fields.unwrap_or(&[])
+}
+
+struct FieldNames<'a> {
+    fields: &'a mut Option<&'static [&'static str]>,
+}
+
+#[derive(Debug)]
+struct Stop;
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("field names read")
+    }
+}
+
+impl std::error::Error for Stop {}
+
+impl serde::de::Error for Stop {
+    fn custom<T: std::fmt::Display>(_: T) -> Self {
+        Stop
+    }
+}
+
+impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
+    type Error = Stop;
+
+    fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
+        Err(Stop)
+    }
+
+    fn deserialize_struct<V: serde::de::Visitor<'de>>(
+        self,
+        _name: &'static str,
+        fields: &'static [&'static str],
+        _visitor: V,
+    ) -> Result<V::Value, Stop> {
+        *self.fields = Some(fields);
+        Err(Stop)
+    }
+
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf option unit
+        unit_struct newtype_struct seq tuple tuple_struct map enum identifier ignored_any
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn field_names_come_from_the_structs() {
+        assert_eq!(
+            sections(),
+            ["model", "data", "train", "optim", "schedule", "lora", "metrics", "distributed"],
+            "a new section needs its struct in section_keys and read_section"
+        );
+        for s in sections() {
+            assert!(section_keys(s).is_some_and(|k| !k.is_empty()), "{s}");
+        }
+        assert!(section_keys("train").unwrap().contains(&"eval_interval"));
+        assert!(section_keys("schedule").unwrap().contains(&"lr"));
+        for (section, keys) in REQUIRED {
+            let known = section_keys(section).unwrap();
+            assert!(keys.iter().all(|k| known.contains(k)), "{section}: {keys:?}");
+        }
+    }
+
+    #[test]
+    fn suggestions_are_a_typo_away() {
+        assert_eq!(edit_distance("trian", "train"), 1);
+        assert_eq!(edit_distance("eval_intervl", "eval_interval"), 1);
+        assert_eq!(suggest("trian", &sections()).as_deref(), Some("train"));
+        assert_eq!(suggest("bath_size", section_keys("train").unwrap()).as_deref(), Some("batch_size"));
+        assert_eq!(suggest("zzz", &sections()), None);
+        assert_eq!(hint("lr", section_keys("optim").unwrap(), Some("optim")), Hint::BelongsIn("schedule".into()));
+    }
+
+    #[test]
+    fn lines_of_keys_and_headers() {
+        let text = "init_from = \"run:x\"\n[data]\npath = \"a\"\n\n[train] # loop\n max_steps = 3\n\"seed\" = 1\n";
+        assert_eq!(key_line(text, None, "init_from"), Some(1));
+        assert_eq!(key_line(text, Some("data"), "path"), Some(3));
+        assert_eq!(header_line(text, "train"), Some(5));
+        assert_eq!(key_line(text, Some("train"), "max_steps"), Some(6));
+        assert_eq!(key_line(text, Some("train"), "seed"), Some(7));
+        assert_eq!(key_line(text, Some("train"), "path"), Some(5));
+    }
+}
