@@ -906,15 +906,16 @@ fn http_bodies() {
         ember_model::sample::Sampler::new(g.sampling, g.seed.unwrap_or(0)).map(drop).map_err(|e| e.to_string())
     };
     let invalid = |e: Invalid| format!("{}: {}", e.param, e.message);
+    let defaults = ember_serve::sampling::ChatDefaults::built_in().sampling;
     fuzz("http bodies", &seeds, &dict, iters::HTTP, |_, bytes| {
         let completion = serde_json::from_slice::<CompletionRequest>(bytes).map_err(|e| e.to_string()).and_then(|r| {
             let prompt = r.prompt().map_err(invalid)?;
-            let g = r.settings.generation("m").map_err(invalid)?;
+            let g = r.settings.generation("m", &defaults).map_err(invalid)?;
             tokenizer.encode_prompt(prompt).map_err(|e| e.to_string())?;
             sample(g)
         });
         let chat = serde_json::from_slice::<ChatRequest>(bytes).map_err(|e| e.to_string()).and_then(|r| {
-            let g = r.settings.generation("m").map_err(invalid)?;
+            let g = r.settings.generation("m", &defaults).map_err(invalid)?;
             let messages = r.messages(template.roles()).map_err(invalid)?;
             let prompt = template.render(&messages, true).map_err(|e| e.to_string())?;
             tokenizer.encode_prompt(&prompt).map_err(|e| e.to_string())?;

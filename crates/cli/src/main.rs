@@ -43,7 +43,7 @@ enum Command {
     /// Serve a checkpoint over the OpenAI API (completions, chat completions, streaming) with a chat page.
     Serve(commands::serve::ServeArgs),
     /// Chat with a checkpoint in the terminal (its chat template, streamed, multi-turn).
-    Chat(commands::serve::ChatArgs),
+    Chat(commands::chat::ChatArgs),
     /// Serve a web page of the runs under a log directory.
     Dashboard(commands::dashboard::DashboardArgs),
     /// Benchmarks (speed and memory).
@@ -109,7 +109,7 @@ fn run(cli: Cli, collective: std::sync::Arc<dyn ember_train::distributed::Collec
         Command::Prepare(args) => commands::prepare::run(args),
         Command::Dashboard(args) => commands::dashboard::run(args),
         Command::Serve(args) => commands::serve::serve(args),
-        Command::Chat(args) => commands::serve::chat(args),
+        Command::Chat(args) => commands::chat::run(args),
         Command::Check(args) => commands::check::run(args),
         Command::Backends => {
             println!("{}", backend::compiled().join(", "));

@@ -37,3 +37,41 @@ pub fn catch_stop() -> std::io::Result<()> {
 pub fn stop_requested() -> bool {
     STOP.load(Ordering::SeqCst)
 }
+
+static INTERRUPT: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(signal: libc::c_int) {
+    // As `on_signal`: a second Ctrl-C before the first was taken ends the process.
+    if INTERRUPT.swap(true, Ordering::SeqCst) {
+        // SAFETY: `_exit` is async-signal-safe and takes no pointers.
+        unsafe { libc::_exit(128 + signal) };
+    }
+}
+
+/// Routes SIGINT (Ctrl-C) alone to [`interrupted`] from now on, for `ember chat`: a Ctrl-C stops the
+/// answer in progress and the session goes on ([`take_interrupt`] clears it for the next answer);
+/// a second one before that ends the process. SIGTERM keeps its default action (the session ends).
+pub fn catch_interrupt() -> std::io::Result<()> {
+    // SAFETY: as in `catch_stop`; the handler only touches an atomic and calls `_exit`.
+    let failed = unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(libc::SIGINT, &action, std::ptr::null_mut()) != 0
+    };
+    if failed {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether a Ctrl-C has arrived since [`catch_interrupt`] or the last [`take_interrupt`].
+pub fn interrupted() -> bool {
+    INTERRUPT.load(Ordering::SeqCst)
+}
+
+/// Whether a Ctrl-C had arrived, and clears it.
+pub fn take_interrupt() -> bool {
+    INTERRUPT.swap(false, Ordering::SeqCst)
+}

@@ -115,8 +115,11 @@ pub const MAX_STOPS: usize = 4;
 pub const MAX_STOP_BYTES: usize = 256;
 
 impl Settings {
-    /// Checks the settings against OpenAI's ranges and turns them into a [`Generation`].
-    pub fn generation(&self, served_model: &str) -> Result<Generation, Invalid> {
+    /// Checks the settings against OpenAI's ranges and turns them into a [`Generation`]; what the
+    /// request leaves out (`temperature`, `top_p`, and top-k and the repetition penalty, which
+    /// OpenAI's API has no field for) comes from `defaults` (the model's chat defaults, see
+    /// [`crate::sampling::ChatDefaults`]).
+    pub fn generation(&self, served_model: &str, defaults: &SamplingConfig) -> Result<Generation, Invalid> {
         if let Some(m) = &self.model {
             if m != served_model {
                 return Err(Invalid::new(
@@ -134,13 +137,11 @@ impl Settings {
         if self.echo == Some(true) {
             return Err(Invalid::new("echo", "echo is not supported"));
         }
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(Invalid::new("temperature", format!("{temperature} is not in [0, 2]")));
+        if let Some(t) = self.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
+            return Err(Invalid::new("temperature", format!("{t} is not in [0, 2]")));
         }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(Invalid::new("top_p", format!("{top_p} is not in (0, 1]")));
+        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return Err(Invalid::new("top_p", format!("{p} is not in (0, 1]")));
         }
         let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
             Some(0) => return Err(Invalid::new("max_tokens", "must be at least 1")),
@@ -160,12 +161,13 @@ impl Settings {
                 format!("a stop string of {} bytes; at most {MAX_STOP_BYTES}", long.len()),
             ));
         }
-        let sampling = SamplingConfig {
-            temperature: temperature as f32,
-            top_k: None,
-            top_p: (top_p < 1.0).then_some(top_p as f32),
-            repetition_penalty: 1.0,
-        };
+        let mut sampling = defaults.clone();
+        if let Some(t) = self.temperature {
+            sampling.temperature = t as f32;
+        }
+        if let Some(p) = self.top_p {
+            sampling.top_p = (p < 1.0).then_some(p as f32);
+        }
         let (stream, ignore_eos) = (self.stream.unwrap_or(false), self.ignore_eos.unwrap_or(false));
         Ok(Generation { sampling, seed: self.seed.map(|s| s as u64), max_tokens, stop, stream, ignore_eos })
     }
@@ -314,7 +316,7 @@ mod tests {
     fn settings_are_checked_and_name_the_parameter() {
         let ok =
             settings(json!({"model": "m", "max_tokens": 5, "temperature": 0, "stop": "\n", "seed": 3, "stream": null}));
-        let g = ok.generation("m").unwrap();
+        let g = ok.generation("m", &SamplingConfig::default()).unwrap();
         assert_eq!(
             (g.max_tokens, g.stop.clone(), g.seed, g.sampling.temperature),
             (Some(5), vec!["\n".to_string()], Some(3), 0.0)
@@ -330,8 +332,24 @@ mod tests {
             (json!({"logprobs": 2}), "logprobs"),
             (json!({"stop": ["x".repeat(300)]}), "stop"),
         ] {
-            assert_eq!(settings(v.clone()).generation("m").unwrap_err().param, param, "{v}");
+            assert_eq!(
+                settings(v.clone()).generation("m", &SamplingConfig::default()).unwrap_err().param,
+                param,
+                "{v}"
+            );
         }
+    }
+
+    #[test]
+    fn left_out_settings_come_from_the_defaults() {
+        let chat = crate::sampling::ChatDefaults::built_in().sampling;
+        let g = settings(json!({})).generation("m", &chat).unwrap();
+        assert_eq!(g.sampling, chat);
+        let qwen = SamplingConfig { temperature: 0.7, top_k: Some(20), top_p: Some(0.8), repetition_penalty: 1.05 };
+        let g = settings(json!({"temperature": 0, "top_p": 1})).generation("m", &qwen).unwrap();
+        assert_eq!(g.sampling, SamplingConfig { temperature: 0.0, top_p: None, ..qwen.clone() });
+        let g = settings(json!({"top_p": 0.5})).generation("m", &qwen).unwrap();
+        assert_eq!((g.sampling.temperature, g.sampling.top_p), (0.7, Some(0.5)));
     }
 
     #[test]

@@ -50,6 +50,9 @@ pub struct Options {
     pub template: Option<ChatTemplate>,
     /// The model's context (prompt and answer together).
     pub context: usize,
+    /// The sampling of requests that set none (`temperature`, `top_p` left out): the model's chat
+    /// defaults ([`crate::sampling::ChatDefaults`]).
+    pub sampling: ember_model::sample::SamplingConfig,
     /// `Host` names answered besides localhost and the address a connection came in on.
     pub allowed_hosts: Vec<String>,
     /// Required as `Authorization: Bearer KEY` when set.
@@ -320,7 +323,7 @@ pub const COMPLETION_MAX_TOKENS: usize = 16;
 async fn completion(state: &State, r: CompletionRequest, conn: &Arc<Conn>) -> Answer {
     let prepared = (|| {
         let prompt = r.prompt()?;
-        let mut generation = r.settings.generation(&state.options.model_name)?;
+        let mut generation = r.settings.generation(&state.options.model_name, &state.options.sampling)?;
         generation.max_tokens.get_or_insert(COMPLETION_MAX_TOKENS);
         let ids = state.options.tokenizer.encode_prompt(prompt).map_err(|e| Invalid::new("prompt", e.to_string()))?;
         Ok::<_, Invalid>((ids, generation))
@@ -336,7 +339,7 @@ async fn chat(state: &State, r: ChatRequest, conn: &Arc<Conn>) -> Answer {
         return invalid(Invalid::new("messages", "this model has no chat template; use /v1/completions"));
     };
     let prepared = (|| {
-        let generation = r.settings.generation(&state.options.model_name)?;
+        let generation = r.settings.generation(&state.options.model_name, &state.options.sampling)?;
         let messages = r.messages(template.roles())?;
         let text = template.render(&messages, true).map_err(|e| Invalid::new("messages", e.to_string()))?;
         let ids = state.options.tokenizer.encode_prompt(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;

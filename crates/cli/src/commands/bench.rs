@@ -295,6 +295,8 @@ impl BenchFn for ServeBenchFn {
             tokenizer: checkpoint.tokenizer.clone(),
             template: None,
             context,
+            // The bench's requests set their own sampling.
+            sampling: ember_serve::sampling::ChatDefaults::built_in().sampling,
             allowed_hosts: Vec::new(),
             api_key: None,
             limits: ember_serve::Limits::default(),

@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod chat;
 pub mod check;
 pub mod dashboard;
 pub mod eval;

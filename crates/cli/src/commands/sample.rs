@@ -8,11 +8,14 @@ use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
 use ember_kernels::TrainBackend;
 use ember_model::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_serve::sampling::ChatDefaults;
 use ember_train::Checkpoint;
 
 use crate::backend::{dispatch, DeviceSpec, Job};
+use crate::commands::chat::SamplingFlags;
 
 #[derive(Args, Debug)]
+#[command(after_help = super::chat::SAMPLING_HELP)]
 pub struct SampleArgs {
     /// A run directory (its latest checkpoint) or a checkpoint folder inside it.
     #[arg(long)]
@@ -27,19 +30,23 @@ pub struct SampleArgs {
     /// New tokens per prompt, at most 1,048,576; past the model's context, the context slides.
     #[arg(long, default_value_t = 500)]
     max_new_tokens: usize,
-    /// Softmax temperature; 0 is greedy. (Negative numbers parse as values, so that `--temperature -1`
-    /// is refused by the range check, naming the flag, rather than read as an unknown flag.)
-    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
-    temperature: f32,
-    /// Sample among the K most likely tokens; 0 keeps all.
-    #[arg(long, default_value_t = 200)]
-    top_k: usize,
-    /// Sample among the most likely tokens holding this much probability, in (0, 1].
+    /// Softmax temperature; 0 is greedy [default: 0.8; with --chat, the chat defaults below].
+    /// (Negative numbers parse as values, so that `--temperature -1` is refused by the range check,
+    /// naming the flag, rather than read as an unknown flag.)
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f32>,
+    /// Sample among the K most likely tokens; 0 keeps all [default: 200; with --chat, the chat
+    /// defaults].
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens holding this much probability, in (0, 1] (1 keeps all)
+    /// [default: all; with --chat, the chat defaults].
     #[arg(long, allow_negative_numbers = true)]
     top_p: Option<f32>,
-    /// Penalise tokens already in the sequence (1 is off; 1.1 to 1.3 are common).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    repetition_penalty: f32,
+    /// Penalise tokens already in the sequence (1 is off; 1.1 to 1.3 are common) [default: 1; with
+    /// --chat, the chat defaults].
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f32>,
     /// Stop a sequence when its text contains this (non-empty) string (repeatable); the string is not
     /// printed.
     #[arg(long)]
@@ -64,7 +71,17 @@ pub struct SampleArgs {
 const MAX_NEW_TOKENS: usize = 1 << 20;
 
 impl SampleArgs {
-    /// Checks the flags that need no checkpoint, before one is opened.
+    fn sampling_flags(&self) -> SamplingFlags {
+        SamplingFlags {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
+
+    /// Checks the flags that need no checkpoint, before one is opened: the sampling flags over the
+    /// continuation defaults (nanoGPT's temperature 0.8 and top-k 200).
     fn sampling_config(&self) -> anyhow::Result<SamplingConfig> {
         if self.stop.iter().any(String::is_empty) {
             anyhow::bail!(
@@ -77,23 +94,7 @@ impl SampleArgs {
             "--max-new-tokens {} is more than the limit of {MAX_NEW_TOKENS} new tokens per sequence",
             self.max_new_tokens
         );
-        let config = SamplingConfig {
-            temperature: self.temperature,
-            top_k: (self.top_k > 0).then_some(self.top_k),
-            top_p: self.top_p,
-            repetition_penalty: self.repetition_penalty,
-        };
-        config.validate().map_err(|e| {
-            let flag = match e.setting() {
-                Some("temperature") => format!("--temperature {}", self.temperature),
-                Some("top_k") => format!("--top-k {}", self.top_k),
-                Some("top_p") => format!("--top-p {}", self.top_p.unwrap_or(f32::NAN)),
-                Some("repetition_penalty") => format!("--repetition-penalty {}", self.repetition_penalty),
-                _ => return anyhow::Error::from(e),
-            };
-            anyhow::anyhow!("{flag}: {e}")
-        })?;
-        Ok(config)
+        self.sampling_flags().over(&SamplingConfig::default())
     }
 }
 
@@ -160,9 +161,11 @@ impl Job for SampleJob {
             texts[b].push_str(&text);
             !stopped
         })?;
+        // As for one prompt: a chat answer starts on the line after its prompt.
+        let sep = if args.chat { "\n" } else { "" };
         for (i, (prompt, stream)) in args.prompt.iter().zip(&mut streams).enumerate() {
             texts[i].push_str(&stream.finish());
-            writeln!(out, "=== {i} ===\n{prompt}{}", texts[i])?;
+            writeln!(out, "=== {i} ===\n{prompt}{sep}{}", texts[i])?;
         }
         for (i, stream) in streams.iter_mut().enumerate() {
             check(stream, i)?;
@@ -176,7 +179,7 @@ fn options(args: &SampleArgs, ends: &[u32]) -> GenerateOptions {
 }
 
 pub fn run(args: SampleArgs) -> anyhow::Result<()> {
-    let config = args.sampling_config()?;
+    let mut config = args.sampling_config()?;
     anyhow::ensure!(
         args.prompt.len() == 1 || !args.no_cache,
         "--no-cache generates one prompt at a time; give a single --prompt"
@@ -201,6 +204,13 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    if args.chat {
+        // A chat samples as `ember chat` and `ember serve` do (the model's generation_config.json
+        // or ember's chat defaults), with the flags given over them.
+        let defaults = ChatDefaults::for_checkpoint(&checkpoint.dir)?;
+        config = args.sampling_flags().over(&defaults.sampling)?;
+        tracing::info!("sampling: {}", ember_serve::sampling::describe(&config));
+    }
     let prompts = args
         .prompt
         .iter()

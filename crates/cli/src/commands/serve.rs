@@ -1,7 +1,6 @@
-//! `ember serve` (an OpenAI-compatible server with continuous batching) and `ember chat` (a
-//! terminal chat with the model's chat template).
+//! `ember serve`: an OpenAI-compatible server with continuous batching.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,17 +9,17 @@ use anyhow::Context;
 use burn::tensor::Device;
 use clap::builder::RangedU64ValueParser;
 use clap::Args;
-use ember_data::finetune::{ChatTemplate, Message};
-use ember_data::stream::TextStream;
+use ember_data::finetune::ChatTemplate;
 use ember_kernels::TrainBackend;
 use ember_model::engine::{Engine, EngineConfig};
-use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_serve::sampling::ChatDefaults;
 use ember_serve::{Limits, Options, Server, Worker};
 use ember_train::Checkpoint;
 
 use crate::backend::{dispatch, DeviceSpec, Job};
 
 #[derive(Args, Debug)]
+#[command(after_help = super::chat::SAMPLING_HELP)]
 pub struct ServeArgs {
     /// A run directory (its latest checkpoint) or a checkpoint folder inside it.
     #[arg(long)]
@@ -78,20 +77,23 @@ pub fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
     if template.is_none() {
         tracing::warn!("{} has no chat template: /v1/chat/completions will answer 400", checkpoint.dir.display());
     }
+    let defaults = ChatDefaults::for_checkpoint(&checkpoint.dir)?;
+    tracing::info!("requests that set no sampling get {}", defaults.describe());
     let device = args.device;
-    dispatch(device, false, ServeJob { args, checkpoint, template })
+    dispatch(device, false, ServeJob { args, checkpoint, template, defaults })
 }
 
 struct ServeJob {
     args: ServeArgs,
     checkpoint: Checkpoint,
     template: Option<ChatTemplate>,
+    defaults: ChatDefaults,
 }
 
 impl Job for ServeJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<()> {
-        let Self { args, checkpoint, template } = self;
+        let Self { args, checkpoint, template, defaults } = self;
         let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
         let context = model.config().max_seq_len;
         anyhow::ensure!(
@@ -113,6 +115,7 @@ impl Job for ServeJob {
             tokenizer: checkpoint.tokenizer.clone(),
             template,
             context,
+            sampling: defaults.sampling,
             allowed_hosts: args.allow_host.clone(),
             api_key: args.api_key.clone(),
             limits,
@@ -144,113 +147,4 @@ impl Job for ServeJob {
 fn folder_name(path: &std::path::Path) -> String {
     let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     path.file_name().map_or_else(|| "ember".to_string(), |n| n.to_string_lossy().into_owned())
-}
-
-#[derive(Args, Debug)]
-pub struct ChatArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint folder inside it, with a chat template.
-    #[arg(long)]
-    checkpoint: PathBuf,
-    /// Softmax temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.7, allow_negative_numbers = true)]
-    temperature: f32,
-    /// Sample among the most likely tokens holding this much probability, in (0, 1].
-    #[arg(long, default_value_t = 0.9, allow_negative_numbers = true)]
-    top_p: f32,
-    /// New tokens per answer at most.
-    #[arg(long, default_value_t = 512)]
-    max_new_tokens: usize,
-    /// An instruction placed before the conversation as a system message.
-    #[arg(long)]
-    system: Option<String>,
-    #[arg(long, default_value_t = 1337)]
-    seed: u64,
-    /// cpu, wgpu[:N] or cuda[:N].
-    #[arg(long, default_value = "cpu")]
-    device: DeviceSpec,
-}
-
-pub fn chat(args: ChatArgs) -> anyhow::Result<()> {
-    let checkpoint = Checkpoint::open(&args.checkpoint)?;
-    let template = ChatTemplate::from_dir(&checkpoint.dir)?.with_context(|| {
-        format!("{} has no chat template (tokenizer_config.json or chat_template.jinja)", checkpoint.dir.display())
-    })?;
-    let sampling =
-        SamplingConfig { temperature: args.temperature, top_k: None, top_p: Some(args.top_p), repetition_penalty: 1.0 };
-    sampling
-        .validate()
-        .map_err(|e| anyhow::anyhow!("--{}: {e}", e.setting().unwrap_or("sampling").replace('_', "-")))?;
-    let device = args.device;
-    dispatch(device, false, ChatJob { args, checkpoint, template, sampling })
-}
-
-struct ChatJob {
-    args: ChatArgs,
-    checkpoint: Checkpoint,
-    template: ChatTemplate,
-    sampling: SamplingConfig,
-}
-
-impl Job for ChatJob {
-    type Output = ();
-    fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
-        let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
-        let tokenizer = &self.checkpoint.tokenizer;
-        let ends = tokenizer.end_ids();
-        let context = model.config().max_seq_len;
-        let system: Vec<Message> =
-            self.args.system.iter().map(|s| Message { role: "system".into(), content: s.clone() }).collect();
-        let mut history = system.clone();
-        let mut sampler = Sampler::new(self.sampling.clone(), self.args.seed)?;
-        let (stdin, mut out) = (std::io::stdin(), std::io::stdout());
-        writeln!(out, "Chatting with {}. /reset starts over, /exit or Ctrl-D ends.", self.checkpoint.dir.display())?;
-        for line in stdin.lock().lines() {
-            let line = line?;
-            match line.trim() {
-                "" => continue,
-                "/exit" | "/quit" => break,
-                "/reset" => {
-                    history = system.clone();
-                    writeln!(out, "(conversation cleared)")?;
-                    continue;
-                }
-                _ => {}
-            }
-            history.push(Message { role: "user".into(), content: line });
-            let prompt = tokenizer.encode_prompt(&self.template.render(&history, true)?)?;
-            let room = context.saturating_sub(prompt.len());
-            if room == 0 {
-                history.pop();
-                writeln!(out, "(the conversation fills the model's context of {context} tokens: /reset)")?;
-                continue;
-            }
-            let options = GenerateOptions {
-                max_new_tokens: self.args.max_new_tokens.min(room),
-                stop_tokens: ends.clone(),
-                block_size: 64,
-            };
-            let mut text = TextStream::new(tokenizer, &prompt, Vec::new(), &ends);
-            let mut answer = String::new();
-            generate_batch(
-                &model,
-                std::slice::from_ref(&prompt),
-                &options,
-                std::slice::from_mut(&mut sampler),
-                |_, id| {
-                    let (piece, stopped) = text.push(id);
-                    answer.push_str(&piece);
-                    let _ = out.write_all(piece.as_bytes()).and_then(|_| out.flush());
-                    !stopped
-                },
-            )?;
-            let rest = text.finish();
-            answer.push_str(&rest);
-            writeln!(out, "{rest}")?;
-            if let Some(e) = text.take_error() {
-                return Err(anyhow::Error::from(e).context("decoding the answer"));
-            }
-            history.push(Message { role: "assistant".into(), content: answer });
-        }
-        Ok(())
-    }
 }

@@ -53,8 +53,10 @@ pub const STATE_FILE: &str = "state.json";
 pub const CONFIG_FILE: &str = "config.toml";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const HF_CONFIG_FILE: &str = "hf_config.json";
-/// Files of a tokenizer folder that travel with tokenizer.json (the chat template).
-pub const TOKENIZER_EXTRAS: [&str; 2] = ["tokenizer_config.json", "chat_template.jinja"];
+/// Files of a tokenizer folder that travel with tokenizer.json: the chat template, and the
+/// generation settings the model's authors recommend (Hugging Face's `generation_config.json`, read
+/// by `ember_serve::sampling`).
+pub const TOKENIZER_EXTRAS: [&str; 3] = ["tokenizer_config.json", "chat_template.jinja", "generation_config.json"];
 const FORMAT_VERSION: u32 = 1;
 
 /// Loop state at the moment of the checkpoint.
