@@ -10,7 +10,7 @@ fn unknown_config_key_is_named() {
     s.write("corpus.txt", &corpus());
     s.write("bad.toml", &tiny_config("").replace("n_layers = 2", "n_layers = 2\nn_kv_head = 2"));
     let o = s.ember(&["train", "--config", "bad.toml"]);
-    assert_clean_error(&o, "model.n_kv_head: unknown field `n_kv_head`");
+    assert_clean_error(&o, "[model] unknown key \"n_kv_head\" — did you mean \"n_kv_heads\"?");
     assert_clean_error(&o, "bad.toml");
 }
 

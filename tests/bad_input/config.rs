@@ -75,11 +75,14 @@ fn zero_and_out_of_range_values() {
 fn structure_keys_and_sections() {
     train_refuses(
         &edit("n_layers = 2", "n_layers = 2\nn_kv_head = 2"),
-        &["model.n_kv_head: unknown field `n_kv_head`"],
+        &["[model] unknown key \"n_kv_head\" — did you mean \"n_kv_heads\"?"],
     );
-    train_refuses(&(tiny_config("") + "\n[extras]\nx = 1\n"), &["unknown field `extras`"]);
+    train_refuses(&(tiny_config("") + "\n[extras]\nx = 1\n"), &["[extras] unknown section"]);
     train_refuses(&edit("d_model = 32", "d_model = "), &["cfg.toml", "line"]);
-    train_refuses(&edit("d_model = 32", "d_model = \"wide\""), &["model.d_model", "cfg.toml"]);
+    train_refuses(
+        &edit("d_model = 32", "d_model = \"wide\""),
+        &["[model] d_model: invalid type: string \"wide\"", "cfg.toml"],
+    );
     train_refuses(
         &edit("path = \"corpus.txt\"", "dataset = \"tinyshakespeare\"\npath = \"corpus.txt\""),
         &["data: set only one of `dataset` (\"tinyshakespeare\") and `path` (corpus.txt)"],

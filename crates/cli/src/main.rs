@@ -52,6 +52,8 @@ enum Command {
     Check(commands::check::CheckArgs),
     /// Print the backends this binary was built with.
     Backends,
+    /// Write a commented config to start from: pretrain, lora or full (fine-tuning).
+    Init(commands::init::InitArgs),
 }
 
 impl Command {
@@ -62,6 +64,8 @@ impl Command {
             // The model server's bench runs the server, whose engine enters the pool itself.
             Command::Bench(b) => Needs { cpu_worker: !b.serves(), ..Needs::TRAINING },
             Command::Dashboard(_) | Command::Serve(_) => Needs::SERVER,
+            // Writes a file: nothing to compute.
+            Command::Init(_) => Needs::SERVER,
             Command::Sample(_)
             | Command::Eval(_)
             | Command::Import(_)
@@ -111,6 +115,7 @@ fn run(cli: Cli, collective: std::sync::Arc<dyn ember_train::distributed::Collec
         Command::Serve(args) => commands::serve::serve(args),
         Command::Chat(args) => commands::chat::run(args),
         Command::Check(args) => commands::check::run(args),
+        Command::Init(args) => commands::init::run(args),
         Command::Backends => {
             println!("{}", backend::compiled().join(", "));
             Ok(())

@@ -55,6 +55,9 @@ pub struct LoadedData {
     pub tokenizer_dir: Option<PathBuf>,
     pub train: Examples,
     pub val: Examples,
+    /// Positions per row: `train.seq_len`, or where the config leaves it out, its default for this
+    /// data ([`TrainConfig::default_seq_len`]).
+    pub seq_len: usize,
 }
 
 /// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's (`init`, the source
@@ -116,11 +119,11 @@ fn load_text(
             .into());
         }
     }
-    let seq_len = config.seq_len();
+    let seq_len = config.train.seq_len.unwrap_or_else(|| config.default_seq_len(None));
     let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
     let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
     let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
-    Ok(LoadedData { tokenizer, tokenizer_dir, train, val })
+    Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len })
 }
 
 /// Fine-tuning examples, encoded (chat messages through the model's template) and packed into rows.
@@ -147,7 +150,16 @@ fn load_jsonl(
     };
     let examples = encode(&records, &tokenizer, template.as_ref())?;
     let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
-    let packing = Packing { seq_len: config.seq_len(), mode: config.data.packing(), truncate: config.data.truncate };
+    let seq_len = match config.train.seq_len {
+        Some(t) => t,
+        None => {
+            let longest = examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
+            let t = config.default_seq_len(Some(longest));
+            tracing::info!("train.seq_len left out: {t} (the longest example has {longest} tokens)");
+            t
+        }
+    };
+    let packing = Packing { seq_len, mode: config.data.packing(), truncate: config.data.truncate };
     let train = packing.pack(train_ex, &tokenizer, path, 0)?;
     let val = packing.pack(val_ex, &tokenizer, path, train_ex.len())?;
     for (split, set) in [("train", &train), ("val", &val)] {
@@ -164,7 +176,7 @@ fn load_jsonl(
         "packed fine-tuning examples from {}",
         path.display()
     );
-    Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val) })
+    Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val), seq_len })
 }
 
 /// How a run packs its JSONL examples into rows.

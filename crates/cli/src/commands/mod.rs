@@ -4,6 +4,7 @@ pub mod check;
 pub mod dashboard;
 pub mod eval;
 pub mod hf;
+pub mod init;
 pub mod prepare;
 pub mod sample;
 pub mod serve;

@@ -30,6 +30,8 @@ pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations) -> Result<Setu
     let ResolvedConfig { mut config, init } = run;
     config.absolutize_paths();
     let data = crate::data::load(&config, init.as_ref(), locations)?;
+    // A seq_len left out is the data's (the longest example's, for fine-tuning examples).
+    config.train.seq_len = Some(data.seq_len);
     let vocab = data.tokenizer.vocab_size();
     if config.model.vocab_size == 0 {
         config.model.vocab_size = vocab;

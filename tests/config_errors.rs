@@ -1,0 +1,104 @@
+//! Config files as a new user meets them (issue 38): every problem of a file reported at once,
+//! each naming its section, key and line as the file writes them, with what a misspelt name may
+//! have meant; the defaults that let a fine-tuning config be short; `ember init`'s templates.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(path)
+}
+
+#[test]
+fn every_problem_is_listed_at_once_naming_section_key_and_line() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    let config = tiny_config("")
+        .replace("batch_size = 4\n", "bath_size = 4\n")
+        .replace("max_steps = 6\n", "")
+        .replace("[optim]", "[optim]\nlr = 1e-3\nbeta1 = \"high\"")
+        .replace("[schedule]", "[schedul]")
+        + "\n[lora]\nrank = 4\n";
+    s.write("bad.toml", &config);
+    let line = |needle: &str| config.lines().position(|l| l == needle).unwrap() + 1;
+    let o = s.ember(&["train", "--config", "bad.toml"]);
+    let want = [
+        "error: bad.toml: 7 problems:".to_string(),
+        format!("  line {}: [train] unknown key \"bath_size\" — did you mean \"batch_size\"?", line("bath_size = 4")),
+        format!("  line {}: [optim] unknown key \"lr\" — it belongs in [schedule]", line("lr = 1e-3")),
+        format!("  line {}: [optim] beta1: invalid type: string \"high\", expected f64", line("beta1 = \"high\"")),
+        format!("  line {}: [schedul] unknown section — did you mean [schedule]?", line("[schedul]")),
+        "  [train] batch_size is missing".into(),
+        "  [train] max_steps is missing".into(),
+        "  [lora] alpha is missing".into(),
+    ];
+    assert_clean_error(&o, &want.join("\n"));
+    assert!(!s.path().join("runs").exists(), "a refused config starts no run");
+}
+
+#[test]
+fn a_short_fine_tuning_config_is_completed_by_its_defaults() {
+    // No [model], [optim] or [schedule], no evaluation cadence, no seq_len: the parse succeeds and
+    // what is left is the run's (init_from is opened only when the run starts, and is missing).
+    let s = Scratch::new();
+    s.write("ft.toml", "init_from = \"run:nowhere\"\n[data]\npath = \"chat.jsonl\"\n[train]\nbatch_size = 2\nmax_steps = 40\n[lora]\nrank = 4\nalpha = 8\n");
+    let o = s.ember(&["train", "--config", "ft.toml"]);
+    assert_clean_error(&o, "nowhere: not a checkpoint");
+    assert!(!stderr(&o).contains("missing"), "{}", stderr(&o));
+}
+
+#[test]
+fn init_writes_each_template_and_never_overwrites() {
+    let s = Scratch::new();
+    for kind in ["pretrain", "lora", "full"] {
+        let o = s.ember(&["init", kind]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let file = format!("{kind}.toml");
+        let written = std::fs::read_to_string(s.path().join(&file)).unwrap();
+        assert_eq!(written, std::fs::read_to_string(repo(&format!("configs/{file}"))).unwrap(), "{kind}");
+        let parsed = ember_train::ConfigFile::read(&s.path().join(&file)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(parsed.config.lora.is_some(), kind == "lora");
+        assert!(stdout(&o).contains(&format!("ember train --config {file}")), "{}", stdout(&o));
+    }
+    // An existing file is kept as it is, whatever the kind asked for.
+    s.write("mine.toml", "# my notes\n");
+    for args in [&["init", "lora", "--out", "mine.toml"][..], &["init", "pretrain", "--out", "lora.toml"]] {
+        let o = s.ember(args);
+        assert_clean_error(&o, "already exists; remove it or choose another --out");
+    }
+    assert_eq!(std::fs::read_to_string(s.path().join("mine.toml")).unwrap(), "# my notes\n");
+    assert_eq!(
+        std::fs::read_to_string(s.path().join("lora.toml")).unwrap(),
+        std::fs::read_to_string(repo("configs/lora.toml")).unwrap()
+    );
+    let o = s.ember(&["init", "lora", "--out", "no/such/folder/x.toml"]);
+    assert_clean_error(&o, "creating no/such/folder/x.toml");
+    let o = s.ember(&["init", "qlora"]);
+    assert_clean_error(&o, "qlora");
+}
+
+/// `ember init lora` as written, on SmolLM2-135M-Instruct imported from its GGUF and the
+/// repository's example chat: the seq_len it leaves out comes from the longest example, not the
+/// model's 8,192 positions. Two steps (`--max-steps 2`) show that it runs.
+#[test]
+fn the_lora_template_runs_on_smollm2() {
+    let model = assets().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(model.is_file(), "{} not found: set EMBER_TEST_ASSETS (../shared)", model.display());
+    let s = Scratch::new();
+    std::fs::create_dir(s.path().join("examples")).unwrap();
+    std::fs::copy(repo("examples/chat.jsonl"), s.path().join("examples/chat.jsonl")).unwrap();
+    let o = s.ember(&["import", model.to_str().unwrap(), "--out", "runs/smollm2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["init", "lora"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["train", "--config", "lora.toml", "--max-steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let saved = ember_train::TrainConfig::from_file(&s.path().join("runs/lora/config.toml")).unwrap();
+    // The longest example of examples/chat.jsonl is 51 tokens through SmolLM2's chat template.
+    assert_eq!(saved.train.seq_len, Some(64));
+    assert_eq!((saved.schedule.lr, saved.train.eval_interval, saved.schedule.warmup_steps), (2e-4, 6, 3));
+    assert!(stderr(&o).contains("train.seq_len left out: 64"), "{}", stderr(&o));
+}
