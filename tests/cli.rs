@@ -34,6 +34,39 @@ fn prepare_train_sample() {
     assert_eq!(records.iter().map(|r| r.step).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
     assert!(records[2].val_loss.is_some() && records[5].val_loss.is_some() && records[0].val_loss.is_none());
     assert!(records.iter().all(|r| r.tokens_per_sec > 0.0 && r.grad_norm > 0.0 && r.lr > 0.0));
+    // The evaluation before training is metrics.jsonl's first line: step 0, a val loss near ln V
+    // (the log's), and none of a step's fields.
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    assert_eq!(first["step"], 0, "{first}");
+    let val0 = first["val_loss"].as_f64().unwrap();
+    assert!(stderr(&o).contains(&format!("step 0: val loss {val0:.4}")), "{}", stderr(&o));
+    assert!(first.get("train_loss").is_none() && first.get("tokens_per_sec").is_none(), "{first}");
+    assert!(val0 > records[5].val_loss.unwrap(), "{val0} then {:?}", records[5].val_loss);
+    // The best evaluation's weights are kept apart in best/, with its step and loss, and the summary
+    // says where.
+    let (best_step, best_val) =
+        records.iter().filter_map(|r| r.val_loss.map(|v| (r.step, v))).min_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+    let best: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("best/best.json")).unwrap()).unwrap();
+    assert_eq!((best["step"].as_u64(), best["val_loss"].as_f64()), (Some(best_step as u64), Some(best_val)));
+    assert!(!run.join("best/optimizer.safetensors").exists());
+    let said = format!("best val loss {best_val:.4} at step {best_step}, kept in runs/tiny/best");
+    assert!(stdout(&o).contains(&said), "{}", stdout(&o));
+    // Logs to a pipe carry no colour codes.
+    assert!(!stderr(&o).contains('\x1b'), "{}", stderr(&o));
+    // best/ is a checkpoint for sample and eval (its own split, through its config.toml).
+    let sampled = s.ember(&["sample", "--checkpoint", "runs/tiny/best", "--prompt", "ROMEO:", "--max-new-tokens", "5"]);
+    assert!(sampled.status.success() && stdout(&sampled).starts_with("ROMEO:"), "{}", stderr(&sampled));
+    let o = s.ember(&["eval", "--checkpoint", "runs/tiny/best", "--data", "val", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A finished run resumed: nothing to train, said so, with the way to train further.
+    let o = s.ember(&["train", "--config", "tiny.toml", "--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("already complete at step 6 (train.max_steps = 6)"), "{text}");
+    assert!(text.contains("raise train.max_steps in runs/tiny/config.toml"), "{text}");
+    assert!(!text.contains("tokens/s"), "{text}");
 
     let o = s.ember(&["sample", "--checkpoint", "runs/tiny", "--prompt", "ROMEO:", "--max-new-tokens", "40"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -306,4 +339,60 @@ fn cached_batched_sampling_eval_and_decode_bench() {
     );
     let o = s.ember(&["bench", "decode", "--checkpoint", "runs/tiny", "--contexts", "30"]);
     assert_clean_error(&o, "does not fit the model's max_seq_len of 32");
+}
+
+/// Ctrl-C during `ember train`: the step in hand is checkpointed, the summary says where and how to
+/// resume, and the printed command resumes it.
+#[test]
+fn sigint_checkpoints_the_step_in_hand_and_prints_the_resume_command() {
+    use std::process::Stdio;
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    // Steps enough never to finish here; no periodic checkpoint.
+    let config = tiny_config("")
+        .replace("max_steps = 6", "max_steps = 100000")
+        .replace("checkpoint_interval = 3", "checkpoint_interval = 0");
+    s.write("long.toml", &config);
+    let run = s.path().join("long");
+    let mut cmd = s.command(&["train", "--config", "long.toml", "--run-dir", "long"]);
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    // Once three steps are logged (after the step-0 evaluation's line).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < 4 {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(std::time::Instant::now() < deadline, "no 3 steps in 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) with the id of a child this test started and has not yet waited for.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    let step: usize = text
+        .split("stopped at step ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no step in: {text}"));
+    assert!(step >= 3, "{text}");
+    let ckpt = format!("step-{step:06}");
+    assert!(text.contains(&format!("checkpoint long/checkpoints/{ckpt} written")), "{text}");
+    assert_eq!(std::fs::read_to_string(run.join("checkpoints/latest")).unwrap(), ckpt);
+    let records = read_metrics(&run.join("metrics.jsonl")).unwrap();
+    assert_eq!(records.last().unwrap().step, step, "the step in hand finished and was logged");
+    let command = text.lines().find_map(|l| l.strip_prefix("resume with: ")).unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(command, "ember train --config long/config.toml --run-dir long --resume");
+    // The command resumes the run (two more steps here).
+    let mut words: Vec<&str> = command.split(' ').skip(1).collect();
+    let until = (step + 2).to_string();
+    words.extend(["--max-steps", &until]);
+    let o = s.ember(&words);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming"), "{}", stderr(&o));
+    let steps: Vec<usize> = read_metrics(&run.join("metrics.jsonl")).unwrap().iter().map(|r| r.step).collect();
+    assert_eq!(steps, (1..=step + 2).collect::<Vec<_>>());
+    // Again up to the same step: nothing to train, and the way on.
+    let o = s.ember(&words);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains(&format!("at step {until} already, at or past --max-steps {until}")), "{}", stdout(&o));
 }

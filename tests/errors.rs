@@ -100,6 +100,44 @@ fn a_prompt_longer_than_the_context() {
     assert_clean_error(&o, "--context 64 must be in 1..=32");
 }
 
+/// A model without training data (what `ember import` writes: weights, model.toml, tokenizer) has
+/// no split to evaluate, and is not damaged; a GGUF file or a Hugging Face folder given as a
+/// checkpoint gets the import command.
+#[test]
+fn checkpoints_of_other_kinds_say_what_to_do() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("cfg.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2"));
+    let o = s.ember(&["train", "--config", "cfg.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::create_dir(s.path().join("imported")).unwrap();
+    for f in ["model.safetensors", "model.toml", "tokenizer.json"] {
+        std::fs::copy(s.path().join("runs/cfg/checkpoints/step-000002").join(f), s.path().join("imported").join(f))
+            .unwrap();
+    }
+    let o = s.ember(&["eval", "--checkpoint", "imported", "--data", "val"]);
+    assert_clean_error(&o, "--data val: imported has no training data of its own");
+    assert_clean_error(&o, "give --data a text file, or a .jsonl file");
+    assert!(!stderr(&o).contains("damaged"), "{}", stderr(&o));
+    let o = s.ember(&["eval", "--checkpoint", "imported", "--data", "corpus.txt"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let mut gguf = b"GGUF".to_vec();
+    gguf.extend([3, 0, 0, 0]);
+    std::fs::write(s.path().join("model.gguf"), gguf).unwrap();
+    for args in
+        [&["sample", "--checkpoint", "model.gguf"][..], &["eval", "--checkpoint", "model.gguf", "--data", "val"]]
+    {
+        let o = s.ember(args);
+        assert_clean_error(&o, "model.gguf: not a checkpoint: a GGUF file; import it into a run directory first");
+        assert_clean_error(&o, "`ember import model.gguf --out DIR`");
+    }
+    std::fs::create_dir(s.path().join("hf")).unwrap();
+    s.write("hf/config.json", "{}");
+    let o = s.ember(&["sample", "--checkpoint", "hf"]);
+    assert_clean_error(&o, "a Hugging Face model folder (config.json); import it");
+}
+
 #[test]
 fn a_config_too_big_for_the_device_fails_before_training() {
     let s = Scratch::new();

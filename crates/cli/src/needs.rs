@@ -59,7 +59,12 @@ impl Needs {
         let level = if collective.rank() == 0 { log } else { "warn" };
         let filter = tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .with_ansi(colour(&std::io::stderr()))
+            .init();
         // Ranks on one machine share its cores.
         let local = collective.local_world();
         if local > 1 && !crate::env::threads_set() {
@@ -77,4 +82,11 @@ impl Needs {
             f()
         }
     }
+}
+
+/// Whether to colour what goes to `stream` (stdout or stderr): only on a terminal, and not where
+/// `NO_COLOR` is set to anything but the empty string (https://no-color.org), so that redirected
+/// output and logs stay plain text.
+pub fn colour(stream: &impl std::io::IsTerminal) -> bool {
+    stream.is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ember_data::fetch::{locate, Locations};
-use ember_data::finetune::{encode, read_jsonl, ChatTemplate, PackedExamples};
+use ember_data::finetune::{encode, read_jsonl, ChatTemplate, PackedExamples, Record};
 use ember_data::prepare::prepare_cached;
 use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, TokenizerSpec};
 
@@ -58,6 +58,10 @@ pub struct LoadedData {
     /// Positions per row: `train.seq_len`, or where the config leaves it out, its default for this
     /// data ([`TrainConfig::default_seq_len`]).
     pub seq_len: usize,
+    /// Fine-tuning data: the prompt of the first held-out example, as the model reads it (a chat's
+    /// messages up to its last user turn through the chat template, with the generation prompt; a
+    /// completion's prompt), for the evaluation samples. Encoded with special tokens.
+    pub held_out_prompt: Option<String>,
 }
 
 /// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's (`init`, the source
@@ -123,7 +127,7 @@ fn load_text(
     let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
     let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
     let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
-    Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len })
+    Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len, held_out_prompt: None })
 }
 
 /// Fine-tuning examples, encoded (chat messages through the model's template) and packed into rows.
@@ -176,7 +180,25 @@ fn load_jsonl(
         "packed fine-tuning examples from {}",
         path.display()
     );
-    Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val), seq_len })
+    let held_out_prompt = prompt_of(&records[records.len() - n_val], template.as_ref());
+    Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val), seq_len, held_out_prompt })
+}
+
+/// What the model reads before the answer of `record`: a chat's messages up to its last user turn
+/// through `template`, with the generation prompt; a completion's prompt. `None` for text (no
+/// prompt), a chat without a user turn, or a template that fails on the shortened conversation.
+fn prompt_of(record: &Record, template: Option<&ChatTemplate>) -> Option<String> {
+    match record {
+        Record::Text(_) => None,
+        Record::Completion { prompt, .. } => Some(prompt.clone()),
+        Record::Chat(messages) => {
+            let last_user = messages.iter().rposition(|m| m.role == "user")?;
+            template?
+                .render(&messages[..=last_user], true)
+                .inspect_err(|e| tracing::warn!("no held-out prompt for the evaluation samples: {e}"))
+                .ok()
+        }
+    }
 }
 
 /// How a run packs its JSONL examples into rows.
@@ -252,4 +274,37 @@ pub fn split_tokens(
     let (spec, _) = tokenizer_spec(config, init)?;
     let data = prepare_cached(&path, &spec, val_fraction, &locations.cache_dir.join("prepared"))?;
     Ok(if split == "train" { data.train.tokens } else { data.val.tokens })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_data::finetune::Message;
+
+    #[test]
+    fn the_held_out_prompt_is_the_conversation_up_to_its_last_user_turn() {
+        let template = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+                .into(),
+            String::new(),
+            "</s>".into(),
+        )
+        .unwrap();
+        let m = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+        let chat = Record::Chat(vec![
+            m("system", "Be brief."),
+            m("user", "Capital of France?"),
+            m("assistant", "Paris."),
+            m("user", "And of Italy?"),
+            m("assistant", "Rome."),
+        ]);
+        assert_eq!(
+            prompt_of(&chat, Some(&template)).as_deref(),
+            Some("<system>Be brief.\n<user>Capital of France?\n<assistant>Paris.\n<user>And of Italy?\n<assistant>")
+        );
+        let completion = Record::Completion { prompt: "Q: 2+2?\nA:".into(), completion: " 4".into() };
+        assert_eq!(prompt_of(&completion, None).as_deref(), Some("Q: 2+2?\nA:"));
+        assert_eq!(prompt_of(&Record::Text("plain".into()), None), None);
+        assert_eq!(prompt_of(&Record::Chat(vec![m("assistant", "Hi.")]), Some(&template)), None);
+    }
 }

@@ -22,10 +22,25 @@ pub struct SampleRecord {
     pub text: String,
 }
 
+/// The evaluation before the first step, `metrics.jsonl`'s first line: where the val curve starts.
+/// No step has been taken, so it has none of a step's fields (`train_loss`, `lr`, `grad_norm`,
+/// throughput); its keys are those of [`StepRecord`] (`step` 0).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InitialEvalRecord {
+    pub step: usize,
+    pub elapsed_s: f64,
+    pub val_loss: f64,
+    /// Fine-tuning runs: 0 epochs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<f64>,
+}
+
 /// A destination for what training logs.
 pub trait MetricsSink {
     fn record(&mut self, record: &StepRecord) -> Result<(), TrainError>;
     fn sample(&mut self, sample: &SampleRecord) -> Result<(), TrainError>;
+    /// The evaluation before the first step.
+    fn initial(&mut self, record: &InitialEvalRecord) -> Result<(), TrainError>;
 }
 
 /// `metrics.jsonl` and `samples.jsonl`.
@@ -52,6 +67,9 @@ impl MetricsSink for JsonlSink {
     }
     fn sample(&mut self, sample: &SampleRecord) -> Result<(), TrainError> {
         self.samples.write_line(&serde_json::to_string(sample).expect("sample serialises"))
+    }
+    fn initial(&mut self, record: &InitialEvalRecord) -> Result<(), TrainError> {
+        self.metrics.log.write_line(&serde_json::to_string(record).expect("record serialises"))
     }
 }
 
@@ -97,6 +115,12 @@ impl MetricsSink for TensorBoardSink {
         self.writer.text(s.step as u64, self.start + s.elapsed_s, "samples", &text)?;
         self.writer.flush()
     }
+    fn initial(&mut self, r: &InitialEvalRecord) -> Result<(), TrainError> {
+        let mut values = vec![("loss/val", r.val_loss as f32)];
+        values.extend(r.epoch.map(|e| ("epoch", e as f32)));
+        self.writer.scalars(r.step as u64, self.start + r.elapsed_s, &values)?;
+        self.writer.flush()
+    }
 }
 
 /// Every configured sink.
@@ -108,6 +132,9 @@ impl MetricsSink for Sinks {
     }
     fn sample(&mut self, sample: &SampleRecord) -> Result<(), TrainError> {
         self.0.iter_mut().try_for_each(|s| s.sample(sample))
+    }
+    fn initial(&mut self, record: &InitialEvalRecord) -> Result<(), TrainError> {
+        self.0.iter_mut().try_for_each(|s| s.initial(record))
     }
 }
 
@@ -200,8 +227,13 @@ impl MetricsLog {
     /// Opens `run_dir/metrics.jsonl` for appending, first dropping records after `keep_through_step`
     /// (records a stopped run wrote after its last checkpoint; the resumed run writes them again).
     pub fn open(run_dir: &Path, keep_through_step: Option<usize>) -> Result<Self, TrainError> {
+        // By `step` alone: the step-0 evaluation is kept too.
+        #[derive(Deserialize)]
+        struct Step {
+            step: usize,
+        }
         let log = AppendLog::open(&run_dir.join(METRICS_FILE), keep_through_step, |line| {
-            serde_json::from_str::<StepRecord>(line).ok().map(|r| r.step)
+            serde_json::from_str::<Step>(line).ok().map(|r| r.step)
         })?;
         Ok(Self { log })
     }
@@ -216,7 +248,8 @@ fn read_lines(path: &Path) -> Result<Vec<String>, TrainError> {
     BufReader::new(f).lines().collect::<Result<_, _>>().map_err(TrainError::io(path))
 }
 
-/// Reads every well-formed record of a metrics log (a half-written last line is skipped).
+/// Reads every well-formed step record of a metrics log (a half-written last line is skipped, and
+/// so is the step-0 evaluation, an [`InitialEvalRecord`]).
 pub fn read_metrics(path: &Path) -> Result<Vec<StepRecord>, TrainError> {
     Ok(read_lines(path)?.iter().filter_map(|l| serde_json::from_str(l).ok()).collect())
 }
@@ -249,6 +282,9 @@ mod tests {
     #[test]
     fn reopening_for_a_resume_drops_later_records() {
         let dir = tempfile::tempdir().unwrap();
+        let mut sink = JsonlSink::open(dir.path(), None).unwrap();
+        sink.initial(&InitialEvalRecord { step: 0, elapsed_s: 0.5, val_loss: 3.0, epoch: None }).unwrap();
+        drop(sink);
         let mut log = MetricsLog::open(dir.path(), None).unwrap();
         for s in 1..=5 {
             log.write(&rec(s)).unwrap();
@@ -259,7 +295,9 @@ mod tests {
         let steps: Vec<usize> = read_metrics(&dir.path().join(METRICS_FILE)).unwrap().iter().map(|r| r.step).collect();
         assert_eq!(steps, [1, 2, 3, 4]);
         let text = std::fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap();
-        assert!(!text.lines().next().unwrap().contains("\"val_loss\":2.0"));
-        assert!(text.lines().nth(1).unwrap().contains("\"val_loss\":2.0"));
+        // The step-0 evaluation survives the resume, first, without a step's fields.
+        assert_eq!(text.lines().next().unwrap(), r#"{"step":0,"elapsed_s":0.5,"val_loss":3.0}"#);
+        assert!(!text.lines().nth(1).unwrap().contains("\"val_loss\":2.0"));
+        assert!(text.lines().nth(2).unwrap().contains("\"val_loss\":2.0"));
     }
 }

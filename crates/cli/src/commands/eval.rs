@@ -20,7 +20,7 @@ pub struct EvalArgs {
     #[arg(long)]
     #[allow(dead_code)]
     perplexity: bool,
-    /// A run directory (its latest checkpoint) or a checkpoint folder.
+    /// A run directory (its latest checkpoint), a checkpoint folder, or a run's best/ folder.
     #[arg(long)]
     checkpoint: PathBuf,
     /// A text file, a `.jsonl` file of fine-tuning examples (only completion tokens are scored), or
@@ -151,7 +151,16 @@ fn split_data(
     context: usize,
     stride: usize,
 ) -> anyhow::Result<(Scored, Option<ResolvedInit>)> {
-    let config = checkpoint.train_config()?;
+    // An import (`ember import`) is weights and a tokenizer: no training data to take a split of.
+    let Some(config) = checkpoint.config.as_ref() else {
+        anyhow::bail!(
+            "--data {split}: {} has no training data of its own (no {} beside its weights: an `ember import`, not a \
+             training run), so it has no {split} split; give --data a text file, or a .jsonl file of fine-tuning \
+             examples",
+            checkpoint.dir.display(),
+            ember_train::checkpoint::CONFIG_FILE
+        );
+    };
     let needed = config.data.tokenizer.is_none() || checkpoint.is_adapter();
     let init = config.init_from.as_ref().filter(|_| needed).map(InitSource::resolve).transpose();
     let init = init.context("opening the run's init_from source")?;

@@ -47,16 +47,17 @@ pub struct TrainArgs {
 }
 
 /// `--device` as written: whether it named a device index.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct DeviceArg {
     spec: DeviceSpec,
     indexed: bool,
+    text: String,
 }
 
 impl std::str::FromStr for DeviceArg {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Ok(Self { spec: s.parse()?, indexed: s.contains(':') })
+        Ok(Self { spec: s.parse()?, indexed: s.contains(':'), text: s.to_string() })
     }
 }
 
@@ -79,26 +80,66 @@ pub fn run(args: TrainArgs, collective: Arc<dyn Collective>) -> anyhow::Result<(
     if let Some(p) = args.precision {
         run.config.train.precision = p;
     }
-    let device = device(args.device, collective.as_ref());
+    let device = device(&args.device, collective.as_ref());
     let lead = collective.rank() == 0;
     let options = options(&args, device, collective)?;
     let _dashboard = (args.dashboard && lead).then(|| dashboard(&options.run_dir, args.dashboard_port)).flatten();
     let checkpointing = run.config.train.activation_checkpointing;
-    let summary = dispatch(device, checkpointing, TrainJob { run, options })?;
+    // Ctrl-C (SIGINT) or SIGTERM: the run checkpoints the step in hand and stops; a second one ends
+    // the process at once. Under mpirun, every rank stops at the same step (see
+    // TrainOptions::stop_requested) if the launcher lets them finish the checkpoint.
+    crate::signals::catch_stop().context("asking for SIGINT and SIGTERM")?;
+    let summary = dispatch(device, checkpointing, TrainJob { run, options: options.clone() })?;
     if lead {
         println!("{summary}");
+        if let ember_train::RunEnd::Stopped { .. } = summary.end {
+            println!("resume with: {}", resume_command(&args, &options.run_dir));
+        }
     }
     Ok(())
 }
 
+/// The command that continues the run in `run_dir`: `ember train` with the run's own config (paths
+/// resolved, any --precision applied) and the device and flags of this one.
+fn resume_command(args: &TrainArgs, run_dir: &Path) -> String {
+    let config = run_dir.join(ember_train::checkpoint::CONFIG_FILE);
+    let mut words = vec![
+        "ember".to_string(),
+        "train".into(),
+        "--config".into(),
+        shell_word(&config.to_string_lossy()),
+        "--run-dir".into(),
+        shell_word(&run_dir.to_string_lossy()),
+        "--resume".into(),
+    ];
+    if args.device.text != "cpu" {
+        words.extend(["--device".into(), shell_word(&args.device.text)]);
+    }
+    if let Some(p) = args.peak_tflops {
+        words.extend(["--peak-tflops".into(), p.to_string()]);
+    }
+    words.join(" ")
+}
+
+/// `word` as one word of a POSIX shell command line: as it is when it is made of safe characters,
+/// in single quotes otherwise.
+fn shell_word(word: &str) -> String {
+    let safe = |c: char| c.is_ascii_alphanumeric() || "-_./:=+,@%".contains(c);
+    if !word.is_empty() && word.chars().all(safe) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
 /// The device of this rank. A bare `cuda` in a data-parallel run means each rank's own GPU of the
 /// machine: cuda:<local rank>. An explicit index is kept (for launchers that give each rank one GPU).
-fn device(arg: DeviceArg, collective: &dyn Collective) -> DeviceSpec {
+fn device(arg: &DeviceArg, collective: &dyn Collective) -> DeviceSpec {
     match arg {
-        DeviceArg { spec: DeviceSpec::Cuda(_), indexed: false } if collective.world() > 1 => {
+        DeviceArg { spec: DeviceSpec::Cuda(_), indexed: false, .. } if collective.world() > 1 => {
             DeviceSpec::Cuda(collective.local_rank())
         }
-        DeviceArg { spec, .. } => spec,
+        DeviceArg { spec, .. } => *spec,
     }
 }
 
@@ -120,6 +161,7 @@ fn options(args: &TrainArgs, device: DeviceSpec, collective: Arc<dyn Collective>
         device_comm: device_comm(device, collective.as_ref())?,
         collective,
         compute: crate::env::compute_request(),
+        stop_requested: Some(crate::signals::stop_requested),
     })
 }
 
@@ -128,9 +170,12 @@ fn options(args: &TrainArgs, device: DeviceSpec, collective: Arc<dyn Collective>
 /// ember_dashboard::server).
 fn dashboard(run_dir: &Path, port: u16) -> Option<ember_dashboard::Dashboard> {
     let logdir = run_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let run = run_dir.file_name().map_or_else(|| run_dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     std::fs::create_dir_all(logdir)
         .with_context(|| format!("creating {}", logdir.display()))
-        .and_then(|()| crate::commands::dashboard::start(logdir, std::net::Ipv4Addr::LOCALHOST.into(), port, &[], true))
+        .and_then(|()| {
+            crate::commands::dashboard::start(logdir, std::net::Ipv4Addr::LOCALHOST.into(), port, &[], Some(&run))
+        })
         .inspect_err(|e| tracing::warn!("no dashboard: {e:#}; training goes on without it"))
         .ok()
 }

@@ -11,6 +11,9 @@
 //!     state.json             step, LR schedule, sampler seed and data position, ...  } runs
 //!     config.toml            the resolved training config                             } only
 //! <run_dir>/checkpoints/latest   the name of the newest complete checkpoint
+//! <run_dir>/best/            runs that evaluate: the weights of the best val loss so far, with
+//!     model.toml, tokenizer, config.toml and best.json (its step and val loss); no optimizer or
+//!     loop state (it is for sample, eval and export, not for resuming)
 //! ```
 //! A checkpoint is written in a temporary folder and renamed into place, then `latest` is replaced
 //! atomically: a crash leaves the previous checkpoint as the latest, never a partial one. Each step
@@ -41,7 +44,7 @@ use crate::error::TrainError;
 use crate::schedule::LrSchedule;
 
 pub(crate) use run_dir::{has_checkpoint, set_aside_dead_attempt, tidy_run_dir};
-pub use save::save;
+pub use save::{save, save_best};
 
 pub const CHECKPOINTS: &str = "checkpoints";
 pub const LATEST: &str = "latest";
@@ -53,6 +56,9 @@ pub const STATE_FILE: &str = "state.json";
 pub const CONFIG_FILE: &str = "config.toml";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const HF_CONFIG_FILE: &str = "hf_config.json";
+/// The run directory's folder of the best checkpoint (by val loss), and its record.
+pub const BEST_DIR: &str = "best";
+pub const BEST_FILE: &str = "best.json";
 /// Files of a tokenizer folder that travel with tokenizer.json: the chat template, and the
 /// generation settings the model's authors recommend (Hugging Face's `generation_config.json`, read
 /// by `ember_serve::sampling`).
@@ -82,6 +88,22 @@ pub struct TrainState {
     /// `grad_accum_steps × world_size` micro-batches).
     #[serde(default = "one")]
     pub world_size: usize,
+    /// The step of `best_val_loss` (whose weights `<run_dir>/best` holds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_step: Option<usize>,
+}
+
+/// `best/best.json`: which evaluation the best checkpoint comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BestRecord {
+    pub step: usize,
+    pub val_loss: f64,
+}
+
+/// The record of the best checkpoint of the run in `run_dir`, where it has one.
+pub fn read_best(run_dir: &Path) -> Option<BestRecord> {
+    let text = std::fs::read_to_string(run_dir.join(BEST_DIR).join(BEST_FILE)).ok()?;
+    serde_json::from_str(&text).ok()
 }
 
 fn one() -> usize {
@@ -102,6 +124,7 @@ impl TrainState {
             optimizer_steps: 0,
             loss_scaler: None,
             world_size: 1,
+            best_step: None,
         }
     }
 }
@@ -131,6 +154,11 @@ fn step_dir_name(step: usize) -> String {
     format!("step-{step:06}")
 }
 
+/// The folder of the checkpoint of step `step` in `run_dir`.
+pub fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
+    run_dir.join(CHECKPOINTS).join(step_dir_name(step))
+}
+
 /// The step of a checkpoint folder's name (`step-000250` -> 250); `None` for anything else.
 fn step_of(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
@@ -147,6 +175,12 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
         return Err(not("no such file or directory".into()));
     }
     if !path.is_dir() {
+        if ember_hf::gguf::is_gguf(path).unwrap_or(false) {
+            return Err(not(format!(
+                "a GGUF file; import it into a run directory first (`ember import {} --out DIR`) and give DIR",
+                path.display()
+            )));
+        }
         return Err(not("a file, expected a run directory or a checkpoint folder".into()));
     }
     if path.join(MODEL_CONFIG_FILE).is_file() {
@@ -160,6 +194,13 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
             return Ok(dir);
         }
         return Err(not(format!("{} names `{}`, which is not a checkpoint", latest.display(), name.trim())));
+    }
+    if path.join("config.json").is_file() {
+        return Err(not(format!(
+            "a Hugging Face model folder (config.json); import it into a run directory first (`ember import {} \
+             --out DIR`) and give DIR",
+            path.display()
+        )));
     }
     Err(not(format!(
         "no {MODEL_CONFIG_FILE} (a checkpoint folder) and no {CHECKPOINTS}/{LATEST} (a run directory with checkpoints)"
@@ -217,8 +258,9 @@ impl Checkpoint {
         };
         let config =
             if dir.join(CONFIG_FILE).is_file() { Some(TrainConfig::from_file(&dir.join(CONFIG_FILE))?) } else { None };
-        if state.is_some() != config.is_some() {
-            return Err(damaged(format!("{STATE_FILE} and {CONFIG_FILE} come together")));
+        // A training checkpoint has both; the best checkpoint (`best/`) the config alone.
+        if state.is_some() && config.is_none() {
+            return Err(damaged(format!("{STATE_FILE} without {CONFIG_FILE}")));
         }
         if !dir.join(MODEL_FILE).is_file() && !dir.join(ADAPTER_FILE).is_file() {
             return Err(damaged(format!("neither {MODEL_FILE} nor {ADAPTER_FILE} is there")));

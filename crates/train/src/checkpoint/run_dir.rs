@@ -4,15 +4,39 @@
 use std::path::{Path, PathBuf};
 
 use super::save::file_name;
-use super::{step_of, Checkpoint, CHECKPOINTS, LATEST, MODEL_CONFIG_FILE};
+use super::{step_of, Checkpoint, BEST_DIR, CHECKPOINTS, LATEST, MODEL_CONFIG_FILE};
 use crate::error::TrainError;
 
 /// Gets a run directory ready for a start or a resume: leftovers of killed writers removed
 /// ([`remove_stale_temporaries`]) and a missing `latest` restored ([`recover_latest`]), so that
 /// [`has_checkpoint`] then tells what a resume would find.
 pub(crate) fn tidy_run_dir(run_dir: &Path) -> Result<(), TrainError> {
+    recover_best(run_dir)?;
     remove_stale_temporaries(run_dir)?;
     recover_latest(run_dir)
+}
+
+/// Puts back the best checkpoint of a process killed while replacing it: between renaming `best`
+/// to `.best.old-PID` and the new one into place ([`super::save_best`]), there is no `best`, and the
+/// old one would be removed as a leftover.
+fn recover_best(run_dir: &Path) -> Result<(), TrainError> {
+    let best = run_dir.join(BEST_DIR);
+    if best.exists() {
+        return Ok(());
+    }
+    let Ok(entries) = std::fs::read_dir(run_dir) else { return Ok(()) };
+    let prefix = format!(".{BEST_DIR}.old-");
+    let old = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with(&prefix) && leftover_pid(n).and_then(process_gone) == Some(true));
+    if let Some(name) = old {
+        let from = run_dir.join(&name);
+        std::fs::rename(&from, &best).map_err(TrainError::io(&best))?;
+        ember_data::sync_dir(run_dir).map_err(TrainError::io(run_dir))?;
+        tracing::warn!(path = %best.display(), "restored the best checkpoint a killed run was replacing");
+    }
+    Ok(())
 }
 
 /// Whether the run in `run_dir` has a checkpoint to resume from.

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use ember_model::weights::to_safetensors;
 
 use super::{step_dir_name, step_of, CheckpointData};
+use super::{BestRecord, BEST_DIR, BEST_FILE, OPTIMIZER_FILE, STATE_FILE, TOKENIZER_EXTRAS, TOKENIZER_FILE};
 use super::{ADAPTER_FILE, CHECKPOINTS, CONFIG_FILE, HF_CONFIG_FILE, LATEST, MODEL_CONFIG_FILE, MODEL_FILE};
-use super::{OPTIMIZER_FILE, STATE_FILE, TOKENIZER_EXTRAS, TOKENIZER_FILE};
 use crate::error::TrainError;
 
 /// Writes a checkpoint of `data.step` and makes it the latest; keeps the newest `keep`.
@@ -20,10 +20,27 @@ pub fn save(run_dir: &Path, data: CheckpointData<'_>, keep: usize) -> Result<Pat
     }
     let name = step_dir_name(data.step);
     let tmp = root.join(format!(".{name}.tmp-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
+    write_folder(&tmp, checkpoint_files(&data)?)?;
+    let dest = root.join(&name);
+    if dest.exists() {
+        // A resumed run that passes the same step again: replace the older copy.
+        let old = root.join(format!(".{name}.old-{}", std::process::id()));
+        rename(&dest, &old)?;
+        std::fs::remove_dir_all(&old).map_err(TrainError::io(&old))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
+    rename(&tmp, &dest)?;
+    sync_dir(&root)?;
+    // `latest` is written (and it and its folder synced) only once the folder it names is durable,
+    // and pruning waits for `latest`: a power loss at any point leaves a `latest` naming a whole
+    // checkpoint that is still there.
+    ember_data::write_atomic(&root.join(LATEST), name.as_bytes())?;
+    journal(|| format!("latest {name}"));
+    prune(&root, keep, &name)?;
+    Ok(dest)
+}
+
+/// The files of a checkpoint folder, by name.
+fn checkpoint_files(data: &CheckpointData<'_>) -> Result<Vec<(&'static str, Vec<u8>)>, TrainError> {
     let meta = |kind: &str| {
         Some(std::collections::HashMap::from([
             ("format".to_string(), "ember".to_string()),
@@ -33,7 +50,7 @@ pub fn save(run_dir: &Path, data: CheckpointData<'_>, keep: usize) -> Result<Pat
     };
     let weights_file = if data.adapters_only { ADAPTER_FILE } else { MODEL_FILE };
     let model_toml = toml::to_string_pretty(data.model_config).expect("model config serialises");
-    let mut files: Vec<(&str, Vec<u8>)> = vec![
+    let mut files: Vec<(&'static str, Vec<u8>)> = vec![
         (weights_file, to_safetensors(&data.weights, meta("model"))),
         (MODEL_CONFIG_FILE, model_toml.into_bytes()),
         (TOKENIZER_FILE, data.tokenizer.to_json()?.into_bytes()),
@@ -51,27 +68,56 @@ pub fn save(run_dir: &Path, data: CheckpointData<'_>, keep: usize) -> Result<Pat
             files.push((extra, std::fs::read(&src).map_err(TrainError::io(&src))?));
         }
     }
-    // Inside the temporary folder nothing needs replacing atomically (the folder is the unit), but
-    // every file must be on disk before the folder's rename can be.
+    Ok(files)
+}
+
+/// Writes `files` into the fresh folder `tmp` (one left by an earlier process of the same id is
+/// replaced), each file and then the folder fsynced. Inside the folder nothing needs replacing
+/// atomically (the folder is the unit), but every file must be on disk before the folder's rename
+/// can be.
+fn write_folder(tmp: &Path, files: Vec<(&'static str, Vec<u8>)>) -> Result<(), TrainError> {
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).map_err(TrainError::io(tmp))?;
+    }
+    std::fs::create_dir_all(tmp).map_err(TrainError::io(tmp))?;
     for (file, bytes) in files {
         write_synced(&tmp.join(file), &bytes)?;
     }
-    sync_dir(&tmp)?;
-    let dest = root.join(&name);
-    if dest.exists() {
-        // A resumed run that passes the same step again: replace the older copy.
-        let old = root.join(format!(".{name}.old-{}", std::process::id()));
+    sync_dir(tmp)
+}
+
+/// Replaces `<run_dir>/best` with a checkpoint of `data` (weights, model, tokenizer, the run's
+/// `config`; no optimizer or loop state: it is for sampling, evaluating and exporting, not for
+/// resuming) and `best.json` naming its step and val loss. Written aside and renamed into place
+/// like a step's checkpoint; the folder it replaces is renamed to `.best.old-PID` first and deleted
+/// after, and a run killed between the two renames gets it back at its next start
+/// ([`super::run_dir::tidy_run_dir`]).
+pub fn save_best(
+    run_dir: &Path,
+    data: CheckpointData<'_>,
+    config: &crate::config::TrainConfig,
+    val_loss: f64,
+) -> Result<PathBuf, TrainError> {
+    let best = BestRecord { step: data.step, val_loss };
+    let mut files = checkpoint_files(&CheckpointData { training: None, ..data })?;
+    files.push((CONFIG_FILE, config.to_toml().into_bytes()));
+    files.push((BEST_FILE, serde_json::to_vec_pretty(&best).expect("best record serialises")));
+    std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
+    let pid = std::process::id();
+    let tmp = run_dir.join(format!(".{BEST_DIR}.tmp-{pid}"));
+    write_folder(&tmp, files)?;
+    let dest = run_dir.join(BEST_DIR);
+    let old = run_dir.join(format!(".{BEST_DIR}.old-{pid}"));
+    let replacing = dest.exists();
+    if replacing {
         rename(&dest, &old)?;
-        std::fs::remove_dir_all(&old).map_err(TrainError::io(&old))?;
     }
     rename(&tmp, &dest)?;
-    sync_dir(&root)?;
-    // `latest` is written (and it and its folder synced) only once the folder it names is durable,
-    // and pruning waits for `latest`: a power loss at any point leaves a `latest` naming a whole
-    // checkpoint that is still there.
-    ember_data::write_atomic(&root.join(LATEST), name.as_bytes())?;
-    journal(|| format!("latest {name}"));
-    prune(&root, keep, &name)?;
+    sync_dir(run_dir)?;
+    if replacing {
+        std::fs::remove_dir_all(&old).map_err(TrainError::io(&old))?;
+        journal(|| format!("remove {}", file_name(&old)));
+    }
     Ok(dest)
 }
 
@@ -175,5 +221,42 @@ mod tests {
         assert!(files.iter().all(|&f| f < sync_tmp), "{events:?}");
         assert!(sync_tmp < rename && rename < sync_root && sync_root < latest && latest < prune, "{events:?}");
         assert_eq!(names(&dir.path().join(CHECKPOINTS)), [LATEST, "step-000002"]);
+    }
+
+    #[test]
+    fn the_best_checkpoint_is_replaced_whole_and_a_killed_replacement_is_undone() {
+        use crate::checkpoint::{read_best, tidy_run_dir, Checkpoint};
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let text = dir.path().join("text.txt");
+        std::fs::write(&text, "abc".repeat(100)).unwrap();
+        let tok = Tokenizer::train_char("abc");
+        let toml = format!(
+            "[model]\nd_model = 8\nn_layers = 1\nn_heads = 2\nd_ff = 16\nmax_seq_len = 8\n\n\
+             [data]\npath = {:?}\ntokenizer = \"char\"\n\n\
+             [train]\nbatch_size = 1\nmax_steps = 6\neval_interval = 1\neval_iters = 1\n\n[optim]\n\n[schedule]\nlr = 1e-3\n",
+            text.display().to_string()
+        );
+        let config = crate::config::TrainConfig::from_toml(&toml, Path::new("t.toml")).unwrap();
+        save_best(&run, data(3, &tok), &config, 1.5).unwrap();
+        save_best(&run, data(5, &tok), &config, 1.25).unwrap();
+        // One copy, no temporaries: the step-3 folder was replaced whole.
+        assert_eq!(names(&run), [BEST_DIR]);
+        assert_eq!(read_best(&run), Some(BestRecord { step: 5, val_loss: 1.25 }));
+        // Weights, model and the run's config (for `eval --data val` and LoRA bases); no optimizer.
+        let best = Checkpoint::open(&run.join(BEST_DIR)).unwrap();
+        assert!(best.state.is_none() && best.config.is_some(), "{best:?}");
+        assert!(run.join(BEST_DIR).join(MODEL_FILE).is_file() && !run.join(BEST_DIR).join(OPTIMIZER_FILE).exists());
+        if !cfg!(target_os = "linux") {
+            return; // whether a writer still runs is told from /proc
+        }
+        // Killed between moving the old folder aside and renaming the new one into place: the next
+        // start puts the old one back instead of deleting it as a leftover.
+        let dead = 4_194_305u32; // above Linux's largest pid_max
+        std::fs::rename(run.join(BEST_DIR), run.join(format!(".{BEST_DIR}.old-{dead}"))).unwrap();
+        mkdirs(&run, &[&format!(".{BEST_DIR}.tmp-{dead}")]);
+        tidy_run_dir(&run).unwrap();
+        assert_eq!(names(&run), [BEST_DIR]);
+        assert_eq!(read_best(&run).map(|b| b.step), Some(5));
     }
 }

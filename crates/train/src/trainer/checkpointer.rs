@@ -191,6 +191,28 @@ impl Checkpointer<'_> {
         Ok(())
     }
 
+    /// Replaces the run's best checkpoint (`<run_dir>/best`) with the weights of step `step`, whose
+    /// val loss `val_loss` is the best so far (every rank calls this; rank 0 writes while the
+    /// others wait for it, under the longer deadline).
+    pub(super) fn save_best<B: TrainBackend>(
+        &self,
+        model: &Decoder<B>,
+        step: usize,
+        val_loss: f64,
+        bar: &ProgressBar,
+    ) -> Result<(), TrainError> {
+        let c = self.collective;
+        c.set_timeout(self.config.io_timeout);
+        if c.rank() == 0 {
+            let data = self.data(model, step, None);
+            let dir = checkpoint::save_best(self.run_dir, data, &self.setup.config, val_loss)?;
+            bar.suspend(|| tracing::debug!(dir = %dir.display(), step, val_loss, "best checkpoint written"));
+        }
+        c.arrive(step as u64, &format!("step {step}: best checkpoint"))?;
+        c.set_timeout(self.config.timeout);
+        Ok(())
+    }
+
     /// Saves the run at `state.step` (a LoRA run its adapters only: the frozen base is not even read
     /// back), keeping the newest `train.keep_checkpoints`.
     fn write<B: TrainBackend>(
@@ -199,18 +221,28 @@ impl Checkpointer<'_> {
         optimizer: Vec<(String, TensorData)>,
         state: &TrainState,
     ) -> Result<PathBuf, TrainError> {
-        let (setup, config) = (self.setup, &self.setup.config);
-        let lora = config.lora.is_some();
-        let data = CheckpointData {
-            step: state.step,
+        let training = TrainingData { optimizer, state, config: &self.setup.config };
+        checkpoint::save(self.run_dir, self.data(model, state.step, Some(training)), self.config.keep)
+    }
+
+    /// What a checkpoint of `model` at step `step` holds (a LoRA run's: its adapters only).
+    fn data<'s, B: TrainBackend>(
+        &'s self,
+        model: &'s Decoder<B>,
+        step: usize,
+        training: Option<TrainingData<'s>>,
+    ) -> CheckpointData<'s> {
+        let setup = self.setup;
+        let lora = setup.config.lora.is_some();
+        CheckpointData {
+            step,
             model_config: model.config(),
             weights: named_tensors_where(model, |k| !lora || ember_model::lora::is_adapter(k)),
             adapters_only: lora,
             tokenizer: &setup.tokenizer,
             tokenizer_dir: setup.tokenizer_dir.as_deref(),
             hf_config: setup.init.as_ref().and_then(|i| i.hf_config.as_ref()),
-            training: Some(TrainingData { optimizer, state, config }),
-        };
-        checkpoint::save(self.run_dir, data, self.config.keep)
+            training,
+        }
     }
 }

@@ -11,7 +11,7 @@ use crate::config::{DataFormat, EvalStrategy, MetricsConfig, TrainConfig};
 use crate::distributed::Collective;
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
-use crate::metrics::{MetricsSink, SampleRecord, StepRecord};
+use crate::metrics::{InitialEvalRecord, MetricsSink, SampleRecord, StepRecord};
 
 /// What the evaluator reads of the run's config.
 pub(super) struct EvaluatorConfig {
@@ -94,12 +94,43 @@ impl Evaluator<'_> {
         self.reduce(sum, "evaluation (val)")
     }
 
-    /// The loss before training, beside ln V (what a model that knows nothing scores).
-    pub(super) fn initial<IB: ember_kernels::EmberBackend>(&self, model: &Decoder<IB>) -> Result<(), TrainError> {
+    /// The loss before training, beside ln V (what a model that knows nothing scores), logged and
+    /// recorded as step 0 (rank 0), where the val curve starts.
+    pub(super) fn initial<IB: ember_kernels::EmberBackend>(
+        &self,
+        model: &Decoder<IB>,
+        rec: &mut Recorder,
+    ) -> Result<f64, TrainError> {
         let val = self.val(model)?;
+        if self.collective.rank() != 0 {
+            return Ok(val);
+        }
         let ln_v = (self.config.vocab_size as f64).ln();
         tracing::info!("step 0: val loss {val:.4} (ln V = {ln_v:.4})");
-        Ok(())
+        let epoch = self.epoch(0);
+        rec.sinks.initial(&InitialEvalRecord { step: 0, elapsed_s: rec.clock.elapsed_s(), val_loss: val, epoch })?;
+        Ok(val)
+    }
+
+    /// The prompt of the evaluation samples: `metrics.sample_prompt`; for fine-tuning data left at
+    /// its default, the first held-out example's prompt (a chat through its template), so that the
+    /// samples show answers to a conversation the run does not train on. With the ids it encodes
+    /// to (special tokens read as such where the prompt is the template's).
+    fn sample_prompt(&self) -> Option<(String, Vec<u32>)> {
+        let (configured, tokenizer) = (&self.config.sample.sample_prompt, &self.setup.tokenizer);
+        let held_out =
+            self.setup.held_out_prompt.as_ref().filter(|_| *configured == MetricsConfig::default().sample_prompt);
+        let (text, ids) = match held_out {
+            Some(text) => (text, tokenizer.encode_with_special(text)),
+            None => (configured, tokenizer.encode(configured)),
+        };
+        match ids {
+            Ok(ids) if !ids.is_empty() => Some((text.clone(), ids)),
+            _ => {
+                tracing::warn!("the sample prompt {text:?} does not encode; no samples");
+                None
+            }
+        }
     }
 
     /// Whether step `step` ends with an evaluation: every `eval_interval` steps, or each time the
@@ -137,39 +168,29 @@ impl Evaluator<'_> {
         let memory =
             record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
         rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
-        if let Some(text) = sample_text(model, &self.setup.tokenizer, &c.sample, c.seed ^ step as u64) {
-            let prompt = c.sample.sample_prompt.clone();
-            rec.sinks.sample(&SampleRecord { step, elapsed_s: rec.clock.elapsed_s(), prompt, text })?;
+        let tokens = c.sample.sample_tokens;
+        if let Some((prompt, ids)) = self.sample_prompt().filter(|_| tokens > 0) {
+            if let Some(text) = sample_text(model, &self.setup.tokenizer, ids, tokens, c.seed ^ step as u64) {
+                rec.sinks.sample(&SampleRecord { step, elapsed_s: rec.clock.elapsed_s(), prompt, text })?;
+            }
         }
         Ok(vl)
     }
 }
 
-/// Text generated from the configured prompt (temperature 0.8, top-k 200) through the KV cache;
-/// `None` when sampling is off or the prompt cannot be encoded.
+/// Up to `max_new_tokens` of text generated after `prompt` (temperature 0.8, top-k 200) through the
+/// KV cache; `None` when generating or decoding fails.
 fn sample_text<B: ember_kernels::EmberBackend>(
     model: &Decoder<B>,
     tokenizer: &Tokenizer,
-    config: &MetricsConfig,
+    prompt: Vec<u32>,
+    max_new_tokens: usize,
     seed: u64,
 ) -> Option<String> {
     use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
-    if config.sample_tokens == 0 {
-        return None;
-    }
-    let prompt = match tokenizer.encode(&config.sample_prompt) {
-        Ok(p) if !p.is_empty() => p,
-        _ => {
-            tracing::warn!("metrics.sample_prompt {:?} does not encode; no samples", config.sample_prompt);
-            return None;
-        }
-    };
     let mut sampler = [Sampler::new(SamplingConfig::default(), seed).ok()?];
-    let options = GenerateOptions {
-        max_new_tokens: config.sample_tokens,
-        stop_tokens: tokenizer.eos_id().into_iter().collect(),
-        block_size: 16,
-    };
+    let options =
+        GenerateOptions { max_new_tokens, stop_tokens: tokenizer.eos_id().into_iter().collect(), block_size: 16 };
     let prompt = prompt[prompt.len().saturating_sub(model.config().max_seq_len)..].to_vec();
     // A sample is a nicety of the evaluation: whatever goes wrong (a prompt id past the model's
     // vocabulary, a decoder that fails), the run goes on without it, and nothing here panics.

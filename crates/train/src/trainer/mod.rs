@@ -70,6 +70,10 @@ pub struct TrainOptions {
     pub device_comm: Option<ember_kernels::DeviceComm>,
     /// How the binary asks the run to compute (kernels or references, the CPU's kernels).
     pub compute: ComputeRequest,
+    /// Asked after every step whether to stop (a SIGINT or SIGTERM arrived): the run checkpoints
+    /// the step just taken and returns, [`RunEnd::Stopped`]. In a data-parallel run the ranks agree
+    /// after every step (one rank asked stops them all, at the same step).
+    pub stop_requested: Option<fn() -> bool>,
 }
 
 impl std::fmt::Debug for dyn MemoryProbe {
@@ -78,30 +82,75 @@ impl std::fmt::Debug for dyn MemoryProbe {
     }
 }
 
+/// How an invocation of [`train`] ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunEnd {
+    /// It trained to its last step (`train.max_steps`, or `--max-steps`).
+    Completed,
+    /// A stop was requested ([`TrainOptions::stop_requested`]): the checkpoint of the step it
+    /// stopped at is `checkpoint`.
+    Stopped { checkpoint: PathBuf },
+    /// A resumed run already at or past where this invocation would stop: nothing was trained.
+    NothingToTrain { stop_at: Option<usize> },
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainSummary {
     pub run_dir: PathBuf,
+    /// Steps of the run so far (of all invocations).
     pub steps: usize,
+    /// `train.max_steps`.
+    pub max_steps: usize,
     pub best_val_loss: Option<f64>,
+    /// The step of `best_val_loss`, whose weights are in `<run_dir>/best` (runs started by this
+    /// version of ember; `None` otherwise).
+    pub best_step: Option<usize>,
     pub last_val_loss: Option<f64>,
     /// Training tokens per second over this invocation (evaluation and checkpoints excluded).
     pub tokens_per_sec: f64,
     pub mfu: f64,
     pub elapsed_s: f64,
+    pub end: RunEnd,
+}
+
+impl TrainSummary {
+    /// `<run_dir>/best`, where the run keeps its best checkpoint.
+    pub fn best_dir(&self) -> Option<PathBuf> {
+        self.best_step.map(|_| self.run_dir.join(crate::checkpoint::BEST_DIR))
+    }
 }
 
 impl std::fmt::Display for TrainSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let best = self.best_val_loss.map_or("n/a".into(), |v| format!("{v:.4}"));
-        write!(
-            f,
-            "trained {} steps in {:.0} s ({:.0} tokens/s, MFU {:.2}%); best val loss {best}; run directory {}",
-            self.steps,
-            self.elapsed_s,
-            self.tokens_per_sec,
-            100.0 * self.mfu,
-            self.run_dir.display()
-        )
+        let (run, steps, max) = (self.run_dir.display(), self.steps, self.max_steps);
+        let best = match (self.best_val_loss, self.best_step, self.best_dir()) {
+            (Some(v), Some(step), Some(dir)) => {
+                format!("best val loss {v:.4} at step {step}, kept in {}", dir.display())
+            }
+            (Some(v), ..) => format!("best val loss {v:.4}"),
+            (None, ..) => "best val loss n/a".into(),
+        };
+        let speed =
+            format!("{:.0} s ({:.0} tokens/s, MFU {:.2}%)", self.elapsed_s, self.tokens_per_sec, 100.0 * self.mfu);
+        match &self.end {
+            RunEnd::Completed => write!(f, "trained {steps} steps in {speed}; {best}; run directory {run}"),
+            RunEnd::Stopped { checkpoint } => write!(
+                f,
+                "stopped at step {steps} of {max}: checkpoint {} written; {best}; trained for {speed}; run directory {run}",
+                checkpoint.display()
+            ),
+            RunEnd::NothingToTrain { stop_at: Some(at) } if steps < max => write!(
+                f,
+                "the run in {run} is at step {steps} already, at or past --max-steps {at}: nothing to train; resume \
+                 without --max-steps (or with a larger one) to continue to step {max}; {best}"
+            ),
+            RunEnd::NothingToTrain { .. } => write!(
+                f,
+                "the run in {run} is already complete at step {steps} (train.max_steps = {max}): nothing to train. \
+                 To train further, raise train.max_steps in {run}/config.toml (the LR schedule's decay follows it \
+                 unless schedule.decay_steps is set) and resume with --config {run}/config.toml --resume; {best}"
+            ),
+        }
     }
 }
 
@@ -140,11 +189,15 @@ pub fn train<B: TrainBackend>(
     log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
     let evaluator = EvaluatorConfig::of(config).build(&setup, c);
-    if state.step == 0 {
-        evaluator.initial(&model.valid())?;
-    }
     let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
+    if state.step >= stop {
+        return Ok(rec.finish(&opts.run_dir, &state, None, RunEnd::NothingToTrain { stop_at: opts.stop_at }));
+    }
+    if state.step == 0 {
+        evaluator.initial(&model.valid(), &mut rec)?;
+    }
     let mut last_val = None;
+    let mut end = RunEnd::Completed;
     while state.step < stop {
         let (started, lr) = (Instant::now(), schedule.lr(state.step));
         let epoch_before = evaluator.epoch(state.next_stream);
@@ -157,18 +210,43 @@ pub fn train<B: TrainBackend>(
             let mut record = rec.step_record(&state, &out, lr, epoch);
             if is_eval {
                 let vl = evaluator.record(&model.valid(), &mut record, &mut rec)?;
-                state.best_val_loss = Some(state.best_val_loss.map_or(vl, |b: f64| b.min(vl)));
+                // Every rank has the same (reduced) loss, so they all agree on a new best.
+                if vl.is_finite() && state.best_val_loss.is_none_or(|b| vl < b) {
+                    (state.best_val_loss, state.best_step) = (Some(vl), Some(step));
+                    checkpointer.save_best(&model, step, vl, &rec.bar)?;
+                }
                 last_val = Some(vl);
             }
             rec.write(&record)?;
         }
-        if checkpointer.due(step, stop) {
+        let saved = checkpointer.due(step, stop);
+        if saved {
             state.elapsed_s = rec.clock.elapsed_s();
             checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
         }
         rec.bar.set_position(step as u64);
+        if stop_requested(opts, step)? {
+            if !saved {
+                state.elapsed_s = rec.clock.elapsed_s();
+                checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
+            }
+            end = RunEnd::Stopped { checkpoint: crate::checkpoint::step_dir(&opts.run_dir, step) };
+            break;
+        }
     }
-    Ok(rec.finish(&opts.run_dir, &state, last_val))
+    Ok(rec.finish(&opts.run_dir, &state, last_val, end))
+}
+
+/// Whether to stop after step `step`: asked of [`TrainOptions::stop_requested`], and agreed by
+/// every rank (any one asked stops them all).
+fn stop_requested(opts: &TrainOptions, step: usize) -> Result<bool, TrainError> {
+    let Some(asked) = opts.stop_requested else { return Ok(false) };
+    let mut flag = [f64::from(u8::from(asked()))];
+    let c = opts.collective.as_ref();
+    if c.world() > 1 {
+        c.all_reduce_f64(&mut flag, &format!("step {step}: stop request"))?;
+    }
+    Ok(flag[0] > 0.0)
 }
 
 /// One step of the loop: taken at `state`, its loss checked, the loop state moved past it.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::throughput::{Clock, Throughput};
-use super::{TrainOptions, TrainSummary};
+use super::{RunEnd, TrainOptions, TrainSummary};
 use crate::checkpoint::TrainState;
 use crate::config::{SinkKind, TrainConfig};
 use crate::error::TrainError;
@@ -149,17 +149,26 @@ impl Recorder {
 
     /// Clears the bar; the summary of this invocation (its training throughput: evaluation and
     /// checkpoints excluded).
-    pub(super) fn finish(self, run_dir: &Path, state: &TrainState, last_val_loss: Option<f64>) -> TrainSummary {
+    pub(super) fn finish(
+        self,
+        run_dir: &Path,
+        state: &TrainState,
+        last_val_loss: Option<f64>,
+        end: RunEnd,
+    ) -> TrainSummary {
         self.bar.finish_and_clear();
         let tokens_per_sec = self.speed.total_rate();
         TrainSummary {
             run_dir: run_dir.to_path_buf(),
             steps: state.step,
+            max_steps: self.config.max_steps,
             best_val_loss: state.best_val_loss,
+            best_step: state.best_step,
             last_val_loss,
             tokens_per_sec,
             mfu: mfu(self.config.flops_per_token, tokens_per_sec, &self.peak) / self.world as f64,
             elapsed_s: self.clock.elapsed_s(),
+            end,
         }
     }
 }

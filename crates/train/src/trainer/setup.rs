@@ -23,6 +23,8 @@ pub(crate) struct Setup {
     pub(crate) tokenizer_dir: Option<PathBuf>,
     pub(crate) train: Examples,
     pub(crate) val: Examples,
+    /// Fine-tuning data: the first held-out example's prompt (see [`crate::data::LoadedData`]).
+    pub(crate) held_out_prompt: Option<String>,
 }
 
 /// Finds the data, fills in the vocabulary size and checks that both splits hold a window.
@@ -46,6 +48,7 @@ pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations) -> Result<Setu
         tokenizer_dir: data.tokenizer_dir,
         train: data.train,
         val: data.val,
+        held_out_prompt: data.held_out_prompt,
     })
 }
 

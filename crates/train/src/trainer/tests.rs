@@ -259,6 +259,7 @@ fn a_fresh_run_whose_optimizer_cannot_be_built_reports_the_optimizer() {
         collective: Arc::new(VastWorld),
         device_comm: None,
         compute: Default::default(),
+        stop_requested: None,
     };
     let run = ResolvedConfig { config, init: None };
     let e = train::<AB>(run, &opts, &Default::default()).unwrap_err();
