@@ -90,12 +90,57 @@ impl Browser {
     pub fn cmd(&self, method: &str, path: &str, body: Value) -> Value {
         let url = format!("{}/session/{}/{path}", self.base, self.session);
         let resp = if method == "GET" { ureq::get(&url).call() } else { ureq::post(&url).send_json(body) };
-        resp.unwrap().into_json::<Value>().unwrap()["value"].clone()
+        match resp {
+            Ok(r) => r.into_json::<Value>().unwrap()["value"].clone(),
+            Err(ureq::Error::Status(code, r)) => {
+                panic!("WebDriver {method} {path}: {code}: {}", r.into_string().unwrap_or_default())
+            }
+            Err(e) => panic!("WebDriver {method} {path}: {e}"),
+        }
     }
 
     pub fn js(&self, script: &str) -> Value {
         self.cmd("POST", "execute/sync", json!({"script": script, "args": []}))
     }
+
+    /// The WebDriver id of the first element matching `css`.
+    pub fn element(&self, css: &str) -> String {
+        let found = self.cmd("POST", "element", json!({"using": "css selector", "value": css}));
+        // The id is the one value of a key named by the WebDriver spec.
+        let id = found.as_object().and_then(|o| o.values().next()).and_then(Value::as_str);
+        id.unwrap_or_else(|| panic!("no element {css}: {found}")).to_string()
+    }
+
+    /// A click on the first element matching `css`, as a user's (the browser checks that it is
+    /// visible and not covered).
+    pub fn click(&self, css: &str) {
+        let id = self.element(css);
+        let r = self.cmd("POST", &format!("element/{id}/click"), json!({}));
+        assert!(r.is_null(), "clicking {css}: {r}");
+    }
+
+    /// A PNG of the window, or of the first element matching `css`.
+    pub fn screenshot(&self, css: Option<&str>) -> Vec<u8> {
+        use base64::Engine;
+        let path = match css {
+            Some(css) => format!("element/{}/screenshot", self.element(css)),
+            None => "screenshot".to_string(),
+        };
+        let shot = self.cmd("GET", &path, Value::Null);
+        let png = base64::engine::general_purpose::STANDARD.decode(shot.as_str().unwrap()).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        png
+    }
+}
+
+/// Writes a screenshot to `$EMBER_ARTIFACTS_DIR` (else cargo's temporary folder for tests).
+pub fn keep_screenshot(name: &str, png: &[u8]) {
+    let dir = std::env::var_os("EMBER_ARTIFACTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(name), png).unwrap();
+    eprintln!("screenshot: {}", dir.join(name).display());
 }
 
 impl Drop for Browser {

@@ -20,8 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
-use browser::{free_port, wait_for, Browser, Killed};
+use browser::{free_port, keep_screenshot, wait_for, Browser, Killed};
 use common::*;
 use ember_train::metrics::read_metrics;
 use serde_json::{json, Value};
@@ -206,69 +205,301 @@ fn tensorboard_events_hold_the_logged_values() {
 
 // --- The dashboard in a browser. ---
 
-fn points(b: &Browser) -> Value {
-    b.js("const s = document.getElementById('chart-status'); return s ? {series: s.dataset.series, points: JSON.parse(s.dataset.points || '{}'), metric: s.dataset.metric} : null;")
+/// The rows of a metrics.jsonl as JSON objects, read here (not through the trainer's types).
+fn metric_rows(path: &Path) -> Vec<serde_json::Map<String, Value>> {
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()?.as_object().cloned()).collect()
 }
 
-#[test]
-fn the_page_lists_runs_draws_them_and_follows_a_live_run() {
-    let _serial = serial();
-    let s = Scratch::new();
-    train_two_runs(&s);
-    let port = free_port();
+/// How many rows hold `key`.
+fn count(rows: &[serde_json::Map<String, Value>], key: &str) -> usize {
+    rows.iter().filter(|r| r.get(key).is_some_and(Value::is_number)).count()
+}
+
+/// The lowest `val_loss` and its step.
+fn best_val(rows: &[serde_json::Map<String, Value>]) -> (f64, u64) {
+    rows.iter()
+        .filter_map(|r| Some((r.get("val_loss")?.as_f64()?, r.get("step")?.as_u64()?)))
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .expect("a val_loss")
+}
+
+/// What the `loss` chart should hold: each run's train_loss, eval_train_loss and val_loss, as
+/// `{"RUN KIND": points}`.
+fn loss_points(runs: &[(&str, &Vec<serde_json::Map<String, Value>>)]) -> Value {
+    let mut want = serde_json::Map::new();
+    for (run, rows) in runs {
+        for (kind, key) in [("train", "train_loss"), ("eval_train", "eval_train_loss"), ("val", "val_loss")] {
+            if count(rows, key) > 0 {
+                want.insert(format!("{run} {kind}"), count(rows, key).into());
+            }
+        }
+    }
+    Value::Object(want)
+}
+
+/// The chart `name`'s drawn series: `{series, points: {label: count}, keys}`, or null.
+fn card(b: &Browser, name: &str) -> Value {
+    b.js(&format!(
+        "const c = document.querySelector('#grid .card[data-chart=\"{name}\"]'); \
+         return c ? {{series: Number(c.dataset.series), points: JSON.parse(c.dataset.points || '{{}}'), \
+         keys: c.dataset.keys.split(','), width: c.getBoundingClientRect().width}} : null;"
+    ))
+}
+
+/// `ember dashboard --logdir runs --port PORT` in `s`.
+fn serve_dashboard(s: &Scratch, port: u16) -> Killed {
     let server = Command::new(env!("CARGO_BIN_EXE_ember"))
         .args(["dashboard", "--logdir", "runs", "--port", &port.to_string()])
         .current_dir(s.path())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let _server = Killed(server);
     let url = format!("http://127.0.0.1:{port}/");
     wait_for("the dashboard", Duration::from_secs(20), || ureq::get(&url).call().ok().map(|_| Value::Null));
+    Killed(server)
+}
 
+#[test]
+fn the_grid_overlays_train_and_val_of_two_runs_and_the_table_compares_their_configs() {
+    let _serial = serial();
+    let s = Scratch::new();
+    train_two_runs(&s);
+    // A sample with a line far wider than its box (a chat template's turn without a break).
+    let long = format!("<|im_start|>user\n{}<|im_end|>\n", "w".repeat(3000));
+    let mut f = std::fs::OpenOptions::new().append(true).open(s.path().join("runs/a/samples.jsonl")).unwrap();
+    writeln!(f, "{}", json!({"step": 7, "elapsed_s": 1.0, "prompt": long, "text": "x".repeat(2000)})).unwrap();
+    let port = free_port();
+    let _server = serve_dashboard(&s, port);
     let browser = Browser::start(&s.path().join("chrome-profile"));
-    browser.cmd("POST", "url", json!({"url": url}));
-    let rows = read_metrics(&s.path().join("runs/a/metrics.jsonl")).unwrap().len();
-    let state = wait_for("both runs drawn", Duration::from_secs(30), || {
-        let p = points(&browser);
-        (p["series"] == "2" && p["points"]["a"] == rows && p["points"]["b"] == rows).then_some(p)
-    });
-    assert_eq!(state["metric"], "train_loss");
-    let names = browser.js("return [...document.querySelectorAll('#runs li')].map(li => li.dataset.run);");
-    assert_eq!(names, json!(["a", "b"]));
-    let drawn = browser.js("return window.ember.chart.series.length;");
-    assert_eq!(drawn, json!(3), "x and one series per run, overlaid on one chart");
+    browser.cmd("POST", "url", json!({"url": format!("http://127.0.0.1:{port}/")}));
 
-    let shot = browser.cmd("GET", "screenshot", Value::Null);
-    let png = base64::engine::general_purpose::STANDARD.decode(shot.as_str().unwrap()).unwrap();
-    assert_eq!(&png[1..4], b"PNG");
-    let dir = std::env::var_os("EMBER_ARTIFACTS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("dashboard.png"), &png).unwrap();
-    eprintln!("screenshot: {}", dir.join("dashboard.png").display());
+    // One chart per scalar, train and val of both runs on `loss`, in the runs' colours.
+    let (a, b) =
+        (metric_rows(&s.path().join("runs/a/metrics.jsonl")), metric_rows(&s.path().join("runs/b/metrics.jsonl")));
+    let want = loss_points(&[("a", &a), ("b", &b)]);
+    assert!(count(&a, "val_loss") >= 2 && want.get("b train").is_some(), "{want}");
+    let loss = wait_for("train and val of both runs on one chart", Duration::from_secs(30), || {
+        let c = card(&browser, "loss");
+        (c["points"] == want).then_some(c)
+    });
+    assert_eq!(loss["series"], want.as_object().unwrap().len());
+    let mut keys = vec!["train_loss"];
+    if want.get("a eval_train").is_some() {
+        keys.push("eval_train_loss");
+    }
+    keys.push("val_loss");
+    assert_eq!(loss["keys"], json!(keys));
+    let charts = browser.js("return document.getElementById('grid').dataset.charts.split(',');");
+    assert_eq!(charts[0], "loss", "{charts}");
+    let mut shown: Vec<String> = browser
+        .js("return [...document.querySelectorAll('#grid .card')].flatMap(c => c.dataset.keys.split(','));")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect();
+    shown.sort();
+    let mut scalars: Vec<String> = a.iter().chain(&b).flat_map(|r| r.keys().cloned()).collect();
+    scalars.retain(|k| k != "step" && k != "elapsed_s");
+    scalars.sort();
+    scalars.dedup();
+    assert!(scalars.len() >= 8, "{scalars:?}");
+    assert_eq!(shown, scalars, "every scalar on a chart, once");
+    let lines = browser.js(
+        "const u = window.ember.charts.get('loss').plot; \
+         return u.series.slice(1).map((s, i) => ({label: s.label, stroke: s.stroke(u, i + 1), dash: s.dash || null}));",
+    );
+    let colour = |run: &str| browser.js(&format!("return window.ember.runs.get('{run}').color;"));
+    let (ca, cb) = (colour("a"), colour("b"));
+    assert_ne!(ca, cb);
+    for line in lines.as_array().unwrap() {
+        let label = line["label"].as_str().unwrap();
+        assert_eq!(&line["stroke"], if label.starts_with("a ") { &ca } else { &cb }, "{line}");
+        assert_eq!(line["dash"].is_array(), !label.ends_with(" train"), "train solid, the evaluations dashed: {line}");
+    }
+    let legend = browser.js("return document.getElementById('legend').textContent;");
+    for word in ["a", "b", "train", "val"] {
+        assert!(legend.as_str().unwrap().contains(word), "{legend}");
+    }
+    keep_screenshot("dashboard.png", &browser.screenshot(None));
+
+    // A click on a chart's title enlarges it (above the others, the width of the grid); another
+    // puts it back.
+    let small = card(&browser, "lr")["width"].as_f64().unwrap();
+    browser.click("#grid .card[data-chart='loss'] .card-head");
+    let big = wait_for("the loss chart enlarged", Duration::from_secs(5), || {
+        let c = card(&browser, "loss");
+        (c["width"].as_f64().unwrap() > 2.0 * small).then_some(c)
+    });
+    assert_eq!(browser.js("return document.getElementById('grid').dataset.enlarged;"), "loss");
+    assert_eq!(big["points"], want, "the same points, larger");
+    let legend_rows =
+        browser.js("return window.ember.charts.get('loss').plot.root.querySelectorAll('.u-legend .u-series').length;");
+    assert_eq!(legend_rows, want.as_object().unwrap().len() + 1, "the enlarged chart has a legend of its series");
+    keep_screenshot("dashboard-enlarged.png", &browser.screenshot(None));
+    browser.click("#grid .card[data-chart='loss'] .card-head");
+    wait_for("the loss chart back in the grid", Duration::from_secs(5), || {
+        ((card(&browser, "loss")["width"].as_f64().unwrap() - small).abs() < 2.0).then_some(Value::Null)
+    });
+
+    // The table: what differs between the two configs (the seed), and each run's best val loss.
+    let table = wait_for("the hparams table", Duration::from_secs(10), || {
+        let t = browser.js(
+            "return {heads: [...document.querySelectorAll('#hparams th')].map(t => t.textContent), \
+             rows: Object.fromEntries([...document.querySelectorAll('#hparams tbody tr')].map(tr => [tr.dataset.run, \
+             Object.fromEntries([...tr.querySelectorAll('td[data-key]')].map(td => [td.dataset.key, td.textContent]))]))};",
+        );
+        (t["rows"]["a"]["train.seed"] == "7").then_some(t)
+    });
+    assert_eq!(table["heads"], json!(["run", "state", "step", "best val_loss", "at step", "train.seed"]));
+    assert_eq!(table["rows"]["b"]["train.seed"], "8");
+    for (run, rows) in [("a", &a), ("b", &b)] {
+        let (loss, step) = best_val(rows);
+        assert_eq!(table["rows"][run]["best_val_loss"], format!("{loss:.4}"), "{run}");
+        assert_eq!(table["rows"][run]["best_val_step"], step.to_string(), "{run}");
+    }
+    let states = browser.js("return [...document.querySelectorAll('#runs li')].map(li => li.dataset.state);");
+    assert_eq!(states, json!(["finished", "finished"]), "both ran to max_steps");
+    keep_screenshot("dashboard-hparams.png", &browser.screenshot(Some("#hparams-box")));
+    browser.click("#hparams-all");
+    let all = wait_for("every config key", Duration::from_secs(5), || {
+        let v = browser.js("return [...document.querySelectorAll('#hparams th')].map(t => t.textContent);");
+        (v.as_array().unwrap().len() > 20).then_some(v)
+    });
+    assert!(all.as_array().unwrap().contains(&json!("model.d_model")), "{all}");
+
+    // Samples wrap inside their boxes.
+    let overflow = browser.js(
+        "return [...document.querySelectorAll('#samples pre')].map(p => ({over: p.scrollWidth - p.clientWidth, \
+         right: p.getBoundingClientRect().right, page: document.documentElement.clientWidth, height: p.clientHeight}));",
+    );
+    let boxes = overflow.as_array().unwrap();
+    assert!(boxes.len() >= 2, "{overflow}");
+    for b in boxes {
+        assert!(b["over"].as_f64().unwrap() <= 0.0, "a sample wider than its box: {b}");
+        assert!(b["right"].as_f64().unwrap() <= b["page"].as_f64().unwrap(), "a sample past the page: {b}");
+    }
+    assert!(boxes[0]["height"].as_f64().unwrap() > 60.0, "the long line wrapped: {}", boxes[0]);
 
     // A run that is still writing: new steps (and a half-written, then a malformed, line) show up
     // within a few seconds without a reload.
+    let train_a = count(&a, "train_loss");
     let path = s.path().join("runs/a/metrics.jsonl");
     let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
-    for step in rows + 1..=rows + 3 {
+    let last = a.last().unwrap()["step"].as_u64().unwrap();
+    for step in last + 1..=last + 3 {
         writeln!(f, "{}", json!({"step": step, "train_loss": 2.0, "lr": 0.001, "grad_norm": 1.0, "tokens_per_sec": 1.0, "mfu": 0.1, "elapsed_s": 9.0})).unwrap();
     }
     writeln!(f, "{{this is not json").unwrap();
-    write!(f, "{{\"step\": {}, \"train_lo", rows + 4).unwrap();
+    write!(f, "{{\"step\": {}, \"train_lo", last + 4).unwrap();
     f.flush().unwrap();
     let start = Instant::now();
     wait_for("live update", Duration::from_secs(10), || {
-        (points(&browser)["points"]["a"] == rows + 3).then_some(Value::Null)
+        (card(&browser, "loss")["points"]["a train"] == train_a + 3).then_some(Value::Null)
     });
     eprintln!("live update shown after {:.1} s", start.elapsed().as_secs_f64());
     writeln!(f, "ss\": 1.5}}").unwrap();
     wait_for("the completed line", Duration::from_secs(10), || {
-        (points(&browser)["points"]["a"] == rows + 4).then_some(Value::Null)
+        (card(&browser, "loss")["points"]["a train"] == train_a + 4).then_some(Value::Null)
     });
+}
+
+/// The page's view of who serves it and of run `run`: `{server, text, state}`.
+fn serving(b: &Browser, run: &str) -> Value {
+    b.js(&format!(
+        "const li = document.querySelector('#runs li[data-run=\"{run}\"]'); \
+         return {{server: document.body.dataset.server || '', text: document.getElementById('server').textContent, \
+         status: document.getElementById('logdir-status').textContent, state: li ? li.dataset.state : null, \
+         final: !!window.ember.finalFetched}};"
+    ))
+}
+
+#[test]
+fn the_page_outlives_the_trainer_that_served_it() {
+    let _serial = serial();
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    // About 4 s of training on a CPU: long enough for the page to open while it runs.
+    let config = tiny_config("")
+        .replace("max_steps = 6", "max_steps = 4000")
+        .replace("eval_interval = 3", "eval_interval = 1000")
+        .replace("log_interval = 1", "log_interval = 50")
+        .replace("checkpoint_interval = 3", "checkpoint_interval = 0");
+    assert!(config.contains("max_steps = 4000") && config.contains("checkpoint_interval = 0"), "{config}");
+    s.write("long.toml", &config);
+    let browser = Browser::start(&s.path().join("chrome-profile"));
+    let port = free_port();
+    let log = s.path().join("train.log");
+    let trainer = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(["train", "--config", "long.toml", "--run-dir", "runs/t", "--dashboard"])
+        .args(["--dashboard-port", &port.to_string()])
+        .current_dir(s.path())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut trainer = Killed(trainer);
+    let url = format!("http://127.0.0.1:{port}/");
+    wait_for("the trainer's dashboard", Duration::from_secs(20), || ureq::get(&url).call().ok().map(|_| Value::Null));
+    browser.cmd("POST", "url", json!({"url": url}));
+    let live = wait_for("the run live, served by its trainer", Duration::from_secs(10), || {
+        let v = serving(&browser, "t");
+        (v["server"] == "trainer" && v["state"] == "live").then_some(v)
+    });
+    assert!(live["text"].as_str().unwrap().contains("served by the trainer of run t"), "{live}");
+    assert!(trainer.0.try_wait().unwrap().is_none(), "the page opened while training ran");
+
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = trainer.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "training did not end");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("`ember dashboard --logdir runs` keeps browsing"), "{log}");
+
+    // The trainer answered until the page had the final evaluation; then the page kept it all and
+    // says who served it.
+    let rows = metric_rows(&s.path().join("runs/t/metrics.jsonl"));
+    let want = loss_points(&[("t", &rows)]);
+    assert_eq!(count(&rows, "val_loss"), 5, "steps 0, 1000, …, 4000: {rows:?}");
+    let ended = wait_for("the page after its server exited", Duration::from_secs(10), || {
+        let v = serving(&browser, "t");
+        (v["server"] == "trainer-exited" && card(&browser, "loss")["points"] == want).then_some(v)
+    });
+    assert_eq!(ended["state"], "finished", "{ended}");
+    assert_eq!(ended["final"], true, "the page fetched once more after training ended: {ended}");
+    let text = ended["text"].as_str().unwrap();
+    assert!(
+        text.contains("served by the trainer of run t — it has exited")
+            && text.contains("ember dashboard --logdir runs"),
+        "{text}"
+    );
+    // A few polls later the server is gone for good: still no error, still the same charts.
+    std::thread::sleep(Duration::from_millis(4500));
+    let later = serving(&browser, "t");
+    assert_eq!(later["server"], "trainer-exited", "{later}");
+    assert!(!later["status"].as_str().unwrap().contains("error"), "{later}");
+    assert_eq!(card(&browser, "loss")["points"], want);
+    let table = browser
+        .js("return document.querySelector('#hparams tr[data-run=\"t\"] td[data-key=\"best_val_loss\"]').textContent;");
+    assert_eq!(table, format!("{:.4}", best_val(&rows).0));
+    keep_screenshot("dashboard-trainer-exited.png", &browser.screenshot(None));
+
+    // `ember dashboard` on the same port: the page carries on with it.
+    let _server = serve_dashboard(&s, port);
+    let back = wait_for("the page served by ember dashboard", Duration::from_secs(10), || {
+        let v = serving(&browser, "t");
+        (v["server"] == "dashboard").then_some(v)
+    });
+    assert_eq!(back["state"], "finished");
+    assert!(back["text"].as_str().unwrap().contains("served by ember dashboard"), "{back}");
+    assert_eq!(card(&browser, "loss")["points"], want);
 }
 
 #[test]

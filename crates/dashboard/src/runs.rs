@@ -151,6 +151,71 @@ struct RunData {
     metrics_tail: Tail,
     samples: Vec<Value>,
     samples_tail: Tail,
+    config: Hparams,
+}
+
+/// A run's config.toml flattened to `section.key` pairs, re-read when the file changes.
+#[derive(Debug, Default)]
+struct Hparams {
+    /// Modification time and length of the file last read.
+    stamp: Option<(Option<SystemTime>, u64)>,
+    /// Bumped each time the file is read again, so that the page knows to fetch it.
+    version: u64,
+    pairs: Vec<(String, Value)>,
+    /// `[train] max_steps`: the step at which the run is finished.
+    max_steps: Option<f64>,
+}
+
+impl Hparams {
+    /// Reads `file` again if it changed since the last call (absent: no pairs).
+    fn refresh(&mut self, file: Option<File>, path: &Path) {
+        let stamp = file.as_ref().and_then(|f| f.metadata().ok()).map(|m| (m.modified().ok(), m.len()));
+        if stamp == self.stamp {
+            return;
+        }
+        self.stamp = stamp;
+        self.version += 1;
+        let mut text = Vec::new();
+        if let Some(file) = file {
+            if let Err(e) = file.take(MAX_CONFIG).read_to_end(&mut text) {
+                tracing::warn!("{}: {e}", path.display());
+            }
+        }
+        let table = match std::str::from_utf8(&text).map(toml::from_str::<toml::Table>) {
+            Ok(Ok(table)) => table,
+            // A config the trainer is writing (it writes atomically, so rarely) or one that is not
+            // TOML: no pairs, and the next change reads it again.
+            _ => toml::Table::new(),
+        };
+        self.pairs.clear();
+        flatten("", &table, &mut self.pairs);
+        self.max_steps = self.pairs.iter().find(|(k, _)| k == "train.max_steps").and_then(|(_, v)| v.as_f64());
+    }
+}
+
+/// `table`'s values under dotted keys (`train.lr`); arrays are kept whole.
+fn flatten(prefix: &str, table: &toml::Table, out: &mut Vec<(String, Value)>) {
+    for (k, v) in table {
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        match v {
+            toml::Value::Table(t) => flatten(&key, t, out),
+            v => out.push((key, toml_to_json(v))),
+        }
+    }
+}
+
+fn toml_to_json(v: &toml::Value) -> Value {
+    match v {
+        toml::Value::String(s) => Value::String(s.clone()),
+        toml::Value::Integer(i) => Value::from(*i),
+        toml::Value::Float(f) => {
+            serde_json::Number::from_f64(*f).map_or_else(|| Value::String(f.to_string()), Value::Number)
+        }
+        toml::Value::Boolean(b) => Value::Bool(*b),
+        toml::Value::Datetime(d) => Value::String(d.to_string()),
+        toml::Value::Array(a) => Value::Array(a.iter().map(toml_to_json).collect()),
+        toml::Value::Table(t) => Value::Object(t.iter().map(|(k, v)| (k.clone(), toml_to_json(v))).collect()),
+    }
 }
 
 /// What the run list shows.
@@ -164,6 +229,12 @@ pub struct RunSummary {
     pub metrics: Vec<String>,
     pub samples: usize,
     pub skipped_lines: usize,
+    /// `[train] max_steps` of the run's config.toml.
+    pub max_steps: Option<f64>,
+    /// The last step logged is `max_steps`: training ran to its end.
+    pub finished: bool,
+    /// Changes whenever config.toml does (the page fetches [`RunStore::hparams`] again).
+    pub config_version: u64,
 }
 
 /// The runs under a log directory, cached and refreshed on request.
@@ -338,6 +409,9 @@ impl RunStore {
                 },
             )
             .map_err(|err| RunError::Io { path: path.clone(), err })?;
+        let path = dir.join(CONFIG);
+        let file = self.open(&path)?;
+        run.config.refresh(file, &path);
         Ok(())
     }
 
@@ -368,14 +442,19 @@ impl RunStore {
                     .modified
                     .and_then(|t| SystemTime::now().duration_since(t).ok())
                     .map_or(0.0, |d| d.as_secs_f64());
+                let last_step = run.metrics.columns.get("step").and_then(Column::last);
+                let max_steps = run.config.max_steps;
                 Some(RunSummary {
                     name: name.clone(),
                     rows: run.metrics.rows,
-                    last_step: run.metrics.columns.get("step").and_then(Column::last),
+                    last_step,
                     updated_s,
                     metrics: run.metrics.columns.keys().cloned().collect(),
                     samples: run.samples.len(),
                     skipped_lines: run.metrics_tail.skipped,
+                    max_steps,
+                    finished: matches!((last_step, max_steps), (Some(last), Some(max)) if last >= max),
+                    config_version: run.config.version,
                 })
             })
             .collect()
@@ -402,6 +481,15 @@ impl RunStore {
         let run = self.run(name)?;
         let samples = lock(&run).samples.clone();
         Ok(samples)
+    }
+
+    /// The run's config.toml as `section.key` pairs (none when it has no config, or one that is
+    /// not TOML).
+    pub fn hparams(&self, name: &str) -> Result<Vec<(String, Value)>, RunError> {
+        self.refresh(name)?;
+        let run = self.run(name)?;
+        let pairs = lock(&run).config.pairs.clone();
+        Ok(pairs)
     }
 
     fn run(&self, name: &str) -> Result<Arc<Mutex<RunData>>, RunError> {
@@ -474,6 +562,43 @@ mod tests {
         std::fs::write(dir.path().join("b/metrics.jsonl"), &text).unwrap();
         assert_eq!(store.metrics("b", 0).unwrap().columns["step"], vec![Some(1.0), Some(2.0), Some(4.0)]);
         assert_eq!(store.summaries()[1].skipped_lines, 1);
+    }
+
+    #[test]
+    fn configs_are_flattened_and_a_run_at_max_steps_is_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("a")).unwrap();
+        std::fs::write(dir.path().join("a/metrics.jsonl"), format!("{}{}", line(1), line(2))).unwrap();
+        let store = RunStore::new(dir.path()).unwrap();
+        let summary = &store.summaries()[0];
+        assert_eq!((summary.max_steps, summary.finished), (None, false), "no config: not known to be finished");
+        assert!(store.hparams("a").unwrap().is_empty());
+        let config = "init_from = \"run:x\"\n[train]\nmax_steps = 2\nseed = 7\n[schedule]\nlr = 3e-3\n\
+                      [metrics]\nsinks = [\"jsonl\"]\n";
+        std::fs::write(dir.path().join("a/config.toml"), config).unwrap();
+        let summary = &store.summaries()[0];
+        assert_eq!((summary.max_steps, summary.finished), (Some(2.0), true));
+        let version = summary.config_version;
+        assert_eq!(
+            store.hparams("a").unwrap(),
+            [
+                ("init_from".to_string(), Value::from("run:x")),
+                ("metrics.sinks".to_string(), serde_json::json!(["jsonl"])),
+                ("schedule.lr".to_string(), Value::from(3e-3)),
+                ("train.max_steps".to_string(), Value::from(2)),
+                ("train.seed".to_string(), Value::from(7)),
+            ]
+        );
+        // Unchanged: the same version; rewritten (a longer run resumed): read again.
+        assert_eq!(store.summaries()[0].config_version, version);
+        std::fs::write(dir.path().join("a/config.toml"), config.replace("max_steps = 2", "max_steps = 20")).unwrap();
+        let summary = &store.summaries()[0];
+        assert_eq!((summary.max_steps, summary.finished), (Some(20.0), false));
+        assert!(summary.config_version > version);
+        // Not TOML: no pairs, no error.
+        std::fs::write(dir.path().join("a/config.toml"), "[train\nmax_steps = ").unwrap();
+        assert!(store.hparams("a").unwrap().is_empty());
+        assert!(!store.summaries()[0].finished);
     }
 
     #[test]

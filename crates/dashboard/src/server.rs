@@ -16,9 +16,10 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ember_http::{Conn, Idle, Limits, Priority, Refused, Server, Service, Settings, StartError};
 use http_body_util::Full;
@@ -60,24 +61,132 @@ pub struct Options {
     /// Run the server's threads under `SCHED_IDLE` (Linux) instead of nice 10: for a dashboard
     /// beside training (see [`Priority::IdleTime`]).
     pub idle_priority: bool,
+    /// Served by `ember train --dashboard` for the run of this name (under the log directory): the
+    /// page says so, and once training ends ([`Dashboard`] dropped) the server answers until a
+    /// watching page has fetched the final metrics.
+    pub trainer_of: Option<String>,
 }
 
 impl Default for Options {
     fn default() -> Self {
         let idle = Idle::Closed { idle: Duration::from_secs(15), write: Duration::from_secs(30) };
         let limits = Limits { max_body: 4 << 10, idle, ..Limits::default() };
-        Self { threads: 2, allowed_hosts: Vec::new(), limits, idle_priority: false }
+        Self { threads: 2, allowed_hosts: Vec::new(), limits, idle_priority: false, trainer_of: None }
     }
 }
 
-/// A running dashboard. Dropping it stops the server (without waiting for it).
-pub type Dashboard = Server;
+/// How long after its last poll a page counts as watching: a trainer's server that ends waits for
+/// such a page only (the page polls every 2 s).
+const WATCHING: Duration = Duration::from_secs(10);
+/// How long a trainer's server that ends waits for a watching page to fetch the final metrics:
+/// one poll interval and the fetches of one poll.
+const LAST_FETCH: Duration = Duration::from_secs(6);
+
+/// Who serves the page, and whether the trainer serving it has finished: what `/api/server` says.
+struct Serving {
+    /// The log directory as given (the page shows the `ember dashboard` command that keeps it).
+    logdir: String,
+    trainer_of: Option<String>,
+    ended: AtomicBool,
+    /// When a page last polled.
+    last_poll: Mutex<Option<Instant>>,
+    /// A page fetched everything after being told that training ended.
+    fetched_after_end: AtomicBool,
+}
+
+impl Serving {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "served_by": if self.trainer_of.is_some() { "trainer" } else { "dashboard" },
+            "run": self.trainer_of,
+            "logdir": self.logdir,
+            "pid": std::process::id(),
+            "trainer_ended": self.ended.load(Ordering::SeqCst),
+        })
+    }
+
+    fn polled(&self) {
+        *self.last_poll.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+    }
+
+    fn watched(&self) -> bool {
+        self.last_poll.lock().unwrap_or_else(PoisonError::into_inner).is_some_and(|t| t.elapsed() < WATCHING)
+    }
+}
+
+/// A running dashboard. Dropping it stops the server (without waiting for its threads); a
+/// trainer's ([`Options::trainer_of`]) first tells the pages that training ended and, if one is
+/// watching, waits (a few seconds at most) until it has fetched the final metrics.
+pub struct Dashboard {
+    server: Option<Server>,
+    serving: Arc<Serving>,
+}
+
+impl Dashboard {
+    pub fn addr(&self) -> SocketAddr {
+        self.server.as_ref().map_or(SocketAddr::from(([127, 0, 0, 1], 0)), Server::addr)
+    }
+
+    /// Serves until the process ends.
+    pub fn wait(mut self) {
+        if let Some(server) = self.server.take() {
+            server.wait();
+        }
+    }
+
+    /// Stops accepting connections, drops the open ones and waits (about a second at most) for the
+    /// server's threads to end.
+    pub fn stop(mut self) {
+        if let Some(server) = self.server.take() {
+            server.stop();
+        }
+    }
+
+    /// Training ended: pages are told so, and a watching one gets [`LAST_FETCH`] to fetch what
+    /// training wrote last. Whether one fetched it.
+    fn end_of_training(&self) -> bool {
+        self.serving.ended.store(true, Ordering::SeqCst);
+        if !self.serving.watched() {
+            return false;
+        }
+        let start = Instant::now();
+        while start.elapsed() < LAST_FETCH {
+            if self.serving.fetched_after_end.load(Ordering::SeqCst) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+}
+
+impl Drop for Dashboard {
+    fn drop(&mut self) {
+        if self.server.is_none() {
+            return;
+        }
+        if let Some(run) = &self.serving.trainer_of {
+            self.end_of_training();
+            eprintln!(
+                "dashboard: stopped with the training of {run}; `ember dashboard --logdir {}` keeps browsing the runs",
+                self.serving.logdir
+            );
+        }
+    }
+}
 
 /// Serves `logdir` on `addr` (port 0: any free port). Returns once listening; the server runs on
 /// threads of its own.
 pub fn start(logdir: &std::path::Path, addr: SocketAddr, options: Options) -> Result<Dashboard, ServeError> {
     let threads = options.threads.clamp(1, 4);
     let store = RunStore::new(logdir)?.with_parallelism(threads);
+    let serving = Arc::new(Serving {
+        logdir: logdir.display().to_string(),
+        trainer_of: options.trainer_of,
+        ended: AtomicBool::new(false),
+        last_poll: Mutex::new(None),
+        fetched_after_end: AtomicBool::new(false),
+    });
     let settings = Settings {
         name: "ember-dashboard",
         threads,
@@ -85,12 +194,14 @@ pub fn start(logdir: &std::path::Path, addr: SocketAddr, options: Options) -> Re
         allowed_hosts: options.allowed_hosts,
         limits: options.limits,
     };
-    Ok(Server::start(addr, settings, Pages { store })?)
+    let server = Server::start(addr, settings, Pages { store, serving: serving.clone() })?;
+    Ok(Dashboard { server: Some(server), serving })
 }
 
 /// The page and the JSON API over the runs.
 struct Pages {
     store: RunStore,
+    serving: Arc<Serving>,
 }
 
 /// An answer's body: whole, or a run's metrics written a piece at a time (chunked).
@@ -193,7 +304,17 @@ impl Pages {
             "/assets/app.css" => answer(200, "text/css", APP_CSS),
             "/assets/uPlot.iife.min.js" => answer(200, "text/javascript", UPLOT_JS),
             "/assets/uPlot.min.css" => answer(200, "text/css", UPLOT_CSS),
-            "/api/runs" | "/api/metrics" | "/api/samples" | "/api/config" => {
+            "/api/server" => {
+                // The page asks first in each poll, and again with `fetched` at the end of a poll
+                // that began after training ended.
+                self.serving.polled();
+                let params = query(request.uri().query().unwrap_or(""));
+                if params.iter().any(|(k, _)| k == "fetched") && self.serving.ended.load(Ordering::SeqCst) {
+                    self.serving.fetched_after_end.store(true, Ordering::SeqCst);
+                }
+                answer(200, "application/json", self.serving.json().to_string())
+            }
+            "/api/runs" | "/api/metrics" | "/api/samples" | "/api/config" | "/api/hparams" => {
                 let path = path.to_string();
                 let params = query(request.uri().query().unwrap_or(""));
                 let server = self.clone();
@@ -232,6 +353,7 @@ impl Pages {
         let result = match path {
             "/api/metrics" => self.store.metrics_json(&name, since).map(|m| Ok(Api::Metrics(m))),
             "/api/samples" => self.store.samples(&name).map(|s| json(serde_json::to_vec(&s))),
+            "/api/hparams" => self.store.hparams(&name).map(|h| json(serde_json::to_vec(&h))),
             _ => self.store.config(&name).map(|c| json(serde_json::to_vec(&c))),
         };
         match result {

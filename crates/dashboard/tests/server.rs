@@ -34,7 +34,7 @@ fn limits() -> Limits {
 }
 
 fn start(dir: &Path, limits: Limits) -> Dashboard {
-    let options = Options { threads: 2, allowed_hosts: vec!["box.lan".into()], limits, idle_priority: false };
+    let options = Options { threads: 2, allowed_hosts: vec!["box.lan".into()], limits, ..Options::default() };
     ember_dashboard::start(dir, "127.0.0.1:0".parse().unwrap(), options).unwrap()
 }
 
@@ -312,4 +312,51 @@ fn stop_closes_the_port() {
     d.stop();
     assert!(start.elapsed() < Duration::from_secs(3));
     assert!(TcpStream::connect(addr).is_err(), "still listening");
+}
+
+/// The JSON body of an answer.
+fn json_body(answer: &str) -> serde_json::Value {
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {answer}"))
+}
+
+#[test]
+fn a_trainers_dashboard_ends_once_a_watching_page_has_the_last_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    write_run(dir.path(), "a", 3);
+    let options = || Options { trainer_of: Some("a".into()), ..Options::default() };
+    // Nobody watching: training's end does not wait.
+    let d = ember_dashboard::start(dir.path(), "127.0.0.1:0".parse().unwrap(), options()).unwrap();
+    let start = Instant::now();
+    drop(d);
+    assert!(start.elapsed() < Duration::from_millis(500), "waited {:?} for no page", start.elapsed());
+
+    let d = ember_dashboard::start(dir.path(), "127.0.0.1:0".parse().unwrap(), options()).unwrap();
+    let addr = d.addr();
+    let (status, answer) = get(addr, "/api/server");
+    assert_eq!(status, Some(200));
+    let server = json_body(&answer);
+    assert_eq!(
+        (&server["served_by"], &server["run"], &server["trainer_ended"]),
+        (&"trainer".into(), &"a".into(), &false.into())
+    );
+    assert_eq!(server["pid"], std::process::id());
+    // Training ends (the trainer drops its dashboard): the page is told, and the server answers
+    // until the page says it has fetched everything.
+    let ending = std::thread::spawn(move || {
+        let start = Instant::now();
+        drop(d);
+        start.elapsed()
+    });
+    let start = Instant::now();
+    while json_body(&get(addr, "/api/server").1)["trainer_ended"] != true {
+        assert!(start.elapsed() < Duration::from_secs(2), "never told that training ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!ending.is_finished(), "the server went away before the page fetched the end");
+    assert_eq!(get(addr, "/api/metrics?run=a").0, Some(200));
+    assert_eq!(get(addr, "/api/server?fetched=1").0, Some(200));
+    let waited = ending.join().unwrap();
+    assert!(waited < Duration::from_secs(2), "waited {waited:?} after the page had everything");
 }

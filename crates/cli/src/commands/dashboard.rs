@@ -23,19 +23,26 @@ pub struct DashboardArgs {
 }
 
 /// Starts serving `logdir`; the server runs on threads of its own, at a lower priority (only on
-/// otherwise idle CPU time when `beside_training`).
+/// otherwise idle CPU time when it is `ember train --dashboard`'s, `trainer_of` the run it trains:
+/// the page then says so, and the server answers until a watching page has the final metrics).
 pub fn start(
     logdir: &std::path::Path,
     host: IpAddr,
     port: u16,
     allow_hosts: &[String],
-    beside_training: bool,
+    trainer_of: Option<&str>,
 ) -> anyhow::Result<Dashboard> {
     let mut allowed = allow_hosts.to_vec();
     if !host.is_unspecified() {
         allowed.push(host.to_string());
     }
-    let options = Options { threads: 2, allowed_hosts: allowed, idle_priority: beside_training, ..Options::default() };
+    let options = Options {
+        threads: 2,
+        allowed_hosts: allowed,
+        idle_priority: trainer_of.is_some(),
+        trainer_of: trainer_of.map(str::to_string),
+        ..Options::default()
+    };
     let dashboard = ember_dashboard::start(logdir, SocketAddr::new(host, port), options)
         .with_context(|| format!("starting the dashboard over {}", logdir.display()))?;
     if !host.is_loopback() {
@@ -46,6 +53,6 @@ pub fn start(
 }
 
 pub fn run(args: DashboardArgs) -> anyhow::Result<()> {
-    start(&args.logdir, args.host, args.port, &args.allow_hosts, false)?.wait();
+    start(&args.logdir, args.host, args.port, &args.allow_hosts, None)?.wait();
     Ok(())
 }
