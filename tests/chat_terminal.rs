@@ -219,9 +219,38 @@ fn chat_in_a_terminal_keeps_its_session_through_ctrl_c_and_recalls_history() {
     assert!(status.success(), "{status:?}\n{}", t.log());
     assert!(!t.seen.contains("^[["), "escape codes echoed as text: {:?}", t.seen);
 
+    // The model's own defaults: a generation_config.json (as `ember import` keeps from a Hugging
+    // Face folder) of top-k 1, which samples greedily whatever the seed, for the chat and for
+    // `sample --chat` alike; `sample --chat` with two prompts puts each answer under its prompt.
+    let config = r#"{"do_sample": true, "temperature": 0.7, "top_k": 1, "eos_token_id": 2}"#;
+    std::fs::write(s.path().join("smol/checkpoints/step-000000/generation_config.json"), config).unwrap();
+    let out = s.ember(&[
+        "sample",
+        "--checkpoint",
+        run,
+        "--chat",
+        "--max-new-tokens",
+        "16",
+        "--prompt",
+        QUESTION,
+        "--prompt",
+        QUESTION,
+    ]);
+    assert!(out.status.success(), "{}", common::stderr(&out));
+    assert!(common::stderr(&out).contains("sampling: temperature 0.7, top-k 1"), "{}", common::stderr(&out));
+    let batch = common::stdout(&out);
+    let greedy = batch
+        .strip_prefix(&format!("=== 0 ===\n{QUESTION}\n"))
+        .and_then(|rest| rest.split_once(&format!("\n=== 1 ===\n{QUESTION}\n")))
+        .map(|(first, second)| (first.to_string(), second.to_string()))
+        .unwrap_or_else(|| panic!("each answer on the line after its prompt: {batch:?}"));
+    assert_eq!(format!("{}\n", greedy.0), greedy.1, "two greedy answers alike: {batch:?}");
+    let greedy = greedy.0;
+    assert!(!greedy.trim().is_empty());
+
     // Piped (a script): the answers alone, without marker or colour; the commands still work.
     let mut piped = s
-        .command(&["chat", "--checkpoint", run, "--seed", "7", "--max-new-tokens", "16"])
+        .command(&["chat", "--checkpoint", run, "--max-new-tokens", "16"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -231,14 +260,15 @@ fn chat_in_a_terminal_keeps_its_session_through_ctrl_c_and_recalls_history() {
     piped.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
     let out = piped.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", common::stderr(&out));
+    let log = common::stderr(&out);
+    assert!(log.contains("temperature 0.7, top-k 1 (from ") && log.contains("generation_config.json)"), "{log}");
     let text = common::stdout(&out);
     assert!(!text.contains('\x1b') && !text.starts_with(MARKER), "{text:?}");
     assert!(text.contains("(appended the conversation (2 messages) to piped.jsonl)"), "{text:?}");
-    // The answer, then the note.
+    // The answer, then the note; greedy, as `sample --chat`'s.
     let (answer, _) = text.split_once("(appended").unwrap();
-    let answer = answer.strip_suffix('\n').unwrap_or(answer);
-    assert!(!answer.trim().is_empty(), "{text:?}");
-    let saved: Value =
-        serde_json::from_str(std::fs::read_to_string(s.path().join("piped.jsonl")).unwrap().trim()).unwrap();
-    assert_eq!(saved["messages"][1]["content"].as_str(), Some(answer), "{text:?}");
+    assert_eq!(answer, format!("{greedy}\n"), "{text:?}");
+    let saved = std::fs::read_to_string(s.path().join("piped.jsonl")).unwrap();
+    let saved: Value = serde_json::from_str(saved.trim()).unwrap();
+    assert_eq!(saved["messages"][1]["content"].as_str(), Some(greedy.as_str()), "{text:?}");
 }
