@@ -396,3 +396,40 @@ fn sigint_checkpoints_the_step_in_hand_and_prints_the_resume_command() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains(&format!("at step {until} already, at or past --max-steps {until}")), "{}", stdout(&o));
 }
+
+/// A chat fine-tune's evaluation samples answer the first held-out conversation (up to its last user
+/// turn, through the chat template), not a bare newline.
+#[test]
+fn chat_fine_tunes_sample_a_held_out_conversation() {
+    let s = Scratch::new();
+    let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/qwen2");
+    let o = s.ember(&["import", fixture.to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}\
+                    {% if add_generation_prompt %}<assistant>{% endif %}";
+    s.write("base/checkpoints/step-000000/chat_template.jinja", template);
+    let mut jsonl = String::new();
+    for i in 0..10 {
+        let messages = serde_json::json!([
+            {"role": "user", "content": format!("hi {i}")},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": format!("count to {i}")},
+            {"role": "assistant", "content": format!("done {i}")},
+        ]);
+        jsonl.push_str(&serde_json::json!({ "messages": messages }).to_string());
+        jsonl.push('\n');
+    }
+    s.write("chat.jsonl", &jsonl);
+    s.write(
+        "chat.toml",
+        "init_from = \"run:base\"\n\n[data]\npath = \"chat.jsonl\"\n\n\
+         [train]\nbatch_size = 2\nseq_len = 64\nmax_steps = 2\neval_interval = 2\neval_iters = 1\n\n\
+         [optim]\n\n[schedule]\nlr = 1e-3\n\n[metrics]\nsample_tokens = 4\n",
+    );
+    let o = s.ember(&["train", "--config", "chat.toml", "--run-dir", "chat"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let samples = std::fs::read_to_string(s.path().join("chat/samples.jsonl")).unwrap();
+    let sample: serde_json::Value = serde_json::from_str(samples.lines().last().unwrap()).unwrap();
+    // The held-out example is the file's last (one in ten held out).
+    assert_eq!(sample["prompt"], "<user>hi 9\n<assistant>hello\n<user>count to 9\n<assistant>", "{sample}");
+}

@@ -72,7 +72,10 @@ pub struct TrainOptions {
     pub compute: ComputeRequest,
     /// Asked after every step whether to stop (a SIGINT or SIGTERM arrived): the run checkpoints
     /// the step just taken and returns, [`RunEnd::Stopped`]. In a data-parallel run the ranks agree
-    /// after every step (one rank asked stops them all, at the same step).
+    /// after every step (a sum of one number over the ranks): one rank asked stops them all, at the
+    /// same step. Open MPI's mpirun, given Ctrl-C, sends SIGTERM to every rank and SIGKILL a few
+    /// seconds later: a checkpoint that takes longer is cut short, and the run resumes from the one
+    /// before (checkpoints are replaced atomically).
     pub stop_requested: Option<fn() -> bool>,
 }
 
@@ -225,7 +228,8 @@ pub fn train<B: TrainBackend>(
             checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
         }
         rec.bar.set_position(step as u64);
-        if stop_requested(opts, step)? {
+        // (At the last step there is nothing left to stop: the run completes.)
+        if step < stop && stop_requested(opts, step)? {
             if !saved {
                 state.elapsed_s = rec.clock.elapsed_s();
                 checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
