@@ -37,6 +37,17 @@ fn every_problem_is_listed_at_once_naming_section_key_and_line() {
     ];
     assert_clean_error(&o, &want.join("\n"));
     assert!(!s.path().join("runs").exists(), "a refused config starts no run");
+    // Once every key reads, every rule its values break, at once too.
+    let config = tiny_config("").replace("batch_size = 4", "batch_size = 0").replace("[optim]", "[optim]\nbeta2 = 1.5");
+    s.write("bad.toml", &config);
+    let line = |needle: &str| config.lines().position(|l| l == needle).unwrap() + 1;
+    let o = s.ember(&["train", "--config", "bad.toml"]);
+    let want = [
+        "error: bad.toml: 2 problems:".to_string(),
+        format!("  line {}: train.batch_size must be at least 1, found 0", line("batch_size = 0")),
+        format!("  line {}: optim.beta2 must be in [0, 1), found 1.5", line("beta2 = 1.5")),
+    ];
+    assert_clean_error(&o, &want.join("\n"));
 }
 
 #[test]

@@ -76,8 +76,18 @@ impl ConfigFile {
                 message: e.message().to_string(),
                 key: None,
             })?;
-        config.validate_sections_for(purpose).map_err(|error| TrainError::Invalid { path: path.into(), error })?;
-        Ok(Self { path: path.into(), config })
+        // Every rule broken, at once: one as before, several as a list with their lines.
+        let mut broken = config.broken_rules(purpose);
+        match broken.len() {
+            0 => Ok(Self { path: path.into(), config }),
+            1 => Err(TrainError::Invalid { path: path.into(), error: broken.remove(0) }),
+            _ => {
+                let mut problems: Vec<_> =
+                    broken.into_iter().map(|rule| keys::ConfigProblem::rule(rule, text)).collect();
+                problems.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
+                Err(TrainError::Problems { path: path.into(), problems })
+            }
+        }
     }
 
     /// The config of a file that names its model: nothing is opened.
@@ -280,6 +290,22 @@ mod tests {
                 "[data] is missing: set `dataset` (a built-in name) or `path` (a text or JSONL file)",
             ]
         );
+    }
+
+    #[test]
+    fn every_broken_rule_is_reported_at_once_at_its_line() {
+        let text = NANO.replace("batch_size = 12", "batch_size = 0").replace("beta1 = 0.9", "beta1 = 1.5");
+        let line = |needle: &str| text.lines().position(|l| l == needle).unwrap() + 1;
+        assert_eq!(
+            problems(&text),
+            [
+                format!("line {}: train.batch_size must be at least 1, found 0", line("batch_size = 0")),
+                format!("line {}: optim.beta1 must be in [0, 1), found 1.5", line("beta1 = 1.5")),
+            ]
+        );
+        // One alone reads as it always has.
+        let e = parse(&NANO.replace("batch_size = 12", "batch_size = 0")).unwrap_err();
+        assert_eq!(e, "c.toml: train.batch_size must be at least 1, found 0");
     }
 
     /// NANO with every optional section, starting from a model it names and with adapters: a

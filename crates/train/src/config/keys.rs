@@ -13,6 +13,7 @@ use ember_model::{LoraConfig, ModelConfig};
 
 use super::sections::{DataConfig, DistributedConfig, LoopConfig, MetricsConfig, OptimConfig, ScheduleConfig};
 use super::{InitSource, TrainConfig};
+use crate::error::InvalidConfig;
 
 /// Keys with no default, by section (a section left out counts as empty). `[model]` may be left
 /// out as a whole when `init_from` gives the model; `[lora]` is optional as a whole.
@@ -53,6 +54,34 @@ pub enum Problem {
     /// A value of the wrong type or outside its choices: serde's words.
     #[error("{key}: {message}")]
     BadValue { key: String, message: String },
+    /// A value that breaks a rule (its message names the dotted key).
+    #[error("{0}")]
+    Rule(InvalidConfig),
+}
+
+impl ConfigProblem {
+    /// `rule`, at the line of the key it names (or of its section's header).
+    pub fn rule(rule: InvalidConfig, text: &str) -> Self {
+        let (section, key) = match &rule {
+            InvalidConfig::OutOfRange { key, .. }
+            | InvalidConfig::TooLarge { key, .. }
+            | InvalidConfig::Bounded { key, .. }
+            | InvalidConfig::Needs { key, .. }
+            | InvalidConfig::JsonlOnly { key, .. } => {
+                key.split_once('.').map_or((Some(*key), None), |(s, k)| (Some(s), Some(k)))
+            }
+            InvalidConfig::NoData | InvalidConfig::TwoData { .. } => (Some("data"), None),
+            InvalidConfig::NoSinks => (Some("metrics"), Some("sinks")),
+            InvalidConfig::LoraWithoutInit | InvalidConfig::Lora(_) => (Some("lora"), None),
+            InvalidConfig::Model(_) => (Some("model"), None),
+        };
+        let line = match (section, key) {
+            (Some(s), Some(k)) => key_line(text, Some(s), k),
+            (Some(s), None) => header_line(text, s),
+            _ => None,
+        };
+        ConfigProblem { line, section: None, what: Problem::Rule(rule) }
+    }
 }
 
 /// What an unknown name may have meant.

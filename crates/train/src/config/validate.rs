@@ -48,25 +48,32 @@ impl<M> TrainConfig<M> {
         self.validate_sections_for(Purpose::Run)
     }
 
-    /// [`Self::validate_sections`] for `purpose`.
+    /// [`Self::validate_sections`] for `purpose`: the first rule broken.
     pub fn validate_sections_for(&self, purpose: Purpose) -> Result<(), InvalidConfig> {
-        self.distributed.validate()?;
-        self.metrics.validate()?;
+        self.broken_rules(purpose).into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// Every rule of [`Self::validate_sections_for`] the config breaks, in the order of the
+    /// sections.
+    pub fn broken_rules(&self, purpose: Purpose) -> Vec<InvalidConfig> {
+        let mut broken = Vec::new();
         if let Some(lora) = &self.lora {
-            lora.validate().map_err(InvalidConfig::Lora)?;
+            if let Err(e) = lora.validate() {
+                broken.push(InvalidConfig::Lora(e));
+            }
             if self.init_from.is_none() && purpose == Purpose::Run {
-                return Err(InvalidConfig::LoraWithoutInit);
+                broken.push(InvalidConfig::LoraWithoutInit);
             }
         }
-        self.data.validate()?;
+        self.data.check(&mut broken);
         if self.data.format() == DataFormat::Text && self.train.eval_strategy == EvalStrategy::Epoch {
-            return Err(InvalidConfig::JsonlOnly { key: "train.eval_strategy", value: "\"epoch\"".into() });
+            broken.push(InvalidConfig::JsonlOnly { key: "train.eval_strategy", value: "\"epoch\"".into() });
         }
-        self.train.validate()?;
-        self.optim.validate()?;
-        self.schedule.validate()?;
+        self.train.check(&mut broken);
+        self.optim.check(&mut broken);
+        self.schedule.check(&mut broken);
         if self.schedule.warmup_steps > self.decay_steps() {
-            return Err(InvalidConfig::Bounded {
+            broken.push(InvalidConfig::Bounded {
                 key: "schedule.warmup_steps",
                 value: self.schedule.warmup_steps.to_string(),
                 relation: Relation::NotAbove,
@@ -75,49 +82,52 @@ impl<M> TrainConfig<M> {
                 bound: self.decay_steps().to_string(),
             });
         }
-        Ok(())
+        self.metrics.check(&mut broken);
+        if let Err(e) = self.distributed.validate() {
+            broken.push(e);
+        }
+        broken
     }
 }
 
 impl MetricsConfig {
-    fn validate(&self) -> Result<(), InvalidConfig> {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
         if self.sinks.is_empty() {
-            return Err(InvalidConfig::NoSinks);
+            broken.push(InvalidConfig::NoSinks);
         }
         // Far above any sensible sample; keeps the generation's buffers far from overflow.
-        at_most("metrics.sample_tokens", self.sample_tokens, 1 << 20)
+        broken.extend(at_most("metrics.sample_tokens", self.sample_tokens, 1 << 20).err());
     }
 }
 
 impl DataConfig {
-    fn validate(&self) -> Result<(), InvalidConfig> {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
         if self.format() == DataFormat::Jsonl && self.path.is_none() {
-            return Err(InvalidConfig::Needs { key: "data.format", value: "\"jsonl\"".into(), needs: "data.path" });
+            broken.push(InvalidConfig::Needs { key: "data.format", value: "\"jsonl\"".into(), needs: "data.path" });
         }
         match (&self.dataset, &self.path) {
-            (None, None) => return Err(InvalidConfig::NoData),
+            (None, None) => broken.push(InvalidConfig::NoData),
             (Some(dataset), Some(path)) => {
-                return Err(InvalidConfig::TwoData { dataset: dataset.clone(), path: path.display().to_string() });
+                broken.push(InvalidConfig::TwoData { dataset: dataset.clone(), path: path.display().to_string() })
             }
             _ => {}
         }
         if self.format() == DataFormat::Text {
             if let Some(p) = self.packing {
-                return Err(InvalidConfig::JsonlOnly { key: "data.packing", value: format!("\"{p}\"") });
+                broken.push(InvalidConfig::JsonlOnly { key: "data.packing", value: format!("\"{p}\"") });
             }
             if self.truncate {
-                return Err(InvalidConfig::JsonlOnly { key: "data.truncate", value: "true".into() });
+                broken.push(InvalidConfig::JsonlOnly { key: "data.truncate", value: "true".into() });
             }
         }
-        match self.val_fraction {
-            Some(f) if !(f > 0.0 && f < 1.0) => Err(out_of_range("data.val_fraction", f, "in (0, 1)")),
-            _ => Ok(()),
+        if let Some(f) = self.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
+            broken.push(out_of_range("data.val_fraction", f, "in (0, 1)"));
         }
     }
 }
 
 impl LoopConfig {
-    fn validate(&self) -> Result<(), InvalidConfig> {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
         for (key, v) in [
             ("train.batch_size", self.batch_size),
             ("train.grad_accum_steps", self.grad_accum_steps),
@@ -128,50 +138,52 @@ impl LoopConfig {
             ("train.keep_checkpoints", self.keep_checkpoints),
         ] {
             if v == 0 {
-                return Err(out_of_range(key, v, "at least 1"));
+                broken.push(out_of_range(key, v, "at least 1"));
             }
         }
         // Bounds that keep every product of sizes (tokens per step, memory estimates, evaluation
         // work) far from overflow, each far above any sensible run.
-        at_most("train.batch_size", self.batch_size, 1 << 20)?;
-        at_most("train.grad_accum_steps", self.grad_accum_steps, 1 << 20)?;
-        at_most("train.max_steps", self.max_steps, 1 << 40)?;
-        at_most("train.eval_iters", self.eval_iters, 1 << 20)?;
-        at_most("train.keep_checkpoints", self.keep_checkpoints, 1 << 20)
+        for (key, v, limit) in [
+            ("train.batch_size", self.batch_size, 1 << 20),
+            ("train.grad_accum_steps", self.grad_accum_steps, 1 << 20),
+            ("train.max_steps", self.max_steps, 1 << 40),
+            ("train.eval_iters", self.eval_iters, 1 << 20),
+            ("train.keep_checkpoints", self.keep_checkpoints, 1 << 20),
+        ] {
+            broken.extend(at_most(key, v, limit).err());
+        }
     }
 }
 
 impl OptimConfig {
-    fn validate(&self) -> Result<(), InvalidConfig> {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
         for (key, v) in [("optim.beta1", self.beta1), ("optim.beta2", self.beta2)] {
             if !(0.0..1.0).contains(&v) {
-                return Err(out_of_range(key, v, "in [0, 1)"));
+                broken.push(out_of_range(key, v, "in [0, 1)"));
             }
         }
         if !(self.eps > 0.0 && self.eps.is_finite()) {
-            return Err(out_of_range("optim.eps", self.eps, "positive"));
+            broken.push(out_of_range("optim.eps", self.eps, "positive"));
         }
         for (key, v) in [("optim.weight_decay", self.weight_decay), ("optim.grad_clip", self.grad_clip)] {
             if !(v >= 0.0 && v.is_finite()) {
-                return Err(out_of_range(key, v, ">= 0"));
+                broken.push(out_of_range(key, v, ">= 0"));
             }
         }
-        Ok(())
     }
 }
 
 impl ScheduleConfig {
     /// The rates (the warmup against the decay steps, `train.max_steps` by default, is checked
     /// across sections).
-    fn validate(&self) -> Result<(), InvalidConfig> {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
         if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return Err(out_of_range("schedule.lr", self.lr, "positive"));
+            broken.push(out_of_range("schedule.lr", self.lr, "positive"));
         }
         if !(self.min_lr >= 0.0 && self.min_lr.is_finite()) {
-            return Err(out_of_range("schedule.min_lr", self.min_lr, ">= 0"));
-        }
-        if self.min_lr > self.lr {
-            return Err(InvalidConfig::Bounded {
+            broken.push(out_of_range("schedule.min_lr", self.min_lr, ">= 0"));
+        } else if self.lr > 0.0 && self.min_lr > self.lr {
+            broken.push(InvalidConfig::Bounded {
                 key: "schedule.min_lr",
                 value: self.min_lr.to_string(),
                 relation: Relation::NotAbove,
@@ -179,7 +191,6 @@ impl ScheduleConfig {
                 bound: self.lr.to_string(),
             });
         }
-        Ok(())
     }
 }
 
