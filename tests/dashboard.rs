@@ -198,7 +198,7 @@ fn tensorboard_events_hold_the_logged_values() {
             assert_eq!(scalars["loss/val"][&step], v as f32);
         }
     }
-    assert_eq!(scalars["loss/val"].keys().copied().collect::<Vec<_>>(), [3, 6]);
+    assert_eq!(scalars["loss/val"].keys().copied().collect::<Vec<_>>(), [0, 3, 6], "step 0's evaluation too");
     assert_eq!(texts.keys().copied().collect::<Vec<_>>(), [3, 6], "samples at evaluations");
     assert!(texts[&6].starts_with("```\n"), "{}", texts[&6]);
 }
@@ -362,7 +362,7 @@ fn the_grid_overlays_train_and_val_of_two_runs_and_the_table_compares_their_conf
     }
     let states = browser.js("return [...document.querySelectorAll('#runs li')].map(li => li.dataset.state);");
     assert_eq!(states, json!(["finished", "finished"]), "both ran to max_steps");
-    keep_screenshot("dashboard-hparams.png", &browser.screenshot(Some("#hparams-box")));
+    keep_screenshot("dashboard-hparams.png", &browser.screenshot(Some("#compare")));
     browser.click("#hparams-all");
     let all = wait_for("every config key", Duration::from_secs(5), || {
         let v = browser.js("return [...document.querySelectorAll('#hparams th')].map(t => t.textContent);");
@@ -421,13 +421,13 @@ fn the_page_outlives_the_trainer_that_served_it() {
     let _serial = serial();
     let s = Scratch::new();
     s.write("corpus.txt", &corpus());
-    // About 4 s of training on a CPU: long enough for the page to open while it runs.
+    // About 3 s of training on a CPU: long enough for the page to open while it runs.
     let config = tiny_config("")
-        .replace("max_steps = 6", "max_steps = 4000")
-        .replace("eval_interval = 3", "eval_interval = 1000")
+        .replace("max_steps = 6", "max_steps = 3000")
+        .replace("eval_interval = 3", "eval_interval = 750")
         .replace("log_interval = 1", "log_interval = 50")
         .replace("checkpoint_interval = 3", "checkpoint_interval = 0");
-    assert!(config.contains("max_steps = 4000") && config.contains("checkpoint_interval = 0"), "{config}");
+    assert!(config.contains("max_steps = 3000") && config.contains("checkpoint_interval = 0"), "{config}");
     s.write("long.toml", &config);
     let browser = Browser::start(&s.path().join("chrome-profile"));
     let port = free_port();
@@ -467,7 +467,7 @@ fn the_page_outlives_the_trainer_that_served_it() {
     // says who served it.
     let rows = metric_rows(&s.path().join("runs/t/metrics.jsonl"));
     let want = loss_points(&[("t", &rows)]);
-    assert_eq!(count(&rows, "val_loss"), 5, "steps 0, 1000, …, 4000: {rows:?}");
+    assert_eq!(count(&rows, "val_loss"), 5, "steps 0, 750, …, 3000: {rows:?}");
     let ended = wait_for("the page after its server exited", Duration::from_secs(10), || {
         let v = serving(&browser, "t");
         (v["server"] == "trainer-exited" && card(&browser, "loss")["points"] == want).then_some(v)
@@ -480,8 +480,8 @@ fn the_page_outlives_the_trainer_that_served_it() {
             && text.contains("ember dashboard --logdir runs"),
         "{text}"
     );
-    // A few polls later the server is gone for good: still no error, still the same charts.
-    std::thread::sleep(Duration::from_millis(4500));
+    // A poll later the server is gone for good: still no error, still the same charts.
+    std::thread::sleep(Duration::from_millis(2500));
     let later = serving(&browser, "t");
     assert_eq!(later["server"], "trainer-exited", "{later}");
     assert!(!later["status"].as_str().unwrap().contains("error"), "{later}");
