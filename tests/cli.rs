@@ -377,6 +377,7 @@ fn sigint_checkpoints_the_step_in_hand_and_prints_the_resume_command() {
     assert!(step >= 3, "{text}");
     let ckpt = format!("step-{step:06}");
     assert!(text.contains(&format!("checkpoint long/checkpoints/{ckpt} written")), "{text}");
+    assert!(stderr(&o).contains(&format!("stop requested: the run stops at step {step}")), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(run.join("checkpoints/latest")).unwrap(), ckpt);
     let records = read_metrics(&run.join("metrics.jsonl")).unwrap();
     assert_eq!(records.last().unwrap().step, step, "the step in hand finished and was logged");

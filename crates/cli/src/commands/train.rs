@@ -89,6 +89,9 @@ pub fn run(args: TrainArgs, collective: Arc<dyn Collective>) -> anyhow::Result<(
     // the process at once. Under mpirun, every rank stops at the same step (see
     // TrainOptions::stop_requested) if the launcher lets them finish the checkpoint.
     crate::signals::catch_stop().context("asking for SIGINT and SIGTERM")?;
+    if lead {
+        say_when_stopping();
+    }
     let summary = dispatch(device, checkpointing, TrainJob { run, options: options.clone() })?;
     if lead {
         println!("{summary}");
@@ -97,6 +100,23 @@ pub fn run(args: TrainArgs, collective: Arc<dyn Collective>) -> anyhow::Result<(
         }
     }
     Ok(())
+}
+
+/// Says at once that a Ctrl-C was heard (the run itself stops only after the step in hand, which
+/// may take a while): a thread that waits for the request and dies with the process.
+fn say_when_stopping() {
+    let watch = || {
+        while !crate::signals::stop_requested() {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        tracing::warn!(
+            "stopping: the step in hand finishes and is checkpointed; press Ctrl-C again to quit at once (the run \
+             then resumes from its previous checkpoint)"
+        );
+    };
+    if let Err(e) = std::thread::Builder::new().name("stop-watch".into()).spawn(watch) {
+        tracing::debug!("no message on Ctrl-C: {e}");
+    }
 }
 
 /// The command that continues the run in `run_dir`: `ember train` with the run's own config (paths

@@ -230,6 +230,7 @@ pub fn train<B: TrainBackend>(
         rec.bar.set_position(step as u64);
         // (At the last step there is nothing left to stop: the run completes.)
         if step < stop && stop_requested(opts, step)? {
+            rec.bar.suspend(|| tracing::info!("stop requested: the run stops at step {step}, checkpointed"));
             if !saved {
                 state.elapsed_s = rec.clock.elapsed_s();
                 checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
