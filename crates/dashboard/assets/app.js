@@ -483,7 +483,7 @@ function renderHparams() {
   let note = "";
   if (!all && runs.length < 2) note = "tick two or more runs to see the config keys that differ, or show all keys";
   else if (!all && withConfig.length >= 2 && cols.length === 0) note = "the ticked runs' configs are the same";
-  else if (!all) note = `${cols.length} config key${cols.length === 1 ? "" : "s"} differ`;
+  else if (!all) note = cols.length === 1 ? "1 config key differs" : `${cols.length} config keys differ`;
   const key = JSON.stringify([cols, note, rows.map((r) => [r.name, r.best, r.state, r.run.summary.last_step, cols.map((k) => r.run.hparams && r.run.hparams[k])])]);
   const table = $("hparams");
   if (table.dataset.key === key) return;
