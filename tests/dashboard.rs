@@ -449,7 +449,6 @@ fn the_page_outlives_the_trainer_that_served_it() {
         (v["server"] == "trainer" && v["state"] == "live").then_some(v)
     });
     assert!(live["text"].as_str().unwrap().contains("served by the trainer of run t"), "{live}");
-    assert!(trainer.0.try_wait().unwrap().is_none(), "the page opened while training ran");
 
     let start = Instant::now();
     let status = loop {
