@@ -279,6 +279,13 @@ mod tests {
         let e = ConfigFile::parse(&text, Path::new("c.toml")).unwrap_err().to_string();
         assert!(e.starts_with("c.toml: 8 problems:\n  line "), "{e}");
         assert_eq!(e.lines().count(), 9, "{e}");
+        // A nested table's key: named by the key of the section that holds it.
+        let text = NANO.replace("[data]", "[model.rope_scaling]\ntype = \"linear\"\nfactr = 2.0\n\n[data]");
+        let found = problems(&text);
+        assert_eq!(found.len(), 1, "{found:?}");
+        let header = text.lines().position(|l| l == "[model.rope_scaling]").unwrap() + 1;
+        let want = format!("line {header}: [model] rope_scaling: unknown field `factr`, expected `factor`");
+        assert_eq!(found, [want]);
         // Sections that are not tables, keys at the top that belong in a section, no [data].
         let text = "init_from = 3\nmax_steps = 10\ntrain = 5\n";
         assert_eq!(

@@ -51,8 +51,9 @@ pub enum Problem {
     MissingSection { needs: &'static str },
     #[error("must be a table (a [section] of keys), found {found}")]
     NotATable { found: &'static str },
-    /// A value of the wrong type or outside its choices: serde's words.
-    #[error("{key}: {message}")]
+    /// A value of the wrong type or outside its choices: serde's words (`key` is empty where
+    /// serde does not say which key).
+    #[error("{}{message}", if key.is_empty() { String::new() } else { format!("{key}: ") })]
     BadValue { key: String, message: String },
     /// A value that breaks a rule (its message names the dotted key).
     #[error("{0}")]
@@ -248,7 +249,21 @@ pub fn check_values(table: &toml::Table, text: &str) -> Vec<ConfigProblem> {
                     break;
                 }
             }
-            match key.filter(|k| section.contains_key(k)) {
+            // Errors inside a nested value (an enum's table) come without a span: the key is the
+            // one (not a required one) without which this error goes away.
+            let key = key.filter(|k| section.contains_key(k)).or_else(|| {
+                section
+                    .keys()
+                    .filter(|k| !required.contains(&k.as_str()))
+                    .find(|k| {
+                        let mut without = section.clone();
+                        without.remove(*k);
+                        let still = toml::to_string(&without).ok().and_then(|w| read_section(name, &w).err());
+                        still.is_none_or(|e| e.message().trim() != message)
+                    })
+                    .cloned()
+            });
+            match key {
                 Some(key) => {
                     problems.push(at(text, Some(name), Some(&key), Problem::BadValue { key: key.clone(), message }));
                     section.remove(&key);
@@ -350,8 +365,13 @@ fn key_line(text: &str, section: Option<&str>, key: &str) -> Option<usize> {
             return Some(i + 1);
         }
     }
-    // Written as a dotted key or an inline table at the top: the line that names the section.
-    section.and_then(|s| header_line(text, s))
+    // A table of its own (`[model.rope_scaling]`), or written as a dotted key or an inline table
+    // at the top: the line that names it, else its section.
+    let nested = match section {
+        Some(s) => format!("{s}.{key}"),
+        None => key.to_string(),
+    };
+    header_line(text, &nested).or_else(|| section.and_then(|s| header_line(text, s)))
 }
 
 /// The name in a `[section]` header line.
@@ -454,5 +474,7 @@ mod tests {
         assert_eq!(key_line(text, Some("train"), "max_steps"), Some(6));
         assert_eq!(key_line(text, Some("train"), "seed"), Some(7));
         assert_eq!(key_line(text, Some("train"), "path"), Some(5));
+        let text = "[model]\nd_model = 8\n[model.rope_scaling]\nfactor = 2.0\n";
+        assert_eq!(key_line(text, Some("model"), "rope_scaling"), Some(3));
     }
 }
