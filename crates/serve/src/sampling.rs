@@ -13,8 +13,8 @@ pub const GENERATION_CONFIG: &str = "generation_config.json";
 
 /// ember's chat temperature where the model recommends none. Low, because the small models people
 /// chat with locally lose the thread at the usual 0.7 to 0.8: SmolLM2-135M-Instruct named the
-/// capital of France in 6 answers of 16 at 0.6 and answered "Le Grand Brut" at 0.8, but in 24 of 32
-/// at 0.2, the value its model card recommends (experiments/chat-sampling.md).
+/// capital of France in 10 answers of 32 at 0.7 and 0.8 ("Le Grand Brut"), in 24 of 32 at 0.2, the
+/// value its model card uses (experiments/chat-sampling.md).
 pub const CHAT_TEMPERATURE: f32 = 0.2;
 /// ember's chat nucleus (top-p) where the model recommends none, SmolLM2's and Llama 3's 0.9.
 pub const CHAT_TOP_P: f32 = 0.9;

@@ -31,8 +31,8 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 500)]
     max_new_tokens: usize,
     /// Softmax temperature; 0 is greedy [default: 0.8; with --chat, the chat defaults below].
-    /// (Negative numbers parse as values, so that `--temperature -1` is refused by the range check,
-    /// naming the flag, rather than read as an unknown flag.)
+    // Negative numbers parse as values, so that `--temperature -1` is refused by the range check,
+    // naming the flag, rather than read as an unknown flag.
     #[arg(long, allow_negative_numbers = true)]
     temperature: Option<f32>,
     /// Sample among the K most likely tokens; 0 keeps all [default: 200; with --chat, the chat
@@ -229,4 +229,26 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
     check_prompts(&prompts, limit, checkpoint.model_config.vocab_size)?;
     let device = args.device;
     dispatch(device, false, SampleJob { args, checkpoint, config, prompts, ends })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Args;
+
+    use super::*;
+
+    /// The `--help` line of `flag`.
+    fn help(flag: &str) -> String {
+        let command = SampleArgs::augment_args(clap::Command::new("sample"));
+        let arg = command.get_arguments().find(|a| a.get_long() == Some(flag)).expect("the flag exists");
+        arg.get_help().map(ToString::to_string).unwrap_or_default()
+    }
+
+    #[test]
+    fn the_help_states_the_continuation_defaults_in_use() {
+        let d = SamplingConfig::default();
+        assert!(help("temperature").contains(&format!("[default: {};", d.temperature)), "{}", help("temperature"));
+        assert!(help("top-k").contains(&format!("[default: {};", d.top_k.unwrap_or(0))), "{}", help("top-k"));
+        assert_eq!((d.top_p, d.repetition_penalty), (None, 1.0), "{}, {}", help("top-p"), help("repetition-penalty"));
+    }
 }
