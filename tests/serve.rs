@@ -108,6 +108,10 @@ fn sample(s: &Scratch, run: &Path, prompt: &str, n: usize, chat: bool) -> String
 fn the_openai_client_gets_what_ember_sample_gets() {
     let s = Scratch::new();
     let run = smol(&s);
+    // The model's recommended sampling, as `ember import` keeps it from a Hugging Face folder: top-k 1,
+    // greedy whatever the temperature, for the requests below that set none.
+    let config = r#"{"do_sample": true, "temperature": 0.7, "top_k": 1}"#;
+    std::fs::write(run.join("checkpoints/step-000000/generation_config.json"), config).unwrap();
     let server = serve(&s, &run, &["--api-key", "secret-key", "--model-name", "smol"]);
     let got = openai_client(&server, "secret-key", "smol");
 
@@ -128,6 +132,14 @@ fn the_openai_client_gets_what_ember_sample_gets() {
     assert_eq!(got["chat_stream"]["text"], json!(want));
     assert!(["stop", "length"].contains(&got["chat"]["finish"].as_str().unwrap()));
     assert_eq!(got["chat_stream"]["finish"], got["chat"]["finish"]);
+    // A request without temperature or top_p samples with the model's defaults: greedy here.
+    let body = json!({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12}).to_string();
+    let auth = [("Authorization", "Bearer secret-key")];
+    let (code, body) = request(&server.addr, "POST", "/v1/chat/completions", &body, &auth);
+    assert_eq!(code, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], json!(want), "the model's defaults: {body}");
+    assert!(server.log().contains("temperature 0.7, top-k 1 (from "), "{}", server.log());
 
     let full = got["completion"]["text"].as_str().unwrap();
     let cut = got["stop"]["text"].as_str().unwrap();
