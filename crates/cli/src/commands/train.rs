@@ -96,7 +96,7 @@ pub fn run(args: TrainArgs, collective: Arc<dyn Collective>) -> anyhow::Result<(
     if lead {
         println!("{summary}");
         if let ember_train::RunEnd::Stopped { .. } = summary.end {
-            println!("resume with: {}", resume_command(&args, &options.run_dir));
+            println!("resume with: {}", resume_command(&args, &options.run_dir, options.collective.world()));
         }
     }
     Ok(())
@@ -119,19 +119,22 @@ fn say_when_stopping() {
     }
 }
 
-/// The command that continues the run in `run_dir`: `ember train` with the run's own config (paths
-/// resolved, any --precision applied) and the device and flags of this one.
-fn resume_command(args: &TrainArgs, run_dir: &Path) -> String {
+/// The command that continues the run in `run_dir`: this program (as it was called) with the run's
+/// own config (paths resolved, any --precision applied) and the device and flags of this one; under
+/// `mpirun -n <world>` for a data-parallel run.
+fn resume_command(args: &TrainArgs, run_dir: &Path, world: usize) -> String {
     let config = run_dir.join(ember_train::checkpoint::CONFIG_FILE);
-    let mut words = vec![
-        "ember".to_string(),
+    let program = std::env::args_os().next().map_or("ember".into(), |p| p.to_string_lossy().into_owned());
+    let mut words = if world > 1 { vec!["mpirun".to_string(), "-n".into(), world.to_string()] } else { vec![] };
+    words.extend([
+        shell_word(&program),
         "train".into(),
         "--config".into(),
         shell_word(&config.to_string_lossy()),
         "--run-dir".into(),
         shell_word(&run_dir.to_string_lossy()),
         "--resume".into(),
-    ];
+    ]);
     if args.device.text != "cpu" {
         words.extend(["--device".into(), shell_word(&args.device.text)]);
     }
