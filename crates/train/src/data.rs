@@ -82,8 +82,9 @@ fn tokenizer_spec(
     }
 }
 
-/// Loads (and caches the token shards of) the data of `config`, in windows of `config.seq_len()`;
-/// `init` is its `init_from` source, opened.
+/// Loads (and caches the token shards of) the data of `config`, in windows of `train.seq_len` (or
+/// where the config leaves it out, its default for this data: [`LoadedData::seq_len`]); `init` is
+/// its `init_from` source, opened.
 pub fn load(
     config: &TrainConfig,
     init: Option<&ResolvedInit>,
