@@ -285,7 +285,8 @@ mod tests {
     #[test]
     fn the_held_out_prompt_is_the_conversation_up_to_its_last_user_turn() {
         let template = ChatTemplate::new(
-            "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}\
+             {% if add_generation_prompt %}<assistant>{% endif %}"
                 .into(),
             String::new(),
             "</s>".into(),

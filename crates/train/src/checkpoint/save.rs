@@ -234,7 +234,8 @@ mod tests {
         let toml = format!(
             "[model]\nd_model = 8\nn_layers = 1\nn_heads = 2\nd_ff = 16\nmax_seq_len = 8\n\n\
              [data]\npath = {:?}\ntokenizer = \"char\"\n\n\
-             [train]\nbatch_size = 1\nmax_steps = 6\neval_interval = 1\neval_iters = 1\n\n[optim]\n\n[schedule]\nlr = 1e-3\n",
+             [train]\nbatch_size = 1\nmax_steps = 6\neval_interval = 1\neval_iters = 1\n\n\
+             [optim]\n\n[schedule]\nlr = 1e-3\n",
             text.display().to_string()
         );
         let config = crate::config::TrainConfig::from_toml(&toml, Path::new("t.toml")).unwrap();

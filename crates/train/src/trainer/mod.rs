@@ -1,11 +1,13 @@
 //! The training loop, nanoGPT's `while True:` in Burn: LR -> micro-batches (forward, backward,
-//! accumulate) -> global-norm clip -> AdamW -> log -> maybe evaluate / checkpoint -> stop.
+//! accumulate) -> global-norm clip -> AdamW -> log -> maybe evaluate (a new best val loss: its
+//! weights kept in `best/`) / checkpoint -> stop (at the last step, or when asked: Ctrl-C).
 //!
 //! The loop composes its parts, torchtitan's way: each is built from a config (what it reads of the
 //! run's) by a `build`. [`setup`]: the data, the tokenizer and the starting model; [`checkpointer`]:
-//! the run directory, started, resumed and checkpointed; the optimizer ([`Optimizer::build`]);
-//! [`evaluator`]: the periodic evaluation and its sample; [`recorder`]: metrics, progress bar and
-//! [`throughput`]; [`ranks`]: what the ranks of a data-parallel run must agree on.
+//! the run directory, started, resumed and checkpointed, and its best checkpoint; the optimizer
+//! ([`Optimizer::build`]); [`evaluator`]: the evaluation before training, the periodic ones and
+//! their samples; [`recorder`]: metrics, progress bar and [`throughput`]; [`ranks`]: what the ranks
+//! of a data-parallel run must agree on.
 
 mod checkpointer;
 mod evaluator;
@@ -139,7 +141,8 @@ impl std::fmt::Display for TrainSummary {
             RunEnd::Completed => write!(f, "trained {steps} steps in {speed}; {best}; run directory {run}"),
             RunEnd::Stopped { checkpoint } => write!(
                 f,
-                "stopped at step {steps} of {max}: checkpoint {} written; {best}; trained for {speed}; run directory {run}",
+                "stopped at step {steps} of {max}: checkpoint {} written; {best}; trained for {speed}; run \
+                 directory {run}",
                 checkpoint.display()
             ),
             RunEnd::NothingToTrain { stop_at: Some(at) } if steps < max => write!(
