@@ -12,8 +12,10 @@ use burn::tensor::Device;
 use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
-use ember_kernels::TrainBackend;
+use ember_data::tokenizer::Tokenizer;
+use ember_kernels::{EmberBackend, TrainBackend};
 use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_model::Decoder;
 use ember_serve::sampling::ChatDefaults;
 use ember_train::Checkpoint;
 use rustyline::error::ReadlineError;
@@ -316,160 +318,196 @@ impl Job for ChatJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
         let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
-        let tokenizer = &self.checkpoint.tokenizer;
-        let ends = tokenizer.end_ids();
-        let context = model.config().max_seq_len;
-        let has_system = self.template.roles().iter().any(|r| r == "system");
-        let mut chat = Conversation { system: self.args.system.clone(), turns: Vec::new() };
         let seed = self.args.seed.unwrap_or_else(|| {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
             now.map_or(0, |d| d.as_nanos() as u64) ^ u64::from(std::process::id())
         });
-        let mut sampler = Sampler::new(self.sampling.clone(), seed)?;
         let interactive = std::io::stdin().is_terminal();
         let style = Style {
             colour: interactive
                 && std::io::stdout().is_terminal()
                 && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
         };
-        let mut out = std::io::stdout();
+        let mut session = Session {
+            model: &model,
+            tokenizer: &self.checkpoint.tokenizer,
+            template: &self.template,
+            max_new_tokens: self.args.max_new_tokens,
+            has_system: self.template.roles().iter().any(|r| r == "system"),
+            chat: Conversation { system: self.args.system.clone(), turns: Vec::new() },
+            sampler: Sampler::new(self.sampling.clone(), seed)?,
+            style,
+            interactive,
+            out: std::io::stdout(),
+        };
+        let dir = self.checkpoint.dir.display();
         let mut lines = if interactive {
             let config = rustyline::Config::builder().max_history_size(1000)?.auto_add_history(false).build();
             let mut editor = rustyline::DefaultEditor::with_config(config)?;
             editor.bind_sequence(KeyEvent::ctrl('C'), EventHandler::Conditional(Box::new(CtrlC)));
             // Ctrl-C while an answer is written stops it (the terminal is not in raw mode then).
             crate::signals::catch_interrupt().context("asking for SIGINT")?;
-            writeln!(
-                out,
-                "{}",
-                style.note(&format!(
-                    "chatting with {}; sampling: {}, seed {seed}. /help lists the commands; Ctrl-C stops an \
-                     answer, Ctrl-D ends",
-                    self.checkpoint.dir.display(),
-                    self.described
-                ))
-            )?;
+            session.note(&format!(
+                "chatting with {dir}; sampling: {}, seed {seed}. /help lists the commands; Ctrl-C stops an answer, \
+                 Ctrl-D ends",
+                self.described
+            ))?;
             Lines::Editor(Box::new(editor))
         } else {
-            tracing::info!(
-                "chatting with {}: one message a line; sampling: {}, seed {seed}",
-                self.checkpoint.dir.display(),
-                self.described
-            );
+            tracing::info!("chatting with {dir}: one message a line; sampling: {}, seed {seed}", self.described);
             Lines::Piped(std::io::stdin().lock().lines())
         };
-        let prompt_marker = if interactive { style.prompt() } else { String::new() };
-        while let Some(line) = lines.next(&prompt_marker)? {
-            let message = match parse(&line) {
-                Input::Nothing => continue,
-                Input::Exit => break,
-                Input::Help => {
-                    writeln!(out, "{HELP}")?;
-                    continue;
-                }
-                Input::Reset => {
-                    chat.turns.clear();
-                    writeln!(out, "{}", style.note("conversation cleared"))?;
-                    continue;
-                }
-                Input::System(None) => {
-                    let shown =
-                        chat.system.as_deref().map_or("no system prompt".to_string(), |s| format!("system: {s}"));
-                    writeln!(out, "{}", style.note(&shown))?;
-                    continue;
-                }
-                Input::System(Some(text)) => {
-                    let note = if text == "-" {
-                        chat.system = None;
-                        "system prompt removed".to_string()
-                    } else if !has_system {
-                        "this model's chat template has no system role; the system prompt is unchanged".to_string()
-                    } else {
-                        chat.system = Some(text.to_string());
-                        "system prompt set; it applies from the next answer".to_string()
-                    };
-                    writeln!(out, "{}", style.note(&note))?;
-                    continue;
-                }
-                Input::Save(None) => {
-                    writeln!(out, "{}", style.note("/save FILE: name the file to append the conversation to"))?;
-                    continue;
-                }
-                Input::Save(Some(file)) => {
-                    let note = if chat.turns.is_empty() {
-                        "nothing to save yet".to_string()
-                    } else {
-                        match chat.save(Path::new(file)) {
-                            Ok(n) => format!("appended the conversation ({n} messages) to {file}"),
-                            Err(e) => format!("not saved: {e:#}"),
-                        }
-                    };
-                    writeln!(out, "{}", style.note(&note))?;
-                    continue;
-                }
-                Input::Unknown(name) => {
-                    let note =
-                        format!("unknown command /{name}: /help lists them (// sends a message beginning with /)");
-                    writeln!(out, "{}", style.note(&note))?;
-                    continue;
-                }
-                Input::Message(m) => m.to_string(),
-            };
-            chat.turns.push(Message { role: "user".into(), content: message });
-            let prompt = tokenizer.encode_prompt(&self.template.render(&chat.messages(), true)?)?;
-            let room = context.saturating_sub(prompt.len());
-            if room == 0 {
-                chat.turns.pop();
-                let note = format!("the conversation fills the model's context of {context} tokens: /reset");
-                writeln!(out, "{}", style.note(&note))?;
-                continue;
+        let marker = if interactive { session.style.prompt() } else { String::new() };
+        while let Some(line) = lines.next(&marker)? {
+            match session.command(parse(&line))? {
+                Next::Answer(message) => session.answer(message)?,
+                Next::Prompt => {}
+                Next::End => break,
             }
-            let options = GenerateOptions {
-                max_new_tokens: self.args.max_new_tokens.min(room),
-                stop_tokens: ends.clone(),
-                block_size: 64,
-            };
-            let mut text = TextStream::new(tokenizer, &prompt, Vec::new(), &ends);
-            let mut answer = String::new();
-            // A Ctrl-C pressed at the prompt or between answers is not this answer's.
-            crate::signals::take_interrupt();
-            let quiet = interactive.then(QuietKeys::on_stdin);
-            write!(out, "{}", style.answer_start())?;
-            let mut write_err = None;
-            generate_batch(
-                &model,
-                std::slice::from_ref(&prompt),
-                &options,
-                std::slice::from_mut(&mut sampler),
-                |_, id| {
-                    let (piece, stopped) = text.push(id);
-                    answer.push_str(&piece);
-                    if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                        write_err = Some(e);
-                        return false;
-                    }
-                    !stopped && !crate::signals::interrupted()
-                },
-            )?;
-            if let Some(e) = write_err {
-                return Err(anyhow::Error::from(e).context("writing the answer"));
-            }
-            let rest = text.finish();
-            answer.push_str(&rest);
-            writeln!(out, "{rest}{}", style.answer_end())?;
-            drop(quiet);
-            if crate::signals::take_interrupt() {
-                writeln!(out, "{}", style.note("stopped"))?;
-            }
-            if let Some(e) = text.take_error() {
-                return Err(anyhow::Error::from(e).context("decoding the answer"));
-            }
-            chat.turns.push(Message { role: "assistant".into(), content: answer });
         }
         if interactive {
             // The shell's prompt on a line of its own after Ctrl-D.
-            writeln!(out)?;
+            writeln!(session.out)?;
         }
+        Ok(())
+    }
+}
+
+/// What follows a line.
+enum Next {
+    /// The model answers this message.
+    Answer(String),
+    /// The next line.
+    Prompt,
+    End,
+}
+
+/// A chat in progress: the model, the conversation and where it is shown.
+struct Session<'a, M: EmberBackend> {
+    model: &'a Decoder<M>,
+    tokenizer: &'a Tokenizer,
+    template: &'a ChatTemplate,
+    max_new_tokens: usize,
+    /// Whether the template knows a system role.
+    has_system: bool,
+    chat: Conversation,
+    sampler: Sampler,
+    style: Style,
+    interactive: bool,
+    out: std::io::Stdout,
+}
+
+impl<M: EmberBackend> Session<'_, M> {
+    fn note(&mut self, text: &str) -> std::io::Result<()> {
+        writeln!(self.out, "{}", self.style.note(text))
+    }
+
+    /// Carries out a command line (with a note of what it did), or passes a message on to be answered.
+    fn command(&mut self, input: Input) -> anyhow::Result<Next> {
+        let note = match input {
+            Input::Nothing => return Ok(Next::Prompt),
+            Input::Exit => return Ok(Next::End),
+            Input::Message(m) => return Ok(Next::Answer(m.to_string())),
+            Input::Help => {
+                writeln!(self.out, "{HELP}")?;
+                return Ok(Next::Prompt);
+            }
+            Input::Reset => {
+                self.chat.turns.clear();
+                "conversation cleared".to_string()
+            }
+            Input::System(None) => {
+                self.chat.system.as_deref().map_or("no system prompt".into(), |s| format!("system: {s}"))
+            }
+            Input::System(Some("-")) => {
+                self.chat.system = None;
+                "system prompt removed".to_string()
+            }
+            Input::System(Some(_)) if !self.has_system => {
+                "this model's chat template has no system role; the system prompt is unchanged".to_string()
+            }
+            Input::System(Some(text)) => {
+                self.chat.system = Some(text.to_string());
+                "system prompt set; it applies from the next answer".to_string()
+            }
+            Input::Save(None) => "/save FILE: name the file to append the conversation to".to_string(),
+            Input::Save(Some(_)) if self.chat.turns.is_empty() => "nothing to save yet".to_string(),
+            Input::Save(Some(file)) => match self.chat.save(Path::new(file)) {
+                Ok(n) => format!("appended the conversation ({n} messages) to {file}"),
+                Err(e) => format!("not saved: {e:#}"),
+            },
+            Input::Unknown(name) => {
+                format!("unknown command /{name}: /help lists them (// sends a message beginning with /)")
+            }
+        };
+        self.note(&note)?;
+        Ok(Next::Prompt)
+    }
+
+    /// The conversation with `message` added, as the model's prompt; a note instead when it cannot
+    /// be one (the message is then left out).
+    fn prompt(&mut self, message: String) -> anyhow::Result<Option<Vec<u32>>> {
+        self.chat.turns.push(Message { role: "user".into(), content: message });
+        let rendered = self.template.render(&self.chat.messages(), true).map_err(anyhow::Error::from);
+        let context = self.model.config().max_seq_len;
+        let problem = match rendered.and_then(|text| Ok(self.tokenizer.encode_prompt(&text)?)) {
+            Ok(prompt) if prompt.len() < context => return Ok(Some(prompt)),
+            Ok(_) => format!("the conversation fills the model's context of {context} tokens: /reset"),
+            Err(e) => format!("the chat template cannot render this conversation: {e:#}"),
+        };
+        self.chat.turns.pop();
+        self.note(&problem)?;
+        Ok(None)
+    }
+
+    /// Streams the model's answer to `message` and adds both to the conversation. Ctrl-C stops the
+    /// answer where it is (what was written stays in the conversation).
+    fn answer(&mut self, message: String) -> anyhow::Result<()> {
+        let Some(prompt) = self.prompt(message)? else { return Ok(()) };
+        let ends = self.tokenizer.end_ids();
+        let room = self.model.config().max_seq_len - prompt.len();
+        let options = GenerateOptions {
+            max_new_tokens: self.max_new_tokens.min(room),
+            stop_tokens: ends.clone(),
+            block_size: 64,
+        };
+        let mut text = TextStream::new(self.tokenizer, &prompt, Vec::new(), &ends);
+        let mut answer = String::new();
+        // A Ctrl-C pressed at the prompt or between answers is not this answer's.
+        crate::signals::take_interrupt();
+        let quiet = self.interactive.then(QuietKeys::on_stdin);
+        let out = &mut self.out;
+        write!(out, "{}", self.style.answer_start())?;
+        let mut write_err = None;
+        generate_batch(
+            self.model,
+            std::slice::from_ref(&prompt),
+            &options,
+            std::slice::from_mut(&mut self.sampler),
+            |_, id| {
+                let (piece, stopped) = text.push(id);
+                answer.push_str(&piece);
+                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                    write_err = Some(e);
+                    return false;
+                }
+                !stopped && !crate::signals::interrupted()
+            },
+        )?;
+        if let Some(e) = write_err {
+            return Err(anyhow::Error::from(e).context("writing the answer"));
+        }
+        let rest = text.finish();
+        answer.push_str(&rest);
+        writeln!(out, "{rest}{}", self.style.answer_end())?;
+        drop(quiet);
+        if crate::signals::take_interrupt() {
+            self.note("stopped")?;
+        }
+        if let Some(e) = text.take_error() {
+            return Err(anyhow::Error::from(e).context("decoding the answer"));
+        }
+        self.chat.turns.push(Message { role: "assistant".into(), content: answer });
         Ok(())
     }
 }
