@@ -66,6 +66,7 @@ fn prepare_train_sample() {
     let text = stdout(&o);
     assert!(text.contains("already complete at step 6 (train.max_steps = 6)"), "{text}");
     assert!(text.contains("raise train.max_steps in runs/tiny/config.toml"), "{text}");
+    assert!(text.contains("ember train --config runs/tiny/config.toml --run-dir runs/tiny --resume"), "{text}");
     assert!(!text.contains("tokens/s"), "{text}");
 
     let o = s.ember(&["sample", "--checkpoint", "runs/tiny", "--prompt", "ROMEO:", "--max-new-tokens", "40"]);

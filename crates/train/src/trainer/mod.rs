@@ -154,7 +154,8 @@ impl std::fmt::Display for TrainSummary {
                 f,
                 "the run in {run} is already complete at step {steps} (train.max_steps = {max}): nothing to train. \
                  To train further, raise train.max_steps in {run}/config.toml (the LR schedule's decay follows it \
-                 unless schedule.decay_steps is set) and resume with --config {run}/config.toml --resume; {best}"
+                 unless schedule.decay_steps is set) and resume: ember train --config {run}/config.toml --run-dir \
+                 {run} --resume; {best}"
             ),
         }
     }
