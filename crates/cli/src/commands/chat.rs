@@ -72,6 +72,18 @@ pub struct SamplingFlags {
 }
 
 impl SamplingFlags {
+    fn any(&self) -> bool {
+        self.temperature.is_some() || self.top_p.is_some() || self.top_k.is_some() || self.repetition_penalty.is_some()
+    }
+
+    /// `config` (these flags over `defaults`) in words, and where it comes from.
+    pub fn describe(&self, config: &SamplingConfig, defaults: &ChatDefaults) -> String {
+        if self.any() {
+            format!("{} (the flags over {})", ember_serve::sampling::describe(config), defaults.describe())
+        } else {
+            defaults.describe()
+        }
+    }
     /// `defaults` with each given flag in place of its setting, checked; an error names the flag.
     pub fn over(&self, defaults: &SamplingConfig) -> anyhow::Result<SamplingConfig> {
         let mut config = defaults.clone();
@@ -115,13 +127,9 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     })?;
     let defaults = ChatDefaults::for_checkpoint(&checkpoint.dir)?;
     let sampling = flags.over(&defaults.sampling)?;
-    let from = if flags.temperature.is_some() || flags.top_p.is_some() || flags.top_k.is_some() {
-        format!("{} (the flags over {})", ember_serve::sampling::describe(&sampling), defaults.describe())
-    } else {
-        defaults.describe()
-    };
+    let described = flags.describe(&sampling, &defaults);
     let device = args.device;
-    dispatch(device, false, ChatJob { args, checkpoint, template, sampling, described: from })
+    dispatch(device, false, ChatJob { args, checkpoint, template, sampling, described })
 }
 
 struct ChatJob {

@@ -208,8 +208,9 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
         // A chat samples as `ember chat` and `ember serve` do (the model's generation_config.json
         // or ember's chat defaults), with the flags given over them.
         let defaults = ChatDefaults::for_checkpoint(&checkpoint.dir)?;
-        config = args.sampling_flags().over(&defaults.sampling)?;
-        tracing::info!("sampling: {}", ember_serve::sampling::describe(&config));
+        let flags = args.sampling_flags();
+        config = flags.over(&defaults.sampling)?;
+        tracing::info!("sampling: {}", flags.describe(&config, &defaults));
     }
     let prompts = args
         .prompt
