@@ -329,6 +329,8 @@ fn a_run_killed_before_its_first_checkpoint_restarts_and_resume_says_so() {
     std::fs::write(run.join("metrics.jsonl"), old_metrics).unwrap();
     let events = run.join(format!("events.out.tfevents.1.host.{dead}.ember"));
     std::fs::write(&events, "x").unwrap();
+    std::fs::create_dir_all(run.join("best")).unwrap();
+    std::fs::write(run.join("best/best.json"), "{\"step\":2,\"val_loss\":9.0}").unwrap();
 
     let o = s.ember(&["train", "--config", "cfg.toml", "--resume"]);
     assert_clean_error(&o, "has no checkpoint yet");
@@ -341,7 +343,10 @@ fn a_run_killed_before_its_first_checkpoint_restarts_and_resume_says_so() {
     let o = s.ember(&["train", "--config", "cfg.toml"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let err = plain(&stderr(&o));
-    assert!(err.contains("starting it again from step 0"), "{err}");
+    assert!(err.contains("starting it again from step 0") && err.contains("best/ deleted"), "{err}");
+    let best: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("best/best.json")).unwrap()).unwrap();
+    assert_ne!(best["val_loss"], 9.0, "the new attempt's best: {best}");
     let steps: Vec<usize> = metrics(&run).iter().map(|r| r.step).collect();
     assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
     assert_eq!(std::fs::read_to_string(run.join("metrics.jsonl.aborted")).unwrap(), old_metrics);

@@ -153,7 +153,7 @@ fn recover_latest(run_dir: &Path) -> Result<(), TrainError> {
 /// appended to, would list them twice. The JSON-lines `logs` (`metrics.jsonl`, `samples.jsonl`) are
 /// renamed to `*.aborted`, which nothing reads (kept to look at; an older one is replaced);
 /// TensorBoard event files are deleted, since TensorBoard reads every file with `tfevents` in its
-/// name, whatever its suffix. Says what it did in a warning.
+/// name, whatever its suffix, and so is the attempt's `best/`. Says what it did in a warning.
 pub(crate) fn set_aside_dead_attempt(run_dir: &Path, logs: &[&str]) -> Result<(), TrainError> {
     let Ok(entries) = std::fs::read_dir(run_dir) else { return Ok(()) };
     let events: Vec<PathBuf> = entries
@@ -173,6 +173,13 @@ pub(crate) fn set_aside_dead_attempt(run_dir: &Path, logs: &[&str]) -> Result<()
     for path in events {
         std::fs::remove_file(&path).map_err(TrainError::io(&path))?;
         done.push(format!("{} deleted", file_name(&path)));
+    }
+    // Its best weights too: the new attempt's first evaluation would replace them, but until then
+    // they would pass for the new attempt's.
+    let best = run_dir.join(BEST_DIR);
+    if best.is_dir() {
+        std::fs::remove_dir_all(&best).map_err(TrainError::io(&best))?;
+        done.push(format!("{BEST_DIR}/ deleted"));
     }
     if !done.is_empty() {
         tracing::warn!(
