@@ -367,7 +367,9 @@ fn sigint_checkpoints_the_step_in_hand_and_prints_the_resume_command() {
     // SAFETY: kill(2) with the id of a child this test started and has not yet waited for.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    // Not a success (a script must not go on with the run cut short): 128 + SIGINT, as shells say.
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("error: "), "{}", stderr(&o));
     let text = stdout(&o);
     let step: usize = text
         .split("stopped at step ")

@@ -91,6 +91,10 @@ fn main() -> ExitCode {
     match needs.run(|| run(cli, collective.clone())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
+            // Already reported (`ember train` stopped by Ctrl-C, its checkpoint written).
+            if let Some(stopped) = err.downcast_ref::<commands::train::Stopped>() {
+                return ExitCode::from(stopped.status);
+            }
             eprintln!("error: {err:#}");
             if collective.world() > 1 {
                 // The other ranks would wait for this one until their timeout: stop them now.

@@ -2,16 +2,19 @@
 //! one is noted ([`stop_requested`]) and the command finishes its work in hand; a second one ends
 //! the process at once, as the default action would have.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 static STOP: AtomicBool = AtomicBool::new(false);
+/// The first signal's number (0: none yet).
+static FIRST_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn on_signal(signal: libc::c_int) {
-    // Only async-signal-safe work here: an atomic swap, and `_exit` on the second signal.
+    // Only async-signal-safe work here: atomics, and `_exit` on the second signal.
     if STOP.swap(true, Ordering::SeqCst) {
         // SAFETY: `_exit` is async-signal-safe and takes no pointers.
         unsafe { libc::_exit(128 + signal) };
     }
+    FIRST_SIGNAL.store(signal, Ordering::SeqCst);
 }
 
 /// Routes SIGTERM and SIGINT to [`stop_requested`] from now on. An error when the system refuses.
@@ -36,6 +39,14 @@ pub fn catch_stop() -> std::io::Result<()> {
 /// Whether SIGTERM or SIGINT has arrived since [`catch_stop`].
 pub fn stop_requested() -> bool {
     STOP.load(Ordering::SeqCst)
+}
+
+/// The exit status of a command that stopped early on a signal, as shells report one killed by it
+/// (128 + its number: 130 for SIGINT, 143 for SIGTERM), so that `ember train … && ember export …`
+/// does not go on with a run cut short; 130 when no signal of this process's asked for the stop.
+pub fn stopped_status() -> u8 {
+    let signal = FIRST_SIGNAL.load(Ordering::SeqCst);
+    u8::try_from(128 + if signal > 0 { signal } else { libc::SIGINT }).unwrap_or(130)
 }
 
 static INTERRUPT: AtomicBool = AtomicBool::new(false);

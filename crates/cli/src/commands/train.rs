@@ -97,10 +97,28 @@ pub fn run(args: TrainArgs, collective: Arc<dyn Collective>) -> anyhow::Result<(
         println!("{summary}");
         if let ember_train::RunEnd::Stopped { .. } = summary.end {
             println!("resume with: {}", resume_command(&args, &options.run_dir, options.collective.world()));
+            // Rank 0 alone says so in its status: under mpirun, a rank that ends with a failure
+            // has the others killed, maybe before rank 0 has printed the above.
+            return Err(Stopped { status: crate::signals::stopped_status() }.into());
         }
     }
     Ok(())
 }
+
+/// A run stopped on a signal, checkpointed and reported: `main` exits with `status` (not 0: the run
+/// is not complete) and prints nothing more.
+#[derive(Debug)]
+pub struct Stopped {
+    pub status: u8,
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stopped on a signal (exit status {})", self.status)
+    }
+}
+
+impl std::error::Error for Stopped {}
 
 /// Says at once that a Ctrl-C was heard (the run itself stops only after the step in hand, which
 /// may take a while): a thread that waits for the request and dies with the process.
