@@ -216,10 +216,11 @@ fn count(rows: &[serde_json::Map<String, Value>], key: &str) -> usize {
     rows.iter().filter(|r| r.get(key).is_some_and(Value::is_number)).count()
 }
 
-/// The lowest `val_loss` and its step.
+/// The lowest `val_loss` after a training step (the trainer's best/: never step 0's) and its step.
 fn best_val(rows: &[serde_json::Map<String, Value>]) -> (f64, u64) {
     rows.iter()
         .filter_map(|r| Some((r.get("val_loss")?.as_f64()?, r.get("step")?.as_u64()?)))
+        .filter(|&(_, step)| step > 0)
         .min_by(|a, b| a.0.total_cmp(&b.0))
         .expect("a val_loss")
 }

@@ -46,7 +46,9 @@ fn blocks(markdown: &str) -> Vec<Block> {
     let mut open: Option<(Vec<String>, String, usize)> = None;
     for (i, line) in markdown.lines().enumerate() {
         match (&mut open, line.strip_prefix("```")) {
-            (None, Some(info)) => open = Some((info.split_whitespace().map(String::from).collect(), String::new(), i + 1)),
+            (None, Some(info)) => {
+                open = Some((info.split_whitespace().map(String::from).collect(), String::new(), i + 1))
+            }
             (Some(_), Some(rest)) if rest.trim().is_empty() => {
                 let (info, text, line) = open.take().expect("open block");
                 out.push(Block { info, text, line });
@@ -156,7 +158,14 @@ fn every_readme_recipe_runs_as_written() {
         let script: String = b
             .text
             .lines()
-            .map(|l| if l.contains("ember train") { format!("{l} --max-steps 2\n") } else { format!("{l}\n") })
+            .map(|l| match l.contains("ember train") {
+                // Before a trailing comment, if any.
+                true => match l.split_once(" #") {
+                    Some((cmd, comment)) => format!("{cmd} --max-steps 2 #{comment}\n"),
+                    None => format!("{l} --max-steps 2\n"),
+                },
+                false => format!("{l}\n"),
+            })
             .collect();
         eprintln!("README.md line {}:\n{script}", b.line);
         if kind == "test-server" {

@@ -452,13 +452,14 @@ function renderLegend() {
 
 // --- The ticked runs' configs side by side. ---
 
-// The lowest val_loss of a run and its step, or null.
+// The lowest val_loss of a run after a training step and its step, or null: the trainer's best/
+// (step 0's evaluation, of the starting weights, is never a candidate).
 function bestVal(run) {
   const vals = run.cols.val_loss || [];
   const steps = run.cols.step || [];
   let best = null;
   vals.forEach((v, i) => {
-    if (v !== null && Number.isFinite(v) && (best === null || v < best.loss)) best = { loss: v, step: steps[i] };
+    if (steps[i] > 0 && v !== null && Number.isFinite(v) && (best === null || v < best.loss)) best = { loss: v, step: steps[i] };
   });
   return best;
 }
