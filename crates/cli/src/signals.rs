@@ -20,18 +20,25 @@ extern "C" fn on_signal(signal: libc::c_int) {
 /// Routes SIGTERM and SIGINT to [`stop_requested`] from now on. An error when the system refuses.
 pub fn catch_stop() -> std::io::Result<()> {
     for signal in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: `sigaction` reads the struct it is given; the handler is an `extern "C" fn`
-        // that only touches an atomic and calls `_exit`.
-        let failed = unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-            action.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut action.sa_mask);
-            libc::sigaction(signal, &action, std::ptr::null_mut()) != 0
-        };
-        if failed {
-            return Err(std::io::Error::last_os_error());
-        }
+        install(signal, on_signal)?;
+    }
+    Ok(())
+}
+
+/// Makes `handler` the action of `signal` (restarting interrupted system calls). `handler` must be
+/// async-signal-safe: ember's only touch atomics and call `_exit`.
+fn install(signal: libc::c_int, handler: extern "C" fn(libc::c_int)) -> std::io::Result<()> {
+    // SAFETY: `sigaction` reads the struct it is given, which is fully initialised here; the
+    // handler is an `extern "C" fn` that lives for the whole program.
+    let failed = unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = handler as libc::sighandler_t;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(signal, &action, std::ptr::null_mut()) != 0
+    };
+    if failed {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }
@@ -63,18 +70,7 @@ extern "C" fn on_interrupt(signal: libc::c_int) {
 /// answer in progress and the session goes on ([`take_interrupt`] clears it for the next answer);
 /// a second one before that ends the process. SIGTERM keeps its default action (the session ends).
 pub fn catch_interrupt() -> std::io::Result<()> {
-    // SAFETY: as in `catch_stop`; the handler only touches an atomic and calls `_exit`.
-    let failed = unsafe {
-        let mut action: libc::sigaction = std::mem::zeroed();
-        action.sa_sigaction = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        action.sa_flags = libc::SA_RESTART;
-        libc::sigemptyset(&mut action.sa_mask);
-        libc::sigaction(libc::SIGINT, &action, std::ptr::null_mut()) != 0
-    };
-    if failed {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    install(libc::SIGINT, on_interrupt)
 }
 
 /// Whether a Ctrl-C has arrived since [`catch_interrupt`] or the last [`take_interrupt`].
