@@ -17,23 +17,14 @@ use std::process::{Child, Stdio};
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
-use common::{assets, Scratch};
+use common::Scratch;
 use serde_json::Value;
 
-const MODEL: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The answer's colour (cyan) and the end of it: what `ember chat` writes around the model's words.
 const ANSWER: &str = "\x1b[36m";
 const PLAIN: &str = "\x1b[0m";
 const MARKER: &str = "> ";
 const QUESTION: &str = "What is 2 + 2?";
-
-fn smol(s: &Scratch) -> PathBuf {
-    let gguf = assets().join(MODEL);
-    assert!(gguf.is_file(), "{} not found: set EMBER_TEST_ASSETS to the folder holding models/", gguf.display());
-    let out = s.ember(&["import", gguf.to_str().unwrap(), "--out", "smol"]);
-    assert!(out.status.success(), "import failed: {}", common::stderr(&out));
-    s.path().join("smol")
-}
 
 /// `ember` on the slave side of a pseudo-terminal (its controlling terminal, as in a shell), read
 /// and typed at through the master side.
@@ -155,7 +146,7 @@ impl Drop for Terminal {
 #[test]
 fn chat_in_a_terminal_keeps_its_session_through_ctrl_c_and_recalls_history() {
     let s = Scratch::new();
-    let run = smol(&s);
+    let run = common::import_smollm2(&s);
     let run = run.to_str().unwrap();
     let mut t = Terminal::start(&s, &["chat", "--checkpoint", run, "--seed", "7", "--max-new-tokens", "300"]);
     let greeting = t.expect(MARKER, Duration::from_secs(60));

@@ -183,3 +183,15 @@ pub fn assets() -> PathBuf {
         .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
         .unwrap_or_else(|| root.join("../shared"))
 }
+
+/// The SmolLM2-135M-Instruct GGUF of the shared test assets, under [`assets`].
+pub const SMOLLM2_GGUF: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// SmolLM2 imported into `smol` under the scratch folder; its path.
+pub fn import_smollm2(s: &Scratch) -> PathBuf {
+    let gguf = assets().join(SMOLLM2_GGUF);
+    assert!(gguf.is_file(), "{} not found: set EMBER_TEST_ASSETS to the folder holding models/", gguf.display());
+    let out = s.ember(&["import", gguf.to_str().unwrap(), "--out", "smol"]);
+    assert!(out.status.success(), "import failed: {}", stderr(&out));
+    s.path().join("smol")
+}

@@ -17,21 +17,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{assets, stdout, Scratch};
+use common::{stdout, Scratch};
 use serde_json::{json, Value};
 
-const MODEL: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
 const PROMPT: &str = "The capital of France is";
 const QUESTION: &str = "What is the capital of France?";
-
-/// SmolLM2 imported into `smol` under the scratch folder.
-fn smol(s: &Scratch) -> PathBuf {
-    let gguf = assets().join(MODEL);
-    assert!(gguf.is_file(), "{} not found: set EMBER_TEST_ASSETS to the folder holding models/", gguf.display());
-    let out = s.ember(&["import", gguf.to_str().unwrap(), "--out", "smol"]);
-    assert!(out.status.success(), "import failed: {}", common::stderr(&out));
-    s.path().join("smol")
-}
 
 /// A running `ember serve`, killed when dropped; its log (stderr) goes to `log`.
 struct Served {
@@ -107,7 +97,7 @@ fn sample(s: &Scratch, run: &Path, prompt: &str, n: usize, chat: bool) -> String
 #[test]
 fn the_openai_client_gets_what_ember_sample_gets() {
     let s = Scratch::new();
-    let run = smol(&s);
+    let run = common::import_smollm2(&s);
     // The model's recommended sampling, as `ember import` keeps it from a Hugging Face folder: top-k 1,
     // greedy whatever the temperature, for the requests below that set none.
     let config = r#"{"do_sample": true, "temperature": 0.7, "top_k": 1}"#;
@@ -262,7 +252,7 @@ fn open_stream(addr: &str, max_tokens: usize, wait_for_data: bool) -> TcpStream 
 #[test]
 fn errors_disconnects_and_a_full_queue_over_raw_http() {
     let s = Scratch::new();
-    let run = smol(&s);
+    let run = common::import_smollm2(&s);
     let server = serve(&s, &run, &["--slots", "1", "--queue", "1"]);
     let addr = server.addr.as_str();
     let post = |body: &str| request(addr, "POST", "/v1/completions", body, &[]);
@@ -335,7 +325,7 @@ fn errors_disconnects_and_a_full_queue_over_raw_http() {
 #[test]
 fn the_chat_page_asks_for_the_key_and_streams_an_answer_in_a_browser() {
     let s = Scratch::new();
-    let run = smol(&s);
+    let run = common::import_smollm2(&s);
     let server = serve(&s, &run, &["--api-key", "page-key"]);
     // The page is served without the key (it holds no secret); the API is not.
     assert_eq!(request(&server.addr, "GET", "/", "", &[]).0, 200);
@@ -406,7 +396,7 @@ fn post_with(addr: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u
 #[test]
 fn idle_crowds_foreign_origins_forged_roles_the_request_log_and_a_graceful_stop() {
     let s = Scratch::new();
-    let run = smol(&s);
+    let run = common::import_smollm2(&s);
     let mut server = serve(&s, &run, &["--shutdown-grace", "1"]);
     let addr = server.addr.clone();
     let completion = json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0}).to_string();
