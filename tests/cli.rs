@@ -440,3 +440,86 @@ fn chat_fine_tunes_sample_a_held_out_conversation() {
     // The held-out example is the file's last (one in ten held out).
     assert_eq!(sample["prompt"], "<user>hi 9\n<assistant>hello\n<user>count to 9\n<assistant>", "{sample}");
 }
+
+/// [`tiny_config`] for `ember bench target`: checkpoints only at the end.
+fn target_config() -> String {
+    tiny_config("").replace("checkpoint_interval = 3", "checkpoint_interval = 0")
+}
+
+#[test]
+fn bench_target_stops_at_the_first_evaluation_at_or_below_the_target() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("tiny.toml", &target_config());
+    let (target, max_steps) = (TARGET_EASY, 200);
+    let t = target.to_string();
+    let args = ["bench", "target", "--config", "tiny.toml", "--target-val", &t, "--max-steps", "200"];
+    let args = [&args[..], &["--eval-interval", "10", "--eval-iters", "2", "--seed", "3", "--out", "out"]].concat();
+    let o = s.ember(&[&args[..], &["--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("reached val loss"), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one JSON object");
+    for key in ["config", "target_val", "reached", "median_time_to_target_s", "median_steps", "runs"] {
+        assert!(!j[key].is_null(), "bench target lacks {key}: {j}");
+    }
+    let run = &j["runs"][0];
+    for key in ["seed", "time_to_target_s", "steps", "tokens", "step_ms", "elapsed_s", "best_val_loss", "curve"] {
+        assert!(!run[key].is_null(), "a run lacks {key}: {run}");
+    }
+    assert_eq!((j["reached"].as_bool(), run["seed"].as_u64()), (Some(true), Some(3)), "{j}");
+    let steps = run["steps"].as_u64().unwrap();
+    assert!(steps < max_steps && steps.is_multiple_of(10), "{run}");
+    assert_eq!(run["tokens"].as_u64(), Some(steps * 4 * 32), "{run}");
+    let curve = run["curve"].as_array().unwrap();
+    let vals: Vec<f64> = curve.iter().map(|p| p["val_loss"].as_f64().unwrap()).collect();
+    let (last, earlier) = vals.split_last().unwrap();
+    assert!(*last <= target && earlier.iter().all(|&v| v > target), "{vals:?}");
+    assert_eq!(curve.last().unwrap()["step"].as_u64(), Some(steps));
+    let t = run["time_to_target_s"].as_f64().unwrap();
+    assert_eq!(curve.last().unwrap()["elapsed_s"].as_f64(), Some(t));
+    assert!(t > 0.0 && t <= run["elapsed_s"].as_f64().unwrap(), "{run}");
+    // The run, in --out: its last checkpoint at the target's step, the record of that evaluation
+    // marked in metrics.jsonl.
+    let dir = s.path().join("out/seed-3");
+    assert!(dir.join(format!("checkpoints/step-{steps:06}")).is_dir(), "no final checkpoint");
+    let records = read_metrics(&dir.join("metrics.jsonl")).unwrap();
+    let marked: Vec<_> = records.iter().filter_map(|r| r.target_reached_s.map(|at| (r.step, at))).collect();
+    assert_eq!(marked, [(steps as usize, t)]);
+    // Again into the same --out: refused, the first run kept.
+    assert_clean_error(&s.ember(&args), "exists already");
+}
+
+/// A val loss the tiny config reaches in about 60 of its 200 steps (from 3.7 at step 0, 1.05 at 200).
+const TARGET_EASY: f64 = 1.7;
+
+#[test]
+fn bench_target_not_reached_exits_2_and_bad_values_are_refused() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("tiny.toml", &target_config());
+    let bench = |extra: &[&str]| s.ember(&[&["bench", "target", "--config", "tiny.toml"][..], extra].concat());
+    let o = bench(&["--target-val", "0.01", "--max-steps", "20", "--eval-interval", "10", "--runs", "2", "--json"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("did not reach --target-val 0.01 within 20 steps (seeds 7, 8)"), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one JSON object");
+    assert_eq!((j["reached"].as_bool(), j["median_time_to_target_s"].is_null()), (Some(false), true), "{j}");
+    let runs = j["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for (run, seed) in runs.iter().zip([7, 8]) {
+        assert_eq!((run["seed"].as_u64(), run["steps"].as_u64()), (Some(seed), Some(20)), "{run}");
+        assert!(run["time_to_target_s"].is_null() && run["curve"].as_array().unwrap().len() == 3, "{run}");
+    }
+    for (args, message) in [
+        (&["--target-val", "-1"][..], "--target-val -1 is not a val loss"),
+        (&["--target-val", "NaN"], "--target-val NaN is not a val loss"),
+        (&["--target-val", "inf"], "--target-val inf is not a val loss"),
+        (&["--target-val", "1.5", "--eval-interval", "0"], "--eval-interval 0 is not in 1..="),
+        (&["--target-val", "1.5", "--max-steps", "0"], "--max-steps 0 is not in 1..="),
+        (&["--target-val", "1.5", "--runs", "0"], "--runs 0 is not in 1..=100"),
+    ] {
+        assert_clean_error(&bench(args), message);
+    }
+    // The config key is checked as such.
+    s.write("bad.toml", &target_config().replace("seed = 7", "seed = 7\ntarget_val_loss = -2.0"));
+    assert_clean_error(&s.ember(&["train", "--config", "bad.toml"]), "train.target_val_loss");
+}

@@ -29,4 +29,4 @@ pub use checkpoint::Checkpoint;
 pub use config::{ConfigFile, InitSource, TrainConfig};
 pub use error::{InvalidConfig, TrainError};
 pub use init::{ResolvedConfig, ResolvedInit};
-pub use trainer::{train, RunEnd, TrainOptions, TrainSummary};
+pub use trainer::{train, RunEnd, TrainOptions, TrainSummary, ValPoint};

@@ -216,6 +216,10 @@ pub struct StepRecord {
     /// their micro-batches (load imbalance, a slow or stalled rank).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_ms: Option<f64>,
+    /// The evaluation at which the val loss first reached `train.target_val_loss` (the run stops
+    /// there): the wall time at its end, evaluation included, the run's time to target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_reached_s: Option<f64>,
 }
 
 /// `metrics.jsonl`.
@@ -276,6 +280,7 @@ mod tests {
             epoch: None,
             comm_ms: None,
             wait_ms: None,
+            target_reached_s: None,
         }
     }
 

@@ -14,6 +14,8 @@ use serde::Serialize;
 
 use crate::backend::{dispatch, gpu_name, memory_available, memory_probe, DeviceSpec, Job};
 
+mod target;
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     #[command(subcommand)]
@@ -37,6 +39,9 @@ enum BenchCommand {
     /// Concurrent streaming clients against `ember serve` (started in-process on a free port):
     /// aggregate tokens/s, time to first token, time between tokens.
     Serve(ServeBenchArgs),
+    /// Train a config until its val loss first reaches --target-val: time to target, steps, tokens,
+    /// the val curve (exit status 2 when it is not reached within --max-steps).
+    Target(target::TargetBenchArgs),
     /// Bus bandwidth of ember's gradient reduction against the engine's own all-reduce
     /// (`mpirun -n N ember bench allreduce`).
     Allreduce(AllreduceBenchArgs),
@@ -361,6 +366,7 @@ pub fn run(
         BenchCommand::Dashboard(a) => dashboard(a),
         BenchCommand::Serve(a) => serve(a),
         BenchCommand::Allreduce(a) => allreduce(a, collective.as_ref()),
+        BenchCommand::Target(a) => target::target(a),
     }
 }
 

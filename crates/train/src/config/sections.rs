@@ -133,6 +133,11 @@ pub struct LoopConfig {
     /// Checkpoints kept in the run directory (older ones are deleted).
     #[serde(default = "two")]
     pub keep_checkpoints: usize,
+    /// Stop at the first evaluation (after step 0) whose val loss is at or below this, checkpointed
+    /// as at the end of a run: time to target (`ember bench target`). Finite, above 0 [default: none:
+    /// train to `max_steps`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_val_loss: Option<f64>,
     /// Seeds the initial weights and the batch sampler.
     #[serde(default = "default_seed")]
     pub seed: u64,

@@ -152,6 +152,9 @@ impl LoopConfig {
         ] {
             broken.extend(at_most(key, v, limit).err());
         }
+        if let Some(t) = self.target_val_loss.filter(|t| !(*t > 0.0 && t.is_finite())) {
+            broken.push(out_of_range("train.target_val_loss", t, "finite, above 0"));
+        }
     }
 }
 

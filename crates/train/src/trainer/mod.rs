@@ -1,6 +1,7 @@
 //! The training loop, nanoGPT's `while True:` in Burn: LR -> micro-batches (forward, backward,
 //! accumulate) -> global-norm clip -> AdamW -> log -> maybe evaluate (a new best val loss: its
-//! weights kept in `best/`) / checkpoint -> stop (at the last step, or when asked: Ctrl-C).
+//! weights kept in `best/`) / checkpoint -> stop (at the last step, at the first evaluation at or
+//! below `train.target_val_loss`, or when asked: Ctrl-C).
 //!
 //! The loop composes its parts, torchtitan's way: each is built from a config (what it reads of the
 //! run's) by a `build`. [`setup`]: the data, the tokenizer and the starting model; [`checkpointer`]:
@@ -92,6 +93,11 @@ impl std::fmt::Debug for dyn MemoryProbe {
 pub enum RunEnd {
     /// It trained to its last step (`train.max_steps`, or `--max-steps`).
     Completed,
+    /// An evaluation's val loss, `val_loss`, was at or below `train.target_val_loss`, `target`: the
+    /// run stopped there, checkpointed as at its last step. `elapsed_s` is the run's wall time at
+    /// the end of that evaluation (its clock starts after setup: data, tokenizer, model, optimizer;
+    /// the step-0 evaluation and every later one are included): the time to target.
+    ReachedTarget { target: f64, val_loss: f64, elapsed_s: f64 },
     /// A stop was requested ([`TrainOptions::stop_requested`]): the checkpoint of the step it
     /// stopped at is `checkpoint`.
     Stopped { checkpoint: PathBuf },
@@ -115,7 +121,18 @@ pub struct TrainSummary {
     pub tokens_per_sec: f64,
     pub mfu: f64,
     pub elapsed_s: f64,
+    /// The evaluations of this invocation (step 0's where it started the run), in order.
+    pub val_curve: Vec<ValPoint>,
     pub end: RunEnd,
+}
+
+/// One evaluation of the val split.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct ValPoint {
+    pub step: usize,
+    /// The run's wall time at the end of the evaluation.
+    pub elapsed_s: f64,
+    pub val_loss: f64,
 }
 
 impl TrainSummary {
@@ -139,6 +156,11 @@ impl std::fmt::Display for TrainSummary {
             format!("{:.0} s ({:.0} tokens/s, MFU {:.2}%)", self.elapsed_s, self.tokens_per_sec, 100.0 * self.mfu);
         match &self.end {
             RunEnd::Completed => write!(f, "trained {steps} steps in {speed}; {best}; run directory {run}"),
+            RunEnd::ReachedTarget { target, val_loss, elapsed_s } => write!(
+                f,
+                "reached val loss {val_loss:.4} <= target {target} at step {steps} of {max}, {elapsed_s:.1} s into \
+                 training; trained {steps} steps in {speed}; {best}; run directory {run}"
+            ),
             RunEnd::Stopped { checkpoint } => write!(
                 f,
                 "stopped at step {steps} of {max}: checkpoint {} written; {best}; trained for {speed}; run \
@@ -198,11 +220,15 @@ pub fn train<B: TrainBackend>(
     let evaluator = EvaluatorConfig::of(config).build(&setup, c);
     let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
     if state.step >= stop {
-        return Ok(rec.finish(&opts.run_dir, &state, None, RunEnd::NothingToTrain { stop_at: opts.stop_at }));
+        let end = RunEnd::NothingToTrain { stop_at: opts.stop_at };
+        return Ok(rec.finish(&opts.run_dir, &state, None, Vec::new(), end));
     }
+    let mut curve = Vec::new();
     if state.step == 0 {
-        evaluator.initial(&model.valid(), &mut rec)?;
+        let val_loss = evaluator.initial(&model.valid(), &mut rec)?;
+        curve.push(ValPoint { step: 0, elapsed_s: rec.clock.elapsed_s(), val_loss });
     }
+    let target = config.train.target_val_loss;
     let mut last_val = None;
     let mut end = RunEnd::Completed;
     while state.step < stop {
@@ -223,15 +249,29 @@ pub fn train<B: TrainBackend>(
                     checkpointer.save_best(&model, step, vl, &rec.bar)?;
                 }
                 last_val = Some(vl);
+                let elapsed_s = rec.clock.elapsed_s();
+                curve.push(ValPoint { step, elapsed_s, val_loss: vl });
+                if let Some(target) = target.filter(|&t| vl <= t) {
+                    record.target_reached_s = Some(elapsed_s);
+                    end = RunEnd::ReachedTarget { target, val_loss: vl, elapsed_s };
+                    rec.bar.suspend(|| {
+                        tracing::info!("reached val loss {vl:.4} <= target {target} at step {step}, {elapsed_s:.1} s")
+                    });
+                }
             }
             rec.write(&record)?;
         }
-        let saved = checkpointer.due(step, stop);
+        let reached = matches!(end, RunEnd::ReachedTarget { .. });
+        // Reaching the target ends the run: its last checkpoint, as at `stop`.
+        let saved = checkpointer.due(step, if reached { step } else { stop });
         if saved {
             state.elapsed_s = rec.clock.elapsed_s();
             checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
         }
         rec.bar.set_position(step as u64);
+        if reached {
+            break;
+        }
         // (At the last step there is nothing left to stop: the run completes.)
         if step < stop && stop_requested(opts, step)? {
             rec.bar.suspend(|| tracing::info!("stop requested: the run stops at step {step}, checkpointed"));
@@ -243,7 +283,7 @@ pub fn train<B: TrainBackend>(
             break;
         }
     }
-    Ok(rec.finish(&opts.run_dir, &state, last_val, end))
+    Ok(rec.finish(&opts.run_dir, &state, last_val, curve, end))
 }
 
 /// Whether to stop after step `step`: asked of [`TrainOptions::stop_requested`], and agreed by

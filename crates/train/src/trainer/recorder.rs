@@ -7,7 +7,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::throughput::{Clock, Throughput};
-use super::{RunEnd, TrainOptions, TrainSummary};
+use super::{RunEnd, TrainOptions, TrainSummary, ValPoint};
 use crate::checkpoint::TrainState;
 use crate::config::{SinkKind, TrainConfig};
 use crate::error::TrainError;
@@ -134,6 +134,7 @@ impl Recorder {
             epoch,
             comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
             wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
+            target_reached_s: None,
         };
         self.speed.reset_window();
         record
@@ -154,6 +155,7 @@ impl Recorder {
         run_dir: &Path,
         state: &TrainState,
         last_val_loss: Option<f64>,
+        val_curve: Vec<ValPoint>,
         end: RunEnd,
     ) -> TrainSummary {
         self.bar.finish_and_clear();
@@ -168,6 +170,7 @@ impl Recorder {
             tokens_per_sec,
             mfu: mfu(self.config.flops_per_token, tokens_per_sec, &self.peak) / self.world as f64,
             elapsed_s: self.clock.elapsed_s(),
+            val_curve,
             end,
         }
     }
