@@ -453,7 +453,7 @@ fn bench_target_stops_at_the_first_evaluation_at_or_below_the_target() {
     s.write("tiny.toml", &target_config());
     let (target, max_steps) = (TARGET_EASY, 200);
     let t = target.to_string();
-    let args = ["bench", "target", "--config", "tiny.toml", "--target-val", &t, "--max-steps", "200"];
+    let args = ["bench", "target", "--config", "tiny.toml", "--target-val", &t, "--max-steps", "200", "--runs", "2"];
     let args = [&args[..], &["--eval-interval", "10", "--eval-iters", "2", "--seed", "3", "--out", "out"]].concat();
     let o = s.ember(&[&args[..], &["--json"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
@@ -462,29 +462,38 @@ fn bench_target_stops_at_the_first_evaluation_at_or_below_the_target() {
     for key in ["config", "target_val", "reached", "median_time_to_target_s", "median_steps", "runs"] {
         assert!(!j[key].is_null(), "bench target lacks {key}: {j}");
     }
-    let run = &j["runs"][0];
-    for key in ["seed", "time_to_target_s", "steps", "tokens", "step_ms", "elapsed_s", "best_val_loss", "curve"] {
-        assert!(!run[key].is_null(), "a run lacks {key}: {run}");
+    let runs = j["runs"].as_array().unwrap();
+    assert_eq!((j["reached"].as_bool(), runs.len()), (Some(true), 2), "{j}");
+    let mut times_and_steps = Vec::new();
+    for (run, seed) in runs.iter().zip([3u64, 4]) {
+        for key in ["time_to_target_s", "steps", "tokens", "step_ms", "elapsed_s", "best_val_loss", "curve"] {
+            assert!(!run[key].is_null(), "a run lacks {key}: {run}");
+        }
+        assert_eq!(run["seed"].as_u64(), Some(seed), "{run}");
+        let steps = run["steps"].as_u64().unwrap();
+        assert!(steps < max_steps && steps.is_multiple_of(10), "{run}");
+        assert_eq!(run["tokens"].as_u64(), Some(steps * 4 * 32), "{run}");
+        let curve = run["curve"].as_array().unwrap();
+        let vals: Vec<f64> = curve.iter().map(|p| p["val_loss"].as_f64().unwrap()).collect();
+        let (last, earlier) = vals.split_last().unwrap();
+        assert!(*last <= target && earlier.iter().all(|&v| v > target), "{vals:?}");
+        assert_eq!(curve.last().unwrap()["step"].as_u64(), Some(steps));
+        let t = run["time_to_target_s"].as_f64().unwrap();
+        assert_eq!(curve.last().unwrap()["elapsed_s"].as_f64(), Some(t));
+        assert!(t > 0.0 && t <= run["elapsed_s"].as_f64().unwrap(), "{run}");
+        // The run, in --out: its last checkpoint at the target's step, its best/, the record of
+        // that evaluation marked in metrics.jsonl.
+        let dir = s.path().join(format!("out/seed-{seed}"));
+        assert!(dir.join(format!("checkpoints/step-{steps:06}")).is_dir() && dir.join("best").is_dir(), "{seed}");
+        let records = read_metrics(&dir.join("metrics.jsonl")).unwrap();
+        let marked: Vec<_> = records.iter().filter_map(|r| r.target_reached_s.map(|at| (r.step, at))).collect();
+        assert_eq!(marked, [(steps as usize, t)]);
+        times_and_steps.push((t, steps as f64));
     }
-    assert_eq!((j["reached"].as_bool(), run["seed"].as_u64()), (Some(true), Some(3)), "{j}");
-    let steps = run["steps"].as_u64().unwrap();
-    assert!(steps < max_steps && steps.is_multiple_of(10), "{run}");
-    assert_eq!(run["tokens"].as_u64(), Some(steps * 4 * 32), "{run}");
-    let curve = run["curve"].as_array().unwrap();
-    let vals: Vec<f64> = curve.iter().map(|p| p["val_loss"].as_f64().unwrap()).collect();
-    let (last, earlier) = vals.split_last().unwrap();
-    assert!(*last <= target && earlier.iter().all(|&v| v > target), "{vals:?}");
-    assert_eq!(curve.last().unwrap()["step"].as_u64(), Some(steps));
-    let t = run["time_to_target_s"].as_f64().unwrap();
-    assert_eq!(curve.last().unwrap()["elapsed_s"].as_f64(), Some(t));
-    assert!(t > 0.0 && t <= run["elapsed_s"].as_f64().unwrap(), "{run}");
-    // The run, in --out: its last checkpoint at the target's step, the record of that evaluation
-    // marked in metrics.jsonl.
-    let dir = s.path().join("out/seed-3");
-    assert!(dir.join(format!("checkpoints/step-{steps:06}")).is_dir(), "no final checkpoint");
-    let records = read_metrics(&dir.join("metrics.jsonl")).unwrap();
-    let marked: Vec<_> = records.iter().filter_map(|r| r.target_reached_s.map(|at| (r.step, at))).collect();
-    assert_eq!(marked, [(steps as usize, t)]);
+    // The median of two: their mean.
+    let [(t0, s0), (t1, s1)] = times_and_steps[..] else { unreachable!() };
+    assert!((j["median_time_to_target_s"].as_f64().unwrap() - (t0 + t1) / 2.0).abs() < 1e-9, "{j}");
+    assert_eq!(j["median_steps"].as_f64(), Some((s0 + s1) / 2.0), "{j}");
     // Again into the same --out: refused, the first run kept.
     assert_clean_error(&s.ember(&args), "exists already");
 }
