@@ -14,6 +14,7 @@ pub mod flops;
 pub mod init;
 pub mod memory;
 pub mod metrics;
+pub mod muon;
 pub mod optim;
 pub mod perplexity;
 pub mod precision;

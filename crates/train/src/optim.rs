@@ -10,6 +10,9 @@
 //! so ember does both itself: the trainer computes one global clipping coefficient from
 //! [`global_grad_norm`] and [`clip_coefficient`], and [`AdamW::step`] scales every gradient by it.
 //! State is keyed by parameter path, so optimizer checkpoints are readable safetensors files.
+//!
+//! With a `[muon]` section, [`Muon`] trains the hidden matrices instead (its momentum buffers saved
+//! as `<path>.momentum_buffer`, torch's name) and AdamW the rest.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -21,7 +24,9 @@ use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
 use ember_kernels::{adamw, sum_squares, AdamWStep, Compute, TrainBackend};
 use ember_model::weights::{map_paths, PathMapper};
 
-use crate::config::OptimConfig;
+use crate::config::{MuonConfig, OptimConfig};
+use crate::distributed::{Collective, DistError, Solo};
+use crate::muon::{adjusted_lr, Muon};
 
 /// First and second moments of one parameter, flattened.
 struct Moments<B: Backend> {
@@ -36,11 +41,28 @@ pub struct AdamW<B: TrainBackend> {
     /// Optimizer steps taken (t in the bias corrections is `steps + 1` during a step).
     steps: u64,
     state: HashMap<String, Moments<B::InnerBackend>>,
+    /// Muon for the hidden matrices, when the config has `[muon]`.
+    muon: Option<Muon<B::InnerBackend>>,
 }
 
 impl<B: TrainBackend> AdamW<B> {
     pub fn new(config: OptimConfig, compute: Compute) -> Self {
-        Self { config, compute, steps: 0, state: HashMap::new() }
+        Self { config, compute, steps: 0, state: HashMap::new(), muon: None }
+    }
+
+    /// The hidden matrices trained by Muon of `muon` (when given), whose rate follows AdamW's
+    /// schedule scaled by `muon.lr / adamw_lr` (`adamw_lr`: `schedule.lr`).
+    pub fn with_muon(mut self, muon: Option<&MuonConfig>, adamw_lr: f64) -> Self {
+        self.muon = muon.map(|m| Muon::new(m.clone(), adamw_lr));
+        self
+    }
+
+    /// Parameters and elements of `model` Muon trains (none without `[muon]`): for the log.
+    pub fn muon_share<M: AutodiffModule<B>>(&self, model: &M) -> (usize, usize) {
+        let Some(muon) = &self.muon else { return (0, 0) };
+        param_shapes::<B, M>(model).iter().filter(|(path, s)| muon.takes(path, s.len())).fold((0, 0), |(n, e), (_, s)| {
+            (n + 1, e + s.iter().product::<usize>())
+        })
     }
 
     pub fn steps(&self) -> u64 {
@@ -49,7 +71,28 @@ impl<B: TrainBackend> AdamW<B> {
 
     /// One update of every parameter that has a gradient in `grads`, each gradient first multiplied
     /// by `grad_scale` (the clipping coefficient). Parameters without a gradient are left alone.
-    pub fn step<M: AutodiffModule<B>>(&mut self, lr: f64, model: M, mut grads: GradientsParams, grad_scale: f64) -> M {
+    pub fn step<M: AutodiffModule<B>>(&mut self, lr: f64, model: M, grads: GradientsParams, grad_scale: f64) -> M {
+        match self.step_shared(lr, model, grads, grad_scale, &Solo, "step") {
+            Ok(model) => model,
+            Err(e) => unreachable!("a single process has no collective to fail: {e}"),
+        }
+    }
+
+    /// [`Self::step`] in a data-parallel run whose gradients `c` has already summed: the ranks share
+    /// Muon's orthogonalisations (`what` names the step in errors).
+    pub fn step_shared<M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        model: M,
+        mut grads: GradientsParams,
+        grad_scale: f64,
+        c: &dyn Collective,
+        what: &str,
+    ) -> Result<M, DistError> {
+        let muon_updates = match self.muon.as_mut() {
+            Some(muon) => muon.orthogonalized::<B, M>(&model, &grads, grad_scale, c, what)?,
+            None => HashMap::new(),
+        };
         self.steps += 1;
         let t = self.steps as i32;
         let c = &self.config;
@@ -65,8 +108,10 @@ impl<B: TrainBackend> AdamW<B> {
             weight_decay: c.weight_decay,
             bias1: 1.0 - c.beta1.powi(t),
             bias2: 1.0 - c.beta2.powi(t),
+            muon: self.muon.as_ref().map(|m| (m.lr(lr), m.config.weight_decay, m.config.adjust_lr)),
+            muon_updates,
         };
-        map_paths(model, &mut mapper)
+        Ok(map_paths(model, &mut mapper))
     }
 
     /// Moments as named tensors: `<param path>.exp_avg` and `<param path>.exp_avg_sq` (torch's names).
@@ -78,6 +123,11 @@ impl<B: TrainBackend> AdamW<B> {
                 let s = &self.state[k];
                 [(format!("{k}.exp_avg"), s.m.to_data()), (format!("{k}.exp_avg_sq"), s.v.to_data())]
             })
+            .chain(self.muon.iter().flat_map(|m| {
+                let mut keys: Vec<&String> = m.buffers.keys().collect();
+                keys.sort();
+                keys.into_iter().map(|k| (format!("{k}.momentum_buffer"), m.buffers[k].to_data()))
+            }))
             .collect()
     }
 
@@ -90,12 +140,35 @@ impl<B: TrainBackend> AdamW<B> {
         steps: u64,
         device: &Device<B::InnerBackend>,
     ) -> Result<(), String> {
-        let sizes = param_sizes::<B, M>(model);
         let mut state = HashMap::new();
-        for (path, n) in &sizes {
+        let mut buffers = HashMap::new();
+        for (path, shape) in param_shapes::<B, M>(model) {
+            let buffer = tensors.remove(&format!("{path}.momentum_buffer"));
+            let muon = self.muon.as_ref().is_some_and(|m| m.takes(&path, shape.len()));
+            let Some(buffer) = buffer else { continue };
+            if !muon {
+                return Err(format!(
+                    "`{path}.momentum_buffer` is Muon's, but Muon does not train `{path}` in this config \
+                     (a run resumes with the optimizer it started with: restore its [muon] section)"
+                ));
+            }
+            if buffer.shape.to_vec() != shape {
+                return Err(format!("`{path}.momentum_buffer` has shape {:?}, the parameter has {shape:?}", buffer.shape));
+            }
+            let values = buffer.convert::<f32>().into_vec::<f32>().expect("converted to f32");
+            buffers.insert(path, Tensor::from_data(TensorData::new(values, [shape[0], shape[1]]), device));
+        }
+        for (path, shape) in param_shapes::<B, M>(model) {
+            let n = &shape.iter().product::<usize>();
             let m = tensors.remove(&format!("{path}.exp_avg"));
             let v = tensors.remove(&format!("{path}.exp_avg_sq"));
             match (m, v) {
+                (Some(_), Some(_)) if self.muon.as_ref().is_some_and(|mu| mu.takes(&path, shape.len())) => {
+                    return Err(format!(
+                        "`{path}` has AdamW moments, but this config's [muon] trains it (a run resumes with \
+                         the optimizer it started with: remove [muon], or start a new run)"
+                    ));
+                }
                 (Some(m), Some(v)) => {
                     for (name, d) in [("exp_avg", &m), ("exp_avg_sq", &v)] {
                         if d.num_elements() != *n {
@@ -119,6 +192,9 @@ impl<B: TrainBackend> AdamW<B> {
             return Err(format!("moment `{k}` belongs to no parameter of the model"));
         }
         self.state = state;
+        if let Some(muon) = self.muon.as_mut() {
+            muon.buffers = buffers;
+        }
         self.steps = steps;
         Ok(())
     }
@@ -136,6 +212,10 @@ struct Update<'a, B: TrainBackend> {
     weight_decay: f64,
     bias1: f64,
     bias2: f64,
+    /// Muon's rate at this step, its weight decay and shape scale.
+    muon: Option<(f64, f64, crate::config::AdjustLr)>,
+    /// Muon's orthogonalised updates, by path.
+    muon_updates: HashMap<String, Tensor<B::InnerBackend, 2>>,
 }
 
 impl<B: TrainBackend> PathMapper<B> for Update<'_, B> {
@@ -145,6 +225,12 @@ impl<B: TrainBackend> PathMapper<B> for Update<'_, B> {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let dims = tensor.dims();
+        if let (Some(o), Some((lr, wd, adjust))) = (self.muon_updates.remove(path), self.muon) {
+            let p = tensor.inner();
+            let p = if wd == 0.0 { p } else { p.mul_scalar(1.0 - lr * wd) };
+            let p = p - o.mul_scalar(adjusted_lr(lr, adjust, [dims[0], dims[1]])).reshape(dims);
+            return Param::from_mapped_value(id, Tensor::<B, D>::from_inner(p).require_grad(), mapper);
+        }
         let n = tensor.shape().num_elements();
         let key = path.to_string();
         let g = grad.reshape([n]); // [n]
@@ -169,9 +255,9 @@ impl<B: TrainBackend> PathMapper<B> for Update<'_, B> {
     }
 }
 
-/// Parameter paths and element counts.
-fn param_sizes<B: Backend, M: burn::module::Module<B>>(model: &M) -> Vec<(String, usize)> {
-    ember_model::weights::param_shapes::<B, M>(model).into_iter().map(|(k, s)| (k, s.iter().product())).collect()
+/// Parameter paths and shapes.
+fn param_shapes<B: Backend, M: burn::module::Module<B>>(model: &M) -> Vec<(String, Vec<usize>)> {
+    ember_model::weights::param_shapes::<B, M>(model)
 }
 
 /// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it, in f32.

@@ -36,6 +36,14 @@ impl<B: TrainBackend> Optimizer<B> {
         steps: u64,
         device: &Device<B>,
     ) -> Result<Self, OptimizerError> {
+        if config.distributed.shard_optimizer && c.world() > 1 && config.muon.is_some() {
+            return Err(OptimizerError::Sharding(
+                "[distributed] shard_optimizer (ZeRO-1) shards AdamW's moments and cannot yet take [muon]'s \
+                 matrices: leave shard_optimizer out (Muon's ranks already share the orthogonalisations) \
+                 or remove [muon]"
+                    .into(),
+            ));
+        }
         if config.distributed.shard_optimizer && c.world() > 1 {
             let cx = model.compute();
             let mut o =
@@ -46,7 +54,7 @@ impl<B: TrainBackend> Optimizer<B> {
         if config.distributed.shard_optimizer {
             tracing::info!("distributed.shard_optimizer has no effect in a single process");
         }
-        let mut o = AdamW::<B>::new(config.optim.clone(), model.compute());
+        let mut o = AdamW::<B>::new(config.optim.clone(), model.compute()).with_muon(config.muon.as_ref(), config.schedule.lr);
         o.load_state(model, saved, steps, device).map_err(OptimizerError::Moments)?;
         Ok(Self::Replicated(o))
     }
@@ -134,10 +142,10 @@ impl<B: TrainBackend> Stepper<'_, B> {
         let bucket = self.config.distributed.bucket_elems();
         match optim {
             Optimizer::Replicated(adamw) => {
-                let what = format!("{what}: gradients");
+                let sums = format!("{what}: gradients");
                 let grads = match self.device_comm {
-                    Some(dc) => all_reduce_grads_on_device(dc, rank, &model, grads, bucket, &what)?,
-                    None => all_reduce_grads(c, &model, grads, bucket, &mut self.buffers.borrow_mut(), &what)?,
+                    Some(dc) => all_reduce_grads_on_device(dc, rank, &model, grads, bucket, &sums)?,
+                    None => all_reduce_grads(c, &model, grads, bucket, &mut self.buffers.borrow_mut(), &sums)?,
                 };
                 let comm = t.elapsed();
                 let scaled_norm = global_grad_norm(&model, &grads, model.compute());
@@ -148,7 +156,7 @@ impl<B: TrainBackend> Stepper<'_, B> {
                     }
                 }
                 let scale = clip_coefficient(grad_norm, self.config.optim.grad_clip) / loss_scale;
-                let model = adamw.step(lr, model, grads, scale);
+                let model = adamw.step_shared(lr, model, grads, scale, c, &what)?;
                 Ok((model, StepOutput { loss, grad_norm, skipped: false, comm, wait }))
             }
             Optimizer::Sharded(zero) => {

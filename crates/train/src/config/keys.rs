@@ -11,16 +11,19 @@ use serde::Deserialize;
 
 use ember_model::{LoraConfig, ModelConfig};
 
-use super::sections::{DataConfig, DistributedConfig, LoopConfig, MetricsConfig, OptimConfig, ScheduleConfig};
+use super::sections::{
+    DataConfig, DistributedConfig, LoopConfig, MetricsConfig, MuonConfig, OptimConfig, ScheduleConfig,
+};
 use super::{InitSource, TrainConfig};
 use crate::error::InvalidConfig;
 
 /// Keys with no default, by section (a section left out counts as empty). `[model]` may be left
-/// out as a whole when `init_from` gives the model; `[lora]` is optional as a whole.
+/// out as a whole when `init_from` gives the model; `[lora]` and `[muon]` are optional as a whole.
 pub const REQUIRED: &[(&str, &[&str])] = &[
     ("model", &["d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"]),
     ("train", &["batch_size", "max_steps"]),
     ("lora", &["rank", "alpha"]),
+    ("muon", &["lr"]),
 ];
 
 /// One thing wrong with a config file, where the file says it.
@@ -126,6 +129,7 @@ pub fn section_keys(name: &str) -> Option<&'static [&'static str]> {
         "optim" => serde_fields::<OptimConfig>(),
         "schedule" => serde_fields::<ScheduleConfig>(),
         "lora" => serde_fields::<LoraConfig>(),
+        "muon" => serde_fields::<MuonConfig>(),
         "metrics" => serde_fields::<MetricsConfig>(),
         "distributed" => serde_fields::<DistributedConfig>(),
         _ => return None,
@@ -142,6 +146,7 @@ fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
         "optim" => toml::from_str::<OptimConfig>(text).map(drop),
         "schedule" => toml::from_str::<ScheduleConfig>(text).map(drop),
         "lora" => toml::from_str::<LoraConfig>(text).map(drop),
+        "muon" => toml::from_str::<MuonConfig>(text).map(drop),
         "metrics" => toml::from_str::<MetricsConfig>(text).map(drop),
         "distributed" => toml::from_str::<DistributedConfig>(text).map(drop),
         _ => Ok(()),
@@ -441,7 +446,7 @@ mod tests {
     fn field_names_come_from_the_structs() {
         assert_eq!(
             sections(),
-            ["model", "data", "train", "optim", "schedule", "lora", "metrics", "distributed"],
+            ["model", "data", "train", "optim", "schedule", "lora", "muon", "metrics", "distributed"],
             "a new section needs its struct in section_keys and read_section"
         );
         for s in sections() {

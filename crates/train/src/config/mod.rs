@@ -21,8 +21,8 @@ pub use defaults::{LR_FULL, LR_LORA, LR_SCRATCH};
 pub use file::{ConfigFile, InitSource, Purpose};
 pub use keys::{ConfigProblem, Hint, Problem, REQUIRED};
 pub use sections::{
-    DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig, OptimConfig, Precision,
-    ScheduleConfig, SinkKind,
+    AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig, MuonConfig, NsDtype,
+    OptimConfig, Precision, ScheduleConfig, SinkKind,
 };
 
 /// A run's config: pure data, read from TOML. `M` is the architecture: a [`ModelConfig`], or in a
@@ -42,6 +42,9 @@ pub struct TrainConfig<M = ModelConfig> {
     /// Fine-tune low-rank adapters instead of every weight.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraConfig>,
+    /// Muon for the hidden matrices (AdamW for the rest); absent: AdamW for every parameter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub muon: Option<MuonConfig>,
     /// Where metrics go, and the text sampled at evaluations.
     #[serde(default)]
     pub metrics: MetricsConfig,
@@ -98,8 +101,8 @@ impl TrainConfig {
 impl<M> TrainConfig<M> {
     /// The same config with the architecture `model`.
     pub fn with_model<N>(self, model: N) -> TrainConfig<N> {
-        let Self { init_from, model: _, data, train, optim, schedule, lora, metrics, distributed } = self;
-        TrainConfig { init_from, model, data, train, optim, schedule, lora, metrics, distributed }
+        let Self { init_from, model: _, data, train, optim, schedule, lora, muon, metrics, distributed } = self;
+        TrainConfig { init_from, model, data, train, optim, schedule, lora, muon, metrics, distributed }
     }
 
     pub fn decay_steps(&self) -> usize {

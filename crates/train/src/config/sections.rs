@@ -248,6 +248,83 @@ fn eps() -> f64 {
     1e-8
 }
 
+/// Muon (Jordan et al., 2024) for the hidden matrices: momentum, then the update orthogonalised by a
+/// Newton–Schulz iteration, as `torch.optim.Muon` computes it. The section is optional: without it
+/// every parameter trains with AdamW. With it, the 2-D weights inside the blocks (attention and MLP
+/// projections) train with Muon and everything else (embedding, LM head, norms, biases) with AdamW
+/// under `[optim]`. Muon's rate follows the `[schedule]` shape, scaled by `lr / schedule.lr`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MuonConfig {
+    /// Peak learning rate of the Muon matrices (modded-nanogpt: 0.05 with `adjust_lr = "original"`).
+    pub lr: f64,
+    #[serde(default = "muon_momentum")]
+    pub momentum: f64,
+    /// Nesterov momentum: the iteration reads `lerp(grad, buf, momentum)` instead of `buf`.
+    #[serde(default = "yes")]
+    pub nesterov: bool,
+    /// Newton–Schulz iterations (torch refuses 100 or more).
+    #[serde(default = "ns_steps")]
+    pub ns_steps: usize,
+    /// The quintic's coefficients (a, b, c): `X <- a·X + (b·A + c·A²)·X` with `A = X·Xᵀ`.
+    #[serde(default = "ns_coefficients")]
+    pub ns_coefficients: [f64; 3],
+    /// Floor of the Frobenius norm the iteration's input is divided by.
+    #[serde(default = "muon_eps")]
+    pub eps: f64,
+    /// Decoupled weight decay: `p <- p·(1 - lr·weight_decay)` before the update.
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// The shape scale of the rate (torch's `adjust_lr_fn`).
+    #[serde(default)]
+    pub adjust_lr: AdjustLr,
+    /// The iteration's arithmetic: `f32`, or `bf16` as torch computes it (operands and results
+    /// rounded to bf16, products accumulated in f32).
+    #[serde(default)]
+    pub ns_dtype: NsDtype,
+    /// Muon on LoRA's adapter matrices too (by default they train with AdamW).
+    #[serde(default)]
+    pub lora: bool,
+}
+
+/// How Muon scales its rate by a matrix's shape, for a weight of `fan_out × fan_in` (torch's
+/// orientation; ember stores linear weights as `[fan_in, fan_out]`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdjustLr {
+    /// Keller Jordan's `lr · max(1, fan_out / fan_in)^½`.
+    #[default]
+    Original,
+    /// Moonshot's `lr · 0.2 · max(fan_out, fan_in)^½`: the update's RMS matches AdamW's, so AdamW's
+    /// rate and weight decay carry over.
+    MatchRmsAdamw,
+}
+
+/// The Newton–Schulz iteration's arithmetic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NsDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+fn muon_momentum() -> f64 {
+    0.95
+}
+fn yes() -> bool {
+    true
+}
+fn ns_steps() -> usize {
+    5
+}
+fn ns_coefficients() -> [f64; 3] {
+    [3.4445, -4.7750, 2.0315]
+}
+fn muon_eps() -> f64 {
+    1e-7
+}
+
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps`, then constant. Every key
 /// has a default, and the section may be left out; the defaults that depend on other keys are
 /// filled in when the file is read (`config::defaults`).

@@ -6,7 +6,7 @@ use ember_model::ModelConfig;
 
 use super::file::Purpose;
 use super::sections::{DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig};
-use super::sections::{OptimConfig, ScheduleConfig};
+use super::sections::{MuonConfig, OptimConfig, ScheduleConfig};
 use super::TrainConfig;
 use crate::error::{InvalidConfig, Relation};
 
@@ -71,6 +71,9 @@ impl<M> TrainConfig<M> {
         }
         self.train.check(&mut broken);
         self.optim.check(&mut broken);
+        if let Some(muon) = &self.muon {
+            muon.check(&mut broken);
+        }
         self.schedule.check(&mut broken);
         if self.schedule.warmup_steps > self.decay_steps() {
             broken.push(InvalidConfig::Bounded {
@@ -172,6 +175,29 @@ impl OptimConfig {
             if !(v >= 0.0 && v.is_finite()) {
                 broken.push(out_of_range(key, v, ">= 0"));
             }
+        }
+    }
+}
+
+impl MuonConfig {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            broken.push(out_of_range("muon.lr", self.lr, "positive"));
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            broken.push(out_of_range("muon.momentum", self.momentum, "in [0, 1)"));
+        }
+        if !(1..100).contains(&self.ns_steps) {
+            broken.push(out_of_range("muon.ns_steps", self.ns_steps, "in 1..=99"));
+        }
+        if !self.ns_coefficients.iter().all(|c| c.is_finite()) {
+            broken.push(out_of_range("muon.ns_coefficients", format!("{:?}", self.ns_coefficients), "finite"));
+        }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            broken.push(out_of_range("muon.eps", self.eps, "positive"));
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            broken.push(out_of_range("muon.weight_decay", self.weight_decay, ">= 0"));
         }
     }
 }
