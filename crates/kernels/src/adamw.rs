@@ -8,6 +8,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::compute::{Compute, Path};
+use crate::newton_schulz::NsStep;
 use crate::{flex, float, kernels, prim, EmberBackend};
 
 /// The scalars of one AdamW update (decoupled weight decay, as `torch.optim.AdamW`):
@@ -57,6 +58,15 @@ pub trait AdamWOps: Backend {
     fn sum_squares(x: FloatTensor<Self>, cx: Compute) -> FloatTensor<Self> {
         let _ = cx;
         prim(float::<Self, 1>(x).square().sum())
+    }
+
+    /// Muon's Newton–Schulz iteration of each matrix of `gs`.
+    ///
+    /// # Shapes
+    /// - gs: each `[R, C]` -> each `[R, C]`
+    fn newton_schulz(gs: Vec<FloatTensor<Self>>, h: NsStep, cx: Compute) -> Vec<FloatTensor<Self>> {
+        let _ = cx;
+        crate::newton_schulz::reference_each::<Self>(gs, h)
     }
 }
 
@@ -129,6 +139,10 @@ impl AdamWOps for Flex {
             return prim(float::<Self, 1>(x).square().sum());
         }
         flex::tensor(vec![kernels::sum_squares(cx.elementwise_cpu(), &flex::f32s(&x)) as f32], vec![1])
+    }
+
+    fn newton_schulz(gs: Vec<FlexTensor>, h: NsStep, _cx: Compute) -> Vec<FlexTensor> {
+        crate::newton_schulz::flex_newton_schulz(gs, h)
     }
 }
 

@@ -38,6 +38,7 @@ mod flex;
 pub mod gelu;
 mod kernels;
 pub mod kv;
+pub mod newton_schulz;
 pub mod layer_norm;
 pub mod linear;
 pub mod paged;
@@ -65,6 +66,7 @@ pub use cross_entropy::{lm_head_cross_entropy, ChunkSpec, LmHeadLossOps, IGNORE}
 pub use gelu::{Gelu, GeluOps};
 pub use kernels::{AttnShape, LinearGrads};
 pub use kv::KvWriteOps;
+pub use newton_schulz::NsStep;
 pub use layer_norm::LayerNormOps;
 pub use linear::LinearOps;
 pub use paged::PagedAttentionOps;

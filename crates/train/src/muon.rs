@@ -22,8 +22,9 @@ use std::collections::HashMap;
 use burn::module::{AutodiffModule, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{bf16, ElementConversion, Tensor, TensorData};
-use ember_kernels::TrainBackend;
+use burn::tensor::{Tensor, TensorData};
+use ember_kernels::newton_schulz::{newton_schulz as newton_schulz_all, NsStep};
+use ember_kernels::{Compute, TrainBackend};
 use ember_model::weights::{visit_paths, PathVisitor};
 
 use crate::config::{AdjustLr, MuonConfig, NsDtype};
@@ -67,6 +68,7 @@ impl<IB: Backend> Muon<IB> {
         grad_scale: f64,
         c: &dyn Collective,
         what: &str,
+        cx: Compute,
     ) -> Result<HashMap<String, Tensor<IB, 2>>, DistError> {
         struct Matrices<'a, IB: Backend> {
             muon: &'a Muon<IB>,
@@ -90,6 +92,7 @@ impl<IB: Backend> Muon<IB> {
         let owners = owners(&found.iter().map(|(_, g)| g.shape().num_elements()).collect::<Vec<_>>(), c.world());
         let cfg = &self.config;
         let mut updates = Vec::with_capacity(found.len());
+        let mut mine = Vec::new();
         for ((path, g), owner) in found.into_iter().zip(owners) {
             let g = if grad_scale == 1.0 { g } else { g.mul_scalar(grad_scale) };
             let buf = match self.buffers.remove(&path) {
@@ -98,8 +101,14 @@ impl<IB: Backend> Muon<IB> {
             };
             let u = if cfg.nesterov { lerp(g, buf.clone(), cfg.momentum) } else { buf.clone() };
             self.buffers.insert(path.clone(), buf);
-            let o = (owner == c.rank()).then(|| newton_schulz(u.clone(), cfg));
-            updates.push((path, u.dims(), o));
+            if owner == c.rank() {
+                mine.push((updates.len(), u.clone()));
+            }
+            updates.push((path, u.dims(), None));
+        }
+        let (index, us): (Vec<usize>, Vec<_>) = mine.into_iter().unzip();
+        for (i, o) in index.into_iter().zip(newton_schulz_all(us, ns_step(cfg), cx)) {
+            updates[i].2 = Some(o);
         }
         if c.world() > 1 {
             share(&mut updates, c, what)?;
@@ -171,40 +180,23 @@ pub fn adjusted_lr(lr: f64, adjust: AdjustLr, [fan_in, fan_out]: [usize; 2]) -> 
     }
 }
 
-/// The Newton–Schulz iteration of `config` on `g`, in f32 or with torch's bf16 rounding.
-///
-/// # Shapes
-/// - g: `[R, C]` -> `[R, C]`
-pub fn newton_schulz<B: Backend>(g: Tensor<B, 2>, config: &MuonConfig) -> Tensor<B, 2> {
-    let [a, b, c] = config.ns_coefficients;
-    let bf16 = config.ns_dtype == NsDtype::Bf16;
-    let round = |t: Tensor<B, 2>| if bf16 { round_bf16(t) } else { t };
-    let [rows, cols] = g.dims();
-    let tall = rows > cols;
-    let x = round(if tall { g.transpose() } else { g }); // [S, L], S <= L
-    let norm = x.clone().square().sum().sqrt().into_scalar().elem::<f64>();
-    let norm = if bf16 { bf16::from_f64(norm).to_f64() } else { norm };
-    let mut x = round(x.div_scalar(norm.max(config.eps)));
-    for _ in 0..config.ns_steps {
-        let gram = round(x.clone().matmul(x.clone().transpose())); // [S, S]
-        let poly = round(gram.clone().mul_scalar(b) + gram.clone().matmul(gram).mul_scalar(c));
-        x = round(x.clone().mul_scalar(a) + poly.matmul(x));
-    }
-    if tall {
-        x.transpose()
-    } else {
-        x
+/// The iteration's constants of `config`.
+pub fn ns_step(config: &MuonConfig) -> NsStep {
+    NsStep {
+        coefficients: config.ns_coefficients,
+        steps: config.ns_steps,
+        eps: config.eps,
+        bf16: config.ns_dtype == NsDtype::Bf16,
     }
 }
 
-/// Values rounded to the nearest bf16 (ties to even), kept in f32.
-fn round_bf16<B: Backend>(t: Tensor<B, 2>) -> Tensor<B, 2> {
-    let device = t.device();
-    let data = t.into_data().convert::<bf16>().convert::<f32>();
-    Tensor::from_data(data, &device)
+/// One matrix through the backend's iteration (the tests' entry point).
+pub fn newton_schulz<B: ember_kernels::EmberBackend>(g: Tensor<B, 2>, config: &MuonConfig) -> Tensor<B, 2> {
+    ember_kernels::newton_schulz::newton_schulz(vec![g], ns_step(config), Compute::default()).remove(0)
 }
 
-/// [`newton_schulz`] (f32) written out on host floats in f64: the reference.
+/// The iteration (f32) written out on host floats in f64: the reference of the kernel and of its
+/// composition (`ember_kernels::newton_schulz`).
 pub fn newton_schulz_reference(g: &[f64], rows: usize, cols: usize, config: &MuonConfig) -> Vec<f64> {
     let [a, b, c] = config.ns_coefficients;
     let tall = rows > cols;

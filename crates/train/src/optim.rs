@@ -90,7 +90,7 @@ impl<B: TrainBackend> AdamW<B> {
         what: &str,
     ) -> Result<M, DistError> {
         let muon_updates = match self.muon.as_mut() {
-            Some(muon) => muon.orthogonalized::<B, M>(&model, &grads, grad_scale, c, what)?,
+            Some(muon) => muon.orthogonalized::<B, M>(&model, &grads, grad_scale, c, what, self.compute)?,
             None => HashMap::new(),
         };
         self.steps += 1;
