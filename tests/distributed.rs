@@ -168,6 +168,44 @@ fn two_ranks_train_as_one_process_accumulating_two_micro_batches() {
     assert!(v["comm_ms"].as_f64().is_some_and(|c| c > 0.0 && c < v["step_ms"].as_f64().unwrap()), "{v}");
 }
 
+/// Muon on 2 ranks (each orthogonalising its share of the matrices, the updates summed) trains as
+/// one process accumulating two micro-batches; a run paused at step 10 and resumed (the momentum
+/// buffers from the checkpoint) ends with the unbroken run's weights; ZeRO-1 with Muon is refused
+/// with a message naming both.
+#[test]
+fn muon_on_two_ranks_trains_as_one_process_and_resumes_exactly() {
+    let _g = serial();
+    let s = Scratch::new();
+    let muon = "\n[muon]\nlr = 0.02\n";
+    let one = nano(&s, "one.toml", 20, 2, muon);
+    let two = nano(&s, "two.toml", 20, 1, muon);
+    train(&s, 0, &one, "single", &[]);
+    train(&s, 2, &two, "dp", &[]);
+    let single = losses(&s, "single");
+    assert!(single[19].1 < single[0].1 - 0.5, "the run learns: {single:?}");
+    assert_same_losses(&single, &losses(&s, "dp"), "Muon: 2 ranks vs 1 process × 2 micro-batches");
+    let w = tensors(&s, "single", 20, "model.safetensors");
+    let rel = max_rel(&w, &tensors(&s, "dp", 20, "model.safetensors"));
+    assert!(rel <= 1e-6, "Muon on 2 ranks: final weights differ by {rel:e}");
+    // The hidden matrices have Muon's buffer, the rest AdamW's two moments.
+    let m = tensors(&s, "single", 20, "optimizer.safetensors");
+    let buffers = m.keys().filter(|k| k.ends_with(".momentum_buffer")).count();
+    assert_eq!(buffers, 4 * 7, "{:?}", m.keys().collect::<Vec<_>>());
+    assert!(m.contains_key("embed_tokens.exp_avg") && !m.contains_key("layers.0.mlp.up_proj.weight.exp_avg"));
+
+    train(&s, 0, &one, "paused", &["--max-steps", "10"]);
+    train(&s, 0, &one, "paused", &["--resume"]);
+    let rel = max_rel(&w, &tensors(&s, "paused", 20, "model.safetensors"));
+    assert!(rel <= 1e-6, "Muon resumed at step 10: final weights differ by {rel:e}");
+
+    let zero = nano(&s, "zero.toml", 20, 1, &format!("{muon}\n[distributed]\nshard_optimizer = true\n"));
+    let out = command(&s, 2, &["train", "--no-progress", "--config", zero.to_str().unwrap(), "--run-dir", "zero"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("shard_optimizer") && stderr(&out).contains("[muon]"), "{}", stderr(&out));
+}
+
 /// A LoRA fine-tune of the tiny Qwen2 fixture on JSONL examples of uneven lengths (so micro-batches
 /// score different numbers of tokens): 2 ranks, plain and ZeRO-1, against one process accumulating
 /// two micro-batches, for the training losses, the held-out losses (whose batches the ranks share
