@@ -117,6 +117,7 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         query_pre_attn_scalar: None,
         attn_logit_softcap: None,
         final_logit_softcap: None,
+        zero_init_out: false,
         tie_embeddings: r.flag("tie_word_embeddings").unwrap_or(k.tie_default),
         init_std: r.f64("initializer_range").unwrap_or(0.02),
         dropout: 0.0,
@@ -226,6 +227,7 @@ fn canonical(c: &ModelConfig) -> ModelConfig {
     c.head_dim = c.head_dim.filter(|&h| h.checked_mul(c.n_heads) != Some(c.d_model));
     c.rope_layout = RopeLayout::HalfSplit;
     c.dropout = 0.0;
+    c.zero_init_out = false; // how training started, not the architecture
     let local = (0..c.n_layers).filter(|&l| c.is_local(l)).count();
     if local == 0 {
         c.sliding_window = None;
@@ -537,6 +539,17 @@ mod tests {
         let back = from_model_config(&c, arch, None);
         let (c2, arch2) = to_model_config(&back, "out").unwrap();
         assert_eq!((c2, arch2), (c, arch));
+    }
+
+    /// The speedrun's squared ReLU has no Hugging Face family: the export says so by name; a model
+    /// that started with zeroed output projections is the same architecture and exports.
+    #[test]
+    fn relu2_is_inexpressible_and_zero_init_out_is_not_architecture() {
+        let (c, arch) = to_model_config(&serde_json::from_str(QWEN25_05B).unwrap(), "config.json").unwrap();
+        let relu2 = ModelConfig { mlp: MlpKind::Relu2, ..c.clone() };
+        let e = expressible(&relu2, Architecture::for_model(&relu2)).unwrap_err().to_string();
+        assert!(e.contains("mlp") && e.contains("relu2"), "{e}");
+        expressible(&ModelConfig { zero_init_out: true, ..c }, arch).unwrap();
     }
 
     #[test]

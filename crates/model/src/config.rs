@@ -109,6 +109,11 @@ pub struct ModelConfig {
     /// Standard deviation of the normal init (GPT-2: 0.02). Output projections get it over sqrt(2 L).
     #[serde(default = "default_init_std")]
     pub init_std: f64,
+    /// The attention's and the MLP's output projections start at zero (the modded-nanogpt
+    /// speedrun's), so every block starts as the identity. Their draws are made and discarded, so
+    /// every other weight is the default init's.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub zero_init_out: bool,
     /// Dropout on the embedding output and on each block's attention and MLP outputs during training
     /// (nanoGPT's resid/embedding dropout; 0 turns it off).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -153,6 +158,8 @@ pub enum MlpKind {
     Gelu,
     /// `down(gelu(up(x)))` with the exact erf GELU: nanoGPT's (`nn.GELU()`).
     GeluExact,
+    /// `down(relu(up(x))²)`: squared ReLU (So et al., 2021; the modded-nanogpt speedrun's).
+    Relu2,
 }
 
 impl MlpKind {
@@ -379,7 +386,7 @@ impl ModelConfig {
             scale,
             softcap: self.attn_logit_softcap,
             init_std: self.init_std,
-            out_std: self.residual_out_std(),
+            out_std: self.out_std(),
         }
     }
 
@@ -391,7 +398,7 @@ impl ModelConfig {
             kind: self.mlp,
             bias: self.mlp_bias,
             init_std: self.init_std,
-            out_std: self.residual_out_std(),
+            out_std: self.out_std(),
         }
     }
 
@@ -416,6 +423,15 @@ impl ModelConfig {
     /// two such branches per block.
     fn residual_out_std(&self) -> f64 {
         self.init_std / (2.0 * self.n_layers as f64).sqrt()
+    }
+
+    /// The init std of the output projections: 0 (their draws zeroed) with `zero_init_out`.
+    fn out_std(&self) -> f64 {
+        if self.zero_init_out {
+            0.0
+        } else {
+            self.residual_out_std()
+        }
     }
 
     /// Total number of parameters, computed from the config alone.
@@ -500,15 +516,16 @@ fn validate_rope_scaling(scaling: &RopeScaling) -> Result<(), ConfigError> {
     }
 }
 
-/// Init standard deviations must be positive and finite.
+/// Init standard deviations must be positive and finite (the output projections' may be 0:
+/// `zero_init_out`).
 pub(crate) fn positive_std(init_std: f64, out_std: f64) -> Result<(), ConfigError> {
-    match [("init_std", init_std), ("init_std / sqrt(2 n_layers)", out_std)]
-        .into_iter()
-        .find(|(_, v)| !(*v > 0.0 && v.is_finite()))
-    {
-        Some((name, value)) => Err(ConfigError::NotPositive { name, value }),
-        None => Ok(()),
+    if !(init_std > 0.0 && init_std.is_finite()) {
+        return Err(ConfigError::NotPositive { name: "init_std", value: init_std });
     }
+    if !(out_std >= 0.0 && out_std.is_finite()) {
+        return Err(ConfigError::NotPositive { name: "init_std / sqrt(2 n_layers)", value: out_std });
+    }
+    Ok(())
 }
 
 impl ModelConfig {
@@ -547,6 +564,7 @@ impl ModelConfig {
             final_logit_softcap: None,
             tie_embeddings: false,
             init_std: 0.02,
+            zero_init_out: false,
             dropout: 0.0,
         }
     }

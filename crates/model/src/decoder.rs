@@ -306,7 +306,7 @@ impl<B: EmberBackend> Decoder<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{tiny_config, RopeLayout};
+    use crate::config::{tiny_config, MlpKind, RopeLayout};
     use crate::lora::LoraConfig;
     use crate::TestBackend;
     use burn::tensor::{TensorData, Tolerance};
@@ -409,6 +409,27 @@ mod tests {
         let want = 0.02 / 4.0; // 1/sqrt(2·8)
         assert!((o - want).abs() < 0.0005, "o std {o}");
         assert!((down - want).abs() < 0.0005, "down std {down}");
+    }
+
+    /// `zero_init_out`: the output projections start at zero, every other weight as without it
+    /// (their draws are made and discarded), and a relu2 MLP has no gate and its own parameter count.
+    #[test]
+    fn zero_init_out_zeroes_only_the_output_projections() {
+        let dev = Default::default();
+        let base = ModelConfig { mlp: MlpKind::Relu2, qk_norm: true, ..tiny_config() };
+        let plain = Decoder::<B>::new(&base, 5, &dev).unwrap();
+        let zeroed = Decoder::<B>::new(&ModelConfig { zero_init_out: true, ..base.clone() }, 5, &dev).unwrap();
+        assert_eq!(zeroed.num_params() as u64, base.num_params());
+        for (p, z) in plain.layers.iter().zip(&zeroed.layers) {
+            assert!(p.mlp.gate_proj.is_none());
+            for w in [z.self_attn.o_proj.weight.val(), z.mlp.down_proj.weight.val()] {
+                assert_eq!(w.abs().max().into_scalar(), 0.0);
+            }
+            for (a, b) in [(&p.self_attn.q_proj, &z.self_attn.q_proj), (&p.mlp.up_proj, &z.mlp.up_proj)] {
+                a.weight.val().into_data().assert_eq(&b.weight.val().into_data(), true);
+            }
+        }
+        plain.embed_tokens.val().into_data().assert_eq(&zeroed.embed_tokens.val().into_data(), true);
     }
 
     #[test]

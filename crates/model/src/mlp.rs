@@ -1,12 +1,14 @@
 //! The feed-forward part. Gated (Shazeer, 2020): `down(act(gate(x)) ⊙ up(x))` with SiLU (SwiGLU:
 //! Llama, Qwen, Mistral) or tanh GELU (GeGLU: Gemma); with F = 8D/3 it costs what a 4D plain MLP
 //! costs. Plain: `down(gelu(up(x)))` (GPT-2, whose `c_fc` is `up` and `c_proj` is `down`), with the
-//! tanh GELU Hugging Face runs GPT-2 with or the exact erf GELU nanoGPT uses.
+//! tanh GELU Hugging Face runs GPT-2 with or the exact erf GELU nanoGPT uses, or squared ReLU
+//! (`down(relu(up(x))²)`, the modded-nanogpt speedrun's).
 
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Tensor};
 
 use ember_kernels::gelu::{gelu, Gelu};
+use ember_kernels::relu_squared::relu_squared;
 use ember_kernels::swiglu::{geglu_packed, swiglu_packed};
 use ember_kernels::{Compute, EmberBackend};
 
@@ -80,6 +82,7 @@ impl<B: EmberBackend> Mlp<B> {
                 }
             }
             (None, MlpKind::GeluExact) => gelu(self.up_proj.forward(x, cx), Gelu::Erf, cx),
+            (None, MlpKind::Relu2) => relu_squared(self.up_proj.forward(x, cx), cx),
             (None, _) => gelu(self.up_proj.forward(x, cx), Gelu::Tanh, cx),
         }; // [N, F]
         self.down_proj.forward(hidden, cx)

@@ -4,7 +4,7 @@
 use burn::backend::Flex;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use ember_model::sample::{generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
-use ember_model::{Compute, Decoder, ModelConfig, RopeLayout};
+use ember_model::{Compute, Decoder, MlpKind, ModelConfig, RopeLayout};
 
 type B = Flex;
 
@@ -34,9 +34,21 @@ fn max_abs_diff(a: Tensor<B, 2>, b: Tensor<B, 2>) -> f32 {
 #[test]
 fn cached_logits_equal_full_forward_at_every_step() {
     let ids: Vec<u32> = (0..29).map(|i| (i * 7 + 3) % 41).collect();
-    for n_kv in [6, 2, 1] {
-        for layout in [RopeLayout::HalfSplit, RopeLayout::Interleaved] {
-            let cfg = config(n_kv, layout);
+    // Every KV grouping and RoPE layout, and the speedrun's parts (squared ReLU, QK-norm,
+    // soft-capped logits).
+    let speedrun = ModelConfig {
+        mlp: MlpKind::Relu2,
+        qk_norm: true,
+        final_logit_softcap: Some(30.0),
+        ..config(2, RopeLayout::HalfSplit)
+    };
+    let configs = [6, 2, 1]
+        .into_iter()
+        .flat_map(|n| [RopeLayout::HalfSplit, RopeLayout::Interleaved].map(|l| config(n, l)))
+        .chain([speedrun]);
+    for cfg in configs {
+        {
+            let (n_kv, layout) = (cfg.n_kv_heads(), cfg.rope_layout);
             let model = Decoder::<B>::new(&cfg, 11, &Default::default()).unwrap();
             let full = model.forward(tokens(&ids)).reshape([ids.len(), 41]); // [T, V]
                                                                              // Prefill 5 tokens, then one at a time; block size 4 so that blocks fill and spill.

@@ -219,6 +219,7 @@ fn model_config(
         query_pre_attn_scalar: None,
         attn_logit_softcap: None,
         final_logit_softcap: None,
+        zero_init_out: false,
         tie_embeddings: tied,
         init_std: 0.02,
         dropout: 0.0,

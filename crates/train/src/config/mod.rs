@@ -22,7 +22,7 @@ pub use file::{ConfigFile, InitSource, Purpose};
 pub use keys::{ConfigProblem, Hint, Problem, REQUIRED};
 pub use sections::{
     AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig, MuonConfig, NsDtype,
-    OptimConfig, Precision, ScheduleConfig, SinkKind,
+    OptimConfig, Precision, ScheduleConfig, ScheduleShape, SinkKind,
 };
 
 /// A run's config: pure data, read from TOML. `M` is the architecture: a [`ModelConfig`], or in a

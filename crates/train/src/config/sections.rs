@@ -342,6 +342,31 @@ pub struct ScheduleConfig {
     /// Step at which the cosine reaches `min_lr`; `train.max_steps` when absent.
     #[serde(default)]
     pub decay_steps: Option<usize>,
+    /// `cosine` (default), or `wsd`: warmup, the rate held, then a linear cool-down to `min_lr`
+    /// ending at `decay_steps`.
+    #[serde(default, skip_serializing_if = "is_cosine")]
+    pub shape: ScheduleShape,
+    /// With `shape = "wsd"`: the fraction of `decay_steps` the cool-down takes, in (0, 1].
+    #[serde(default = "cooldown_frac")]
+    pub cooldown_frac: f64,
+}
+
+/// The learning rate's course after the warmup.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleShape {
+    /// Cosine decay from `lr` to `min_lr` (nanoGPT).
+    #[default]
+    Cosine,
+    /// Warmup-stable-decay: `lr` held, then a linear cool-down (modded-nanogpt, MiniCPM).
+    Wsd,
+}
+
+fn is_cosine(s: &ScheduleShape) -> bool {
+    *s == ScheduleShape::Cosine
+}
+fn cooldown_frac() -> f64 {
+    0.4
 }
 
 /// `[distributed]`: how the ranks of a data-parallel run cooperate (ignored by a single process).

@@ -209,6 +209,9 @@ impl ScheduleConfig {
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             broken.push(out_of_range("schedule.lr", self.lr, "positive"));
         }
+        if !(self.cooldown_frac > 0.0 && self.cooldown_frac <= 1.0) {
+            broken.push(out_of_range("schedule.cooldown_frac", self.cooldown_frac, "in (0, 1]"));
+        }
         if !(self.min_lr >= 0.0 && self.min_lr.is_finite()) {
             broken.push(out_of_range("schedule.min_lr", self.min_lr, ">= 0"));
         } else if self.lr > 0.0 && self.min_lr > self.lr {
