@@ -86,8 +86,9 @@ pub fn bench_run<B: TrainBackend>(
     );
     // The model a run of this config trains: `init_from`'s weights and LoRA adapters included.
     let mut model = initial_model::<B>(&setup, device)?.with_compute(compute);
-    let mut optim =
-        Optimizer::Replicated(AdamW::<B>::new(config.optim.clone(), compute).with_muon(config.muon.as_ref(), config.schedule.lr));
+    let mut optim = Optimizer::Replicated(
+        AdamW::<B>::new(config.optim.clone(), compute).with_muon(config.muon.as_ref(), config.schedule.lr),
+    );
     let mut scaler = (compute.dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);
     let stepper = Stepper {

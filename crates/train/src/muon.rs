@@ -248,11 +248,13 @@ mod tests {
         for (rows, cols) in [(12, 20), (20, 12), (16, 16)] {
             let g = random(rows * cols, rows as u64);
             let want = newton_schulz_reference(&g, rows, cols, &config(NsDtype::F32));
-            let got = newton_schulz(tensor(&g, [rows, cols]), &config(NsDtype::F32)).into_data().to_vec::<f32>().unwrap();
+            let got =
+                newton_schulz(tensor(&g, [rows, cols]), &config(NsDtype::F32)).into_data().to_vec::<f32>().unwrap();
             let err = got.iter().zip(&want).fold(0f64, |m, (&a, &b)| m.max((a as f64 - b).abs()));
             assert!(err < 1e-5, "{rows}x{cols}: {err}");
             // bf16 arithmetic stays close to f32's (about 2^-8 relative per rounding).
-            let low = newton_schulz(tensor(&g, [rows, cols]), &config(NsDtype::Bf16)).into_data().to_vec::<f32>().unwrap();
+            let low =
+                newton_schulz(tensor(&g, [rows, cols]), &config(NsDtype::Bf16)).into_data().to_vec::<f32>().unwrap();
             let err = low.iter().zip(&want).fold(0f64, |m, (&a, &b)| m.max((a as f64 - b).abs()));
             assert!(err > 0.0 && err < 0.05, "{rows}x{cols} bf16: {err}");
         }
@@ -287,8 +289,9 @@ mod tests {
     }
 
     fn singular_values(x: &[f64], rows: usize, cols: usize) -> Vec<f64> {
-        let gram: Vec<f64> =
-            (0..rows * rows).map(|e| (0..cols).map(|t| x[(e / rows) * cols + t] * x[(e % rows) * cols + t]).sum()).collect();
+        let gram: Vec<f64> = (0..rows * rows)
+            .map(|e| (0..cols).map(|t| x[(e / rows) * cols + t] * x[(e % rows) * cols + t]).sum())
+            .collect();
         let mut s: Vec<f64> = eigenvalues(gram, rows).into_iter().map(|l| l.max(0.0).sqrt()).collect();
         s.sort_by(f64::total_cmp);
         s
@@ -298,7 +301,8 @@ mod tests {
     fn the_iteration_brings_every_singular_value_near_one() {
         let (rows, cols) = (16, 40);
         // A spread of singular values: columns scaled from 1 down to 0.02.
-        let g: Vec<f64> = random(rows * cols, 3).iter().enumerate().map(|(e, v)| v * (1.0 - 0.06 * (e / cols) as f64)).collect();
+        let g: Vec<f64> =
+            random(rows * cols, 3).iter().enumerate().map(|(e, v)| v * (1.0 - 0.06 * (e / cols) as f64)).collect();
         let before = singular_values(&g, rows, cols);
         assert!(before[rows - 1] / before[0] > 10.0, "the input should be ill-conditioned: {before:?}");
         let out = newton_schulz(tensor(&g, [rows, cols]), &config(NsDtype::F32)).into_data().to_vec::<f32>().unwrap();
@@ -361,7 +365,13 @@ mod tests {
     /// ember's weights after each of 10 steps of `case` with the iteration in `ns_dtype`, against
     /// the fixture's `{case}.{against}` run: the largest difference relative to the weight's
     /// largest value.
-    fn worst_difference(t: &NamedTensors, name: &str, case: &serde_json::Value, ns_dtype: NsDtype, against: &str) -> f64 {
+    fn worst_difference(
+        t: &NamedTensors,
+        name: &str,
+        case: &serde_json::Value,
+        ns_dtype: NsDtype,
+        against: &str,
+    ) -> f64 {
         let adjust_lr = match case["adjust_lr_fn"].as_str() {
             Some("match_rms_adamw") => AdjustLr::MatchRmsAdamw,
             _ => AdjustLr::Original,
@@ -388,7 +398,8 @@ mod tests {
             }
             model = opt.step(lr, model, grads, 1.0);
             for (i, got) in weights(&model).into_iter().enumerate() {
-                let want = ember_matrix(&t[&format!("{name}.{against}.w{i}")], step).into_data().to_vec::<f32>().unwrap();
+                let want =
+                    ember_matrix(&t[&format!("{name}.{against}.w{i}")], step).into_data().to_vec::<f32>().unwrap();
                 let got = got.into_data().to_vec::<f32>().unwrap();
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
                 let err = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((a - b).abs() as f64)) / scale;
@@ -496,16 +507,20 @@ mod tests {
         fn grads_of(model: &Fixture<AB>, step: usize) -> GradientsParams {
             let mut grads = GradientsParams::new();
             let m = &model.layers[0];
-            for (i, (id, shape)) in [(m.w0.id, [12, 8]), (m.w1.id, [8, 20]), (m.w2.id, [16, 16])].into_iter().enumerate() {
+            for (i, (id, shape)) in
+                [(m.w0.id, [12, 8]), (m.w1.id, [8, 20]), (m.w2.id, [16, 16])].into_iter().enumerate()
+            {
                 let g = random(shape[0] * shape[1], (10 * step + i) as u64);
                 grads.register::<Flex, 2>(id, tensor(&g, shape));
             }
             grads
         }
         fn run(c: &dyn Collective) -> [Vec<f32>; 3] {
-            let mut opt = crate::optim::AdamW::<AB>::new(toml::from_str("").unwrap(), ember_kernels::Compute::default())
-                .with_muon(Some(&config(NsDtype::F32)), 0.02);
-            let mut model = params([[12, 8], [8, 20], [16, 16]].map(|s: [usize; 2]| tensor(&random(s[0] * s[1], 99), s)));
+            let mut opt =
+                crate::optim::AdamW::<AB>::new(toml::from_str("").unwrap(), ember_kernels::Compute::default())
+                    .with_muon(Some(&config(NsDtype::F32)), 0.02);
+            let mut model =
+                params([[12, 8], [8, 20], [16, 16]].map(|s: [usize; 2]| tensor(&random(s[0] * s[1], 99), s)));
             for step in 0..3 {
                 let grads = grads_of(&model, step);
                 model = opt.step_shared(0.02, model, grads, 0.5, c, "step").unwrap();

@@ -60,9 +60,10 @@ impl<B: TrainBackend> AdamW<B> {
     /// Parameters and elements of `model` Muon trains (none without `[muon]`): for the log.
     pub fn muon_share<M: AutodiffModule<B>>(&self, model: &M) -> (usize, usize) {
         let Some(muon) = &self.muon else { return (0, 0) };
-        param_shapes::<B, M>(model).iter().filter(|(path, s)| muon.takes(path, s.len())).fold((0, 0), |(n, e), (_, s)| {
-            (n + 1, e + s.iter().product::<usize>())
-        })
+        param_shapes::<B, M>(model)
+            .iter()
+            .filter(|(path, s)| muon.takes(path, s.len()))
+            .fold((0, 0), |(n, e), (_, s)| (n + 1, e + s.iter().product::<usize>()))
     }
 
     pub fn steps(&self) -> u64 {
@@ -153,7 +154,10 @@ impl<B: TrainBackend> AdamW<B> {
                 ));
             }
             if buffer.shape.to_vec() != shape {
-                return Err(format!("`{path}.momentum_buffer` has shape {:?}, the parameter has {shape:?}", buffer.shape));
+                return Err(format!(
+                    "`{path}.momentum_buffer` has shape {:?}, the parameter has {shape:?}",
+                    buffer.shape
+                ));
             }
             let values = buffer.convert::<f32>().into_vec::<f32>().expect("converted to f32");
             buffers.insert(path, Tensor::from_data(TensorData::new(values, [shape[0], shape[1]]), device));

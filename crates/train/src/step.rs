@@ -54,7 +54,8 @@ impl<B: TrainBackend> Optimizer<B> {
         if config.distributed.shard_optimizer {
             tracing::info!("distributed.shard_optimizer has no effect in a single process");
         }
-        let mut o = AdamW::<B>::new(config.optim.clone(), model.compute()).with_muon(config.muon.as_ref(), config.schedule.lr);
+        let mut o =
+            AdamW::<B>::new(config.optim.clone(), model.compute()).with_muon(config.muon.as_ref(), config.schedule.lr);
         o.load_state(model, saved, steps, device).map_err(OptimizerError::Moments)?;
         Ok(Self::Replicated(o))
     }
