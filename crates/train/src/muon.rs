@@ -320,6 +320,27 @@ mod tests {
     }
 
     #[test]
+    fn muon_takes_the_block_matrices_and_adapters_only_when_asked() {
+        let muon = Muon::<Flex>::new(config(NsDtype::F32), 0.02);
+        for (path, rank, want) in [
+            ("layers.0.self_attn.q_proj.weight", 2, true),
+            ("layers.3.mlp.down_proj.weight", 2, true),
+            ("layers.0.self_attn.q_proj.bias", 1, false),
+            ("layers.0.input_layernorm.weight", 1, false),
+            ("embed_tokens", 2, false),
+            ("lm_head.weight", 2, false),
+            ("layers.0.self_attn.q_proj.lora_a", 2, false),
+        ] {
+            assert_eq!(muon.takes(path, rank), want, "{path}");
+        }
+        let with_lora = Muon::<Flex>::new(MuonConfig { lora: true, ..config(NsDtype::F32) }, 0.02);
+        assert!(
+            with_lora.takes("layers.0.self_attn.q_proj.lora_a", 2) && with_lora.takes("layers.1.mlp.up_proj.lora_b", 2)
+        );
+        assert!(!with_lora.takes("lm_head.weight", 2));
+    }
+
+    #[test]
     fn owners_balance_the_work() {
         assert_eq!(owners(&[10, 10, 10, 10], 2), [0, 1, 0, 1]);
         assert_eq!(owners(&[100, 10, 10, 10, 60], 2), [0, 1, 1, 1, 1]);
