@@ -22,7 +22,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
 
 use ember_kernels::{adamw, sum_squares, AdamWStep, Compute, TrainBackend};
-use ember_model::weights::{map_paths, PathMapper};
+use ember_model::weights::{map_paths, param_shapes, PathMapper};
 
 use crate::config::{MuonConfig, OptimConfig};
 use crate::distributed::{Collective, DistError, Solo};
@@ -55,15 +55,6 @@ impl<B: TrainBackend> AdamW<B> {
     pub fn with_muon(mut self, muon: Option<&MuonConfig>, adamw_lr: f64) -> Self {
         self.muon = muon.map(|m| Muon::new(m.clone(), adamw_lr));
         self
-    }
-
-    /// Parameters and elements of `model` Muon trains (none without `[muon]`): for the log.
-    pub fn muon_share<M: AutodiffModule<B>>(&self, model: &M) -> (usize, usize) {
-        let Some(muon) = &self.muon else { return (0, 0) };
-        param_shapes::<B, M>(model)
-            .iter()
-            .filter(|(path, s)| muon.takes(path, s.len()))
-            .fold((0, 0), |(n, e), (_, s)| (n + 1, e + s.iter().product::<usize>()))
     }
 
     pub fn steps(&self) -> u64 {
@@ -144,30 +135,28 @@ impl<B: TrainBackend> AdamW<B> {
         let mut state = HashMap::new();
         let mut buffers = HashMap::new();
         for (path, shape) in param_shapes::<B, M>(model) {
-            let buffer = tensors.remove(&format!("{path}.momentum_buffer"));
-            let muon = self.muon.as_ref().is_some_and(|m| m.takes(&path, shape.len()));
-            let Some(buffer) = buffer else { continue };
-            if !muon {
-                return Err(format!(
-                    "`{path}.momentum_buffer` is Muon's, but Muon does not train `{path}` in this config \
-                     (a run resumes with the optimizer it started with: restore its [muon] section)"
-                ));
-            }
-            if buffer.shape.to_vec() != shape {
-                return Err(format!(
-                    "`{path}.momentum_buffer` has shape {:?}, the parameter has {shape:?}",
-                    buffer.shape
-                ));
-            }
-            let values = buffer.convert::<f32>().into_vec::<f32>().expect("converted to f32");
-            buffers.insert(path, Tensor::from_data(TensorData::new(values, [shape[0], shape[1]]), device));
-        }
-        for (path, shape) in param_shapes::<B, M>(model) {
             let n = &shape.iter().product::<usize>();
+            let muon = self.muon.as_ref().is_some_and(|m| m.takes(&path, shape.len()));
+            if let Some(buffer) = tensors.remove(&format!("{path}.momentum_buffer")) {
+                if !muon {
+                    return Err(format!(
+                        "`{path}.momentum_buffer` is Muon's, but Muon does not train `{path}` in this config \
+                         (a run resumes with the optimizer it started with: restore its [muon] section)"
+                    ));
+                }
+                if buffer.shape.to_vec() != shape {
+                    return Err(format!(
+                        "`{path}.momentum_buffer` has shape {:?}, the parameter has {shape:?}",
+                        buffer.shape
+                    ));
+                }
+                let values = buffer.convert::<f32>().into_vec::<f32>().expect("converted to f32");
+                buffers.insert(path.clone(), Tensor::from_data(TensorData::new(values, [shape[0], shape[1]]), device));
+            }
             let m = tensors.remove(&format!("{path}.exp_avg"));
             let v = tensors.remove(&format!("{path}.exp_avg_sq"));
             match (m, v) {
-                (Some(_), Some(_)) if self.muon.as_ref().is_some_and(|mu| mu.takes(&path, shape.len())) => {
+                (Some(_), Some(_)) if muon => {
                     return Err(format!(
                         "`{path}` has AdamW moments, but this config's [muon] trains it (a run resumes with \
                          the optimizer it started with: remove [muon], or start a new run)"
@@ -257,11 +246,6 @@ impl<B: TrainBackend> PathMapper<B> for Update<'_, B> {
         let p = Tensor::<B, D>::from_inner(p.reshape(dims)).require_grad();
         Param::from_mapped_value(id, p, mapper)
     }
-}
-
-/// Parameter paths and shapes.
-fn param_shapes<B: Backend, M: burn::module::Module<B>>(model: &M) -> Vec<(String, Vec<usize>)> {
-    ember_model::weights::param_shapes::<B, M>(model)
 }
 
 /// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it, in f32.
