@@ -13,6 +13,7 @@ use burn::tensor::{backend::Backend, bf16, ElementConversion, Tensor};
 use rayon::prelude::*;
 
 use crate::compute::{Compute, Path};
+use crate::kernels::transposed;
 use crate::products::{gemm_new, gemm_strided};
 use crate::{flex, float, prim};
 
@@ -99,7 +100,7 @@ pub(crate) fn orthogonalize(g: &[f32], rows: usize, cols: usize, h: NsStep) -> V
     };
     let tall = rows > cols;
     let (s, l) = if tall { (cols, rows) } else { (rows, cols) };
-    let mut x: Vec<f32> = if tall { transpose(g, rows, cols) } else { g.to_vec() };
+    let mut x: Vec<f32> = if tall { transposed(g, (rows, cols)) } else { g.to_vec() };
     round(&mut x);
     let norm = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt();
     let norm = if h.bf16 { bf16::from_f64(norm).to_f64() } else { norm };
@@ -122,14 +123,10 @@ pub(crate) fn orthogonalize(g: &[f32], rows: usize, cols: usize, h: NsStep) -> V
         x = next;
     }
     if tall {
-        transpose(&x, s, l)
+        transposed(&x, (s, l))
     } else {
         x
     }
-}
-
-fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    (0..rows * cols).map(|e| x[(e % rows) * cols + e / rows]).collect()
 }
 
 #[cfg(test)]
