@@ -49,8 +49,7 @@ impl<IB: Backend> Muon<IB> {
     /// blocks (LoRA's adapters only when `[muon] lora` is set); never the embedding, the LM head,
     /// norms or biases.
     pub fn takes(&self, path: &str, rank: usize) -> bool {
-        let adapter = path.ends_with("lora_a") || path.ends_with("lora_b");
-        rank == 2 && path.starts_with("layers.") && (!adapter || self.config.lora)
+        takes(&self.config, path, rank)
     }
 
     /// Muon's learning rate when AdamW's is `adamw_lr`.
@@ -95,11 +94,8 @@ impl<IB: Backend> Muon<IB> {
         let mut mine = Vec::new();
         for ((path, g), owner) in found.into_iter().zip(owners) {
             let g = if grad_scale == 1.0 { g } else { g.mul_scalar(grad_scale) };
-            let buf = match self.buffers.remove(&path) {
-                Some(buf) => lerp(buf, g.clone(), 1.0 - cfg.momentum),
-                None => lerp(g.zeros_like(), g.clone(), 1.0 - cfg.momentum),
-            };
-            let u = if cfg.nesterov { lerp(g, buf.clone(), cfg.momentum) } else { buf.clone() };
+            let buf = self.buffers.remove(&path).unwrap_or_else(|| g.zeros_like());
+            let (buf, u) = momentum(buf, g, cfg);
             self.buffers.insert(path.clone(), buf);
             if owner == c.rank() {
                 mine.push((updates.len(), u.clone()));
@@ -115,6 +111,25 @@ impl<IB: Backend> Muon<IB> {
         }
         Ok(updates.into_iter().filter_map(|(path, _, o)| o.map(|o| (path, o))).collect())
     }
+}
+
+/// Whether Muon of `config` trains the parameter at `path` of rank `rank`: the 2-D weights inside
+/// the blocks (LoRA's adapters only when `[muon] lora` is set).
+pub fn takes(config: &MuonConfig, path: &str, rank: usize) -> bool {
+    let adapter = path.ends_with("lora_a") || path.ends_with("lora_b");
+    rank == 2 && path.starts_with("layers.") && (!adapter || config.lora)
+}
+
+/// The new momentum buffer from `buf` and the (clipped) gradient `g`, and the matrix the iteration
+/// takes: the buffer, or with Nesterov the gradient moved towards it.
+pub(crate) fn momentum<B: Backend>(
+    buf: Tensor<B, 2>,
+    g: Tensor<B, 2>,
+    cfg: &MuonConfig,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let buf = lerp(buf, g.clone(), 1.0 - cfg.momentum);
+    let u = if cfg.nesterov { lerp(g, buf.clone(), cfg.momentum) } else { buf.clone() };
+    (buf, u)
 }
 
 /// `start + w·(end - start)`, in the form torch's `lerp` takes for `w` (so that the buffers agree

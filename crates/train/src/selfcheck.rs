@@ -182,7 +182,7 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
     let d_sum = max_abs(got, want.mul_scalar(2.0));
     // One rank's ZeRO-1 step against AdamW's, from the same gradients.
     let o = OptimConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, grad_clip: 0.0 };
-    let mut zero = match ShardedAdamW::new::<B, _>(o.clone(), &model, &Solo, model.compute()) {
+    let mut zero = match ShardedAdamW::new::<B, _>(o.clone(), &model, &Solo, model.compute(), None) {
         Ok(z) => z,
         Err(e) => return (false, e),
     };

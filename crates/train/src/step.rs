@@ -19,7 +19,7 @@ use crate::eval::lm_loss;
 use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
 use crate::precision::LossScaler;
 
-/// AdamW with every moment on every rank, or ZeRO-1's share of them.
+/// AdamW (and Muon) with every moment on every rank, or ZeRO-1's share of them.
 pub enum Optimizer<B: TrainBackend> {
     Replicated(AdamW<B>),
     Sharded(ShardedAdamW),
@@ -36,18 +36,11 @@ impl<B: TrainBackend> Optimizer<B> {
         steps: u64,
         device: &Device<B>,
     ) -> Result<Self, OptimizerError> {
-        if config.distributed.shard_optimizer && c.world() > 1 && config.muon.is_some() {
-            return Err(OptimizerError::Sharding(
-                "[distributed] shard_optimizer (ZeRO-1) shards AdamW's moments and cannot yet take [muon]'s \
-                 matrices: leave shard_optimizer out (Muon's ranks already share the orthogonalisations) \
-                 or remove [muon]"
-                    .into(),
-            ));
-        }
         if config.distributed.shard_optimizer && c.world() > 1 {
             let cx = model.compute();
-            let mut o =
-                ShardedAdamW::new::<B, _>(config.optim.clone(), model, c, cx).map_err(OptimizerError::Sharding)?;
+            let muon = config.muon.as_ref().map(|m| (m, config.schedule.lr));
+            let mut o = ShardedAdamW::new::<B, _>(config.optim.clone(), model, c, cx, muon)
+                .map_err(OptimizerError::Sharding)?;
             o.load_state(saved, steps).map_err(OptimizerError::Moments)?;
             return Ok(Self::Sharded(o));
         }

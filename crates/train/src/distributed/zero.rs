@@ -8,19 +8,27 @@
 //! every rank's parameters. A rank holds 1/N of the moments; checkpoints gather them into the
 //! unsharded format, so a run resumes at any world size, with or without sharding.
 //!
+//! With `[muon]`, Muon's matrices leave the flat vector: each whole matrix belongs to one rank
+//! (largest first to the least-loaded rank), which alone holds its momentum buffer and runs its
+//! Newton–Schulz iteration. Their gradients are summed on every rank (the iteration needs the whole
+//! matrix), and one all-reduce of the updates (each element has one non-zero contributor) gives
+//! every rank every update, which each applies itself.
+//!
 //! [`AdamW`]: crate::optim::AdamW
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use burn::module::{AutodiffModule, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
+use ember_kernels::newton_schulz::newton_schulz as newton_schulz_all;
 use ember_kernels::{adamw, AdamWStep, Compute, TrainBackend};
 use ember_model::weights::{visit_paths, PathVisitor};
 
 use super::buckets::{assign_params, flatten_into, flatten_params, Slot};
 use super::{Collective, DistError};
-use crate::config::OptimConfig;
+use crate::config::{MuonConfig, OptimConfig};
+use crate::muon::{adjusted_lr, momentum, ns_step, owners, takes};
 use crate::optim::clip_coefficient;
 use crate::precision::LossScaler;
 
@@ -37,24 +45,19 @@ pub struct Layout {
 impl Layout {
     /// The trainable parameters of `model` (those that require a gradient), in parameter order.
     pub fn of<B: TrainBackend, M: AutodiffModule<B>>(model: &M, rank: usize, world: usize) -> Self {
-        struct Trainable {
-            slots: Vec<Slot>,
-            total: usize,
-        }
-        impl<B: TrainBackend> PathVisitor<B> for Trainable {
-            fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
-                let t = param.val();
-                if t.is_require_grad() {
-                    let slot = Slot { path: path.to_string(), offset: self.total, dims: t.dims().to_vec() };
-                    self.total += slot.len();
-                    self.slots.push(slot);
-                }
-            }
-        }
-        let mut v = Trainable { slots: Vec::new(), total: 0 };
-        visit_paths(model, &mut v);
+        Self::of_filtered::<B, M>(model, rank, world, &|_, _| true)
+    }
+
+    /// [`Self::of`] for the trainable parameters `keep(path, rank)` accepts.
+    fn of_filtered<B: TrainBackend, M: AutodiffModule<B>>(
+        model: &M,
+        rank: usize,
+        world: usize,
+        keep: &dyn Fn(&str, usize) -> bool,
+    ) -> Self {
+        let (slots, total) = trainable::<B, M>(model, keep);
         let world = world.max(1);
-        Self { slots: v.slots, total: v.total, per_rank: v.total.div_ceil(world), rank }
+        Self { slots, total, per_rank: total.div_ceil(world), rank }
     }
 
     /// This rank's range of the flat vector.
@@ -73,6 +76,226 @@ impl Layout {
     }
 }
 
+/// The trainable parameters of `model` that `keep(path, rank)` accepts, laid out one after
+/// another in parameter order, and their number of values.
+fn trainable<B: TrainBackend, M: AutodiffModule<B>>(
+    model: &M,
+    keep: &dyn Fn(&str, usize) -> bool,
+) -> (Vec<Slot>, usize) {
+    struct Trainable<'a> {
+        keep: &'a dyn Fn(&str, usize) -> bool,
+        slots: Vec<Slot>,
+        total: usize,
+    }
+    impl<B: TrainBackend> PathVisitor<B> for Trainable<'_> {
+        fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+            let t = param.val();
+            if t.is_require_grad() && (self.keep)(path, D) {
+                let slot = Slot { path: path.to_string(), offset: self.total, dims: t.dims().to_vec() };
+                self.total += slot.len();
+                self.slots.push(slot);
+            }
+        }
+    }
+    let mut v = Trainable { keep, slots: Vec::new(), total: 0 };
+    visit_paths(model, &mut v);
+    (v.slots, v.total)
+}
+
+/// Muon's part of a sharded optimizer: whole matrices, each owned by one rank.
+struct ShardedMuon {
+    config: MuonConfig,
+    /// Muon's peak rate over AdamW's (`schedule.lr`).
+    lr_ratio: f64,
+    /// The matrices, in parameter order, laid out in a flat vector of their own.
+    slots: Vec<Slot>,
+    total: usize,
+    /// The rank that owns each matrix, and where its buffer sits in that rank's `buffers`.
+    owners: Vec<usize>,
+    packed: Vec<usize>,
+    /// The momentum buffers of this rank's matrices, packed; every rank's padded to `max_load`
+    /// values for the checkpoint's gather.
+    buffers: Vec<f32>,
+    max_load: usize,
+    rank: usize,
+}
+
+impl ShardedMuon {
+    fn new<B: TrainBackend, M: AutodiffModule<B>>(
+        config: MuonConfig,
+        adamw_lr: f64,
+        model: &M,
+        c: &dyn Collective,
+    ) -> Self {
+        let (slots, total) = trainable::<B, M>(model, &|path, rank| takes(&config, path, rank));
+        let owners = owners(&slots.iter().map(Slot::len).collect::<Vec<_>>(), c.world());
+        let mut load = vec![0usize; c.world().max(1)];
+        let packed = slots
+            .iter()
+            .zip(&owners)
+            .map(|(s, &r)| {
+                load[r] += s.len();
+                load[r] - s.len()
+            })
+            .collect();
+        let max_load = load.iter().copied().max().unwrap_or(0);
+        let buffers = vec![0.0; load[c.rank()]];
+        Self { lr_ratio: config.lr / adamw_lr, config, slots, total, owners, packed, buffers, max_load, rank: c.rank() }
+    }
+
+    /// Moves the gradients of Muon's matrices out of `grads` into one vector, summed over ranks.
+    fn take_grads<B: TrainBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        grads: &mut GradientsParams,
+        c: &dyn Collective,
+        what: &str,
+    ) -> Result<Vec<f32>, DistError> {
+        struct Take<'a> {
+            index: HashMap<&'a str, &'a Slot>,
+            grads: &'a mut GradientsParams,
+            flat: Vec<f32>,
+            found: usize,
+        }
+        impl<B: TrainBackend> PathVisitor<B> for Take<'_> {
+            fn visit<const D: usize>(&mut self, path: &str, param: &Param<Tensor<B, D>>) {
+                let Some(slot) = self.index.get(path) else { return };
+                let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) else { return };
+                let d = g.into_data().convert::<f32>();
+                self.flat[slot.offset..slot.offset + slot.len()]
+                    .copy_from_slice(d.as_slice::<f32>().expect("converted to f32"));
+                self.found += 1;
+            }
+        }
+        let index = self.slots.iter().map(|s| (s.path.as_str(), s)).collect();
+        let mut take = Take { index, grads, flat: vec![0.0; self.total], found: 0 };
+        visit_paths(model, &mut take);
+        if take.found != self.slots.len() {
+            return Err(DistError::Rank {
+                rank: c.rank(),
+                message: format!(
+                    "{what}: {} of Muon's {} matrices have a gradient (a trainable parameter without one?)",
+                    take.found,
+                    self.slots.len()
+                ),
+            });
+        }
+        if self.total > 0 {
+            c.all_reduce_f32(&mut take.flat, &format!("{what}: Muon gradients"))?;
+        }
+        Ok(take.flat)
+    }
+
+    /// Muon's update of every matrix from the summed gradients `g` times `grad_scale`: this rank
+    /// iterates on its own matrices, the updates are shared, every rank applies all of them.
+    #[allow(clippy::too_many_arguments)]
+    fn step<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+        g: &[f32],
+        grad_scale: f64,
+        adamw_lr: f64,
+        c: &dyn Collective,
+        device: &Device<B>,
+        cx: Compute,
+        what: &str,
+    ) -> Result<M, DistError> {
+        let cfg = &self.config;
+        let tensor = |v: &[f32], dims: &[usize]| {
+            Tensor::<B::InnerBackend, 2>::from_data(TensorData::new(v.to_vec(), [dims[0], dims[1]]), device)
+        };
+        let mut mine = Vec::new();
+        let mut us = Vec::new();
+        for (i, s) in self.slots.iter().enumerate().filter(|(i, _)| self.owners[*i] == self.rank) {
+            let gi = tensor(&g[s.offset..s.offset + s.len()], &s.dims);
+            let gi = if grad_scale == 1.0 { gi } else { gi.mul_scalar(grad_scale) };
+            let at = self.packed[i]..self.packed[i] + s.len();
+            let (buf, u) = momentum(tensor(&self.buffers[at.clone()], &s.dims), gi, cfg);
+            let d = buf.into_data().convert::<f32>();
+            self.buffers[at].copy_from_slice(d.as_slice::<f32>().expect("converted to f32"));
+            mine.push(i);
+            us.push(u);
+        }
+        let mut flat = vec![0.0f32; self.total];
+        for (i, o) in mine.into_iter().zip(newton_schulz_all(us, ns_step(cfg), cx)) {
+            let s = &self.slots[i];
+            let d = o.into_data().convert::<f32>();
+            flat[s.offset..s.offset + s.len()].copy_from_slice(d.as_slice::<f32>().expect("converted to f32"));
+        }
+        if self.total == 0 {
+            return Ok(model);
+        }
+        c.all_reduce_f32(&mut flat, &format!("{what}: Muon updates"))?;
+        // p·(1 - lr·wd) - adjusted lr · O, in f32 as the replicated step's tensor ops compute it.
+        let lr = adamw_lr * self.lr_ratio;
+        let mut params = flatten_params(&model, &self.slots, 0..self.total);
+        for s in &self.slots {
+            let decay = (1.0 - lr * cfg.weight_decay) as f32;
+            let rate = adjusted_lr(lr, cfg.adjust_lr, [s.dims[0], s.dims[1]]) as f32;
+            let r = s.offset..s.offset + s.len();
+            for (p, o) in params[r.clone()].iter_mut().zip(&flat[r]) {
+                let kept = if cfg.weight_decay == 0.0 { *p } else { *p * decay };
+                *p = kept - *o * rate;
+            }
+        }
+        Ok(assign_params(model, &self.slots, &params))
+    }
+
+    /// Every matrix's momentum buffer, gathered to rank 0 (the others get nothing).
+    fn state_tensors(&self, c: &dyn Collective) -> Result<Vec<(String, TensorData)>, DistError> {
+        if self.max_load == 0 {
+            return Ok(Vec::new());
+        }
+        let mut send = self.buffers.clone();
+        send.resize(self.max_load, 0.0);
+        let Some(all) = c.gather_f32(&send, "checkpoint: momentum_buffer")? else { return Ok(Vec::new()) };
+        Ok(self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let at = self.owners[i] * self.max_load + self.packed[i];
+                (format!("{}.momentum_buffer", s.path), TensorData::new(all[at..at + s.len()].to_vec(), s.dims.clone()))
+            })
+            .collect())
+    }
+
+    /// Takes this rank's buffers out of `tensors` (saved unsharded by any world size) after `steps`.
+    fn load_state(&mut self, tensors: &mut BTreeMap<String, TensorData>, steps: u64) -> Result<(), String> {
+        let mut buffers = vec![0.0f32; self.buffers.len()];
+        for (i, s) in self.slots.iter().enumerate() {
+            if tensors.contains_key(&format!("{}.exp_avg", s.path)) {
+                return Err(format!(
+                    "`{}` has AdamW moments, but this config's [muon] trains it (a run resumes with the optimizer \
+                     it started with: remove [muon], or start a new run)",
+                    s.path
+                ));
+            }
+            let Some(d) = tensors.remove(&format!("{}.momentum_buffer", s.path)) else {
+                if steps == 0 {
+                    continue;
+                }
+                return Err(format!("no momentum buffer for `{}` after {steps} optimizer steps", s.path));
+            };
+            if d.num_elements() != s.len() {
+                return Err(format!(
+                    "`{}.momentum_buffer` has {} elements, the parameter has {}",
+                    s.path,
+                    d.num_elements(),
+                    s.len()
+                ));
+            }
+            if self.owners[i] == self.rank {
+                let d = d.convert::<f32>();
+                let values = d.as_slice::<f32>().map_err(|e| format!("`{}`: {e:?}", s.path))?;
+                buffers[self.packed[i]..self.packed[i] + s.len()].copy_from_slice(values);
+            }
+        }
+        self.buffers = buffers;
+        Ok(())
+    }
+}
+
 /// AdamW with this rank's share of the moments.
 pub struct ShardedAdamW {
     config: OptimConfig,
@@ -87,6 +310,8 @@ pub struct ShardedAdamW {
     /// flattened gradients, and the gathered parameters.
     grads: Vec<f32>,
     gathered: Vec<f32>,
+    /// Muon's matrices (then outside `layout`), with `[muon]`.
+    muon: Option<ShardedMuon>,
 }
 
 /// What a sharded step did.
@@ -99,26 +324,33 @@ pub struct ShardedStep<B: TrainBackend, M: AutodiffModule<B>> {
 }
 
 impl ShardedAdamW {
-    /// The sharded optimizer of `model`'s trainable parameters. MPI counts a collective's values in
-    /// a C int, so the flat vector (padded) must stay below 2^31 values: about 2.1 billion
-    /// trainable parameters.
+    /// The sharded optimizer of `model`'s trainable parameters; with `muon` (its config and
+    /// `schedule.lr`), Muon trains the matrices it takes. MPI counts a collective's values in a C
+    /// int, so the flat vector (padded) must stay below 2^31 values: about 2.1 billion trainable
+    /// parameters.
     pub fn new<B: TrainBackend, M: AutodiffModule<B>>(
         config: OptimConfig,
         model: &M,
         c: &dyn Collective,
         compute: Compute,
+        muon: Option<(&MuonConfig, f64)>,
     ) -> Result<Self, String> {
-        let layout = Layout::of::<B, M>(model, c.rank(), c.world());
-        if layout.per_rank * c.world() > i32::MAX as usize {
+        let muon = muon.map(|(m, adamw_lr)| ShardedMuon::new::<B, M>(m.clone(), adamw_lr, model, c));
+        let layout = match &muon {
+            Some(m) => Layout::of_filtered::<B, M>(model, c.rank(), c.world(), &|p, r| !takes(&m.config, p, r)),
+            None => Layout::of::<B, M>(model, c.rank(), c.world()),
+        };
+        let muon_total = muon.as_ref().map_or(0, |m| m.total.max(m.max_load * c.world()));
+        if layout.per_rank * c.world() > i32::MAX as usize || muon_total > i32::MAX as usize {
             return Err(format!(
                 "distributed.shard_optimizer: {} trainable values are more than ember's ZeRO-1 over MPI handles \
                  (2^31 - 1); train without it, or with LoRA",
-                layout.total
+                layout.total + muon.as_ref().map_or(0, |m| m.total)
             ));
         }
         let n = layout.per_rank;
         let (m, v) = (vec![0.0; n], vec![0.0; n]);
-        Ok(Self { config, compute, steps: 0, layout, m, v, grads: Vec::new(), gathered: Vec::new() })
+        Ok(Self { config, compute, steps: 0, layout, m, v, grads: Vec::new(), gathered: Vec::new(), muon })
     }
 
     pub fn steps(&self) -> u64 {
@@ -143,6 +375,10 @@ impl ShardedAdamW {
         what: &str,
     ) -> Result<ShardedStep<B, M>, DistError> {
         let world = c.world();
+        let muon_grads = match &self.muon {
+            Some(m) => m.take_grads::<B, M>(&model, &mut grads, c, what)?,
+            None => Vec::new(),
+        };
         let flat = flatten_into(&model, &mut grads, &mut self.grads);
         if flat.slots != self.layout.slots {
             return Err(DistError::Rank {
@@ -160,7 +396,8 @@ impl ShardedAdamW {
         c.reduce_scatter_f32(&self.grads, &mut g, &format!("{what}: gradient reduce-scatter"))?;
         let mut sum_squares = [g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()];
         c.all_reduce_f64(&mut sum_squares, &format!("{what}: gradient norm"))?;
-        let scaled_norm = sum_squares[0].sqrt();
+        let muon_squares = muon_grads.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        let scaled_norm = (sum_squares[0] + muon_squares).sqrt();
         let grad_norm = scaled_norm / loss_scale;
         if let Some(scaler) = scaler {
             if !scaler.update(scaled_norm.is_finite()) {
@@ -206,7 +443,10 @@ impl ShardedAdamW {
         }
         self.gathered.resize(self.layout.per_rank * world, 0.0);
         c.all_gather_f32(&mine, &mut self.gathered, &format!("{what}: parameter all-gather"))?;
-        let model = assign_params(model, &self.layout.slots, &self.gathered);
+        let mut model = assign_params(model, &self.layout.slots, &self.gathered);
+        if let Some(muon) = self.muon.as_mut() {
+            model = muon.step::<B, M>(model, &muon_grads, scale, lr, c, device, self.compute, what)?;
+        }
         Ok(ShardedStep { model, grad_norm, skipped: false, _b: Default::default() })
     }
 
@@ -227,12 +467,26 @@ impl ShardedAdamW {
                 out.push((format!("{}.{name}", s.path), TensorData::new(all[r].to_vec(), [s.len()])));
             }
         }
+        if let Some(muon) = &self.muon {
+            out.extend(muon.state_tensors(c)?);
+        }
         out.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(out)
     }
 
     /// Takes this rank's share of moments saved unsharded (by any world size), after `steps`.
     pub fn load_state(&mut self, mut tensors: BTreeMap<String, TensorData>, steps: u64) -> Result<(), String> {
+        match self.muon.as_mut() {
+            Some(muon) => muon.load_state(&mut tensors, steps)?,
+            None => {
+                if let Some(k) = tensors.keys().find(|k| k.ends_with(".momentum_buffer")) {
+                    return Err(format!(
+                        "`{k}` is Muon's, but this config has no [muon] (a run resumes with the optimizer it \
+                         started with: restore its [muon] section)"
+                    ));
+                }
+            }
+        }
         let range = self.layout.range();
         let (mut m, mut v) = (vec![0.0f32; self.layout.per_rank], vec![0.0f32; self.layout.per_rank]);
         for s in &self.layout.slots {
@@ -266,6 +520,9 @@ impl ShardedAdamW {
             }
         }
         if let Some(k) = tensors.keys().next() {
+            if let Some(path) = k.strip_suffix(".momentum_buffer") {
+                return Err(format!("`{k}` is Muon's, but this config's [muon] does not train `{path}`"));
+            }
             return Err(format!("moment `{k}` belongs to no trainable parameter of the model"));
         }
         (self.m, self.v, self.steps) = (m, v, steps);
@@ -301,7 +558,7 @@ mod tests {
         let dev = Default::default();
         let (mut a, mut z) = (model(&dev), model(&dev));
         let mut plain = AdamW::<AB>::new(config(), Compute::default());
-        let mut sharded = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default()).unwrap();
+        let mut sharded = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default(), None).unwrap();
         for _ in 0..3 {
             let g = grads(&a, &dev);
             let norm = crate::optim::global_grad_norm(&a, &g, Compute::default());
@@ -318,9 +575,73 @@ mod tests {
         let state: BTreeMap<_, _> = sharded.state_tensors(&Solo).unwrap().into_iter().collect();
         let theirs: BTreeMap<_, _> = plain.state_tensors().into_iter().collect();
         assert_eq!(state.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>());
-        let mut back = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default()).unwrap();
+        let mut back = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default(), None).unwrap();
         back.load_state(state.clone(), 3).unwrap();
         assert_eq!(back.state_tensors(&Solo).unwrap().into_iter().collect::<BTreeMap<_, _>>(), state);
+    }
+
+    /// One rank's ZeRO-1 with `[muon]` (weight decay, both of AdamW's and Muon's) equals the
+    /// replicated AdamW + Muon over 3 steps, and its state (Muon's buffers included) round-trips
+    /// through the unsharded checkpoint format, which the replicated optimizer also reads.
+    #[test]
+    fn one_shard_with_muon_is_the_replicated_optimizer() {
+        use ember_model::{Decoder, ModelConfig};
+        let dev: Device<AB> = Default::default();
+        let muon = MuonConfig { weight_decay: 0.05, ..toml::from_str::<MuonConfig>("lr = 0.02").unwrap() };
+        let cfg = ModelConfig { init_std: 0.2, ..ModelConfig::tiny(17, 8) };
+        let grads = |m: &Decoder<AB>| {
+            let ids: Vec<i32> = (0..16).map(|i| (i * 7 % 17) as i32).collect();
+            let tokens = Tensor::<AB, 2, burn::tensor::Int>::from_data(TensorData::new(ids, [2, 8]), &dev);
+            let loss = m.forward(tokens).powi_scalar(2).mean();
+            GradientsParams::from_grads(loss.backward(), m)
+        };
+        let (mut a, mut z) = (Decoder::<AB>::new(&cfg, 5, &dev).unwrap(), Decoder::<AB>::new(&cfg, 5, &dev).unwrap());
+        let mut plain = AdamW::<AB>::new(config(), Compute::default()).with_muon(Some(&muon), 0.01);
+        let mut sharded =
+            ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default(), Some((&muon, 0.01))).unwrap();
+        assert_eq!(sharded.muon.as_ref().unwrap().slots.len(), 7 * cfg.n_layers, "q, k, v, o, gate, up, down");
+        assert!(sharded.layout.slots.iter().all(|s| !s.path.starts_with("layers.") || s.dims.len() == 1));
+        for _ in 0..3 {
+            let g = grads(&a);
+            let norm = crate::optim::global_grad_norm(&a, &g, Compute::default());
+            a = plain.step(0.01, a, g, clip_coefficient(norm, 0.5));
+            let g = grads(&z);
+            let step = sharded.step(&Solo, 0.01, z, g, 1.0, None, &dev, "test").unwrap();
+            assert!((step.grad_norm - norm).abs() < 1e-5 * norm, "{} vs {norm}", step.grad_norm);
+            z = step.model;
+        }
+        let weights = |m: &Decoder<AB>| {
+            crate::distributed::buckets::flatten_params(m, &Layout::of::<AB, _>(m, 0, 1).slots, 0..cfg_total(m))
+        };
+        let (aw, zw) = (weights(&a), weights(&z));
+        // Per parameter, the largest difference over the largest weight (the iteration's f32
+        // rounding, in a different order of the gradient norm's sum, is all that differs).
+        for s in Layout::of::<AB, _>(&a, 0, 1).slots {
+            let r = s.offset..s.offset + s.len();
+            let diff = aw[r.clone()].iter().zip(&zw[r.clone()]).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let top = aw[r].iter().map(|x| x.abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-6 * top, "{}: sharded Muon vs replicated differ by {diff:e} (largest {top})", s.path);
+        }
+        let state: BTreeMap<_, _> = sharded.state_tensors(&Solo).unwrap().into_iter().collect();
+        let theirs: BTreeMap<_, _> = plain.state_tensors().into_iter().collect();
+        assert_eq!(state.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>());
+        assert_eq!(state.keys().filter(|k| k.ends_with(".momentum_buffer")).count(), 7 * cfg.n_layers);
+        let mut back =
+            ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default(), Some((&muon, 0.01))).unwrap();
+        back.load_state(theirs.clone(), 3).unwrap();
+        let reread: BTreeMap<_, _> = back.state_tensors(&Solo).unwrap().into_iter().collect();
+        for (k, v) in &reread {
+            let (x, y) = (v.to_vec::<f32>().unwrap(), theirs[k].to_vec::<f32>().unwrap());
+            assert_eq!(x, y, "{k}");
+        }
+        // Without [muon], the buffers are refused by name.
+        let mut adamw_only = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default(), None).unwrap();
+        let e = adamw_only.load_state(theirs, 3).unwrap_err();
+        assert!(e.contains("momentum_buffer") && e.contains("[muon]"), "{e}");
+    }
+
+    fn cfg_total<M: AutodiffModule<AB>>(m: &M) -> usize {
+        Layout::of::<AB, _>(m, 0, 1).total
     }
 
     #[test]
