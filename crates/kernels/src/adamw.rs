@@ -141,8 +141,8 @@ impl AdamWOps for Flex {
         flex::tensor(vec![kernels::sum_squares(cx.elementwise_cpu(), &flex::f32s(&x)) as f32], vec![1])
     }
 
-    fn newton_schulz(gs: Vec<FlexTensor>, h: NsStep, _cx: Compute) -> Vec<FlexTensor> {
-        crate::newton_schulz::flex_newton_schulz(gs, h)
+    fn newton_schulz(gs: Vec<FlexTensor>, h: NsStep, cx: Compute) -> Vec<FlexTensor> {
+        crate::newton_schulz::flex_newton_schulz(gs, h, cx)
     }
 }
 

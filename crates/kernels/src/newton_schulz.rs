@@ -12,6 +12,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, bf16, ElementConversion, Tensor};
 use rayon::prelude::*;
 
+use crate::bf16_gemm::{self, Kernel as Bf16Kernel, Strided};
 use crate::compute::{Compute, Path};
 use crate::kernels::transposed;
 use crate::products::{gemm_new, gemm_strided};
@@ -76,22 +77,26 @@ pub(crate) fn reference_each<B: Backend>(gs: Vec<FloatTensor<B>>, h: NsStep) -> 
     gs.into_iter().map(|g| prim(newton_schulz_reference(float::<B, 2>(g), h))).collect()
 }
 
-/// The Flex op: the host kernel per matrix, the matrices across the threads.
-pub(crate) fn flex_newton_schulz(gs: Vec<FloatTensor<Flex>>, h: NsStep) -> Vec<FloatTensor<Flex>> {
+/// The Flex op: the host kernel per matrix, the matrices across the threads; with `h.bf16`, the
+/// products on the CPU's bf16 kernel where `cx` has one.
+pub(crate) fn flex_newton_schulz(gs: Vec<FloatTensor<Flex>>, h: NsStep, cx: Compute) -> Vec<FloatTensor<Flex>> {
     if !flex::all_f32(&gs.iter().collect::<Vec<_>>()) {
         return reference_each::<Flex>(gs, h);
     }
+    let kernel = cx.cpu.bf16.filter(|_| h.bf16);
     gs.into_par_iter()
         .map(|g| {
             let shape = flex::shape(&g);
             let (rows, cols) = (shape[0], shape[1]);
-            flex::tensor(orthogonalize(&flex::f32s(&g), rows, cols, h), shape)
+            flex::tensor(orthogonalize(&flex::f32s(&g), rows, cols, h, kernel), shape)
         })
         .collect()
 }
 
-/// The iteration on a row-major `rows × cols` matrix, on this thread.
-pub(crate) fn orthogonalize(g: &[f32], rows: usize, cols: usize, h: NsStep) -> Vec<f32> {
+/// The iteration on a row-major `rows × cols` matrix: its f32 products on this thread, or with
+/// `kernel` (for `h.bf16`) on the bf16 kernel, whose operands are the bf16 values the rounding
+/// left and whose sums are f32, as torch's bf16 products are.
+pub(crate) fn orthogonalize(g: &[f32], rows: usize, cols: usize, h: NsStep, kernel: Option<Bf16Kernel>) -> Vec<f32> {
     let [a, b, c] = h.coefficients.map(|v| v as f32);
     let round = |v: &mut [f32]| {
         if h.bf16 {
@@ -108,6 +113,12 @@ pub(crate) fn orthogonalize(g: &[f32], rows: usize, cols: usize, h: NsStep) -> V
     x.iter_mut().for_each(|v| *v *= inv);
     round(&mut x);
     let one = gemm::Parallelism::None;
+    if let Some(kernel) = kernel.filter(|k| h.bf16 && k.runs_here()) {
+        for _ in 0..h.steps {
+            x = bf16_step(kernel, &x, (s, l), [a, b, c]);
+        }
+        return if tall { transposed(&x, (s, l)) } else { x };
+    }
     for _ in 0..h.steps {
         // A = X·Xᵀ: Xᵀ read through its strides.
         let mut gram = gemm_new((s, s, l), (&x, (l, 1)), (&x, (1, l)), one);
@@ -129,14 +140,38 @@ pub(crate) fn orthogonalize(g: &[f32], rows: usize, cols: usize, h: NsStep) -> V
     }
 }
 
+/// One step of the bf16 iteration on the wide `[s, l]` `x` (bf16 values): the three products on
+/// `kernel`, each result rounded to bf16, the polynomial's sums in f32.
+fn bf16_step(kernel: Bf16Kernel, x: &[f32], (s, l): (usize, usize), [a, b, c]: [f32; 3]) -> Vec<f32> {
+    let round = |v: &mut [f32]| v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+    let product = |p: Strided<'_>, q: Strided<'_>, shape| bf16_gemm::gemm_new(kernel, p, q, shape).expect("reachable");
+    // A = X·Xᵀ, Xᵀ read through its strides.
+    let mut gram = product((x, (l, 1)), (x, (1, l)), (s, l, s));
+    round(&mut gram);
+    // P = b·A + c·A·A.
+    let mut poly = product((&gram, (s, 1)), (&gram, (s, 1)), (s, s, s));
+    poly.iter_mut().zip(&gram).for_each(|(p, &g)| *p = b * g + c * *p);
+    round(&mut poly);
+    // X = a·X + P·X.
+    let mut next: Vec<f32> = x.iter().map(|&v| a * v).collect();
+    let done = bf16_gemm::gemm(kernel, &mut next, true, (&poly, (s, 1)), (x, (l, 1)), (s, s, l));
+    debug_assert!(done, "the kernel runs here");
+    round(&mut next);
+    next
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::{leaf, rel_err};
 
+    /// f32, and bf16 on f32 products (rounded) and on every bf16 kernel this CPU reaches.
     #[test]
     fn the_kernel_equals_the_composition() {
-        for bf16 in [false, true] {
+        let plain = crate::Cpu::f32_products();
+        let kernels = Bf16Kernel::reachable().into_iter().map(|k| crate::Cpu { bf16: Some(k), ..plain });
+        let cases = [(false, plain), (true, plain)].into_iter().chain(kernels.map(|cpu| (true, cpu)));
+        for (bf16, cpu) in cases {
             let h = NsStep { coefficients: [3.4445, -4.7750, 2.0315], steps: 5, eps: 1e-7, bf16 };
             let gs: Vec<Tensor<Flex, 2>> = [[12, 20], [20, 12], [16, 16], [1, 7]]
                 .into_iter()
@@ -144,14 +179,14 @@ mod tests {
                 .map(|(i, s)| leaf(s, i as u64 + 1))
                 .collect();
             let want: Vec<_> = gs.iter().map(|g| newton_schulz_reference(g.clone(), h)).collect();
-            let got = newton_schulz(gs.clone(), h, Compute::default());
+            let got = newton_schulz(gs.clone(), h, Compute::default().with_cpu(cpu));
             for (g, (a, b)) in gs.iter().zip(got.into_iter().zip(want)) {
                 assert_eq!(a.dims(), g.dims());
                 let err = rel_err(a, b);
                 // bf16: a product's sum rounds to a neighbouring bf16 where the two sums differ in the
                 // last f32 bits.
                 let tol = if bf16 { 2e-2 } else { 1e-5 };
-                assert!(err < tol, "{:?} bf16={bf16}: {err}", g.dims());
+                assert!(err < tol, "{:?} bf16={bf16} {:?}: {err}", g.dims(), cpu.bf16);
             }
         }
     }
