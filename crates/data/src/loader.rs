@@ -1,7 +1,8 @@
 //! Random windows of a token shard, as Burn `Dataset` items, batched into tensors by a `Batcher`.
 //!
 //! Which windows a batch holds is a pure function of (seed, stream): stream `s` of the training
-//! sampler is micro-batch `s` of the run. A resumed run therefore draws exactly the batches the
+//! sampler is micro-batch `s` of the run (examples in epochs, token windows at random: see
+//! [`WindowSampler`]). A resumed run therefore draws exactly the batches the
 //! stopped run would have drawn, from nothing more than its step counter.
 
 use std::sync::Arc;
@@ -61,16 +62,66 @@ impl Dataset<Window> for TokenWindows {
 }
 
 /// Draws window indices: the same (seed, stream) always gives the same batch.
+///
+/// Two orders. `Random` (a token stream's windows, which overlap and are far too many to visit
+/// each): every row of every micro-batch drawn at random, with replacement. `Epochs` (examples):
+/// the run reads one stream of row positions, micro-batch `s` of `b` rows taking positions
+/// `s·b .. (s+1)·b`; position `p` is row `perm_e[p mod N]` of epoch `e = p div N`, each epoch a
+/// fresh seeded permutation of the `N` rows. Every row is read exactly once an epoch, and the rows
+/// of an optimizer step depend only on the step's total rows (batch × accumulation × ranks), not
+/// on how they are split; a step that crosses an epoch's end takes the next epoch's first rows
+/// (nothing is dropped).
 #[derive(Debug, Clone, Copy)]
 pub struct WindowSampler {
     pub seed: u64,
+    pub epochs: bool,
 }
 
 impl WindowSampler {
+    /// Rows at random, with replacement.
+    pub fn random(seed: u64) -> Self {
+        Self { seed, epochs: false }
+    }
+
+    /// Rows in epochs: a seeded permutation of them each epoch.
+    pub fn epochs(seed: u64) -> Self {
+        Self { seed, epochs: true }
+    }
+
     pub fn indices(&self, stream: u64, batch_size: usize, n_windows: usize) -> Vec<usize> {
+        if self.epochs {
+            return self.in_epochs(stream, batch_size, n_windows);
+        }
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
         rng.set_stream(stream);
         (0..batch_size).map(|_| rng.random_range(0..n_windows)).collect()
+    }
+
+    /// Positions `stream·batch ..` of the epochs' permutations.
+    fn in_epochs(&self, stream: u64, batch_size: usize, n: usize) -> Vec<usize> {
+        let Some(len) = u64::try_from(n).ok().filter(|&n| n > 0) else { return Vec::new() };
+        let first = stream.saturating_mul(batch_size as u64);
+        let mut perm: Option<(u64, Vec<usize>)> = None;
+        (first..first.saturating_add(batch_size as u64))
+            .map(|p| {
+                let epoch = p / len;
+                if perm.as_ref().map(|(e, _)| *e) != Some(epoch) {
+                    perm = Some((epoch, self.permutation(epoch, n)));
+                }
+                perm.as_ref().map_or(0, |(_, order)| order[(p % len) as usize])
+            })
+            .collect()
+    }
+
+    /// The order of the `n` rows in epoch `epoch`: Fisher–Yates over a generator seeded by the
+    /// sampler's seed, on a stream of its own for each epoch.
+    pub fn permutation(&self, epoch: u64, n: usize) -> Vec<usize> {
+        use rand::seq::SliceRandom;
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x6570_6f63_6873); // "epochs"
+        rng.set_stream(epoch);
+        let mut order: Vec<usize> = (0..n).collect();
+        order.shuffle(&mut rng);
+        order
     }
 
     pub fn batch<B: Backend>(
@@ -155,12 +206,37 @@ mod tests {
         );
     }
 
+    /// Over the epochs every row comes exactly once an epoch, each epoch in another order, and a
+    /// step's rows are the same however it is split into micro-batches.
+    #[test]
+    fn epochs_read_every_row_once_whatever_the_split() {
+        let s = WindowSampler::epochs(7);
+        let n = 37;
+        // 3 epochs and a bit, read in micro-batches of 5 (so micro-batches cross the epochs' ends).
+        let rows: Vec<usize> = (0..24).flat_map(|stream| s.indices(stream, 5, n)).collect();
+        for (e, epoch) in rows.chunks(n).take(3).enumerate() {
+            let mut counts = vec![0; n];
+            epoch.iter().for_each(|&r| counts[r] += 1);
+            assert_eq!(counts, vec![1; n], "epoch {e}");
+            assert_eq!(epoch, s.permutation(e as u64, n).as_slice());
+        }
+        assert_ne!(rows[..n], rows[n..2 * n], "each epoch is shuffled anew");
+        assert_ne!(s.permutation(0, n), WindowSampler::epochs(8).permutation(0, n));
+        // Step 3 of 8 rows: 8 × 1, 4 × 2, 2 × 4 (micro-batch streams numbered from the step's first).
+        let whole = s.indices(3, 8, n);
+        for (batch, accum) in [(4u64, 2u64), (2, 4)] {
+            let split: Vec<usize> = (0..accum).flat_map(|j| s.indices(3 * accum + j, batch as usize, n)).collect();
+            assert_eq!(split, whole, "{batch} x {accum}");
+        }
+        assert!(s.indices(0, 4, 0).is_empty());
+    }
+
     #[test]
     fn batches_depend_only_on_seed_and_stream() {
-        let s = WindowSampler { seed: 42 };
+        let s = WindowSampler::random(42);
         assert_eq!(s.indices(7, 12, 1000), s.indices(7, 12, 1000));
         assert_ne!(s.indices(7, 12, 1000), s.indices(8, 12, 1000));
-        assert_ne!(s.indices(7, 12, 1000), WindowSampler { seed: 43 }.indices(7, 12, 1000));
+        assert_ne!(s.indices(7, 12, 1000), WindowSampler::random(43).indices(7, 12, 1000));
         let w = windows(100, 5);
         let batch = s.batch::<B>(&w, 3, 4, &Default::default());
         assert_eq!(batch.inputs.dims(), [4, 5]);

@@ -93,7 +93,7 @@ pub fn bench_run<B: TrainBackend>(
     let schedule = LrSchedule::from_config(config);
     let stepper = Stepper {
         data: &setup.train,
-        sampler: WindowSampler { seed: config.train.seed },
+        sampler: WindowSampler::random(config.train.seed),
         config,
         device,
         collective: &crate::distributed::Solo,

@@ -88,7 +88,7 @@ pub fn evaluate_part<B: EmberBackend>(
     batch_size: usize,
     part: Part,
 ) -> LossSum {
-    let sampler = WindowSampler { seed };
+    let sampler = WindowSampler::random(seed);
     let batches =
         (0..iters as u64).filter(|&i| part.keeps(i as usize)).map(|i| sampler.windows(data, i, batch_size)).collect();
     loss_of_batches(model, batches)

@@ -15,7 +15,8 @@
 //! rank, every rank keeps every momentum buffer (cheap, element-wise, and checkpoints stay the
 //! same), each rank orthogonalises its share of the matrices (balanced by size), and one
 //! all-reduce of the results gives every rank every update (each element has one non-zero
-//! contributor, so the sum is exact).
+//! contributor, so the sum is exact). Under ZeRO-1 (`crate::distributed::zero`) a matrix's buffer
+//! lives only on the rank that orthogonalises it.
 
 use std::collections::HashMap;
 

@@ -91,6 +91,10 @@ pub struct TrainState {
     /// The step of `best_val_loss` (whose weights `<run_dir>/best` holds).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_step: Option<usize>,
+    /// The training rows are read in epochs (examples: a permutation of them each epoch) rather
+    /// than drawn at random (token windows; and runs from before epochs, which resume as they began).
+    #[serde(default)]
+    pub epochs: bool,
 }
 
 /// `best/best.json`: which evaluation the best checkpoint comes from.
@@ -125,6 +129,7 @@ impl TrainState {
             loss_scaler: None,
             world_size: 1,
             best_step: None,
+            epochs: false,
         }
     }
 }

@@ -103,6 +103,7 @@ impl Checkpointer<'_> {
         let model = initial_model::<B>(self.setup, device)?;
         let mut state = TrainState::new(0, LrSchedule::from_config(config), config.train.seed, 0);
         state.loss_scaler = (dtype == DType::F16).then(LossScaler::default);
+        state.epochs = config.data.format() == crate::config::DataFormat::Jsonl;
         Ok((model, BTreeMap::new(), state))
     }
 

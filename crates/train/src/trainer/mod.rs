@@ -207,7 +207,10 @@ pub fn train<B: TrainBackend>(
     let stop = opts.stop_at.unwrap_or(config.train.max_steps).min(config.train.max_steps);
     let stepper = Stepper {
         data: &setup.train,
-        sampler: WindowSampler { seed: state.sampler_seed },
+        sampler: match state.epochs {
+            true => WindowSampler::epochs(state.sampler_seed),
+            false => WindowSampler::random(state.sampler_seed),
+        },
         config,
         device,
         collective: c,

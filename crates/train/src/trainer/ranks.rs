@@ -59,7 +59,7 @@ pub(super) fn check_ranks_agree<B: TrainBackend>(
 fn data_digest(setup: &Setup) -> [u8; 32] {
     use burn::data::dataset::Dataset;
     let t = &setup.config.train;
-    let first = WindowSampler { seed: t.seed }.windows(setup.train.as_ref(), 0, t.batch_size);
+    let first = WindowSampler::random(t.seed).windows(setup.train.as_ref(), 0, t.batch_size);
     let mut tokens: Vec<u8> = Vec::new();
     for w in first.iter().chain(setup.val.get(0).as_ref()) {
         tokens.extend(w.input.iter().flat_map(|x| x.to_le_bytes()));
