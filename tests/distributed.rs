@@ -223,9 +223,9 @@ fn muon_on_two_ranks_trains_as_one_process_and_resumes_exactly() {
 }
 
 /// A LoRA fine-tune of the tiny Qwen2 fixture on JSONL examples of uneven lengths (so micro-batches
-/// score different numbers of tokens): 2 ranks, plain and ZeRO-1, against one process accumulating
-/// two micro-batches, for the training losses, the held-out losses (whose batches the ranks share
-/// out) and the adapters.
+/// score different numbers of tokens): 2 ranks, plain and ZeRO-1, and one process with micro-batches
+/// twice as large, against one process accumulating two micro-batches, for the training losses, the
+/// held-out losses (whose batches the ranks share out) and the adapters.
 #[test]
 fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
     let _g = serial();
@@ -241,24 +241,28 @@ fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
         jsonl.push('\n');
     }
     s.write("data.jsonl", &jsonl);
-    let config = |name: &str, accum: usize, extra: &str| {
+    let config = |name: &str, batch: usize, accum: usize, extra: &str| {
         s.write(
             name,
             &format!(
                 "init_from = \"run:base\"\n[data]\npath = \"data.jsonl\"\npacking = \"none\"\nval_fraction = 0.2\n\
-                 [train]\nbatch_size = 2\nseq_len = 64\ngrad_accum_steps = {accum}\nmax_steps = 12\neval_interval = 6\n\
+                 [train]\nbatch_size = {batch}\nseq_len = 64\ngrad_accum_steps = {accum}\nmax_steps = 12\neval_interval = 6\n\
                  eval_iters = 2\nlog_interval = 1\ncheckpoint_interval = 12\nseed = 5\n\
                  [optim]\nweight_decay = 0.0\ngrad_clip = 1.0\n[schedule]\nlr = 5e-3\nwarmup_steps = 2\n\
                  [lora]\nrank = 4\nalpha = 8.0\ntargets = [\"q_proj\", \"v_proj\", \"down_proj\"]\n{extra}"
             ),
         )
     };
-    let one = config("one.toml", 2, "");
-    let two = config("two.toml", 1, "");
-    let zero = config("zero.toml", 1, "[distributed]\nshard_optimizer = true\n");
+    let one = config("one.toml", 2, 2, "");
+    let two = config("two.toml", 2, 1, "");
+    let zero = config("zero.toml", 2, 1, "[distributed]\nshard_optimizer = true\n");
+    // One process, one micro-batch of 4: the examples are read in epochs, so a step's rows are the
+    // same however they are split (2 ranks x 2, 1 x 2 x 2, 1 x 4).
+    let wide = config("wide.toml", 4, 1, "");
     train(&s, 0, &one, "single", &[]);
     train(&s, 2, &two, "dp", &[]);
     train(&s, 2, &zero, "zero", &[]);
+    train(&s, 0, &wide, "wide", &[]);
     let single = losses(&s, "single");
     assert_eq!(single.len(), 12);
     let val = |run: &str| -> Vec<f64> {
@@ -268,7 +272,7 @@ fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
             .collect()
     };
     assert_eq!(val("single").len(), 3, "step 0 and two evaluations");
-    for run in ["dp", "zero"] {
+    for run in ["dp", "zero", "wide"] {
         assert_same_losses(&single, &losses(&s, run), run);
         for (a, b) in val("single").iter().zip(val(run)) {
             assert!((a - b).abs() <= 1e-6 * a, "{run}: held-out loss {a} vs {b}");
