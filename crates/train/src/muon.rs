@@ -143,12 +143,11 @@ fn lerp<B: Backend>(start: Tensor<B, 2>, end: Tensor<B, 2>, w: f64) -> Tensor<B,
     }
 }
 
+/// A matrix's path, shape, and its update once orthogonalised (by this rank, or shared).
+type Pending<IB> = (String, [usize; 2], Option<Tensor<IB, 2>>);
+
 /// Every rank gets every update: each rank's own in a flat vector, zeros elsewhere, summed.
-fn share<IB: Backend>(
-    updates: &mut [(String, [usize; 2], Option<Tensor<IB, 2>>)],
-    c: &dyn Collective,
-    what: &str,
-) -> Result<(), DistError> {
+fn share<IB: Backend>(updates: &mut [Pending<IB>], c: &dyn Collective, what: &str) -> Result<(), DistError> {
     let total: usize = updates.iter().map(|(_, [r, k], _)| r * k).sum();
     let mut flat = vec![0f32; total];
     let mut offset = 0;

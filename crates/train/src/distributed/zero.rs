@@ -590,7 +590,7 @@ mod tests {
         let muon = MuonConfig { weight_decay: 0.05, ..toml::from_str::<MuonConfig>("lr = 0.02").unwrap() };
         let cfg = ModelConfig { init_std: 0.2, ..ModelConfig::tiny(17, 8) };
         let grads = |m: &Decoder<AB>| {
-            let ids: Vec<i32> = (0..16).map(|i| (i * 7 % 17) as i32).collect();
+            let ids: Vec<i32> = (0..16).map(|i| i * 7 % 17).collect();
             let tokens = Tensor::<AB, 2, burn::tensor::Int>::from_data(TensorData::new(ids, [2, 8]), &dev);
             let loss = m.forward(tokens).powi_scalar(2).mean();
             GradientsParams::from_grads(loss.backward(), m)
