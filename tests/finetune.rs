@@ -180,6 +180,22 @@ fn a_step_reads_the_same_examples_whatever_its_split() {
     assert!(o.status.success(), "{}", stderr(&o));
     let last = |run: &str| tensors(&s.path().join(run).join("checkpoints/step-000006"));
     assert_eq!(last("paused"), last("r8x1"), "resumed mid-epoch vs unbroken");
+
+    // The same run's length given as 4 epochs of its 11 rows (the 32 examples packed):
+    // ceil(4 × 11 / 8) = 6 steps, the same run; the run directory keeps the steps.
+    let rows = (8.0 / records[0].epoch.unwrap()).round();
+    assert_eq!(rows, 11.0, "{:?}", records[0]);
+    let text = std::fs::read_to_string(s.path().join("8x1.toml")).unwrap().replace("max_steps = 6", "num_epochs = 4");
+    s.write("epochs.toml", &text);
+    let o = s.ember(&["train", "--config", "epochs.toml", "--run-dir", "epochs"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("train.num_epochs = 4: 11 rows, 8 a step"), "{}", stderr(&o));
+    let saved = std::fs::read_to_string(s.path().join("epochs/config.toml")).unwrap();
+    assert!(saved.contains("max_steps = 6\n") && !saved.contains("num_epochs"), "{saved}");
+    let epochs = read_metrics(&s.path().join("epochs/metrics.jsonl")).unwrap();
+    let end = epochs.last().map(|r| (r.step, r.epoch.map(|e| (e * 11.0).round())));
+    assert_eq!(end, Some((6, Some(48.0))), "6 steps of 8 rows");
+    assert_eq!(last("epochs"), last("r8x1"), "4 epochs vs 6 steps");
 }
 
 #[test]

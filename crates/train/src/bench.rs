@@ -74,7 +74,7 @@ pub fn bench_run<B: TrainBackend>(
     probe: &dyn MemoryProbe,
 ) -> Result<TrainBench, TrainError> {
     let (warmup, steps) = (settings.warmup, settings.steps);
-    let setup = prepare(run, locations)?;
+    let setup = prepare(run, locations, 1)?;
     let config = &setup.config;
     let compute = run_compute::<B>(device, config, settings.compute);
     let peak = resolve_peak::<B::InnerBackend>(

@@ -27,7 +27,8 @@ pub fn lr(lora: bool, init_from: bool) -> f64 {
 /// Fills in `table` (a config file, its keys checked) the defaults that depend on other keys,
 /// where they are left out: `[optim]` and `[schedule]` whole, `schedule.lr`,
 /// `schedule.warmup_steps` and `train.eval_interval`. A key whose inputs are missing or mistyped
-/// is left out (those are reported).
+/// is left out (those are reported); so are those that follow a length given in epochs
+/// (`train.num_epochs`), until the data is loaded ([`super::TrainConfig::resolve_epochs`]).
 pub fn fill(table: &mut toml::Table) {
     let (lora, init_from) = (table.contains_key("lora"), table.contains_key("init_from"));
     for section in ["optim", "schedule"] {
@@ -39,7 +40,7 @@ pub fn fill(table: &mut toml::Table) {
         .and_then(toml::Value::as_integer)
         .and_then(|n| u64::try_from(n).ok());
     if let (Some(max_steps), Some(train)) = (max_steps, table.get_mut("train").and_then(toml::Value::as_table_mut)) {
-        train.entry("eval_interval").or_insert_with(|| integer((max_steps / EVALS_PER_RUN).max(1)));
+        train.entry("eval_interval").or_insert_with(|| integer(eval_interval(max_steps)));
     }
     let Some(schedule) = table.get_mut("schedule").and_then(toml::Value::as_table_mut) else { return };
     schedule.entry("lr").or_insert(toml::Value::Float(lr(lora, init_from)));
@@ -48,8 +49,18 @@ pub fn fill(table: &mut toml::Table) {
         None => max_steps,
     };
     if let Some(decay_steps) = decay_steps {
-        schedule.entry("warmup_steps").or_insert_with(|| integer(decay_steps / WARMUP_DIVISOR));
+        schedule.entry("warmup_steps").or_insert_with(|| integer(warmup_steps(decay_steps)));
     }
+}
+
+/// `train.eval_interval` of a run of `max_steps` that leaves it out.
+pub fn eval_interval(max_steps: u64) -> u64 {
+    (max_steps / EVALS_PER_RUN).max(1)
+}
+
+/// `schedule.warmup_steps` of a run whose learning rate decays over `decay_steps`, where left out.
+pub fn warmup_steps(decay_steps: u64) -> u64 {
+    decay_steps / WARMUP_DIVISOR
 }
 
 fn integer(n: u64) -> toml::Value {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use ember_model::ModelConfig;
 
-use super::{defaults, keys, TrainConfig};
+use super::{defaults, keys, PendingLength, TrainConfig};
 use crate::error::TrainError;
 
 /// A config file as written, parsed and checked without opening anything but itself. `model` is
@@ -70,12 +70,17 @@ impl ConfigFile {
             problems.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
             return Err(TrainError::Problems { path: path.into(), problems });
         }
-        let config: TrainConfig<Option<ModelConfig>> =
+        // A length in epochs leaves max_steps, and the defaults left out that follow it, to the data.
+        let left_out = |section: &str, key: &str| table.get(section).and_then(|t| t.get(key)).is_none();
+        let (eval_interval, warmup_steps) = (left_out("train", "eval_interval"), left_out("schedule", "warmup_steps"));
+        let mut config: TrainConfig<Option<ModelConfig>> =
             toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| TrainError::Config {
                 path: path.into(),
                 message: e.message().to_string(),
                 key: None,
             })?;
+        config.pending =
+            config.train.num_epochs.map(|num_epochs| PendingLength { num_epochs, eval_interval, warmup_steps });
         // Every rule broken, at once: one as before, several as a list with their lines.
         let mut broken = config.broken_rules(purpose);
         match broken.len() {
@@ -384,6 +389,45 @@ mod tests {
         // The resolved config names every default it took.
         let saved = c.to_toml();
         assert!(saved.contains("lr = 0.0006") && saved.contains("eval_interval = 1"), "{saved}");
+    }
+
+    #[test]
+    fn a_length_in_epochs_becomes_steps_once_the_rows_are_known() {
+        let minimal = "init_from = \"run:/m\"\n[data]\npath = \"chat.jsonl\"\n[train]\nbatch_size = 4\n";
+        let epochs = format!("{minimal}num_epochs = 3\ngrad_accum_steps = 2\n");
+        let mut c = ConfigFile::parse(&epochs, Path::new("c.toml")).unwrap().config;
+        let pending = PendingLength { num_epochs: 3.0, eval_interval: true, warmup_steps: true };
+        assert_eq!((c.pending, c.train.max_steps), (Some(pending), 0));
+        // 1,000 rows, 16 a step on 2 ranks: ceil(3000 / 16) = 188 steps.
+        c.resolve_epochs(1000, 2).unwrap();
+        assert_eq!((c.train.max_steps, c.train.eval_interval, c.schedule.warmup_steps), (188, 18, 9));
+        assert_eq!((c.pending, c.train.num_epochs), (None, None));
+        let saved = toml::to_string(&c).unwrap();
+        assert!(saved.contains("max_steps = 188\n") && !saved.contains("num_epochs"), "{saved}");
+        // Keys the file gives are kept; a fraction of an epoch rounds up to whole steps.
+        let text = format!("{minimal}num_epochs = 0.01\neval_interval = 7\n[schedule]\nwarmup_steps = 0\n");
+        let mut c = ConfigFile::parse(&text, Path::new("c.toml")).unwrap().config;
+        c.resolve_epochs(1000, 1).unwrap();
+        assert_eq!((c.train.max_steps, c.train.eval_interval, c.schedule.warmup_steps), (3, 7, 0));
+        // A warmup longer than the run is reported once the length is known.
+        let text = format!("{minimal}num_epochs = 1\n[schedule]\nwarmup_steps = 50\n");
+        let mut c = ConfigFile::parse(&text, Path::new("c.toml")).unwrap().config;
+        let e = c.resolve_epochs(40, 1).unwrap_err().to_string();
+        assert_eq!(e, "schedule.warmup_steps (50) must not exceed train.max_steps (10)");
+        // One of the two lengths, for examples only, within bounds.
+        let both = problems(&format!("{minimal}num_epochs = 2\nmax_steps = 10\n"));
+        assert_eq!(
+            both,
+            ["line 6: [train] num_epochs and max_steps are both set: give one (max_steps follows from num_epochs)"]
+        );
+        assert_eq!(problems(minimal), ["[train] max_steps is missing"]);
+        let text = NANO.replace("max_steps = 2000", "num_epochs = 2");
+        let e = ConfigFile::parse(&text, Path::new("c.toml")).unwrap_err().to_string();
+        assert!(e.contains("train.num_epochs = 2") && e.contains("JSONL"), "{e}");
+        for bad in ["0", "-1", "nan", "2e6"] {
+            let e = ConfigFile::parse(&format!("{minimal}num_epochs = {bad}\n"), Path::new("c.toml")).unwrap_err();
+            assert!(e.to_string().contains("train.num_epochs"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -58,6 +58,9 @@ pub enum Problem {
     /// serde does not say which key).
     #[error("{}{message}", if key.is_empty() { String::new() } else { format!("{key}: ") })]
     BadValue { key: String, message: String },
+    /// Two keys that say the same thing two ways.
+    #[error("{key} and {other} are both set: give one ({other} follows from {key})")]
+    Exclusive { key: &'static str, other: &'static str },
     /// A value that breaks a rule (its message names the dotted key).
     #[error("{0}")]
     Rule(InvalidConfig),
@@ -166,7 +169,18 @@ pub fn check(table: &mut toml::Table, text: &str) -> Vec<ConfigProblem> {
             None if *name == "train" => &toml::Table::new(),
             None => continue,
         };
-        for key in keys.iter().filter(|k| !section.contains_key(**k)) {
+        // `train.num_epochs` stands for `max_steps`, and only one of them may be given.
+        let epochs = *name == "train" && section.contains_key("num_epochs");
+        if epochs && section.contains_key("max_steps") {
+            problems.push(at(
+                text,
+                Some(name),
+                Some("num_epochs"),
+                Problem::Exclusive { key: "num_epochs", other: "max_steps" },
+            ));
+        }
+        let given = |k: &str| section.contains_key(k) || (epochs && k == "max_steps");
+        for key in keys.iter().filter(|k| !given(k)) {
             problems.push(ConfigProblem {
                 line: None,
                 section: Some(name.to_string()),

@@ -17,6 +17,8 @@ mod validate;
 use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
+use crate::error::InvalidConfig;
+
 pub use defaults::{LR_FULL, LR_LORA, LR_SCRATCH};
 pub use file::{ConfigFile, InitSource, Purpose};
 pub use keys::{ConfigProblem, Hint, Problem, REQUIRED};
@@ -51,6 +53,21 @@ pub struct TrainConfig<M = ModelConfig> {
     /// How the ranks of a data-parallel run (`mpirun -n N ember train`) cooperate.
     #[serde(default, skip_serializing_if = "is_default_distributed")]
     pub distributed: DistributedConfig,
+    /// A length given in epochs (`train.num_epochs`) before the data is loaded: the step count and
+    /// the defaults that follow it wait for the row count ([`TrainConfig::resolve_epochs`]).
+    #[serde(skip)]
+    pub pending: Option<PendingLength>,
+}
+
+/// What a config that gives its length in epochs still lacks: `max_steps`, and the defaults
+/// derived from it that the file left out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PendingLength {
+    pub num_epochs: f64,
+    /// `train.eval_interval` was left out: `max_steps / 10`.
+    pub eval_interval: bool,
+    /// `schedule.warmup_steps` was left out (and `decay_steps` too): `max_steps / 20`.
+    pub warmup_steps: bool,
 }
 
 fn is_default_distributed(d: &DistributedConfig) -> bool {
@@ -101,8 +118,43 @@ impl TrainConfig {
 impl<M> TrainConfig<M> {
     /// The same config with the architecture `model`.
     pub fn with_model<N>(self, model: N) -> TrainConfig<N> {
-        let Self { init_from, model: _, data, train, optim, schedule, lora, muon, metrics, distributed } = self;
-        TrainConfig { init_from, model, data, train, optim, schedule, lora, muon, metrics, distributed }
+        let Self { init_from, model: _, data, train, optim, schedule, lora, muon, metrics, distributed, pending } =
+            self;
+        TrainConfig { init_from, model, data, train, optim, schedule, lora, muon, metrics, distributed, pending }
+    }
+
+    /// Turns a length in epochs into steps, now that the training split's `rows` are known and
+    /// `ranks` share each step: `max_steps = ceil(num_epochs × rows / rows per step)`, with the
+    /// evaluation cadence and warmup that follow it where the file left them out. The config then
+    /// reads as if it had said `max_steps` (what the run directory keeps); the rules that need the
+    /// length are checked. Nothing to do for a config that gave `max_steps`.
+    pub fn resolve_epochs(&mut self, rows: usize, ranks: usize) -> Result<(), InvalidConfig> {
+        let Some(p) = self.pending.take() else { return Ok(()) };
+        let per_step = self.train.batch_size.saturating_mul(self.train.grad_accum_steps).saturating_mul(ranks).max(1);
+        let steps = (p.num_epochs * rows as f64 / per_step as f64).ceil().max(1.0);
+        // Saturating: a count past the bound is reported by the rules below.
+        self.train.max_steps = if steps < (1u64 << 52) as f64 { steps as usize } else { usize::MAX };
+        self.train.num_epochs = None;
+        let steps = self.train.max_steps as u64;
+        if p.eval_interval {
+            self.train.eval_interval = usize::try_from(defaults::eval_interval(steps)).unwrap_or(usize::MAX);
+        }
+        if p.warmup_steps {
+            self.schedule.warmup_steps = usize::try_from(defaults::warmup_steps(steps)).unwrap_or(usize::MAX);
+        }
+        tracing::info!(
+            "train.num_epochs = {}: {rows} rows, {per_step} a step (batch_size {} × grad_accum_steps {} × {ranks} \
+             rank(s)) -> max_steps = {}, eval_interval = {}, warmup_steps = {}",
+            p.num_epochs,
+            self.train.batch_size,
+            self.train.grad_accum_steps,
+            self.train.max_steps,
+            self.train.eval_interval,
+            self.schedule.warmup_steps
+        );
+        // The config's other rules held when it was parsed (for its purpose: a benchmark's may put
+        // adapters on a random base); these are the ones the length changes.
+        self.validate_sections_for(Purpose::Bench)
     }
 
     pub fn decay_steps(&self) -> usize {

@@ -111,10 +111,17 @@ pub struct LoopConfig {
     /// Micro-batches per optimizer step (gradients are averaged over them).
     #[serde(default = "one")]
     pub grad_accum_steps: usize,
-    /// Optimizer steps of the whole run.
+    /// Optimizer steps of the whole run; or [`Self::num_epochs`] instead.
+    #[serde(default)]
     pub max_steps: usize,
+    /// JSONL data: passes over the training rows instead of `max_steps`, which becomes
+    /// `ceil(num_epochs × rows / (batch_size × grad_accum_steps × ranks))` once the data is loaded
+    /// (the run directory's config.toml keeps that `max_steps`). Fractions are allowed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_epochs: Option<f64>,
     /// Evaluate every this many steps (and at the first and last) [default: `max_steps / 10`, at
     /// least 1: ten evaluations a run].
+    #[serde(default)]
     pub eval_interval: usize,
     /// `steps` (every `eval_interval` steps) or `epoch` (JSONL data: each time the run has drawn
     /// as many rows as the training examples fill) [default: steps].

@@ -69,13 +69,20 @@ impl<M> TrainConfig<M> {
         if self.data.format() == DataFormat::Text && self.train.eval_strategy == EvalStrategy::Epoch {
             broken.push(InvalidConfig::JsonlOnly { key: "train.eval_strategy", value: "\"epoch\"".into() });
         }
-        self.train.check(&mut broken);
+        if self.data.format() == DataFormat::Text {
+            if let Some(n) = self.train.num_epochs {
+                broken.push(InvalidConfig::JsonlOnly { key: "train.num_epochs", value: n.to_string() });
+            }
+        }
+        self.train.check(&mut broken, self.pending.is_some());
         self.optim.check(&mut broken);
         if let Some(muon) = &self.muon {
             muon.check(&mut broken);
         }
         self.schedule.check(&mut broken);
-        if self.schedule.warmup_steps > self.decay_steps() {
+        // A length in epochs is checked once the data gives it (`resolve_epochs`).
+        let length_known = self.pending.is_none() || self.schedule.decay_steps.is_some();
+        if length_known && self.schedule.warmup_steps > self.decay_steps() {
             broken.push(InvalidConfig::Bounded {
                 key: "schedule.warmup_steps",
                 value: self.schedule.warmup_steps.to_string(),
@@ -130,12 +137,14 @@ impl DataConfig {
 }
 
 impl LoopConfig {
-    fn check(&self, broken: &mut Vec<InvalidConfig>) {
+    /// `pending`: the length is given in epochs and not yet in steps (`max_steps`, and perhaps
+    /// `eval_interval`, are filled in once the data is loaded).
+    fn check(&self, broken: &mut Vec<InvalidConfig>, pending: bool) {
         for (key, v) in [
             ("train.batch_size", self.batch_size),
             ("train.grad_accum_steps", self.grad_accum_steps),
-            ("train.max_steps", self.max_steps),
-            ("train.eval_interval", self.eval_interval),
+            ("train.max_steps", if pending { 1 } else { self.max_steps }),
+            ("train.eval_interval", if pending && self.eval_interval == 0 { 1 } else { self.eval_interval }),
             ("train.eval_iters", self.eval_iters),
             ("train.log_interval", self.log_interval),
             ("train.keep_checkpoints", self.keep_checkpoints),
@@ -154,6 +163,9 @@ impl LoopConfig {
             ("train.keep_checkpoints", self.keep_checkpoints, 1 << 20),
         ] {
             broken.extend(at_most(key, v, limit).err());
+        }
+        if let Some(n) = self.num_epochs.filter(|n| !(*n > 0.0 && *n <= 1e6)) {
+            broken.push(out_of_range("train.num_epochs", n, "in (0, 1000000]"));
         }
         if let Some(t) = self.target_val_loss.filter(|t| !(*t > 0.0 && t.is_finite())) {
             broken.push(out_of_range("train.target_val_loss", t, "finite, above 0"));

@@ -195,7 +195,7 @@ pub fn train<B: TrainBackend>(
     // A run's config, however it was made: adapters need a pretrained base (only `ember bench
     // train` may put them on a random one).
     run.config.validate_sections().map_err(|error| TrainError::Invalid { path: "config".into(), error })?;
-    let setup = prepare(run, &opts.locations)?;
+    let setup = prepare(run, &opts.locations, opts.collective.world())?;
     let (config, c) = (&setup.config, opts.collective.as_ref());
     // Start-up waits for slow work of other ranks (loading a model); steps do not.
     c.set_timeout(config.distributed.io_timeout());

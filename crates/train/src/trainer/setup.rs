@@ -27,13 +27,16 @@ pub(crate) struct Setup {
     pub(crate) held_out_prompt: Option<String>,
 }
 
-/// Finds the data, fills in the vocabulary size and checks that both splits hold a window.
-pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations) -> Result<Setup, TrainError> {
+/// Finds the data, fills in the vocabulary size (and a length given in epochs, with `ranks`
+/// sharing each step) and checks that both splits hold a window.
+pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations, ranks: usize) -> Result<Setup, TrainError> {
     let ResolvedConfig { mut config, init } = run;
     config.absolutize_paths();
     let data = crate::data::load(&config, init.as_ref(), locations)?;
     // A seq_len left out is the data's (the longest example's, for fine-tuning examples).
     config.train.seq_len = Some(data.seq_len);
+    let rows = burn::data::dataset::Dataset::len(data.train.as_ref());
+    config.resolve_epochs(rows, ranks).map_err(|error| TrainError::Invalid { path: "config".into(), error })?;
     let vocab = data.tokenizer.vocab_size();
     if config.model.vocab_size == 0 {
         config.model.vocab_size = vocab;

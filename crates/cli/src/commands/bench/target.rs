@@ -181,6 +181,14 @@ pub(super) fn target(a: TargetBenchArgs) -> anyhow::Result<()> {
 /// Run `i` of the bench: the config with the flags' overrides, seed + i, in `root`/seed-<seed>.
 fn one_run(a: &TargetBenchArgs, i: u64, root: &Path) -> anyhow::Result<TargetRun> {
     let mut run = ConfigFile::read(&a.config)?.resolve()?;
+    if let Some(p) = &mut run.config.pending {
+        anyhow::ensure!(
+            a.max_steps.is_none(),
+            "--max-steps with train.num_epochs in {}: give one or the other",
+            a.config.display()
+        );
+        p.eval_interval &= a.eval_interval.is_none();
+    }
     let c = &mut run.config.train;
     c.target_val_loss = Some(a.target_val);
     c.eval_interval = a.eval_interval.unwrap_or(c.eval_interval);
