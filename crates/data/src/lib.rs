@@ -8,6 +8,7 @@ pub mod fetch;
 pub mod finetune;
 pub mod loader;
 pub mod manifest;
+pub mod preference;
 pub mod prepare;
 pub mod shards;
 pub mod stream;

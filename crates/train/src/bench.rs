@@ -99,6 +99,8 @@ pub fn bench_run<B: TrainBackend>(
         collective: &crate::distributed::Solo,
         buffers: Default::default(),
         device_comm: None,
+        // A benchmark times the step; its reference values would not change the work.
+        reference: None,
     };
     let accum = stepper.micro_batches_per_step();
     let mut times = Vec::with_capacity(steps);

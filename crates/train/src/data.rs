@@ -94,8 +94,81 @@ pub fn load(
     let (spec, tokenizer_dir) = tokenizer_spec(config, init)?;
     match config.data.format() {
         DataFormat::Text => load_text(config, &path, val_fraction, &spec, tokenizer_dir, locations),
+        DataFormat::Jsonl if config.preference.is_some() => {
+            load_preference(config, &path, val_fraction, &spec, tokenizer_dir)
+        }
         DataFormat::Jsonl => load_jsonl(config, &path, val_fraction, &spec, tokenizer_dir),
     }
+}
+
+/// Preference pairs, tokenized as TRL does, one row of two documents each
+/// ([`ember_data::preference`]); the held-out pairs are the file's last.
+fn load_preference(
+    config: &TrainConfig,
+    path: &Path,
+    val_fraction: f64,
+    spec: &TokenizerSpec,
+    tokenizer_dir: Option<PathBuf>,
+) -> Result<LoadedData, TrainError> {
+    use ember_data::preference::{encode_pairs, read_preference_jsonl, Turns};
+    let tokenizer = match spec {
+        TokenizerSpec::File(p) => with_model_eos(Tokenizer::from_file(p)?, tokenizer_dir.as_deref()),
+        other => return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into()),
+    };
+    let records = read_preference_jsonl(path)?;
+    if records.len() < 2 {
+        let message = "need at least 2 preference pairs (train and val)".into();
+        return Err(DataError::Jsonl { path: path.into(), line: records.len(), message }.into());
+    }
+    let n_val = ((records.len() as f64 * val_fraction).round() as usize).clamp(1, records.len() - 1);
+    let template = match &tokenizer_dir {
+        Some(dir) => ChatTemplate::from_dir(dir)?,
+        None => None,
+    };
+    let pairs = encode_pairs(&records, &tokenizer, template.as_ref())?;
+    let seq_len = match config.train.seq_len {
+        Some(t) => t,
+        None => {
+            let longest = pairs.iter().map(|p| p.len()).max().unwrap_or(0);
+            // `default_seq_len` counts a row's `seq_len + 1` tokens; a pair row holds `len`.
+            let t = config.default_seq_len(Some(longest + 1));
+            tracing::info!("train.seq_len left out: {t} (the longest pair takes {longest} positions)");
+            t
+        }
+    };
+    let pad = tokenizer.eos_id().unwrap_or(0);
+    let mut rows = Vec::with_capacity(pairs.len());
+    for (i, pair) in pairs.iter().enumerate() {
+        let row = pair.row(seq_len, pad).ok_or_else(|| DataError::Jsonl {
+            path: path.into(),
+            line: i + 1,
+            message: format!(
+                "the pair takes {} positions (the prompt twice and both answers), more than train.seq_len = {seq_len}",
+                pair.len()
+            ),
+        })?;
+        rows.push(row);
+    }
+    let val = rows.split_off(rows.len() - n_val);
+    tracing::info!(
+        train_pairs = rows.len(),
+        val_pairs = val.len(),
+        seq_len,
+        "preference pairs from {}",
+        path.display()
+    );
+    let held_out_prompt = match &records[records.len() - n_val].prompt {
+        Turns::Text(p) => Some(p.clone()),
+        Turns::Chat(m) => template.as_ref().and_then(|t| t.render(m, true).ok()),
+    };
+    Ok(LoadedData {
+        tokenizer,
+        tokenizer_dir,
+        train: Arc::new(PackedExamples::from_rows(rows)),
+        val: Arc::new(PackedExamples::from_rows(val)),
+        seq_len,
+        held_out_prompt,
+    })
 }
 
 /// A token stream (tokenized once, cached as shards) cut into windows.

@@ -56,7 +56,7 @@ pub struct Part {
 impl Part {
     pub const WHOLE: Part = Part { rank: 0, world: 1 };
 
-    fn keeps(&self, i: usize) -> bool {
+    pub fn keeps(&self, i: usize) -> bool {
         i % self.world.max(1) == self.rank
     }
 }

@@ -18,6 +18,7 @@ pub mod muon;
 pub mod optim;
 pub mod perplexity;
 pub mod precision;
+pub mod preference;
 pub mod schedule;
 pub mod selfcheck;
 pub mod step;

@@ -106,6 +106,7 @@ impl MetricsSink for TensorBoardSink {
             ("epoch", r.epoch),
         ];
         values.extend(optional.iter().filter_map(|(k, v)| v.map(|v| (*k, v as f32))));
+        values.extend(r.preference.iter().map(|(k, v)| (k.as_str(), *v as f32)));
         self.writer.scalars(r.step as u64, self.start + r.elapsed_s, &values)?;
         self.writer.flush()
     }
@@ -220,6 +221,11 @@ pub struct StepRecord {
     /// there): the wall time at its end, evaluation included, the run's time to target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_reached_s: Option<f64>,
+    /// Preference tuning: TRL's metrics of the step's pairs (`rewards/chosen`, `rewards/rejected`,
+    /// `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`) and, at
+    /// evaluations, of the held-out pairs (the same names after `val_`).
+    #[serde(flatten, default)]
+    pub preference: std::collections::BTreeMap<String, f64>,
 }
 
 /// `metrics.jsonl`.
@@ -281,6 +287,7 @@ mod tests {
             comm_ms: None,
             wait_ms: None,
             target_reached_s: None,
+            preference: Default::default(),
         }
     }
 

@@ -10,7 +10,7 @@ use ember_data::{Examples, LmBatch, LmBatcher, Window, WindowSampler};
 use ember_kernels::{DeviceComm, TrainBackend};
 use ember_model::Decoder;
 
-use crate::config::TrainConfig;
+use crate::config::{PreferenceConfig, TrainConfig};
 use crate::distributed::buckets::{all_reduce_grads, all_reduce_grads_on_device, GradBuffers};
 use crate::distributed::zero::ShardedAdamW;
 use crate::distributed::{Collective, DistError};
@@ -18,6 +18,8 @@ use crate::error::{OptimizerError, TrainError};
 use crate::eval::lm_loss;
 use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
 use crate::precision::LossScaler;
+use crate::preference::{answer_logps, pair_loss, PairSums, StepTotals};
+use ember_data::preference::answer_masks;
 
 /// AdamW (and Muon) with every moment on every rank, or ZeRO-1's share of them.
 pub enum Optimizer<B: TrainBackend> {
@@ -80,6 +82,8 @@ pub struct StepOutput {
     pub comm: Duration,
     /// Time spent waiting for the other ranks to finish their micro-batches (load imbalance).
     pub wait: Duration,
+    /// Preference tuning: the step's pairs' metrics, summed over all ranks.
+    pub preference: Option<PairSums>,
 }
 
 /// What every step reads: the data, the config, the device and the other ranks.
@@ -93,6 +97,9 @@ pub struct Stepper<'a, B: TrainBackend> {
     pub buffers: std::cell::RefCell<GradBuffers>,
     /// Sums the gradients on the device instead (NCCL for CUDA tensors), when there is one.
     pub device_comm: Option<&'a DeviceComm>,
+    /// Preference tuning with DPO or IPO: the reference model's log-probabilities of each training
+    /// row's answers (`[chosen, rejected]`, by row).
+    pub reference: Option<&'a [[f64; 2]]>,
 }
 
 impl<B: TrainBackend> Stepper<'_, B> {
@@ -118,21 +125,47 @@ impl<B: TrainBackend> Stepper<'_, B> {
         let (rank, world) = (c.rank(), c.world());
         let what = format!("step {step}");
         let batch = self.config.train.batch_size;
-        let all: Vec<Vec<Window>> = (0..self.micro_batches_per_step())
-            .map(|j| self.sampler.windows(self.data.as_ref(), first_stream + j, batch))
-            .collect();
-        let total = all.iter().map(|b| scored(b)).sum::<usize>();
-        let mine: Vec<Vec<Window>> = all.into_iter().skip(rank).step_by(world).collect();
+        let n = self.data.len();
+        let all: Vec<Vec<usize>> =
+            (0..self.micro_batches_per_step()).map(|j| self.sampler.indices(first_stream + j, batch, n)).collect();
+        let rows = |idx: &[usize]| -> Vec<Window> {
+            idx.iter().map(|&i| self.data.get(i).expect("index drawn below len")).collect()
+        };
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-        let (loss, grads) = forward_backward(&model, mine, total, self.device, loss_scale);
+        let (loss, grads, sums) = match &self.config.preference {
+            None => {
+                let all: Vec<Vec<Window>> = all.iter().map(|idx| rows(idx)).collect();
+                let total = all.iter().map(|b| scored(b)).sum::<usize>();
+                let mine: Vec<Vec<Window>> = all.into_iter().skip(rank).step_by(world).collect();
+                let (loss, grads) = forward_backward(&model, mine, total, self.device, loss_scale);
+                (loss, grads, None)
+            }
+            Some(pc) => {
+                let all: Vec<(Vec<Window>, Option<Vec<[f64; 2]>>)> = all
+                    .iter()
+                    .map(|idx| (rows(idx), self.reference.map(|r| idx.iter().map(|&i| r[i]).collect())))
+                    .collect();
+                let chosen_tokens =
+                    all.iter().flat_map(|(b, _)| b).map(|w| answer_masks(w).0.iter().sum::<f32>() as f64);
+                let totals = StepTotals {
+                    pairs: (batch as u64 * self.micro_batches_per_step()) as f64,
+                    chosen_tokens: chosen_tokens.sum(),
+                };
+                let mine = all.into_iter().skip(rank).step_by(world).collect();
+                let (loss, grads, sums) =
+                    preference_forward_backward(&model, pc, mine, totals, self.device, loss_scale);
+                (loss, grads, Some(sums))
+            }
+        };
         // Every rank has computed its gradients: the one that has not within the timeout is named.
         let t = Instant::now();
         c.arrive(step as u64, &what)?;
         let wait = t.elapsed();
         let t = Instant::now();
-        let mut loss = [loss];
-        c.all_reduce_f64(&mut loss, &format!("{what}: loss"))?;
-        let loss = loss[0];
+        let mut reduced = vec![loss];
+        reduced.extend(sums.map(PairSums::to_vec).into_iter().flatten());
+        c.all_reduce_f64(&mut reduced, &format!("{what}: loss"))?;
+        let (loss, preference) = (reduced[0], sums.map(|_| PairSums::from_slice(&reduced[1..])));
         let bucket = self.config.distributed.bucket_elems();
         match optim {
             Optimizer::Replicated(adamw) => {
@@ -146,19 +179,20 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let grad_norm = scaled_norm / loss_scale;
                 if let Some(scaler) = scaler {
                     if !scaler.update(scaled_norm.is_finite()) {
-                        return Ok((model, StepOutput { loss, grad_norm, skipped: true, comm, wait }));
+                        return Ok((model, StepOutput { loss, grad_norm, skipped: true, comm, wait, preference }));
                     }
                 }
                 let scale = clip_coefficient(grad_norm, self.config.optim.grad_clip) / loss_scale;
                 let model = adamw.step_shared(lr, model, grads, scale, c, &what)?;
-                Ok((model, StepOutput { loss, grad_norm, skipped: false, comm, wait }))
+                Ok((model, StepOutput { loss, grad_norm, skipped: false, comm, wait, preference }))
             }
             Optimizer::Sharded(zero) => {
                 // Reduce-scatter, the update of this rank's shard and the all-gather, timed whole
                 // (the shard's update is 1/N of AdamW's work).
                 let s = zero.step(c, lr, model, grads, loss_scale, scaler, self.device, &what)?;
                 let comm = t.elapsed();
-                Ok((s.model, StepOutput { loss, grad_norm: s.grad_norm, skipped: s.skipped, comm, wait }))
+                let (grad_norm, skipped) = (s.grad_norm, s.skipped);
+                Ok((s.model, StepOutput { loss, grad_norm, skipped, comm, wait, preference }))
             }
         }
     }
@@ -205,6 +239,31 @@ pub(crate) fn forward_backward<B: TrainBackend>(
     }
     let loss = loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f64>());
     (loss, grads.grads())
+}
+
+/// [`forward_backward`] for preference pairs: each micro-batch's rows (with their reference
+/// log-probabilities, DPO and IPO) scored in one forward pass, its share of the step's loss
+/// (`Σ pair losses / the step's pairs`, [`crate::preference::pair_loss`]) backpropagated. Returns
+/// this rank's part of the loss, its gradients times `loss_scale` and its pairs' metric sums.
+pub(crate) fn preference_forward_backward<B: TrainBackend>(
+    model: &Decoder<B>,
+    config: &PreferenceConfig,
+    micro_batches: Vec<(Vec<Window>, Option<Vec<[f64; 2]>>)>,
+    totals: StepTotals,
+    device: &Device<B>,
+    loss_scale: f64,
+) -> (f64, GradientsParams, PairSums) {
+    let mut grads = GradientsAccumulator::<Decoder<B>>::new();
+    let (mut loss_sum, mut sums) = (0.0, PairSums::default());
+    for (rows, reference) in micro_batches {
+        let logps = answer_logps(model, &rows, device);
+        let out = pair_loss(config, logps, reference.as_deref(), totals);
+        loss_sum += out.loss.clone().inner().into_scalar().elem::<f64>();
+        sums.add(&out.sums);
+        let loss = if loss_scale == 1.0 { out.loss } else { out.loss.mul_scalar(loss_scale) };
+        grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
+    }
+    (loss_sum, grads.grads(), sums)
 }
 
 /// The total scored tokens of micro-batches (for [`forward_backward`] over all of them).

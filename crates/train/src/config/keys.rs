@@ -12,7 +12,7 @@ use serde::Deserialize;
 use ember_model::{LoraConfig, ModelConfig};
 
 use super::sections::{
-    DataConfig, DistributedConfig, LoopConfig, MetricsConfig, MuonConfig, OptimConfig, ScheduleConfig,
+    DataConfig, DistributedConfig, LoopConfig, MetricsConfig, MuonConfig, OptimConfig, PreferenceConfig, ScheduleConfig,
 };
 use super::{InitSource, TrainConfig};
 use crate::error::InvalidConfig;
@@ -133,6 +133,7 @@ pub fn section_keys(name: &str) -> Option<&'static [&'static str]> {
         "schedule" => serde_fields::<ScheduleConfig>(),
         "lora" => serde_fields::<LoraConfig>(),
         "muon" => serde_fields::<MuonConfig>(),
+        "preference" => serde_fields::<PreferenceConfig>(),
         "metrics" => serde_fields::<MetricsConfig>(),
         "distributed" => serde_fields::<DistributedConfig>(),
         _ => return None,
@@ -150,6 +151,7 @@ fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
         "schedule" => toml::from_str::<ScheduleConfig>(text).map(drop),
         "lora" => toml::from_str::<LoraConfig>(text).map(drop),
         "muon" => toml::from_str::<MuonConfig>(text).map(drop),
+        "preference" => toml::from_str::<PreferenceConfig>(text).map(drop),
         "metrics" => toml::from_str::<MetricsConfig>(text).map(drop),
         "distributed" => toml::from_str::<DistributedConfig>(text).map(drop),
         _ => Ok(()),
@@ -460,7 +462,7 @@ mod tests {
     fn field_names_come_from_the_structs() {
         assert_eq!(
             sections(),
-            ["model", "data", "train", "optim", "schedule", "lora", "muon", "metrics", "distributed"],
+            ["model", "data", "train", "optim", "schedule", "lora", "muon", "preference", "metrics", "distributed"],
             "a new section needs its struct in section_keys and read_section"
         );
         for s in sections() {

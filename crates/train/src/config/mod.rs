@@ -24,7 +24,7 @@ pub use file::{ConfigFile, InitSource, Purpose};
 pub use keys::{ConfigProblem, Hint, Problem, REQUIRED};
 pub use sections::{
     AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig, MuonConfig, NsDtype,
-    OptimConfig, Precision, ScheduleConfig, ScheduleShape, SinkKind,
+    OptimConfig, Precision, PreferenceConfig, PreferenceMethod, ScheduleConfig, ScheduleShape, SinkKind,
 };
 
 /// A run's config: pure data, read from TOML. `M` is the architecture: a [`ModelConfig`], or in a
@@ -47,6 +47,9 @@ pub struct TrainConfig<M = ModelConfig> {
     /// Muon for the hidden matrices (AdamW for the rest); absent: AdamW for every parameter.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub muon: Option<MuonConfig>,
+    /// Preference tuning (DPO, IPO, SimPO, ORPO) on pairs of answers instead of the next-token loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preference: Option<PreferenceConfig>,
     /// Where metrics go, and the text sampled at evaluations.
     #[serde(default)]
     pub metrics: MetricsConfig,
@@ -118,9 +121,34 @@ impl TrainConfig {
 impl<M> TrainConfig<M> {
     /// The same config with the architecture `model`.
     pub fn with_model<N>(self, model: N) -> TrainConfig<N> {
-        let Self { init_from, model: _, data, train, optim, schedule, lora, muon, metrics, distributed, pending } =
-            self;
-        TrainConfig { init_from, model, data, train, optim, schedule, lora, muon, metrics, distributed, pending }
+        let Self {
+            init_from,
+            model: _,
+            data,
+            train,
+            optim,
+            schedule,
+            lora,
+            muon,
+            preference,
+            metrics,
+            distributed,
+            pending,
+        } = self;
+        TrainConfig {
+            init_from,
+            model,
+            data,
+            train,
+            optim,
+            schedule,
+            lora,
+            muon,
+            preference,
+            metrics,
+            distributed,
+            pending,
+        }
     }
 
     /// Turns a length in epochs into steps, now that the training split's `rows` are known and

@@ -316,6 +316,70 @@ pub enum NsDtype {
     Bf16,
 }
 
+/// Preference tuning: each JSONL line is a pair of answers to one prompt (`prompt`, `chosen`,
+/// `rejected`), and the loss rewards the chosen over the rejected (TRL's `DPOTrainer`,
+/// `CPOTrainer` with SimPO, `ORPOTrainer`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreferenceConfig {
+    /// `dpo` (sigmoid), `ipo`, `simpo` or `orpo` [default: dpo].
+    #[serde(default)]
+    pub method: PreferenceMethod,
+    /// β: DPO's and IPO's strength of the reference (IPO's τ), SimPO's reward scale, ORPO's λ
+    /// [default: 0.1, TRL's].
+    #[serde(default = "beta")]
+    pub beta: f64,
+    /// `dpo` and `simpo`: the probability that a pair's labels are flipped (conservative DPO),
+    /// in [0, 0.5) [default: 0].
+    #[serde(default)]
+    pub label_smoothing: f64,
+    /// `simpo`: the target reward margin γ [default: 0.5, TRL's `simpo_gamma`].
+    #[serde(default = "simpo_gamma")]
+    pub simpo_gamma: f64,
+}
+
+/// The preference losses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PreferenceMethod {
+    /// Direct preference optimisation: `-log σ(β·((π_c − ref_c) − (π_r − ref_r)))`, summed
+    /// log-probabilities of the answers, against a frozen reference (the starting model).
+    #[default]
+    Dpo,
+    /// IPO: `((π_c − ref_c)/n_c − (π_r − ref_r)/n_r − 1/(2β))²`, log-probabilities per token.
+    Ipo,
+    /// SimPO, reference-free: `-log σ(β·(π_c/n_c − π_r/n_r) − γ)`.
+    Simpo,
+    /// ORPO, reference-free: the chosen answer's token-mean NLL minus `β·log σ(log odds ratio)`
+    /// of the per-token log-probabilities.
+    Orpo,
+}
+
+impl PreferenceMethod {
+    /// Whether the loss compares with the reference model's log-probabilities.
+    pub fn needs_reference(self) -> bool {
+        matches!(self, Self::Dpo | Self::Ipo)
+    }
+}
+
+impl std::fmt::Display for PreferenceMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Dpo => "dpo",
+            Self::Ipo => "ipo",
+            Self::Simpo => "simpo",
+            Self::Orpo => "orpo",
+        })
+    }
+}
+
+fn beta() -> f64 {
+    0.1
+}
+fn simpo_gamma() -> f64 {
+    0.5
+}
+
 fn muon_momentum() -> f64 {
     0.95
 }

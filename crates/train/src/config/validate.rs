@@ -6,7 +6,7 @@ use ember_model::ModelConfig;
 
 use super::file::Purpose;
 use super::sections::{DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig};
-use super::sections::{MuonConfig, OptimConfig, ScheduleConfig};
+use super::sections::{MuonConfig, OptimConfig, PreferenceConfig, PreferenceMethod, ScheduleConfig};
 use super::TrainConfig;
 use crate::error::{InvalidConfig, Relation};
 
@@ -78,6 +78,12 @@ impl<M> TrainConfig<M> {
         self.optim.check(&mut broken);
         if let Some(muon) = &self.muon {
             muon.check(&mut broken);
+        }
+        if let Some(p) = &self.preference {
+            p.check(&mut broken);
+            if self.data.format() == DataFormat::Text {
+                broken.push(InvalidConfig::JsonlOnly { key: "preference.method", value: format!("\"{}\"", p.method) });
+            }
         }
         self.schedule.check(&mut broken);
         // A length in epochs is checked once the data gives it (`resolve_epochs`).
@@ -210,6 +216,22 @@ impl MuonConfig {
         }
         if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
             broken.push(out_of_range("muon.weight_decay", self.weight_decay, ">= 0"));
+        }
+    }
+}
+
+impl PreferenceConfig {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
+        if !(self.beta > 0.0 && self.beta.is_finite()) {
+            broken.push(out_of_range("preference.beta", self.beta, "positive"));
+        }
+        if !(0.0..0.5).contains(&self.label_smoothing) {
+            broken.push(out_of_range("preference.label_smoothing", self.label_smoothing, "in [0, 0.5)"));
+        } else if self.label_smoothing > 0.0 && matches!(self.method, PreferenceMethod::Ipo | PreferenceMethod::Orpo) {
+            broken.push(out_of_range("preference.label_smoothing", self.label_smoothing, "0 with ipo and orpo"));
+        }
+        if !self.simpo_gamma.is_finite() {
+            broken.push(out_of_range("preference.simpo_gamma", self.simpo_gamma, "finite"));
         }
     }
 }

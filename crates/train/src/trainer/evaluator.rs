@@ -2,16 +2,17 @@
 //! (fine-tuning: the completion loss each has alone under documents packing), and a sample. The
 //! batches are shared out over the ranks and their sums added.
 
-use ember_data::Tokenizer;
+use ember_data::{Tokenizer, Window};
 use ember_model::Decoder;
 
 use super::recorder::Recorder;
 use super::setup::Setup;
-use crate::config::{DataFormat, EvalStrategy, MetricsConfig, TrainConfig};
+use crate::config::{DataFormat, EvalStrategy, MetricsConfig, PreferenceConfig, TrainConfig};
 use crate::distributed::Collective;
 use crate::error::TrainError;
 use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
 use crate::metrics::{InitialEvalRecord, MetricsSink, SampleRecord, StepRecord};
+use crate::preference::{evaluate_pairs, PairSums, Reference};
 
 /// What the evaluator reads of the run's config.
 pub(super) struct EvaluatorConfig {
@@ -33,6 +34,8 @@ pub(super) struct EvaluatorConfig {
     vocab_size: usize,
     /// `[metrics]`: the prompt and length of the sample.
     sample: MetricsConfig,
+    /// `[preference]`: pairs are scored by the preference loss, with TRL's metrics.
+    preference: Option<PreferenceConfig>,
 }
 
 impl EvaluatorConfig {
@@ -48,15 +51,22 @@ impl EvaluatorConfig {
             seed: t.seed,
             vocab_size: config.model.vocab_size,
             sample: config.metrics.clone(),
+            preference: config.preference.clone(),
         }
     }
 
     /// The evaluator of `setup`'s splits and tokenizer, its batches shared out over the ranks of
     /// `collective`.
-    pub(super) fn build<'a>(self, setup: &'a Setup, collective: &'a dyn Collective) -> Evaluator<'a> {
+    pub(super) fn build<'a>(
+        self,
+        setup: &'a Setup,
+        collective: &'a dyn Collective,
+        reference: Option<&'a Reference>,
+    ) -> Evaluator<'a> {
         Evaluator {
             setup,
             collective,
+            reference,
             train_seed: eval_seed(self.seed, "train"),
             val_seed: eval_seed(self.seed, "val"),
             config: self,
@@ -68,6 +78,8 @@ pub(super) struct Evaluator<'a> {
     config: EvaluatorConfig,
     setup: &'a Setup,
     collective: &'a dyn Collective,
+    /// Preference tuning with DPO or IPO: the reference log-probabilities of both splits' rows.
+    reference: Option<&'a Reference>,
     train_seed: u64,
     val_seed: u64,
 }
@@ -84,14 +96,62 @@ impl Evaluator<'_> {
         Ok(LossSum { weighted: v[0], scored: v[1] }.mean())
     }
 
+    /// The preference loss of `rows` (and TRL's metrics), its batches shared over the ranks.
+    fn pairs<IB: ember_kernels::EmberBackend>(
+        &self,
+        model: &Decoder<IB>,
+        config: &PreferenceConfig,
+        rows: &[Window],
+        reference: Option<&[[f64; 2]]>,
+        what: &str,
+    ) -> Result<(f64, PairSums), TrainError> {
+        let part = self.part();
+        let (loss, sums) = evaluate_pairs(model, config, rows, reference, self.config.batch_size, |i| part.keeps(i));
+        let mut v = vec![loss];
+        v.extend(sums.to_vec());
+        self.collective.all_reduce_f64(&mut v, what)?;
+        Ok((v[0], PairSums::from_slice(&v[1..])))
+    }
+
     fn val<IB: ember_kernels::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
+        Ok(self.val_with_pairs(model)?.0)
+    }
+
+    /// The val loss, and for preference pairs their metrics.
+    fn val_with_pairs<IB: ember_kernels::EmberBackend>(
+        &self,
+        model: &Decoder<IB>,
+    ) -> Result<(f64, Option<PairSums>), TrainError> {
         let c = &self.config;
+        if let Some(p) = &c.preference {
+            let rows: Vec<Window> = (0..self.setup.val.len()).filter_map(|i| self.setup.val.get(i)).collect();
+            let reference = self.reference.map(|r| r.val.as_slice());
+            let (loss, sums) = self.pairs(model, p, &rows, reference, "evaluation (val)")?;
+            return Ok((loss, Some(sums)));
+        }
         let sum = if c.held_out {
             evaluate_all_part(model, self.setup.val.as_ref(), c.batch_size, self.part())
         } else {
             evaluate_part(model, self.setup.val.as_ref(), self.val_seed, c.iters, c.batch_size, self.part())
         };
-        self.reduce(sum, "evaluation (val)")
+        Ok((self.reduce(sum, "evaluation (val)")?, None))
+    }
+
+    /// The loss of the fixed training batches: `eval_iters` batches drawn at random (the same at
+    /// every evaluation).
+    fn eval_train<IB: ember_kernels::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
+        let c = &self.config;
+        let Some(p) = &c.preference else {
+            let part =
+                evaluate_part(model, self.setup.train.as_ref(), self.train_seed, c.iters, c.batch_size, self.part());
+            return self.reduce(part, "evaluation (train)");
+        };
+        let sampler = ember_data::WindowSampler::random(self.train_seed);
+        let data = self.setup.train.as_ref();
+        let idx: Vec<usize> = (0..c.iters as u64).flat_map(|i| sampler.indices(i, c.batch_size, data.len())).collect();
+        let rows: Vec<Window> = idx.iter().filter_map(|&i| data.get(i)).collect();
+        let reference: Option<Vec<[f64; 2]>> = self.reference.map(|r| idx.iter().map(|&i| r.train[i]).collect());
+        Ok(self.pairs(model, p, &rows, reference.as_deref(), "evaluation (train)")?.0)
     }
 
     /// The loss before training, beside ln V (what a model that knows nothing scores), logged and
@@ -158,16 +218,22 @@ impl Evaluator<'_> {
         rec: &mut Recorder,
     ) -> Result<f64, TrainError> {
         let (c, step) = (&self.config, record.step);
-        let part = evaluate_part(model, self.setup.train.as_ref(), self.train_seed, c.iters, c.batch_size, self.part());
-        let tl = self.reduce(part, "evaluation (train)")?;
-        let vl = self.val(model)?;
+        let tl = self.eval_train(model)?;
+        let (vl, pairs) = self.val_with_pairs(model)?;
         (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
+        if let Some(m) = pairs.and_then(|p| p.metrics()) {
+            record.preference.extend(m.named("val_"));
+        }
         if self.collective.rank() != 0 {
             return Ok(vl);
         }
         let memory =
             record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
-        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{memory}"));
+        let accuracy = record
+            .preference
+            .get("val_rewards/accuracies")
+            .map_or(String::new(), |a| format!(", held-out reward accuracy {a:.3}"));
+        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{accuracy}{memory}"));
         let tokens = c.sample.sample_tokens;
         if let Some((prompt, ids)) = self.sample_prompt().filter(|_| tokens > 0) {
             if let Some(text) = sample_text(model, &self.setup.tokenizer, ids, tokens, c.seed ^ step as u64) {

@@ -26,7 +26,7 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn::tensor::Device;
 use ember_data::fetch::Locations;
-use ember_data::WindowSampler;
+use ember_data::{Examples, Window, WindowSampler};
 use ember_kernels::{Compute, TrainBackend};
 use ember_model::Decoder;
 use indicatif::ProgressBar;
@@ -40,6 +40,7 @@ use crate::init::ResolvedConfig;
 use crate::memory::MemoryProbe;
 use crate::metrics::Sinks;
 use crate::precision::{peak_gemms, run_compute, ComputeRequest};
+use crate::preference::{reference_logps, Reference};
 use crate::schedule::LrSchedule;
 use crate::step::{Optimizer, StepOutput, Stepper};
 use checkpointer::{Checkpointer, CheckpointerConfig};
@@ -201,6 +202,8 @@ pub fn train<B: TrainBackend>(
     c.set_timeout(config.distributed.io_timeout());
     let compute = run_compute::<B>(device, config, opts.compute);
     let checkpointer = CheckpointerConfig::of(config).build(&setup, &opts.run_dir, c);
+    // Before the run's model is built: the reference model is held only while it scores the pairs.
+    let reference = preference_reference::<B>(&setup, compute, c, device)?;
     let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, &checkpointer, opts, compute, device)?;
     c.set_timeout(config.distributed.timeout());
     let schedule = LrSchedule::from_config(config);
@@ -216,11 +219,12 @@ pub fn train<B: TrainBackend>(
         collective: c,
         buffers: Default::default(),
         device_comm: opts.device_comm.as_ref(),
+        reference: reference.as_ref().map(|r| r.train.as_slice()),
     };
     let peak = device_peak::<B>(opts, device, peak_gemms(&compute));
     log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
-    let evaluator = EvaluatorConfig::of(config).build(&setup, c);
+    let evaluator = EvaluatorConfig::of(config).build(&setup, c, reference.as_ref());
     let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
     if state.step >= stop {
         let end = RunEnd::NothingToTrain { stop_at: opts.stop_at };
@@ -362,6 +366,50 @@ fn open_run<B: TrainBackend>(
     let resumed_at = opts.resume.then_some(state.step);
     let metrics = open_sinks(&config.metrics.sinks, run_dir, resumed_at, state.elapsed_s)?;
     Ok((model, optim, state, metrics))
+}
+
+/// DPO's and IPO's reference: the log-probabilities of every pair's answers under the model the
+/// run starts from (`init_from`'s weights; with LoRA the base, as the adapters start at zero),
+/// computed once at the start of the run and again on resuming (from the same source), with the
+/// rows shared out over the ranks. `None` for other runs.
+fn preference_reference<B: TrainBackend>(
+    setup: &Setup,
+    compute: Compute,
+    c: &dyn Collective,
+    device: &Device<B>,
+) -> Result<Option<Reference>, TrainError> {
+    let config = &setup.config;
+    if !config.preference.as_ref().is_some_and(|p| p.method.needs_reference()) {
+        return Ok(None);
+    }
+    let started = Instant::now();
+    let model = setup::initial_model::<B>(setup, device)?.with_compute(compute).valid();
+    let (rank, world) = (c.rank(), c.world());
+    let score = |rows: &Examples, what: &str| -> Result<Vec<[f64; 2]>, TrainError> {
+        let n = rows.len();
+        let share = n.div_ceil(world);
+        let mine: Vec<Window> = (rank * share..((rank + 1) * share).min(n)).filter_map(|i| rows.get(i)).collect();
+        let scored = reference_logps(&model, &mine, config.train.batch_size, &model.embed_tokens.device());
+        // Each rank fills its share; the sum over ranks is every row's.
+        let mut all = vec![0.0; 2 * n];
+        for (k, [chosen, rejected]) in scored.into_iter().enumerate() {
+            all[2 * (rank * share + k)] = chosen;
+            all[2 * (rank * share + k) + 1] = rejected;
+        }
+        c.all_reduce_f64(&mut all, what)?;
+        Ok(all.chunks_exact(2).map(|x| [x[0], x[1]]).collect())
+    };
+    let reference = Reference {
+        train: score(&setup.train, "reference log-probabilities (train)")?,
+        val: score(&setup.val, "reference log-probabilities (val)")?,
+    };
+    tracing::info!(
+        "reference log-probabilities of {} + {} pairs in {:.1} s",
+        reference.train.len(),
+        reference.val.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(Some(reference))
 }
 
 fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {

@@ -135,6 +135,11 @@ impl Recorder {
             comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
             wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
             target_reached_s: None,
+            preference: out
+                .preference
+                .and_then(|p| p.metrics())
+                .map(|m| m.named("").into_iter().collect())
+                .unwrap_or_default(),
         };
         self.speed.reset_window();
         record

@@ -1,0 +1,246 @@
+//! Preference data: JSON lines of `{"prompt", "chosen", "rejected"}`, TRL's two formats: plain
+//! text (three strings) or conversational (three lists of messages: the prompt's turns, then the
+//! chosen and the rejected answer's). Each pair is tokenized as TRL's `DPOTrainer` does: the
+//! prompt alone, and the prompt followed by each answer (plain text: with the end-of-sequence
+//! token); the answers start where both tokenizations part from the prompt's. A pair becomes one
+//! row of two documents, prompt + chosen then prompt + rejected, so that one forward pass scores
+//! both (each document restarts its positions and attends only to itself).
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{DataError, Result};
+use crate::finetune::{ChatTemplate, Message, MAX_LINE_BYTES, ROLES};
+use crate::loader::Window;
+use crate::tokenizer::Tokenizer;
+
+/// A prompt or an answer: text, or chat messages.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Turns {
+    Text(String),
+    Chat(Vec<Message>),
+}
+
+/// One line of a preference file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreferenceRecord {
+    pub prompt: Turns,
+    pub chosen: Turns,
+    pub rejected: Turns,
+}
+
+impl PreferenceRecord {
+    /// Whether the line is a preference pair (it has `chosen` and `rejected`).
+    pub fn is_pair(line: &Value) -> bool {
+        line.get("chosen").is_some() && line.get("rejected").is_some()
+    }
+}
+
+/// Reads a preference file; a bad line is an error naming the file, the line and the key.
+pub fn read_preference_jsonl(path: &Path) -> Result<Vec<PreferenceRecord>> {
+    let text = std::fs::read_to_string(path).map_err(DataError::io(path))?;
+    let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        if line.len() > MAX_LINE_BYTES {
+            let message = format!("a line of {} MiB; at most {} MiB", line.len() >> 20, MAX_LINE_BYTES >> 20);
+            return Err(bad(i + 1, message));
+        }
+        let v: Value = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
+        let turns = |key: &str| -> std::result::Result<Turns, String> {
+            match v.get(key) {
+                Some(Value::String(s)) => Ok(Turns::Text(s.clone())),
+                Some(m @ Value::Array(_)) => {
+                    let messages: Vec<Message> =
+                        serde_json::from_value(m.clone()).map_err(|e| format!("{key}: {e}"))?;
+                    if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
+                        let role = m.role.escape_debug();
+                        return Err(format!("{key}[{j}].role `{role}` is not one of {}", ROLES.join(", ")));
+                    }
+                    Ok(Turns::Chat(messages))
+                }
+                Some(_) => Err(format!("{key}: expected a string or a list of messages")),
+                None => Err(format!("{key} is missing: expected {{\"prompt\", \"chosen\", \"rejected\"}}")),
+            }
+        };
+        let record = (|| {
+            Ok::<_, String>(PreferenceRecord {
+                prompt: turns("prompt")?,
+                chosen: turns("chosen")?,
+                rejected: turns("rejected")?,
+            })
+        })()
+        .map_err(|m| bad(i + 1, m))?;
+        let chat = [&record.prompt, &record.chosen, &record.rejected].map(|t| matches!(t, Turns::Chat(_)));
+        if chat.iter().any(|&c| c != chat[0]) {
+            return Err(bad(i + 1, "prompt, chosen and rejected must be all strings or all lists of messages".into()));
+        }
+        for (key, turns) in [("chosen", &record.chosen), ("rejected", &record.rejected)] {
+            let empty = match turns {
+                Turns::Text(t) => t.is_empty(),
+                Turns::Chat(m) => !m.iter().any(|m| m.role == "assistant"),
+            };
+            if empty {
+                let what = if chat[0] { "has no assistant message" } else { "is empty" };
+                return Err(bad(i + 1, format!("{key} {what}: nothing to compare")));
+            }
+        }
+        out.push(record);
+    }
+    if out.is_empty() {
+        return Err(bad(0, "no preference pairs".into()));
+    }
+    Ok(out)
+}
+
+/// A tokenized pair: the prompt's tokens and each answer's after it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pair {
+    pub prompt: Vec<u32>,
+    pub chosen: Vec<u32>,
+    pub rejected: Vec<u32>,
+}
+
+/// Tokenizes the pairs as TRL does (module docs); chat needs the model's template.
+pub fn encode_pairs(
+    records: &[PreferenceRecord],
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> Result<Vec<Pair>> {
+    let eos = tokenizer.eos_id();
+    records
+        .iter()
+        .map(|r| {
+            let (prompt, chosen, rejected) = match (&r.prompt, &r.chosen, &r.rejected) {
+                (Turns::Text(p), Turns::Text(c), Turns::Text(x)) => {
+                    // TRL appends the end-of-sequence token to plain answers.
+                    let full = |answer: &str| -> Result<Vec<u32>> {
+                        let mut ids = tokenizer.encode_with_special(&format!("{p}{answer}"))?;
+                        if let Some(e) = eos.filter(|e| ids.last() != Some(e)) {
+                            ids.push(e);
+                        }
+                        Ok(ids)
+                    };
+                    (tokenizer.encode_with_special(p)?, full(c)?, full(x)?)
+                }
+                (Turns::Chat(p), Turns::Chat(c), Turns::Chat(x)) => {
+                    let template = template.ok_or_else(|| {
+                        DataError::Tokenizer("chat messages need a chat template (tokenizer_config.json `chat_template` or chat_template.jinja)".into())
+                    })?;
+                    let full = |answer: &[Message]| -> Result<Vec<u32>> {
+                        let messages: Vec<Message> = p.iter().chain(answer).cloned().collect();
+                        tokenizer.encode(&template.render(&messages, false)?)
+                    };
+                    (tokenizer.encode(&template.render(p, true)?)?, full(c)?, full(x)?)
+                }
+                _ => return Err(DataError::Tokenizer("a pair mixes text and messages".into())),
+            };
+            let common = |a: &[u32]| prompt.iter().zip(a).take_while(|(x, y)| x == y).count();
+            let n = common(&chosen).min(common(&rejected));
+            Ok(Pair { chosen: chosen[n..].to_vec(), rejected: rejected[n..].to_vec(), prompt: prompt[..n].to_vec() })
+        })
+        .collect()
+}
+
+impl Pair {
+    /// Positions the pair's row needs: both documents, prompt and answer each.
+    pub fn len(&self) -> usize {
+        2 * self.prompt.len() + self.chosen.len() + self.rejected.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The pair as one row of `seq_len` positions: prompt + chosen (the document starting at 0),
+    /// prompt + rejected (the second), then padding (a document of its own). Position `i` of a
+    /// document predicts its token `i + 1` where that token is an answer's (the others are `-1`).
+    /// `None` when the two do not fit.
+    pub fn row(&self, seq_len: usize, pad: u32) -> Option<Window> {
+        if self.len() > seq_len {
+            return None;
+        }
+        let (mut input, mut target, mut docs) = (Vec::new(), Vec::new(), Vec::new());
+        for answer in [&self.chosen, &self.rejected] {
+            let start = input.len() as u32;
+            let doc: Vec<u32> = self.prompt.iter().chain(answer.iter()).copied().collect();
+            for i in 0..doc.len() {
+                input.push(doc[i]);
+                let scored = i + 1 < doc.len() && i + 1 >= self.prompt.len();
+                target.push(if scored { doc[i + 1] as i32 } else { -1 });
+                docs.push(start);
+            }
+        }
+        let start = input.len() as u32;
+        input.resize(seq_len, pad);
+        target.resize(seq_len, -1);
+        docs.resize(seq_len, start);
+        Some(Window { input, target, docs: Some(docs) })
+    }
+}
+
+/// Which positions of a pair's row score the chosen answer (its first document) and which the
+/// rejected (the second): the row's masks, `1.0` where scored.
+pub fn answer_masks(row: &Window) -> (Vec<f32>, Vec<f32>) {
+    let docs = row.docs.as_deref().unwrap_or(&[]);
+    let second = docs.iter().copied().find(|&d| d != 0);
+    let (mut chosen, mut rejected) = (vec![0.0; row.target.len()], vec![0.0; row.target.len()]);
+    for (i, &t) in row.target.iter().enumerate() {
+        if t < 0 {
+            continue;
+        }
+        match docs.get(i).copied() {
+            Some(0) => chosen[i] = 1.0,
+            d if d.is_some() && d == second => rejected[i] = 1.0,
+            _ => {}
+        }
+    }
+    (chosen, rejected)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pair_is_two_documents_scored_on_their_answers() {
+        let pair = Pair { prompt: vec![1, 2], chosen: vec![3, 4], rejected: vec![5] };
+        let row = pair.row(10, 0).unwrap();
+        assert_eq!(row.input, [1, 2, 3, 4, 1, 2, 5, 0, 0, 0]);
+        assert_eq!(row.target, [-1, 3, 4, -1, -1, 5, -1, -1, -1, -1]);
+        assert_eq!(row.docs.as_deref(), Some(&[0, 0, 0, 0, 4, 4, 4, 7, 7, 7][..]));
+        let (c, r) = answer_masks(&row);
+        assert_eq!(c, [0., 1., 1., 0., 0., 0., 0., 0., 0., 0.]);
+        assert_eq!(r, [0., 0., 0., 0., 0., 1., 0., 0., 0., 0.]);
+        assert!(pair.row(6, 0).is_none());
+        assert!(pair.row(7, 0).is_some());
+    }
+
+    #[test]
+    fn bad_lines_are_named() {
+        let dir = std::env::temp_dir().join(format!("ember-pref-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.jsonl");
+        for (line, want) in [
+            (r#"{"prompt": "a", "chosen": "b"}"#, ":1: rejected is missing"),
+            (r#"{"prompt": "a", "chosen": "", "rejected": "c"}"#, ":1: chosen is empty"),
+            (r#"{"prompt": "a", "chosen": 3, "rejected": "c"}"#, ":1: chosen: expected a string"),
+            (
+                r#"{"prompt": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}"#,
+                "all strings or all lists",
+            ),
+            (
+                r#"{"prompt": [{"role": "human", "content": "a"}], "chosen": [], "rejected": []}"#,
+                "prompt[0].role `human`",
+            ),
+        ] {
+            std::fs::write(&path, format!("{line}\n")).unwrap();
+            let e = read_preference_jsonl(&path).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("p.jsonl"), "{line}: {e}");
+        }
+        std::fs::write(&path, "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}\n").unwrap();
+        assert_eq!(read_preference_jsonl(&path).unwrap().len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,277 @@
+//! Preference tuning: DPO, IPO, SimPO and ORPO against TRL 1.16's numbers on the tiny Llama
+//! (tests/fixtures/preference, made by its make_fixture.py), and DPO through `ember train`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use common::*;
+use ember_data::preference::{answer_masks, encode_pairs, PreferenceRecord, Turns};
+use ember_model::weights::{map_paths, PathMapper};
+use ember_train::config::{PreferenceConfig, PreferenceMethod};
+use ember_train::metrics::read_metrics;
+use ember_train::preference::{answer_logps, pair_loss, reference_logps, scalar, StepTotals};
+use serde_json::Value;
+
+type AD = Autodiff<Flex>;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// Every parameter times `factor` (the fixture's reference model is the policy times 1.1).
+struct Scale(f64);
+impl PathMapper<Flex> for Scale {
+    fn map<const D: usize>(&mut self, _: &str, p: Param<Tensor<Flex, D>>) -> Param<Tensor<Flex, D>> {
+        Param::from_tensor(p.val().mul_scalar(self.0))
+    }
+}
+
+/// Every parameter replaced by its gradient.
+struct ToGrad<'a>(&'a <AD as AutodiffBackend>::Gradients);
+impl PathMapper<AD> for ToGrad<'_> {
+    fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<AD, D>>) -> Param<Tensor<AD, D>> {
+        let g = p.val().grad(self.0).unwrap_or_else(|| panic!("{path} has no gradient"));
+        Param::from_tensor(Tensor::from_inner(g))
+    }
+}
+
+fn close(got: f64, want: f64, rel: f64, floor: f64) -> bool {
+    (got - want).abs() <= rel * want.abs().max(floor)
+}
+
+#[test]
+fn losses_metrics_and_gradients_equal_trls() {
+    let s = Scratch::new();
+    let llama = fixtures().join("hf/llama");
+    let o = s.ember(&["import", llama.to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("preference/expected.json")).unwrap()).unwrap();
+
+    // TRL's tokenization: the prompt, then each answer with the end-of-sequence token.
+    let text = |v: &Value| Turns::Text(v.as_str().unwrap().to_string());
+    let records: Vec<PreferenceRecord> = expected["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| PreferenceRecord {
+            prompt: text(&p["prompt"]),
+            chosen: text(&p["chosen"]),
+            rejected: text(&p["rejected"]),
+        })
+        .collect();
+    let tokenizer = ember_data::Tokenizer::from_file(&llama.join("tokenizer.json")).unwrap();
+    let pairs = encode_pairs(&records, &tokenizer, None).unwrap();
+    for (pair, want) in pairs.iter().zip(expected["tokens"].as_array().unwrap()) {
+        let ids = |k: &str| want[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+        assert_eq!(
+            (&pair.prompt, &pair.chosen, &pair.rejected),
+            (&ids("prompt_ids"), &ids("chosen_ids"), &ids("rejected_ids"))
+        );
+    }
+    let rows: Vec<_> = pairs.iter().map(|p| p.row(48, 2).unwrap()).collect();
+
+    let device = Default::default();
+    let checkpoint = ember_train::Checkpoint::open(&s.path().join("base")).unwrap();
+    let reference = map_paths(checkpoint.decoder::<Flex>(&device).unwrap(), &mut Scale(1.1));
+    let reference = reference_logps(&reference, &rows, 3, &device);
+    let chosen_tokens: f64 = rows.iter().map(|w| answer_masks(w).0.iter().sum::<f32>() as f64).sum();
+    let totals = StepTotals { pairs: rows.len() as f64, chosen_tokens };
+    let beta = expected["beta"].as_f64().unwrap();
+    let simpo_gamma = expected["simpo_gamma"].as_f64().unwrap();
+    for (name, method) in [
+        ("dpo", PreferenceMethod::Dpo),
+        ("ipo", PreferenceMethod::Ipo),
+        ("simpo", PreferenceMethod::Simpo),
+        ("orpo", PreferenceMethod::Orpo),
+    ] {
+        let want = &expected["methods"][name];
+        let config = PreferenceConfig { method, beta, label_smoothing: 0.0, simpo_gamma };
+        let policy = checkpoint.decoder::<AD>(&device).unwrap();
+        let logps = answer_logps(&policy, &rows, &device);
+        let out = pair_loss(&config, logps, method.needs_reference().then_some(&reference[..]), totals);
+        let loss = scalar(out.loss.clone().inner());
+        let trl = want["loss"].as_f64().unwrap();
+        assert!(close(loss, trl, 1e-5, 1e-3), "{name}: loss {loss} vs TRL's {trl}");
+        let metrics = out.sums.metrics().unwrap();
+        for (key, got) in metrics.named("") {
+            let trl = want["metrics"][&key].as_f64().unwrap();
+            assert!(close(got, trl, 1e-5, 1e-2), "{name}: {key} {got} vs TRL's {trl}");
+        }
+
+        // Every parameter's gradient, in Hugging Face's layout: its sum of squares and 16 elements.
+        let grads = out.loss.backward();
+        let grads = map_paths(policy, &mut ToGrad(&grads)).valid();
+        let mut checked = 0;
+        for (hf_name, data) in ember_hf::weights::hf_tensors(&grads, ember_hf::Architecture::Llama).unwrap() {
+            let g: Vec<f32> = data.to_vec().unwrap();
+            let w = &want["gradients"][&hf_name];
+            let sum_sq: f64 = g.iter().map(|&x| (x as f64).powi(2)).sum();
+            let trl_sq = w["sum_sq"].as_f64().unwrap();
+            assert!(close(sum_sq, trl_sq, 2e-5, 1e-12), "{name}: {hf_name} sum of squares {sum_sq} vs TRL's {trl_sq}");
+            let scale = trl_sq.sqrt() / (g.len() as f64).sqrt();
+            for (i, v) in w["index"].as_array().unwrap().iter().zip(w["values"].as_array().unwrap()) {
+                let (got, trl) = (g[i.as_u64().unwrap() as usize] as f64, v.as_f64().unwrap());
+                assert!(
+                    (got - trl).abs() <= 1e-5 * trl.abs().max(scale),
+                    "{name}: {hf_name}[{i}] {got} vs TRL's {trl}"
+                );
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, want["gradients"].as_object().unwrap().len(), "{name}");
+    }
+}
+
+/// 32 pairs over the fixture's vocabulary: the chosen answer always ends "speak." and the rejected
+/// one never does.
+fn pairs_file(s: &Scratch) {
+    let prompts = ["First Citizen:", "All:", "Caius Marcius:", "Before we proceed:"];
+    let chosen = [" You speak.", " All speak.", " We speak.", " Speak, speak."];
+    let rejected = [" You are all resolved.", " Resolved.", " We know Caius.", " First, you know."];
+    let mut text = String::new();
+    for i in 0..32 {
+        let line = serde_json::json!({"prompt": prompts[i % 4], "chosen": chosen[(i / 4) % 4], "rejected": rejected[(i + i / 4) % 4]});
+        text.push_str(&format!("{line}\n"));
+    }
+    s.write("pairs.jsonl", &text);
+}
+
+fn config(extra: &str) -> String {
+    format!(
+        r#"
+init_from = "run:base"
+
+[data]
+path = "pairs.jsonl"
+val_fraction = 0.25
+
+[train]
+batch_size = 4
+seq_len = 64
+max_steps = 24
+eval_interval = 8
+log_interval = 1
+checkpoint_interval = 8
+seed = 5
+
+[optim]
+weight_decay = 0.0
+
+[schedule]
+lr = 1e-2
+warmup_steps = 2
+
+[preference]
+method = "dpo"
+beta = 0.5
+{extra}"#
+    )
+}
+
+#[test]
+fn dpo_through_ember_train_learns_the_preference_and_resumes_exactly() {
+    let s = Scratch::new();
+    let llama = fixtures().join("hf/llama");
+    let o = s.ember(&["import", llama.to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    pairs_file(&s);
+    let lora =
+        "\n[lora]\nrank = 4\nalpha = 8.0\ntargets = [\"q_proj\", \"v_proj\", \"o_proj\", \"up_proj\", \"down_proj\"]\n";
+    s.write("dpo.toml", &config(lora));
+    let o = s.ember(&["train", "--config", "dpo.toml", "--run-dir", "dpo"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("reference log-probabilities of 24 + 8 pairs"), "{}", stderr(&o));
+    let lines = std::fs::read_to_string(s.path().join("dpo/metrics.jsonl")).unwrap();
+    let first: Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    // At the start the policy is the reference: every pair's DPO loss is ln 2.
+    let start = first["val_loss"].as_f64().unwrap();
+    assert!((start - std::f64::consts::LN_2).abs() < 1e-5, "step 0 val loss {start}");
+    let records = read_metrics(&s.path().join("dpo/metrics.jsonl")).unwrap();
+    assert_eq!(records.len(), 24);
+    for r in &records {
+        for key in [
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/accuracies",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+        ] {
+            assert!(r.preference.contains_key(key), "step {}: {key} missing: {:?}", r.step, r.preference);
+        }
+        let p = &r.preference;
+        assert!((p["rewards/margins"] - (p["rewards/chosen"] - p["rewards/rejected"])).abs() < 1e-9);
+    }
+    let evals: Vec<_> = records.iter().filter(|r| r.val_loss.is_some()).collect();
+    assert_eq!(evals.iter().map(|r| r.step).collect::<Vec<_>>(), [8, 16, 24]);
+    let last = evals.last().unwrap();
+    let accuracy = last.preference["val_rewards/accuracies"];
+    assert!(accuracy >= 0.99, "held-out reward accuracy {accuracy}: {:?}", last.preference);
+    assert!(last.val_loss.unwrap() < 0.3, "val loss {:?}", last.val_loss);
+    // TensorBoard has TRL's names too.
+    let events = std::fs::read_dir(s.path().join("dpo"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("events.out.tfevents."))
+        .unwrap();
+    let bytes = std::fs::read(events).unwrap();
+    for tag in ["rewards/accuracies", "val_rewards/margins", "logps/rejected"] {
+        assert!(bytes.windows(tag.len()).any(|w| w == tag.as_bytes()), "{tag} not in the event file");
+    }
+
+    // Stopped at step 8 and resumed: the reference is computed again from the same base, and the
+    // run ends with the same adapters.
+    let o = s.ember(&["train", "--config", "dpo.toml", "--run-dir", "paused", "--max-steps", "8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["train", "--config", "dpo.toml", "--run-dir", "paused", "--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let adapters = |run: &str| {
+        let bytes = std::fs::read(s.path().join(run).join("checkpoints/step-000024/adapter.safetensors")).unwrap();
+        let tensors = ember_model::weights::from_safetensors(&bytes, "adapters").unwrap().0;
+        tensors.into_iter().map(|(k, t)| (k, t.as_bytes().to_vec())).collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (paused, unbroken) = (adapters("paused"), adapters("dpo"));
+    assert!(paused.len() == 20 && paused == unbroken, "resumed vs unbroken adapters");
+}
+
+#[test]
+fn full_fine_tuning_accumulates_pairs_as_one_batch() {
+    let s = Scratch::new();
+    let llama = fixtures().join("hf/llama");
+    let o = s.ember(&["import", llama.to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    pairs_file(&s);
+    let mut runs = Vec::new();
+    for (method, batch, accum) in
+        [("ipo", 4, 1), ("ipo", 2, 2), ("orpo", 4, 1), ("orpo", 1, 4), ("simpo", 4, 1), ("simpo", 2, 2)]
+    {
+        let text = config("")
+            .replace("method = \"dpo\"", &format!("method = \"{method}\""))
+            .replace("batch_size = 4", &format!("batch_size = {batch}\ngrad_accum_steps = {accum}"))
+            .replace("max_steps = 24", "max_steps = 3")
+            .replace("lr = 1e-2", "lr = 1e-4");
+        let run = format!("{method}-{batch}x{accum}");
+        s.write("c.toml", &text);
+        let o = s.ember(&["train", "--config", "c.toml", "--run-dir", &run]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let records = read_metrics(&s.path().join(&run).join("metrics.jsonl")).unwrap();
+        runs.push(
+            records.iter().map(|r| (r.train_loss, r.grad_norm, r.preference["rewards/chosen"])).collect::<Vec<_>>(),
+        );
+    }
+    for pair in runs.chunks(2) {
+        assert_eq!(pair[0].len(), 3);
+        for (a, b) in pair[0].iter().zip(&pair[1]) {
+            assert!(
+                close(a.0, b.0, 1e-5, 1e-3) && close(a.1, b.1, 1e-5, 1e-3) && close(a.2, b.2, 1e-5, 0.1),
+                "{pair:?}"
+            );
+        }
+    }
+}
