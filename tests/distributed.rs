@@ -284,6 +284,65 @@ fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
     }
 }
 
+/// DPO with LoRA: the reference log-probabilities are computed in shares by the ranks and summed,
+/// and a step's pairs split over ranks as over micro-batches.
+#[test]
+fn dpo_on_two_ranks_trains_as_one_process() {
+    let _g = serial();
+    let s = Scratch::new();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/llama");
+    let o = command(&s, 0, &["import", fixture.to_str().unwrap(), "--out", "base"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let prompts = ["First Citizen:", "All:", "Caius Marcius:"];
+    let answers = [" You speak.", " Resolved, resolved.", " We know Caius.", " Speak, speak."];
+    let mut jsonl = String::new();
+    for i in 0..30 {
+        let pair = serde_json::json!({"prompt": prompts[i % 3], "chosen": answers[i % 4], "rejected": answers[(i / 4 + 1 + i) % 4]});
+        jsonl.push_str(&format!("{pair}\n"));
+    }
+    s.write("pairs.jsonl", &jsonl);
+    let config = |name: &str, batch: usize, accum: usize| {
+        s.write(
+            name,
+            &format!(
+                "init_from = \"run:base\"\n[data]\npath = \"pairs.jsonl\"\nval_fraction = 0.2\n\
+                 [train]\nbatch_size = {batch}\nseq_len = 64\ngrad_accum_steps = {accum}\nmax_steps = 8\neval_interval = 4\n\
+                 eval_iters = 2\nlog_interval = 1\ncheckpoint_interval = 8\nseed = 5\n\
+                 [optim]\nweight_decay = 0.0\ngrad_clip = 1.0\n[schedule]\nlr = 5e-3\nwarmup_steps = 2\n\
+                 [lora]\nrank = 4\nalpha = 8.0\ntargets = [\"q_proj\", \"v_proj\", \"down_proj\"]\n\
+                 [preference]\nmethod = \"dpo\"\nbeta = 0.2\n"
+            ),
+        )
+    };
+    let one = config("one.toml", 2, 2);
+    let two = config("two.toml", 2, 1);
+    let wide = config("wide.toml", 4, 1);
+    train(&s, 0, &one, "single", &[]);
+    let out = train(&s, 2, &two, "dp", &[]);
+    assert!(stderr(&out).contains("reference log-probabilities of 24 + 6 pairs"), "{}", stderr(&out));
+    train(&s, 0, &wide, "wide", &[]);
+    let single = losses(&s, "single");
+    assert_eq!(single.len(), 8);
+    let metrics = |run: &str| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(s.path().join(run).join("metrics.jsonl")).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    for run in ["dp", "wide"] {
+        assert_same_losses(&single, &losses(&s, run), run);
+        for (a, b) in metrics("single").iter().zip(metrics(run)) {
+            for key in ["val_loss", "rewards/margins", "val_rewards/accuracies", "val_rewards/chosen"] {
+                if let Some(x) = a[key].as_f64() {
+                    let y = b[key].as_f64().unwrap_or(f64::NAN);
+                    assert!((x - y).abs() <= 1e-5 * x.abs().max(0.1), "{run}, step {}: {key} {x} vs {y}", a["step"]);
+                }
+            }
+        }
+        let rel =
+            max_rel(&tensors(&s, "single", 8, "adapter.safetensors"), &tensors(&s, run, 8, "adapter.safetensors"));
+        assert!(rel <= 1e-5, "{run}: adapters differ by {rel:e}");
+    }
+}
+
 /// Three ranks (an odd split: the ZeRO-1 shards end in padding, and MPI sums three terms in an order
 /// of its own) against one process accumulating three micro-batches.
 #[test]

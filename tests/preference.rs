@@ -10,6 +10,7 @@ use burn::module::{AutodiffModule, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use common::*;
+use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::preference::{answer_masks, encode_pairs, PreferenceRecord, Turns};
 use ember_model::weights::{map_paths, PathMapper};
 use ember_train::config::{PreferenceConfig, PreferenceMethod};
@@ -44,36 +45,62 @@ fn close(got: f64, want: f64, rel: f64, floor: f64) -> bool {
     (got - want).abs() <= rel * want.abs().max(floor)
 }
 
-#[test]
-fn losses_metrics_and_gradients_equal_trls() {
+/// A scratch folder with the tiny Llama imported as `base`.
+fn imported() -> Scratch {
     let s = Scratch::new();
     let llama = fixtures().join("hf/llama");
     let o = s.ember(&["import", llama.to_str().unwrap(), "--out", "base"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let expected: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("preference/expected.json")).unwrap()).unwrap();
+    s
+}
 
-    // TRL's tokenization: the prompt, then each answer with the end-of-sequence token.
-    let text = |v: &Value| Turns::Text(v.as_str().unwrap().to_string());
-    let records: Vec<PreferenceRecord> = expected["pairs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| PreferenceRecord {
-            prompt: text(&p["prompt"]),
-            chosen: text(&p["chosen"]),
-            rejected: text(&p["rejected"]),
-        })
-        .collect();
+/// The tiny Llama imported as `base` in a scratch folder, TRL's numbers, the fixture's tokenizer.
+fn setup() -> (Scratch, Value, ember_data::Tokenizer) {
+    let s = imported();
+    let llama = fixtures().join("hf/llama");
+    let expected = serde_json::from_str(&std::fs::read_to_string(fixtures().join("preference/expected.json")).unwrap());
     let tokenizer = ember_data::Tokenizer::from_file(&llama.join("tokenizer.json")).unwrap();
-    let pairs = encode_pairs(&records, &tokenizer, None).unwrap();
-    for (pair, want) in pairs.iter().zip(expected["tokens"].as_array().unwrap()) {
+    (s, expected.unwrap(), tokenizer)
+}
+
+/// The fixture's `pairs`, each part read by `turns`.
+fn records(pairs: &Value, turns: impl Fn(&Value) -> Turns) -> Vec<PreferenceRecord> {
+    let pairs = pairs.as_array().unwrap().iter();
+    pairs
+        .map(|p| PreferenceRecord {
+            prompt: turns(&p["prompt"]),
+            chosen: turns(&p["chosen"]),
+            rejected: turns(&p["rejected"]),
+        })
+        .collect()
+}
+
+fn text(v: &Value) -> Turns {
+    Turns::Text(v.as_str().unwrap().to_string())
+}
+
+/// Ember's tokenization of the pairs is TRL's (`tokens` of the fixture).
+fn assert_tokens(pairs: &[ember_data::preference::Pair], tokens: &Value) {
+    assert_eq!(pairs.len(), tokens.as_array().unwrap().len());
+    for (pair, want) in pairs.iter().zip(tokens.as_array().unwrap()) {
         let ids = |k: &str| want[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
-        assert_eq!(
-            (&pair.prompt, &pair.chosen, &pair.rejected),
-            (&ids("prompt_ids"), &ids("chosen_ids"), &ids("rejected_ids"))
-        );
+        let trl = (&ids("prompt_ids"), &ids("chosen_ids"), &ids("rejected_ids"));
+        assert_eq!((&pair.prompt, &pair.chosen, &pair.rejected), trl);
     }
+}
+
+#[test]
+fn losses_metrics_and_gradients_equal_trls() {
+    let (s, expected, tokenizer) = setup();
+    // TRL's tokenization: the prompt, then each answer with the end-of-sequence token.
+    let pairs = encode_pairs(&records(&expected["pairs"], text), &tokenizer, None).unwrap();
+    assert_tokens(&pairs, &expected["tokens"]);
+    // Conversational pairs through a chat template.
+    let chat = &expected["chat"];
+    let template = ChatTemplate::new(chat["template"].as_str().unwrap().into(), "<s>".into(), "</s>".into()).unwrap();
+    let messages = |v: &Value| Turns::Chat(serde_json::from_value::<Vec<Message>>(v.clone()).unwrap());
+    let chat_pairs = encode_pairs(&records(&chat["pairs"], messages), &tokenizer, Some(&template)).unwrap();
+    assert_tokens(&chat_pairs, &chat["tokens"]);
     let rows: Vec<_> = pairs.iter().map(|p| p.row(48, 2).unwrap()).collect();
 
     let device = Default::default();
@@ -176,10 +203,7 @@ beta = 0.5
 
 #[test]
 fn dpo_through_ember_train_learns_the_preference_and_resumes_exactly() {
-    let s = Scratch::new();
-    let llama = fixtures().join("hf/llama");
-    let o = s.ember(&["import", llama.to_str().unwrap(), "--out", "base"]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let s = imported();
     pairs_file(&s);
     let lora =
         "\n[lora]\nrank = 4\nalpha = 8.0\ntargets = [\"q_proj\", \"v_proj\", \"o_proj\", \"up_proj\", \"down_proj\"]\n";
@@ -242,10 +266,7 @@ fn dpo_through_ember_train_learns_the_preference_and_resumes_exactly() {
 
 #[test]
 fn full_fine_tuning_accumulates_pairs_as_one_batch() {
-    let s = Scratch::new();
-    let llama = fixtures().join("hf/llama");
-    let o = s.ember(&["import", llama.to_str().unwrap(), "--out", "base"]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let s = imported();
     pairs_file(&s);
     let mut runs = Vec::new();
     for (method, batch, accum) in
@@ -272,6 +293,89 @@ fn full_fine_tuning_accumulates_pairs_as_one_batch() {
                 close(a.0, b.0, 1e-5, 1e-3) && close(a.1, b.1, 1e-5, 1e-3) && close(a.2, b.2, 1e-5, 0.1),
                 "{pair:?}"
             );
+        }
+    }
+}
+
+/// Sets the adapters to the fixture's (peft's `[r, in]` and `[out, r]`, transposed to ember's
+/// `[in, r]` and `[r, out]`) and, once there are gradients, collects theirs.
+struct Adapters<'a> {
+    fixture: &'a serde_json::Map<String, Value>,
+    grads: Option<&'a <AD as AutodiffBackend>::Gradients>,
+    out: std::collections::BTreeMap<String, Vec<f32>>,
+}
+
+/// A fixture matrix (rows of numbers), transposed, flat.
+fn transposed(v: &Value) -> (Vec<f32>, [usize; 2]) {
+    let rows: Vec<Vec<f32>> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+        .collect();
+    let (n, m) = (rows.len(), rows[0].len());
+    ((0..m).flat_map(|j| rows.iter().map(move |r| r[j])).collect(), [m, n])
+}
+
+impl PathMapper<AD> for Adapters<'_> {
+    fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<AD, D>>) -> Param<Tensor<AD, D>> {
+        let Some((layer, which)) = path.split_once(".lora.") else { return p };
+        let which = if which == "lora_a" { "A" } else { "B" };
+        let entry = &self.fixture[&format!("model.{layer}")];
+        if let Some(grads) = self.grads {
+            let g = p.val().grad(grads).unwrap_or_else(|| panic!("{path} has no gradient"));
+            self.out.insert(path.to_string(), g.into_data().to_vec().unwrap());
+            return p;
+        }
+        let (values, shape) = transposed(&entry[which]);
+        assert_eq!(&shape[..], &p.val().dims()[..], "{path}");
+        let data = burn::tensor::TensorData::new(values, shape);
+        Param::from_tensor(Tensor::<AD, D>::from_data(data, &Default::default()).require_grad())
+    }
+}
+
+#[test]
+fn a_lora_dpo_step_equals_trls_with_the_base_as_reference() {
+    let (s, expected, tokenizer) = setup();
+    let want = &expected["lora"];
+    let pairs = encode_pairs(&records(&expected["pairs"], text), &tokenizer, None).unwrap();
+    let rows: Vec<_> = pairs.iter().map(|p| p.row(48, 2).unwrap()).collect();
+
+    let device = Default::default();
+    let checkpoint = ember_train::Checkpoint::open(&s.path().join("base")).unwrap();
+    // The reference: the base, no adapters.
+    let reference = reference_logps(&checkpoint.decoder::<Flex>(&device).unwrap(), &rows, 4, &device);
+    let lora: ember_model::LoraConfig =
+        serde_json::from_value(serde_json::json!({"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]})).unwrap();
+    let fixture = want["adapters"].as_object().unwrap();
+    let mut set = Adapters { fixture, grads: None, out: Default::default() };
+    let policy = map_paths(checkpoint.decoder::<AD>(&device).unwrap().with_lora(&lora, 0), &mut set);
+    let chosen_tokens: f64 = rows.iter().map(|w| answer_masks(w).0.iter().sum::<f32>() as f64).sum();
+    let config = PreferenceConfig {
+        method: PreferenceMethod::Dpo,
+        beta: expected["beta"].as_f64().unwrap(),
+        label_smoothing: 0.0,
+        simpo_gamma: 0.5,
+    };
+    let logps = answer_logps(&policy, &rows, &device);
+    let out = pair_loss(&config, logps, Some(&reference), StepTotals { pairs: rows.len() as f64, chosen_tokens });
+    let (loss, trl) = (scalar(out.loss.clone().inner()), want["loss"].as_f64().unwrap());
+    assert!(close(loss, trl, 1e-5, 1e-3), "loss {loss} vs TRL's {trl}");
+    for (key, got) in out.sums.metrics().unwrap().named("") {
+        let trl = want["metrics"][&key].as_f64().unwrap();
+        assert!(close(got, trl, 1e-5, 1e-2), "{key} {got} vs TRL's {trl}");
+    }
+    let grads = out.loss.backward();
+    let mut collect = Adapters { fixture, grads: Some(&grads), out: Default::default() };
+    let _ = map_paths(policy, &mut collect);
+    assert_eq!(collect.out.len(), 8, "{:?}", collect.out.keys());
+    for (path, got) in &collect.out {
+        let (layer, which) = path.split_once(".lora.").unwrap();
+        let (trl, _) =
+            transposed(&fixture[&format!("model.{layer}")][if which == "lora_a" { "grad_A" } else { "grad_B" }]);
+        let scale = (trl.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / trl.len() as f64).sqrt();
+        for (g, t) in got.iter().zip(&trl) {
+            assert!(((g - t) as f64).abs() <= 1e-5 * (*t as f64).abs().max(scale), "{path}: {g} vs TRL's {t}");
         }
     }
 }

@@ -47,15 +47,9 @@ pub const MAX_LINE_BYTES: usize = 16 << 20;
 
 /// Reads a JSON-lines file; a bad line is an error naming the file and line.
 pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
-    let text = std::fs::read_to_string(path).map_err(DataError::io(path))?;
     let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        if line.len() > MAX_LINE_BYTES {
-            let message = format!("a line of {} MiB; at most {} MiB", line.len() >> 20, MAX_LINE_BYTES >> 20);
-            return Err(bad(i + 1, message));
-        }
-        let v: Value = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
+    for (i, v) in json_lines(path)? {
         let s = |k: &str| v.get(k).and_then(Value::as_str).map(String::from);
         let record = if let Some(m) = v.get("messages") {
             let messages: Vec<Message> =
@@ -91,6 +85,22 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
             "{}: {empty} of {scored} examples have an empty completion: they teach only end-of-text",
             path.display()
         );
+    }
+    Ok(out)
+}
+
+/// The JSON values of a JSON-lines file with their 0-based line numbers (blank lines skipped); a
+/// line too long or not JSON is an error naming the file and line.
+pub fn json_lines(path: &Path) -> Result<Vec<(usize, Value)>> {
+    let text = std::fs::read_to_string(path).map_err(DataError::io(path))?;
+    let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        if line.len() > MAX_LINE_BYTES {
+            let message = format!("a line of {} MiB; at most {} MiB", line.len() >> 20, MAX_LINE_BYTES >> 20);
+            return Err(bad(i + 1, message));
+        }
+        out.push((i, serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?));
     }
     Ok(out)
 }

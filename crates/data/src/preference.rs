@@ -11,7 +11,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::error::{DataError, Result};
-use crate::finetune::{ChatTemplate, Message, MAX_LINE_BYTES, ROLES};
+use crate::finetune::{json_lines, ChatTemplate, Message, ROLES};
 use crate::loader::Window;
 use crate::tokenizer::Tokenizer;
 
@@ -30,24 +30,11 @@ pub struct PreferenceRecord {
     pub rejected: Turns,
 }
 
-impl PreferenceRecord {
-    /// Whether the line is a preference pair (it has `chosen` and `rejected`).
-    pub fn is_pair(line: &Value) -> bool {
-        line.get("chosen").is_some() && line.get("rejected").is_some()
-    }
-}
-
 /// Reads a preference file; a bad line is an error naming the file, the line and the key.
 pub fn read_preference_jsonl(path: &Path) -> Result<Vec<PreferenceRecord>> {
-    let text = std::fs::read_to_string(path).map_err(DataError::io(path))?;
     let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        if line.len() > MAX_LINE_BYTES {
-            let message = format!("a line of {} MiB; at most {} MiB", line.len() >> 20, MAX_LINE_BYTES >> 20);
-            return Err(bad(i + 1, message));
-        }
-        let v: Value = serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?;
+    for (i, v) in json_lines(path)? {
         let turns = |key: &str| -> std::result::Result<Turns, String> {
             match v.get(key) {
                 Some(Value::String(s)) => Ok(Turns::Text(s.clone())),

@@ -111,20 +111,9 @@ fn load_preference(
     tokenizer_dir: Option<PathBuf>,
 ) -> Result<LoadedData, TrainError> {
     use ember_data::preference::{encode_pairs, read_preference_jsonl, Turns};
-    let tokenizer = match spec {
-        TokenizerSpec::File(p) => with_model_eos(Tokenizer::from_file(p)?, tokenizer_dir.as_deref()),
-        other => return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into()),
-    };
+    let (tokenizer, template) = jsonl_tokenizer(spec, tokenizer_dir.as_deref())?;
     let records = read_preference_jsonl(path)?;
-    if records.len() < 2 {
-        let message = "need at least 2 preference pairs (train and val)".into();
-        return Err(DataError::Jsonl { path: path.into(), line: records.len(), message }.into());
-    }
-    let n_val = ((records.len() as f64 * val_fraction).round() as usize).clamp(1, records.len() - 1);
-    let template = match &tokenizer_dir {
-        Some(dir) => ChatTemplate::from_dir(dir)?,
-        None => None,
-    };
+    let n_val = held_out(records.len(), val_fraction, path, "preference pairs")?;
     let pairs = encode_pairs(&records, &tokenizer, template.as_ref())?;
     let seq_len = match config.train.seq_len {
         Some(t) => t,
@@ -212,20 +201,9 @@ fn load_jsonl(
     spec: &TokenizerSpec,
     tokenizer_dir: Option<PathBuf>,
 ) -> Result<LoadedData, TrainError> {
-    let tokenizer = match spec {
-        TokenizerSpec::File(p) => with_model_eos(Tokenizer::from_file(p)?, tokenizer_dir.as_deref()),
-        other => return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into()),
-    };
+    let (tokenizer, template) = jsonl_tokenizer(spec, tokenizer_dir.as_deref())?;
     let records = read_jsonl(path)?;
-    if records.len() < 2 {
-        let message = "need at least 2 examples (train and val)".into();
-        return Err(DataError::Jsonl { path: path.into(), line: records.len(), message }.into());
-    }
-    let n_val = ((records.len() as f64 * val_fraction).round() as usize).clamp(1, records.len() - 1);
-    let template = match &tokenizer_dir {
-        Some(dir) => ChatTemplate::from_dir(dir)?,
-        None => None,
-    };
+    let n_val = held_out(records.len(), val_fraction, path, "examples")?;
     let examples = encode(&records, &tokenizer, template.as_ref())?;
     let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
     let seq_len = match config.train.seq_len {
@@ -256,6 +234,30 @@ fn load_jsonl(
     );
     let held_out_prompt = prompt_of(&records[records.len() - n_val], template.as_ref());
     Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val), seq_len, held_out_prompt })
+}
+
+/// The tokenizer of JSONL data (a tokenizer.json, with its model's end-of-sequence token) and the
+/// model's chat template, where its folder `dir` has one.
+fn jsonl_tokenizer(spec: &TokenizerSpec, dir: Option<&Path>) -> Result<(Tokenizer, Option<ChatTemplate>), TrainError> {
+    let tokenizer = match spec {
+        TokenizerSpec::File(p) => with_model_eos(Tokenizer::from_file(p)?, dir),
+        other => return Err(DataError::TokenizerSpec(format!("{other} (jsonl data needs a tokenizer.json)")).into()),
+    };
+    let template = match dir {
+        Some(dir) => ChatTemplate::from_dir(dir)?,
+        None => None,
+    };
+    Ok((tokenizer, template))
+}
+
+/// How many of the file's `n` records (`what`) are held out: `val_fraction` of them, at least one
+/// and one fewer than all; fewer than 2 records is an error.
+fn held_out(n: usize, val_fraction: f64, path: &Path, what: &str) -> Result<usize, TrainError> {
+    if n < 2 {
+        let message = format!("need at least 2 {what} (train and val)");
+        return Err(DataError::Jsonl { path: path.into(), line: n, message }.into());
+    }
+    Ok(((n as f64 * val_fraction).round() as usize).clamp(1, n - 1))
 }
 
 /// What the model reads before the answer of `record`: a chat's messages up to its last user turn

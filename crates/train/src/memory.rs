@@ -23,7 +23,8 @@ pub struct MemoryEstimate {
 /// `[T, T]` score and probability matrices per head (2·H·T). Low-precision compute keeps cast
 /// copies of the GEMM inputs besides (counted as half again, in 2 bytes). The LM head's loss adds a
 /// `[D, V]` gradient and up to 24M logits (three tiles of the composition, or the CPU kernel's block
-/// of rows), and in low precision the weight packed twice in 2 bytes (the CPU's bf16 GEMMs).
+/// of rows), and in low precision the weight packed twice in 2 bytes (the CPU's bf16 GEMMs);
+/// preference tuning holds the whole logits three times over (`[B·T, V]`).
 pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
     // In u128 and saturated: every size is bounded by validation, but a product of bounds may still
     // pass 2^64, and a wrapped estimate would wave a config through.
@@ -43,6 +44,11 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
         act /= 2; // elementwise outputs are recomputed; GEMM outputs and scores stay
     }
     let mut loss = 4 * (d * m.vocab_size as u128 + 3 * (8 << 20));
+    if config.preference.is_some() {
+        // Pairs are scored through the whole `[B·T, V]` logits: them, their log-softmax and its
+        // gradient.
+        loss += 3 * 4 * tokens * m.vocab_size as u128;
+    }
     if config.train.precision != crate::config::Precision::F32 {
         loss += 4 * d * m.vocab_size as u128;
     }
