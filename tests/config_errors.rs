@@ -64,14 +64,15 @@ fn a_short_fine_tuning_config_is_completed_by_its_defaults() {
 #[test]
 fn init_writes_each_template_and_never_overwrites() {
     let s = Scratch::new();
-    for kind in ["pretrain", "lora", "full"] {
+    for kind in ["pretrain", "lora", "full", "dpo"] {
         let o = s.ember(&["init", kind]);
         assert!(o.status.success(), "{}", stderr(&o));
         let file = format!("{kind}.toml");
         let written = std::fs::read_to_string(s.path().join(&file)).unwrap();
         assert_eq!(written, std::fs::read_to_string(repo(&format!("configs/{file}"))).unwrap(), "{kind}");
         let parsed = ember_train::ConfigFile::read(&s.path().join(&file)).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(parsed.config.lora.is_some(), kind == "lora");
+        assert_eq!(parsed.config.lora.is_some(), kind == "lora" || kind == "dpo");
+        assert_eq!(parsed.config.preference.is_some(), kind == "dpo");
         assert!(stdout(&o).contains(&format!("ember train --config {file}")), "{}", stdout(&o));
     }
     // An existing file is kept as it is, whatever the kind asked for.
@@ -112,4 +113,31 @@ fn the_lora_template_runs_on_smollm2() {
     assert_eq!(saved.train.seq_len, Some(64));
     assert_eq!((saved.schedule.lr, saved.train.eval_interval, saved.schedule.warmup_steps), (2e-4, 6, 3));
     assert!(stderr(&o).contains("train.seq_len left out: 64"), "{}", stderr(&o));
+}
+
+/// `ember init dpo` as written, on SmolLM2-135M-Instruct and the repository's example pairs: the
+/// length in epochs becomes steps (58 training pairs, 4 a step: 2 epochs are 29 steps), and the
+/// first evaluation is DPO at its reference (ln 2). Two steps show that it runs.
+#[test]
+fn the_dpo_template_runs_on_smollm2() {
+    let model = assets().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(model.is_file(), "{} not found: set EMBER_TEST_ASSETS (../shared)", model.display());
+    let s = Scratch::new();
+    std::fs::create_dir(s.path().join("examples")).unwrap();
+    std::fs::copy(repo("examples/preference.jsonl"), s.path().join("examples/preference.jsonl")).unwrap();
+    let o = s.ember(&["import", model.to_str().unwrap(), "--out", "runs/smollm2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["init", "dpo"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["train", "--config", "dpo.toml", "--max-steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("train.num_epochs = 2: 58 rows, 4 a step"), "{}", stderr(&o));
+    let saved = ember_train::TrainConfig::from_file(&s.path().join("runs/dpo/config.toml")).unwrap();
+    assert_eq!((saved.train.max_steps, saved.train.num_epochs), (29, None));
+    let metrics = std::fs::read_to_string(s.path().join("runs/dpo/metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let start = first["val_loss"].as_f64().unwrap();
+    assert!((start - std::f64::consts::LN_2).abs() < 1e-4, "step 0 val loss {start}");
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert!(last["rewards/accuracies"].is_number(), "{last}");
 }

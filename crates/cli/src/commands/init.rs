@@ -1,5 +1,6 @@
 //! `ember init`: writes a commented config to start from, one of the templates kept (and tested)
-//! in configs/: pretraining from scratch, LoRA or full fine-tuning of a pretrained model.
+//! in configs/: pretraining from scratch, LoRA or full fine-tuning of a pretrained model, preference
+//! tuning (DPO).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -10,7 +11,8 @@ use clap::{Args, ValueEnum};
 #[derive(Args, Debug)]
 pub struct InitArgs {
     /// pretrain: a small model from scratch on tinyshakespeare; lora: LoRA fine-tuning of
-    /// SmolLM2-135M-Instruct on examples/chat.jsonl; full: every weight of it.
+    /// SmolLM2-135M-Instruct on examples/chat.jsonl; full: every weight of it; dpo: preference
+    /// tuning (DPO, LoRA) of it on examples/preference.jsonl.
     kind: Kind,
     /// The file to write [default: KIND.toml]; an existing file is never overwritten.
     #[arg(long)]
@@ -22,6 +24,7 @@ pub enum Kind {
     Pretrain,
     Lora,
     Full,
+    Dpo,
 }
 
 impl Kind {
@@ -31,6 +34,7 @@ impl Kind {
             Kind::Pretrain => include_str!("../../../../configs/pretrain.toml"),
             Kind::Lora => include_str!("../../../../configs/lora.toml"),
             Kind::Full => include_str!("../../../../configs/full.toml"),
+            Kind::Dpo => include_str!("../../../../configs/dpo.toml"),
         }
     }
 
@@ -39,6 +43,7 @@ impl Kind {
             Kind::Pretrain => "pretrain",
             Kind::Lora => "lora",
             Kind::Full => "full",
+            Kind::Dpo => "dpo",
         }
     }
 }
@@ -56,7 +61,7 @@ pub fn run(args: InitArgs) -> anyhow::Result<()> {
     file.write_all(args.kind.template().as_bytes()).with_context(|| format!("writing {}", out.display()))?;
     let next = match args.kind {
         Kind::Pretrain => String::new(),
-        Kind::Lora | Kind::Full => {
+        Kind::Lora | Kind::Full | Kind::Dpo => {
             "import the model its init_from names (see the file's first lines), then ".to_string()
         }
     };
