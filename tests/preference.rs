@@ -111,14 +111,16 @@ fn losses_metrics_and_gradients_equal_trls() {
     let totals = StepTotals { pairs: rows.len() as f64, chosen_tokens };
     let beta = expected["beta"].as_f64().unwrap();
     let simpo_gamma = expected["simpo_gamma"].as_f64().unwrap();
-    for (name, method) in [
-        ("dpo", PreferenceMethod::Dpo),
-        ("ipo", PreferenceMethod::Ipo),
-        ("simpo", PreferenceMethod::Simpo),
-        ("orpo", PreferenceMethod::Orpo),
+    for (name, method, sft_weight) in [
+        ("dpo", PreferenceMethod::Dpo, 0.0),
+        ("ipo", PreferenceMethod::Ipo, 0.0),
+        ("simpo", PreferenceMethod::Simpo, 0.0),
+        ("orpo", PreferenceMethod::Orpo, 0.0),
+        // RPO: TRL's loss_type ["sigmoid", "sft"], loss_weights [1, 0.5].
+        ("dpo_sft", PreferenceMethod::Dpo, 0.5),
     ] {
         let want = &expected["methods"][name];
-        let config = PreferenceConfig { method, beta, label_smoothing: 0.0, simpo_gamma };
+        let config = PreferenceConfig { method, beta, label_smoothing: 0.0, simpo_gamma, sft_weight };
         let policy = checkpoint.decoder::<AD>(&device).unwrap();
         let logps = answer_logps(&policy, &rows, &device);
         let out = pair_loss(&config, logps, method.needs_reference().then_some(&reference[..]), totals);
@@ -356,6 +358,7 @@ fn a_lora_dpo_step_equals_trls_with_the_base_as_reference() {
         beta: expected["beta"].as_f64().unwrap(),
         label_smoothing: 0.0,
         simpo_gamma: 0.5,
+        sft_weight: 0.0,
     };
     let logps = answer_logps(&policy, &rows, &device);
     let out = pair_loss(&config, logps, Some(&reference), StepTotals { pairs: rows.len() as f64, chosen_tokens });

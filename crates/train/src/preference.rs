@@ -205,9 +205,10 @@ pub fn pair_loss<B: Backend>(
         }
     };
     let mut loss = per_pair.sum().div_scalar(totals.pairs.max(1.0));
-    if config.method == PreferenceMethod::Orpo {
+    let nll_weight = config.sft_weight + if config.method == PreferenceMethod::Orpo { 1.0 } else { 0.0 };
+    if nll_weight > 0.0 {
         // The chosen answers' NLL, token-weighted over the step.
-        loss = loss + pc.clone().sum().neg().div_scalar(totals.chosen_tokens.max(1.0));
+        loss = loss + pc.clone().sum().neg().div_scalar(totals.chosen_tokens.max(1.0)).mul_scalar(nll_weight);
     }
     let host = |t: Tensor<B, 1>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap_or_default();
     // Rewards: β × the log-ratio to the reference (summed, IPO's too, as TRL logs them), or × the
@@ -237,7 +238,8 @@ pub fn pair_loss<B: Backend>(
 
 /// One pair's loss in f64, by the definitions (the reference for [`pair_loss`]): `policy` and
 /// `reference` are `[chosen, rejected]` summed log-probabilities, `tokens` the answers' lengths.
-/// Returns the pair's loss (ORPO: without the NLL term) and `[reward chosen, reward rejected]`.
+/// Returns the pair's loss (without the chosen answers' NLL term of ORPO and `sft_weight`, which is
+/// token-weighted over the step) and `[reward chosen, reward rejected]`.
 pub fn pair_loss_reference(
     config: &PreferenceConfig,
     policy: [f64; 2],
@@ -351,7 +353,8 @@ mod tests {
         for method in [PreferenceMethod::Dpo, PreferenceMethod::Ipo, PreferenceMethod::Simpo, PreferenceMethod::Orpo] {
             for (beta, eps) in [(0.1, 0.0), (0.5, 0.2), (2.0, 0.0)] {
                 let eps = if matches!(method, PreferenceMethod::Dpo | PreferenceMethod::Simpo) { eps } else { 0.0 };
-                let config = PreferenceConfig { method, beta, label_smoothing: eps, simpo_gamma: 0.5 };
+                let sft_weight = if beta == 0.5 { 0.3 } else { 0.0 };
+                let config = PreferenceConfig { method, beta, label_smoothing: eps, simpo_gamma: 0.5, sft_weight };
                 let pairs: Vec<[f64; 4]> = (0..5)
                     .map(|_| {
                         [
@@ -378,9 +381,8 @@ mod tests {
                     sums.rewards_rejected += rewards[1];
                     sums.accuracies += (rewards[0] > rewards[1]) as u8 as f64;
                 }
-                if method == PreferenceMethod::Orpo {
-                    want += -pairs.iter().map(|p| p[0]).sum::<f64>() / (chosen_tokens + 10.0);
-                }
+                let nll_weight = sft_weight + if method == PreferenceMethod::Orpo { 1.0 } else { 0.0 };
+                want += nll_weight * -pairs.iter().map(|p| p[0]).sum::<f64>() / (chosen_tokens + 10.0);
                 let got = scalar(out.loss);
                 assert!((got - want).abs() <= 1e-5 * want.abs().max(1e-3), "{method} β {beta}: {got} vs {want}");
                 for (g, w) in
@@ -395,8 +397,13 @@ mod tests {
 
     #[test]
     fn dpo_at_the_reference_is_log_two() {
-        let config =
-            PreferenceConfig { method: PreferenceMethod::Dpo, beta: 0.1, label_smoothing: 0.0, simpo_gamma: 0.5 };
+        let config = PreferenceConfig {
+            method: PreferenceMethod::Dpo,
+            beta: 0.1,
+            label_smoothing: 0.0,
+            simpo_gamma: 0.5,
+            sft_weight: 0.0,
+        };
         let (loss, rewards) = pair_loss_reference(&config, [-10.0, -12.0], [-10.0, -12.0], [4.0, 5.0]);
         assert!((loss - std::f64::consts::LN_2).abs() < 1e-12 && rewards == [0.0, 0.0]);
     }

@@ -336,6 +336,12 @@ pub struct PreferenceConfig {
     /// `simpo`: the target reward margin γ [default: 0.5, TRL's `simpo_gamma`].
     #[serde(default = "simpo_gamma")]
     pub simpo_gamma: f64,
+    /// Adds this times the chosen answers' NLL (per token, over the step) to the loss: RPO, TRL's
+    /// `loss_type = ["sigmoid", "sft"]` with `loss_weights = [1, w]`; it keeps the chosen answers
+    /// likely while the pair's margin grows. ORPO has the NLL term already (weight 1 + this)
+    /// [default: 0].
+    #[serde(default)]
+    pub sft_weight: f64,
 }
 
 /// The preference losses.

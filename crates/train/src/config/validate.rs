@@ -230,6 +230,9 @@ impl PreferenceConfig {
         } else if self.label_smoothing > 0.0 && matches!(self.method, PreferenceMethod::Ipo | PreferenceMethod::Orpo) {
             broken.push(out_of_range("preference.label_smoothing", self.label_smoothing, "0 with ipo and orpo"));
         }
+        if !(self.sft_weight >= 0.0 && self.sft_weight.is_finite()) {
+            broken.push(out_of_range("preference.sft_weight", self.sft_weight, ">= 0"));
+        }
         if !self.simpo_gamma.is_finite() {
             broken.push(out_of_range("preference.simpo_gamma", self.simpo_gamma, "finite"));
         }
