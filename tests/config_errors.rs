@@ -117,7 +117,8 @@ fn the_lora_template_runs_on_smollm2() {
 
 /// `ember init dpo` as written, on SmolLM2-135M-Instruct and the repository's example pairs: the
 /// length in epochs becomes steps (58 training pairs, 4 a step: 2 epochs are 29 steps), and the
-/// first evaluation is DPO at its reference (ln 2). Two steps show that it runs.
+/// first evaluation is DPO at its reference (ln 2) plus the chosen answers' NLL (`sft_weight = 1`).
+/// Two steps show that it runs.
 #[test]
 fn the_dpo_template_runs_on_smollm2() {
     let model = assets().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -137,7 +138,7 @@ fn the_dpo_template_runs_on_smollm2() {
     let metrics = std::fs::read_to_string(s.path().join("runs/dpo/metrics.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     let start = first["val_loss"].as_f64().unwrap();
-    assert!((start - std::f64::consts::LN_2).abs() < 1e-4, "step 0 val loss {start}");
+    assert!(start > std::f64::consts::LN_2 + 0.5 && start.is_finite(), "step 0 val loss {start}");
     let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
     assert!(last["rewards/accuracies"].is_number(), "{last}");
 }
