@@ -210,29 +210,31 @@ pub fn pair_loss<B: Backend>(
         // The chosen answers' NLL, token-weighted over the step.
         loss = loss + pc.clone().sum().neg().div_scalar(totals.chosen_tokens.max(1.0)).mul_scalar(nll_weight);
     }
-    let host = |t: Tensor<B, 1>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap_or_default();
-    // Rewards: β × the log-ratio to the reference (summed, IPO's too, as TRL logs them), or × the
-    // per-token mean log-probability for the reference-free losses.
-    let (rc, rr) = match config.method {
-        PreferenceMethod::Dpo | PreferenceMethod::Ipo => {
-            (host((pc.clone() - refs(0)).mul_scalar(beta)), host((pr.clone() - refs(1)).mul_scalar(beta)))
-        }
-        PreferenceMethod::Simpo | PreferenceMethod::Orpo => {
-            (host(sc.clone().mul_scalar(beta)), host(sr.clone().mul_scalar(beta)))
-        }
-    };
-    let (lc, lr) = match config.method {
-        PreferenceMethod::Dpo | PreferenceMethod::Ipo => (host(pc), host(pr)),
-        PreferenceMethod::Simpo | PreferenceMethod::Orpo => (host(sc), host(sr)),
-    };
-    let sums = PairSums {
-        pairs: p as f64,
-        rewards_chosen: rc.iter().sum(),
-        rewards_rejected: rr.iter().sum(),
-        accuracies: rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64,
-        logps_chosen: lc.iter().sum(),
-        logps_rejected: lr.iter().sum(),
-    };
+    // The metrics, on the host from one read of the log-probabilities: the rewards are
+    // `pair_loss_reference`'s (β × the summed log-ratio for DPO and IPO, as TRL logs them; β × the
+    // per-token mean for the reference-free losses), the logged log-probabilities what the loss reads.
+    let logps = to_host(Tensor::cat(vec![policy.chosen, policy.rejected], 0));
+    let (chosen, rejected) = logps.split_at(p);
+    let mut sums = PairSums { pairs: p as f64, ..PairSums::default() };
+    for i in 0..p {
+        let reference = reference.map_or([0.0; 2], |r| r[i]);
+        let tokens = [policy.chosen_tokens[i], policy.rejected_tokens[i]];
+        let (_, [rc, rr]) = pair_loss_reference(config, [chosen[i], rejected[i]], reference, tokens);
+        let (lc, lr) = match config.method {
+            PreferenceMethod::Dpo | PreferenceMethod::Ipo => (chosen[i], rejected[i]),
+            PreferenceMethod::Simpo | PreferenceMethod::Orpo => {
+                (chosen[i] / tokens[0].max(1.0), rejected[i] / tokens[1].max(1.0))
+            }
+        };
+        sums.add(&PairSums {
+            pairs: 0.0,
+            rewards_chosen: rc,
+            rewards_rejected: rr,
+            accuracies: f64::from(u8::from(rc > rr)),
+            logps_chosen: lc,
+            logps_rejected: lr,
+        });
+    }
     PairLoss { loss, sums }
 }
 
@@ -286,11 +288,12 @@ pub fn reference_logps<B: EmberBackend>(
     batch: usize,
     device: &Device<B>,
 ) -> Vec<[f64; 2]> {
-    let host = |t: Tensor<B, 1>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap_or_default();
     rows.chunks(batch.max(1))
         .flat_map(|items| {
             let l = answer_logps(model, items, device);
-            host(l.chosen).into_iter().zip(host(l.rejected)).map(|(c, r)| [c, r]).collect::<Vec<_>>()
+            let logps = to_host(Tensor::cat(vec![l.chosen, l.rejected], 0));
+            let (chosen, rejected) = logps.split_at(items.len());
+            chosen.iter().zip(rejected).map(|(&c, &r)| [c, r]).collect::<Vec<_>>()
         })
         .collect()
 }
@@ -319,6 +322,11 @@ pub fn evaluate_pairs<B: EmberBackend>(
         sums.add(&out.sums);
     }
     (loss, sums)
+}
+
+/// A vector's values on the host, in f64.
+fn to_host<B: Backend>(t: Tensor<B, 1>) -> Vec<f64> {
+    t.into_data().convert::<f64>().to_vec::<f64>().unwrap_or_default()
 }
 
 /// A scalar of a `[1]` tensor on the host.

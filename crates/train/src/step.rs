@@ -254,16 +254,21 @@ pub(crate) fn preference_forward_backward<B: TrainBackend>(
     loss_scale: f64,
 ) -> (f64, GradientsParams, PairSums) {
     let mut grads = GradientsAccumulator::<Decoder<B>>::new();
-    let (mut loss_sum, mut sums) = (0.0, PairSums::default());
+    // The losses stay on the device until the end, as in `forward_backward`.
+    let (mut loss_sum, mut sums): (Option<Tensor<B::InnerBackend, 1>>, _) = (None, PairSums::default());
     for (rows, reference) in micro_batches {
         let logps = answer_logps(model, &rows, device);
         let out = pair_loss(config, logps, reference.as_deref(), totals);
-        loss_sum += out.loss.clone().inner().into_scalar().elem::<f64>();
+        let value = out.loss.clone().inner();
+        loss_sum = Some(match loss_sum {
+            Some(sum) => sum + value,
+            None => value,
+        });
         sums.add(&out.sums);
         let loss = if loss_scale == 1.0 { out.loss } else { out.loss.mul_scalar(loss_scale) };
         grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
     }
-    (loss_sum, grads.grads(), sums)
+    (loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f64>()), grads.grads(), sums)
 }
 
 /// The total scored tokens of micro-batches (for [`forward_backward`] over all of them).
