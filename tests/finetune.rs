@@ -270,3 +270,88 @@ fn lora_fine_tune_lowers_the_loss_keeps_the_base_and_merges() {
         s.ember(&["sample", "--checkpoint", "ft", "--prompt", "All:", "--max-new-tokens", "6", "--temperature", "0"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// LoRA on a quantized base: the tiny Qwen2 exported as a Q8_0 GGUF and trained from as
+/// `init_from = "gguf:FILE"`. Its projections stay Q8_0 (the log counts them), the run's losses are
+/// those of the same file imported to f32 (the same numbers as the base), its checkpoints hold the
+/// adapters only and resume exactly, `sample` runs on it, and the merged export (f32, and
+/// re-quantized to Q8_0) gives the adapted model's logits.
+#[test]
+fn lora_on_a_quantized_gguf_base_trains_resumes_and_merges() {
+    let s = Scratch::new();
+    lora_run(&s, "");
+    let o = s.ember(&["export", "base", "--format", "gguf", "--dtype", "q8_0", "--out", "base-q8.gguf"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["import", "base-q8.gguf", "--out", "base-f32"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let toml = std::fs::read_to_string(s.path().join("lora.toml")).unwrap();
+    s.write("q.toml", &toml.replace("init_from = \"run:base\"", "init_from = \"gguf:base-q8.gguf\""));
+    s.write("f.toml", &toml.replace("init_from = \"run:base\"", "init_from = \"run:base-f32\""));
+    let o = s.ember(&["train", "--config", "q.toml", "--run-dir", "q"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // 2 layers × 7 projections, 64 × 64 (q, o), 64 × 32 (k, v), 64 × 128 (gate, up, down), Q8_0's
+    // 34 bytes a block of 32.
+    let kept_bytes = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) / 32 * 34;
+    let kept = format!("14 projections kept quantized ({:.1} MiB)", kept_bytes as f64 / (1 << 20) as f64);
+    assert!(stderr(&o).contains(&kept), "{kept}: {}", stderr(&o));
+    let o = s.ember(&["train", "--config", "f.toml", "--run-dir", "f"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("kept quantized"), "an f32 run keeps nothing quantized");
+    let losses = |run: &str| -> Vec<f64> {
+        let records = read_metrics(&s.path().join(run).join("metrics.jsonl")).unwrap();
+        records
+            .iter()
+            .filter(|r| r.step > 0)
+            .map(|r| r.train_loss)
+            .chain(records.iter().filter_map(|r| r.val_loss))
+            .collect()
+    };
+    let (q, f) = (losses("q"), losses("f"));
+    assert_eq!(q.len(), f.len());
+    for (a, b) in q.iter().zip(&f) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "quantized base {q:?} vs its f32 import {f:?}");
+    }
+    let vals: Vec<f64> =
+        read_metrics(&s.path().join("q/metrics.jsonl")).unwrap().iter().filter_map(|r| r.val_loss).collect();
+    assert!(vals[2] < vals[0] - 0.1, "completion loss must fall: {vals:?}");
+    let ckpt = s.path().join("q/checkpoints/step-000030");
+    assert!(ckpt.join("adapter.safetensors").is_file() && !ckpt.join("model.safetensors").exists());
+    // Without [lora] every weight trains: the file is dequantized to f32, nothing kept.
+    let full = toml.replace("init_from = \"run:base\"", "init_from = \"gguf:base-q8.gguf\"");
+    s.write("full.toml", &full[..full.find("[lora]").unwrap()].replace("lr = 5e-3", "lr = 1e-3"));
+    let o = s.ember(&["train", "--config", "full.toml", "--run-dir", "full", "--max-steps", "10"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("kept quantized"), "{}", stderr(&o));
+    assert!(s.path().join("full/checkpoints/step-000010/model.safetensors").is_file());
+
+    // Stopped at step 10 and resumed: the same adapters as the unbroken run.
+    let o = s.ember(&["train", "--config", "q.toml", "--run-dir", "r", "--max-steps", "10"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["train", "--config", "q.toml", "--run-dir", "r", "--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(tensors(&s.path().join("r/checkpoints/step-000030")), tensors(&ckpt), "resumed vs unbroken");
+
+    let o =
+        s.ember(&["sample", "--checkpoint", "q", "--prompt", "All:", "--max-new-tokens", "6", "--temperature", "0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with("All:"), "{}", stdout(&o));
+
+    // Merged: the adapters folded into the dequantized weights.
+    let tuned =
+        ember_train::Checkpoint::open(&s.path().join("q")).unwrap().decoder::<Flex>(&Default::default()).unwrap();
+    assert_eq!(tuned.quantized_projections().0, 14, "the run's model sits on the Q8_0 base");
+    let o = s.ember(&["export", "q", "--out", "merged", "--merge"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let merged =
+        ember_hf::import::<Flex>(&s.path().join("merged"), DType::F32, false, false, &Default::default()).unwrap();
+    let ids: Vec<i32> = (0..24).map(|i| (i * 5 + 1) % 128).collect();
+    let (a, b) = (logits(&tuned, &ids), logits(&merged.model, &ids));
+    let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff < 1e-4, "merged export vs adapters on the quantized base: {diff}");
+    // Re-quantized when asked: the merged matrices in Q8_0 again.
+    let o = s.ember(&["export", "q", "--out", "merged-q8.gguf", "--merge", "--format", "gguf", "--dtype", "q8_0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let file = ember_hf::gguf::model::read(&s.path().join("merged-q8.gguf")).unwrap();
+    let q8 = file.stored.iter().filter(|(name, kind)| name.ends_with(".weight") && *kind == "Q8_0").count();
+    assert!(q8 >= 14, "{:?}", file.stored);
+}

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{DType, Device, TensorData};
 use ember_kernels::rope::interleaved_to_half_split;
 use ember_kernels::EmberBackend;
+use ember_kernels::QuantWeight;
 use ember_model::weights::{assign, named_tensors, named_tensors_where, param_shapes};
 use ember_model::{Decoder, NormKind, Positions, RopeLayout};
 use safetensors::{Dtype, SafeTensors};
@@ -213,6 +214,7 @@ pub fn import_tensors<B: EmberBackend>(
         param_dtype,
         allow_missing,
         allow_unused,
+        BTreeMap::new(),
         device,
     )
 }
@@ -230,18 +232,32 @@ pub(crate) fn load_tensors<B: EmberBackend>(
     param_dtype: DType,
     allow_missing: bool,
     allow_unused: bool,
+    quantized: BTreeMap<String, QuantWeight>,
     device: &Device<B>,
 ) -> Result<Imported<B>, HfError> {
     if !allow_missing {
         let bytes = tensors.values().fold(0u64, |n, (t, _)| n.saturating_add(t.as_bytes().len() as u64));
+        // A kept weight counts as the f32 values it stands for (the check's unit).
+        let kept = quantized.values().map(|q| (q.d_in() * q.d_out() * 4) as u64).sum::<u64>();
+        let bytes = bytes.saturating_add(kept);
         ember_model::weights::check_model_size(&config, &format!("the weights of {}", dir.display()), bytes)
             .map_err(|message| HfError::Config { source_name: config_path.display().to_string(), message })?;
     }
-    let model = Decoder::<B>::empty(&config, device)
-        .map_err(|e| HfError::Config { source_name: config_path.display().to_string(), message: e.to_string() })?;
-    let expected: HashMap<String, Vec<usize>> = param_shapes::<B, _>(&model).into_iter().collect();
-
     let family = architecture.family();
+    // Projections kept quantized: placeholders from the start (their f32 zeros never all exist).
+    let kept = quantized.len();
+    let model = Decoder::<B>::empty_keeping(&config, device, kept_paths(family, quantized, dir)?)
+        .map_err(|message| HfError::Config { source_name: config_path.display().to_string(), message })?;
+    let mut expected: HashMap<String, Vec<usize>> = param_shapes::<B, _>(&model).into_iter().collect();
+    let mut placeholders = BTreeMap::new();
+    expected.retain(|path, shape| {
+        let placeholder = shape.as_slice() == [0, 0];
+        if placeholder {
+            placeholders.insert(path.clone(), TensorData::new(Vec::<f32>::new(), [0, 0]));
+        }
+        !placeholder
+    });
+
     let mut values = BTreeMap::new();
     let mut unused = Vec::new();
     for (key, (data, file)) in tensors {
@@ -281,7 +297,7 @@ pub(crate) fn load_tensors<B: EmberBackend>(
     if !unused.is_empty() && !allow_unused {
         return Err(HfError::Unused { dir: dir.into(), keys: unused });
     }
-    let loaded = values.len();
+    let loaded = values.len() + kept;
     let model = model.with_param_dtype(param_dtype);
     // Missing parameters (allowed) keep their zeros: fill them in from the model itself (only
     // those are read back).
@@ -291,10 +307,27 @@ pub(crate) fn load_tensors<B: EmberBackend>(
             values.insert(k, data);
         }
     }
+    values.extend(placeholders);
     let model = assign(model, values, &dir.display().to_string(), false)
         .map_err(|e| HfError::Config { source_name: dir.display().to_string(), message: e.to_string() })?;
     tracing::info!(loaded, missing = missing.len(), unused = unused.len(), "imported {}", dir.display());
     Ok(Imported { model, architecture, hf_config, loaded, missing, unused })
+}
+
+/// The weights kept quantized (by Hugging Face name) under the paths of their projections.
+fn kept_paths(
+    family: &crate::Family,
+    quantized: BTreeMap<String, QuantWeight>,
+    dir: &Path,
+) -> Result<Vec<(String, QuantWeight)>, HfError> {
+    let mut by_path = Vec::with_capacity(quantized.len());
+    for (hf, weight) in quantized {
+        let Some(path) = family.hf_to_ember(&hf).and_then(|t| t.paths.into_iter().next()) else {
+            return Err(HfError::Unused { dir: dir.into(), keys: vec![hf] });
+        };
+        by_path.push((path.trim_end_matches(".weight").to_string(), weight));
+    }
+    Ok(by_path)
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -44,6 +44,7 @@ pub mod newton_schulz;
 pub mod paged;
 mod products;
 pub mod qk_norm;
+pub mod quant;
 pub mod relu_squared;
 pub mod rms_norm;
 pub mod rope;
@@ -71,6 +72,7 @@ pub use linear::LinearOps;
 pub use newton_schulz::NsStep;
 pub use paged::PagedAttentionOps;
 pub use qk_norm::QkNormOps;
+pub use quant::{quant_linear, quant_linear_lora, QuantLinearOps, QuantWeight};
 pub use relu_squared::ReluSquaredOps;
 pub use rms_norm::RmsNormOps;
 pub use rope::RopeOps;
@@ -108,6 +110,7 @@ pub trait EmberBackend:
     + GeluOps
     + ReluSquaredOps
     + LinearOps
+    + QuantLinearOps
     + AttentionOps
     + AdamWOps
     + LmHeadLossOps
@@ -158,6 +161,7 @@ macro_rules! reference_ops {
         impl GeluOps for $backend {}
         impl ReluSquaredOps for $backend {}
         impl LinearOps for $backend {}
+        impl QuantLinearOps for $backend {}
         impl AttentionOps for $backend {}
         impl AdamWOps for $backend {}
         impl LmHeadLossOps for $backend {}

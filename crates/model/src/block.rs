@@ -90,7 +90,7 @@ impl<B: Backend> Block<B> {
     }
 
     /// The projection `target` names, to change.
-    pub(crate) fn projection_mut(&mut self, target: Target) -> Option<&mut Linear<B>> {
+    pub fn projection_mut(&mut self, target: Target) -> Option<&mut Linear<B>> {
         let (att, mlp) = (&mut self.self_attn, &mut self.mlp);
         Some(match target {
             Target::QProj => &mut att.q_proj,

@@ -2,6 +2,8 @@
 //! GPT-2), a stack of blocks, a final norm and the LM head (optionally the embedding table itself;
 //! soft-capped in Gemma 2).
 
+use std::collections::BTreeMap;
+
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -18,7 +20,7 @@ use crate::norm::Norm;
 use crate::to_dtype;
 use ember_kernels::documents::Documents;
 use ember_kernels::rope::Rope;
-use ember_kernels::{Compute, EmberBackend};
+use ember_kernels::{Compute, EmberBackend, QuantWeight};
 
 #[derive(Module, Debug)]
 pub struct Decoder<B: Backend> {
@@ -55,13 +57,55 @@ impl<B: EmberBackend> Decoder<B> {
         Self::build(config, Init::zeros(), device)
     }
 
-    fn build(config: &ModelConfig, mut init: Init, device: &B::Device) -> Result<Self, ConfigError> {
+    /// [`Self::empty`] with the projections named by path (`layers.{i}.self_attn.q_proj`, …) kept
+    /// in a block-quantized storage type, frozen ([`Linear::with_quantized`]): each layer's are
+    /// replaced as it is built, so that their f32 weights never exist together.
+    pub fn empty_keeping(
+        config: &ModelConfig,
+        device: &B::Device,
+        weights: Vec<(String, QuantWeight)>,
+    ) -> Result<Self, String> {
+        let mut by_layer: BTreeMap<usize, Vec<(String, QuantWeight)>> = BTreeMap::new();
+        for (path, weight) in weights {
+            let layer = match path.split('.').collect::<Vec<_>>().as_slice() {
+                ["layers", l, .., _] => l.parse::<usize>().ok(),
+                _ => None,
+            };
+            let Some(layer) = layer.filter(|l| *l < config.n_layers) else {
+                return Err(format!("`{path}` is not a projection of this model"));
+            };
+            by_layer.entry(layer).or_default().push((path, weight));
+        }
+        let mut failed = None;
+        let model = Self::build_with(config, Init::zeros(), device, |l, mut block| {
+            for (path, weight) in by_layer.remove(&l).unwrap_or_default() {
+                if let Err(e) = keep_quantized(&mut block, &path, weight) {
+                    failed.get_or_insert(e);
+                }
+            }
+            block
+        })
+        .map_err(|e| e.to_string())?;
+        failed.map_or(Ok(model), Err)
+    }
+
+    fn build(config: &ModelConfig, init: Init, device: &B::Device) -> Result<Self, ConfigError> {
+        Self::build_with(config, init, device, |_, block| block)
+    }
+
+    /// The model, each block passed through `each` (with its index) as it is built.
+    fn build_with(
+        config: &ModelConfig,
+        mut init: Init,
+        device: &B::Device,
+        mut each: impl FnMut(usize, Block<B>) -> Block<B>,
+    ) -> Result<Self, ConfigError> {
         config.validate()?;
         let (v, d) = (config.vocab_size, config.d_model);
         let embed_tokens = init.normal_param([v, d], config.init_std, device);
         let learned = config.positions == Positions::Learned;
         let embed_positions = learned.then(|| init.normal_param([config.max_seq_len, d], config.init_std, device));
-        let layers = (0..config.n_layers).map(|l| config.block(l).init(&mut init, device)).collect();
+        let layers = (0..config.n_layers).map(|l| each(l, config.block(l).init(&mut init, device))).collect();
         let lm_head = (!config.tie_embeddings).then(|| Linear::new(&mut init, d, v, false, config.init_std, device));
         Ok(Self {
             embed_tokens,
@@ -252,6 +296,28 @@ impl<B: EmberBackend> Decoder<B> {
         model
     }
 
+    /// Keeps the projections named by path (`layers.{i}.self_attn.q_proj`, …) in a block-quantized
+    /// storage type, frozen ([`Linear::with_quantized`]): their f32 weights are dropped.
+    pub fn with_quantized(mut self, weights: Vec<(String, QuantWeight)>) -> Result<Self, String> {
+        for (path, weight) in weights {
+            let layer = match path.split('.').collect::<Vec<_>>().as_slice() {
+                ["layers", l, .., _] => l.parse::<usize>().ok(),
+                _ => None,
+            };
+            let Some(block) = layer.and_then(|l| self.layers.get_mut(l)) else {
+                return Err(format!("`{path}` is not a projection of this model"));
+            };
+            keep_quantized(block, &path, weight)?;
+        }
+        Ok(self)
+    }
+
+    /// (projections kept quantized, their bytes).
+    pub fn quantized_projections(&self) -> (usize, usize) {
+        let kept = self.layers.iter().flat_map(|layer| Target::ALL.into_iter().filter_map(|t| layer.projection(t)));
+        kept.filter_map(|lin| lin.quantized.as_ref()).fold((0, 0), |(n, b), q| (n + 1, b + q.stored_bytes()))
+    }
+
     /// Whether any projection carries a LoRA adapter.
     pub fn has_lora(&self) -> bool {
         self.layers
@@ -259,7 +325,8 @@ impl<B: EmberBackend> Decoder<B> {
             .any(|layer| Target::ALL.into_iter().any(|t| layer.projection(t).is_some_and(Linear::has_lora)))
     }
 
-    /// Folds every adapter into its projection's weight.
+    /// Folds every adapter into its projection's weight; quantized projections are dequantized
+    /// (the merged model is plain f32 weights).
     pub fn merge_lora(mut self) -> Self {
         for layer in self.layers.iter_mut() {
             for target in Target::ALL {
@@ -301,6 +368,26 @@ impl<B: EmberBackend> Decoder<B> {
         let h = self.hidden(tokens, 0).reshape([b * t, self.config.d_model]);
         self.logits(h).reshape([b, t, self.config.vocab_size])
     }
+}
+
+/// The projection of `block` that `path` names (its last part), kept as `weight`.
+fn keep_quantized<B: Backend>(block: &mut Block<B>, path: &str, weight: QuantWeight) -> Result<(), String> {
+    let target = path.rsplit('.').next().and_then(|name| Target::ALL.into_iter().find(|t| t.name() == name));
+    let Some(lin) = target.and_then(|t| block.projection_mut(t)) else {
+        return Err(format!("`{path}` is not a projection of this model"));
+    };
+    if (lin.d_in(), lin.d_out()) != (weight.d_in(), weight.d_out()) {
+        return Err(format!(
+            "`{path}`: a {} weight of {} × {} for a projection of {} × {}",
+            weight.kind(),
+            weight.d_in(),
+            weight.d_out(),
+            lin.d_in(),
+            lin.d_out()
+        ));
+    }
+    *lin = lin.clone().with_quantized(weight);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use crate::init::{const_param, Init};
 use crate::lora::Lora;
 use crate::to_dtype;
 use ember_kernels::linear::{self, linear, LowRank};
-use ember_kernels::{Compute, EmberBackend};
+use ember_kernels::{quant_linear, quant_linear_lora, Compute, EmberBackend, QuantWeight};
 
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
@@ -18,6 +18,11 @@ pub struct Linear<B: Backend> {
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// A low-rank adapter added to the output, when fine-tuning with LoRA.
     pub lora: Option<Lora<B>>,
+    /// The frozen weight kept in its block-quantized storage type (a GGUF base under LoRA): `weight`
+    /// is then an empty `[0, 0]` placeholder and the products dequantize a tile at a time
+    /// ([`quant_linear`]).
+    #[module(skip)]
+    pub quantized: Option<QuantWeight>,
 }
 
 impl<B: Backend> Linear<B> {
@@ -26,15 +31,32 @@ impl<B: Backend> Linear<B> {
             weight: init.normal_param([d_in, d_out], std, device),
             bias: bias.then(|| const_param([d_out], 0.0, device)),
             lora: None,
+            quantized: None,
         }
     }
 
     pub fn d_out(&self) -> usize {
-        self.weight.dims()[1]
+        self.quantized.as_ref().map_or_else(|| self.weight.dims()[1], QuantWeight::d_out)
     }
 
     pub fn d_in(&self) -> usize {
-        self.weight.dims()[0]
+        self.quantized.as_ref().map_or_else(|| self.weight.dims()[0], QuantWeight::d_in)
+    }
+
+    /// Keeps `weight` (`[d_in, d_out]` of this layer) in its quantized storage, frozen: the f32
+    /// weight is dropped for an empty placeholder.
+    pub fn with_quantized(self, weight: QuantWeight) -> Self {
+        let device = self.weight.device();
+        let placeholder = Tensor::<B, 2>::empty([0, 0], &device);
+        Self { weight: Param::from_tensor(placeholder).set_require_grad(false), quantized: Some(weight), ..self }
+    }
+
+    /// The layer with its weight dequantized to an f32 parameter (frozen, as it was), for export.
+    pub fn dequantized(mut self) -> Self {
+        if let Some(q) = self.quantized.take() {
+            self.weight = Param::from_tensor(q.to_tensor(&self.weight.device())).set_require_grad(false);
+        }
+        self
     }
 
     /// Whether a low-rank adapter is attached.
@@ -42,15 +64,17 @@ impl<B: Backend> Linear<B> {
         self.lora.is_some()
     }
 
-    /// Folds the adapter into the weight (`W + (α/r)·A·B`) and drops it.
-    pub fn merge_lora(mut self) -> Self {
-        if let Some(lora) = self.lora.take() {
-            let (dtype, require_grad) = (self.weight.val().dtype(), self.weight.val().is_require_grad());
-            let merged = (to_dtype(self.weight.val(), DType::F32) + lora.delta()).detach();
+    /// Folds the adapter into the weight (`W + (α/r)·A·B`) and drops it; a quantized weight is
+    /// dequantized first (the merged weight is f32).
+    pub fn merge_lora(self) -> Self {
+        let mut layer = self.dequantized();
+        if let Some(lora) = layer.lora.take() {
+            let (dtype, require_grad) = (layer.weight.val().dtype(), layer.weight.val().is_require_grad());
+            let merged = (to_dtype(layer.weight.val(), DType::F32) + lora.delta()).detach();
             let merged = to_dtype(merged, dtype);
-            self.weight = self.weight.map(|_| if require_grad { merged.require_grad() } else { merged });
+            layer.weight = layer.weight.map(|_| if require_grad { merged.require_grad() } else { merged });
         }
-        self
+        layer
     }
 }
 
@@ -70,7 +94,19 @@ impl<B: EmberBackend> Linear<B> {
 
     /// [`Self::forward`] as separate ops: the layer, then the adapter (with its dropout) added.
     fn forward_apart(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
-        let y = linear_packed(x.clone(), self.weight.val(), self.bias.as_ref().map(|b| b.val()), cx);
+        let bias = |y: Tensor<B, 2>| match &self.bias {
+            Some(b) => y + to_dtype(b.val(), DType::F32).unsqueeze(),
+            None => y,
+        };
+        let y = match (&self.quantized, &self.lora) {
+            // The adapter inside the quantized product (one graph node), where it has no dropout.
+            (Some(q), Some(lora)) if lora.dropout == 0.0 || !B::ad_enabled(&x.device()) => {
+                let factors = (lora.lora_a.val(), lora.lora_b.val(), lora.scale as f32);
+                return bias(quant_linear_lora(x, q, factors, cx));
+            }
+            (Some(q), _) => bias(quant_linear(x.clone(), q, cx)),
+            (None, _) => linear_packed(x.clone(), self.weight.val(), self.bias.as_ref().map(|b| b.val()), cx),
+        };
         match &self.lora {
             Some(lora) => y + lora.forward(x, cx),
             None => y,
@@ -108,7 +144,9 @@ pub(crate) fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B,
     let training = B::ad_enabled(&x.device());
     let decoding = x.dims()[0] <= DECODE_ROWS && !training;
     let dropout = training && parts.iter().any(|p| p.lora.as_ref().is_some_and(|l| l.dropout > 0.0));
-    let apart = decoding || dropout || (biased != 0 && biased != parts.len());
+    // A quantized weight has its own product (a tile dequantized at a time), each on its own.
+    let quantized = parts.iter().any(|p| p.quantized.is_some());
+    let apart = decoding || dropout || quantized || (biased != 0 && biased != parts.len());
     // One layer: the plain linear op, and its adapter added where no kernel takes it inside.
     if apart || (parts.len() == 1 && !(adapted && cx.fused::<B>(compute))) {
         let outputs: Vec<_> = parts.iter().map(|p| p.forward_apart(x.clone(), cx)).collect();

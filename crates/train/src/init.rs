@@ -1,5 +1,7 @@
-//! Where a fine-tuning run starts: `init_from = "hf:DIR"` (a Hugging Face model folder) or
-//! `init_from = "run:DIR"` (an ember run directory or checkpoint, e.g. one made by `ember import`).
+//! Where a fine-tuning run starts: `init_from = "hf:DIR"` (a Hugging Face model folder),
+//! `init_from = "gguf:FILE"` (a GGUF model, whose projections a LoRA run keeps in their stored
+//! quantized types) or `init_from = "run:DIR"` (an ember run directory or checkpoint, e.g. one made
+//! by `ember import`).
 //!
 //! The config holds the source as a typed value ([`InitSource`]); [`InitSource::resolve`] opens it,
 //! once per run, and the [`ResolvedInit`] is passed along (architecture, tokenizer folder, Hugging
@@ -33,6 +35,24 @@ impl InitSource {
                 let (model, hf) = (ckpt.model_config.clone(), ckpt.hf_config());
                 (Opened::Run(Box::new(ckpt)), model, hf)
             }
+            Self::Gguf(path) => {
+                let file = ember_hf::gguf::GgufFile::open(path).map_err(|e| self.err(e.to_string()))?;
+                let (model, _, hf) = ember_hf::gguf::model::read_config(&file).map_err(|e| self.err(e.to_string()))?;
+                // The tokenizer the file's metadata describes, written out as `ember import` writes
+                // it, for the run to read (and copy into its checkpoints).
+                let (json, config) =
+                    ember_hf::gguf::tokenizer::from_gguf(&file).map_err(|e| self.err(e.to_string()))?;
+                let tokenizer =
+                    tempfile::Builder::new().prefix("ember-gguf-tokenizer").tempdir().map_err(TrainError::io(path))?;
+                let write = |name: &str, text: &str| {
+                    let to = tokenizer.path().join(name);
+                    std::fs::write(&to, text).map_err(TrainError::io(&to))
+                };
+                write("tokenizer.json", &json)?;
+                let config = serde_json::to_string_pretty(&config).map_err(|e| self.err(e.to_string()))?;
+                write("tokenizer_config.json", &config)?;
+                (Opened::Gguf { path: path.clone(), tokenizer }, model, Some(hf))
+            }
         };
         Ok(ResolvedInit { source: self.clone(), model_config, hf_config, opened })
     }
@@ -54,24 +74,47 @@ pub struct ResolvedInit {
 enum Opened {
     Hf(PathBuf),
     Run(Box<Checkpoint>),
+    /// The file, and its tokenizer written to a folder of its own (removed when the run ends).
+    Gguf {
+        path: PathBuf,
+        tokenizer: tempfile::TempDir,
+    },
 }
 
 impl ResolvedInit {
     /// The folder whose tokenizer.json (and chat template) the run uses.
     pub fn tokenizer_dir(&self) -> Result<PathBuf, TrainError> {
-        let dir = match &self.opened {
+        let dir: &std::path::Path = match &self.opened {
             Opened::Hf(dir) => dir,
             Opened::Run(ckpt) => &ckpt.dir,
+            Opened::Gguf { tokenizer, .. } => tokenizer.path(),
         };
         if !dir.join("tokenizer.json").is_file() {
             return Err(self.source.err(format!("{}: no tokenizer.json", dir.display())));
         }
-        Ok(dir.clone())
+        Ok(dir.to_path_buf())
     }
 
-    /// The starting weights, as f32 parameters.
-    pub fn load<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {
+    /// The starting weights, as f32 parameters; with `keep_quantized` (the frozen base of LoRA), a
+    /// GGUF file's projections stay in their stored block types.
+    pub fn load<B: ember_kernels::EmberBackend>(
+        &self,
+        keep_quantized: bool,
+        device: &Device<B>,
+    ) -> Result<Decoder<B>, TrainError> {
         match &self.opened {
+            Opened::Gguf { path, .. } => {
+                let err = |e: ember_hf::HfError| self.source.err(e.to_string());
+                let model = match keep_quantized {
+                    true => ember_hf::gguf::model::import_keeping::<B>(path, device).map_err(err)?.imported.model,
+                    false => ember_hf::gguf::model::import::<B>(path, DType::F32, device).map_err(err)?.imported.model,
+                };
+                let (kept, bytes) = model.quantized_projections();
+                if kept > 0 {
+                    tracing::info!("{kept} projections kept quantized ({:.1} MiB)", bytes as f64 / (1u64 << 20) as f64);
+                }
+                Ok(model)
+            }
             // `import` reads config.json again, beside the weights (crates/hf reads a folder whole).
             Opened::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
                 .map_err(|e| self.source.err(e.to_string()))?
@@ -136,6 +179,6 @@ impl Checkpoint {
                 &opened
             }
         };
-        self.with_adapters(base.load::<B>(device)?)
+        self.with_adapters(base.load::<B>(true, device)?)
     }
 }

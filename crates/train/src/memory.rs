@@ -4,6 +4,8 @@
 
 use serde::Serialize;
 
+use ember_model::lora::Target;
+
 use crate::config::TrainConfig;
 
 #[derive(Debug, Clone, Serialize)]
@@ -59,8 +61,19 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
         Some(_) => (4 * trainable, 4 * trainable),
         None => (0, 4 * n),
     };
+    // LoRA on a GGUF file keeps the blocks' projections in their stored types: counted at Q8_0's
+    // 8.5 bits a weight, the widest block type (f16 and f32 tensors are dequantized, so a file of
+    // them is overestimated by the difference).
+    let kept: u128 = match (&config.init_from, &config.lora) {
+        (Some(crate::config::InitSource::Gguf(_)), Some(_)) => {
+            let projections = Target::ALL.into_iter().filter(|t| *t != Target::GateProj || m.mlp.gated());
+            l * projections.map(|t| t.shape(m)).map(|(i, o)| (i * o) as u128).sum::<u128>()
+        }
+        _ => 0,
+    };
     let mut terms = vec![
-        ("weights (f32)".to_string(), sat(4 * n)),
+        ("weights (f32)".to_string(), sat(4 * (n - kept.min(n)))),
+        ("quantized projections (at most 8.5 bits a weight)".to_string(), sat(kept * 34 / 32)),
         ("LoRA adapters (f32)".to_string(), sat(adapters)),
         ("gradients".to_string(), sat(4 * trainable)),
         ("AdamW moments".to_string(), sat(8 * trainable)),
@@ -127,6 +140,18 @@ mod tests {
         assert_eq!(term("LoRA adapters"), Some(4 * trainable));
         assert_eq!(term("AdamW moments"), Some(8 * trainable));
         assert_eq!(term("checkpoint write"), Some(2 * 12 * trainable));
+        assert_eq!(term("quantized projections"), None);
+        // On a GGUF file the projections are counted at 8.5 bits, the rest (embeddings, norms) f32.
+        let gguf = Some(crate::config::InitSource::Gguf("m.gguf".into()));
+        let lora: ember_model::lora::LoraConfig = toml::from_str("rank = 8\nalpha = 16.0").unwrap();
+        let q = estimate(&TrainConfig { lora: Some(lora), init_from: gguf, ..c.clone() }, trainable);
+        let qterm = |name: &str| q.terms.iter().find(|(k, _)| k.starts_with(name)).map(|t| t.1);
+        let m = &c.model;
+        let per_layer =
+            2 * m.d_model * m.d_model + 2 * m.d_model * m.n_kv_heads() * m.head_dim() + 3 * m.d_model * m.d_ff;
+        let kept = (m.n_layers * per_layer) as u64;
+        assert_eq!(qterm("quantized projections"), Some(kept * 34 / 32));
+        assert_eq!(qterm("weights (f32)"), Some(term("weights (f32)").unwrap() - 4 * kept));
         c.model = ember_model::ModelConfig {
             vocab_size: 32_000,
             d_model: 4096,

@@ -40,6 +40,7 @@ use serde_json::{json, Value as Json};
 use super::{GgmlType, GgufError, GgufFile, Meta, TensorOut, Value};
 use crate::family::Architecture;
 use crate::HfError;
+use ember_kernels::QuantWeight;
 
 /// A GGUF model read as a Hugging Face one.
 pub struct GgufModel {
@@ -56,6 +57,9 @@ pub struct GgufModel {
     pub tokenizer_config: Json,
     /// (name, type) of every tensor as stored, for reports.
     pub stored: Vec<(String, &'static str)>,
+    /// Hugging Face name -> a projection weight kept in its quantized type ([`read_keeping`]; its
+    /// q/k rows restored), absent from `tensors`.
+    pub quantized: BTreeMap<String, QuantWeight>,
 }
 
 /// Whether llama.cpp permutes the q/k rows of this architecture's files (its `llama`, whose RoPE
@@ -113,8 +117,28 @@ pub fn read(path: &Path) -> Result<GgufModel, GgufError> {
     read_file(GgufFile::open(path)?)
 }
 
+/// [`read`], the blocks' projection weights (q, k, v, o, gate, up, down) stored in a block type
+/// kept in it ([`GgufModel::quantized`]) rather than dequantized: for LoRA on a quantized base.
+pub fn read_keeping(path: &Path) -> Result<GgufModel, GgufError> {
+    read_file_as(GgufFile::open(path)?, true)
+}
+
 /// [`read`] of a file already opened (or parsed from bytes).
 pub fn read_file(f: GgufFile) -> Result<GgufModel, GgufError> {
+    read_file_as(f, false)
+}
+
+/// The config a GGUF file describes, its architecture and a Hugging Face config.json for it,
+/// without reading its tensors.
+pub fn read_config(f: &GgufFile) -> Result<(ModelConfig, Architecture, Json), GgufError> {
+    let arch = read_arch(f)?;
+    let tokens = f.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(<[Value]>::len);
+    let config = model_config(&f.metadata, &f.path, arch, f.tensor("output.weight").is_none(), tokens)?;
+    let hf_config = hf_config(f, &config, arch);
+    Ok((config, arch, hf_config))
+}
+
+fn read_file_as(f: GgufFile, keep_quantized: bool) -> Result<GgufModel, GgufError> {
     let arch = read_arch(&f)?;
     if f.tensor("rope_freqs.weight").is_some() {
         return Err(f.meta_err("rope_freqs.weight", "Llama 3.1 RoPE frequency factors are not supported yet"));
@@ -122,9 +146,9 @@ pub fn read_file(f: GgufFile) -> Result<GgufModel, GgufError> {
     let tokens = f.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(<[Value]>::len);
     let config = model_config(&f.metadata, &f.path, arch, f.tensor("output.weight").is_none(), tokens)?;
     let hf_config = hf_config(&f, &config, arch);
-    let (tensors, stored) = read_tensors(&f, arch, &config)?;
+    let (tensors, stored, quantized) = read_tensors(&f, arch, &config, keep_quantized)?;
     let (tokenizer_json, tokenizer_config) = super::tokenizer::from_gguf(&f)?;
-    Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored })
+    Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored, quantized })
 }
 
 /// The architecture `general.architecture` names.
@@ -292,16 +316,36 @@ fn carried_to_json(value: &Value) -> Option<Json> {
     }
 }
 
-/// Hugging Face name -> f32 tensor, and (name, type) of every tensor as stored.
-type ReadTensors = (BTreeMap<String, TensorData>, Vec<(String, &'static str)>);
+/// Hugging Face name -> f32 tensor, (name, type) of every tensor as stored, and the weights kept
+/// quantized.
+type ReadTensors = (BTreeMap<String, TensorData>, Vec<(String, &'static str)>, BTreeMap<String, QuantWeight>);
+
+/// The Hugging Face names of the projections a quantized base keeps in their stored type.
+const KEPT_PROJECTIONS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// Whether tensor `hf` (stored `[out, in]`, Hugging Face's orientation) of type `kind` is a block
+/// projection weight that a quantized base keeps as stored.
+fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool) -> bool {
+    let projection = KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight")));
+    let single =
+        family.hf_to_ember(hf).is_some_and(|t| t.paths.len() == 1 && t.layout == crate::family::Layout::Transposed);
+    projection && single && !transposed && super::quant::block_decoder(kind).is_some()
+}
 
 /// Every tensor under its Hugging Face name, dequantized to f32, in Hugging Face's layout (q/k rows
-/// in its order, GPT-2's `Conv1D` weights `[in, out]`).
-fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig) -> Result<ReadTensors, GgufError> {
+/// in its order, GPT-2's `Conv1D` weights `[in, out]`); with `keep_quantized`, the projections
+/// [`keeps`] takes as stored (rows reordered as the f32 ones are).
+fn read_tensors(
+    f: &GgufFile,
+    arch: Architecture,
+    config: &ModelConfig,
+    keep_quantized: bool,
+) -> Result<ReadTensors, GgufError> {
     let family = arch.family();
     let heads = Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 };
     let mut tensors = BTreeMap::new();
     let mut stored = Vec::new();
+    let mut quantized = BTreeMap::new();
     for t in &f.tensors {
         let Some((hf, transposed)) = family.gguf_to_hf(&t.name) else {
             return Err(GgufError::Unsupported {
@@ -312,6 +356,27 @@ fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig) -> Resul
         };
         stored.push((t.name.clone(), t.kind.name()));
         let mut shape = t.shape();
+        if keep_quantized && shape.len() == 2 && keeps(family, &hf, t.kind, transposed) {
+            let decode = super::quant::block_decoder(t.kind).expect("keeps checked the type");
+            let weight =
+                QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.raw(t).to_vec(), decode)
+                    .map_err(|e| f.meta_err(&t.name, e.to_string()))?;
+            let weight = match heads.permuted(arch, &hf, &shape) {
+                Some(heads) if shape[0] % (2 * heads) != 0 => {
+                    let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
+                    return Err(f.meta_err(&t.name, message));
+                }
+                Some(heads) => {
+                    // Row i of the Hugging Face order is the row the f32 permutation moves there.
+                    let rows: Vec<f32> = (0..shape[0]).map(|i| i as f32).collect();
+                    weight
+                        .with_rows(&permute_rows(&rows, heads, 1, true).iter().map(|&r| r as usize).collect::<Vec<_>>())
+                }
+                None => weight,
+            };
+            quantized.insert(hf, weight);
+            continue;
+        }
         let mut values = f.dequantize(t);
         if let Some(heads) = heads.permuted(arch, &hf, &shape) {
             if shape[0] % (2 * heads) != 0 {
@@ -328,7 +393,7 @@ fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig) -> Resul
         ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
         tensors.insert(hf, data);
     }
-    Ok((tensors, stored))
+    Ok((tensors, stored, quantized))
 }
 
 /// A row-major `[rows, cols]` matrix transposed.
@@ -563,7 +628,24 @@ pub fn import<B: ember_kernels::EmberBackend>(
     param_dtype: burn::tensor::DType,
     device: &burn::tensor::Device<B>,
 ) -> Result<GgufImport<B>, crate::HfError> {
-    let m = read(path)?;
+    import_from(read(path)?, path, param_dtype, device)
+}
+
+/// [`import`] with the blocks' projection weights kept in their stored block types ([`read_keeping`])
+/// and frozen, every other parameter f32: the base of LoRA on a quantized model.
+pub fn import_keeping<B: ember_kernels::EmberBackend>(
+    path: &Path,
+    device: &burn::tensor::Device<B>,
+) -> Result<GgufImport<B>, crate::HfError> {
+    import_from(read_keeping(path)?, path, burn::tensor::DType::F32, device)
+}
+
+fn import_from<B: ember_kernels::EmberBackend>(
+    m: GgufModel,
+    path: &Path,
+    param_dtype: burn::tensor::DType,
+    device: &burn::tensor::Device<B>,
+) -> Result<GgufImport<B>, crate::HfError> {
     let tensors = m.tensors.into_iter().map(|(k, v)| (k, (v, path.to_path_buf()))).collect();
     let imported = crate::weights::load_tensors(
         m.config,
@@ -575,6 +657,7 @@ pub fn import<B: ember_kernels::EmberBackend>(
         param_dtype,
         false,
         false,
+        m.quantized,
         device,
     )?;
     Ok(GgufImport {

@@ -166,6 +166,25 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
+/// The block decoder of a block-quantized type, for weights kept in it
+/// ([`ember_kernels::QuantWeight`]); `None` for the unquantized types (F32, F16, BF16).
+pub fn block_decoder(ty: GgmlType) -> Option<ember_kernels::quant::DecodeBlocks> {
+    Some(match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => return None,
+        GgmlType::Q4_0 => |b, y| dequantize(GgmlType::Q4_0, b, y),
+        GgmlType::Q4_1 => |b, y| dequantize(GgmlType::Q4_1, b, y),
+        GgmlType::Q5_0 => |b, y| dequantize(GgmlType::Q5_0, b, y),
+        GgmlType::Q5_1 => |b, y| dequantize(GgmlType::Q5_1, b, y),
+        GgmlType::Q8_0 => |b, y| dequantize(GgmlType::Q8_0, b, y),
+        GgmlType::Iq4Nl => |b, y| dequantize(GgmlType::Iq4Nl, b, y),
+        GgmlType::Q2K => |b, y| dequantize(GgmlType::Q2K, b, y),
+        GgmlType::Q3K => |b, y| dequantize(GgmlType::Q3K, b, y),
+        GgmlType::Q4K => |b, y| dequantize(GgmlType::Q4K, b, y),
+        GgmlType::Q5K => |b, y| dequantize(GgmlType::Q5K, b, y),
+        GgmlType::Q6K => |b, y| dequantize(GgmlType::Q6K, b, y),
+    })
+}
+
 /// Dequantizes `data` (exactly [`GgmlType::bytes_for`] of `out.len()` values) into `out`.
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     let (per, size) = ty.block();

@@ -175,6 +175,8 @@ pub(super) fn toml_key(text: &str, span: Option<std::ops::Range<usize>>) -> Opti
 pub enum InitSource {
     Hf(PathBuf),
     Run(PathBuf),
+    /// A GGUF model file: under LoRA its projections stay in their stored (quantized) types.
+    Gguf(PathBuf),
 }
 
 impl TryFrom<String> for InitSource {
@@ -182,7 +184,10 @@ impl TryFrom<String> for InitSource {
     /// The TOML error names the key; this says what is wrong with the value.
     fn try_from(spec: String) -> Result<Self, String> {
         Self::parse(&spec).map_err(|_| {
-            format!("\"{spec}\" is neither `hf:DIR` (a Hugging Face folder) nor `run:DIR` (an ember run or checkpoint)")
+            format!(
+                "\"{spec}\" is neither `hf:DIR` (a Hugging Face folder), `run:DIR` (an ember run or checkpoint) \
+                 nor `gguf:FILE` (a GGUF model)"
+            )
         })
     }
 }
@@ -198,6 +203,7 @@ impl std::fmt::Display for InitSource {
         match self {
             Self::Hf(d) => write!(f, "hf:{}", d.display()),
             Self::Run(d) => write!(f, "run:{}", d.display()),
+            Self::Gguf(p) => write!(f, "gguf:{}", p.display()),
         }
     }
 }
@@ -210,6 +216,7 @@ impl InitSource {
         match self {
             Self::Hf(d) => Self::Hf(abs(d)),
             Self::Run(d) => Self::Run(abs(d)),
+            Self::Gguf(p) => Self::Gguf(abs(p)),
         }
     }
 
@@ -217,9 +224,13 @@ impl InitSource {
         match spec.split_once(':') {
             Some(("hf", dir)) if !dir.is_empty() => Ok(Self::Hf(dir.into())),
             Some(("run", dir)) if !dir.is_empty() => Ok(Self::Run(dir.into())),
+            Some(("gguf", file)) if !file.is_empty() => Ok(Self::Gguf(file.into())),
             _ => Err(TrainError::InitFrom {
                 spec: spec.into(),
-                message: "expected `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run or checkpoint)".into(),
+                message:
+                    "expected `hf:DIR` (a Hugging Face folder), `run:DIR` (an ember run or checkpoint) or `gguf:FILE` \
+                          (a GGUF model)"
+                        .into(),
             }),
         }
     }
@@ -296,7 +307,7 @@ mod tests {
         assert_eq!(
             problems(text),
             [
-                "line 1: init_from: expected a string (`hf:DIR` or `run:DIR`), found integer",
+                "line 1: init_from: expected a string (`hf:DIR`, `run:DIR` or `gguf:FILE`), found integer",
                 "line 2: unknown key \"max_steps\" — it belongs in [train]",
                 "line 3: [train] must be a table (a [section] of keys), found integer",
                 "[data] is missing: set `dataset` (a built-in name) or `path` (a text or JSONL file)",
@@ -470,5 +481,14 @@ mod tests {
         // Rules that do not need the model are checked when parsing.
         let e = ConfigFile::parse(&text.replace("batch_size = 12", "batch_size = 0"), Path::new("c.toml"));
         assert!(e.unwrap_err().to_string().contains("train.batch_size must be at least 1, found 0"));
+        // A GGUF file: the same, its path kept as written (made absolute by the run directory's copy).
+        let text = without_model("gguf:/nonexistent/m.gguf");
+        let file = ConfigFile::parse(&text, Path::new("c.toml")).unwrap();
+        assert_eq!(file.config.init_from, Some(InitSource::Gguf("/nonexistent/m.gguf".into())));
+        assert_eq!(InitSource::Gguf("m.gguf".into()).to_string(), "gguf:m.gguf");
+        let e = file.resolve().unwrap_err().to_string();
+        assert!(e.contains("gguf:/nonexistent/m.gguf") && e.contains("/nonexistent/m.gguf"), "{e}");
+        let e = ConfigFile::parse(&without_model("gguf:"), Path::new("c.toml")).unwrap_err().to_string();
+        assert!(e.contains("nor `gguf:FILE` (a GGUF model)"), "{e}");
     }
 }

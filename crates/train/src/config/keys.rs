@@ -213,7 +213,10 @@ pub fn check(table: &mut toml::Table, text: &str) -> Vec<ConfigProblem> {
                     Some(&name),
                     Problem::BadValue {
                         key: name.clone(),
-                        message: format!("expected a string (`hf:DIR` or `run:DIR`), found {}", other.type_str()),
+                        message: format!(
+                            "expected a string (`hf:DIR`, `run:DIR` or `gguf:FILE`), found {}",
+                            other.type_str()
+                        ),
                     },
                 )),
             }

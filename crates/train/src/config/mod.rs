@@ -32,7 +32,8 @@ pub use sections::{
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig<M = ModelConfig> {
-    /// Start from pretrained weights: `hf:DIR` (a Hugging Face folder) or `run:DIR` (an ember run
+    /// Start from pretrained weights: `hf:DIR` (a Hugging Face folder), `gguf:FILE` (a GGUF model,
+    /// kept quantized under LoRA) or `run:DIR` (an ember run
     /// or checkpoint). `[model]` may then be left out: it comes from the source.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<InitSource>,

@@ -67,7 +67,7 @@ pub(crate) fn initial_model<B: TrainBackend>(setup: &Setup, device: &Device<B>) 
             None => model,
         });
     };
-    let model = init.load::<B>(device)?;
+    let model = init.load::<B>(config.lora.is_some(), device)?;
     if model.config() != &config.model {
         return Err(init
             .source
