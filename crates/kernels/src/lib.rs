@@ -79,17 +79,14 @@ pub use rope::RopeOps;
 pub use swiglu::{Gate, GluOps};
 
 /// A pointer to one output buffer that parallel tasks share, each writing its own disjoint part
-/// (the few-rows products: whole outputs or column ranges; the bf16 GEMM: column panels).
-#[cfg(target_arch = "x86_64")]
+/// (the few-rows products: whole outputs or column ranges; the bf16 GEMM and the quantized
+/// products: column panels).
 #[derive(Clone, Copy)]
 pub(crate) struct SharedOut(pub(crate) *mut f32);
 // SAFETY: the tasks sharing one write disjoint parts of the buffer, which outlives them.
-#[cfg(target_arch = "x86_64")]
 unsafe impl Send for SharedOut {}
-#[cfg(target_arch = "x86_64")]
 unsafe impl Sync for SharedOut {}
 
-#[cfg(target_arch = "x86_64")]
 impl SharedOut {
     /// The output `offset` elements in.
     ///

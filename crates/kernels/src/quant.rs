@@ -360,6 +360,9 @@ mod kernel {
     pub(super) fn forward(x: &[f32], n: usize, w: &QuantWeight) -> Vec<f32> {
         let (k, m) = (w.d_in(), w.d_out());
         assert_eq!(x.len(), n * k, "quant_linear: x is [{n}, {k}]");
+        if n == 0 {
+            return Vec::new();
+        }
         let mut y = vec![0f32; n * m];
         let out = SharedOut(y.as_mut_ptr());
         let len = y.len();
@@ -384,6 +387,9 @@ mod kernel {
     pub(super) fn input_grad(dy: &[f32], n: usize, w: &QuantWeight) -> Vec<f32> {
         let (k, m) = (w.d_in(), w.d_out());
         assert_eq!(dy.len(), n * m, "quant_linear_backward: dy is [{n}, {m}]");
+        if n == 0 {
+            return Vec::new();
+        }
         let bv = w.block_values();
         let width = bv * per_task(k / bv, PANEL_COLS.div_ceil(bv));
         let mut dx = vec![0f32; n * k];

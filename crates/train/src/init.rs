@@ -38,6 +38,7 @@ impl InitSource {
             Self::Gguf(path) => {
                 let file = ember_hf::gguf::GgufFile::open(path).map_err(|e| self.err(e.to_string()))?;
                 let (model, _, hf) = ember_hf::gguf::model::read_config(&file).map_err(|e| self.err(e.to_string()))?;
+                let kept = ember_hf::gguf::model::kept_sizes(&file).map_err(|e| self.err(e.to_string()))?;
                 // The tokenizer the file's metadata describes, written out as `ember import` writes
                 // it, for the run to read (and copy into its checkpoints).
                 let (json, config) =
@@ -51,7 +52,7 @@ impl InitSource {
                 write("tokenizer.json", &json)?;
                 let config = serde_json::to_string_pretty(&config).map_err(|e| self.err(e.to_string()))?;
                 write("tokenizer_config.json", &config)?;
-                (Opened::Gguf { path: path.clone(), tokenizer }, model, Some(hf))
+                (Opened::Gguf { path: path.clone(), tokenizer, kept }, model, Some(hf))
             }
         };
         Ok(ResolvedInit { source: self.clone(), model_config, hf_config, opened })
@@ -75,13 +76,24 @@ enum Opened {
     Hf(PathBuf),
     Run(Box<Checkpoint>),
     /// The file, and its tokenizer written to a folder of its own (removed when the run ends).
+    /// With (weights, bytes) of the projections a LoRA run keeps quantized.
     Gguf {
         path: PathBuf,
         tokenizer: tempfile::TempDir,
+        kept: (u64, u64),
     },
 }
 
 impl ResolvedInit {
+    /// (weights, bytes) of the projections that [`Self::load`] with `keep_quantized` keeps in their
+    /// stored types: a GGUF file's block-quantized ones; none for any other source.
+    pub fn kept_quantized(&self) -> (u64, u64) {
+        match &self.opened {
+            Opened::Gguf { kept, .. } => *kept,
+            _ => (0, 0),
+        }
+    }
+
     /// The folder whose tokenizer.json (and chat template) the run uses.
     pub fn tokenizer_dir(&self) -> Result<PathBuf, TrainError> {
         let dir: &std::path::Path = match &self.opened {

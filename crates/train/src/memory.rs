@@ -4,8 +4,6 @@
 
 use serde::Serialize;
 
-use ember_model::lora::Target;
-
 use crate::config::TrainConfig;
 
 #[derive(Debug, Clone, Serialize)]
@@ -28,6 +26,12 @@ pub struct MemoryEstimate {
 /// of rows), and in low precision the weight packed twice in 2 bytes (the CPU's bf16 GEMMs);
 /// preference tuning holds the whole logits three times over (`[B·T, V]`).
 pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
+    estimate_keeping(config, trainable, (0, 0))
+}
+
+/// [`estimate`] of a LoRA run whose base keeps `kept = (weights, bytes)` of its projections in a
+/// quantized storage type (`init_from = "gguf:FILE"`: [`crate::ResolvedInit::kept_quantized`]).
+pub fn estimate_keeping(config: &TrainConfig, trainable: u64, kept: (u64, u64)) -> MemoryEstimate {
     // In u128 and saturated: every size is bounded by validation, but a product of bounds may still
     // pass 2^64, and a wrapped estimate would wave a config through.
     let m = &config.model;
@@ -61,19 +65,14 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
         Some(_) => (4 * trainable, 4 * trainable),
         None => (0, 4 * n),
     };
-    // LoRA on a GGUF file keeps the blocks' projections in their stored types: counted at Q8_0's
-    // 8.5 bits a weight, the widest block type (f16 and f32 tensors are dequantized, so a file of
-    // them is overestimated by the difference).
-    let kept: u128 = match (&config.init_from, &config.lora) {
-        (Some(crate::config::InitSource::Gguf(_)), Some(_)) => {
-            let projections = Target::ALL.into_iter().filter(|t| *t != Target::GateProj || m.mlp.gated());
-            l * projections.map(|t| t.shape(m)).map(|(i, o)| (i * o) as u128).sum::<u128>()
-        }
-        _ => 0,
+    // LoRA on a GGUF file keeps the blocks' quantized projections in their stored types.
+    let (kept, kept_bytes) = match config.lora {
+        Some(_) => (kept.0 as u128, kept.1 as u128),
+        None => (0, 0),
     };
     let mut terms = vec![
         ("weights (f32)".to_string(), sat(4 * (n - kept.min(n)))),
-        ("quantized projections (at most 8.5 bits a weight)".to_string(), sat(kept * 34 / 32)),
+        ("quantized projections (as stored)".to_string(), sat(kept_bytes)),
         ("LoRA adapters (f32)".to_string(), sat(adapters)),
         ("gradients".to_string(), sat(4 * trainable)),
         ("AdamW moments".to_string(), sat(8 * trainable)),
@@ -141,17 +140,16 @@ mod tests {
         assert_eq!(term("AdamW moments"), Some(8 * trainable));
         assert_eq!(term("checkpoint write"), Some(2 * 12 * trainable));
         assert_eq!(term("quantized projections"), None);
-        // On a GGUF file the projections are counted at 8.5 bits, the rest (embeddings, norms) f32.
-        let gguf = Some(crate::config::InitSource::Gguf("m.gguf".into()));
+        // A base keeping projections quantized: those as stored, the rest (embeddings, norms) f32.
         let lora: ember_model::lora::LoraConfig = toml::from_str("rank = 8\nalpha = 16.0").unwrap();
-        let q = estimate(&TrainConfig { lora: Some(lora), init_from: gguf, ..c.clone() }, trainable);
+        let kept = (100_000, 62_500);
+        let q = estimate_keeping(&TrainConfig { lora: Some(lora), ..c.clone() }, trainable, kept);
         let qterm = |name: &str| q.terms.iter().find(|(k, _)| k.starts_with(name)).map(|t| t.1);
-        let m = &c.model;
-        let per_layer =
-            2 * m.d_model * m.d_model + 2 * m.d_model * m.n_kv_heads() * m.head_dim() + 3 * m.d_model * m.d_ff;
-        let kept = (m.n_layers * per_layer) as u64;
-        assert_eq!(qterm("quantized projections"), Some(kept * 34 / 32));
-        assert_eq!(qterm("weights (f32)"), Some(term("weights (f32)").unwrap() - 4 * kept));
+        assert_eq!(qterm("quantized projections"), Some(kept.1));
+        assert_eq!(qterm("weights (f32)"), Some(term("weights (f32)").unwrap() - 4 * kept.0));
+        // Without [lora] the file is dequantized: nothing kept.
+        let full = estimate_keeping(&c, c.model.num_params(), kept);
+        assert_eq!(full.terms, estimate(&c, c.model.num_params()).terms);
         c.model = ember_model::ModelConfig {
             vocab_size: 32_000,
             d_model: 4096,

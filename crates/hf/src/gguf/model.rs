@@ -138,6 +138,17 @@ pub fn read_config(f: &GgufFile) -> Result<(ModelConfig, Architecture, Json), Gg
     Ok((config, arch, hf_config))
 }
 
+/// (weights, bytes) of the projections [`read_keeping`] keeps in their stored types, without
+/// reading them: what a LoRA run on the file holds of them.
+pub fn kept_sizes(f: &GgufFile) -> Result<(u64, u64), GgufError> {
+    let family = read_arch(f)?.family();
+    let kept = f.tensors.iter().filter(|t| {
+        let mapped = family.gguf_to_hf(&t.name);
+        t.shape().len() == 2 && mapped.is_some_and(|(hf, transposed)| keeps(family, &hf, t.kind, transposed))
+    });
+    Ok(kept.fold((0, 0), |(n, b), t| (n + t.num_values(), b + t.len as u64)))
+}
+
 fn read_file_as(f: GgufFile, keep_quantized: bool) -> Result<GgufModel, GgufError> {
     let arch = read_arch(&f)?;
     if f.tensor("rope_freqs.weight").is_some() {

@@ -346,7 +346,8 @@ fn open_run<B: TrainBackend>(
 ) -> Result<Opened<B>, TrainError> {
     let (config, run_dir, c) = (&setup.config, &opts.run_dir, opts.collective.as_ref());
     // Before any weight is allocated: a config too big for the device is an error, not an abort.
-    setup::check_fits(config, opts.memory_available)?;
+    let kept = setup.init.as_ref().map_or((0, 0), crate::ResolvedInit::kept_quantized);
+    setup::check_fits(config, kept, opts.memory_available)?;
     let (model, saved, state) = checkpointer.start::<B>(opts.resume, compute.dtype, device)?;
     // Before the optimizer, which computes as the model does.
     let model = model.with_compute(compute);

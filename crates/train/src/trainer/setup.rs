@@ -81,8 +81,8 @@ pub(crate) fn initial_model<B: TrainBackend>(setup: &Setup, device: &Device<B>) 
 }
 
 /// Fails before the model is built when the estimated memory of the run exceeds what the device has.
-pub(super) fn check_fits(config: &TrainConfig, available: Option<u64>) -> Result<(), TrainError> {
-    let e = crate::memory::estimate(config, trainable_params(config));
+pub(super) fn check_fits(config: &TrainConfig, kept: (u64, u64), available: Option<u64>) -> Result<(), TrainError> {
+    let e = crate::memory::estimate_keeping(config, trainable_params(config), kept);
     let terms = e.terms.iter().map(|(k, v)| format!("{k} {}", crate::memory::gib(*v))).collect::<Vec<_>>().join(", ");
     tracing::info!("estimated training memory {} ({terms})", crate::memory::gib(e.total));
     match available {
