@@ -296,22 +296,6 @@ impl<B: EmberBackend> Decoder<B> {
         model
     }
 
-    /// Keeps the projections named by path (`layers.{i}.self_attn.q_proj`, …) in a block-quantized
-    /// storage type, frozen ([`Linear::with_quantized`]): their f32 weights are dropped.
-    pub fn with_quantized(mut self, weights: Vec<(String, QuantWeight)>) -> Result<Self, String> {
-        for (path, weight) in weights {
-            let layer = match path.split('.').collect::<Vec<_>>().as_slice() {
-                ["layers", l, .., _] => l.parse::<usize>().ok(),
-                _ => None,
-            };
-            let Some(block) = layer.and_then(|l| self.layers.get_mut(l)) else {
-                return Err(format!("`{path}` is not a projection of this model"));
-            };
-            keep_quantized(block, &path, weight)?;
-        }
-        Ok(self)
-    }
-
     /// (projections kept quantized, their bytes).
     pub fn quantized_projections(&self) -> (usize, usize) {
         let kept = self.layers.iter().flat_map(|layer| Target::ALL.into_iter().filter_map(|t| layer.projection(t)));

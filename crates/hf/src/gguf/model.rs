@@ -150,13 +150,11 @@ pub fn kept_sizes(f: &GgufFile) -> Result<(u64, u64), GgufError> {
 }
 
 fn read_file_as(f: GgufFile, keep_quantized: bool) -> Result<GgufModel, GgufError> {
-    let arch = read_arch(&f)?;
+    read_arch(&f)?;
     if f.tensor("rope_freqs.weight").is_some() {
         return Err(f.meta_err("rope_freqs.weight", "Llama 3.1 RoPE frequency factors are not supported yet"));
     }
-    let tokens = f.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(<[Value]>::len);
-    let config = model_config(&f.metadata, &f.path, arch, f.tensor("output.weight").is_none(), tokens)?;
-    let hf_config = hf_config(&f, &config, arch);
+    let (config, arch, hf_config) = read_config(&f)?;
     let (tensors, stored, quantized) = read_tensors(&f, arch, &config, keep_quantized)?;
     let (tokenizer_json, tokenizer_config) = super::tokenizer::from_gguf(&f)?;
     Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored, quantized })
@@ -367,16 +365,17 @@ fn read_tensors(
         };
         stored.push((t.name.clone(), t.kind.name()));
         let mut shape = t.shape();
+        let permuted = heads.permuted(arch, &hf, &shape);
+        if let Some(heads) = permuted.filter(|h| shape[0] % (2 * h) != 0) {
+            let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
+            return Err(f.meta_err(&t.name, message));
+        }
         if keep_quantized && shape.len() == 2 && keeps(family, &hf, t.kind, transposed) {
             let decode = super::quant::block_decoder(t.kind).expect("keeps checked the type");
             let weight =
                 QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.raw(t).to_vec(), decode)
                     .map_err(|e| f.meta_err(&t.name, e.to_string()))?;
-            let weight = match heads.permuted(arch, &hf, &shape) {
-                Some(heads) if shape[0] % (2 * heads) != 0 => {
-                    let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
-                    return Err(f.meta_err(&t.name, message));
-                }
+            let weight = match permuted {
                 Some(heads) => {
                     // Row i of the Hugging Face order is the row the f32 permutation moves there.
                     let rows: Vec<f32> = (0..shape[0]).map(|i| i as f32).collect();
@@ -389,11 +388,7 @@ fn read_tensors(
             continue;
         }
         let mut values = f.dequantize(t);
-        if let Some(heads) = heads.permuted(arch, &hf, &shape) {
-            if shape[0] % (2 * heads) != 0 {
-                let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
-                return Err(f.meta_err(&t.name, message));
-            }
+        if let Some(heads) = permuted {
             values = permute_rows(&values, heads, shape[1], true);
         }
         if transposed && shape.len() == 2 {
