@@ -532,3 +532,60 @@ fn bench_target_not_reached_exits_2_and_bad_values_are_refused() {
     s.write("bad.toml", &target_config().replace("seed = 7", "seed = 7\ntarget_val_loss = -2.0"));
     assert_clean_error(&s.ember(&["train", "--config", "bad.toml"]), "train.target_val_loss");
 }
+
+/// The tiny config with a mixture of 4 experts (top 2) in place of each block's MLP.
+fn moe_config(extra_train: &str) -> String {
+    tiny_config(extra_train).replace(
+        "max_seq_len = 32\n",
+        "max_seq_len = 32\n\n[model.moe]\nn_experts = 4\ntop_k = 2\nd_expert = 16\nnorm_topk = true\naux_loss_coef = 0.05\nz_loss_coef = 0.001\n",
+    )
+}
+
+#[test]
+fn a_mixture_of_experts_trains_logs_its_routing_resumes_bitwise_and_exports() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("moe.toml", &moe_config(""));
+    let o = s.ember(&["train", "--config", "moe.toml", "--run-dir", "straight"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("4 experts of 16 (top 2)"), "{}", stderr(&o));
+    let records = read_metrics(&s.path().join("straight/metrics.jsonl")).unwrap();
+    assert_eq!(records.len(), 6);
+    for r in &records {
+        // Each layer's load: four fractions summing to one; the balancing loss near k = 2 when even.
+        let load = r.expert_load.as_ref().expect("the experts' load");
+        assert_eq!(load.len(), 2, "{load:?}");
+        assert!(load.iter().all(|row| row.len() == 4 && (row.iter().sum::<f64>() - 1.0).abs() < 1e-9), "{load:?}");
+        let worst = load.iter().map(|row| row.iter().copied().fold(0.0, f64::max) * 4.0).fold(0.0, f64::max);
+        assert!((r.named["expert_load_max_over_mean"] - worst).abs() < 1e-9, "{:?}", r.named);
+        assert!(r.named.contains_key("expert_load_max_over_mean/layer1"), "{:?}", r.named);
+        let (aux, z) = (r.named["aux_loss"], r.named["z_loss"]);
+        assert!((1.0..4.0).contains(&aux) && z > 0.0, "aux {aux}, z {z}");
+    }
+    // Stopped at 4 and resumed: the same numbers bit for bit (the routing and the stacked experts
+    // are checkpointed and restored whole).
+    let o = s.ember(&["train", "--config", "moe.toml", "--run-dir", "split", "--max-steps", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["train", "--config", "moe.toml", "--run-dir", "split", "--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let resumed = read_metrics(&s.path().join("split/metrics.jsonl")).unwrap();
+    for (x, y) in records.iter().zip(&resumed) {
+        assert_eq!(x.train_loss.to_bits(), y.train_loss.to_bits(), "step {}", x.step);
+        assert_eq!(x.named["aux_loss"].to_bits(), y.named["aux_loss"].to_bits(), "step {}", x.step);
+        assert_eq!(x.expert_load, y.expert_load, "step {}", x.step);
+    }
+    let o = s.ember(&["sample", "--checkpoint", "straight/best", "--prompt", "ROMEO:", "--max-new-tokens", "5"]);
+    assert!(o.status.success() && stdout(&o).starts_with("ROMEO:"), "{}", stderr(&o));
+    // Exported as the family its parts make: Mixtral (experts, no shared expert, no q/k/v bias).
+    let o = s.ember(&["export", "straight", "--format", "hf", "--out", "hf"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(s.path().join("hf/config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "MixtralForCausalLM", "{cfg}");
+    assert_eq!((cfg["num_local_experts"].as_u64(), cfg["num_experts_per_tok"].as_u64()), (Some(4), Some(2)));
+    assert_eq!(cfg["router_aux_loss_coef"].as_f64(), Some(0.05));
+    // GGUF export of experts is refused by name, nothing written.
+    let o = s.ember(&["export", "straight", "--format", "gguf", "--out", "m.gguf"]);
+    assert_clean_error(&o, "MixtralForCausalLM (experts)");
+    assert!(!s.path().join("m.gguf").exists());
+}

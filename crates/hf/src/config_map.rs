@@ -6,7 +6,7 @@
 //! inside; per layer type for Gemma 3) and the older top-level `rope_theta` with `rope_scaling`
 //! (and Gemma 3's `rope_local_base_freq`). Exports write transformers 5's.
 
-use ember_model::{MlpKind, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
+use ember_model::{MlpKind, ModelConfig, MoeConfig, NormKind, Positions, RopeLayout, RopeScaling};
 use serde_json::{json, Map, Value};
 
 use crate::error::HfError;
@@ -107,6 +107,7 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         norm: parts.norm,
         norm_bias: false,
         mlp,
+        moe: None,
         positions: parts.positions,
         qk_norm: parts.qk_norm,
         sandwich_norms: parts.sandwich_norms,
@@ -228,6 +229,10 @@ fn canonical(c: &ModelConfig) -> ModelConfig {
     c.rope_layout = RopeLayout::HalfSplit;
     c.dropout = 0.0;
     c.zero_init_out = false; // how training started, not the architecture
+    if let Some(moe) = c.moe.as_mut() {
+        c.d_ff = 0; // no block has an MLP
+        moe.z_loss_coef = 0.0; // how training goes, not the architecture
+    }
     let local = (0..c.n_layers).filter(|&l| c.is_local(l)).count();
     if local == 0 {
         c.sliding_window = None;
@@ -315,6 +320,116 @@ pub(crate) fn write_qwen3(c: &ModelConfig, obj: &mut Map<String, Value>) {
     obj.insert("use_sliding_window".into(), json!(false));
     obj.insert("sliding_window".into(), Value::Null);
     obj.insert("layer_types".into(), json!(vec!["full_attention"; c.n_layers]));
+}
+
+// ---- Mixtral, Qwen2-MoE, Qwen3-MoE: experts in every block ----
+
+/// The experts' keys: `experts` is the key of their count (`num_local_experts` for Mixtral,
+/// `num_experts` for Qwen's, either read), `width` of an expert's width, and `norm_topk` whether
+/// the family renormalises the top-k weights when its config does not say. Dense layers
+/// (`mlp_only_layers`, `decoder_sparse_step` above 1) are refused: every ember block of a
+/// mixture-of-experts model has experts.
+fn read_experts(r: &Reader, width: &'static str, norm_topk: bool) -> Result<MoeConfig, HfError> {
+    let n_experts = match r.opt_usize("num_experts").or_else(|| r.opt_usize("num_local_experts")) {
+        Some(n) => n,
+        None => r.usize("num_local_experts")?,
+    };
+    if r.opt_usize("decoder_sparse_step").is_some_and(|s| s > 1) {
+        return Err(r.bad(
+            "decoder_sparse_step > 1 (dense layers between the sparse ones): ember builds every \
+                          block of a mixture-of-experts model with experts"
+                .into(),
+        ));
+    }
+    if r.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|a| !a.is_empty()) {
+        return Err(r.bad(
+            "mlp_only_layers is not empty: ember builds every block of a mixture-of-experts \
+                          model with experts"
+                .into(),
+        ));
+    }
+    if r.f64("router_jitter_noise").is_some_and(|j| j != 0.0) {
+        return Err(r.bad("router_jitter_noise is not 0: ember's router adds no noise".into()));
+    }
+    Ok(MoeConfig {
+        n_experts,
+        top_k: r.usize("num_experts_per_tok")?,
+        d_expert: r.usize(width)?,
+        norm_topk: r.flag("norm_topk_prob").unwrap_or(norm_topk),
+        shared_expert: None,
+        shared_expert_gate: false,
+        aux_loss_coef: r.f64("router_aux_loss_coef").unwrap_or(0.001),
+        z_loss_coef: 0.0,
+    })
+}
+
+/// Writes the experts' keys, their count under each of `counts` (as transformers 5 writes the
+/// family: it reads either).
+fn write_experts(c: &ModelConfig, obj: &mut Map<String, Value>, counts: &[&str], width: &str) {
+    let Some(moe) = &c.moe else { return };
+    for count in counts {
+        obj.insert((*count).into(), json!(moe.n_experts));
+    }
+    obj.insert("num_experts_per_tok".into(), json!(moe.top_k));
+    obj.insert(width.into(), json!(moe.d_expert));
+    obj.insert("router_aux_loss_coef".into(), json!(moe.aux_loss_coef));
+    if width != "intermediate_size" {
+        obj.insert("norm_topk_prob".into(), json!(moe.norm_topk));
+        obj.insert("decoder_sparse_step".into(), json!(1));
+        obj.insert("mlp_only_layers".into(), json!([]));
+    }
+}
+
+pub(crate) fn read_mixtral(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_mistral(r, c)?;
+    if r.flag("norm_topk_prob") == Some(false) {
+        return Err(r.bad("norm_topk_prob = false: Mixtral renormalises its top-k weights".into()));
+    }
+    c.moe = Some(read_experts(r, "intermediate_size", true)?);
+    Ok(())
+}
+
+pub(crate) fn write_mixtral(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    write_mistral(c, obj);
+    // transformers' Mixtral writes `null` for d_model / n_heads.
+    obj.insert("head_dim".into(), json!(c.head_dim));
+    write_experts(c, obj, &["num_local_experts"], "intermediate_size");
+}
+
+pub(crate) fn read_qwen2_moe(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_qwen2(r, c)?;
+    c.qkv_bias = r.flag("qkv_bias").unwrap_or(true);
+    let mut moe = read_experts(r, "moe_intermediate_size", false)?;
+    // Qwen2-MoE always has the shared expert, behind its sigmoid gate.
+    moe.shared_expert = Some(r.usize("shared_expert_intermediate_size")?);
+    moe.shared_expert_gate = true;
+    c.moe = Some(moe);
+    Ok(())
+}
+
+pub(crate) fn write_qwen2_moe(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    write_qwen2(c, obj);
+    // transformers' Qwen2-MoE has no head_dim key (it reads one if present), and writes 0 for no window.
+    if c.head_dim.is_none() {
+        obj.remove("head_dim");
+    }
+    obj.insert("sliding_window".into(), json!(c.sliding_window.unwrap_or(0)));
+    obj.insert("qkv_bias".into(), json!(c.qkv_bias));
+    write_experts(c, obj, &["num_experts"], "moe_intermediate_size");
+    let shared = c.moe.as_ref().and_then(|m| m.shared_expert);
+    obj.insert("shared_expert_intermediate_size".into(), json!(shared));
+}
+
+pub(crate) fn read_qwen3_moe(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_qwen3(r, c)?;
+    c.moe = Some(read_experts(r, "moe_intermediate_size", false)?);
+    Ok(())
+}
+
+pub(crate) fn write_qwen3_moe(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    write_qwen3(c, obj);
+    obj.remove("layer_types"); // transformers' Qwen3-MoE has none
+    write_experts(c, obj, &["num_local_experts"], "moe_intermediate_size");
 }
 
 // ---- Gemma 3 ----

@@ -11,6 +11,9 @@
 //! | `qwen3`       | `Qwen3ForCausalLM`  | RMSNorm, q/k norms     | SwiGLU | RoPE      | [`LLAMA_TENSORS`]  |
 //! | `gemma3_text` | `Gemma3ForCausalLM` | RMSNorm (1 + w), q/k, sandwich | GeGLU | RoPE, two bases | [`GEMMA3_TENSORS`] |
 //! | `gpt2`        | `GPT2LMHeadModel`   | LayerNorm with bias    | GELU   | learned   | [`GPT2_TENSORS`]   |
+//! | `mixtral`     | `MixtralForCausalLM`| RMSNorm                | experts | RoPE     | [`MIXTRAL_EXPERTS`] |
+//! | `qwen2_moe`   | `Qwen2MoeForCausalLM` | RMSNorm              | experts, shared | RoPE | [`QWEN_EXPERTS`] |
+//! | `qwen3_moe`   | `Qwen3MoeForCausalLM` | RMSNorm, q/k norms   | experts | RoPE     | [`QWEN_EXPERTS`] |
 //!
 //! A tensor rule pairs a Hugging Face name with ember path(s) and with llama.cpp's GGUF name; `{i}`
 //! stands for the layer index. The [`Layout`] says how the values move between Hugging Face and
@@ -19,7 +22,9 @@
 //! `Conv1D` weights are already `[in, out]`), or a norm's gain (as it is, in the family's storage of
 //! gains). A GGUF tensor holds the Hugging Face one's values, transposed for GPT-2's `Conv1D`
 //! weights (llama.cpp keeps every matrix `[out, in]`), and each RMSNorm gain as the factor it
-//! multiplies by: Gemma's `1 + w` (see [`Family::holds_norm`] for how ember keeps those).
+//! multiplies by: Gemma's `1 + w` (see [`Family::holds_norm`] for how ember keeps those). Experts are
+//! one tensor per expert in the file (`{j}` their index) and one stacked `[E, in, out]` parameter in
+//! ember ([`Layout::Experts`]).
 
 use ember_model::{MlpKind, ModelConfig, NormKind, Positions};
 use serde_json::{Map, Value};
@@ -36,6 +41,9 @@ pub enum Architecture {
     Qwen3,
     Gemma3,
     Gpt2,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
 }
 
 /// How a family's config.json and tensors map onto ember's. One row of [`FAMILIES`].
@@ -59,8 +67,8 @@ pub struct Family {
     pub write: fn(&ModelConfig, &mut Map<String, Value>),
     /// Keys of a base config.json that `write` replaces, removed first so that none goes stale.
     pub replaced_keys: &'static [&'static str],
-    /// The tensor names.
-    pub tensors: &'static [Rule],
+    /// The tensor names, in groups (the attention's and the MLP's or the experts').
+    pub tensors: &'static [&'static [Rule]],
     /// Name endings of tensors some checkpoints carry that are not parameters.
     pub buffers: &'static [&'static str],
     /// A prefix the names may carry or lack (GPT-2's `transformer.`: Hub files have bare names,
@@ -134,6 +142,9 @@ pub enum Layout {
     /// An RMSNorm's gain: the same shape, the values as the family stores gains (Gemma's `g − 1`);
     /// exports convert a model that keeps them the other way ([`Family::holds_norm`]).
     Gain,
+    /// Experts' linear weights: expert `j`'s `[out, in]` file tensor is slice `j` of ember's
+    /// stacked `[E, in, out]` parameter, transposed.
+    Experts,
 }
 
 /// One tensor name: Hugging Face's, ember's (several for [`Layout::Fused`]) and llama.cpp's, `{i}`
@@ -170,6 +181,10 @@ const fn gain(hf: &'static str, ember: &'static [&'static str]) -> Rule {
     rule(hf, ember, Layout::Gain)
 }
 
+const fn experts(hf: &'static str, ember: &'static [&'static str]) -> Rule {
+    rule(hf, ember, Layout::Experts)
+}
+
 impl Rule {
     /// The same rule with its GGUF name.
     const fn gguf(self, name: &'static str) -> Rule {
@@ -183,7 +198,7 @@ impl Rule {
 }
 
 /// Llama, Qwen2 (q/k/v biases), Mistral and Qwen3 (q/k norms; all four biases with
-/// `attention_bias`): ember's own names, under `model.`.
+/// `attention_bias`): ember's own names, under `model.`. The MLP's are [`LLAMA_MLP`].
 #[rustfmt::skip]
 pub const LLAMA_TENSORS: &[Rule] = &[
     as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight"),
@@ -203,14 +218,42 @@ pub const LLAMA_TENSORS: &[Rule] = &[
         .gguf("blk.{i}.attn_k_norm.weight"),
     gain("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"])
         .gguf("blk.{i}.ffn_norm.weight"),
-    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]).gguf("blk.{i}.ffn_gate.weight"),
-    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf("blk.{i}.ffn_up.weight"),
-    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf("blk.{i}.ffn_down.weight"),
     gain("model.norm.weight", &["norm.weight"]).gguf("output_norm.weight"),
     linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight"),
 ];
 
-/// Gemma 3: four norms a block. Its `post_attention_layernorm` is the attention's output norm and
+/// The MLP of Llama's blocks (and Gemma 3's).
+#[rustfmt::skip]
+pub const LLAMA_MLP: &[Rule] = &[
+    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]).gguf("blk.{i}.ffn_gate.weight"),
+    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf("blk.{i}.ffn_up.weight"),
+    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf("blk.{i}.ffn_down.weight"),
+];
+
+/// Mixtral's experts (`block_sparse_moe`: `w1` the gate, `w3` the up, `w2` the down projection)
+/// and router.
+#[rustfmt::skip]
+pub const MIXTRAL_EXPERTS: &[Rule] = &[
+    linear("model.layers.{i}.block_sparse_moe.gate.weight", &["layers.{i}.moe.router.weight"]),
+    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", &["layers.{i}.moe.gate"]),
+    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", &["layers.{i}.moe.up"]),
+    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", &["layers.{i}.moe.down"]),
+];
+
+/// Qwen2-MoE's and Qwen3-MoE's experts and router, and Qwen2-MoE's gated shared expert.
+#[rustfmt::skip]
+pub const QWEN_EXPERTS: &[Rule] = &[
+    linear("model.layers.{i}.mlp.gate.weight", &["layers.{i}.moe.router.weight"]),
+    experts("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", &["layers.{i}.moe.gate"]),
+    experts("model.layers.{i}.mlp.experts.{j}.up_proj.weight", &["layers.{i}.moe.up"]),
+    experts("model.layers.{i}.mlp.experts.{j}.down_proj.weight", &["layers.{i}.moe.down"]),
+    linear("model.layers.{i}.mlp.shared_expert.gate_proj.weight", &["layers.{i}.moe.shared.gate_proj.weight"]),
+    linear("model.layers.{i}.mlp.shared_expert.up_proj.weight", &["layers.{i}.moe.shared.up_proj.weight"]),
+    linear("model.layers.{i}.mlp.shared_expert.down_proj.weight", &["layers.{i}.moe.shared.down_proj.weight"]),
+    linear("model.layers.{i}.mlp.shared_expert_gate.weight", &["layers.{i}.moe.shared_gate.weight"]),
+];
+
+/// Gemma 3: four norms a block (its MLP is [`LLAMA_MLP`]). Its `post_attention_layernorm` is the attention's output norm and
 /// `pre_feedforward_layernorm` the MLP's input norm (Llama's `post_attention_layernorm`).
 #[rustfmt::skip]
 pub const GEMMA3_TENSORS: &[Rule] = &[
@@ -234,9 +277,6 @@ pub const GEMMA3_TENSORS: &[Rule] = &[
         .gguf("blk.{i}.post_attention_norm.weight"),
     gain("model.layers.{i}.pre_feedforward_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"])
         .gguf("blk.{i}.ffn_norm.weight"),
-    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]).gguf("blk.{i}.ffn_gate.weight"),
-    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf("blk.{i}.ffn_up.weight"),
-    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf("blk.{i}.ffn_down.weight"),
     gain("model.layers.{i}.post_feedforward_layernorm.weight", &["layers.{i}.mlp_output_norm.weight"])
         .gguf("blk.{i}.post_ffw_norm.weight"),
     gain("model.norm.weight", &["norm.weight"]).gguf("output_norm.weight"),
@@ -328,14 +368,14 @@ const fn llama_like(
         read,
         write,
         replaced_keys: LLAMA_REPLACED,
-        tensors: LLAMA_TENSORS,
+        tensors: &[LLAMA_TENSORS, LLAMA_MLP],
         buffers: &["rotary_emb.inv_freq"],
         optional_prefix: None,
     }
 }
 
 /// Every family, in the order [`Architecture::for_model`] prefers them.
-pub const FAMILIES: [Family; 6] = [
+pub const FAMILIES: [Family; 9] = [
     llama_like(
         Architecture::Llama,
         "llama",
@@ -379,7 +419,7 @@ pub const FAMILIES: [Family; 6] = [
             "attention_bias",
             "layer_types",
         ],
-        tensors: LLAMA_TENSORS,
+        tensors: &[LLAMA_TENSORS, LLAMA_MLP],
         buffers: &["rotary_emb.inv_freq"],
         optional_prefix: None,
     },
@@ -413,7 +453,7 @@ pub const FAMILIES: [Family; 6] = [
             "attn_logit_softcapping",
             "final_logit_softcapping",
         ],
-        tensors: GEMMA3_TENSORS,
+        tensors: &[GEMMA3_TENSORS, LLAMA_MLP],
         buffers: &["rotary_emb.inv_freq", "rotary_emb_local.inv_freq"],
         optional_prefix: None,
     },
@@ -446,11 +486,87 @@ pub const FAMILIES: [Family; 6] = [
         read: config_map::read_gpt2,
         write: config_map::write_gpt2,
         replaced_keys: &["scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"],
-        tensors: GPT2_TENSORS,
+        tensors: &[GPT2_TENSORS],
         // The causal mask GPT-2 checkpoints saved as a buffer (`attn.bias`, `[1, 1, T, T]`).
         buffers: &[".attn.bias", ".attn.masked_bias"],
         optional_prefix: Some("transformer."),
     },
+    Family {
+        tensors: &[LLAMA_TENSORS, MIXTRAL_EXPERTS],
+        replaced_keys: MOE_REPLACED,
+        ..llama_like(
+            Architecture::Mixtral,
+            "",
+            "MixtralForCausalLM",
+            "mixtral",
+            config_map::read_mixtral,
+            config_map::write_mixtral,
+        )
+    },
+    Family {
+        tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
+        replaced_keys: MOE_REPLACED,
+        ..llama_like(
+            Architecture::Qwen2Moe,
+            "",
+            "Qwen2MoeForCausalLM",
+            "qwen2_moe",
+            config_map::read_qwen2_moe,
+            config_map::write_qwen2_moe,
+        )
+    },
+    Family {
+        tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
+        parts: Parts { qk_norm: true, ..LLAMA_PARTS },
+        replaced_keys: QWEN3_MOE_REPLACED,
+        ..llama_like(
+            Architecture::Qwen3Moe,
+            "",
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            config_map::read_qwen3_moe,
+            config_map::write_qwen3_moe,
+        )
+    },
+];
+
+/// What a mixture-of-experts family's writer replaces: Llama's keys and the experts'.
+const MOE_REPLACED: &[&str] = &[
+    "rope_scaling",
+    "rope_theta",
+    "rope_parameters",
+    "sliding_window",
+    "use_sliding_window",
+    "attention_bias",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "shared_expert_intermediate_size",
+    "router_aux_loss_coef",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+];
+
+/// [`MOE_REPLACED`] and Qwen3's `layer_types`.
+const QWEN3_MOE_REPLACED: &[&str] = &[
+    "rope_scaling",
+    "rope_theta",
+    "rope_parameters",
+    "sliding_window",
+    "use_sliding_window",
+    "attention_bias",
+    "layer_types",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "shared_expert_intermediate_size",
+    "router_aux_loss_coef",
+    "decoder_sparse_step",
+    "mlp_only_layers",
 ];
 
 impl Architecture {
@@ -470,7 +586,7 @@ impl Architecture {
     /// The architecture a GGUF file's `general.architecture` names, if ember maps it (`llama` is
     /// Llama's, not Mistral's).
     pub fn from_gguf(name: &str) -> Option<Self> {
-        FAMILIES.iter().find(|f| f.gguf_arch == name).map(|f| f.architecture)
+        FAMILIES.iter().find(|f| !f.gguf_arch.is_empty() && f.gguf_arch == name).map(|f| f.architecture)
     }
 
     /// The architecture of a `architectures[0]` class name, if ember supports it.
@@ -483,6 +599,13 @@ impl Architecture {
     /// when it has q/k/v bias, Mistral with a sliding window, Llama otherwise. A model no family
     /// is built from gets Llama's rule, and [`crate::config_map::expressible`] says why it fails.
     pub fn for_model(c: &ModelConfig) -> Self {
+        if let Some(moe) = &c.moe {
+            return match (c.qk_norm, moe.shared_expert.is_some() || c.qkv_bias) {
+                (true, _) => Self::Qwen3Moe,
+                (false, true) => Self::Qwen2Moe,
+                (false, false) => Self::Mixtral,
+            };
+        }
         let llama = || {
             if c.qkv_bias {
                 Self::Qwen2
@@ -501,14 +624,32 @@ impl Architecture {
 }
 
 /// The layer index `key` has where `pattern` says `{i}`: `Some(None)` for a pattern without one.
+/// A pattern with an expert index `{j}` as well matches that index too ([`match_expert`]).
 fn match_pattern(pattern: &str, key: &str) -> Option<Option<usize>> {
+    if pattern.contains("{j}") {
+        return match_expert(pattern, key).map(|(i, _)| Some(i));
+    }
     let Some((before, after)) = pattern.split_once("{i}") else {
         return (pattern == key).then_some(None);
     };
     let digits = key.strip_prefix(before)?.strip_suffix(after)?;
+    Some(Some(index(digits)?))
+}
+
+/// A decimal index as written in a name: `01` and `+1` are not 1.
+fn index(digits: &str) -> Option<usize> {
     let i: usize = digits.parse().ok()?;
-    // `01` and `+1` are not layer 1.
-    (i.to_string() == digits).then_some(Some(i))
+    (i.to_string() == digits).then_some(i)
+}
+
+/// The layer and expert indices of `key` where `pattern` says `{i}`, then `{j}`.
+pub(crate) fn match_expert(pattern: &str, key: &str) -> Option<(usize, usize)> {
+    let (before, rest) = pattern.split_once("{i}")?;
+    let (middle, after) = rest.split_once("{j}")?;
+    let rest = key.strip_prefix(before)?.strip_suffix(after)?;
+    let end = rest.find(|c: char| !c.is_ascii_digit())?;
+    let (layer, tail) = rest.split_at(end);
+    Some((index(layer)?, index(tail.strip_prefix(middle)?)?))
 }
 
 fn fill(pattern: &str, layer: Option<usize>) -> String {
@@ -518,11 +659,17 @@ fn fill(pattern: &str, layer: Option<usize>) -> String {
     }
 }
 
-/// A file tensor's place in ember: its path(s) and layout.
+/// `name` (a pattern filled with its layer) with expert `j`'s index.
+pub(crate) fn fill_expert(name: &str, j: usize) -> String {
+    name.replace("{j}", &j.to_string())
+}
+
+/// A file tensor's place in ember: its path(s) and layout, and an expert's index in its stack.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToEmber {
     pub paths: Vec<String>,
     pub layout: Layout,
+    pub expert: Option<usize>,
 }
 
 /// An ember parameter's place in the file: the tensor's name and layout, and, for a fused tensor,
@@ -539,9 +686,11 @@ impl Family {
     /// Where a file tensor goes; `None` for a name the family does not have.
     pub fn hf_to_ember(&self, key: &str) -> Option<ToEmber> {
         let find = |key: &str| {
-            self.tensors.iter().find_map(|r| {
+            self.rules().find_map(|r| {
                 let layer = match_pattern(r.hf, key)?;
-                Some(ToEmber { paths: r.ember.iter().map(|e| fill(e, layer)).collect(), layout: r.layout })
+                let expert = match_expert(r.hf, key).map(|(_, j)| j);
+                let paths = r.ember.iter().map(|e| fill(e, layer)).collect();
+                Some(ToEmber { paths, layout: r.layout, expert })
             })
         };
         find(key).or_else(|| {
@@ -550,9 +699,15 @@ impl Family {
         })
     }
 
+    /// Every tensor rule of the family.
+    pub fn rules(&self) -> impl Iterator<Item = &'static Rule> {
+        self.tensors.iter().flat_map(|group| group.iter())
+    }
+
     /// Where an ember parameter goes; `None` for one the family has no name for (a LoRA adapter).
+    /// A stack of experts' name keeps `{j}` for the expert index ([`fill_expert`]).
     pub fn ember_to_hf(&self, path: &str) -> Option<ToHf> {
-        self.tensors.iter().find_map(|r| {
+        self.rules().find_map(|r| {
             r.ember.iter().enumerate().find_map(|(part, e)| {
                 let layer = match_pattern(e, path)?;
                 Some(ToHf {
@@ -568,7 +723,7 @@ impl Family {
     /// The Hugging Face name of GGUF tensor `name`, and whether its values are the Hugging Face
     /// ones transposed; `None` for a name the family has no rule for.
     pub fn gguf_to_hf(&self, name: &str) -> Option<(String, bool)> {
-        self.tensors.iter().filter(|r| !r.gguf.is_empty()).find_map(|r| {
+        self.rules().filter(|r| !r.gguf.is_empty()).find_map(|r| {
             let layer = match_pattern(r.gguf, name)?;
             Some((fill(r.hf, layer), r.gguf_transposed))
         })
@@ -578,7 +733,7 @@ impl Family {
     /// whether it is stored transposed; `None` where llama.cpp's architecture has no such tensor.
     pub fn hf_to_gguf(&self, name: &str) -> Option<(String, bool)> {
         let find = |key: &str| {
-            self.tensors.iter().filter(|r| !r.gguf.is_empty()).find_map(|r| {
+            self.rules().filter(|r| !r.gguf.is_empty()).find_map(|r| {
                 let layer = match_pattern(r.hf, key)?;
                 Some((fill(r.gguf, layer), r.gguf_transposed))
             })
@@ -604,13 +759,14 @@ mod tests {
         for f in &FAMILIES {
             assert_eq!(f.architecture.family().class_name, f.class_name);
             assert_eq!(Architecture::from_class(f.class_name), Some(f.architecture));
-            for r in f.tensors {
+            for r in f.rules() {
                 for (part, e) in r.ember.iter().enumerate() {
-                    let (hf, path) = (fill(r.hf, Some(7)), fill(e, Some(7)));
+                    let (hf, path) = (fill_expert(&fill(r.hf, Some(7)), 3), fill(e, Some(7)));
                     let to = f.hf_to_ember(&hf).unwrap();
                     assert_eq!((to.paths[part].as_str(), to.layout), (path.as_str(), r.layout), "{hf}");
                     let back = f.ember_to_hf(&path).unwrap();
-                    assert_eq!((back.name.as_str(), back.part), (hf.as_str(), part), "{path}");
+                    assert_eq!((fill_expert(&back.name, 3), back.part), (hf.clone(), part), "{path}");
+                    assert_eq!(to.expert, (r.layout == Layout::Experts).then_some(3), "{hf}");
                 }
             }
         }
@@ -623,6 +779,13 @@ mod tests {
         assert_eq!(match_pattern("a.{i}.b", "a.+1.b"), None);
         assert_eq!(match_pattern("a.{i}.b", "a..b"), None);
         assert_eq!(match_pattern("a.b", "a.b"), Some(None));
+        assert_eq!(match_expert("a.{i}.e.{j}.w", "a.12.e.3.w"), Some((12, 3)));
+        assert_eq!(match_expert("a.{i}.e.{j}.w", "a.12.e.03.w"), None);
+        assert_eq!(match_expert("a.{i}.e.{j}.w", "a.1.2.e.3.w"), None);
+        assert_eq!(match_pattern("a.{i}.e.{j}.w", "a.12.e.3.w"), Some(Some(12)));
+        let mixtral = Architecture::Mixtral.family();
+        let to = mixtral.hf_to_ember("model.layers.1.block_sparse_moe.experts.5.w3.weight").unwrap();
+        assert_eq!((to.paths, to.layout, to.expert), (vec!["layers.1.moe.up".to_string()], Layout::Experts, Some(5)));
         let llama = Architecture::Llama.family();
         assert_eq!(llama.hf_to_ember("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
         assert!(llama.is_buffer("model.layers.0.self_attn.rotary_emb.inv_freq"));
@@ -636,7 +799,8 @@ mod tests {
             ["q", "k", "v"].iter().map(|p| format!("layers.{l}.self_attn.{p}_proj.weight")).collect()
         };
         for key in ["h.3.attn.c_attn.weight", "transformer.h.3.attn.c_attn.weight"] {
-            assert_eq!(gpt2.hf_to_ember(key), Some(ToEmber { paths: qkv(3), layout: Layout::Fused }), "{key}");
+            let want = ToEmber { paths: qkv(3), layout: Layout::Fused, expert: None };
+            assert_eq!(gpt2.hf_to_ember(key), Some(want), "{key}");
         }
         assert_eq!(gpt2.hf_to_ember("wpe.weight").unwrap().paths, ["embed_positions"]);
         assert_eq!(gpt2.hf_to_ember("lm_head.weight").unwrap().layout, Layout::Transposed);

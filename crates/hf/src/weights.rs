@@ -78,12 +78,34 @@ fn concat_last(parts: &[TensorData]) -> TensorData {
     TensorData::from_bytes_vec(out, s, parts[0].dtype)
 }
 
+/// Slice `j` of a stack `[E, a, b]`, transposed: expert `j`'s `[b, a]` file tensor.
+fn unstack_transposed(data: &TensorData, j: usize) -> TensorData {
+    let (a, b) = (data.shape[1], data.shape[2]);
+    let size = data.dtype.size() * a * b;
+    let bytes = data.as_bytes()[j * size..(j + 1) * size].to_vec();
+    transpose(TensorData::from_bytes_vec(bytes, [a, b], data.dtype))
+}
+
+/// Experts' `[b, a]` file tensors (each present, one shape and dtype), transposed and stacked into
+/// `[E, a, b]`.
+fn stack_transposed(parts: Vec<TensorData>) -> TensorData {
+    let (dtype, e) = (parts[0].dtype, parts.len());
+    let (b, a) = (parts[0].shape[0], parts[0].shape[1]);
+    let mut out = Vec::with_capacity(e * a * b * dtype.size());
+    for p in parts {
+        out.extend_from_slice(transpose(p).as_bytes());
+    }
+    TensorData::from_bytes_vec(out, [e, a, b], dtype)
+}
+
 /// The shape a file tensor of `layout` holding ember tensors of `shapes` has; `None` when they
 /// cannot sit side by side.
 fn hf_shape(shapes: &[&Vec<usize>], layout: Layout) -> Option<Vec<usize>> {
     match layout {
         Layout::AsIs | Layout::Gain => Some(shapes[0].clone()),
         Layout::Transposed => Some(shapes[0].iter().rev().copied().collect()),
+        // One expert's: a slice of the stack, transposed.
+        Layout::Experts => Some(shapes[0].iter().skip(1).rev().copied().collect()),
         Layout::Fused => {
             let (_, lead) = shapes[0].split_last()?;
             let mut width = 0;
@@ -259,6 +281,8 @@ pub(crate) fn load_tensors<B: EmberBackend>(
     });
 
     let mut values = BTreeMap::new();
+    // Experts' tensors by stack, each in its slot until the stack is whole.
+    let mut stacks: BTreeMap<String, Vec<Option<TensorData>>> = BTreeMap::new();
     let mut unused = Vec::new();
     for (key, (data, file)) in tensors {
         let to = family.hf_to_ember(&key).filter(|t| t.paths.iter().all(|p| expected.contains_key(p)));
@@ -280,6 +304,24 @@ pub(crate) fn load_tensors<B: EmberBackend>(
                 let widths: Vec<usize> = shapes.iter().map(|s| s.last().copied().unwrap_or(0)).collect();
                 values.extend(to.paths.into_iter().zip(split_last(&data, &widths)));
             }
+            Layout::Experts => {
+                let n = shapes[0].first().copied().unwrap_or(0);
+                match to.expert.filter(|&j| j < n) {
+                    Some(j) => stacks.entry(to.paths[0].clone()).or_insert_with(|| vec![None; n])[j] = Some(data),
+                    None => unused.push(key), // an expert past the config's count
+                }
+            }
+        }
+    }
+    for (path, slots) in stacks {
+        let dtypes: HashSet<DType> = slots.iter().flatten().map(|d| d.dtype).collect();
+        if dtypes.len() > 1 {
+            let message = format!("the experts of `{path}` are stored in different dtypes");
+            return Err(HfError::Config { source_name: dir.display().to_string(), message });
+        }
+        // A stack missing an expert is left out: reported with the missing tensors below.
+        if let Some(parts) = slots.into_iter().collect::<Option<Vec<_>>>() {
+            values.insert(path, stack_transposed(parts));
         }
     }
     let mut missing: Vec<String> = expected.keys().filter(|k| !values.contains_key(*k)).cloned().collect();
@@ -452,6 +494,13 @@ pub(crate) fn named_hf_tensors<B: EmberBackend>(
         let data = match to.layout {
             Layout::AsIs | Layout::Gain => take(i),
             Layout::Transposed => transpose(take(i)),
+            Layout::Experts => {
+                let stack = take(i);
+                for j in 0..stack.shape.first().copied().unwrap_or(0) {
+                    tensors.push((crate::family::fill_expert(&to.name, j), unstack_transposed(&stack, j)));
+                }
+                continue;
+            }
             Layout::Fused => {
                 let parts: Vec<TensorData> = parts.into_iter().map(take).collect();
                 if parts.iter().any(|p| p.dtype != parts[0].dtype || p.shape.is_empty()) {

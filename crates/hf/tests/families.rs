@@ -1,28 +1,39 @@
-//! Issue 35's families: tiny random GPT-2, Qwen3 and Gemma 3 models saved by transformers 5.25
-//! (tests/fixtures/hf, made by tests/fixtures/make_hf_fixtures.py). ember's logits match
-//! transformers' on every case, greedy decoding picks the same 20 tokens, exports are the same
-//! files again (names, bytes, config.json), and configs ember cannot run are refused by name.
+//! Issue 35's families (tiny random GPT-2, Qwen3 and Gemma 3 models) and issue 36's experts
+//! (Mixtral, Qwen2-MoE, Qwen3-MoE), saved by transformers 5.25 (tests/fixtures/hf, made by
+//! tests/fixtures/make_hf_fixtures.py). ember's logits match transformers' on every case, greedy
+//! decoding (through the KV cache) picks the same 20 tokens, exports are the same files again
+//! (names, bytes, config.json), a training step's loss with the load-balancing loss and every
+//! gradient match transformers', and configs ember cannot run are refused by name.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::backend::Flex;
+use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use ember_hf::{export, expressible, import, to_model_config, Architecture};
+use ember_hf::{export, expressible, hf_tensors, import, to_model_config, Architecture};
+use ember_model::moe::load_balancing_loss;
 use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
-use ember_model::weights::named_tensors;
+use ember_model::weights::{assign, named_tensors, visit_paths, PathVisitor};
 use ember_model::{Decoder, MlpKind, ModelConfig, NormKind, Positions, RopeLayout};
 use serde_json::{json, Value};
 
 type B = Flex;
+type AB = Autodiff<Flex>;
 
-const FAMILIES: [(&str, Architecture); 4] = [
+const FAMILIES: [(&str, Architecture); 7] = [
     ("gpt2", Architecture::Gpt2),
     ("qwen3", Architecture::Qwen3),
     ("gemma3_text", Architecture::Gemma3),
     // The Gemma 3 of llama.cpp's shape that the GGUF tests export (tests/gguf.rs).
     ("gemma3_gguf", Architecture::Gemma3),
+    ("mixtral", Architecture::Mixtral),
+    ("qwen2_moe", Architecture::Qwen2Moe),
+    ("qwen3_moe", Architecture::Qwen3Moe),
 ];
+
+/// The families with experts, whose fixtures have a training case.
+const EXPERTS: [&str; 3] = ["mixtral", "qwen2_moe", "qwen3_moe"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)
@@ -386,4 +397,79 @@ fn interleaved_qk_norm_models_export_in_the_half_split_layout() {
     let prompt: Vec<u32> = (0..20).map(|i| (i * 7) % 50).collect();
     let diff = max_diff(&logits(&model, &prompt), &logits(&back.model, &prompt));
     assert!(diff < 1e-4, "{diff}");
+}
+
+/// The gradients of `model`'s parameters (after `backward`) as a model of the inner backend, so that
+/// the export's renaming and layouts apply to them.
+fn gradient_model(
+    model: &Decoder<AB>,
+    grads: &<AB as burn::tensor::backend::AutodiffBackend>::Gradients,
+) -> Decoder<B> {
+    struct Grads<'a> {
+        grads: &'a <AB as burn::tensor::backend::AutodiffBackend>::Gradients,
+        out: BTreeMap<String, TensorData>,
+    }
+    impl PathVisitor<AB> for Grads<'_> {
+        fn visit<const D: usize>(&mut self, path: &str, param: &burn::module::Param<Tensor<AB, D>>) {
+            let grad = param.val().grad(self.grads).expect("every parameter takes part");
+            self.out.insert(path.to_string(), grad.into_data());
+        }
+    }
+    let mut g = Grads { grads, out: BTreeMap::new() };
+    visit_paths(model, &mut g);
+    assign(model.valid(), g.out, "gradients", false).unwrap()
+}
+
+#[test]
+fn a_training_step_with_the_balancing_loss_matches_transformers_with_every_gradient() {
+    for name in EXPERTS {
+        let want = read_json(&fixture(name).join("expected.json"))["train"].clone();
+        let imported = import::<AB>(&fixture(name), DType::F32, false, false, &Default::default()).unwrap();
+        let (model, arch) = (imported.model, imported.architecture);
+        let rows: Vec<Vec<u32>> = want["rows"].as_array().unwrap().iter().map(ids).collect();
+        let (b, t) = (rows.len(), rows[0].len());
+        let inputs: Vec<i32> = rows.iter().flatten().map(|&x| x as i32).collect();
+        // transformers' labels are the inputs, shifted inside: the last position of a row scores nothing.
+        let targets: Vec<i32> =
+            rows.iter().flat_map(|r| r[1..].iter().map(|&x| x as i32).chain([ember_kernels::IGNORE])).collect();
+        let dev = Default::default();
+        let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(inputs, [b, t]), &dev);
+        let targets = Tensor::<AB, 1, Int>::from_data(TensorData::new(targets, [b * t]), &dev);
+        let (hidden, routes) = model.hidden_routed(tokens, 0, None);
+        let lm = model.loss(hidden.reshape([b * t, model.config().d_model]), targets);
+        let aux = load_balancing_loss(&routes).unwrap();
+        let coef = model.config().moe.as_ref().unwrap().aux_loss_coef;
+        assert_eq!(coef, want["aux_coef"].as_f64().unwrap(), "{name}: router_aux_loss_coef read");
+        let loss = lm.clone() + aux.clone().mul_scalar(coef);
+        let value = |t: &Tensor<AB, 1>| t.clone().into_scalar() as f64;
+        for (what, got, key) in
+            [("loss", value(&loss), "loss"), ("lm", value(&lm), "lm_loss"), ("aux", value(&aux), "aux_loss")]
+        {
+            let diff = (got - want[key].as_f64().unwrap()).abs();
+            eprintln!("{name}: {what} {got:.7} (|ember - transformers| = {diff:.2e})");
+            assert!(diff < 1e-5, "{name}: {what} {got} vs {}", want[key]);
+        }
+        let grads = loss.backward();
+        let ours: BTreeMap<String, TensorData> =
+            hf_tensors(&gradient_model(&model, &grads), arch).unwrap().into_iter().collect();
+        let bytes = std::fs::read(fixture(name).join("grads.safetensors")).unwrap();
+        let theirs = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<String> = theirs.names().into_iter().map(String::from).collect();
+        names.sort();
+        assert_eq!(names, ours.keys().cloned().collect::<Vec<_>>(), "{name}: every parameter has a gradient");
+        let mut worst = (0f32, String::new());
+        for key in names {
+            let view = theirs.tensor(&key).unwrap();
+            let reference: Vec<f32> =
+                view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let got = ours[&key].to_vec::<f32>().unwrap();
+            let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+            let rel = max_diff(&got, &reference) / scale;
+            if rel > worst.0 {
+                worst = (rel, key.clone());
+            }
+            assert!(rel < 1e-4, "{name}: gradient of {key}: {rel:.2e} relative");
+        }
+        eprintln!("{name}: every gradient within {:.2e} relative (worst {})", worst.0, worst.1);
+    }
 }

@@ -16,6 +16,7 @@ use crate::init::Init;
 use crate::linear::Linear;
 use crate::lora::Target;
 use crate::mlp::{Mlp, MlpConfig};
+use crate::moe::{Moe, MoePartConfig, Route};
 use crate::norm::{Norm, NormConfig};
 
 /// What a [`Block`] is built from.
@@ -23,6 +24,8 @@ use crate::norm::{Norm, NormConfig};
 pub(crate) struct BlockConfig {
     pub attention: AttentionConfig,
     pub mlp: MlpConfig,
+    /// Experts in place of the MLP.
+    pub moe: Option<MoePartConfig>,
     /// Every norm of the block.
     pub norm: NormConfig,
     pub sandwich_norms: bool,
@@ -33,7 +36,10 @@ pub(crate) struct BlockConfig {
 impl BlockConfig {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         self.attention.validate()?;
-        self.mlp.validate()?;
+        match &self.moe {
+            Some(moe) => moe.validate()?,
+            None => self.mlp.validate()?,
+        }
         self.norm.validate()?;
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(ConfigError::Dropout(self.dropout));
@@ -51,7 +57,8 @@ impl BlockConfig {
             self_attn: self.attention.init(init, device),
             attn_output_norm: sandwich(),
             post_attention_layernorm: (!self.parallel).then(|| self.norm.init(device)),
-            mlp: self.mlp.init(init, device),
+            mlp: self.moe.is_none().then(|| self.mlp.init(init, device)),
+            moe: self.moe.as_ref().map(|moe| moe.init(init, device)),
             mlp_output_norm: sandwich(),
             dropout: self.dropout,
         }
@@ -67,7 +74,10 @@ pub struct Block<B: Backend> {
     pub attn_output_norm: Option<Norm<B>>,
     /// The MLP's input norm [Llama: post_attention_layernorm; Gemma: pre_feedforward_layernorm].
     pub post_attention_layernorm: Option<Norm<B>>,
-    pub mlp: Mlp<B>,
+    /// The feed-forward part, unless the block has experts.
+    pub mlp: Option<Mlp<B>>,
+    /// The mixture of experts in place of the MLP.
+    pub moe: Option<Moe<B>>,
     /// The MLP's output norm (sandwich norms) [Gemma: post_feedforward_layernorm].
     pub mlp_output_norm: Option<Norm<B>>,
     #[module(skip)]
@@ -75,39 +85,49 @@ pub struct Block<B: Backend> {
 }
 
 impl<B: Backend> Block<B> {
-    /// The projection `target` names (`None`: a plain MLP has no gate).
+    /// The projection `target` names (`None`: a plain MLP has no gate, experts no MLP).
     pub fn projection(&self, target: Target) -> Option<&Linear<B>> {
-        let (att, mlp) = (&self.self_attn, &self.mlp);
+        let att = &self.self_attn;
+        let mlp = || self.mlp.as_ref();
         Some(match target {
             Target::QProj => &att.q_proj,
             Target::KProj => &att.k_proj,
             Target::VProj => &att.v_proj,
             Target::OProj => &att.o_proj,
-            Target::GateProj => mlp.gate_proj.as_ref()?,
-            Target::UpProj => &mlp.up_proj,
-            Target::DownProj => &mlp.down_proj,
+            Target::GateProj => mlp()?.gate_proj.as_ref()?,
+            Target::UpProj => &mlp()?.up_proj,
+            Target::DownProj => &mlp()?.down_proj,
         })
     }
 
     /// The projection `target` names, to change.
     pub fn projection_mut(&mut self, target: Target) -> Option<&mut Linear<B>> {
-        let (att, mlp) = (&mut self.self_attn, &mut self.mlp);
+        let (att, mlp) = (&mut self.self_attn, self.mlp.as_mut());
         Some(match target {
             Target::QProj => &mut att.q_proj,
             Target::KProj => &mut att.k_proj,
             Target::VProj => &mut att.v_proj,
             Target::OProj => &mut att.o_proj,
-            Target::GateProj => mlp.gate_proj.as_mut()?,
-            Target::UpProj => &mut mlp.up_proj,
-            Target::DownProj => &mut mlp.down_proj,
+            Target::GateProj => mlp?.gate_proj.as_mut()?,
+            Target::UpProj => &mut mlp?.up_proj,
+            Target::DownProj => &mut mlp?.down_proj,
         })
     }
 }
 
 impl<B: EmberBackend> Block<B> {
+    /// The block's output; a mixture of experts adds its routing to `routes`.
+    ///
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub(crate) fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
+    pub(crate) fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        keys: Keys<'_, B>,
+        cx: Compute,
+        routes: &mut Vec<Route<B>>,
+    ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let normed = self.input_layernorm.forward(x.clone(), cx);
         let attn = output(&self.attn_output_norm, self.self_attn.forward(normed.clone(), rope, keys, cx), cx);
@@ -116,7 +136,16 @@ impl<B: EmberBackend> Block<B> {
             Some(norm) => norm.forward(h.clone(), cx),
             None => normed.reshape([b * t, d]), // a parallel block: the attention's input
         };
-        let mlp = output(&self.mlp_output_norm, self.mlp.forward(mlp_in, cx), cx);
+        let ffn = match (&self.moe, &self.mlp) {
+            (Some(moe), _) => {
+                let (y, route) = moe.forward(mlp_in, cx);
+                routes.push(route);
+                y
+            }
+            (None, Some(mlp)) => mlp.forward(mlp_in, cx),
+            (None, None) => mlp_in.zeros_like(), // no feed-forward part adds nothing
+        };
+        let mlp = output(&self.mlp_output_norm, ffn, cx);
         let y = h + dropout(mlp, self.dropout);
         y.reshape([b, t, d])
     }

@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 use crate::attention::AttentionConfig;
 use crate::block::BlockConfig;
 use crate::mlp::MlpConfig;
+pub use crate::moe::MoeConfig;
+use crate::moe::MoePartConfig;
 use crate::norm::NormConfig;
 
 use ember_kernels::rope::Rope;
@@ -70,6 +72,9 @@ pub struct ModelConfig {
     /// The feed-forward part.
     #[serde(default, skip_serializing_if = "is_default")]
     pub mlp: MlpKind,
+    /// A mixture of SwiGLU experts in place of every block's MLP (`d_ff` then unused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
     /// How positions enter: RoPE in the attention, or a learned table added to the embeddings.
     #[serde(default, skip_serializing_if = "is_default")]
     pub positions: Positions,
@@ -412,6 +417,12 @@ impl ModelConfig {
         BlockConfig {
             attention: self.attention(layer),
             mlp: self.mlp(),
+            moe: self.moe.clone().map(|moe| MoePartConfig {
+                d_model: self.d_model,
+                moe,
+                init_std: self.init_std,
+                out_std: self.out_std(),
+            }),
             norm: self.norm(),
             sandwich_norms: self.sandwich_norms,
             parallel: self.parallel_block,
@@ -454,6 +465,7 @@ impl ModelConfig {
         let qkv_bias = if self.qkv_bias { q + 2 * kv } else { 0 };
         let o_bias = if self.o_bias { d } else { 0 };
         let mlp_bias = match (self.mlp_bias, self.mlp.gated()) {
+            _ if self.moe.is_some() => 0,
             (false, _) => 0,
             (true, true) => 2 * f + d,
             (true, false) => f + d,
@@ -466,20 +478,42 @@ impl ModelConfig {
     }
 
     /// A block's projection weights: `D·H·Dh + 2·D·K·Dh + H·Dh·D` for the attention, `3·D·F`
-    /// for a gated MLP or `2·D·F` for a plain one.
+    /// for a gated MLP or `2·D·F` for a plain one, every expert's for a mixture of experts.
     fn block_matmul_params(&self) -> u64 {
-        let (d, f) = (self.d_model as u64, self.d_ff as u64);
-        let q = (self.n_heads * self.head_dim()) as u64;
-        let kv = (self.n_kv_heads() * self.head_dim()) as u64;
-        let mlp = if self.mlp.gated() { 3 * d * f } else { 2 * d * f };
-        d * q + 2 * d * kv + q * d + mlp
+        let mlp = match &self.moe {
+            Some(moe) => moe.params(self.d_model),
+            None => self.mlp_params(),
+        };
+        self.attention_params() + mlp
     }
 
-    /// Parameters that take part in matmuls: every projection and the LM head (the embedding table
-    /// when tied). Not the embedding lookup, the norm gains or the biases. This is N in 6N.
+    fn attention_params(&self) -> u64 {
+        let d = self.d_model as u64;
+        let q = (self.n_heads * self.head_dim()) as u64;
+        let kv = (self.n_kv_heads() * self.head_dim()) as u64;
+        d * q + 2 * d * kv + q * d
+    }
+
+    fn mlp_params(&self) -> u64 {
+        let (d, f) = (self.d_model as u64, self.d_ff as u64);
+        if self.mlp.gated() {
+            3 * d * f
+        } else {
+            2 * d * f
+        }
+    }
+
+    /// Parameters that take part in a token's matmuls: every projection and the LM head (the
+    /// embedding table when tied); of a mixture of experts, the router, the `k` experts a token
+    /// runs through and the shared expert. Not the embedding lookup, the norm gains or the
+    /// biases. This is N in 6N.
     pub fn matmul_params(&self) -> u64 {
         let (d, v, l) = (self.d_model as u64, self.vocab_size as u64, self.n_layers as u64);
-        l * self.block_matmul_params() + d * v
+        let mlp = match &self.moe {
+            Some(moe) => moe.active_params(self.d_model),
+            None => self.mlp_params(),
+        };
+        l * (self.attention_params() + mlp) + d * v
     }
 
     /// Forward FLOPs per token at context `seq_len`: `2N + 4·L·T·(H·Dh)` (PaLM appendix B; a
@@ -552,6 +586,7 @@ impl ModelConfig {
             norm: NormKind::RmsNorm,
             norm_bias: false,
             mlp: MlpKind::Swiglu,
+            moe: None,
             positions: Positions::Rope,
             qk_norm: false,
             sandwich_norms: false,
@@ -767,5 +802,30 @@ mod tests {
             ..tiny_config()
         };
         assert_eq!(gemma.num_params(), 268_098_176);
+        // Mixtral 8x7B: 46,702,792,704 in all; a token multiplies by 2 of the 8 experts (the
+        // "12.9B active" counts the embedding too: 12,748,587,008 + 131,072,000).
+        let mixtral = ModelConfig {
+            vocab_size: 32_000,
+            d_model: 4096,
+            n_layers: 32,
+            n_heads: 32,
+            n_kv_heads: Some(8),
+            d_ff: 14_336,
+            max_seq_len: 32_768,
+            moe: Some(MoeConfig {
+                n_experts: 8,
+                top_k: 2,
+                d_expert: 14_336,
+                norm_topk: true,
+                shared_expert: None,
+                shared_expert_gate: false,
+                aux_loss_coef: 0.02,
+                z_loss_coef: 0.0,
+            }),
+            ..tiny_config()
+        };
+        mixtral.validate().unwrap();
+        assert_eq!(mixtral.num_params(), 46_702_792_704);
+        assert_eq!(mixtral.matmul_params(), 12_748_587_008);
     }
 }

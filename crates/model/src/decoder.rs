@@ -16,6 +16,7 @@ use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
+use crate::moe::Route;
 use crate::norm::Norm;
 use crate::to_dtype;
 use ember_kernels::documents::Documents;
@@ -150,6 +151,20 @@ impl<B: EmberBackend> Decoder<B> {
     /// # Shapes
     /// - tokens: `[B, T]` -> `[B, T, D]`
     pub fn hidden_documents(&self, tokens: Tensor<B, 2, Int>, start: usize, docs: Option<&Documents>) -> Tensor<B, 3> {
+        self.hidden_routed(tokens, start, docs).0
+    }
+
+    /// [`Self::hidden_documents`] with every mixture-of-experts layer's routing (none for a model
+    /// without experts), for the auxiliary losses and the load metrics.
+    ///
+    /// # Shapes
+    /// - tokens: `[B, T]` -> `[B, T, D]`
+    pub fn hidden_routed(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        start: usize,
+        docs: Option<&Documents>,
+    ) -> (Tensor<B, 3>, Vec<Route<B>>) {
         let [b, t] = tokens.dims();
         let positions = || match docs {
             Some(docs) => docs.positions(start),
@@ -157,10 +172,11 @@ impl<B: EmberBackend> Decoder<B> {
         };
         let x = self.embed(tokens, positions); // [B, T, D]
         let mut x = crate::dropout(x, self.config.dropout);
+        let mut routes = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x, self.rope_of(l), Keys::Own { start, docs }, self.compute);
+            x = layer.forward(x, self.rope_of(l), Keys::Own { start, docs }, self.compute, &mut routes);
         }
-        self.norm.forward(x, self.compute)
+        (self.norm.forward(x, self.compute), routes)
     }
 
     /// The blocks' input: token embeddings (times `sqrt(D)` where the model scales them), plus the
@@ -226,7 +242,7 @@ impl<B: EmberBackend> Decoder<B> {
         let x = self.embed(tokens, || starts.iter().flat_map(|&s| s..s + t).collect()); // [R, T, D]
         let mut x = x;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x, self.rope_of(i), Keys::Cache(step.layer(i)), self.compute);
+            x = layer.forward(x, self.rope_of(i), Keys::Cache(step.layer(i)), self.compute, &mut Vec::new());
         }
         step.finish();
         self.norm.forward(x, self.compute)
@@ -474,7 +490,7 @@ mod tests {
         let (q, o, down) = (
             std(l.self_attn.q_proj.weight.val()),
             std(l.self_attn.o_proj.weight.val()),
-            std(l.mlp.down_proj.weight.val()),
+            std(l.mlp.as_ref().unwrap().down_proj.weight.val()),
         );
         assert!((q - 0.02).abs() < 0.001, "q std {q}");
         let want = 0.02 / 4.0; // 1/sqrt(2·8)
@@ -492,11 +508,12 @@ mod tests {
         let zeroed = Decoder::<B>::new(&ModelConfig { zero_init_out: true, ..base.clone() }, 5, &dev).unwrap();
         assert_eq!(zeroed.num_params() as u64, base.num_params());
         for (p, z) in plain.layers.iter().zip(&zeroed.layers) {
-            assert!(p.mlp.gate_proj.is_none());
-            for w in [z.self_attn.o_proj.weight.val(), z.mlp.down_proj.weight.val()] {
+            let (pm, zm) = (p.mlp.as_ref().unwrap(), z.mlp.as_ref().unwrap());
+            assert!(pm.gate_proj.is_none());
+            for w in [z.self_attn.o_proj.weight.val(), zm.down_proj.weight.val()] {
                 assert_eq!(w.abs().max().into_scalar(), 0.0);
             }
-            for (a, b) in [(&p.self_attn.q_proj, &z.self_attn.q_proj), (&p.mlp.up_proj, &z.mlp.up_proj)] {
+            for (a, b) in [(&p.self_attn.q_proj, &z.self_attn.q_proj), (&pm.up_proj, &zm.up_proj)] {
                 a.weight.val().into_data().assert_eq(&b.weight.val().into_data(), true);
             }
         }
@@ -557,7 +574,7 @@ mod tests {
         // With a non-zero B, merging gives the same logits without adapters.
         let mut trained = adapted;
         for layer in trained.layers.iter_mut() {
-            for lin in [&mut layer.self_attn.q_proj, &mut layer.mlp.down_proj] {
+            for lin in [&mut layer.self_attn.q_proj, &mut layer.mlp.as_mut().unwrap().down_proj] {
                 let l = lin.lora.as_mut().unwrap();
                 let shape = l.lora_b.dims();
                 l.lora_b =

@@ -13,12 +13,13 @@ mod kv_cache;
 mod linear;
 pub mod lora;
 mod mlp;
+pub mod moe;
 mod norm;
 pub mod sample;
 pub mod weights;
 
 pub use block::Block;
-pub use config::{ConfigError, MlpKind, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
+pub use config::{ConfigError, MlpKind, ModelConfig, MoeConfig, NormKind, Positions, RopeLayout, RopeScaling};
 pub use decoder::Decoder;
 pub use ember_kernels::documents::{Documents, DocumentsError};
 pub use ember_kernels::Compute;

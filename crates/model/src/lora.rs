@@ -114,6 +114,13 @@ impl LoraConfig {
         if let Some(t) = self.targets.iter().find(|t| **t == Target::GateProj && !model.mlp.gated()) {
             return Err(format!("lora.targets: `{t}` is not a projection of this model (its MLP has no gate)"));
         }
+        let mlp = [Target::GateProj, Target::UpProj, Target::DownProj];
+        if let Some(t) = self.targets.iter().find(|t| model.moe.is_some() && mlp.contains(t)) {
+            return Err(format!(
+                "lora.targets: `{t}` is not a projection of this model (its blocks have experts in place of an MLP; \
+                 adapt the attention's q_proj, k_proj, v_proj, o_proj)"
+            ));
+        }
         // A rank past a projection's smaller side adds parameters (and memory), never capacity:
         // `B·A` already reaches every matrix of that shape at min(in, out).
         let narrowest = self.targets.iter().map(|&t| (t, t.shape(model))).min_by_key(|(_, (i, o))| (*i).min(*o));

@@ -8,17 +8,47 @@ use burn::data::dataset::Dataset;
 use burn::tensor::Tensor;
 use ember_data::{LmBatch, Window, WindowSampler};
 use ember_kernels::EmberBackend;
+use ember_model::moe::{load_balancing_loss, router_z_loss};
 use ember_model::{Decoder, Documents};
 
 /// Mean next-token cross-entropy over the scored targets of a batch, through the tiled LM head +
 /// loss: the `[B·T, V]` logits are never held at once, in the forward or the backward pass. Rows
 /// packed with documents are attended to document by document.
 pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
+    lm_loss_parts(model, batch).objective
+}
+
+/// A micro-batch's training objective and its parts.
+pub struct LossParts<B: burn::tensor::backend::Backend> {
+    /// The next-token loss plus, for a mixture of experts, the weighted auxiliary losses.
+    pub objective: Tensor<B, 1>,
+    /// The next-token loss alone.
+    pub lm: Tensor<B, 1>,
+    /// A mixture of experts' load-balancing loss, z-loss (unweighted) and token-expert pairs per
+    /// layer and expert.
+    pub moe: Option<(Tensor<B, 1>, Tensor<B, 1>, Vec<Vec<u32>>)>,
+}
+
+/// [`lm_loss`] with its parts: for a model with experts, `objective = lm + aux_loss_coef · aux +
+/// z_loss_coef · z` over every layer's routing of the batch (as Hugging Face adds
+/// `router_aux_loss_coef · aux_loss` to the loss).
+pub fn lm_loss_parts<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> LossParts<B> {
     let [b, t] = batch.inputs.dims();
     let d = model.config().d_model;
     let docs = batch.docs.map(|first| Documents::new(first, b, t).expect("the batcher writes valid document starts"));
-    let hidden = model.hidden_documents(batch.inputs, 0, docs.as_ref()).reshape([b * t, d]); // [B·T, D]
-    model.loss(hidden, batch.targets.reshape([b * t]))
+    let (hidden, routes) = model.hidden_routed(batch.inputs, 0, docs.as_ref());
+    let lm = model.loss(hidden.reshape([b * t, d]), batch.targets.reshape([b * t])); // [B·T, D] in
+    let (Some(moe), Some(aux), Some(z)) =
+        (model.config().moe.as_ref(), load_balancing_loss(&routes), router_z_loss(&routes))
+    else {
+        return LossParts { objective: lm.clone(), lm, moe: None };
+    };
+    let mut objective = lm.clone() + aux.clone().mul_scalar(moe.aux_loss_coef);
+    if moe.z_loss_coef > 0.0 {
+        objective = objective + z.clone().mul_scalar(moe.z_loss_coef);
+    }
+    let counts = routes.into_iter().map(|r| r.counts).collect();
+    LossParts { objective, lm, moe: Some((aux, z, counts)) }
 }
 
 /// Sampler seeds of the fixed evaluation batches, one per split, apart from the training stream.

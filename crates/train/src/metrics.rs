@@ -106,7 +106,7 @@ impl MetricsSink for TensorBoardSink {
             ("epoch", r.epoch),
         ];
         values.extend(optional.iter().filter_map(|(k, v)| v.map(|v| (*k, v as f32))));
-        values.extend(r.preference.iter().map(|(k, v)| (k.as_str(), *v as f32)));
+        values.extend(r.named.iter().map(|(k, v)| (k.as_str(), *v as f32)));
         self.writer.scalars(r.step as u64, self.start + r.elapsed_s, &values)?;
         self.writer.flush()
     }
@@ -221,11 +221,18 @@ pub struct StepRecord {
     /// there): the wall time at its end, evaluation included, the run's time to target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_reached_s: Option<f64>,
-    /// Preference tuning: TRL's metrics of the step's pairs (`rewards/chosen`, `rewards/rejected`,
-    /// `rewards/accuracies`, `rewards/margins`, `logps/chosen`, `logps/rejected`) and, at
-    /// evaluations, of the held-out pairs (the same names after `val_`).
+    /// A mixture of experts: each layer's load, the fraction of its token-expert pairs each
+    /// expert received this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_load: Option<Vec<Vec<f64>>>,
+    /// The objective's own metrics. Preference tuning: TRL's metrics of the step's pairs
+    /// (`rewards/chosen`, `rewards/rejected`, `rewards/accuracies`, `rewards/margins`,
+    /// `logps/chosen`, `logps/rejected`) and, at evaluations, of the held-out pairs (the same names
+    /// after `val_`). A mixture of experts: `aux_loss` (the load-balancing loss, unweighted),
+    /// `z_loss`, each layer's `expert_load_max_over_mean/layer{l}` (the most loaded expert's share
+    /// over the mean share: 1 is even, `E` all on one) and the largest, `expert_load_max_over_mean`.
     #[serde(flatten, default)]
-    pub preference: std::collections::BTreeMap<String, f64>,
+    pub named: std::collections::BTreeMap<String, f64>,
 }
 
 /// `metrics.jsonl`.
@@ -287,7 +294,8 @@ mod tests {
             comm_ms: None,
             wait_ms: None,
             target_reached_s: None,
-            preference: Default::default(),
+            expert_load: None,
+            named: Default::default(),
         }
     }
 

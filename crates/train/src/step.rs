@@ -15,7 +15,7 @@ use crate::distributed::buckets::{all_reduce_grads, all_reduce_grads_on_device, 
 use crate::distributed::zero::ShardedAdamW;
 use crate::distributed::{Collective, DistError};
 use crate::error::{OptimizerError, TrainError};
-use crate::eval::lm_loss;
+use crate::eval::lm_loss_parts;
 use crate::optim::{clip_coefficient, global_grad_norm, AdamW};
 use crate::precision::LossScaler;
 use crate::preference::{answer_logps, pair_loss, PairSums, StepTotals};
@@ -84,6 +84,14 @@ pub struct StepOutput {
     pub wait: Duration,
     /// Preference tuning: the step's pairs' metrics, summed over all ranks.
     pub preference: Option<PairSums>,
+    /// A mixture of experts: the step's auxiliary losses and expert loads, over all ranks.
+    pub moe: Option<MoeSums>,
+}
+
+/// What a step sums beside its loss.
+enum Sums {
+    Preference(PairSums),
+    Moe(Option<MoeSums>),
 }
 
 /// What every step reads: the data, the config, the device and the other ranks.
@@ -137,8 +145,8 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let all: Vec<Vec<Window>> = all.iter().map(|idx| rows(idx)).collect();
                 let total = all.iter().map(|b| scored(b)).sum::<usize>();
                 let mine: Vec<Vec<Window>> = all.into_iter().skip(rank).step_by(world).collect();
-                let (loss, grads) = forward_backward(&model, mine, total, self.device, loss_scale);
-                (loss, grads, None)
+                let (loss, grads, moe) = forward_backward(&model, mine, total, self.device, loss_scale);
+                (loss, grads, Sums::Moe(moe))
             }
             Some(pc) => {
                 let all: Vec<(Vec<Window>, Option<Vec<[f64; 2]>>)> = all
@@ -154,7 +162,7 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let mine = all.into_iter().skip(rank).step_by(world).collect();
                 let (loss, grads, sums) =
                     preference_forward_backward(&model, pc, mine, totals, self.device, loss_scale);
-                (loss, grads, Some(sums))
+                (loss, grads, Sums::Preference(sums))
             }
         };
         // Every rank has computed its gradients: the one that has not within the timeout is named.
@@ -163,9 +171,17 @@ impl<B: TrainBackend> Stepper<'_, B> {
         let wait = t.elapsed();
         let t = Instant::now();
         let mut reduced = vec![loss];
-        reduced.extend(sums.map(PairSums::to_vec).into_iter().flatten());
+        match &sums {
+            Sums::Preference(p) => reduced.extend(p.to_vec()),
+            Sums::Moe(Some(m)) => reduced.extend(m.to_vec()),
+            Sums::Moe(None) => {}
+        }
         c.all_reduce_f64(&mut reduced, &format!("{what}: loss"))?;
-        let (loss, preference) = (reduced[0], sums.map(|_| PairSums::from_slice(&reduced[1..])));
+        let loss = reduced[0];
+        let (preference, moe) = match &sums {
+            Sums::Preference(_) => (Some(PairSums::from_slice(&reduced[1..])), None),
+            Sums::Moe(m) => (None, m.as_ref().map(|m| m.from_slice(&reduced[1..]))),
+        };
         let bucket = self.config.distributed.bucket_elems();
         match optim {
             Optimizer::Replicated(adamw) => {
@@ -179,12 +195,12 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let grad_norm = scaled_norm / loss_scale;
                 if let Some(scaler) = scaler {
                     if !scaler.update(scaled_norm.is_finite()) {
-                        return Ok((model, StepOutput { loss, grad_norm, skipped: true, comm, wait, preference }));
+                        return Ok((model, StepOutput { loss, grad_norm, skipped: true, comm, wait, preference, moe }));
                     }
                 }
                 let scale = clip_coefficient(grad_norm, self.config.optim.grad_clip) / loss_scale;
                 let model = adamw.step_shared(lr, model, grads, scale, c, &what)?;
-                Ok((model, StepOutput { loss, grad_norm, skipped: false, comm, wait, preference }))
+                Ok((model, StepOutput { loss, grad_norm, skipped: false, comm, wait, preference, moe }))
             }
             Optimizer::Sharded(zero) => {
                 // Reduce-scatter, the update of this rank's shard and the all-gather, timed whole
@@ -192,7 +208,7 @@ impl<B: TrainBackend> Stepper<'_, B> {
                 let s = zero.step(c, lr, model, grads, loss_scale, scaler, self.device, &what)?;
                 let comm = t.elapsed();
                 let (grad_norm, skipped) = (s.grad_norm, s.skipped);
-                Ok((s.model, StepOutput { loss, grad_norm, skipped, comm, wait, preference }))
+                Ok((s.model, StepOutput { loss, grad_norm, skipped, comm, wait, preference, moe }))
             }
         }
     }
@@ -216,29 +232,100 @@ pub(crate) fn forward_backward<B: TrainBackend>(
     total: usize,
     device: &Device<B>,
     loss_scale: f64,
-) -> (f64, GradientsParams) {
+) -> (f64, GradientsParams, Option<MoeSums>) {
     use burn::data::dataloader::batcher::Batcher;
     let total = total.max(1) as f64;
     let mut grads = GradientsAccumulator::<Decoder<B>>::new();
     // The losses stay on the device until every backward pass is queued: one read per step, not a
-    // wait between each forward and its backward (which would drain a GPU's queue).
+    // wait between each forward and its backward (which would drain a GPU's queue). The reported
+    // loss is the next-token loss; a mixture of experts' auxiliary losses (in the objective) are
+    // summed apart, weighted as it is.
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
+    let mut moe_sum: Option<(Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>)> = None;
+    let mut counts: Vec<f64> = Vec::new();
     for items in micro_batches {
         let n = scored(&items);
         let batch: LmBatch<B> = LmBatcher.batch(items, device);
         let share = n as f64 / total;
-        let loss = lm_loss(model, batch);
-        let loss = if share == 1.0 { loss } else { loss.mul_scalar(share) };
-        let value = loss.clone().inner();
+        let parts = lm_loss_parts(model, batch);
+        let weigh = |t: Tensor<B, 1>| if share == 1.0 { t } else { t.mul_scalar(share) };
+        let value = weigh(parts.lm).inner();
         loss_sum = Some(match loss_sum {
             Some(sum) => sum + value,
             None => value,
         });
+        if let Some((aux, z, layer_counts)) = parts.moe {
+            let (aux, z) = (weigh(aux).inner(), weigh(z).inner());
+            moe_sum = Some(match moe_sum {
+                Some((a, b)) => (a + aux, b + z),
+                None => (aux, z),
+            });
+            let flat = layer_counts.iter().flatten().map(|&c| c as f64);
+            if counts.is_empty() {
+                counts = flat.collect();
+            } else {
+                counts.iter_mut().zip(flat).for_each(|(s, c)| *s += c);
+            }
+        }
+        let loss = weigh(parts.objective);
         let loss = if loss_scale == 1.0 { loss } else { loss.mul_scalar(loss_scale) };
         grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
     }
     let loss = loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f64>());
-    (loss, grads.grads())
+    let moe = moe_sum.map(|(aux, z)| MoeSums {
+        aux: aux.into_scalar().elem::<f64>(),
+        z: z.into_scalar().elem::<f64>(),
+        layers: model.config().n_layers,
+        counts,
+    });
+    (loss, grads.grads(), moe)
+}
+
+/// A step's mixture-of-experts metrics on one rank, summed over the ranks: the auxiliary losses
+/// (token-weighted like the loss) and the token-expert pairs of every layer and expert.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeSums {
+    pub aux: f64,
+    pub z: f64,
+    pub layers: usize,
+    /// `[layers × experts]`, row by row.
+    pub counts: Vec<f64>,
+}
+
+impl MoeSums {
+    fn to_vec(&self) -> Vec<f64> {
+        [self.aux, self.z].into_iter().chain(self.counts.iter().copied()).collect()
+    }
+
+    fn from_slice(&self, v: &[f64]) -> Self {
+        Self { aux: v[0], z: v[1], layers: self.layers, counts: v[2..].to_vec() }
+    }
+
+    /// Each layer's load: the fraction of its pairs each expert received.
+    pub fn load(&self) -> Vec<Vec<f64>> {
+        let experts = self.counts.len() / self.layers.max(1);
+        self.counts
+            .chunks(experts.max(1))
+            .map(|row| {
+                let total = row.iter().sum::<f64>().max(1.0);
+                row.iter().map(|c| c / total).collect()
+            })
+            .collect()
+    }
+
+    /// The metrics a step record names: `aux_loss`, `z_loss`, each layer's
+    /// `expert_load_max_over_mean/layer{l}` (1 is an even load; `E` all pairs on one expert) and
+    /// the worst layer's as `expert_load_max_over_mean`.
+    pub fn named(&self) -> Vec<(String, f64)> {
+        let per_layer: Vec<f64> =
+            self.load().iter().map(|row| row.iter().copied().fold(0.0, f64::max) * row.len() as f64).collect();
+        let worst = per_layer.iter().copied().fold(0.0, f64::max);
+        let mut named =
+            vec![("aux_loss".into(), self.aux), ("z_loss".into(), self.z), ("expert_load_max_over_mean".into(), worst)];
+        named
+            .extend(per_layer.into_iter().enumerate().map(|(l, v)| (format!("expert_load_max_over_mean/layer{l}"), v)));
+        named
+    }
 }
 
 /// [`forward_backward`] for preference pairs: each micro-batch's rows (with their reference

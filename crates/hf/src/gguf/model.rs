@@ -242,6 +242,7 @@ fn model_config(
         norm: if parts.norm == NormKind::RmsNormPlusOne { NormKind::RmsNorm } else { parts.norm },
         norm_bias: layer_norm,
         mlp: family.activations[0].1,
+        moe: None,
         positions: parts.positions,
         qk_norm: parts.qk_norm,
         sandwich_norms: parts.sandwich_norms,
@@ -510,6 +511,13 @@ pub fn encode_model<B: ember_kernels::EmberBackend>(
 /// than 5 local : 1 global, a `query_pre_attn_scalar` other than `head_dim`, Qwen3's biases.
 pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfError> {
     let family = arch.family();
+    if family.gguf_arch.is_empty() || config.moe.is_some() {
+        let message = format!(
+            "ember does not write {} (experts) as GGUF yet; export it as a Hugging Face folder",
+            family.class_name
+        );
+        return Err(HfError::GgufExport(message));
+    }
     let name = format!("GGUF {}", family.gguf_arch);
     let meta: BTreeMap<String, Value> = arch_metadata(config, arch, ExportType::F32, "").into_iter().collect();
     let rms = |k: NormKind| k != NormKind::LayerNorm;

@@ -222,7 +222,7 @@ impl Evaluator<'_> {
         let (vl, pairs) = self.val_with_pairs(model)?;
         (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
         if let Some(m) = pairs.and_then(|p| p.metrics()) {
-            record.preference.extend(m.named("val_"));
+            record.named.extend(m.named("val_"));
         }
         if self.collective.rank() != 0 {
             return Ok(vl);
@@ -230,7 +230,7 @@ impl Evaluator<'_> {
         let memory =
             record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
         let accuracy = record
-            .preference
+            .named
             .get("val_rewards/accuracies")
             .map_or(String::new(), |a| format!(", held-out reward accuracy {a:.3}"));
         rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{accuracy}{memory}"));

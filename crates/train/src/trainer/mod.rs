@@ -430,13 +430,22 @@ fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {
 
 fn log_setup(config: &TrainConfig, compute: &Compute, peak: &Peak, tokens_per_step: usize) {
     let (m, dtype) = (&config.model, compute.dtype);
+    let ffn = match &m.moe {
+        Some(e) => format!(
+            "{} experts of {} (top {}{})",
+            e.n_experts,
+            e.d_expert,
+            e.top_k,
+            e.shared_expert.map_or(String::new(), |s| format!(", a shared one of {s}"))
+        ),
+        None => format!("d_ff {}", m.d_ff),
+    };
     tracing::info!(
-        "model: {} layers, d_model {}, {} heads ({} kv), d_ff {}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
+        "model: {} layers, d_model {}, {} heads ({} kv), {ffn}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
         m.n_layers,
         m.d_model,
         m.n_heads,
         m.n_kv_heads(),
-        m.d_ff,
         m.vocab_size,
         m.num_params()
     );

@@ -15,7 +15,7 @@ use crate::flops::{mfu, Peak};
 use crate::memory::MemoryProbe;
 use crate::metrics::{JsonlSink, MetricsSink, Sinks, StepRecord, TensorBoardSink};
 use crate::optim::clip_coefficient;
-use crate::step::StepOutput;
+use crate::step::{MoeSums, StepOutput};
 
 /// What the recorder reads of the run's config.
 pub(super) struct RecorderConfig {
@@ -117,7 +117,7 @@ impl Recorder {
         let (world, speed) = (self.world, &self.speed);
         let tokens_per_step = self.tokens_per_step();
         let tokens_per_sec = speed.window_rate();
-        let record = StepRecord {
+        let mut record = StepRecord {
             step: state.step,
             train_loss: out.loss,
             lr,
@@ -135,12 +135,14 @@ impl Recorder {
             comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
             wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
             target_reached_s: None,
-            preference: out
+            expert_load: out.moe.as_ref().map(MoeSums::load),
+            named: out
                 .preference
                 .and_then(|p| p.metrics())
                 .map(|m| m.named("").into_iter().collect())
                 .unwrap_or_default(),
         };
+        record.named.extend(out.moe.iter().flat_map(MoeSums::named));
         self.speed.reset_window();
         record
     }

@@ -73,7 +73,7 @@ fn accumulated_micro_batches_give_the_loss_and_gradients_of_one_batch() {
     let run = |per_micro: usize| {
         let micro: Vec<Vec<Window>> = windows.chunks(per_micro).map(<[Window]>::to_vec).collect();
         let total = total_scored(&micro);
-        let (loss, grads) = forward_backward(&model, micro, total, &dev, 1.0);
+        let (loss, grads, _) = forward_backward(&model, micro, total, &dev, 1.0);
         (loss, flat_grads(&model, &grads))
     };
     let (loss8, grads8) = run(8);
@@ -94,6 +94,46 @@ fn accumulated_micro_batches_give_the_loss_and_gradients_of_one_batch() {
         .collect();
     let mean_of_means = means.iter().sum::<f64>() / means.len() as f64;
     assert!((mean_of_means - loss8).abs() > 1e-3, "the test masks must make the two objectives differ");
+}
+
+#[test]
+fn experts_add_their_weighted_balancing_loss_and_count_every_pair() {
+    let dev = Default::default();
+    let moe = |aux_loss_coef: f64| ModelConfig {
+        moe: Some(ember_model::MoeConfig {
+            n_experts: 4,
+            top_k: 2,
+            d_expert: 16,
+            norm_topk: true,
+            shared_expert: None,
+            shared_expert_gate: false,
+            aux_loss_coef,
+            z_loss_coef: 0.0,
+        }),
+        ..config(29, 16)
+    };
+    let windows = uneven_windows(29);
+    let run = |coef: f64| {
+        let model = Decoder::<AB>::new(&moe(coef), 3, &dev).unwrap();
+        let micro = vec![windows.clone()];
+        let total = total_scored(&micro);
+        let (loss, grads, sums) = forward_backward(&model, micro, total, &dev, 1.0);
+        (loss, flat_grads(&model, &grads), sums.expect("a model with experts sums its routing"))
+    };
+    let (loss0, grads0, sums0) = run(0.0);
+    let (loss1, grads1, sums1) = run(0.5);
+    // The reported loss is the next-token loss, the same whatever the weight of the balancing loss.
+    assert_eq!(loss0.to_bits(), loss1.to_bits());
+    assert_eq!(sums0.counts, sums1.counts, "the same weights route the same way");
+    // Every token reaches its two experts in each of the 2 layers: 8 rows of 12 positions.
+    assert_eq!(sums1.counts.iter().sum::<f64>(), (2 * 8 * 12 * 2) as f64);
+    assert!((1.0..4.0).contains(&sums1.aux), "E · Σ f·P is k = 2 when even, {}", sums1.aux);
+    // The balancing loss is in the objective: the gradients move with its weight.
+    let rel = rel_l2(&grads1, &grads0);
+    assert!(rel > 1e-6, "the balancing loss changed no gradient (rel {rel:e})");
+    let named: std::collections::BTreeMap<String, f64> = sums1.named().into_iter().collect();
+    assert_eq!(named["aux_loss"], sums1.aux);
+    assert!(named["expert_load_max_over_mean"] >= 1.0 && named.contains_key("expert_load_max_over_mean/layer1"));
 }
 
 fn example(ids: &[u32], prompt: usize) -> Example {

@@ -76,6 +76,7 @@ mod tests {
             comm: Duration::from_millis(comm_ms),
             wait: Duration::from_millis(wait_ms),
             preference: None,
+            moe: None,
         }
     }
 
