@@ -110,6 +110,7 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         moe: None,
         positions: parts.positions,
         qk_norm: parts.qk_norm,
+        qk_norm_whole: parts.qk_norm_whole,
         sandwich_norms: parts.sandwich_norms,
         parallel_block: false,
         embed_scale: parts.embed_scale,
@@ -430,6 +431,26 @@ pub(crate) fn write_qwen3_moe(c: &ModelConfig, obj: &mut Map<String, Value>) {
     write_qwen3(c, obj);
     obj.remove("layer_types"); // transformers' Qwen3-MoE has none
     write_experts(c, obj, &["num_local_experts"], "moe_intermediate_size");
+}
+
+pub(crate) fn read_olmoe(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_llama_like(r, c, false)?;
+    if r.f64("clip_qkv").is_some() {
+        return Err(r.bad("clip_qkv is set: ember does not clamp the queries, keys and values".into()));
+    }
+    c.moe = Some(read_experts(r, "intermediate_size", false)?);
+    Ok(())
+}
+
+pub(crate) fn write_olmoe(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    obj.insert("rope_parameters".into(), rope_parameters(c.rope_theta, c.rope_scaling.as_ref()));
+    obj.insert("attention_bias".into(), json!(false));
+    obj.insert("clip_qkv".into(), Value::Null);
+    obj.remove("head_dim"); // OLMoE's heads are d_model / n_heads
+    write_experts(c, obj, &["num_experts"], "intermediate_size");
+    if let Some(moe) = &c.moe {
+        obj.insert("norm_topk_prob".into(), json!(moe.norm_topk));
+    }
 }
 
 // ---- Gemma 3 ----

@@ -14,6 +14,7 @@
 //! | `mixtral`     | `MixtralForCausalLM`| RMSNorm                | experts | RoPE     | [`MIXTRAL_EXPERTS`] |
 //! | `qwen2_moe`   | `Qwen2MoeForCausalLM` | RMSNorm              | experts, shared | RoPE | [`QWEN_EXPERTS`] |
 //! | `qwen3_moe`   | `Qwen3MoeForCausalLM` | RMSNorm, q/k norms   | experts | RoPE     | [`QWEN_EXPERTS`] |
+//! | `olmoe`       | `OlmoeForCausalLM`  | RMSNorm, whole q/k norms | experts | RoPE   | [`QWEN_EXPERTS`] |
 //!
 //! A tensor rule pairs a Hugging Face name with ember path(s) and with llama.cpp's GGUF name; `{i}`
 //! stands for the layer index. The [`Layout`] says how the values move between Hugging Face and
@@ -44,6 +45,7 @@ pub enum Architecture {
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
+    Olmoe,
 }
 
 /// How a family's config.json and tensors map onto ember's. One row of [`FAMILIES`].
@@ -102,6 +104,8 @@ pub struct Parts {
     pub norm: NormKind,
     pub positions: Positions,
     pub qk_norm: bool,
+    /// The q/k norms over the whole projections (OLMoE), not per head.
+    pub qk_norm_whole: bool,
     pub sandwich_norms: bool,
     pub embed_scale: bool,
 }
@@ -116,6 +120,7 @@ impl Parts {
                     norm: self.norm,
                     positions: c.positions,
                     qk_norm: c.qk_norm,
+                    qk_norm_whole: c.qk_norm_whole,
                     sandwich_norms: c.sandwich_norms,
                     embed_scale: c.embed_scale,
                 }
@@ -339,6 +344,7 @@ const LLAMA_PARTS: Parts = Parts {
     norm: NormKind::RmsNorm,
     positions: Positions::Rope,
     qk_norm: false,
+    qk_norm_whole: false,
     sandwich_norms: false,
     embed_scale: false,
 };
@@ -375,7 +381,7 @@ const fn llama_like(
 }
 
 /// Every family, in the order [`Architecture::for_model`] prefers them.
-pub const FAMILIES: [Family; 9] = [
+pub const FAMILIES: [Family; 10] = [
     llama_like(
         Architecture::Llama,
         "llama",
@@ -479,6 +485,7 @@ pub const FAMILIES: [Family; 9] = [
             norm: NormKind::LayerNorm,
             positions: Positions::Learned,
             qk_norm: false,
+            qk_norm_whole: false,
             sandwich_norms: false,
             embed_scale: false,
         },
@@ -528,6 +535,32 @@ pub const FAMILIES: [Family; 9] = [
             config_map::write_qwen3_moe,
         )
     },
+    Family {
+        tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
+        parts: Parts { qk_norm: true, qk_norm_whole: true, ..LLAMA_PARTS },
+        replaced_keys: OLMOE_REPLACED,
+        ..llama_like(
+            Architecture::Olmoe,
+            "",
+            "OlmoeForCausalLM",
+            "olmoe",
+            config_map::read_olmoe,
+            config_map::write_olmoe,
+        )
+    },
+];
+
+/// What OLMoE's writer replaces: Llama's keys, `clip_qkv` and the experts'.
+const OLMOE_REPLACED: &[&str] = &[
+    "rope_scaling",
+    "rope_theta",
+    "rope_parameters",
+    "attention_bias",
+    "clip_qkv",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "router_aux_loss_coef",
 ];
 
 /// What a mixture-of-experts family's writer replaces: Llama's keys and the experts'.
@@ -601,6 +634,7 @@ impl Architecture {
     pub fn for_model(c: &ModelConfig) -> Self {
         if let Some(moe) = &c.moe {
             return match (c.qk_norm, moe.shared_expert.is_some() || c.qkv_bias) {
+                (true, _) if c.qk_norm_whole => Self::Olmoe,
                 (true, _) => Self::Qwen3Moe,
                 (false, true) => Self::Qwen2Moe,
                 (false, false) => Self::Mixtral,

@@ -1,5 +1,5 @@
 //! Issue 35's families (tiny random GPT-2, Qwen3 and Gemma 3 models) and issue 36's experts
-//! (Mixtral, Qwen2-MoE, Qwen3-MoE), saved by transformers 5.25 (tests/fixtures/hf, made by
+//! (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), saved by transformers 5.25 (tests/fixtures/hf, made by
 //! tests/fixtures/make_hf_fixtures.py). ember's logits match transformers' on every case, greedy
 //! decoding (through the KV cache) picks the same 20 tokens, exports are the same files again
 //! (names, bytes, config.json), a training step's loss with the load-balancing loss and every
@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 type B = Flex;
 type AB = Autodiff<Flex>;
 
-const FAMILIES: [(&str, Architecture); 7] = [
+const FAMILIES: [(&str, Architecture); 8] = [
     ("gpt2", Architecture::Gpt2),
     ("qwen3", Architecture::Qwen3),
     ("gemma3_text", Architecture::Gemma3),
@@ -30,10 +30,11 @@ const FAMILIES: [(&str, Architecture); 7] = [
     ("mixtral", Architecture::Mixtral),
     ("qwen2_moe", Architecture::Qwen2Moe),
     ("qwen3_moe", Architecture::Qwen3Moe),
+    ("olmoe", Architecture::Olmoe),
 ];
 
 /// The families with experts, whose fixtures have a training case.
-const EXPERTS: [&str; 3] = ["mixtral", "qwen2_moe", "qwen3_moe"];
+const EXPERTS: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)
@@ -278,6 +279,31 @@ fn configs_ember_cannot_run_are_refused_by_file_key_and_value() {
     assert!(e.contains("hidden_activation `gelu`"), "{e}");
     let e = config_err("gemma3_text", |c| c["rope_parameters"]["sliding_attention"]["rope_type"] = json!("linear"));
     assert!(e.contains("sliding_attention.rope_type `linear`"), "{e}");
+
+    // Experts: dense layers among the sparse ones, noise, clamps and impossible routing are refused.
+    let e = config_err("qwen2_moe", |c| c["mlp_only_layers"] = json!([1]));
+    assert!(e.starts_with("qwen2_moe/config.json: mlp_only_layers is not empty"), "{e}");
+    let e = config_err("qwen3_moe", |c| c["decoder_sparse_step"] = json!(2));
+    assert!(e.starts_with("qwen3_moe/config.json: decoder_sparse_step > 1"), "{e}");
+    let e = config_err("mixtral", |c| c["router_jitter_noise"] = json!(0.1));
+    assert!(e.starts_with("mixtral/config.json: router_jitter_noise is not 0"), "{e}");
+    let e = config_err("mixtral", |c| c["norm_topk_prob"] = json!(false));
+    assert!(e.starts_with("mixtral/config.json: norm_topk_prob = false"), "{e}");
+    let e = config_err("olmoe", |c| c["clip_qkv"] = json!(8.0));
+    assert!(e.starts_with("olmoe/config.json: clip_qkv is set"), "{e}");
+    let e = config_err("olmoe", |c| c["num_experts_per_tok"] = json!(9));
+    assert_eq!(e, "olmoe/config.json: model.moe.top_k needs a value no larger than moe.n_experts");
+    let e = config_err("qwen2_moe", |c| drop(c.as_object_mut().unwrap().remove("shared_expert_intermediate_size")));
+    assert_eq!(e, "qwen2_moe/config.json: missing field `shared_expert_intermediate_size`");
+    // Hub configs of Qwen's MoE name the count `num_experts`, transformers 5 may write `num_local_experts`.
+    let renamed = |name: &str| {
+        let mut cfg = read_json(&fixture(name).join("config.json"));
+        let obj = cfg.as_object_mut().unwrap();
+        let n = obj.remove("num_local_experts").or_else(|| obj.remove("num_experts")).unwrap();
+        obj.insert("num_experts".into(), n);
+        to_model_config(&cfg, "config.json").unwrap().0
+    };
+    assert_eq!(renamed("qwen3_moe"), import_dir(&fixture("qwen3_moe")).model.config().clone());
 }
 
 #[test]

@@ -33,6 +33,7 @@ pub mod collective;
 mod compute;
 pub mod cross_entropy;
 pub mod documents;
+pub mod experts;
 mod few_rows;
 mod flex;
 pub mod gelu;
@@ -64,6 +65,7 @@ pub use attention::{AttentionOps, AttentionSaved};
 pub use collective::{DeviceComm, DeviceReduceOps};
 pub use compute::{Bf16Kernel, Bf16Products, Compute, Cpu, Path, Tier};
 pub use cross_entropy::{lm_head_cross_entropy, ChunkSpec, LmHeadLossOps, IGNORE};
+pub use experts::{experts, ExpertOps};
 pub use gelu::{Gelu, GeluOps};
 pub use kernels::{AttnShape, LinearGrads};
 pub use kv::KvWriteOps;
@@ -107,6 +109,7 @@ pub trait EmberBackend:
     + GeluOps
     + ReluSquaredOps
     + LinearOps
+    + ExpertOps
     + QuantLinearOps
     + AttentionOps
     + AdamWOps
@@ -158,6 +161,7 @@ macro_rules! reference_ops {
         impl GeluOps for $backend {}
         impl ReluSquaredOps for $backend {}
         impl LinearOps for $backend {}
+        impl ExpertOps for $backend {}
         impl QuantLinearOps for $backend {}
         impl AttentionOps for $backend {}
         impl AdamWOps for $backend {}

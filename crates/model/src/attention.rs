@@ -30,6 +30,8 @@ pub(crate) struct AttentionConfig {
     pub o_bias: bool,
     /// The per-head norm of queries and keys (over `head_dim`), if any.
     pub qk_norm: Option<NormConfig>,
+    /// The q/k norms over each projection's whole width rather than per head (OLMoE).
+    pub qk_norm_whole: bool,
     pub sliding_window: Option<usize>,
     /// What `q·k` is multiplied by, and the soft cap of the scores.
     pub scale: f64,
@@ -53,6 +55,7 @@ impl AttentionConfig {
             qkv_bias: false,
             o_bias: false,
             qk_norm: None,
+            qk_norm_whole: false,
             sliding_window: None,
             scale: 1.0 / (head_dim as f64).sqrt(),
             softcap: None,
@@ -89,6 +92,14 @@ impl AttentionConfig {
         positive_std(self.init_std, self.out_std)
     }
 
+    /// The q or k norm of `heads` heads: per head, or over the projection's whole width.
+    fn whole(&self, norm: &NormConfig, heads: usize) -> NormConfig {
+        match self.qk_norm_whole {
+            true => NormConfig { d_model: heads * self.head_dim, ..norm.clone() },
+            false => norm.clone(),
+        }
+    }
+
     /// The projections, drawn from `init` (q, k, v, o in that order); the q/k norms start at a
     /// gain of one. Call [`AttentionConfig::validate`] first (as `Decoder::new` does): a config
     /// that breaks its rules builds a part that panics when run.
@@ -99,8 +110,9 @@ impl AttentionConfig {
             k_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
             v_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
             o_proj: Linear::new(init, h * dh, d, self.o_bias, self.out_std, device),
-            q_norm: self.qk_norm.as_ref().map(|n| n.init(device)),
-            k_norm: self.qk_norm.as_ref().map(|n| n.init(device)),
+            q_norm: self.qk_norm.as_ref().map(|n| self.whole(n, h).init(device)),
+            k_norm: self.qk_norm.as_ref().map(|n| self.whole(n, k).init(device)),
+            qk_norm_whole: self.qk_norm_whole,
             n_heads: h,
             n_kv_heads: k,
             head_dim: dh,
@@ -120,9 +132,12 @@ pub struct Attention<B: Backend> {
     pub v_proj: Linear<B>,
     /// `[H·Dh, D]`
     pub o_proj: Linear<B>,
-    /// Per-head norms of the queries and keys, `[Dh]` each.
+    /// Per-head norms of the queries and keys, `[Dh]` each; over the whole projections, `[H·Dh]`
+    /// and `[K·Dh]`, with `qk_norm_whole`.
     pub q_norm: Option<Norm<B>>,
     pub k_norm: Option<Norm<B>>,
+    #[module(skip)]
+    qk_norm_whole: bool,
     #[module(skip)]
     n_heads: usize,
     #[module(skip)]
@@ -171,6 +186,12 @@ impl<B: EmberBackend> Attention<B> {
     fn qkv(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
         let qkv = forward_packed(&[&self.q_proj, &self.k_proj, &self.v_proj], x, cx);
         match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) if self.qk_norm_whole => {
+                let (q, k) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+                let queries = qn.forward(qkv.clone().narrow(1, 0, q), cx);
+                let keys = kn.forward(qkv.clone().narrow(1, q, k), cx);
+                Tensor::cat(vec![queries, keys, qkv.narrow(1, q + k, k)], 1)
+            }
             (Some(qn), Some(kn)) => {
                 let shape = (self.n_heads, self.n_kv_heads, self.head_dim);
                 qk_norm_packed(qkv, qn.gain(), kn.gain(), shape, qn.eps, cx)

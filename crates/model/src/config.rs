@@ -82,6 +82,10 @@ pub struct ModelConfig {
     /// Gemma 3; the recipe's QK-norm).
     #[serde(default, skip_serializing_if = "is_false")]
     pub qk_norm: bool,
+    /// With `qk_norm`: each norm over its projection's whole width, `[H·Dh]` and `[K·Dh]`, rather
+    /// than per head (OLMoE).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub qk_norm_whole: bool,
     /// Norms of the attention's and the MLP's outputs too, before each residual add (Gemma 2, 3).
     #[serde(default, skip_serializing_if = "is_false")]
     pub sandwich_norms: bool,
@@ -318,6 +322,9 @@ impl ModelConfig {
         if self.sliding_window_pattern == Some(0) {
             return Err(ConfigError::NotPositive { name: "sliding_window_pattern", value: 0.0 });
         }
+        if self.qk_norm_whole && !self.qk_norm {
+            return Err(ConfigError::Needs { key: "qk_norm_whole", needs: "qk_norm" });
+        }
         if self.norm_bias && self.norm != NormKind::LayerNorm {
             return Err(ConfigError::Needs { key: "norm_bias", needs: "norm = \"layer_norm\"" });
         }
@@ -387,6 +394,7 @@ impl ModelConfig {
                 kind: self.norm,
                 bias: false,
             }),
+            qk_norm_whole: self.qk_norm_whole,
             sliding_window: self.sliding_window.filter(|_| self.is_local(layer)),
             scale,
             softcap: self.attn_logit_softcap,
@@ -470,7 +478,11 @@ impl ModelConfig {
             (true, true) => 2 * f + d,
             (true, false) => f + d,
         };
-        let qk_norm = if self.qk_norm { 2 * self.head_dim() as u64 } else { 0 };
+        let qk_norm = match (self.qk_norm, self.qk_norm_whole) {
+            (false, _) => 0,
+            (true, false) => 2 * self.head_dim() as u64,
+            (true, true) => ((self.n_heads + self.n_kv_heads()) * self.head_dim()) as u64,
+        };
         let block = self.block_matmul_params() + qkv_bias + o_bias + mlp_bias + norms * norm + qk_norm;
         let positions = if self.positions == Positions::Learned { self.max_seq_len as u64 * d } else { 0 };
         let head = if self.tie_embeddings { 0 } else { d * v };
@@ -589,6 +601,7 @@ impl ModelConfig {
             moe: None,
             positions: Positions::Rope,
             qk_norm: false,
+            qk_norm_whole: false,
             sandwich_norms: false,
             parallel_block: false,
             embed_scale: false,
@@ -738,6 +751,11 @@ mod tests {
             let e = bad.validate().unwrap_err().to_string();
             assert!(e.contains(name), "{e}");
         }
+        let e = ModelConfig { qk_norm_whole: true, ..tiny_config() }.validate().unwrap_err().to_string();
+        assert_eq!(e, "model.qk_norm_whole needs qk_norm");
+        let whole = ModelConfig { qk_norm: true, qk_norm_whole: true, ..tiny_config() };
+        // Norms over [H·Dh] and [K·Dh] = 32 + 16 a block, not 2·Dh = 16.
+        assert_eq!(whole.num_params(), ModelConfig { qk_norm: true, ..tiny_config() }.num_params() + 2 * 32);
         let e = ModelConfig { norm_bias: true, ..tiny_config() }.validate().unwrap_err().to_string();
         assert_eq!(e, "model.norm_bias needs norm = \"layer_norm\"");
         // The local layers' keys without a window describe nothing.

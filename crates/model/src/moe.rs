@@ -6,9 +6,10 @@
 //!
 //! The experts' weights are stacked, `[E, D, F]` and `[E, F, D]`. The forward pass groups the
 //! token-expert pairs by expert (a permutation read off the router's choices), runs one GEMM per
-//! expert over its contiguous rows, and adds the weighted rows back to their tokens; the backward
-//! pass is the same products transposed, the router's gradient flowing through the gathered top-k
-//! weights. Experts no token chose are not read at all (decoding touches `k` of them).
+//! expert over its contiguous rows ([`ember_kernels::experts`], one graph node per stacked weight),
+//! and adds the weighted rows back to their tokens; the backward pass is the same products
+//! transposed, each weight's gradient one `[E, …]` tensor, the router's gradient flowing through the
+//! gathered top-k weights. Experts no token chose are not read at all (decoding touches `k` of them).
 //! [`Moe::forward_dense`] is the composition it is tested against: every expert over every token,
 //! weighted by a dense `[N, E]` matrix that is zero outside the top k.
 
@@ -17,8 +18,7 @@ use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use ember_kernels::linear::linear;
-use ember_kernels::{Compute, EmberBackend};
+use ember_kernels::{experts, Compute, EmberBackend};
 
 use crate::config::{positive_std, ConfigError, MlpKind};
 use crate::init::Init;
@@ -270,18 +270,10 @@ impl<B: EmberBackend> Moe<B> {
         let index = |v: Vec<i32>| Tensor::<B, 1, Int>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
         let tokens = index(pairs.iter().map(|&p| (p / k) as i32).collect());
         let rows = to_dtype(x.clone().select(0, tokens.clone()), cx.dtype); // [N·k, D], grouped
-        let mut outputs = Vec::with_capacity(e);
-        for j in 0..e {
-            let (a, b) = (starts[j], starts[j + 1]);
-            if a == b {
-                continue; // not read
-            }
-            let [w_gate, w_up, w_down] = self.expert(j, cx.dtype);
-            let rows = rows.clone().slice(a..b);
-            let hidden = silu(linear(rows.clone(), w_gate, None, cx)) * linear(rows, w_up, None, cx);
-            outputs.push(linear(hidden, w_down, None, cx));
-        }
-        let y = to_dtype(Tensor::cat(outputs, 0), DType::F32); // [N·k, D]
+        let weight = |w: &Param<Tensor<B, 3>>| to_dtype(w.val(), cx.dtype);
+        let gate = experts(rows.clone(), weight(&self.gate), &starts, cx);
+        let hidden = silu(gate) * experts(rows, weight(&self.up), &starts, cx); // [N·k, F]
+        let y = to_dtype(experts(hidden, weight(&self.down), &starts, cx), DType::F32); // [N·k, D]
         let weights = choice.weights.reshape([n * k]).select(0, index(pairs.iter().map(|&p| p as i32).collect()));
         let y = y * weights.unsqueeze_dim(1);
         let out = Tensor::<B, 2>::zeros([n, d], &device).select_assign(0, tokens, y, IndexingUpdateOp::Add);

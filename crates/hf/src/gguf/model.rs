@@ -245,6 +245,7 @@ fn model_config(
         moe: None,
         positions: parts.positions,
         qk_norm: parts.qk_norm,
+        qk_norm_whole: parts.qk_norm_whole,
         sandwich_norms: parts.sandwich_norms,
         parallel_block: false,
         embed_scale: parts.embed_scale,
