@@ -584,8 +584,19 @@ fn a_mixture_of_experts_trains_logs_its_routing_resumes_bitwise_and_exports() {
     assert_eq!(cfg["architectures"][0], "MixtralForCausalLM", "{cfg}");
     assert_eq!((cfg["num_local_experts"].as_u64(), cfg["num_experts_per_tok"].as_u64()), (Some(4), Some(2)));
     assert_eq!(cfg["router_aux_loss_coef"].as_f64(), Some(0.05));
-    // GGUF export of experts is refused by name, nothing written.
-    let o = s.ember(&["export", "straight", "--format", "gguf", "--out", "m.gguf"]);
-    assert_clean_error(&o, "MixtralForCausalLM (experts)");
-    assert!(!s.path().join("m.gguf").exists());
+    // LoRA on the trained mixture of experts adapts the attention; the MLP's projections, which
+    // its blocks lack, are refused by name.
+    let lora = |targets: &str| {
+        let config = lora_config("straight", "corpus.txt", 2, 2, 1e-3, 7);
+        let all =
+            "targets = [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"gate_proj\", \"up_proj\", \"down_proj\"]";
+        config.replace(all, &format!("targets = {targets}"))
+    };
+    s.write("lora.toml", &lora("[\"q_proj\", \"up_proj\"]"));
+    let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "lora"]);
+    assert_clean_error(&o, "`up_proj` is not a projection of this model");
+    s.write("lora.toml", &lora("[\"q_proj\", \"v_proj\"]"));
+    let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "lora"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("4 experts of 16 (top 2)"), "{}", stderr(&o));
 }

@@ -780,3 +780,74 @@ fn wikitext2_test() -> PathBuf {
     assert!(path.is_file(), "{} not found: set EMBER_DATA_DIR to shared/datasets", path.display());
     path
 }
+
+#[test]
+fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
+    // A small model of each mixture-of-experts architecture llama.cpp has, trained two steps from a
+    // random init (weights large enough that greedy picks are clear) with the Llama 2 tokenizer
+    // (32k, which llama.cpp reads as SentencePiece), exported to GGUF in f32 and q8_0: llama.cpp
+    // continues a prompt greedily as ember does on the import of the f32 file, which imports to
+    // the run's logits bit for bit; the q8_0 file to them within its rounding.
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    let tokenizer = assets().join("tokenizers/llama2_tokenizer.json");
+    let renormalised = "norm_topk = true\n";
+    let cases = [
+        ("mixtral", "llama", 2, "", renormalised),
+        ("qwen2moe", "qwen2moe", 2, "qkv_bias = true\n", "shared_expert = 48\nshared_expert_gate = true\n"),
+        ("qwen3moe", "qwen3moe", 2, "qk_norm = true\nhead_dim = 32\n", renormalised),
+        ("olmoe", "olmoe", 4, "qk_norm = true\nqk_norm_whole = true\n", ""),
+    ];
+    for (name, arch, kv_heads, parts, moe) in cases {
+        let config = format!(
+            "[model]\nd_model = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = {kv_heads}\nd_ff = 64\nmax_seq_len = 64\n\
+             init_std = 0.3\n{parts}\n[model.moe]\nn_experts = 4\ntop_k = 2\nd_expert = 32\n{moe}\n\
+             [data]\npath = \"corpus.txt\"\ntokenizer = {tokenizer:?}\n\n\
+             [train]\nbatch_size = 2\nseq_len = 32\nmax_steps = 2\neval_interval = 2\neval_iters = 1\n\
+             checkpoint_interval = 2\nseed = 7\n"
+        );
+        s.write(&format!("{name}.toml"), &config);
+        ember_ok(&s, &["train", "--config", &format!("{name}.toml"), "--run-dir", name]);
+        let run = Checkpoint::open(&s.path().join(name)).unwrap();
+        let model = run.decoder::<Flex>(&Default::default()).unwrap();
+        for dtype in ["f32", "q8_0"] {
+            let file = format!("{name}-{dtype}.gguf");
+            let out = ember_ok(&s, &["export", name, "--format", "gguf", "--dtype", dtype, "--out", &file]);
+            assert!(out.contains(&format!("as GGUF {arch}")), "{out}");
+            let f = GgufFile::open(&s.path().join(&file)).unwrap();
+            let exps = f.tensor("blk.1.ffn_down_exps.weight").expect("the experts' stacked down projections");
+            assert_eq!(exps.shape(), [4, 64, 32], "{file}: [experts, out, in]");
+            assert_eq!(f.get(&format!("{arch}.expert_count")).and_then(Value::as_u64), Some(4), "{file}");
+            let back = format!("{name}-{dtype}-back");
+            ember_ok(&s, &["import", &file, "--out", &back]);
+            let imported = Checkpoint::open(&s.path().join(&back)).unwrap();
+            let imported = imported.decoder::<Flex>(&Default::default()).unwrap();
+            let prompt = [1u32, 4205, 16334, 20084, 28747, 3934, 528];
+            if dtype == "q8_0" {
+                // Quantized: the experts' stacks are Q8_0 and import to the run's within the
+                // rounding (half a step of 1/127 of a block's largest value, its scale in f16).
+                // llama.cpp also rounds the activations, and a rounding can flip a random model's
+                // close expert choice, so its continuations are compared in f32 only.
+                assert_eq!(exps.kind.name(), "Q8_0", "{file}");
+                let stack = |m: &ember_model::Decoder<Flex>| m.layers[1].moe.as_ref().unwrap().down.val().into_data();
+                let (a, b) = (stack(&imported).to_vec::<f32>().unwrap(), stack(&model).to_vec::<f32>().unwrap());
+                let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(diff <= scale / 200.0, "{file}: the experts' weights {diff} off (up to {scale})");
+                continue;
+            }
+            assert!(logits(&imported, &prompt) == logits(&model, &prompt), "{file}: other logits after GGUF");
+            let moe = |m: &ember_model::Decoder<Flex>| {
+                m.config().moe.clone().map(|c| (c.n_experts, c.top_k, c.d_expert, c.norm_topk, c.shared_expert))
+            };
+            assert_eq!(moe(&imported), moe(&model), "{file}");
+            let n = 8;
+            let (their_prompt, their_ids) = llama_cpp(&s.path().join(&file), n, &["First Citizen: hear me"]).remove(0);
+            let ends = run.tokenizer.end_ids();
+            let ours: Vec<u32> =
+                greedy(&imported, &their_prompt, n).into_iter().take_while(|id| !ends.contains(id)).collect();
+            assert_eq!(their_ids, ours, "{file}: llama.cpp continues otherwise");
+            eprintln!("{file}: llama.cpp and ember continue {their_prompt:?} with {ours:?}");
+        }
+    }
+}

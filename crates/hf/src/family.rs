@@ -239,23 +239,27 @@ pub const LLAMA_MLP: &[Rule] = &[
 /// and router.
 #[rustfmt::skip]
 pub const MIXTRAL_EXPERTS: &[Rule] = &[
-    linear("model.layers.{i}.block_sparse_moe.gate.weight", &["layers.{i}.moe.router.weight"]),
-    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", &["layers.{i}.moe.gate"]),
-    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", &["layers.{i}.moe.up"]),
-    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", &["layers.{i}.moe.down"]),
+    linear("model.layers.{i}.block_sparse_moe.gate.weight", &["layers.{i}.moe.router.weight"]).gguf("blk.{i}.ffn_gate_inp.weight"),
+    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", &["layers.{i}.moe.gate"]).gguf("blk.{i}.ffn_gate_exps.weight"),
+    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", &["layers.{i}.moe.up"]).gguf("blk.{i}.ffn_up_exps.weight"),
+    experts("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", &["layers.{i}.moe.down"]).gguf("blk.{i}.ffn_down_exps.weight"),
 ];
 
 /// Qwen2-MoE's and Qwen3-MoE's experts and router, and Qwen2-MoE's gated shared expert.
 #[rustfmt::skip]
 pub const QWEN_EXPERTS: &[Rule] = &[
-    linear("model.layers.{i}.mlp.gate.weight", &["layers.{i}.moe.router.weight"]),
-    experts("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", &["layers.{i}.moe.gate"]),
-    experts("model.layers.{i}.mlp.experts.{j}.up_proj.weight", &["layers.{i}.moe.up"]),
-    experts("model.layers.{i}.mlp.experts.{j}.down_proj.weight", &["layers.{i}.moe.down"]),
-    linear("model.layers.{i}.mlp.shared_expert.gate_proj.weight", &["layers.{i}.moe.shared.gate_proj.weight"]),
-    linear("model.layers.{i}.mlp.shared_expert.up_proj.weight", &["layers.{i}.moe.shared.up_proj.weight"]),
-    linear("model.layers.{i}.mlp.shared_expert.down_proj.weight", &["layers.{i}.moe.shared.down_proj.weight"]),
-    linear("model.layers.{i}.mlp.shared_expert_gate.weight", &["layers.{i}.moe.shared_gate.weight"]),
+    linear("model.layers.{i}.mlp.gate.weight", &["layers.{i}.moe.router.weight"]).gguf("blk.{i}.ffn_gate_inp.weight"),
+    experts("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", &["layers.{i}.moe.gate"]).gguf("blk.{i}.ffn_gate_exps.weight"),
+    experts("model.layers.{i}.mlp.experts.{j}.up_proj.weight", &["layers.{i}.moe.up"]).gguf("blk.{i}.ffn_up_exps.weight"),
+    experts("model.layers.{i}.mlp.experts.{j}.down_proj.weight", &["layers.{i}.moe.down"]).gguf("blk.{i}.ffn_down_exps.weight"),
+    linear("model.layers.{i}.mlp.shared_expert.gate_proj.weight", &["layers.{i}.moe.shared.gate_proj.weight"])
+        .gguf("blk.{i}.ffn_gate_shexp.weight"),
+    linear("model.layers.{i}.mlp.shared_expert.up_proj.weight", &["layers.{i}.moe.shared.up_proj.weight"])
+        .gguf("blk.{i}.ffn_up_shexp.weight"),
+    linear("model.layers.{i}.mlp.shared_expert.down_proj.weight", &["layers.{i}.moe.shared.down_proj.weight"])
+        .gguf("blk.{i}.ffn_down_shexp.weight"),
+    linear("model.layers.{i}.mlp.shared_expert_gate.weight", &["layers.{i}.moe.shared_gate.weight"])
+        .gguf("blk.{i}.ffn_gate_inp_shexp.weight"),
 ];
 
 /// Gemma 3: four norms a block (its MLP is [`LLAMA_MLP`]). Its `post_attention_layernorm` is the attention's output norm and
@@ -503,7 +507,7 @@ pub const FAMILIES: [Family; 10] = [
         replaced_keys: MOE_REPLACED,
         ..llama_like(
             Architecture::Mixtral,
-            "",
+            "llama",
             "MixtralForCausalLM",
             "mixtral",
             config_map::read_mixtral,
@@ -515,7 +519,7 @@ pub const FAMILIES: [Family; 10] = [
         replaced_keys: MOE_REPLACED,
         ..llama_like(
             Architecture::Qwen2Moe,
-            "",
+            "qwen2moe",
             "Qwen2MoeForCausalLM",
             "qwen2_moe",
             config_map::read_qwen2_moe,
@@ -528,7 +532,7 @@ pub const FAMILIES: [Family; 10] = [
         replaced_keys: QWEN3_MOE_REPLACED,
         ..llama_like(
             Architecture::Qwen3Moe,
-            "",
+            "qwen3moe",
             "Qwen3MoeForCausalLM",
             "qwen3_moe",
             config_map::read_qwen3_moe,
@@ -541,7 +545,7 @@ pub const FAMILIES: [Family; 10] = [
         replaced_keys: OLMOE_REPLACED,
         ..llama_like(
             Architecture::Olmoe,
-            "",
+            "olmoe",
             "OlmoeForCausalLM",
             "olmoe",
             config_map::read_olmoe,

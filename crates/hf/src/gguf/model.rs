@@ -14,6 +14,15 @@
 //! | `qwen3`  | Qwen3           | halves (NEOX)         | as `llama`; q/k norms, no biases                  |
 //! | `gemma3` | Gemma 3         | halves (NEOX)         | `attention.sliding_window`, `final_logit_softcapping` |
 //! | `gpt2`   | GPT-2           | none (`position_embd`) | `attention.layer_norm_epsilon`                   |
+//! | `llama` with `expert_count` | Mixtral | adjacent (rows permuted) | `expert_count`, `expert_used_count`; `feed_forward_length` the experts' |
+//! | `qwen2moe` | Qwen2-MoE     | halves (NEOX)         | as `qwen2`; `expert_feed_forward_length`, `expert_shared_feed_forward_length` |
+//! | `qwen3moe` | Qwen3-MoE     | halves (NEOX)         | as `qwen3`; `expert_feed_forward_length`          |
+//! | `olmoe`  | OLMoE           | halves (NEOX)         | q/k norms over d_model; `feed_forward_length` the experts' |
+//!
+//! Experts are one tensor per stacked projection in a GGUF file (`blk.{i}.ffn_gate_exps`, `[E, out,
+//! in]`), one per expert in Hugging Face's; the router is `ffn_gate_inp`, Qwen2-MoE's shared expert
+//! `ffn_*_shexp` and its gate `ffn_gate_inp_shexp`. llama.cpp renormalises the top-k weights of its
+//! `llama` and `qwen3moe`, not those of `qwen2moe` and `olmoe`: a model that differs is refused.
 //!
 //! llama.cpp's converter reorders the rows of a Llama model's q and k projections so that each
 //! head's rotary pairs sit next to each other (its RoPE rotates adjacent pairs); Hugging Face pairs
@@ -164,8 +173,12 @@ fn read_file_as(f: GgufFile, keep_quantized: bool) -> Result<GgufModel, GgufErro
 fn read_arch(f: &GgufFile) -> Result<Architecture, GgufError> {
     let key = "general.architecture";
     let name = f.meta().str(key)?.ok_or_else(|| f.meta_err(key, "missing"))?;
-    Architecture::from_gguf(name)
-        .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported (llama, qwen2, qwen3, gemma3 and gpt2 are)")))
+    let supported = "llama, qwen2, qwen3, gemma3, gpt2, qwen2moe, qwen3moe and olmoe are";
+    let arch = Architecture::from_gguf(name)
+        .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported ({supported})")))?;
+    // llama.cpp's `llama` with experts is Mixtral.
+    let experts = f.meta().u64("llama.expert_count")?.is_some_and(|n| n > 0);
+    Ok(if arch == Architecture::Llama && experts { Architecture::Mixtral } else { arch })
 }
 
 /// The model a GGUF file's `{arch}.*` metadata describes, as llama.cpp runs it: its sizes, with
@@ -217,7 +230,7 @@ fn model_config(
         _ => None,
     };
     let (qkv_bias, o_bias, mlp_bias) = match arch {
-        Architecture::Qwen2 => (true, false, false),
+        Architecture::Qwen2 | Architecture::Qwen2Moe => (true, false, false),
         Architecture::Gpt2 => (true, true, true),
         _ => (false, false, false),
     };
@@ -259,6 +272,26 @@ fn model_config(
         init_std: 0.02,
         dropout: 0.0,
     };
+    if let Some(n_experts) = opt_u64("expert_count")?.filter(|&n| n > 0) {
+        // llama.cpp renormalises the top-k weights of its `llama` (Mixtral) and `qwen3moe`, not
+        // those of `qwen2moe` and `olmoe`; Qwen2-MoE's shared expert is always gated.
+        let qwen2 = arch == Architecture::Qwen2Moe;
+        c.moe = Some(ember_model::MoeConfig {
+            n_experts: n_experts as usize,
+            top_k: usize_of("expert_used_count")?,
+            d_expert: opt_u64("expert_feed_forward_length")?.map_or(c.d_ff, |v| v as usize),
+            norm_topk: matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe),
+            shared_expert: if qwen2 { Some(usize_of("expert_shared_feed_forward_length")?) } else { None },
+            shared_expert_gate: qwen2,
+            aux_loss_coef: 0.001,
+            z_loss_coef: 0.0,
+        });
+    } else if matches!(
+        arch,
+        Architecture::Mixtral | Architecture::Qwen2Moe | Architecture::Qwen3Moe | Architecture::Olmoe
+    ) {
+        return Err(err(&key("expert_count"), "missing: the architecture has experts".into()));
+    }
     if arch == Architecture::Gemma3 {
         let window = opt_u64("attention.sliding_window")?.filter(|&w| w > 0);
         c.sliding_window = window.map(|w| w as usize);
@@ -390,6 +423,22 @@ fn read_tensors(
             continue;
         }
         let mut values = f.dequantize(t);
+        if hf.contains("{j}") {
+            // Experts stacked `[E, out, in]` in llama.cpp's file, one tensor each in Hugging Face's.
+            let Some((&experts, one)) = shape.split_first().filter(|(_, one)| one.len() == 2) else {
+                return Err(f.meta_err(&t.name, format!("shape {shape:?}: expected [experts, out, in]")));
+            };
+            let size = one.iter().product::<usize>();
+            for (j, chunk) in values.chunks_exact(size.max(1)).take(experts).enumerate() {
+                let data = TensorData::new(chunk.to_vec(), one.to_vec());
+                ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
+                tensors.insert(crate::family::fill_expert(&hf, j), data);
+            }
+            continue;
+        }
+        if hf.ends_with("shared_expert_gate.weight") && shape.len() == 1 {
+            shape.insert(0, 1); // llama.cpp's converter keeps Qwen2-MoE's `[1, D]` gate as `[D]`
+        }
         if let Some(heads) = permuted {
             values = permute_rows(&values, heads, shape[1], true);
         }
@@ -441,11 +490,13 @@ impl ExportType {
     /// its converter writes them, and its CPU kernels cannot add an f16 or bf16 bias or scale by such a
     /// norm ("binary_op: unsupported types"). Q8_0 rows must be whole blocks.
     fn ggml_type(self, shape: &[usize]) -> GgmlType {
-        let matrix = shape.len() == 2;
+        // Matrices, and experts' stacks of them (`[E, out, in]`); rows are the last axis.
+        let matrix = shape.len() >= 2;
+        let row = shape.last().copied().unwrap_or(0);
         match self {
             Self::F16 if matrix => GgmlType::F16,
             Self::Bf16 if matrix => GgmlType::Bf16,
-            Self::Q8_0 if matrix && shape[1].is_multiple_of(32) => GgmlType::Q8_0,
+            Self::Q8_0 if matrix && row.is_multiple_of(32) => GgmlType::Q8_0,
             Self::F32 | Self::F16 | Self::Bf16 | Self::Q8_0 => GgmlType::F32,
         }
     }
@@ -499,8 +550,45 @@ pub fn encode_model<B: ember_kernels::EmberBackend>(
     }
     let tensors = crate::weights::named_hf_tensors(model, arch, gains)?;
     let heads = Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 };
-    let out =
-        tensors.iter().map(|(name, data)| export_tensor(name, data, arch, heads, ty)).collect::<Result<Vec<_>, _>>()?;
+    let mut out = Vec::with_capacity(tensors.len());
+    // Experts' tensors (Hugging Face's one each) go into their stack, written at the first.
+    let mut stacks: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (name, data) in &tensors {
+        match family.hf_to_ember(name).filter(|t| t.layout == crate::family::Layout::Experts) {
+            Some(_) => {
+                let (gname, _) = family.hf_to_gguf(name).ok_or_else(|| {
+                    HfError::GgufExport(format!("tensor `{name}` has no place in llama.cpp's {}", family.gguf_arch))
+                })?;
+                let values = data.clone().convert::<f32>().into_vec::<f32>();
+                let values = values.map_err(|e| HfError::GgufExport(format!("{name}: {e:?}")))?;
+                match stacks.iter_mut().find(|(g, _, _)| *g == gname) {
+                    Some((_, shape, stack)) => {
+                        shape[0] += 1;
+                        stack.extend(values);
+                    }
+                    None => {
+                        stacks.push((gname.clone(), [&[1][..], &data.shape[..]].concat(), values));
+                        out.push(None); // its place among the tensors
+                    }
+                }
+            }
+            None => out.push(Some(export_tensor(name, data, arch, heads, ty)?)),
+        }
+    }
+    let mut stacks = stacks.into_iter();
+    let out = out
+        .into_iter()
+        .map(|t| match t {
+            Some(t) => Ok(t),
+            None => {
+                let (name, shape, values) = stacks.next().expect("one stack a placeholder");
+                let kind = ty.ggml_type(&shape);
+                let data =
+                    super::quant::quantize(kind, &values).map_err(|e| HfError::GgufExport(format!("{name}: {e}")))?;
+                Ok(TensorOut { name, shape, kind, data })
+            }
+        })
+        .collect::<Result<Vec<_>, HfError>>()?;
     Ok(Encoded { bytes: super::encode(&meta, &out), arch: family.gguf_arch, tensors: out.len() })
 }
 
@@ -512,18 +600,26 @@ pub fn encode_model<B: ember_kernels::EmberBackend>(
 /// than 5 local : 1 global, a `query_pre_attn_scalar` other than `head_dim`, Qwen3's biases.
 pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfError> {
     let family = arch.family();
-    if family.gguf_arch.is_empty() || config.moe.is_some() {
-        let message = format!(
-            "ember does not write {} (experts) as GGUF yet; export it as a Hugging Face folder",
-            family.class_name
-        );
-        return Err(HfError::GgufExport(message));
-    }
     let name = format!("GGUF {}", family.gguf_arch);
     let meta: BTreeMap<String, Value> = arch_metadata(config, arch, ExportType::F32, "").into_iter().collect();
     let rms = |k: NormKind| k != NormKind::LayerNorm;
+    if arch == Architecture::Olmoe && config.n_kv_heads() != config.n_heads {
+        let message = format!(
+            "llama.cpp's olmoe norms the keys over d_model: a model of {} key/value heads for {} query heads has \
+             no place in it",
+            config.n_kv_heads(),
+            config.n_heads
+        );
+        return Err(HfError::Inexpressible { architecture: name, fields: vec![message] });
+    }
+    // The balancing losses' weights are training's, not the model's: GGUF has no key for them.
+    let losses = |m: ember_model::MoeConfig| match &config.moe {
+        Some(c) => ember_model::MoeConfig { aux_loss_coef: c.aux_loss_coef, z_loss_coef: c.z_loss_coef, ..m },
+        None => m,
+    };
     let back = model_config(&meta, Path::new(&name), arch, config.tie_embeddings, None).map(|b| ModelConfig {
         norm: if rms(b.norm) && rms(config.norm) { config.norm } else { b.norm },
+        moe: b.moe.map(losses),
         init_std: config.init_std,
         ..b
     });
@@ -572,6 +668,20 @@ fn arch_metadata(config: &ModelConfig, arch: Architecture, ty: ExportType, name:
         }
         if let Some(cap) = config.final_logit_softcap {
             meta.push((format!("{a}.final_logit_softcapping"), Value::F32(cap as f32)));
+        }
+    }
+    if let Some(moe) = &config.moe {
+        meta.push((format!("{a}.expert_count"), u(moe.n_experts)));
+        meta.push((format!("{a}.expert_used_count"), u(moe.top_k)));
+        if matches!(arch, Architecture::Mixtral | Architecture::Olmoe) {
+            // llama.cpp's `llama` and `olmoe` take the experts' width from feed_forward_length.
+            meta.retain(|(k, _)| *k != format!("{a}.feed_forward_length"));
+            meta.push((format!("{a}.feed_forward_length"), u(moe.d_expert)));
+        } else {
+            meta.push((format!("{a}.expert_feed_forward_length"), u(moe.d_expert)));
+        }
+        if let Some(shared) = moe.shared_expert {
+            meta.push((format!("{a}.expert_shared_feed_forward_length"), u(shared)));
         }
     }
     meta.push((format!("{a}.vocab_size"), u(config.vocab_size)));
