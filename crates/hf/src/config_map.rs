@@ -136,7 +136,7 @@ pub fn from_model_config(config: &ModelConfig, arch: Architecture, base: Option<
     let family = arch.family();
     let k = &family.keys;
     let mut obj = base.and_then(Value::as_object).cloned().unwrap_or_default();
-    for key in family.replaced_keys {
+    for key in family.replaced_keys.iter().flat_map(|group| group.iter()) {
         obj.remove(*key);
     }
     let activation = family.activations.iter().find(|(_, m)| *m == config.mlp).unwrap_or(&family.activations[0]).0;

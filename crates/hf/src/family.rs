@@ -68,7 +68,7 @@ pub struct Family {
     /// Writes them.
     pub write: fn(&ModelConfig, &mut Map<String, Value>),
     /// Keys of a base config.json that `write` replaces, removed first so that none goes stale.
-    pub replaced_keys: &'static [&'static str],
+    pub replaced_keys: &'static [&'static [&'static str]],
     /// The tensor names, in groups (the attention's and the MLP's or the experts').
     pub tensors: &'static [&'static [Rule]],
     /// Name endings of tensors some checkpoints carry that are not parameters.
@@ -377,7 +377,7 @@ const fn llama_like(
         activations: SILU,
         read,
         write,
-        replaced_keys: LLAMA_REPLACED,
+        replaced_keys: &[LLAMA_REPLACED],
         tensors: &[LLAMA_TENSORS, LLAMA_MLP],
         buffers: &["rotary_emb.inv_freq"],
         optional_prefix: None,
@@ -420,7 +420,7 @@ pub const FAMILIES: [Family; 10] = [
         activations: SILU,
         read: config_map::read_qwen3,
         write: config_map::write_qwen3,
-        replaced_keys: &[
+        replaced_keys: &[&[
             "rope_scaling",
             "rope_theta",
             "rope_parameters",
@@ -428,7 +428,7 @@ pub const FAMILIES: [Family; 10] = [
             "use_sliding_window",
             "attention_bias",
             "layer_types",
-        ],
+        ]],
         tensors: &[LLAMA_TENSORS, LLAMA_MLP],
         buffers: &["rotary_emb.inv_freq"],
         optional_prefix: None,
@@ -449,7 +449,7 @@ pub const FAMILIES: [Family; 10] = [
         activations: &[("gelu_pytorch_tanh", MlpKind::Geglu)],
         read: config_map::read_gemma3,
         write: config_map::write_gemma3,
-        replaced_keys: &[
+        replaced_keys: &[&[
             "rope_scaling",
             "rope_theta",
             "rope_parameters",
@@ -462,7 +462,7 @@ pub const FAMILIES: [Family; 10] = [
             "query_pre_attn_scalar",
             "attn_logit_softcapping",
             "final_logit_softcapping",
-        ],
+        ]],
         tensors: &[GEMMA3_TENSORS, LLAMA_MLP],
         buffers: &["rotary_emb.inv_freq", "rotary_emb_local.inv_freq"],
         optional_prefix: None,
@@ -496,7 +496,7 @@ pub const FAMILIES: [Family; 10] = [
         activations: &[("gelu_new", MlpKind::Gelu), ("gelu", MlpKind::GeluExact)],
         read: config_map::read_gpt2,
         write: config_map::write_gpt2,
-        replaced_keys: &["scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"],
+        replaced_keys: &[&["scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"]],
         tensors: &[GPT2_TENSORS],
         // The causal mask GPT-2 checkpoints saved as a buffer (`attn.bias`, `[1, 1, T, T]`).
         buffers: &[".attn.bias", ".attn.masked_bias"],
@@ -504,7 +504,7 @@ pub const FAMILIES: [Family; 10] = [
     },
     Family {
         tensors: &[LLAMA_TENSORS, MIXTRAL_EXPERTS],
-        replaced_keys: MOE_REPLACED,
+        replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS],
         ..llama_like(
             Architecture::Mixtral,
             "llama",
@@ -516,7 +516,7 @@ pub const FAMILIES: [Family; 10] = [
     },
     Family {
         tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
-        replaced_keys: MOE_REPLACED,
+        replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS],
         ..llama_like(
             Architecture::Qwen2Moe,
             "qwen2moe",
@@ -529,7 +529,7 @@ pub const FAMILIES: [Family; 10] = [
     Family {
         tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
         parts: Parts { qk_norm: true, ..LLAMA_PARTS },
-        replaced_keys: QWEN3_MOE_REPLACED,
+        replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS, &["layer_types"]],
         ..llama_like(
             Architecture::Qwen3Moe,
             "qwen3moe",
@@ -542,7 +542,7 @@ pub const FAMILIES: [Family; 10] = [
     Family {
         tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
         parts: Parts { qk_norm: true, qk_norm_whole: true, ..LLAMA_PARTS },
-        replaced_keys: OLMOE_REPLACED,
+        replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS, &["clip_qkv"]],
         ..llama_like(
             Architecture::Olmoe,
             "olmoe",
@@ -554,47 +554,8 @@ pub const FAMILIES: [Family; 10] = [
     },
 ];
 
-/// What OLMoE's writer replaces: Llama's keys, `clip_qkv` and the experts'.
-const OLMOE_REPLACED: &[&str] = &[
-    "rope_scaling",
-    "rope_theta",
-    "rope_parameters",
-    "attention_bias",
-    "clip_qkv",
-    "num_experts",
-    "num_experts_per_tok",
-    "norm_topk_prob",
-    "router_aux_loss_coef",
-];
-
-/// What a mixture-of-experts family's writer replaces: Llama's keys and the experts'.
-const MOE_REPLACED: &[&str] = &[
-    "rope_scaling",
-    "rope_theta",
-    "rope_parameters",
-    "sliding_window",
-    "use_sliding_window",
-    "attention_bias",
-    "num_local_experts",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "shared_expert_intermediate_size",
-    "router_aux_loss_coef",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-];
-
-/// [`MOE_REPLACED`] and Qwen3's `layer_types`.
-const QWEN3_MOE_REPLACED: &[&str] = &[
-    "rope_scaling",
-    "rope_theta",
-    "rope_parameters",
-    "sliding_window",
-    "use_sliding_window",
-    "attention_bias",
-    "layer_types",
+/// The experts' keys a mixture-of-experts family's writer replaces (with Llama's).
+const EXPERT_KEYS: &[&str] = &[
     "num_local_experts",
     "num_experts",
     "num_experts_per_tok",
