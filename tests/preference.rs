@@ -229,16 +229,16 @@ fn dpo_through_ember_train_learns_the_preference_and_resumes_exactly() {
             "logps/chosen",
             "logps/rejected",
         ] {
-            assert!(r.preference.contains_key(key), "step {}: {key} missing: {:?}", r.step, r.preference);
+            assert!(r.named.contains_key(key), "step {}: {key} missing: {:?}", r.step, r.named);
         }
-        let p = &r.preference;
+        let p = &r.named;
         assert!((p["rewards/margins"] - (p["rewards/chosen"] - p["rewards/rejected"])).abs() < 1e-9);
     }
     let evals: Vec<_> = records.iter().filter(|r| r.val_loss.is_some()).collect();
     assert_eq!(evals.iter().map(|r| r.step).collect::<Vec<_>>(), [8, 16, 24]);
     let last = evals.last().unwrap();
-    let accuracy = last.preference["val_rewards/accuracies"];
-    assert!(accuracy >= 0.99, "held-out reward accuracy {accuracy}: {:?}", last.preference);
+    let accuracy = last.named["val_rewards/accuracies"];
+    assert!(accuracy >= 0.99, "held-out reward accuracy {accuracy}: {:?}", last.named);
     assert!(last.val_loss.unwrap() < 0.3, "val loss {:?}", last.val_loss);
     // TensorBoard has TRL's names too.
     let events = std::fs::read_dir(s.path().join("dpo"))
@@ -284,9 +284,7 @@ fn full_fine_tuning_accumulates_pairs_as_one_batch() {
         let o = s.ember(&["train", "--config", "c.toml", "--run-dir", &run]);
         assert!(o.status.success(), "{}", stderr(&o));
         let records = read_metrics(&s.path().join(&run).join("metrics.jsonl")).unwrap();
-        runs.push(
-            records.iter().map(|r| (r.train_loss, r.grad_norm, r.preference["rewards/chosen"])).collect::<Vec<_>>(),
-        );
+        runs.push(records.iter().map(|r| (r.train_loss, r.grad_norm, r.named["rewards/chosen"])).collect::<Vec<_>>());
     }
     for pair in runs.chunks(2) {
         assert_eq!(pair[0].len(), 3);
