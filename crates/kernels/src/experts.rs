@@ -45,7 +45,7 @@ pub trait ExpertOps: LinearOps {
             parts.push(float::<Self, 2>(y));
         }
         if parts.is_empty() {
-            return prim(Tensor::<Self, 2>::zeros([0, n], &x.device()));
+            return prim(Tensor::<Self, 2>::zeros([0, n], &x.device()).cast(x.dtype()));
         }
         prim(Tensor::cat(parts, 0))
     }
@@ -62,11 +62,13 @@ pub trait ExpertOps: LinearOps {
         let (x, w, dy) = (float::<Self, 2>(x), float::<Self, 3>(w), float::<Self, 2>(dy));
         let [e, k, n] = w.dims();
         let device = x.device();
+        // An expert without rows gets zeros of the gradients' dtype (the compute dtype's).
+        let (dtype_x, dtype_w) = (x.dtype(), w.dtype());
         let need = LinearGrads { x: need_x, w: need_w, b: false };
         let (mut dxs, mut dws) = (Vec::new(), Vec::with_capacity(e));
         for (j, rows) in offsets.windows(2).enumerate() {
             if rows[0] == rows[1] {
-                dws.push(Tensor::<Self, 3>::zeros([1, k, n], &device));
+                dws.push(Tensor::<Self, 3>::zeros([1, k, n], &device).cast(dtype_w));
                 continue;
             }
             let wj = prim(w.clone().slice(j..j + 1).reshape([k, n]));
@@ -76,7 +78,7 @@ pub trait ExpertOps: LinearOps {
             dws.extend(dw.map(|d| float::<Self, 2>(d).reshape([1, k, n])));
         }
         let dx = need_x.then(|| match dxs.is_empty() {
-            true => prim(Tensor::<Self, 2>::zeros([0, k], &device)),
+            true => prim(Tensor::<Self, 2>::zeros([0, k], &device).cast(dtype_x)),
             false => prim(Tensor::cat(dxs, 0)),
         });
         (dx, need_w.then(|| prim(Tensor::cat(dws, 0))))

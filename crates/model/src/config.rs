@@ -322,6 +322,12 @@ impl ModelConfig {
         if self.sliding_window_pattern == Some(0) {
             return Err(ConfigError::NotPositive { name: "sliding_window_pattern", value: 0.0 });
         }
+        if self.moe.is_some() && (self.mlp != MlpKind::Swiglu || self.mlp_bias) {
+            return Err(ConfigError::Needs {
+                key: "moe",
+                needs: "mlp = \"swiglu\" without mlp_bias (the experts are SwiGLU)",
+            });
+        }
         if self.qk_norm_whole && !self.qk_norm {
             return Err(ConfigError::Needs { key: "qk_norm_whole", needs: "qk_norm" });
         }
@@ -845,5 +851,8 @@ mod tests {
         mixtral.validate().unwrap();
         assert_eq!(mixtral.num_params(), 46_702_792_704);
         assert_eq!(mixtral.matmul_params(), 12_748_587_008);
+        // The experts are SwiGLU: another MLP kind with them is refused by name.
+        let e = ModelConfig { mlp: MlpKind::Gelu, ..mixtral }.validate().unwrap_err().to_string();
+        assert!(e.starts_with("model.moe needs mlp = \"swiglu\""), "{e}");
     }
 }

@@ -70,15 +70,24 @@ fn is_zero(x: &f64) -> bool {
 /// Upper bound on `n_experts` (DeepSeek-V3 has 256 routed experts).
 pub(crate) const MAX_EXPERTS: usize = 1 << 12;
 
+/// Upper bound on an expert's width, as on `d_ff`: with `d_model` and `n_experts` bounded too, the
+/// parameter counts below cannot overflow.
+const MAX_WIDTH: usize = 1 << 20;
+
 impl MoeConfig {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         let sizes = [("moe.n_experts", self.n_experts), ("moe.top_k", self.top_k), ("moe.d_expert", self.d_expert)];
         if let Some((name, _)) = sizes.into_iter().find(|&(_, v)| v == 0) {
             return Err(ConfigError::NotPositive { name, value: 0.0 });
         }
-        if self.n_experts > MAX_EXPERTS {
-            let (value, limit) = (self.n_experts as u64, MAX_EXPERTS as u64);
-            return Err(ConfigError::TooLarge { name: "moe.n_experts", value, limit });
+        let widths = [("moe.d_expert", self.d_expert), ("moe.shared_expert", self.shared_expert.unwrap_or(0))];
+        for (name, value, limit) in [("moe.n_experts", self.n_experts, MAX_EXPERTS)]
+            .into_iter()
+            .chain(widths.map(|(name, value)| (name, value, MAX_WIDTH)))
+        {
+            if value > limit {
+                return Err(ConfigError::TooLarge { name, value: value as u64, limit: limit as u64 });
+            }
         }
         if self.top_k > self.n_experts {
             return Err(ConfigError::Needs { key: "moe.top_k", needs: "a value no larger than moe.n_experts" });
@@ -229,7 +238,9 @@ impl<B: EmberBackend> Moe<B> {
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, k]), &device);
         let weights = probs.clone().gather(1, ids); // [N, k]
         let weights = if self.norm_topk { weights.clone() / weights.sum_dim(1) } else { weights };
-        let lse = logits.exp().sum_dim(1).log(); // [N, 1]
+        // log Σ exp, shifted by each row's largest logit (no overflow).
+        let top = logits.clone().max_dim(1).detach(); // [N, 1]
+        let lse = (logits - top.clone()).exp().sum_dim(1).log() + top; // [N, 1]
         let z_sum = lse.powf_scalar(2.0).sum().reshape([1]);
         let route = Route { prob_sum: probs.sum_dim(0).reshape([e]), z_sum, counts, tokens: n };
         Choice { experts, weights, route }
@@ -456,6 +467,8 @@ mod tests {
         assert!(err(MoeConfig { n_experts: 0, ..base.clone() }).contains("moe.n_experts"));
         assert!(err(MoeConfig { shared_expert_gate: true, ..base.clone() }).contains("moe.shared_expert_gate"));
         assert!(err(MoeConfig { aux_loss_coef: f64::NAN, ..base.clone() }).contains("moe.aux_loss_coef"));
+        assert!(err(MoeConfig { d_expert: 1 << 21, ..base.clone() }).contains("moe.d_expert"));
+        assert!(err(MoeConfig { shared_expert: Some(1 << 21), ..base.clone() }).contains("moe.shared_expert"));
         assert!(err(MoeConfig { n_experts: 1 << 13, ..base }).contains("moe.n_experts"));
     }
 }

@@ -15,7 +15,7 @@ use ember_model::{Decoder, Documents};
 /// loss: the `[B·T, V]` logits are never held at once, in the forward or the backward pass. Rows
 /// packed with documents are attended to document by document.
 pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
-    lm_loss_parts(model, batch).objective
+    lm_loss_parts(model, batch).lm
 }
 
 /// A micro-batch's training objective and its parts.

@@ -370,7 +370,9 @@ const KEPT_PROJECTIONS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "ga
 /// Whether tensor `hf` (stored `[out, in]`, Hugging Face's orientation) of type `kind` is a block
 /// projection weight that a quantized base keeps as stored.
 fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool) -> bool {
-    let projection = KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight")));
+    // A shared expert's projections are the experts part's, not a block's: dequantized.
+    let projection =
+        KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight"))) && !hf.contains(".shared_expert.");
     let single =
         family.hf_to_ember(hf).is_some_and(|t| t.paths.len() == 1 && t.layout == crate::family::Layout::Transposed);
     projection && single && !transposed && super::quant::block_decoder(kind).is_some()
@@ -732,7 +734,9 @@ fn export_tensor(
     if let Some(heads) = heads.permuted(arch, name, &shape) {
         values = permute_rows(&values, heads, shape[1], false);
     }
-    let kind = ty.ggml_type(&shape);
+    // The routers stay f32 whatever the type, as llama.cpp's quantizer keeps them: a rounded router
+    // can pick other experts.
+    let kind = if gname.contains("ffn_gate_inp") { GgmlType::F32 } else { ty.ggml_type(&shape) };
     let data = super::quant::quantize(kind, &values).map_err(|e| HfError::GgufExport(format!("{name}: {e}")))?;
     Ok(TensorOut { name: gname, shape, kind, data })
 }
