@@ -203,6 +203,8 @@ pub struct Route<B: Backend> {
 struct Choice<B: Backend> {
     /// `[N, k]` expert indices, as read back on the host, row by row.
     experts: Vec<usize>,
+    /// The same indices on the device.
+    ids: Tensor<B, 2, Int>,
     /// `[N, k]` weights (differentiable).
     weights: Tensor<B, 2>,
     route: Route<B>,
@@ -236,23 +238,14 @@ impl<B: EmberBackend> Moe<B> {
         let device = probs.device();
         let ids: Vec<i32> = experts.iter().map(|&j| j as i32).collect();
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, k]), &device);
-        let weights = probs.clone().gather(1, ids); // [N, k]
+        let weights = probs.clone().gather(1, ids.clone()); // [N, k]
         let weights = if self.norm_topk { weights.clone() / weights.sum_dim(1) } else { weights };
         // log Σ exp, shifted by each row's largest logit (no overflow).
         let top = logits.clone().max_dim(1).detach(); // [N, 1]
         let lse = (logits - top.clone()).exp().sum_dim(1).log() + top; // [N, 1]
         let z_sum = lse.powf_scalar(2.0).sum().reshape([1]);
         let route = Route { prob_sum: probs.sum_dim(0).reshape([e]), z_sum, counts, tokens: n };
-        Choice { experts, weights, route }
-    }
-
-    /// Expert `j`'s weights, `[D, F]`, `[D, F]`, `[F, D]`, in `dtype`.
-    fn expert(&self, j: usize, dtype: DType) -> [Tensor<B, 2>; 3] {
-        let take = |w: &Param<Tensor<B, 3>>| {
-            let [_, a, b] = w.dims();
-            to_dtype(w.val().slice(j..j + 1).reshape([a, b]), dtype)
-        };
-        [take(&self.gate), take(&self.up), take(&self.down)]
+        Choice { experts, ids, weights, route }
     }
 
     /// The part's output, its routing.
@@ -278,7 +271,10 @@ impl<B: EmberBackend> Moe<B> {
             next[j] += 1;
         }
         let device = x.device();
-        let index = |v: Vec<i32>| Tensor::<B, 1, Int>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
+        let index = |v: Vec<i32>| {
+            let len = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [len]), &device)
+        };
         let tokens = index(pairs.iter().map(|&p| (p / k) as i32).collect());
         let rows = to_dtype(x.clone().select(0, tokens.clone()), cx.dtype); // [N·k, D], grouped
         let weight = |w: &Param<Tensor<B, 3>>| to_dtype(w.val(), cx.dtype);
@@ -299,15 +295,19 @@ impl<B: EmberBackend> Moe<B> {
     /// - x: `[N, D]` -> `[N, D]`
     pub fn forward_dense(&self, x: Tensor<B, 2>, cx: Compute) -> (Tensor<B, 2>, Route<B>) {
         let [n, d] = x.dims();
-        let (e, k) = (self.n_experts(), self.top_k);
+        let e = self.n_experts();
         let choice = self.choose(x.clone(), cx);
         let device = x.device();
-        let ids: Vec<i32> = choice.experts.iter().map(|&j| j as i32).collect();
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, k]), &device);
-        let dense = Tensor::<B, 2>::zeros([n, e], &device).scatter(1, ids, choice.weights, IndexingUpdateOp::Add);
+        let dense =
+            Tensor::<B, 2>::zeros([n, e], &device).scatter(1, choice.ids, choice.weights, IndexingUpdateOp::Add);
         let mut out = Tensor::<B, 2>::zeros([n, d], &device);
         for j in 0..e {
-            let [w_gate, w_up, w_down] = self.expert(j, DType::F32);
+            // Expert j's weights, `[D, F]`, `[D, F]`, `[F, D]`, sliced out of the stacks.
+            let take = |w: &Param<Tensor<B, 3>>| {
+                let [_, a, b] = w.dims();
+                to_dtype(w.val().slice(j..j + 1).reshape([a, b]), DType::F32)
+            };
+            let (w_gate, w_up, w_down) = (take(&self.gate), take(&self.up), take(&self.down));
             let hidden = silu(x.clone().matmul(w_gate)) * x.clone().matmul(w_up);
             out = out + hidden.matmul(w_down) * dense.clone().slice([0..n, j..j + 1]);
         }
