@@ -4,6 +4,7 @@ mod common;
 
 use common::*;
 use ember_train::metrics::read_metrics;
+use ember_train::Checkpoint;
 
 #[test]
 fn prepare_train_sample() {
@@ -584,19 +585,25 @@ fn a_mixture_of_experts_trains_logs_its_routing_resumes_bitwise_and_exports() {
     assert_eq!(cfg["architectures"][0], "MixtralForCausalLM", "{cfg}");
     assert_eq!((cfg["num_local_experts"].as_u64(), cfg["num_experts_per_tok"].as_u64()), (Some(4), Some(2)));
     assert_eq!(cfg["router_aux_loss_coef"].as_f64(), Some(0.05));
-    // LoRA on the trained mixture of experts adapts the attention; the MLP's projections, which
-    // its blocks lack, are refused by name.
-    let lora = |targets: &str| {
-        let config = lora_config("straight", "corpus.txt", 2, 2, 1e-3, 7);
-        let all =
-            "targets = [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"gate_proj\", \"up_proj\", \"down_proj\"]";
-        config.replace(all, &format!("targets = {targets}"))
-    };
-    s.write("lora.toml", &lora("[\"q_proj\", \"up_proj\"]"));
-    let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "lora"]);
-    assert_clean_error(&o, "`up_proj` is not a projection of this model");
-    s.write("lora.toml", &lora("[\"q_proj\", \"v_proj\"]"));
+    // LoRA on the trained mixture of experts: the attention's projections and, with the MLP's
+    // targets, every expert's (one adapter each, stacked as the experts are). The checkpoints hold
+    // the adapters only; the merged export is a plain Mixtral folder again.
+    s.write("lora.toml", &lora_config("straight", "corpus.txt", 2, 2, 1e-3, 7));
     let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "lora"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("4 experts of 16 (top 2)"), "{}", stderr(&o));
+    let latest = Checkpoint::open(&s.path().join("lora")).unwrap().dir;
+    assert!(!latest.join("model.safetensors").exists());
+    let bytes = std::fs::read(latest.join("adapter.safetensors")).unwrap();
+    let saved = ember_model::weights::from_safetensors(&bytes, "lora").unwrap().0;
+    for stack in ["gate", "up", "down"] {
+        let b = &saved[&format!("layers.1.moe.lora.{stack}.lora_b")];
+        assert_eq!(b.shape[0], 4, "one adapter an expert");
+        assert!(b.to_vec::<f32>().unwrap().iter().any(|&v| v != 0.0), "{stack}: trained off zero");
+    }
+    assert!(saved.keys().all(|k| k.contains(".lora.")), "adapters only: {:?}", saved.keys().collect::<Vec<_>>());
+    let o = s.ember(&["export", "lora", "--format", "hf", "--merge", "--out", "merged"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let names = std::fs::read_to_string(s.path().join("merged/config.json")).unwrap();
+    assert!(names.contains("MixtralForCausalLM"), "{names}");
 }

@@ -590,6 +590,10 @@ fn fixtures_llama_cpp_would_run_differently_are_refused() {
                 "model.query_pre_attn_scalar is 24.0, GGUF gemma3 has null",
             ][..],
         ),
+        // llama.cpp's deepseek2 takes YaRN's mscale equal to mscale_all_dim, and scores a softmax
+        // router's groups by their best two experts (DeepSeek-V2 by its best one).
+        ("deepseek_v3", "GGUF deepseek2", &["\"mscale\":1.0,\"mscale_all_dim\":0.8", "has {"][..]),
+        ("deepseek_v2", "GGUF deepseek2", &["groups of a softmax router"][..]),
     ] {
         ember_ok(&s, &["import", hf_fixture(name).to_str().unwrap(), "--out", name]);
         let out = format!("{name}.gguf");
@@ -797,6 +801,19 @@ fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
         ("qwen2moe", "qwen2moe", 2, "qkv_bias = true\n", "shared_expert = 48\nshared_expert_gate = true\n"),
         ("qwen3moe", "qwen3moe", 2, "qk_norm = true\nhead_dim = 32\n", renormalised),
         ("olmoe", "olmoe", 4, "qk_norm = true\nqk_norm_whole = true\n", ""),
+        // DeepSeek-V3's parts: latent attention with a low-rank query, YaRN, a dense first layer,
+        // sigmoid-scored grouped experts with the selection bias (moved by training), a shared expert.
+        (
+            "deepseek2",
+            "deepseek2",
+            4,
+            "norm_eps = 1e-6\nrope_layout = \"interleaved\"\n\
+             [model.rope_scaling]\ntype = \"yarn\"\nfactor = 4.0\noriginal_max_position_embeddings = 16\n\
+             mscale = 0.8\nmscale_all_dim = 0.8\n\
+             [model.mla]\nq_rank = 24\nkv_rank = 32\nnope_dim = 8\nrope_dim = 8\nv_dim = 16\n",
+            "norm_topk = true\nshared_expert = 32\nscoring = \"sigmoid\"\nselection_bias = true\ngroups = 2\n\
+             top_groups = 1\nrouted_scale = 2.5\ndense_layers = 1\nbias_update_rate = 0.01\n",
+        ),
     ];
     for (name, arch, kv_heads, parts, moe) in cases {
         let config = format!(
@@ -806,6 +823,8 @@ fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
              [train]\nbatch_size = 2\nseq_len = 32\nmax_steps = 2\neval_interval = 2\neval_iters = 1\n\
              checkpoint_interval = 2\nseed = 7\n"
         );
+        // DeepSeek's selection bias moves only after a step whose loads are uneven: a few more steps.
+        let config = if name == "deepseek2" { config.replace("max_steps = 2", "max_steps = 4") } else { config };
         s.write(&format!("{name}.toml"), &config);
         ember_ok(&s, &["train", "--config", &format!("{name}.toml"), "--run-dir", name]);
         let run = Checkpoint::open(&s.path().join(name)).unwrap();
@@ -841,6 +860,14 @@ fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
                 m.config().moe.clone().map(|c| (c.n_experts, c.top_k, c.d_expert, c.norm_topk, c.shared_expert))
             };
             assert_eq!(moe(&imported), moe(&model), "{file}");
+            if let Some(mla) = &model.config().mla {
+                // The split per-head up-projections join back to the run's; the trained selection bias
+                // (moved off zero by the balancing) is the file's.
+                assert_eq!(imported.config().mla.as_ref(), Some(mla), "{file}");
+                assert!(f.tensor("blk.0.attn_k_b.weight").is_some() && f.tensor("blk.0.attn_kv_b.weight").is_none());
+                let bias = model.layers[1].moe.as_ref().unwrap().selection_bias.as_ref().unwrap().val();
+                assert!(bias.abs().max().into_scalar() > 0.0, "the balancing moved the selection bias");
+            }
             let n = 8;
             let (their_prompt, their_ids) = llama_cpp(&s.path().join(&file), n, &["First Citizen: hear me"]).remove(0);
             let ends = run.tokenizer.end_ids();

@@ -6,7 +6,7 @@
 //! inside; per layer type for Gemma 3) and the older top-level `rope_theta` with `rope_scaling`
 //! (and Gemma 3's `rope_local_base_freq`). Exports write transformers 5's.
 
-use ember_model::{MlpKind, ModelConfig, MoeConfig, NormKind, Positions, RopeLayout, RopeScaling};
+use ember_model::{MlaConfig, MlpKind, ModelConfig, MoeConfig, NormKind, Positions, RopeLayout, RopeScaling, Scoring};
 use serde_json::{json, Map, Value};
 
 use crate::error::HfError;
@@ -108,6 +108,7 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         norm_bias: false,
         mlp,
         moe: None,
+        mla: None,
         positions: parts.positions,
         qk_norm: parts.qk_norm,
         qk_norm_whole: parts.qk_norm_whole,
@@ -227,11 +228,15 @@ fn canonical(c: &ModelConfig) -> ModelConfig {
     let mut c = c.clone();
     c.n_kv_heads = Some(c.n_kv_heads());
     c.head_dim = c.head_dim.filter(|&h| h.checked_mul(c.n_heads) != Some(c.d_model));
-    c.rope_layout = RopeLayout::HalfSplit;
+    if c.mla.is_none() {
+        c.rope_layout = RopeLayout::HalfSplit; // exports permute the q/k columns; latent attention's stay as they are
+    }
     c.dropout = 0.0;
     c.zero_init_out = false; // how training started, not the architecture
     if let Some(moe) = c.moe.as_mut() {
-        c.d_ff = 0; // no block has an MLP
+        if moe.dense_layers == 0 {
+            c.d_ff = 0; // no block has an MLP
+        }
         moe.z_loss_coef = 0.0; // how training goes, not the architecture
     }
     let local = (0..c.n_layers).filter(|&l| c.is_local(l)).count();
@@ -361,6 +366,7 @@ fn read_experts(r: &Reader, width: &'static str, norm_topk: bool) -> Result<MoeC
         shared_expert_gate: false,
         aux_loss_coef: r.f64("router_aux_loss_coef").unwrap_or(0.001),
         z_loss_coef: 0.0,
+        ..Default::default()
     })
 }
 
@@ -451,6 +457,148 @@ pub(crate) fn write_olmoe(c: &ModelConfig, obj: &mut Map<String, Value>) {
     if let Some(moe) = &c.moe {
         obj.insert("norm_topk_prob".into(), json!(moe.norm_topk));
     }
+}
+
+// ---- DeepSeek-V2, V3: latent attention, experts after the first dense layers ----
+
+/// DeepSeek's keys. V2: softmax scores, routing `greedy` or `group_limited_greedy` (a group scored
+/// by its best expert), weights not renormalised; V3: sigmoid scores with the selection bias, every
+/// token's experts from the best `topk_group` of `n_group` groups (a group scored by its best two),
+/// renormalised per `norm_topk_prob`. Both: `routed_scaling_factor`, `n_shared_experts` plain shared
+/// experts of `moe_intermediate_size` (one MLP `n_shared_experts` times as wide), dense MLPs of
+/// `intermediate_size` in the first `first_k_dense_replace` layers, RoPE on interleaved pairs
+/// (V3 unless `rope_interleave` is false). transformers computes no auxiliary loss for either: the
+/// coefficient is 0.
+fn read_deepseek(r: &Reader, c: &mut ModelConfig, v3: bool) -> Result<(), HfError> {
+    let bias = r.flag("attention_bias").unwrap_or(false);
+    (c.qkv_bias, c.o_bias) = (bias, bias);
+    if r.flag("mlp_bias") == Some(true) {
+        return Err(r.bad("mlp_bias = true: ember's experts and DeepSeek's MLPs have no biases".into()));
+    }
+    (c.rope_theta, c.rope_scaling) = read_rope(r, r.get("rope_parameters").and_then(Value::as_object), 10_000.0)?;
+    let interleaved = !v3 || r.flag("rope_interleave").unwrap_or(true);
+    c.rope_layout = if interleaved { RopeLayout::Interleaved } else { RopeLayout::HalfSplit };
+    // Latent attention's head widths are its own; `head_dim` is the rotary part, `num_key_value_heads` unused.
+    (c.head_dim, c.n_kv_heads) = (None, None);
+    // An absent q_lora_rank is the class default (1536); null is no low-rank query.
+    let q_rank = match r.obj.get("q_lora_rank") {
+        None => Some(1536),
+        Some(_) => r.opt_usize("q_lora_rank"),
+    };
+    c.mla = Some(MlaConfig {
+        q_rank,
+        kv_rank: r.usize("kv_lora_rank")?,
+        nope_dim: r.usize("qk_nope_head_dim")?,
+        rope_dim: r.usize("qk_rope_head_dim")?,
+        v_dim: r.usize("v_head_dim")?,
+        norm_eps: 1e-6,
+    });
+    if r.opt_usize("moe_layer_freq").is_some_and(|f| f != 1) {
+        return Err(r.bad("moe_layer_freq is not 1: ember's experts are in every layer after the dense ones".into()));
+    }
+    let scoring = match r.get("scoring_func").and_then(Value::as_str) {
+        None => {
+            if v3 {
+                Scoring::Sigmoid
+            } else {
+                Scoring::Softmax
+            }
+        }
+        Some("sigmoid") => Scoring::Sigmoid,
+        Some("softmax") => Scoring::Softmax,
+        Some(other) => return Err(r.bad(format!("scoring_func `{other}`: ember scores experts by softmax or sigmoid"))),
+    };
+    let grouped = |groups: usize, top: usize| (groups > 1).then_some((groups, top));
+    let groups = if v3 {
+        grouped(r.opt_usize("n_group").unwrap_or(8), r.opt_usize("topk_group").unwrap_or(4))
+    } else {
+        match r.get("topk_method").and_then(Value::as_str).unwrap_or("greedy") {
+            "greedy" => None,
+            "group_limited_greedy" => grouped(r.usize("n_group")?, r.usize("topk_group")?),
+            other => {
+                return Err(
+                    r.bad(format!("topk_method `{other}`: ember routes DeepSeek-V2 by greedy or group_limited_greedy"))
+                )
+            }
+        }
+    };
+    let moe_width = r.usize("moe_intermediate_size")?;
+    let shared = r.opt_usize("n_shared_experts").unwrap_or(if v3 { 1 } else { 2 });
+    c.moe = Some(MoeConfig {
+        n_experts: r.usize("n_routed_experts")?,
+        top_k: r.usize("num_experts_per_tok")?,
+        d_expert: moe_width,
+        norm_topk: v3 && r.flag("norm_topk_prob").unwrap_or(true),
+        shared_expert: (shared > 0).then(|| shared * moe_width),
+        shared_expert_gate: false,
+        aux_loss_coef: 0.0,
+        z_loss_coef: 0.0,
+        scoring,
+        selection_bias: v3,
+        groups: groups.map(|g| g.0),
+        top_groups: groups.map(|g| g.1),
+        routed_scale: r.f64("routed_scaling_factor").unwrap_or(if v3 { 2.5 } else { 1.0 }),
+        dense_layers: r.opt_usize("first_k_dense_replace").unwrap_or(if v3 { 3 } else { 0 }),
+        bias_update_rate: 0.0,
+    });
+    Ok(())
+}
+
+pub(crate) fn read_deepseek_v2(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_deepseek(r, c, false)
+}
+
+pub(crate) fn read_deepseek_v3(r: &Reader, c: &mut ModelConfig) -> Result<(), HfError> {
+    read_deepseek(r, c, true)
+}
+
+fn write_deepseek(c: &ModelConfig, obj: &mut Map<String, Value>, v3: bool) {
+    obj.insert("rope_parameters".into(), rope_parameters(c.rope_theta, c.rope_scaling.as_ref()));
+    obj.insert("attention_bias".into(), json!(c.qkv_bias));
+    if let Some(mla) = &c.mla {
+        let entries = [
+            ("q_lora_rank", json!(mla.q_rank)),
+            ("kv_lora_rank", json!(mla.kv_rank)),
+            ("qk_nope_head_dim", json!(mla.nope_dim)),
+            ("qk_rope_head_dim", json!(mla.rope_dim)),
+            ("v_head_dim", json!(mla.v_dim)),
+            ("head_dim", json!(mla.rope_dim)),
+            ("qk_head_dim", json!(mla.qk_dim())),
+            ("num_key_value_heads", json!(c.n_heads)),
+        ];
+        obj.extend(entries.into_iter().map(|(k, v)| (k.to_string(), v)));
+    }
+    if v3 {
+        obj.insert("rope_interleave".into(), json!(c.rope_layout == RopeLayout::Interleaved));
+    }
+    let Some(moe) = &c.moe else { return };
+    let shared = moe.shared_expert.map_or(0, |s| s / moe.d_expert.max(1));
+    let (groups, top) = (moe.groups.unwrap_or(1), moe.top_groups.unwrap_or(1));
+    let entries = [
+        ("n_routed_experts", json!(moe.n_experts)),
+        ("num_experts_per_tok", json!(moe.top_k)),
+        ("moe_intermediate_size", json!(moe.d_expert)),
+        ("n_shared_experts", json!(shared)),
+        ("routed_scaling_factor", json!(moe.routed_scale)),
+        ("first_k_dense_replace", json!(moe.dense_layers)),
+        ("norm_topk_prob", json!(moe.norm_topk)),
+        ("n_group", json!(groups)),
+        ("topk_group", json!(top)),
+    ];
+    obj.extend(entries.into_iter().map(|(k, v)| (k.to_string(), v)));
+    if !v3 {
+        let method = if moe.groups.is_some() { "group_limited_greedy" } else { "greedy" };
+        obj.insert("topk_method".into(), json!(method));
+        obj.insert("mlp_bias".into(), json!(false));
+    }
+}
+
+pub(crate) fn write_deepseek_v2(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    write_deepseek(c, obj, false);
+}
+
+pub(crate) fn write_deepseek_v3(c: &ModelConfig, obj: &mut Map<String, Value>) {
+    write_deepseek(c, obj, true);
 }
 
 // ---- Gemma 3 ----
@@ -615,7 +763,22 @@ fn rope_scaling(s: &Map<String, Value>) -> Result<Option<RopeScaling>, String> {
             high_freq_factor: f("high_freq_factor")?,
             original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
         }),
-        other => return Err(format!("rope scaling type `{other}` is not supported (default, linear, llama3 are)")),
+        "yarn" => {
+            let opt = |k: &str| s.get(k).and_then(Value::as_f64);
+            Some(RopeScaling::Yarn {
+                factor: f("factor")?,
+                original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
+                beta_fast: opt("beta_fast").unwrap_or(32.0),
+                beta_slow: opt("beta_slow").unwrap_or(1.0),
+                mscale: opt("mscale"),
+                mscale_all_dim: opt("mscale_all_dim"),
+                attention_factor: opt("attention_factor"),
+                truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+            })
+        }
+        other => {
+            return Err(format!("rope scaling type `{other}` is not supported (default, linear, llama3, yarn are)"))
+        }
     })
 }
 
@@ -637,6 +800,38 @@ fn rope_parameters(theta: f64, scaling: Option<&RopeScaling>) -> Value {
             rope.insert("low_freq_factor".into(), json!(low_freq_factor));
             rope.insert("high_freq_factor".into(), json!(high_freq_factor));
             rope.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
+        }
+        Some(&RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            attention_factor,
+            truncate,
+        }) => {
+            // Integers where they are (transformers writes its defaults 32 and 1 so); `truncate` only
+            // when it is not the default.
+            let number = |x: f64| if x.fract() == 0.0 && x.abs() < 1e15 { json!(x as i64) } else { json!(x) };
+            let entries = [
+                ("rope_type", json!("yarn")),
+                ("factor", json!(factor)),
+                ("original_max_position_embeddings", json!(original_max_position_embeddings)),
+                ("beta_fast", number(beta_fast)),
+                ("beta_slow", number(beta_slow)),
+            ];
+            rope.extend(entries.into_iter().map(|(k, v)| (k.to_string(), v)));
+            if !truncate {
+                rope.insert("truncate".into(), json!(false));
+            }
+            let optional =
+                [("mscale", mscale), ("mscale_all_dim", mscale_all_dim), ("attention_factor", attention_factor)];
+            for (key, value) in optional {
+                if let Some(v) = value {
+                    rope.insert(key.into(), json!(v));
+                }
+            }
         }
     }
     Value::Object(rope)
@@ -707,6 +902,9 @@ mod tests {
         v["hidden_act"] = json!("silu");
         v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
         let e = to_model_config(&v, "c.json").unwrap_err();
-        assert!(e.to_string().contains("`yarn` is not supported"), "{e}");
+        assert!(e.to_string().contains("`yarn` without `original_max_position_embeddings`"), "{e}");
+        v["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 4.0});
+        let e = to_model_config(&v, "c.json").unwrap_err();
+        assert!(e.to_string().contains("`dynamic` is not supported"), "{e}");
     }
 }

@@ -15,6 +15,8 @@
 //! | `qwen2_moe`   | `Qwen2MoeForCausalLM` | RMSNorm              | experts, shared | RoPE | [`QWEN_EXPERTS`] |
 //! | `qwen3_moe`   | `Qwen3MoeForCausalLM` | RMSNorm, q/k norms   | experts | RoPE     | [`QWEN_EXPERTS`] |
 //! | `olmoe`       | `OlmoeForCausalLM`  | RMSNorm, whole q/k norms | experts | RoPE   | [`QWEN_EXPERTS`] |
+//! | `deepseek_v2` | `DeepseekV2ForCausalLM` | RMSNorm, latent attention | dense, then experts, shared | RoPE (interleaved) | [`DEEPSEEK_TENSORS`] |
+//! | `deepseek_v3` | `DeepseekV3ForCausalLM` | RMSNorm, latent attention | dense, then experts (sigmoid), shared | RoPE (interleaved), YaRN | [`DEEPSEEK_TENSORS`] |
 //!
 //! A tensor rule pairs a Hugging Face name with ember path(s) and with llama.cpp's GGUF name; `{i}`
 //! stands for the layer index. The [`Layout`] says how the values move between Hugging Face and
@@ -46,6 +48,8 @@ pub enum Architecture {
     Qwen2Moe,
     Qwen3Moe,
     Olmoe,
+    DeepseekV2,
+    DeepseekV3,
 }
 
 /// How a family's config.json and tensors map onto ember's. One row of [`FAMILIES`].
@@ -262,6 +266,53 @@ pub const QWEN_EXPERTS: &[Rule] = &[
         .gguf("blk.{i}.ffn_gate_inp_shexp.weight"),
 ];
 
+/// DeepSeek-V2 and V3: latent attention (see `ember_model::mla`: the query's projection `q_proj`,
+/// or `q_a_proj`, its norm and `q_b_proj`; `kv_a_proj_with_mqa` is ember's `k_proj`, `kv_b_proj` its
+/// `v_proj`), Llama's norms and head. Its dense layers' MLP is [`LLAMA_MLP`], the others'
+/// [`DEEPSEEK_EXPERTS`]. An export writes `q_b_proj` for the query of a low-rank query.
+#[rustfmt::skip]
+pub const DEEPSEEK_TENSORS: &[Rule] = &[
+    as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight"),
+    gain("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
+    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]).gguf("blk.{i}.attn_q.weight"),
+    linear("model.layers.{i}.self_attn.q_b_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]).gguf("blk.{i}.attn_q_b.weight"),
+    linear("model.layers.{i}.self_attn.q_a_proj.weight", &["layers.{i}.self_attn.mla.q_a_proj.weight"]).gguf("blk.{i}.attn_q_a.weight"),
+    // llama.cpp's deepseek2 has no attention biases.
+    as_is("model.layers.{i}.self_attn.q_a_proj.bias", &["layers.{i}.self_attn.mla.q_a_proj.bias"]),
+    gain("model.layers.{i}.self_attn.q_a_layernorm.weight", &["layers.{i}.self_attn.mla.q_a_norm.weight"])
+        .gguf("blk.{i}.attn_q_a_norm.weight"),
+    linear("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", &["layers.{i}.self_attn.k_proj.weight"])
+        .gguf("blk.{i}.attn_kv_a_mqa.weight"),
+    as_is("model.layers.{i}.self_attn.kv_a_proj_with_mqa.bias", &["layers.{i}.self_attn.k_proj.bias"]),
+    gain("model.layers.{i}.self_attn.kv_a_layernorm.weight", &["layers.{i}.self_attn.mla.kv_a_norm.weight"])
+        .gguf("blk.{i}.attn_kv_a_norm.weight"),
+    // Read from llama.cpp's older files; its current ones split it per head into `attn_k_b` and
+    // `attn_v_b` (`crate::gguf`).
+    linear("model.layers.{i}.self_attn.kv_b_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]).gguf("blk.{i}.attn_kv_b.weight"),
+    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]).gguf("blk.{i}.attn_output.weight"),
+    as_is("model.layers.{i}.self_attn.o_proj.bias", &["layers.{i}.self_attn.o_proj.bias"]),
+    gain("model.layers.{i}.post_attention_layernorm.weight", &["layers.{i}.post_attention_layernorm.weight"])
+        .gguf("blk.{i}.ffn_norm.weight"),
+    gain("model.norm.weight", &["norm.weight"]).gguf("output_norm.weight"),
+    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight"),
+];
+
+/// DeepSeek's experts, router (with V3's selection bias) and plain shared experts.
+#[rustfmt::skip]
+pub const DEEPSEEK_EXPERTS: &[Rule] = &[
+    linear("model.layers.{i}.mlp.gate.weight", &["layers.{i}.moe.router.weight"]).gguf("blk.{i}.ffn_gate_inp.weight"),
+    as_is("model.layers.{i}.mlp.gate.e_score_correction_bias", &["layers.{i}.moe.selection_bias"]).gguf("blk.{i}.exp_probs_b.bias"),
+    experts("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", &["layers.{i}.moe.gate"]).gguf("blk.{i}.ffn_gate_exps.weight"),
+    experts("model.layers.{i}.mlp.experts.{j}.up_proj.weight", &["layers.{i}.moe.up"]).gguf("blk.{i}.ffn_up_exps.weight"),
+    experts("model.layers.{i}.mlp.experts.{j}.down_proj.weight", &["layers.{i}.moe.down"]).gguf("blk.{i}.ffn_down_exps.weight"),
+    linear("model.layers.{i}.mlp.shared_experts.gate_proj.weight", &["layers.{i}.moe.shared.gate_proj.weight"])
+        .gguf("blk.{i}.ffn_gate_shexp.weight"),
+    linear("model.layers.{i}.mlp.shared_experts.up_proj.weight", &["layers.{i}.moe.shared.up_proj.weight"])
+        .gguf("blk.{i}.ffn_up_shexp.weight"),
+    linear("model.layers.{i}.mlp.shared_experts.down_proj.weight", &["layers.{i}.moe.shared.down_proj.weight"])
+        .gguf("blk.{i}.ffn_down_shexp.weight"),
+];
+
 /// Gemma 3: four norms a block (its MLP is [`LLAMA_MLP`]). Its `post_attention_layernorm` is the attention's output norm and
 /// `pre_feedforward_layernorm` the MLP's input norm (Llama's `post_attention_layernorm`).
 #[rustfmt::skip]
@@ -385,7 +436,7 @@ const fn llama_like(
 }
 
 /// Every family, in the order [`Architecture::for_model`] prefers them.
-pub const FAMILIES: [Family; 10] = [
+pub const FAMILIES: [Family; 12] = [
     llama_like(
         Architecture::Llama,
         "llama",
@@ -552,6 +603,51 @@ pub const FAMILIES: [Family; 10] = [
             config_map::write_olmoe,
         )
     },
+    Family {
+        tensors: &[DEEPSEEK_TENSORS, LLAMA_MLP, DEEPSEEK_EXPERTS],
+        replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS, DEEPSEEK_KEYS],
+        ..llama_like(
+            Architecture::DeepseekV2,
+            "deepseek2",
+            "DeepseekV2ForCausalLM",
+            "deepseek_v2",
+            config_map::read_deepseek_v2,
+            config_map::write_deepseek_v2,
+        )
+    },
+    Family {
+        tensors: &[DEEPSEEK_TENSORS, LLAMA_MLP, DEEPSEEK_EXPERTS],
+        replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS, DEEPSEEK_KEYS],
+        ..llama_like(
+            Architecture::DeepseekV3,
+            "deepseek2",
+            "DeepseekV3ForCausalLM",
+            "deepseek_v3",
+            config_map::read_deepseek_v3,
+            config_map::write_deepseek_v3,
+        )
+    },
+];
+
+/// DeepSeek's own keys, replaced by its writer.
+const DEEPSEEK_KEYS: &[&str] = &[
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "qk_head_dim",
+    "n_routed_experts",
+    "n_shared_experts",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "topk_method",
+    "scoring_func",
+    "rope_interleave",
+    "moe_layer_freq",
+    "mlp_bias",
 ];
 
 /// The experts' keys a mixture-of-experts family's writer replaces (with Llama's).
@@ -597,6 +693,10 @@ impl Architecture {
     /// when it has q/k/v bias, Mistral with a sliding window, Llama otherwise. A model no family
     /// is built from gets Llama's rule, and [`crate::config_map::expressible`] says why it fails.
     pub fn for_model(c: &ModelConfig) -> Self {
+        if c.mla.is_some() {
+            let v3 = c.moe.as_ref().is_some_and(|m| m.scoring == ember_model::Scoring::Sigmoid || m.selection_bias);
+            return if v3 { Self::DeepseekV3 } else { Self::DeepseekV2 };
+        }
         if let Some(moe) = &c.moe {
             return match (c.qk_norm, moe.shared_expert.is_some() || c.qkv_bias) {
                 (true, _) if c.qk_norm_whole => Self::Olmoe,
@@ -764,6 +864,10 @@ mod tests {
                     let to = f.hf_to_ember(&hf).unwrap();
                     assert_eq!((to.paths[part].as_str(), to.layout), (path.as_str(), r.layout), "{hf}");
                     let back = f.ember_to_hf(&path).unwrap();
+                    // DeepSeek's query is `q_proj` or, low-rank, `q_b_proj`: one ember path, the
+                    // first name back (an export renames it by the model's config).
+                    let first = f.rules().find(|o| o.ember.contains(e)).unwrap();
+                    let hf = if first.hf == r.hf { hf.clone() } else { fill_expert(&fill(first.hf, Some(7)), 3) };
                     assert_eq!((fill_expert(&back.name, 3), back.part), (hf.clone(), part), "{path}");
                     assert_eq!(to.expert, (r.layout == Layout::Experts).then_some(3), "{hf}");
                 }

@@ -453,7 +453,10 @@ pub(crate) fn named_hf_tensors<B: EmberBackend>(
 ) -> Result<Vec<(String, TensorData)>, HfError> {
     let config = model.config();
     let family = arch.family();
-    let interleaved = config.rope_layout == RopeLayout::Interleaved && config.positions == Positions::Rope;
+    // Latent attention's rotary columns stay interleaved (DeepSeek's files keep them so).
+    let interleaved =
+        config.rope_layout == RopeLayout::Interleaved && config.positions == Positions::Rope && config.mla.is_none();
+    let low_rank_query = config.mla.as_ref().is_some_and(|m| m.q_rank.is_some());
     // +1 for a gain kept as `g − 1` written as `g`, −1 the other way, 0 for none.
     let shift = match (config.norm, gains) {
         (NormKind::RmsNormPlusOne, NormKind::RmsNorm) => 1.0,
@@ -481,7 +484,11 @@ pub(crate) fn named_hf_tensors<B: EmberBackend>(
     let mut tensors: Vec<(String, TensorData)> = Vec::new();
     for i in 0..named.len() {
         let path = named[i].0.clone();
-        let to = family.ember_to_hf(&path).ok_or_else(|| HfError::NoHfName(path.clone()))?;
+        let mut to = family.ember_to_hf(&path).ok_or_else(|| HfError::NoHfName(path.clone()))?;
+        if low_rank_query && to.name.ends_with(".self_attn.q_proj.weight") {
+            to.name = to.name.replace(".self_attn.q_proj.", ".self_attn.q_b_proj.");
+            // the low-rank query's up-projection
+        }
         let parts: Vec<usize> = to.paths.iter().filter_map(|p| index.get(p).copied()).collect();
         if parts.len() != to.paths.len() {
             let fields = vec![format!("`{}` holds {}, and the model lacks some", to.name, to.paths.join(", "))];

@@ -206,6 +206,7 @@ pub fn grouped_attention<B: Backend>(
     compute: DType,
 ) -> Tensor<B, 4> {
     let [b, h, t, dh] = q.dims();
+    let dv = v.dims()[3];
     if rep == 1 {
         return masked_attention(q, k, v, hidden, compute, scores);
     }
@@ -214,7 +215,30 @@ pub fn grouped_attention<B: Backend>(
         let s = m.dims()[3];
         m.unsqueeze_dim::<5>(2).expand([b, 1, rep, t, s]).reshape([b, 1, rep * t, s])
     });
-    masked_attention(q, k, v, hidden, compute, scores).reshape([b, h, t, dh])
+    masked_attention(q, k, v, hidden, compute, scores).reshape([b, h, t, dv])
+}
+
+/// Attention of `q` over a latent cache (multi-head latent attention, decoded with its key and value
+/// up-projections absorbed): each pool row is one position's latent, `[c | k_rope]`, the one key
+/// every head reads; the values are its first `value_width` numbers, `c`. Gathered through the
+/// layout's tables and masked as [`reference`] does.
+///
+/// # Shapes
+/// - q: `[B, H, T, W]`, pool: `[N, W]` -> `[B, H, T, value_width]`
+pub fn latent_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    pool: Tensor<B, 2>,
+    value_width: usize,
+    paged: &Paged<B>,
+    scores: Scores,
+    compute: DType,
+) -> Tensor<B, 4> {
+    let [b, h, _, w] = q.dims();
+    let (read, hidden) = paged.view();
+    let s = paged.layout.keys();
+    let keys = pool.select(0, read.clone()).reshape([b, 1, s, w]);
+    let values = keys.clone().narrow(3, 0, value_width);
+    grouped_attention(q, keys, values, hidden.clone(), (h, scores), compute)
 }
 
 impl PagedAttentionOps for Flex {

@@ -36,12 +36,109 @@ pub enum RopeScaling {
     Linear { factor: f64 },
     /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+    /// YaRN (Peng et al., 2023; DeepSeek-V2/V3): frequencies that turn fewer than `beta_slow` times
+    /// over the pretraining length divided by `factor`, those that turn more than `beta_fast` times
+    /// kept, a linear ramp between; cos and sin multiplied by the attention factor (given, or
+    /// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)`), and with `mscale_all_dim` the
+    /// attention's softmax scale by `mscale(factor, mscale_all_dim)²` (the model applies that one).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        #[serde(default = "default_beta_fast")]
+        beta_fast: f64,
+        #[serde(default = "default_beta_slow")]
+        beta_slow: f64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mscale: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mscale_all_dim: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        attention_factor: Option<f64>,
+        /// The ramp's ends rounded outwards to whole channels (Hugging Face's default).
+        #[serde(default = "default_truncate")]
+        truncate: bool,
+    },
+}
+
+fn default_beta_fast() -> f64 {
+    32.0
+}
+fn default_beta_slow() -> f64 {
+    1.0
+}
+fn default_truncate() -> bool {
+    true
+}
+
+/// YaRN's `mscale`: `0.1 · m · ln(s) + 1` above a scale of one, 1 at or below it.
+pub fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
 }
 
 impl RopeScaling {
-    /// Scales the inverse frequency of one channel pair (Hugging Face's `_compute_*_parameters`).
-    pub fn scale(&self, inv_freq: f64) -> f64 {
+    /// The inverse frequencies of the channel pairs of a `head_dim`-wide rotation with base `theta`
+    /// (Hugging Face's `_compute_*_parameters`).
+    pub fn inv_freqs(&self, head_dim: usize, theta: f64) -> Vec<f64> {
+        let dim = head_dim as f64;
+        let plain = (0..head_dim / 2).map(|i| theta.powf(-2.0 * i as f64 / dim));
         match *self {
+            Self::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, .. } => {
+                let old = original_max_position_embeddings as f64;
+                // The channel pair that turns `rotations` times over the pretraining length.
+                let pair =
+                    |rotations: f64| dim * (old / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+                let (mut low, mut high) = (pair(beta_fast), pair(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                plain
+                    .enumerate()
+                    .map(|(i, f)| {
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let keep = 1.0 - ramp; // the share of the unscaled frequency
+                        f / factor * ramp + f * keep
+                    })
+                    .collect()
+            }
+            _ => plain.map(|f| self.scale(f)).collect(),
+        }
+    }
+
+    /// What cos and sin are multiplied by: YaRN's attention factor, 1 otherwise.
+    pub fn attention_factor(&self) -> f64 {
+        match *self {
+            Self::Yarn { factor, mscale, mscale_all_dim, attention_factor, .. } => {
+                attention_factor.unwrap_or(match (mscale, mscale_all_dim) {
+                    (Some(m), Some(all)) if m != 0.0 && all != 0.0 => yarn_mscale(factor, m) / yarn_mscale(factor, all),
+                    _ => yarn_mscale(factor, 1.0),
+                })
+            }
+            _ => 1.0,
+        }
+    }
+
+    /// What a multi-head latent attention's softmax scale is multiplied by: YaRN's
+    /// `mscale(factor, mscale_all_dim)²` where `mscale_all_dim` is given and non-zero, 1 otherwise.
+    pub fn softmax_scale_factor(&self) -> f64 {
+        match *self {
+            Self::Yarn { factor, mscale_all_dim: Some(all), .. } if all != 0.0 => yarn_mscale(factor, all).powi(2),
+            _ => 1.0,
+        }
+    }
+
+    /// Scales the inverse frequency of one channel pair (linear and Llama 3 scaling; YaRN's depends
+    /// on the channel, see [`Self::inv_freqs`]).
+    fn scale(&self, inv_freq: f64) -> f64 {
+        match *self {
+            Self::Yarn { .. } => inv_freq,
             Self::Linear { factor } => inv_freq / factor,
             Self::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
                 let old = original_max_position_embeddings as f64;
@@ -88,19 +185,18 @@ impl<B: Backend> Rope<B> {
         device: &B::Device,
     ) -> Self {
         let half = head_dim / 2;
-        let inv_freq: Vec<f64> = (0..half)
-            .map(|i| {
-                let f = theta.powf(-2.0 * i as f64 / head_dim as f64);
-                scaling.map_or(f, |s| s.scale(f))
-            })
-            .collect();
+        let inv_freq: Vec<f64> = match scaling {
+            Some(s) => s.inv_freqs(head_dim, theta),
+            None => (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect(),
+        };
+        let gain = scaling.map_or(1.0, RopeScaling::attention_factor);
         let mut cos = Vec::with_capacity(max_seq_len * half);
         let mut sin = Vec::with_capacity(max_seq_len * half);
         for pos in 0..max_seq_len {
             for &inv_freq in &inv_freq {
                 let (s, c) = (pos as f64 * inv_freq).sin_cos();
-                cos.push(c as f32);
-                sin.push(s as f32);
+                cos.push((c * gain) as f32);
+                sin.push((s * gain) as f32);
             }
         }
         let table = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [max_seq_len, half]), device);

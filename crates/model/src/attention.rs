@@ -17,6 +17,7 @@ use crate::config::{positive_std, ConfigError};
 use crate::init::Init;
 use crate::kv_cache::LayerKv;
 use crate::linear::{forward_packed, Linear};
+use crate::mla::{Latent, MlaConfig};
 use crate::norm::{Norm, NormConfig};
 
 /// What an [`Attention`] is built from.
@@ -39,6 +40,8 @@ pub(crate) struct AttentionConfig {
     /// Init standard deviation of the q/k/v projections and of the output projection.
     pub init_std: f64,
     pub out_std: f64,
+    /// Multi-head latent attention in place of the plain projections (DeepSeek).
+    pub mla: Option<MlaConfig>,
 }
 
 impl AttentionConfig {
@@ -61,6 +64,7 @@ impl AttentionConfig {
             softcap: None,
             init_std: 0.02,
             out_std: 0.02,
+            mla: None,
         }
     }
 
@@ -80,7 +84,7 @@ impl AttentionConfig {
         if self.head_dim == 0 {
             return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 });
         }
-        if !self.head_dim.is_multiple_of(2) {
+        if !self.head_dim.is_multiple_of(2) && self.mla.is_none() {
             return Err(ConfigError::OddHeadDim(self.head_dim));
         }
         if self.sliding_window == Some(0) {
@@ -88,6 +92,19 @@ impl AttentionConfig {
         }
         if let Some(norm) = &self.qk_norm {
             norm.validate()?;
+        }
+        if let Some(mla) = &self.mla {
+            mla.validate()?;
+            let other = [("sliding_window", self.sliding_window.is_some()), ("qk_norm", self.qk_norm.is_some())];
+            if let Some((key, _)) = other.into_iter().find(|&(_, set)| set) {
+                return Err(ConfigError::Needs { key, needs: "plain attention (not [model.mla])" });
+            }
+            if self.softcap.is_some() {
+                return Err(ConfigError::Needs {
+                    key: "attn_logit_softcap",
+                    needs: "plain attention (not [model.mla])",
+                });
+            }
         }
         positive_std(self.init_std, self.out_std)
     }
@@ -105,6 +122,27 @@ impl AttentionConfig {
     /// that breaks its rules builds a part that panics when run.
     pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
         let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
+        let scores = Scores { scale: self.scale, softcap: self.softcap };
+        if let Some(mla) = &self.mla {
+            let latent = mla.init(init, (d, h, self.qkv_bias, self.init_std), scores, device);
+            let [q, kv_down, kv_up, o] = mla.shapes(d, h);
+            let std = self.init_std;
+            return Attention {
+                q_proj: Linear::new(init, q.0, q.1, false, std, device),
+                k_proj: Linear::new(init, kv_down.0, kv_down.1, self.qkv_bias, std, device),
+                v_proj: Linear::new(init, kv_up.0, kv_up.1, false, std, device),
+                o_proj: Linear::new(init, o.0, o.1, self.o_bias, self.out_std, device),
+                q_norm: None,
+                k_norm: None,
+                mla: Some(latent),
+                qk_norm_whole: false,
+                n_heads: h,
+                n_kv_heads: h,
+                head_dim: mla.qk_dim(),
+                sliding_window: None,
+                scores,
+            };
+        }
         Attention {
             q_proj: Linear::new(init, d, h * dh, self.qkv_bias, self.init_std, device),
             k_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
@@ -112,16 +150,20 @@ impl AttentionConfig {
             o_proj: Linear::new(init, h * dh, d, self.o_bias, self.out_std, device),
             q_norm: self.qk_norm.as_ref().map(|n| self.whole(n, h).init(device)),
             k_norm: self.qk_norm.as_ref().map(|n| self.whole(n, k).init(device)),
+            mla: None,
             qk_norm_whole: self.qk_norm_whole,
             n_heads: h,
             n_kv_heads: k,
             head_dim: dh,
             sliding_window: self.sliding_window,
-            scores: Scores { scale: self.scale, softcap: self.softcap },
+            scores,
         }
     }
 }
 
+/// The attention's projections. With latent attention (`mla`) they are MLA's, as [`crate::mla`]
+/// describes: `q_proj` `[D or q_rank, H·(dn + dr)]` [q_proj; q_b_proj], `k_proj` `[D, r + dr]`
+/// [kv_a_proj_with_mqa], `v_proj` `[r, H·(dn + dv)]` [kv_b_proj], `o_proj` `[H·dv, D]`.
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
     /// `[D, H·Dh]`
@@ -132,6 +174,8 @@ pub struct Attention<B: Backend> {
     pub v_proj: Linear<B>,
     /// `[H·Dh, D]`
     pub o_proj: Linear<B>,
+    /// Latent attention's other parts (DeepSeek's MLA).
+    pub mla: Option<Latent<B>>,
     /// Per-head norms of the queries and keys, `[Dh]` each; over the whole projections, `[H·Dh]`
     /// and `[K·Dh]`, with `qk_norm_whole`.
     pub q_norm: Option<Norm<B>>,
@@ -169,6 +213,9 @@ impl<B: EmberBackend> Attention<B> {
     /// Projections and the attention GEMMs run in `cx.dtype`; RoPE, the softmax and the result are
     /// f32.
     pub(crate) fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
+        if let Some(latent) = &self.mla {
+            return latent.forward(self, x, rope, keys, cx);
+        }
         let [b, t, d] = x.dims();
         let qkv = self.qkv(x.reshape([b * t, d]), cx); // [B·T, (H + 2K)·Dh]
         let o = match keys {

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::attention::AttentionConfig;
 use crate::block::BlockConfig;
+use crate::mla::MlaConfig;
 use crate::mlp::MlpConfig;
 pub use crate::moe::MoeConfig;
 use crate::moe::MoePartConfig;
@@ -75,6 +76,10 @@ pub struct ModelConfig {
     /// A mixture of SwiGLU experts in place of every block's MLP (`d_ff` then unused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention in place of the plain projections (DeepSeek-V2, V3): `n_kv_heads`
+    /// and `head_dim` then unused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaConfig>,
     /// How positions enter: RoPE in the attention, or a learned table added to the embeddings.
     #[serde(default, skip_serializing_if = "is_default")]
     pub positions: Positions,
@@ -244,14 +249,14 @@ impl ModelConfig {
                 let scaling = self.rope_scaling.as_ref();
                 Rope::with_scaling(
                     self.max_seq_len,
-                    self.head_dim(),
+                    self.rope_dim(),
                     self.rope_theta,
                     self.rope_layout,
                     scaling,
                     device,
                 )
             }
-            Positions::Learned => Rope::identity(self.max_seq_len, self.head_dim(), self.rope_layout, device),
+            Positions::Learned => Rope::identity(self.max_seq_len, self.rope_dim(), self.rope_layout, device),
         }
     }
 
@@ -283,9 +288,23 @@ impl ModelConfig {
         self.n_kv_heads.unwrap_or(self.n_heads)
     }
 
-    /// Per-head width, `d_model / n_heads` when not given.
+    /// Per-head width, `d_model / n_heads` when not given; of the queries and keys with latent
+    /// attention.
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+        match &self.mla {
+            Some(mla) => mla.qk_dim(),
+            None => self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1)),
+        }
+    }
+
+    /// Width RoPE rotates per head: the head's, or latent attention's rotary part.
+    pub fn rope_dim(&self) -> usize {
+        self.mla.as_ref().map_or_else(|| self.head_dim(), |mla| mla.rope_dim)
+    }
+
+    /// Whether layer `layer` runs the experts (a mixture of experts may keep the first layers dense).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|moe| layer >= moe.dense_layers)
     }
 
     /// Checks every rule `init` relies on, so that building never panics on a bad config: the
@@ -304,6 +323,12 @@ impl ModelConfig {
             });
         }
         self.block(0).validate()?;
+        self.block(self.n_layers - 1).validate()?;
+        if let Some(moe) = &self.moe {
+            if moe.dense_layers > self.n_layers {
+                return Err(ConfigError::Needs { key: "moe.dense_layers", needs: "a value no larger than n_layers" });
+            }
+        }
         if let Some(scaling) = &self.rope_scaling {
             validate_rope_scaling(scaling)?;
         }
@@ -387,6 +412,11 @@ impl ModelConfig {
     pub(crate) fn attention(&self, layer: usize) -> AttentionConfig {
         let head_dim = self.head_dim();
         let scale = 1.0 / self.query_pre_attn_scalar.unwrap_or(head_dim as f64).sqrt();
+        // DeepSeek's YaRN models scale the whole score, not only the rotary part.
+        let scale = match (&self.mla, &self.rope_scaling) {
+            (Some(_), Some(scaling)) => scale * scaling.softmax_scale_factor(),
+            _ => scale,
+        };
         AttentionConfig {
             d_model: self.d_model,
             n_heads: self.n_heads,
@@ -406,6 +436,7 @@ impl ModelConfig {
             softcap: self.attn_logit_softcap,
             init_std: self.init_std,
             out_std: self.out_std(),
+            mla: self.mla.clone(),
         }
     }
 
@@ -431,7 +462,7 @@ impl ModelConfig {
         BlockConfig {
             attention: self.attention(layer),
             mlp: self.mlp(),
-            moe: self.moe.clone().map(|moe| MoePartConfig {
+            moe: self.moe.clone().filter(|_| self.is_sparse(layer)).map(|moe| MoePartConfig {
                 d_model: self.d_model,
                 moe,
                 init_std: self.init_std,
@@ -476,10 +507,12 @@ impl ModelConfig {
             (false, false) => 2,
             (false, true) => 4,
         };
-        let qkv_bias = if self.qkv_bias { q + 2 * kv } else { 0 };
-        let o_bias = if self.o_bias { d } else { 0 };
+        let qkv_bias = match (&self.mla, self.qkv_bias) {
+            (Some(_), _) | (None, false) => 0, // latent attention counts its own
+            (None, true) => q + 2 * kv,
+        };
+        let o_bias = if self.o_bias && self.mla.is_none() { d } else { 0 };
         let mlp_bias = match (self.mlp_bias, self.mlp.gated()) {
-            _ if self.moe.is_some() => 0,
             (false, _) => 0,
             (true, true) => 2 * f + d,
             (true, false) => f + d,
@@ -489,22 +522,23 @@ impl ModelConfig {
             (true, false) => 2 * self.head_dim() as u64,
             (true, true) => ((self.n_heads + self.n_kv_heads()) * self.head_dim()) as u64,
         };
-        let block = self.block_matmul_params() + qkv_bias + o_bias + mlp_bias + norms * norm + qk_norm;
+        let attention = match &self.mla {
+            Some(mla) => mla.params(self.d_model, self.n_heads, self.qkv_bias, self.o_bias),
+            None => self.attention_params() + qkv_bias + o_bias + qk_norm,
+        };
+        let ffn: u64 = (0..self.n_layers)
+            .map(|layer| match &self.moe {
+                Some(moe) if self.is_sparse(layer) => moe.params(self.d_model),
+                _ => self.mlp_params() + mlp_bias,
+            })
+            .sum();
+        let block = attention + norms * norm;
         let positions = if self.positions == Positions::Learned { self.max_seq_len as u64 * d } else { 0 };
         let head = if self.tie_embeddings { 0 } else { d * v };
-        v * d + positions + l * block + norm + head
+        v * d + positions + l * block + ffn + norm + head
     }
 
-    /// A block's projection weights: `D·H·Dh + 2·D·K·Dh + H·Dh·D` for the attention, `3·D·F`
-    /// for a gated MLP or `2·D·F` for a plain one, every expert's for a mixture of experts.
-    fn block_matmul_params(&self) -> u64 {
-        let mlp = match &self.moe {
-            Some(moe) => moe.params(self.d_model),
-            None => self.mlp_params(),
-        };
-        self.attention_params() + mlp
-    }
-
+    /// A plain attention's projection weights: `D·H·Dh + 2·D·K·Dh + H·Dh·D`.
     fn attention_params(&self) -> u64 {
         let d = self.d_model as u64;
         let q = (self.n_heads * self.head_dim()) as u64;
@@ -512,6 +546,7 @@ impl ModelConfig {
         d * q + 2 * d * kv + q * d
     }
 
+    /// A dense MLP's projection weights: `3·D·F` gated, `2·D·F` plain.
     fn mlp_params(&self) -> u64 {
         let (d, f) = (self.d_model as u64, self.d_ff as u64);
         if self.mlp.gated() {
@@ -523,22 +558,30 @@ impl ModelConfig {
 
     /// Parameters that take part in a token's matmuls: every projection and the LM head (the
     /// embedding table when tied); of a mixture of experts, the router, the `k` experts a token
-    /// runs through and the shared expert. Not the embedding lookup, the norm gains or the
-    /// biases. This is N in 6N.
+    /// runs through and the shared expert; of latent attention, its expanded form's projections.
+    /// Not the embedding lookup, the norm gains or the biases. This is N in 6N.
     pub fn matmul_params(&self) -> u64 {
         let (d, v, l) = (self.d_model as u64, self.vocab_size as u64, self.n_layers as u64);
-        let mlp = match &self.moe {
-            Some(moe) => moe.active_params(self.d_model),
-            None => self.mlp_params(),
+        let attention = match &self.mla {
+            Some(mla) => mla.matmul_params(self.d_model, self.n_heads),
+            None => self.attention_params(),
         };
-        l * (self.attention_params() + mlp) + d * v
+        let ffn: u64 = (0..self.n_layers)
+            .map(|layer| match &self.moe {
+                Some(moe) if self.is_sparse(layer) => moe.active_params(self.d_model),
+                _ => self.mlp_params(),
+            })
+            .sum();
+        l * attention + ffn + d * v
     }
 
     /// Forward FLOPs per token at context `seq_len`: `2N + 4·L·T·(H·Dh)` (PaLM appendix B; a
     /// multiply-add is 2 FLOPs; the attention term counts the full T×T score matrix, as MFU does).
     /// `H·Dh` is the attention width, equal to `d_model` for Llama and Qwen2.
     pub(crate) fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
-        let attn_width = (self.n_heads * self.head_dim()) as f64;
+        // Latent attention's scores are `qk_dim` wide and its values `v_dim`: their mean.
+        let head = self.mla.as_ref().map_or(self.head_dim() as f64, |m| (m.qk_dim() + m.v_dim) as f64 / 2.0);
+        let attn_width = self.n_heads as f64 * head;
         2.0 * self.matmul_params() as f64 + 4.0 * self.n_layers as f64 * seq_len as f64 * attn_width
     }
 
@@ -561,6 +604,15 @@ fn validate_rope_scaling(scaling: &RopeScaling) -> Result<(), ConfigError> {
                 ("rope_scaling.original_max_position_embeddings", original_max_position_embeddings as f64),
             ]
         }
+        RopeScaling::Yarn {
+            factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, ..
+        } => vec![
+            ("rope_scaling.factor", factor),
+            ("rope_scaling.original_max_position_embeddings", original_max_position_embeddings as f64),
+            ("rope_scaling.beta_slow", beta_slow),
+            ("rope_scaling.beta_fast - beta_slow", beta_fast - beta_slow),
+            ("rope_scaling.attention_factor", attention_factor.unwrap_or(1.0)),
+        ],
     };
     match factors.into_iter().find(|(_, v)| !(*v > 0.0 && v.is_finite())) {
         Some((name, value)) => Err(ConfigError::NotPositive { name, value }),
@@ -605,6 +657,7 @@ impl ModelConfig {
             norm_bias: false,
             mlp: MlpKind::Swiglu,
             moe: None,
+            mla: None,
             positions: Positions::Rope,
             qk_norm: false,
             qk_norm_whole: false,
@@ -845,6 +898,7 @@ mod tests {
                 shared_expert_gate: false,
                 aux_loss_coef: 0.02,
                 z_loss_coef: 0.0,
+                ..Default::default()
             }),
             ..tiny_config()
         };

@@ -16,7 +16,7 @@ use crate::init::Init;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
-use crate::moe::Route;
+use crate::moe::{ExpertsLora, Route, StackLora};
 use crate::norm::Norm;
 use crate::to_dtype;
 use ember_kernels::documents::Documents;
@@ -248,6 +248,17 @@ impl<B: EmberBackend> Decoder<B> {
         self.norm.forward(x, self.compute)
     }
 
+    /// DeepSeek-V3's auxiliary-loss-free balancing after a training step: each layer with experts
+    /// (in order, `loads[i]` the `i`-th such layer's share of pairs per expert) moves its selection
+    /// bias by `rate` towards an even load ([`crate::moe::Moe::balance_selection_bias`]).
+    pub fn balance_selection_bias(mut self, loads: &[Vec<f64>], rate: f64) -> Self {
+        let experts = self.layers.iter_mut().filter_map(|layer| layer.moe.as_mut());
+        for (moe, load) in experts.zip(loads) {
+            moe.balance_selection_bias(load, rate);
+        }
+        self
+    }
+
     /// A fresh KV cache for `batch` sequences of this model.
     pub fn new_cache(&self, batch: usize, block_size: usize) -> KvCache<B> {
         KvCache::new(&self.config, batch, block_size, &self.embed_tokens.device())
@@ -308,6 +319,29 @@ impl<B: EmberBackend> Decoder<B> {
                     lin.lora = Some(Lora::new(&mut init, lin.d_in(), lin.d_out(), config, &device));
                 }
             }
+            // A mixture's MLP targets: every expert's projection (one adapter each, stacked) and
+            // the shared expert's.
+            let Some(moe) = layer.moe.as_mut() else { continue };
+            let on = [Target::GateProj, Target::UpProj, Target::DownProj].map(|t| config.targets.contains(&t));
+            if !on.contains(&true) {
+                continue;
+            }
+            let [e, d, f] = moe.gate.dims();
+            let mut stack = |on: bool, shape| on.then(|| StackLora::new(&mut init, shape, config, &device));
+            let (gate, up, down) = (stack(on[0], [e, d, f]), stack(on[1], [e, d, f]), stack(on[2], [e, f, d]));
+            moe.lora = Some(ExpertsLora { gate, up, down });
+            if let Some(shared) = moe.shared.as_mut() {
+                let parts = [
+                    (on[0], shared.gate_proj.as_mut()),
+                    (on[1], Some(&mut shared.up_proj)),
+                    (on[2], Some(&mut shared.down_proj)),
+                ];
+                for (_, lin) in parts.into_iter().filter(|(on, _)| *on) {
+                    if let Some(lin) = lin {
+                        lin.lora = Some(Lora::new(&mut init, lin.d_in(), lin.d_out(), config, &device));
+                    }
+                }
+            }
         }
         model
     }
@@ -318,11 +352,18 @@ impl<B: EmberBackend> Decoder<B> {
         kept.filter_map(|lin| lin.quantized.as_ref()).fold((0, 0), |(n, b), q| (n + 1, b + q.stored_bytes()))
     }
 
-    /// Whether any projection carries a LoRA adapter.
+    /// Whether any projection (or stack of experts) carries a LoRA adapter.
     pub fn has_lora(&self) -> bool {
-        self.layers
-            .iter()
-            .any(|layer| Target::ALL.into_iter().any(|t| layer.projection(t).is_some_and(Linear::has_lora)))
+        self.layers.iter().any(|layer| {
+            let experts = layer.moe.as_ref().is_some_and(|m| {
+                let shared = m
+                    .shared
+                    .as_ref()
+                    .is_some_and(|s| s.gate_proj.iter().chain([&s.up_proj, &s.down_proj]).any(Linear::has_lora));
+                m.has_lora() || shared
+            });
+            experts || Target::ALL.into_iter().any(|t| layer.projection(t).is_some_and(Linear::has_lora))
+        })
     }
 
     /// Folds every adapter into its projection's weight; quantized projections are dequantized
@@ -333,6 +374,15 @@ impl<B: EmberBackend> Decoder<B> {
                 if let Some(lin) = layer.projection_mut(target) {
                     *lin = lin.clone().merge_lora();
                 }
+            }
+            if let Some(moe) = layer.moe.take() {
+                let mut moe = moe.merge_lora();
+                if let Some(shared) = moe.shared.as_mut() {
+                    for lin in shared.gate_proj.iter_mut().chain([&mut shared.up_proj, &mut shared.down_proj]) {
+                        *lin = lin.clone().merge_lora();
+                    }
+                }
+                layer.moe = Some(moe);
             }
         }
         self

@@ -17,9 +17,10 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::config::ModelConfig;
+use ember_kernels::attention::causal_mask;
 use ember_kernels::attention::Scores;
 use ember_kernels::kv::KvWriteOps;
-use ember_kernels::paged::{grouped_attention, Paged, PagedAttentionOps, PagedLayout};
+use ember_kernels::paged::{grouped_attention, latent_attention, Paged, PagedAttentionOps, PagedLayout};
 use ember_kernels::Compute;
 
 #[derive(Debug, Clone)]
@@ -27,6 +28,10 @@ pub struct KvCache<B: Backend> {
     block_size: usize,
     n_kv_heads: usize,
     head_dim: usize,
+    /// Numbers a position takes in each layer's key pool and value pool: `K·Dh` each, or a latent
+    /// attention's `kv_rank + rope_dim` and none (its values are part of the latent).
+    key_width: usize,
+    value_width: usize,
     max_len: usize,
     /// The model's sliding window: a query at position `p` of a local layer sees keys after
     /// `p - window`.
@@ -73,16 +78,19 @@ impl<B: Backend> KvCache<B> {
     /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions.
     pub fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
         let width = config.n_kv_heads() * config.head_dim();
-        let empty = || (0..config.n_layers).map(|_| Tensor::zeros([0, width], device)).collect::<Vec<_>>();
+        let (key_width, value_width) = config.mla.as_ref().map_or((width, width), |mla| (mla.cache_width(), 0));
+        let empty = |w| (0..config.n_layers).map(|_| Tensor::zeros([0, w], device)).collect::<Vec<_>>();
         Self {
             block_size: block_size.max(1),
             n_kv_heads: config.n_kv_heads(),
             head_dim: config.head_dim(),
+            key_width,
+            value_width,
             max_len: config.max_seq_len,
             window: config.sliding_window,
             local: (0..config.n_layers).map(|l| config.is_local(l)).collect(),
-            keys: empty(),
-            values: empty(),
+            keys: empty(key_width),
+            values: empty(value_width),
             free: Vec::new(),
             tables: vec![Vec::new(); batch],
             lens: vec![0; batch],
@@ -101,9 +109,16 @@ impl<B: Backend> KvCache<B> {
         &self.lens
     }
 
-    /// Bytes one position takes across all layers: `2 · L · K · Dh · bytes` (keys and values).
+    /// Bytes one position takes across all layers: `2 · L · K · Dh · bytes` (keys and values);
+    /// with latent attention `L · (kv_rank + rope_dim) · bytes`.
     pub fn bytes_per_token(&self, dtype: DType) -> usize {
-        2 * self.keys.len() * self.n_kv_heads * self.head_dim * dtype.size()
+        self.keys.len() * (self.key_width + self.value_width) * dtype.size()
+    }
+
+    /// Bytes the pools hold now (f32), every block of every layer, free or held.
+    pub fn pool_bytes(&self) -> usize {
+        let rows = |pools: &[Tensor<B, 2>]| pools.iter().map(|p| p.dims()[0] * p.dims()[1]).sum::<usize>();
+        (rows(&self.keys) + rows(&self.values)) * DType::F32.size()
     }
 
     /// Bytes of the blocks the sequences hold (f32), filled or not.
@@ -154,10 +169,11 @@ impl<B: Backend> KvCache<B> {
     fn grow(&mut self, blocks: usize) {
         let have = self.keys.first().map_or(0, |k| k.dims()[0]) / self.block_size;
         let add = blocks.max(have).max(1);
-        let width = self.n_kv_heads * self.head_dim;
-        let zeros = Tensor::<B, 2>::zeros([add * self.block_size, width], &self.device);
-        for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            *pool = Tensor::cat(vec![pool.clone(), zeros.clone()], 0);
+        for (pools, width) in [(&mut self.keys, self.key_width), (&mut self.values, self.value_width)] {
+            let zeros = Tensor::<B, 2>::zeros([add * self.block_size, width], &self.device);
+            for pool in pools.iter_mut() {
+                *pool = Tensor::cat(vec![pool.clone(), zeros.clone()], 0);
+            }
         }
         self.free.extend((have..have + add).rev());
     }
@@ -282,6 +298,43 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
             _ => &plan.paged,
         };
         float(B::paged_attention(prim(q), keys, values, paged, (rep, scores), cx))
+    }
+}
+
+impl<B: KvWriteOps> LayerKv<'_, B> {
+    /// Stores the new positions' latents (latent attention: `[c | k_rope]` each, the first
+    /// `new_lens[b]` of batch row `b`), then the attention of the new queries over every stored
+    /// latent of their sequence not in their future: one key every head reads, its first
+    /// `value_width` numbers the value.
+    ///
+    /// # Shapes
+    /// - q: `[B, H, T, W]`, latent: `[B, 1, T, W]` -> `[B, H, T, value_width]`
+    pub(crate) fn attend_latent(
+        self,
+        q: Tensor<B, 4>,
+        latent: Tensor<B, 4>,
+        value_width: usize,
+        scores: Scores,
+        cx: Compute,
+    ) -> Tensor<B, 4> {
+        let c = self.cache;
+        let [_, h, t, w] = q.dims();
+        let Some(plan) = c.plan.as_ref() else {
+            // No step under way: the call's own positions only, causally.
+            let values = latent.clone().narrow(3, 0, value_width);
+            let hidden = causal_mask::<B>(t, t, None, &q.device());
+            return grouped_attention(q, latent, values, Some(hidden), (h, scores), cx.dtype);
+        };
+        let b = plan.rows.len();
+        let rows = latent.reshape([b * plan.t, w]);
+        let rows = match &plan.real {
+            Some(real) => rows.select(0, real.clone()),
+            None => rows,
+        };
+        let l = self.layer;
+        let pool = std::mem::replace(&mut c.keys[l], Tensor::<B, 2>::empty([0, w], &c.device));
+        c.keys[l] = float(B::kv_write(prim(pool), &plan.write, prim(rows)));
+        latent_attention(q, c.keys[l].clone(), value_width, &plan.paged, scores, cx.dtype)
     }
 }
 

@@ -12,6 +12,7 @@ mod init;
 mod kv_cache;
 mod linear;
 pub mod lora;
+mod mla;
 mod mlp;
 pub mod moe;
 mod norm;
@@ -25,6 +26,8 @@ pub use ember_kernels::documents::{Documents, DocumentsError};
 pub use ember_kernels::Compute;
 pub use kv_cache::KvCache;
 pub use lora::LoraConfig;
+pub use mla::{Latent, MlaConfig};
+pub use moe::Scoring;
 
 pub(crate) use ember_kernels::to_dtype;
 

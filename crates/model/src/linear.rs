@@ -59,6 +59,19 @@ impl<B: Backend> Linear<B> {
         self
     }
 
+    /// The weight the layer multiplies by, `[in, out]` in f32: dequantized where it is kept
+    /// quantized, with the attached adapter's `(α/r)·A·B` added.
+    pub(crate) fn effective_weight(&self) -> Tensor<B, 2> {
+        let weight = match &self.quantized {
+            Some(q) => q.to_tensor(&self.weight.device()),
+            None => to_dtype(self.weight.val(), DType::F32),
+        };
+        match &self.lora {
+            Some(lora) => weight + lora.delta(),
+            None => weight,
+        }
+    }
+
     /// Whether a low-rank adapter is attached.
     pub fn has_lora(&self) -> bool {
         self.lora.is_some()

@@ -55,7 +55,20 @@ impl Target {
 
     /// `(in, out)` of the projection in a model of `config`.
     pub fn shape(self, config: &ModelConfig) -> (usize, usize) {
-        let (d, f) = (config.d_model, config.d_ff);
+        // With experts, an MLP target adapts each expert (and the dense layers' MLPs, if any): the
+        // narrower width.
+        let f = match &config.moe {
+            Some(m) if m.dense_layers == 0 => m.d_expert,
+            Some(m) => m.d_expert.min(config.d_ff),
+            None => config.d_ff,
+        };
+        let d = config.d_model;
+        // Latent attention's four (the query's up-projection when it is low-rank).
+        if let (Some(mla), Some(i)) =
+            (&config.mla, [Target::QProj, Target::KProj, Target::VProj, Target::OProj].iter().position(|&t| t == self))
+        {
+            return mla.shapes(d, config.n_heads)[i];
+        }
         let (q, kv) = (config.n_heads * config.head_dim(), config.n_kv_heads() * config.head_dim());
         match self {
             Target::QProj => (d, q),
@@ -113,13 +126,6 @@ impl LoraConfig {
     pub fn validate_for(&self, model: &ModelConfig) -> Result<(), String> {
         if let Some(t) = self.targets.iter().find(|t| **t == Target::GateProj && !model.mlp.gated()) {
             return Err(format!("lora.targets: `{t}` is not a projection of this model (its MLP has no gate)"));
-        }
-        let mlp = [Target::GateProj, Target::UpProj, Target::DownProj];
-        if let Some(t) = self.targets.iter().find(|t| model.moe.is_some() && mlp.contains(t)) {
-            return Err(format!(
-                "lora.targets: `{t}` is not a projection of this model (its blocks have experts in place of an MLP; \
-                 adapt the attention's q_proj, k_proj, v_proj, o_proj)"
-            ));
         }
         // A rank past a projection's smaller side adds parameters (and memory), never capacity:
         // `B·A` already reaches every matrix of that shape at min(in, out).

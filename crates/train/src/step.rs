@@ -272,10 +272,12 @@ pub(crate) fn forward_backward<B: TrainBackend>(
         grads.accumulate(model, GradientsParams::from_grads(loss.backward(), model));
     }
     let loss = loss_sum.map_or(0.0, |sum| sum.into_scalar().elem::<f64>());
+    let moe_config = model.config().moe.as_ref();
     let moe = moe_sum.map(|(aux, z)| MoeSums {
         aux: aux.into_scalar().elem::<f64>(),
         z: z.into_scalar().elem::<f64>(),
-        layers: model.config().n_layers,
+        experts: moe_config.map_or(1, |m| m.n_experts),
+        first_layer: moe_config.map_or(0, |m| m.dense_layers),
         counts,
     });
     (loss, grads.grads(), moe)
@@ -287,8 +289,11 @@ pub(crate) fn forward_backward<B: TrainBackend>(
 pub struct MoeSums {
     pub aux: f64,
     pub z: f64,
-    pub layers: usize,
-    /// `[layers × experts]`, row by row.
+    /// Experts per layer.
+    pub experts: usize,
+    /// The first layer with experts (the ones before are dense).
+    pub first_layer: usize,
+    /// `[layers with experts × experts]`, row by row.
     pub counts: Vec<f64>,
 }
 
@@ -298,14 +303,14 @@ impl MoeSums {
     }
 
     fn from_slice(&self, v: &[f64]) -> Self {
-        Self { aux: v[0], z: v[1], layers: self.layers, counts: v[2..].to_vec() }
+        Self { aux: v[0], z: v[1], counts: v[2..].to_vec(), ..*self }
     }
 
-    /// Each layer's load: the fraction of its pairs each expert received.
+    /// Each layer's load (of the layers with experts, in order): the fraction of its pairs each
+    /// expert received.
     pub fn load(&self) -> Vec<Vec<f64>> {
-        let experts = self.counts.len() / self.layers.max(1);
         self.counts
-            .chunks(experts.max(1))
+            .chunks(self.experts.max(1))
             .map(|row| {
                 let total = row.iter().sum::<f64>().max(1.0);
                 row.iter().map(|c| c / total).collect()
@@ -322,8 +327,12 @@ impl MoeSums {
         let worst = per_layer.iter().copied().fold(0.0, f64::max);
         let mut named =
             vec![("aux_loss".into(), self.aux), ("z_loss".into(), self.z), ("expert_load_max_over_mean".into(), worst)];
-        named
-            .extend(per_layer.into_iter().enumerate().map(|(l, v)| (format!("expert_load_max_over_mean/layer{l}"), v)));
+        named.extend(
+            per_layer
+                .into_iter()
+                .enumerate()
+                .map(|(l, v)| (format!("expert_load_max_over_mean/layer{}", l + self.first_layer), v)),
+        );
         named
     }
 }

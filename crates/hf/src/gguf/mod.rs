@@ -473,6 +473,14 @@ impl<'a> Meta<'a> {
         self.typed(key, "an unsigned integer", Value::as_u64)
     }
 
+    /// A boolean.
+    pub fn bool(&self, key: &str) -> Result<Option<bool>, GgufError> {
+        self.typed(key, "a boolean", |v| match *v {
+            Value::Bool(b) => Some(b),
+            _ => None,
+        })
+    }
+
     /// A finite number (an f32 as its shortest decimal: `decimal`); NaN or infinity is
     /// [`GgufError::NonFinite`].
     pub fn float(&self, key: &str) -> Result<Option<f64>, GgufError> {

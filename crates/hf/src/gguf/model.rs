@@ -173,9 +173,13 @@ fn read_file_as(f: GgufFile, keep_quantized: bool) -> Result<GgufModel, GgufErro
 fn read_arch(f: &GgufFile) -> Result<Architecture, GgufError> {
     let key = "general.architecture";
     let name = f.meta().str(key)?.ok_or_else(|| f.meta_err(key, "missing"))?;
-    let supported = "llama, qwen2, qwen3, gemma3, gpt2, qwen2moe, qwen3moe and olmoe are";
+    let supported = "llama, qwen2, qwen3, gemma3, gpt2, qwen2moe, qwen3moe, olmoe and deepseek2 are";
     let arch = Architecture::from_gguf(name)
         .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported ({supported})")))?;
+    // llama.cpp's deepseek2 is DeepSeek-V3 where its routers have the selection bias.
+    if arch == Architecture::DeepseekV2 && f.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias")) {
+        return Ok(Architecture::DeepseekV3);
+    }
     // llama.cpp's `llama` with experts is Mixtral.
     let experts = f.meta().u64("llama.expert_count")?.is_some_and(|n| n > 0);
     Ok(if arch == Architecture::Llama && experts { Architecture::Mixtral } else { arch })
@@ -214,6 +218,10 @@ fn model_config(
         Some(v) => v as usize,
         None => tokens.ok_or_else(|| err("tokenizer.ggml.tokens", "missing (and no vocab_size)".into()))?,
     };
+    if a == "deepseek2" {
+        let sizes = ModelConfig { n_layers, d_model, n_heads, ..ModelConfig::tiny(vocab_size, 1) };
+        return deepseek2_config(&meta, path, arch, sizes, tied);
+    }
     let head_dim = opt_u64("attention.key_length")?.map_or(d_model / n_heads, |v| v as usize);
     // RoPE over part of each head (llama.cpp's n_rot below key_length) is not a model ember runs.
     if let Some(n_rot) = opt_u64("rope.dimension_count")?.filter(|_| family.parts.positions != Positions::Learned) {
@@ -256,6 +264,7 @@ fn model_config(
         norm_bias: layer_norm,
         mlp: family.activations[0].1,
         moe: None,
+        mla: None,
         positions: parts.positions,
         qk_norm: parts.qk_norm,
         qk_norm_whole: parts.qk_norm_whole,
@@ -285,6 +294,7 @@ fn model_config(
             shared_expert_gate: qwen2,
             aux_loss_coef: 0.001,
             z_loss_coef: 0.0,
+            ..Default::default()
         });
     } else if matches!(
         arch,
@@ -306,6 +316,167 @@ fn model_config(
     }
     c.validate().map_err(|e| err(&key("block_count"), format!("the model the metadata describes: {e}")))?;
     Ok(c)
+}
+
+/// llama.cpp's layer counts of DeepSeek-V2-Lite-shaped models, whose `q_lora_rank` it never reads
+/// (their queries are never low-rank).
+fn deepseek2_lite(n_layers: usize, vocab: usize) -> bool {
+    matches!(n_layers, 26 | 27) || (n_layers == 48 && vocab == 128_256)
+}
+
+/// The model llama.cpp's `deepseek2` metadata describes (`sizes` holds the vocabulary, the layers,
+/// the width and the heads): latent attention (`key_length_mla` / `value_length_mla`, or the older
+/// files' `key_length` / `value_length`), its latents normed with the model's epsilon, RoPE on
+/// interleaved pairs (YaRN with `yarn_log_multiplier` = 0.1 · mscale_all_dim, and llama.cpp's
+/// mscale equal to it), experts after `leading_dense_block_count` dense layers, scored by
+/// `expert_gating_func` (1 softmax, 2 sigmoid), grouped, scaled and renormalised as the keys say.
+fn deepseek2_config(
+    meta: &Meta<'_>,
+    path: &Path,
+    arch: Architecture,
+    sizes: ModelConfig,
+    tied: bool,
+) -> Result<ModelConfig, GgufError> {
+    let key = |k: &str| format!("deepseek2.{k}");
+    let err = |k: &str, message: String| GgufError::Metadata { path: path.into(), key: key(k), message };
+    let opt = |k: &str| meta.u64(&key(k));
+    let req = |k: &str| -> Result<usize, GgufError> { Ok(opt(k)?.ok_or_else(|| err(k, "missing".into()))? as usize) };
+    let rope_dim = req("rope.dimension_count")?;
+    let kv_rank = req("attention.kv_lora_rank")?;
+    let (qk, v) = match (opt("attention.key_length_mla")?, opt("attention.value_length_mla")?) {
+        (Some(k), Some(v)) if k > 0 && v > 0 => (k as usize, v as usize),
+        _ => (req("attention.key_length")?, req("attention.value_length")?),
+    };
+    let nope_dim = qk.checked_sub(rope_dim).filter(|&n| n > 0).ok_or_else(|| {
+        err("rope.dimension_count", format!("{rope_dim}: no room in heads of {qk} for a part without position"))
+    })?;
+    let q_rank = match deepseek2_lite(sizes.n_layers, sizes.vocab_size) {
+        true => None,
+        false => Some(req("attention.q_lora_rank")?).filter(|&q| q > 0),
+    };
+    let eps = meta.float(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6);
+    let rope_scaling = match meta.str(&key("rope.scaling.type"))? {
+        None | Some("none") => None,
+        Some("yarn") => {
+            let factor =
+                meta.float(&key("rope.scaling.factor"))?.ok_or_else(|| err("rope.scaling.factor", "missing".into()))?;
+            let all = meta.float(&key("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0) / 0.1;
+            let all = (all != 0.0).then_some((all * 1e6).round() / 1e6);
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: req("rope.scaling.original_context_length")?,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: all,
+                mscale_all_dim: all,
+                attention_factor: None,
+                truncate: true,
+            })
+        }
+        Some("linear") => Some(RopeScaling::Linear {
+            factor: meta
+                .float(&key("rope.scaling.factor"))?
+                .ok_or_else(|| err("rope.scaling.factor", "missing".into()))?,
+        }),
+        Some(other) => return Err(err("rope.scaling.type", format!("`{other}` is not supported (yarn, linear are)"))),
+    };
+    let moe = match opt("expert_count")?.filter(|&n| n > 0) {
+        None => None,
+        Some(n_experts) => {
+            let scoring = match opt("expert_gating_func")?.unwrap_or(1) {
+                1 => ember_model::Scoring::Softmax,
+                2 => ember_model::Scoring::Sigmoid,
+                other => {
+                    return Err(err(
+                        "expert_gating_func",
+                        format!("{other}: ember scores experts by softmax (1) or sigmoid (2)"),
+                    ))
+                }
+            };
+            let groups = opt("expert_group_count")?.filter(|&g| g > 1).map(|g| g as usize);
+            let top_groups = match groups {
+                Some(_) => Some(req("expert_group_used_count")?),
+                None => None,
+            };
+            if groups.is_some() && scoring == ember_model::Scoring::Softmax {
+                return Err(err(
+                    "expert_group_count",
+                    "groups of a softmax router: llama.cpp scores them by their best two experts, DeepSeek-V2 by its best one".into(),
+                ));
+            }
+            let d_expert = req("expert_feed_forward_length")?;
+            let shared = opt("expert_shared_count")?.unwrap_or(0) as usize;
+            let scale = meta.float(&key("expert_weights_scale"))?.unwrap_or(0.0);
+            Some(ember_model::MoeConfig {
+                n_experts: n_experts as usize,
+                top_k: req("expert_used_count")?,
+                d_expert,
+                norm_topk: meta.bool(&key("expert_weights_norm"))?.unwrap_or(false),
+                shared_expert: (shared > 0).then(|| shared * d_expert),
+                shared_expert_gate: false,
+                aux_loss_coef: 0.0,
+                z_loss_coef: 0.0,
+                scoring,
+                selection_bias: arch == Architecture::DeepseekV3,
+                groups,
+                top_groups,
+                routed_scale: if scale == 0.0 { 1.0 } else { scale },
+                dense_layers: opt("leading_dense_block_count")?.unwrap_or(0) as usize,
+                bias_update_rate: 0.0,
+            })
+        }
+    };
+    let c = ModelConfig {
+        n_kv_heads: None,
+        head_dim: None,
+        d_ff: req("feed_forward_length")?,
+        max_seq_len: req("context_length")?,
+        rope_theta: meta.float(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+        rope_layout: RopeLayout::Interleaved,
+        rope_scaling,
+        norm_eps: eps,
+        moe,
+        mla: Some(ember_model::MlaConfig { q_rank, kv_rank, nope_dim, rope_dim, v_dim: v, norm_eps: eps }),
+        tie_embeddings: tied,
+        ..sizes
+    };
+    c.validate().map_err(|e| err("block_count", format!("the model the metadata describes: {e}")))?;
+    Ok(c)
+}
+
+/// llama.cpp's `attn_k_b` (`[H, r, nope]`: each head's key up-projection, transposed) and
+/// `attn_v_b` (`[H, v, r]`) of one layer as Hugging Face's `kv_b_proj`, `[H·(nope + v), r]`.
+fn join_kv_b(k_b: &[f32], v_b: &[f32], heads: usize, rank: usize) -> Result<(Vec<f32>, Vec<usize>), String> {
+    let (nope, v) = (k_b.len() / (heads * rank).max(1), v_b.len() / (heads * rank).max(1));
+    if nope * heads * rank != k_b.len() || v * heads * rank != v_b.len() || nope == 0 || v == 0 {
+        return Err(format!(
+            "attn_k_b / attn_v_b of {} / {} values for {heads} heads of a {rank}-wide latent",
+            k_b.len(),
+            v_b.len()
+        ));
+    }
+    let mut out = Vec::with_capacity(k_b.len() + v_b.len());
+    for h in 0..heads {
+        for i in 0..nope {
+            out.extend((0..rank).map(|c| k_b[(h * rank + c) * nope + i]));
+        }
+        out.extend_from_slice(&v_b[h * v * rank..(h + 1) * v * rank]);
+    }
+    Ok((out, vec![heads * (nope + v), rank]))
+}
+
+/// The reverse of [`join_kv_b`]: `(attn_k_b [H, r, nope], attn_v_b [H, v, r])`.
+fn split_kv_b(kv_b: &[f32], heads: usize, nope: usize, rank: usize) -> (Vec<f32>, Vec<f32>) {
+    let per = kv_b.len() / heads.max(1) / rank.max(1); // nope + v
+    let (mut k_b, mut v_b) = (Vec::with_capacity(heads * nope * rank), Vec::new());
+    for h in 0..heads {
+        let head = &kv_b[h * per * rank..(h + 1) * per * rank];
+        for c in 0..rank {
+            k_b.extend((0..nope).map(|i| head[i * rank + c]));
+        }
+        v_b.extend_from_slice(&head[nope * rank..]);
+    }
+    (k_b, v_b)
 }
 
 /// A `config.json` for the model (transformers' layout of its family), with the token ids and what
@@ -392,7 +563,20 @@ fn read_tensors(
     let mut tensors = BTreeMap::new();
     let mut stored = Vec::new();
     let mut quantized = BTreeMap::new();
+    // DeepSeek's per-head key and value up-projections, joined into `kv_b_proj` once both are read.
+    let mut kv_b: BTreeMap<usize, [Option<Vec<f32>>; 2]> = BTreeMap::new();
     for t in &f.tensors {
+        let split = ["attn_k_b", "attn_v_b"].iter().position(|p| t.name.ends_with(&format!(".{p}.weight")));
+        let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+        if let (Some(part), Some(layer), Some(mla)) = (split, layer, config.mla.as_ref()) {
+            stored.push((t.name.clone(), t.kind.name()));
+            let want = [[config.n_heads, mla.kv_rank, mla.nope_dim], [config.n_heads, mla.v_dim, mla.kv_rank]][part];
+            if t.shape() != want {
+                return Err(f.meta_err(&t.name, format!("shape {:?}: expected {want:?}", t.shape())));
+            }
+            kv_b.entry(layer).or_default()[part] = Some(f.dequantize(t));
+            continue;
+        }
         let Some((hf, transposed)) = family.gguf_to_hf(&t.name) else {
             return Err(GgufError::Unsupported {
                 path: f.path.clone(),
@@ -451,6 +635,16 @@ fn read_tensors(
         let data = TensorData::new(values, shape);
         ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
         tensors.insert(hf, data);
+    }
+    for (layer, parts) in kv_b {
+        let (Some(mla), [Some(k_b), Some(v_b)]) = (config.mla.as_ref(), parts) else {
+            return Err(
+                f.meta_err(&format!("blk.{layer}.attn_k_b.weight"), "attn_k_b without attn_v_b, or the reverse")
+            );
+        };
+        let (values, shape) = join_kv_b(&k_b, &v_b, config.n_heads, mla.kv_rank)
+            .map_err(|e| f.meta_err(&format!("blk.{layer}.attn_k_b.weight"), e))?;
+        tensors.insert(format!("model.layers.{layer}.self_attn.kv_b_proj.weight"), TensorData::new(values, shape));
     }
     Ok((tensors, stored, quantized))
 }
@@ -574,6 +768,26 @@ pub fn encode_model<B: ember_kernels::EmberBackend>(
                     }
                 }
             }
+            None if family.gguf_arch == "deepseek2" && name.ends_with(".self_attn.kv_b_proj.weight") => {
+                // llama.cpp's current layout: per head, the keys' part transposed and the values'.
+                let mla =
+                    config.mla.as_ref().ok_or_else(|| HfError::GgufExport(format!("{name} without [model.mla]")))?;
+                let values = data.clone().convert::<f32>().into_vec::<f32>();
+                let values = values.map_err(|e| HfError::GgufExport(format!("{name}: {e:?}")))?;
+                let (k_b, v_b) = split_kv_b(&values, config.n_heads, mla.nope_dim, mla.kv_rank);
+                let base = name.trim_end_matches(".self_attn.kv_b_proj.weight").replace("model.layers.", "blk.");
+                let h = config.n_heads;
+                for (part, values, shape) in [
+                    ("attn_k_b", k_b, vec![h, mla.kv_rank, mla.nope_dim]),
+                    ("attn_v_b", v_b, vec![h, mla.v_dim, mla.kv_rank]),
+                ] {
+                    let kind = ty.ggml_type(&shape);
+                    let gname = format!("{base}.{part}.weight");
+                    let data = super::quant::quantize(kind, &values)
+                        .map_err(|e| HfError::GgufExport(format!("{gname}: {e}")))?;
+                    out.push(Some(TensorOut { name: gname, shape, kind, data }));
+                }
+            }
             None => out.push(Some(export_tensor(name, data, arch, heads, ty)?)),
         }
     }
@@ -616,7 +830,12 @@ pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfErr
     }
     // The balancing losses' weights are training's, not the model's: GGUF has no key for them.
     let losses = |m: ember_model::MoeConfig| match &config.moe {
-        Some(c) => ember_model::MoeConfig { aux_loss_coef: c.aux_loss_coef, z_loss_coef: c.z_loss_coef, ..m },
+        Some(c) => ember_model::MoeConfig {
+            aux_loss_coef: c.aux_loss_coef,
+            z_loss_coef: c.z_loss_coef,
+            bias_update_rate: c.bias_update_rate,
+            ..m
+        },
         None => m,
     };
     let back = model_config(&meta, Path::new(&name), arch, config.tie_embeddings, None).map(|b| ModelConfig {
@@ -632,6 +851,9 @@ pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfErr
 /// them for the architecture.
 fn arch_metadata(config: &ModelConfig, arch: Architecture, ty: ExportType, name: &str) -> Vec<(String, Value)> {
     let a = arch.family().gguf_arch;
+    if a == "deepseek2" {
+        return deepseek2_metadata(config, ty, name);
+    }
     let s = |v: &str| Value::String(v.into());
     let u = |v: usize| Value::U32(v as u32);
     let mut meta: Vec<(String, Value)> = vec![
@@ -690,6 +912,74 @@ fn arch_metadata(config: &ModelConfig, arch: Architecture, ty: ExportType, name:
     meta
 }
 
+/// llama.cpp's `deepseek2` keys of `config`, as its converter writes them for MLA in its current
+/// layout (one key/value head of `kv_lora_rank + rope` for the absorbed attention, the per-head
+/// widths under `*_mla`, `q_lora_rank` 0 for a plain query).
+fn deepseek2_metadata(config: &ModelConfig, ty: ExportType, name: &str) -> Vec<(String, Value)> {
+    let a = "deepseek2";
+    let s = |v: &str| Value::String(v.into());
+    let u = |v: usize| Value::U32(v as u32);
+    let f = |v: f64| Value::F32(v as f32);
+    let mut meta: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), s(a)),
+        ("general.name".into(), s(name)),
+        ("general.file_type".into(), Value::U32(ty.file_type())),
+        ("general.quantization_version".into(), Value::U32(2)),
+    ];
+    let mut keys: Vec<(&str, Value)> = vec![
+        ("block_count", u(config.n_layers)),
+        ("context_length", u(config.max_seq_len)),
+        ("embedding_length", u(config.d_model)),
+        ("feed_forward_length", u(config.d_ff)),
+        ("attention.head_count", u(config.n_heads)),
+        ("attention.head_count_kv", u(1)),
+        ("attention.layer_norm_rms_epsilon", f(config.norm_eps)),
+        ("rope.freq_base", f(config.rope_theta)),
+        ("vocab_size", u(config.vocab_size)),
+    ];
+    if let Some(mla) = &config.mla {
+        keys.extend([
+            ("attention.q_lora_rank", u(mla.q_rank.unwrap_or(0))),
+            ("attention.kv_lora_rank", u(mla.kv_rank)),
+            ("attention.key_length", u(mla.cache_width())),
+            ("attention.value_length", u(mla.kv_rank)),
+            ("attention.key_length_mla", u(mla.qk_dim())),
+            ("attention.value_length_mla", u(mla.v_dim)),
+            ("rope.dimension_count", u(mla.rope_dim)),
+        ]);
+    }
+    match config.rope_scaling {
+        Some(RopeScaling::Yarn { factor, original_max_position_embeddings, mscale_all_dim, .. }) => keys.extend([
+            ("rope.scaling.type", s("yarn")),
+            ("rope.scaling.factor", f(factor)),
+            ("rope.scaling.original_context_length", u(original_max_position_embeddings)),
+            ("rope.scaling.yarn_log_multiplier", f(0.1 * mscale_all_dim.unwrap_or(0.0))),
+        ]),
+        Some(RopeScaling::Linear { factor }) => {
+            keys.extend([("rope.scaling.type", s("linear")), ("rope.scaling.factor", f(factor))])
+        }
+        _ => {}
+    }
+    if let Some(moe) = &config.moe {
+        let gating = if moe.scoring == ember_model::Scoring::Sigmoid { 2 } else { 1 };
+        keys.extend([
+            ("leading_dense_block_count", u(moe.dense_layers)),
+            ("expert_count", u(moe.n_experts)),
+            ("expert_used_count", u(moe.top_k)),
+            ("expert_feed_forward_length", u(moe.d_expert)),
+            ("expert_shared_count", u(moe.shared_expert.map_or(0, |w| w / moe.d_expert.max(1)))),
+            ("expert_weights_scale", f(moe.routed_scale)),
+            ("expert_weights_norm", Value::Bool(moe.norm_topk)),
+            ("expert_gating_func", u(gating)),
+        ]);
+        if let (Some(groups), Some(top)) = (moe.groups, moe.top_groups) {
+            keys.extend([("expert_group_count", u(groups)), ("expert_group_used_count", u(top))]);
+        }
+    }
+    meta.extend(keys.into_iter().map(|(k, v)| (format!("{a}.{k}"), v)));
+    meta
+}
+
 /// What an import kept of the source file's descriptive metadata ([`carried_metadata`]), to be
 /// written back; `general.name` is left to [`arch_metadata`].
 fn carried_back(hf_config: &Json) -> Vec<(String, Value)> {
@@ -733,6 +1023,9 @@ fn export_tensor(
     }
     if let Some(heads) = heads.permuted(arch, name, &shape) {
         values = permute_rows(&values, heads, shape[1], false);
+    }
+    if name.ends_with("shared_expert_gate.weight") && shape.first() == Some(&1) {
+        shape.remove(0); // Qwen2-MoE's `[1, D]` gate as llama.cpp's converter writes it, `[D]`
     }
     // The routers stay f32 whatever the type, as llama.cpp's quantizer keeps them: a rounded router
     // can pick other experts.
@@ -907,6 +1200,23 @@ mod tests {
         .unwrap();
         let e = read_file(file).err().expect("an error").to_string();
         assert_eq!(e, "t.gguf: metadata `general.architecture` has type u32 (7), expected string");
+    }
+
+    #[test]
+    fn deepseek_key_and_value_up_projections_split_per_head_and_join_back() {
+        // kv_b_proj [H·(nope + v), r] with value h·1000 + row·10 + column, H 3, nope 2, v 4, r 5.
+        let (h, nope, v, r) = (3, 2, 4, 5);
+        let kv_b: Vec<f32> = (0..h * (nope + v) * r)
+            .map(|i| (i / r / (nope + v) * 1000 + i / r % (nope + v) * 10 + i % r) as f32)
+            .collect();
+        let (k_b, v_b) = split_kv_b(&kv_b, h, nope, r);
+        // attn_k_b [H, r, nope]: head 2's key row 1, latent column 3 at [2][3][1].
+        assert_eq!(k_b[(2 * r + 3) * nope + 1], 2013.0);
+        // attn_v_b [H, v, r]: head 1's value row 2 (row nope + 2 of the head), column 4.
+        assert_eq!(v_b[(v + 2) * r + 4], 1044.0);
+        let (back, shape) = join_kv_b(&k_b, &v_b, h, r).unwrap();
+        assert_eq!((back, shape), (kv_b, vec![h * (nope + v), r]));
+        assert!(join_kv_b(&k_b[1..], &v_b, h, r).is_err());
     }
 
     #[test]

@@ -321,6 +321,13 @@ fn take_step<B: TrainBackend>(
     if out.skipped {
         bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
     }
+    // DeepSeek-V3's balancing by the selection bias, from the step's loads summed over the ranks
+    // (the same on every rank).
+    let rate = model.config().moe.as_ref().map_or(0.0, |m| m.bias_update_rate);
+    let model = match &out.moe {
+        Some(sums) if rate > 0.0 && !out.skipped => model.balance_selection_bias(&sums.load(), rate),
+        _ => model,
+    };
     state.step += 1;
     state.next_stream += stepper.micro_batches_per_step();
     state.tokens_seen += (stepper.config.tokens_per_step() * stepper.collective.world()) as u64;
@@ -440,12 +447,26 @@ fn log_setup(config: &TrainConfig, compute: &Compute, peak: &Peak, tokens_per_st
         ),
         None => format!("d_ff {}", m.d_ff),
     };
+    let ffn = match m.moe.as_ref().map(|e| e.dense_layers).filter(|&d| d > 0) {
+        Some(dense) => format!("{ffn} after {dense} dense layer(s) of d_ff {}", m.d_ff),
+        None => ffn,
+    };
+    let heads = match &m.mla {
+        Some(a) => format!(
+            "{} heads of latent attention (a {}-wide key/value latent{}, heads {} + {} rotary, values {})",
+            m.n_heads,
+            a.kv_rank,
+            a.q_rank.map_or(String::new(), |q| format!(", a {q}-wide query")),
+            a.nope_dim,
+            a.rope_dim,
+            a.v_dim
+        ),
+        None => format!("{} heads ({} kv)", m.n_heads, m.n_kv_heads()),
+    };
     tracing::info!(
-        "model: {} layers, d_model {}, {} heads ({} kv), {ffn}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
+        "model: {} layers, d_model {}, {heads}, {ffn}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
         m.n_layers,
         m.d_model,
-        m.n_heads,
-        m.n_kv_heads(),
         m.vocab_size,
         m.num_params()
     );

@@ -109,6 +109,7 @@ fn experts_add_their_weighted_balancing_loss_and_count_every_pair() {
             shared_expert_gate: false,
             aux_loss_coef,
             z_loss_coef: 0.0,
+            ..Default::default()
         }),
         ..config(29, 16)
     };

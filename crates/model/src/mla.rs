@@ -1,0 +1,431 @@
+//! Multi-head latent attention (DeepSeek-V2, V3): the keys and values of every head are
+//! up-projected from one small latent per token, `c = norm(x·W_DKV)` of `kv_lora_rank` numbers,
+//! and a single rotary key `k_rope` of `qk_rope_head_dim` numbers is shared by all heads. A query
+//! head is `[q_nope | q_rope]`, optionally through a low-rank query (`q_lora_rank`, with its own
+//! norm); a key head is `[c·W_UK_h | k_rope]`, a value head `c·W_UV_h`.
+//!
+//! In [`Attention`]'s projections: `q_proj` is the query's (its up-projection `q_b_proj` when the
+//! query is low-rank), `k_proj` the joint down-projection to `[c | k_rope]`
+//! (`kv_a_proj_with_mqa`), `v_proj` the keys' and values' up-projection `W_UKV`, per head
+//! `[W_UK_h | W_UV_h]` (`kv_b_proj`), `o_proj` the output's. [`Latent`] holds the rest.
+//!
+//! Training runs the expanded form (every head's keys and values made, then attention). Cached
+//! decoding stores only `[c | k_rope]` per token and layer (`kv_lora_rank + qk_rope_head_dim`
+//! numbers) and absorbs the up-projections: `q_nope·(c·W_UK_h)ᵀ = (q_nope·W_UK_hᵀ)·cᵀ`, so each head's
+//! query becomes `[q_nope·W_UK_hᵀ | q_rope]` against the shared latent key, the output
+//! `(softmax·c)·W_UV_h`: one key/value head of width `kv_lora_rank + qk_rope_head_dim`.
+
+use burn::module::Module;
+use burn::tensor::{backend::Backend, Tensor};
+use serde::{Deserialize, Serialize};
+
+use ember_kernels::attention::{causal_mask, masked_attention, Scores};
+use ember_kernels::documents::Documents;
+use ember_kernels::rope::Rope;
+use ember_kernels::{Compute, EmberBackend};
+
+use crate::attention::{Attention, Keys};
+use crate::config::{ConfigError, NormKind};
+use crate::init::Init;
+use crate::kv_cache::LayerKv;
+use crate::linear::Linear;
+use crate::norm::{Norm, NormConfig};
+
+/// A model's latent attention, `[model.mla]` (Hugging Face names in brackets).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MlaConfig {
+    /// Width of the low-rank query, if the query is low-rank [q_lora_rank].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q_rank: Option<usize>,
+    /// Width of the joint key/value latent, what the cache stores [kv_lora_rank].
+    pub kv_rank: usize,
+    /// Per-head width of the query and key part without position [qk_nope_head_dim].
+    pub nope_dim: usize,
+    /// Width of the rotary part of the queries and of the one shared rotary key [qk_rope_head_dim].
+    pub rope_dim: usize,
+    /// Per-head width of the values [v_head_dim].
+    pub v_dim: usize,
+    /// Epsilon of the latents' RMSNorms (DeepSeek's: 1e-6, not the model's).
+    #[serde(default = "default_eps")]
+    pub norm_eps: f64,
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+
+impl MlaConfig {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        let sizes = [
+            ("mla.kv_rank", self.kv_rank),
+            ("mla.nope_dim", self.nope_dim),
+            ("mla.rope_dim", self.rope_dim),
+            ("mla.v_dim", self.v_dim),
+            ("mla.q_rank", self.q_rank.unwrap_or(1)),
+        ];
+        if let Some((name, _)) = sizes.into_iter().find(|&(_, v)| v == 0) {
+            return Err(ConfigError::NotPositive { name, value: 0.0 });
+        }
+        for (name, value) in sizes {
+            if value > 1 << 16 {
+                return Err(ConfigError::TooLarge { name, value: value as u64, limit: 1 << 16 });
+            }
+        }
+        if !self.rope_dim.is_multiple_of(2) {
+            return Err(ConfigError::Needs { key: "mla.rope_dim", needs: "an even value (RoPE rotates pairs)" });
+        }
+        if !(self.norm_eps > 0.0 && self.norm_eps.is_finite()) {
+            return Err(ConfigError::NotPositive { name: "mla.norm_eps", value: self.norm_eps });
+        }
+        Ok(())
+    }
+
+    /// Per-head width of the queries and keys, `nope_dim + rope_dim`.
+    pub fn qk_dim(&self) -> usize {
+        self.nope_dim + self.rope_dim
+    }
+
+    /// Numbers the cache stores per token and layer: the latent and the rotary key.
+    pub fn cache_width(&self) -> usize {
+        self.kv_rank + self.rope_dim
+    }
+
+    /// Projection weights of one layer's attention over `d_model` with `heads` heads:
+    /// `(query, key/value down, key/value up, output)`.
+    pub(crate) fn shapes(&self, d_model: usize, heads: usize) -> [(usize, usize); 4] {
+        let q_in = self.q_rank.unwrap_or(d_model);
+        [
+            (q_in, heads * self.qk_dim()),
+            (d_model, self.cache_width()),
+            (self.kv_rank, heads * (self.nope_dim + self.v_dim)),
+            (heads * self.v_dim, d_model),
+        ]
+    }
+
+    /// Every parameter of one layer's attention: the four projections of [`Self::shapes`], the
+    /// low-rank query's down-projection and norm, the latent's norm and the biases.
+    pub(crate) fn params(&self, d_model: usize, heads: usize, bias: bool, o_bias: bool) -> u64 {
+        let products: u64 = self.shapes(d_model, heads).iter().map(|&(i, o)| (i * o) as u64).sum();
+        let q_down = self.q_rank.map_or(0, |r| (d_model * r + r) as u64 + if bias { r as u64 } else { 0 });
+        let biases = if bias { self.cache_width() as u64 } else { 0 } + if o_bias { d_model as u64 } else { 0 };
+        products + q_down + self.kv_rank as u64 + biases
+    }
+
+    /// Weights one token multiplies by in one layer's attention (the expanded form's).
+    pub(crate) fn matmul_params(&self, d_model: usize, heads: usize) -> u64 {
+        let products: u64 = self.shapes(d_model, heads).iter().map(|&(i, o)| (i * o) as u64).sum();
+        products + self.q_rank.map_or(0, |r| (d_model * r) as u64)
+    }
+
+    /// The latent's parts: the low-rank query's down-projection and norm, the latent's norm.
+    pub(crate) fn init<B: Backend>(
+        &self,
+        init: &mut Init,
+        (d_model, heads, bias, std): (usize, usize, bool, f64),
+        scores: Scores,
+        device: &B::Device,
+    ) -> Latent<B> {
+        let norm = |d| NormConfig { d_model: d, eps: self.norm_eps, kind: NormKind::RmsNorm, bias: false };
+        Latent {
+            q_a_proj: self.q_rank.map(|r| Linear::new(init, d_model, r, bias, std, device)),
+            q_a_norm: self.q_rank.map(|r| norm(r).init(device)),
+            kv_a_norm: norm(self.kv_rank).init(device),
+            heads,
+            kv_rank: self.kv_rank,
+            nope_dim: self.nope_dim,
+            rope_dim: self.rope_dim,
+            v_dim: self.v_dim,
+            scores,
+        }
+    }
+}
+
+/// The parts of a latent attention beside its four projections.
+#[derive(Module, Debug)]
+pub struct Latent<B: Backend> {
+    /// `[D, q_rank]`, the low-rank query's down-projection [q_a_proj].
+    pub q_a_proj: Option<Linear<B>>,
+    /// `[q_rank]` [q_a_layernorm].
+    pub q_a_norm: Option<Norm<B>>,
+    /// `[kv_rank]` [kv_a_layernorm].
+    pub kv_a_norm: Norm<B>,
+    #[module(skip)]
+    heads: usize,
+    #[module(skip)]
+    kv_rank: usize,
+    #[module(skip)]
+    nope_dim: usize,
+    #[module(skip)]
+    rope_dim: usize,
+    #[module(skip)]
+    v_dim: usize,
+    #[module(skip)]
+    scores: Scores,
+}
+
+impl<B: EmberBackend> Latent<B> {
+    /// The attention of `x`'s positions through `att`'s projections.
+    ///
+    /// # Shapes
+    /// - x: `[B, T, D]` -> `[B, T, D]`
+    pub(crate) fn forward(
+        &self,
+        att: &Attention<B>,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        keys: Keys<'_, B>,
+        cx: Compute,
+    ) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let (h, r, dn, dr, dv) = (self.heads, self.kv_rank, self.nope_dim, self.rope_dim, self.v_dim);
+        let x = x.reshape([b * t, d]);
+        let q = match (&self.q_a_proj, &self.q_a_norm) {
+            (Some(down), Some(norm)) => att.q_proj.forward(norm.forward(down.forward(x.clone(), cx), cx), cx),
+            _ => att.q_proj.forward(x.clone(), cx),
+        }; // [B·T, H·(dn + dr)]
+        let kv = att.k_proj.forward(x, cx); // [B·T, r + dr]
+        let c = self.kv_a_norm.forward(kv.clone().narrow(1, 0, r), cx); // [B·T, r]
+        let k_rope = kv.narrow(1, r, dr).reshape([b, t, 1, dr]).swap_dims(1, 2); // [B, 1, T, dr]
+        let q = q.reshape([b, t, h, dn + dr]).swap_dims(1, 2); // [B, H, T, dn + dr]
+        let (q_nope, q_rope) = (q.clone().narrow(3, 0, dn), q.narrow(3, dn, dr));
+        let o = match keys {
+            Keys::Own { start, docs } => {
+                self.expanded(att, (q_nope, q_rope), (c, k_rope), rope, (b, t), (start, docs), cx)
+            }
+            Keys::Cache(kv) => self.absorbed(att, (q_nope, q_rope), (c, k_rope), rope, (b, t), kv, cx),
+        }; // [B, H, T, dv]
+        let o = o.swap_dims(1, 2).reshape([b * t, h * dv]);
+        att.o_proj.forward(o, cx).reshape([b, t, d])
+    }
+
+    /// The expanded form: every head's keys and values made from the latent, then causal attention
+    /// of the call's own positions.
+    ///
+    /// # Shapes
+    /// - q_nope: `[B, H, T, dn]`, q_rope: `[B, H, T, dr]`, c: `[B·T, r]`, k_rope: `[B, 1, T, dr]`
+    ///   -> `[B, H, T, dv]`
+    #[allow(clippy::too_many_arguments)]
+    fn expanded(
+        &self,
+        att: &Attention<B>,
+        (q_nope, q_rope): (Tensor<B, 4>, Tensor<B, 4>),
+        (c, k_rope): (Tensor<B, 2>, Tensor<B, 4>),
+        rope: &Rope<B>,
+        (b, t): (usize, usize),
+        (start, docs): (usize, Option<&Documents>),
+        cx: Compute,
+    ) -> Tensor<B, 4> {
+        let (h, dn, dr, dv) = (self.heads, self.nope_dim, self.rope_dim, self.v_dim);
+        let device = c.device();
+        let (q_rope, k_rope, hidden) = match docs {
+            Some(docs) => {
+                assert_eq!(docs.dims(), [b, t], "documents of another batch shape than the tokens");
+                let positions = docs.positions(start);
+                let hidden = docs.hidden_mask::<B>(None, &device); // [B, 1, T, T]
+                (rope.apply_positions(q_rope, &positions), rope.apply_positions(k_rope, &positions), hidden)
+            }
+            None => (rope.apply(q_rope, start), rope.apply(k_rope, start), causal_mask::<B>(t, t, None, &device)),
+        };
+        let kv = att.v_proj.forward(c, cx).reshape([b, t, h, dn + dv]).swap_dims(1, 2); // [B, H, T, dn + dv]
+        let k = Tensor::cat(vec![kv.clone().narrow(3, 0, dn), k_rope.expand([b, h, t, dr])], 3);
+        let v = kv.narrow(3, dn, dv);
+        let q = Tensor::cat(vec![q_nope, q_rope], 3);
+        masked_attention(q, k, v, Some(hidden), cx.dtype, self.scores)
+    }
+
+    /// The absorbed form over the cache: the new positions' latents and rotary keys stored, each
+    /// head's query taken into the latent space, attention over the stored latents, the result
+    /// taken out to the head's values.
+    ///
+    /// # Shapes
+    /// - as [`Self::expanded`]
+    #[allow(clippy::too_many_arguments)]
+    fn absorbed(
+        &self,
+        att: &Attention<B>,
+        (q_nope, q_rope): (Tensor<B, 4>, Tensor<B, 4>),
+        (c, k_rope): (Tensor<B, 2>, Tensor<B, 4>),
+        rope: &Rope<B>,
+        (b, t): (usize, usize),
+        kv: LayerKv<'_, B>,
+        cx: Compute,
+    ) -> Tensor<B, 4> {
+        let (h, r, dn, dv) = (self.heads, self.kv_rank, self.nope_dim, self.v_dim);
+        let starts = kv.starts();
+        let (q_rope, k_rope) = (rope.apply_rows_op(q_rope, &starts, cx), rope.apply_rows_op(k_rope, &starts, cx));
+        // W_UKV per head: [H, r, dn + dv].
+        let w = att.v_proj.effective_weight().reshape([r, h, dn + dv]).swap_dims(0, 1);
+        let w_uk = w.clone().narrow(2, 0, dn).swap_dims(1, 2).unsqueeze::<4>(); // [1, H, dn, r]
+        let w_uv = w.narrow(2, dn, dv).unsqueeze::<4>(); // [1, H, r, dv]
+        let q = Tensor::cat(vec![q_nope.matmul(w_uk), q_rope], 3); // [B, H, T, r + dr]
+        let latent = Tensor::cat(vec![c.reshape([b, t, 1, r]).swap_dims(1, 2), k_rope], 3); // [B, 1, T, r + dr]
+        let o = kv.attend_latent(q, latent, r, self.scores, cx); // [B, H, T, r]
+        o.matmul(w_uv)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{ModelConfig, RopeLayout, RopeScaling};
+    use crate::lora::{LoraConfig, Target};
+    use crate::moe::{MoeConfig, Scoring};
+    use crate::{Decoder, TestBackend};
+    use burn::module::{Module, Param};
+    use burn::tensor::{DType, Distribution, Int, TensorData};
+
+    type B = TestBackend;
+
+    /// A DeepSeek-V3-shaped model: a low-rank query, YaRN with both scales, interleaved RoPE, a
+    /// dense first layer, then sigmoid-scored grouped experts with a selection bias and a shared
+    /// expert.
+    fn deepseek_like(q_rank: Option<usize>) -> ModelConfig {
+        let moe = MoeConfig {
+            n_experts: 8,
+            top_k: 2,
+            d_expert: 12,
+            norm_topk: true,
+            shared_expert: Some(12),
+            shared_expert_gate: false,
+            aux_loss_coef: 0.0,
+            z_loss_coef: 0.0,
+            scoring: Scoring::Sigmoid,
+            selection_bias: true,
+            groups: Some(4),
+            top_groups: Some(2),
+            routed_scale: 2.5,
+            dense_layers: 1,
+            bias_update_rate: 0.0,
+        };
+        let mla = MlaConfig { q_rank, kv_rank: 16, nope_dim: 8, rope_dim: 8, v_dim: 12, norm_eps: 1e-6 };
+        ModelConfig {
+            n_layers: 3,
+            rope_layout: RopeLayout::Interleaved,
+            rope_scaling: Some(RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 8,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: Some(1.0),
+                mscale_all_dim: Some(0.8),
+                attention_factor: None,
+                truncate: true,
+            }),
+            moe: Some(moe),
+            mla: Some(mla),
+            init_std: 0.2,
+            ..ModelConfig::tiny(41, 48)
+        }
+    }
+
+    fn tokens(ids: &[i32]) -> Tensor<B, 2, Int> {
+        Tensor::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), &Default::default())
+    }
+
+    fn max_diff(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
+        (a - b).abs().max().into_scalar()
+    }
+
+    /// Logits of `ids` fed through the cache: a prefill of `prefill` tokens, then one at a time.
+    fn cached_logits(model: &Decoder<B>, ids: &[i32], prefill: usize) -> Tensor<B, 3> {
+        let logits = |hidden: Tensor<B, 3>| {
+            let [b, t, d] = hidden.dims();
+            model.logits(hidden.reshape([b * t, d])).reshape([b, t, 41])
+        };
+        let mut cache = model.new_cache(1, 4);
+        let mut out = vec![logits(model.forward_cached(tokens(&ids[..prefill]), &[prefill], &mut cache))];
+        for &id in &ids[prefill..] {
+            out.push(logits(model.forward_cached(tokens(&[id]), &[1], &mut cache)));
+        }
+        Tensor::cat(out, 1)
+    }
+
+    #[test]
+    fn cached_decoding_with_the_absorbed_latent_equals_the_full_forward() {
+        let ids: Vec<i32> = (0..30).map(|i| (i * 7 + 3) % 41).collect();
+        for q_rank in [Some(10), None] {
+            let model = Decoder::<B>::new(&deepseek_like(q_rank), 5, &Default::default()).unwrap();
+            let full = model.forward(tokens(&ids));
+            let diff = max_diff(cached_logits(&model, &ids, 11), full.clone());
+            assert!(diff < 1e-4, "q_rank {q_rank:?}: cached vs full {diff}");
+            // Far enough that YaRN's ramp and the attention factor matter (positions past 8).
+            assert!(full.abs().max().into_scalar() > 0.5, "logits too small to compare");
+        }
+    }
+
+    #[test]
+    fn the_absorbed_form_uses_the_adapted_up_projection() {
+        let lora = LoraConfig { rank: 2, alpha: 4.0, dropout: 0.0, targets: Target::ALL[..4].to_vec() };
+        let mut model =
+            Decoder::<B>::new(&deepseek_like(Some(10)), 6, &Default::default()).unwrap().with_lora(&lora, 1);
+        for layer in model.layers.iter_mut() {
+            for t in [Target::QProj, Target::KProj, Target::VProj, Target::OProj] {
+                let lin = layer.projection_mut(t).unwrap();
+                let (i, o) = (lin.d_in(), lin.d_out());
+                assert_eq!((i, o), t.shape(&deepseek_like(Some(10))), "{t}");
+                let b = Tensor::random([2, o], Distribution::Normal(0.0, 0.3), &Default::default());
+                lin.lora.as_mut().unwrap().lora_b = Param::from_tensor(b);
+            }
+        }
+        let ids: Vec<i32> = (0..20).map(|i| (i * 5 + 1) % 41).collect();
+        let full = model.forward(tokens(&ids));
+        assert!(max_diff(cached_logits(&model, &ids, 6), full.clone()) < 1e-4);
+        // The adapters change the model: the merged weights give the same logits as the adapters.
+        let merged = model.clone().merge_lora();
+        assert!(max_diff(merged.forward(tokens(&ids)), full) < 1e-4);
+    }
+
+    #[test]
+    fn the_cache_stores_the_latent_and_the_rotary_key_only() {
+        let config = deepseek_like(Some(10));
+        let model = Decoder::<B>::new(&config, 7, &Default::default()).unwrap();
+        let mut cache = model.new_cache(1, 4);
+        // (kv_rank + rope_dim) × layers × 4 bytes, against 2 × heads × (qk or v width) × layers for the
+        // same heads as plain multi-head attention (keys of 16, values padded to 16).
+        assert_eq!(cache.bytes_per_token(DType::F32), (16 + 8) * 3 * 4);
+        assert_eq!(cache.bytes_per_token(DType::BF16), (16 + 8) * 3 * 2);
+        let ids: Vec<i32> = (0..8).collect();
+        let _ = model.forward_cached(tokens(&ids), &[8], &mut cache);
+        assert_eq!(cache.pool_bytes(), 8 * (16 + 8) * 3 * 4, "two blocks of four positions, the latent only");
+        let mha = ModelConfig { mla: None, head_dim: Some(16), n_kv_heads: Some(4), ..config };
+        let plain = Decoder::<B>::new(&mha, 7, &Default::default()).unwrap().new_cache(1, 4);
+        assert_eq!(plain.bytes_per_token(DType::F32), 2 * 4 * 16 * 3 * 4);
+    }
+
+    #[test]
+    fn latent_configs_that_cannot_run_are_refused_by_name() {
+        let base = deepseek_like(Some(10));
+        let err = |c: ModelConfig| c.validate().unwrap_err().to_string();
+        let mla = |f: fn(&mut MlaConfig)| {
+            let mut c = base.clone();
+            f(c.mla.as_mut().unwrap());
+            c
+        };
+        assert!(err(mla(|m| m.kv_rank = 0)).contains("mla.kv_rank"));
+        assert!(err(mla(|m| m.rope_dim = 7)).contains("mla.rope_dim"));
+        assert!(err(mla(|m| m.q_rank = Some(0))).contains("mla.q_rank"));
+        assert!(err(ModelConfig { sliding_window: Some(4), ..base.clone() }).contains("sliding_window"));
+        assert!(err(ModelConfig { qk_norm: true, ..base.clone() }).contains("qk_norm"));
+        let moe = |f: fn(&mut MoeConfig)| {
+            let mut c = base.clone();
+            f(c.moe.as_mut().unwrap());
+            c
+        };
+        assert!(err(moe(|m| m.groups = Some(3))).contains("moe.groups"));
+        assert!(err(moe(|m| m.top_groups = Some(5))).contains("moe.top_groups"));
+        assert!(err(moe(|m| m.top_groups = None)).contains("moe.top_groups"));
+        assert!(err(moe(|m| m.dense_layers = 4)).contains("moe.dense_layers"));
+        assert!(err(moe(|m| m.routed_scale = 0.0)).contains("moe.routed_scale"));
+    }
+
+    #[test]
+    fn parameter_counts_follow_the_latent_shapes() {
+        let c = deepseek_like(Some(10));
+        let model = Decoder::<B>::new(&c, 8, &Default::default()).unwrap();
+        assert_eq!(model.num_params() as u64, c.num_params());
+        let c = ModelConfig { qkv_bias: true, o_bias: true, ..deepseek_like(None) };
+        let model = Decoder::<B>::new(&c, 8, &Default::default()).unwrap();
+        assert_eq!(model.num_params() as u64, c.num_params());
+    }
+}
