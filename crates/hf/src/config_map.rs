@@ -180,8 +180,16 @@ pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfErr
     let parts = arch.family().parts;
     let config =
         &ModelConfig { norm: if parts.holds_norm(config.norm) { parts.norm } else { config.norm }, ..config.clone() };
-    let back = to_model_config(&from_model_config(config, arch, None), &format!("{class} config.json")).map(|(c, _)| c);
-    differences(config, back, class)
+    // DeepSeek's files have no balancing loss (transformers computes none): its weight is training's.
+    let mut config = config.clone();
+    if let Some(moe) =
+        config.moe.as_mut().filter(|_| matches!(arch, Architecture::DeepseekV2 | Architecture::DeepseekV3))
+    {
+        moe.aux_loss_coef = 0.0;
+    }
+    let back =
+        to_model_config(&from_model_config(&config, arch, None), &format!("{class} config.json")).map(|(c, _)| c);
+    differences(&config, back, class)
 }
 
 /// `Ok` when `back` (what a file written for `config` reads back to) is the same model as `config`;
@@ -238,6 +246,7 @@ fn canonical(c: &ModelConfig) -> ModelConfig {
             c.d_ff = 0; // no block has an MLP
         }
         moe.z_loss_coef = 0.0; // how training goes, not the architecture
+        moe.bias_update_rate = 0.0;
     }
     let local = (0..c.n_layers).filter(|&l| c.is_local(l)).count();
     if local == 0 {
@@ -529,7 +538,10 @@ fn read_deepseek(r: &Reader, c: &mut ModelConfig, v3: bool) -> Result<(), HfErro
         top_k: r.usize("num_experts_per_tok")?,
         d_expert: moe_width,
         norm_topk: v3 && r.flag("norm_topk_prob").unwrap_or(true),
-        shared_expert: (shared > 0).then(|| shared * moe_width),
+        shared_expert: match shared {
+            0 => None,
+            n => Some(n.checked_mul(moe_width).ok_or_else(|| r.bad(format!("n_shared_experts {n}: too many")))?),
+        },
         shared_expert_gate: false,
         aux_loss_coef: 0.0,
         z_loss_coef: 0.0,

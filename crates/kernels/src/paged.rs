@@ -196,7 +196,7 @@ pub fn reference<B: Backend>(
 /// group attend as `rep·T` query rows over the group's keys.
 ///
 /// # Shapes
-/// - q: `[B, H, T, Dh]`, k, v: `[B, K, S, Dh]`, hidden: `[B, 1, T, S]` -> `[B, H, T, Dh]`
+/// - q: `[B, H, T, Dh]`, k: `[B, K, S, Dh]`, v: `[B, K, S, Dv]`, hidden: `[B, 1, T, S]` -> `[B, H, T, Dv]`
 pub fn grouped_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,

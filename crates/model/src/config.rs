@@ -76,8 +76,8 @@ pub struct ModelConfig {
     /// A mixture of SwiGLU experts in place of every block's MLP (`d_ff` then unused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
-    /// Multi-head latent attention in place of the plain projections (DeepSeek-V2, V3): `n_kv_heads`
-    /// and `head_dim` then unused.
+    /// Multi-head latent attention in place of the plain projections (DeepSeek-V2, V3): leave
+    /// `n_kv_heads` and `head_dim` out (the latent's widths are its own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mla: Option<MlaConfig>,
     /// How positions enter: RoPE in the attention, or a learned table added to the embeddings.
@@ -325,6 +325,7 @@ impl ModelConfig {
         self.block(0).validate()?;
         self.block(self.n_layers - 1).validate()?;
         if let Some(moe) = &self.moe {
+            moe.validate()?; // also when every layer is dense
             if moe.dense_layers > self.n_layers {
                 return Err(ConfigError::Needs { key: "moe.dense_layers", needs: "a value no larger than n_layers" });
             }
@@ -605,13 +606,23 @@ fn validate_rope_scaling(scaling: &RopeScaling) -> Result<(), ConfigError> {
             ]
         }
         RopeScaling::Yarn {
-            factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, ..
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            mscale,
+            mscale_all_dim,
+            ..
         } => vec![
             ("rope_scaling.factor", factor),
             ("rope_scaling.original_max_position_embeddings", original_max_position_embeddings as f64),
             ("rope_scaling.beta_slow", beta_slow),
             ("rope_scaling.beta_fast - beta_slow", beta_fast - beta_slow),
             ("rope_scaling.attention_factor", attention_factor.unwrap_or(1.0)),
+            // 0 is "not given" to Hugging Face; negative or not finite is no scale.
+            ("rope_scaling.mscale", mscale.map_or(1.0, |m| if m == 0.0 { 1.0 } else { m })),
+            ("rope_scaling.mscale_all_dim", mscale_all_dim.map_or(1.0, |m| if m == 0.0 { 1.0 } else { m })),
         ],
     };
     match factors.into_iter().find(|(_, v)| !(*v > 0.0 && v.is_finite())) {

@@ -39,7 +39,8 @@ pub struct KvCache<B: Backend> {
     /// Per layer: whether it attends within the window (Gemma 3 mixes local and global layers).
     local: Vec<bool>,
     /// Per layer: keys and values of every block of the pool, one row a position,
-    /// `[blocks · block_size, K·Dh]`.
+    /// `[blocks · block_size, K·Dh]`; with latent attention the keys are the latents,
+    /// `[blocks · block_size, kv_rank + rope_dim]`, and there are no value pools.
     keys: Vec<Tensor<B, 2>>,
     values: Vec<Tensor<B, 2>>,
     /// Blocks of the pool no sequence holds.
@@ -79,7 +80,11 @@ impl<B: Backend> KvCache<B> {
     pub fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
         let width = config.n_kv_heads() * config.head_dim();
         let (key_width, value_width) = config.mla.as_ref().map_or((width, width), |mla| (mla.cache_width(), 0));
-        let empty = |w| (0..config.n_layers).map(|_| Tensor::zeros([0, w], device)).collect::<Vec<_>>();
+        // Latent attention has no value pools (its values are part of the latent).
+        let empty = |w| match w {
+            0 => Vec::new(),
+            w => (0..config.n_layers).map(|_| Tensor::zeros([0, w], device)).collect::<Vec<_>>(),
+        };
         Self {
             block_size: block_size.max(1),
             n_kv_heads: config.n_kv_heads(),

@@ -279,7 +279,8 @@ impl MoePartConfig {
             down: init.normal_param([e, f, d], self.out_std, device),
             shared: shared.map(|s| s.init(init, device)),
             shared_gate: m.shared_expert_gate.then(|| Linear::new(init, d, 1, false, self.init_std, device)),
-            selection_bias: m.selection_bias.then(|| const_param([e], 0.0, device)),
+            // Never differentiated: no optimizer (a sharded one included) takes it as trainable.
+            selection_bias: m.selection_bias.then(|| const_param([e], 0.0, device).set_require_grad(false)),
             lora: None,
             top_k: m.top_k,
             norm_topk: m.norm_topk,
@@ -304,8 +305,9 @@ pub struct Moe<B: Backend> {
     pub shared: Option<Mlp<B>>,
     /// `[D, 1]` [shared_expert_gate].
     pub shared_gate: Option<Linear<B>>,
-    /// `[E]`, added to the scores for the choice only [gate.e_score_correction_bias]. Never
-    /// differentiated (the choice is made on the host), so no optimizer step changes it.
+    /// `[E]`, added to the scores for the choice only [gate.e_score_correction_bias]. Not trainable
+    /// (the choice is made on the host, no gradient reaches it): only the balancing update of
+    /// `bias_update_rate` moves it.
     pub selection_bias: Option<Param<Tensor<B, 1>>>,
     /// Low-rank adapters of the experts' stacks, when fine-tuning them with LoRA.
     pub lora: Option<ExpertsLora<B>>,
@@ -747,6 +749,8 @@ mod tests {
         let config = MoePartConfig { d_model: 8, moe, init_std: 0.5, out_std: 0.3 };
         config.validate().unwrap();
         let mut part: Moe<AB> = config.init(&mut Init::new(4), &Default::default());
+        // Not trainable: an optimizer that lays out every trainable parameter (ZeRO's) leaves it out.
+        assert!(part.selection_bias.as_ref().is_none_or(|b| !b.val().is_require_grad()));
         if sigmoid {
             let bias = Tensor::random([8], Distribution::Uniform(-0.3, 0.3), &Default::default());
             part.selection_bias = Some(Param::from_tensor(bias));

@@ -222,7 +222,8 @@ pub struct StepRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_reached_s: Option<f64>,
     /// A mixture of experts: each layer's load, the fraction of its token-expert pairs each
-    /// expert received this step.
+    /// expert received this step (the layers with experts, in order: after DeepSeek's leading dense
+    /// layers, entry 0 is the first sparse layer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_load: Option<Vec<Vec<f64>>>,
     /// The objective's own metrics. Preference tuning: TRL's metrics of the step's pairs

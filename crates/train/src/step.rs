@@ -306,8 +306,8 @@ impl MoeSums {
         Self { aux: v[0], z: v[1], counts: v[2..].to_vec(), ..*self }
     }
 
-    /// Each layer's load (of the layers with experts, in order): the fraction of its pairs each
-    /// expert received.
+    /// Each layer's load (of the layers with experts, in order: entry `i` is layer
+    /// `first_layer + i`): the fraction of its pairs each expert received.
     pub fn load(&self) -> Vec<Vec<f64>> {
         self.counts
             .chunks(self.experts.max(1))

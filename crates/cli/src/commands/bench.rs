@@ -462,7 +462,12 @@ fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
     // The KV cache of the longest context: whole blocks for every sequence, keys and values of
     // every layer in f32, twice over while the pool grows.
     let positions = a.contexts.iter().max().map_or(0, |c| c + longest).div_ceil(a.block_size) * a.block_size;
-    let per_position = product(&[2, config.n_layers, config.n_kv_heads(), config.head_dim(), 4]);
+    // Latent attention caches one latent and rotary key a layer, not every head's keys and values.
+    let per_layer = match &config.mla {
+        Some(mla) => &[mla.cache_width()][..],
+        None => &[2, config.n_kv_heads(), config.head_dim()][..],
+    };
+    let per_position = product(&[per_layer, &[config.n_layers, 4]].concat());
     let need = per_position.and_then(|p| p.checked_mul(product(&[2, a.batch, positions])?));
     let what = format!("--block-size {} --batch {} (KV cache of {positions} positions)", a.block_size, a.batch);
     fits_memory(&what, need, a.common.device)?;

@@ -369,7 +369,9 @@ fn deepseek2_config(
                 beta_slow: 1.0,
                 mscale: all,
                 mscale_all_dim: all,
-                attention_factor: None,
+                // llama.cpp's deepseek2 leaves cos and sin unscaled (its mscale over mscale_all_dim,
+                // 1; without the log multiplier it divides YaRN's default factor back out).
+                attention_factor: all.is_none().then_some(1.0),
                 truncate: true,
             })
         }
@@ -412,7 +414,12 @@ fn deepseek2_config(
                 top_k: req("expert_used_count")?,
                 d_expert,
                 norm_topk: meta.bool(&key("expert_weights_norm"))?.unwrap_or(false),
-                shared_expert: (shared > 0).then(|| shared * d_expert),
+                shared_expert: match shared {
+                    0 => None,
+                    n => Some(
+                        n.checked_mul(d_expert).ok_or_else(|| err("expert_shared_count", format!("{n}: too many")))?,
+                    ),
+                },
                 shared_expert_gate: false,
                 aux_loss_coef: 0.0,
                 z_loss_coef: 0.0,
@@ -542,8 +549,8 @@ const KEPT_PROJECTIONS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "ga
 /// projection weight that a quantized base keeps as stored.
 fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool) -> bool {
     // A shared expert's projections are the experts part's, not a block's: dequantized.
-    let projection =
-        KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight"))) && !hf.contains(".shared_expert.");
+    let shared = hf.contains(".shared_expert.") || hf.contains(".shared_experts.");
+    let projection = KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight"))) && !shared;
     let single =
         family.hf_to_ember(hf).is_some_and(|t| t.paths.len() == 1 && t.layout == crate::family::Layout::Transposed);
     projection && single && !transposed && super::quant::block_decoder(kind).is_some()

@@ -322,8 +322,10 @@ fn take_step<B: TrainBackend>(
         bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
     }
     // DeepSeek-V3's balancing by the selection bias, from the step's loads summed over the ranks
-    // (the same on every rank).
+    // (the same on every rank). Not under LoRA: the base, the bias with it, stays as loaded (its
+    // checkpoints hold the adapters only).
     let rate = model.config().moe.as_ref().map_or(0.0, |m| m.bias_update_rate);
+    let rate = if stepper.config.lora.is_some() { 0.0 } else { rate };
     let model = match &out.moe {
         Some(sums) if rate > 0.0 && !out.skipped => model.balance_selection_bias(&sums.load(), rate),
         _ => model,
