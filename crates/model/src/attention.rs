@@ -5,7 +5,7 @@
 //! `query_pre_attn_scalar`) and soft-capped scores (Gemma 2).
 
 use burn::module::Module;
-use burn::tensor::{backend::Backend, DType, Tensor};
+use burn::tensor::{backend::Backend, Bool, DType, Tensor};
 
 use ember_kernels::attention::{attention_rope_packed, causal_mask, masked_attention, repeat_kv, Scores};
 use ember_kernels::documents::Documents;
@@ -194,6 +194,31 @@ pub struct Attention<B: Backend> {
     scores: Scores,
 }
 
+/// RoPE of a call's own queries and keys at their positions, and what each query may not see:
+/// causally from absolute position `start`, within `window`; with `docs`, each packed document's
+/// positions restart at `start` and it sees only itself.
+///
+/// # Shapes
+/// - q: `[B, H, T, D]`, k: `[B, K, T, D]` -> the same, and the mask `[B or 1, 1, T, T]` (true where hidden)
+pub(crate) fn rotate_own<B: Backend>(
+    rope: &Rope<B>,
+    (q, k): (Tensor<B, 4>, Tensor<B, 4>),
+    (start, docs): (usize, Option<&Documents>),
+    window: Option<usize>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4, Bool>) {
+    let [b, _, t, _] = q.dims();
+    let device = q.device();
+    match docs {
+        Some(docs) => {
+            assert_eq!(docs.dims(), [b, t], "documents of another batch shape than the tokens");
+            let positions = docs.positions(start);
+            let hidden = docs.hidden_mask::<B>(window, &device);
+            (rope.apply_positions(q, &positions), rope.apply_positions(k, &positions), hidden)
+        }
+        None => (rope.apply(q, start), rope.apply(k, start), causal_mask::<B>(t, t, window, &device)),
+    }
+}
+
 /// Where an attention call's keys and values come from.
 pub(crate) enum Keys<'a, B: Backend> {
     /// The call's own: whole sequences whose first position is absolute position `start`; with
@@ -266,19 +291,8 @@ impl<B: EmberBackend> Attention<B> {
             // RoPE and causal GQA attention as one op, on the projections' own layout.
             return attention_rope_packed(qkv, rope, (b, t), (h, k, dh), (start, docs), self.scores, cx);
         }
-        let device = qkv.device();
         let [q, key, v] = self.split_heads(qkv, b, t);
-        let (q, key, hidden) = match docs {
-            Some(docs) => {
-                let positions = docs.positions(start);
-                let hidden = docs.hidden_mask::<B>(self.sliding_window, &device); // [B, 1, T, T]
-                (rope.apply_positions(q, &positions), rope.apply_positions(key, &positions), hidden)
-            }
-            None => {
-                let hidden = causal_mask::<B>(t, t, self.sliding_window, &device); // [1, 1, T, T]
-                (rope.apply(q, start), rope.apply(key, start), hidden)
-            }
-        };
+        let (q, key, hidden) = rotate_own(rope, (q, key), (start, docs), self.sliding_window);
         let (key, v) = (repeat_kv(key, h / k), repeat_kv(v, h / k)); // [B, H, T, Dh]
         let o = masked_attention(q, key, v, Some(hidden), cx.dtype, self.scores);
         o.swap_dims(1, 2).reshape([b * t, h * dh]) // from [B, H, T, Dh]

@@ -19,12 +19,12 @@ use burn::module::Module;
 use burn::tensor::{backend::Backend, Tensor};
 use serde::{Deserialize, Serialize};
 
-use ember_kernels::attention::{causal_mask, masked_attention, Scores};
+use ember_kernels::attention::{masked_attention, Scores};
 use ember_kernels::documents::Documents;
 use ember_kernels::rope::Rope;
 use ember_kernels::{Compute, EmberBackend};
 
-use crate::attention::{Attention, Keys};
+use crate::attention::{rotate_own, Attention, Keys};
 use crate::config::{ConfigError, NormKind};
 use crate::init::Init;
 use crate::kv_cache::LayerKv;
@@ -217,16 +217,7 @@ impl<B: EmberBackend> Latent<B> {
         cx: Compute,
     ) -> Tensor<B, 4> {
         let (h, dn, dr, dv) = (self.heads, self.nope_dim, self.rope_dim, self.v_dim);
-        let device = c.device();
-        let (q_rope, k_rope, hidden) = match docs {
-            Some(docs) => {
-                assert_eq!(docs.dims(), [b, t], "documents of another batch shape than the tokens");
-                let positions = docs.positions(start);
-                let hidden = docs.hidden_mask::<B>(None, &device); // [B, 1, T, T]
-                (rope.apply_positions(q_rope, &positions), rope.apply_positions(k_rope, &positions), hidden)
-            }
-            None => (rope.apply(q_rope, start), rope.apply(k_rope, start), causal_mask::<B>(t, t, None, &device)),
-        };
+        let (q_rope, k_rope, hidden) = rotate_own(rope, (q_rope, k_rope), (start, docs), None);
         let kv = att.v_proj.forward(c, cx).reshape([b, t, h, dn + dv]).swap_dims(1, 2); // [B, H, T, dn + dv]
         let k = Tensor::cat(vec![kv.clone().narrow(3, 0, dn), k_rope.expand([b, h, t, dr])], 3);
         let v = kv.narrow(3, dn, dv);
