@@ -32,7 +32,8 @@ enum Command {
     Train(commands::train::TrainArgs),
     /// Generate text from a checkpoint.
     Sample(commands::sample::SampleArgs),
-    /// Evaluate a checkpoint: `--perplexity` on a text file or a split.
+    /// Evaluate a checkpoint: benchmark `--tasks` (HellaSwag, ARC, MMLU, …) or `--perplexity` on a
+    /// text file or a split.
     Eval(commands::eval::EvalArgs),
     /// Read a Hugging Face model folder into a run directory.
     Import(commands::hf::ImportArgs),

@@ -67,6 +67,8 @@ pub struct Tokenizer {
     /// over the common end-of-text names: SmolLM2's vocabulary has `<|endoftext|>`, but its turns end
     /// with `<|im_end|>`.
     eos: Option<u32>,
+    /// The model's beginning-of-sequence token (`tokenizer_config.json`'s `bos_token`), if any.
+    bos: Option<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -193,30 +195,39 @@ impl Tokenizer {
                     let mut it = tok.chars();
                     match (it.next(), it.next()) {
                         (Some(c), None) => map.insert(c, id),
-                        _ => return Self { inner, chars: None, eos: None },
+                        _ => return Self { inner, chars: None, eos: None, bos: None },
                     };
                 }
                 Some(map)
             }
             _ => None,
         };
-        Self { inner, chars, eos: None }
+        Self { inner, chars, eos: None, bos: None }
     }
 
-    /// Takes the end-of-sequence token from `dir/tokenizer_config.json` (`eos_token`, a string or
-    /// `{"content": ...}`) when the folder has one that the vocabulary knows; unchanged otherwise.
+    /// Takes the end-of-sequence and beginning-of-sequence tokens from `dir/tokenizer_config.json`
+    /// (`eos_token` / `bos_token`, a string or `{"content": ...}`) when the folder has them and the
+    /// vocabulary knows them; unchanged otherwise.
     pub fn with_model_eos(mut self, dir: &Path) -> Self {
         let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) else { return self };
         let Ok(config) = serde_json::from_str::<serde_json::Value>(&text) else { return self };
-        let name = match config.get("eos_token") {
-            Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(String::from),
-            _ => None,
+        let id_of = |key: &str| {
+            let name = match config.get(key) {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+                _ => None,
+            };
+            name.and_then(|n| self.inner.token_to_id(&n))
         };
-        if let Some(id) = name.and_then(|n| self.inner.token_to_id(&n)) {
-            self.eos = Some(id);
-        }
+        let (eos, bos) = (id_of("eos_token"), id_of("bos_token"));
+        self.eos = eos.or(self.eos);
+        self.bos = bos.or(self.bos);
         self
+    }
+
+    /// The model's beginning-of-sequence token, where its `tokenizer_config.json` names one.
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
     }
 
     /// Whether this is a char-level vocabulary.

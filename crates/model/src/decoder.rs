@@ -229,7 +229,7 @@ impl<B: EmberBackend> Decoder<B> {
     ///
     /// # Panics
     /// As [`KvCache::step_rows`].
-    pub(crate) fn forward_cached_rows(
+    pub fn forward_cached_rows(
         &self,
         tokens: Tensor<B, 2, Int>,
         rows: &[usize],

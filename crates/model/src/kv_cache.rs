@@ -45,6 +45,9 @@ pub struct KvCache<B: Backend> {
     values: Vec<Tensor<B, 2>>,
     /// Blocks of the pool no sequence holds.
     free: Vec<usize>,
+    /// Per block of the pool: how many sequences hold it (more than one where a prefix is shared,
+    /// [`KvCache::share_prefix`]).
+    holders: Vec<u32>,
     /// Per sequence: its blocks, in position order.
     tables: Vec<Vec<usize>>,
     /// Positions stored per sequence.
@@ -97,6 +100,7 @@ impl<B: Backend> KvCache<B> {
             keys: empty(key_width),
             values: empty(value_width),
             free: Vec::new(),
+            holders: Vec::new(),
             tables: vec![Vec::new(); batch],
             lens: vec![0; batch],
             plan: None,
@@ -132,10 +136,52 @@ impl<B: Backend> KvCache<B> {
         blocks * self.block_size * self.bytes_per_token(DType::F32)
     }
 
-    /// Forgets everything stored for sequence `b`; its blocks go back to the pool.
+    /// Forgets everything stored for sequence `b`; its blocks go back to the pool (a block shared
+    /// with another sequence once that one lets it go too).
     pub fn reset(&mut self, b: usize) {
-        self.free.append(&mut self.tables[b]);
+        for block in std::mem::take(&mut self.tables[b]) {
+            self.holders[block] -= 1;
+            if self.holders[block] == 0 {
+                self.free.push(block);
+            }
+        }
         self.lens[b] = 0;
+    }
+
+    /// Makes the empty sequence `to` hold what sequence `from` holds, without storing it twice:
+    /// `from`'s full blocks are shared (held by both, never written again: new positions go after
+    /// them), and a partly filled last block is copied into a block of `to`'s own, where `to`'s
+    /// next positions go. The choices of a multiple-choice question, or several samples of one
+    /// prompt, then continue one prefix computed once.
+    ///
+    /// # Panics
+    /// If `to` is not empty, or either sequence does not exist.
+    pub fn share_prefix(&mut self, from: usize, to: usize) {
+        assert!(from < self.batch() && to < self.batch() && from != to, "sequences {from} and {to}");
+        assert_eq!(self.lens[to], 0, "sequence {to} is not empty");
+        self.reset(to);
+        let len = self.lens[from];
+        let full = len / self.block_size;
+        let shared: Vec<usize> = self.tables[from][..full].to_vec();
+        for &block in &shared {
+            self.holders[block] += 1;
+        }
+        self.tables[to] = shared;
+        let tail = len % self.block_size;
+        if tail > 0 {
+            self.reserve(to, len);
+            let (src, dst) = (self.tables[from][full] * self.block_size, self.tables[to][full] * self.block_size);
+            for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
+                let rows = pool.clone().slice([src..src + tail]);
+                *pool = pool.clone().slice_assign([dst..dst + tail], rows);
+            }
+        }
+        self.lens[to] = len;
+    }
+
+    /// Blocks held by at least one sequence (a shared block counted once).
+    pub fn held_blocks(&self) -> usize {
+        self.holders.iter().filter(|&&h| h > 0).count()
     }
 
     /// Starts a forward call over some of the cache's sequences: batch row `i` of the call is
@@ -167,6 +213,9 @@ impl<B: Backend> KvCache<B> {
             self.grow(need - self.free.len());
         }
         let start = self.free.len() - need;
+        for &block in &self.free[start..] {
+            self.holders[block] = 1;
+        }
         self.tables[row].extend(self.free.drain(start..).rev());
     }
 
@@ -181,6 +230,7 @@ impl<B: Backend> KvCache<B> {
             }
         }
         self.free.extend((have..have + add).rev());
+        self.holders.resize(have + add, 0);
     }
 
     /// The pool row of position `pos` of sequence `row`.

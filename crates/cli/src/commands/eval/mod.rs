@@ -13,20 +13,47 @@ use ember_train::{Checkpoint, ResolvedInit};
 
 use crate::backend::{dispatch, DeviceSpec, Job};
 
+mod tasks;
+
 #[derive(Args, Debug)]
 pub struct EvalArgs {
-    /// What eval measures, and the only measure it has: perplexity of a text, completion loss of
-    /// fine-tuning examples. Optional; kept so that existing command lines work.
-    #[arg(long)]
+    /// Perplexity of a text, or completion loss of fine-tuning examples, with `--data` (the
+    /// measure `--data` takes; the flag is optional).
+    #[arg(long, conflicts_with = "tasks")]
     #[allow(dead_code)]
     perplexity: bool,
-    /// A run directory (its latest checkpoint), a checkpoint folder, or a run's best/ folder.
+    /// A run directory (its latest checkpoint), a checkpoint folder, or a run's best/ folder; with
+    /// `--tasks` also `gguf:FILE` or `hf:DIR`.
     #[arg(long)]
-    checkpoint: PathBuf,
+    checkpoint: String,
     /// A text file, a `.jsonl` file of fine-tuning examples (only completion tokens are scored), or
     /// `train` / `val` for the splits of the checkpoint's own training data.
+    #[arg(long, required_unless_present = "tasks", conflicts_with = "tasks")]
+    data: Option<String>,
+    /// Benchmark tasks, comma-separated, each as lm-evaluation-harness defines it: hellaswag,
+    /// arc_easy, arc_challenge, piqa, boolq, openbookqa, commonsense_qa, winogrande, mmlu,
+    /// lambada_openai, blimp (all 67 paradigms) or blimp_<paradigm>; `NAME:N` scores its first N
+    /// items.
     #[arg(long)]
-    data: String,
+    tasks: Option<String>,
+    /// The folder of the evaluation sets, laid out as shared/evals [default: $EMBER_EVAL_DIR].
+    #[arg(long)]
+    eval_dir: Option<PathBuf>,
+    /// Few-shot exemplars before each item [default: 0].
+    #[arg(long)]
+    num_fewshot: Option<usize>,
+    /// Score only the first N items of each task.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Seed of the few-shot draws (the harness's default is 1234).
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// Write a JSON line per item (requests, log-likelihoods, prediction, gold) to this file.
+    #[arg(long)]
+    samples: Option<PathBuf>,
+    /// Tokens per forward call when scoring tasks (rows × padded length).
+    #[arg(long, default_value_t = 4096)]
+    batch_tokens: usize,
     /// Tokens of context per window [default: the model's max_seq_len].
     #[arg(long)]
     context: Option<usize>,
@@ -81,8 +108,35 @@ impl Job for EvalJob {
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
-    let checkpoint = Checkpoint::open(&args.checkpoint)
-        .with_context(|| format!("opening checkpoint {}", args.checkpoint.display()))?;
+    if let Some(list) = &args.tasks {
+        anyhow::ensure!(args.batch_tokens >= 1, "--batch-tokens must be at least 1");
+        let options = ember_eval::Options {
+            num_fewshot: args.num_fewshot,
+            limit: args.limit,
+            seed: args.seed,
+            batch_tokens: args.batch_tokens,
+        };
+        return tasks::run(tasks::TasksArgs {
+            checkpoint: &args.checkpoint,
+            tasks: list,
+            eval_dir: args.eval_dir.as_deref(),
+            options,
+            samples: args.samples.as_ref(),
+            json: args.json,
+            device: args.device,
+        });
+    }
+    for (flag, given) in [
+        ("--num-fewshot", args.num_fewshot.is_some()),
+        ("--limit", args.limit.is_some()),
+        ("--samples", args.samples.is_some()),
+        ("--eval-dir", args.eval_dir.is_some()),
+    ] {
+        anyhow::ensure!(!given, "{flag} is a flag of `--tasks`; `--data` scores perplexity or completion loss");
+    }
+    let data = args.data.clone().unwrap_or_default();
+    let checkpoint = Checkpoint::open(Path::new(&args.checkpoint))
+        .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
     let max = checkpoint.model_config.max_seq_len;
     let context = args.context.unwrap_or(max);
     anyhow::ensure!(
@@ -91,7 +145,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     );
     let stride = args.stride.unwrap_or((context / 2).max(1));
     anyhow::ensure!(stride >= 1 && stride <= context, "--stride {stride} must be in 1..={context} (the context)");
-    let (scored, init) = scored_data(&checkpoint, &args.data, context, stride)?;
+    let (scored, init) = scored_data(&checkpoint, &data, context, stride)?;
     let checkpointing = false;
     let r = dispatch(args.device, checkpointing, EvalJob { checkpoint, init, scored, batch: args.batch })?;
     match (&r, args.json) {
@@ -99,11 +153,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         (Report::Completion(r), true) => println!("{}", serde_json::to_string(r)?),
         (Report::Perplexity(r), false) => println!(
             "{}: nll {:.4} nats/token, perplexity {:.3}, {:.4} bits/byte over {} tokens ({} bytes; context {}, stride {})",
-            args.data, r.nll, r.perplexity, r.bits_per_byte, r.tokens, r.bytes, r.context, r.stride
+            data, r.nll, r.perplexity, r.bits_per_byte, r.tokens, r.bytes, r.context, r.stride
         ),
         (Report::Completion(r), false) => println!(
             "{}: completion nll {:.4} nats/token, perplexity {:.3} over {} scored tokens in {} rows{} (context {})",
-            args.data,
+            data,
             r.nll,
             r.perplexity,
             r.tokens,

@@ -1,0 +1,19 @@
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}{}: {message}", path.display(), if *line > 0 { format!(" line {line}") } else { String::new() })]
+    Data { path: PathBuf, line: usize, message: String },
+    #[error("no evaluation folder: give --eval-dir DIR or set EMBER_EVAL_DIR (laid out as shared/evals: hellaswag/hellaswag_val.jsonl, …)")]
+    NoEvalDir,
+    #[error("unknown task `{name}`; known tasks: {known}")]
+    UnknownTask { name: String, known: String },
+    #[error("`{0}`: the count after `:` must be a whole number of items")]
+    Limit(String),
+    #[error("task {task}: {message}")]
+    Task { task: String, message: String },
+    #[error("tokenizing: {0}")]
+    Tokenizer(#[from] ember_data::DataError),
+}

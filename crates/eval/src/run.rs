@@ -1,0 +1,260 @@
+//! A task run end to end: items read and limited, few-shot contexts drawn, texts tokenized as the
+//! harness tokenizes them, log-likelihoods scored, metrics computed.
+
+use std::path::Path;
+
+use ember_data::Tokenizer;
+use ember_kernels::EmberBackend;
+use ember_model::Decoder;
+use serde::Serialize;
+
+use crate::error::EvalError;
+use crate::metrics::{centred, mean, task_metrics, Estimate, ItemScore};
+use crate::score::{score, Budget, Pair};
+use crate::task::{read_docs, Doc, FewShot, Output, Query, TaskSpec};
+
+/// How a set of tasks runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Exemplars before each item (`None`: the task's default, 0 for every task here).
+    pub num_fewshot: Option<usize>,
+    /// Items of each task, its first ones (a task's own `:N` wins).
+    pub limit: Option<usize>,
+    /// Seed of the few-shot draws (the harness's `fewshot_random_seed`, 1234 by default).
+    pub seed: u64,
+    /// Tokens per forward call (rows × padded length).
+    pub batch_tokens: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { num_fewshot: None, limit: None, seed: 1234, batch_tokens: 4096 }
+    }
+}
+
+/// A task's items ready to score: their context texts and token pairs.
+pub struct Prepared {
+    pub spec: TaskSpec,
+    pub docs: Vec<Doc>,
+    /// Items in the whole file (before any limit).
+    pub original: usize,
+    pub num_fewshot: usize,
+    /// Per item, per pair: the context text and continuation text as the harness sends them.
+    pub requests: Vec<Vec<(String, String)>>,
+    pub pairs: Vec<Vec<Pair>>,
+}
+
+/// Reads `spec`'s items under `dir`, keeps the first `limit`, and builds their requests.
+pub fn prepare(
+    spec: &TaskSpec,
+    dir: &Path,
+    limit: Option<usize>,
+    options: &Options,
+    tokenizer: &Tokenizer,
+) -> Result<Prepared, EvalError> {
+    let mut docs = read_docs(&dir.join(&spec.file), spec.parse)?;
+    let original = docs.len();
+    let pool = match &spec.fewshot_file {
+        Some(file) => Some(read_docs(&dir.join(file), spec.parse)?),
+        None => None,
+    };
+    let num_fewshot = options.num_fewshot.unwrap_or(0);
+    let (pool_docs, same_split) = match &pool {
+        Some(p) => (p.as_slice(), false),
+        None => (docs.as_slice(), true),
+    };
+    if num_fewshot > 0 && pool_docs.len() <= num_fewshot {
+        return Err(EvalError::Task {
+            task: spec.name.clone(),
+            message: format!("--num-fewshot {num_fewshot}: the few-shot pool has only {} items", pool_docs.len()),
+        });
+    }
+    let keep = limit.unwrap_or(usize::MAX).min(docs.len());
+    let mut shots = FewShot::new(spec, pool_docs, same_split, options.seed);
+    let mut requests = Vec::with_capacity(keep);
+    for doc in &docs[..keep] {
+        let before = shots.context(doc, num_fewshot);
+        // A log-likelihood request is (context, target) as it stands; a choice follows the delimiter.
+        let delimiter = match spec.output {
+            Output::Loglikelihood => "",
+            Output::MultipleChoice { .. } => spec.target_delimiter,
+        };
+        let with_delimiter = |c: &String| format!("{delimiter}{c}");
+        requests.push(match &doc.query {
+            Query::Shared(q) => doc.continuations.iter().map(|c| (format!("{before}{q}"), with_delimiter(c))).collect(),
+            Query::PerChoice(contexts) => {
+                let target = with_delimiter(&doc.continuations[0]);
+                contexts.iter().map(|c| (format!("{before}{c}"), target.clone())).collect()
+            }
+        });
+    }
+    docs.truncate(keep);
+    let prefix = tokenizer.bos_id().or_else(|| tokenizer.eos_id());
+    let pairs = requests
+        .iter()
+        .map(|item: &Vec<(String, String)>| item.iter().map(|(c, x)| encode_pair(tokenizer, prefix, c, x)).collect())
+        .collect::<Result<Vec<Vec<Pair>>, EvalError>>()?;
+    Ok(Prepared { spec: spec.clone(), docs, original, num_fewshot, requests, pairs })
+}
+
+/// The harness's `_encode_pair`: the context's trailing whitespace moved to the continuation, the
+/// continuation's tokens those of the whole text after the context's; an empty context is the
+/// model's BOS (else EOS) token alone.
+pub fn encode_pair(
+    tokenizer: &Tokenizer,
+    prefix: Option<u32>,
+    context: &str,
+    continuation: &str,
+) -> Result<Pair, EvalError> {
+    if context.is_empty() {
+        let prefix = prefix.ok_or_else(|| EvalError::Task {
+            task: String::new(),
+            message: "an item with no context needs a BOS or EOS token to start from; the tokenizer has neither".into(),
+        })?;
+        return Ok(Pair { context: vec![prefix], continuation: tokenizer.encode_prompt(continuation)? });
+    }
+    let trimmed = context.trim_end();
+    let (context, continuation) = (trimmed, format!("{}{continuation}", &context[trimmed.len()..]));
+    let whole = tokenizer.encode_prompt(&format!("{context}{continuation}"))?;
+    let context = tokenizer.encode_prompt(context)?;
+    let cut = context.len().min(whole.len());
+    Ok(Pair { continuation: whole[cut..].to_vec(), context })
+}
+
+/// One task's outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct TaskResult {
+    pub name: String,
+    pub version: &'static str,
+    pub original: usize,
+    pub effective: usize,
+    pub num_fewshot: usize,
+    pub metrics: Vec<(&'static str, Estimate)>,
+    #[serde(skip)]
+    pub primary: &'static str,
+    #[serde(skip)]
+    pub random_baseline: f64,
+    #[serde(skip)]
+    pub items: Vec<ItemScore>,
+}
+
+impl TaskResult {
+    pub fn metric(&self, name: &str) -> Option<Estimate> {
+        self.metrics.iter().find(|(n, _)| *n == name).map(|(_, e)| *e)
+    }
+}
+
+/// Scores a prepared task; `done` is told of every batch of items finished.
+pub fn evaluate<B: EmberBackend>(
+    model: &Decoder<B>,
+    task: &Prepared,
+    options: &Options,
+    done: impl FnMut(usize),
+) -> TaskResult {
+    let budget = Budget::for_vocab(options.batch_tokens, model.config().vocab_size);
+    let scored = score(model, &task.pairs, budget, done);
+    let items: Vec<ItemScore> = task
+        .docs
+        .iter()
+        .zip(scored)
+        .map(|(doc, s)| {
+            let per_choice = matches!(doc.query, Query::PerChoice(_));
+            ItemScore {
+                loglikelihoods: s.iter().map(|x| x.logprob).collect(),
+                greedy: s.iter().map(|x| x.greedy).collect(),
+                choice_chars: doc.continuations.iter().map(|c| c.chars().count()).collect(),
+                gold: doc.gold,
+                per_choice_contexts: per_choice,
+            }
+        })
+        .collect();
+    TaskResult {
+        name: task.spec.name.clone(),
+        version: task.spec.version,
+        original: task.original,
+        effective: items.len(),
+        num_fewshot: task.num_fewshot,
+        metrics: task_metrics(task.spec.output, &items),
+        primary: task.spec.primary,
+        random_baseline: task.spec.random_baseline,
+        items,
+    }
+}
+
+/// BLiMP's paradigms as one `blimp` row (accuracy over all their pairs), after the others.
+pub fn with_groups(mut results: Vec<TaskResult>) -> Vec<TaskResult> {
+    let blimp: Vec<&TaskResult> = results.iter().filter(|r| r.name.starts_with("blimp_")).collect();
+    if blimp.len() > 1 {
+        let items: Vec<ItemScore> = blimp.iter().flat_map(|r| r.items.iter().cloned()).collect();
+        let acc: Vec<f64> = items.iter().map(|i| f64::from(u8::from(i.prediction() == i.gold))).collect();
+        let group = TaskResult {
+            name: "blimp".into(),
+            version: "2.0",
+            original: blimp.iter().map(|r| r.original).sum(),
+            effective: items.len(),
+            num_fewshot: blimp[0].num_fewshot,
+            metrics: vec![("acc", mean(&acc))],
+            primary: "acc",
+            random_baseline: 0.5,
+            items: Vec::new(),
+        };
+        results.push(group);
+    }
+    results
+}
+
+/// The CORE-style aggregate: each task's primary accuracy centred on its random baseline, averaged
+/// over the tasks (BLiMP counted once, as its group); `None` without an accuracy task.
+pub fn core(results: &[TaskResult]) -> Option<f64> {
+    let has_group = results.iter().any(|r| r.name == "blimp");
+    let centred: Vec<f64> = results
+        .iter()
+        .filter(|r| !(has_group && r.name.starts_with("blimp_")))
+        .filter_map(|r| r.metric(r.primary).map(|e| centred(e.value, r.random_baseline)))
+        .collect();
+    (!centred.is_empty()).then(|| centred.iter().sum::<f64>() / centred.len() as f64)
+}
+
+/// The results as lm-evaluation-harness prints them with `--output_path`: `results` (each metric
+/// with its `_stderr`), `versions`, `n-shot`, `n-samples`; and `core`.
+pub fn to_json(results: &[TaskResult], config: serde_json::Value) -> serde_json::Value {
+    use serde_json::{json, Map, Value};
+    let mut res = Map::new();
+    let mut versions = Map::new();
+    let mut shots = Map::new();
+    let mut samples = Map::new();
+    for r in results {
+        let mut m = Map::new();
+        m.insert("alias".into(), json!(r.name));
+        for (name, e) in &r.metrics {
+            m.insert((*name).into(), json!(e.value));
+            m.insert(format!("{name}_stderr"), json!(e.stderr));
+        }
+        res.insert(r.name.clone(), Value::Object(m));
+        versions.insert(r.name.clone(), json!(r.version));
+        shots.insert(r.name.clone(), json!(r.num_fewshot));
+        samples.insert(r.name.clone(), json!({"original": r.original, "effective": r.effective}));
+    }
+    json!({"results": res, "versions": versions, "n-shot": shots, "n-samples": samples, "core": core(results), "config": config})
+}
+
+/// One JSON line per item: what was scored and what came of it, to check a number by hand.
+pub fn sample_lines(task: &Prepared, result: &TaskResult) -> Vec<serde_json::Value> {
+    task.requests
+        .iter()
+        .zip(&result.items)
+        .enumerate()
+        .map(|(i, (requests, item))| {
+            serde_json::json!({
+                "task": task.spec.name,
+                "doc_id": i,
+                "requests": requests,
+                "loglikelihoods": item.loglikelihoods,
+                "greedy": item.greedy,
+                "prediction": item.prediction(),
+                "prediction_norm": item.prediction_norm(),
+                "gold": item.gold,
+            })
+        })
+        .collect()
+}

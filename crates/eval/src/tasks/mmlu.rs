@@ -1,0 +1,45 @@
+//! MMLU (57 subjects, the harness's default `mmlu` prompt): the question with lettered options,
+//! the letter scored; per subject a description and the first exemplars of its dev split. The
+//! task's `acc` is over all items (the harness's group average weighted by size).
+
+use serde_json::Value;
+
+use crate::task::{index, text, texts, Doc, Output, Sampler, TaskSpec};
+
+fn parse(row: &Value) -> Result<Doc, String> {
+    let choices = texts(row, "choices", None)?;
+    if choices.len() != 4 {
+        return Err(format!("field `choices`: {} options, the prompt lists 4", choices.len()));
+    }
+    let mut query = format!("{}\n", text(row, "question")?.trim());
+    for (letter, option) in ["A", "B", "C", "D"].iter().zip(&choices) {
+        query.push_str(&format!("{letter}. {option}\n"));
+    }
+    query.push_str("Answer:");
+    let letters = ["A", "B", "C", "D"].map(String::from).to_vec();
+    let mut doc = super::choice::choice_doc(query, letters, index(row, "answer")?)?;
+    doc.group = Some(text(row, "subject")?.to_string());
+    Ok(doc)
+}
+
+fn description(subject: Option<&str>) -> String {
+    let subject = subject.unwrap_or_default().replace('_', " ");
+    format!("The following are multiple choice questions (with answers) about {subject}.\n\n")
+}
+
+pub(crate) fn mmlu() -> TaskSpec {
+    TaskSpec {
+        name: "mmlu".into(),
+        version: "1.0",
+        file: "mmlu/mmlu_test.jsonl".into(),
+        fewshot_file: Some("mmlu/mmlu_dev.jsonl".into()),
+        output: Output::MultipleChoice { norm: false },
+        target_delimiter: " ",
+        fewshot_delimiter: "\n\n",
+        sampler: Sampler::FirstN,
+        parse,
+        description,
+        random_baseline: 0.25,
+        primary: "acc",
+    }
+}

@@ -1,0 +1,119 @@
+//! `ember eval --tasks` against lm-evaluation-harness itself: on SmolLM2-135M-Instruct (the shared
+//! GGUF), the same requests (prompt and continuation texts, few-shot exemplars drawn as the harness
+//! draws them) and the same per-item log-likelihoods within 1e-4 relative, on slices of every
+//! log-likelihood task, zero- and few-shot. The harness's numbers were made once by
+//! tests/fixtures/eval/make_reference.py (lm_eval 0.4.9.1, transformers, float32) and committed.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use common::{assert_clean_error, assets, stderr, Scratch, SMOLLM2_GGUF};
+use serde_json::Value;
+
+fn fixture() -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/eval/harness_smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("the committed fixture")).expect("JSON")
+}
+
+fn evals() -> PathBuf {
+    let dir = assets().join("evals");
+    assert!(dir.is_dir(), "{} not found: set EMBER_TEST_ASSETS to the folder holding evals/", dir.display());
+    dir
+}
+
+#[test]
+fn log_likelihoods_equal_the_harness() {
+    let fixture = fixture();
+    let runs = fixture["runs"].as_array().expect("runs");
+    // One ember call per (shots, limit): its tasks together.
+    let mut calls: BTreeMap<(u64, u64), Vec<&Value>> = BTreeMap::new();
+    for run in runs {
+        let key = (run["num_fewshot"].as_u64().unwrap(), run["limit"].as_u64().unwrap());
+        calls.entry(key).or_default().push(run);
+    }
+    let s = Scratch::new();
+    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
+    let evals = evals();
+    let mut compared = 0;
+    for ((shots, limit), runs) in calls {
+        let tasks: Vec<&str> = runs.iter().map(|r| r["task"].as_str().unwrap()).collect();
+        let (shots, limit) = (shots.to_string(), limit.to_string());
+        let out = s.ember(&[
+            "eval",
+            "--checkpoint",
+            &gguf,
+            "--tasks",
+            &tasks.join(","),
+            "--limit",
+            &limit,
+            "--num-fewshot",
+            &shots,
+            "--eval-dir",
+            evals.to_str().unwrap(),
+            "--samples",
+            "samples.jsonl",
+            "--json",
+        ]);
+        assert!(out.status.success(), "ember eval failed: {}", stderr(&out));
+        let report: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
+        let text = std::fs::read_to_string(s.path().join("samples.jsonl")).expect("--samples file");
+        let samples: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+        for run in runs {
+            let task = run["task"].as_str().unwrap();
+            let docs = run["docs"].as_array().unwrap();
+            let mine: Vec<&Value> = samples.iter().filter(|x| x["task"] == task).collect();
+            assert_eq!(mine.len(), docs.len(), "{task} ({shots}-shot): items");
+            for (m, h) in mine.iter().zip(docs) {
+                let id = &h["doc_id"];
+                assert_eq!(m["requests"], h["requests"], "{task} ({shots}-shot) doc {id}: requests");
+                let (ml, hl) = (m["loglikelihoods"].as_array().unwrap(), h["loglikelihoods"].as_array().unwrap());
+                for (a, b) in ml.iter().zip(hl) {
+                    let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+                    assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{task} ({shots}-shot) doc {id}: {a} vs {b}");
+                    compared += 1;
+                }
+                assert_eq!(m["greedy"], h["greedy"], "{task} ({shots}-shot) doc {id}: greedy");
+            }
+            for (metric, value) in run["metrics"].as_object().unwrap() {
+                let got = &report["results"][task][metric];
+                let (got, want) = (got.as_f64().unwrap_or(f64::NAN), value.as_f64().unwrap());
+                // Perplexity's stderr is bootstrapped by the harness; ember's is the delta method.
+                if metric == "perplexity_stderr" {
+                    continue;
+                }
+                // Accuracies exactly; perplexity as the log-likelihoods it is made of.
+                let tol = if metric == "perplexity" { 1e-4 * want } else { 1e-9 };
+                assert!((got - want).abs() <= tol, "{task} ({shots}-shot) {metric}: {got} vs {want}");
+            }
+        }
+    }
+    assert!(compared > 500, "only {compared} log-likelihoods compared");
+}
+
+#[test]
+fn bad_task_lists_and_folders_are_named() {
+    let s = Scratch::new();
+    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
+    let evals = evals();
+    let dir = evals.to_str().unwrap();
+    let out = s.ember(&["eval", "--checkpoint", &gguf, "--tasks", "hellaswag,nope", "--eval-dir", dir]);
+    assert_clean_error(&out, "unknown task `nope`; known tasks: hellaswag");
+    let out = s.ember(&["eval", "--checkpoint", &gguf, "--tasks", "piqa:ten", "--eval-dir", dir]);
+    assert_clean_error(&out, "`piqa:ten`: the count after `:` must be a whole number");
+    let out = s.ember_env(&["eval", "--checkpoint", &gguf, "--tasks", "piqa"], &[("EMBER_EVAL_DIR", "")]);
+    assert_clean_error(&out, "no evaluation folder");
+    // A folder without the task's file, and a file with a broken row: both named.
+    let out = s.ember(&["eval", "--checkpoint", &gguf, "--tasks", "piqa", "--eval-dir", s.path().to_str().unwrap()]);
+    assert_clean_error(&out, "piqa/piqa_validation.jsonl");
+    std::fs::create_dir_all(s.path().join("piqa")).unwrap();
+    s.write("piqa/piqa_validation.jsonl", "{\"goal\": \"g\", \"sol1\": \"a\", \"sol2\": \"b\", \"label\": 0}\n{\"goal\": 3, \"sol1\": \"a\", \"sol2\": \"b\", \"label\": 0}\n");
+    let out = s.ember(&["eval", "--checkpoint", &gguf, "--tasks", "piqa", "--eval-dir", s.path().to_str().unwrap()]);
+    assert_clean_error(&out, "piqa_validation.jsonl line 2: field `goal`: expected a string");
+    let out =
+        s.ember(&["eval", "--checkpoint", &gguf, "--tasks", "arc_easy", "--num-fewshot", "999", "--eval-dir", dir]);
+    assert_clean_error(&out, "--num-fewshot 999: the few-shot pool has only 570 items");
+    let out = s.ember(&["eval", "--checkpoint", &gguf, "--data", "x.txt", "--limit", "3"]);
+    assert_clean_error(&out, "--limit is a flag of `--tasks`");
+}
