@@ -14,6 +14,8 @@ pub enum EvalError {
     Limit(String),
     #[error("task {task}: {message}")]
     Task { task: String, message: String },
+    #[error("generating: {0}")]
+    Generate(String),
     #[error("tokenizing: {0}")]
     Tokenizer(#[from] ember_data::DataError),
 }

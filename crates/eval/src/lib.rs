@@ -7,6 +7,7 @@
 //! - [`run`]: a task end to end; [`metrics`]: accuracies, standard errors, the CORE aggregate.
 
 mod error;
+pub mod generate;
 pub mod metrics;
 pub mod pyrandom;
 pub mod run;

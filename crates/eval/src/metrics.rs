@@ -15,6 +15,15 @@ pub struct ItemScore {
     pub gold: usize,
     /// The per-choice contexts' form (one target after several contexts) has no `acc_norm`.
     pub per_choice_contexts: bool,
+    /// A generation task's text, each filter's answer from it, and whether that answer matched.
+    pub generated: Option<Generated>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Generated {
+    pub text: String,
+    pub filtered: Vec<String>,
+    pub matched: Vec<bool>,
 }
 
 impl ItemScore {
@@ -71,6 +80,18 @@ pub fn task_metrics(output: Output, items: &[ItemScore]) -> Vec<(&'static str, E
             }
             out
         }
+        Output::Generate(g) => g
+            .filters
+            .iter()
+            .enumerate()
+            .map(|(f, (name, _))| {
+                let hits: Vec<f64> = items
+                    .iter()
+                    .map(|i| f64::from(u8::from(i.generated.as_ref().is_some_and(|g| g.matched[f]))))
+                    .collect();
+                (*name, mean(&hits))
+            })
+            .collect(),
         Output::Loglikelihood => {
             let ll: Vec<f64> = items.iter().map(|i| i.loglikelihoods[0]).collect();
             let acc: Vec<f64> = items.iter().map(|i| f64::from(u8::from(i.greedy[0]))).collect();
@@ -102,6 +123,7 @@ mod tests {
             choice_chars: vec![2, 10],
             gold: 1,
             per_choice_contexts: false,
+            generated: None,
         };
         assert_eq!((item.prediction(), item.prediction_norm()), (0, 1));
         let m = task_metrics(Output::MultipleChoice { norm: true }, &[item]);

@@ -9,7 +9,8 @@ use ember_model::Decoder;
 use serde::Serialize;
 
 use crate::error::EvalError;
-use crate::metrics::{centred, mean, task_metrics, Estimate, ItemScore};
+use crate::generate::generate;
+use crate::metrics::{centred, mean, task_metrics, Estimate, Generated, ItemScore};
 use crate::score::{score, Budget, Pair};
 use crate::task::{read_docs, Doc, FewShot, Output, Query, TaskSpec};
 
@@ -24,11 +25,13 @@ pub struct Options {
     pub seed: u64,
     /// Tokens per forward call (rows × padded length).
     pub batch_tokens: usize,
+    /// Sequences generated together in generation tasks.
+    pub generate_batch: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { num_fewshot: None, limit: None, seed: 1234, batch_tokens: 4096 }
+        Self { num_fewshot: None, limit: None, seed: 1234, batch_tokens: 4096, generate_batch: 8 }
     }
 }
 
@@ -51,19 +54,21 @@ pub fn prepare(
     limit: Option<usize>,
     options: &Options,
     tokenizer: &Tokenizer,
+    max_len: usize,
 ) -> Result<Prepared, EvalError> {
     let mut docs = read_docs(&dir.join(&spec.file), spec.parse)?;
     let original = docs.len();
-    let pool = match &spec.fewshot_file {
-        Some(file) => Some(read_docs(&dir.join(file), spec.parse)?),
-        None => None,
+    let pool = match (&spec.fewshot_file, spec.fixed_shots) {
+        (_, Some(fixed)) => Some(fixed()),
+        (Some(file), None) => Some(read_docs(&dir.join(file), spec.parse)?),
+        (None, None) => None,
     };
-    let num_fewshot = options.num_fewshot.unwrap_or(0);
+    let num_fewshot = options.num_fewshot.unwrap_or(spec.default_fewshot);
     let (pool_docs, same_split) = match &pool {
         Some(p) => (p.as_slice(), false),
         None => (docs.as_slice(), true),
     };
-    if num_fewshot > 0 && pool_docs.len() <= num_fewshot {
+    if num_fewshot > 0 && pool_docs.len() < num_fewshot + usize::from(same_split) {
         return Err(EvalError::Task {
             task: spec.name.clone(),
             message: format!("--num-fewshot {num_fewshot}: the few-shot pool has only {} items", pool_docs.len()),
@@ -78,6 +83,10 @@ pub fn prepare(
         let delimiter = match spec.output {
             Output::Loglikelihood => "",
             Output::MultipleChoice { .. } => spec.target_delimiter,
+            Output::Generate(_) => {
+                requests.push(vec![(format!("{before}{}", doc.shot.0), String::new())]);
+                continue;
+            }
         };
         let with_delimiter = |c: &String| format!("{delimiter}{c}");
         requests.push(match &doc.query {
@@ -90,6 +99,19 @@ pub fn prepare(
     }
     docs.truncate(keep);
     let prefix = tokenizer.bos_id().or_else(|| tokenizer.eos_id());
+    if let Output::Generate(g) = spec.output {
+        // A prompt to continue, cut from the left to leave room for the generation (as the harness).
+        let room = max_len.saturating_sub(g.max_gen_toks).max(1);
+        let pairs = requests
+            .iter()
+            .map(|item| {
+                let ids = tokenizer.encode_prompt(&item[0].0)?;
+                let context = ids[ids.len().saturating_sub(room)..].to_vec();
+                Ok(vec![Pair { context, continuation: Vec::new() }])
+            })
+            .collect::<Result<Vec<Vec<Pair>>, EvalError>>()?;
+        return Ok(Prepared { spec: spec.clone(), docs, original, num_fewshot, requests, pairs });
+    }
     let pairs = requests
         .iter()
         .map(|item: &Vec<(String, String)>| item.iter().map(|(c, x)| encode_pair(tokenizer, prefix, c, x)).collect())
@@ -147,28 +169,50 @@ impl TaskResult {
 /// Scores a prepared task; `done` is told of every batch of items finished.
 pub fn evaluate<B: EmberBackend>(
     model: &Decoder<B>,
+    tokenizer: &Tokenizer,
     task: &Prepared,
     options: &Options,
-    done: impl FnMut(usize),
-) -> TaskResult {
-    let budget = Budget::for_vocab(options.batch_tokens, model.config().vocab_size);
-    let scored = score(model, &task.pairs, budget, done);
-    let items: Vec<ItemScore> = task
-        .docs
-        .iter()
-        .zip(scored)
-        .map(|(doc, s)| {
-            let per_choice = matches!(doc.query, Query::PerChoice(_));
-            ItemScore {
-                loglikelihoods: s.iter().map(|x| x.logprob).collect(),
-                greedy: s.iter().map(|x| x.greedy).collect(),
-                choice_chars: doc.continuations.iter().map(|c| c.chars().count()).collect(),
-                gold: doc.gold,
-                per_choice_contexts: per_choice,
-            }
-        })
-        .collect();
-    TaskResult {
+    mut done: impl FnMut(usize),
+) -> Result<TaskResult, EvalError> {
+    let items: Vec<ItemScore> = match task.spec.output {
+        Output::Generate(g) => {
+            let prompts: Vec<Vec<u32>> = task.pairs.iter().map(|p| p[0].context.clone()).collect();
+            let texts = generate(model, tokenizer, &prompts, g, options.generate_batch, &mut done)?;
+            task.docs
+                .iter()
+                .zip(texts)
+                .map(|(doc, text)| {
+                    let filtered: Vec<String> = g.filters.iter().map(|(_, f)| f.apply(&text)).collect();
+                    let matched = filtered.iter().map(|p| g.exact_match(p, &doc.continuations)).collect();
+                    ItemScore {
+                        loglikelihoods: Vec::new(),
+                        greedy: Vec::new(),
+                        choice_chars: Vec::new(),
+                        gold: 0,
+                        per_choice_contexts: false,
+                        generated: Some(Generated { text, filtered, matched }),
+                    }
+                })
+                .collect()
+        }
+        Output::MultipleChoice { .. } | Output::Loglikelihood => {
+            let budget = Budget::for_vocab(options.batch_tokens, model.config().vocab_size);
+            let scored = score(model, &task.pairs, budget, done);
+            task.docs
+                .iter()
+                .zip(scored)
+                .map(|(doc, s)| ItemScore {
+                    loglikelihoods: s.iter().map(|x| x.logprob).collect(),
+                    greedy: s.iter().map(|x| x.greedy).collect(),
+                    choice_chars: doc.continuations.iter().map(|c| c.chars().count()).collect(),
+                    gold: doc.gold,
+                    per_choice_contexts: matches!(doc.query, Query::PerChoice(_)),
+                    generated: None,
+                })
+                .collect()
+        }
+    };
+    Ok(TaskResult {
         name: task.spec.name.clone(),
         version: task.spec.version,
         original: task.original,
@@ -178,7 +222,7 @@ pub fn evaluate<B: EmberBackend>(
         primary: task.spec.primary,
         random_baseline: task.spec.random_baseline,
         items,
-    }
+    })
 }
 
 /// BLiMP's paradigms as one `blimp` row (accuracy over all their pairs), after the others.
@@ -254,6 +298,7 @@ pub fn sample_lines(task: &Prepared, result: &TaskResult) -> Vec<serde_json::Val
                 "prediction": item.prediction(),
                 "prediction_norm": item.prediction_norm(),
                 "gold": item.gold,
+                "generated": item.generated,
             })
         })
         .collect()

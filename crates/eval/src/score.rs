@@ -7,10 +7,10 @@
 //! runs only what is its own. The harness instead recomputes the whole context for every choice.
 //! Items go through in batches of similar lengths, their results put back in order.
 
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use ember_kernels::EmberBackend;
-use ember_model::Decoder;
+use ember_model::{Decoder, KvCache};
+use rayon::prelude::*;
 
 /// One scored pair: the context's tokens, then the continuation's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,20 +73,19 @@ pub fn score<B: EmberBackend>(
     let max_len = model.config().max_seq_len;
     let windows: Vec<Vec<Window>> =
         items.iter().map(|pairs| pairs.iter().map(|p| Window::new(p, max_len)).collect()).collect();
-    // Longest first, so that a batch's rows are of similar lengths (and an over-budget item is met
-    // at the start, not the end).
+    // Longest first, so that the calls of a batch meet rows of similar lengths.
     let mut order: Vec<usize> = (0..items.len()).collect();
     let longest = |i: usize| windows[i].iter().map(|w| w.inputs.len()).max().unwrap_or(0);
     order.sort_by_key(|&i| std::cmp::Reverse(longest(i)));
     let mut out: Vec<Vec<Scored>> = vec![Vec::new(); items.len()];
     let mut start = 0;
     while start < order.len() {
-        // Items while rows × the longest row fit the budget (one item at least).
+        // Items while their tokens fit four calls' budget (one item at least): the cache holds them.
+        let tokens = |i: usize| windows[i].iter().map(|w| w.inputs.len()).sum::<usize>();
         let mut end = start + 1;
-        let mut rows = windows[order[start]].len();
-        let width = longest(order[start]).max(1);
-        while end < order.len() && (rows + windows[order[end]].len()) * width <= budget.tokens {
-            rows += windows[order[end]].len();
+        let mut held = tokens(order[start]);
+        while end < order.len() && held + tokens(order[end]) <= 4 * budget.tokens {
+            held += tokens(order[end]);
             end += 1;
         }
         let batch: Vec<&[Window]> = order[start..end].iter().map(|&i| windows[i].as_slice()).collect();
@@ -110,8 +109,42 @@ fn shared_prefix(windows: &[Window]) -> usize {
     n
 }
 
+/// Rows (cache row, tokens) split into forward calls of rows of similar lengths: longest first, a
+/// call closed when its padded size would pass the budget or a row is under three quarters of its
+/// longest (the padding a call computes for nothing stays small).
+fn calls<'a>(mut rows: Vec<(usize, &'a [u32])>, budget: usize) -> Vec<Vec<(usize, &'a [u32])>> {
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1.len()));
+    let mut out: Vec<Vec<(usize, &[u32])>> = Vec::new();
+    for row in rows.into_iter().filter(|r| !r.1.is_empty()) {
+        match out.last_mut() {
+            Some(call)
+                if (call.len() + 1) * call[0].1.len() <= budget && row.1.len() * 4 >= call[0].1.len() * 3 =>
+            {
+                call.push(row)
+            }
+            _ => out.push(vec![row]),
+        }
+    }
+    out
+}
+
+/// One forward call: `rows` continue their cache sequences; the final hidden states, `[R·T, D]`,
+/// with `T` the call's padded length.
+fn forward<B: EmberBackend>(
+    model: &Decoder<B>,
+    cache: &mut KvCache<B>,
+    rows: &[(usize, &[u32])],
+) -> (Tensor<B, 2>, usize) {
+    let t = rows[0].1.len();
+    let tokens = padded(rows.iter().map(|r| r.1), t);
+    let ids: Vec<usize> = rows.iter().map(|r| r.0).collect();
+    let lens: Vec<usize> = rows.iter().map(|r| r.1.len()).collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [rows.len(), t]), &model.embed_tokens.device());
+    let hidden = model.forward_cached_rows(tokens, &ids, &lens, cache);
+    (hidden.reshape([rows.len() * t, model.config().d_model]), t)
+}
+
 fn score_batch<B: EmberBackend>(model: &Decoder<B>, items: &[&[Window]], budget: Budget) -> Vec<Vec<Scored>> {
-    let device = model.embed_tokens.device();
     let rows: usize = items.iter().map(|w| w.len()).sum();
     let mut cache = model.new_cache(rows, 16);
     // Row of each item's first window; the item's other windows follow it.
@@ -119,71 +152,84 @@ fn score_batch<B: EmberBackend>(model: &Decoder<B>, items: &[&[Window]], budget:
     let prefixes: Vec<usize> = items.iter().map(|w| shared_prefix(w)).collect();
 
     // 1. The shared prefixes, once per item.
-    let prefill: Vec<usize> = (0..items.len()).filter(|&i| prefixes[i] > 0).collect();
-    if !prefill.is_empty() {
-        let lens: Vec<usize> = prefill.iter().map(|&i| prefixes[i]).collect();
-        let t = lens.iter().copied().max().unwrap_or(1);
-        let tokens = padded(prefill.iter().map(|&i| &items[i][0].inputs[..prefixes[i]]), t);
-        let rows: Vec<usize> = prefill.iter().map(|&i| firsts[i]).collect();
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [rows.len(), t]), &device);
-        let _ = model.forward_cached_rows(tokens, &rows, &lens, &mut cache);
-        for &i in &prefill {
-            for j in 1..items[i].len() {
+    let shared: Vec<(usize, &[u32])> =
+        (0..items.len()).map(|i| (firsts[i], &items[i][0].inputs[..prefixes[i]])).collect();
+    for call in calls(shared, budget.tokens) {
+        let _ = forward(model, &mut cache, &call);
+    }
+    for (i, ws) in items.iter().enumerate() {
+        if prefixes[i] > 0 {
+            for j in 1..ws.len() {
                 cache.share_prefix(firsts[i], firsts[i] + j);
             }
         }
     }
 
-    // 2. What each window has of its own, every window a row.
-    let own: Vec<(&Window, usize)> =
-        items.iter().zip(&prefixes).flat_map(|(ws, &p)| ws.iter().map(move |w| (w, p))).collect();
-    let lens: Vec<usize> = own.iter().map(|(w, p)| w.inputs.len() - p).collect();
-    let t = lens.iter().copied().max().unwrap_or(1).max(1);
-    let tokens = padded(own.iter().map(|(w, p)| &w.inputs[*p..]), t);
-    let all_rows: Vec<usize> = (0..own.len()).collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [own.len(), t]), &device);
-    let hidden = model.forward_cached_rows(tokens, &all_rows, &lens, &mut cache); // [R, T, D]
-    let d = model.config().d_model;
-    let hidden = hidden.reshape([own.len() * t, d]);
+    // 2. What each window has of its own, every window a row; the scored positions' logits.
+    let own: Vec<(usize, &Window, usize)> = items
+        .iter()
+        .zip(&prefixes)
+        .zip(&firsts)
+        .flat_map(|((ws, &p), &first)| ws.iter().enumerate().map(move |(j, w)| (first + j, w, p)))
+        .collect();
+    let mut results: Vec<Option<Scored>> = vec![None; rows];
+    let parts: Vec<(usize, &[u32])> = own.iter().map(|&(row, w, p)| (row, &w.inputs[p..])).collect();
+    for call in calls(parts, budget.tokens) {
+        let (hidden, t) = forward(model, &mut cache, &call);
+        // (position in the call's folded hidden states, target) of every scored prediction.
+        let mut picks: Vec<(i32, u32)> = Vec::new();
+        let mut spans = Vec::with_capacity(call.len());
+        for (r, &(row, _)) in call.iter().enumerate() {
+            let (_, w, p) = own[row];
+            let first = w.first_scored() - p; // position within the row's own part
+            spans.push((row, picks.len(), w.targets.len()));
+            for (k, &target) in w.targets.iter().enumerate() {
+                picks.push(((r * t + first - 1 + k) as i32, target));
+            }
+        }
+        let scored = log_probs(model, hidden, &picks, budget.logit_rows);
+        for (row, at, n) in spans {
+            let logprob = scored[at..at + n].iter().map(|s| s.0).sum();
+            results[row] = Some(Scored { logprob, greedy: scored[at..at + n].iter().all(|s| s.1) });
+        }
+    }
+    // Windows without a token of their own to score (empty continuations) score 0.
+    let mut results = results.into_iter().map(|r| r.unwrap_or(Scored { logprob: 0.0, greedy: true }));
+    items.iter().map(|ws| (0..ws.len()).filter_map(|_| results.next()).collect()).collect()
+}
 
-    // 3. The scored positions' log-probabilities, a bounded number of logit rows at a time.
-    let mut picks: Vec<(i32, u32)> = Vec::new(); // (row in the folded hidden states, target)
-    for (r, (w, p)) in own.iter().enumerate() {
-        let first = w.first_scored() - p; // position within the row's own part
-        for (k, &target) in w.targets.iter().enumerate() {
-            picks.push(((r * t + first - 1 + k) as i32, target));
-        }
-    }
-    let mut logprobs = Vec::with_capacity(picks.len());
-    let mut greedy = Vec::with_capacity(picks.len());
-    for chunk in picks.chunks(budget.logit_rows) {
+/// `(log p(target), target is the argmax)` of each pick `(row of hidden, target)`, a bounded number
+/// of logit rows at a time; the log-softmax in one pass over each row on the host.
+fn log_probs<B: EmberBackend>(
+    model: &Decoder<B>,
+    hidden: Tensor<B, 2>,
+    picks: &[(i32, u32)],
+    logit_rows: usize,
+) -> Vec<(f64, bool)> {
+    let device = model.embed_tokens.device();
+    let mut out = Vec::with_capacity(picks.len());
+    for chunk in picks.chunks(logit_rows.max(1)) {
         let n = chunk.len();
-        let index = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(chunk.iter().map(|c| c.0).collect::<Vec<i32>>(), [n]),
-            &device,
-        );
-        let logits = model.logits(hidden.clone().select(0, index)); // [n, V]
-        let targets = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(chunk.iter().map(|c| c.1 as i32).collect::<Vec<i32>>(), [n, 1]),
-            &device,
-        );
-        let best = logits.clone().argmax(1).reshape([n]);
-        let picked = log_softmax(logits, 1).gather(1, targets).reshape([n]);
-        logprobs.extend(picked.into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default());
-        greedy.extend(best.into_data().convert::<i64>().into_vec::<i64>().unwrap_or_default());
-    }
-    let mut at = 0;
-    let mut out = Vec::with_capacity(items.len());
-    for ws in items {
-        let mut scored = Vec::with_capacity(ws.len());
-        for w in ws.iter() {
-            let n = w.targets.len();
-            let logprob = logprobs[at..at + n].iter().map(|&x| x as f64).sum();
-            let all = w.targets.iter().zip(&greedy[at..at + n]).all(|(&t, &g)| g == t as i64);
-            scored.push(Scored { logprob, greedy: all });
-            at += n;
-        }
-        out.push(scored);
+        let index = TensorData::new(chunk.iter().map(|c| c.0).collect::<Vec<i32>>(), [n]);
+        let logits = model.logits(hidden.clone().select(0, Tensor::<B, 1, Int>::from_data(index, &device)));
+        let logits = logits.into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        let v = logits.len() / n.max(1);
+        let rows: Vec<(f64, bool)> = logits
+            .par_chunks(v.max(1))
+            .zip(chunk)
+            .map(|(row, &(_, target))| {
+                let (mut max, mut best) = (f32::NEG_INFINITY, 0);
+                for (i, &x) in row.iter().enumerate() {
+                    if x > max {
+                        (max, best) = (x, i);
+                    }
+                }
+                let sum: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+                let logprob = (row[target as usize] - max) as f64 - sum.ln();
+                (logprob, best == target as usize)
+            })
+            .collect();
+        out.extend(rows);
     }
     out
 }

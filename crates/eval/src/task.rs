@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::EvalError;
+use crate::generate::Generation;
 use crate::pyrandom::PyRandom;
 
 /// One item, as the harness's `doc_to_text` / `doc_to_choice` / `doc_to_target` make it.
@@ -32,7 +33,7 @@ pub enum Query {
 }
 
 /// How the scores of an item become its metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub enum Output {
     /// The most likely choice: `acc`, with `acc_norm` (log-likelihood per character of the choice)
     /// where `norm` is set.
@@ -40,6 +41,9 @@ pub enum Output {
     /// One continuation: `perplexity` (exp of the mean negative log-likelihood per item) and `acc`
     /// (greedy decoding gives exactly the continuation), LAMBADA's metrics.
     Loglikelihood,
+    /// Greedy generation until a stop string, filtered and matched against the references (the
+    /// item's continuations).
+    Generate(&'static Generation),
 }
 
 /// How exemplars are drawn from the few-shot pool.
@@ -62,6 +66,11 @@ pub struct TaskSpec {
     pub file: String,
     /// The few-shot pool, relative to the evaluation folder (`None`: the scored items themselves).
     pub fewshot_file: Option<String>,
+    /// Exemplars written in the task's definition (GSM8K's chain-of-thought ones), used instead of
+    /// a pool file.
+    pub fixed_shots: Option<fn() -> Vec<Doc>>,
+    /// Exemplars when `--num-fewshot` is not given (the harness YAML's `num_fewshot`).
+    pub default_fewshot: usize,
     pub output: Output,
     pub target_delimiter: &'static str,
     pub fewshot_delimiter: &'static str,

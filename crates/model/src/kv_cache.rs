@@ -148,37 +148,6 @@ impl<B: Backend> KvCache<B> {
         self.lens[b] = 0;
     }
 
-    /// Makes the empty sequence `to` hold what sequence `from` holds, without storing it twice:
-    /// `from`'s full blocks are shared (held by both, never written again: new positions go after
-    /// them), and a partly filled last block is copied into a block of `to`'s own, where `to`'s
-    /// next positions go. The choices of a multiple-choice question, or several samples of one
-    /// prompt, then continue one prefix computed once.
-    ///
-    /// # Panics
-    /// If `to` is not empty, or either sequence does not exist.
-    pub fn share_prefix(&mut self, from: usize, to: usize) {
-        assert!(from < self.batch() && to < self.batch() && from != to, "sequences {from} and {to}");
-        assert_eq!(self.lens[to], 0, "sequence {to} is not empty");
-        self.reset(to);
-        let len = self.lens[from];
-        let full = len / self.block_size;
-        let shared: Vec<usize> = self.tables[from][..full].to_vec();
-        for &block in &shared {
-            self.holders[block] += 1;
-        }
-        self.tables[to] = shared;
-        let tail = len % self.block_size;
-        if tail > 0 {
-            self.reserve(to, len);
-            let (src, dst) = (self.tables[from][full] * self.block_size, self.tables[to][full] * self.block_size);
-            for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
-                let rows = pool.clone().slice([src..src + tail]);
-                *pool = pool.clone().slice_assign([dst..dst + tail], rows);
-            }
-        }
-        self.lens[to] = len;
-    }
-
     /// Blocks held by at least one sequence (a shared block counted once).
     pub fn held_blocks(&self) -> usize {
         self.holders.iter().filter(|&&h| h > 0).count()
@@ -302,6 +271,43 @@ impl<B: Backend> CacheStep<'_, B> {
 pub(crate) struct LayerKv<'a, B: Backend> {
     cache: &'a mut KvCache<B>,
     layer: usize,
+}
+
+impl<B: KvWriteOps> KvCache<B> {
+    /// Makes the empty sequence `to` hold what sequence `from` holds, without storing it twice:
+    /// `from`'s full blocks are shared (held by both, never written again: new positions go after
+    /// them), and a partly filled last block is copied into a block of `to`'s own, where `to`'s
+    /// next positions go. The choices of a multiple-choice question, or several samples of one
+    /// prompt, then continue one prefix computed once.
+    ///
+    /// # Panics
+    /// If `to` is not empty, or either sequence does not exist.
+    pub fn share_prefix(&mut self, from: usize, to: usize) {
+        assert!(from < self.batch() && to < self.batch() && from != to, "sequences {from} and {to}");
+        assert_eq!(self.lens[to], 0, "sequence {to} is not empty");
+        self.reset(to);
+        let len = self.lens[from];
+        let full = len / self.block_size;
+        let shared: Vec<usize> = self.tables[from][..full].to_vec();
+        for &block in &shared {
+            self.holders[block] += 1;
+        }
+        self.tables[to] = shared;
+        let tail = len % self.block_size;
+        if tail > 0 {
+            self.reserve(to, len);
+            let (src, dst) = (self.tables[from][full] * self.block_size, self.tables[to][full] * self.block_size);
+            let dst: Vec<usize> = (dst..dst + tail).collect();
+            for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
+                // The rows read out first (a copy of their own), so that the write finds the
+                // pool unshared and writes in place.
+                let rows = Tensor::<B, 2>::from_data(pool.clone().slice([src..src + tail]).into_data(), &self.device);
+                let owned = std::mem::replace(pool, Tensor::zeros([0, 1], &self.device));
+                *pool = float(B::kv_write(prim(owned), &dst, prim(rows)));
+            }
+        }
+        self.lens[to] = len;
+    }
 }
 
 impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {

@@ -79,6 +79,8 @@ pub(crate) fn paradigm(name: &str) -> TaskSpec {
         version: "2.0",
         file: format!("blimp/{name}.jsonl.gz"),
         fewshot_file: None,
+        fixed_shots: None,
+        default_fewshot: 0,
         output: Output::MultipleChoice { norm: false },
         target_delimiter: " ",
         fewshot_delimiter: "\n\n",

@@ -10,6 +10,8 @@ fn spec(name: &str, version: &'static str, file: &str, parse: fn(&Value) -> Resu
         version,
         file: file.to_string(),
         fewshot_file: None,
+        fixed_shots: None,
+        default_fewshot: 0,
         output: Output::MultipleChoice { norm: true },
         target_delimiter: " ",
         fewshot_delimiter: "\n\n",

@@ -9,6 +9,8 @@ pub(crate) fn lambada_openai() -> TaskSpec {
         version: "1.0",
         file: "lambada_openai/lambada_test.jsonl".into(),
         fewshot_file: None,
+        fixed_shots: None,
+        default_fewshot: 0,
         output: Output::Loglikelihood,
         target_delimiter: " ",
         fewshot_delimiter: "\n\n",

@@ -33,6 +33,8 @@ pub(crate) fn mmlu() -> TaskSpec {
         version: "1.0",
         file: "mmlu/mmlu_test.jsonl".into(),
         fewshot_file: Some("mmlu/mmlu_dev.jsonl".into()),
+        fixed_shots: None,
+        default_fewshot: 0,
         output: Output::MultipleChoice { norm: false },
         target_delimiter: " ",
         fewshot_delimiter: "\n\n",

@@ -4,6 +4,7 @@
 
 mod blimp;
 mod choice;
+mod generation;
 mod lambada;
 mod mmlu;
 mod winogrande;
@@ -26,6 +27,9 @@ pub fn registry() -> Vec<TaskSpec> {
         winogrande::winogrande(),
         mmlu::mmlu(),
         lambada::lambada_openai(),
+        generation::gsm8k(),
+        generation::gsm8k_cot(),
+        generation::nq_open(),
     ];
     tasks.extend(blimp::PARADIGMS.iter().map(|p| blimp::paradigm(p)));
     tasks

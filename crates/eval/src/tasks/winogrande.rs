@@ -9,6 +9,8 @@ pub(crate) fn winogrande() -> TaskSpec {
         version: "1.0",
         file: "winogrande/winogrande_dev.jsonl".into(),
         fewshot_file: None,
+        fixed_shots: None,
+        default_fewshot: 0,
         output: Output::MultipleChoice { norm: false },
         target_delimiter: " ",
         fewshot_delimiter: "\n\n",

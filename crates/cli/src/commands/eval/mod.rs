@@ -32,7 +32,7 @@ pub struct EvalArgs {
     data: Option<String>,
     /// Benchmark tasks, comma-separated, each as lm-evaluation-harness defines it: hellaswag,
     /// arc_easy, arc_challenge, piqa, boolq, openbookqa, commonsense_qa, winogrande, mmlu,
-    /// lambada_openai, blimp (all 67 paradigms) or blimp_<paradigm>; `NAME:N` scores its first N
+    /// lambada_openai, gsm8k, gsm8k_cot, nq_open, blimp (all 67 paradigms) or blimp_<paradigm>; `NAME:N` scores its first N
     /// items.
     #[arg(long)]
     tasks: Option<String>,
@@ -54,6 +54,9 @@ pub struct EvalArgs {
     /// Tokens per forward call when scoring tasks (rows × padded length).
     #[arg(long, default_value_t = 4096)]
     batch_tokens: usize,
+    /// Sequences generated together in generation tasks (GSM8K, NQ-Open).
+    #[arg(long, default_value_t = 8)]
+    generate_batch: usize,
     /// Tokens of context per window [default: the model's max_seq_len].
     #[arg(long)]
     context: Option<usize>,
@@ -115,6 +118,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             limit: args.limit,
             seed: args.seed,
             batch_tokens: args.batch_tokens,
+            generate_batch: args.generate_batch,
         };
         return tasks::run(tasks::TasksArgs {
             checkpoint: &args.checkpoint,

@@ -31,6 +31,13 @@ impl Source {
         Ok(Self::Run(Box::new(checkpoint)))
     }
 
+    pub fn max_seq_len(&self) -> usize {
+        match self {
+            Self::Run(c) => c.model_config.max_seq_len,
+            Self::Init(init) => init.model_config.max_seq_len,
+        }
+    }
+
     pub fn tokenizer(&self) -> anyhow::Result<Tokenizer> {
         match self {
             Self::Run(c) => Ok(c.tokenizer.clone()),
@@ -61,6 +68,7 @@ pub struct TasksArgs<'a> {
 
 struct TasksJob<'a> {
     source: Source,
+    tokenizer: Tokenizer,
     prepared: &'a [Prepared],
     options: Options,
 }
@@ -79,7 +87,7 @@ impl Job for TasksJob<'_> {
         for task in self.prepared {
             bar.set_message(task.spec.name.clone());
             let started = std::time::Instant::now();
-            let result = evaluate(&model, task, &self.options, |n| bar.inc(n as u64));
+            let result = evaluate(&model, &self.tokenizer, task, &self.options, |n| bar.inc(n as u64))?;
             tracing::info!(
                 "{}: {} items in {:.1} s ({:.2} items/s)",
                 task.spec.name,
@@ -102,11 +110,11 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
     let mut prepared = Vec::with_capacity(selected.len());
     for (spec, limit) in &selected {
         let limit = limit.or(args.options.limit);
-        let task = prepare(spec, &dir, limit, &args.options, &tokenizer)
+        let task = prepare(spec, &dir, limit, &args.options, &tokenizer, source.max_seq_len())
             .with_context(|| format!("preparing task {}", spec.name))?;
         prepared.push(task);
     }
-    let job = TasksJob { source, prepared: &prepared, options: args.options.clone() };
+    let job = TasksJob { source, tokenizer, prepared: &prepared, options: args.options.clone() };
     let results = ember_eval::run::with_groups(dispatch(args.device, false, job)?);
     if let Some(path) = args.samples {
         let mut out = Vec::new();

@@ -1,0 +1,69 @@
+"""HellaSwag items/s: lm-evaluation-harness (transformers, float32) beside `ember eval --tasks`, on
+the same CPU and threads, alternating. The harness reads the local file through a task YAML that
+includes its own hellaswag.yaml (see tests/fixtures/eval/make_reference.py).
+
+    python experiments/eval_speed.py --ember target/release/ember --evals ../shared/evals \
+        --gguf ../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf --items 200 --rounds 2
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ember", required=True)
+    ap.add_argument("--evals", required=True)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--items", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch-sizes", default="1,16")
+    a = ap.parse_args()
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    work = tempfile.mkdtemp(prefix="ember-speed-")
+    run, hf = os.path.join(work, "run"), os.path.join(work, "hf")
+    subprocess.run([a.ember, "import", a.gguf, "--out", run], check=True, capture_output=True)
+    subprocess.run([a.ember, "export", run, "--format", "hf", "--out", hf], check=True, capture_output=True)
+    cfg_path = os.path.join(hf, "config.json")
+    cfg = json.load(open(cfg_path))
+    for k, v in cfg.get("rope_parameters", {}).items():
+        cfg.setdefault(k, v)
+    json.dump(cfg, open(cfg_path, "w"))
+    harness = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "hellaswag.yaml")
+    yamls = os.path.join(work, "tasks")
+    os.makedirs(yamls)
+    with open(os.path.join(yamls, "ember_hellaswag.yaml"), "w") as f:
+        f.write(f"task: ember_hellaswag\ninclude: {harness}\ndataset_path: json\ndataset_name: null\n"
+                f"dataset_kwargs:\n  data_files:\n    validation: {os.path.abspath(a.evals)}/hellaswag/hellaswag_val.jsonl\n"
+                "training_split: null\ntag: []\n")
+    manager = TaskManager(include_path=yamls)
+    rows = []
+    for r in range(a.rounds):
+        t = time.time()
+        out = subprocess.run([a.ember, "eval", "--checkpoint", f"gguf:{a.gguf}", "--tasks", f"hellaswag:{a.items}",
+                              "--eval-dir", a.evals, "--json"], check=True, capture_output=True, text=True)
+        secs = time.time() - t
+        acc = json.loads(out.stdout)["results"]["hellaswag"]["acc_norm"]
+        rows.append(("ember", r, secs, a.items / secs, acc))
+        print(rows[-1], file=sys.stderr)
+        for bs in a.batch_sizes.split(","):
+            t = time.time()
+            res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf},dtype=float32", device="cpu",
+                                          tasks=["ember_hellaswag"], limit=a.items, batch_size=int(bs), task_manager=manager)
+            secs = time.time() - t
+            rows.append((f"harness batch {bs}", r, secs, a.items / secs, res["results"]["ember_hellaswag"]["acc_norm,none"]))
+            print(rows[-1], file=sys.stderr)
+    print("| what | round | seconds | items/s | acc_norm |")
+    print("|---|---|---|---|---|")
+    for name, r, secs, rate, acc in rows:
+        print(f"| {name} | {r} | {secs:.1f} | {rate:.2f} | {acc:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
