@@ -117,3 +117,66 @@ fn bad_task_lists_and_folders_are_named() {
     let out = s.ember(&["eval", "--checkpoint", &gguf, "--data", "x.txt", "--limit", "3"]);
     assert_clean_error(&out, "--limit is a flag of `--tasks`");
 }
+
+/// `[eval] tasks` during a LoRA fine-tune of SmolLM2: each evaluation writes the tasks' metrics
+/// beside the val loss (metrics.jsonl, the TensorBoard events), equal to what `ember eval --tasks`
+/// says of the checkpoint saved at that step.
+#[test]
+fn tasks_are_scored_at_every_evaluation_of_a_run() {
+    let s = Scratch::new();
+    let gguf = assets().join(SMOLLM2_GGUF);
+    let rows: String = (0..16)
+        .map(|_| format!("{}\n", serde_json::json!({"prompt": "Q: the sky?", "completion": " A: blue."})))
+        .collect();
+    s.write("sky.jsonl", &rows);
+    let evals = evals();
+    let config = common::lora_config("smol", "sky.jsonl", 2, 2, 1e-3, 3)
+        .replace("init_from = \"run:smol\"", &format!("init_from = \"gguf:{}\"", gguf.display()))
+        + &format!("\n[eval]\ntasks = [\"arc_easy:6\", \"winogrande:4\"]\ndir = \"{}\"\n", evals.display());
+    s.write("lora.toml", &config);
+    let out = s.ember(&["train", "--config", "lora.toml", "--run-dir", "ft"]);
+    assert!(out.status.success(), "train failed: {}", stderr(&out));
+    assert!(stderr(&out).contains("step 2: arc_easy acc_norm"), "{}", stderr(&out));
+    let log = std::fs::read_to_string(s.path().join("ft/metrics.jsonl")).unwrap();
+    let last: Value = log
+        .lines()
+        .rev()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|r| r.get("val_loss").is_some())
+        .unwrap();
+    assert_eq!(last["step"], 2);
+    for key in ["eval/arc_easy/acc", "eval/arc_easy/acc_norm", "eval/winogrande/acc", "eval/core"] {
+        assert!(last[key].as_f64().is_some(), "{key} missing in {last}");
+    }
+    let events = std::fs::read_dir(s.path().join("ft"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("events.out.tfevents."))
+        .expect("an events file");
+    let bytes = std::fs::read(events).unwrap();
+    assert!(bytes.windows(b"eval/arc_easy/acc_norm".len()).any(|w| w == b"eval/arc_easy/acc_norm"));
+    // The same numbers from the saved checkpoint (base + adapters), through `ember eval`.
+    let out = s.ember(&[
+        "eval",
+        "--checkpoint",
+        "ft",
+        "--tasks",
+        "arc_easy:6,winogrande:4",
+        "--eval-dir",
+        evals.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for (task, metric) in [("arc_easy", "acc"), ("arc_easy", "acc_norm"), ("winogrande", "acc")] {
+        let (a, b) = (
+            report["results"][task][metric].as_f64().unwrap(),
+            last[format!("eval/{task}/{metric}")].as_f64().unwrap(),
+        );
+        assert!((a - b).abs() < 1e-9, "{task} {metric}: ember eval {a}, in the run {b}");
+    }
+    // An unknown task is refused before training, naming the key.
+    s.write("bad.toml", &config.replace("\"winogrande:4\"", "\"winogrand\""));
+    let out = s.ember(&["train", "--config", "bad.toml", "--run-dir", "bad"]);
+    assert_clean_error(&out, "eval.tasks: unknown task `winogrand`");
+}

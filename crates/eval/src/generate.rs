@@ -60,7 +60,10 @@ impl Generation {
         let norm = |s: &str| {
             let mut s = s.to_string();
             for pattern in self.ignore {
-                s = regex::Regex::new(pattern).expect("the task's own pattern compiles").replace_all(&s, "").into_owned();
+                s = regex::Regex::new(pattern)
+                    .expect("the task's own pattern compiles")
+                    .replace_all(&s, "")
+                    .into_owned();
             }
             if self.ignore_case {
                 s = s.to_lowercase();

@@ -117,9 +117,7 @@ fn calls<'a>(mut rows: Vec<(usize, &'a [u32])>, budget: usize) -> Vec<Vec<(usize
     let mut out: Vec<Vec<(usize, &[u32])>> = Vec::new();
     for row in rows.into_iter().filter(|r| !r.1.is_empty()) {
         match out.last_mut() {
-            Some(call)
-                if (call.len() + 1) * call[0].1.len() <= budget && row.1.len() * 4 >= call[0].1.len() * 3 =>
-            {
+            Some(call) if (call.len() + 1) * call[0].1.len() <= budget && row.1.len() * 4 >= call[0].1.len() * 3 => {
                 call.push(row)
             }
             _ => out.push(vec![row]),

@@ -25,6 +25,8 @@ pub enum TrainError {
     NotACheckpoint { path: PathBuf, reason: String },
     #[error("{path}: damaged checkpoint: {message}")]
     Checkpoint { path: PathBuf, message: String },
+    #[error("[eval] tasks: {0}")]
+    Eval(#[from] ember_eval::EvalError),
     #[error("cannot build the optimizer: {0}")]
     Optimizer(#[from] OptimizerError),
     #[error(
@@ -87,6 +89,9 @@ pub enum OptimizerError {
 /// words of the model's own [`ConfigError`]s.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InvalidConfig {
+    /// `[eval] tasks` names no task, or one ember does not know.
+    #[error("eval.tasks: {0}")]
+    EvalTasks(String),
     /// `train.batch_size must be at least 1, found 0`.
     #[error("{key} must be {rule}, found {value}")]
     OutOfRange { key: &'static str, value: String, rule: &'static str },

@@ -42,7 +42,13 @@ static NQ_OPEN: Generation = Generation {
     ignore_punctuation: true,
 };
 
-fn generation(name: &str, version: &'static str, file: &str, output: &'static Generation, parse: fn(&Value) -> Result<Doc, String>) -> TaskSpec {
+fn generation(
+    name: &str,
+    version: &'static str,
+    file: &str,
+    output: &'static Generation,
+    parse: fn(&Value) -> Result<Doc, String>,
+) -> TaskSpec {
     TaskSpec {
         name: name.into(),
         version,
@@ -62,7 +68,13 @@ fn generation(name: &str, version: &'static str, file: &str, output: &'static Ge
 }
 
 fn doc(query: String, references: Vec<String>, shot_answer: String) -> Doc {
-    Doc { shot: (query.clone(), shot_answer), query: Query::Shared(query), continuations: references, gold: 0, group: None }
+    Doc {
+        shot: (query.clone(), shot_answer),
+        query: Query::Shared(query),
+        continuations: references,
+        gold: 0,
+        group: None,
+    }
 }
 
 pub(crate) fn gsm8k() -> TaskSpec {

@@ -336,7 +336,7 @@ mod tests {
     fn complete() -> String {
         format!(
             "init_from = \"run:/nonexistent\"\n{NANO}\n[lora]\nrank = 8\nalpha = 16.0\ntargets = [\"q_proj\"]\n\n\
-             [metrics]\nsample_tokens = 0\n\n[distributed]\nbucket_mib = 25\n"
+             [eval]\ntasks = [\"piqa:4\"]\n\n[metrics]\nsample_tokens = 0\n\n[distributed]\nbucket_mib = 25\n"
         )
     }
 

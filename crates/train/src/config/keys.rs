@@ -12,7 +12,8 @@ use serde::Deserialize;
 use ember_model::{LoraConfig, ModelConfig};
 
 use super::sections::{
-    DataConfig, DistributedConfig, LoopConfig, MetricsConfig, MuonConfig, OptimConfig, PreferenceConfig, ScheduleConfig,
+    DataConfig, DistributedConfig, EvalTasksConfig, LoopConfig, MetricsConfig, MuonConfig, OptimConfig,
+    PreferenceConfig, ScheduleConfig,
 };
 use super::{InitSource, TrainConfig};
 use crate::error::InvalidConfig;
@@ -24,6 +25,7 @@ pub const REQUIRED: &[(&str, &[&str])] = &[
     ("train", &["batch_size", "max_steps"]),
     ("lora", &["rank", "alpha"]),
     ("muon", &["lr"]),
+    ("eval", &["tasks"]),
 ];
 
 /// One thing wrong with a config file, where the file says it.
@@ -79,6 +81,7 @@ impl ConfigProblem {
             }
             InvalidConfig::NoData | InvalidConfig::TwoData { .. } => (Some("data"), None),
             InvalidConfig::NoSinks => (Some("metrics"), Some("sinks")),
+            InvalidConfig::EvalTasks(_) => (Some("eval"), Some("tasks")),
             InvalidConfig::LoraWithoutInit | InvalidConfig::Lora(_) => (Some("lora"), None),
             InvalidConfig::Model(_) => (Some("model"), None),
         };
@@ -134,6 +137,7 @@ pub fn section_keys(name: &str) -> Option<&'static [&'static str]> {
         "lora" => serde_fields::<LoraConfig>(),
         "muon" => serde_fields::<MuonConfig>(),
         "preference" => serde_fields::<PreferenceConfig>(),
+        "eval" => serde_fields::<EvalTasksConfig>(),
         "metrics" => serde_fields::<MetricsConfig>(),
         "distributed" => serde_fields::<DistributedConfig>(),
         _ => return None,
@@ -152,6 +156,7 @@ fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
         "lora" => toml::from_str::<LoraConfig>(text).map(drop),
         "muon" => toml::from_str::<MuonConfig>(text).map(drop),
         "preference" => toml::from_str::<PreferenceConfig>(text).map(drop),
+        "eval" => toml::from_str::<EvalTasksConfig>(text).map(drop),
         "metrics" => toml::from_str::<MetricsConfig>(text).map(drop),
         "distributed" => toml::from_str::<DistributedConfig>(text).map(drop),
         _ => Ok(()),
@@ -465,7 +470,19 @@ mod tests {
     fn field_names_come_from_the_structs() {
         assert_eq!(
             sections(),
-            ["model", "data", "train", "optim", "schedule", "lora", "muon", "preference", "metrics", "distributed"],
+            [
+                "model",
+                "data",
+                "train",
+                "optim",
+                "schedule",
+                "lora",
+                "muon",
+                "preference",
+                "eval",
+                "metrics",
+                "distributed"
+            ],
             "a new section needs its struct in section_keys and read_section"
         );
         for s in sections() {

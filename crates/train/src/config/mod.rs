@@ -23,8 +23,9 @@ pub use defaults::{LR_FULL, LR_LORA, LR_SCRATCH};
 pub use file::{ConfigFile, InitSource, Purpose};
 pub use keys::{ConfigProblem, Hint, Problem, REQUIRED};
 pub use sections::{
-    AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig, MuonConfig, NsDtype,
-    OptimConfig, Precision, PreferenceConfig, PreferenceMethod, ScheduleConfig, ScheduleShape, SinkKind,
+    AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, EvalTasksConfig, LoopConfig, MetricsConfig,
+    MuonConfig, NsDtype, OptimConfig, Precision, PreferenceConfig, PreferenceMethod, ScheduleConfig, ScheduleShape,
+    SinkKind,
 };
 
 /// A run's config: pure data, read from TOML. `M` is the architecture: a [`ModelConfig`], or in a
@@ -51,6 +52,9 @@ pub struct TrainConfig<M = ModelConfig> {
     /// Preference tuning (DPO, IPO, SimPO, ORPO) on pairs of answers instead of the next-token loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preference: Option<PreferenceConfig>,
+    /// Benchmark tasks scored at every evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalTasksConfig>,
     /// Where metrics go, and the text sampled at evaluations.
     #[serde(default)]
     pub metrics: MetricsConfig,
@@ -132,6 +136,7 @@ impl<M> TrainConfig<M> {
             lora,
             muon,
             preference,
+            eval,
             metrics,
             distributed,
             pending,
@@ -146,6 +151,7 @@ impl<M> TrainConfig<M> {
             lora,
             muon,
             preference,
+            eval,
             metrics,
             distributed,
             pending,

@@ -344,6 +344,29 @@ pub struct PreferenceConfig {
     pub sft_weight: f64,
 }
 
+/// `[eval]`: benchmark tasks scored at every evaluation of the run (crates/eval: lm-evaluation-
+/// harness's definitions), written beside the val loss as `eval/<task>/<metric>` and `eval/core`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalTasksConfig {
+    /// Task names as `ember eval --tasks` takes them, each optionally `NAME:N` (its first N items):
+    /// `["hellaswag:500", "arc_easy"]`.
+    pub tasks: Vec<String>,
+    /// The folder of the evaluation sets, laid out as shared/evals [default: $EMBER_EVAL_DIR].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dir: Option<std::path::PathBuf>,
+    /// Few-shot exemplars before each item [default: each task's own, 0 but for GSM8K].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_fewshot: Option<usize>,
+    /// Seed of the few-shot draws [default: 1234, the harness's].
+    #[serde(default = "fewshot_seed")]
+    pub seed: u64,
+}
+
+fn fewshot_seed() -> u64 {
+    1234
+}
+
 /// The preference losses.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -98,6 +98,14 @@ impl<M> TrainConfig<M> {
                 bound: self.decay_steps().to_string(),
             });
         }
+        if let Some(eval) = &self.eval {
+            if eval.tasks.is_empty() {
+                broken
+                    .push(InvalidConfig::EvalTasks("an empty list; name at least one task (\"hellaswag:500\")".into()));
+            } else if let Err(e) = ember_eval::tasks::select(&eval.tasks.join(",")) {
+                broken.push(InvalidConfig::EvalTasks(e.to_string()));
+            }
+        }
         self.metrics.check(&mut broken);
         if let Err(e) = self.distributed.validate() {
             broken.push(e);

@@ -36,6 +36,8 @@ pub(super) struct EvaluatorConfig {
     sample: MetricsConfig,
     /// `[preference]`: pairs are scored by the preference loss, with TRL's metrics.
     preference: Option<PreferenceConfig>,
+    /// `[eval]`: the benchmark tasks' options.
+    tasks: ember_eval::Options,
 }
 
 impl EvaluatorConfig {
@@ -52,7 +54,32 @@ impl EvaluatorConfig {
             vocab_size: config.model.vocab_size,
             sample: config.metrics.clone(),
             preference: config.preference.clone(),
+            tasks: ember_eval::Options {
+                num_fewshot: config.eval.as_ref().and_then(|e| e.num_fewshot),
+                seed: config.eval.as_ref().map_or(1234, |e| e.seed),
+                ..ember_eval::Options::default()
+            },
         }
+    }
+
+    /// `[eval]`'s tasks read and tokenized once, for every evaluation of the run (none without
+    /// `[eval]`).
+    pub(super) fn tasks(config: &TrainConfig, setup: &Setup) -> Result<Vec<ember_eval::Prepared>, TrainError> {
+        let Some(eval) = &config.eval else { return Ok(Vec::new()) };
+        let dir = ember_eval::eval_dir(eval.dir.as_deref())?;
+        let options = Self::of(config).tasks;
+        let mut prepared = Vec::new();
+        for (spec, limit) in ember_eval::tasks::select(&eval.tasks.join(","))? {
+            prepared.push(ember_eval::prepare(
+                &spec,
+                &dir,
+                limit,
+                &options,
+                &setup.tokenizer,
+                config.model.max_seq_len,
+            )?);
+        }
+        Ok(prepared)
     }
 
     /// The evaluator of `setup`'s splits and tokenizer, its batches shared out over the ranks of
@@ -62,9 +89,11 @@ impl EvaluatorConfig {
         setup: &'a Setup,
         collective: &'a dyn Collective,
         reference: Option<&'a Reference>,
+        tasks: &'a [ember_eval::Prepared],
     ) -> Evaluator<'a> {
         Evaluator {
             setup,
+            tasks,
             collective,
             reference,
             train_seed: eval_seed(self.seed, "train"),
@@ -80,6 +109,8 @@ pub(super) struct Evaluator<'a> {
     collective: &'a dyn Collective,
     /// Preference tuning with DPO or IPO: the reference log-probabilities of both splits' rows.
     reference: Option<&'a Reference>,
+    /// `[eval]`'s benchmark tasks, scored by rank 0 at each evaluation.
+    tasks: &'a [ember_eval::Prepared],
     train_seed: u64,
     val_seed: u64,
 }
@@ -234,6 +265,7 @@ impl Evaluator<'_> {
             .get("val_rewards/accuracies")
             .map_or(String::new(), |a| format!(", held-out reward accuracy {a:.3}"));
         rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{accuracy}{memory}"));
+        self.score_tasks(model, record, rec)?;
         let tokens = c.sample.sample_tokens;
         if let Some((prompt, ids)) = self.sample_prompt().filter(|_| tokens > 0) {
             if let Some(text) = sample_text(model, &self.setup.tokenizer, ids, tokens, c.seed ^ step as u64) {
@@ -241,6 +273,41 @@ impl Evaluator<'_> {
             }
         }
         Ok(vl)
+    }
+}
+
+impl Evaluator<'_> {
+    /// `[eval]`'s tasks on the model (rank 0), as `eval/<task>/<metric>` in `record` and the log,
+    /// with `eval/core`, the CORE-style aggregate.
+    fn score_tasks<IB: ember_kernels::EmberBackend>(
+        &self,
+        model: &Decoder<IB>,
+        record: &mut StepRecord,
+        rec: &mut Recorder,
+    ) -> Result<(), TrainError> {
+        if self.tasks.is_empty() {
+            return Ok(());
+        }
+        let mut results = Vec::with_capacity(self.tasks.len());
+        for task in self.tasks {
+            results.push(ember_eval::evaluate(model, &self.setup.tokenizer, task, &self.config.tasks, |_| {})?);
+        }
+        let results = ember_eval::run::with_groups(results);
+        let mut line = Vec::new();
+        for r in &results {
+            for (metric, e) in &r.metrics {
+                record.named.insert(format!("eval/{}/{metric}", r.name), e.value);
+            }
+            if let Some(e) = r.metric(r.primary) {
+                line.push(format!("{} {} {:.4}", r.name, r.primary, e.value));
+            }
+        }
+        if let Some(core) = ember_eval::run::core(&results) {
+            record.named.insert("eval/core".into(), core);
+            line.push(format!("CORE {core:.4}"));
+        }
+        rec.bar.suspend(|| tracing::info!("step {}: {}", record.step, line.join(", ")));
+        Ok(())
     }
 }
 

@@ -224,7 +224,8 @@ pub fn train<B: TrainBackend>(
     let peak = device_peak::<B>(opts, device, peak_gemms(&compute));
     log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
-    let evaluator = EvaluatorConfig::of(config).build(&setup, c, reference.as_ref());
+    let tasks = EvaluatorConfig::tasks(config, &setup)?;
+    let evaluator = EvaluatorConfig::of(config).build(&setup, c, reference.as_ref(), &tasks);
     let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
     if state.step >= stop {
         let end = RunEnd::NothingToTrain { stop_at: opts.stop_at };
