@@ -5,6 +5,7 @@
 //! tests/fixtures/eval/make_reference.py (lm_eval 0.4.9.1, transformers, float32) and committed.
 
 mod common;
+mod gemma3_file;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,8 +13,8 @@ use std::path::PathBuf;
 use common::{assert_clean_error, assets, stderr, Scratch, SMOLLM2_GGUF};
 use serde_json::Value;
 
-fn fixture() -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/eval/harness_smollm2.json");
+fn fixture(name: &str) -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/eval").join(name);
     serde_json::from_str(&std::fs::read_to_string(path).expect("the committed fixture")).expect("JSON")
 }
 
@@ -24,8 +25,23 @@ fn evals() -> PathBuf {
 }
 
 #[test]
-fn log_likelihoods_equal_the_harness() {
-    let fixture = fixture();
+fn log_likelihoods_equal_the_harness_on_smollm2() {
+    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
+    let compared = parity(&fixture("harness_smollm2.json"), &gguf);
+    assert!(compared > 500, "only {compared} log-likelihoods compared");
+}
+
+/// Gemma 3 270M (the Q4_K_M file): its BOS before every context, its 262k-row head.
+#[test]
+fn log_likelihoods_equal_the_harness_on_gemma3() {
+    let gguf = format!("gguf:{}", gemma3_file::gemma3_gguf().display());
+    let compared = parity(&fixture("harness_gemma3.json"), &gguf);
+    assert!(compared > 200, "only {compared} log-likelihoods compared");
+}
+
+/// Runs `ember eval` on `model` for every run of `fixture` and compares requests, log-likelihoods,
+/// greedy flags and metrics; the number of log-likelihoods compared.
+fn parity(fixture: &Value, model: &str) -> usize {
     let runs = fixture["runs"].as_array().expect("runs");
     // One ember call per (shots, limit): its tasks together.
     let mut calls: BTreeMap<(u64, u64), Vec<&Value>> = BTreeMap::new();
@@ -34,7 +50,6 @@ fn log_likelihoods_equal_the_harness() {
         calls.entry(key).or_default().push(run);
     }
     let s = Scratch::new();
-    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
     let evals = evals();
     let mut compared = 0;
     for ((shots, limit), runs) in calls {
@@ -43,7 +58,7 @@ fn log_likelihoods_equal_the_harness() {
         let out = s.ember(&[
             "eval",
             "--checkpoint",
-            &gguf,
+            model,
             "--tasks",
             &tasks.join(","),
             "--limit",
@@ -89,7 +104,7 @@ fn log_likelihoods_equal_the_harness() {
             }
         }
     }
-    assert!(compared > 500, "only {compared} log-likelihoods compared");
+    compared
 }
 
 #[test]
@@ -179,4 +194,74 @@ fn tasks_are_scored_at_every_evaluation_of_a_run() {
     s.write("bad.toml", &config.replace("\"winogrande:4\"", "\"winogrand\""));
     let out = s.ember(&["train", "--config", "bad.toml", "--run-dir", "bad"]);
     assert_clean_error(&out, "eval.tasks: unknown task `winogrand`");
+}
+
+/// GSM8K (5-shot and chain-of-thought 8-shot) and NQ-Open: on the harness's own generations
+/// (SmolLM2, greedy), ember's filters extract the same answers and its exact match agrees, item by
+/// item (100 GSM8K items, 20 chain-of-thought, 40 NQ-Open); and ember's prompts and greedy
+/// generations equal the harness's on the first items.
+#[test]
+fn generation_tasks_extract_and_generate_as_the_harness() {
+    let fixture = fixture("harness_smollm2_generate.json");
+    let registry = ember_eval::tasks::registry();
+    let mut extracted = 0;
+    for run in fixture["runs"].as_array().unwrap() {
+        let task = run["task"].as_str().unwrap();
+        let spec = registry.iter().find(|t| t.name == task).unwrap();
+        let ember_eval::task::Output::Generate(g) = spec.output else { panic!("{task} generates") };
+        for doc in run["docs"].as_array().unwrap() {
+            let text = doc["generation"].as_str().unwrap();
+            let targets: Vec<String> = match &doc["target"] {
+                Value::String(t) => vec![t.clone()],
+                Value::Array(ts) => ts.iter().map(|t| t.as_str().unwrap().to_string()).collect(),
+                other => panic!("target {other}"),
+            };
+            // The harness's filter names, in the order of ember's metrics.
+            let names: &[&str] =
+                if task == "nq_open" { &["remove_whitespace"] } else { &["strict-match", "flexible-extract"] };
+            for ((_, filter), name) in g.filters.iter().zip(names) {
+                let want = &doc["filters"][name];
+                let got = filter.apply(&g.cut(text));
+                assert_eq!(got, want["filtered"].as_str().unwrap(), "{task} doc {} {name}", doc["doc_id"]);
+                let matched = g.exact_match(&got, &targets);
+                assert_eq!(
+                    matched,
+                    want["exact_match"].as_f64().unwrap() == 1.0,
+                    "{task} doc {} {name}",
+                    doc["doc_id"]
+                );
+                extracted += 1;
+            }
+        }
+    }
+    assert!(extracted >= 2 * 100 + 2 * 20 + 40, "{extracted} answers compared");
+
+    // ember's own greedy generations on the first items.
+    let s = Scratch::new();
+    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
+    let out = s.ember(&[
+        "eval",
+        "--checkpoint",
+        &gguf,
+        "--tasks",
+        "gsm8k:3,nq_open:8",
+        "--eval-dir",
+        evals().to_str().unwrap(),
+        "--samples",
+        "gen.jsonl",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(s.path().join("gen.jsonl")).unwrap();
+    for line in text.lines() {
+        let mine: Value = serde_json::from_str(line).unwrap();
+        let task = mine["task"].as_str().unwrap();
+        let run = fixture["runs"].as_array().unwrap().iter().find(|r| r["task"] == task).unwrap();
+        let theirs = &run["docs"][mine["doc_id"].as_u64().unwrap() as usize];
+        assert_eq!(mine["requests"][0][0], theirs["prompt"], "{task} doc {}: prompt", mine["doc_id"]);
+        let generated = mine["generated"]["text"].as_str().unwrap();
+        let harness = theirs["generation"].as_str().unwrap();
+        let spec = registry.iter().find(|t| t.name == task).unwrap();
+        let ember_eval::task::Output::Generate(g) = spec.output else { unreachable!() };
+        assert_eq!(generated, g.cut(harness), "{task} doc {}: generation", mine["doc_id"]);
+    }
 }

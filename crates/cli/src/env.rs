@@ -47,6 +47,11 @@ pub fn compute_request() -> ComputeRequest {
     ComputeRequest { base: compute(), emulate_low_precision: is("EMBER_CPU_LOW_PRECISION", "1") }
 }
 
+/// The folder of the benchmark sets (`ember eval --tasks`, `[eval]`): `$EMBER_EVAL_DIR`.
+pub fn eval_dir() -> Option<PathBuf> {
+    var("EMBER_EVAL_DIR").map(PathBuf::from)
+}
+
 /// Where datasets are looked for: `datasets/` here, `$EMBER_DATA_DIR`, then the cache
 /// (`$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`, else `~/.cache/ember`, else `.ember-cache`).
 pub fn locations() -> Locations {

@@ -16,5 +16,5 @@ pub mod task;
 pub mod tasks;
 
 pub use error::EvalError;
-pub use run::{evaluate, prepare, Options, Prepared, TaskResult};
+pub use run::{evaluate, prepare, Encoding, Options, Prepared, TaskResult};
 pub use task::eval_dir;

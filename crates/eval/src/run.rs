@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::Tokenizer;
 use ember_kernels::EmberBackend;
 use ember_model::Decoder;
@@ -47,14 +48,24 @@ pub struct Prepared {
     pub pairs: Vec<Vec<Pair>>,
 }
 
+/// How the model reads text: its tokenizer, its context, and for `--chat` its chat template.
+#[derive(Clone, Copy)]
+pub struct Encoding<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub max_len: usize,
+    /// Wrap each prompt in the chat template, as the harness's `--apply_chat_template`: the
+    /// description as a system turn, exemplars and question as one user turn, the assistant's
+    /// turn opened, the choices right after it (no delimiter).
+    pub chat: Option<&'a ChatTemplate>,
+}
+
 /// Reads `spec`'s items under `dir`, keeps the first `limit`, and builds their requests.
 pub fn prepare(
     spec: &TaskSpec,
     dir: &Path,
     limit: Option<usize>,
     options: &Options,
-    tokenizer: &Tokenizer,
-    max_len: usize,
+    encoding: Encoding,
 ) -> Result<Prepared, EvalError> {
     let mut docs = read_docs(&dir.join(&spec.file), spec.parse)?;
     let original = docs.len();
@@ -78,45 +89,88 @@ pub fn prepare(
     let mut shots = FewShot::new(spec, pool_docs, same_split, options.seed);
     let mut requests = Vec::with_capacity(keep);
     for doc in &docs[..keep] {
-        let before = shots.context(doc, num_fewshot);
-        // A log-likelihood request is (context, target) as it stands; a choice follows the delimiter.
-        let delimiter = match spec.output {
-            Output::Loglikelihood => "",
-            Output::MultipleChoice { .. } => spec.target_delimiter,
-            Output::Generate(_) => {
-                requests.push(vec![(format!("{before}{}", doc.shot.0), String::new())]);
-                continue;
-            }
-        };
-        let with_delimiter = |c: &String| format!("{delimiter}{c}");
-        requests.push(match &doc.query {
-            Query::Shared(q) => doc.continuations.iter().map(|c| (format!("{before}{q}"), with_delimiter(c))).collect(),
-            Query::PerChoice(contexts) => {
-                let target = with_delimiter(&doc.continuations[0]);
-                contexts.iter().map(|c| (format!("{before}{c}"), target.clone())).collect()
-            }
+        let (description, exemplars) = shots.context(doc, num_fewshot);
+        requests.push(match encoding.chat {
+            Some(chat) => chat_requests(spec, doc, chat, description, &exemplars)?,
+            None => requests_of(spec, doc, &format!("{description}{exemplars}")),
         });
     }
     docs.truncate(keep);
-    let prefix = tokenizer.bos_id().or_else(|| tokenizer.eos_id());
+    let pairs = encode_requests(spec, &requests, encoding)?;
+    Ok(Prepared { spec: spec.clone(), docs, original, num_fewshot, requests, pairs })
+}
+
+/// An item's (context, continuation) texts after `before` (description and exemplars), as the
+/// harness's `construct_requests` makes them: a choice follows the target delimiter; a
+/// log-likelihood target stands as it is; a generation has only a context.
+fn requests_of(spec: &TaskSpec, doc: &Doc, before: &str) -> Vec<(String, String)> {
+    let delimiter = match spec.output {
+        Output::Loglikelihood => "",
+        Output::MultipleChoice { .. } => spec.target_delimiter,
+        Output::Generate(_) => return vec![(format!("{before}{}", doc.shot.0), String::new())],
+    };
+    let with_delimiter = |c: &String| format!("{delimiter}{c}");
+    match &doc.query {
+        Query::Shared(q) => doc.continuations.iter().map(|c| (format!("{before}{q}"), with_delimiter(c))).collect(),
+        Query::PerChoice(contexts) => {
+            let target = with_delimiter(&doc.continuations[0]);
+            contexts.iter().map(|c| (format!("{before}{c}"), target.clone())).collect()
+        }
+    }
+}
+
+/// [`requests_of`] through a chat template, as the harness's `--apply_chat_template`: the
+/// description a system turn, exemplars and question one user turn, the assistant's turn opened,
+/// each choice right after it.
+fn chat_requests(
+    spec: &TaskSpec,
+    doc: &Doc,
+    chat: &ChatTemplate,
+    description: String,
+    exemplars: &str,
+) -> Result<Vec<(String, String)>, EvalError> {
+    let refuse = |why: &str| EvalError::Task {
+        task: spec.name.clone(),
+        message: format!("--chat: {why}; evaluate it without --chat"),
+    };
+    let Query::Shared(question) = &doc.query else {
+        return Err(refuse("its choices are contexts (partial scoring), which a chat turn cannot hold"));
+    };
+    if question.is_empty() {
+        return Err(refuse("its items have no prompt to put in a turn"));
+    }
+    let mut messages = Vec::new();
+    if !description.is_empty() {
+        messages.push(Message { role: "system".into(), content: description });
+    }
+    messages.push(Message { role: "user".into(), content: format!("{exemplars}{question}") });
+    let context = chat.render(&messages, true)?;
+    Ok(match spec.output {
+        Output::Generate(_) => vec![(context, String::new())],
+        _ => doc.continuations.iter().map(|c| (context.clone(), c.clone())).collect(),
+    })
+}
+
+/// The token pairs of every item's requests; a generation's prompt cut from the left to leave room
+/// for `max_gen_toks` (as the harness cuts it).
+fn encode_requests(
+    spec: &TaskSpec,
+    requests: &[Vec<(String, String)>],
+    encoding: Encoding,
+) -> Result<Vec<Vec<Pair>>, EvalError> {
+    let tokenizer = encoding.tokenizer;
     if let Output::Generate(g) = spec.output {
-        // A prompt to continue, cut from the left to leave room for the generation (as the harness).
-        let room = max_len.saturating_sub(g.max_gen_toks).max(1);
-        let pairs = requests
+        let room = encoding.max_len.saturating_sub(g.max_gen_toks).max(1);
+        return requests
             .iter()
             .map(|item| {
                 let ids = tokenizer.encode_prompt(&item[0].0)?;
-                let context = ids[ids.len().saturating_sub(room)..].to_vec();
-                Ok(vec![Pair { context, continuation: Vec::new() }])
+                Ok(vec![Pair { context: ids[ids.len().saturating_sub(room)..].to_vec(), continuation: Vec::new() }])
             })
-            .collect::<Result<Vec<Vec<Pair>>, EvalError>>()?;
-        return Ok(Prepared { spec: spec.clone(), docs, original, num_fewshot, requests, pairs });
+            .collect();
     }
-    let pairs = requests
-        .iter()
-        .map(|item: &Vec<(String, String)>| item.iter().map(|(c, x)| encode_pair(tokenizer, prefix, c, x)).collect())
-        .collect::<Result<Vec<Vec<Pair>>, EvalError>>()?;
-    Ok(Prepared { spec: spec.clone(), docs, original, num_fewshot, requests, pairs })
+    let prefix = tokenizer.bos_id().or_else(|| tokenizer.eos_id());
+    requests.iter().map(|item| item.iter().map(|(c, x)| encode_pair(tokenizer, prefix, c, x)).collect()).collect()
 }
 
 /// The harness's `_encode_pair`: the context's trailing whitespace moved to the continuation, the

@@ -145,12 +145,13 @@ impl<'a> FewShot<'a> {
         Self { spec, pool, same_split, rng: PyRandom::new(seed) }
     }
 
-    /// The description and `n` exemplars before `doc` (the generator advances as the harness's does,
-    /// item after item in order).
-    pub fn context(&mut self, doc: &Doc, n: usize) -> String {
-        let mut text = (self.spec.description)(doc.group.as_deref());
+    /// The description and the `n` exemplars before `doc` (the generator advances as the
+    /// harness's does, item after item in order).
+    pub fn context(&mut self, doc: &Doc, n: usize) -> (String, String) {
+        let description = (self.spec.description)(doc.group.as_deref());
+        let mut text = String::new();
         if n == 0 {
-            return text;
+            return (description, text);
         }
         let pool: Vec<&Doc> = match &doc.group {
             Some(g) => self.pool.iter().filter(|d| d.group.as_ref() == Some(g)).collect(),
@@ -173,18 +174,16 @@ impl<'a> FewShot<'a> {
                 text.push_str(self.spec.fewshot_delimiter);
             }
         }
-        text
+        (description, text)
     }
 }
 
-/// The folder of the evaluation sets: `--eval-dir`, else `EMBER_EVAL_DIR`.
-pub fn eval_dir(flag: Option<&Path>) -> Result<PathBuf, EvalError> {
-    let dir = match flag {
+/// The folder of the evaluation sets: the one given (`--eval-dir`, `[eval] dir`), else the
+/// binary's default (`$EMBER_EVAL_DIR`), checked to be a folder.
+pub fn eval_dir(given: Option<&Path>, default: Option<&Path>) -> Result<PathBuf, EvalError> {
+    let dir = match given.or(default) {
         Some(d) => d.to_path_buf(),
-        None => match std::env::var_os("EMBER_EVAL_DIR").filter(|d| !d.is_empty()) {
-            Some(d) => PathBuf::from(d),
-            None => return Err(EvalError::NoEvalDir),
-        },
+        None => return Err(EvalError::NoEvalDir),
     };
     if !dir.is_dir() {
         return Err(EvalError::Io {

@@ -195,6 +195,7 @@ fn options(args: &TrainArgs, device: DeviceSpec, collective: Arc<dyn Collective>
         stop_at: args.max_steps,
         show_progress: !args.no_progress && std::io::stderr().is_terminal(),
         locations: crate::env::locations(),
+        eval_dir: crate::env::eval_dir(),
         device_name: crate::backend::gpu_name(device),
         peak_tflops: args.peak_tflops,
         memory: Some(crate::backend::memory_probe(device)),

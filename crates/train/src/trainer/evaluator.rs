@@ -64,20 +64,19 @@ impl EvaluatorConfig {
 
     /// `[eval]`'s tasks read and tokenized once, for every evaluation of the run (none without
     /// `[eval]`).
-    pub(super) fn tasks(config: &TrainConfig, setup: &Setup) -> Result<Vec<ember_eval::Prepared>, TrainError> {
+    pub(super) fn tasks(
+        config: &TrainConfig,
+        setup: &Setup,
+        default_dir: Option<&std::path::Path>,
+    ) -> Result<Vec<ember_eval::Prepared>, TrainError> {
         let Some(eval) = &config.eval else { return Ok(Vec::new()) };
-        let dir = ember_eval::eval_dir(eval.dir.as_deref())?;
+        let dir = ember_eval::eval_dir(eval.dir.as_deref(), default_dir)?;
         let options = Self::of(config).tasks;
         let mut prepared = Vec::new();
         for (spec, limit) in ember_eval::tasks::select(&eval.tasks.join(","))? {
-            prepared.push(ember_eval::prepare(
-                &spec,
-                &dir,
-                limit,
-                &options,
-                &setup.tokenizer,
-                config.model.max_seq_len,
-            )?);
+            let encoding =
+                ember_eval::Encoding { tokenizer: &setup.tokenizer, max_len: config.model.max_seq_len, chat: None };
+            prepared.push(ember_eval::prepare(&spec, &dir, limit, &options, encoding)?);
         }
         Ok(prepared)
     }

@@ -60,6 +60,8 @@ pub struct TrainOptions {
     pub stop_at: Option<usize>,
     pub show_progress: bool,
     pub locations: Locations,
+    /// The folder of `[eval]`'s benchmark sets when the config names none (`$EMBER_EVAL_DIR`).
+    pub eval_dir: Option<PathBuf>,
     /// The GPU's name (as `nvidia-smi` prints it), to find its peak in the table.
     pub device_name: Option<String>,
     /// Peak TFLOP/s for MFU, instead of the table or a measurement.
@@ -224,7 +226,7 @@ pub fn train<B: TrainBackend>(
     let peak = device_peak::<B>(opts, device, peak_gemms(&compute));
     log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
-    let tasks = EvaluatorConfig::tasks(config, &setup)?;
+    let tasks = EvaluatorConfig::tasks(config, &setup, opts.eval_dir.as_deref())?;
     let evaluator = EvaluatorConfig::of(config).build(&setup, c, reference.as_ref(), &tasks);
     let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
     if state.step >= stop {

@@ -293,6 +293,7 @@ fn a_fresh_run_whose_optimizer_cannot_be_built_reports_the_optimizer() {
             data_dir: None,
             cache_dir: dir.path().join("cache"),
         },
+        eval_dir: None,
         device_name: None,
         peak_tflops: Some(1.0),
         memory: None,

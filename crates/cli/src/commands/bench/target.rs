@@ -206,6 +206,7 @@ fn one_run(a: &TargetBenchArgs, i: u64, root: &Path) -> anyhow::Result<TargetRun
         stop_at: None,
         show_progress: false,
         locations: crate::env::locations(),
+        eval_dir: crate::env::eval_dir(),
         device_name: crate::backend::gpu_name(device),
         peak_tflops: None,
         memory: Some(crate::backend::memory_probe(device)),

@@ -48,6 +48,11 @@ pub struct EvalArgs {
     /// Seed of the few-shot draws (the harness's default is 1234).
     #[arg(long, default_value_t = 1234)]
     seed: u64,
+    /// Wrap each prompt in the model's chat template (lm-evaluation-harness's
+    /// `--apply_chat_template`): the task's description as a system turn, exemplars and question
+    /// as one user turn, the assistant's turn opened; choices follow with no delimiter.
+    #[arg(long, requires = "tasks")]
+    chat: bool,
     /// Write a JSON line per item (requests, log-likelihoods, prediction, gold) to this file.
     #[arg(long)]
     samples: Option<PathBuf>,
@@ -127,6 +132,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             options,
             samples: args.samples.as_ref(),
             json: args.json,
+            chat: args.chat,
             device: args.device,
         });
     }
@@ -135,6 +141,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         ("--limit", args.limit.is_some()),
         ("--samples", args.samples.is_some()),
         ("--eval-dir", args.eval_dir.is_some()),
+        ("--chat", args.chat),
     ] {
         anyhow::ensure!(!given, "{flag} is a flag of `--tasks`; `--data` scores perplexity or completion loss");
     }

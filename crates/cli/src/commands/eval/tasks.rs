@@ -38,6 +38,15 @@ impl Source {
         }
     }
 
+    /// The chat template of the model's tokenizer folder, if it has one.
+    pub fn chat_template(&self) -> anyhow::Result<Option<ember_data::finetune::ChatTemplate>> {
+        let dir = match self {
+            Self::Run(c) => c.dir.clone(),
+            Self::Init(init) => init.tokenizer_dir()?,
+        };
+        Ok(ember_data::finetune::ChatTemplate::from_dir(&dir)?)
+    }
+
     pub fn tokenizer(&self) -> anyhow::Result<Tokenizer> {
         match self {
             Self::Run(c) => Ok(c.tokenizer.clone()),
@@ -63,6 +72,7 @@ pub struct TasksArgs<'a> {
     pub options: Options,
     pub samples: Option<&'a PathBuf>,
     pub json: bool,
+    pub chat: bool,
     pub device: DeviceSpec,
 }
 
@@ -103,17 +113,29 @@ impl Job for TasksJob<'_> {
 }
 
 pub fn run(args: TasksArgs) -> anyhow::Result<()> {
-    let dir = ember_eval::eval_dir(args.eval_dir)?;
+    let dir = ember_eval::eval_dir(args.eval_dir, crate::env::eval_dir().as_deref())?;
     let selected = ember_eval::tasks::select(args.tasks)?;
     let source = Source::open(args.checkpoint)?;
     let tokenizer = source.tokenizer()?;
+    let template = match args.chat {
+        true => Some(source.chat_template()?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "--chat: {} has no chat template (chat_template.jinja or tokenizer_config.json)",
+                args.checkpoint
+            )
+        })?),
+        false => None,
+    };
+    let encoding =
+        ember_eval::Encoding { tokenizer: &tokenizer, max_len: source.max_seq_len(), chat: template.as_ref() };
     let mut prepared = Vec::with_capacity(selected.len());
     for (spec, limit) in &selected {
         let limit = limit.or(args.options.limit);
-        let task = prepare(spec, &dir, limit, &args.options, &tokenizer, source.max_seq_len())
+        let task = prepare(spec, &dir, limit, &args.options, encoding)
             .with_context(|| format!("preparing task {}", spec.name))?;
         prepared.push(task);
     }
+    drop(template);
     let job = TasksJob { source, tokenizer, prepared: &prepared, options: args.options.clone() };
     let results = ember_eval::run::with_groups(dispatch(args.device, false, job)?);
     if let Some(path) = args.samples {
