@@ -171,3 +171,37 @@ fn sequences_stop_on_their_own() {
     let free_run = generate_batch(&roomy, &near, &long, &mut [greedy()], |_, _| true).unwrap();
     assert_eq!(got[0][..4], free_run[0][..4]);
 }
+
+/// A prefix shared by several sequences (`KvCache::share_prefix`): each continues it as if it had
+/// computed it itself, the prefix's full blocks are held once, and a block goes back to the pool
+/// only when the last sequence holding it lets it go.
+#[test]
+fn shared_prefixes_continue_as_their_own_and_are_held_once() {
+    let model = Decoder::<B>::new(&config(2, RopeLayout::HalfSplit), 5, &Default::default()).unwrap();
+    let prefix: Vec<u32> = (0..11).map(|i| (i * 5 + 1) % 41).collect(); // 2 full blocks of 4, 3 more
+    let tails: [Vec<u32>; 3] = [vec![7, 8, 9], vec![3], vec![20, 21, 22, 23, 24, 25]];
+    let mut cache = model.new_cache(3, 4);
+    let _ = model.forward_cached_rows(tokens(&prefix), &[0], &[prefix.len()], &mut cache);
+    cache.share_prefix(0, 1);
+    cache.share_prefix(0, 2);
+    // 3 blocks of the prefix, of which the 2 full ones are shared; each of the others copied its
+    // partly filled third.
+    assert_eq!(cache.held_blocks(), 3 + 2);
+    for (row, tail) in tails.iter().enumerate() {
+        let hidden = model.forward_cached_rows(tokens(tail), &[row], &[tail.len()], &mut cache);
+        let cached = model.logits(hidden.reshape([tail.len(), model.config().d_model]));
+        let whole: Vec<u32> = prefix.iter().chain(tail).copied().collect();
+        let full = model.forward(tokens(&whole)).reshape([whole.len(), model.config().vocab_size]);
+        let full = full.slice([prefix.len()..whole.len()]);
+        assert!(max_abs_diff(cached, full) < 1e-4, "sequence {row}");
+    }
+    assert_eq!(cache.lens(), &[11 + 3, 11 + 1, 11 + 6]);
+    let held = cache.held_blocks();
+    cache.reset(0);
+    cache.reset(1);
+    // Sequence 2 still holds the shared blocks and its own.
+    assert_eq!(cache.held_blocks(), (11 + 6usize).div_ceil(4));
+    assert!(held > cache.held_blocks());
+    cache.reset(2);
+    assert_eq!(cache.held_blocks(), 0);
+}
