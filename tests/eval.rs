@@ -129,6 +129,8 @@ fn bad_task_lists_and_folders_are_named() {
     let out =
         s.ember(&["eval", "--checkpoint", &gguf, "--tasks", "arc_easy", "--num-fewshot", "999", "--eval-dir", dir]);
     assert_clean_error(&out, "--num-fewshot 999: the few-shot pool has only 570 items");
+    let out = s.ember(&["eval", "--checkpoint", &gguf, "--tasks", "piqa:0", "--eval-dir", dir]);
+    assert_clean_error(&out, "task piqa: nothing to score: a limit of 0 items");
     let out = s.ember(&["eval", "--checkpoint", &gguf, "--data", "x.txt", "--limit", "3"]);
     assert_clean_error(&out, "--limit is a flag of `--tasks`");
 }

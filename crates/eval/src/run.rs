@@ -86,6 +86,10 @@ pub fn prepare(
         });
     }
     let keep = limit.unwrap_or(usize::MAX).min(docs.len());
+    if keep == 0 {
+        let why = if docs.is_empty() { "its file has no items".to_string() } else { "a limit of 0 items".to_string() };
+        return Err(EvalError::Task { task: spec.name.clone(), message: format!("nothing to score: {why}") });
+    }
     let mut shots = FewShot::new(spec, pool_docs, same_split, options.seed);
     let mut requests = Vec::with_capacity(keep);
     for doc in &docs[..keep] {
