@@ -89,6 +89,36 @@ pub(crate) fn no_description(_: Option<&str>) -> String {
     String::new()
 }
 
+impl TaskSpec {
+    /// A task with the harness's defaults: exemplars drawn at random from the scored split itself,
+    /// `" "` before a target and `"\n\n"` after an exemplar, no description, `acc` against a coin
+    /// flip.
+    pub fn new(
+        name: impl Into<String>,
+        version: &'static str,
+        file: impl Into<String>,
+        output: Output,
+        parse: fn(&Value) -> Result<Doc, String>,
+    ) -> Self {
+        TaskSpec {
+            name: name.into(),
+            version,
+            file: file.into(),
+            fewshot_file: None,
+            fixed_shots: None,
+            default_fewshot: 0,
+            output,
+            target_delimiter: " ",
+            fewshot_delimiter: "\n\n",
+            sampler: Sampler::Random,
+            parse,
+            description: no_description,
+            random_baseline: 0.5,
+            primary: "acc",
+        }
+    }
+}
+
 /// Reads a task's items: JSON lines, gzip-compressed where the name ends in `.gz`.
 pub fn read_docs(path: &Path, parse: fn(&Value) -> Result<Doc, String>) -> Result<Vec<Doc>, EvalError> {
     let io = |e: std::io::Error| EvalError::Io { path: path.to_path_buf(), source: e };

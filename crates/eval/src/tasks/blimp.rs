@@ -1,7 +1,7 @@
 //! BLiMP: 67 paradigms of 1,000 minimal pairs; the model should find the grammatical sentence more
 //! likely (the harness's `blimp_<paradigm>`: no context, the two sentences as choices).
 
-use crate::task::{no_description, text, Doc, Output, Query, Sampler, TaskSpec};
+use crate::task::{text, Doc, Output, Query, TaskSpec};
 
 pub const PARADIGMS: [&str; 67] = [
     "adjunct_island",
@@ -74,30 +74,16 @@ pub const PARADIGMS: [&str; 67] = [
 ];
 
 pub(crate) fn paradigm(name: &str) -> TaskSpec {
-    TaskSpec {
-        name: format!("blimp_{name}"),
-        version: "2.0",
-        file: format!("blimp/{name}.jsonl.gz"),
-        fewshot_file: None,
-        fixed_shots: None,
-        default_fewshot: 0,
-        output: Output::MultipleChoice { norm: false },
-        target_delimiter: " ",
-        fewshot_delimiter: "\n\n",
-        sampler: Sampler::Random,
-        parse: |row| {
-            let good = text(row, "sentence_good")?.to_string();
-            let bad = text(row, "sentence_bad")?.to_string();
-            Ok(Doc {
-                query: Query::Shared(String::new()),
-                shot: (String::new(), good.clone()),
-                continuations: vec![good, bad],
-                gold: 0,
-                group: None,
-            })
-        },
-        description: no_description,
-        random_baseline: 0.5,
-        primary: "acc",
-    }
+    let output = Output::MultipleChoice { norm: false };
+    TaskSpec::new(format!("blimp_{name}"), "2.0", format!("blimp/{name}.jsonl.gz"), output, |row| {
+        let good = text(row, "sentence_good")?.to_string();
+        let bad = text(row, "sentence_bad")?.to_string();
+        Ok(Doc {
+            query: Query::Shared(String::new()),
+            shot: (String::new(), good.clone()),
+            continuations: vec![good, bad],
+            gold: 0,
+            group: None,
+        })
+    })
 }

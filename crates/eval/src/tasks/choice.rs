@@ -2,24 +2,14 @@
 
 use serde_json::Value;
 
-use crate::task::{index, no_description, text, texts, Doc, Output, Query, Sampler, TaskSpec};
+use crate::task::{index, text, texts, Doc, Output, Query, TaskSpec};
 
+/// A multiple-choice task with `acc_norm` as the harness's ARC, HellaSwag, PIQA and OpenBookQA.
 fn spec(name: &str, version: &'static str, file: &str, parse: fn(&Value) -> Result<Doc, String>) -> TaskSpec {
     TaskSpec {
-        name: name.to_string(),
-        version,
-        file: file.to_string(),
-        fewshot_file: None,
-        fixed_shots: None,
-        default_fewshot: 0,
-        output: Output::MultipleChoice { norm: true },
-        target_delimiter: " ",
-        fewshot_delimiter: "\n\n",
-        sampler: Sampler::Random,
-        parse,
-        description: no_description,
         random_baseline: 0.25,
         primary: "acc_norm",
+        ..TaskSpec::new(name, version, file, Output::MultipleChoice { norm: true }, parse)
     }
 }
 

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use crate::generate::{Filter, Generation};
-use crate::task::{no_description, text, texts, Doc, Output, Query, Sampler, TaskSpec};
+use crate::task::{text, texts, Doc, Output, Query, Sampler, TaskSpec};
 
 const NUMBER: &str = r"(-?[$0-9.,]{2,})|(-?[0-9]+)";
 const GSM8K_IGNORE: &[&str] = &[",", r"\$", r"(?s).*#### ", r"\.$"];
@@ -50,20 +50,9 @@ fn generation(
     parse: fn(&Value) -> Result<Doc, String>,
 ) -> TaskSpec {
     TaskSpec {
-        name: name.into(),
-        version,
-        file: file.into(),
-        fewshot_file: None,
-        fixed_shots: None,
-        default_fewshot: 0,
-        output: Output::Generate(output),
-        target_delimiter: " ",
-        fewshot_delimiter: "\n\n",
-        sampler: Sampler::Random,
-        parse,
-        description: no_description,
         random_baseline: 0.0,
         primary: "exact_match_flexible",
+        ..TaskSpec::new(name, version, file, Output::Generate(output), parse)
     }
 }
 

@@ -29,19 +29,10 @@ fn description(subject: Option<&str>) -> String {
 
 pub(crate) fn mmlu() -> TaskSpec {
     TaskSpec {
-        name: "mmlu".into(),
-        version: "1.0",
-        file: "mmlu/mmlu_test.jsonl".into(),
         fewshot_file: Some("mmlu/mmlu_dev.jsonl".into()),
-        fixed_shots: None,
-        default_fewshot: 0,
-        output: Output::MultipleChoice { norm: false },
-        target_delimiter: " ",
-        fewshot_delimiter: "\n\n",
         sampler: Sampler::FirstN,
-        parse,
         description,
         random_baseline: 0.25,
-        primary: "acc",
+        ..TaskSpec::new("mmlu", "1.0", "mmlu/mmlu_test.jsonl", Output::MultipleChoice { norm: false }, parse)
     }
 }
