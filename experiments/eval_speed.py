@@ -1,6 +1,6 @@
 """HellaSwag items/s: lm-evaluation-harness (transformers, float32) beside `ember eval --tasks`, on
-the same CPU and threads, alternating. The harness reads the local file through a task YAML that
-includes its own hellaswag.yaml (see tests/fixtures/eval/make_reference.py).
+the same CPU and threads, alternating. The harness reads the local file through its own
+hellaswag.yaml (tests/fixtures/eval/make_reference.py sets it up).
 
     python experiments/eval_speed.py --ember target/release/ember --evals ../shared/evals \
         --gguf ../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf --items 200 --rounds 2
@@ -24,24 +24,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-sizes", default="1,16")
     a = ap.parse_args()
+    import importlib.util
     import lm_eval
     from lm_eval.tasks import TaskManager
-    work = tempfile.mkdtemp(prefix="ember-speed-")
-    run, hf = os.path.join(work, "run"), os.path.join(work, "hf")
-    subprocess.run([a.ember, "import", a.gguf, "--out", run], check=True, capture_output=True)
-    subprocess.run([a.ember, "export", run, "--format", "hf", "--out", hf], check=True, capture_output=True)
-    cfg_path = os.path.join(hf, "config.json")
-    cfg = json.load(open(cfg_path))
-    for k, v in cfg.get("rope_parameters", {}).items():
-        cfg.setdefault(k, v)
-    json.dump(cfg, open(cfg_path, "w"))
-    harness = os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "hellaswag", "hellaswag.yaml")
-    yamls = os.path.join(work, "tasks")
-    os.makedirs(yamls)
-    with open(os.path.join(yamls, "ember_hellaswag.yaml"), "w") as f:
-        f.write(f"task: ember_hellaswag\ninclude: {harness}\ndataset_path: json\ndataset_name: null\n"
-                f"dataset_kwargs:\n  data_files:\n    validation: {os.path.abspath(a.evals)}/hellaswag/hellaswag_val.jsonl\n"
-                "training_split: null\ntag: []\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("mr", os.path.join(here, "../tests/fixtures/eval/make_reference.py"))
+    mr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mr)
+    hf, yamls = mr.harness_setup(a.ember, a.evals, a.gguf, tempfile.mkdtemp(prefix="ember-speed-"))
     manager = TaskManager(include_path=yamls)
     rows = []
     for r in range(a.rounds):

@@ -253,8 +253,13 @@ fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
             ),
         )
     };
-    let one = config("one.toml", 2, 2, "");
-    let two = config("two.toml", 2, 1, "");
+    // Benchmark tasks at each evaluation: rank 0 scores them while the other waits.
+    let tasks = format!(
+        "[eval]\ntasks = [\"arc_easy:4\", \"piqa:3\"]\ndir = \"{}\"\n",
+        common::assets().join("evals").display()
+    );
+    let one = config("one.toml", 2, 2, &tasks);
+    let two = config("two.toml", 2, 1, &tasks);
     let zero = config("zero.toml", 2, 1, "[distributed]\nshard_optimizer = true\n");
     // One process, one micro-batch of 4: the examples are read in epochs, so a step's rows are the
     // same however they are split (2 ranks x 2, 1 x 2 x 2, 1 x 4).
@@ -272,6 +277,14 @@ fn a_lora_fine_tune_on_two_ranks_weights_tokens_globally() {
             .collect()
     };
     assert_eq!(val("single").len(), 3, "step 0 and two evaluations");
+    let tasks = |run: &str| -> Vec<(String, f64)> {
+        let text = std::fs::read_to_string(s.path().join(run).join("metrics.jsonl")).unwrap();
+        let records = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+        let named = records.flat_map(|r| r.as_object().unwrap().clone().into_iter());
+        named.filter(|(k, _)| k.starts_with("eval/")).map(|(k, v)| (k, v.as_f64().unwrap())).collect()
+    };
+    assert_eq!(tasks("single").len(), 2 * 5, "two evaluations of arc_easy and piqa (acc, acc_norm) and core");
+    assert_eq!(tasks("single"), tasks("dp"), "the tasks' metrics on one process and on two ranks");
     for run in ["dp", "zero", "wide"] {
         assert_same_losses(&single, &losses(&s, run), run);
         for (a, b) in val("single").iter().zip(val(run)) {

@@ -38,6 +38,8 @@ pub(super) struct EvaluatorConfig {
     preference: Option<PreferenceConfig>,
     /// `[eval]`: the benchmark tasks' options.
     tasks: ember_eval::Options,
+    /// `[distributed]`'s deadlines of a step and of slow work (the tasks run on rank 0 alone).
+    timeouts: (std::time::Duration, std::time::Duration),
 }
 
 impl EvaluatorConfig {
@@ -59,6 +61,7 @@ impl EvaluatorConfig {
                 seed: config.eval.as_ref().map_or(1234, |e| e.seed),
                 ..ember_eval::Options::default()
             },
+            timeouts: (config.distributed.timeout(), config.distributed.io_timeout()),
         }
     }
 
@@ -254,6 +257,7 @@ impl Evaluator<'_> {
         if let Some(m) = pairs.and_then(|p| p.metrics()) {
             record.named.extend(m.named("val_"));
         }
+        self.score_tasks(model, record, rec)?;
         if self.collective.rank() != 0 {
             return Ok(vl);
         }
@@ -264,7 +268,6 @@ impl Evaluator<'_> {
             .get("val_rewards/accuracies")
             .map_or(String::new(), |a| format!(", held-out reward accuracy {a:.3}"));
         rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{accuracy}{memory}"));
-        self.score_tasks(model, record, rec)?;
         let tokens = c.sample.sample_tokens;
         if let Some((prompt, ids)) = self.sample_prompt().filter(|_| tokens > 0) {
             if let Some(text) = sample_text(model, &self.setup.tokenizer, ids, tokens, c.seed ^ step as u64) {
@@ -276,8 +279,9 @@ impl Evaluator<'_> {
 }
 
 impl Evaluator<'_> {
-    /// `[eval]`'s tasks on the model (rank 0), as `eval/<task>/<metric>` in `record` and the log,
-    /// with `eval/core`, the CORE-style aggregate.
+    /// `[eval]`'s tasks on the model, as `eval/<task>/<metric>` in `record` and the log, with
+    /// `eval/core`, the CORE-style aggregate. Rank 0 scores them while the other ranks wait for it
+    /// under the longer deadline (`distributed.io_timeout_s`), as for a checkpoint.
     fn score_tasks<IB: ember_kernels::EmberBackend>(
         &self,
         model: &Decoder<IB>,
@@ -287,6 +291,22 @@ impl Evaluator<'_> {
         if self.tasks.is_empty() {
             return Ok(());
         }
+        let c = self.collective;
+        c.set_timeout(self.config.timeouts.1);
+        if c.rank() == 0 {
+            self.score_tasks_here(model, record, rec)?;
+        }
+        c.arrive(record.step as u64, &format!("step {}: benchmark tasks", record.step))?;
+        c.set_timeout(self.config.timeouts.0);
+        Ok(())
+    }
+
+    fn score_tasks_here<IB: ember_kernels::EmberBackend>(
+        &self,
+        model: &Decoder<IB>,
+        record: &mut StepRecord,
+        rec: &mut Recorder,
+    ) -> Result<(), TrainError> {
         let mut results = Vec::with_capacity(self.tasks.len());
         for task in self.tasks {
             results.push(ember_eval::evaluate(model, &self.setup.tokenizer, task, &self.config.tasks, |_| {})?);
