@@ -27,7 +27,7 @@ fn evals() -> PathBuf {
 #[test]
 fn log_likelihoods_equal_the_harness_on_smollm2() {
     let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
-    let compared = parity(&fixture("harness_smollm2.json"), &gguf);
+    let compared = parity(&fixture("harness_smollm2.json"), &gguf, &[]);
     assert!(compared > 500, "only {compared} log-likelihoods compared");
 }
 
@@ -35,13 +35,23 @@ fn log_likelihoods_equal_the_harness_on_smollm2() {
 #[test]
 fn log_likelihoods_equal_the_harness_on_gemma3() {
     let gguf = format!("gguf:{}", gemma3_file::gemma3_gguf().display());
-    let compared = parity(&fixture("harness_gemma3.json"), &gguf);
+    let compared = parity(&fixture("harness_gemma3.json"), &gguf, &[]);
     assert!(compared > 200, "only {compared} log-likelihoods compared");
 }
 
-/// Runs `ember eval` on `model` for every run of `fixture` and compares requests, log-likelihoods,
-/// greedy flags and metrics; the number of log-likelihoods compared.
-fn parity(fixture: &Value, model: &str) -> usize {
+/// `--chat` as the harness's `--apply_chat_template`: SmolLM2's template (its default system turn,
+/// or MMLU's description as the system turn), exemplars and question in one user turn, the choices
+/// right after the assistant's turn opens.
+#[test]
+fn chat_prompts_equal_the_harness_apply_chat_template() {
+    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
+    let compared = parity(&fixture("harness_smollm2_chat.json"), &gguf, &["--chat"]);
+    assert!(compared >= 6 * 4 + 4 * 4 + 4 * 4, "only {compared} log-likelihoods compared");
+}
+
+/// Runs `ember eval` on `model` (with `extra` flags) for every run of `fixture` and compares
+/// requests, log-likelihoods, greedy flags and metrics; the number of log-likelihoods compared.
+fn parity(fixture: &Value, model: &str, extra: &[&str]) -> usize {
     let runs = fixture["runs"].as_array().expect("runs");
     // One ember call per (shots, limit): its tasks together.
     let mut calls: BTreeMap<(u64, u64), Vec<&Value>> = BTreeMap::new();
@@ -55,22 +65,28 @@ fn parity(fixture: &Value, model: &str) -> usize {
     for ((shots, limit), runs) in calls {
         let tasks: Vec<&str> = runs.iter().map(|r| r["task"].as_str().unwrap()).collect();
         let (shots, limit) = (shots.to_string(), limit.to_string());
-        let out = s.ember(&[
-            "eval",
-            "--checkpoint",
-            model,
-            "--tasks",
-            &tasks.join(","),
-            "--limit",
-            &limit,
-            "--num-fewshot",
-            &shots,
-            "--eval-dir",
-            evals.to_str().unwrap(),
-            "--samples",
-            "samples.jsonl",
-            "--json",
-        ]);
+        let out = s.ember(
+            &[
+                "eval",
+                "--checkpoint",
+                model,
+                "--tasks",
+                &tasks.join(","),
+                "--limit",
+                &limit,
+                "--num-fewshot",
+                &shots,
+                "--eval-dir",
+                evals.to_str().unwrap(),
+                "--samples",
+                "samples.jsonl",
+                "--json",
+            ]
+            .iter()
+            .chain(extra)
+            .copied()
+            .collect::<Vec<&str>>(),
+        );
         assert!(out.status.success(), "ember eval failed: {}", stderr(&out));
         let report: Value = serde_json::from_slice(&out.stdout).expect("--json prints JSON");
         let text = std::fs::read_to_string(s.path().join("samples.jsonl")).expect("--samples file");
