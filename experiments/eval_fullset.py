@@ -9,7 +9,6 @@ the local files).
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,9 +25,8 @@ def main():
     ap.add_argument("--name", default="smollm2")
     a = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location("mr", os.path.join(here, "../tests/fixtures/eval/make_reference.py"))
-    mr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mr)
+    sys.path.insert(0, os.path.join(here, "../tests/fixtures/eval"))
+    import make_reference as mr
     import lm_eval
     from lm_eval.tasks import TaskManager
     import tempfile

@@ -24,13 +24,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-sizes", default="1,16")
     a = ap.parse_args()
-    import importlib.util
     import lm_eval
     from lm_eval.tasks import TaskManager
     here = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location("mr", os.path.join(here, "../tests/fixtures/eval/make_reference.py"))
-    mr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mr)
+    sys.path.insert(0, os.path.join(here, "../tests/fixtures/eval"))
+    import make_reference as mr
     hf, yamls = mr.harness_setup(a.ember, a.evals, a.gguf, tempfile.mkdtemp(prefix="ember-speed-"))
     manager = TaskManager(include_path=yamls)
     rows = []

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::error::EvalError;
 use crate::generate::generate;
-use crate::metrics::{centred, mean, task_metrics, Estimate, Generated, ItemScore};
+use crate::metrics::{centred, task_metrics, Estimate, Generated, ItemScore};
 use crate::score::{score, Budget, Pair};
 use crate::task::{read_docs, Doc, FewShot, Output, Query, TaskSpec};
 
@@ -20,8 +20,6 @@ use crate::task::{read_docs, Doc, FewShot, Output, Query, TaskSpec};
 pub struct Options {
     /// Exemplars before each item (`None`: the task's default, 0 for every task here).
     pub num_fewshot: Option<usize>,
-    /// Items of each task, its first ones (a task's own `:N` wins).
-    pub limit: Option<usize>,
     /// Seed of the few-shot draws (the harness's `fewshot_random_seed`, 1234 by default).
     pub seed: u64,
     /// Tokens per forward call (rows × padded length).
@@ -32,7 +30,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { num_fewshot: None, limit: None, seed: 1234, batch_tokens: 4096, generate_batch: 8 }
+        Self { num_fewshot: None, seed: 1234, batch_tokens: 4096, generate_batch: 8 }
     }
 }
 
@@ -288,14 +286,13 @@ pub fn with_groups(mut results: Vec<TaskResult>) -> Vec<TaskResult> {
     let blimp: Vec<&TaskResult> = results.iter().filter(|r| r.name.starts_with("blimp_")).collect();
     if blimp.len() > 1 {
         let items: Vec<ItemScore> = blimp.iter().flat_map(|r| r.items.iter().cloned()).collect();
-        let acc: Vec<f64> = items.iter().map(|i| f64::from(u8::from(i.prediction() == i.gold))).collect();
         let group = TaskResult {
             name: "blimp".into(),
             version: "2.0",
             original: blimp.iter().map(|r| r.original).sum(),
             effective: items.len(),
             num_fewshot: blimp[0].num_fewshot,
-            metrics: vec![("acc", mean(&acc))],
+            metrics: task_metrics(Output::MultipleChoice { norm: false }, &items),
             primary: "acc",
             random_baseline: 0.5,
             items: Vec::new(),

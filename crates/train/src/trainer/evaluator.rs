@@ -56,11 +56,7 @@ impl EvaluatorConfig {
             vocab_size: config.model.vocab_size,
             sample: config.metrics.clone(),
             preference: config.preference.clone(),
-            tasks: ember_eval::Options {
-                num_fewshot: config.eval.as_ref().and_then(|e| e.num_fewshot),
-                seed: config.eval.as_ref().map_or(1234, |e| e.seed),
-                ..ember_eval::Options::default()
-            },
+            tasks: task_options(config),
             timeouts: (config.distributed.timeout(), config.distributed.io_timeout()),
         }
     }
@@ -74,14 +70,12 @@ impl EvaluatorConfig {
     ) -> Result<Vec<ember_eval::Prepared>, TrainError> {
         let Some(eval) = &config.eval else { return Ok(Vec::new()) };
         let dir = ember_eval::eval_dir(eval.dir.as_deref(), default_dir)?;
-        let options = Self::of(config).tasks;
-        let mut prepared = Vec::new();
-        for (spec, limit) in ember_eval::tasks::select(&eval.tasks.join(","))? {
-            let encoding =
-                ember_eval::Encoding { tokenizer: &setup.tokenizer, max_len: config.model.max_seq_len, chat: None };
-            prepared.push(ember_eval::prepare(&spec, &dir, limit, &options, encoding)?);
-        }
-        Ok(prepared)
+        let options = task_options(config);
+        let encoding =
+            ember_eval::Encoding { tokenizer: &setup.tokenizer, max_len: config.model.max_seq_len, chat: None };
+        let selected = ember_eval::tasks::select(&eval.tasks.join(","))?;
+        let prepared = selected.iter().map(|(spec, limit)| ember_eval::prepare(spec, &dir, *limit, &options, encoding));
+        Ok(prepared.collect::<Result<_, _>>()?)
     }
 
     /// The evaluator of `setup`'s splits and tokenizer, its batches shared out over the ranks of
@@ -275,6 +269,15 @@ impl Evaluator<'_> {
             }
         }
         Ok(vl)
+    }
+}
+
+/// `[eval]`'s few-shot settings over the library's defaults.
+fn task_options(config: &TrainConfig) -> ember_eval::Options {
+    let defaults = ember_eval::Options::default();
+    match &config.eval {
+        Some(e) => ember_eval::Options { num_fewshot: e.num_fewshot, seed: e.seed, ..defaults },
+        None => defaults,
     }
 }
 

@@ -120,7 +120,6 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         anyhow::ensure!(args.batch_tokens >= 1, "--batch-tokens must be at least 1");
         let options = ember_eval::Options {
             num_fewshot: args.num_fewshot,
-            limit: args.limit,
             seed: args.seed,
             batch_tokens: args.batch_tokens,
             generate_batch: args.generate_batch,
@@ -129,6 +128,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             checkpoint: &args.checkpoint,
             tasks: list,
             eval_dir: args.eval_dir.as_deref(),
+            limit: args.limit,
             options,
             samples: args.samples.as_ref(),
             json: args.json,

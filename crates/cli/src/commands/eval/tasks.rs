@@ -69,6 +69,8 @@ pub struct TasksArgs<'a> {
     pub checkpoint: &'a str,
     pub tasks: &'a str,
     pub eval_dir: Option<&'a Path>,
+    /// Items of each task, its first ones (a task's own `:N` wins).
+    pub limit: Option<usize>,
     pub options: Options,
     pub samples: Option<&'a PathBuf>,
     pub json: bool,
@@ -130,12 +132,11 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
         ember_eval::Encoding { tokenizer: &tokenizer, max_len: source.max_seq_len(), chat: template.as_ref() };
     let mut prepared = Vec::with_capacity(selected.len());
     for (spec, limit) in &selected {
-        let limit = limit.or(args.options.limit);
+        let limit = limit.or(args.limit);
         let task = prepare(spec, &dir, limit, &args.options, encoding)
             .with_context(|| format!("preparing task {}", spec.name))?;
         prepared.push(task);
     }
-    drop(template);
     let job = TasksJob { source, tokenizer, prepared: &prepared, options: args.options.clone() };
     let results = ember_eval::run::with_groups(dispatch(args.device, false, job)?);
     if let Some(path) = args.samples {
@@ -151,7 +152,7 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
     let config = serde_json::json!({
         "model": args.checkpoint,
         "num_fewshot": args.options.num_fewshot,
-        "limit": args.options.limit,
+        "limit": args.limit,
         "fewshot_seed": args.options.seed,
     });
     if args.json {
