@@ -18,10 +18,12 @@ with torch (run this script with it). Data: $EMBER_DATA_DIR as for `ember train`
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rounds import summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,12 +65,8 @@ def main():
             print(f"round {r + 1}: ember {e['step_ms']:.1f} ms/step ({e['tokens_per_sec']:.0f} tok/s), "
                   f"torch {t['step_ms']:.1f} ms/step ({t['tokens_per_sec']:.0f} tok/s), "
                   f"ratio {e['tokens_per_sec'] / t['tokens_per_sec']:.3f}", flush=True)
-    med = lambda key: statistics.median(x[key] for x in rounds)
-    ratios = [x["ember_tokens_per_sec"] / x["torch_tokens_per_sec"] for x in rounds]
-    summary = {"config": args.config, "threads": args.threads, "cpus": cpus, "rounds": rounds,
-               "ember_precision": args.precision, "torch_precision": args.torch_precision or args.precision,
-               "ember_tokens_per_sec": med("ember_tokens_per_sec"), "torch_tokens_per_sec": med("torch_tokens_per_sec"),
-               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    summary = summarize(rounds, config=args.config, threads=args.threads, cpus=cpus, ember_precision=args.precision,
+                        torch_precision=args.torch_precision or args.precision)
     if args.json:
         print(json.dumps(summary))
     else:

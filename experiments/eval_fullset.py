@@ -8,7 +8,6 @@ the local files).
         --tasks arc_challenge,openbookqa,winogrande,piqa,commonsense_qa
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -16,17 +15,16 @@ import sys
 import time
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../tests/fixtures/eval"))
+import make_reference as mr  # noqa: E402
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ember", required=True)
-    ap.add_argument("--evals", required=True)
-    ap.add_argument("--gguf", required=True)
+    ap = mr.setup_args()
     ap.add_argument("--tasks", required=True)
     ap.add_argument("--name", default="smollm2")
     a = ap.parse_args()
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(here, "../tests/fixtures/eval"))
-    import make_reference as mr
     import lm_eval
     from lm_eval.tasks import TaskManager
     import tempfile
@@ -48,7 +46,7 @@ def main():
         out[task] = {"harness": harness, "ember": ember, "harness_s": harness_s, "ember_s": ember_s,
                      "items": json.loads(got.stdout)["n-samples"][task]["effective"]}
         print(task, out[task], file=sys.stderr)
-        with open(os.path.join(here, f"eval/fullset_{a.name}.json"), "w") as f:
+        with open(os.path.join(HERE, f"eval/fullset_{a.name}.json"), "w") as f:
             json.dump(out, f, indent=1)
     print("| task | items | metric | harness | ember | difference (points) | harness s | ember s |")
     print("|---|---|---|---|---|---|---|---|")

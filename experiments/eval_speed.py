@@ -6,7 +6,6 @@ hellaswag.yaml (tests/fixtures/eval/make_reference.py sets it up).
         --gguf ../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf --items 200 --rounds 2
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -15,20 +14,19 @@ import tempfile
 import time
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "../tests/fixtures/eval"))
+import make_reference as mr  # noqa: E402
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ember", required=True)
-    ap.add_argument("--evals", required=True)
-    ap.add_argument("--gguf", required=True)
+    ap = mr.setup_args()
     ap.add_argument("--items", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-sizes", default="1,16")
     a = ap.parse_args()
     import lm_eval
     from lm_eval.tasks import TaskManager
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(here, "../tests/fixtures/eval"))
-    import make_reference as mr
     hf, yamls = mr.harness_setup(a.ember, a.evals, a.gguf, tempfile.mkdtemp(prefix="ember-speed-"))
     manager = TaskManager(include_path=yamls)
     rows = []

@@ -10,6 +10,7 @@
 # a Python with torch, transformers and gguf ($PY, default /root/venv-ref/bin/python). Writes into $OUT
 # (default /tmp/ember-gguf). About 10 minutes on 2 cores, most of it training and transformers.
 set -euo pipefail
+. "$(dirname "$0")/lora.sh"
 EMBER=${EMBER:-target/release/ember}
 PY=${PY:-/root/venv-ref/bin/python}
 OUT=${OUT:-/tmp/ember-gguf}
@@ -65,10 +66,7 @@ grad_clip = 1.0
 lr = 1.5e-3
 min_lr = 1.5e-4
 warmup_steps = 3
-[lora]
-rank = 16
-alpha = 32.0
-targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+$(lora_section 16 32.0)
 [metrics]
 sample_tokens = 0
 TOML

@@ -30,6 +30,9 @@ import time
 import tomllib
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rounds import summarize  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "bench-cpu-moe.toml"
 
@@ -170,11 +173,7 @@ def main():
             print(f"round {r + 1}: ember {e['step_ms']:.0f} ms/step ({e['tokens_per_sec']:.0f} tok/s), "
                   f"transformers {t['step_ms']:.0f} ms/step ({t['tokens_per_sec']:.0f} tok/s), "
                   f"ratio {e['tokens_per_sec'] / t['tokens_per_sec']:.3f}", flush=True)
-    ratios = [x["ember_tokens_per_sec"] / x["torch_tokens_per_sec"] for x in rounds]
-    med = lambda key: statistics.median(x[key] for x in rounds)
-    summary = {"config": args.config, "threads": args.threads, "cpus": cpus, "rounds": rounds,
-               "ember_tokens_per_sec": med("ember_tokens_per_sec"), "torch_tokens_per_sec": med("torch_tokens_per_sec"),
-               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    summary = summarize(rounds, config=args.config, threads=args.threads, cpus=cpus)
     if args.json:
         print(json.dumps(summary))
     else:

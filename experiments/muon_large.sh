@@ -16,14 +16,8 @@ sed -e "s/^max_steps = .*/max_steps = $steps/; s/^decay_steps = .*/decay_steps =
     configs/bench-cpu-large.toml > "$out/adamw.toml"
 { cat "$out/adamw.toml"; printf '\n[muon]\nlr = 0.02\n'; } > "$out/muon.toml"
 names="adamw muon"
-for seed in ${SEEDS:-1337 1338 1339}; do
-  for name in $names; do
-    sed -i "s/^seed = .*/seed = $seed/" "$out/$name.toml"
-    rm -rf "$out/run-$name-$seed"
-    "$ember" train --config "$out/$name.toml" --run-dir "$out/run-$name-$seed" --no-progress > "$out/$name-$seed.log" 2>&1
-    echo "$name $seed done"
-  done
-done
+. "$(dirname "$0")/seeds.sh"
+train_seeds "$out" $names
 python3 - "$out" "$steps" $names <<'PY'
 import json, statistics, sys, os
 out, steps, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]

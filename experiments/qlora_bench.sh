@@ -10,6 +10,7 @@
 #
 # Results (and the CPU) in experiments/qlora.md.
 set -euo pipefail
+. "$(dirname "$0")/lora.sh"
 EMBER=${EMBER:-target/release/ember}
 GGUF=${GGUF:-../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf}
 OUT=${OUT:-target/qlora-bench}
@@ -40,10 +41,7 @@ max_steps = $steps
 eval_interval = $steps
 eval_iters = 2
 
-[lora]
-rank = 8
-alpha = 16
-targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+$(lora_section 8 16)
 
 [metrics]
 sample_tokens = 0

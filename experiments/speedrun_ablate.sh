@@ -21,14 +21,8 @@ variant plus-relu2-zero-init 's/^d_ff = 344/d_ff = 512\nmlp = "relu2"\nzero_init
 variant plus-wsd 's/^decay_steps = 800/decay_steps = 800\nshape = "wsd"/; s/^min_lr = 1e-4/min_lr = 0.0/'
 sed -e 's/^eval_interval = .*/eval_interval = 50/' configs/nano.toml > "$out/nano.toml"
 names="nano speedrun no-muon no-qk-norm no-softcap plus-relu2-zero-init plus-wsd"
-for seed in ${SEEDS:-1337 1338 1339}; do
-  for name in $names; do
-    sed -i "s/^seed = .*/seed = $seed/" "$out/$name.toml"
-    rm -rf "$out/run-$name-$seed"
-    "$ember" train --config "$out/$name.toml" --run-dir "$out/run-$name-$seed" --no-progress > "$out/$name-$seed.log" 2>&1
-    echo "$name $seed done"
-  done
-done
+. "$(dirname "$0")/seeds.sh"
+train_seeds "$out" $names
 python3 - "$out" $names <<'PY'
 import json, statistics, sys, os
 out, names = sys.argv[1], sys.argv[2:]

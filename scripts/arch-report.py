@@ -203,7 +203,10 @@ def functions():
             if not m:
                 continue
             indent, j = m.group(1), i + 1
-            while j < len(lines) and lines[j] != indent + "}" and not (
+            # A signature alone (a trait's method without a default body) ends at its `;`, on the
+            # fn line or on the line that closes its arguments.
+            bodiless = lambda k: lines[k].startswith(indent + ")") and lines[k].rstrip().endswith(";")
+            while j < len(lines) and lines[j] != indent + "}" and not bodiless(j) and not (
                 lines[i].rstrip().endswith(";") or lines[i].rstrip().endswith("}")
             ):
                 j += 1

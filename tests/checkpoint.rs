@@ -39,16 +39,7 @@ log_interval = 1
 checkpoint_interval = 1
 keep_checkpoints = 2
 seed = 7
-
-[optim]
-weight_decay = 0.1
-grad_clip = 1.0
-
-[schedule]
-lr = 3e-3
-min_lr = 3e-4
-warmup_steps = 2
-
+{OPTIMIZER}
 [metrics]
 sample_tokens = 0
 "#

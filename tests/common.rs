@@ -161,7 +161,12 @@ log_interval = 1
 checkpoint_interval = 3
 seed = 7
 {extra_train}
+{OPTIMIZER}"#
+    )
+}
 
+/// The optimizer and schedule of the tests' small runs (AdamW, warmup then cosine to a tenth).
+pub const OPTIMIZER: &str = r#"
 [optim]
 weight_decay = 0.1
 grad_clip = 1.0
@@ -170,19 +175,11 @@ grad_clip = 1.0
 lr = 3e-3
 min_lr = 3e-4
 warmup_steps = 2
-"#
-    )
-}
+"#;
 
-/// The shared test assets (`tokenizers/`, `models/`): `$EMBER_TEST_ASSETS`, relative paths meant
-/// from the workspace root (where the README's command is typed), else `../shared`.
-pub fn assets() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    std::env::var_os("EMBER_TEST_ASSETS")
-        .map(PathBuf::from)
-        .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
-        .unwrap_or_else(|| root.join("../shared"))
-}
+#[path = "assets.rs"]
+mod shared_assets;
+pub use shared_assets::assets;
 
 /// The SmolLM2-135M-Instruct GGUF of the shared test assets, under [`assets`].
 pub const SMOLLM2_GGUF: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";

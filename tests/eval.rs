@@ -4,8 +4,8 @@
 //! log-likelihood task, zero- and few-shot. The harness's numbers were made once by
 //! tests/fixtures/eval/make_reference.py (lm_eval 0.4.9.1, transformers, float32) and committed.
 
+mod assets;
 mod common;
-mod gemma3_file;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -34,7 +34,7 @@ fn log_likelihoods_equal_the_harness_on_smollm2() {
 /// Gemma 3 270M (the Q4_K_M file): its BOS before every context, its 262k-row head.
 #[test]
 fn log_likelihoods_equal_the_harness_on_gemma3() {
-    let gguf = format!("gguf:{}", gemma3_file::gemma3_gguf().display());
+    let gguf = format!("gguf:{}", assets::gemma3_gguf().display());
     let compared = parity(&fixture("harness_gemma3.json"), &gguf, &[]);
     assert!(compared > 200, "only {compared} log-likelihoods compared");
 }

@@ -72,9 +72,13 @@ impl Guarded {
     }
 }
 
+// SAFETY: every request is either refused with a null pointer (which `GlobalAlloc` allows) or
+// handed to the system allocator unchanged.
 unsafe impl GlobalAlloc for Guarded {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if Self::allow(layout.size()) {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            // SAFETY: `ptr` came from the system allocator with `layout`.
             unsafe { System.alloc(layout) }
         } else {
             std::ptr::null_mut()
@@ -83,6 +87,8 @@ unsafe impl GlobalAlloc for Guarded {
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if Self::allow(layout.size()) {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            // SAFETY: `ptr` came from the system allocator with `layout`.
             unsafe { System.alloc_zeroed(layout) }
         } else {
             std::ptr::null_mut()
@@ -91,6 +97,8 @@ unsafe impl GlobalAlloc for Guarded {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if Self::allow(new_size) {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            // SAFETY: `ptr` came from the system allocator with `layout`.
             unsafe { System.realloc(ptr, layout, new_size) }
         } else {
             std::ptr::null_mut()
@@ -98,6 +106,7 @@ unsafe impl GlobalAlloc for Guarded {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from the system allocator with `layout`.
         unsafe { System.dealloc(ptr, layout) }
     }
 }
@@ -903,7 +912,7 @@ fn http_bodies() {
     ];
     let (tokenizer, template) = tokenizer_and_template();
     let sample = |g: Generation| {
-        ember_model::sample::Sampler::new(g.sampling, g.seed.unwrap_or(0)).map(drop).map_err(|e| e.to_string())
+        ember_generate::sample::Sampler::new(g.sampling, g.seed.unwrap_or(0)).map(drop).map_err(|e| e.to_string())
     };
     let invalid = |e: Invalid| format!("{}: {}", e.param, e.message);
     let defaults = ember_serve::sampling::ChatDefaults::built_in().sampling;

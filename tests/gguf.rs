@@ -7,8 +7,8 @@
 //! exports re-import to transformers' logits (expected.json), and tests/fixtures/check_gguf_export.py,
 //! run by hand, loads them with transformers' `gguf_file=`.
 
+mod assets;
 mod common;
-mod gemma3_file;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -16,8 +16,8 @@ use std::process::Command;
 use burn::backend::Flex;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::*;
+use ember_generate::sample::{generate, Sampler, SamplingConfig};
 use ember_hf::gguf::{GgufFile, Value};
-use ember_model::sample::{generate, Sampler, SamplingConfig};
 use ember_train::Checkpoint;
 
 const MODEL: &str = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -90,6 +90,21 @@ fn logits(model: &ember_model::Decoder<Flex>, ids: &[u32]) -> Vec<f32> {
     model.forward(input).into_data().to_vec::<f32>().unwrap()
 }
 
+/// The largest difference between `got` (`[T, V]` logits of a prompt) and the fixture prompt `p`'s
+/// sampled columns, and the largest of those reference values.
+fn column_errors(got: &[f32], vocab: usize, p: &serde_json::Value) -> (f32, f32) {
+    let cols = ids(&p["columns"]);
+    let (mut worst, mut largest) = (0f32, 0f32);
+    for (t, row) in p["logits"].as_array().unwrap().iter().enumerate() {
+        for (c, want) in cols.iter().zip(row.as_array().unwrap()) {
+            let (g, w) = (got[t * vocab + *c as usize], want.as_f64().unwrap() as f32);
+            worst = worst.max((g - w).abs());
+            largest = largest.max(w.abs());
+        }
+    }
+    (worst, largest)
+}
+
 #[test]
 fn smollm2_imports_as_transformers_reads_it_and_round_trips() {
     let fx = fixture();
@@ -112,15 +127,8 @@ fn smollm2_imports_as_transformers_reads_it_and_round_trips() {
     for p in fx["prompts"].as_array().unwrap() {
         let prompt = ids(&p["ids"]);
         assert_eq!(ckpt.tokenizer.encode(p["prompt"].as_str().unwrap()).unwrap(), prompt);
-        let got = logits(&model, &prompt);
-        let cols = ids(&p["columns"]);
-        for (t, row) in p["logits"].as_array().unwrap().iter().enumerate() {
-            for (c, want) in cols.iter().zip(row.as_array().unwrap()) {
-                let (g, w) = (got[t * vocab + *c as usize], want.as_f64().unwrap() as f32);
-                worst = worst.max((g - w).abs());
-                largest = largest.max(w.abs());
-            }
-        }
+        let (w, l) = column_errors(&logits(&model, &prompt), vocab, p);
+        (worst, largest) = (worst.max(w), largest.max(l));
         let mut sampler = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap();
         let want = ids(&p["greedy"]);
         let mut out = Vec::new();
@@ -617,7 +625,7 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
     // One test, so that the 270M model (1 GB in f32) is imported and loaded once.
     let fx = gemma3_fixture();
     let s = Scratch::new();
-    let gguf = gemma3_file::gemma3_gguf();
+    let gguf = assets::gemma3_gguf();
     let out = ember_ok(&s, &["import", gguf.to_str().unwrap(), "--out", "g"]);
     for kinds in ["\"F32\": 109", "\"Q4_K\": 27", "\"Q5_0\": 81", "\"Q6_K\": 9", "\"Q8_0\": 10"] {
         assert!(out.contains(kinds), "{out}");
@@ -641,15 +649,8 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
     for p in fx["prompts"].as_array().unwrap() {
         let prompt = ids(&p["ids"]);
         assert_eq!(ckpt.tokenizer.encode_prompt(p["prompt"].as_str().unwrap()).unwrap(), prompt, "<bos> once, first");
-        let got = logits(&model, &prompt);
-        let cols = ids(&p["columns"]);
-        for (t, row) in p["logits"].as_array().unwrap().iter().enumerate() {
-            for (c, want) in cols.iter().zip(row.as_array().unwrap()) {
-                let (g, w) = (got[t * vocab + *c as usize], want.as_f64().unwrap() as f32);
-                worst = worst.max((g - w).abs());
-                largest = largest.max(w.abs());
-            }
-        }
+        let (w, l) = column_errors(&logits(&model, &prompt), vocab, p);
+        (worst, largest) = (worst.max(w), largest.max(l));
         assert_eq!(greedy(&model, &prompt, n_new), ids(&p["greedy"]), "greedy continuation of {:?}", p["prompt"]);
     }
     eprintln!("Gemma 3 270M: largest logit difference from transformers {worst:e} (logits up to {largest})");
@@ -780,7 +781,7 @@ fn gemma3_270m_imports_as_transformers_reads_it() {
 /// `$EMBER_TEST_ASSETS/datasets`.
 fn wikitext2_test() -> PathBuf {
     let data = std::env::var_os("EMBER_DATA_DIR").map(PathBuf::from).unwrap_or_else(|| assets().join("datasets"));
-    let path = if data.is_relative() { gemma3_file::root().join(data) } else { data }.join("wikitext2/test.txt");
+    let path = if data.is_relative() { assets::root().join(data) } else { data }.join("wikitext2/test.txt");
     assert!(path.is_file(), "{} not found: set EMBER_DATA_DIR to shared/datasets", path.display());
     path
 }
@@ -848,7 +849,7 @@ fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
                 // llama.cpp also rounds the activations, and a rounding can flip a random model's
                 // close expert choice, so its continuations are compared in f32 only.
                 assert_eq!(exps.kind.name(), "Q8_0", "{file}");
-                let stack = |m: &ember_model::Decoder<Flex>| m.layers[1].moe.as_ref().unwrap().down.val().into_data();
+                let stack = |m: &ember_model::Decoder<Flex>| m.layers[1].moe().unwrap().down.val().into_data();
                 let (a, b) = (stack(&imported).to_vec::<f32>().unwrap(), stack(&model).to_vec::<f32>().unwrap());
                 let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
@@ -865,7 +866,7 @@ fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
                 // (moved off zero by the balancing) is the file's.
                 assert_eq!(imported.config().mla.as_ref(), Some(mla), "{file}");
                 assert!(f.tensor("blk.0.attn_k_b.weight").is_some() && f.tensor("blk.0.attn_kv_b.weight").is_none());
-                let bias = model.layers[1].moe.as_ref().unwrap().selection_bias.as_ref().unwrap().val();
+                let bias = model.layers[1].moe().unwrap().selection_bias.as_ref().unwrap().val();
                 assert!(bias.abs().max().into_scalar() > 0.0, "the balancing moved the selection bias");
             }
             let n = 8;

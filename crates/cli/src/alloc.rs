@@ -21,8 +21,11 @@ const INNER: mimalloc::MiMalloc = mimalloc::MiMalloc;
 static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 
+// SAFETY: every method hands the request to mimalloc unchanged and only counts bytes beside it,
+// so `Counting` keeps `GlobalAlloc`'s contract exactly as mimalloc does.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract for `alloc` (a non-zero-size layout) is passed on unchanged.
         let p = unsafe { INNER.alloc(layout) };
         if !p.is_null() {
             let now = CURRENT.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
@@ -32,6 +35,7 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as `alloc`: the caller's layout, passed on unchanged.
         let p = unsafe { INNER.alloc_zeroed(layout) };
         if !p.is_null() {
             let now = CURRENT.fetch_add(layout.size() as u64, Ordering::Relaxed) + layout.size() as u64;
@@ -41,11 +45,15 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator, hence from `INNER`, with this `layout` (the
+        // caller's contract for `dealloc`).
         unsafe { INNER.dealloc(ptr, layout) };
         CURRENT.fetch_sub(layout.size() as u64, Ordering::Relaxed);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from `INNER` with `layout`, and `new_size` is the caller's, valid for
+        // it (the caller's contract for `realloc`).
         let p = unsafe { INNER.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             if new_size >= layout.size() {
@@ -97,6 +105,7 @@ mod tests {
         let delay = unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY) };
         assert_eq!(delay, -1);
         // Its neighbours in the enum keep their defaults: the index is not off by one.
+        // SAFETY: a plain option getter.
         let numa = unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY + 1) };
         assert_eq!(numa, 0, "mi_option_use_numa_nodes");
     }

@@ -3,6 +3,7 @@
 //! Pipeline: `manifest`/`fetch` find the text -> `tokenizer` -> `prepare` writes `shards` ->
 //! `loader` draws windows and batches them.
 
+mod detokenize;
 pub mod error;
 pub mod fetch;
 pub mod finetune;
@@ -38,6 +39,7 @@ pub fn special_file(kind: std::fs::FileType) -> Option<&'static str> {
     }
     Some("a special file")
 }
+pub use detokenize::DecodeStream;
 pub use loader::{Examples, LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
 pub use manifest::Manifest;
 pub use prepare::{prepare, Prepared};

@@ -35,30 +35,24 @@ pub fn read_preference_jsonl(path: &Path) -> Result<Vec<PreferenceRecord>> {
     let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
     let mut out = Vec::new();
     for (i, v) in json_lines(path)? {
-        let turns = |key: &str| -> std::result::Result<Turns, String> {
+        let turns = |key: &str| -> Result<Turns> {
             match v.get(key) {
                 Some(Value::String(s)) => Ok(Turns::Text(s.clone())),
                 Some(m @ Value::Array(_)) => {
                     let messages: Vec<Message> =
-                        serde_json::from_value(m.clone()).map_err(|e| format!("{key}: {e}"))?;
+                        serde_json::from_value(m.clone()).map_err(|e| bad(i + 1, format!("{key}: {e}")))?;
                     if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
                         let role = m.role.escape_debug();
-                        return Err(format!("{key}[{j}].role `{role}` is not one of {}", ROLES.join(", ")));
+                        return Err(bad(i + 1, format!("{key}[{j}].role `{role}` is not one of {}", ROLES.join(", "))));
                     }
                     Ok(Turns::Chat(messages))
                 }
-                Some(_) => Err(format!("{key}: expected a string or a list of messages")),
-                None => Err(format!("{key} is missing: expected {{\"prompt\", \"chosen\", \"rejected\"}}")),
+                Some(_) => Err(bad(i + 1, format!("{key}: expected a string or a list of messages"))),
+                None => Err(bad(i + 1, format!("{key} is missing: expected {{\"prompt\", \"chosen\", \"rejected\"}}"))),
             }
         };
-        let record = (|| {
-            Ok::<_, String>(PreferenceRecord {
-                prompt: turns("prompt")?,
-                chosen: turns("chosen")?,
-                rejected: turns("rejected")?,
-            })
-        })()
-        .map_err(|m| bad(i + 1, m))?;
+        let record =
+            PreferenceRecord { prompt: turns("prompt")?, chosen: turns("chosen")?, rejected: turns("rejected")? };
         let chat = [&record.prompt, &record.chosen, &record.rejected].map(|t| matches!(t, Turns::Chat(_)));
         if chat.iter().any(|&c| c != chat[0]) {
             return Err(bad(i + 1, "prompt, chosen and rejected must be all strings or all lists of messages".into()));

@@ -1,7 +1,8 @@
 //! Text of a growing sequence for streaming: decoded incrementally, cut at stop strings, with the
 //! tail that could still begin a stop string held back until it is known not to.
 
-use crate::tokenizer::{DecodeStream, Tokenizer};
+use crate::detokenize::DecodeStream;
+use crate::tokenizer::Tokenizer;
 use crate::DataError;
 
 /// The text of one sequence as it grows: decoded incrementally (O(1) work per token, whatever the

@@ -7,20 +7,12 @@ use std::path::PathBuf;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::Tokenizer;
 
+#[path = "../../../tests/assets.rs"]
+mod assets;
+
+/// The reference tokenizers of the shared assets.
 fn assets() -> PathBuf {
-    // Cargo runs a test binary in its crate's folder; a relative path is meant from the workspace root,
-    // where the README's command is typed.
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = std::env::var_os("EMBER_TEST_ASSETS")
-        .map(PathBuf::from)
-        .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
-        .unwrap_or_else(|| root.join("../shared"));
-    assert!(
-        dir.join("tokenizers").is_dir(),
-        "test assets not found at {}: set EMBER_TEST_ASSETS to the folder holding tokenizers/ (../shared)",
-        dir.display()
-    );
-    dir.join("tokenizers")
+    assets::assets().join("tokenizers")
 }
 
 const TEXT: &str = "First Citizen:\nBefore we proceed any further, hear me speak. 1234 £€ 🦀 naïve\tend";

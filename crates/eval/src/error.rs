@@ -1,5 +1,19 @@
 use std::path::PathBuf;
 
+/// What keeps a row of a task's file from being one of its items.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DocError {
+    /// A field missing, or of another type.
+    #[error("field `{field}`: expected {expected}")]
+    Field { field: String, expected: &'static str },
+    /// A field of the right type whose value the task cannot use.
+    #[error("field `{field}`: {found}, expected {expected}")]
+    Value { field: &'static str, found: String, expected: String },
+    /// The right answer's index past the choices.
+    #[error("answer index {gold} of {choices} choices")]
+    Gold { gold: usize, choices: usize },
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum EvalError {
     #[error("{}: {source}", path.display())]

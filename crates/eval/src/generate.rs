@@ -3,8 +3,8 @@
 //! and its `exact_match` against the references.
 
 use ember_data::Tokenizer;
+use ember_generate::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_kernels::EmberBackend;
-use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_model::Decoder;
 
 use crate::error::EvalError;

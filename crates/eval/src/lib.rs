@@ -15,6 +15,6 @@ pub mod score;
 pub mod task;
 pub mod tasks;
 
-pub use error::EvalError;
+pub use error::{DocError, EvalError};
 pub use run::{evaluate, prepare, Encoding, Options, Prepared, TaskResult};
 pub use task::eval_dir;

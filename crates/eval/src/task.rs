@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::error::EvalError;
+use crate::error::{DocError, EvalError};
 use crate::generate::Generation;
 use crate::pyrandom::PyRandom;
 
@@ -76,7 +76,7 @@ pub struct TaskSpec {
     pub fewshot_delimiter: &'static str,
     pub sampler: Sampler,
     /// Turns one row of the file into an item.
-    pub parse: fn(&Value) -> Result<Doc, String>,
+    pub parse: fn(&Value) -> Result<Doc, DocError>,
     /// Text before the exemplars, per group (MMLU's "The following are multiple choice questions…").
     pub description: fn(Option<&str>) -> String,
     /// Accuracy of a random guess, for the centred CORE-style aggregate.
@@ -98,7 +98,7 @@ impl TaskSpec {
         version: &'static str,
         file: impl Into<String>,
         output: Output,
-        parse: fn(&Value) -> Result<Doc, String>,
+        parse: fn(&Value) -> Result<Doc, DocError>,
     ) -> Self {
         TaskSpec {
             name: name.into(),
@@ -120,7 +120,7 @@ impl TaskSpec {
 }
 
 /// Reads a task's items: JSON lines, gzip-compressed where the name ends in `.gz`.
-pub fn read_docs(path: &Path, parse: fn(&Value) -> Result<Doc, String>) -> Result<Vec<Doc>, EvalError> {
+pub fn read_docs(path: &Path, parse: fn(&Value) -> Result<Doc, DocError>) -> Result<Vec<Doc>, EvalError> {
     let io = |e: std::io::Error| EvalError::Io { path: path.to_path_buf(), source: e };
     if let Ok(meta) = std::fs::metadata(path) {
         if !meta.is_file() {
@@ -142,7 +142,7 @@ pub fn read_docs(path: &Path, parse: fn(&Value) -> Result<Doc, String>) -> Resul
         }
         let bad = |message: String| EvalError::Data { path: path.to_path_buf(), line: i + 1, message };
         let value: Value = serde_json::from_str(line).map_err(|e| bad(format!("not JSON: {e}")))?;
-        let doc = parse(&value).map_err(bad)?;
+        let doc = parse(&value).map_err(|e| bad(e.to_string()))?;
         if doc.continuations.is_empty() || doc.gold >= doc.choice_count() {
             return Err(bad(format!("answer index {} of {} choices", doc.gold, doc.choice_count())));
         }
@@ -225,30 +225,29 @@ pub fn eval_dir(given: Option<&Path>, default: Option<&Path>) -> Result<PathBuf,
 }
 
 /// A string field of a row.
-pub(crate) fn text<'v>(row: &'v Value, key: &str) -> Result<&'v str, String> {
-    row.get(key).and_then(Value::as_str).ok_or_else(|| format!("field `{key}`: expected a string"))
+pub(crate) fn text<'v>(row: &'v Value, key: &str) -> Result<&'v str, DocError> {
+    row.get(key).and_then(Value::as_str).ok_or_else(|| DocError::Field { field: key.into(), expected: "a string" })
 }
 
 /// An array of strings at `row[key]` (or `row[key][sub]`).
-pub(crate) fn texts(row: &Value, key: &str, sub: Option<&str>) -> Result<Vec<String>, String> {
+pub(crate) fn texts(row: &Value, key: &str, sub: Option<&str>) -> Result<Vec<String>, DocError> {
     let mut v = row.get(key);
     if let Some(sub) = sub {
         v = v.and_then(|v| v.get(sub));
     }
     let name = sub.map_or(key.to_string(), |s| format!("{key}.{s}"));
-    let arr = v.and_then(Value::as_array).ok_or_else(|| format!("field `{name}`: expected a list of strings"))?;
-    arr.iter()
-        .map(|x| x.as_str().map(String::from).ok_or_else(|| format!("field `{name}`: expected a list of strings")))
-        .collect()
+    let wrong = || DocError::Field { field: name.clone(), expected: "a list of strings" };
+    let arr = v.and_then(Value::as_array).ok_or_else(wrong)?;
+    arr.iter().map(|x| x.as_str().map(String::from).ok_or_else(wrong)).collect()
 }
 
 /// An integer field, given as a number or as a string of digits (HellaSwag's `label`).
-pub(crate) fn index(row: &Value, key: &str) -> Result<usize, String> {
+pub(crate) fn index(row: &Value, key: &str) -> Result<usize, DocError> {
     match row.get(key) {
         Some(Value::Number(n)) => n.as_u64().map(|n| n as usize),
         Some(Value::String(s)) => s.trim().parse().ok(),
         Some(Value::Bool(b)) => Some(usize::from(*b)),
         _ => None,
     }
-    .ok_or_else(|| format!("field `{key}`: expected a non-negative integer"))
+    .ok_or_else(|| DocError::Field { field: key.into(), expected: "a non-negative integer" })
 }

@@ -15,9 +15,10 @@ use ember_model::{Decoder, NormKind, Positions, RopeLayout};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 
-use crate::config_map::{expressible, from_model_config, to_model_config, Architecture};
+use crate::config_map::{expressible, from_model_config, to_model_config};
 use crate::error::HfError;
-use crate::family::Layout;
+use crate::family::Architecture;
+use crate::family::{Family, Layout};
 
 const INDEX: &str = "model.safetensors.index.json";
 const SINGLE: &str = "model.safetensors";
@@ -226,50 +227,57 @@ pub fn import_tensors<B: EmberBackend>(
     device: &Device<B>,
 ) -> Result<Imported<B>, HfError> {
     let (config, architecture) = to_model_config(&hf_config, &config_path.display().to_string())?;
-    load_tensors(
+    let load = Load {
         config,
         architecture,
         hf_config,
         config_path,
         dir,
-        tensors,
         param_dtype,
         allow_missing,
         allow_unused,
-        BTreeMap::new(),
-        device,
-    )
+        quantized: BTreeMap::new(),
+    };
+    load_tensors(load, tensors, device)
 }
 
-/// [`import_tensors`] into a model of `config` already read (a GGUF file's, whose Gemma norms keep
-/// their gains as the file stores them), of the family `architecture`.
-#[allow(clippy::too_many_arguments)]
+/// What [`load_tensors`] builds: a model of `config` (a GGUF file's, whose Gemma norms keep their
+/// gains as the file stores them) of the family `architecture`, with the config.json `hf_config`
+/// read from `config_path`; `dir` names the source in messages. `quantized`: projection weights
+/// kept in their stored types (by Hugging Face name).
+pub(crate) struct Load<'a> {
+    pub config: ember_model::ModelConfig,
+    pub architecture: Architecture,
+    pub hf_config: Value,
+    pub config_path: &'a Path,
+    pub dir: &'a Path,
+    pub param_dtype: DType,
+    pub allow_missing: bool,
+    pub allow_unused: bool,
+    pub quantized: BTreeMap<String, QuantWeight>,
+}
+
+/// [`import_tensors`] into the model `load` describes.
 pub(crate) fn load_tensors<B: EmberBackend>(
-    config: ember_model::ModelConfig,
-    architecture: Architecture,
-    hf_config: Value,
-    config_path: &Path,
-    dir: &Path,
+    load: Load,
     tensors: BTreeMap<String, (TensorData, PathBuf)>,
-    param_dtype: DType,
-    allow_missing: bool,
-    allow_unused: bool,
-    quantized: BTreeMap<String, QuantWeight>,
     device: &Device<B>,
 ) -> Result<Imported<B>, HfError> {
-    if !allow_missing {
+    let (config_path, dir) = (load.config_path, load.dir);
+    let bad = |message: String| HfError::Config { source_name: config_path.display().to_string(), message };
+    if !load.allow_missing {
         let bytes = tensors.values().fold(0u64, |n, (t, _)| n.saturating_add(t.as_bytes().len() as u64));
         // A kept weight counts as the f32 values it stands for (the check's unit).
-        let kept = quantized.values().map(|q| (q.d_in() * q.d_out() * 4) as u64).sum::<u64>();
+        let kept = load.quantized.values().map(|q| (q.d_in() * q.d_out() * 4) as u64).sum::<u64>();
         let bytes = bytes.saturating_add(kept);
-        ember_model::weights::check_model_size(&config, &format!("the weights of {}", dir.display()), bytes)
-            .map_err(|message| HfError::Config { source_name: config_path.display().to_string(), message })?;
+        ember_model::weights::check_model_size(&load.config, &format!("the weights of {}", dir.display()), bytes)
+            .map_err(|e| bad(e.to_string()))?;
     }
-    let family = architecture.family();
+    let family = load.architecture.family();
     // Projections kept quantized: placeholders from the start (their f32 zeros never all exist).
-    let kept = quantized.len();
-    let model = Decoder::<B>::empty_keeping(&config, device, kept_paths(family, quantized, dir)?)
-        .map_err(|message| HfError::Config { source_name: config_path.display().to_string(), message })?;
+    let kept = load.quantized.len();
+    let model = Decoder::<B>::empty_keeping(&load.config, device, kept_paths(family, load.quantized, dir)?)
+        .map_err(|e| bad(e.to_string()))?;
     let mut expected: HashMap<String, Vec<usize>> = param_shapes::<B, _>(&model).into_iter().collect();
     let mut placeholders = BTreeMap::new();
     expected.retain(|path, shape| {
@@ -279,7 +287,53 @@ pub(crate) fn load_tensors<B: EmberBackend>(
         }
         !placeholder
     });
+    let Placed { mut values, unused } = place(family, tensors, &expected, dir)?;
+    let mut missing: Vec<String> = expected.keys().filter(|k| !values.contains_key(*k)).cloned().collect();
+    missing.sort();
+    if !missing.is_empty() && !load.allow_missing {
+        // A fused tensor is named once for all its parts.
+        let mut seen = HashSet::new();
+        let keys = missing
+            .iter()
+            .map(|k| family.ember_to_hf(k).map_or(k.clone(), |h| h.name))
+            .filter(|k| seen.insert(k.clone()))
+            .collect();
+        return Err(HfError::Missing { dir: dir.into(), keys });
+    }
+    if !unused.is_empty() && !load.allow_unused {
+        return Err(HfError::Unused { dir: dir.into(), keys: unused });
+    }
+    let loaded = values.len() + kept;
+    let model = model.with_param_dtype(load.param_dtype);
+    // Missing parameters (allowed) keep their zeros: fill them in from the model itself (only
+    // those are read back).
+    if !missing.is_empty() {
+        for (k, data) in named_tensors_where::<B, _, _>(&model, |k| !values.contains_key(k)) {
+            values.insert(k, data);
+        }
+    }
+    values.extend(placeholders);
+    let model = assign(model, values, &dir.display().to_string(), false)
+        .map_err(|e| HfError::Config { source_name: dir.display().to_string(), message: e.to_string() })?;
+    tracing::info!(loaded, missing = missing.len(), unused = unused.len(), "imported {}", dir.display());
+    let (architecture, hf_config) = (load.architecture, load.hf_config);
+    Ok(Imported { model, architecture, hf_config, loaded, missing, unused })
+}
 
+/// The file's tensors in ember's layout by parameter path, and the names that match no parameter.
+struct Placed {
+    values: BTreeMap<String, TensorData>,
+    unused: Vec<String>,
+}
+
+/// Each file tensor in its parameter(s) of `expected` (path -> shape), its shape checked: moved as
+/// the family's rule says, experts' stacked once every expert of a stack is read.
+fn place(
+    family: &Family,
+    tensors: BTreeMap<String, (TensorData, PathBuf)>,
+    expected: &HashMap<String, Vec<usize>>,
+    dir: &Path,
+) -> Result<Placed, HfError> {
     let mut values = BTreeMap::new();
     // Experts' tensors by stack, each in its slot until the stack is whole.
     let mut stacks: BTreeMap<String, Vec<Option<TensorData>>> = BTreeMap::new();
@@ -319,46 +373,17 @@ pub(crate) fn load_tensors<B: EmberBackend>(
             let message = format!("the experts of `{path}` are stored in different dtypes");
             return Err(HfError::Config { source_name: dir.display().to_string(), message });
         }
-        // A stack missing an expert is left out: reported with the missing tensors below.
+        // A stack missing an expert is left out: reported with the missing tensors.
         if let Some(parts) = slots.into_iter().collect::<Option<Vec<_>>>() {
             values.insert(path, stack_transposed(parts));
         }
     }
-    let mut missing: Vec<String> = expected.keys().filter(|k| !values.contains_key(*k)).cloned().collect();
-    missing.sort();
-    if !missing.is_empty() && !allow_missing {
-        // A fused tensor is named once for all its parts.
-        let mut seen = HashSet::new();
-        let keys = missing
-            .iter()
-            .map(|k| family.ember_to_hf(k).map_or(k.clone(), |h| h.name))
-            .filter(|k| seen.insert(k.clone()))
-            .collect();
-        return Err(HfError::Missing { dir: dir.into(), keys });
-    }
-    if !unused.is_empty() && !allow_unused {
-        return Err(HfError::Unused { dir: dir.into(), keys: unused });
-    }
-    let loaded = values.len() + kept;
-    let model = model.with_param_dtype(param_dtype);
-    // Missing parameters (allowed) keep their zeros: fill them in from the model itself (only
-    // those are read back).
-    let mut values = values;
-    if !missing.is_empty() {
-        for (k, data) in named_tensors_where::<B, _, _>(&model, |k| !values.contains_key(k)) {
-            values.insert(k, data);
-        }
-    }
-    values.extend(placeholders);
-    let model = assign(model, values, &dir.display().to_string(), false)
-        .map_err(|e| HfError::Config { source_name: dir.display().to_string(), message: e.to_string() })?;
-    tracing::info!(loaded, missing = missing.len(), unused = unused.len(), "imported {}", dir.display());
-    Ok(Imported { model, architecture, hf_config, loaded, missing, unused })
+    Ok(Placed { values, unused })
 }
 
 /// The weights kept quantized (by Hugging Face name) under the paths of their projections.
 fn kept_paths(
-    family: &crate::Family,
+    family: &Family,
     quantized: BTreeMap<String, QuantWeight>,
     dir: &Path,
 ) -> Result<Vec<(String, QuantWeight)>, HfError> {
@@ -456,7 +481,6 @@ pub(crate) fn named_hf_tensors<B: EmberBackend>(
     // Latent attention's rotary columns stay interleaved (DeepSeek's files keep them so).
     let interleaved =
         config.rope_layout == RopeLayout::Interleaved && config.positions == Positions::Rope && config.mla.is_none();
-    let low_rank_query = config.mla.as_ref().is_some_and(|m| m.q_rank.is_some());
     // +1 for a gain kept as `g − 1` written as `g`, −1 the other way, 0 for none.
     let shift = match (config.norm, gains) {
         (NormKind::RmsNormPlusOne, NormKind::RmsNorm) => 1.0,
@@ -485,10 +509,7 @@ pub(crate) fn named_hf_tensors<B: EmberBackend>(
     for i in 0..named.len() {
         let path = named[i].0.clone();
         let mut to = family.ember_to_hf(&path).ok_or_else(|| HfError::NoHfName(path.clone()))?;
-        if low_rank_query && to.name.ends_with(".self_attn.q_proj.weight") {
-            to.name = to.name.replace(".self_attn.q_proj.", ".self_attn.q_b_proj.");
-            // the low-rank query's up-projection
-        }
+        to.name = (family.export_name)(config, to.name);
         let parts: Vec<usize> = to.paths.iter().filter_map(|p| index.get(p).copied()).collect();
         if parts.len() != to.paths.len() {
             let fields = vec![format!("`{}` holds {}, and the model lacks some", to.name, to.paths.join(", "))];

@@ -5,20 +5,21 @@
 //! (names, bytes, config.json), a training step's loss with the load-balancing loss and every
 //! gradient match transformers', and configs ember cannot run are refused by name.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::tensor::{DType, Int, Tensor, TensorData};
+use common::{fixture, greedy, ids, logits, B};
 use ember_hf::{export, expressible, hf_tensors, import, to_model_config, Architecture};
 use ember_model::moe::load_balancing_loss;
-use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_model::weights::{assign, named_tensors, visit_paths, PathVisitor};
 use ember_model::{Decoder, MlpKind, ModelConfig, NormKind, Positions, RopeLayout};
 use serde_json::{json, Value};
 
-type B = Flex;
 type AB = Autodiff<Flex>;
 
 const FAMILIES: [(&str, Architecture); 10] = [
@@ -38,32 +39,12 @@ const FAMILIES: [(&str, Architecture); 10] = [
 /// The families with experts, whose fixtures have a training case.
 const EXPERTS: [&str; 6] = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3"];
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)
-}
-
 fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
 fn import_dir(dir: &Path) -> ember_hf::Imported<B> {
     import::<B>(dir, DType::F32, false, false, &Default::default()).unwrap()
-}
-
-fn logits(model: &Decoder<B>, ids: &[u32]) -> Vec<f32> {
-    let data: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &Default::default());
-    model.forward(tokens).into_data().to_vec::<f32>().unwrap()
-}
-
-fn greedy(model: &Decoder<B>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut s = [Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()];
-    let opts = GenerateOptions { max_new_tokens: n, stop_tokens: vec![], block_size: 16 };
-    generate_batch(model, &[prompt.to_vec()], &opts, &mut s, |_, _| true).unwrap().remove(0)
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -2,40 +2,19 @@
 //! tests/fixtures/make_hf_fixtures.py): ember's logits and greedy tokens match transformers', exports
 //! round-trip, and damaged folders give errors that name the problem.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use burn::backend::Flex;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use std::path::Path;
+
+use burn::tensor::DType;
+use common::{fixture, greedy, ids, logits, B};
 use ember_hf::{export, import, Architecture};
-use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_model::weights::named_tensors;
 use ember_model::{Decoder, ModelConfig};
 use serde_json::Value;
 
-type B = Flex;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf").join(name)
-}
-
 fn expected(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(name).join("expected.json")).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-fn logits(model: &Decoder<B>, ids: &[u32]) -> Vec<f32> {
-    let data: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &Default::default());
-    model.forward(tokens).into_data().to_vec::<f32>().unwrap()
-}
-
-fn greedy(model: &Decoder<B>, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut s = [Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()];
-    let opts = GenerateOptions { max_new_tokens: n, stop_tokens: vec![], block_size: 16 };
-    generate_batch(model, &[prompt.to_vec()], &opts, &mut s, |_, _| true).unwrap().remove(0)
 }
 
 #[test]

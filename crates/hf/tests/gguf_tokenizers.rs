@@ -17,19 +17,9 @@ use ember_hf::gguf::{encode, GgufFile, Value};
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
 
-#[path = "../../../tests/gemma3_file.rs"]
-mod gemma3_file;
-use gemma3_file::{gemma3_gguf, root};
-
-fn assets() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = std::env::var_os("EMBER_TEST_ASSETS")
-        .map(PathBuf::from)
-        .map(|dir| if dir.is_relative() { root.join(dir) } else { dir })
-        .unwrap_or_else(|| root.join("../shared"));
-    assert!(dir.join("tokenizers").is_dir(), "set EMBER_TEST_ASSETS to the folder holding tokenizers/ (../shared)");
-    dir
-}
+#[path = "../../../tests/assets.rs"]
+mod assets;
+use assets::{assets, gemma3_gguf, root};
 
 const TEXT: &str = "The quick brown fox jumps over the lazy dog. 12345 + 67890 = 80235!\n\
     def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n\n\

@@ -20,9 +20,9 @@ use ember_kernels::{Compute, Path as KernelPath};
 use ember_model::lora::{LoraConfig, Target};
 use ember_model::Decoder;
 
-#[path = "../../../tests/gemma3_file.rs"]
-mod gemma3_file;
-use gemma3_file::gemma3_gguf;
+#[path = "../../../tests/assets.rs"]
+mod assets;
+use assets::gemma3_gguf;
 
 type AB = Autodiff<Flex>;
 

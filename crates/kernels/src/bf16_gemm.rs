@@ -1077,6 +1077,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     fn the_tile_layout_is_the_vector_one_padded_with_zeros() {
         assert_eq!(std::mem::size_of::<amx::TileConfig>(), 64);
+        // SAFETY: `TileConfig` is 64 bytes of plain integers (asserted above), read as bytes.
         let config = unsafe { std::slice::from_raw_parts((&amx::CONFIG as *const amx::TileConfig).cast::<u8>(), 64) };
         // Byte 0 the palette, 16..48 bytes a row per tile (u16), 48..64 rows per tile.
         assert_eq!(config[0], 1);

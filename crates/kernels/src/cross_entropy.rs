@@ -22,9 +22,10 @@ use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor};
 use burn::backend::flex::FlexTensor;
 use rayon::prelude::*;
 
+use crate::activation::exp;
 use crate::bf16_gemm::{self, Strided};
 use crate::compute::{Compute, Cpu};
-use crate::kernels::{self, exp, lanes_max, lanes_sum};
+use crate::kernels::{self, lanes_max, lanes_sum};
 use crate::simd::multiversion;
 use crate::{flex, float, int, prim};
 

@@ -11,8 +11,9 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::activation::{exp, gelu_tanh, gelu_tanh_grad, CUBIC, SQRT_2_OVER_PI};
 use crate::compute::Compute;
-use crate::kernels::{exp, sigmoid};
+
 use crate::{flex, float, prim, reference_grads, EmberBackend};
 
 /// Which GELU. The two differ by up to 5e-4 (near x = ±2), enough that a checkpoint should run
@@ -26,11 +27,6 @@ pub enum Gelu {
     /// `0.5·x·(1 + erf(x/√2))`: PyTorch's `nn.GELU()` default, nanoGPT's MLP.
     Erf,
 }
-
-/// √(2/π), the tanh approximation's scale.
-const SQRT_2_OVER_PI: f64 = std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2;
-/// The cubic term's weight in the tanh approximation (Hendrycks & Gimpel, 2016, §2).
-const CUBIC: f64 = 0.044715;
 
 /// A backend's GELU; the default methods are the reference.
 pub trait GeluOps: Backend {
@@ -160,23 +156,6 @@ pub(crate) fn erf(x: f32) -> f32 {
         q = q * x2 + c as f32;
     }
     (x * p / q).clamp(-1.0, 1.0)
-}
-
-/// The tanh approximation, `0.5·x·(1 + tanh z)` with `z = √(2/π)·(x + 0.044715·x³)`, computed as
-/// `x·σ(2z)`: the same value (`1 + tanh z = 2σ(2z)`), without the cancellation of `1 + tanh z`
-/// where `tanh z` is near −1.
-#[inline(always)]
-pub(crate) fn gelu_tanh(x: f32) -> f32 {
-    let two_z = (2.0 * SQRT_2_OVER_PI) as f32 * (x + CUBIC as f32 * (x * x * x));
-    x * sigmoid(two_z)
-}
-
-/// `d gelu_tanh / dx = s + x·2s(1 − s)·√(2/π)·(1 + 3·0.044715·x²)`, `s = σ(2z)`.
-#[inline(always)]
-pub(crate) fn gelu_tanh_grad(x: f32) -> f32 {
-    let two_z = (2.0 * SQRT_2_OVER_PI) as f32 * (x + CUBIC as f32 * (x * x * x));
-    let s = sigmoid(two_z);
-    s + x * (2.0 * s * (1.0 - s)) * (SQRT_2_OVER_PI as f32 * (1.0 + (3.0 * CUBIC) as f32 * (x * x)))
 }
 
 /// The exact GELU, `0.5·x·(1 + erf(x/√2))`.

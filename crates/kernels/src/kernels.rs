@@ -16,13 +16,12 @@
 
 use rayon::prelude::*;
 
+use crate::activation::{exp, gelu_tanh, gelu_tanh_grad, sigmoid, Gate};
 use crate::bf16_gemm::{self, Strided};
 use crate::compute::Cpu;
-use crate::gelu::{gelu_tanh, gelu_tanh_grad};
 use crate::products::{gemm_new, gemm_new_scaled, gemm_parallelism, gemm_raw, gemm_strided};
 use crate::rope::RopeLayout;
 use crate::simd::multiversion;
-use crate::swiglu::Gate;
 
 /// Rows per rayon task in the row-wise kernels: enough work per task to outweigh scheduling.
 pub(crate) fn rows_per_task(d: usize) -> usize {
@@ -574,11 +573,6 @@ pub(crate) fn low_rank_backward(
     adapted.iter().map(|_| (products.next().flatten(), products.next().flatten())).collect()
 }
 
-#[inline(always)]
-pub(crate) fn sigmoid(z: f32) -> f32 {
-    1.0 / (1.0 + exp(-z))
-}
-
 multiversion! {
     /// One AdamW update in place (see [`crate::AdamWStep`]), in f32 like torch's, one pass over memory.
     pub(crate) fn adamw(cpu: Cpu, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &crate::AdamWStep) {
@@ -627,33 +621,6 @@ multiversion! {
         // that depends on work stealing, and the gradient norm would change from run to run.
         x.par_chunks(1 << 14).map(chunk).collect::<Vec<f64>>().into_iter().sum()
     }
-}
-
-/// `e^x` in f32 without a libm call, so that loops over it vectorise: `x = n·ln2 + r` with
-/// `|r| <= ln2/2`, `e^r` from a degree-6 polynomial (Cephes' `expf` coefficients), `2^n` built in the
-/// exponent bits. Plain multiply-adds: `mul_add` is a libm call where the target has no FMA.
-/// Within 2e-7 relative of `f32::exp` for normal results (test below); inputs are clamped to
-/// `[-87.3, 88.7]`, so results below f32's smallest normal come out as about 1e-38 instead of 0.
-/// NaN stays NaN.
-#[inline(always)]
-pub(crate) fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5·2^23: adding it rounds to an integer held in the low bits
-    let x = x.clamp(-87.3, 88.7);
-    let shifted = x * LOG2E + ROUND;
-    let n = shifted - ROUND;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 0.166_666_65;
-    p = p * r + 0.5;
-    let er = p * (r * r) + r + 1.0;
-    let bits = (shifted.to_bits() as i32 - ROUND.to_bits() as i32 + 127) << 23;
-    er * f32::from_bits(bits as u32)
 }
 
 /// `dst[m×n] (row stride dst_rs) = dst + beta·lhs[m×k]·rhs[k×n]` (or without the `dst` term when

@@ -25,6 +25,7 @@
 //! correctness: [`EmberBackend::fused`] (whether running an op as one node is faster than its
 //! composition), [`EmberBackend::native_low_precision`] and [`EmberBackend::cpu_bf16_gemms`].
 
+mod activation;
 pub mod adamw;
 pub mod attention;
 pub mod bench;
@@ -62,7 +63,7 @@ use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
 pub use adamw::{adamw, sum_squares, AdamWOps, AdamWStep};
 pub use attention::{AttentionOps, AttentionSaved};
-pub use collective::{DeviceComm, DeviceReduceOps};
+pub use collective::{DeviceComm, DeviceReduceOps, ReduceError};
 pub use compute::{Bf16Kernel, Bf16Products, Compute, Cpu, Path, Tier};
 pub use cross_entropy::{lm_head_cross_entropy, ChunkSpec, LmHeadLossOps, IGNORE};
 pub use experts::{experts, ExpertOps};

@@ -31,9 +31,10 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
+use crate::activation::exp;
 use crate::attention::{masked_attention, Scores};
 use crate::compute::{Compute, Cpu};
-use crate::kernels::{exp, lanes_dot, lanes_max, lanes_sum};
+use crate::kernels::{lanes_dot, lanes_max, lanes_sum};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{self, Tier};
 use crate::{flex, float, prim};

@@ -98,7 +98,7 @@ mod tests {
 
     multiversion! {
         fn scaled_exps(cpu: Cpu, x: &[f32], s: f32) -> Vec<f32> {
-            x.iter().map(|&v| crate::kernels::exp(v * s)).collect()
+            x.iter().map(|&v| crate::activation::exp(v * s)).collect()
         }
     }
 

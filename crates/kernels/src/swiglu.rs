@@ -11,21 +11,12 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::activation::silu;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Tensor};
-use serde::{Deserialize, Serialize};
 
 use crate::compute::Compute;
 use crate::gelu::{self, Gelu};
 use crate::{flex, float, kernels, prim, reference_grads, EmberBackend};
 
-/// The activation of a gated unit's gate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Gate {
-    /// `silu(g) = g·σ(g)`: SwiGLU.
-    Silu,
-    /// The tanh-approximated GELU ([`Gelu::Tanh`]): GeGLU as Gemma runs it.
-    GeluTanh,
-}
+pub use crate::activation::Gate;
 
 /// A backend's packed gated units; the default methods are the reference.
 pub trait GluOps: Backend {

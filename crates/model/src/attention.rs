@@ -5,16 +5,17 @@
 //! `query_pre_attn_scalar`) and soft-capped scores (Gemma 2).
 
 use burn::module::Module;
-use burn::tensor::{backend::Backend, Bool, DType, Tensor};
+use burn::tensor::{backend::Backend, DType, Tensor};
 
-use ember_kernels::attention::{attention_rope_packed, causal_mask, masked_attention, repeat_kv, Scores};
+use ember_kernels::attention::{attention_rope_packed, masked_attention, repeat_kv, Scores};
 use ember_kernels::documents::Documents;
 use ember_kernels::qk_norm::qk_norm_packed;
 use ember_kernels::rope::Rope;
 use ember_kernels::{Compute, EmberBackend};
 
-use crate::config::{positive_std, ConfigError};
 use crate::init::Init;
+use crate::keys::{rotate_own, Keys};
+use crate::kinds::{positive_std, ConfigError, Target};
 use crate::kv_cache::LayerKv;
 use crate::linear::{forward_packed, Linear};
 use crate::mla::{Latent, MlaConfig};
@@ -109,6 +110,53 @@ impl AttentionConfig {
         positive_std(self.init_std, self.out_std)
     }
 
+    /// Its parameters: the projections' weights and biases and the q/k norms (latent attention
+    /// counts its own).
+    pub(crate) fn params(&self) -> u64 {
+        if let Some(mla) = &self.mla {
+            return mla.params(self.d_model, self.n_heads, self.qkv_bias, self.o_bias);
+        }
+        let d = self.d_model as u64;
+        let (q, kv) = ((self.n_heads * self.head_dim) as u64, (self.n_kv_heads * self.head_dim) as u64);
+        let qkv_bias = if self.qkv_bias { q + 2 * kv } else { 0 };
+        let o_bias = if self.o_bias { d } else { 0 };
+        let qk_norm = self
+            .qk_norm
+            .as_ref()
+            .map_or(0, |n| self.whole(n, self.n_heads).params() + self.whole(n, self.n_kv_heads).params());
+        self.matmul_params() + qkv_bias + o_bias + qk_norm
+    }
+
+    /// Weights a token multiplies by: `D·H·Dh + 2·D·K·Dh + H·Dh·D`; latent attention's expanded
+    /// form's.
+    pub(crate) fn matmul_params(&self) -> u64 {
+        if let Some(mla) = &self.mla {
+            return mla.matmul_params(self.d_model, self.n_heads);
+        }
+        let d = self.d_model as u64;
+        let (q, kv) = ((self.n_heads * self.head_dim) as u64, (self.n_kv_heads * self.head_dim) as u64);
+        d * q + 2 * d * kv + q * d
+    }
+
+    /// `(in, out)` of the projection `target` names, if it is one of the attention's (latent
+    /// attention's four: the query's up-projection when it is low-rank).
+    pub(crate) fn projection(&self, target: Target) -> Option<(usize, usize)> {
+        let i = [Target::QProj, Target::KProj, Target::VProj, Target::OProj].iter().position(|&t| t == target)?;
+        if let Some(mla) = &self.mla {
+            return Some(mla.shapes(self.d_model, self.n_heads)[i]);
+        }
+        let d = self.d_model;
+        let (q, kv) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+        Some([(d, q), (d, kv), (d, kv), (q, d)][i])
+    }
+
+    /// The width of the score and value products per position, `H·Dh` (latent attention's scores
+    /// are `qk_dim` wide and its values `v_dim`: their mean).
+    pub(crate) fn width(&self) -> f64 {
+        let head = self.mla.as_ref().map_or(self.head_dim as f64, |m| (m.qk_dim() + m.v_dim) as f64 / 2.0);
+        self.n_heads as f64 * head
+    }
+
     /// The q or k norm of `heads` heads: per head, or over the projection's whole width.
     fn whole(&self, norm: &NormConfig, heads: usize) -> NormConfig {
         match self.qk_norm_whole {
@@ -194,41 +242,6 @@ pub struct Attention<B: Backend> {
     scores: Scores,
 }
 
-/// RoPE of a call's own queries and keys at their positions, and what each query may not see:
-/// causally from absolute position `start`, within `window`; with `docs`, each packed document's
-/// positions restart at `start` and it sees only itself.
-///
-/// # Shapes
-/// - q: `[B, H, T, D]`, k: `[B, K, T, D]` -> the same, and the mask `[B or 1, 1, T, T]` (true where hidden)
-pub(crate) fn rotate_own<B: Backend>(
-    rope: &Rope<B>,
-    (q, k): (Tensor<B, 4>, Tensor<B, 4>),
-    (start, docs): (usize, Option<&Documents>),
-    window: Option<usize>,
-) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4, Bool>) {
-    let [b, _, t, _] = q.dims();
-    let device = q.device();
-    match docs {
-        Some(docs) => {
-            assert_eq!(docs.dims(), [b, t], "documents of another batch shape than the tokens");
-            let positions = docs.positions(start);
-            let hidden = docs.hidden_mask::<B>(window, &device);
-            (rope.apply_positions(q, &positions), rope.apply_positions(k, &positions), hidden)
-        }
-        None => (rope.apply(q, start), rope.apply(k, start), causal_mask::<B>(t, t, window, &device)),
-    }
-}
-
-/// Where an attention call's keys and values come from.
-pub(crate) enum Keys<'a, B: Backend> {
-    /// The call's own: whole sequences whose first position is absolute position `start`; with
-    /// `docs`, each packed document of a row alone (its positions restart at `start`).
-    Own { start: usize, docs: Option<&'a Documents> },
-    /// The cache's: each row's new positions follow its cached ones, and their keys and values are
-    /// stored before the attention, which sees every stored key not in the query's future.
-    Cache(LayerKv<'a, B>),
-}
-
 impl<B: EmberBackend> Attention<B> {
     /// Causal self-attention of the positions `x` holds.
     ///
@@ -239,7 +252,8 @@ impl<B: EmberBackend> Attention<B> {
     /// f32.
     pub(crate) fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
         if let Some(latent) = &self.mla {
-            return latent.forward(self, x, rope, keys, cx);
+            let projections = [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
+            return latent.forward(projections, x, rope, keys, cx);
         }
         let [b, t, d] = x.dims();
         let qkv = self.qkv(x.reshape([b * t, d]), cx); // [B·T, (H + 2K)·Dh]

@@ -9,12 +9,12 @@ use burn::tensor::{backend::Backend, Tensor};
 use ember_kernels::rope::Rope;
 use ember_kernels::{Compute, EmberBackend};
 
-use crate::attention::{Attention, AttentionConfig, Keys};
-use crate::config::ConfigError;
+use crate::attention::{Attention, AttentionConfig};
 use crate::dropout;
 use crate::init::Init;
+use crate::keys::Keys;
+use crate::kinds::{ConfigError, Target};
 use crate::linear::Linear;
-use crate::lora::Target;
 use crate::mlp::{Mlp, MlpConfig};
 use crate::moe::{Moe, MoePartConfig, Route};
 use crate::norm::{Norm, NormConfig};
@@ -23,9 +23,7 @@ use crate::norm::{Norm, NormConfig};
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct BlockConfig {
     pub attention: AttentionConfig,
-    pub mlp: MlpConfig,
-    /// Experts in place of the MLP.
-    pub moe: Option<MoePartConfig>,
+    pub ffn: FeedForwardConfig,
     /// Every norm of the block.
     pub norm: NormConfig,
     pub sandwich_norms: bool,
@@ -33,18 +31,80 @@ pub(crate) struct BlockConfig {
     pub dropout: f64,
 }
 
+/// What a block's feed-forward part is built from: one MLP, or a mixture of experts.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum FeedForwardConfig {
+    Dense(MlpConfig),
+    Experts(MoePartConfig),
+}
+
+impl FeedForwardConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        match self {
+            Self::Dense(mlp) => mlp.validate(),
+            Self::Experts(moe) => moe.validate(),
+        }
+    }
+
+    fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> FeedForward<B> {
+        match self {
+            Self::Dense(mlp) => FeedForward::Mlp(mlp.init(init, device)),
+            Self::Experts(moe) => FeedForward::Moe(moe.init(init, device)),
+        }
+    }
+
+    fn params(&self) -> u64 {
+        match self {
+            Self::Dense(mlp) => mlp.params(),
+            Self::Experts(moe) => moe.params(),
+        }
+    }
+
+    fn matmul_params(&self) -> u64 {
+        match self {
+            Self::Dense(mlp) => mlp.matmul_params(),
+            Self::Experts(moe) => moe.matmul_params(),
+        }
+    }
+
+    fn projection(&self, target: Target) -> Option<(usize, usize)> {
+        match self {
+            Self::Dense(mlp) => mlp.projection(target),
+            Self::Experts(moe) => moe.projection(target),
+        }
+    }
+}
+
 impl BlockConfig {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         self.attention.validate()?;
-        match &self.moe {
-            Some(moe) => moe.validate()?,
-            None => self.mlp.validate()?,
-        }
+        self.ffn.validate()?;
         self.norm.validate()?;
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(ConfigError::Dropout(self.dropout));
         }
         Ok(())
+    }
+
+    /// The norms a block has: the attention's input norm, the MLP's (not in a parallel block),
+    /// and the two output norms of sandwich norms.
+    fn norms(&self) -> u64 {
+        1 + u64::from(!self.parallel) + 2 * u64::from(self.sandwich_norms)
+    }
+
+    /// Its parameters: the attention's, the feed-forward part's and the norms'.
+    pub(crate) fn params(&self) -> u64 {
+        self.attention.params() + self.ffn.params() + self.norms() * self.norm.params()
+    }
+
+    /// `(in, out)` of the projection `target` names, if the block has it.
+    pub(crate) fn projection(&self, target: Target) -> Option<(usize, usize)> {
+        self.attention.projection(target).or_else(|| self.ffn.projection(target))
+    }
+
+    /// Weights a token multiplies by in this block (the N of 6N).
+    pub(crate) fn matmul_params(&self) -> u64 {
+        self.attention.matmul_params() + self.ffn.matmul_params()
     }
 
     /// The part, its weights drawn from `init` (the attention's, then the MLP's). Call
@@ -57,12 +117,20 @@ impl BlockConfig {
             self_attn: self.attention.init(init, device),
             attn_output_norm: sandwich(),
             post_attention_layernorm: (!self.parallel).then(|| self.norm.init(device)),
-            mlp: self.moe.is_none().then(|| self.mlp.init(init, device)),
-            moe: self.moe.as_ref().map(|moe| moe.init(init, device)),
+            ffn: self.ffn.init(init, device),
             mlp_output_norm: sandwich(),
             dropout: self.dropout,
         }
     }
+}
+
+/// A block's feed-forward part. Its parameters are named by the variant, `layers.{i}.mlp.…` or
+/// `layers.{i}.moe.…` (see [`crate::weights`]).
+#[derive(Module, Debug)]
+pub enum FeedForward<B: Backend> {
+    Mlp(Mlp<B>),
+    /// A mixture of experts in place of the MLP.
+    Moe(Moe<B>),
 }
 
 #[derive(Module, Debug)]
@@ -74,10 +142,8 @@ pub struct Block<B: Backend> {
     pub attn_output_norm: Option<Norm<B>>,
     /// The MLP's input norm [Llama: post_attention_layernorm; Gemma: pre_feedforward_layernorm].
     pub post_attention_layernorm: Option<Norm<B>>,
-    /// The feed-forward part, unless the block has experts.
-    pub mlp: Option<Mlp<B>>,
-    /// The mixture of experts in place of the MLP.
-    pub moe: Option<Moe<B>>,
+    /// The feed-forward part.
+    pub ffn: FeedForward<B>,
     /// The MLP's output norm (sandwich norms) [Gemma: post_feedforward_layernorm].
     pub mlp_output_norm: Option<Norm<B>>,
     #[module(skip)]
@@ -85,10 +151,34 @@ pub struct Block<B: Backend> {
 }
 
 impl<B: Backend> Block<B> {
+    /// The MLP, unless the block has experts.
+    pub fn mlp(&self) -> Option<&Mlp<B>> {
+        match &self.ffn {
+            FeedForward::Mlp(mlp) => Some(mlp),
+            FeedForward::Moe(_) => None,
+        }
+    }
+
+    /// The mixture of experts, if the block has one.
+    pub fn moe(&self) -> Option<&Moe<B>> {
+        match &self.ffn {
+            FeedForward::Moe(moe) => Some(moe),
+            FeedForward::Mlp(_) => None,
+        }
+    }
+
+    /// The mixture of experts, to change.
+    pub(crate) fn moe_mut(&mut self) -> Option<&mut Moe<B>> {
+        match &mut self.ffn {
+            FeedForward::Moe(moe) => Some(moe),
+            FeedForward::Mlp(_) => None,
+        }
+    }
+
     /// The projection `target` names (`None`: a plain MLP has no gate, experts no MLP).
     pub fn projection(&self, target: Target) -> Option<&Linear<B>> {
         let att = &self.self_attn;
-        let mlp = || self.mlp.as_ref();
+        let mlp = || self.mlp();
         Some(match target {
             Target::QProj => &att.q_proj,
             Target::KProj => &att.k_proj,
@@ -102,7 +192,11 @@ impl<B: Backend> Block<B> {
 
     /// The projection `target` names, to change.
     pub fn projection_mut(&mut self, target: Target) -> Option<&mut Linear<B>> {
-        let (att, mlp) = (&mut self.self_attn, self.mlp.as_mut());
+        let att = &mut self.self_attn;
+        let mlp = match &mut self.ffn {
+            FeedForward::Mlp(mlp) => Some(mlp),
+            FeedForward::Moe(_) => None,
+        };
         Some(match target {
             Target::QProj => &mut att.q_proj,
             Target::KProj => &mut att.k_proj,
@@ -116,6 +210,26 @@ impl<B: Backend> Block<B> {
 }
 
 impl<B: EmberBackend> Block<B> {
+    /// The block with its adapters merged into its weights (the experts' and the shared
+    /// expert's too).
+    pub(crate) fn merge_lora(mut self) -> Self {
+        for target in Target::ALL {
+            if let Some(lin) = self.projection_mut(target) {
+                *lin = lin.clone().merge_lora();
+            }
+        }
+        if let FeedForward::Moe(moe) = self.ffn {
+            let mut moe = moe.merge_lora();
+            if let Some(shared) = moe.shared.as_mut() {
+                for lin in shared.gate_proj.iter_mut().chain([&mut shared.up_proj, &mut shared.down_proj]) {
+                    *lin = lin.clone().merge_lora();
+                }
+            }
+            self.ffn = FeedForward::Moe(moe);
+        }
+        self
+    }
+
     /// The block's output; a mixture of experts adds its routing to `routes`.
     ///
     /// # Shapes
@@ -136,14 +250,13 @@ impl<B: EmberBackend> Block<B> {
             Some(norm) => norm.forward(h.clone(), cx),
             None => normed.reshape([b * t, d]), // a parallel block: the attention's input
         };
-        let ffn = match (&self.moe, &self.mlp) {
-            (Some(moe), _) => {
+        let ffn = match &self.ffn {
+            FeedForward::Moe(moe) => {
                 let (y, route) = moe.forward(mlp_in, cx);
                 routes.push(route);
                 y
             }
-            (None, Some(mlp)) => mlp.forward(mlp_in, cx),
-            (None, None) => mlp_in.zeros_like(), // no feed-forward part adds nothing
+            FeedForward::Mlp(mlp) => mlp.forward(mlp_in, cx),
         };
         let mlp = output(&self.mlp_output_norm, ffn, cx);
         let y = h + dropout(mlp, self.dropout);

@@ -8,11 +8,11 @@ use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
-use crate::attention::Keys;
 use crate::block::Block;
-use crate::config::Positions;
-use crate::config::{ConfigError, ModelConfig};
+use crate::config::ModelConfig;
 use crate::init::Init;
+use crate::keys::Keys;
+use crate::kinds::{ConfigError, Positions};
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
@@ -65,7 +65,7 @@ impl<B: EmberBackend> Decoder<B> {
         config: &ModelConfig,
         device: &B::Device,
         weights: Vec<(String, QuantWeight)>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, KeepError> {
         let mut by_layer: BTreeMap<usize, Vec<(String, QuantWeight)>> = BTreeMap::new();
         for (path, weight) in weights {
             let layer = match path.split('.').collect::<Vec<_>>().as_slice() {
@@ -73,7 +73,7 @@ impl<B: EmberBackend> Decoder<B> {
                 _ => None,
             };
             let Some(layer) = layer.filter(|l| *l < config.n_layers) else {
-                return Err(format!("`{path}` is not a projection of this model"));
+                return Err(KeepError::NotAProjection(path));
             };
             by_layer.entry(layer).or_default().push((path, weight));
         }
@@ -85,8 +85,7 @@ impl<B: EmberBackend> Decoder<B> {
                 }
             }
             block
-        })
-        .map_err(|e| e.to_string())?;
+        })?;
         failed.map_or(Ok(model), Err)
     }
 
@@ -252,7 +251,7 @@ impl<B: EmberBackend> Decoder<B> {
     /// (in order, `loads[i]` the `i`-th such layer's share of pairs per expert) moves its selection
     /// bias by `rate` towards an even load ([`crate::moe::Moe::balance_selection_bias`]).
     pub fn balance_selection_bias(mut self, loads: &[Vec<f64>], rate: f64) -> Self {
-        let experts = self.layers.iter_mut().filter_map(|layer| layer.moe.as_mut());
+        let experts = self.layers.iter_mut().filter_map(|layer| layer.moe_mut());
         for (moe, load) in experts.zip(loads) {
             moe.balance_selection_bias(load, rate);
         }
@@ -321,7 +320,7 @@ impl<B: EmberBackend> Decoder<B> {
             }
             // A mixture's MLP targets: every expert's projection (one adapter each, stacked) and
             // the shared expert's.
-            let Some(moe) = layer.moe.as_mut() else { continue };
+            let Some(moe) = layer.moe_mut() else { continue };
             let on = [Target::GateProj, Target::UpProj, Target::DownProj].map(|t| config.targets.contains(&t));
             if !on.contains(&true) {
                 continue;
@@ -355,7 +354,7 @@ impl<B: EmberBackend> Decoder<B> {
     /// Whether any projection (or stack of experts) carries a LoRA adapter.
     pub fn has_lora(&self) -> bool {
         self.layers.iter().any(|layer| {
-            let experts = layer.moe.as_ref().is_some_and(|m| {
+            let experts = layer.moe().is_some_and(|m| {
                 let shared = m
                     .shared
                     .as_ref()
@@ -369,22 +368,8 @@ impl<B: EmberBackend> Decoder<B> {
     /// Folds every adapter into its projection's weight; quantized projections are dequantized
     /// (the merged model is plain f32 weights).
     pub fn merge_lora(mut self) -> Self {
-        for layer in self.layers.iter_mut() {
-            for target in Target::ALL {
-                if let Some(lin) = layer.projection_mut(target) {
-                    *lin = lin.clone().merge_lora();
-                }
-            }
-            if let Some(moe) = layer.moe.take() {
-                let mut moe = moe.merge_lora();
-                if let Some(shared) = moe.shared.as_mut() {
-                    for lin in shared.gate_proj.iter_mut().chain([&mut shared.up_proj, &mut shared.down_proj]) {
-                        *lin = lin.clone().merge_lora();
-                    }
-                }
-                layer.moe = Some(moe);
-            }
-        }
+        let layers = std::mem::take(&mut self.layers);
+        self.layers = layers.into_iter().map(Block::merge_lora).collect();
         self
     }
 
@@ -420,21 +405,36 @@ impl<B: EmberBackend> Decoder<B> {
     }
 }
 
+/// A quantized weight a model cannot keep.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KeepError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("`{0}` is not a projection of this model")]
+    NotAProjection(String),
+    #[error(
+        "`{path}`: a {kind} weight of {} × {} for a projection of {} × {}",
+        stored.0,
+        stored.1,
+        projection.0,
+        projection.1
+    )]
+    Shape { path: String, kind: String, stored: (usize, usize), projection: (usize, usize) },
+}
+
 /// The projection of `block` that `path` names (its last part), kept as `weight`.
-fn keep_quantized<B: Backend>(block: &mut Block<B>, path: &str, weight: QuantWeight) -> Result<(), String> {
+fn keep_quantized<B: Backend>(block: &mut Block<B>, path: &str, weight: QuantWeight) -> Result<(), KeepError> {
     let target = path.rsplit('.').next().and_then(|name| Target::ALL.into_iter().find(|t| t.name() == name));
     let Some(lin) = target.and_then(|t| block.projection_mut(t)) else {
-        return Err(format!("`{path}` is not a projection of this model"));
+        return Err(KeepError::NotAProjection(path.to_string()));
     };
     if (lin.d_in(), lin.d_out()) != (weight.d_in(), weight.d_out()) {
-        return Err(format!(
-            "`{path}`: a {} weight of {} × {} for a projection of {} × {}",
-            weight.kind(),
-            weight.d_in(),
-            weight.d_out(),
-            lin.d_in(),
-            lin.d_out()
-        ));
+        return Err(KeepError::Shape {
+            path: path.to_string(),
+            kind: weight.kind().to_string(),
+            stored: (weight.d_in(), weight.d_out()),
+            projection: (lin.d_in(), lin.d_out()),
+        });
     }
     *lin = lin.clone().with_quantized(weight);
     Ok(())
@@ -443,7 +443,7 @@ fn keep_quantized<B: Backend>(block: &mut Block<B>, path: &str, weight: QuantWei
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{tiny_config, MlpKind, RopeLayout};
+    use crate::config::{tiny_config, MlpKind, NormKind, RopeLayout};
     use crate::lora::LoraConfig;
     use crate::TestBackend;
     use burn::tensor::{TensorData, Tolerance};
@@ -464,6 +464,22 @@ mod tests {
             ModelConfig { tie_embeddings: true, ..base.clone() },
             ModelConfig { qkv_bias: true, n_kv_heads: Some(1), ..base.clone() },
             ModelConfig { head_dim: Some(6), n_layers: 3, d_ff: 40, ..base.clone() },
+            // Every optional part at once: a parallel block with sandwich norms (three norms),
+            // LayerNorms with biases, whole-width q/k norms, biases everywhere, a plain MLP.
+            ModelConfig {
+                parallel_block: true,
+                sandwich_norms: true,
+                norm: NormKind::LayerNorm,
+                norm_bias: true,
+                qk_norm: true,
+                qk_norm_whole: true,
+                qkv_bias: true,
+                o_bias: true,
+                mlp: MlpKind::Gelu,
+                mlp_bias: true,
+                positions: Positions::Learned,
+                ..base.clone()
+            },
         ];
         for cfg in configs {
             let model = Decoder::<B>::new(&cfg, 0, &dev).unwrap();
@@ -540,7 +556,7 @@ mod tests {
         let (q, o, down) = (
             std(l.self_attn.q_proj.weight.val()),
             std(l.self_attn.o_proj.weight.val()),
-            std(l.mlp.as_ref().unwrap().down_proj.weight.val()),
+            std(l.mlp().unwrap().down_proj.weight.val()),
         );
         assert!((q - 0.02).abs() < 0.001, "q std {q}");
         let want = 0.02 / 4.0; // 1/sqrt(2·8)
@@ -558,7 +574,7 @@ mod tests {
         let zeroed = Decoder::<B>::new(&ModelConfig { zero_init_out: true, ..base.clone() }, 5, &dev).unwrap();
         assert_eq!(zeroed.num_params() as u64, base.num_params());
         for (p, z) in plain.layers.iter().zip(&zeroed.layers) {
-            let (pm, zm) = (p.mlp.as_ref().unwrap(), z.mlp.as_ref().unwrap());
+            let (pm, zm) = (p.mlp().unwrap(), z.mlp().unwrap());
             assert!(pm.gate_proj.is_none());
             for w in [z.self_attn.o_proj.weight.val(), zm.down_proj.weight.val()] {
                 assert_eq!(w.abs().max().into_scalar(), 0.0);
@@ -624,8 +640,8 @@ mod tests {
         // With a non-zero B, merging gives the same logits without adapters.
         let mut trained = adapted;
         for layer in trained.layers.iter_mut() {
-            for lin in [&mut layer.self_attn.q_proj, &mut layer.mlp.as_mut().unwrap().down_proj] {
-                let l = lin.lora.as_mut().unwrap();
+            for target in [Target::QProj, Target::DownProj] {
+                let l = layer.projection_mut(target).unwrap().lora.as_mut().unwrap();
                 let shape = l.lora_b.dims();
                 l.lora_b =
                     Param::from_tensor(Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 0.2), &dev));

@@ -80,7 +80,7 @@ struct Plan<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions.
-    pub fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
+    pub(crate) fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
         let width = config.n_kv_heads() * config.head_dim();
         let (key_width, value_width) = config.mla.as_ref().map_or((width, width), |mla| (mla.cache_width(), 0));
         // Latent attention has no value pools (its values are part of the latent).
@@ -109,7 +109,7 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Sequences the cache holds.
-    pub fn batch(&self) -> usize {
+    pub(crate) fn batch(&self) -> usize {
         self.lens.len()
     }
 
@@ -125,7 +125,8 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Bytes the pools hold now (f32), every block of every layer, free or held.
-    pub fn pool_bytes(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn pool_bytes(&self) -> usize {
         let rows = |pools: &[Tensor<B, 2>]| pools.iter().map(|p| p.dims()[0] * p.dims()[1]).sum::<usize>();
         (rows(&self.keys) + rows(&self.values)) * DType::F32.size()
     }

@@ -45,14 +45,14 @@ impl<B: Backend> Linear<B> {
 
     /// Keeps `weight` (`[d_in, d_out]` of this layer) in its quantized storage, frozen: the f32
     /// weight is dropped for an empty placeholder.
-    pub fn with_quantized(self, weight: QuantWeight) -> Self {
+    pub(crate) fn with_quantized(self, weight: QuantWeight) -> Self {
         let device = self.weight.device();
         let placeholder = Tensor::<B, 2>::empty([0, 0], &device);
         Self { weight: Param::from_tensor(placeholder).set_require_grad(false), quantized: Some(weight), ..self }
     }
 
     /// The layer with its weight dequantized to an f32 parameter (frozen, as it was), for export.
-    pub fn dequantized(mut self) -> Self {
+    pub(crate) fn dequantized(mut self) -> Self {
         if let Some(q) = self.quantized.take() {
             self.weight = Param::from_tensor(q.to_tensor(&self.weight.device())).set_require_grad(false);
         }
@@ -73,13 +73,13 @@ impl<B: Backend> Linear<B> {
     }
 
     /// Whether a low-rank adapter is attached.
-    pub fn has_lora(&self) -> bool {
+    pub(crate) fn has_lora(&self) -> bool {
         self.lora.is_some()
     }
 
     /// Folds the adapter into the weight (`W + (α/r)·A·B`) and drops it; a quantized weight is
     /// dequantized first (the merged weight is f32).
-    pub fn merge_lora(self) -> Self {
+    pub(crate) fn merge_lora(self) -> Self {
         let mut layer = self.dequantized();
         if let Some(lora) = layer.lora.take() {
             let (dtype, require_grad) = (layer.weight.val().dtype(), layer.weight.val().is_require_grad());
@@ -101,7 +101,7 @@ impl<B: EmberBackend> Linear<B> {
     ///
     /// Callers fold leading dimensions into N: a 2-D GEMM avoids the batched-matmul broadcast and the
     /// per-batch reduction of the weight gradient.
-    pub fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+    pub(crate) fn forward(&self, x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
         forward_packed(&[self], x, cx)
     }
 

@@ -14,75 +14,18 @@ use crate::init::{const_param, Init};
 use crate::to_dtype;
 use crate::weights::PathMapper;
 
-/// A projection an adapter can target, spelled in configs as Hugging Face names the module (and
-/// peft's `target_modules` does): `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`,
-/// `down_proj`. The one table of them: [`Target::ALL`], [`Target::name`], [`Target::shape`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Target {
-    QProj,
-    KProj,
-    VProj,
-    OProj,
-    GateProj,
-    UpProj,
-    DownProj,
-}
+pub use crate::kinds::Target;
 
 impl Target {
-    pub const ALL: [Target; 7] = [
-        Target::QProj,
-        Target::KProj,
-        Target::VProj,
-        Target::OProj,
-        Target::GateProj,
-        Target::UpProj,
-        Target::DownProj,
-    ];
-
-    /// The Hugging Face module name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Target::QProj => "q_proj",
-            Target::KProj => "k_proj",
-            Target::VProj => "v_proj",
-            Target::OProj => "o_proj",
-            Target::GateProj => "gate_proj",
-            Target::UpProj => "up_proj",
-            Target::DownProj => "down_proj",
-        }
-    }
-
     /// `(in, out)` of the projection in a model of `config`.
     pub fn shape(self, config: &ModelConfig) -> (usize, usize) {
-        // With experts, an MLP target adapts each expert (and the dense layers' MLPs, if any): the
-        // narrower width.
-        let f = match &config.moe {
-            Some(m) if m.dense_layers == 0 => m.d_expert,
-            Some(m) => m.d_expert.min(config.d_ff),
-            None => config.d_ff,
-        };
-        let d = config.d_model;
-        // Latent attention's four (the query's up-projection when it is low-rank).
-        if let (Some(mla), Some(i)) =
-            (&config.mla, [Target::QProj, Target::KProj, Target::VProj, Target::OProj].iter().position(|&t| t == self))
-        {
-            return mla.shapes(d, config.n_heads)[i];
-        }
-        let (q, kv) = (config.n_heads * config.head_dim(), config.n_kv_heads() * config.head_dim());
-        match self {
-            Target::QProj => (d, q),
-            Target::KProj | Target::VProj => (d, kv),
-            Target::OProj => (q, d),
-            Target::GateProj | Target::UpProj => (d, f),
-            Target::DownProj => (f, d),
-        }
-    }
-}
-
-impl std::fmt::Display for Target {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        // Each block's part answers for its projection; where blocks differ (experts after dense
+        // layers) the narrower. A projection no block has (a plain MLP's gate) is taken as the
+        // model's MLP would have it, for the check that refuses it by name.
+        let narrowest = (0..config.n_layers)
+            .filter_map(|layer| config.block(layer).projection(self))
+            .min_by_key(|&(d_in, d_out)| d_in.min(d_out));
+        narrowest.unwrap_or((config.d_model, config.d_ff))
     }
 }
 
@@ -105,38 +48,56 @@ fn default_targets() -> Vec<Target> {
     vec![Target::QProj, Target::VProj]
 }
 
+/// A `[lora]` section that breaks a rule, named with its key and value.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LoraError {
+    #[error("lora.rank must be at least 1")]
+    ZeroRank,
+    #[error("lora.alpha must be positive, found {0}")]
+    Alpha(f64),
+    #[error("lora.dropout must be in [0, 1), found {0}")]
+    Dropout(f64),
+    #[error("lora.targets is empty")]
+    NoTargets,
+    #[error("lora.targets: `{0}` is not a projection of this model (its MLP has no gate)")]
+    NoGate(Target),
+    #[error(
+        "lora.rank {rank} is larger than `{target}`'s smaller side ({}, of {d_in} × {d_out}): an adapter of \
+         rank past min(in, out) adds memory, not capacity",
+        d_in.min(d_out)
+    )]
+    RankPastShape { rank: usize, target: Target, d_in: usize, d_out: usize },
+}
+
 impl LoraConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LoraError> {
         if self.rank == 0 {
-            return Err("lora.rank must be at least 1".into());
+            return Err(LoraError::ZeroRank);
         }
         if !(self.alpha > 0.0 && self.alpha.is_finite()) {
-            return Err(format!("lora.alpha must be positive, found {}", self.alpha));
+            return Err(LoraError::Alpha(self.alpha));
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(format!("lora.dropout must be in [0, 1), found {}", self.dropout));
+            return Err(LoraError::Dropout(self.dropout));
         }
         if self.targets.is_empty() {
-            return Err("lora.targets is empty".into());
+            return Err(LoraError::NoTargets);
         }
         Ok(())
     }
 
     /// Checks the targets against the model they adapt: a plain (GPT-2) MLP has no gate.
-    pub fn validate_for(&self, model: &ModelConfig) -> Result<(), String> {
-        if let Some(t) = self.targets.iter().find(|t| **t == Target::GateProj && !model.mlp.gated()) {
-            return Err(format!("lora.targets: `{t}` is not a projection of this model (its MLP has no gate)"));
+    pub fn validate_for(&self, model: &ModelConfig) -> Result<(), LoraError> {
+        if let Some(&t) = self.targets.iter().find(|t| **t == Target::GateProj && !model.mlp.gated()) {
+            return Err(LoraError::NoGate(t));
         }
         // A rank past a projection's smaller side adds parameters (and memory), never capacity:
         // `B·A` already reaches every matrix of that shape at min(in, out).
         let narrowest = self.targets.iter().map(|&t| (t, t.shape(model))).min_by_key(|(_, (i, o))| (*i).min(*o));
         match narrowest {
-            Some((t, (i, o))) if self.rank > i.min(o) => Err(format!(
-                "lora.rank {} is larger than `{t}`'s smaller side ({}, of {i} × {o}): an adapter of rank past \
-                 min(in, out) adds memory, not capacity",
-                self.rank,
-                i.min(o)
-            )),
+            Some((target, (d_in, d_out))) if self.rank > d_in.min(d_out) => {
+                Err(LoraError::RankPastShape { rank: self.rank, target, d_in, d_out })
+            }
             _ => Ok(()),
         }
     }
@@ -177,7 +138,7 @@ impl<B: Backend> Lora<B> {
     }
 
     /// The update folded into a weight: `(α/r) · A · B`, `[in, out]`.
-    pub fn delta(&self) -> Tensor<B, 2> {
+    pub(crate) fn delta(&self) -> Tensor<B, 2> {
         self.lora_a.val().matmul(self.lora_b.val()).mul_scalar(self.scale)
     }
 }
@@ -246,7 +207,7 @@ mod tests {
         let lora = |rank| LoraConfig { rank, alpha: 8.0, dropout: 0.0, targets: vec![Target::QProj, Target::DownProj] };
         let narrowest = c.d_model.min(c.d_ff).min(c.n_heads * c.head_dim());
         assert!(lora(narrowest).validate_for(&c).is_ok());
-        let e = lora(1_000_000).validate_for(&c).unwrap_err();
+        let e = lora(1_000_000).validate_for(&c).unwrap_err().to_string();
         assert!(e.contains("lora.rank 1000000") && e.contains(&format!("smaller side ({narrowest}")), "{e}");
     }
 

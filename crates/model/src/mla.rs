@@ -4,7 +4,7 @@
 //! head is `[q_nope | q_rope]`, optionally through a low-rank query (`q_lora_rank`, with its own
 //! norm); a key head is `[c·W_UK_h | k_rope]`, a value head `c·W_UV_h`.
 //!
-//! In [`Attention`]'s projections: `q_proj` is the query's (its up-projection `q_b_proj` when the
+//! In the attention's projections: `q_proj` is the query's (its up-projection `q_b_proj` when the
 //! query is low-rank), `k_proj` the joint down-projection to `[c | k_rope]`
 //! (`kv_a_proj_with_mqa`), `v_proj` the keys' and values' up-projection `W_UKV`, per head
 //! `[W_UK_h | W_UV_h]` (`kv_b_proj`), `o_proj` the output's. [`Latent`] holds the rest.
@@ -24,9 +24,9 @@ use ember_kernels::documents::Documents;
 use ember_kernels::rope::Rope;
 use ember_kernels::{Compute, EmberBackend};
 
-use crate::attention::{rotate_own, Attention, Keys};
-use crate::config::{ConfigError, NormKind};
 use crate::init::Init;
+use crate::keys::{rotate_own, Keys};
+use crate::kinds::{ConfigError, NormKind};
 use crate::kv_cache::LayerKv;
 use crate::linear::Linear;
 use crate::norm::{Norm, NormConfig};
@@ -164,14 +164,23 @@ pub struct Latent<B: Backend> {
     scores: Scores,
 }
 
+/// A call's queries split at the rotary part, `q_nope` `[B, H, T, dn]` and `q_rope` `[B, H, T, dr]`;
+/// its latents `c` `[B·T, r]` and rotary keys `k_rope` `[B, 1, T, dr]`; and `(B, T)`.
+struct Parts<B: Backend> {
+    queries: (Tensor<B, 4>, Tensor<B, 4>),
+    keys: (Tensor<B, 2>, Tensor<B, 4>),
+    bt: (usize, usize),
+}
+
 impl<B: EmberBackend> Latent<B> {
-    /// The attention of `x`'s positions through `att`'s projections.
+    /// The attention of `x`'s positions through the attention's four projections (as
+    /// the attention names them: q, k, v, o).
     ///
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
     pub(crate) fn forward(
         &self,
-        att: &Attention<B>,
+        [q_proj, kv_down, kv_up, o_proj]: [&Linear<B>; 4],
         x: Tensor<B, 3>,
         rope: &Rope<B>,
         keys: Keys<'_, B>,
@@ -181,44 +190,39 @@ impl<B: EmberBackend> Latent<B> {
         let (h, r, dn, dr, dv) = (self.heads, self.kv_rank, self.nope_dim, self.rope_dim, self.v_dim);
         let x = x.reshape([b * t, d]);
         let q = match (&self.q_a_proj, &self.q_a_norm) {
-            (Some(down), Some(norm)) => att.q_proj.forward(norm.forward(down.forward(x.clone(), cx), cx), cx),
-            _ => att.q_proj.forward(x.clone(), cx),
+            (Some(down), Some(norm)) => q_proj.forward(norm.forward(down.forward(x.clone(), cx), cx), cx),
+            _ => q_proj.forward(x.clone(), cx),
         }; // [B·T, H·(dn + dr)]
-        let kv = att.k_proj.forward(x, cx); // [B·T, r + dr]
+        let kv = kv_down.forward(x, cx); // [B·T, r + dr]
         let c = self.kv_a_norm.forward(kv.clone().narrow(1, 0, r), cx); // [B·T, r]
         let k_rope = kv.narrow(1, r, dr).reshape([b, t, 1, dr]).swap_dims(1, 2); // [B, 1, T, dr]
         let q = q.reshape([b, t, h, dn + dr]).swap_dims(1, 2); // [B, H, T, dn + dr]
         let (q_nope, q_rope) = (q.clone().narrow(3, 0, dn), q.narrow(3, dn, dr));
+        let parts = Parts { queries: (q_nope, q_rope), keys: (c, k_rope), bt: (b, t) };
         let o = match keys {
-            Keys::Own { start, docs } => {
-                self.expanded(att, (q_nope, q_rope), (c, k_rope), rope, (b, t), (start, docs), cx)
-            }
-            Keys::Cache(kv) => self.absorbed(att, (q_nope, q_rope), (c, k_rope), rope, (b, t), kv, cx),
+            Keys::Own { start, docs } => self.expanded(kv_up, parts, rope, (start, docs), cx),
+            Keys::Cache(kv) => self.absorbed(kv_up, parts, rope, kv, cx),
         }; // [B, H, T, dv]
         let o = o.swap_dims(1, 2).reshape([b * t, h * dv]);
-        att.o_proj.forward(o, cx).reshape([b, t, d])
+        o_proj.forward(o, cx).reshape([b, t, d])
     }
 
     /// The expanded form: every head's keys and values made from the latent, then causal attention
     /// of the call's own positions.
     ///
     /// # Shapes
-    /// - q_nope: `[B, H, T, dn]`, q_rope: `[B, H, T, dr]`, c: `[B·T, r]`, k_rope: `[B, 1, T, dr]`
-    ///   -> `[B, H, T, dv]`
-    #[allow(clippy::too_many_arguments)]
+    /// - parts as [`Parts`] -> `[B, H, T, dv]`
     fn expanded(
         &self,
-        att: &Attention<B>,
-        (q_nope, q_rope): (Tensor<B, 4>, Tensor<B, 4>),
-        (c, k_rope): (Tensor<B, 2>, Tensor<B, 4>),
+        kv_up: &Linear<B>,
+        Parts { queries: (q_nope, q_rope), keys: (c, k_rope), bt: (b, t) }: Parts<B>,
         rope: &Rope<B>,
-        (b, t): (usize, usize),
         (start, docs): (usize, Option<&Documents>),
         cx: Compute,
     ) -> Tensor<B, 4> {
         let (h, dn, dr, dv) = (self.heads, self.nope_dim, self.rope_dim, self.v_dim);
         let (q_rope, k_rope, hidden) = rotate_own(rope, (q_rope, k_rope), (start, docs), None);
-        let kv = att.v_proj.forward(c, cx).reshape([b, t, h, dn + dv]).swap_dims(1, 2); // [B, H, T, dn + dv]
+        let kv = kv_up.forward(c, cx).reshape([b, t, h, dn + dv]).swap_dims(1, 2); // [B, H, T, dn + dv]
         let k = Tensor::cat(vec![kv.clone().narrow(3, 0, dn), k_rope.expand([b, h, t, dr])], 3);
         let v = kv.narrow(3, dn, dv);
         let q = Tensor::cat(vec![q_nope, q_rope], 3);
@@ -231,14 +235,11 @@ impl<B: EmberBackend> Latent<B> {
     ///
     /// # Shapes
     /// - as [`Self::expanded`]
-    #[allow(clippy::too_many_arguments)]
     fn absorbed(
         &self,
-        att: &Attention<B>,
-        (q_nope, q_rope): (Tensor<B, 4>, Tensor<B, 4>),
-        (c, k_rope): (Tensor<B, 2>, Tensor<B, 4>),
+        kv_up: &Linear<B>,
+        Parts { queries: (q_nope, q_rope), keys: (c, k_rope), bt: (b, t) }: Parts<B>,
         rope: &Rope<B>,
-        (b, t): (usize, usize),
         kv: LayerKv<'_, B>,
         cx: Compute,
     ) -> Tensor<B, 4> {
@@ -246,7 +247,7 @@ impl<B: EmberBackend> Latent<B> {
         let starts = kv.starts();
         let (q_rope, k_rope) = (rope.apply_rows_op(q_rope, &starts, cx), rope.apply_rows_op(k_rope, &starts, cx));
         // W_UKV per head: [H, r, dn + dv].
-        let w = att.v_proj.effective_weight().reshape([r, h, dn + dv]).swap_dims(0, 1);
+        let w = kv_up.effective_weight().reshape([r, h, dn + dv]).swap_dims(0, 1);
         let w_uk = w.clone().narrow(2, 0, dn).swap_dims(1, 2).unsqueeze::<4>(); // [1, H, dn, r]
         let w_uv = w.narrow(2, dn, dv).unsqueeze::<4>(); // [1, H, r, dv]
         let q = Tensor::cat(vec![q_nope.matmul(w_uk), q_rope], 3); // [B, H, T, r + dr]

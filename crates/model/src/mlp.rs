@@ -12,8 +12,8 @@ use ember_kernels::relu_squared::relu_squared;
 use ember_kernels::swiglu::{geglu_packed, swiglu_packed};
 use ember_kernels::{Compute, EmberBackend};
 
-use crate::config::{positive_std, ConfigError, MlpKind};
 use crate::init::Init;
+use crate::kinds::{positive_std, ConfigError, MlpKind, Target};
 use crate::linear::{forward_packed, Linear};
 
 /// What an [`Mlp`] is built from.
@@ -41,6 +41,34 @@ impl MlpConfig {
             return Err(ConfigError::NotPositive { name, value: 0.0 });
         }
         positive_std(self.init_std, self.out_std)
+    }
+
+    /// Its parameters: the projections and their biases.
+    pub(crate) fn params(&self) -> u64 {
+        let (d, f) = (self.d_model as u64, self.d_ff as u64);
+        let biases = match (self.bias, self.kind.gated()) {
+            (false, _) => 0,
+            (true, true) => 2 * f + d,
+            (true, false) => f + d,
+        };
+        self.matmul_params() + biases
+    }
+
+    /// Weights a token multiplies by: `3·D·F` gated, `2·D·F` plain.
+    pub(crate) fn matmul_params(&self) -> u64 {
+        let projections = if self.kind.gated() { 3 } else { 2 };
+        projections * self.d_model as u64 * self.d_ff as u64
+    }
+
+    /// `(in, out)` of the projection `target` names, if the MLP has it (a plain MLP no gate).
+    pub(crate) fn projection(&self, target: Target) -> Option<(usize, usize)> {
+        let (d, f) = (self.d_model, self.d_ff);
+        match target {
+            Target::GateProj if self.kind.gated() => Some((d, f)),
+            Target::UpProj => Some((d, f)),
+            Target::DownProj => Some((f, d)),
+            _ => None,
+        }
     }
 
     /// The part, its weights drawn from `init` (gate, up, down in that order). Call

@@ -10,8 +10,8 @@ use ember_kernels::layer_norm::layer_norm;
 use ember_kernels::rms_norm::rms_norm;
 use ember_kernels::{Compute, EmberBackend};
 
-use crate::config::{ConfigError, NormKind};
 use crate::init::const_param;
+use crate::kinds::{ConfigError, NormKind};
 
 /// What a [`Norm`] is built from.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +39,11 @@ impl NormConfig {
             return Err(ConfigError::NotPositive { name: "norm_eps", value: self.eps });
         }
         Ok(())
+    }
+
+    /// Its parameters: the gain, and a LayerNorm's bias.
+    pub(crate) fn params(&self) -> u64 {
+        self.d_model as u64 * if self.bias { 2 } else { 1 }
     }
 
     /// A norm of gain one (Gemma's stored weight zero) and bias zero.

@@ -26,7 +26,7 @@ pub enum WeightsError {
 
 /// How many of `data`'s values are NaN or infinite: those whose exponent bits are all set, counted
 /// on the stored bytes (f64, f32, bf16 or f16; other dtypes hold none).
-pub fn count_non_finite(data: &TensorData) -> usize {
+pub(crate) fn count_non_finite(data: &TensorData) -> usize {
     let (width, exponent): (usize, u64) = match data.dtype {
         DType::F64 => (8, 0x7ff0_0000_0000_0000),
         DType::F32 => (4, 0x7f80_0000),
@@ -57,26 +57,39 @@ pub fn warn_non_finite(source: &str, name: &str, data: &TensorData) -> bool {
 /// (`file_bytes` in all: at least one byte a parameter, as in any float or 8-bit format) and that
 /// its f32 parameters fit in the memory the host has left. A config that describes a far bigger
 /// model than its files (a damaged or hostile `config.json`) is an error, not an abort.
-pub fn check_model_size(config: &crate::ModelConfig, files: &str, file_bytes: u64) -> Result<(), String> {
-    config.validate().map_err(|e| e.to_string())?;
+pub fn check_model_size(config: &crate::ModelConfig, files: &str, file_bytes: u64) -> Result<(), SizeError> {
+    config.validate()?;
     let params = config.num_params();
     if params > file_bytes {
-        return Err(format!(
-            "the config describes {params} parameters, but {files} hold only {file_bytes} bytes: \
-             the config does not belong to these weights"
-        ));
+        return Err(SizeError::LargerThanFiles { params, files: files.to_string(), file_bytes });
     }
     let need = params.saturating_mul(4);
-    if let Some(have) = host_available() {
-        if need > have {
-            return Err(format!(
-                "a model of {params} parameters needs {:.2} GiB in f32, more than the {:.2} GiB of memory available",
-                need as f64 / (1u64 << 30) as f64,
-                have as f64 / (1u64 << 30) as f64
-            ));
-        }
+    match host_available() {
+        Some(have) if need > have => Err(SizeError::NoMemory { params, need, have }),
+        _ => Ok(()),
     }
-    Ok(())
+}
+
+/// A config whose model cannot be what its files hold, or cannot fit in memory.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SizeError {
+    #[error(transparent)]
+    Config(#[from] crate::ConfigError),
+    #[error(
+        "the config describes {params} parameters, but {files} hold only {file_bytes} bytes: the config does not \
+         belong to these weights"
+    )]
+    LargerThanFiles { params: u64, files: String, file_bytes: u64 },
+    #[error(
+        "a model of {params} parameters needs {:.2} GiB in f32, more than the {:.2} GiB of memory available",
+        gib(*need),
+        gib(*have)
+    )]
+    NoMemory { params: u64, need: u64, have: u64 },
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }
 
 /// Memory the host can still give (`MemAvailable` of /proc/meminfo); `None` where unknown.
@@ -108,14 +121,46 @@ impl<V> Paths<V> {
     fn joined(&self) -> String {
         self.path.join(".")
     }
+
+    /// A module entered by field `name`; an enum's variant takes its field's place in the path, in
+    /// snake case (`ffn: FeedForward::Mlp(…)` is `mlp`), so that a part whose kind is a type keeps
+    /// the names it had as one of two optional fields.
+    fn enter(&mut self, name: &str, container: &str) {
+        if container.starts_with("Enum:") {
+            self.path.pop();
+            self.path.push(snake_case(name));
+        } else {
+            self.path.push(name.to_string());
+        }
+    }
+
+    /// Leaves what [`Self::enter`] entered: the enum's variant stays as its field's name until the
+    /// field itself is left.
+    fn exit(&mut self, container: &str) {
+        if !container.starts_with("Enum:") {
+            self.path.pop();
+        }
+    }
+}
+
+/// `FeedForward` → `feed_forward`.
+fn snake_case(name: &str) -> String {
+    let mut out = String::with_capacity(name.len() + 4);
+    for (i, c) in name.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
 }
 
 impl<B: Backend, V: PathVisitor<B>> ModuleVisitor<B> for Paths<&mut V> {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.enter(name, container);
     }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
+    fn exit_module(&mut self, _: &str, container: &str) {
+        self.exit(container);
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let path = self.joined();
@@ -124,11 +169,11 @@ impl<B: Backend, V: PathVisitor<B>> ModuleVisitor<B> for Paths<&mut V> {
 }
 
 impl<B: Backend, V: PathMapper<B>> ModuleMapper<B> for Paths<&mut V> {
-    fn enter_module(&mut self, name: &str, _: &str) {
-        self.path.push(name.to_string());
+    fn enter_module(&mut self, name: &str, container: &str) {
+        self.enter(name, container);
     }
-    fn exit_module(&mut self, _: &str, _: &str) {
-        self.path.pop();
+    fn exit_module(&mut self, _: &str, container: &str) {
+        self.exit(container);
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let path = self.joined();

@@ -3,7 +3,7 @@
 
 use burn::backend::Flex;
 use burn::tensor::{DType, Int, Tensor, TensorData};
-use ember_model::sample::{generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_generate::sample::{generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_model::{Compute, Decoder, MlpKind, ModelConfig, RopeLayout};
 
 type B = Flex;

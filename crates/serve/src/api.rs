@@ -4,7 +4,7 @@
 //! settings it cannot honour (`n` > 1, `logprobs`) are refused with a message that names them.
 
 use ember_data::finetune::Message;
-use ember_model::sample::SamplingConfig;
+use ember_generate::sample::SamplingConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 

@@ -42,20 +42,34 @@ struct Timed {
     tokens: usize,
 }
 
-fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<Timed, String> {
+/// A load run that could not finish: which request failed, and how.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("request to {url}: {message}")]
+    Request { url: String, message: String },
+    #[error("request to {url}: the stream ended before any token")]
+    NoToken { url: String },
+    #[error("a client thread panicked")]
+    Panicked,
+}
+
+fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<Timed, LoadError> {
+    let failed = |message: String| LoadError::Request { url: url.to_string(), message };
     let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed, "stream": true, "ignore_eos": true});
     let start = Instant::now();
-    let resp =
-        ureq::post(url).timeout(Duration::from_secs(600)).send_string(&body.to_string()).map_err(|e| e.to_string())?;
+    let resp = ureq::post(url)
+        .timeout(Duration::from_secs(600))
+        .send_string(&body.to_string())
+        .map_err(|e| failed(e.to_string()))?;
     let (mut first, mut last, mut gaps, mut tokens) = (None, None, Vec::new(), 0);
     for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line.map_err(|e| e.to_string())?;
+        let line = line.map_err(|e| failed(e.to_string()))?;
         let Some(data) = line.strip_prefix("data: ") else { continue };
         if data == "[DONE]" {
             break;
         }
         let now = Instant::now();
-        let chunk: Value = serde_json::from_str(data).map_err(|e| e.to_string())?;
+        let chunk: Value = serde_json::from_str(data).map_err(|e| failed(format!("a chunk that is not JSON: {e}")))?;
         if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
             tokens = n as usize;
             continue;
@@ -66,7 +80,7 @@ fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<
         }
         last = Some(now);
     }
-    let ttft = first.ok_or("no token came back")?;
+    let ttft = first.ok_or_else(|| LoadError::NoToken { url: url.to_string() })?;
     Ok(Timed { ttft, gaps, tokens })
 }
 
@@ -79,10 +93,10 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
 }
 
 /// `clients` threads, each streaming `requests` answers of `max_tokens` from `base` (http://host:port).
-pub fn load(base: &str, clients: usize, requests: usize, prompt: &str, max_tokens: usize) -> Result<Load, String> {
+pub fn load(base: &str, clients: usize, requests: usize, prompt: &str, max_tokens: usize) -> Result<Load, LoadError> {
     let url = format!("{base}/v1/completions");
     let start = Instant::now();
-    let results: Vec<Result<Vec<Timed>, String>> = std::thread::scope(|scope| {
+    let results: Vec<Result<Vec<Timed>, LoadError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..clients)
             .map(|c| {
                 let url = url.as_str();
@@ -91,7 +105,7 @@ pub fn load(base: &str, clients: usize, requests: usize, prompt: &str, max_token
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a client thread panicked".into()))).collect()
+        handles.into_iter().map(|h| h.join().unwrap_or(Err(LoadError::Panicked))).collect()
     });
     let wall_s = start.elapsed().as_secs_f64();
     let timed: Vec<Timed> = results.into_iter().collect::<Result<Vec<_>, _>>()?.into_iter().flatten().collect();

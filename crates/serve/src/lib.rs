@@ -1,6 +1,6 @@
 //! `ember serve`: an OpenAI-compatible HTTP server over an ember model, with continuous batching
 //! (requests join and leave the running decode batch at token granularity, see
-//! [`ember_model::engine`]), streaming as server-sent events, and a chat page.
+//! [`ember_generate::engine`]), streaming as server-sent events, and a chat page.
 
 pub mod api;
 pub mod bench;

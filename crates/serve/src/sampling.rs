@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ember_model::sample::SamplingConfig;
+use ember_generate::sample::SamplingConfig;
 use serde_json::Value;
 
 /// The Hugging Face file of a model's recommended generation settings.

@@ -26,9 +26,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use ember_data::finetune::ChatTemplate;
 use ember_data::stream::TextStream;
 use ember_data::Tokenizer;
+use ember_generate::engine::{EngineError, Event, Finish, Request as EngineRequest};
+use ember_generate::sample::Sampler;
 use ember_http::{race, Conn, Drained, Either, Limits, Priority, Refused, Service, Settings, StartError, Working};
-use ember_model::engine::{EngineError, Event, Finish, Request as EngineRequest};
-use ember_model::sample::Sampler;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
 use hyper::header::{HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HOST, ORIGIN, RETRY_AFTER};
@@ -52,7 +52,7 @@ pub struct Options {
     pub context: usize,
     /// The sampling of requests that set none (`temperature`, `top_p` left out): the model's chat
     /// defaults ([`crate::sampling::ChatDefaults`]).
-    pub sampling: ember_model::sample::SamplingConfig,
+    pub sampling: ember_generate::sample::SamplingConfig,
     /// `Host` names answered besides localhost and the address a connection came in on.
     pub allowed_hosts: Vec<String>,
     /// Required as `Authorization: Bearer KEY` when set.

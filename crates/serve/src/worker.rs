@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::sync::mpsc;
 
+use ember_generate::engine::{Engine, EngineError, Event, Request, RequestId};
 use ember_kernels::EmberBackend;
-use ember_model::engine::{Engine, EngineError, Event, Request, RequestId};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 pub enum Command {

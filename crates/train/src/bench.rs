@@ -91,16 +91,17 @@ pub fn bench_run<B: TrainBackend>(
     );
     let mut scaler = (compute.dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);
+    let splits = crate::objective::Splits { train: &setup.train, val: &setup.val };
+    let objective = crate::objective::build_timed::<B>(config, splits);
     let stepper = Stepper {
         data: &setup.train,
         sampler: WindowSampler::random(config.train.seed),
         config,
+        objective: objective.as_ref(),
         device,
         collective: &crate::distributed::Solo,
         buffers: Default::default(),
         device_comm: None,
-        // A benchmark times the step; its reference values would not change the work.
-        reference: None,
     };
     let accum = stepper.micro_batches_per_step();
     let mut times = Vec::with_capacity(steps);

@@ -14,7 +14,7 @@ use crate::error::{InvalidConfig, TrainError};
 use crate::init::ResolvedInit;
 
 /// The text file a data config names, found or downloaded, and its validation fraction.
-pub fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBuf, f64), TrainError> {
+pub(crate) fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBuf, f64), TrainError> {
     match (&config.dataset, &config.path) {
         (Some(name), _) => {
             let manifest = Manifest::built_in(name)?;
@@ -94,37 +94,47 @@ pub fn load(
     let (spec, tokenizer_dir) = tokenizer_spec(config, init)?;
     match config.data.format() {
         DataFormat::Text => load_text(config, &path, val_fraction, &spec, tokenizer_dir, locations),
-        DataFormat::Jsonl if config.preference.is_some() => {
-            load_preference(config, &path, val_fraction, &spec, tokenizer_dir)
+        DataFormat::Jsonl => {
+            let (tokenizer, template) = jsonl_tokenizer(&spec, tokenizer_dir.as_deref())?;
+            let file = JsonlFile { path: &path, val_fraction, tokenizer, template, tokenizer_dir };
+            match config.preference {
+                Some(_) => load_preference(config, file),
+                None => load_jsonl(config, file),
+            }
         }
-        DataFormat::Jsonl => load_jsonl(config, &path, val_fraction, &spec, tokenizer_dir),
     }
+}
+
+/// A JSONL file of examples or pairs: its held-out fraction, its tokenizer and chat template.
+struct JsonlFile<'a> {
+    path: &'a Path,
+    val_fraction: f64,
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    tokenizer_dir: Option<PathBuf>,
+}
+
+/// `train.seq_len`, or where the file left it out the default for rows of `longest` tokens (the
+/// log says what they are: `note`).
+fn seq_len_or_longest(config: &TrainConfig, longest: usize, note: impl FnOnce() -> String) -> usize {
+    config.train.seq_len.unwrap_or_else(|| {
+        let t = config.default_seq_len(Some(longest));
+        tracing::info!("train.seq_len left out: {t} ({})", note());
+        t
+    })
 }
 
 /// Preference pairs, tokenized as TRL does, one row of two documents each
 /// ([`ember_data::preference`]); the held-out pairs are the file's last.
-fn load_preference(
-    config: &TrainConfig,
-    path: &Path,
-    val_fraction: f64,
-    spec: &TokenizerSpec,
-    tokenizer_dir: Option<PathBuf>,
-) -> Result<LoadedData, TrainError> {
+fn load_preference(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedData, TrainError> {
     use ember_data::preference::{encode_pairs, read_preference_jsonl, Turns};
-    let (tokenizer, template) = jsonl_tokenizer(spec, tokenizer_dir.as_deref())?;
+    let JsonlFile { path, val_fraction, tokenizer, template, tokenizer_dir } = file;
     let records = read_preference_jsonl(path)?;
     let n_val = held_out(records.len(), val_fraction, path, "preference pairs")?;
     let pairs = encode_pairs(&records, &tokenizer, template.as_ref())?;
-    let seq_len = match config.train.seq_len {
-        Some(t) => t,
-        None => {
-            let longest = pairs.iter().map(|p| p.len()).max().unwrap_or(0);
-            // `default_seq_len` counts a row's `seq_len + 1` tokens; a pair row holds `len`.
-            let t = config.default_seq_len(Some(longest + 1));
-            tracing::info!("train.seq_len left out: {t} (the longest pair takes {longest} positions)");
-            t
-        }
-    };
+    let longest = pairs.iter().map(|p| p.len()).max().unwrap_or(0);
+    // `default_seq_len` counts a row's `seq_len + 1` tokens; a pair row holds `len`.
+    let seq_len = seq_len_or_longest(config, longest + 1, || format!("the longest pair takes {longest} positions"));
     let pad = tokenizer.eos_id().unwrap_or(0);
     let mut rows = Vec::with_capacity(pairs.len());
     for (i, pair) in pairs.iter().enumerate() {
@@ -194,27 +204,14 @@ fn load_text(
 }
 
 /// Fine-tuning examples, encoded (chat messages through the model's template) and packed into rows.
-fn load_jsonl(
-    config: &TrainConfig,
-    path: &Path,
-    val_fraction: f64,
-    spec: &TokenizerSpec,
-    tokenizer_dir: Option<PathBuf>,
-) -> Result<LoadedData, TrainError> {
-    let (tokenizer, template) = jsonl_tokenizer(spec, tokenizer_dir.as_deref())?;
+fn load_jsonl(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedData, TrainError> {
+    let JsonlFile { path, val_fraction, tokenizer, template, tokenizer_dir } = file;
     let records = read_jsonl(path)?;
     let n_val = held_out(records.len(), val_fraction, path, "examples")?;
     let examples = encode(&records, &tokenizer, template.as_ref())?;
     let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
-    let seq_len = match config.train.seq_len {
-        Some(t) => t,
-        None => {
-            let longest = examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
-            let t = config.default_seq_len(Some(longest));
-            tracing::info!("train.seq_len left out: {t} (the longest example has {longest} tokens)");
-            t
-        }
-    };
+    let longest = examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
+    let seq_len = seq_len_or_longest(config, longest, || format!("the longest example has {longest} tokens"));
     let packing = Packing { seq_len, mode: config.data.packing(), truncate: config.data.truncate };
     let train = packing.pack(train_ex, &tokenizer, path, 0)?;
     let val = packing.pack(val_ex, &tokenizer, path, train_ex.len())?;
@@ -288,7 +285,7 @@ pub struct Packing {
 impl Packing {
     /// Packs `examples` of the file `path`, whose first is example `offset + 1` of the file; an
     /// example too long for a row is an error naming the file and the example.
-    pub fn pack(
+    pub(crate) fn pack(
         &self,
         examples: &[ember_data::finetune::Example],
         tokenizer: &Tokenizer,

@@ -14,7 +14,7 @@ pub enum TrainError {
     Invalid { path: PathBuf, error: InvalidConfig },
     /// Every unknown, missing or mistyped key of a config file, in the order of the file.
     #[error("{}: {}", path.display(), problem_list(problems))]
-    Problems { path: PathBuf, problems: Vec<crate::config::ConfigProblem> },
+    Problems { path: PathBuf, problems: Vec<ConfigProblem> },
     #[error(transparent)]
     Data(#[from] DataError),
     #[error(transparent)]
@@ -47,13 +47,13 @@ pub enum TrainError {
     )]
     DoesNotFit { need: String, have: String, terms: String },
     #[error(transparent)]
-    Distributed(#[from] crate::distributed::DistError),
+    Distributed(#[from] crate::collective::DistError),
     #[error("model.vocab_size ({config}) is smaller than the tokenizer's vocabulary ({tokenizer})")]
     VocabTooSmall { config: usize, tokenizer: usize },
 }
 
 /// One problem on the line of the file name; several, one a line below it.
-fn problem_list(problems: &[crate::config::ConfigProblem]) -> String {
+fn problem_list(problems: &[ConfigProblem]) -> String {
     match problems {
         [one] => one.to_string(),
         many => {
@@ -84,6 +84,20 @@ pub enum OptimizerError {
     #[error("{0}")]
     Moments(String),
 }
+
+/// `--precision` (or another spelling of `train.precision`) that names no precision.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("precision `{0}`: expected f32, bf16 or f16")]
+pub struct UnknownPrecision(pub String);
+
+/// `init_from` in none of its forms (the TOML error names the key; this says what is wrong with
+/// the value).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "\"{0}\" is neither `hf:DIR` (a Hugging Face folder), `run:DIR` (an ember run or checkpoint) nor \
+     `gguf:FILE` (a GGUF model)"
+)]
+pub struct UnknownInitSource(pub String);
 
 /// A config value that breaks a rule: each variant names the key, the value and the rule, in the
 /// words of the model's own [`ConfigError`]s.
@@ -118,7 +132,7 @@ pub enum InvalidConfig {
     LoraWithoutInit,
     /// `[lora]`'s own rules (their message names the key and the value).
     #[error("{0}")]
-    Lora(String),
+    Lora(ember_model::lora::LoraError),
     #[error(transparent)]
     Model(#[from] ConfigError),
 }
@@ -138,5 +152,68 @@ impl std::fmt::Display for Relation {
             Self::NotAbove => "must not exceed ",
             Self::OneTo => "must be in 1..=",
         })
+    }
+}
+
+/// One thing wrong with a config file, where the file says it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}{}{what}", line.map(|l| format!("line {l}: ")).unwrap_or_default(), place(section.as_deref()))]
+pub struct ConfigProblem {
+    /// 1-based line of the key (or the section header) in the file, where it has one.
+    pub line: Option<usize>,
+    /// The section (`None`: the top of the file, before any `[section]`).
+    pub section: Option<String>,
+    pub what: Problem,
+}
+
+fn place(section: Option<&str>) -> String {
+    section.map(|s| format!("[{s}] ")).unwrap_or_default()
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Problem {
+    #[error("unknown key \"{key}\"{hint}")]
+    UnknownKey { key: String, hint: Hint },
+    #[error("unknown section{hint}")]
+    UnknownSection { hint: Hint },
+    #[error("{key} is missing")]
+    Missing { key: String },
+    /// A section left out that has no default: what to put in it.
+    #[error("is missing: {needs}")]
+    MissingSection { needs: &'static str },
+    #[error("must be a table (a [section] of keys), found {found}")]
+    NotATable { found: &'static str },
+    /// A value of the wrong type or outside its choices: serde's words (`key` is empty where
+    /// serde does not say which key).
+    #[error("{}{message}", if key.is_empty() { String::new() } else { format!("{key}: ") })]
+    BadValue { key: String, message: String },
+    /// Two keys that say the same thing two ways.
+    #[error("{key} and {other} are both set: give one ({other} follows from {key})")]
+    Exclusive { key: &'static str, other: &'static str },
+    /// A value that breaks a rule (its message names the dotted key).
+    #[error("{0}")]
+    Rule(InvalidConfig),
+}
+
+/// What an unknown name may have meant.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Hint {
+    None,
+    /// A known name a typo away.
+    DidYouMean(String),
+    /// The key exists, in another section.
+    BelongsIn(String),
+    /// A known section a typo away.
+    Section(String),
+}
+
+impl std::fmt::Display for Hint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Hint::None => Ok(()),
+            Hint::DidYouMean(name) => write!(f, " — did you mean \"{name}\"?"),
+            Hint::BelongsIn(section) => write!(f, " — it belongs in [{section}]"),
+            Hint::Section(section) => write!(f, " — did you mean [{section}]?"),
+        }
     }
 }

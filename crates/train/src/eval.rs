@@ -14,12 +14,12 @@ use ember_model::{Decoder, Documents};
 /// Mean next-token cross-entropy over the scored targets of a batch, through the tiled LM head +
 /// loss: the `[B·T, V]` logits are never held at once, in the forward or the backward pass. Rows
 /// packed with documents are attended to document by document.
-pub fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
+pub(crate) fn lm_loss<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> Tensor<B, 1> {
     lm_loss_parts(model, batch).lm
 }
 
 /// A micro-batch's training objective and its parts.
-pub struct LossParts<B: burn::tensor::backend::Backend> {
+pub(crate) struct LossParts<B: burn::tensor::backend::Backend> {
     /// The next-token loss plus, for a mixture of experts, the weighted auxiliary losses.
     pub objective: Tensor<B, 1>,
     /// The next-token loss alone.
@@ -32,7 +32,7 @@ pub struct LossParts<B: burn::tensor::backend::Backend> {
 /// [`lm_loss`] with its parts: for a model with experts, `objective = lm + aux_loss_coef · aux +
 /// z_loss_coef · z` over every layer's routing of the batch (as Hugging Face adds
 /// `router_aux_loss_coef · aux_loss` to the loss).
-pub fn lm_loss_parts<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> LossParts<B> {
+pub(crate) fn lm_loss_parts<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> LossParts<B> {
     let [b, t] = batch.inputs.dims();
     let d = model.config().d_model;
     let docs = batch.docs.map(|first| Documents::new(first, b, t).expect("the batcher writes valid document starts"));
@@ -52,41 +52,29 @@ pub fn lm_loss_parts<B: EmberBackend>(model: &Decoder<B>, batch: LmBatch<B>) -> 
 }
 
 /// Sampler seeds of the fixed evaluation batches, one per split, apart from the training stream.
-pub fn eval_seed(seed: u64, split: &str) -> u64 {
+pub(crate) fn eval_seed(seed: u64, split: &str) -> u64 {
     let tag = split.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
     seed ^ tag
-}
-
-/// Loss over `iters` fixed batches, token-weighted (the same batches at every evaluation, so that
-/// the numbers are comparable across steps and runs).
-pub fn evaluate<B: EmberBackend>(
-    model: &Decoder<B>,
-    data: &dyn Dataset<Window>,
-    seed: u64,
-    iters: usize,
-    batch_size: usize,
-) -> f64 {
-    evaluate_part(model, data, seed, iters, batch_size, Part::WHOLE).mean()
 }
 
 /// Loss over every item of `data` once, in order, in batches of `batch_size`, token-weighted: the
 /// held-out loss of fine-tuning examples (with `documents` packing, each example's completion loss
 /// as it has alone).
-pub fn evaluate_all<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Window>, batch_size: usize) -> f64 {
+pub(crate) fn evaluate_all<B: EmberBackend>(model: &Decoder<B>, data: &dyn Dataset<Window>, batch_size: usize) -> f64 {
     evaluate_all_part(model, data, batch_size, Part::WHOLE).mean()
 }
 
 /// Which batches of an evaluation a rank computes: batch i belongs to rank `i % world`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Part {
+pub(crate) struct Part {
     pub rank: usize,
     pub world: usize,
 }
 
 impl Part {
-    pub const WHOLE: Part = Part { rank: 0, world: 1 };
+    pub(crate) const WHOLE: Part = Part { rank: 0, world: 1 };
 
-    pub fn keeps(&self, i: usize) -> bool {
+    pub(crate) fn keeps(&self, i: usize) -> bool {
         i % self.world.max(1) == self.rank
     }
 }
@@ -94,13 +82,13 @@ impl Part {
 /// A token-weighted loss in parts: `Σ loss_i · n_i` and `Σ n_i` over some batches, summed over
 /// ranks before the division.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct LossSum {
+pub(crate) struct LossSum {
     pub weighted: f64,
     pub scored: f64,
 }
 
 impl LossSum {
-    pub fn mean(&self) -> f64 {
+    pub(crate) fn mean(&self) -> f64 {
         if self.scored == 0.0 {
             0.0
         } else {
@@ -109,8 +97,9 @@ impl LossSum {
     }
 }
 
-/// [`evaluate`]'s sum over the batches of `part`.
-pub fn evaluate_part<B: EmberBackend>(
+/// Loss over `iters` fixed batches, in parts: the sum over the batches of `part`, token-weighted
+/// (the same batches at every evaluation, so that the numbers are comparable across steps and runs).
+pub(crate) fn evaluate_part<B: EmberBackend>(
     model: &Decoder<B>,
     data: &dyn Dataset<Window>,
     seed: u64,
@@ -125,7 +114,7 @@ pub fn evaluate_part<B: EmberBackend>(
 }
 
 /// [`evaluate_all`]'s sum over the batches of `part`.
-pub fn evaluate_all_part<B: EmberBackend>(
+pub(crate) fn evaluate_all_part<B: EmberBackend>(
     model: &Decoder<B>,
     data: &dyn Dataset<Window>,
     batch_size: usize,

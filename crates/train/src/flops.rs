@@ -42,7 +42,7 @@ const GPU_PEAKS: &[(&str, f64, f64)] = &[
 ];
 
 /// The table's peak for a GPU name (as `nvidia-smi` prints it) and GEMM dtype.
-pub fn table_peak(device_name: &str, dtype: DType) -> Option<Peak> {
+pub(crate) fn table_peak(device_name: &str, dtype: DType) -> Option<Peak> {
     let (frag, half, full) = GPU_PEAKS.iter().find(|(frag, _, _)| device_name.contains(frag))?;
     let (flops, kind) = if dtype == DType::F32 { (*full, "f32") } else { (*half, "dense bf16/f16") };
     Some(Peak { flops, source: format!("table: {frag} {kind}") })
@@ -63,7 +63,12 @@ pub struct GemmRate {
 
 /// The rate of square `n×n×n` GEMMs in `dtype` for each `n`: the fastest of `reps` after a warm-up
 /// (the best the backend reaches, as a peak should be).
-pub fn measure_gemm<B: Backend>(device: &Device<B>, dtype: DType, sizes: &[usize], reps: usize) -> Vec<GemmRate> {
+pub(crate) fn measure_gemm<B: Backend>(
+    device: &Device<B>,
+    dtype: DType,
+    sizes: &[usize],
+    reps: usize,
+) -> Vec<GemmRate> {
     sizes
         .iter()
         .map(|&n| {
@@ -89,7 +94,7 @@ pub fn measure_gemm<B: Backend>(device: &Device<B>, dtype: DType, sizes: &[usize
 /// The rate of square `n×n×n` GEMMs through the CPU's bf16 kernel `kernel` (f32 in and out, the
 /// operands rounded to bf16, the sums f32), the fastest of `reps` after a warm-up: what
 /// `--precision bf16` runs its large GEMMs on there. `None` where the CPU lacks the kernel.
-pub fn measure_cpu_bf16_gemm(kernel: Bf16Kernel, sizes: &[usize], reps: usize) -> Option<Vec<GemmRate>> {
+pub(crate) fn measure_cpu_bf16_gemm(kernel: Bf16Kernel, sizes: &[usize], reps: usize) -> Option<Vec<GemmRate>> {
     let rates = sizes.iter().map(|&n| {
         let t = ember_kernels::bench::bf16_gemm_seconds(kernel, n, reps)?;
         Some(GemmRate { n, ms: t * 1e3, flops: 2.0 * (n as f64).powi(3) / t })
@@ -139,7 +144,7 @@ impl Gemms {
 /// The peak for MFU: `override_tflops`, else the table entry for `device_name`, else the GEMM peak
 /// measured on this machine: read from `cache` (written by `ember bench peak` or an earlier run),
 /// or measured now and cached, so that MFU is comparable across runs.
-pub fn resolve_peak<B: Backend>(
+pub(crate) fn resolve_peak<B: Backend>(
     device: &Device<B>,
     device_name: Option<&str>,
     gemms: Gemms,
@@ -168,7 +173,7 @@ pub fn resolve_peak<B: Backend>(
 
 /// The cache file of a measured peak: backend, GEMMs, CPU model, a hash of the CPU's feature flags
 /// and the thread count in the name.
-pub fn peak_cache_name<B: Backend>(device: &Device<B>, gemms: Gemms) -> String {
+pub(crate) fn peak_cache_name<B: Backend>(device: &Device<B>, gemms: Gemms) -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     // The pool's threads, not the machine's cores: data-parallel ranks (and RAYON_NUM_THREADS)
     // run with fewer.
@@ -203,7 +208,7 @@ fn read_peak(file: &Path) -> Option<f64> {
 /// Remembers a measured peak, keeping the higher of it and any earlier one: a peak is the best the
 /// machine reached (best effort: a cache that cannot be written is only a warning).
 /// A peak that is 0, negative or not finite is never written (it would put MFU at inf %).
-pub fn store_peak(file: &Path, flops: f64) {
+pub(crate) fn store_peak(file: &Path, flops: f64) {
     if !(flops.is_finite() && flops > 0.0) {
         return;
     }

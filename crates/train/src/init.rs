@@ -87,7 +87,7 @@ enum Opened {
 impl ResolvedInit {
     /// (weights, bytes) of the projections that [`Self::load`] with `keep_quantized` keeps in their
     /// stored types: a GGUF file's block-quantized ones; none for any other source.
-    pub fn kept_quantized(&self) -> (u64, u64) {
+    pub(crate) fn kept_quantized(&self) -> (u64, u64) {
         match &self.opened {
             Opened::Gguf { kept, .. } => *kept,
             _ => (0, 0),

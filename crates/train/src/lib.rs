@@ -1,31 +1,33 @@
 //! Training: config -> data -> loop (loss, AdamW, schedule) -> metrics and checkpoints.
 //!
-//! Read in this order: `config`, `data`, `eval`, `precision`, `optim`, `schedule`, `trainer`,
-//! `metrics`, `checkpoint`; `flops` and `bench` measure.
+//! Read in this order: `config`, `data`, `eval`, `objective` (what a step optimizes), `precision`,
+//! `optim`, `schedule`, `step`, `trainer`, `metrics`, `checkpoint`; `flops` and `bench` measure.
 
 pub mod bench;
 pub mod checkpoint;
+mod collective;
 pub mod config;
 pub mod data;
 pub mod distributed;
 pub mod error;
-pub mod eval;
+mod eval;
 pub mod flops;
-pub mod init;
+mod init;
 pub mod memory;
 pub mod metrics;
-pub mod muon;
-pub mod optim;
+mod muon;
+mod objective;
+mod optim;
 pub mod perplexity;
 pub mod precision;
 pub mod preference;
-pub mod schedule;
+mod schedule;
 pub mod selfcheck;
-pub mod step;
-pub mod tensorboard;
+mod step;
+mod tensorboard;
 #[cfg(test)]
 mod testing;
-pub mod trainer;
+mod trainer;
 
 pub use checkpoint::Checkpoint;
 pub use config::{ConfigFile, InitSource, TrainConfig};

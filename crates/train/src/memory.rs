@@ -31,7 +31,7 @@ pub fn estimate(config: &TrainConfig, trainable: u64) -> MemoryEstimate {
 
 /// [`estimate`] of a LoRA run whose base keeps `kept = (weights, bytes)` of its projections in a
 /// quantized storage type (`init_from = "gguf:FILE"`: [`crate::ResolvedInit::kept_quantized`]).
-pub fn estimate_keeping(config: &TrainConfig, trainable: u64, kept: (u64, u64)) -> MemoryEstimate {
+pub(crate) fn estimate_keeping(config: &TrainConfig, trainable: u64, kept: (u64, u64)) -> MemoryEstimate {
     // In u128 and saturated: every size is bounded by validation, but a product of bounds may still
     // pass 2^64, and a wrapped estimate would wave a config through.
     let m = &config.model;
@@ -150,16 +150,7 @@ mod tests {
         // Without [lora] the file is dequantized: nothing kept.
         let full = estimate_keeping(&c, c.model.num_params(), kept);
         assert_eq!(full.terms, estimate(&c, c.model.num_params()).terms);
-        c.model = ember_model::ModelConfig {
-            vocab_size: 32_000,
-            d_model: 4096,
-            n_layers: 32,
-            n_heads: 32,
-            n_kv_heads: None,
-            d_ff: 11_008,
-            max_seq_len: 4096,
-            ..c.model
-        };
+        c.model = ember_model::ModelConfig::llama(32_000, 4096, 32, 32, 11_008, 4096); // Llama 2 7B
         let e = estimate(&c, c.model.num_params());
         // 16 bytes per parameter for weights, gradients and moments: over 100 GB before activations.
         assert!(e.total > 100_000_000_000, "{}", gib(e.total));

@@ -10,12 +10,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::TrainError;
 
-pub const METRICS_FILE: &str = "metrics.jsonl";
-pub const SAMPLES_FILE: &str = "samples.jsonl";
+pub(crate) const METRICS_FILE: &str = "metrics.jsonl";
+pub(crate) const SAMPLES_FILE: &str = "samples.jsonl";
 
 /// Text generated at an evaluation step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SampleRecord {
+pub(crate) struct SampleRecord {
     pub step: usize,
     pub elapsed_s: f64,
     pub prompt: String,
@@ -26,7 +26,7 @@ pub struct SampleRecord {
 /// No step has been taken, so it has none of a step's fields (`train_loss`, `lr`, `grad_norm`,
 /// throughput); its keys are those of [`StepRecord`] (`step` 0).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct InitialEvalRecord {
+pub(crate) struct InitialEvalRecord {
     pub step: usize,
     pub elapsed_s: f64,
     pub val_loss: f64,
@@ -36,7 +36,7 @@ pub struct InitialEvalRecord {
 }
 
 /// A destination for what training logs.
-pub trait MetricsSink {
+pub(crate) trait MetricsSink {
     fn record(&mut self, record: &StepRecord) -> Result<(), TrainError>;
     fn sample(&mut self, sample: &SampleRecord) -> Result<(), TrainError>;
     /// The evaluation before the first step.
@@ -44,7 +44,7 @@ pub trait MetricsSink {
 }
 
 /// `metrics.jsonl` and `samples.jsonl`.
-pub struct JsonlSink {
+pub(crate) struct JsonlSink {
     metrics: MetricsLog,
     samples: AppendLog,
 }
@@ -74,7 +74,7 @@ impl MetricsSink for JsonlSink {
 }
 
 /// TensorBoard scalars (and the samples as text).
-pub struct TensorBoardSink {
+pub(crate) struct TensorBoardSink {
     writer: crate::tensorboard::EventWriter,
     /// Wall time of step 0 of this invocation minus the run's elapsed time before it.
     start: f64,
@@ -125,7 +125,7 @@ impl MetricsSink for TensorBoardSink {
 }
 
 /// Every configured sink.
-pub struct Sinks(pub Vec<Box<dyn MetricsSink>>);
+pub(crate) struct Sinks(pub Vec<Box<dyn MetricsSink>>);
 
 impl MetricsSink for Sinks {
     fn record(&mut self, record: &StepRecord) -> Result<(), TrainError> {
@@ -173,7 +173,7 @@ impl AppendLog {
 }
 
 /// One logged step. Evaluation fields are present on evaluation steps only.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     /// Optimizer steps completed.
     pub step: usize,
@@ -237,7 +237,7 @@ pub struct StepRecord {
 }
 
 /// `metrics.jsonl`.
-pub struct MetricsLog {
+pub(crate) struct MetricsLog {
     log: AppendLog,
 }
 

@@ -1,5 +1,5 @@
 //! Muon (Jordan et al., 2024, "Muon: an optimizer for hidden layers"), as `torch.optim.Muon`
-//! computes it, for the 2-D weights inside the blocks; [`crate::optim::AdamW`] keeps the rest.
+//! computes it, for the 2-D weights inside the blocks; [`AdamW`](super::optim::AdamW) keeps the rest.
 //!
 //! ```text
 //! buf = lerp(buf, g, 1-μ)                       (μ·buf + (1-μ)·g)
@@ -15,7 +15,7 @@
 //! rank, every rank keeps every momentum buffer (cheap, element-wise, and checkpoints stay the
 //! same), each rank orthogonalises its share of the matrices (balanced by size), and one
 //! all-reduce of the results gives every rank every update (each element has one non-zero
-//! contributor, so the sum is exact). Under ZeRO-1 (`crate::distributed::zero`) a matrix's buffer
+//! contributor, so the sum is exact). Under ZeRO-1 (`distributed::zero`) a matrix's buffer
 //! lives only on the rank that orthogonalises it.
 
 use std::collections::HashMap;
@@ -28,11 +28,11 @@ use ember_kernels::newton_schulz::{newton_schulz as newton_schulz_all, NsStep};
 use ember_kernels::{Compute, TrainBackend};
 use ember_model::weights::{visit_paths, PathVisitor};
 
+use crate::collective::{Collective, DistError};
 use crate::config::{AdjustLr, MuonConfig, NsDtype};
-use crate::distributed::{Collective, DistError};
 
 /// Muon's state: the momentum buffer of each matrix it trains, by parameter path.
-pub struct Muon<IB: Backend> {
+pub(crate) struct Muon<IB: Backend> {
     pub(crate) config: MuonConfig,
     /// Muon's peak rate over AdamW's: the schedule gives AdamW's rate at each step.
     pub(crate) lr_ratio: f64,
@@ -41,7 +41,7 @@ pub struct Muon<IB: Backend> {
 
 impl<IB: Backend> Muon<IB> {
     /// Muon of `config` beside AdamW whose peak rate is `adamw_lr` (`schedule.lr`).
-    pub fn new(config: MuonConfig, adamw_lr: f64) -> Self {
+    pub(crate) fn new(config: MuonConfig, adamw_lr: f64) -> Self {
         let lr_ratio = config.lr / adamw_lr;
         Self { config, lr_ratio, buffers: HashMap::new() }
     }
@@ -49,19 +49,19 @@ impl<IB: Backend> Muon<IB> {
     /// Whether Muon trains the parameter at `path` of rank `rank`: the 2-D weights inside the
     /// blocks (LoRA's adapters only when `[muon] lora` is set); never the embedding, the LM head,
     /// norms or biases.
-    pub fn takes(&self, path: &str, rank: usize) -> bool {
+    pub(crate) fn takes(&self, path: &str, rank: usize) -> bool {
         takes(&self.config, path, rank)
     }
 
     /// Muon's learning rate when AdamW's is `adamw_lr`.
-    pub fn lr(&self, adamw_lr: f64) -> f64 {
+    pub(crate) fn lr(&self, adamw_lr: f64) -> f64 {
         adamw_lr * self.lr_ratio
     }
 
     /// The new momentum buffers and the orthogonalised updates of every Muon matrix with a gradient
     /// in `grads` (scaled by `grad_scale`, the clipping coefficient), by path. `c` shares the
     /// iterations among the ranks.
-    pub fn orthogonalized<B: TrainBackend<InnerBackend = IB>, M: AutodiffModule<B>>(
+    pub(crate) fn orthogonalized<B: TrainBackend<InnerBackend = IB>, M: AutodiffModule<B>>(
         &mut self,
         model: &M,
         grads: &GradientsParams,
@@ -116,7 +116,7 @@ impl<IB: Backend> Muon<IB> {
 
 /// Whether Muon of `config` trains the parameter at `path` of rank `rank`: the 2-D weights inside
 /// the blocks (LoRA's adapters only when `[muon] lora` is set).
-pub fn takes(config: &MuonConfig, path: &str, rank: usize) -> bool {
+pub(crate) fn takes(config: &MuonConfig, path: &str, rank: usize) -> bool {
     let adapter = path.ends_with("lora_a") || path.ends_with("lora_b");
     rank == 2 && path.starts_with("layers.") && (!adapter || config.lora)
 }
@@ -187,7 +187,7 @@ pub(crate) fn owners(sizes: &[usize], world: usize) -> Vec<usize> {
 
 /// The rate of a `[fan_in, fan_out]` weight (ember's orientation) under `adjust`, as torch's
 /// `_adjust_lr` computes it for the `[fan_out, fan_in]` weight.
-pub fn adjusted_lr(lr: f64, adjust: AdjustLr, [fan_in, fan_out]: [usize; 2]) -> f64 {
+pub(crate) fn adjusted_lr(lr: f64, adjust: AdjustLr, [fan_in, fan_out]: [usize; 2]) -> f64 {
     let (a, b) = (fan_out as f64, fan_in as f64);
     match adjust {
         AdjustLr::Original => lr * (a / b).max(1.0).sqrt(),
@@ -196,7 +196,7 @@ pub fn adjusted_lr(lr: f64, adjust: AdjustLr, [fan_in, fan_out]: [usize; 2]) -> 
 }
 
 /// The iteration's constants of `config`.
-pub fn ns_step(config: &MuonConfig) -> NsStep {
+pub(crate) fn ns_step(config: &MuonConfig) -> NsStep {
     NsStep {
         coefficients: config.ns_coefficients,
         steps: config.ns_steps,
@@ -206,13 +206,15 @@ pub fn ns_step(config: &MuonConfig) -> NsStep {
 }
 
 /// One matrix through the backend's iteration (the tests' entry point).
-pub fn newton_schulz<B: ember_kernels::EmberBackend>(g: Tensor<B, 2>, config: &MuonConfig) -> Tensor<B, 2> {
+#[cfg(test)]
+pub(crate) fn newton_schulz<B: ember_kernels::EmberBackend>(g: Tensor<B, 2>, config: &MuonConfig) -> Tensor<B, 2> {
     ember_kernels::newton_schulz::newton_schulz(vec![g], ns_step(config), Compute::default()).remove(0)
 }
 
 /// The iteration (f32) written out on host floats in f64: the reference of the kernel and of its
 /// composition (`ember_kernels::newton_schulz`).
-pub fn newton_schulz_reference(g: &[f64], rows: usize, cols: usize, config: &MuonConfig) -> Vec<f64> {
+#[cfg(test)]
+pub(crate) fn newton_schulz_reference(g: &[f64], rows: usize, cols: usize, config: &MuonConfig) -> Vec<f64> {
     let [a, b, c] = config.ns_coefficients;
     let tall = rows > cols;
     let (s, l) = if tall { (cols, rows) } else { (rows, cols) };

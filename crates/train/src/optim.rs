@@ -24,8 +24,9 @@ use burn::tensor::{Device, ElementConversion, Tensor, TensorData};
 use ember_kernels::{adamw, sum_squares, AdamWStep, Compute, TrainBackend};
 use ember_model::weights::{map_paths, param_shapes, PathMapper};
 
+use crate::collective::{Collective, DistError, Solo};
 use crate::config::{MuonConfig, OptimConfig};
-use crate::distributed::{Collective, DistError, Solo};
+use crate::error::OptimizerError;
 use crate::muon::{adjusted_lr, Muon};
 
 /// First and second moments of one parameter, flattened.
@@ -34,7 +35,7 @@ struct Moments<B: Backend> {
     v: Tensor<B, 1>,
 }
 
-pub struct AdamW<B: TrainBackend> {
+pub(crate) struct AdamW<B: TrainBackend> {
     config: OptimConfig,
     /// How the updates compute: the model's.
     compute: Compute,
@@ -46,24 +47,30 @@ pub struct AdamW<B: TrainBackend> {
 }
 
 impl<B: TrainBackend> AdamW<B> {
-    pub fn new(config: OptimConfig, compute: Compute) -> Self {
+    pub(crate) fn new(config: OptimConfig, compute: Compute) -> Self {
         Self { config, compute, steps: 0, state: HashMap::new(), muon: None }
     }
 
     /// The hidden matrices trained by Muon of `muon` (when given), whose rate follows AdamW's
     /// schedule scaled by `muon.lr / adamw_lr` (`adamw_lr`: `schedule.lr`).
-    pub fn with_muon(mut self, muon: Option<&MuonConfig>, adamw_lr: f64) -> Self {
+    pub(crate) fn with_muon(mut self, muon: Option<&MuonConfig>, adamw_lr: f64) -> Self {
         self.muon = muon.map(|m| Muon::new(m.clone(), adamw_lr));
         self
     }
 
-    pub fn steps(&self) -> u64 {
+    pub(crate) fn steps(&self) -> u64 {
         self.steps
     }
 
     /// One update of every parameter that has a gradient in `grads`, each gradient first multiplied
     /// by `grad_scale` (the clipping coefficient). Parameters without a gradient are left alone.
-    pub fn step<M: AutodiffModule<B>>(&mut self, lr: f64, model: M, grads: GradientsParams, grad_scale: f64) -> M {
+    pub(crate) fn step<M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: GradientsParams,
+        grad_scale: f64,
+    ) -> M {
         match self.step_shared(lr, model, grads, grad_scale, &Solo, "step") {
             Ok(model) => model,
             Err(e) => unreachable!("a single process has no collective to fail: {e}"),
@@ -72,7 +79,7 @@ impl<B: TrainBackend> AdamW<B> {
 
     /// [`Self::step`] in a data-parallel run whose gradients `c` has already summed: the ranks share
     /// Muon's orthogonalisations (`what` names the step in errors).
-    pub fn step_shared<M: AutodiffModule<B>>(
+    pub(crate) fn step_shared<M: AutodiffModule<B>>(
         &mut self,
         lr: f64,
         model: M,
@@ -107,7 +114,7 @@ impl<B: TrainBackend> AdamW<B> {
     }
 
     /// Moments as named tensors: `<param path>.exp_avg` and `<param path>.exp_avg_sq` (torch's names).
-    pub fn state_tensors(&self) -> Vec<(String, TensorData)> {
+    pub(crate) fn state_tensors(&self) -> Vec<(String, TensorData)> {
         let mut keys: Vec<&String> = self.state.keys().collect();
         keys.sort();
         keys.into_iter()
@@ -125,13 +132,13 @@ impl<B: TrainBackend> AdamW<B> {
 
     /// Restores moments saved by [`Self::state_tensors`] after `steps` steps. Every moment must
     /// belong to a parameter of `model` and have its number of elements.
-    pub fn load_state<M: AutodiffModule<B>>(
+    pub(crate) fn load_state<M: AutodiffModule<B>>(
         &mut self,
         model: &M,
         mut tensors: BTreeMap<String, TensorData>,
         steps: u64,
         device: &Device<B::InnerBackend>,
-    ) -> Result<(), String> {
+    ) -> Result<(), OptimizerError> {
         let mut state = HashMap::new();
         let mut buffers = HashMap::new();
         for (path, shape) in param_shapes::<B, M>(model) {
@@ -139,16 +146,16 @@ impl<B: TrainBackend> AdamW<B> {
             let muon = self.muon.as_ref().is_some_and(|m| m.takes(&path, shape.len()));
             if let Some(buffer) = tensors.remove(&format!("{path}.momentum_buffer")) {
                 if !muon {
-                    return Err(format!(
+                    return Err(OptimizerError::Moments(format!(
                         "`{path}.momentum_buffer` is Muon's, but Muon does not train `{path}` in this config \
                          (a run resumes with the optimizer it started with: restore its [muon] section)"
-                    ));
+                    )));
                 }
                 if buffer.shape.to_vec() != shape {
-                    return Err(format!(
+                    return Err(OptimizerError::Moments(format!(
                         "`{path}.momentum_buffer` has shape {:?}, the parameter has {shape:?}",
                         buffer.shape
-                    ));
+                    )));
                 }
                 let values = buffer.convert::<f32>().into_vec::<f32>().expect("converted to f32");
                 buffers.insert(path.clone(), Tensor::from_data(TensorData::new(values, [shape[0], shape[1]]), device));
@@ -157,18 +164,18 @@ impl<B: TrainBackend> AdamW<B> {
             let v = tensors.remove(&format!("{path}.exp_avg_sq"));
             match (m, v) {
                 (Some(_), Some(_)) if muon => {
-                    return Err(format!(
+                    return Err(OptimizerError::Moments(format!(
                         "`{path}` has AdamW moments, but this config's [muon] trains it (a run resumes with \
                          the optimizer it started with: remove [muon], or start a new run)"
-                    ));
+                    )));
                 }
                 (Some(m), Some(v)) => {
                     for (name, d) in [("exp_avg", &m), ("exp_avg_sq", &v)] {
                         if d.num_elements() != *n {
-                            return Err(format!(
+                            return Err(OptimizerError::Moments(format!(
                                 "`{path}.{name}` has {} elements, the parameter has {n}",
                                 d.num_elements()
-                            ));
+                            )));
                         }
                     }
                     let load = |d: TensorData| {
@@ -178,11 +185,11 @@ impl<B: TrainBackend> AdamW<B> {
                     state.insert(path.clone(), Moments { m: load(m), v: load(v) });
                 }
                 (None, None) => {} // before the first step, or a parameter that never had a gradient (frozen)
-                _ => return Err(format!("`{path}` has only one of exp_avg and exp_avg_sq")),
+                _ => return Err(OptimizerError::Moments(format!("`{path}` has only one of exp_avg and exp_avg_sq"))),
             }
         }
         if let Some(k) = tensors.keys().next() {
-            return Err(format!("moment `{k}` belongs to no parameter of the model"));
+            return Err(OptimizerError::Moments(format!("moment `{k}` belongs to no parameter of the model")));
         }
         self.state = state;
         if let Some(muon) = self.muon.as_mut() {
@@ -249,7 +256,11 @@ impl<B: TrainBackend> PathMapper<B> for Update<'_, B> {
 }
 
 /// The L2 norm of all gradients together, as `torch.nn.utils.clip_grad_norm_` computes it, in f32.
-pub fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &GradientsParams, cx: Compute) -> f64 {
+pub(crate) fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &GradientsParams,
+    cx: Compute,
+) -> f64 {
     struct SumSquares<'a, IB: Backend> {
         grads: &'a GradientsParams,
         total: Option<Tensor<IB, 1>>,
@@ -272,7 +283,7 @@ pub fn global_grad_norm<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads:
 }
 
 /// torch's coefficient: `min(1, max_norm / (norm + 1e-6))`; 1 when clipping is off.
-pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
+pub(crate) fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
     if max_norm <= 0.0 {
         1.0
     } else {
@@ -384,6 +395,6 @@ mod tests {
         let mut bad = saved;
         bad.insert("c.exp_avg".into(), TensorData::new(vec![0.0f32], [1]));
         let e = AdamW::<AB>::new(config(), Compute::default()).load_state(&m, bad, 2, &dev).unwrap_err();
-        assert_eq!(e, "moment `c.exp_avg` belongs to no parameter of the model");
+        assert_eq!(e.to_string(), "moment `c.exp_avg` belongs to no parameter of the model");
     }
 }

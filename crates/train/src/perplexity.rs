@@ -27,7 +27,7 @@ pub struct Perplexity {
 /// One window: inputs `tokens[start .. start + len]`, predicting `tokens[start + 1 ..= start + len]`,
 /// of which the last `scored` count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EvalWindow {
+pub(crate) struct EvalWindow {
     pub start: usize,
     pub len: usize,
     pub scored: usize,
@@ -35,7 +35,7 @@ pub struct EvalWindow {
 
 /// The windows covering targets `1..n` once each: a window of up to `context` inputs every `stride`
 /// tokens, scoring the targets that the previous windows did not.
-pub fn sliding_windows(n_tokens: usize, context: usize, stride: usize) -> Vec<EvalWindow> {
+pub(crate) fn sliding_windows(n_tokens: usize, context: usize, stride: usize) -> Vec<EvalWindow> {
     let mut out = Vec::new();
     let last_target = n_tokens.saturating_sub(1);
     let mut scored_up_to = 0; // targets 1..=scored_up_to are done

@@ -25,7 +25,7 @@ pub struct ComputeRequest {
 
 /// How a run of `precision` computes on `device` (from `request`), and a note when the device
 /// forced another choice.
-pub fn resolve_compute<B: EmberBackend>(
+pub(crate) fn resolve_compute<B: EmberBackend>(
     device: &Device<B>,
     precision: Precision,
     request: ComputeRequest,

@@ -74,7 +74,7 @@ pub struct PairSums {
 }
 
 impl PairSums {
-    pub const LEN: usize = 6;
+    pub(crate) const LEN: usize = 6;
 
     pub fn to_vec(self) -> [f64; Self::LEN] {
         [
@@ -242,7 +242,7 @@ pub fn pair_loss<B: Backend>(
 /// `reference` are `[chosen, rejected]` summed log-probabilities, `tokens` the answers' lengths.
 /// Returns the pair's loss (without the chosen answers' NLL term of ORPO and `sft_weight`, which is
 /// token-weighted over the step) and `[reward chosen, reward rejected]`.
-pub fn pair_loss_reference(
+pub(crate) fn pair_loss_reference(
     config: &PreferenceConfig,
     policy: [f64; 2],
     reference: [f64; 2],
@@ -274,7 +274,7 @@ pub fn pair_loss_reference(
 /// The reference model's summed log-probabilities of each row's answers (`[chosen, rejected]`),
 /// for the training rows and the held-out ones: DPO's and IPO's anchor.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Reference {
+pub(crate) struct Reference {
     pub train: Vec<[f64; 2]>,
     pub val: Vec<[f64; 2]>,
 }
@@ -301,7 +301,7 @@ pub fn reference_logps<B: EmberBackend>(
 /// The loss and metric sums of `rows` (with their `reference`) under `model`, no gradients, as
 /// if they were one step: batch `i` of `batch` rows is computed where `keep(i)`, so that ranks
 /// share the batches and add their sums.
-pub fn evaluate_pairs<B: EmberBackend>(
+pub(crate) fn evaluate_pairs<B: EmberBackend>(
     model: &Decoder<B>,
     config: &PreferenceConfig,
     rows: &[Window],

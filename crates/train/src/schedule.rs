@@ -19,7 +19,7 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
-    pub fn from_config(c: &TrainConfig) -> Self {
+    pub(crate) fn from_config(c: &TrainConfig) -> Self {
         Self {
             lr: c.schedule.lr,
             min_lr: c.schedule.min_lr,
@@ -31,7 +31,7 @@ impl LrSchedule {
     }
 
     /// Learning rate of optimizer step `step` (0-based).
-    pub fn lr(&self, step: usize) -> f64 {
+    pub(crate) fn lr(&self, step: usize) -> f64 {
         if step < self.warmup_steps {
             // (step + 1) / (warmup + 1): never 0, reaches lr just after warmup.
             return self.lr * (step + 1) as f64 / (self.warmup_steps + 1) as f64;

@@ -24,14 +24,14 @@ use std::path::{Path, PathBuf};
 use crate::error::TrainError;
 
 /// Masked CRC-32C, as TFRecord stores it.
-pub fn masked_crc(data: &[u8]) -> u32 {
+pub(crate) fn masked_crc(data: &[u8]) -> u32 {
     let c = crc32c::crc32c(data);
     (c.rotate_right(15)).wrapping_add(0xa282_ead8)
 }
 
 /// Protocol-buffer encoding of the few field kinds the event messages use.
 mod pb {
-    pub fn varint(out: &mut Vec<u8>, mut v: u64) {
+    pub(crate) fn varint(out: &mut Vec<u8>, mut v: u64) {
         while v >= 0x80 {
             out.push((v as u8) | 0x80);
             v >>= 7;
@@ -41,19 +41,19 @@ mod pb {
     fn key(out: &mut Vec<u8>, field: u32, wire: u8) {
         varint(out, ((field as u64) << 3) | wire as u64);
     }
-    pub fn uint(out: &mut Vec<u8>, field: u32, v: u64) {
+    pub(crate) fn uint(out: &mut Vec<u8>, field: u32, v: u64) {
         key(out, field, 0);
         varint(out, v);
     }
-    pub fn double(out: &mut Vec<u8>, field: u32, v: f64) {
+    pub(crate) fn double(out: &mut Vec<u8>, field: u32, v: f64) {
         key(out, field, 1);
         out.extend_from_slice(&v.to_le_bytes());
     }
-    pub fn float(out: &mut Vec<u8>, field: u32, v: f32) {
+    pub(crate) fn float(out: &mut Vec<u8>, field: u32, v: f32) {
         key(out, field, 5);
         out.extend_from_slice(&v.to_le_bytes());
     }
-    pub fn bytes(out: &mut Vec<u8>, field: u32, v: &[u8]) {
+    pub(crate) fn bytes(out: &mut Vec<u8>, field: u32, v: &[u8]) {
         key(out, field, 2);
         varint(out, v.len() as u64);
         out.extend_from_slice(v);
@@ -61,7 +61,7 @@ mod pb {
 }
 
 /// An open events file.
-pub struct EventWriter {
+pub(crate) struct EventWriter {
     path: PathBuf,
     out: BufWriter<File>,
 }
@@ -69,7 +69,7 @@ pub struct EventWriter {
 impl EventWriter {
     /// Starts a new events file in `dir`. With `resumed_at`, a `SessionLog.START` at that step tells
     /// TensorBoard to drop what earlier files logged from that step on (the stopped run's tail).
-    pub fn create(dir: &Path, resumed_at: Option<u64>) -> Result<Self, TrainError> {
+    pub(crate) fn create(dir: &Path, resumed_at: Option<u64>) -> Result<Self, TrainError> {
         let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "localhost".into());
         let name = format!("events.out.tfevents.{secs}.{}.{}.ember", host.trim(), std::process::id());
@@ -111,7 +111,7 @@ impl EventWriter {
     }
 
     /// One event with a scalar summary per `(tag, value)`.
-    pub fn scalars(&mut self, step: u64, wall: f64, values: &[(&str, f32)]) -> Result<(), TrainError> {
+    pub(crate) fn scalars(&mut self, step: u64, wall: f64, values: &[(&str, f32)]) -> Result<(), TrainError> {
         let mut summary = Vec::new();
         for (tag, v) in values {
             let mut value = Vec::new();
@@ -123,7 +123,7 @@ impl EventWriter {
     }
 
     /// A text summary (TensorBoard's Text tab).
-    pub fn text(&mut self, step: u64, wall: f64, tag: &str, text: &str) -> Result<(), TrainError> {
+    pub(crate) fn text(&mut self, step: u64, wall: f64, tag: &str, text: &str) -> Result<(), TrainError> {
         let mut plugin = Vec::new();
         pb::bytes(&mut plugin, 1, b"text");
         let mut metadata = Vec::new();
@@ -141,13 +141,13 @@ impl EventWriter {
         self.event(step, wall, &summary)
     }
 
-    pub fn flush(&mut self) -> Result<(), TrainError> {
+    pub(crate) fn flush(&mut self) -> Result<(), TrainError> {
         self.out.flush().map_err(TrainError::io(&self.path))
     }
 }
 
 /// Seconds since the Unix epoch.
-pub fn wall_time() -> f64 {
+pub(crate) fn wall_time() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use burn::tensor::{DType, Device};
 use clap::{Args, Subcommand};
+use ember_generate::engine::{Engine, EngineConfig};
 use ember_kernels::TrainBackend;
-use ember_model::engine::{Engine, EngineConfig};
 use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, BenchSettings, DecodeBenchSpec, PeakSource};
 use ember_train::config::{Precision, Purpose};
 use ember_train::flops::Gemms;
@@ -310,13 +310,12 @@ impl BenchFn for ServeBenchFn {
             ember_serve::Server::start(([127, 0, 0, 1], 0).into(), ember_serve::Worker::spawn(engine)?, options)?;
         let base = format!("http://{}", server.addr());
         // One short request first: the first forward passes pay for allocations the others reuse.
-        ember_serve::bench::load(&base, 1, 1, &a.prompt, 4).map_err(anyhow::Error::msg)?;
+        ember_serve::bench::load(&base, 1, 1, &a.prompt, 4)?;
         let loads = a
             .clients
             .iter()
             .map(|&n| ember_serve::bench::load(&base, n, a.requests, &a.prompt, a.max_tokens))
-            .collect::<Result<Vec<_>, String>>()
-            .map_err(anyhow::Error::msg)?;
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ServeBench { device: name.to_string(), slots, max_tokens: a.max_tokens, loads })
     }
 }

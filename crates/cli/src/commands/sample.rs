@@ -6,8 +6,8 @@ use burn::tensor::Device;
 use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
+use ember_generate::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_kernels::TrainBackend;
-use ember_model::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_serve::sampling::ChatDefaults;
 use ember_train::Checkpoint;
 

@@ -2,10 +2,11 @@
 
 use serde_json::Value;
 
+use crate::error::DocError;
 use crate::task::{index, text, texts, Doc, Output, Query, TaskSpec};
 
 /// A multiple-choice task with `acc_norm` as the harness's ARC, HellaSwag, PIQA and OpenBookQA.
-fn spec(name: &str, version: &'static str, file: &str, parse: fn(&Value) -> Result<Doc, String>) -> TaskSpec {
+fn spec(name: &str, version: &'static str, file: &str, parse: fn(&Value) -> Result<Doc, DocError>) -> TaskSpec {
     TaskSpec {
         random_baseline: 0.25,
         primary: "acc_norm",
@@ -14,10 +15,14 @@ fn spec(name: &str, version: &'static str, file: &str, parse: fn(&Value) -> Resu
 }
 
 /// An item whose exemplar answer is its right choice.
-pub(crate) fn choice_doc(query: String, choices: Vec<String>, gold: usize) -> Result<Doc, String> {
-    let answer =
-        choices.get(gold).cloned().ok_or_else(|| format!("answer index {gold} of {} choices", choices.len()))?;
+pub(crate) fn choice_doc(query: String, choices: Vec<String>, gold: usize) -> Result<Doc, DocError> {
+    let answer = choices.get(gold).cloned().ok_or(DocError::Gold { gold, choices: choices.len() })?;
     Ok(Doc { shot: (query.clone(), answer), query: Query::Shared(query), continuations: choices, gold, group: None })
+}
+
+/// An `answerKey` that names no choice.
+fn answer_key(key: &str, expected: &str) -> DocError {
+    DocError::Value { field: "answerKey", found: format!("{key:?}"), expected: expected.into() }
 }
 
 /// HellaSwag's WikiHow artefacts removed as the harness's `preprocess` does.
@@ -52,8 +57,7 @@ pub(crate) fn arc(name: &str, file: &str, dev: &str) -> TaskSpec {
         ..spec(name, "1.0", file, |row| {
             let labels = texts(row, "choices", Some("label"))?;
             let key = text(row, "answerKey")?;
-            let gold =
-                labels.iter().position(|l| l == key).ok_or_else(|| format!("answerKey {key:?} is not a label"))?;
+            let gold = labels.iter().position(|l| l == key).ok_or_else(|| answer_key(key, "one of the labels"))?;
             choice_doc(
                 format!("Question: {}\nAnswer:", text(row, "question")?),
                 texts(row, "choices", Some("text"))?,
@@ -91,8 +95,7 @@ pub(crate) fn openbookqa() -> TaskSpec {
         ..spec("openbookqa", "1.0", "openbookqa/openbookqa_test.jsonl", |row| {
             let labels = texts(row, "choices", Some("label"))?;
             let key = text(row, "answerKey")?.trim_start();
-            let gold =
-                labels.iter().position(|l| l == key).ok_or_else(|| format!("answerKey {key:?} is not a label"))?;
+            let gold = labels.iter().position(|l| l == key).ok_or_else(|| answer_key(key, "one of the labels"))?;
             choice_doc(text(row, "question_stem")?.to_string(), texts(row, "choices", Some("text"))?, gold)
         })
     }
@@ -106,7 +109,12 @@ pub(crate) fn commonsense_qa() -> TaskSpec {
         ..spec("commonsense_qa", "1.0", "commonsense_qa/commonsense_qa_validation.jsonl", |row| {
             let options = texts(row, "choices", Some("text"))?;
             if options.len() != 5 {
-                return Err(format!("choices.text: {} options, the prompt lists 5", options.len()));
+                let found = format!("{} options", options.len());
+                return Err(DocError::Value {
+                    field: "choices.text",
+                    found,
+                    expected: "5 (the prompt lists 5)".into(),
+                });
             }
             let mut query = format!("Question: {}\n", text(row, "question")?.trim());
             for (letter, option) in ["A", "B", "C", "D", "E"].iter().zip(&options) {
@@ -115,7 +123,7 @@ pub(crate) fn commonsense_qa() -> TaskSpec {
             query.push_str("Answer:");
             let letters: Vec<String> = ["A", "B", "C", "D", "E"].map(String::from).to_vec();
             let key = text(row, "answerKey")?;
-            let gold = letters.iter().position(|l| l == key).ok_or_else(|| format!("answerKey {key:?} is not A..E"))?;
+            let gold = letters.iter().position(|l| l == key).ok_or_else(|| answer_key(key, "one of A..E"))?;
             choice_doc(query, letters, gold)
         })
     }

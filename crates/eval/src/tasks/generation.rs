@@ -3,6 +3,7 @@
 
 use serde_json::Value;
 
+use crate::error::DocError;
 use crate::generate::{Filter, Generation};
 use crate::task::{text, texts, Doc, Output, Query, Sampler, TaskSpec};
 
@@ -47,7 +48,7 @@ fn generation(
     version: &'static str,
     file: &str,
     output: &'static Generation,
-    parse: fn(&Value) -> Result<Doc, String>,
+    parse: fn(&Value) -> Result<Doc, DocError>,
 ) -> TaskSpec {
     TaskSpec {
         random_baseline: 0.0,
@@ -105,7 +106,8 @@ pub(crate) fn nq_open() -> TaskSpec {
         primary: "exact_match",
         ..generation("nq_open", "4.0", "nq_open/nq_open_validation.jsonl", &NQ_OPEN, |row| {
             let answers = texts(row, "answer", None)?;
-            let first = answers.first().cloned().ok_or("field `answer`: no answers")?;
+            let first =
+                answers.first().cloned().ok_or(DocError::Field { field: "answer".into(), expected: "an answer" })?;
             Ok(doc(format!("Q: {}?\nA:", text(row, "question")?), answers, first))
         })
     }

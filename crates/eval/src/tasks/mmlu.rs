@@ -4,12 +4,14 @@
 
 use serde_json::Value;
 
+use crate::error::DocError;
 use crate::task::{index, text, texts, Doc, Output, Sampler, TaskSpec};
 
-fn parse(row: &Value) -> Result<Doc, String> {
+fn parse(row: &Value) -> Result<Doc, DocError> {
     let choices = texts(row, "choices", None)?;
     if choices.len() != 4 {
-        return Err(format!("field `choices`: {} options, the prompt lists 4", choices.len()));
+        let found = format!("{} options", choices.len());
+        return Err(DocError::Value { field: "choices", found, expected: "4 (the prompt lists 4)".into() });
     }
     let mut query = format!("{}\n", text(row, "question")?.trim());
     for (letter, option) in ["A", "B", "C", "D"].iter().zip(&choices) {

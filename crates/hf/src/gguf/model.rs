@@ -5,7 +5,9 @@
 //! Tensor names come from the family table ([`crate::family`]): each rule names the tensor in
 //! Hugging Face, ember and llama.cpp's GGUF (`token_embd`, `blk.{i}.attn_q`, `blk.{i}.ffn_norm`, …),
 //! so that one table says for each family where every tensor goes. What differs between llama.cpp's
-//! architectures beyond names lives here:
+//! architectures beyond names is each family's [`GgufRules`](super::hparams::GgufRules), in its
+//! file beside its table; the keys all share are read and written in [`super::hparams`], the export
+//! in `gguf/export.rs`:
 //!
 //! | GGUF     | family          | RoPE pairs            | metadata beyond the sizes                        |
 //! |----------|-----------------|-----------------------|--------------------------------------------------|
@@ -18,6 +20,7 @@
 //! | `qwen2moe` | Qwen2-MoE     | halves (NEOX)         | as `qwen2`; `expert_feed_forward_length`, `expert_shared_feed_forward_length` |
 //! | `qwen3moe` | Qwen3-MoE     | halves (NEOX)         | as `qwen3`; `expert_feed_forward_length`          |
 //! | `olmoe`  | OLMoE           | halves (NEOX)         | q/k norms over d_model; `feed_forward_length` the experts' |
+//! | `deepseek2` | DeepSeek-V2, V3 | adjacent, as Hugging Face's | its own: latent attention's ranks and `*_mla` widths, YaRN, grouped experts; `kv_b_proj` as `attn_k_b` and `attn_v_b` |
 //!
 //! Experts are one tensor per stacked projection in a GGUF file (`blk.{i}.ffn_gate_exps`, `[E, out,
 //! in]`), one per expert in Hugging Face's; the router is `ffn_gate_inp`, Qwen2-MoE's shared expert
@@ -35,20 +38,21 @@
 //! scores scaled by `1/sqrt(head_dim)` (`1/sqrt(d_model / heads)` for the 62-layer 27B). Import reads
 //! a file that way; export refuses a model that differs ([`expressible`]). Gemma's RMSNorm gains are
 //! stored as `1 + w`, the factor itself, as every GGUF gain is. An import keeps them so
-//! ([`NormKind::RmsNorm`]) rather than subtract one, so that an export of it writes the file's bits
-//! again; a Gemma read from Hugging Face (`w`, [`NormKind::RmsNormPlusOne`]) exports `1 + w` in f32,
+//! ([`ember_model::NormKind::RmsNorm`]) rather than subtract one, so that an export of it writes the file's bits
+//! again; a Gemma read from Hugging Face (`w`, [`ember_model::NormKind::RmsNormPlusOne`]) exports `1 + w` in f32,
 //! the value its forward pass multiplies by, and re-imports to the same logits bit for bit.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::tensor::TensorData;
-use ember_model::{Decoder, ModelConfig, NormKind, Positions, RopeLayout, RopeScaling};
+use ember_model::ModelConfig;
 use serde_json::{json, Value as Json};
 
-use super::{GgmlType, GgufError, GgufFile, Meta, TensorOut, Value};
+pub use super::export::{encode_model, expressible, write_new, Encoded, ExportType};
+use super::hparams::{model_config, SplitTensor};
+use super::{GgmlType, GgufError, GgufFile, Value};
 use crate::family::Architecture;
-use crate::HfError;
 use ember_kernels::QuantWeight;
 
 /// A GGUF model read as a Hugging Face one.
@@ -71,40 +75,31 @@ pub struct GgufModel {
     pub quantized: BTreeMap<String, QuantWeight>,
 }
 
-/// Whether llama.cpp permutes the q/k rows of this architecture's files (its `llama`, whose RoPE
-/// rotates adjacent pairs).
-fn permutes_qk(arch: Architecture) -> bool {
-    arch.family().gguf_arch == "llama"
-}
-
-/// llama.cpp's gemma3: every 6th layer global (`hparams.set_swa_pattern(6)`), RoPE base 10 000 on
-/// the others, whatever the file says.
-const GEMMA3_PATTERN: usize = 6;
-const GEMMA3_LOCAL_THETA: f64 = 10_000.0;
-/// The layer count of Gemma 3 27B, whose scores llama.cpp scales by `1/sqrt(d_model / heads)`.
-const GEMMA3_27B_LAYERS: usize = 62;
-
 /// Query and key/value heads: what the q/k row permutation needs.
 #[derive(Debug, Clone, Copy)]
-struct Heads {
+pub(super) struct Heads {
     q: u64,
     kv: u64,
 }
 
 impl Heads {
+    pub(super) fn of(config: &ModelConfig) -> Heads {
+        Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 }
+    }
+
     /// The heads whose rows llama.cpp reorders in tensor `hf_name` of `shape`: those of a q or k
     /// projection matrix of an architecture it permutes; `None` for every other tensor.
-    fn permuted(self, arch: Architecture, hf_name: &str, shape: &[usize]) -> Option<usize> {
+    pub(super) fn permuted(self, arch: Architecture, hf_name: &str, shape: &[usize]) -> Option<usize> {
         let is_q = hf_name.ends_with("q_proj.weight");
         let is_qk = is_q || hf_name.ends_with("k_proj.weight");
-        (permutes_qk(arch) && shape.len() == 2 && is_qk).then_some(if is_q { self.q } else { self.kv } as usize)
+        (arch.gguf().permutes_qk && shape.len() == 2 && is_qk).then_some(if is_q { self.q } else { self.kv } as usize)
     }
 }
 
 /// Reorders the rows of a `[heads·Dh, in]` q or k projection between llama.cpp's adjacent rotary
 /// pairs (row `h·Dh + 2i + c`) and Hugging Face's split halves (row `h·Dh + c·Dh/2 + i`).
 /// `to_hf`: GGUF -> Hugging Face; otherwise the reverse.
-fn permute_rows(values: &[f32], heads: usize, cols: usize, to_hf: bool) -> Vec<f32> {
+pub(super) fn permute_rows(values: &[f32], heads: usize, cols: usize, to_hf: bool) -> Vec<f32> {
     let rows = values.len() / cols;
     let (dh, half) = (rows / heads, rows / heads / 2);
     let mut out = vec![0f32; values.len()];
@@ -169,321 +164,15 @@ fn read_file_as(f: GgufFile, keep_quantized: bool) -> Result<GgufModel, GgufErro
     Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored, quantized })
 }
 
-/// The architecture `general.architecture` names.
+/// The architecture `general.architecture` names, as its family tells it apart
+/// ([`GgufRules::variant`]).
 fn read_arch(f: &GgufFile) -> Result<Architecture, GgufError> {
     let key = "general.architecture";
     let name = f.meta().str(key)?.ok_or_else(|| f.meta_err(key, "missing"))?;
     let supported = "llama, qwen2, qwen3, gemma3, gpt2, qwen2moe, qwen3moe, olmoe and deepseek2 are";
     let arch = Architecture::from_gguf(name)
         .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported ({supported})")))?;
-    // llama.cpp's deepseek2 is DeepSeek-V3 where its routers have the selection bias.
-    if arch == Architecture::DeepseekV2 && f.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias")) {
-        return Ok(Architecture::DeepseekV3);
-    }
-    // llama.cpp's `llama` with experts is Mixtral.
-    let experts = f.meta().u64("llama.expert_count")?.is_some_and(|n| n > 0);
-    Ok(if arch == Architecture::Llama && experts { Architecture::Mixtral } else { arch })
-}
-
-/// The model a GGUF file's `{arch}.*` metadata describes, as llama.cpp runs it: its sizes, with
-/// defaults for the keys a file may leave out (KV heads = heads, `head_dim` = d_model / heads, RoPE
-/// base 10 000, norm epsilon 1e-5), the parts of its family, and the rules llama.cpp fixes for the
-/// architecture. `tied`: the file has no `output.weight`; `tokens`: the tokenizer's size, for a file
-/// without `vocab_size`.
-fn model_config(
-    meta: &BTreeMap<String, Value>,
-    path: &Path,
-    arch: Architecture,
-    tied: bool,
-    tokens: Option<usize>,
-) -> Result<ModelConfig, GgufError> {
-    let family = arch.family();
-    let a = family.gguf_arch;
-    let key = |k: &str| format!("{a}.{k}");
-    let err = |k: &str, message: String| GgufError::Metadata { path: path.into(), key: k.into(), message };
-    let meta = Meta { path, map: meta };
-    let opt_u64 = |k: &str| meta.u64(&key(k));
-    let u64_of = |k: &str| opt_u64(k)?.ok_or_else(|| err(&key(k), "missing".into()));
-    let f64_of = |k: &str| meta.float(&key(k));
-    let usize_of = |k: &str| -> Result<usize, GgufError> { Ok(u64_of(k)? as usize) };
-
-    let n_layers = usize_of("block_count")?;
-    let d_model = usize_of("embedding_length")?;
-    let n_heads = usize_of("attention.head_count")?;
-    let n_kv_heads = opt_u64("attention.head_count_kv")?.map_or(n_heads, |v| v as usize);
-    if n_heads == 0 || n_kv_heads == 0 {
-        return Err(err(&key("attention.head_count"), "zero heads".into()));
-    }
-    let vocab_size = match opt_u64("vocab_size")? {
-        Some(v) => v as usize,
-        None => tokens.ok_or_else(|| err("tokenizer.ggml.tokens", "missing (and no vocab_size)".into()))?,
-    };
-    if a == "deepseek2" {
-        let sizes = ModelConfig { n_layers, d_model, n_heads, ..ModelConfig::tiny(vocab_size, 1) };
-        return deepseek2_config(&meta, path, arch, sizes, tied);
-    }
-    let head_dim = opt_u64("attention.key_length")?.map_or(d_model / n_heads, |v| v as usize);
-    // RoPE over part of each head (llama.cpp's n_rot below key_length) is not a model ember runs.
-    if let Some(n_rot) = opt_u64("rope.dimension_count")?.filter(|_| family.parts.positions != Positions::Learned) {
-        if n_rot != head_dim as u64 {
-            let message = format!("{n_rot}: RoPE over part of a head of {head_dim} is not supported");
-            return Err(err(&key("rope.dimension_count"), message));
-        }
-    }
-    let parts = family.parts;
-    let layer_norm = parts.norm == NormKind::LayerNorm;
-    let eps_key = if layer_norm { "attention.layer_norm_epsilon" } else { "attention.layer_norm_rms_epsilon" };
-    let rope_scaling = match (meta.str(&key("rope.scaling.type"))?, f64_of("rope.scaling.factor")?) {
-        (Some("linear"), Some(factor)) => Some(RopeScaling::Linear { factor }),
-        _ => None,
-    };
-    let (qkv_bias, o_bias, mlp_bias) = match arch {
-        Architecture::Qwen2 | Architecture::Qwen2Moe => (true, false, false),
-        Architecture::Gpt2 => (true, true, true),
-        _ => (false, false, false),
-    };
-    let mut c = ModelConfig {
-        vocab_size,
-        d_model,
-        n_layers,
-        n_heads,
-        n_kv_heads: Some(n_kv_heads),
-        head_dim: Some(head_dim).filter(|&h| h.checked_mul(n_heads) != Some(d_model)),
-        d_ff: usize_of("feed_forward_length")?,
-        max_seq_len: usize_of("context_length")?,
-        rope_theta: f64_of("rope.freq_base")?.unwrap_or(10_000.0),
-        rope_layout: RopeLayout::HalfSplit,
-        rope_scaling,
-        sliding_window: None,
-        norm_eps: f64_of(eps_key)?.unwrap_or(1e-5),
-        qkv_bias,
-        o_bias,
-        mlp_bias,
-        // GGUF stores every RMSNorm gain as the factor itself (Gemma's `1 + w` included).
-        norm: if parts.norm == NormKind::RmsNormPlusOne { NormKind::RmsNorm } else { parts.norm },
-        norm_bias: layer_norm,
-        mlp: family.activations[0].1,
-        moe: None,
-        mla: None,
-        positions: parts.positions,
-        qk_norm: parts.qk_norm,
-        qk_norm_whole: parts.qk_norm_whole,
-        sandwich_norms: parts.sandwich_norms,
-        parallel_block: false,
-        embed_scale: parts.embed_scale,
-        sliding_window_pattern: None,
-        rope_local_theta: None,
-        query_pre_attn_scalar: None,
-        attn_logit_softcap: None,
-        final_logit_softcap: None,
-        zero_init_out: false,
-        tie_embeddings: tied,
-        init_std: 0.02,
-        dropout: 0.0,
-    };
-    if let Some(n_experts) = opt_u64("expert_count")?.filter(|&n| n > 0) {
-        // llama.cpp renormalises the top-k weights of its `llama` (Mixtral) and `qwen3moe`, not
-        // those of `qwen2moe` and `olmoe`; Qwen2-MoE's shared expert is always gated.
-        let qwen2 = arch == Architecture::Qwen2Moe;
-        c.moe = Some(ember_model::MoeConfig {
-            n_experts: n_experts as usize,
-            top_k: usize_of("expert_used_count")?,
-            d_expert: opt_u64("expert_feed_forward_length")?.map_or(c.d_ff, |v| v as usize),
-            norm_topk: matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe),
-            shared_expert: if qwen2 { Some(usize_of("expert_shared_feed_forward_length")?) } else { None },
-            shared_expert_gate: qwen2,
-            aux_loss_coef: 0.001,
-            z_loss_coef: 0.0,
-            ..Default::default()
-        });
-    } else if matches!(
-        arch,
-        Architecture::Mixtral | Architecture::Qwen2Moe | Architecture::Qwen3Moe | Architecture::Olmoe
-    ) {
-        return Err(err(&key("expert_count"), "missing: the architecture has experts".into()));
-    }
-    if arch == Architecture::Gemma3 {
-        let window = opt_u64("attention.sliding_window")?.filter(|&w| w > 0);
-        c.sliding_window = window.map(|w| w as usize);
-        c.sliding_window_pattern = window.map(|_| GEMMA3_PATTERN);
-        // The pattern repeats: its first period says (and a huge block_count costs nothing here).
-        let any_local = (0..n_layers.min(GEMMA3_PATTERN)).any(|l| c.is_local(l));
-        c.rope_local_theta = Some(GEMMA3_LOCAL_THETA).filter(|&t| any_local && t != c.rope_theta);
-        if n_layers == GEMMA3_27B_LAYERS {
-            c.query_pre_attn_scalar = Some((d_model / n_heads) as f64).filter(|&s| s != head_dim as f64);
-        }
-        c.final_logit_softcap = f64_of("final_logit_softcapping")?.filter(|&s| s > 0.0);
-    }
-    c.validate().map_err(|e| err(&key("block_count"), format!("the model the metadata describes: {e}")))?;
-    Ok(c)
-}
-
-/// llama.cpp's layer counts of DeepSeek-V2-Lite-shaped models, whose `q_lora_rank` it never reads
-/// (their queries are never low-rank).
-fn deepseek2_lite(n_layers: usize, vocab: usize) -> bool {
-    matches!(n_layers, 26 | 27) || (n_layers == 48 && vocab == 128_256)
-}
-
-/// The model llama.cpp's `deepseek2` metadata describes (`sizes` holds the vocabulary, the layers,
-/// the width and the heads): latent attention (`key_length_mla` / `value_length_mla`, or the older
-/// files' `key_length` / `value_length`), its latents normed with the model's epsilon, RoPE on
-/// interleaved pairs (YaRN with `yarn_log_multiplier` = 0.1 · mscale_all_dim, and llama.cpp's
-/// mscale equal to it), experts after `leading_dense_block_count` dense layers, scored by
-/// `expert_gating_func` (1 softmax, 2 sigmoid), grouped, scaled and renormalised as the keys say.
-fn deepseek2_config(
-    meta: &Meta<'_>,
-    path: &Path,
-    arch: Architecture,
-    sizes: ModelConfig,
-    tied: bool,
-) -> Result<ModelConfig, GgufError> {
-    let key = |k: &str| format!("deepseek2.{k}");
-    let err = |k: &str, message: String| GgufError::Metadata { path: path.into(), key: key(k), message };
-    let opt = |k: &str| meta.u64(&key(k));
-    let req = |k: &str| -> Result<usize, GgufError> { Ok(opt(k)?.ok_or_else(|| err(k, "missing".into()))? as usize) };
-    let rope_dim = req("rope.dimension_count")?;
-    let kv_rank = req("attention.kv_lora_rank")?;
-    let (qk, v) = match (opt("attention.key_length_mla")?, opt("attention.value_length_mla")?) {
-        (Some(k), Some(v)) if k > 0 && v > 0 => (k as usize, v as usize),
-        _ => (req("attention.key_length")?, req("attention.value_length")?),
-    };
-    let nope_dim = qk.checked_sub(rope_dim).filter(|&n| n > 0).ok_or_else(|| {
-        err("rope.dimension_count", format!("{rope_dim}: no room in heads of {qk} for a part without position"))
-    })?;
-    let q_rank = match deepseek2_lite(sizes.n_layers, sizes.vocab_size) {
-        true => None,
-        false => Some(req("attention.q_lora_rank")?).filter(|&q| q > 0),
-    };
-    let eps = meta.float(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6);
-    let rope_scaling = match meta.str(&key("rope.scaling.type"))? {
-        None | Some("none") => None,
-        Some("yarn") => {
-            let factor =
-                meta.float(&key("rope.scaling.factor"))?.ok_or_else(|| err("rope.scaling.factor", "missing".into()))?;
-            let all = meta.float(&key("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0) / 0.1;
-            let all = (all != 0.0).then_some((all * 1e6).round() / 1e6);
-            Some(RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings: req("rope.scaling.original_context_length")?,
-                beta_fast: 32.0,
-                beta_slow: 1.0,
-                mscale: all,
-                mscale_all_dim: all,
-                // llama.cpp's deepseek2 leaves cos and sin unscaled (its mscale over mscale_all_dim,
-                // 1; without the log multiplier it divides YaRN's default factor back out).
-                attention_factor: all.is_none().then_some(1.0),
-                truncate: true,
-            })
-        }
-        Some("linear") => Some(RopeScaling::Linear {
-            factor: meta
-                .float(&key("rope.scaling.factor"))?
-                .ok_or_else(|| err("rope.scaling.factor", "missing".into()))?,
-        }),
-        Some(other) => return Err(err("rope.scaling.type", format!("`{other}` is not supported (yarn, linear are)"))),
-    };
-    let moe = match opt("expert_count")?.filter(|&n| n > 0) {
-        None => None,
-        Some(n_experts) => {
-            let scoring = match opt("expert_gating_func")?.unwrap_or(1) {
-                1 => ember_model::Scoring::Softmax,
-                2 => ember_model::Scoring::Sigmoid,
-                other => {
-                    return Err(err(
-                        "expert_gating_func",
-                        format!("{other}: ember scores experts by softmax (1) or sigmoid (2)"),
-                    ))
-                }
-            };
-            let groups = opt("expert_group_count")?.filter(|&g| g > 1).map(|g| g as usize);
-            let top_groups = match groups {
-                Some(_) => Some(req("expert_group_used_count")?),
-                None => None,
-            };
-            if groups.is_some() && scoring == ember_model::Scoring::Softmax {
-                return Err(err(
-                    "expert_group_count",
-                    "groups of a softmax router: llama.cpp scores them by their best two experts, DeepSeek-V2 by its best one".into(),
-                ));
-            }
-            let d_expert = req("expert_feed_forward_length")?;
-            let shared = opt("expert_shared_count")?.unwrap_or(0) as usize;
-            let scale = meta.float(&key("expert_weights_scale"))?.unwrap_or(0.0);
-            Some(ember_model::MoeConfig {
-                n_experts: n_experts as usize,
-                top_k: req("expert_used_count")?,
-                d_expert,
-                norm_topk: meta.bool(&key("expert_weights_norm"))?.unwrap_or(false),
-                shared_expert: match shared {
-                    0 => None,
-                    n => Some(
-                        n.checked_mul(d_expert).ok_or_else(|| err("expert_shared_count", format!("{n}: too many")))?,
-                    ),
-                },
-                shared_expert_gate: false,
-                aux_loss_coef: 0.0,
-                z_loss_coef: 0.0,
-                scoring,
-                selection_bias: arch == Architecture::DeepseekV3,
-                groups,
-                top_groups,
-                routed_scale: if scale == 0.0 { 1.0 } else { scale },
-                dense_layers: opt("leading_dense_block_count")?.unwrap_or(0) as usize,
-                bias_update_rate: 0.0,
-            })
-        }
-    };
-    let c = ModelConfig {
-        n_kv_heads: None,
-        head_dim: None,
-        d_ff: req("feed_forward_length")?,
-        max_seq_len: req("context_length")?,
-        rope_theta: meta.float(&key("rope.freq_base"))?.unwrap_or(10_000.0),
-        rope_layout: RopeLayout::Interleaved,
-        rope_scaling,
-        norm_eps: eps,
-        moe,
-        mla: Some(ember_model::MlaConfig { q_rank, kv_rank, nope_dim, rope_dim, v_dim: v, norm_eps: eps }),
-        tie_embeddings: tied,
-        ..sizes
-    };
-    c.validate().map_err(|e| err("block_count", format!("the model the metadata describes: {e}")))?;
-    Ok(c)
-}
-
-/// llama.cpp's `attn_k_b` (`[H, r, nope]`: each head's key up-projection, transposed) and
-/// `attn_v_b` (`[H, v, r]`) of one layer as Hugging Face's `kv_b_proj`, `[H·(nope + v), r]`.
-fn join_kv_b(k_b: &[f32], v_b: &[f32], heads: usize, rank: usize) -> Result<(Vec<f32>, Vec<usize>), String> {
-    let (nope, v) = (k_b.len() / (heads * rank).max(1), v_b.len() / (heads * rank).max(1));
-    if nope * heads * rank != k_b.len() || v * heads * rank != v_b.len() || nope == 0 || v == 0 {
-        return Err(format!(
-            "attn_k_b / attn_v_b of {} / {} values for {heads} heads of a {rank}-wide latent",
-            k_b.len(),
-            v_b.len()
-        ));
-    }
-    let mut out = Vec::with_capacity(k_b.len() + v_b.len());
-    for h in 0..heads {
-        for i in 0..nope {
-            out.extend((0..rank).map(|c| k_b[(h * rank + c) * nope + i]));
-        }
-        out.extend_from_slice(&v_b[h * v * rank..(h + 1) * v * rank]);
-    }
-    Ok((out, vec![heads * (nope + v), rank]))
-}
-
-/// The reverse of [`join_kv_b`]: `(attn_k_b [H, r, nope], attn_v_b [H, v, r])`.
-fn split_kv_b(kv_b: &[f32], heads: usize, nope: usize, rank: usize) -> (Vec<f32>, Vec<f32>) {
-    let per = kv_b.len() / heads.max(1) / rank.max(1); // nope + v
-    let (mut k_b, mut v_b) = (Vec::with_capacity(heads * nope * rank), Vec::new());
-    for h in 0..heads {
-        let head = &kv_b[h * per * rank..(h + 1) * per * rank];
-        for c in 0..rank {
-            k_b.extend((0..nope).map(|i| head[i * rank + c]));
-        }
-        v_b.extend_from_slice(&head[nope * rank..]);
-    }
-    (k_b, v_b)
+    (arch.gguf().variant)(arch, f)
 }
 
 /// A `config.json` for the model (transformers' layout of its family), with the token ids and what
@@ -565,99 +254,123 @@ fn read_tensors(
     config: &ModelConfig,
     keep_quantized: bool,
 ) -> Result<ReadTensors, GgufError> {
-    let family = arch.family();
-    let heads = Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 };
-    let mut tensors = BTreeMap::new();
-    let mut stored = Vec::new();
-    let mut quantized = BTreeMap::new();
-    // DeepSeek's per-head key and value up-projections, joined into `kv_b_proj` once both are read.
-    let mut kv_b: BTreeMap<usize, [Option<Vec<f32>>; 2]> = BTreeMap::new();
+    let split = arch.gguf().split.as_ref();
+    let mut out = ReadTensors::default();
+    // The parts of a tensor llama.cpp splits (DeepSeek's `kv_b_proj`), by layer, joined once both
+    // are read.
+    let mut parts: BTreeMap<usize, [Option<Vec<f32>>; 2]> = BTreeMap::new();
     for t in &f.tensors {
-        let split = ["attn_k_b", "attn_v_b"].iter().position(|p| t.name.ends_with(&format!(".{p}.weight")));
-        let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
-        if let (Some(part), Some(layer), Some(mla)) = (split, layer, config.mla.as_ref()) {
-            stored.push((t.name.clone(), t.kind.name()));
-            let want = [[config.n_heads, mla.kv_rank, mla.nope_dim], [config.n_heads, mla.v_dim, mla.kv_rank]][part];
+        if let Some((layer, part)) = split.and_then(|s| split_part(s, t, config)) {
+            out.1.push((t.name.clone(), t.kind.name()));
+            let want = split.and_then(|s| (s.shapes)(config)).map(|shapes| shapes[part].clone()).unwrap_or_default();
             if t.shape() != want {
                 return Err(f.meta_err(&t.name, format!("shape {:?}: expected {want:?}", t.shape())));
             }
-            kv_b.entry(layer).or_default()[part] = Some(f.dequantize(t));
+            parts.entry(layer).or_default()[part] = Some(f.dequantize(t));
             continue;
         }
-        let Some((hf, transposed)) = family.gguf_to_hf(&t.name) else {
-            return Err(GgufError::Unsupported {
-                path: f.path.clone(),
-                name: t.name.clone(),
-                kind: format!("a tensor ember does not map for {}", family.gguf_arch),
-            });
-        };
-        stored.push((t.name.clone(), t.kind.name()));
-        let mut shape = t.shape();
-        let permuted = heads.permuted(arch, &hf, &shape);
-        if let Some(heads) = permuted.filter(|h| shape[0] % (2 * h) != 0) {
-            let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
-            return Err(f.meta_err(&t.name, message));
-        }
-        if keep_quantized && shape.len() == 2 && keeps(family, &hf, t.kind, transposed) {
-            let decode = super::quant::block_decoder(t.kind).expect("keeps checked the type");
-            let weight =
-                QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.raw(t).to_vec(), decode)
-                    .map_err(|e| f.meta_err(&t.name, e.to_string()))?;
-            let weight = match permuted {
-                Some(heads) => {
-                    // Row i of the Hugging Face order is the row the f32 permutation moves there.
-                    let rows: Vec<f32> = (0..shape[0]).map(|i| i as f32).collect();
-                    weight
-                        .with_rows(&permute_rows(&rows, heads, 1, true).iter().map(|&r| r as usize).collect::<Vec<_>>())
-                }
-                None => weight,
-            };
-            quantized.insert(hf, weight);
-            continue;
-        }
-        let mut values = f.dequantize(t);
-        if hf.contains("{j}") {
-            // Experts stacked `[E, out, in]` in llama.cpp's file, one tensor each in Hugging Face's.
-            let Some((&experts, one)) = shape.split_first().filter(|(_, one)| one.len() == 2) else {
-                return Err(f.meta_err(&t.name, format!("shape {shape:?}: expected [experts, out, in]")));
-            };
-            let size = one.iter().product::<usize>();
-            for (j, chunk) in values.chunks_exact(size.max(1)).take(experts).enumerate() {
-                let data = TensorData::new(chunk.to_vec(), one.to_vec());
-                ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
-                tensors.insert(crate::family::fill_expert(&hf, j), data);
-            }
-            continue;
-        }
-        if hf.ends_with("shared_expert_gate.weight") && shape.len() == 1 {
-            shape.insert(0, 1); // llama.cpp's converter keeps Qwen2-MoE's `[1, D]` gate as `[D]`
-        }
-        if let Some(heads) = permuted {
-            values = permute_rows(&values, heads, shape[1], true);
-        }
-        if transposed && shape.len() == 2 {
-            values = transpose(&values, shape[0], shape[1]);
-            shape.reverse();
-        }
-        let data = TensorData::new(values, shape);
-        ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
-        tensors.insert(hf, data);
+        read_tensor(f, t, arch, config, keep_quantized, &mut out)?;
     }
-    for (layer, parts) in kv_b {
-        let (Some(mla), [Some(k_b), Some(v_b)]) = (config.mla.as_ref(), parts) else {
-            return Err(
-                f.meta_err(&format!("blk.{layer}.attn_k_b.weight"), "attn_k_b without attn_v_b, or the reverse")
-            );
+    for (layer, pair) in parts {
+        let Some(split) = split else { break };
+        let key = format!("blk.{layer}.{}.weight", split.parts[0]);
+        let [Some(a), Some(b)] = pair else {
+            let message = format!("{} without {}, or the reverse", split.parts[0], split.parts[1]);
+            return Err(f.meta_err(&key, message));
         };
-        let (values, shape) = join_kv_b(&k_b, &v_b, config.n_heads, mla.kv_rank)
-            .map_err(|e| f.meta_err(&format!("blk.{layer}.attn_k_b.weight"), e))?;
-        tensors.insert(format!("model.layers.{layer}.self_attn.kv_b_proj.weight"), TensorData::new(values, shape));
+        let (values, shape) = (split.join)(f, &key, config, &a, &b)?;
+        out.0.insert(split.hf.replace("{i}", &layer.to_string()), TensorData::new(values, shape));
     }
-    Ok((tensors, stored, quantized))
+    Ok(out)
+}
+
+/// The layer and part (0 or 1) of tensor `t` if it is `blk.{i}.{part}.weight` of a tensor
+/// llama.cpp splits, in a model that has the tensor.
+fn split_part(split: &SplitTensor, t: &super::TensorInfo, config: &ModelConfig) -> Option<(usize, usize)> {
+    (split.shapes)(config)?;
+    let part = split.parts.iter().position(|p| t.name.ends_with(&format!(".{p}.weight")))?;
+    let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok())?;
+    Some((layer, part))
+}
+
+/// Tensor `t` under its Hugging Face name (each expert's under its own), into `out`.
+fn read_tensor(
+    f: &GgufFile,
+    t: &super::TensorInfo,
+    arch: Architecture,
+    config: &ModelConfig,
+    keep_quantized: bool,
+    out: &mut ReadTensors,
+) -> Result<(), GgufError> {
+    let family = arch.family();
+    let Some((hf, transposed)) = family.gguf_to_hf(&t.name) else {
+        return Err(GgufError::Unsupported {
+            path: f.path.clone(),
+            name: t.name.clone(),
+            kind: format!("a tensor ember does not map for {}", family.gguf_arch),
+        });
+    };
+    out.1.push((t.name.clone(), t.kind.name()));
+    let mut shape = t.shape();
+    let heads = Heads::of(config);
+    let permuted = heads.permuted(arch, &hf, &shape);
+    if let Some(heads) = permuted.filter(|h| shape[0] % (2 * h) != 0) {
+        let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
+        return Err(f.meta_err(&t.name, message));
+    }
+    if keep_quantized && shape.len() == 2 && keeps(family, &hf, t.kind, transposed) {
+        out.2.insert(hf, kept_weight(f, t, permuted)?);
+        return Ok(());
+    }
+    let mut values = f.dequantize(t);
+    if hf.contains("{j}") {
+        // Experts stacked `[E, out, in]` in llama.cpp's file, one tensor each in Hugging Face's.
+        let Some((&experts, one)) = shape.split_first().filter(|(_, one)| one.len() == 2) else {
+            return Err(f.meta_err(&t.name, format!("shape {shape:?}: expected [experts, out, in]")));
+        };
+        let size = one.iter().product::<usize>();
+        for (j, chunk) in values.chunks_exact(size.max(1)).take(experts).enumerate() {
+            let data = TensorData::new(chunk.to_vec(), one.to_vec());
+            ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
+            out.0.insert(crate::family::fill_expert(&hf, j), data);
+        }
+        return Ok(());
+    }
+    if arch.gguf().squeezes(&hf) && shape.len() == 1 {
+        shape.insert(0, 1); // llama.cpp's converter keeps Qwen2-MoE's `[1, D]` gate as `[D]`
+    }
+    if let Some(heads) = permuted {
+        values = permute_rows(&values, heads, shape[1], true);
+    }
+    if transposed && shape.len() == 2 {
+        values = transpose(&values, shape[0], shape[1]);
+        shape.reverse();
+    }
+    let data = TensorData::new(values, shape);
+    ember_model::weights::warn_non_finite(&f.path.display().to_string(), &t.name, &data);
+    out.0.insert(hf, data);
+    Ok(())
+}
+
+/// A projection weight kept in its stored type, its rows in Hugging Face's order (`permuted`: the
+/// heads whose rows llama.cpp reordered).
+fn kept_weight(f: &GgufFile, t: &super::TensorInfo, permuted: Option<usize>) -> Result<QuantWeight, GgufError> {
+    let shape = t.shape();
+    let decode = super::quant::block_decoder(t.kind).expect("keeps checked the type");
+    let weight = QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.raw(t).to_vec(), decode)
+        .map_err(|e| f.meta_err(&t.name, e.to_string()))?;
+    Ok(match permuted {
+        Some(heads) => {
+            // Row i of the Hugging Face order is the row the f32 permutation moves there.
+            let rows: Vec<f32> = (0..shape[0]).map(|i| i as f32).collect();
+            weight.with_rows(&permute_rows(&rows, heads, 1, true).iter().map(|&r| r as usize).collect::<Vec<_>>())
+        }
+        None => weight,
+    })
 }
 
 /// A row-major `[rows, cols]` matrix transposed.
-fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(super) fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0f32; values.len()];
     for r in 0..rows {
         for c in 0..cols {
@@ -665,380 +378,6 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         }
     }
     out
-}
-
-/// How export stores the weights (norms and biases stay f32 whatever the type: [`ExportType::ggml_type`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ExportType {
-    F32,
-    F16,
-    Bf16,
-    /// Matrices in Q8_0.
-    Q8_0,
-}
-
-impl ExportType {
-    /// `general.file_type`: llama.cpp's `llama_ftype` of a file mostly in this type.
-    fn file_type(self) -> u32 {
-        match self {
-            Self::F32 => 0,
-            Self::F16 => 1,
-            Self::Q8_0 => 7,
-            Self::Bf16 => 32,
-        }
-    }
-
-    /// The type a tensor of `shape` is stored in.
-    /// Only matrices take the file's type: llama.cpp keeps 1-D tensors (norms, biases) in f32, as
-    /// its converter writes them, and its CPU kernels cannot add an f16 or bf16 bias or scale by such a
-    /// norm ("binary_op: unsupported types"). Q8_0 rows must be whole blocks.
-    fn ggml_type(self, shape: &[usize]) -> GgmlType {
-        // Matrices, and experts' stacks of them (`[E, out, in]`); rows are the last axis.
-        let matrix = shape.len() >= 2;
-        let row = shape.last().copied().unwrap_or(0);
-        match self {
-            Self::F16 if matrix => GgmlType::F16,
-            Self::Bf16 if matrix => GgmlType::Bf16,
-            Self::Q8_0 if matrix && row.is_multiple_of(32) => GgmlType::Q8_0,
-            Self::F32 | Self::F16 | Self::Bf16 | Self::Q8_0 => GgmlType::F32,
-        }
-    }
-}
-
-/// What an export wrote.
-pub struct Encoded {
-    pub bytes: Vec<u8>,
-    /// llama.cpp's architecture.
-    pub arch: &'static str,
-    pub tensors: usize,
-}
-
-/// `model` as a GGUF file of llama.cpp's architecture for its family (the base config.json's,
-/// `base`, when there is one), with the tokenizer (and chat template) of `tokenizer_json` /
-/// `tokenizer_config` in the metadata. A model llama.cpp would run differently is refused
-/// ([`expressible`]).
-pub fn encode_model<B: ember_kernels::EmberBackend>(
-    model: &Decoder<B>,
-    base: Option<&Json>,
-    tokenizer_json: &str,
-    tokenizer_config: Option<&Json>,
-    ty: ExportType,
-) -> Result<Encoded, HfError> {
-    let config = model.config();
-    let arch = base
-        .and_then(|v| Architecture::from_class(v.get("architectures")?.get(0)?.as_str()?))
-        .unwrap_or_else(|| Architecture::for_model(config));
-    expressible(config, arch)?;
-    let family = arch.family();
-    let name = base.and_then(|b| b["gguf"]["name"].as_str()).filter(|n| !n.is_empty()).unwrap_or("ember export");
-    let mut meta = arch_metadata(config, arch, ty, name);
-    let hf_config = crate::from_model_config(&ModelConfig { norm: family.parts.norm, ..config.clone() }, arch, base);
-    let pre = hf_config["gguf"]["tokenizer.ggml.pre"].as_str().filter(|p| !p.is_empty());
-    let tokenizer = super::tokenizer::to_gguf(tokenizer_json, tokenizer_config, &hf_config, pre)
-        .map_err(|e| HfError::GgufExport(format!("the tokenizer: {e}")))?;
-    meta.extend(tokenizer);
-    // The source's descriptive keys, but those the tokenizer's metadata already has (a SentencePiece
-    // tokenizer's `add_space_prefix` and `unknown_token_id`): a key twice is an error to llama.cpp's
-    // readers.
-    for (key, value) in carried_back(&hf_config) {
-        if !meta.iter().any(|(k, _)| *k == key) {
-            meta.push((key, value));
-        }
-    }
-    // Every gain written as the factor itself.
-    let gains = if config.norm == NormKind::LayerNorm { NormKind::LayerNorm } else { NormKind::RmsNorm };
-    let mut seen = std::collections::HashSet::new();
-    if let Some((key, _)) = meta.iter().find(|(k, _)| !seen.insert(k.as_str())) {
-        return Err(HfError::GgufExport(format!("metadata `{key}` would be written twice")));
-    }
-    let tensors = crate::weights::named_hf_tensors(model, arch, gains)?;
-    let heads = Heads { q: config.n_heads as u64, kv: config.n_kv_heads() as u64 };
-    let mut out = Vec::with_capacity(tensors.len());
-    // Experts' tensors (Hugging Face's one each) go into their stack, written at the first.
-    let mut stacks: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    for (name, data) in &tensors {
-        match family.hf_to_ember(name).filter(|t| t.layout == crate::family::Layout::Experts) {
-            Some(_) => {
-                let (gname, _) = family.hf_to_gguf(name).ok_or_else(|| {
-                    HfError::GgufExport(format!("tensor `{name}` has no place in llama.cpp's {}", family.gguf_arch))
-                })?;
-                let values = data.clone().convert::<f32>().into_vec::<f32>();
-                let values = values.map_err(|e| HfError::GgufExport(format!("{name}: {e:?}")))?;
-                match stacks.iter_mut().find(|(g, _, _)| *g == gname) {
-                    Some((_, shape, stack)) => {
-                        shape[0] += 1;
-                        stack.extend(values);
-                    }
-                    None => {
-                        stacks.push((gname.clone(), [&[1][..], &data.shape[..]].concat(), values));
-                        out.push(None); // its place among the tensors
-                    }
-                }
-            }
-            None if family.gguf_arch == "deepseek2" && name.ends_with(".self_attn.kv_b_proj.weight") => {
-                // llama.cpp's current layout: per head, the keys' part transposed and the values'.
-                let mla =
-                    config.mla.as_ref().ok_or_else(|| HfError::GgufExport(format!("{name} without [model.mla]")))?;
-                let values = data.clone().convert::<f32>().into_vec::<f32>();
-                let values = values.map_err(|e| HfError::GgufExport(format!("{name}: {e:?}")))?;
-                let (k_b, v_b) = split_kv_b(&values, config.n_heads, mla.nope_dim, mla.kv_rank);
-                let base = name.trim_end_matches(".self_attn.kv_b_proj.weight").replace("model.layers.", "blk.");
-                let h = config.n_heads;
-                for (part, values, shape) in [
-                    ("attn_k_b", k_b, vec![h, mla.kv_rank, mla.nope_dim]),
-                    ("attn_v_b", v_b, vec![h, mla.v_dim, mla.kv_rank]),
-                ] {
-                    let kind = ty.ggml_type(&shape);
-                    let gname = format!("{base}.{part}.weight");
-                    let data = super::quant::quantize(kind, &values)
-                        .map_err(|e| HfError::GgufExport(format!("{gname}: {e}")))?;
-                    out.push(Some(TensorOut { name: gname, shape, kind, data }));
-                }
-            }
-            None => out.push(Some(export_tensor(name, data, arch, heads, ty)?)),
-        }
-    }
-    let mut stacks = stacks.into_iter();
-    let out = out
-        .into_iter()
-        .map(|t| match t {
-            Some(t) => Ok(t),
-            None => {
-                let (name, shape, values) = stacks.next().expect("one stack a placeholder");
-                let kind = ty.ggml_type(&shape);
-                let data =
-                    super::quant::quantize(kind, &values).map_err(|e| HfError::GgufExport(format!("{name}: {e}")))?;
-                Ok(TensorOut { name, shape, kind, data })
-            }
-        })
-        .collect::<Result<Vec<_>, HfError>>()?;
-    Ok(Encoded { bytes: super::encode(&meta, &out), arch: family.gguf_arch, tensors: out.len() })
-}
-
-/// Whether llama.cpp's architecture for `arch` runs `config` as ember does: the metadata an export
-/// writes must read back to the same model (training-only fields aside; an RMSNorm's gains are
-/// written as factors whichever way ember keeps them). The error lists each field that would
-/// change: Mistral's sliding window (llama.cpp's `llama` has none), Llama 3's RoPE scaling (which
-/// llama.cpp keeps in a `rope_freqs` tensor ember does not write), a Gemma 3 layer pattern other
-/// than 5 local : 1 global, a `query_pre_attn_scalar` other than `head_dim`, Qwen3's biases.
-pub fn expressible(config: &ModelConfig, arch: Architecture) -> Result<(), HfError> {
-    let family = arch.family();
-    let name = format!("GGUF {}", family.gguf_arch);
-    let meta: BTreeMap<String, Value> = arch_metadata(config, arch, ExportType::F32, "").into_iter().collect();
-    let rms = |k: NormKind| k != NormKind::LayerNorm;
-    if arch == Architecture::Olmoe && config.n_kv_heads() != config.n_heads {
-        let message = format!(
-            "llama.cpp's olmoe norms the keys over d_model: a model of {} key/value heads for {} query heads has \
-             no place in it",
-            config.n_kv_heads(),
-            config.n_heads
-        );
-        return Err(HfError::Inexpressible { architecture: name, fields: vec![message] });
-    }
-    // The balancing losses' weights are training's, not the model's: GGUF has no key for them.
-    let losses = |m: ember_model::MoeConfig| match &config.moe {
-        Some(c) => ember_model::MoeConfig {
-            aux_loss_coef: c.aux_loss_coef,
-            z_loss_coef: c.z_loss_coef,
-            bias_update_rate: c.bias_update_rate,
-            ..m
-        },
-        None => m,
-    };
-    let back = model_config(&meta, Path::new(&name), arch, config.tie_embeddings, None).map(|b| ModelConfig {
-        norm: if rms(b.norm) && rms(config.norm) { config.norm } else { b.norm },
-        moe: b.moe.map(losses),
-        init_std: config.init_std,
-        ..b
-    });
-    crate::config_map::differences(config, back.map_err(HfError::from), &name)
-}
-
-/// `general.*` and the `{arch}.*` hyperparameters of `config`, as llama.cpp's converter writes
-/// them for the architecture.
-fn arch_metadata(config: &ModelConfig, arch: Architecture, ty: ExportType, name: &str) -> Vec<(String, Value)> {
-    let a = arch.family().gguf_arch;
-    if a == "deepseek2" {
-        return deepseek2_metadata(config, ty, name);
-    }
-    let s = |v: &str| Value::String(v.into());
-    let u = |v: usize| Value::U32(v as u32);
-    let mut meta: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), s(a)),
-        ("general.name".into(), s(name)),
-        ("general.file_type".into(), Value::U32(ty.file_type())),
-        ("general.quantization_version".into(), Value::U32(2)),
-        (format!("{a}.block_count"), u(config.n_layers)),
-        (format!("{a}.context_length"), u(config.max_seq_len)),
-        (format!("{a}.embedding_length"), u(config.d_model)),
-        (format!("{a}.feed_forward_length"), u(config.d_ff)),
-        (format!("{a}.attention.head_count"), u(config.n_heads)),
-    ];
-    if config.norm == NormKind::LayerNorm {
-        meta.push((format!("{a}.attention.layer_norm_epsilon"), Value::F32(config.norm_eps as f32)));
-    } else {
-        let head_dim = config.head_dim();
-        meta.extend([
-            (format!("{a}.attention.head_count_kv"), u(config.n_kv_heads())),
-            (format!("{a}.attention.key_length"), u(head_dim)),
-            (format!("{a}.attention.value_length"), u(head_dim)),
-            (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(config.norm_eps as f32)),
-        ]);
-    }
-    if config.positions == Positions::Rope {
-        meta.push((format!("{a}.rope.dimension_count"), u(config.head_dim())));
-        meta.push((format!("{a}.rope.freq_base"), Value::F32(config.rope_theta as f32)));
-        if let Some(RopeScaling::Linear { factor }) = config.rope_scaling {
-            meta.push((format!("{a}.rope.scaling.type"), s("linear")));
-            meta.push((format!("{a}.rope.scaling.factor"), Value::F32(factor as f32)));
-        }
-    }
-    if arch == Architecture::Gemma3 {
-        if let Some(w) = config.sliding_window.filter(|_| (0..config.n_layers).any(|l| config.is_local(l))) {
-            meta.push((format!("{a}.attention.sliding_window"), u(w)));
-        }
-        if let Some(cap) = config.final_logit_softcap {
-            meta.push((format!("{a}.final_logit_softcapping"), Value::F32(cap as f32)));
-        }
-    }
-    if let Some(moe) = &config.moe {
-        meta.push((format!("{a}.expert_count"), u(moe.n_experts)));
-        meta.push((format!("{a}.expert_used_count"), u(moe.top_k)));
-        if matches!(arch, Architecture::Mixtral | Architecture::Olmoe) {
-            // llama.cpp's `llama` and `olmoe` take the experts' width from feed_forward_length.
-            meta.retain(|(k, _)| *k != format!("{a}.feed_forward_length"));
-            meta.push((format!("{a}.feed_forward_length"), u(moe.d_expert)));
-        } else {
-            meta.push((format!("{a}.expert_feed_forward_length"), u(moe.d_expert)));
-        }
-        if let Some(shared) = moe.shared_expert {
-            meta.push((format!("{a}.expert_shared_feed_forward_length"), u(shared)));
-        }
-    }
-    meta.push((format!("{a}.vocab_size"), u(config.vocab_size)));
-    meta
-}
-
-/// llama.cpp's `deepseek2` keys of `config`, as its converter writes them for MLA in its current
-/// layout (one key/value head of `kv_lora_rank + rope` for the absorbed attention, the per-head
-/// widths under `*_mla`, `q_lora_rank` 0 for a plain query).
-fn deepseek2_metadata(config: &ModelConfig, ty: ExportType, name: &str) -> Vec<(String, Value)> {
-    let a = "deepseek2";
-    let s = |v: &str| Value::String(v.into());
-    let u = |v: usize| Value::U32(v as u32);
-    let f = |v: f64| Value::F32(v as f32);
-    let mut meta: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), s(a)),
-        ("general.name".into(), s(name)),
-        ("general.file_type".into(), Value::U32(ty.file_type())),
-        ("general.quantization_version".into(), Value::U32(2)),
-    ];
-    let mut keys: Vec<(&str, Value)> = vec![
-        ("block_count", u(config.n_layers)),
-        ("context_length", u(config.max_seq_len)),
-        ("embedding_length", u(config.d_model)),
-        ("feed_forward_length", u(config.d_ff)),
-        ("attention.head_count", u(config.n_heads)),
-        ("attention.head_count_kv", u(1)),
-        ("attention.layer_norm_rms_epsilon", f(config.norm_eps)),
-        ("rope.freq_base", f(config.rope_theta)),
-        ("vocab_size", u(config.vocab_size)),
-    ];
-    if let Some(mla) = &config.mla {
-        keys.extend([
-            ("attention.q_lora_rank", u(mla.q_rank.unwrap_or(0))),
-            ("attention.kv_lora_rank", u(mla.kv_rank)),
-            ("attention.key_length", u(mla.cache_width())),
-            ("attention.value_length", u(mla.kv_rank)),
-            ("attention.key_length_mla", u(mla.qk_dim())),
-            ("attention.value_length_mla", u(mla.v_dim)),
-            ("rope.dimension_count", u(mla.rope_dim)),
-        ]);
-    }
-    match config.rope_scaling {
-        Some(RopeScaling::Yarn { factor, original_max_position_embeddings, mscale_all_dim, .. }) => keys.extend([
-            ("rope.scaling.type", s("yarn")),
-            ("rope.scaling.factor", f(factor)),
-            ("rope.scaling.original_context_length", u(original_max_position_embeddings)),
-            ("rope.scaling.yarn_log_multiplier", f(0.1 * mscale_all_dim.unwrap_or(0.0))),
-        ]),
-        Some(RopeScaling::Linear { factor }) => {
-            keys.extend([("rope.scaling.type", s("linear")), ("rope.scaling.factor", f(factor))])
-        }
-        _ => {}
-    }
-    if let Some(moe) = &config.moe {
-        let gating = if moe.scoring == ember_model::Scoring::Sigmoid { 2 } else { 1 };
-        keys.extend([
-            ("leading_dense_block_count", u(moe.dense_layers)),
-            ("expert_count", u(moe.n_experts)),
-            ("expert_used_count", u(moe.top_k)),
-            ("expert_feed_forward_length", u(moe.d_expert)),
-            ("expert_shared_count", u(moe.shared_expert.map_or(0, |w| w / moe.d_expert.max(1)))),
-            ("expert_weights_scale", f(moe.routed_scale)),
-            ("expert_weights_norm", Value::Bool(moe.norm_topk)),
-            ("expert_gating_func", u(gating)),
-        ]);
-        if let (Some(groups), Some(top)) = (moe.groups, moe.top_groups) {
-            keys.extend([("expert_group_count", u(groups)), ("expert_group_used_count", u(top))]);
-        }
-    }
-    meta.extend(keys.into_iter().map(|(k, v)| (format!("{a}.{k}"), v)));
-    meta
-}
-
-/// What an import kept of the source file's descriptive metadata ([`carried_metadata`]), to be
-/// written back; `general.name` is left to [`arch_metadata`].
-fn carried_back(hf_config: &Json) -> Vec<(String, Value)> {
-    let from_json = |value: &Json| match value {
-        Json::String(x) => Some(Value::String(x.clone())),
-        Json::Bool(b) => Some(Value::Bool(*b)),
-        Json::Number(n) => Some(Value::U32(n.as_u64().unwrap_or(0) as u32)),
-        Json::Array(items) => {
-            Some(Value::Array(items.iter().filter_map(Json::as_str).map(|x| Value::String(x.into())).collect()))
-        }
-        _ => None,
-    };
-    hf_config["gguf"]["carry"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(key, _)| *key != "general.name")
-        .filter_map(|(key, value)| Some((key.clone(), from_json(value)?)))
-        .collect()
-}
-
-/// One tensor as export writes it: under its GGUF name, q/k rows in llama.cpp's order, GPT-2's
-/// `Conv1D` weights transposed, stored as `ty` stores a tensor of its shape.
-fn export_tensor(
-    name: &str,
-    data: &TensorData,
-    arch: Architecture,
-    heads: Heads,
-    ty: ExportType,
-) -> Result<TensorOut, HfError> {
-    let family = arch.family();
-    let (gname, transposed) = family.hf_to_gguf(name).ok_or_else(|| {
-        HfError::GgufExport(format!("tensor `{name}` has no place in llama.cpp's {}", family.gguf_arch))
-    })?;
-    let mut shape = data.shape.to_vec();
-    let mut values =
-        data.clone().convert::<f32>().into_vec::<f32>().map_err(|e| HfError::GgufExport(format!("{name}: {e:?}")))?;
-    if transposed && shape.len() == 2 {
-        values = transpose(&values, shape[0], shape[1]);
-        shape.reverse();
-    }
-    if let Some(heads) = heads.permuted(arch, name, &shape) {
-        values = permute_rows(&values, heads, shape[1], false);
-    }
-    if name.ends_with("shared_expert_gate.weight") && shape.first() == Some(&1) {
-        shape.remove(0); // Qwen2-MoE's `[1, D]` gate as llama.cpp's converter writes it, `[D]`
-    }
-    // The routers stay f32 whatever the type, as llama.cpp's quantizer keeps them: a rounded router
-    // can pick other experts.
-    let kind = if gname.contains("ffn_gate_inp") { GgmlType::F32 } else { ty.ggml_type(&shape) };
-    let data = super::quant::quantize(kind, &values).map_err(|e| HfError::GgufExport(format!("{name}: {e}")))?;
-    Ok(TensorOut { name: gname, shape, kind, data })
 }
 
 /// A GGUF model imported as a decoder, with its tokenizer files' contents.
@@ -1076,19 +415,18 @@ fn import_from<B: ember_kernels::EmberBackend>(
     device: &burn::tensor::Device<B>,
 ) -> Result<GgufImport<B>, crate::HfError> {
     let tensors = m.tensors.into_iter().map(|(k, v)| (k, (v, path.to_path_buf()))).collect();
-    let imported = crate::weights::load_tensors(
-        m.config,
-        m.arch,
-        m.hf_config,
-        path,
-        path,
-        tensors,
+    let load = crate::weights::Load {
+        config: m.config,
+        architecture: m.arch,
+        hf_config: m.hf_config,
+        config_path: path,
+        dir: path,
         param_dtype,
-        false,
-        false,
-        m.quantized,
-        device,
-    )?;
+        allow_missing: false,
+        allow_unused: false,
+        quantized: m.quantized,
+    };
+    let imported = crate::weights::load_tensors(load, tensors, device)?;
     Ok(GgufImport {
         imported,
         arch: m.arch,
@@ -1098,29 +436,11 @@ fn import_from<B: ember_kernels::EmberBackend>(
     })
 }
 
-/// Writes `bytes` to `out` atomically: a temporary file beside it, fsynced, then renamed; an
-/// existing `out` is an error.
-pub fn write_new(out: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
-    use std::io::Write;
-    if out.exists() {
-        return Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "exists; choose another --out"));
-    }
-    let tmp = out.with_extension(format!("gguf.tmp-{}", std::process::id()));
-    let written = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, out)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written.map(|_| out.into())
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::hparams::arch_metadata;
     use super::*;
+    use ember_model::RopeScaling;
 
     #[test]
     fn names_map_both_ways_per_architecture() {
@@ -1171,7 +491,7 @@ mod tests {
             ModelConfig { rope_scaling: Some(RopeScaling::Linear { factor: 2.0 }), ..ModelConfig::tiny(64, 32) };
         let gemma = ModelConfig { final_logit_softcap: Some(30.0), ..ModelConfig::tiny(64, 32) };
         let metadata = |config: &ModelConfig, arch| -> BTreeMap<String, Value> {
-            arch_metadata(config, arch, ExportType::F32, "t").into_iter().collect()
+            arch_metadata(config, arch, ExportType::F32.file_type(), "t").into_iter().collect()
         };
         let read = |meta: &BTreeMap<String, Value>, arch| model_config(meta, Path::new("t.gguf"), arch, false, None);
         let bad = |config: &ModelConfig, arch, key: &str, value: Value| {
@@ -1207,23 +527,6 @@ mod tests {
         .unwrap();
         let e = read_file(file).err().expect("an error").to_string();
         assert_eq!(e, "t.gguf: metadata `general.architecture` has type u32 (7), expected string");
-    }
-
-    #[test]
-    fn deepseek_key_and_value_up_projections_split_per_head_and_join_back() {
-        // kv_b_proj [H·(nope + v), r] with value h·1000 + row·10 + column, H 3, nope 2, v 4, r 5.
-        let (h, nope, v, r) = (3, 2, 4, 5);
-        let kv_b: Vec<f32> = (0..h * (nope + v) * r)
-            .map(|i| (i / r / (nope + v) * 1000 + i / r % (nope + v) * 10 + i % r) as f32)
-            .collect();
-        let (k_b, v_b) = split_kv_b(&kv_b, h, nope, r);
-        // attn_k_b [H, r, nope]: head 2's key row 1, latent column 3 at [2][3][1].
-        assert_eq!(k_b[(2 * r + 3) * nope + 1], 2013.0);
-        // attn_v_b [H, v, r]: head 1's value row 2 (row nope + 2 of the head), column 4.
-        assert_eq!(v_b[(v + 2) * r + 4], 1044.0);
-        let (back, shape) = join_kv_b(&k_b, &v_b, h, r).unwrap();
-        assert_eq!((back, shape), (kv_b, vec![h * (nope + v), r]));
-        assert!(join_kv_b(&k_b[1..], &v_b, h, r).is_err());
     }
 
     #[test]

@@ -63,7 +63,7 @@ impl GgmlType {
     ];
 
     /// The type of a ggml type id; `Err` carries the id and its name for the error message.
-    pub fn from_id(id: u32) -> Result<Self, String> {
+    pub fn from_id(id: u32) -> Result<Self, UnknownType> {
         if let Some(ty) = Self::ALL.into_iter().find(|ty| ty.id() == id) {
             return Ok(ty);
         }
@@ -91,7 +91,7 @@ impl GgmlType {
             41 => "Q1_0",
             _ => "unknown",
         };
-        Err(format!("ggml type {id} ({name})"))
+        Err(UnknownType { id, name })
     }
 
     pub fn id(self) -> u32 {
@@ -308,6 +308,16 @@ fn scale_k3(s: usize, q: &[u8]) -> i32 {
     (low | high << 4) as i32 - 32
 }
 
+/// The (scale, min) of the two halves of group `g` (of 4, 64 values each) of a Q4_K or Q5_K
+/// super-block whose super-scales are `d` and `dmin`.
+#[inline]
+fn group_scales_k4(g: usize, d: f32, dmin: f32, scales: &[u8]) -> [(f32, f32); 2] {
+    [2 * g, 2 * g + 1].map(|s| {
+        let (sc, m) = scale_min_k4(s, scales);
+        (d * sc as f32, dmin * m as f32)
+    })
+}
+
 /// One Q4_K super-block: 144 bytes -> 256 values.
 fn dequantize_q4k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
@@ -316,10 +326,7 @@ fn dequantize_q4k(b: &[u8], y: &mut [f32]) {
     // Four groups of 64 values: 32 low nibbles then 32 high nibbles of 32 bytes, each
     // half with its own 6-bit scale and min.
     for g in 0..4 {
-        let (sc1, m1) = scale_min_k4(2 * g, scales);
-        let (sc2, m2) = scale_min_k4(2 * g + 1, scales);
-        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let [(d1, min1), (d2, min2)] = group_scales_k4(g, d, dmin, scales);
         let q = &qs[32 * g..32 * g + 32];
         let y = &mut y[64 * g..64 * g + 64];
         for l in 0..32 {
@@ -334,10 +341,7 @@ fn dequantize_q5k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
     for g in 0..4 {
-        let (sc1, m1) = scale_min_k4(2 * g, scales);
-        let (sc2, m2) = scale_min_k4(2 * g + 1, scales);
-        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        let [(d1, min1), (d2, min2)] = group_scales_k4(g, d, dmin, scales);
         let q = &qs[32 * g..32 * g + 32];
         let y = &mut y[64 * g..64 * g + 64];
         for l in 0..32 {
@@ -382,9 +386,27 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// A ggml type id ember does not read: the id and ggml.h's name for it (`unknown` for an id it
+/// does not use).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("ggml type {id} ({name})")]
+pub struct UnknownType {
+    pub id: u32,
+    pub name: &'static str,
+}
+
+/// Why [`quantize`] cannot store values in a type.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantizeError {
+    #[error("{values} values are not a whole number of Q8_0 blocks of 32")]
+    PartialBlock { values: usize },
+    #[error("ember does not write {0}")]
+    NotWritten(&'static str),
+}
+
 /// Quantizes `values` (a whole number of blocks) into `ty`, for export: F32, F16, BF16 and Q8_0
 /// (ggml's reference quantizer: `d = max|x| / 127`, `q = round(x / d)`).
-pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, String> {
+pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, QuantizeError> {
     let mut out = Vec::with_capacity(ty.bytes_for(values.len() as u64).unwrap_or(0) as usize);
     match ty {
         GgmlType::F32 => values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
@@ -392,7 +414,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, String> {
         GgmlType::Bf16 => values.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
         GgmlType::Q8_0 => {
             if !values.len().is_multiple_of(32) {
-                return Err(format!("{} values are not a whole number of Q8_0 blocks of 32", values.len()));
+                return Err(QuantizeError::PartialBlock { values: values.len() });
             }
             for x in values.chunks_exact(32) {
                 let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -402,7 +424,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Result<Vec<u8>, String> {
                 out.extend(x.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8));
             }
         }
-        other => return Err(format!("ember does not write {}", other.name())),
+        other => return Err(QuantizeError::NotWritten(other.name())),
     }
     Ok(out)
 }
@@ -472,7 +494,7 @@ mod tests {
         assert_eq!(GgmlType::Q6K.bytes_for(512), Some(420));
         assert_eq!(GgmlType::Q4_1.bytes_for(33), None);
         assert_eq!(GgmlType::Q5K.bytes_for(256), Some(176));
-        assert_eq!(GgmlType::from_id(23).unwrap_err(), "ggml type 23 (IQ4_XS)");
-        assert_eq!(GgmlType::from_id(99).unwrap_err(), "ggml type 99 (unknown)");
+        assert_eq!(GgmlType::from_id(23).unwrap_err().to_string(), "ggml type 23 (IQ4_XS)");
+        assert_eq!(GgmlType::from_id(99).unwrap_err().to_string(), "ggml type 99 (unknown)");
     }
 }

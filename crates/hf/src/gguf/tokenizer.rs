@@ -18,6 +18,22 @@ use serde_json::{json, Map, Value as Json};
 
 use super::{GgufError, GgufFile, Value};
 
+/// Why a `tokenizer.json` cannot be written as GGUF metadata; each carries the offending value.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerExportError {
+    #[error("tokenizer.json: {0}")]
+    Json(serde_json::Error),
+    /// The model's `type`, as JSON.
+    #[error("a {0} tokenizer: only BPE tokenizers are exported to GGUF")]
+    NotBpe(String),
+    #[error("tokenizer.json has no {0}")]
+    Missing(&'static str),
+    #[error("a vocab id is not a number")]
+    VocabId,
+    #[error("a merge is neither \"a b\" nor [a, b]")]
+    Merge,
+}
+
 /// ggml token types.
 const NORMAL: i64 = 1;
 const UNKNOWN: i64 = 2;
@@ -351,11 +367,11 @@ pub fn to_gguf(
     tokenizer_config: Option<&Json>,
     hf_config: &Json,
     pre: Option<&str>,
-) -> Result<Vec<(String, Value)>, String> {
-    let t: Json = serde_json::from_str(tokenizer_json).map_err(|e| format!("tokenizer.json: {e}"))?;
+) -> Result<Vec<(String, Value)>, TokenizerExportError> {
+    let t: Json = serde_json::from_str(tokenizer_json).map_err(TokenizerExportError::Json)?;
     let model = &t["model"];
     if model["type"] != "BPE" {
-        return Err(format!("a {} tokenizer: only BPE tokenizers are exported to GGUF", model["type"]));
+        return Err(TokenizerExportError::NotBpe(model["type"].to_string()));
     }
     // Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) is llama.cpp's `gpt2`; a BPE over `▁`-marked
     // pieces (SentencePiece's, Llama 2's) its `llama`, which stores scores instead of merges.
@@ -372,8 +388,8 @@ pub fn to_gguf(
 
 /// The token of every id, added tokens included, up to the model's `vocab_size` (ids no token
 /// holds become `[PAD{id}]`); and each one's ggml type.
-fn tokens_and_types(t: &Json, hf_config: &Json) -> Result<(Vec<String>, Vec<i64>), String> {
-    let vocab = t["model"]["vocab"].as_object().ok_or("tokenizer.json has no model.vocab")?;
+fn tokens_and_types(t: &Json, hf_config: &Json) -> Result<(Vec<String>, Vec<i64>), TokenizerExportError> {
+    let vocab = t["model"]["vocab"].as_object().ok_or(TokenizerExportError::Missing("model.vocab"))?;
     let mut tokens: Vec<Option<String>> = Vec::new();
     let mut put = |id: usize, s: &str| {
         if tokens.len() <= id {
@@ -382,7 +398,7 @@ fn tokens_and_types(t: &Json, hf_config: &Json) -> Result<(Vec<String>, Vec<i64>
         tokens[id] = Some(s.to_string());
     };
     for (s, id) in vocab {
-        put(id.as_u64().ok_or("a vocab id is not a number")? as usize, s);
+        put(id.as_u64().ok_or(TokenizerExportError::VocabId)? as usize, s);
     }
     let mut specials = HashMap::new();
     for a in t["added_tokens"].as_array().into_iter().flatten() {
@@ -399,8 +415,8 @@ fn tokens_and_types(t: &Json, hf_config: &Json) -> Result<(Vec<String>, Vec<i64>
 }
 
 /// The merges of a BPE `model` ("a b" or ["a", "b"] in tokenizer.json), each pair joined by `sep`.
-fn joined_merges(model: &Json, sep: &str) -> Result<Vec<String>, String> {
-    let merges = model["merges"].as_array().ok_or("tokenizer.json has no model.merges")?;
+fn joined_merges(model: &Json, sep: &str) -> Result<Vec<String>, TokenizerExportError> {
+    let merges = model["merges"].as_array().ok_or(TokenizerExportError::Missing("model.merges"))?;
     merges
         .iter()
         .map(|m| match m {
@@ -408,7 +424,7 @@ fn joined_merges(model: &Json, sep: &str) -> Result<Vec<String>, String> {
             Json::Array(p) if p.len() == 2 => {
                 Ok(format!("{}{sep}{}", p[0].as_str().unwrap_or_default(), p[1].as_str().unwrap_or_default()))
             }
-            _ => Err("a merge is neither \"a b\" nor [a, b]".to_string()),
+            _ => Err(TokenizerExportError::Merge),
         })
         .collect()
 }
@@ -515,7 +531,7 @@ struct SpmMetadata {
     add_space_prefix: bool,
 }
 
-fn spm_metadata(t: &Json) -> Result<SpmMetadata, String> {
+fn spm_metadata(t: &Json) -> Result<SpmMetadata, TokenizerExportError> {
     let merged = joined_merges(&t["model"], "")?;
     let text = format!("{}{}", t["normalizer"], t["pre_tokenizer"]);
     let add_space_prefix = text.contains("\"Prepend\"") || (text.contains("Metaspace") && !text.contains("\"never\""));

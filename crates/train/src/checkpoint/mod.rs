@@ -44,21 +44,22 @@ use crate::error::TrainError;
 use crate::schedule::LrSchedule;
 
 pub(crate) use run_dir::{has_checkpoint, set_aside_dead_attempt, tidy_run_dir};
-pub use save::{save, save_best};
+pub use save::save;
+pub(crate) use save::save_best;
 
 pub const CHECKPOINTS: &str = "checkpoints";
 pub const LATEST: &str = "latest";
-pub const MODEL_FILE: &str = "model.safetensors";
-pub const ADAPTER_FILE: &str = "adapter.safetensors";
-pub const MODEL_CONFIG_FILE: &str = "model.toml";
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-pub const STATE_FILE: &str = "state.json";
+pub(crate) const MODEL_FILE: &str = "model.safetensors";
+pub(crate) const ADAPTER_FILE: &str = "adapter.safetensors";
+pub(crate) const MODEL_CONFIG_FILE: &str = "model.toml";
+pub(crate) const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub(crate) const STATE_FILE: &str = "state.json";
 pub const CONFIG_FILE: &str = "config.toml";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
-pub const HF_CONFIG_FILE: &str = "hf_config.json";
+pub(crate) const HF_CONFIG_FILE: &str = "hf_config.json";
 /// The run directory's folder of the best checkpoint (by val loss), and its record.
-pub const BEST_DIR: &str = "best";
-pub const BEST_FILE: &str = "best.json";
+pub(crate) const BEST_DIR: &str = "best";
+pub(crate) const BEST_FILE: &str = "best.json";
 /// Files of a tokenizer folder that travel with tokenizer.json: the chat template, and the
 /// generation settings the model's authors recommend (Hugging Face's `generation_config.json`, read
 /// by `ember_serve::sampling`).
@@ -105,7 +106,8 @@ pub struct BestRecord {
 }
 
 /// The record of the best checkpoint of the run in `run_dir`, where it has one.
-pub fn read_best(run_dir: &Path) -> Option<BestRecord> {
+#[cfg(test)]
+pub(crate) fn read_best(run_dir: &Path) -> Option<BestRecord> {
     let text = std::fs::read_to_string(run_dir.join(BEST_DIR).join(BEST_FILE)).ok()?;
     serde_json::from_str(&text).ok()
 }
@@ -160,7 +162,7 @@ fn step_dir_name(step: usize) -> String {
 }
 
 /// The folder of the checkpoint of step `step` in `run_dir`.
-pub fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
+pub(crate) fn step_dir(run_dir: &Path, step: usize) -> PathBuf {
     run_dir.join(CHECKPOINTS).join(step_dir_name(step))
 }
 
@@ -277,7 +279,7 @@ impl Checkpoint {
     }
 
     /// The training config, for what needs a training run's checkpoint.
-    pub fn train_config(&self) -> Result<&TrainConfig, TrainError> {
+    pub(crate) fn train_config(&self) -> Result<&TrainConfig, TrainError> {
         self.config.as_ref().ok_or_else(|| TrainError::Checkpoint {
             path: self.dir.clone(),
             message: "not a training run's checkpoint (no config.toml): it has no data or optimizer".into(),
@@ -309,7 +311,7 @@ impl Checkpoint {
     }
 
     /// The `init_from` source a LoRA checkpoint's adapters sit on; `None` for a full checkpoint.
-    pub fn adapter_source(&self) -> Result<Option<InitSource>, TrainError> {
+    pub(crate) fn adapter_source(&self) -> Result<Option<InitSource>, TrainError> {
         if !self.is_adapter() {
             return Ok(None);
         }
@@ -332,7 +334,7 @@ impl Checkpoint {
         // before the model is allocated.
         let bytes = std::fs::metadata(&path).map_err(TrainError::io(&path))?.len();
         ember_model::weights::check_model_size(&self.model_config, &path.display().to_string(), bytes)
-            .map_err(|message| TrainError::Checkpoint { path: self.dir.join(MODEL_CONFIG_FILE), message })?;
+            .map_err(|e| TrainError::Checkpoint { path: self.dir.join(MODEL_CONFIG_FILE), message: e.to_string() })?;
         let model = Decoder::empty(&self.model_config, device)?;
         Ok(assign(model, read_tensors(&path)?, &path.display().to_string(), false)?)
     }

@@ -92,7 +92,7 @@ fn write_folder(tmp: &Path, files: Vec<(&'static str, Vec<u8>)>) -> Result<(), T
 /// like a step's checkpoint; the folder it replaces is renamed to `.best.old-PID` first and deleted
 /// after, and a run killed between the two renames gets it back at its next start
 /// ([`super::run_dir::tidy_run_dir`]).
-pub fn save_best(
+pub(crate) fn save_best(
     run_dir: &Path,
     data: CheckpointData<'_>,
     config: &crate::config::TrainConfig,

@@ -10,10 +10,10 @@ pub const LR_FULL: f64 = 5e-5;
 /// From scratch: nanoGPT's `train.py` default (GPT-3 Small's rate).
 pub const LR_SCRATCH: f64 = 6e-4;
 /// Evaluations in a run whose `eval_interval` is left out (and the first and last).
-pub const EVALS_PER_RUN: u64 = 10;
+pub(crate) const EVALS_PER_RUN: u64 = 10;
 /// Warmup, as a fraction of the decay steps, where `warmup_steps` is left out (1 in 20 steps:
 /// within the 3–10 % fine-tuning recipes use).
-pub const WARMUP_DIVISOR: u64 = 20;
+pub(crate) const WARMUP_DIVISOR: u64 = 20;
 
 /// The learning rate of a config that leaves `schedule.lr` out.
 pub fn lr(lora: bool, init_from: bool) -> f64 {

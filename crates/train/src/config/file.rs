@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use ember_model::ModelConfig;
 
 use super::{defaults, keys, PendingLength, TrainConfig};
-use crate::error::TrainError;
+use crate::error::{TrainError, UnknownInitSource};
 
 /// A config file as written, parsed and checked without opening anything but itself. `model` is
 /// `None` where `[model]` is left out for the `init_from` model's: [`ConfigFile::resolve`] opens
@@ -44,7 +44,7 @@ impl ConfigFile {
         Self::parse_for(text, path, Purpose::Run)
     }
 
-    pub fn parse_for(text: &str, path: &Path, purpose: Purpose) -> Result<Self, TrainError> {
+    pub(crate) fn parse_for(text: &str, path: &Path, purpose: Purpose) -> Result<Self, TrainError> {
         let syntax = |e: toml::de::Error| TrainError::Config {
             path: path.into(),
             message: match e.span() {
@@ -125,13 +125,14 @@ impl TrainConfig {
         ConfigFile::read(path)?.complete()
     }
 
-    pub fn from_toml(text: &str, path: &Path) -> Result<Self, TrainError> {
+    #[cfg(test)]
+    pub(crate) fn from_toml(text: &str, path: &Path) -> Result<Self, TrainError> {
         ConfigFile::parse(text, path)?.complete()
     }
 
     /// Makes the paths of the config absolute (relative ones are relative to the working
     /// directory), so that the copy saved in a run directory works from anywhere.
-    pub fn absolutize_paths(&mut self) {
+    pub(crate) fn absolutize_paths(&mut self) {
         let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
         if let Some(p) = &self.data.path {
             self.data.path = Some(abs(p));
@@ -144,7 +145,7 @@ impl TrainConfig {
         self.init_from = self.init_from.as_ref().map(InitSource::absolute);
     }
 
-    pub fn to_toml(&self) -> String {
+    pub(crate) fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("config serialises")
     }
 }
@@ -180,15 +181,10 @@ pub enum InitSource {
 }
 
 impl TryFrom<String> for InitSource {
-    type Error = String;
+    type Error = UnknownInitSource;
     /// The TOML error names the key; this says what is wrong with the value.
-    fn try_from(spec: String) -> Result<Self, String> {
-        Self::parse(&spec).map_err(|_| {
-            format!(
-                "\"{spec}\" is neither `hf:DIR` (a Hugging Face folder), `run:DIR` (an ember run or checkpoint) \
-                 nor `gguf:FILE` (a GGUF model)"
-            )
-        })
+    fn try_from(spec: String) -> Result<Self, UnknownInitSource> {
+        Self::parse(&spec).map_err(|_| UnknownInitSource(spec))
     }
 }
 
@@ -243,14 +239,14 @@ impl InitSource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::tests::{parse, NANO};
+    use crate::config::tests::{parse, parse_err, NANO};
     use crate::config::REQUIRED;
 
     #[test]
     fn an_unknown_key_is_named_with_its_section_and_line() {
         let text = NANO.replace("n_layers = 4", "n_layers = 4\nn_kv_head = 2");
         let line = text.lines().position(|l| l == "n_kv_head = 2").unwrap() + 1;
-        let e = parse(&text).unwrap_err();
+        let e = parse_err(&text);
         assert_eq!(e, format!("c.toml: line {line}: [model] unknown key \"n_kv_head\" — did you mean \"n_kv_heads\"?"));
     }
 
@@ -327,7 +323,7 @@ mod tests {
             ]
         );
         // One alone reads as it always has.
-        let e = parse(&NANO.replace("batch_size = 12", "batch_size = 0")).unwrap_err();
+        let e = parse_err(&NANO.replace("batch_size = 12", "batch_size = 0"));
         assert_eq!(e, "c.toml: train.batch_size must be at least 1, found 0");
     }
 

@@ -17,56 +17,17 @@ use super::sections::{
 };
 use super::{InitSource, TrainConfig};
 use crate::error::InvalidConfig;
+pub use crate::error::{ConfigProblem, Hint, Problem};
 
 /// Keys with no default, by section (a section left out counts as empty). `[model]` may be left
 /// out as a whole when `init_from` gives the model; `[lora]` and `[muon]` are optional as a whole.
-pub const REQUIRED: &[(&str, &[&str])] = &[
+pub(crate) const REQUIRED: &[(&str, &[&str])] = &[
     ("model", &["d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"]),
     ("train", &["batch_size", "max_steps"]),
     ("lora", &["rank", "alpha"]),
     ("muon", &["lr"]),
     ("eval", &["tasks"]),
 ];
-
-/// One thing wrong with a config file, where the file says it.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{}{}{what}", line.map(|l| format!("line {l}: ")).unwrap_or_default(), place(section.as_deref()))]
-pub struct ConfigProblem {
-    /// 1-based line of the key (or the section header) in the file, where it has one.
-    pub line: Option<usize>,
-    /// The section (`None`: the top of the file, before any `[section]`).
-    pub section: Option<String>,
-    pub what: Problem,
-}
-
-fn place(section: Option<&str>) -> String {
-    section.map(|s| format!("[{s}] ")).unwrap_or_default()
-}
-
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum Problem {
-    #[error("unknown key \"{key}\"{hint}")]
-    UnknownKey { key: String, hint: Hint },
-    #[error("unknown section{hint}")]
-    UnknownSection { hint: Hint },
-    #[error("{key} is missing")]
-    Missing { key: String },
-    /// A section left out that has no default: what to put in it.
-    #[error("is missing: {needs}")]
-    MissingSection { needs: &'static str },
-    #[error("must be a table (a [section] of keys), found {found}")]
-    NotATable { found: &'static str },
-    /// A value of the wrong type or outside its choices: serde's words (`key` is empty where
-    /// serde does not say which key).
-    #[error("{}{message}", if key.is_empty() { String::new() } else { format!("{key}: ") })]
-    BadValue { key: String, message: String },
-    /// Two keys that say the same thing two ways.
-    #[error("{key} and {other} are both set: give one ({other} follows from {key})")]
-    Exclusive { key: &'static str, other: &'static str },
-    /// A value that breaks a rule (its message names the dotted key).
-    #[error("{0}")]
-    Rule(InvalidConfig),
-}
 
 impl ConfigProblem {
     /// `rule`, at the line of the key it names (or of its section's header).
@@ -94,31 +55,8 @@ impl ConfigProblem {
     }
 }
 
-/// What an unknown name may have meant.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Hint {
-    None,
-    /// A known name a typo away.
-    DidYouMean(String),
-    /// The key exists, in another section.
-    BelongsIn(String),
-    /// A known section a typo away.
-    Section(String),
-}
-
-impl std::fmt::Display for Hint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Hint::None => Ok(()),
-            Hint::DidYouMean(name) => write!(f, " — did you mean \"{name}\"?"),
-            Hint::BelongsIn(section) => write!(f, " — it belongs in [{section}]"),
-            Hint::Section(section) => write!(f, " — did you mean [{section}]?"),
-        }
-    }
-}
-
 /// The sections of a config file: the top-level keys of [`TrainConfig`] but `init_from`.
-pub fn sections() -> Vec<&'static str> {
+pub(crate) fn sections() -> Vec<&'static str> {
     top_level().iter().copied().filter(|k| *k != "init_from").collect()
 }
 
@@ -127,7 +65,7 @@ fn top_level() -> &'static [&'static str] {
 }
 
 /// The keys section `name` accepts (`None`: no such section).
-pub fn section_keys(name: &str) -> Option<&'static [&'static str]> {
+pub(crate) fn section_keys(name: &str) -> Option<&'static [&'static str]> {
     Some(match name {
         "model" => serde_fields::<ModelConfig>(),
         "data" => serde_fields::<DataConfig>(),
@@ -167,6 +105,48 @@ fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
 /// (with what they may have meant), required keys left out, values of the wrong type. Unknown
 /// keys are taken out of `table`, so that what is left can be read once the list is empty.
 pub fn check(table: &mut toml::Table, text: &str) -> Vec<ConfigProblem> {
+    let mut problems = missing(table, text);
+    let sections = sections();
+    let names: Vec<String> = table.keys().cloned().collect();
+    for name in names {
+        if name == "init_from" {
+            problems.extend(init_from_problem(&table[&name], text));
+            continue;
+        }
+        let Some(keys) = section_keys(&name) else {
+            // A key of the top level, or a section: which one the user meant is in the text.
+            let is_section = table[&name].is_table();
+            let problem = if is_section {
+                Problem::UnknownSection { hint: suggest(&name, &sections).map_or(Hint::None, Hint::Section) }
+            } else {
+                Problem::UnknownKey { key: name.clone(), hint: hint(&name, top_level(), None) }
+            };
+            let section = is_section.then(|| name.clone());
+            let line = if is_section { header_line(text, &name) } else { key_line(text, None, &name) };
+            problems.push(ConfigProblem { line, section, what: problem });
+            table.remove(&name);
+            continue;
+        };
+        let Some(section) = table.get_mut(&name).and_then(toml::Value::as_table_mut) else {
+            let found = table[&name].type_str();
+            let line = key_line(text, None, &name);
+            problems.push(ConfigProblem { line, section: Some(name.clone()), what: Problem::NotATable { found } });
+            table.remove(&name);
+            continue;
+        };
+        let unknown: Vec<String> = section.keys().filter(|k| !keys.contains(&k.as_str())).cloned().collect();
+        for key in unknown {
+            let what = Problem::UnknownKey { hint: hint(&key, keys, Some(&name)), key: key.clone() };
+            problems.push(at(text, Some(&name), Some(&key), what));
+            section.remove(&key);
+        }
+    }
+    problems
+}
+
+/// The keys of [`REQUIRED`] missing from `table`, `train.max_steps` and `train.num_epochs` both
+/// given, and a missing `[data]`.
+fn missing(table: &toml::Table, text: &str) -> Vec<ConfigProblem> {
     let mut problems = Vec::new();
     for (name, keys) in REQUIRED {
         let section = match table.get(*name) {
@@ -202,65 +182,24 @@ pub fn check(table: &mut toml::Table, text: &str) -> Vec<ConfigProblem> {
             what: Problem::MissingSection { needs: "set `dataset` (a built-in name) or `path` (a text or JSONL file)" },
         });
     }
-    let sections = sections();
-    let names: Vec<String> = table.keys().cloned().collect();
-    for name in names {
-        if name == "init_from" {
-            match &table[&name] {
-                toml::Value::String(spec) => {
-                    if let Err(e) = InitSource::try_from(spec.clone()) {
-                        problems.push(at(text, None, Some(&name), Problem::BadValue { key: name.clone(), message: e }));
-                    }
-                }
-                other => problems.push(at(
-                    text,
-                    None,
-                    Some(&name),
-                    Problem::BadValue {
-                        key: name.clone(),
-                        message: format!(
-                            "expected a string (`hf:DIR`, `run:DIR` or `gguf:FILE`), found {}",
-                            other.type_str()
-                        ),
-                    },
-                )),
-            }
-            continue;
-        }
-        let Some(keys) = section_keys(&name) else {
-            // A key of the top level, or a section: which one the user meant is in the text.
-            let is_section = table[&name].is_table();
-            let problem = if is_section {
-                Problem::UnknownSection { hint: suggest(&name, &sections).map_or(Hint::None, Hint::Section) }
-            } else {
-                Problem::UnknownKey { key: name.clone(), hint: hint(&name, top_level(), None) }
-            };
-            let section = is_section.then(|| name.clone());
-            let line = if is_section { header_line(text, &name) } else { key_line(text, None, &name) };
-            problems.push(ConfigProblem { line, section, what: problem });
-            table.remove(&name);
-            continue;
-        };
-        let Some(section) = table.get_mut(&name).and_then(toml::Value::as_table_mut) else {
-            let found = table[&name].type_str();
-            let line = key_line(text, None, &name);
-            problems.push(ConfigProblem { line, section: Some(name.clone()), what: Problem::NotATable { found } });
-            table.remove(&name);
-            continue;
-        };
-        let unknown: Vec<String> = section.keys().filter(|k| !keys.contains(&k.as_str())).cloned().collect();
-        for key in unknown {
-            let what = Problem::UnknownKey { hint: hint(&key, keys, Some(&name)), key: key.clone() };
-            problems.push(at(text, Some(&name), Some(&key), what));
-            section.remove(&key);
-        }
-    }
     problems
+}
+
+/// What is wrong with `init_from`'s value, if anything.
+fn init_from_problem(value: &toml::Value, text: &str) -> Option<ConfigProblem> {
+    let key = "init_from";
+    let message = match value {
+        toml::Value::String(spec) => InitSource::try_from(spec.clone()).err()?.to_string(),
+        other => {
+            format!("expected a string (`hf:DIR`, `run:DIR` or `gguf:FILE`), found {}", other.type_str())
+        }
+    };
+    Some(at(text, None, Some(key), Problem::BadValue { key: key.into(), message }))
 }
 
 /// Every value of the wrong type or outside its choices, section by section: each section is
 /// read alone, and a key whose value fails is reported and taken out before reading it again.
-pub fn check_values(table: &toml::Table, text: &str) -> Vec<ConfigProblem> {
+pub(crate) fn check_values(table: &toml::Table, text: &str) -> Vec<ConfigProblem> {
     let mut problems = Vec::new();
     for (name, value) in table {
         let Some(section) = value.as_table() else { continue };
@@ -341,7 +280,7 @@ fn hint(key: &str, keys: &[&str], section: Option<&str>) -> Hint {
 
 /// The candidate nearest to `name`, if it is a typo away: at most one edit for short names, up to
 /// a third of the name's length for longer ones (a swap of two letters is one edit).
-pub fn suggest(name: &str, candidates: &[&str]) -> Option<String> {
+pub(crate) fn suggest(name: &str, candidates: &[&str]) -> Option<String> {
     let limit = (name.chars().count() / 3).max(1);
     candidates
         .iter()
@@ -412,7 +351,7 @@ fn header(line: &str) -> Option<&str> {
 
 /// The field names a struct's `Deserialize` derive accepts: it asks the deserializer for a struct
 /// with these fields, and this one records them and stops.
-pub fn serde_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+pub(crate) fn serde_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
     let mut fields = None;
     let _ = T::deserialize(FieldNames { fields: &mut fields });
     fields.unwrap_or(&[])

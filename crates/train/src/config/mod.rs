@@ -21,7 +21,9 @@ use crate::error::InvalidConfig;
 
 pub use defaults::{LR_FULL, LR_LORA, LR_SCRATCH};
 pub use file::{ConfigFile, InitSource, Purpose};
-pub use keys::{ConfigProblem, Hint, Problem, REQUIRED};
+#[cfg(test)]
+pub(crate) use keys::REQUIRED;
+pub use keys::{ConfigProblem, Hint, Problem};
 pub use sections::{
     AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, EvalTasksConfig, LoopConfig, MetricsConfig,
     MuonConfig, NsDtype, OptimConfig, Precision, PreferenceConfig, PreferenceMethod, ScheduleConfig, ScheduleShape,
@@ -85,7 +87,7 @@ fn is_default_distributed(d: &DistributedConfig) -> bool {
 /// The longest `train.seq_len` a run from `init_from` gets when it leaves the key out: the
 /// pretrained context (8,192 positions for SmolLM2) is far past what most fine-tunes need, and the
 /// activations grow with it.
-pub const SEQ_LEN_CAP: usize = 2048;
+pub(crate) const SEQ_LEN_CAP: usize = 2048;
 /// A default `train.seq_len` from the examples is a multiple of this.
 const SEQ_LEN_STEP: usize = 64;
 
@@ -101,7 +103,7 @@ impl TrainConfig {
     /// `longest` tokens): the longest rounded up to a multiple of 64, so that every example fits a
     /// row; a text stream: the model's context. Never past the context, nor, for a model from
     /// `init_from` (whose context the config did not choose), past [`SEQ_LEN_CAP`].
-    pub fn default_seq_len(&self, longest: Option<usize>) -> usize {
+    pub(crate) fn default_seq_len(&self, longest: Option<usize>) -> usize {
         // A row of `seq_len` positions holds an example of `seq_len + 1` tokens (inputs and targets).
         let wanted = longest.map_or(usize::MAX, |n| n.saturating_sub(1).max(1).div_ceil(SEQ_LEN_STEP) * SEQ_LEN_STEP);
         let cap = if self.init_from.is_some() { SEQ_LEN_CAP } else { usize::MAX };
@@ -110,7 +112,7 @@ impl TrainConfig {
 
     /// Model FLOPs per token of a training step, for MFU: `6N + 12·L·T·d`, or with LoRA (a frozen
     /// base: no weight gradients but the adapters') `4N + 6·L·Σ r·(in + out) + 12·L·T·d`.
-    pub fn train_flops_per_token(&self) -> f64 {
+    pub(crate) fn train_flops_per_token(&self) -> f64 {
         match &self.lora {
             Some(lora) => lora.train_flops_per_token(&self.model, self.seq_len()),
             None => self.model.train_flops_per_token(self.seq_len()),
@@ -126,35 +128,20 @@ impl TrainConfig {
 impl<M> TrainConfig<M> {
     /// The same config with the architecture `model`.
     pub fn with_model<N>(self, model: N) -> TrainConfig<N> {
-        let Self {
-            init_from,
-            model: _,
-            data,
-            train,
-            optim,
-            schedule,
-            lora,
-            muon,
-            preference,
-            eval,
-            metrics,
-            distributed,
-            pending,
-        } = self;
         TrainConfig {
-            init_from,
+            init_from: self.init_from,
             model,
-            data,
-            train,
-            optim,
-            schedule,
-            lora,
-            muon,
-            preference,
-            eval,
-            metrics,
-            distributed,
-            pending,
+            data: self.data,
+            train: self.train,
+            optim: self.optim,
+            schedule: self.schedule,
+            lora: self.lora,
+            muon: self.muon,
+            preference: self.preference,
+            eval: self.eval,
+            metrics: self.metrics,
+            distributed: self.distributed,
+            pending: self.pending,
         }
     }
 
@@ -163,7 +150,7 @@ impl<M> TrainConfig<M> {
     /// evaluation cadence and warmup that follow it where the file left them out. The config then
     /// reads as if it had said `max_steps` (what the run directory keeps); the rules that need the
     /// length are checked. Nothing to do for a config that gave `max_steps`.
-    pub fn resolve_epochs(&mut self, rows: usize, ranks: usize) -> Result<(), InvalidConfig> {
+    pub(crate) fn resolve_epochs(&mut self, rows: usize, ranks: usize) -> Result<(), InvalidConfig> {
         let Some(p) = self.pending.take() else { return Ok(()) };
         let per_step = self.train.batch_size.saturating_mul(self.train.grad_accum_steps).saturating_mul(ranks).max(1);
         let steps = (p.num_epochs * rows as f64 / per_step as f64).ceil().max(1.0);
@@ -200,12 +187,18 @@ impl<M> TrainConfig<M> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::error::TrainError;
     use std::path::Path;
 
     pub(crate) const NANO: &str = include_str!("../../../../configs/nano.toml");
 
-    pub(crate) fn parse(text: &str) -> Result<TrainConfig, String> {
-        TrainConfig::from_toml(text, Path::new("c.toml")).map_err(|e| e.to_string())
+    pub(crate) fn parse(text: &str) -> Result<TrainConfig, TrainError> {
+        TrainConfig::from_toml(text, Path::new("c.toml"))
+    }
+
+    /// The message of the error `text` is refused with.
+    pub(crate) fn parse_err(text: &str) -> String {
+        parse(text).expect_err("the config is refused").to_string()
     }
 
     #[test]

@@ -7,6 +7,8 @@ use std::time::Duration;
 use ember_data::finetune::Packing;
 use serde::{Deserialize, Serialize};
 
+use crate::error::UnknownPrecision;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsConfig {
@@ -182,13 +184,13 @@ pub enum Precision {
 }
 
 impl std::str::FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownPrecision;
+    fn from_str(s: &str) -> Result<Self, UnknownPrecision> {
         match s {
             "f32" => Ok(Self::F32),
             "bf16" => Ok(Self::Bf16),
             "f16" => Ok(Self::F16),
-            _ => Err(format!("precision `{s}`: expected f32, bf16 or f16")),
+            _ => Err(UnknownPrecision(s.into())),
         }
     }
 }
@@ -516,11 +518,11 @@ impl DistributedConfig {
         Duration::from_secs_f64(self.timeout_s)
     }
 
-    pub fn io_timeout(&self) -> Duration {
+    pub(crate) fn io_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.io_timeout_s.max(self.timeout_s))
     }
 
-    pub fn bucket_elems(&self) -> usize {
+    pub(crate) fn bucket_elems(&self) -> usize {
         self.bucket_mib * (1 << 20) / 4
     }
 }

@@ -44,18 +44,18 @@ impl TrainConfig {
 
 impl<M> TrainConfig<M> {
     /// The rules of every section but `[model]`, then those across sections.
-    pub fn validate_sections(&self) -> Result<(), InvalidConfig> {
+    pub(crate) fn validate_sections(&self) -> Result<(), InvalidConfig> {
         self.validate_sections_for(Purpose::Run)
     }
 
     /// [`Self::validate_sections`] for `purpose`: the first rule broken.
-    pub fn validate_sections_for(&self, purpose: Purpose) -> Result<(), InvalidConfig> {
+    pub(crate) fn validate_sections_for(&self, purpose: Purpose) -> Result<(), InvalidConfig> {
         self.broken_rules(purpose).into_iter().next().map_or(Ok(()), Err)
     }
 
     /// Every rule of [`Self::validate_sections_for`] the config breaks, in the order of the
     /// sections.
-    pub fn broken_rules(&self, purpose: Purpose) -> Vec<InvalidConfig> {
+    pub(crate) fn broken_rules(&self, purpose: Purpose) -> Vec<InvalidConfig> {
         let mut broken = Vec::new();
         if let Some(lora) = &self.lora {
             if let Err(e) = lora.validate() {
@@ -300,26 +300,26 @@ fn at_most(key: &'static str, value: usize, limit: u64) -> Result<(), InvalidCon
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::tests::{parse, NANO};
+    use crate::config::tests::{parse, parse_err, NANO};
     use ember_data::finetune::Packing;
 
     #[test]
     fn heads_not_divisible_by_kv_heads_is_an_error() {
         let text = NANO.replace("n_kv_heads = 4", "n_kv_heads = 3");
-        assert_eq!(parse(&text).unwrap_err(), "c.toml: model.n_kv_heads (3) must divide model.n_heads (4)");
+        assert_eq!(parse_err(&text), "c.toml: model.n_kv_heads (3) must divide model.n_heads (4)");
     }
 
     #[test]
     fn cross_section_rules() {
-        let e = parse(&NANO.replace("warmup_steps = 100", "warmup_steps = 5000")).unwrap_err();
+        let e = parse_err(&NANO.replace("warmup_steps = 100", "warmup_steps = 5000"));
         assert!(e.contains("schedule.warmup_steps (5000)"), "{e}");
-        let e = parse(&NANO.replace("batch_size = 12", "batch_size = 0")).unwrap_err();
+        let e = parse_err(&NANO.replace("batch_size = 12", "batch_size = 0"));
         assert!(e.contains("train.batch_size must be at least 1"), "{e}");
-        let e = parse(&NANO.replace("dataset = \"tinyshakespeare\"", "")).unwrap_err();
+        let e = parse_err(&NANO.replace("dataset = \"tinyshakespeare\"", ""));
         assert!(e.contains("data: set `dataset`"), "{e}");
-        let e = parse(&NANO.replace("lr = 1e-3", "lr = -1.0")).unwrap_err();
+        let e = parse_err(&NANO.replace("lr = 1e-3", "lr = -1.0"));
         assert!(e.contains("schedule.lr must be positive"), "{e}");
-        let e = parse(&NANO.replace("batch_size = 12", "batch_size = \"twelve\"")).unwrap_err();
+        let e = parse_err(&NANO.replace("batch_size = 12", "batch_size = \"twelve\""));
         assert!(e.contains("[train] batch_size: invalid type: string \"twelve\", expected usize"), "{e}");
     }
 

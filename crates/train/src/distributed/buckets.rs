@@ -12,30 +12,26 @@ use super::{Collective, DistError};
 
 /// Where a parameter's values sit in a flat vector.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Slot {
+pub(crate) struct Slot {
     pub path: String,
     pub offset: usize,
     pub dims: Vec<usize>,
 }
 
 impl Slot {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.dims.iter().product()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// AdamW decays matrices (rank >= 2), never norm gains or biases.
-    pub fn decays(&self) -> bool {
+    pub(crate) fn decays(&self) -> bool {
         self.dims.len() >= 2
     }
 }
 
 /// A model's gradients, flattened.
 #[derive(Debug)]
-pub struct FlatGrads {
+pub(crate) struct FlatGrads {
     pub values: Vec<f32>,
     pub slots: Vec<Slot>,
     ids: Vec<ParamId>,
@@ -43,7 +39,7 @@ pub struct FlatGrads {
 }
 
 /// Moves every gradient of `grads` (in the model's parameter order) into one vector.
-pub fn flatten<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &mut GradientsParams) -> FlatGrads {
+pub(crate) fn flatten<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &mut GradientsParams) -> FlatGrads {
     let mut values = Vec::new();
     let mut flat = flatten_into(model, grads, &mut values);
     flat.values = values;
@@ -53,7 +49,7 @@ pub fn flatten<B: TrainBackend, M: AutodiffModule<B>>(model: &M, grads: &mut Gra
 /// [`flatten`] into `values` (its allocation kept from step to step: a fresh one is faulted in page
 /// by page, and growing one gradient at a time re-copies it; 0.7–1.5 s of a 538 MB model's step).
 /// The returned layout's own `values` is empty.
-pub fn flatten_into<B: TrainBackend, M: AutodiffModule<B>>(
+pub(crate) fn flatten_into<B: TrainBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
     values: &mut Vec<f32>,
@@ -94,7 +90,7 @@ pub fn flatten_into<B: TrainBackend, M: AutodiffModule<B>>(
 }
 
 /// The gradients back as tensors on `model`'s device, from `values` laid out as `flat`'s.
-pub fn unflatten<B: TrainBackend, M: AutodiffModule<B>>(
+pub(crate) fn unflatten<B: TrainBackend, M: AutodiffModule<B>>(
     model: &M,
     flat: &FlatGrads,
     values: &[f32],
@@ -124,7 +120,7 @@ pub fn unflatten<B: TrainBackend, M: AutodiffModule<B>>(
 }
 
 /// Sums `send` over ranks into `recv` (of the same length) in buckets of at most `bucket` elements.
-pub fn all_reduce_buckets(
+pub(crate) fn all_reduce_buckets(
     c: &dyn Collective,
     send: &[f32],
     recv: &mut [f32],
@@ -140,14 +136,14 @@ pub fn all_reduce_buckets(
 
 /// Host buffers of the gradient reduction, kept across steps.
 #[derive(Debug, Default)]
-pub struct GradBuffers {
+pub(crate) struct GradBuffers {
     send: Vec<f32>,
     recv: Vec<f32>,
 }
 
 /// The data-parallel gradient: every rank's gradients summed (each rank's loss is already scaled by
 /// the step's global number of scored tokens, so the sum is the global token-weighted mean).
-pub fn all_reduce_grads<B: TrainBackend, M: AutodiffModule<B>>(
+pub(crate) fn all_reduce_grads<B: TrainBackend, M: AutodiffModule<B>>(
     c: &dyn Collective,
     model: &M,
     mut grads: GradientsParams,
@@ -181,7 +177,7 @@ pub fn all_reduce_grads<B: TrainBackend, M: AutodiffModule<B>>(
 /// The data-parallel gradient summed on the device (NCCL for CUDA): the gradients cut into buckets
 /// of about `bucket` values, each concatenated into one flat tensor on the device, summed in place
 /// by `comm`, and cut back into the gradients. No host copy. A bucket ends at a parameter boundary.
-pub fn all_reduce_grads_on_device<B: TrainBackend, M: AutodiffModule<B>>(
+pub(crate) fn all_reduce_grads_on_device<B: TrainBackend, M: AutodiffModule<B>>(
     comm: &DeviceComm,
     rank: usize,
     model: &M,
@@ -215,7 +211,7 @@ pub fn all_reduce_grads_on_device<B: TrainBackend, M: AutodiffModule<B>>(
         let parts: Vec<Tensor<B::InnerBackend, 1>> = pending.iter().map(|(_, _, t)| t.clone()).collect();
         let flat = Tensor::cat(parts, 0);
         let summed = <B::InnerBackend as DeviceReduceOps>::device_all_reduce(flat.into_primitive().tensor(), comm)
-            .map_err(|message| DistError::Rank { rank, message: format!("{what}, bucket {index}: {message}") })?;
+            .map_err(|e| DistError::Rank { rank, message: format!("{what}, bucket {index}: {e}") })?;
         let summed = Tensor::<B::InnerBackend, 1>::from_primitive(TensorPrimitive::Float(summed));
         let mut offset = 0;
         for (id, dims, t) in pending.drain(..) {
@@ -254,7 +250,7 @@ pub fn all_reduce_grads_on_device<B: TrainBackend, M: AutodiffModule<B>>(
 
 /// The values at `range` of the flat vector of the parameters at `slots` (by path), zeros past the
 /// last parameter: only the parameters that overlap `range` are read.
-pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(
+pub(crate) fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(
     model: &M,
     slots: &[Slot],
     range: std::ops::Range<usize>,
@@ -284,7 +280,7 @@ pub fn flatten_params<B: TrainBackend, M: AutodiffModule<B>>(
 }
 
 /// `model` with the parameters at `slots` set from `values` (ids, dtypes and `require_grad` kept).
-pub fn assign_params<B: TrainBackend, M: AutodiffModule<B>>(model: M, slots: &[Slot], values: &[f32]) -> M {
+pub(crate) fn assign_params<B: TrainBackend, M: AutodiffModule<B>>(model: M, slots: &[Slot], values: &[f32]) -> M {
     struct Write<'a> {
         slots: std::collections::HashMap<&'a str, &'a Slot>,
         values: &'a [f32],

@@ -28,13 +28,14 @@ use ember_model::weights::{visit_paths, PathVisitor};
 use super::buckets::{assign_params, flatten_into, flatten_params, Slot};
 use super::{Collective, DistError};
 use crate::config::{MuonConfig, OptimConfig};
+use crate::error::OptimizerError;
 use crate::muon::{adjusted_lr, momentum, ns_step, owners, takes};
 use crate::optim::clip_coefficient;
 use crate::precision::LossScaler;
 
 /// This rank's part of the flat parameter vector.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Layout {
+pub(crate) struct Layout {
     pub slots: Vec<Slot>,
     /// Trainable elements, and elements per rank (`total` rounded up to the world size, divided).
     pub total: usize,
@@ -44,7 +45,7 @@ pub struct Layout {
 
 impl Layout {
     /// The trainable parameters of `model` (those that require a gradient), in parameter order.
-    pub fn of<B: TrainBackend, M: AutodiffModule<B>>(model: &M, rank: usize, world: usize) -> Self {
+    pub(crate) fn of<B: TrainBackend, M: AutodiffModule<B>>(model: &M, rank: usize, world: usize) -> Self {
         Self::of_filtered::<B, M>(model, rank, world, &|_, _| true)
     }
 
@@ -61,7 +62,7 @@ impl Layout {
     }
 
     /// This rank's range of the flat vector.
-    pub fn range(&self) -> std::ops::Range<usize> {
+    pub(crate) fn range(&self) -> std::ops::Range<usize> {
         self.rank * self.per_rank..(self.rank + 1) * self.per_rank
     }
 
@@ -261,33 +262,37 @@ impl ShardedMuon {
     }
 
     /// Takes this rank's buffers out of `tensors` (saved unsharded by any world size) after `steps`.
-    fn load_state(&mut self, tensors: &mut BTreeMap<String, TensorData>, steps: u64) -> Result<(), String> {
+    fn load_state(&mut self, tensors: &mut BTreeMap<String, TensorData>, steps: u64) -> Result<(), OptimizerError> {
         let mut buffers = vec![0.0f32; self.buffers.len()];
         for (i, s) in self.slots.iter().enumerate() {
             if tensors.contains_key(&format!("{}.exp_avg", s.path)) {
-                return Err(format!(
+                return Err(OptimizerError::Moments(format!(
                     "`{}` has AdamW moments, but this config's [muon] trains it (a run resumes with the optimizer \
                      it started with: remove [muon], or start a new run)",
                     s.path
-                ));
+                )));
             }
             let Some(d) = tensors.remove(&format!("{}.momentum_buffer", s.path)) else {
                 if steps == 0 {
                     continue;
                 }
-                return Err(format!("no momentum buffer for `{}` after {steps} optimizer steps", s.path));
+                return Err(OptimizerError::Moments(format!(
+                    "no momentum buffer for `{}` after {steps} optimizer steps",
+                    s.path
+                )));
             };
             if d.num_elements() != s.len() {
-                return Err(format!(
+                return Err(OptimizerError::Moments(format!(
                     "`{}.momentum_buffer` has {} elements, the parameter has {}",
                     s.path,
                     d.num_elements(),
                     s.len()
-                ));
+                )));
             }
             if self.owners[i] == self.rank {
                 let d = d.convert::<f32>();
-                let values = d.as_slice::<f32>().map_err(|e| format!("`{}`: {e:?}", s.path))?;
+                let values =
+                    d.as_slice::<f32>().map_err(|e| OptimizerError::Moments(format!("`{}`: {e:?}", s.path)))?;
                 buffers[self.packed[i]..self.packed[i] + s.len()].copy_from_slice(values);
             }
         }
@@ -297,7 +302,7 @@ impl ShardedMuon {
 }
 
 /// AdamW with this rank's share of the moments.
-pub struct ShardedAdamW {
+pub(crate) struct ShardedAdamW {
     config: OptimConfig,
     /// How the updates compute: the model's.
     compute: Compute,
@@ -315,7 +320,7 @@ pub struct ShardedAdamW {
 }
 
 /// What a sharded step did.
-pub struct ShardedStep<B: TrainBackend, M: AutodiffModule<B>> {
+pub(crate) struct ShardedStep<B: TrainBackend, M: AutodiffModule<B>> {
     pub model: M,
     /// Global gradient norm before clipping (unscaled).
     pub grad_norm: f64,
@@ -328,13 +333,13 @@ impl ShardedAdamW {
     /// `schedule.lr`), Muon trains the matrices it takes. MPI counts a collective's values in a C
     /// int, so the flat vector (padded) must stay below 2^31 values: about 2.1 billion trainable
     /// parameters.
-    pub fn new<B: TrainBackend, M: AutodiffModule<B>>(
+    pub(crate) fn new<B: TrainBackend, M: AutodiffModule<B>>(
         config: OptimConfig,
         model: &M,
         c: &dyn Collective,
         compute: Compute,
         muon: Option<(&MuonConfig, f64)>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, OptimizerError> {
         let muon = muon.map(|(m, adamw_lr)| ShardedMuon::new::<B, M>(m.clone(), adamw_lr, model, c));
         let layout = match &muon {
             Some(m) => Layout::of_filtered::<B, M>(model, c.rank(), c.world(), &|p, r| !takes(&m.config, p, r)),
@@ -342,28 +347,24 @@ impl ShardedAdamW {
         };
         let muon_total = muon.as_ref().map_or(0, |m| m.total.max(m.max_load * c.world()));
         if layout.per_rank * c.world() > i32::MAX as usize || muon_total > i32::MAX as usize {
-            return Err(format!(
+            return Err(OptimizerError::Sharding(format!(
                 "distributed.shard_optimizer: {} trainable values are more than ember's ZeRO-1 over MPI handles \
                  (2^31 - 1); train without it, or with LoRA",
                 layout.total + muon.as_ref().map_or(0, |m| m.total)
-            ));
+            )));
         }
         let n = layout.per_rank;
         let (m, v) = (vec![0.0; n], vec![0.0; n]);
         Ok(Self { config, compute, steps: 0, layout, m, v, grads: Vec::new(), gathered: Vec::new(), muon })
     }
 
-    pub fn steps(&self) -> u64 {
+    pub(crate) fn steps(&self) -> u64 {
         self.steps
-    }
-
-    pub fn layout(&self) -> &Layout {
-        &self.layout
     }
 
     /// One step from this rank's (unreduced) gradients; every rank calls it.
     #[allow(clippy::too_many_arguments)]
-    pub fn step<B: TrainBackend, M: AutodiffModule<B>>(
+    pub(crate) fn step<B: TrainBackend, M: AutodiffModule<B>>(
         &mut self,
         c: &dyn Collective,
         lr: f64,
@@ -405,11 +406,24 @@ impl ShardedAdamW {
             }
         }
         self.steps += 1;
+        let scale = clip_coefficient(grad_norm, self.config.grad_clip) / loss_scale;
+        let mut mine = flatten_params(&model, &self.layout.slots, self.layout.range());
+        self.update_shard::<B>(&mut mine, &g, lr, scale, device);
+        self.gathered.resize(self.layout.per_rank * world, 0.0);
+        c.all_gather_f32(&mine, &mut self.gathered, &format!("{what}: parameter all-gather"))?;
+        let mut model = assign_params(model, &self.layout.slots, &self.gathered);
+        if let Some(muon) = self.muon.as_mut() {
+            model = muon.step::<B, M>(model, &muon_grads, scale, lr, c, device, self.compute, what)?;
+        }
+        Ok(ShardedStep { model, grad_norm, skipped: false, _b: Default::default() })
+    }
+
+    /// AdamW on this rank's shard: the parameters `mine` and the moments updated in place from the
+    /// reduced gradients `g` (times `scale`), piece by piece (weight decay where the piece decays).
+    fn update_shard<B: TrainBackend>(&mut self, mine: &mut [f32], g: &[f32], lr: f64, scale: f64, device: &Device<B>) {
         let t = self.steps as i32;
         let o = &self.config;
-        let scale = clip_coefficient(grad_norm, o.grad_clip) / loss_scale;
         let range = self.layout.range();
-        let mut mine = flatten_params(&model, &self.layout.slots, range.clone());
         let tensor =
             |v: &[f32]| Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device);
         let read = |t: Tensor<B::InnerBackend, 1>, out: &mut [f32]| {
@@ -441,13 +455,6 @@ impl ShardedAdamW {
             read(m, &mut self.m[r.clone()]);
             read(v, &mut self.v[r]);
         }
-        self.gathered.resize(self.layout.per_rank * world, 0.0);
-        c.all_gather_f32(&mine, &mut self.gathered, &format!("{what}: parameter all-gather"))?;
-        let mut model = assign_params(model, &self.layout.slots, &self.gathered);
-        if let Some(muon) = self.muon.as_mut() {
-            model = muon.step::<B, M>(model, &muon_grads, scale, lr, c, device, self.compute, what)?;
-        }
-        Ok(ShardedStep { model, grad_norm, skipped: false, _b: Default::default() })
     }
 
     /// The moments of every parameter, gathered to rank 0 (the one that writes checkpoints) and
@@ -455,7 +462,7 @@ impl ShardedAdamW {
     /// than their share. Every rank calls this.
     ///
     /// [`AdamW::state_tensors`]: crate::optim::AdamW::state_tensors
-    pub fn state_tensors(&self, c: &dyn Collective) -> Result<Vec<(String, TensorData)>, DistError> {
+    pub(crate) fn state_tensors(&self, c: &dyn Collective) -> Result<Vec<(String, TensorData)>, DistError> {
         if self.steps == 0 {
             return Ok(Vec::new());
         }
@@ -475,15 +482,19 @@ impl ShardedAdamW {
     }
 
     /// Takes this rank's share of moments saved unsharded (by any world size), after `steps`.
-    pub fn load_state(&mut self, mut tensors: BTreeMap<String, TensorData>, steps: u64) -> Result<(), String> {
+    pub(crate) fn load_state(
+        &mut self,
+        mut tensors: BTreeMap<String, TensorData>,
+        steps: u64,
+    ) -> Result<(), OptimizerError> {
         match self.muon.as_mut() {
             Some(muon) => muon.load_state(&mut tensors, steps)?,
             None => {
                 if let Some(k) = tensors.keys().find(|k| k.ends_with(".momentum_buffer")) {
-                    return Err(format!(
+                    return Err(OptimizerError::Moments(format!(
                         "`{k}` is Muon's, but this config has no [muon] (a run resumes with the optimizer it \
                          started with: restore its [muon] section)"
-                    ));
+                    )));
                 }
             }
         }
@@ -495,17 +506,24 @@ impl ShardedAdamW {
             let (em, ev) = match pair {
                 (Some(a), Some(b)) => (a, b),
                 (None, None) if steps == 0 => continue,
-                (None, None) => return Err(format!("no moments for `{}` after {steps} optimizer steps", s.path)),
-                _ => return Err(format!("`{}` has only one of exp_avg and exp_avg_sq", s.path)),
+                (None, None) => {
+                    return Err(OptimizerError::Moments(format!(
+                        "no moments for `{}` after {steps} optimizer steps",
+                        s.path
+                    )))
+                }
+                _ => {
+                    return Err(OptimizerError::Moments(format!("`{}` has only one of exp_avg and exp_avg_sq", s.path)))
+                }
             };
             for (name, d) in [("exp_avg", &em), ("exp_avg_sq", &ev)] {
                 if d.num_elements() != s.len() {
-                    return Err(format!(
+                    return Err(OptimizerError::Moments(format!(
                         "`{}.{name}` has {} elements, the parameter has {}",
                         s.path,
                         d.num_elements(),
                         s.len()
-                    ));
+                    )));
                 }
             }
             let lo = range.start.max(s.offset);
@@ -515,15 +533,19 @@ impl ShardedAdamW {
             }
             for (d, out) in [(em, &mut m), (ev, &mut v)] {
                 let d = d.convert::<f32>();
-                let all = d.as_slice::<f32>().map_err(|e| format!("`{}`: {e:?}", s.path))?;
+                let all = d.as_slice::<f32>().map_err(|e| OptimizerError::Moments(format!("`{}`: {e:?}", s.path)))?;
                 out[lo - range.start..hi - range.start].copy_from_slice(&all[lo - s.offset..hi - s.offset]);
             }
         }
         if let Some(k) = tensors.keys().next() {
             if let Some(path) = k.strip_suffix(".momentum_buffer") {
-                return Err(format!("`{k}` is Muon's, but this config's [muon] does not train `{path}`"));
+                return Err(OptimizerError::Moments(format!(
+                    "`{k}` is Muon's, but this config's [muon] does not train `{path}`"
+                )));
             }
-            return Err(format!("moment `{k}` belongs to no trainable parameter of the model"));
+            return Err(OptimizerError::Moments(format!(
+                "moment `{k}` belongs to no trainable parameter of the model"
+            )));
         }
         (self.m, self.v, self.steps) = (m, v, steps);
         Ok(())
@@ -636,7 +658,7 @@ mod tests {
         }
         // Without [muon], the buffers are refused by name.
         let mut adamw_only = ShardedAdamW::new::<AB, _>(config(), &z, &Solo, Compute::default(), None).unwrap();
-        let e = adamw_only.load_state(theirs, 3).unwrap_err();
+        let e = adamw_only.load_state(theirs, 3).unwrap_err().to_string();
         assert!(e.contains("momentum_buffer") && e.contains("[muon]"), "{e}");
     }
 

@@ -1,41 +1,37 @@
-//! The periodic evaluation: fixed batches of both splits (text), or every held-out example
-//! (fine-tuning: the completion loss each has alone under documents packing), and a sample. The
-//! batches are shared out over the ranks and their sums added.
+//! The periodic evaluation: both splits scored by the objective (fixed batches, or every held-out
+//! example), the benchmark tasks and a sample. The batches are shared out over the ranks and their
+//! sums added.
 
-use ember_data::{Tokenizer, Window};
+use ember_data::Tokenizer;
+use ember_kernels::TrainBackend;
 use ember_model::Decoder;
 
 use super::recorder::Recorder;
 use super::setup::Setup;
-use crate::config::{DataFormat, EvalStrategy, MetricsConfig, PreferenceConfig, TrainConfig};
+use crate::config::{DataFormat, EvalStrategy, MetricsConfig, TrainConfig};
 use crate::distributed::Collective;
 use crate::error::TrainError;
-use crate::eval::{eval_seed, evaluate_all_part, evaluate_part, LossSum, Part};
+use crate::eval::Part;
 use crate::metrics::{InitialEvalRecord, MetricsSink, SampleRecord, StepRecord};
-use crate::preference::{evaluate_pairs, PairSums, Reference};
+use crate::objective::{Evaluated, Objective, Split};
 
 /// What the evaluator reads of the run's config.
 pub(super) struct EvaluatorConfig {
-    /// Fine-tuning examples (JSONL data): every held-out example is scored instead of `iters` fixed
-    /// batches, and the run counts epochs.
+    /// Fine-tuning examples (JSONL data): the run counts epochs.
     held_out: bool,
-    /// `train.batch_size`: rows per evaluation batch.
+    /// `train.batch_size`: rows per micro-batch, for the epochs.
     batch_size: usize,
-    /// `train.eval_iters`: batches per split.
-    iters: usize,
     /// `train.eval_interval` and `train.eval_strategy`: when to evaluate.
     interval: usize,
     strategy: EvalStrategy,
     /// `train.max_steps`: the last step always evaluates.
     max_steps: usize,
-    /// `train.seed`: the fixed batches' seeds and each sample's come from it.
+    /// `train.seed`: each sample's seed comes from it.
     seed: u64,
     /// `model.vocab_size`: ln V is the loss of a model that knows nothing.
     vocab_size: usize,
     /// `[metrics]`: the prompt and length of the sample.
     sample: MetricsConfig,
-    /// `[preference]`: pairs are scored by the preference loss, with TRL's metrics.
-    preference: Option<PreferenceConfig>,
     /// `[eval]`: the benchmark tasks' options.
     tasks: ember_eval::Options,
     /// `[distributed]`'s deadlines of a step and of slow work (the tasks run on rank 0 alone).
@@ -48,14 +44,12 @@ impl EvaluatorConfig {
         Self {
             held_out: config.data.format() == DataFormat::Jsonl,
             batch_size: t.batch_size,
-            iters: t.eval_iters,
             interval: t.eval_interval,
             strategy: t.eval_strategy,
             max_steps: t.max_steps,
             seed: t.seed,
             vocab_size: config.model.vocab_size,
             sample: config.metrics.clone(),
-            preference: config.preference.clone(),
             tasks: task_options(config),
             timeouts: (config.distributed.timeout(), config.distributed.io_timeout()),
         }
@@ -78,117 +72,43 @@ impl EvaluatorConfig {
         Ok(prepared.collect::<Result<_, _>>()?)
     }
 
-    /// The evaluator of `setup`'s splits and tokenizer, its batches shared out over the ranks of
+    /// The evaluator of `setup`'s splits by `objective`, its batches shared out over the ranks of
     /// `collective`.
-    pub(super) fn build<'a>(
+    pub(super) fn build<'a, B: TrainBackend>(
         self,
         setup: &'a Setup,
         collective: &'a dyn Collective,
-        reference: Option<&'a Reference>,
+        objective: &'a dyn Objective<B>,
         tasks: &'a [ember_eval::Prepared],
-    ) -> Evaluator<'a> {
-        Evaluator {
-            setup,
-            tasks,
-            collective,
-            reference,
-            train_seed: eval_seed(self.seed, "train"),
-            val_seed: eval_seed(self.seed, "val"),
-            config: self,
-        }
+    ) -> Evaluator<'a, B> {
+        Evaluator { setup, tasks, collective, objective, config: self }
     }
 }
 
-pub(super) struct Evaluator<'a> {
+pub(super) struct Evaluator<'a, B: TrainBackend> {
     config: EvaluatorConfig,
     setup: &'a Setup,
     collective: &'a dyn Collective,
-    /// Preference tuning with DPO or IPO: the reference log-probabilities of both splits' rows.
-    reference: Option<&'a Reference>,
+    /// What the splits are scored by.
+    objective: &'a dyn Objective<B>,
     /// `[eval]`'s benchmark tasks, scored by rank 0 at each evaluation.
     tasks: &'a [ember_eval::Prepared],
-    train_seed: u64,
-    val_seed: u64,
 }
 
-impl Evaluator<'_> {
-    fn part(&self) -> Part {
-        Part { rank: self.collective.rank(), world: self.collective.world() }
-    }
-
-    /// `sum` added over the ranks, as a mean.
-    fn reduce(&self, sum: LossSum, what: &str) -> Result<f64, TrainError> {
-        let mut v = [sum.weighted, sum.scored];
-        self.collective.all_reduce_f64(&mut v, what)?;
-        Ok(LossSum { weighted: v[0], scored: v[1] }.mean())
-    }
-
-    /// The preference loss of `rows` (and TRL's metrics), its batches shared over the ranks.
-    fn pairs<IB: ember_kernels::EmberBackend>(
-        &self,
-        model: &Decoder<IB>,
-        config: &PreferenceConfig,
-        rows: &[Window],
-        reference: Option<&[[f64; 2]]>,
-        what: &str,
-    ) -> Result<(f64, PairSums), TrainError> {
-        let part = self.part();
-        let (loss, sums) = evaluate_pairs(model, config, rows, reference, self.config.batch_size, |i| part.keeps(i));
-        let mut v = vec![loss];
-        v.extend(sums.to_vec());
-        self.collective.all_reduce_f64(&mut v, what)?;
-        Ok((v[0], PairSums::from_slice(&v[1..])))
-    }
-
-    fn val<IB: ember_kernels::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
-        Ok(self.val_with_pairs(model)?.0)
-    }
-
-    /// The val loss, and for preference pairs their metrics.
-    fn val_with_pairs<IB: ember_kernels::EmberBackend>(
-        &self,
-        model: &Decoder<IB>,
-    ) -> Result<(f64, Option<PairSums>), TrainError> {
-        let c = &self.config;
-        if let Some(p) = &c.preference {
-            let rows: Vec<Window> = (0..self.setup.val.len()).filter_map(|i| self.setup.val.get(i)).collect();
-            let reference = self.reference.map(|r| r.val.as_slice());
-            let (loss, sums) = self.pairs(model, p, &rows, reference, "evaluation (val)")?;
-            return Ok((loss, Some(sums)));
-        }
-        let sum = if c.held_out {
-            evaluate_all_part(model, self.setup.val.as_ref(), c.batch_size, self.part())
-        } else {
-            evaluate_part(model, self.setup.val.as_ref(), self.val_seed, c.iters, c.batch_size, self.part())
-        };
-        Ok((self.reduce(sum, "evaluation (val)")?, None))
-    }
-
-    /// The loss of the fixed training batches: `eval_iters` batches drawn at random (the same at
-    /// every evaluation).
-    fn eval_train<IB: ember_kernels::EmberBackend>(&self, model: &Decoder<IB>) -> Result<f64, TrainError> {
-        let c = &self.config;
-        let Some(p) = &c.preference else {
-            let part =
-                evaluate_part(model, self.setup.train.as_ref(), self.train_seed, c.iters, c.batch_size, self.part());
-            return self.reduce(part, "evaluation (train)");
-        };
-        let sampler = ember_data::WindowSampler::random(self.train_seed);
-        let data = self.setup.train.as_ref();
-        let idx: Vec<usize> = (0..c.iters as u64).flat_map(|i| sampler.indices(i, c.batch_size, data.len())).collect();
-        let rows: Vec<Window> = idx.iter().filter_map(|&i| data.get(i)).collect();
-        let reference: Option<Vec<[f64; 2]>> = self.reference.map(|r| idx.iter().map(|&i| r.train[i]).collect());
-        Ok(self.pairs(model, p, &rows, reference.as_deref(), "evaluation (train)")?.0)
+impl<B: TrainBackend> Evaluator<'_, B> {
+    /// The objective's evaluation of `split`, its batches shared out over the ranks and its sums
+    /// added.
+    fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split) -> Result<Evaluated, TrainError> {
+        let c = self.collective;
+        let mut sums = self.objective.evaluate(model, split, Part { rank: c.rank(), world: c.world() });
+        c.all_reduce_f64(&mut sums, &format!("evaluation ({})", split.name()))?;
+        Ok(self.objective.evaluated(&sums, split))
     }
 
     /// The loss before training, beside ln V (what a model that knows nothing scores), logged and
     /// recorded as step 0 (rank 0), where the val curve starts.
-    pub(super) fn initial<IB: ember_kernels::EmberBackend>(
-        &self,
-        model: &Decoder<IB>,
-        rec: &mut Recorder,
-    ) -> Result<f64, TrainError> {
-        let val = self.val(model)?;
+    pub(super) fn initial(&self, model: &Decoder<B::InnerBackend>, rec: &mut Recorder) -> Result<f64, TrainError> {
+        let val = self.evaluate(model, Split::Val)?.loss;
         if self.collective.rank() != 0 {
             return Ok(val);
         }
@@ -238,30 +158,26 @@ impl Evaluator<'_> {
     }
 
     /// Evaluates both splits into `record`, logs them, writes a sample (rank 0); returns the val loss.
-    pub(super) fn record<IB: ember_kernels::EmberBackend>(
+    pub(super) fn record(
         &self,
-        model: &Decoder<IB>,
+        model: &Decoder<B::InnerBackend>,
         record: &mut StepRecord,
         rec: &mut Recorder,
     ) -> Result<f64, TrainError> {
         let (c, step) = (&self.config, record.step);
-        let tl = self.eval_train(model)?;
-        let (vl, pairs) = self.val_with_pairs(model)?;
+        let tl = self.evaluate(model, Split::Train)?.loss;
+        let val = self.evaluate(model, Split::Val)?;
+        let vl = val.loss;
         (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
-        if let Some(m) = pairs.and_then(|p| p.metrics()) {
-            record.named.extend(m.named("val_"));
-        }
+        record.named.extend(val.named);
         self.score_tasks(model, record, rec)?;
         if self.collective.rank() != 0 {
             return Ok(vl);
         }
         let memory =
             record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
-        let accuracy = record
-            .named
-            .get("val_rewards/accuracies")
-            .map_or(String::new(), |a| format!(", held-out reward accuracy {a:.3}"));
-        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{accuracy}{memory}"));
+        let note = val.note;
+        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{note}{memory}"));
         let tokens = c.sample.sample_tokens;
         if let Some((prompt, ids)) = self.sample_prompt().filter(|_| tokens > 0) {
             if let Some(text) = sample_text(model, &self.setup.tokenizer, ids, tokens, c.seed ^ step as u64) {
@@ -281,13 +197,13 @@ fn task_options(config: &TrainConfig) -> ember_eval::Options {
     }
 }
 
-impl Evaluator<'_> {
+impl<B: TrainBackend> Evaluator<'_, B> {
     /// `[eval]`'s tasks on the model, as `eval/<task>/<metric>` in `record` and the log, with
     /// `eval/core`, the CORE-style aggregate. Rank 0 scores them while the other ranks wait for it
     /// under the longer deadline (`distributed.io_timeout_s`), as for a checkpoint.
-    fn score_tasks<IB: ember_kernels::EmberBackend>(
+    fn score_tasks(
         &self,
-        model: &Decoder<IB>,
+        model: &Decoder<B::InnerBackend>,
         record: &mut StepRecord,
         rec: &mut Recorder,
     ) -> Result<(), TrainError> {
@@ -304,9 +220,9 @@ impl Evaluator<'_> {
         Ok(())
     }
 
-    fn score_tasks_here<IB: ember_kernels::EmberBackend>(
+    fn score_tasks_here(
         &self,
-        model: &Decoder<IB>,
+        model: &Decoder<B::InnerBackend>,
         record: &mut StepRecord,
         rec: &mut Recorder,
     ) -> Result<(), TrainError> {
@@ -342,7 +258,7 @@ fn sample_text<B: ember_kernels::EmberBackend>(
     max_new_tokens: usize,
     seed: u64,
 ) -> Option<String> {
-    use ember_model::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+    use ember_generate::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
     let mut sampler = [Sampler::new(SamplingConfig::default(), seed).ok()?];
     let options =
         GenerateOptions { max_new_tokens, stop_tokens: tokenizer.eos_id().into_iter().collect(), block_size: 16 };

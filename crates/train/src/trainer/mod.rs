@@ -5,7 +5,9 @@
 //!
 //! The loop composes its parts, torchtitan's way: each is built from a config (what it reads of the
 //! run's) by a `build`. [`setup`]: the data, the tokenizer and the starting model; [`checkpointer`]:
-//! the run directory, started, resumed and checkpointed, and its best checkpoint; the optimizer
+//! the run directory, started, resumed and checkpointed, and its best checkpoint; the objective
+//! ([`objective::build`]: what a step optimizes, how the splits are scored, what the records name
+//! beside the loss, what changes in the model after a step); the optimizer
 //! ([`Optimizer::build`]); [`evaluator`]: the evaluation before training, the periodic ones and
 //! their samples; [`recorder`]: metrics, progress bar and [`throughput`]; [`ranks`]: what the ranks
 //! of a data-parallel run must agree on.
@@ -26,27 +28,26 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use burn::tensor::Device;
 use ember_data::fetch::Locations;
-use ember_data::{Examples, Window, WindowSampler};
+use ember_data::WindowSampler;
 use ember_kernels::{Compute, TrainBackend};
 use ember_model::Decoder;
 use indicatif::ProgressBar;
 
 use crate::checkpoint::{TrainState, CONFIG_FILE, TOKENIZER_FILE};
-use crate::config::TrainConfig;
 use crate::distributed::Collective;
 use crate::error::{OptimizerError, TrainError};
 use crate::flops::{resolve_peak, Gemms, Peak};
 use crate::init::ResolvedConfig;
 use crate::memory::MemoryProbe;
-use crate::metrics::Sinks;
+use crate::metrics::{Sinks, StepRecord};
+use crate::objective::{self, Splits};
 use crate::precision::{peak_gemms, run_compute, ComputeRequest};
-use crate::preference::{reference_logps, Reference};
 use crate::schedule::LrSchedule;
 use crate::step::{Optimizer, StepOutput, Stepper};
 use checkpointer::{Checkpointer, CheckpointerConfig};
-use evaluator::EvaluatorConfig;
+use evaluator::{Evaluator, EvaluatorConfig};
 use ranks::{check_ranks_agree, Stage};
-use recorder::{open_sinks, RecorderConfig};
+use recorder::{open_sinks, Recorder, RecorderConfig};
 pub(crate) use setup::{initial_model, prepare, Setup};
 
 /// How to run, beyond the config.
@@ -204,9 +205,11 @@ pub fn train<B: TrainBackend>(
     c.set_timeout(config.distributed.io_timeout());
     let compute = run_compute::<B>(device, config, opts.compute);
     let checkpointer = CheckpointerConfig::of(config).build(&setup, &opts.run_dir, c);
-    // Before the run's model is built: the reference model is held only while it scores the pairs.
-    let reference = preference_reference::<B>(&setup, compute, c, device)?;
-    let (mut model, mut optim, mut state, sinks) = open_run::<B>(&setup, &checkpointer, opts, compute, device)?;
+    // Before the run's model is built: an objective may score the data with the starting model.
+    let splits = Splits { train: &setup.train, val: &setup.val };
+    let starting = || Ok(initial_model::<B>(&setup, device)?.with_compute(compute).valid());
+    let objective = objective::build::<B>(config, splits, starting, c)?;
+    let (model, mut optim, mut state, sinks) = open_run::<B>(&setup, &checkpointer, opts, compute, device)?;
     c.set_timeout(config.distributed.timeout());
     let schedule = LrSchedule::from_config(config);
     let stop = opts.stop_at.unwrap_or(config.train.max_steps).min(config.train.max_steps);
@@ -217,17 +220,17 @@ pub fn train<B: TrainBackend>(
             false => WindowSampler::random(state.sampler_seed),
         },
         config,
+        objective: objective.as_ref(),
         device,
         collective: c,
         buffers: Default::default(),
         device_comm: opts.device_comm.as_ref(),
-        reference: reference.as_ref().map(|r| r.train.as_slice()),
     };
     let peak = device_peak::<B>(opts, device, peak_gemms(&compute));
-    log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
+    setup::log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
     let tasks = EvaluatorConfig::tasks(config, &setup, opts.eval_dir.as_deref())?;
-    let evaluator = EvaluatorConfig::of(config).build(&setup, c, reference.as_ref(), &tasks);
+    let evaluator = EvaluatorConfig::of(config).build(&setup, c, objective.as_ref(), &tasks);
     let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
     if state.step >= stop {
         let end = RunEnd::NothingToTrain { stop_at: opts.stop_at };
@@ -238,62 +241,103 @@ pub fn train<B: TrainBackend>(
         let val_loss = evaluator.initial(&model.valid(), &mut rec)?;
         curve.push(ValPoint { step: 0, elapsed_s: rec.clock.elapsed_s(), val_loss });
     }
-    let target = config.train.target_val_loss;
-    let mut last_val = None;
-    let mut end = RunEnd::Completed;
-    while state.step < stop {
-        let (started, lr) = (Instant::now(), schedule.lr(state.step));
-        let epoch_before = evaluator.epoch(state.next_stream);
-        let out;
-        (model, out) = take_step(&stepper, model, &mut optim, &mut state, lr, &rec.bar)?;
-        rec.add_step(started.elapsed(), &out);
-        let (step, epoch) = (state.step, evaluator.epoch(state.next_stream));
-        let is_eval = evaluator.due(step, epoch_before, epoch);
-        if rec.due(step, is_eval) {
-            let mut record = rec.step_record(&state, &out, lr, epoch);
-            if is_eval {
-                let vl = evaluator.record(&model.valid(), &mut record, &mut rec)?;
-                // Every rank has the same (reduced) loss, so they all agree on a new best.
-                if vl.is_finite() && state.best_val_loss.is_none_or(|b| vl < b) {
-                    (state.best_val_loss, state.best_step) = (Some(vl), Some(step));
-                    checkpointer.save_best(&model, step, vl, &rec.bar)?;
-                }
-                last_val = Some(vl);
-                let elapsed_s = rec.clock.elapsed_s();
-                curve.push(ValPoint { step, elapsed_s, val_loss: vl });
-                if let Some(target) = target.filter(|&t| vl <= t) {
-                    record.target_reached_s = Some(elapsed_s);
-                    end = RunEnd::ReachedTarget { target, val_loss: vl, elapsed_s };
-                    rec.bar.suspend(|| {
-                        tracing::info!("reached val loss {vl:.4} <= target {target} at step {step}, {elapsed_s:.1} s")
-                    });
-                }
-            }
-            rec.write(&record)?;
-        }
-        let reached = matches!(end, RunEnd::ReachedTarget { .. });
-        // Reaching the target ends the run: its last checkpoint, as at `stop`.
-        let saved = checkpointer.due(step, if reached { step } else { stop });
-        if saved {
-            state.elapsed_s = rec.clock.elapsed_s();
-            checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
-        }
-        rec.bar.set_position(step as u64);
-        if reached {
-            break;
-        }
-        // (At the last step there is nothing left to stop: the run completes.)
-        if step < stop && stop_requested(opts, step)? {
-            rec.bar.suspend(|| tracing::info!("stop requested: the run stops at step {step}, checkpointed"));
-            if !saved {
-                state.elapsed_s = rec.clock.elapsed_s();
-                checkpointer.save(&model, &optim, &mut state, &rec.bar)?;
-            }
-            end = RunEnd::Stopped { checkpoint: crate::checkpoint::step_dir(&opts.run_dir, step) };
-            break;
-        }
-    }
+    let parts = Parts { opts, stepper, evaluator, checkpointer, schedule, stop, target: config.train.target_val_loss };
+    let (end, last_val) = parts.run(model, &mut optim, &mut state, &mut rec, &mut curve)?;
     Ok(rec.finish(&opts.run_dir, &state, last_val, curve, end))
+}
+
+/// The parts the loop composes, built by [`train`], and where it stops: at step `stop`, or at the
+/// first evaluation at or below `target`.
+struct Parts<'a, B: TrainBackend> {
+    opts: &'a TrainOptions,
+    stepper: Stepper<'a, B>,
+    evaluator: Evaluator<'a, B>,
+    checkpointer: Checkpointer<'a>,
+    schedule: LrSchedule,
+    stop: usize,
+    target: Option<f64>,
+}
+
+impl<B: TrainBackend> Parts<'_, B> {
+    /// The steps from `state` on: step -> record -> maybe evaluate -> maybe checkpoint -> maybe
+    /// stop. Returns how the run ended and its last val loss.
+    fn run(
+        &self,
+        mut model: Decoder<B>,
+        optim: &mut Optimizer<B>,
+        state: &mut TrainState,
+        rec: &mut Recorder,
+        curve: &mut Vec<ValPoint>,
+    ) -> Result<(RunEnd, Option<f64>), TrainError> {
+        let mut last_val = None;
+        while state.step < self.stop {
+            let (started, lr) = (Instant::now(), self.schedule.lr(state.step));
+            let epoch_before = self.evaluator.epoch(state.next_stream);
+            let out;
+            (model, out) = take_step(&self.stepper, model, optim, state, lr, &rec.bar)?;
+            rec.add_step(started.elapsed(), &out);
+            let (step, epoch) = (state.step, self.evaluator.epoch(state.next_stream));
+            let is_eval = self.evaluator.due(step, epoch_before, epoch);
+            let mut reached = None;
+            if rec.due(step, is_eval) {
+                let mut record = rec.step_record(state, &out, lr, epoch, self.stepper.objective);
+                if is_eval {
+                    let vl;
+                    (vl, reached) = self.evaluate(&model, state, &mut record, rec, curve)?;
+                    last_val = Some(vl);
+                }
+                rec.write(&record)?;
+            }
+            // Reaching the target ends the run: its last checkpoint, as at `stop`.
+            let saved = self.checkpointer.due(step, if reached.is_some() { step } else { self.stop });
+            if saved {
+                state.elapsed_s = rec.clock.elapsed_s();
+                self.checkpointer.save(&model, optim, state, &rec.bar)?;
+            }
+            rec.bar.set_position(step as u64);
+            if let Some(end) = reached {
+                return Ok((end, last_val));
+            }
+            // (At the last step there is nothing left to stop: the run completes.)
+            if step < self.stop && stop_requested(self.opts, step)? {
+                rec.bar.suspend(|| tracing::info!("stop requested: the run stops at step {step}, checkpointed"));
+                if !saved {
+                    state.elapsed_s = rec.clock.elapsed_s();
+                    self.checkpointer.save(&model, optim, state, &rec.bar)?;
+                }
+                let checkpoint = crate::checkpoint::step_dir(&self.opts.run_dir, step);
+                return Ok((RunEnd::Stopped { checkpoint }, last_val));
+            }
+        }
+        Ok((RunEnd::Completed, last_val))
+    }
+
+    /// The evaluation after step `state.step`, into `record`: a new best val loss kept as the best
+    /// checkpoint, the val curve extended. Returns the val loss, and the end of the run where it
+    /// reached the target.
+    fn evaluate(
+        &self,
+        model: &Decoder<B>,
+        state: &mut TrainState,
+        record: &mut StepRecord,
+        rec: &mut Recorder,
+        curve: &mut Vec<ValPoint>,
+    ) -> Result<(f64, Option<RunEnd>), TrainError> {
+        let step = state.step;
+        let vl = self.evaluator.record(&model.valid(), record, rec)?;
+        // Every rank has the same (reduced) loss, so they all agree on a new best.
+        if vl.is_finite() && state.best_val_loss.is_none_or(|b| vl < b) {
+            (state.best_val_loss, state.best_step) = (Some(vl), Some(step));
+            self.checkpointer.save_best(model, step, vl, &rec.bar)?;
+        }
+        let elapsed_s = rec.clock.elapsed_s();
+        curve.push(ValPoint { step, elapsed_s, val_loss: vl });
+        let Some(target) = self.target.filter(|&t| vl <= t) else { return Ok((vl, None)) };
+        record.target_reached_s = Some(elapsed_s);
+        rec.bar
+            .suspend(|| tracing::info!("reached val loss {vl:.4} <= target {target} at step {step}, {elapsed_s:.1} s"));
+        Ok((vl, Some(RunEnd::ReachedTarget { target, val_loss: vl, elapsed_s })))
+    }
 }
 
 /// Whether to stop after step `step`: asked of [`TrainOptions::stop_requested`], and agreed by
@@ -324,15 +368,8 @@ fn take_step<B: TrainBackend>(
     if out.skipped {
         bar.suspend(|| tracing::warn!("step {}: gradients overflowed in f16, step skipped", state.step + 1));
     }
-    // DeepSeek-V3's balancing by the selection bias, from the step's loads summed over the ranks
-    // (the same on every rank). Not under LoRA: the base, the bias with it, stays as loaded (its
-    // checkpoints hold the adapters only).
-    let rate = model.config().moe.as_ref().map_or(0.0, |m| m.bias_update_rate);
-    let rate = if stepper.config.lora.is_some() { 0.0 } else { rate };
-    let model = match &out.moe {
-        Some(sums) if rate > 0.0 && !out.skipped => model.balance_selection_bias(&sums.load(), rate),
-        _ => model,
-    };
+    // What the objective changes after a step that updated the model.
+    let model = if out.skipped { model } else { stepper.objective.after_step(model, &out.sums) };
     state.step += 1;
     state.next_stream += stepper.micro_batches_per_step();
     state.tokens_seen += (stepper.config.tokens_per_step() * stepper.collective.world()) as u64;
@@ -381,50 +418,6 @@ fn open_run<B: TrainBackend>(
     Ok((model, optim, state, metrics))
 }
 
-/// DPO's and IPO's reference: the log-probabilities of every pair's answers under the model the
-/// run starts from (`init_from`'s weights; with LoRA the base, as the adapters start at zero),
-/// computed once at the start of the run and again on resuming (from the same source), with the
-/// rows shared out over the ranks. `None` for other runs.
-fn preference_reference<B: TrainBackend>(
-    setup: &Setup,
-    compute: Compute,
-    c: &dyn Collective,
-    device: &Device<B>,
-) -> Result<Option<Reference>, TrainError> {
-    let config = &setup.config;
-    if !config.preference.as_ref().is_some_and(|p| p.method.needs_reference()) {
-        return Ok(None);
-    }
-    let started = Instant::now();
-    let model = setup::initial_model::<B>(setup, device)?.with_compute(compute).valid();
-    let (rank, world) = (c.rank(), c.world());
-    let score = |rows: &Examples, what: &str| -> Result<Vec<[f64; 2]>, TrainError> {
-        let n = rows.len();
-        let share = n.div_ceil(world);
-        let mine: Vec<Window> = (rank * share..((rank + 1) * share).min(n)).filter_map(|i| rows.get(i)).collect();
-        let scored = reference_logps(&model, &mine, config.train.batch_size, &model.embed_tokens.device());
-        // Each rank fills its share; the sum over ranks is every row's.
-        let mut all = vec![0.0; 2 * n];
-        for (k, [chosen, rejected]) in scored.into_iter().enumerate() {
-            all[2 * (rank * share + k)] = chosen;
-            all[2 * (rank * share + k) + 1] = rejected;
-        }
-        c.all_reduce_f64(&mut all, what)?;
-        Ok(all.chunks_exact(2).map(|x| [x[0], x[1]]).collect())
-    };
-    let reference = Reference {
-        train: score(&setup.train, "reference log-probabilities (train)")?,
-        val: score(&setup.val, "reference log-probabilities (val)")?,
-    };
-    tracing::info!(
-        "reference log-probabilities of {} + {} pairs in {:.1} s",
-        reference.train.len(),
-        reference.val.len(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(Some(reference))
-}
-
 fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {
     let (c, config) = (stepper.collective, stepper.config);
     if c.world() > 1 {
@@ -438,56 +431,4 @@ fn log_data_parallel<B: TrainBackend>(stepper: &Stepper<'_, B>, sharded: bool) {
             if sharded { ", optimizer state sharded (ZeRO-1)" } else { "" }
         );
     }
-}
-
-fn log_setup(config: &TrainConfig, compute: &Compute, peak: &Peak, tokens_per_step: usize) {
-    let (m, dtype) = (&config.model, compute.dtype);
-    let ffn = match &m.moe {
-        Some(e) => format!(
-            "{} experts of {} (top {}{})",
-            e.n_experts,
-            e.d_expert,
-            e.top_k,
-            e.shared_expert.map_or(String::new(), |s| format!(", a shared one of {s}"))
-        ),
-        None => format!("d_ff {}", m.d_ff),
-    };
-    let ffn = match m.moe.as_ref().map(|e| e.dense_layers).filter(|&d| d > 0) {
-        Some(dense) => format!("{ffn} after {dense} dense layer(s) of d_ff {}", m.d_ff),
-        None => ffn,
-    };
-    let heads = match &m.mla {
-        Some(a) => format!(
-            "{} heads of latent attention (a {}-wide key/value latent{}, heads {} + {} rotary, values {})",
-            m.n_heads,
-            a.kv_rank,
-            a.q_rank.map_or(String::new(), |q| format!(", a {q}-wide query")),
-            a.nope_dim,
-            a.rope_dim,
-            a.v_dim
-        ),
-        None => format!("{} heads ({} kv)", m.n_heads, m.n_kv_heads()),
-    };
-    tracing::info!(
-        "model: {} layers, d_model {}, {heads}, {ffn}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
-        m.n_layers,
-        m.d_model,
-        m.vocab_size,
-        m.num_params()
-    );
-    let formula = if config.lora.is_some() {
-        "4N + 6·L·Σ r·(in + out) + 12·L·T·d, LoRA on a frozen base"
-    } else {
-        "6N + 12·L·T·d"
-    };
-    tracing::info!(
-        "MFU = ({formula}) · tokens/s / peak, N = {} matmul parameters, L = {}, T = {}, d = {}: {:.4e} FLOPs per token; peak {:.3} TFLOP/s ({})",
-        m.matmul_params(),
-        m.n_layers,
-        config.seq_len(),
-        m.n_heads * m.head_dim(),
-        config.train_flops_per_token(),
-        peak.flops / 1e12,
-        peak.source
-    );
 }

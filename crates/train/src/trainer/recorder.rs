@@ -14,8 +14,9 @@ use crate::error::TrainError;
 use crate::flops::{mfu, Peak};
 use crate::memory::MemoryProbe;
 use crate::metrics::{JsonlSink, MetricsSink, Sinks, StepRecord, TensorBoardSink};
+use crate::objective::Objective;
 use crate::optim::clip_coefficient;
-use crate::step::{MoeSums, StepOutput};
+use crate::step::StepOutput;
 
 /// What the recorder reads of the run's config.
 pub(super) struct RecorderConfig {
@@ -105,14 +106,15 @@ impl Recorder {
         step.is_multiple_of(self.config.log_interval) || evaluates
     }
 
-    /// The metrics record of the step just taken (evaluation left to the evaluator); starts a new
-    /// throughput window.
-    pub(super) fn step_record(
+    /// The metrics record of the step just taken (evaluation left to the evaluator), with what the
+    /// `objective` names of its sums; starts a new throughput window.
+    pub(super) fn step_record<B: ember_kernels::TrainBackend>(
         &mut self,
         state: &TrainState,
         out: &StepOutput,
         lr: f64,
         epoch: Option<f64>,
+        objective: &dyn Objective<B>,
     ) -> StepRecord {
         let (world, speed) = (self.world, &self.speed);
         let tokens_per_step = self.tokens_per_step();
@@ -129,20 +131,13 @@ impl Recorder {
             loss_scale: state.loss_scaler.as_ref().map(|s| s.scale),
             memory_bytes: self.memory.and_then(|m| m.current_bytes()),
             elapsed_s: self.clock.elapsed_s(),
-            val_loss: None,
-            eval_train_loss: None,
             epoch,
             comm_ms: (world > 1).then(|| speed.per_step_ms(speed.window_comm, tokens_per_step)),
             wait_ms: (world > 1).then(|| speed.per_step_ms(speed.window_wait, tokens_per_step)),
-            target_reached_s: None,
-            expert_load: out.moe.as_ref().map(MoeSums::load),
-            named: out
-                .preference
-                .and_then(|p| p.metrics())
-                .map(|m| m.named("").into_iter().collect())
-                .unwrap_or_default(),
+            // The evaluation's and the objective's fields are filled in by them.
+            ..StepRecord::default()
         };
-        record.named.extend(out.moe.iter().flat_map(MoeSums::named));
+        objective.record_step(&out.sums, &mut record);
         self.speed.reset_window();
         record
     }

@@ -6,12 +6,13 @@ use std::path::PathBuf;
 use burn::tensor::Device;
 use ember_data::fetch::Locations;
 use ember_data::{Examples, Tokenizer};
-use ember_kernels::TrainBackend;
+use ember_kernels::{Compute, TrainBackend};
 use ember_model::lora::Target;
 use ember_model::Decoder;
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::flops::Peak;
 use crate::init::{ResolvedConfig, ResolvedInit};
 
 /// Everything the loop reads but does not change.
@@ -102,4 +103,57 @@ fn trainable_params(config: &TrainConfig) -> u64 {
     let targets = Target::ALL.into_iter().filter(|t| lora.targets.contains(t));
     let per_layer: u64 = targets.map(|t| t.shape(m)).map(|(i, o)| (i + o) as u64).sum();
     lora.rank as u64 * per_layer * m.n_layers as u64
+}
+
+/// Logs the model, its FLOPs per token and the device's peak, for MFU.
+pub(super) fn log_setup(config: &TrainConfig, compute: &Compute, peak: &Peak, tokens_per_step: usize) {
+    let (m, dtype) = (&config.model, compute.dtype);
+    let ffn = match &m.moe {
+        Some(e) => format!(
+            "{} experts of {} (top {}{})",
+            e.n_experts,
+            e.d_expert,
+            e.top_k,
+            e.shared_expert.map_or(String::new(), |s| format!(", a shared one of {s}"))
+        ),
+        None => format!("d_ff {}", m.d_ff),
+    };
+    let ffn = match m.moe.as_ref().map(|e| e.dense_layers).filter(|&d| d > 0) {
+        Some(dense) => format!("{ffn} after {dense} dense layer(s) of d_ff {}", m.d_ff),
+        None => ffn,
+    };
+    let heads = match &m.mla {
+        Some(a) => format!(
+            "{} heads of latent attention (a {}-wide key/value latent{}, heads {} + {} rotary, values {})",
+            m.n_heads,
+            a.kv_rank,
+            a.q_rank.map_or(String::new(), |q| format!(", a {q}-wide query")),
+            a.nope_dim,
+            a.rope_dim,
+            a.v_dim
+        ),
+        None => format!("{} heads ({} kv)", m.n_heads, m.n_kv_heads()),
+    };
+    tracing::info!(
+        "model: {} layers, d_model {}, {heads}, {ffn}, vocab {}: {} parameters; {tokens_per_step} tokens per step; GEMMs in {dtype:?}",
+        m.n_layers,
+        m.d_model,
+        m.vocab_size,
+        m.num_params()
+    );
+    let formula = if config.lora.is_some() {
+        "4N + 6·L·Σ r·(in + out) + 12·L·T·d, LoRA on a frozen base"
+    } else {
+        "6N + 12·L·T·d"
+    };
+    tracing::info!(
+        "MFU = ({formula}) · tokens/s / peak, N = {} matmul parameters, L = {}, T = {}, d = {}: {:.4e} FLOPs per token; peak {:.3} TFLOP/s ({})",
+        m.matmul_params(),
+        m.n_layers,
+        config.seq_len(),
+        m.n_heads * m.head_dim(),
+        config.train_flops_per_token(),
+        peak.flops / 1e12,
+        peak.source
+    );
 }

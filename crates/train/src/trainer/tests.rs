@@ -12,12 +12,12 @@ use ember_model::Decoder;
 
 use super::{train, TrainOptions};
 use crate::config::TrainConfig;
-use crate::distributed::{Collective, DistError};
+use crate::distributed::{Collective, DistError, Solo};
 use crate::error::{OptimizerError, TrainError};
 use crate::init::ResolvedConfig;
 
 use crate::eval::lm_loss;
-use crate::step::{forward_backward, total_scored};
+use crate::objective::next_token::{forward_backward, total_scored};
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::{Module, ModuleVisitor, Param};
@@ -214,35 +214,38 @@ fn an_examples_logits_do_not_depend_on_what_is_packed_before_it() {
 /// a run too large to shard, which no test could allocate.
 struct VastWorld;
 
+/// Everything but the size of the world, the collectives' buffers sized for one rank and `abort` is
+/// [`Solo`]'s.
 impl Collective for VastWorld {
     fn rank(&self) -> usize {
-        0
+        Solo.rank()
     }
     fn world(&self) -> usize {
         1 << 31
     }
     fn local_rank(&self) -> usize {
-        0
+        Solo.local_rank()
     }
     fn local_world(&self) -> usize {
-        1
+        Solo.local_world()
     }
     fn engine(&self) -> String {
         "a stand-in for 2^31 ranks".into()
     }
-    fn set_timeout(&self, _: Duration) {}
-    fn arrive(&self, _: u64, _: &str) -> Result<(), DistError> {
-        Ok(())
+    fn set_timeout(&self, timeout: Duration) {
+        Solo.set_timeout(timeout)
     }
-    fn all_reduce_f32(&self, _: &mut [f32], _: &str) -> Result<(), DistError> {
-        Ok(())
+    fn arrive(&self, seq: u64, what: &str) -> Result<(), DistError> {
+        Solo.arrive(seq, what)
     }
-    fn all_reduce_f32_into(&self, send: &[f32], recv: &mut [f32], _: &str) -> Result<(), DistError> {
-        recv.copy_from_slice(send);
-        Ok(())
+    fn all_reduce_f32(&self, buf: &mut [f32], what: &str) -> Result<(), DistError> {
+        Solo.all_reduce_f32(buf, what)
     }
-    fn all_reduce_f64(&self, _: &mut [f64], _: &str) -> Result<(), DistError> {
-        Ok(())
+    fn all_reduce_f32_into(&self, send: &[f32], recv: &mut [f32], what: &str) -> Result<(), DistError> {
+        Solo.all_reduce_f32_into(send, recv, what)
+    }
+    fn all_reduce_f64(&self, buf: &mut [f64], what: &str) -> Result<(), DistError> {
+        Solo.all_reduce_f64(buf, what)
     }
     fn reduce_scatter_f32(&self, send: &[f32], recv: &mut [f32], _: &str) -> Result<(), DistError> {
         recv.copy_from_slice(&send[..recv.len()]);
@@ -253,14 +256,14 @@ impl Collective for VastWorld {
         Ok(())
     }
     /// Rank 0's bytes only: every other rank agrees with it.
-    fn all_gather_bytes(&self, send: &[u8], _: &str) -> Result<Vec<Vec<u8>>, DistError> {
-        Ok(vec![send.to_vec()])
+    fn all_gather_bytes(&self, send: &[u8], what: &str) -> Result<Vec<Vec<u8>>, DistError> {
+        Solo.all_gather_bytes(send, what)
     }
-    fn gather_f32(&self, send: &[f32], _: &str) -> Result<Option<Vec<f32>>, DistError> {
-        Ok(Some(send.to_vec()))
+    fn gather_f32(&self, send: &[f32], what: &str) -> Result<Option<Vec<f32>>, DistError> {
+        Solo.gather_f32(send, what)
     }
     fn all_reduce_baseline(&self, send: &[f32], recv: &mut [f32]) {
-        recv.copy_from_slice(send);
+        Solo.all_reduce_baseline(send, recv)
     }
     fn abort(&self, code: i32) -> ! {
         panic!("abort({code})")

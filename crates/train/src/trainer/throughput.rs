@@ -75,8 +75,7 @@ mod tests {
             skipped: false,
             comm: Duration::from_millis(comm_ms),
             wait: Duration::from_millis(wait_ms),
-            preference: None,
-            moe: None,
+            sums: Vec::new(),
         }
     }
 

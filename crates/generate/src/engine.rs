@@ -10,10 +10,10 @@
 
 use std::collections::VecDeque;
 
-use crate::decoder::Decoder;
-use crate::kv_cache::KvCache;
 use crate::sample::{check_prompts, feed_rows, SampleError, Sampler};
 use ember_kernels::EmberBackend;
+use ember_model::Decoder;
+use ember_model::KvCache;
 
 /// The engine's name for a request, in submission order.
 pub type RequestId = u64;
@@ -37,17 +37,6 @@ pub enum Finish {
     Length,
     /// [`Engine::cancel`].
     Cancelled,
-}
-
-impl Finish {
-    /// OpenAI's spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-            Self::Cancelled => "cancelled",
-        }
-    }
 }
 
 /// What a step produced for one request.
@@ -184,12 +173,13 @@ impl<B: EmberBackend> Engine<B> {
     }
 
     /// Requests running (prefilling or decoding).
-    pub fn running(&self) -> usize {
+    pub(crate) fn running(&self) -> usize {
         self.slots.iter().flatten().count()
     }
 
     /// Requests waiting for a slot.
-    pub fn waiting(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
         self.queue.len()
     }
 
@@ -291,9 +281,9 @@ impl<B: EmberBackend> Engine<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ModelConfig;
     use crate::sample::{generate_batch, GenerateOptions, SamplingConfig};
     use crate::TestBackend as B;
+    use ember_model::ModelConfig;
     use std::collections::HashMap;
 
     fn model() -> Decoder<B> {

@@ -1,6 +1,8 @@
-//! Where the tests find the real Gemma 3 270M Q4_K_M GGUF (tests/fixtures/gguf/gemma3-270m.manifest.toml;
-//! never committed). Shared by crates/hf/tests/gguf_tokenizers.rs and tests/gguf.rs through `#[path]`:
-//! both crates sit two folders below the workspace root.
+//! Where the tests find what they read but the repository does not hold: the shared assets
+//! (`tokenizers/`, `models/`, `evals/`: `$EMBER_TEST_ASSETS`, else `../shared`) and the real Gemma 3
+//! 270M Q4_K_M GGUF (tests/fixtures/gguf/gemma3-270m.manifest.toml; never committed). Shared by the
+//! workspace's tests and those of crates/data and crates/hf through `#[path]`: every crate sits two
+//! folders below the workspace root.
 
 #![allow(dead_code)]
 
@@ -9,6 +11,21 @@ use std::path::PathBuf;
 /// The workspace root.
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The shared test assets: `$EMBER_TEST_ASSETS` (a relative path is meant from the workspace root,
+/// where the README's command is typed), else `../shared`; a folder that holds `tokenizers/`.
+pub fn assets() -> PathBuf {
+    let dir = std::env::var_os("EMBER_TEST_ASSETS")
+        .map(PathBuf::from)
+        .map(|dir| if dir.is_relative() { root().join(dir) } else { dir })
+        .unwrap_or_else(|| root().join("../shared"));
+    assert!(
+        dir.join("tokenizers").is_dir(),
+        "test assets not found at {}: set EMBER_TEST_ASSETS to the folder holding tokenizers/ (../shared)",
+        dir.display()
+    );
+    dir
 }
 
 /// `$EMBER_GEMMA3_GGUF`, else `$EMBER_TEST_ASSETS/models/`, else `target/models/` (where .ci/run

@@ -5,9 +5,9 @@ use burn::tensor::{Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::decoder::Decoder;
-use crate::kv_cache::KvCache;
 use ember_kernels::EmberBackend;
+use ember_model::Decoder;
+use ember_model::KvCache;
 
 /// How the next token is chosen from the logits.
 #[derive(Debug, Clone, PartialEq)]
@@ -134,7 +134,7 @@ impl Sampler {
     }
 
     /// Picks a token id from one row of logits `[V]`.
-    pub fn sample(&mut self, logits: &[f32]) -> usize {
+    pub(crate) fn sample(&mut self, logits: &[f32]) -> usize {
         let argmax = || {
             logits
                 .iter()
