@@ -45,6 +45,7 @@ pub mod linear;
 pub mod newton_schulz;
 pub mod paged;
 mod products;
+pub mod qdot;
 pub mod qk_norm;
 pub mod quant;
 pub mod relu_squared;

@@ -12,6 +12,11 @@
 //! the input gradient by input columns (a panel of whole blocks of every row), panels spread over
 //! the threads. Other backends, and non-f32 inputs, run the reference: the weight dequantized to a
 //! tensor for the call, then a matmul.
+//!
+//! A weight whose type has integer dot products ([`QuantWeight::with_dot`], [`crate::qdot`]) runs
+//! the forward product of a few rows (a decode step: up to [`DOT_ROWS`]) on them instead, its input
+//! quantized to 8 bits on the fly as llama.cpp does: the stored bytes are read once and nothing is
+//! decoded to f32.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -26,7 +31,12 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
 use crate::compute::{Compute, Path};
+use crate::qdot::DotFormat;
 use crate::{flex, float, prim, EmberBackend};
+
+/// Rows up to which the forward product of a weight with integer dot products runs on them; more
+/// rows (prefill, training) decode tiles for the f32 GEMM.
+pub const DOT_ROWS: usize = 16;
 
 /// Decodes whole blocks: `bytes` holds `out.len() / values` blocks of the type, `out` receives
 /// their values in order.
@@ -39,6 +49,10 @@ pub enum QuantError {
     Ragged { kind: &'static str, rows: usize, cols: usize, block: usize },
     #[error("{kind} weight [{rows}, {cols}]: {found} bytes stored, {expected} expected")]
     Length { kind: &'static str, rows: usize, cols: usize, expected: usize, found: usize },
+    #[error(
+        "{kind} weight: blocks of {block:?} (values, bytes) cannot run as {format:?}, whose blocks are {expected:?}"
+    )]
+    Format { kind: &'static str, block: (usize, usize), format: DotFormat, expected: (usize, usize) },
 }
 
 /// A frozen linear weight in a block-quantized type: `d_out` rows of `d_in` values, each row whole
@@ -46,6 +60,7 @@ pub enum QuantError {
 #[derive(Clone)]
 pub struct QuantWeight(Arc<Stored>);
 
+#[derive(Clone)]
 struct Stored {
     kind: &'static str,
     rows: usize,
@@ -54,6 +69,8 @@ struct Stored {
     block: (usize, usize),
     data: Vec<u8>,
     decode: DecodeBlocks,
+    /// The block layout's integer dot products, where it has them.
+    dot: Option<DotFormat>,
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -80,7 +97,23 @@ impl QuantWeight {
         if data.len() != expected {
             return Err(QuantError::Length { kind, rows, cols, expected, found: data.len() });
         }
-        Ok(Self(Arc::new(Stored { kind, rows, cols, block, data, decode })))
+        Ok(Self(Arc::new(Stored { kind, rows, cols, block, data, decode, dot: None })))
+    }
+
+    /// The same weight, its products of a few rows on `format`'s integer dot products (the stored
+    /// blocks must be `format`'s).
+    pub fn with_dot(self, format: DotFormat) -> Result<Self, QuantError> {
+        let s = &self.0;
+        if s.block != format.block() {
+            return Err(QuantError::Format { kind: s.kind, block: s.block, format, expected: format.block() });
+        }
+        let stored = Arc::unwrap_or_clone(self.0);
+        Ok(Self(Arc::new(Stored { dot: Some(format), ..stored })))
+    }
+
+    /// The integer dot products the weight's few-row products run on, if any.
+    pub fn dot(&self) -> Option<DotFormat> {
+        self.0.dot
     }
 
     /// The storage type's name.
@@ -228,7 +261,14 @@ impl QuantLinearOps for Flex {
         if !flex::all_f32(&[&x]) || shape.len() != 2 || shape[1] != w.d_in() || cx.path != Path::Kernels {
             return prim(reference(float::<Self, 2>(x), w));
         }
-        flex::tensor(kernel::forward(&flex::f32s(&x), shape[0], w), vec![shape[0], w.d_out()])
+        let (n, x) = (shape[0], flex::f32s(&x));
+        let y = match w.0.dot {
+            Some(format) if n <= DOT_ROWS => {
+                crate::qdot::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
+            }
+            _ => kernel::forward(&x, n, w),
+        };
+        flex::tensor(y, vec![n, w.d_out()])
     }
 
     fn quant_linear_backward(dy: FlexTensor, w: &QuantWeight, cx: Compute) -> FlexTensor {

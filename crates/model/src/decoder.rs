@@ -38,6 +38,11 @@ pub struct Decoder<B: Backend> {
     pub rope: Rope<B>,
     /// The sliding-window layers' RoPE tables where their base differs (Gemma 3).
     pub rope_local: Option<Rope<B>>,
+    /// The embedding table kept in its block-quantized storage type (a GGUF file run for
+    /// inference): `embed_tokens` is then an empty `[0, 0]` placeholder, rows are decoded as they
+    /// are looked up, and a tied head multiplies on the stored blocks.
+    #[module(skip)]
+    pub embed_quantized: Option<QuantWeight>,
     #[module(skip)]
     config: ModelConfig,
     /// How the model computes: the GEMMs' dtype (mixed precision; parameters and everything else
@@ -67,7 +72,19 @@ impl<B: EmberBackend> Decoder<B> {
         weights: Vec<(String, QuantWeight)>,
     ) -> Result<Self, KeepError> {
         let mut by_layer: BTreeMap<usize, Vec<(String, QuantWeight)>> = BTreeMap::new();
+        let (mut embed, mut head) = (None, None);
         for (path, weight) in weights {
+            match path.as_str() {
+                "embed_tokens" => {
+                    embed = Some(weight);
+                    continue;
+                }
+                "lm_head" => {
+                    head = Some(weight);
+                    continue;
+                }
+                _ => {}
+            }
             let layer = match path.split('.').collect::<Vec<_>>().as_slice() {
                 ["layers", l, .., _] => l.parse::<usize>().ok(),
                 _ => None,
@@ -86,7 +103,29 @@ impl<B: EmberBackend> Decoder<B> {
             }
             block
         })?;
-        failed.map_or(Ok(model), Err)
+        let mut model = failed.map_or(Ok(model), Err)?;
+        if let Some(weight) = embed {
+            let (v, d) = (config.vocab_size, config.d_model);
+            if (weight.d_out(), weight.d_in()) != (v, d) {
+                let (kind, stored) = (weight.kind().to_string(), (weight.d_in(), weight.d_out()));
+                return Err(KeepError::Shape { path: "embed_tokens".into(), kind, stored, projection: (d, v) });
+            }
+            let placeholder = Tensor::<B, 2>::empty([0, 0], device);
+            model.embed_tokens = Param::from_tensor(placeholder).set_require_grad(false);
+            model.embed_quantized = Some(weight);
+        }
+        if let Some(weight) = head {
+            let Some(lin) = model.lm_head.as_mut() else {
+                return Err(KeepError::NotAProjection("lm_head".into()));
+            };
+            if (lin.d_in(), lin.d_out()) != (weight.d_in(), weight.d_out()) {
+                let (kind, stored) = (weight.kind().to_string(), (weight.d_in(), weight.d_out()));
+                let projection = (lin.d_in(), lin.d_out());
+                return Err(KeepError::Shape { path: "lm_head".into(), kind, stored, projection });
+            }
+            *lin = lin.clone().with_quantized(weight);
+        }
+        Ok(model)
     }
 
     fn build(config: &ModelConfig, init: Init, device: &B::Device) -> Result<Self, ConfigError> {
@@ -115,6 +154,7 @@ impl<B: EmberBackend> Decoder<B> {
             lm_head,
             rope: config.rope(device),
             rope_local: config.rope_local(device),
+            embed_quantized: None,
             config: config.clone(),
             compute: Compute::default(),
         })
@@ -185,7 +225,10 @@ impl<B: EmberBackend> Decoder<B> {
     /// - tokens: `[B, T]` -> `[B, T, D]`
     fn embed(&self, tokens: Tensor<B, 2, Int>, positions: impl FnOnce() -> Vec<usize>) -> Tensor<B, 3> {
         let [b, t] = tokens.dims();
-        let x = to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32); // [B, T, D]
+        let x = match &self.embed_quantized {
+            Some(table) => gather_rows(table, tokens),
+            None => to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32), // [B, T, D]
+        };
         let x = if self.config.embed_scale { x.mul_scalar((self.config.d_model as f32).sqrt()) } else { x };
         let Some(table) = &self.embed_positions else { return x };
         let last = self.config.max_seq_len.saturating_sub(1);
@@ -265,9 +308,14 @@ impl<B: EmberBackend> Decoder<B> {
 
     /// The LM head as a matrix, `[D, V]`: the transposed embedding table when tied.
     pub fn head_weight(&self) -> Tensor<B, 2> {
-        match &self.lm_head {
-            Some(head) => head.weight.val(),
-            None => self.embed_tokens.val().transpose(),
+        let device = self.embed_tokens.device();
+        match (&self.lm_head, &self.embed_quantized) {
+            (Some(head), _) => match &head.quantized {
+                Some(q) => q.to_tensor(&device),
+                None => head.weight.val(),
+            },
+            (None, Some(q)) => q.to_tensor(&device),
+            (None, None) => self.embed_tokens.val().transpose(),
         }
     }
 
@@ -276,11 +324,16 @@ impl<B: EmberBackend> Decoder<B> {
     pub fn logits(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
         let dtype = self.compute.dtype;
         let hidden = to_dtype(hidden, dtype);
-        let logits = match &self.lm_head {
-            Some(head) => hidden.matmul(to_dtype(head.weight.val(), dtype)),
+        let logits = match (&self.lm_head, &self.embed_quantized) {
+            // Stored blocks: their integer products for a few rows, decoded tiles for more.
+            (Some(head), _) if head.quantized.is_some() => head.forward(hidden, self.compute),
+            (None, Some(table)) => ember_kernels::quant_linear(hidden, table, self.compute),
+            (Some(head), _) => hidden.matmul(to_dtype(head.weight.val(), dtype)),
             // Tied: the embedding table `[V, D]` read where it is; `h · Eᵀ` through matmul would
             // copy the whole transposed table (113 MB for SmolLM2) at every call.
-            None => ember_kernels::linear::linear_nt(hidden, to_dtype(self.embed_tokens.val(), dtype), self.compute),
+            (None, None) => {
+                ember_kernels::linear::linear_nt(hidden, to_dtype(self.embed_tokens.val(), dtype), self.compute)
+            }
         };
         let logits = to_dtype(logits, DType::F32);
         match self.config.final_logit_softcap {
@@ -370,6 +423,11 @@ impl<B: EmberBackend> Decoder<B> {
     pub fn merge_lora(mut self) -> Self {
         let layers = std::mem::take(&mut self.layers);
         self.layers = layers.into_iter().map(Block::merge_lora).collect();
+        self.lm_head = self.lm_head.map(Linear::merge_lora);
+        if let Some(table) = self.embed_quantized.take() {
+            let rows = table.to_tensor::<B>(&self.embed_tokens.device()).transpose();
+            self.embed_tokens = Param::from_tensor(rows).set_require_grad(false);
+        }
         self
     }
 
@@ -423,6 +481,21 @@ pub enum KeepError {
 }
 
 /// The projection of `block` that `path` names (its last part), kept as `weight`.
+/// Rows `tokens` of a table kept quantized, decoded: `[B, T]` -> `[B, T, D]` in f32.
+fn gather_rows<B: Backend>(table: &QuantWeight, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    let [b, t] = tokens.dims();
+    let (d, device) = (table.d_in(), tokens.device());
+    let ids = tokens.into_data();
+    let mut out = vec![0f32; b * t * d];
+    for (id, row) in ids.iter::<i64>().zip(out.chunks_exact_mut(d.max(1))) {
+        // Ids past the table are refused before a model runs (`check_prompts`, the server's
+        // checks); a stray one reads row 0 rather than panicking here.
+        let id = usize::try_from(id).ok().filter(|&i| i < table.d_out()).unwrap_or(0);
+        table.decode_tile(id..id + 1, 0..d, row);
+    }
+    Tensor::from_data(TensorData::new(out, [b, t, d]), &device)
+}
+
 fn keep_quantized<B: Backend>(block: &mut Block<B>, path: &str, weight: QuantWeight) -> Result<(), KeepError> {
     let target = path.rsplit('.').next().and_then(|name| Target::ALL.into_iter().find(|t| t.name() == name));
     let Some(lin) = target.and_then(|t| block.projection_mut(t)) else {

@@ -107,6 +107,32 @@ impl ResolvedInit {
         Ok(dir.to_path_buf())
     }
 
+    /// The weights for inference: a GGUF file's block-quantized projections, embedding table and
+    /// LM head kept in their stored types (products on the blocks), every other source as
+    /// [`Self::load`] reads it.
+    pub fn load_for_inference<B: ember_kernels::EmberBackend>(
+        &self,
+        device: &Device<B>,
+    ) -> Result<Decoder<B>, TrainError> {
+        let Opened::Gguf { path, .. } = &self.opened else { return self.load(false, device) };
+        let model = ember_hf::gguf::model::import_for_inference::<B>(path, device)
+            .map_err(|e| self.source.err(e.to_string()))?
+            .imported
+            .model;
+        let (kept, bytes) = model.quantized_projections();
+        let table = model.embed_quantized.as_ref().map_or(0, |q| q.stored_bytes());
+        tracing::info!(
+            "{kept} projections kept quantized ({:.1} MiB){}",
+            bytes as f64 / (1u64 << 20) as f64,
+            if table > 0 {
+                format!(", the embedding table too ({:.1} MiB)", table as f64 / (1u64 << 20) as f64)
+            } else {
+                String::new()
+            }
+        );
+        Ok(model)
+    }
+
     /// The starting weights, as f32 parameters; with `keep_quantized` (the frozen base of LoRA), a
     /// GGUF file's projections stay in their stored block types.
     pub fn load<B: ember_kernels::EmberBackend>(

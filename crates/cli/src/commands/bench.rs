@@ -9,10 +9,11 @@ use ember_kernels::TrainBackend;
 use ember_train::bench::{bench_decode, bench_loss, bench_peak, bench_run, BenchSettings, DecodeBenchSpec, PeakSource};
 use ember_train::config::{Precision, Purpose};
 use ember_train::flops::Gemms;
-use ember_train::{Checkpoint, ConfigFile, ResolvedConfig};
+use ember_train::{ConfigFile, ResolvedConfig};
 use serde::Serialize;
 
 use crate::backend::{dispatch, gpu_name, memory_available, memory_probe, DeviceSpec, Job};
+use crate::commands::source::ModelSource;
 
 mod target;
 
@@ -105,7 +106,7 @@ struct DashboardBenchArgs {
 
 #[derive(Args, Debug)]
 struct DecodeBenchArgs {
-    /// A run directory or checkpoint folder.
+    /// A run directory or checkpoint folder, `gguf:FILE` (its stored quantized weights) or `hf:DIR`.
     #[arg(long)]
     checkpoint: PathBuf,
     /// Context lengths (prompt tokens) to measure at, each at least 1 and leaving room for
@@ -131,7 +132,7 @@ struct DecodeBenchArgs {
 
 #[derive(Args, Debug)]
 struct ServeBenchArgs {
-    /// A run directory or checkpoint folder.
+    /// A run directory or checkpoint folder, `gguf:FILE` (its stored quantized weights) or `hf:DIR`.
     #[arg(long)]
     checkpoint: PathBuf,
     /// Numbers of concurrent clients to measure, each in 1..=256 (the server gets as many slots as
@@ -269,7 +270,7 @@ impl BenchFn for LossBenchFn {
     }
 }
 
-struct DecodeBenchFn(DecodeBenchArgs, Checkpoint);
+struct DecodeBenchFn(DecodeBenchArgs, ModelSource);
 impl BenchFn for DecodeBenchFn {
     type Out = ember_train::bench::DecodeBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
@@ -286,7 +287,7 @@ impl BenchFn for DecodeBenchFn {
     }
 }
 
-struct ServeBenchFn(ServeBenchArgs, Checkpoint);
+struct ServeBenchFn(ServeBenchArgs, ModelSource);
 impl BenchFn for ServeBenchFn {
     type Out = ServeBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
@@ -451,7 +452,7 @@ fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
     in_range("--uncached-tokens", a.uncached_tokens, 0..=1 << 20)?;
     in_range("--block-size", a.block_size, 1..=1 << 16)?;
     in_range("--batch", a.batch, 1..=256)?;
-    let checkpoint = Checkpoint::open(&a.checkpoint)?;
+    let checkpoint = ModelSource::open(&a.checkpoint)?;
     let config = &checkpoint.model_config;
     let max = config.max_seq_len;
     let longest = a.new_tokens.max(a.uncached_tokens);
@@ -478,7 +479,7 @@ fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {
     each_in_range("--clients", &a.clients, 1..=256)?;
     in_range("--requests", a.requests, 1..=10_000)?;
     in_range("--max-tokens", a.max_tokens, 1..=1 << 20)?;
-    let checkpoint = Checkpoint::open(&a.checkpoint)?;
+    let checkpoint = ModelSource::open(&a.checkpoint)?;
     in_range("--max-tokens", a.max_tokens, 1..=checkpoint.model_config.max_seq_len)?;
     let (device, json) = (a.common.device, a.common.json);
     report(json, &dispatch(device, false, BenchJob(ServeBenchFn(a, checkpoint)))?)

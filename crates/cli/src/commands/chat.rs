@@ -17,11 +17,11 @@ use ember_generate::sample::{generate_batch, GenerateOptions, Sampler, SamplingC
 use ember_kernels::{EmberBackend, TrainBackend};
 use ember_model::Decoder;
 use ember_serve::sampling::ChatDefaults;
-use ember_train::Checkpoint;
 use rustyline::error::ReadlineError;
 use rustyline::{Cmd, ConditionalEventHandler, Event, EventContext, EventHandler, KeyEvent, Movement, RepeatCount};
 
 use crate::backend::{dispatch, DeviceSpec, Job};
+use crate::commands::source::ModelSource;
 
 /// The `--help` text on sampling defaults of `chat`, `sample` and `serve` (a test keeps its numbers
 /// equal to [`ember_serve::sampling`]'s).
@@ -33,7 +33,8 @@ no repetition penalty. A flag (or request field) replaces its one setting.";
 #[derive(Args, Debug)]
 #[command(after_help = SAMPLING_HELP)]
 pub struct ChatArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint folder inside it, with a chat template.
+    /// A run directory (its latest checkpoint) or a checkpoint folder inside it, or `gguf:FILE` (run on its stored
+    /// quantized weights) or `hf:DIR`, with a chat template.
     #[arg(long)]
     checkpoint: PathBuf,
     /// Softmax temperature; 0 is greedy [default: the chat defaults, below].
@@ -121,7 +122,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         SamplingFlags { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, repetition_penalty: None };
     // The flags are checked before a checkpoint is opened.
     flags.over(&ChatDefaults::built_in().sampling)?;
-    let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let checkpoint = ModelSource::open(&args.checkpoint)?;
     let template = ChatTemplate::from_dir(&checkpoint.dir)?.with_context(|| {
         format!("{} has no chat template (tokenizer_config.json or chat_template.jinja)", checkpoint.dir.display())
     })?;
@@ -134,7 +135,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
 
 struct ChatJob {
     args: ChatArgs,
-    checkpoint: Checkpoint,
+    checkpoint: ModelSource,
     template: ChatTemplate,
     sampling: SamplingConfig,
     /// The sampling in words, for the greeting.

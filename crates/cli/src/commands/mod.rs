@@ -8,4 +8,5 @@ pub mod init;
 pub mod prepare;
 pub mod sample;
 pub mod serve;
+pub mod source;
 pub mod train;

@@ -9,15 +9,16 @@ use ember_data::stream::TextStream;
 use ember_generate::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
 use ember_kernels::TrainBackend;
 use ember_serve::sampling::ChatDefaults;
-use ember_train::Checkpoint;
 
 use crate::backend::{dispatch, DeviceSpec, Job};
 use crate::commands::chat::SamplingFlags;
+use crate::commands::source::ModelSource;
 
 #[derive(Args, Debug)]
 #[command(after_help = super::chat::SAMPLING_HELP)]
 pub struct SampleArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint folder inside it.
+    /// A run directory (its latest checkpoint) or a checkpoint folder inside it, or `gguf:FILE` (run on its stored
+    /// quantized weights) or `hf:DIR`.
     #[arg(long)]
     checkpoint: PathBuf,
     /// Treat each prompt as a user message: render it with the checkpoint's chat template (with the
@@ -109,7 +110,7 @@ fn check(stream: &mut TextStream, index: usize) -> anyhow::Result<()> {
 /// What `ember sample` runs, every flag checked against the checkpoint before the model is loaded.
 struct SampleJob {
     args: SampleArgs,
-    checkpoint: Checkpoint,
+    checkpoint: ModelSource,
     config: SamplingConfig,
     prompts: Vec<Vec<u32>>,
     /// End-of-text and end-of-turn ids.
@@ -185,7 +186,7 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
         "--no-cache generates one prompt at a time; give a single --prompt"
     );
     // The error names the folder.
-    let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let checkpoint = ModelSource::open(&args.checkpoint)?;
     let context = checkpoint.model_config.max_seq_len;
     anyhow::ensure!(
         (1..=context).contains(&args.block_size),

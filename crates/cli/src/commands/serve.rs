@@ -14,14 +14,15 @@ use ember_generate::engine::{Engine, EngineConfig};
 use ember_kernels::TrainBackend;
 use ember_serve::sampling::ChatDefaults;
 use ember_serve::{Limits, Options, Server, Worker};
-use ember_train::Checkpoint;
 
 use crate::backend::{dispatch, DeviceSpec, Job};
+use crate::commands::source::ModelSource;
 
 #[derive(Args, Debug)]
 #[command(after_help = super::chat::SAMPLING_HELP)]
 pub struct ServeArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint folder inside it.
+    /// A run directory (its latest checkpoint) or a checkpoint folder inside it, or `gguf:FILE` (run on its stored
+    /// quantized weights) or `hf:DIR`.
     #[arg(long)]
     checkpoint: PathBuf,
     /// Address to listen on; loopback unless you mean to expose the model.
@@ -72,7 +73,7 @@ pub fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
         args.api_key.as_ref().is_none_or(|k| !k.trim().is_empty()),
         "--api-key (or EMBER_API_KEY) is empty: every request would be refused; give a key or leave both unset"
     );
-    let checkpoint = Checkpoint::open(&args.checkpoint)?;
+    let checkpoint = ModelSource::open(&args.checkpoint)?;
     let template = ChatTemplate::from_dir(&checkpoint.dir)?;
     if template.is_none() {
         tracing::warn!("{} has no chat template: /v1/chat/completions will answer 400", checkpoint.dir.display());
@@ -85,7 +86,7 @@ pub fn serve(mut args: ServeArgs) -> anyhow::Result<()> {
 
 struct ServeJob {
     args: ServeArgs,
-    checkpoint: Checkpoint,
+    checkpoint: ModelSource,
     template: Option<ChatTemplate>,
     defaults: ChatDefaults,
 }

@@ -121,15 +121,27 @@ pub fn read(path: &Path) -> Result<GgufModel, GgufError> {
     read_file(GgufFile::open(path)?)
 }
 
+/// Which weights a read keeps in their stored block types ([`GgufModel::quantized`]) rather than
+/// dequantized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keep {
+    /// None: every tensor f32.
+    Nothing,
+    /// The blocks' projection weights (q, k, v, o, gate, up, down): the frozen base of LoRA.
+    Projections,
+    /// The projections, the embedding table and the LM head: a model run for inference.
+    Inference,
+}
+
 /// [`read`], the blocks' projection weights (q, k, v, o, gate, up, down) stored in a block type
 /// kept in it ([`GgufModel::quantized`]) rather than dequantized: for LoRA on a quantized base.
 pub fn read_keeping(path: &Path) -> Result<GgufModel, GgufError> {
-    read_file_as(GgufFile::open(path)?, true)
+    read_file_as(GgufFile::open(path)?, Keep::Projections)
 }
 
 /// [`read`] of a file already opened (or parsed from bytes).
 pub fn read_file(f: GgufFile) -> Result<GgufModel, GgufError> {
-    read_file_as(f, false)
+    read_file_as(f, Keep::Nothing)
 }
 
 /// The config a GGUF file describes, its architecture and a Hugging Face config.json for it,
@@ -148,18 +160,19 @@ pub fn kept_sizes(f: &GgufFile) -> Result<(u64, u64), GgufError> {
     let family = read_arch(f)?.family();
     let kept = f.tensors.iter().filter(|t| {
         let mapped = family.gguf_to_hf(&t.name);
-        t.shape().len() == 2 && mapped.is_some_and(|(hf, transposed)| keeps(family, &hf, t.kind, transposed))
+        let keeps = |(hf, transposed): (String, bool)| keeps(family, &hf, t.kind, transposed, Keep::Projections);
+        t.shape().len() == 2 && mapped.is_some_and(keeps)
     });
     Ok(kept.fold((0, 0), |(n, b), t| (n + t.num_values(), b + t.len as u64)))
 }
 
-fn read_file_as(f: GgufFile, keep_quantized: bool) -> Result<GgufModel, GgufError> {
+fn read_file_as(f: GgufFile, keep: Keep) -> Result<GgufModel, GgufError> {
     read_arch(&f)?;
     if f.tensor("rope_freqs.weight").is_some() {
         return Err(f.meta_err("rope_freqs.weight", "Llama 3.1 RoPE frequency factors are not supported yet"));
     }
     let (config, arch, hf_config) = read_config(&f)?;
-    let (tensors, stored, quantized) = read_tensors(&f, arch, &config, keep_quantized)?;
+    let (tensors, stored, quantized) = read_tensors(&f, arch, &config, keep)?;
     let (tokenizer_json, tokenizer_config) = super::tokenizer::from_gguf(&f)?;
     Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored, quantized })
 }
@@ -234,9 +247,19 @@ type ReadTensors = (BTreeMap<String, TensorData>, Vec<(String, &'static str)>, B
 /// The Hugging Face names of the projections a quantized base keeps in their stored type.
 const KEPT_PROJECTIONS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
-/// Whether tensor `hf` (stored `[out, in]`, Hugging Face's orientation) of type `kind` is a block
-/// projection weight that a quantized base keeps as stored.
-fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool) -> bool {
+/// Whether tensor `hf` (stored `[out, in]`, Hugging Face's orientation) of type `kind` is one that
+/// `keep` keeps as stored: a block projection weight, or for inference the embedding table or the
+/// LM head too.
+fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool, keep: Keep) -> bool {
+    let blocks = super::quant::block_decoder(kind).is_some();
+    let path = family.hf_to_ember(hf).and_then(|t| t.paths.into_iter().next());
+    let table = matches!(path.as_deref(), Some("embed_tokens" | "lm_head.weight"));
+    if keep == Keep::Nothing || (table && (keep != Keep::Inference || transposed || !blocks)) {
+        return false;
+    }
+    if table {
+        return true;
+    }
     // A shared expert's projections are the experts part's, not a block's: dequantized.
     let shared = hf.contains(".shared_expert.") || hf.contains(".shared_experts.");
     let projection = KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight"))) && !shared;
@@ -246,14 +269,9 @@ fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool) -> 
 }
 
 /// Every tensor under its Hugging Face name, dequantized to f32, in Hugging Face's layout (q/k rows
-/// in its order, GPT-2's `Conv1D` weights `[in, out]`); with `keep_quantized`, the projections
+/// in its order, GPT-2's `Conv1D` weights `[in, out]`); with `keep`, the tensors
 /// [`keeps`] takes as stored (rows reordered as the f32 ones are).
-fn read_tensors(
-    f: &GgufFile,
-    arch: Architecture,
-    config: &ModelConfig,
-    keep_quantized: bool,
-) -> Result<ReadTensors, GgufError> {
+fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig, keep: Keep) -> Result<ReadTensors, GgufError> {
     let split = arch.gguf().split.as_ref();
     let mut out = ReadTensors::default();
     // The parts of a tensor llama.cpp splits (DeepSeek's `kv_b_proj`), by layer, joined once both
@@ -269,7 +287,7 @@ fn read_tensors(
             parts.entry(layer).or_default()[part] = Some(f.dequantize(t));
             continue;
         }
-        read_tensor(f, t, arch, config, keep_quantized, &mut out)?;
+        read_tensor(f, t, arch, config, keep, &mut out)?;
     }
     for (layer, pair) in parts {
         let Some(split) = split else { break };
@@ -299,7 +317,7 @@ fn read_tensor(
     t: &super::TensorInfo,
     arch: Architecture,
     config: &ModelConfig,
-    keep_quantized: bool,
+    keep: Keep,
     out: &mut ReadTensors,
 ) -> Result<(), GgufError> {
     let family = arch.family();
@@ -318,7 +336,7 @@ fn read_tensor(
         let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
         return Err(f.meta_err(&t.name, message));
     }
-    if keep_quantized && shape.len() == 2 && keeps(family, &hf, t.kind, transposed) {
+    if shape.len() == 2 && keeps(family, &hf, t.kind, transposed, keep) {
         out.2.insert(hf, kept_weight(f, t, permuted)?);
         return Ok(());
     }
@@ -357,8 +375,11 @@ fn read_tensor(
 fn kept_weight(f: &GgufFile, t: &super::TensorInfo, permuted: Option<usize>) -> Result<QuantWeight, GgufError> {
     let shape = t.shape();
     let decode = super::quant::block_decoder(t.kind).expect("keeps checked the type");
-    let weight = QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.raw(t).to_vec(), decode)
+    let mut weight = QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.raw(t).to_vec(), decode)
         .map_err(|e| f.meta_err(&t.name, e.to_string()))?;
+    if let Some(format) = super::quant::dot_format(t.kind) {
+        weight = weight.with_dot(format).map_err(|e| f.meta_err(&t.name, e.to_string()))?;
+    }
     Ok(match permuted {
         Some(heads) => {
             // Row i of the Hugging Face order is the row the f32 permutation moves there.
@@ -397,6 +418,15 @@ pub fn import<B: ember_kernels::EmberBackend>(
     device: &burn::tensor::Device<B>,
 ) -> Result<GgufImport<B>, crate::HfError> {
     import_from(read(path)?, path, param_dtype, device)
+}
+
+/// [`import`] for inference: the blocks' projections, the embedding table and the LM head kept in
+/// their stored block types ([`Keep::Inference`]), products on the stored blocks.
+pub fn import_for_inference<B: ember_kernels::EmberBackend>(
+    path: &Path,
+    device: &burn::tensor::Device<B>,
+) -> Result<GgufImport<B>, crate::HfError> {
+    import_from(read_file_as(GgufFile::open(path)?, Keep::Inference)?, path, burn::tensor::DType::F32, device)
 }
 
 /// [`import`] with the blocks' projection weights kept in their stored block types ([`read_keeping`])

@@ -22,6 +22,7 @@
 //! nibbles (Q4_K, Q5_K; high nibble when `(v / 32)` is odd), and a high bit (Q3_K, Q5_K) is bit
 //! `v / 32` of byte `v % 32` of the high-bit array.
 
+use ember_kernels::qdot::{scale_min_k4, DotFormat};
 use half::{bf16, f16};
 
 /// The ggml tensor types ember reads (and, for some, writes).
@@ -164,6 +165,20 @@ impl GgmlType {
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// The integer dot products a weight of this type runs its few-row products on, where the kernels
+/// have them (the others decode tiles for an f32 product).
+pub fn dot_format(ty: GgmlType) -> Option<DotFormat> {
+    Some(match ty {
+        GgmlType::Q8_0 => DotFormat::Q8_0,
+        GgmlType::Q4_0 => DotFormat::Q4_0,
+        GgmlType::Q4_1 => DotFormat::Q4_1,
+        GgmlType::Q4K => DotFormat::Q4K,
+        GgmlType::Q5K => DotFormat::Q5K,
+        GgmlType::Q6K => DotFormat::Q6K,
+        _ => return None,
+    })
 }
 
 /// The block decoder of a block-quantized type, for weights kept in it
@@ -375,17 +390,6 @@ fn dequantize_q6k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// Scale and min `j` (of 8) of a Q4_K super-block, 6 bits each, packed into 12 bytes: the first
-/// four in the low 6 bits of bytes 0..4 (scales) and 4..8 (mins), the last four in the nibbles of
-/// bytes 8..12 with their top 2 bits in the spare bits of bytes 0..8.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
-    }
-}
-
 /// A ggml type id ember does not read: the id and ggml.h's name for it (`unknown` for an id it
 /// does not use).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -457,6 +461,43 @@ mod tests {
         let mut out = vec![0f32; 256];
         dequantize(GgmlType::Q4K, &b, &mut out);
         assert_eq!(out, q4k_slow(&b));
+    }
+
+    /// The kernels' integer products read each type's blocks as this file's decoders do: for random
+    /// blocks, `qdot::product` equals the f32 product of the dequantized weight with the
+    /// activations as quantized (exact integers on one side, f32 sums on the other).
+    #[test]
+    fn integer_products_read_the_blocks_as_the_decoders_do() {
+        use ember_kernels::qdot::{product, Q8Rows};
+        for ty in GgmlType::ALL {
+            let Some(format) = dot_format(ty) else { continue };
+            let (per, size) = ty.block();
+            let (m, k, n) = (5, 512, 2);
+            let mut bytes: Vec<u8> = (0..m * k / per * size).map(|i| ((i * 7919 + 13) % 251) as u8).collect();
+            let scale_at: &[usize] = match ty {
+                GgmlType::Q6K => &[208],
+                GgmlType::Q8_0 | GgmlType::Q4_0 => &[0],
+                _ => &[0, 2],
+            };
+            for (b, blk) in bytes.chunks_exact_mut(size).enumerate() {
+                for &at in scale_at {
+                    let v = 0.01 + 0.002 * (b % 7) as f32 - 0.015 * (at % 4 == 2 && b % 2 == 0) as u8 as f32;
+                    blk[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+            }
+            let x: Vec<f32> = (0..n * k).map(|i| ((i * 31) % 97) as f32 / 20.0 - 2.4).collect();
+            let got = product(ember_kernels::Cpu::detect(), format, &bytes, (m, k), &x, n);
+            let mut w = vec![0f32; m * k];
+            dequantize(ty, &bytes, &mut w);
+            let xq = Q8Rows::quantize(&x, n, k, per).dequantize();
+            for r in 0..n {
+                for o in 0..m {
+                    let want: f64 = (0..k).map(|i| w[o * k + i] as f64 * xq[r * k + i] as f64).sum();
+                    let g = got[r * m + o] as f64;
+                    assert!((g - want).abs() <= 1e-4 * want.abs().max(1.0), "{}: ({r}, {o}) {g} vs {want}", ty.name());
+                }
+            }
+        }
     }
 
     #[test]

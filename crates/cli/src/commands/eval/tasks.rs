@@ -4,66 +4,12 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::backend::{dispatch, DeviceSpec, Job};
+use crate::commands::source::ModelSource;
 use anyhow::Context;
 use burn::tensor::Device;
-use ember_data::Tokenizer;
 use ember_eval::{evaluate, prepare, Options, Prepared, TaskResult};
 use ember_kernels::TrainBackend;
-use ember_train::config::InitSource;
-use ember_train::{Checkpoint, ResolvedInit};
-
-use crate::backend::{dispatch, DeviceSpec, Job};
-
-/// The model to evaluate: a run or checkpoint, or an `init_from`-style source.
-pub enum Source {
-    Run(Box<Checkpoint>),
-    Init(Box<ResolvedInit>),
-}
-
-impl Source {
-    /// `gguf:FILE`, `hf:DIR`, `run:DIR`, or a run directory / checkpoint folder.
-    pub fn open(spec: &str) -> anyhow::Result<Self> {
-        if spec.starts_with("gguf:") || spec.starts_with("hf:") || spec.starts_with("run:") {
-            let source = InitSource::parse(spec)?;
-            return Ok(Self::Init(Box::new(source.resolve().with_context(|| format!("opening {spec}"))?)));
-        }
-        let checkpoint = Checkpoint::open(Path::new(spec)).with_context(|| format!("opening checkpoint {spec}"))?;
-        Ok(Self::Run(Box::new(checkpoint)))
-    }
-
-    pub fn max_seq_len(&self) -> usize {
-        match self {
-            Self::Run(c) => c.model_config.max_seq_len,
-            Self::Init(init) => init.model_config.max_seq_len,
-        }
-    }
-
-    /// The chat template of the model's tokenizer folder, if it has one.
-    pub fn chat_template(&self) -> anyhow::Result<Option<ember_data::finetune::ChatTemplate>> {
-        let dir = match self {
-            Self::Run(c) => c.dir.clone(),
-            Self::Init(init) => init.tokenizer_dir()?,
-        };
-        Ok(ember_data::finetune::ChatTemplate::from_dir(&dir)?)
-    }
-
-    pub fn tokenizer(&self) -> anyhow::Result<Tokenizer> {
-        match self {
-            Self::Run(c) => Ok(c.tokenizer.clone()),
-            Self::Init(init) => {
-                let dir = init.tokenizer_dir()?;
-                Ok(Tokenizer::from_file(&dir.join("tokenizer.json"))?.with_model_eos(&dir))
-            }
-        }
-    }
-
-    fn decoder<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> anyhow::Result<ember_model::Decoder<B>> {
-        Ok(match self {
-            Self::Run(c) => c.decoder::<B>(device)?,
-            Self::Init(init) => init.load::<B>(false, device)?,
-        })
-    }
-}
 
 pub struct TasksArgs<'a> {
     pub checkpoint: &'a str,
@@ -79,8 +25,7 @@ pub struct TasksArgs<'a> {
 }
 
 struct TasksJob<'a> {
-    source: Source,
-    tokenizer: Tokenizer,
+    source: ModelSource,
     prepared: &'a [Prepared],
     options: Options,
 }
@@ -89,6 +34,7 @@ impl Job for TasksJob<'_> {
     type Output = Vec<TaskResult>;
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Vec<TaskResult>> {
         let model = self.source.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
+        let tokenizer = &self.source.tokenizer;
         let total: usize = self.prepared.iter().map(|p| p.docs.len()).sum();
         let bar = indicatif::ProgressBar::new(total as u64);
         bar.set_style(
@@ -99,7 +45,7 @@ impl Job for TasksJob<'_> {
         for task in self.prepared {
             bar.set_message(task.spec.name.clone());
             let started = std::time::Instant::now();
-            let result = evaluate(&model, &self.tokenizer, task, &self.options, |n| bar.inc(n as u64))?;
+            let result = evaluate(&model, tokenizer, task, &self.options, |n| bar.inc(n as u64))?;
             tracing::info!(
                 "{}: {} items in {:.1} s ({:.2} items/s)",
                 task.spec.name,
@@ -117,10 +63,10 @@ impl Job for TasksJob<'_> {
 pub fn run(args: TasksArgs) -> anyhow::Result<()> {
     let dir = ember_eval::eval_dir(args.eval_dir, crate::env::eval_dir().as_deref())?;
     let selected = ember_eval::tasks::select(args.tasks)?;
-    let source = Source::open(args.checkpoint)?;
-    let tokenizer = source.tokenizer()?;
+    let source = ModelSource::open(Path::new(args.checkpoint))?;
+    let tokenizer = source.tokenizer.clone();
     let template = match args.chat {
-        true => Some(source.chat_template()?.ok_or_else(|| {
+        true => Some(ember_data::finetune::ChatTemplate::from_dir(&source.dir)?.ok_or_else(|| {
             anyhow::anyhow!(
                 "--chat: {} has no chat template (chat_template.jinja or tokenizer_config.json)",
                 args.checkpoint
@@ -128,8 +74,11 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
         })?),
         false => None,
     };
-    let encoding =
-        ember_eval::Encoding { tokenizer: &tokenizer, max_len: source.max_seq_len(), chat: template.as_ref() };
+    let encoding = ember_eval::Encoding {
+        tokenizer: &tokenizer,
+        max_len: source.model_config.max_seq_len,
+        chat: template.as_ref(),
+    };
     let mut prepared = Vec::with_capacity(selected.len());
     for (spec, limit) in &selected {
         let limit = limit.or(args.limit);
@@ -137,7 +86,7 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
             .with_context(|| format!("preparing task {}", spec.name))?;
         prepared.push(task);
     }
-    let job = TasksJob { source, tokenizer, prepared: &prepared, options: args.options.clone() };
+    let job = TasksJob { source, prepared: &prepared, options: args.options.clone() };
     let results = ember_eval::run::with_groups(dispatch(args.device, false, job)?);
     if let Some(path) = args.samples {
         let mut out = Vec::new();

@@ -1,0 +1,692 @@
+//! Products of a few rows with a weight stored in one of ggml's block-quantized types, on integer
+//! dot products, as llama.cpp computes them: each input row is quantized on the fly to 8 bits
+//! (blocks of 32 values for the 32-value weight types, 256 for the K-quants, each with an f32
+//! scale and the integer sums of every 16 values), then every stored row is dotted with it block by
+//! block in integers (u8 × i8 products summed four at a time into i32 lanes), each block's sum
+//! scaled by the two blocks' scales in f32. The weight is read once, in its stored bytes: what a
+//! decode step is bound by.
+//!
+//! Block layouts (ggml's `block_*` structs, `ggml-common.h`), values `v` of a block:
+//!
+//! | type | values | bytes | layout, value |
+//! |------|--------|-------|---------------|
+//! | Q8_0 | 32  | 34  | f16 d, i8 q[32]: `d·q` |
+//! | Q4_0 | 32  | 18  | f16 d, u8 qs[16]: `d·(n − 8)`, n the low nibble of byte v (v < 16), the high of byte v − 16 |
+//! | Q4_1 | 32  | 20  | f16 d, f16 m, qs[16] as Q4_0: `d·n + m` |
+//! | Q4_K | 256 | 144 | f16 d, f16 dmin, scales[12], qs[128]: `d·sc_s·n − dmin·m_s`, s = v / 32 (6-bit scale and min, [`scale_min_k4`]); n the low nibble of byte `32·(v / 64) + v % 32` when `(v / 32)` is even, the high one when odd |
+//! | Q5_K | 256 | 176 | f16 d, f16 dmin, scales[12], qh[32], qs[128]: as Q4_K with a fifth bit, bit `v / 32` of `qh[v % 32]` |
+//! | Q6_K | 256 | 210 | ql[128], qh[64], i8 sc[16], f16 d: `d·sc_{v/16}·(n − 32)`, n 6 bits: 4 from ql, 2 from qh ([`reference`]) |
+//!
+//! With 8-bit activations `x = d_x·q`, a block's product is `d_w·d_x·Σ n·q` plus terms in `Σ q` for
+//! the offsets (`−8`, `m`, `−dmin·m_s`, `−32`): those come from the activation's sums of 16, so
+//! the inner loops multiply unsigned weight codes by signed activations, which is what the
+//! instructions take (`vpdpbusd`: AVX-512 VNNI, or AVX-VNNI; AVX2's `vpmaddubsw` + `vpmaddwd`
+//! where neither is there, the codes small enough that its 16-bit pair sums cannot saturate). Q8_0's
+//! signed codes go in as `|w|` and `x·sign(w)`.
+//!
+//! [`reference`] is the plain loop every path is tested against (the integer sums are exact, so
+//! the paths differ only in the order of the f32 sums). Activation quantization is lossy: the
+//! products differ from the f32 product of the dequantized weight by about 1% of the row's scale,
+//! as llama.cpp's do.
+
+use rayon::prelude::*;
+
+use crate::compute::Cpu;
+use crate::SharedOut;
+
+/// The block types whose products run on integer dot products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DotFormat {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl DotFormat {
+    pub const ALL: [DotFormat; 6] = [Self::Q8_0, Self::Q4_0, Self::Q4_1, Self::Q4K, Self::Q5K, Self::Q6K];
+
+    /// (values, bytes) of one stored block.
+    pub fn block(self) -> (usize, usize) {
+        match self {
+            Self::Q8_0 => (32, 34),
+            Self::Q4_0 => (32, 18),
+            Self::Q4_1 => (32, 20),
+            Self::Q4K => (256, 144),
+            Self::Q5K => (256, 176),
+            Self::Q6K => (256, 210),
+        }
+    }
+
+    /// Values per block of the quantized activations: a stored block's.
+    fn act_block(self) -> usize {
+        self.block().0
+    }
+}
+
+/// Scale and min `j` (of 8) of a Q4_K or Q5_K super-block, 6 bits each, packed into 12 bytes: the
+/// first four in the low 6 bits of bytes 0..4 (scales) and 4..8 (mins), the last four in the
+/// nibbles of bytes 8..12 with their top 2 bits in the spare bits of bytes 0..8.
+#[inline(always)]
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// An IEEE half (little-endian bytes `b[0..2]`) as f32.
+#[inline(always)]
+fn f16_at(b: &[u8]) -> f32 {
+    let h = u16::from_le_bytes([b[0], b[1]]) as u32;
+    let (sign, exp, man) = ((h & 0x8000) << 16, (h >> 10) & 0x1F, h & 0x3FF);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        // Subnormal: man · 2^-24, exact in f32.
+        (0, _) => {
+            let v = man as f32 * f32::from_bits(0x3380_0000);
+            return if sign == 0 { v } else { -v };
+        }
+        (31, 0) => sign | 0x7F80_0000,
+        (31, _) => sign | 0x7FC0_0000 | (man << 13),
+        _ => sign | ((exp + 112) << 23) | (man << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// Rows of activations quantized to 8 bits: `x ≈ d·q`, one scale per block of `block` values, and
+/// the integer sum of every 16 values.
+pub struct Q8Rows {
+    k: usize,
+    block: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    dsum: Vec<f32>,
+    sums: Vec<i32>,
+}
+
+/// One row of [`Q8Rows`].
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    q: &'a [i8],
+    d: &'a [f32],
+    /// `d·Σq` of each block.
+    dsum: &'a [f32],
+    sums: &'a [i32],
+}
+
+impl Q8Rows {
+    /// `n` rows of `k` values (`x` row-major) in blocks of `block` (a multiple of 16 dividing `k`):
+    /// each block's scale its largest magnitude over 127, codes rounded to nearest.
+    pub fn quantize(x: &[f32], n: usize, k: usize, block: usize) -> Self {
+        assert!(block % 16 == 0 && k.is_multiple_of(block) && x.len() == n * k, "Q8Rows: {n} rows of {k} in {block}");
+        let mut q = vec![0i8; n * k];
+        let mut d = vec![0f32; n * k / block];
+        let mut sums = vec![0i32; n * k / 16];
+        for ((x, q), (d, sums)) in x
+            .chunks_exact(block)
+            .zip(q.chunks_exact_mut(block))
+            .zip(d.iter_mut().zip(sums.chunks_exact_mut(block / 16)))
+        {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            *d = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            for (q, &v) in q.iter_mut().zip(x) {
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            }
+            for (s, q) in sums.iter_mut().zip(q.chunks_exact(16)) {
+                *s = q.iter().map(|&v| v as i32).sum();
+            }
+        }
+        let dsum = sums.chunks_exact(block / 16).zip(&d).map(|(s, d)| d * s.iter().sum::<i32>() as f32).collect();
+        Self { k, block, q, d, dsum, sums }
+    }
+
+    fn row(&self, r: usize) -> Row<'_> {
+        let k = self.k;
+        Row {
+            q: &self.q[r * k..(r + 1) * k],
+            d: &self.d[r * k / self.block..(r + 1) * k / self.block],
+            dsum: &self.dsum[r * k / self.block..(r + 1) * k / self.block],
+            sums: &self.sums[r * k / 16..(r + 1) * k / 16],
+        }
+    }
+
+    /// The quantized rows as f32 (`d·q`): what the integer products compute with.
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.q.iter().enumerate().map(|(i, &q)| self.d[i / self.block] * q as f32).collect()
+    }
+}
+
+/// One stored row (`k / block` blocks of `format`) dotted with one quantized row: the plain loop,
+/// block by block, exact integer sums scaled in f32.
+fn reference(format: DotFormat, w: &[u8], x: Row<'_>) -> f32 {
+    let (bv, bb) = format.block();
+    let mut acc = 0f32;
+    for (b, blk) in w.chunks_exact(bb).enumerate() {
+        let (q, dx, sums) = (&x.q[b * bv..(b + 1) * bv], x.d[b], &x.sums[b * bv / 16..(b + 1) * bv / 16]);
+        let dot = |codes: &mut dyn FnMut(usize) -> i32, range: std::ops::Range<usize>| -> i32 {
+            range.map(|v| codes(v) * q[v] as i32).sum()
+        };
+        acc += match format {
+            DotFormat::Q8_0 => f16_at(blk) * dx * dot(&mut |v| blk[2 + v] as i8 as i32, 0..32) as f32,
+            DotFormat::Q4_0 => f16_at(blk) * dx * dot(&mut |v| nibble(&blk[2..], v) - 8, 0..32) as f32,
+            DotFormat::Q4_1 => {
+                let n = dot(&mut |v| nibble(&blk[4..], v), 0..32);
+                f16_at(blk) * dx * n as f32 + f16_at(&blk[2..]) * dx * (sums[0] + sums[1]) as f32
+            }
+            DotFormat::Q4K | DotFormat::Q5K => {
+                let (scales, high) = (&blk[4..16], format == DotFormat::Q5K);
+                let qs = if high { &blk[48..176] } else { &blk[16..144] };
+                let (mut isum, mut imin) = (0i32, 0i32);
+                for s in 0..8 {
+                    let (sc, m) = scale_min_k4(s, scales);
+                    let code = |v: usize| {
+                        let byte = qs[32 * (v / 64) + v % 32];
+                        let low = if (v / 32) % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                        let fifth = if high { ((blk[16 + v % 32] >> (v / 32)) & 1) << 4 } else { 0 };
+                        (low | fifth) as i32
+                    };
+                    isum += sc as i32 * dot(&mut |v| code(v), 32 * s..32 * s + 32);
+                    imin += m as i32 * (sums[2 * s] + sums[2 * s + 1]);
+                }
+                f16_at(blk) * dx * isum as f32 - f16_at(&blk[2..]) * dx * imin as f32
+            }
+            DotFormat::Q6K => {
+                let (ql, qh, sc) = (&blk[0..128], &blk[128..192], &blk[192..208]);
+                let code = |v: usize| {
+                    // Half h of 128 values: part p (of 4) of 32, position l.
+                    let (h, p, l) = (v / 128, (v % 128) / 32, v % 32);
+                    let low = ql[64 * h + 32 * (p % 2) + l];
+                    let low = if p < 2 { low & 0xF } else { low >> 4 };
+                    let two = (qh[32 * h + l] >> (2 * p)) & 3;
+                    (low | two << 4) as i32
+                };
+                let mut isum = 0i32;
+                for s in 0..16 {
+                    let scale = sc[s] as i8 as i32;
+                    isum += scale * (dot(&mut |v| code(v), 16 * s..16 * s + 16) - 32 * sums[s]);
+                }
+                f16_at(&blk[208..]) * dx * isum as f32
+            }
+        };
+    }
+    acc
+}
+
+/// Value `v` (of 32) of a Q4_0 or Q4_1 block's 16 bytes of nibbles.
+#[inline(always)]
+fn nibble(qs: &[u8], v: usize) -> i32 {
+    (if v < 16 { qs[v] & 0xF } else { qs[v - 16] >> 4 }) as i32
+}
+
+/// How the dot products run: the plain loop, or one of the x86 instruction sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// Every set this CPU runs within `cpu`'s tier, narrowest first (the last is the fastest).
+    pub(crate) fn reachable(cpu: Cpu) -> Vec<Isa> {
+        #[allow(unused_mut)]
+        let mut out = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::simd::{detected, Tier};
+            let tier = detected().min(cpu.tier);
+            if tier >= Tier::Avx2 && std::is_x86_feature_detected!("f16c") {
+                out.push(Isa::Avx2);
+                if std::is_x86_feature_detected!("avxvnni") {
+                    out.push(Isa::AvxVnni);
+                }
+            }
+            if tier >= Tier::Avx512
+                && std::is_x86_feature_detected!("f16c")
+                && std::is_x86_feature_detected!("avx512vnni")
+            {
+                out.push(Isa::Avx512Vnni);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = cpu;
+        out
+    }
+
+    fn best(cpu: Cpu) -> Isa {
+        *Self::reachable(cpu).last().unwrap_or(&Isa::Scalar)
+    }
+}
+
+/// `y = x·Wᵀ` for `n` rows `x` (`[n, k]` row-major) and W the `m` stored rows of `k` values in
+/// `data` (`format`'s blocks, row after row): `y` is `[n, m]`. Each row of x is quantized to 8 bits
+/// once; the stored rows are split among the threads.
+///
+/// # Panics
+/// If `data` is not `m` rows of `k / block` blocks, or `x` not `n·k` values (callers check shapes).
+pub fn product(cpu: Cpu, format: DotFormat, data: &[u8], (m, k): (usize, usize), x: &[f32], n: usize) -> Vec<f32> {
+    product_with(Isa::best(cpu), format, data, (m, k), x, n)
+}
+
+pub(crate) fn product_with(
+    isa: Isa,
+    format: DotFormat,
+    data: &[u8],
+    (m, k): (usize, usize),
+    x: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let (bv, bb) = format.block();
+    assert!(k.is_multiple_of(bv) && data.len() == m * (k / bv) * bb, "qdot: {m} rows of {k} {format:?} values");
+    let acts = Q8Rows::quantize(x, n, k, format.act_block());
+    let mut y = vec![0f32; n * m];
+    if n == 0 || m == 0 {
+        return y;
+    }
+    let row_bytes = k / bv * bb;
+    let threads = rayon::current_num_threads().max(1);
+    // A few tasks a thread, of whole rows; small weights in one task.
+    let chunk = m.div_ceil(threads * 4).max(16);
+    let out = SharedOut(y.as_mut_ptr());
+    (0..m.div_ceil(chunk)).into_par_iter().for_each(|t| {
+        let rows = t * chunk..((t + 1) * chunk).min(m);
+        let w = &data[rows.start * row_bytes..rows.end * row_bytes];
+        for r in 0..n {
+            let x = acts.row(r);
+            for (i, row) in w.chunks_exact(row_bytes).enumerate() {
+                let v = dot(isa, format, row, x);
+                // SAFETY: each task writes entries (r, rows) of y only, inside its n·m values.
+                unsafe { *out.at(r * m + rows.start + i) = v };
+            }
+        }
+    });
+    y
+}
+
+/// One stored row dotted with one quantized row on `isa`.
+#[inline]
+fn dot(isa: Isa, format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+    match isa {
+        Isa::Scalar => reference(format, row, x),
+        // SAFETY: `Isa::reachable` offers a set only where the CPU has it; `row` holds whole blocks
+        // and `x` the same number of values (product_with checked both).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { wide::dot_avx2(format, row, x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => unsafe { wide::dot_avxvnni(format, row, x) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { wide::dot_avx512vnni(format, row, x) },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use std::arch::x86_64::*;
+
+    use super::{scale_min_k4, DotFormat, Row};
+
+    /// The one instruction that differs between the sets: `acc + Σ_4 u8·i8` in each i32 lane.
+    ///
+    /// # Safety
+    /// Implementors may only be called where the CPU has their set.
+    unsafe trait Isa {
+        unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
+    }
+
+    struct Avx2;
+    struct AvxVnni;
+    struct Avx512Vnni;
+
+    // SAFETY (the three impls): each is only called inside the matching `dot_*` entry point below,
+    // whose target features include the instruction's.
+    unsafe impl Isa for Avx2 {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+            // Pairs of u8·i8 summed into i16 (the codes' bounds keep them under 2^15), then pairs
+            // of those into i32.
+            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+        }
+    }
+    unsafe impl Isa for AvxVnni {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+            _mm256_dpbusd_avx_epi32(acc, u, s)
+        }
+    }
+    unsafe impl Isa for Avx512Vnni {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(acc, u, s)
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `row` whole blocks of `format`, `x` as many values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_avx2(format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+        unsafe { dot_with::<Avx2>(format, row, x) }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-VNNI; as [`dot_avx2`] otherwise.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn dot_avxvnni(format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+        unsafe { dot_with::<AvxVnni>(format, row, x) }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 VNNI and VL; as [`dot_avx2`] otherwise.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn dot_avx512vnni(format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+        unsafe { dot_with::<Avx512Vnni>(format, row, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot_with<I: Isa>(format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+        let (bv, bb) = format.block();
+        let blocks = row.len() / bb;
+        debug_assert!(x.q.len() >= blocks * bv && x.d.len() >= blocks && x.sums.len() >= blocks * bv / 16);
+        unsafe {
+            match format {
+                DotFormat::Q8_0 => small::<I, Q8_0>(row, x, blocks),
+                DotFormat::Q4_0 => small::<I, Q4_0>(row, x, blocks),
+                DotFormat::Q4_1 => small::<I, Q4_1>(row, x, blocks),
+                DotFormat::Q4K => q4k::<I, false>(row, x, blocks),
+                DotFormat::Q5K => q4k::<I, true>(row, x, blocks),
+                DotFormat::Q6K => q6k::<I>(row, x, blocks),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m256i {
+        unsafe { _mm256_loadu_si256(p as *const __m256i) }
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+        }
+    }
+
+    /// The bits of each byte of `v` that `mask` keeps after a right shift by `shift`, moved to bit 4
+    /// (the high bits of the 5- and 6-bit codes). Not a closure: closures would not inherit the
+    /// callers' target features.
+    #[inline(always)]
+    unsafe fn bits_at_4(v: __m256i, shift: i32, mask: __m256i) -> __m256i {
+        unsafe { _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), mask)) }
+    }
+
+    /// Signed codes `w` times signed `x`: `|w|` times `x` with w's sign.
+    #[inline(always)]
+    unsafe fn signed<I: Isa>(w: __m256i, x: __m256i) -> __m256i {
+        unsafe { I::dot(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)) }
+    }
+
+    /// A Q4_0/Q4_1 block's 16 bytes of nibbles as 32 codes in value order.
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        unsafe {
+            let v = _mm_loadu_si128(p as *const __m128i);
+            let m4 = _mm_set1_epi8(0x0F);
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(v), m4), _mm_and_si128(v, m4))
+        }
+    }
+
+    /// A half at `p` (unaligned) as f32, on F16C.
+    #[inline(always)]
+    unsafe fn half(p: *const u8) -> f32 {
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const u16) as i32))) }
+    }
+
+    /// Where a 32-value block type keeps its codes, and how they multiply 32 activations.
+    trait Small {
+        /// Bytes a block.
+        const BYTES: usize;
+        /// Where the codes start (after the f16 scale, and the min if [`Small::MIN`]).
+        const CODES: usize;
+        /// Whether a min `m` (an f16 after the scale) adds `m·Σx`.
+        const MIN: bool;
+        /// The codes times `x`, in i32 lanes.
+        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i;
+    }
+
+    struct Q8_0;
+    struct Q4_0;
+    struct Q4_1;
+
+    impl Small for Q8_0 {
+        const BYTES: usize = 34;
+        const CODES: usize = 2;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i {
+            unsafe { signed::<I>(load(codes), x) }
+        }
+    }
+
+    impl Small for Q4_0 {
+        const BYTES: usize = 18;
+        const CODES: usize = 2;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i {
+            unsafe { signed::<I>(_mm256_sub_epi8(nibbles(codes), _mm256_set1_epi8(8)), x) }
+        }
+    }
+
+    impl Small for Q4_1 {
+        const BYTES: usize = 20;
+        const CODES: usize = 4;
+        const MIN: bool = true;
+        #[inline(always)]
+        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i {
+            unsafe { I::dot(_mm256_setzero_si256(), nibbles(codes), x) }
+        }
+    }
+
+    /// A row of 32-value blocks: two blocks an iteration into two accumulators (the fused
+    /// multiply-add's latency would otherwise bound the loop), no bounds checks inside.
+    #[inline(always)]
+    unsafe fn small<I: Isa, T: Small>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
+        debug_assert!(row.len() >= blocks * T::BYTES && x.d.len() >= blocks && x.dsum.len() >= blocks);
+        unsafe {
+            let (w, xq, xd, xs) = (row.as_ptr(), x.q.as_ptr() as *const u8, x.d.as_ptr(), x.dsum.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); 2];
+            let mut offsets = [0f32; 2];
+            let mut b = 0;
+            while b < blocks {
+                for (lane, (acc, offset)) in acc.iter_mut().zip(&mut offsets).enumerate() {
+                    let b = b + lane;
+                    if b == blocks {
+                        break;
+                    }
+                    let blk = w.add(T::BYTES * b);
+                    let p = T::product::<I>(blk.add(T::CODES), load(xq.add(32 * b)));
+                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(blk) * *xd.add(b)), *acc);
+                    if T::MIN {
+                        *offset += half(blk.add(2)) * *xs.add(b);
+                    }
+                }
+                b += 2;
+            }
+            hsum(_mm256_add_ps(acc[0], acc[1])) + offsets[0] + offsets[1]
+        }
+    }
+
+    /// Q4_K, and Q5_K (`FIFTH`: a fifth bit per code from `qh`).
+    #[inline(always)]
+    unsafe fn q4k<I: Isa, const FIFTH: bool>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
+        let bb = if FIFTH { 176 } else { 144 };
+        unsafe {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let one = _mm256_set1_epi8(1);
+            let (mut acc, mut mins) = (_mm256_setzero_ps(), 0f32);
+            for b in 0..blocks {
+                let bytes = &row[bb * b..bb * (b + 1)];
+                let blk = bytes.as_ptr();
+                let (d, dmin) = (half(blk) * x.d[b], half(blk.add(2)) * x.d[b]);
+                let qs = blk.add(if FIFTH { 48 } else { 16 });
+                let qh = if FIFTH { load(blk.add(16)) } else { _mm256_setzero_si256() };
+                let xq = x.q.as_ptr().add(256 * b) as *const u8;
+                let (mut isum, mut imin) = (_mm256_setzero_si256(), 0i32);
+                for g in 0..4 {
+                    let v = load(qs.add(32 * g));
+                    let (mut lo, mut hi) = (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4));
+                    if FIFTH {
+                        lo = _mm256_or_si256(lo, bits_at_4(qh, 2 * g as i32, one));
+                        hi = _mm256_or_si256(hi, bits_at_4(qh, 2 * g as i32 + 1, one));
+                    }
+                    let (sc1, m1) = scale_min_k4(2 * g, &bytes[4..16]);
+                    let (sc2, m2) = scale_min_k4(2 * g + 1, &bytes[4..16]);
+                    let p1 = I::dot(_mm256_setzero_si256(), lo, load(xq.add(64 * g)));
+                    let p2 = I::dot(_mm256_setzero_si256(), hi, load(xq.add(64 * g + 32)));
+                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc1 as i32)));
+                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p2, _mm256_set1_epi32(sc2 as i32)));
+                    let s = &x.sums[16 * b + 4 * g..16 * b + 4 * g + 4];
+                    imin += m1 as i32 * (s[0] + s[1]) + m2 as i32 * (s[2] + s[3]);
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+                mins += dmin * imin as f32;
+            }
+            hsum(acc) - mins
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q6k<I: Isa>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
+        unsafe {
+            let m4 = _mm256_set1_epi8(0x0F);
+            let m3 = _mm256_set1_epi8(3);
+            let mut acc = _mm256_setzero_ps();
+            for b in 0..blocks {
+                let bytes = &row[210 * b..210 * (b + 1)];
+                let blk = bytes.as_ptr();
+                let d = half(blk.add(208)) * x.d[b];
+                let sc = &bytes[192..208];
+                let xq = x.q.as_ptr().add(256 * b) as *const u8;
+                let mut isum = _mm256_setzero_si256();
+                for h in 0..2 {
+                    let (ql0, ql1, qh) =
+                        (load(blk.add(64 * h)), load(blk.add(64 * h + 32)), load(blk.add(128 + 32 * h)));
+                    let codes = [
+                        _mm256_or_si256(_mm256_and_si256(ql0, m4), bits_at_4(qh, 0, m3)),
+                        _mm256_or_si256(_mm256_and_si256(ql1, m4), bits_at_4(qh, 2, m3)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), bits_at_4(qh, 4, m3)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), bits_at_4(qh, 6, m3)),
+                    ];
+                    for (p, codes) in codes.into_iter().enumerate() {
+                        let s = 8 * h + 2 * p;
+                        let prod = I::dot(_mm256_setzero_si256(), codes, load(xq.add(128 * h + 32 * p)));
+                        // Lanes 0..4 hold the first 16 values (scale s), lanes 4..8 the next (s + 1).
+                        let scales = _mm256_set_m128i(
+                            _mm_set1_epi32(sc[s + 1] as i8 as i32),
+                            _mm_set1_epi32(sc[s] as i8 as i32),
+                        );
+                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(prod, scales));
+                    }
+                }
+                // The codes' offset of 32: Σ_s sc_s · 32 · Σ q over sub-block s.
+                let offset: i32 = (0..16).map(|s| sc[s] as i8 as i32 * x.sums[16 * b + s]).sum();
+                let isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+            }
+            hsum(acc)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// `rows` stored rows of `k` values: random code bytes, every f16 scale a normal half between
+    /// 2^-5 and 2^0 of either sign.
+    fn random_rows(format: DotFormat, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (bv, bb) = format.block();
+        let mut data: Vec<u8> = (0..rows * k / bv * bb).map(|_| rng.random()).collect();
+        let scales: &[usize] = match format {
+            DotFormat::Q8_0 | DotFormat::Q4_0 => &[0],
+            DotFormat::Q4_1 | DotFormat::Q4K | DotFormat::Q5K => &[0, 2],
+            DotFormat::Q6K => &[208],
+        };
+        for blk in data.chunks_exact_mut(bb) {
+            for &at in scales {
+                let (sign, exp, man) =
+                    (rng.random::<bool>() as u16, rng.random_range(10u16..15), rng.random_range(0u16..1024));
+                blk[at..at + 2].copy_from_slice(&(sign << 15 | exp << 10 | man).to_le_bytes());
+            }
+        }
+        data
+    }
+
+    #[test]
+    fn halves_convert_as_ieee_says() {
+        for (bits, want) in [(0x3C00u16, 1.0f32), (0xC000, -2.0), (0x0001, 5.960_464_5e-8), (0x8400, -6.103_515_6e-5)] {
+            assert_eq!(f16_at(&bits.to_le_bytes()), want, "{bits:#06x}");
+        }
+        assert!(f16_at(&0x7E00u16.to_le_bytes()).is_nan());
+        assert_eq!(f16_at(&0x7C00u16.to_le_bytes()), f32::INFINITY);
+    }
+
+    #[test]
+    fn activations_round_to_their_block_scale() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 20.0) * 0.37).collect();
+        let q = Q8Rows::quantize(&x, 2, 32, 32);
+        let back = q.dequantize();
+        for (b, (x, y)) in x.chunks(32).zip(back.chunks(32)).enumerate() {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (a, b2) in x.iter().zip(y) {
+                assert!((a - b2).abs() <= amax / 127.0 / 2.0 * 1.0001, "block {b}: {a} -> {b2}");
+            }
+        }
+        assert_eq!(q.sums[0], q.q[..16].iter().map(|&v| v as i32).sum::<i32>());
+    }
+
+    #[test]
+    fn every_instruction_set_equals_the_plain_loop() {
+        for format in DotFormat::ALL {
+            let (bv, _) = format.block();
+            let (m, k, n) = (37, 2 * bv.max(256), 3);
+            let data = random_rows(format, m, k, 7 + format as u64);
+            let mut rng = ChaCha8Rng::seed_from_u64(11);
+            let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            let want = product_with(Isa::Scalar, format, &data, (m, k), &x, n);
+            assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
+            // The integer sums are exact; the f32 sums of the blocks' terms (each up to the row's
+            // largest output) run in another order.
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for isa in Isa::reachable(Cpu::detect()) {
+                let got = product_with(isa, format, &data, (m, k), &x, n);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * scale,
+                        "{format:?} on {isa:?}, entry {i}: {a} vs {b} (scale {scale})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_dispatch_takes_the_widest_set_the_tier_allows() {
+        let scalar = Isa::reachable(Cpu::detect().capped(crate::Tier::Baseline));
+        assert_eq!(scalar, vec![Isa::Scalar]);
+        assert_eq!(Isa::best(Cpu::detect()), *Isa::reachable(Cpu::detect()).last().unwrap());
+    }
+}
