@@ -134,7 +134,7 @@ pub(crate) fn linear(cpu: Cpu, x: &[f32], w: &[f32], b: Option<&[f32]>, (m, k, n
         Some(b) => b.repeat(m),
         None => vec![0.0f32; m * n],
     };
-    if (2..=FEW_ROWS).contains(&m) || (m == 1 && crate::simd::detected().min(cpu.tier) == crate::simd::Tier::Avx2) {
+    if (1..=FEW_ROWS).contains(&m) {
         crate::few_rows::product(cpu, &mut y, b.is_some(), x, w, (m, k, n));
     } else {
         product(cpu, &mut y, b.is_some(), (x, (k, 1)), (w, (n, 1)), (m, k, n));
@@ -173,10 +173,11 @@ pub(crate) fn product(
     }
 }
 
-/// Rows up to which [`linear`] runs the few-rows product ([`crate::few_rows`]). One row is a
-/// matrix-vector product, which the GEMM crate runs at the memory bound with AVX-512; on AVX2-only
-/// CPUs the few-rows kernel's one-row pass was 10 % faster (46 against 51 ms a decode step of the
-/// 135M model, experiments/serve.md), so one row takes it there.
+/// Rows up to which [`linear`] runs the few-rows product ([`crate::few_rows`]), one row (a decode
+/// step's matrix-vector product) included: on AVX2-only CPUs its one-row pass was 10 % faster than
+/// the GEMM crate's (46 against 51 ms a decode step of the 135M model, experiments/serve.md), and
+/// on an Intel Xeon with AVX-512 (Emerald Rapids) 60 % faster (SmolLM2-135M f32: 22.5 against
+/// 35.5 ms a step, experiments/quantized-decode.md).
 pub(crate) const FEW_ROWS: usize = 16;
 
 /// Which gradients a linear layer's backward pass computes.

@@ -13,6 +13,8 @@
 //! | Q8_0 | 32  | 34  | f16 d, i8 q[32]: `d·q` |
 //! | Q4_0 | 32  | 18  | f16 d, u8 qs[16]: `d·(n − 8)`, n the low nibble of byte v (v < 16), the high of byte v − 16 |
 //! | Q4_1 | 32  | 20  | f16 d, f16 m, qs[16] as Q4_0: `d·n + m` |
+//! | Q5_0 | 32  | 22  | f16 d, u32 qh, qs[16]: `d·(n − 16)`, n a nibble as in Q4_0 and bit v of qh above it |
+//! | Q5_1 | 32  | 24  | f16 d, f16 m, u32 qh, qs[16]: `d·n + m`, n as in Q5_0 |
 //! | Q4_K | 256 | 144 | f16 d, f16 dmin, scales[12], qs[128]: `d·sc_s·n − dmin·m_s`, s = v / 32 (6-bit scale and min, [`scale_min_k4`]); n the low nibble of byte `32·(v / 64) + v % 32` when `(v / 32)` is even, the high one when odd |
 //! | Q5_K | 256 | 176 | f16 d, f16 dmin, scales[12], qh[32], qs[128]: as Q4_K with a fifth bit, bit `v / 32` of `qh[v % 32]` |
 //! | Q6_K | 256 | 210 | ql[128], qh[64], i8 sc[16], f16 d: `d·sc_{v/16}·(n − 32)`, n 6 bits: 4 from ql, 2 from qh ([`reference`]) |
@@ -40,13 +42,16 @@ pub enum DotFormat {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q4K,
     Q5K,
     Q6K,
 }
 
 impl DotFormat {
-    pub const ALL: [DotFormat; 6] = [Self::Q8_0, Self::Q4_0, Self::Q4_1, Self::Q4K, Self::Q5K, Self::Q6K];
+    pub const ALL: [DotFormat; 8] =
+        [Self::Q8_0, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q5_1, Self::Q4K, Self::Q5K, Self::Q6K];
 
     /// (values, bytes) of one stored block.
     pub fn block(self) -> (usize, usize) {
@@ -54,6 +59,8 @@ impl DotFormat {
             Self::Q8_0 => (32, 34),
             Self::Q4_0 => (32, 18),
             Self::Q4_1 => (32, 20),
+            Self::Q5_0 => (32, 22),
+            Self::Q5_1 => (32, 24),
             Self::Q4K => (256, 144),
             Self::Q5K => (256, 176),
             Self::Q6K => (256, 210),
@@ -177,6 +184,18 @@ fn reference(format: DotFormat, w: &[u8], x: Row<'_>) -> f32 {
             DotFormat::Q4_1 => {
                 let n = dot(&mut |v| nibble(&blk[4..], v), 0..32);
                 f16_at(blk) * dx * n as f32 + f16_at(&blk[2..]) * dx * (sums[0] + sums[1]) as f32
+            }
+            DotFormat::Q5_0 | DotFormat::Q5_1 => {
+                let min = format == DotFormat::Q5_1;
+                let at = if min { 4 } else { 2 };
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                let code = |v: usize| nibble(&blk[at + 4..], v) | (((qh >> v) & 1) << 4) as i32;
+                if min {
+                    let n = dot(&mut |v| code(v), 0..32);
+                    f16_at(blk) * dx * n as f32 + f16_at(&blk[2..]) * dx * (sums[0] + sums[1]) as f32
+                } else {
+                    f16_at(blk) * dx * dot(&mut |v| code(v) - 16, 0..32) as f32
+                }
             }
             DotFormat::Q4K | DotFormat::Q5K => {
                 let (scales, high) = (&blk[4..16], format == DotFormat::Q5K);
@@ -400,6 +419,8 @@ mod wide {
                 DotFormat::Q8_0 => small::<I, Q8_0>(row, x, blocks),
                 DotFormat::Q4_0 => small::<I, Q4_0>(row, x, blocks),
                 DotFormat::Q4_1 => small::<I, Q4_1>(row, x, blocks),
+                DotFormat::Q5_0 => small::<I, Q5_0>(row, x, blocks),
+                DotFormat::Q5_1 => small::<I, Q5_1>(row, x, blocks),
                 DotFormat::Q4K => q4k::<I, false>(row, x, blocks),
                 DotFormat::Q5K => q4k::<I, true>(row, x, blocks),
                 DotFormat::Q6K => q6k::<I>(row, x, blocks),
@@ -451,49 +472,86 @@ mod wide {
         unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const u16) as i32))) }
     }
 
-    /// Where a 32-value block type keeps its codes, and how they multiply 32 activations.
+    /// How a 32-value block type's codes multiply 32 activations (its f16 scale first).
     trait Small {
         /// Bytes a block.
         const BYTES: usize;
-        /// Where the codes start (after the f16 scale, and the min if [`Small::MIN`]).
-        const CODES: usize;
         /// Whether a min `m` (an f16 after the scale) adds `m·Σx`.
         const MIN: bool;
-        /// The codes times `x`, in i32 lanes.
-        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i;
+        /// The codes of the block at `blk` times `x`, in i32 lanes.
+        unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i;
     }
 
     struct Q8_0;
     struct Q4_0;
     struct Q4_1;
+    struct Q5_0;
+    struct Q5_1;
 
     impl Small for Q8_0 {
         const BYTES: usize = 34;
-        const CODES: usize = 2;
         const MIN: bool = false;
         #[inline(always)]
-        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i {
-            unsafe { signed::<I>(load(codes), x) }
+        unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i {
+            unsafe { signed::<I>(load(blk.add(2)), x) }
         }
     }
 
     impl Small for Q4_0 {
         const BYTES: usize = 18;
-        const CODES: usize = 2;
         const MIN: bool = false;
         #[inline(always)]
-        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i {
-            unsafe { signed::<I>(_mm256_sub_epi8(nibbles(codes), _mm256_set1_epi8(8)), x) }
+        unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i {
+            unsafe { signed::<I>(_mm256_sub_epi8(nibbles(blk.add(2)), _mm256_set1_epi8(8)), x) }
         }
     }
 
     impl Small for Q4_1 {
         const BYTES: usize = 20;
-        const CODES: usize = 4;
         const MIN: bool = true;
         #[inline(always)]
-        unsafe fn product<I: Isa>(codes: *const u8, x: __m256i) -> __m256i {
-            unsafe { I::dot(_mm256_setzero_si256(), nibbles(codes), x) }
+        unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i {
+            unsafe { I::dot(_mm256_setzero_si256(), nibbles(blk.add(4)), x) }
+        }
+    }
+
+    impl Small for Q5_0 {
+        const BYTES: usize = 22;
+        const MIN: bool = false;
+        #[inline(always)]
+        unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i {
+            unsafe {
+                let codes = _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2)));
+                signed::<I>(_mm256_sub_epi8(codes, _mm256_set1_epi8(16)), x)
+            }
+        }
+    }
+
+    impl Small for Q5_1 {
+        const BYTES: usize = 24;
+        const MIN: bool = true;
+        #[inline(always)]
+        unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i {
+            unsafe { I::dot(_mm256_setzero_si256(), _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4))), x) }
+        }
+    }
+
+    /// The 32 bits of the u32 at `p` as 32 bytes: 16 in byte `j` where bit `j` is set, else 0.
+    #[inline(always)]
+    unsafe fn fifth_bits(p: *const u8) -> __m256i {
+        unsafe {
+            let bits = _mm256_set1_epi32(std::ptr::read_unaligned(p as *const u32) as i32);
+            // Byte j takes byte j / 8 of the u32 (each 128-bit lane holds all four), then keeps
+            // its bit j % 8.
+            let spread = _mm256_shuffle_epi8(
+                bits,
+                _mm256_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+                ),
+            );
+            let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+            _mm256_and_si256(set, _mm256_set1_epi8(16))
         }
     }
 
@@ -514,7 +572,7 @@ mod wide {
                         break;
                     }
                     let blk = w.add(T::BYTES * b);
-                    let p = T::product::<I>(blk.add(T::CODES), load(xq.add(32 * b)));
+                    let p = T::product::<I>(blk, load(xq.add(32 * b)));
                     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(half(blk) * *xd.add(b)), *acc);
                     if T::MIN {
                         *offset += half(blk.add(2)) * *xs.add(b);
@@ -621,8 +679,8 @@ mod tests {
         let (bv, bb) = format.block();
         let mut data: Vec<u8> = (0..rows * k / bv * bb).map(|_| rng.random()).collect();
         let scales: &[usize] = match format {
-            DotFormat::Q8_0 | DotFormat::Q4_0 => &[0],
-            DotFormat::Q4_1 | DotFormat::Q4K | DotFormat::Q5K => &[0, 2],
+            DotFormat::Q8_0 | DotFormat::Q4_0 | DotFormat::Q5_0 => &[0],
+            DotFormat::Q4_1 | DotFormat::Q5_1 | DotFormat::Q4K | DotFormat::Q5K => &[0, 2],
             DotFormat::Q6K => &[208],
         };
         for blk in data.chunks_exact_mut(bb) {

@@ -174,6 +174,8 @@ pub fn dot_format(ty: GgmlType) -> Option<DotFormat> {
         GgmlType::Q8_0 => DotFormat::Q8_0,
         GgmlType::Q4_0 => DotFormat::Q4_0,
         GgmlType::Q4_1 => DotFormat::Q4_1,
+        GgmlType::Q5_0 => DotFormat::Q5_0,
+        GgmlType::Q5_1 => DotFormat::Q5_1,
         GgmlType::Q4K => DotFormat::Q4K,
         GgmlType::Q5K => DotFormat::Q5K,
         GgmlType::Q6K => DotFormat::Q6K,
@@ -476,7 +478,7 @@ mod tests {
             let mut bytes: Vec<u8> = (0..m * k / per * size).map(|i| ((i * 7919 + 13) % 251) as u8).collect();
             let scale_at: &[usize] = match ty {
                 GgmlType::Q6K => &[208],
-                GgmlType::Q8_0 | GgmlType::Q4_0 => &[0],
+                GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
                 _ => &[0, 2],
             };
             for (b, blk) in bytes.chunks_exact_mut(size).enumerate() {
