@@ -879,3 +879,60 @@ fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
         }
     }
 }
+
+/// A GGUF file run on its stored blocks (`--checkpoint gguf:FILE`: integer products with 8-bit
+/// activations, as llama.cpp computes) continues prompts as llama.cpp does on the same file: the
+/// greedy tokens through the KV cache equal llama.cpp's, up to a first difference only at a step
+/// where the file's f32 dequantization ranks its top two within `tie` of each other (where 8-bit
+/// activations may pick either, llama.cpp's as well as ember's); at least half the tokens agree. Both read llama.cpp's
+/// prompt ids.
+fn continues_as_llama_cpp(file: &Path, prompts: &[&str], tie: f32) {
+    use ember_generate::sample::{generate_batch, GenerateOptions};
+    let dev = Default::default();
+    let kept = ember_hf::gguf::model::import_for_inference::<Flex>(file, &dev).unwrap();
+    let dense = ember_hf::gguf::model::import::<Flex>(file, burn::tensor::DType::F32, &dev).unwrap().imported.model;
+    let model = kept.imported.model;
+    assert!(model.embed_quantized.is_some() && model.quantized_projections().0 > 0);
+    let n = 32;
+    let runs = llama_cpp(file, n, prompts);
+    let (mut compared, mut total) = (0, 0);
+    for ((prompt_ids, theirs), text) in runs.iter().zip(prompts) {
+        let mut sampler = [Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()];
+        let options = GenerateOptions { max_new_tokens: n, stop_tokens: Vec::new(), block_size: 16 };
+        let ours = generate_batch(&model, &[prompt_ids.clone()], &options, &mut sampler, |_, _| true).unwrap().remove(0);
+        // The f32 model's margins along llama.cpp's continuation.
+        let seq: Vec<u32> = prompt_ids.iter().chain(theirs).copied().collect();
+        let v = dense.config().vocab_size;
+        let all = logits(&dense, &seq);
+        let mut agreed = 0;
+        for (i, (&a, &b)) in theirs.iter().zip(&ours).enumerate() {
+            if a == b {
+                agreed += 1;
+                continue;
+            }
+            // The first difference: only where the f32 model hesitates between its top two.
+            let row = &all[(prompt_ids.len() - 1 + i) * v..(prompt_ids.len() + i) * v];
+            let mut top = row.to_vec();
+            top.sort_by(|x, y| y.total_cmp(x));
+            let margin = top[0] - top[1];
+            assert!(margin < tie, "{}: {text:?} step {i}: llama.cpp {a}, ember {b}, f32 margin {margin}", file.display());
+            break;
+        }
+        eprintln!("{}: {text:?}: {agreed} of {} tokens as llama.cpp's", file.display(), theirs.len());
+        compared += agreed;
+        total += theirs.len();
+    }
+    assert!(compared * 2 >= total, "{}: only {compared} of {total} tokens as llama.cpp's", file.display());
+}
+
+#[test]
+fn quantized_weights_continue_as_llama_cpp_does() {
+    let prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "The three primary colors are",
+    ];
+    continues_as_llama_cpp(&model_file(), &prompts, 0.5);
+    continues_as_llama_cpp(&assets::gemma3_gguf(), &prompts, 0.5);
+}
