@@ -899,7 +899,8 @@ fn continues_as_llama_cpp(file: &Path, prompts: &[&str], tie: f32) {
     for ((prompt_ids, theirs), text) in runs.iter().zip(prompts) {
         let mut sampler = [Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()];
         let options = GenerateOptions { max_new_tokens: n, stop_tokens: Vec::new(), block_size: 16 };
-        let ours = generate_batch(&model, &[prompt_ids.clone()], &options, &mut sampler, |_, _| true).unwrap().remove(0);
+        let ours =
+            generate_batch(&model, &[prompt_ids.clone()], &options, &mut sampler, |_, _| true).unwrap().remove(0);
         // The f32 model's margins along llama.cpp's continuation.
         let seq: Vec<u32> = prompt_ids.iter().chain(theirs).copied().collect();
         let v = dense.config().vocab_size;
@@ -915,7 +916,11 @@ fn continues_as_llama_cpp(file: &Path, prompts: &[&str], tie: f32) {
             let mut top = row.to_vec();
             top.sort_by(|x, y| y.total_cmp(x));
             let margin = top[0] - top[1];
-            assert!(margin < tie, "{}: {text:?} step {i}: llama.cpp {a}, ember {b}, f32 margin {margin}", file.display());
+            assert!(
+                margin < tie,
+                "{}: {text:?} step {i}: llama.cpp {a}, ember {b}, f32 margin {margin}",
+                file.display()
+            );
             break;
         }
         eprintln!("{}: {text:?}: {agreed} of {} tokens as llama.cpp's", file.display(), theirs.len());

@@ -55,6 +55,44 @@ pub enum QuantError {
     Format { kind: &'static str, block: (usize, usize), format: DotFormat, expected: (usize, usize) },
 }
 
+/// The stored bytes of a weight: its own, or a range of a buffer shared with other weights (a
+/// whole GGUF file read once, each weight a view of its tensor: nothing copied).
+#[derive(Clone)]
+pub struct StoredBytes {
+    buf: Arc<Vec<u8>>,
+    start: usize,
+    len: usize,
+}
+
+impl StoredBytes {
+    /// Bytes `range` of `buf`.
+    ///
+    /// # Panics
+    /// If `range` lies outside `buf`.
+    pub fn view(buf: Arc<Vec<u8>>, range: Range<usize>) -> Self {
+        assert!(
+            range.start <= range.end && range.end <= buf.len(),
+            "StoredBytes::view: {range:?} outside {}",
+            buf.len()
+        );
+        Self { buf, start: range.start, len: range.len() }
+    }
+}
+
+impl From<Vec<u8>> for StoredBytes {
+    fn from(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        Self { buf: Arc::new(bytes), start: 0, len }
+    }
+}
+
+impl std::ops::Deref for StoredBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
 /// A frozen linear weight in a block-quantized type: `d_out` rows of `d_in` values, each row whole
 /// blocks. Cheap to clone (shared).
 #[derive(Clone)]
@@ -67,7 +105,7 @@ struct Stored {
     cols: usize,
     /// (values, bytes) per block.
     block: (usize, usize),
-    data: Vec<u8>,
+    data: StoredBytes,
     decode: DecodeBlocks,
     /// The block layout's integer dot products, where it has them.
     dot: Option<DotFormat>,
@@ -86,9 +124,10 @@ impl QuantWeight {
         kind: &'static str,
         [rows, cols]: [usize; 2],
         block: (usize, usize),
-        data: Vec<u8>,
+        data: impl Into<StoredBytes>,
         decode: DecodeBlocks,
     ) -> Result<Self, QuantError> {
+        let data = data.into();
         let (values, bytes) = block;
         if values == 0 || !cols.is_multiple_of(values) {
             return Err(QuantError::Ragged { kind, rows, cols, block: values });
@@ -150,8 +189,8 @@ impl QuantWeight {
     pub fn with_rows(&self, order: &[usize]) -> Self {
         assert_eq!(order.len(), self.0.rows, "with_rows: a permutation of {} rows", self.0.rows);
         let rb = self.row_bytes();
-        let data = order.iter().flat_map(|&r| &self.0.data[r * rb..(r + 1) * rb]).copied().collect();
-        Self(Arc::new(Stored { data, ..*self.0 }))
+        let data: Vec<u8> = order.iter().flat_map(|&r| &self.0.data[r * rb..(r + 1) * rb]).copied().collect();
+        Self(Arc::new(Stored { data: data.into(), ..(*self.0).clone() }))
     }
 
     /// Rows `rows`, columns `cols` (whole blocks) decoded into `out`, row-major `[rows, cols]`.

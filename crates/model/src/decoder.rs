@@ -95,7 +95,9 @@ impl<B: EmberBackend> Decoder<B> {
             by_layer.entry(layer).or_default().push((path, weight));
         }
         let mut failed = None;
-        let model = Self::build_with(config, Init::zeros(), device, |l, mut block| {
+        // Tables kept quantized are built as empty placeholders: their f32 zeros never exist.
+        let kept = [embed.is_some(), head.is_some()];
+        let model = Self::build_with(config, Init::zeros(), device, kept, |l, mut block| {
             for (path, weight) in by_layer.remove(&l).unwrap_or_default() {
                 if let Err(e) = keep_quantized(&mut block, &path, weight) {
                     failed.get_or_insert(e);
@@ -110,17 +112,16 @@ impl<B: EmberBackend> Decoder<B> {
                 let (kind, stored) = (weight.kind().to_string(), (weight.d_in(), weight.d_out()));
                 return Err(KeepError::Shape { path: "embed_tokens".into(), kind, stored, projection: (d, v) });
             }
-            let placeholder = Tensor::<B, 2>::empty([0, 0], device);
-            model.embed_tokens = Param::from_tensor(placeholder).set_require_grad(false);
+            model.embed_tokens = model.embed_tokens.set_require_grad(false);
             model.embed_quantized = Some(weight);
         }
         if let Some(weight) = head {
             let Some(lin) = model.lm_head.as_mut() else {
                 return Err(KeepError::NotAProjection("lm_head".into()));
             };
-            if (lin.d_in(), lin.d_out()) != (weight.d_in(), weight.d_out()) {
+            let projection = (config.d_model, config.vocab_size);
+            if projection != (weight.d_in(), weight.d_out()) {
                 let (kind, stored) = (weight.kind().to_string(), (weight.d_in(), weight.d_out()));
-                let projection = (lin.d_in(), lin.d_out());
                 return Err(KeepError::Shape { path: "lm_head".into(), kind, stored, projection });
             }
             *lin = lin.clone().with_quantized(weight);
@@ -129,23 +130,26 @@ impl<B: EmberBackend> Decoder<B> {
     }
 
     fn build(config: &ModelConfig, init: Init, device: &B::Device) -> Result<Self, ConfigError> {
-        Self::build_with(config, init, device, |_, block| block)
+        Self::build_with(config, init, device, [false; 2], |_, block| block)
     }
 
-    /// The model, each block passed through `each` (with its index) as it is built.
+    /// The model, each block passed through `each` (with its index) as it is built; the embedding
+    /// table and the untied head `[0, 0]` placeholders where `placeholders` says so.
     fn build_with(
         config: &ModelConfig,
         mut init: Init,
         device: &B::Device,
+        [embed_placeholder, head_placeholder]: [bool; 2],
         mut each: impl FnMut(usize, Block<B>) -> Block<B>,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
         let (v, d) = (config.vocab_size, config.d_model);
-        let embed_tokens = init.normal_param([v, d], config.init_std, device);
+        let embed_tokens = init.normal_param(if embed_placeholder { [0, 0] } else { [v, d] }, config.init_std, device);
         let learned = config.positions == Positions::Learned;
         let embed_positions = learned.then(|| init.normal_param([config.max_seq_len, d], config.init_std, device));
         let layers = (0..config.n_layers).map(|l| each(l, config.block(l).init(&mut init, device))).collect();
-        let lm_head = (!config.tie_embeddings).then(|| Linear::new(&mut init, d, v, false, config.init_std, device));
+        let (hd, hv) = if head_placeholder { (0, 0) } else { (d, v) };
+        let lm_head = (!config.tie_embeddings).then(|| Linear::new(&mut init, hd, hv, false, config.init_std, device));
         Ok(Self {
             embed_tokens,
             embed_positions,

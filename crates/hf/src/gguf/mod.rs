@@ -95,7 +95,8 @@ pub struct GgufFile {
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
-    bytes: Vec<u8>,
+    /// The whole file, shared with the weights kept in their stored types ([`Self::stored`]).
+    bytes: std::sync::Arc<Vec<u8>>,
 }
 
 /// A cursor over the file's bytes that checks every read against what remains.
@@ -294,7 +295,7 @@ impl GgufFile {
         let infos = r.tensor_infos(n_tensors)?;
         let tensors = r.place(infos, alignment)?;
         check_disjoint(&tensors, path)?;
-        Ok(Self { path: path.into(), version, metadata, tensors, bytes })
+        Ok(Self { path: path.into(), version, metadata, tensors, bytes: std::sync::Arc::new(bytes) })
     }
 
     /// The metadata, read by type.
@@ -318,6 +319,12 @@ impl GgufFile {
     /// A tensor's raw (possibly quantized) bytes.
     pub fn raw(&self, t: &TensorInfo) -> &[u8] {
         &self.bytes[t.start..t.start + t.len]
+    }
+
+    /// A tensor's raw bytes as a view of the file's buffer, shared (not copied): what a weight kept
+    /// in its stored type holds. The buffer lives as long as one view does.
+    pub fn stored(&self, t: &TensorInfo) -> ember_kernels::quant::StoredBytes {
+        ember_kernels::quant::StoredBytes::view(self.bytes.clone(), t.start..t.start + t.len)
     }
 
     /// A tensor dequantized to f32, in row-major order of [`TensorInfo::shape`].

@@ -375,7 +375,7 @@ fn read_tensor(
 fn kept_weight(f: &GgufFile, t: &super::TensorInfo, permuted: Option<usize>) -> Result<QuantWeight, GgufError> {
     let shape = t.shape();
     let decode = super::quant::block_decoder(t.kind).expect("keeps checked the type");
-    let mut weight = QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.raw(t).to_vec(), decode)
+    let mut weight = QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.stored(t), decode)
         .map_err(|e| f.meta_err(&t.name, e.to_string()))?;
     if let Some(format) = super::quant::dot_format(t.kind) {
         weight = weight.with_dot(format).map_err(|e| f.meta_err(&t.name, e.to_string()))?;
