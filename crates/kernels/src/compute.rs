@@ -88,12 +88,16 @@ pub struct Compute {
     pub bf16: Bf16Products,
     pub path: Path,
     pub cpu: Cpu,
+    /// Whether products of a few rows with block-quantized weights quantize those rows to 8 bits
+    /// for integer dot products ([`crate::qdot`], as llama.cpp does: fast, about 1% off); off, they
+    /// are the exact f32 products of the decoded blocks (evaluation's log-likelihoods).
+    pub int8_inputs: bool,
 }
 
 impl Default for Compute {
     /// f32 products on ember's kernels, with everything the CPU has.
     fn default() -> Self {
-        Self { dtype: DType::F32, bf16: Bf16Products::NONE, path: Path::Kernels, cpu: Cpu::detect() }
+        Self { dtype: DType::F32, bf16: Bf16Products::NONE, path: Path::Kernels, cpu: Cpu::detect(), int8_inputs: true }
     }
 }
 
@@ -114,6 +118,10 @@ impl Compute {
 
     pub fn with_cpu(self, cpu: Cpu) -> Self {
         Self { cpu, ..self }
+    }
+
+    pub fn with_int8_inputs(self, int8_inputs: bool) -> Self {
+        Self { int8_inputs, ..self }
     }
 
     /// Whether an op on tensors of `dtype` runs as one node on `B`'s kernel (the backend has one

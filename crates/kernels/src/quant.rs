@@ -15,8 +15,8 @@
 //!
 //! A weight whose type has integer dot products ([`QuantWeight::with_dot`], [`crate::qdot`]) runs
 //! the forward product of a few rows (a decode step: up to [`DOT_ROWS`]) on them instead, its input
-//! quantized to 8 bits on the fly as llama.cpp does: the stored bytes are read once and nothing is
-//! decoded to f32.
+//! quantized to 8 bits on the fly as llama.cpp does (unless the run's [`Compute::int8_inputs`] is
+//! off): the stored bytes are read once and nothing is decoded to f32.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -302,7 +302,7 @@ impl QuantLinearOps for Flex {
         }
         let (n, x) = (shape[0], flex::f32s(&x));
         let y = match w.0.dot {
-            Some(format) if n <= DOT_ROWS => {
+            Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
                 crate::qdot::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
             }
             _ => kernel::forward(&x, n, w),
@@ -588,6 +588,43 @@ mod tests {
         let y = quant_linear_lora(x, &w, (a.clone(), b.clone(), 2.5), Compute::default());
         let grads = (y * mix).sum().backward();
         assert!(a.grad(&grads).is_some() && b.grad(&grads).is_some());
+    }
+
+    /// Q8_0 blocks (ggml's: an f16 scale, 32 i8 codes), every scale 1/16 (f16 0x2C00).
+    fn decode_q8_0(bytes: &[u8], out: &mut [f32]) {
+        for (b, y) in bytes.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+            for (y, &q) in y.iter_mut().zip(&b[2..]) {
+                *y = q as i8 as f32 / 16.0;
+            }
+        }
+    }
+
+    #[test]
+    fn a_few_rows_run_on_integer_products_unless_the_run_asks_for_exact_ones() {
+        let (rows, cols) = (40, 64);
+        let data: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| {
+                let codes = (0..32).map(move |i| ((b * 37 + i * 11) % 255) as u8);
+                [0x00, 0x2C].into_iter().chain(codes)
+            })
+            .collect();
+        let w = QuantWeight::new("Q8_0", [rows, cols], (32, 34), data, decode_q8_0).unwrap();
+        let w = w.with_dot(DotFormat::Q8_0).unwrap();
+        assert!(QuantWeight::new("Q8_0", [rows, cols], (32, 34), vec![0; rows * 68], decode_q8_0)
+            .unwrap()
+            .with_dot(DotFormat::Q4_0)
+            .is_err());
+        let dev = Default::default();
+        let x = Tensor::<Flex, 2>::random([3, cols], Distribution::Normal(0.0, 1.0), &dev);
+        let want = reference(x.clone(), &w).into_data();
+        let exact = quant_linear(x.clone(), &w, Compute::default().with_int8_inputs(false)).into_data();
+        exact.assert_approx_eq::<f32>(&want, Tolerance::absolute(1e-4));
+        let fast = quant_linear(x, &w, Compute::default()).into_data();
+        let (fast, want) = (fast.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = fast.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        // 8-bit inputs: off by a few hundredths of the largest output, never exactly equal.
+        assert!(worst > 0.0 && worst < 0.03 * scale, "integer products off by {worst} (scale {scale})");
     }
 
     #[test]

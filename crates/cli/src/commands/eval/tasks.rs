@@ -33,7 +33,10 @@ struct TasksJob<'a> {
 impl Job for TasksJob<'_> {
     type Output = Vec<TaskResult>;
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Vec<TaskResult>> {
-        let model = self.source.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
+        // Log-likelihoods and generations as the f32 model gives them: a GGUF's stored blocks are
+        // decoded for exact products, not multiplied with 8-bit inputs.
+        let compute = crate::env::compute().with_int8_inputs(false);
+        let model = self.source.decoder::<B::InnerBackend>(&device)?.with_compute(compute);
         let tokenizer = &self.source.tokenizer;
         let total: usize = self.prepared.iter().map(|p| p.docs.len()).sum();
         let bar = indicatif::ProgressBar::new(total as u64);
