@@ -134,7 +134,7 @@ impl<B: EmberBackend> Decoder<B> {
     }
 
     /// The model, each block passed through `each` (with its index) as it is built; the embedding
-    /// table and the untied head `[0, 0]` placeholders where `placeholders` says so.
+    /// table and the untied head `[0, 0]` placeholders where the two flags (embedding, head) say so.
     fn build_with(
         config: &ModelConfig,
         mut init: Init,
