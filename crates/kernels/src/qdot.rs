@@ -66,11 +66,6 @@ impl DotFormat {
             Self::Q6K => (256, 210),
         }
     }
-
-    /// Values per block of the quantized activations: a stored block's.
-    fn act_block(self) -> usize {
-        self.block().0
-    }
 }
 
 /// Scale and min `j` (of 8) of a Q4_K or Q5_K super-block, 6 bits each, packed into 12 bytes: the
@@ -306,7 +301,8 @@ pub(crate) fn product_with(
 ) -> Vec<f32> {
     let (bv, bb) = format.block();
     assert!(k.is_multiple_of(bv) && data.len() == m * (k / bv) * bb, "qdot: {m} rows of {k} {format:?} values");
-    let acts = Q8Rows::quantize(x, n, k, format.act_block());
+    // The activations in blocks of the stored ones.
+    let acts = Q8Rows::quantize(x, n, k, bv);
     let mut y = vec![0f32; n * m];
     if n == 0 || m == 0 {
         return y;

@@ -10,6 +10,7 @@
 use std::path::PathBuf;
 
 use burn::tensor::{DType, Device};
+use ember_hf::gguf::model::Keep;
 use ember_model::{Decoder, ModelConfig};
 
 use crate::checkpoint::Checkpoint;
@@ -107,49 +108,34 @@ impl ResolvedInit {
         Ok(dir.to_path_buf())
     }
 
-    /// The weights for inference: a GGUF file's block-quantized projections, embedding table and
-    /// LM head kept in their stored types (products on the blocks), every other source as
-    /// [`Self::load`] reads it.
-    pub fn load_for_inference<B: ember_kernels::EmberBackend>(
-        &self,
-        device: &Device<B>,
-    ) -> Result<Decoder<B>, TrainError> {
-        let Opened::Gguf { path, .. } = &self.opened else { return self.load(false, device) };
-        let model = ember_hf::gguf::model::import_for_inference::<B>(path, device)
-            .map_err(|e| self.source.err(e.to_string()))?
-            .imported
-            .model;
-        let (kept, bytes) = model.quantized_projections();
-        let table = model.embed_quantized.as_ref().map_or(0, |q| q.stored_bytes());
-        tracing::info!(
-            "{kept} projections kept quantized ({:.1} MiB){}",
-            bytes as f64 / (1u64 << 20) as f64,
-            if table > 0 {
-                format!(", the embedding table too ({:.1} MiB)", table as f64 / (1u64 << 20) as f64)
-            } else {
-                String::new()
-            }
-        );
-        Ok(model)
-    }
-
-    /// The starting weights, as f32 parameters; with `keep_quantized` (the frozen base of LoRA), a
-    /// GGUF file's projections stay in their stored block types.
+    /// The starting weights, as f32 parameters, except what `keep` keeps of a GGUF file in its
+    /// stored block types: nothing, the projections (the frozen base of LoRA), or for inference the
+    /// embedding table and LM head too (products on the stored blocks).
     pub fn load<B: ember_kernels::EmberBackend>(
         &self,
-        keep_quantized: bool,
+        keep: Keep,
         device: &Device<B>,
     ) -> Result<Decoder<B>, TrainError> {
         match &self.opened {
             Opened::Gguf { path, .. } => {
-                let err = |e: ember_hf::HfError| self.source.err(e.to_string());
-                let model = match keep_quantized {
-                    true => ember_hf::gguf::model::import_keeping::<B>(path, device).map_err(err)?.imported.model,
-                    false => ember_hf::gguf::model::import::<B>(path, DType::F32, device).map_err(err)?.imported.model,
+                use ember_hf::gguf::model::{import, import_for_inference, import_keeping};
+                let imported = match keep {
+                    Keep::Nothing => import::<B>(path, DType::F32, device),
+                    Keep::Projections => import_keeping::<B>(path, device),
+                    Keep::Inference => import_for_inference::<B>(path, device),
                 };
+                let model = imported.map_err(|e| self.source.err(e.to_string()))?.imported.model;
                 let (kept, bytes) = model.quantized_projections();
-                if kept > 0 {
-                    tracing::info!("{kept} projections kept quantized ({:.1} MiB)", bytes as f64 / (1u64 << 20) as f64);
+                let table = model.embed_quantized.as_ref().map_or(0, |q| q.stored_bytes());
+                let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+                if table > 0 {
+                    tracing::info!(
+                        "{kept} projections ({:.1} MiB) and the embedding table ({:.1} MiB) kept quantized",
+                        mib(bytes),
+                        mib(table)
+                    );
+                } else if kept > 0 {
+                    tracing::info!("{kept} projections kept quantized ({:.1} MiB)", mib(bytes));
                 }
                 Ok(model)
             }
@@ -217,6 +203,6 @@ impl Checkpoint {
                 &opened
             }
         };
-        self.with_adapters(base.load::<B>(true, device)?)
+        self.with_adapters(base.load::<B>(Keep::Projections, device)?)
     }
 }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use burn::tensor::Device;
 use ember_data::Tokenizer;
+use ember_hf::gguf::model::Keep;
 use ember_model::{Decoder, ModelConfig};
 use ember_train::config::InitSource;
 use ember_train::{Checkpoint, ResolvedInit};
@@ -57,7 +58,7 @@ impl ModelSource {
     pub fn decoder<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> anyhow::Result<Decoder<B>> {
         Ok(match &self.weights {
             Weights::Run(c) => c.decoder::<B>(device)?,
-            Weights::Init(init) => init.load_for_inference::<B>(device)?,
+            Weights::Init(init) => init.load::<B>(Keep::Inference, device)?,
         })
     }
 }

@@ -252,20 +252,17 @@ const KEPT_PROJECTIONS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "ga
 /// LM head too.
 fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool, keep: Keep) -> bool {
     let blocks = super::quant::block_decoder(kind).is_some();
-    let path = family.hf_to_ember(hf).and_then(|t| t.paths.into_iter().next());
-    let table = matches!(path.as_deref(), Some("embed_tokens" | "lm_head.weight"));
-    if keep == Keep::Nothing || (table && (keep != Keep::Inference || transposed || !blocks)) {
+    if keep == Keep::Nothing || transposed || !blocks {
         return false;
     }
-    if table {
-        return true;
+    let Some(mapped) = family.hf_to_ember(hf) else { return false };
+    if matches!(mapped.paths.first().map(String::as_str), Some("embed_tokens" | "lm_head.weight")) {
+        return keep == Keep::Inference;
     }
     // A shared expert's projections are the experts part's, not a block's: dequantized.
     let shared = hf.contains(".shared_expert.") || hf.contains(".shared_experts.");
     let projection = KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight"))) && !shared;
-    let single =
-        family.hf_to_ember(hf).is_some_and(|t| t.paths.len() == 1 && t.layout == crate::family::Layout::Transposed);
-    projection && single && !transposed && super::quant::block_decoder(kind).is_some()
+    projection && mapped.paths.len() == 1 && mapped.layout == crate::family::Layout::Transposed
 }
 
 /// Every tensor under its Hugging Face name, dequantized to f32, in Hugging Face's layout (q/k rows

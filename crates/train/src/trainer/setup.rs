@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use burn::tensor::Device;
 use ember_data::fetch::Locations;
 use ember_data::{Examples, Tokenizer};
+use ember_hf::gguf::model::Keep;
 use ember_kernels::{Compute, TrainBackend};
 use ember_model::lora::Target;
 use ember_model::Decoder;
@@ -68,7 +69,8 @@ pub(crate) fn initial_model<B: TrainBackend>(setup: &Setup, device: &Device<B>) 
             None => model,
         });
     };
-    let model = init.load::<B>(config.lora.is_some(), device)?;
+    let keep = if config.lora.is_some() { Keep::Projections } else { Keep::Nothing };
+    let model = init.load::<B>(keep, device)?;
     if model.config() != &config.model {
         return Err(init
             .source
