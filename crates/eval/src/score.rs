@@ -156,10 +156,8 @@ fn score_batch<B: EmberBackend>(model: &Decoder<B>, items: &[&[Window]], budget:
         let _ = forward(model, &mut cache, &call);
     }
     for (i, ws) in items.iter().enumerate() {
-        if prefixes[i] > 0 {
-            for j in 1..ws.len() {
-                cache.share_prefix(firsts[i], firsts[i] + j);
-            }
+        for j in 1..ws.len() {
+            cache.share_prefix(firsts[i], firsts[i] + j, prefixes[i]);
         }
     }
 

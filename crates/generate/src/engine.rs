@@ -67,12 +67,30 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Positions per KV-cache block.
     pub block_size: usize,
+    /// Whether a request starts from a prefix of its prompt another slot holds (see the module
+    /// doc).
+    pub share_prefixes: bool,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { slots: 8, queue_limit: 64, prefill_chunk: 256, block_size: 64 }
+        Self { slots: 8, queue_limit: 64, prefill_chunk: 256, block_size: 64, share_prefixes: true }
     }
+}
+
+/// How the engine's KV cache is used, since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheUse {
+    /// Positions per block.
+    pub block_size: usize,
+    /// Blocks held now, a shared block counted once (the slots' kept prefixes included).
+    pub held_blocks: usize,
+    /// The most blocks held at once.
+    pub peak_blocks: usize,
+    /// Prompt tokens of the requests admitted.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens that started from a prefix another request had computed.
+    pub reused_tokens: u64,
 }
 
 /// A request in a slot.
@@ -96,6 +114,10 @@ pub struct Engine<B: EmberBackend> {
     model: Decoder<B>,
     cache: KvCache<B>,
     slots: Vec<Option<Live>>,
+    /// Per slot: the tokens whose keys and values its cache sequence holds (kept once its request
+    /// ends, until the slot is taken again).
+    cached: Vec<Vec<u32>>,
+    usage: CacheUse,
     queue: VecDeque<(RequestId, Request)>,
     config: EngineConfig,
     next_id: RequestId,
@@ -111,7 +133,9 @@ impl<B: EmberBackend> Engine<B> {
         };
         let cache = model.new_cache(config.slots, config.block_size);
         let slots = (0..config.slots).map(|_| None).collect();
-        Self { model, cache, slots, queue: VecDeque::new(), config, next_id: 0 }
+        let cached = vec![Vec::new(); config.slots];
+        let usage = CacheUse { block_size: config.block_size, ..CacheUse::default() };
+        Self { model, cache, slots, cached, usage, queue: VecDeque::new(), config, next_id: 0 }
     }
 
     /// Queues a request after checking it against the model: a non-empty prompt of known ids that
@@ -169,7 +193,14 @@ impl<B: EmberBackend> Engine<B> {
             }
         }
         self.cache = self.model.new_cache(self.config.slots, self.config.block_size);
+        self.cached.iter_mut().for_each(Vec::clear);
+        self.usage.held_blocks = 0;
         events
+    }
+
+    /// How the KV cache is used: blocks held now and at most, prompt tokens reused.
+    pub fn cache_use(&self) -> CacheUse {
+        self.usage
     }
 
     /// Requests running (prefilling or decoding).
@@ -200,7 +231,12 @@ impl<B: EmberBackend> Engine<B> {
                 continue;
             }
             let inputs: Vec<Vec<u32>> = group.iter().map(|&i| self.next_input(i)).collect();
+            self.make_room(&group, &inputs);
             let logits = feed_rows(&self.model, &mut self.cache, &group, &inputs);
+            for (&slot, input) in group.iter().zip(&inputs) {
+                self.cached[slot].extend(input);
+            }
+            self.count_blocks();
             for (slot, token) in self.draw(&group, &logits) {
                 self.record(slot, token, &mut events);
             }
@@ -225,16 +261,56 @@ impl<B: EmberBackend> Engine<B> {
             .collect()
     }
 
+    /// Takes waiting requests into free slots, each starting from the longest prefix of its prompt
+    /// a slot holds (all but the prompt's last token at most: its logits start the answer).
     fn admit(&mut self) {
-        for slot in 0..self.slots.len() {
-            if self.slots[slot].is_some() {
-                continue;
+        loop {
+            let free: Vec<usize> = (0..self.slots.len()).filter(|&s| self.slots[s].is_none()).collect();
+            if free.is_empty() {
+                break;
             }
-            let Some((id, request)) = self.queue.pop_front() else { return };
-            self.cache.reset(slot);
+            let Some((id, request)) = self.queue.pop_front() else { break };
+            let held = |slot: usize| match self.config.share_prefixes {
+                true => common_prefix(&self.cached[slot], &request.prompt).min(request.prompt.len() - 1),
+                false => 0,
+            };
+            // The free slot whose kept tokens serve the prompt best (a prefix is taken from
+            // itself without a copy), and the best prefix of any slot.
+            let slot = free.iter().copied().max_by_key(|&s| (held(s), std::cmp::Reverse(s))).unwrap_or(free[0]);
+            let from = (0..self.slots.len()).max_by_key(|&s| (held(s), s == slot)).unwrap_or(slot);
+            let reused = held(from);
+            if reused > 0 {
+                self.cache.share_prefix(from, slot, reused);
+            } else {
+                self.cache.reset(slot);
+            }
+            self.cached[slot] = request.prompt[..reused].to_vec();
+            self.usage.prompt_tokens += request.prompt.len() as u64;
+            self.usage.reused_tokens += reused as u64;
             let history = request.prompt.clone();
-            self.slots[slot] = Some(Live { id, request, fed: 0, history, generated: 0 });
+            self.slots[slot] = Some(Live { id, request, fed: reused, history, generated: 0 });
         }
+        self.count_blocks();
+    }
+
+    /// Lets go of the prefixes idle slots keep until the pool's free blocks cover what `group`
+    /// stores of `inputs` (the pool grows only when they are not enough).
+    fn make_room(&mut self, group: &[usize], inputs: &[Vec<u32>]) {
+        let need: usize = group.iter().zip(inputs).map(|(&s, input)| self.cache.blocks_needed(s, input.len())).sum();
+        for slot in 0..self.slots.len() {
+            if self.cache.free_blocks() >= need {
+                return;
+            }
+            if self.slots[slot].is_none() && !self.cached[slot].is_empty() {
+                self.cache.reset(slot);
+                self.cached[slot].clear();
+            }
+        }
+    }
+
+    fn count_blocks(&mut self) {
+        self.usage.held_blocks = self.cache.held_blocks();
+        self.usage.peak_blocks = self.usage.peak_blocks.max(self.usage.held_blocks);
     }
 
     /// The tokens slot `slot` feeds this step: its next prompt chunk, or its last token.
@@ -269,13 +345,23 @@ impl<B: EmberBackend> Engine<B> {
         }
     }
 
+    /// Ends slot `slot`'s request; the slot keeps what its cache holds for the next requests to
+    /// start from (with prefix sharing off, it lets it go).
     fn release(&mut self, slot: usize, finish: Finish) -> Event {
         let live = self.slots[slot].take();
-        self.cache.reset(slot);
+        if !self.config.share_prefixes {
+            self.cache.reset(slot);
+            self.cached[slot].clear();
+        }
         let (id, prompt_tokens, completion_tokens) =
             live.map_or((0, 0, 0), |l| (l.id, l.request.prompt.len(), l.generated));
         Event::Done { id, finish, prompt_tokens, completion_tokens }
     }
+}
+
+/// Tokens `a` and `b` share from the start.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 #[cfg(test)]
@@ -334,7 +420,7 @@ mod tests {
         let lens = [12, 5, 9, 7];
         // Two slots for four requests (two wait), prompts prefilled in chunks of 4, arriving at
         // steps 0, 0, 2 and 6.
-        let config = EngineConfig { slots: 2, queue_limit: 8, prefill_chunk: 4, block_size: 4 };
+        let config = EngineConfig { slots: 2, queue_limit: 8, prefill_chunk: 4, block_size: 4, share_prefixes: false };
         let mut engine = Engine::new(model.clone(), config);
         let arrivals = [0, 0, 2, 6];
         let late = (0..4).map(|i| (arrivals[i], request(prompts[i], lens[i]))).collect();
@@ -350,6 +436,40 @@ mod tests {
                 (Finish::Length, prompts[id as usize].len(), lens[id as usize])
             );
         }
+    }
+
+    /// Requests that open with the same tokens (a system prompt), running together or one after
+    /// the other, start from the prefix a slot holds: each gets what it gets alone, the prefix's
+    /// blocks are held once, and the reused tokens are counted.
+    #[test]
+    fn requests_sharing_a_prefix_get_what_they_get_alone_and_hold_it_once() {
+        let model = model();
+        let system: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 41).collect();
+        let ask = |tail: &[u32]| system.iter().chain(tail).copied().collect::<Vec<u32>>();
+        let prompts = [ask(&[1, 2]), ask(&[5]), ask(&[9, 9, 9, 9, 9, 9]), system[..10].to_vec(), ask(&[1, 2, 3])];
+        let lens = [6, 9, 5, 4, 7];
+        let arrivals = [0, 0, 1, 12, 30];
+        let run_with = |share_prefixes: bool| {
+            let config = EngineConfig { slots: 3, queue_limit: 8, prefill_chunk: 5, block_size: 4, share_prefixes };
+            let mut engine = Engine::new(model.clone(), config);
+            let late = (0..prompts.len()).map(|i| (arrivals[i], request(&prompts[i], lens[i]))).collect();
+            let (tokens, _) = run(&mut engine, late);
+            (tokens, engine.cache_use())
+        };
+        let (tokens, shared) = run_with(true);
+        for (i, prompt) in prompts.iter().enumerate() {
+            assert_eq!(tokens[&(i as u64)], alone(&model, prompt, lens[i]), "request {i}");
+        }
+        let (unshared_tokens, unshared) = run_with(false);
+        assert_eq!(tokens, unshared_tokens);
+        assert_eq!(shared.prompt_tokens, prompts.iter().map(|p| p.len() as u64).sum::<u64>());
+        // Requests 0 and 1 start together, from nothing; request 2 from the 5 tokens their first
+        // chunk fed; request 3 from 9 of its 10 tokens (the last one feeds its logits); request 4
+        // from the 14 of the system prompt that request 1's slot still holds once request 3 took
+        // request 0's (more where a generated token happens to continue a prompt).
+        assert!(shared.reused_tokens >= 5 + 9 + 14, "{shared:?}");
+        assert_eq!(unshared.reused_tokens, 0);
+        assert!(shared.peak_blocks < unshared.peak_blocks, "{shared:?} against {unshared:?}");
     }
 
     #[test]

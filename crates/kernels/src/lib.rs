@@ -39,6 +39,7 @@ mod few_rows;
 mod flex;
 pub mod gelu;
 mod kernels;
+pub mod interleave;
 pub mod kv;
 pub mod layer_norm;
 pub mod linear;

@@ -109,6 +109,9 @@ struct Stored {
     decode: DecodeBlocks,
     /// The block layout's integer dot products, where it has them.
     dot: Option<DotFormat>,
+    /// Whether `data` holds the rows interleaved sixteen at a time ([`crate::interleave`]) rather
+    /// than one after the other.
+    interleaved: bool,
 }
 
 impl std::fmt::Debug for QuantWeight {
@@ -136,18 +139,46 @@ impl QuantWeight {
         if data.len() != expected {
             return Err(QuantError::Length { kind, rows, cols, expected, found: data.len() });
         }
-        Ok(Self(Arc::new(Stored { kind, rows, cols, block, data, decode, dot: None })))
+        Ok(Self(Arc::new(Stored { kind, rows, cols, block, data, decode, dot: None, interleaved: false })))
     }
 
     /// The same weight, its products of a few rows on `format`'s integer dot products (the stored
-    /// blocks must be `format`'s).
+    /// blocks must be `format`'s). Where the CPU has AVX-512 VNNI and the type and rows allow, the
+    /// rows are interleaved sixteen at a time for those products ([`crate::interleave`]: a copy as
+    /// large as the blocks, which then replaces them).
     pub fn with_dot(self, format: DotFormat) -> Result<Self, QuantError> {
         let s = &self.0;
         if s.block != format.block() {
             return Err(QuantError::Format { kind: s.kind, block: s.block, format, expected: format.block() });
         }
+        let packed = (!s.interleaved && crate::interleave::pays(format, s.rows))
+            .then(|| crate::interleave::interleave(format, &s.data, (s.rows, s.cols)))
+            .flatten();
         let stored = Arc::unwrap_or_clone(self.0);
-        Ok(Self(Arc::new(Stored { dot: Some(format), ..stored })))
+        Ok(Self(Arc::new(match packed {
+            Some(packed) => Stored { dot: Some(format), data: packed.into(), interleaved: true, ..stored },
+            None => Stored { dot: Some(format), ..stored },
+        })))
+    }
+
+    /// Whether the rows are stored interleaved for the integer products ([`QuantWeight::with_dot`]).
+    pub fn interleaved(&self) -> bool {
+        self.0.interleaved
+    }
+
+    /// Stored row `row` in the file's layout: a view of the bytes, or, interleaved, restored into
+    /// `buf`.
+    fn stored_row<'a>(&'a self, row: usize, buf: &'a mut Vec<u8>) -> &'a [u8] {
+        let s = &self.0;
+        let rb = self.row_bytes();
+        match (s.interleaved, s.dot) {
+            (true, Some(format)) => {
+                buf.resize(rb, 0);
+                crate::interleave::restore_row(format, &s.data, (s.rows, s.cols), row, buf);
+                buf
+            }
+            _ => &s.data[row * rb..(row + 1) * rb],
+        }
     }
 
     /// The integer dot products the weight's few-row products run on, if any.
@@ -188,9 +219,17 @@ impl QuantWeight {
     /// (`order` a permutation of the rows).
     pub fn with_rows(&self, order: &[usize]) -> Self {
         assert_eq!(order.len(), self.0.rows, "with_rows: a permutation of {} rows", self.0.rows);
-        let rb = self.row_bytes();
-        let data: Vec<u8> = order.iter().flat_map(|&r| &self.0.data[r * rb..(r + 1) * rb]).copied().collect();
-        Self(Arc::new(Stored { data: data.into(), ..(*self.0).clone() }))
+        let mut buf = Vec::new();
+        let mut data: Vec<u8> = Vec::with_capacity(self.0.data.len());
+        for &r in order {
+            data.extend_from_slice(self.stored_row(r, &mut buf));
+        }
+        let rows = Self(Arc::new(Stored { data: data.into(), interleaved: false, ..(*self.0).clone() }));
+        match self.0.dot {
+            // Interleaved again, where the original was.
+            Some(format) if self.0.interleaved => rows.with_dot(format).unwrap_or_else(|_| unreachable!("same blocks")),
+            _ => rows,
+        }
     }
 
     /// Rows `rows`, columns `cols` (whole blocks) decoded into `out`, row-major `[rows, cols]`.
@@ -200,10 +239,10 @@ impl QuantWeight {
         assert!(rows.end <= self.0.rows && cols.end <= self.0.cols, "decode_tile: outside the weight");
         let width = cols.len();
         assert_eq!(out.len(), rows.len() * width, "decode_tile: output of {} rows × {width}", rows.len());
-        let rb = self.row_bytes();
         let (b0, b1) = (cols.start / bv * bb, cols.end / bv * bb);
+        let mut buf = Vec::new();
         for (row, out) in rows.zip(out.chunks_exact_mut(width.max(1))) {
-            (self.0.decode)(&self.0.data[row * rb + b0..row * rb + b1], out);
+            (self.0.decode)(&self.stored_row(row, &mut buf)[b0..b1], out);
         }
     }
 
@@ -302,6 +341,9 @@ impl QuantLinearOps for Flex {
         }
         let (n, x) = (shape[0], flex::f32s(&x));
         let y = match w.0.dot {
+            Some(format) if n <= DOT_ROWS && cx.int8_inputs && w.0.interleaved => {
+                crate::interleave::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
+            }
             Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
                 crate::qdot::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
             }
@@ -601,15 +643,22 @@ mod tests {
 
     #[test]
     fn a_few_rows_run_on_integer_products_unless_the_run_asks_for_exact_ones() {
-        let (rows, cols) = (40, 64);
+        // Rows in whole groups of 16: interleaved where the CPU has AVX-512 VNNI.
+        let (rows, cols) = (48, 64);
         let data: Vec<u8> = (0..rows * cols / 32)
             .flat_map(|b| {
                 let codes = (0..32).map(move |i| ((b * 37 + i * 11) % 255) as u8);
                 [0x00, 0x2C].into_iter().chain(codes)
             })
             .collect();
-        let w = QuantWeight::new("Q8_0", [rows, cols], (32, 34), data, decode_q8_0).unwrap();
-        let w = w.with_dot(DotFormat::Q8_0).unwrap();
+        let plain = QuantWeight::new("Q8_0", [rows, cols], (32, 34), data, decode_q8_0).unwrap();
+        let w = plain.clone().with_dot(DotFormat::Q8_0).unwrap();
+        assert_eq!(w.interleaved(), crate::interleave::pays(DotFormat::Q8_0, rows));
+        // The f32 paths read the interleaved rows as they were.
+        assert_eq!(w.dequantize(), plain.dequantize());
+        let order: Vec<usize> = (0..rows).rev().collect();
+        assert_eq!(w.with_rows(&order).dequantize(), plain.with_rows(&order).dequantize());
+        assert_eq!(w.with_rows(&order).interleaved(), w.interleaved());
         assert!(QuantWeight::new("Q8_0", [rows, cols], (32, 34), vec![0; rows * 68], decode_q8_0)
             .unwrap()
             .with_dot(DotFormat::Q4_0)

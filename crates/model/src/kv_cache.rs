@@ -154,26 +154,18 @@ impl<B: Backend> KvCache<B> {
         self.holders.iter().filter(|&&h| h > 0).count()
     }
 
-    /// Starts a forward call over some of the cache's sequences: batch row `i` of the call is
-    /// sequence `rows[i]` and brings `new_lens[i]` real positions. The step hands each layer its view
-    /// of the cache, and [`CacheStep::finish`] makes the new positions part of the sequences. The
-    /// other sequences are left as they are (continuous batching runs only the live ones).
-    ///
-    /// # Panics
-    /// If `rows` and `new_lens` differ in length, a row is named twice or does not exist, or a
-    /// sequence would outgrow the model's context (callers check the lengths first:
-    /// `generate_batch` and the engine refuse prompts that do not fit).
-    pub(crate) fn step_rows(&mut self, rows: &[usize], new_lens: &[usize]) -> CacheStep<'_, B> {
-        assert_eq!(new_lens.len(), rows.len(), "one length per row");
-        for (i, (&row, &n)) in rows.iter().zip(new_lens).enumerate() {
-            assert!(row < self.batch() && !rows[..i].contains(&row), "row {row} named twice or out of range");
-            assert!(self.lens[row] + n <= self.max_len, "sequence {row} outgrows the context");
-        }
-        for (&row, &n) in rows.iter().zip(new_lens) {
-            self.reserve(row, self.lens[row] + n);
-        }
-        self.plan = Some(self.plan(rows, new_lens));
-        CacheStep { cache: self }
+    /// Blocks of the pool no sequence holds (taken before the pool grows).
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Blocks sequence `row` takes from the pool to store `n` more positions: the new ones past its
+    /// last block, and a copy of that block if it is partly filled and shared.
+    pub fn blocks_needed(&self, row: usize, n: usize) -> usize {
+        let (len, table) = (self.lens[row], &self.tables[row]);
+        let grows = (len + n).div_ceil(self.block_size).saturating_sub(table.len());
+        let copies = table.get(len / self.block_size).is_some_and(|&b| n > 0 && len % self.block_size > 0 && self.holders[b] > 1);
+        grows + usize::from(copies)
     }
 
     /// Gives sequence `row` blocks for `positions` positions, growing the pool when none are free.
@@ -275,39 +267,78 @@ pub(crate) struct LayerKv<'a, B: Backend> {
 }
 
 impl<B: KvWriteOps> KvCache<B> {
-    /// Makes the empty sequence `to` hold what sequence `from` holds, without storing it twice:
-    /// `from`'s full blocks are shared (held by both, never written again: new positions go after
-    /// them), and a partly filled last block is copied into a block of `to`'s own, where `to`'s
-    /// next positions go. The choices of a multiple-choice question, or several samples of one
-    /// prompt, then continue one prefix computed once.
+    /// Makes sequence `to` hold the first `len` positions of sequence `from` without storing them
+    /// twice: the blocks are shared (held by both), and new positions go after them. A shared block
+    /// that is partly filled is copied by the first sequence that writes into it (copy-on-write:
+    /// [`KvCache::step_rows`]), so that the sequences part at the first position they differ. What
+    /// `to` held before is let go; `from == to` keeps the first `len` positions of the sequence.
+    /// The choices of a multiple-choice question, several samples of one prompt, or requests that
+    /// open with the same system prompt then continue one prefix computed once.
     ///
     /// # Panics
-    /// If `to` is not empty, or either sequence does not exist.
-    pub fn share_prefix(&mut self, from: usize, to: usize) {
-        assert!(from < self.batch() && to < self.batch() && from != to, "sequences {from} and {to}");
-        assert_eq!(self.lens[to], 0, "sequence {to} is not empty");
-        self.reset(to);
-        let len = self.lens[from];
-        let full = len / self.block_size;
-        let shared: Vec<usize> = self.tables[from][..full].to_vec();
-        for &block in &shared {
+    /// If either sequence does not exist or `from` holds fewer than `len` positions.
+    pub fn share_prefix(&mut self, from: usize, to: usize, len: usize) {
+        assert!(from < self.batch() && to < self.batch(), "sequences {from} and {to}");
+        assert!(len <= self.lens[from], "sequence {from} holds {} positions, not {len}", self.lens[from]);
+        let blocks: Vec<usize> = self.tables[from][..len.div_ceil(self.block_size)].to_vec();
+        // Held before `to` lets its own go, so that sharing with itself keeps them.
+        for &block in &blocks {
             self.holders[block] += 1;
         }
-        self.tables[to] = shared;
-        let tail = len % self.block_size;
-        if tail > 0 {
-            self.reserve(to, len);
-            let (src, dst) = (self.tables[from][full] * self.block_size, self.tables[to][full] * self.block_size);
-            let dst: Vec<usize> = (dst..dst + tail).collect();
-            for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
-                // The rows read out first (a copy of their own), so that the write finds the
-                // pool unshared and writes in place.
-                let rows = Tensor::<B, 2>::from_data(pool.clone().slice([src..src + tail]).into_data(), &self.device);
-                let owned = std::mem::replace(pool, Tensor::zeros([0, 1], &self.device));
-                *pool = float(B::kv_write(prim(owned), &dst, prim(rows)));
-            }
-        }
+        self.reset(to);
+        self.tables[to] = blocks;
         self.lens[to] = len;
+    }
+
+    /// Gives sequence `row` a block of its own in place of a partly filled last block it shares,
+    /// the positions stored so far copied: its next positions go into that block, and the other
+    /// holders' do not see them.
+    fn own_last_block(&mut self, row: usize) {
+        let (full, tail) = (self.lens[row] / self.block_size, self.lens[row] % self.block_size);
+        let Some(&shared) = self.tables[row].get(full).filter(|&&b| tail > 0 && self.holders[b] > 1) else {
+            return;
+        };
+        if self.free.is_empty() {
+            self.grow(1);
+        }
+        let Some(own) = self.free.pop() else { return };
+        self.holders[own] = 1;
+        self.holders[shared] -= 1;
+        self.tables[row][full] = own;
+        let (src, dst) = (shared * self.block_size, own * self.block_size);
+        let dst: Vec<usize> = (dst..dst + tail).collect();
+        for pool in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            // The rows read out first (a copy of their own), so that the write finds the pool
+            // unshared and writes in place.
+            let rows = Tensor::<B, 2>::from_data(pool.clone().slice([src..src + tail]).into_data(), &self.device);
+            let owned = std::mem::replace(pool, Tensor::zeros([0, 1], &self.device));
+            *pool = float(B::kv_write(prim(owned), &dst, prim(rows)));
+        }
+    }
+
+    /// Starts a forward call over some of the cache's sequences: batch row `i` of the call is
+    /// sequence `rows[i]` and brings `new_lens[i]` real positions. The step hands each layer its view
+    /// of the cache, and [`CacheStep::finish`] makes the new positions part of the sequences. The
+    /// other sequences are left as they are (continuous batching runs only the live ones).
+    ///
+    /// # Panics
+    /// If `rows` and `new_lens` differ in length, a row is named twice or does not exist, or a
+    /// sequence would outgrow the model's context (callers check the lengths first:
+    /// `generate_batch` and the engine refuse prompts that do not fit).
+    pub(crate) fn step_rows(&mut self, rows: &[usize], new_lens: &[usize]) -> CacheStep<'_, B> {
+        assert_eq!(new_lens.len(), rows.len(), "one length per row");
+        for (i, (&row, &n)) in rows.iter().zip(new_lens).enumerate() {
+            assert!(row < self.batch() && !rows[..i].contains(&row), "row {row} named twice or out of range");
+            assert!(self.lens[row] + n <= self.max_len, "sequence {row} outgrows the context");
+        }
+        for (&row, &n) in rows.iter().zip(new_lens) {
+            if n > 0 {
+                self.own_last_block(row);
+            }
+            self.reserve(row, self.lens[row] + n);
+        }
+        self.plan = Some(self.plan(rows, new_lens));
+        CacheStep { cache: self }
     }
 }
 

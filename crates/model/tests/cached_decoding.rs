@@ -4,7 +4,7 @@
 use burn::backend::Flex;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use ember_generate::sample::{generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
-use ember_model::{Compute, Decoder, MlpKind, ModelConfig, RopeLayout};
+use ember_model::{Compute, Decoder, KvCache, MlpKind, ModelConfig, RopeLayout};
 
 type B = Flex;
 
@@ -173,8 +173,9 @@ fn sequences_stop_on_their_own() {
 }
 
 /// A prefix shared by several sequences (`KvCache::share_prefix`): each continues it as if it had
-/// computed it itself, the prefix's full blocks are held once, and a block goes back to the pool
-/// only when the last sequence holding it lets it go.
+/// computed it itself, the prefix's blocks are held once (a partly filled one copied by each
+/// sequence that writes into it but the last), and a block goes back to the pool only when the last
+/// sequence holding it lets it go. A sequence shared with itself keeps its first positions only.
 #[test]
 fn shared_prefixes_continue_as_their_own_and_are_held_once() {
     let model = Decoder::<B>::new(&config(2, RopeLayout::HalfSplit), 5, &Default::default()).unwrap();
@@ -182,20 +183,29 @@ fn shared_prefixes_continue_as_their_own_and_are_held_once() {
     let tails: [Vec<u32>; 3] = [vec![7, 8, 9], vec![3], vec![20, 21, 22, 23, 24, 25]];
     let mut cache = model.new_cache(3, 4);
     let _ = model.forward_cached_rows(tokens(&prefix), &[0], &[prefix.len()], &mut cache);
-    cache.share_prefix(0, 1);
-    cache.share_prefix(0, 2);
-    // 3 blocks of the prefix, of which the 2 full ones are shared; each of the others copied its
-    // partly filled third.
-    assert_eq!(cache.held_blocks(), 3 + 2);
-    for (row, tail) in tails.iter().enumerate() {
-        let hidden = model.forward_cached_rows(tokens(tail), &[row], &[tail.len()], &mut cache);
+    cache.share_prefix(0, 1, prefix.len());
+    cache.share_prefix(0, 2, prefix.len());
+    assert_eq!(cache.held_blocks(), 3, "the prefix's 3 blocks, held by all three");
+    let continues = |cache: &mut KvCache<B>, row: usize, prefix: &[u32], tail: &[u32]| {
+        let hidden = model.forward_cached_rows(tokens(tail), &[row], &[tail.len()], cache);
         let cached = model.logits(hidden.reshape([tail.len(), model.config().d_model]));
         let whole: Vec<u32> = prefix.iter().chain(tail).copied().collect();
         let full = model.forward(tokens(&whole)).reshape([whole.len(), model.config().vocab_size]);
         let full = full.slice([prefix.len()..whole.len()]);
         assert!(max_abs_diff(cached, full) < 1e-4, "sequence {row}");
+    };
+    for (row, tail) in tails.iter().enumerate() {
+        continues(&mut cache, row, &prefix, tail);
     }
     assert_eq!(cache.lens(), &[11 + 3, 11 + 1, 11 + 6]);
+    // The 2 full blocks shared; the third copied by sequences 0 and 1 and written in place by 2,
+    // the last to hold it; then each sequence's blocks past it (1, 0 and 2).
+    assert_eq!(cache.held_blocks(), 2 + 2 + 1 + 3);
+    // Sequence 1 keeps 9 of its positions (in the shared blocks, the third its own) and continues
+    // from there.
+    cache.share_prefix(1, 1, 9);
+    assert_eq!(cache.lens()[1], 9);
+    continues(&mut cache, 1, &prefix[..9], &[30, 31]);
     let held = cache.held_blocks();
     cache.reset(0);
     cache.reset(1);

@@ -23,6 +23,19 @@ pub struct Load {
     /// Time between streamed pieces of one answer.
     pub itl_p50_ms: f64,
     pub itl_p99_ms: f64,
+    /// The server's KV cache over the run (from `/health`), when it reports one.
+    pub cache: Option<CacheDuring>,
+}
+
+/// What the server's KV cache did over a load run.
+#[derive(Debug, Clone, Serialize)]
+pub struct CacheDuring {
+    pub block_size: u64,
+    /// The most blocks held at once since the server started.
+    pub peak_blocks: u64,
+    /// Prompt tokens of the run's requests, and of those the ones that started from a shared prefix.
+    pub prompt_tokens: u64,
+    pub reused_prompt_tokens: u64,
 }
 
 impl std::fmt::Display for Load {
@@ -31,7 +44,15 @@ impl std::fmt::Display for Load {
             f,
             "{:>3} clients: {:>7.1} tok/s aggregate ({} tokens in {:.1} s); first token p50 {:.0} ms, p99 {:.0} ms; between tokens p50 {:.1} ms, p99 {:.1} ms",
             self.clients, self.tokens_per_s, self.tokens, self.wall_s, self.ttft_p50_ms, self.ttft_p99_ms, self.itl_p50_ms, self.itl_p99_ms
-        )
+        )?;
+        if let Some(c) = &self.cache {
+            write!(
+                f,
+                "; KV cache: at most {} blocks of {} held, {} of {} prompt tokens from a shared prefix",
+                c.peak_blocks, c.block_size, c.reused_prompt_tokens, c.prompt_tokens
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -59,6 +80,7 @@ fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<
     let start = Instant::now();
     let resp = ureq::post(url)
         .timeout(Duration::from_secs(600))
+        .set("Content-Type", "application/json")
         .send_string(&body.to_string())
         .map_err(|e| failed(e.to_string()))?;
     let (mut first, mut last, mut gaps, mut tokens) = (None, None, Vec::new(), 0);
@@ -92,22 +114,46 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-/// `clients` threads, each streaming `requests` answers of `max_tokens` from `base` (http://host:port).
-pub fn load(base: &str, clients: usize, requests: usize, prompt: &str, max_tokens: usize) -> Result<Load, LoadError> {
+/// The server's `/health` KV-cache counters, if it reports them.
+fn cache_counters(base: &str) -> Option<Value> {
+    let health: Value = serde_json::from_str(&ureq::get(&format!("{base}/health")).call().ok()?.into_string().ok()?).ok()?;
+    Some(health.get("kv_cache")?.clone())
+}
+
+/// `clients` threads, each streaming `requests` answers of `max_tokens` from `base` (http://host:port),
+/// request `r` of client `c` with the prompt `prompt(c, r)`.
+pub fn load(
+    base: &str,
+    clients: usize,
+    requests: usize,
+    prompt: &(dyn Fn(usize, usize) -> String + Sync),
+    max_tokens: usize,
+) -> Result<Load, LoadError> {
     let url = format!("{base}/v1/completions");
+    let before = cache_counters(base);
     let start = Instant::now();
     let results: Vec<Result<Vec<Timed>, LoadError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..clients)
             .map(|c| {
                 let url = url.as_str();
                 scope.spawn(move || {
-                    (0..requests).map(|r| stream_once(url, prompt, max_tokens, (c * 1000 + r) as u64)).collect()
+                    (0..requests).map(|r| stream_once(url, &prompt(c, r), max_tokens, (c * 1000 + r) as u64)).collect()
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or(Err(LoadError::Panicked))).collect()
     });
     let wall_s = start.elapsed().as_secs_f64();
+    let after = cache_counters(base);
+    let cache = before.zip(after).map(|(b, a)| {
+        let n = |v: &Value, key: &str| v[key].as_u64().unwrap_or(0);
+        CacheDuring {
+            block_size: n(&a, "block_size"),
+            peak_blocks: n(&a, "peak_blocks"),
+            prompt_tokens: n(&a, "prompt_tokens").saturating_sub(n(&b, "prompt_tokens")),
+            reused_prompt_tokens: n(&a, "reused_prompt_tokens").saturating_sub(n(&b, "reused_prompt_tokens")),
+        }
+    });
     let timed: Vec<Timed> = results.into_iter().collect::<Result<Vec<_>, _>>()?.into_iter().flatten().collect();
     let ms = |d: &Duration| d.as_secs_f64() * 1e3;
     let ttft: Vec<f64> = timed.iter().map(|t| ms(&t.ttft)).collect();
@@ -123,5 +169,6 @@ pub fn load(base: &str, clients: usize, requests: usize, prompt: &str, max_token
         ttft_p99_ms: percentile(ttft, 0.99),
         itl_p50_ms: percentile(gaps.clone(), 0.5),
         itl_p99_ms: percentile(gaps, 0.99),
+        cache,
     })
 }

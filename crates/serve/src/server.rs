@@ -277,7 +277,17 @@ async fn route(state: &State, req: Request<Incoming>, conn: &Arc<Conn>) -> Answe
             let model = json!({"id": state.options.model_name, "object": "model", "created": 0, "owned_by": "ember"});
             json_answer(StatusCode::OK, &json!({"object": "list", "data": [model]}))
         }
-        (Method::GET, "/health") => json_answer(StatusCode::OK, &json!({"status": "ok"})),
+        (Method::GET, "/health") => {
+            let u = state.worker.cache_use();
+            let cache = json!({
+                "block_size": u.block_size,
+                "held_blocks": u.held_blocks,
+                "peak_blocks": u.peak_blocks,
+                "prompt_tokens": u.prompt_tokens,
+                "reused_prompt_tokens": u.reused_tokens,
+            });
+            json_answer(StatusCode::OK, &json!({"status": "ok", "kv_cache": cache}))
+        }
         (Method::POST, "/v1/completions") => match read_json::<CompletionRequest>(state, req).await {
             Ok(r) => completion(state, r, conn).await,
             Err(answer) => answer,

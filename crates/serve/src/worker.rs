@@ -3,9 +3,9 @@
 //! request whose receiver is gone (the client disconnected) is cancelled at its next token.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 
-use ember_generate::engine::{Engine, EngineError, Event, Request, RequestId};
+use ember_generate::engine::{CacheUse, Engine, EngineError, Event, Request, RequestId};
 use ember_kernels::EmberBackend;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
@@ -22,6 +22,8 @@ pub enum Command {
 #[derive(Clone)]
 pub struct Worker {
     tx: mpsc::Sender<Command>,
+    /// The engine's cache use after its last step.
+    usage: Arc<Mutex<CacheUse>>,
 }
 
 impl Worker {
@@ -31,10 +33,18 @@ impl Worker {
         Engine<B>: Send + 'static,
     {
         let (tx, rx) = mpsc::channel();
+        let usage = Arc::new(Mutex::new(engine.cache_use()));
+        let shared = usage.clone();
         std::thread::Builder::new()
             .name("ember-engine".into())
-            .spawn(move || ember_kernels::on_cpu_workers(move || serve(engine, rx)))?;
-        Ok(Self { tx })
+            .spawn(move || ember_kernels::on_cpu_workers(move || serve(engine, rx, &shared)))?;
+        Ok(Self { tx, usage })
+    }
+
+    /// The engine's KV-cache use as of its last step: blocks held now and at most, prompt tokens
+    /// that started from a prefix the cache held.
+    pub fn cache_use(&self) -> CacheUse {
+        self.usage.lock().map_or_else(|poisoned| *poisoned.into_inner(), |u| *u)
     }
 
     /// Queues a request; its events arrive on the returned receiver, the last one `Event::Done`.
@@ -59,10 +69,23 @@ pub enum SubmitError {
     Stopped,
 }
 
-fn serve<B: EmberBackend>(mut engine: Engine<B>, rx: mpsc::Receiver<Command>) {
+fn serve<B: EmberBackend>(mut engine: Engine<B>, rx: mpsc::Receiver<Command>, usage: &Mutex<CacheUse>) {
     let mut routes: HashMap<RequestId, tmpsc::UnboundedSender<Event>> = HashMap::new();
+    let mut logged = engine.cache_use();
     loop {
         if engine.is_idle() {
+            let u = engine.cache_use();
+            if u != logged {
+                tracing::info!(
+                    "KV cache: {} blocks of {} positions held, at most {}; {} of {} prompt tokens started from a shared prefix",
+                    u.held_blocks,
+                    u.block_size,
+                    u.peak_blocks,
+                    u.reused_tokens,
+                    u.prompt_tokens
+                );
+                logged = u;
+            }
             match rx.recv() {
                 Ok(command) => handle(&mut engine, &mut routes, command),
                 Err(_) => return,
@@ -80,6 +103,9 @@ fn serve<B: EmberBackend>(mut engine: Engine<B>, rx: mpsc::Receiver<Command>) {
                 engine.abort_all()
             }
         };
+        if let Ok(mut u) = usage.lock() {
+            *u = engine.cache_use();
+        }
         for event in events {
             let (Event::Token { id, .. } | Event::Done { id, .. }) = event;
             let done = matches!(event, Event::Done { .. });

@@ -148,6 +148,13 @@ struct ServeBenchArgs {
     max_tokens: usize,
     #[arg(long, default_value = "The capital of France is")]
     prompt: String,
+    /// A system prompt every request opens with (text, or @FILE), each client's requests then
+    /// asking `Question C: PROMPT`: the load of a chat front end whose requests share a prefix.
+    #[arg(long)]
+    system: Option<String>,
+    /// Prefill every prompt in full (the server's `--no-prefix-sharing`).
+    #[arg(long)]
+    no_prefix_sharing: bool,
     #[command(flatten)]
     common: Common,
 }
@@ -295,7 +302,19 @@ impl BenchFn for ServeBenchFn {
         let model = checkpoint.decoder::<B::InnerBackend>(device)?.with_compute(crate::env::compute());
         let context = model.config().max_seq_len;
         let slots = a.clients.iter().copied().max().unwrap_or(1);
-        let engine = Engine::new(model, EngineConfig { slots, queue_limit: 4096, ..EngineConfig::default() });
+        let share_prefixes = !a.no_prefix_sharing;
+        let engine = Engine::new(model, EngineConfig { slots, queue_limit: 4096, share_prefixes, ..EngineConfig::default() });
+        let system = match a.system.as_deref() {
+            Some(s) => Some(match s.strip_prefix('@') {
+                Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading --system {path}"))?,
+                None => s.to_string(),
+            }),
+            None => None,
+        };
+        let prompt = |c: usize, _: usize| match &system {
+            Some(system) => format!("{system}\n\nQuestion {c}: {}", a.prompt),
+            None => a.prompt.clone(),
+        };
         let options = ember_serve::Options {
             model_name: "bench".into(),
             tokenizer: checkpoint.tokenizer.clone(),
@@ -311,11 +330,11 @@ impl BenchFn for ServeBenchFn {
             ember_serve::Server::start(([127, 0, 0, 1], 0).into(), ember_serve::Worker::spawn(engine)?, options)?;
         let base = format!("http://{}", server.addr());
         // One short request first: the first forward passes pay for allocations the others reuse.
-        ember_serve::bench::load(&base, 1, 1, &a.prompt, 4)?;
+        ember_serve::bench::load(&base, 1, 1, &|_, _| "Warm up".to_string(), 4)?;
         let loads = a
             .clients
             .iter()
-            .map(|&n| ember_serve::bench::load(&base, n, a.requests, &a.prompt, a.max_tokens))
+            .map(|&n| ember_serve::bench::load(&base, n, a.requests, &prompt, a.max_tokens))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ServeBench { device: name.to_string(), slots, max_tokens: a.max_tokens, loads })
     }
@@ -335,10 +354,11 @@ impl std::fmt::Display for ServeBench {
         for l in &self.loads {
             writeln!(f, "  {l}")?;
         }
-        if let (Some(one), Some(eight)) =
-            (self.loads.iter().find(|l| l.clients == 1), self.loads.iter().find(|l| l.clients == 8))
-        {
-            write!(f, "  8 clients / 1 client: {:.2}x", eight.tokens_per_s / one.tokens_per_s)?;
+        if let Some(one) = self.loads.iter().find(|l| l.clients == 1) {
+            let ratios: Vec<String> = (self.loads.iter().filter(|l| l.clients > 1))
+                .map(|l| format!("{}: {:.2}x", l.clients, l.tokens_per_s / one.tokens_per_s))
+                .collect();
+            write!(f, "  aggregate over 1 client's: {}", ratios.join(", "))?;
         }
         Ok(())
     }

@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// Positions per KV-cache block, 1 to 4096 (and at most the model's context).
     #[arg(long, default_value_t = 64, value_parser = RangedU64ValueParser::<usize>::new().range(1..=4096))]
     block_size: usize,
+    /// Prefill every prompt in full, instead of starting a request from the longest prefix of its
+    /// prompt that the cache holds (a shared system prompt, an earlier turn), its blocks shared.
+    #[arg(long)]
+    no_prefix_sharing: bool,
     /// Host names answered besides localhost and the listening address (repeatable), for a
     /// server reached by name.
     #[arg(long)]
@@ -107,6 +111,7 @@ impl Job for ServeJob {
             queue_limit: args.queue,
             prefill_chunk: args.prefill_chunk,
             block_size: args.block_size,
+            share_prefixes: !args.no_prefix_sharing,
         };
         let worker = Worker::spawn(Engine::new(model, config)).context("starting the engine's thread")?;
         let model_name = args.model_name.clone().unwrap_or_else(|| folder_name(&args.checkpoint));

@@ -1,0 +1,357 @@
+//! Stored rows interleaved sixteen at a time, for the integer products of several activation rows
+//! on AVX-512 VNNI: one `vpdpbusd` multiplies four codes of sixteen weight rows by the same four
+//! activations (broadcast) and leaves each weight row's sum in its own lane. There are no
+//! horizontal sums, each block's scales apply to sixteen rows in one multiply, and a block's codes
+//! are unpacked once for every activation row of the call. llama.cpp repacks its CPU weights the
+//! same way (ggml-cpu's `repack.cpp`).
+//!
+//! One record per (group of 16 rows, block of 32 values): the 16 rows' f16 scales, Q4_1's 16 f16
+//! mins, then the codes in chunks of 64 bytes whose 4-byte lane `j` belongs to row `j`:
+//!
+//! | type | record | chunks | chunk `c`, lane `j` |
+//! |------|--------|--------|---------------------|
+//! | Q8_0 | 32 + 512 | 8 | codes `4c..4c+4` of row `j`, each + 128 (as a u8) |
+//! | Q4_0 | 32 + 256 | 4 | nibble bytes `4c..4c+4` of row `j` (low nibbles values `4c..`, high ones `16+4c..`) |
+//! | Q4_1 | 64 + 256 | 4 | as Q4_0 |
+//!
+//! A record holds exactly the bytes of the 16 rows' blocks: the layout costs no memory. Values:
+//! Q8_0 `d·(u − 128)`, Q4_0 `d·(n − 8)`, Q4_1 `d·n + m`; so every type is `d·code + o` with an
+//! unsigned code and a per-row offset `o` (`−128d`, `−8d`, `m`), whose product with the activations
+//! is `o·d_x·Σq`, from the activations' block sums. [`restore_row`] gives a row back in the file's
+//! layout (what the f32 paths decode), and [`product`] on CPUs without AVX-512 VNNI runs the plain
+//! loop of [`crate::qdot`] over the restored rows: the reference the fast path is tested against.
+
+use rayon::prelude::*;
+
+use crate::compute::Cpu;
+use crate::qdot::{reference, DotFormat, Isa, Q8Rows, Row};
+use crate::SharedOut;
+
+/// Rows a group.
+pub const GROUP: usize = 16;
+
+/// Whether `format`'s blocks interleave.
+pub fn supports(format: DotFormat) -> bool {
+    matches!(format, DotFormat::Q8_0 | DotFormat::Q4_0 | DotFormat::Q4_1)
+}
+
+/// Whether a weight of `rows` rows in `format` is worth interleaving on this machine: its type
+/// interleaves, its rows make whole groups, and the CPU has the instructions the layout is for.
+pub fn pays(format: DotFormat, rows: usize) -> bool {
+    supports(format) && rows.is_multiple_of(GROUP) && Isa::best(Cpu::detect()) == wide_isa()
+}
+
+fn wide_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    return Isa::Avx512Vnni;
+    #[cfg(not(target_arch = "x86_64"))]
+    Isa::Scalar
+}
+
+/// Bytes of the scales (and mins) at the head of a record.
+fn header(format: DotFormat) -> usize {
+    if format == DotFormat::Q4_1 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Where byte `t` of the codes of chunk `c`, lane `j` comes from in a block of the file's layout,
+/// and whether it is flipped by 128 (Q8_0's signed codes).
+fn code_at(format: DotFormat, c: usize, t: usize) -> (usize, bool) {
+    match format {
+        DotFormat::Q8_0 => (2 + 4 * c + t, true),
+        DotFormat::Q4_1 => (4 + 4 * c + t, false),
+        _ => (2 + 4 * c + t, false),
+    }
+}
+
+/// Chunks of codes a record holds.
+fn chunks(format: DotFormat) -> usize {
+    if format == DotFormat::Q8_0 {
+        8
+    } else {
+        4
+    }
+}
+
+/// `m` rows of `k` values in the file's layout (`data`), interleaved; `None` where the type does not
+/// interleave or the rows do not make whole groups.
+pub fn interleave(format: DotFormat, data: &[u8], (m, k): (usize, usize)) -> Option<Vec<u8>> {
+    let (bv, bb) = format.block();
+    if !supports(format) || !m.is_multiple_of(GROUP) || !k.is_multiple_of(bv) || data.len() != m * k / bv * bb {
+        return None;
+    }
+    let (blocks, head) = (k / bv, header(format));
+    let mut out = vec![0u8; data.len()];
+    for (g, group) in out.chunks_exact_mut(GROUP * blocks * bb).enumerate() {
+        for (b, rec) in group.chunks_exact_mut(GROUP * bb).enumerate() {
+            for j in 0..GROUP {
+                let block = &data[((g * GROUP + j) * blocks + b) * bb..][..bb];
+                rec[2 * j..2 * j + 2].copy_from_slice(&block[..2]);
+                if format == DotFormat::Q4_1 {
+                    rec[32 + 2 * j..32 + 2 * j + 2].copy_from_slice(&block[2..4]);
+                }
+                for c in 0..chunks(format) {
+                    for t in 0..4 {
+                        let (at, flip) = code_at(format, c, t);
+                        rec[head + 64 * c + 4 * j + t] = block[at] ^ if flip { 0x80 } else { 0 };
+                    }
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Row `row` of an interleaved weight of `m` rows of `k` values, in the file's layout, into `out`
+/// (`k / 32` blocks).
+pub fn restore_row(format: DotFormat, data: &[u8], (m, k): (usize, usize), row: usize, out: &mut [u8]) {
+    let (bv, bb) = format.block();
+    let (blocks, head) = (k / bv, header(format));
+    assert!(row < m && out.len() == blocks * bb, "restore_row: row {row} of {m}, {} bytes", out.len());
+    let (g, j) = (row / GROUP, row % GROUP);
+    for (b, block) in out.chunks_exact_mut(bb).enumerate() {
+        let rec = &data[(g * blocks + b) * GROUP * bb..][..GROUP * bb];
+        block[..2].copy_from_slice(&rec[2 * j..2 * j + 2]);
+        if format == DotFormat::Q4_1 {
+            block[2..4].copy_from_slice(&rec[32 + 2 * j..32 + 2 * j + 2]);
+        }
+        for c in 0..chunks(format) {
+            for t in 0..4 {
+                let (at, flip) = code_at(format, c, t);
+                block[at] = rec[head + 64 * c + 4 * j + t] ^ if flip { 0x80 } else { 0 };
+            }
+        }
+    }
+}
+
+/// `y = x·Wᵀ` for `n` rows `x` (`[n, k]` row-major) and W the interleaved `data` of `m` rows:
+/// `y` is `[n, m]`, the activations quantized to 8 bits in blocks of 32 as [`crate::qdot`]'s.
+///
+/// # Panics
+/// If `data` is not `m` interleaved rows of `k` values of `format`, or `x` not `n·k` values.
+pub fn product(cpu: Cpu, format: DotFormat, data: &[u8], (m, k): (usize, usize), x: &[f32], n: usize) -> Vec<f32> {
+    product_with(Isa::best(cpu), format, data, (m, k), x, n)
+}
+
+pub(crate) fn product_with(
+    isa: Isa,
+    format: DotFormat,
+    data: &[u8],
+    (m, k): (usize, usize),
+    x: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let (bv, bb) = format.block();
+    assert!(
+        supports(format) && m.is_multiple_of(GROUP) && k.is_multiple_of(bv) && data.len() == m * (k / bv) * bb,
+        "interleave::product: {m} rows of {k} {format:?} values in {} bytes",
+        data.len()
+    );
+    assert_eq!(x.len(), n * k, "interleave::product: x is [{n}, {k}]");
+    let acts = Q8Rows::quantize(x, n, k, bv);
+    let mut y = vec![0f32; n * m];
+    if n == 0 || m == 0 {
+        return y;
+    }
+    let xs: Vec<Row<'_>> = (0..n).map(|r| acts.row(r)).collect();
+    let groups = m / GROUP;
+    let per_task = groups.div_ceil(rayon::current_num_threads().max(1) * 4).max(1);
+    let out = SharedOut(y.as_mut_ptr());
+    let group_bytes = GROUP * k / bv * bb;
+    (0..groups.div_ceil(per_task)).into_par_iter().for_each(|t| {
+        let mut row = Vec::new();
+        for g in t * per_task..((t + 1) * per_task).min(groups) {
+            let rec = &data[g * group_bytes..(g + 1) * group_bytes];
+            #[cfg(target_arch = "x86_64")]
+            if isa == Isa::Avx512Vnni {
+                // SAFETY: `Isa::reachable` offers AVX-512 VNNI only where the CPU has it; `rec` is
+                // one group's records, `xs` rows of `k` values, and each task writes the entries
+                // (r, 16g..16g + 16) of y only, inside its n·m values.
+                unsafe { wide::group(format, rec, &xs, |r| out.at(r * m + g * GROUP)) };
+                continue;
+            }
+            row.resize(k / bv * bb, 0);
+            for j in 0..GROUP {
+                restore_row(format, data, (m, k), g * GROUP + j, &mut row);
+                for (r, x) in xs.iter().enumerate() {
+                    // SAFETY: as above, entry (r, 16g + j).
+                    unsafe { *out.at(r * m + g * GROUP + j) = reference(format, &row, *x) };
+                }
+            }
+        }
+    });
+    y
+}
+
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use std::arch::x86_64::*;
+
+    use super::{header, DotFormat, Row, GROUP};
+
+    /// Activation rows a group's codes serve at once (their accumulators stay in registers).
+    const ROWS: usize = 4;
+
+    /// One group's records against every row of `xs`, row `r`'s 16 results written at `out(r)`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, VL and VNNI, and F16C; `rec` one group's records of `format`
+    /// (a type that interleaves), `xs` rows of as many values, `out(r)` 16 writable f32s.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn group(format: DotFormat, rec: &[u8], xs: &[Row<'_>], out: impl Fn(usize) -> *mut f32) {
+        let grouped = xs.len() / ROWS * ROWS;
+        unsafe {
+            for r0 in (0..grouped).step_by(ROWS) {
+                let o: [*mut f32; ROWS] = [out(r0), out(r0 + 1), out(r0 + 2), out(r0 + 3)];
+                rows::<ROWS>(format, rec, &xs[r0..r0 + ROWS], o);
+            }
+            for r in grouped..xs.len() {
+                rows::<1>(format, rec, &xs[r..r + 1], [out(r)]);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn rows<const R: usize>(format: DotFormat, rec: &[u8], xs: &[Row<'_>], out: [*mut f32; R]) {
+        unsafe {
+            match format {
+                DotFormat::Q8_0 => records::<R, 8>(format, rec, xs, out),
+                _ => records::<R, 4>(format, rec, xs, out),
+            }
+        }
+    }
+
+    /// The records of one group against `R` activation rows: per block the 16 rows' scales and
+    /// offsets, the codes of 8 steps of 4 values, then per activation row 8 `vpdpbusd` (two chains
+    /// of 4) and two multiply-adds. `CHUNKS`: 8 for Q8_0's bytes, 4 for the nibbles (each chunk two
+    /// steps). No closures inside: they would not inherit the target features.
+    #[inline(always)]
+    unsafe fn records<const R: usize, const CHUNKS: usize>(
+        format: DotFormat,
+        rec: &[u8],
+        xs: &[Row<'_>],
+        out: [*mut f32; R],
+    ) {
+        let (_, bb) = format.block();
+        let size = GROUP * bb;
+        let blocks = rec.len() / size;
+        let head = header(format);
+        debug_assert!(xs.len() == R && xs.iter().all(|x| x.q.len() >= 32 * blocks && x.d.len() >= blocks));
+        unsafe {
+            let mut xq = [std::ptr::null::<u8>(); R];
+            let (mut xd, mut xsum) = ([std::ptr::null::<f32>(); R], [std::ptr::null::<f32>(); R]);
+            for r in 0..R {
+                (xq[r], xd[r], xsum[r]) = (xs[r].q.as_ptr() as *const u8, xs[r].d.as_ptr(), xs[r].dsum.as_ptr());
+            }
+            let m4 = _mm512_set1_epi8(0x0F);
+            let mut acc = [_mm512_setzero_ps(); R];
+            for b in 0..blocks {
+                let p = rec.as_ptr().add(b * size);
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+                let offset = match format {
+                    DotFormat::Q4_1 => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32) as *const __m256i)),
+                    DotFormat::Q8_0 => _mm512_mul_ps(d, _mm512_set1_ps(-128.0)),
+                    _ => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
+                };
+                // Step i's codes: values 4i..4i+4 of each row.
+                let mut codes = [_mm512_setzero_si512(); 8];
+                for c in 0..CHUNKS {
+                    let v = _mm512_loadu_si512(p.add(head + 64 * c) as *const _);
+                    if CHUNKS == 8 {
+                        codes[c] = v;
+                    } else {
+                        codes[c] = _mm512_and_si512(v, m4);
+                        codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                    }
+                }
+                for r in 0..R {
+                    let x = xq[r].add(32 * b);
+                    let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    for i in 0..4 {
+                        let lo = _mm512_set1_epi32(std::ptr::read_unaligned(x.add(4 * i) as *const i32));
+                        let hi = _mm512_set1_epi32(std::ptr::read_unaligned(x.add(16 + 4 * i) as *const i32));
+                        s0 = _mm512_dpbusd_epi32(s0, codes[i], lo);
+                        s1 = _mm512_dpbusd_epi32(s1, codes[i + 4], hi);
+                    }
+                    let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(*xd[r].add(b))), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(*xsum[r].add(b)), acc[r]);
+                }
+            }
+            for r in 0..R {
+                _mm512_storeu_ps(out[r], acc[r]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// Rows of random codes, each block's halves normal values between 2^-5 and 2^0 of either sign.
+    fn random_rows(format: DotFormat, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (bv, bb) = format.block();
+        let mut data: Vec<u8> = (0..rows * k / bv * bb).map(|_| rng.random()).collect();
+        let halves: &[usize] = if format == DotFormat::Q4_1 { &[0, 2] } else { &[0] };
+        for blk in data.chunks_exact_mut(bb) {
+            for &at in halves {
+                let (sign, exp, man) =
+                    (rng.random::<bool>() as u16, rng.random_range(10u16..15), rng.random_range(0u16..1024));
+                blk[at..at + 2].copy_from_slice(&(sign << 15 | exp << 10 | man).to_le_bytes());
+            }
+        }
+        data
+    }
+
+    #[test]
+    fn interleaving_keeps_every_row_and_refuses_what_does_not_fit() {
+        for format in [DotFormat::Q8_0, DotFormat::Q4_0, DotFormat::Q4_1] {
+            let (m, k) = (32, 96);
+            let data = random_rows(format, m, k, 3);
+            let packed = interleave(format, &data, (m, k)).unwrap();
+            assert_eq!(packed.len(), data.len());
+            assert_ne!(packed, data);
+            let rb = data.len() / m;
+            let mut row = vec![0u8; rb];
+            for r in 0..m {
+                restore_row(format, &packed, (m, k), r, &mut row);
+                assert_eq!(row, data[r * rb..(r + 1) * rb], "{format:?} row {r}");
+            }
+            assert!(interleave(format, &data[..data.len() - rb], (m - 1, k)).is_none(), "31 rows");
+        }
+        assert!(interleave(DotFormat::Q4K, &[0; 144 * 16], (16, 256)).is_none());
+    }
+
+    /// The fast path against the plain loop over the rows restored, for 1 to 9 activation rows
+    /// (groups of 4 and the rest alone), and against qdot's product on the file's layout.
+    #[test]
+    fn the_wide_path_equals_the_plain_loop() {
+        for format in [DotFormat::Q8_0, DotFormat::Q4_0, DotFormat::Q4_1] {
+            let (m, k) = (48, 160);
+            let data = random_rows(format, m, k, 5 + format as u64);
+            let packed = interleave(format, &data, (m, k)).unwrap();
+            let mut rng = ChaCha8Rng::seed_from_u64(9);
+            for n in [1, 4, 9] {
+                let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+                let want = product_with(Isa::Scalar, format, &packed, (m, k), &x, n);
+                let on_rows = crate::qdot::product_with(Isa::Scalar, format, &data, (m, k), &x, n);
+                assert_eq!(want, on_rows, "{format:?}: the restored rows are the rows");
+                let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                assert!(scale > 0.0);
+                for isa in Isa::reachable(Cpu::detect()) {
+                    let got = product_with(isa, format, &packed, (m, k), &x, n);
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!((a - b).abs() <= 1e-5 * scale, "{format:?} on {isa:?}, n {n}, entry {i}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+}
