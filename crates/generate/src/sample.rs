@@ -145,38 +145,7 @@ impl Sampler {
         if self.config.temperature == 0.0 {
             return argmax();
         }
-        // Candidates sorted by logit, most likely first; ties keep the lower id first. With top-k,
-        // only the k best are sorted (a partition first: no sort of the whole vocabulary per token).
-        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        let mut order: Vec<usize> = (0..logits.len()).collect();
-        if let Some(k) = self.config.top_k.filter(|&k| k < order.len()) {
-            order.select_nth_unstable_by(k, by_logit);
-            order.truncate(k);
-        }
-        // Only top-p needs them in order; plain temperature sampling draws from the candidates as
-        // they are (a sort of a 49k vocabulary would cost milliseconds a token).
-        if self.config.top_p.is_some() {
-            order.sort_by(by_logit);
-        }
-        let t = self.config.temperature as f64;
-        let max = order.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
-        let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        if let Some(top_p) = self.config.top_p {
-            let mut mass = 0.0;
-            let keep = probs
-                .iter()
-                .position(|&p| {
-                    mass += p;
-                    mass >= top_p as f64
-                })
-                .map_or(probs.len(), |i| i + 1);
-            order.truncate(keep);
-            probs.truncate(keep);
-            let total: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= total);
-        }
+        let (order, probs) = self.candidates(logits);
         let mut u: f64 = self.rng.random::<f64>();
         for (&id, &p) in order.iter().zip(&probs) {
             if u < p {
@@ -185,6 +154,52 @@ impl Sampler {
             u -= p;
         }
         *order.last().expect("at least one candidate")
+    }
+
+    /// The ids a draw picks from and their probabilities (summing to 1), after temperature, top-k
+    /// and top-p. With top-p they are in order, most likely first (ties: the lower id first).
+    fn candidates(&self, logits: &[f32]) -> (Vec<usize>, Vec<f64>) {
+        // Candidates by logit, most likely first; ties keep the lower id first. With top-k, only
+        // the k best (a partition first: no sort of the whole vocabulary per token).
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        if let Some(k) = self.config.top_k.filter(|&k| k < order.len()) {
+            order.select_nth_unstable_by(k, by_logit);
+            order.truncate(k);
+        }
+        let t = self.config.temperature as f64;
+        let max = order.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
+        let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+        if let Some(top_p) = self.config.top_p {
+            // The nucleus: the fewest most likely candidates whose probability reaches top_p. Found
+            // among the best 64 sorted, or 256, …: a whole sort of a 49k vocabulary would cost
+            // milliseconds a token, and the nucleus is mostly a few dozen.
+            let total: f64 = order.iter().map(|&i| weight(i)).sum();
+            let mut k = order.len().min(64);
+            loop {
+                if k < order.len() {
+                    order.select_nth_unstable_by(k - 1, by_logit);
+                }
+                order[..k].sort_by(by_logit);
+                let mut mass = 0.0;
+                let reached = order[..k].iter().position(|&i| {
+                    mass += weight(i) / total;
+                    mass >= top_p as f64
+                });
+                match reached {
+                    Some(last) => {
+                        order.truncate(last + 1);
+                        break;
+                    }
+                    None if k == order.len() => break,
+                    None => k = (4 * k).min(order.len()),
+                }
+            }
+        }
+        let mut probs: Vec<f64> = order.iter().map(|&i| weight(i)).collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        (order, probs)
     }
 }
 
@@ -366,6 +381,38 @@ mod tests {
         let picks = draw(Some(k), &logits);
         assert_eq!(picks, draw(None, &masked));
         assert!(picks.iter().all(|i| sorted[..k].contains(i)));
+    }
+
+    /// The nucleus found among the best 64, 256, … candidates is the one of a whole sort: peaked
+    /// logits (a few candidates), flat ones (most of the vocabulary) and ties.
+    #[test]
+    fn top_p_without_a_whole_sort_keeps_the_nucleus_of_one() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let peaked: Vec<f32> = (0..5000).map(|i| if i % 97 == 0 { 8.0 } else { rng.random_range(-4.0f32..0.0) }).collect();
+        let flat: Vec<f32> = (0..5000).map(|_| rng.random_range(-0.1f32..0.1)).collect();
+        let ties: Vec<f32> = (0..5000).map(|i| (i % 7) as f32 * 0.5).collect();
+        for logits in [peaked, flat, ties] {
+            for top_p in [0.3f32, 0.9, 1.0] {
+                let config = SamplingConfig { temperature: 0.7, top_k: None, top_p: Some(top_p), ..Default::default() };
+                let (got, got_p) = Sampler::new(config, 1).unwrap().candidates(&logits);
+                // The reference: every id sorted, then the shortest prefix reaching top_p.
+                let mut sorted: Vec<usize> = (0..logits.len()).collect();
+                sorted.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+                let w: Vec<f64> = sorted.iter().map(|&i| ((logits[i] as f64 - logits[sorted[0]] as f64) / 0.7f32 as f64).exp()).collect();
+                let total: f64 = w.iter().sum();
+                let mut mass = 0.0;
+                let keep = w.iter().position(|&x| {
+                    mass += x / total;
+                    mass >= top_p as f64
+                });
+                let keep = keep.map_or(sorted.len(), |i| i + 1);
+                assert_eq!(got, sorted[..keep].to_vec(), "top_p {top_p}");
+                let kept: f64 = w[..keep].iter().sum();
+                for (p, x) in got_p.iter().zip(&w) {
+                    assert!((p - x / kept).abs() < 1e-12, "top_p {top_p}: {p} vs {}", x / kept);
+                }
+            }
+        }
     }
 
     #[test]

@@ -193,7 +193,7 @@ mod wide {
     use super::{header, DotFormat, Row, GROUP};
 
     /// Activation rows a group's codes serve at once (their accumulators stay in registers).
-    const ROWS: usize = 4;
+    const ROWS: usize = 8;
 
     /// One group's records against every row of `xs`, row `r`'s 16 results written at `out(r)`.
     ///
@@ -205,10 +205,18 @@ mod wide {
         let grouped = xs.len() / ROWS * ROWS;
         unsafe {
             for r0 in (0..grouped).step_by(ROWS) {
-                let o: [*mut f32; ROWS] = [out(r0), out(r0 + 1), out(r0 + 2), out(r0 + 3)];
+                let mut o = [std::ptr::null_mut(); ROWS];
+                for (j, o) in o.iter_mut().enumerate() {
+                    *o = out(r0 + j);
+                }
                 rows::<ROWS>(format, rec, &xs[r0..r0 + ROWS], o);
             }
-            for r in grouped..xs.len() {
+            let mut r = grouped;
+            while r + 4 <= xs.len() {
+                rows::<4>(format, rec, &xs[r..r + 4], [out(r), out(r + 1), out(r + 2), out(r + 3)]);
+                r += 4;
+            }
+            for r in r..xs.len() {
                 rows::<1>(format, rec, &xs[r..r + 1], [out(r)]);
             }
         }
@@ -329,8 +337,8 @@ mod tests {
         assert!(interleave(DotFormat::Q4K, &[0; 144 * 16], (16, 256)).is_none());
     }
 
-    /// The fast path against the plain loop over the rows restored, for 1 to 9 activation rows
-    /// (groups of 4 and the rest alone), and against qdot's product on the file's layout.
+    /// The fast path against the plain loop over the rows restored, for 1 to 16 activation rows
+    /// (groups of 8, of 4, and the rest alone), and against qdot's product on the file's layout.
     #[test]
     fn the_wide_path_equals_the_plain_loop() {
         for format in [DotFormat::Q8_0, DotFormat::Q4_0, DotFormat::Q4_1] {
@@ -338,7 +346,7 @@ mod tests {
             let data = random_rows(format, m, k, 5 + format as u64);
             let packed = interleave(format, &data, (m, k)).unwrap();
             let mut rng = ChaCha8Rng::seed_from_u64(9);
-            for n in [1, 4, 9] {
+            for n in [1, 4, 9, 13, 16] {
                 let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
                 let want = product_with(Isa::Scalar, format, &packed, (m, k), &x, n);
                 let on_rows = crate::qdot::product_with(Isa::Scalar, format, &data, (m, k), &x, n);

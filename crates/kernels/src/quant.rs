@@ -341,7 +341,7 @@ impl QuantLinearOps for Flex {
         }
         let (n, x) = (shape[0], flex::f32s(&x));
         let y = match w.0.dot {
-            Some(format) if n <= DOT_ROWS && cx.int8_inputs && w.0.interleaved => {
+            Some(format) if cx.int8_inputs && w.0.interleaved => {
                 crate::interleave::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
             }
             Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
