@@ -55,11 +55,14 @@ pub enum QuantError {
     Format { kind: &'static str, block: (usize, usize), format: DotFormat, expected: (usize, usize) },
 }
 
+/// A buffer weights may share: a `Vec`, or a file mapped into memory.
+pub type SharedBuffer = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
 /// The stored bytes of a weight: its own, or a range of a buffer shared with other weights (a
-/// whole GGUF file read once, each weight a view of its tensor: nothing copied).
+/// whole GGUF file mapped once, each weight a view of its tensor: nothing copied).
 #[derive(Clone)]
 pub struct StoredBytes {
-    buf: Arc<Vec<u8>>,
+    buf: SharedBuffer,
     start: usize,
     len: usize,
 }
@@ -69,12 +72,9 @@ impl StoredBytes {
     ///
     /// # Panics
     /// If `range` lies outside `buf`.
-    pub fn view(buf: Arc<Vec<u8>>, range: Range<usize>) -> Self {
-        assert!(
-            range.start <= range.end && range.end <= buf.len(),
-            "StoredBytes::view: {range:?} outside {}",
-            buf.len()
-        );
+    pub fn view(buf: SharedBuffer, range: Range<usize>) -> Self {
+        let size = (*buf).as_ref().len();
+        assert!(range.start <= range.end && range.end <= size, "StoredBytes::view: {range:?} outside {size}");
         Self { buf, start: range.start, len: range.len() }
     }
 }
@@ -89,7 +89,7 @@ impl From<Vec<u8>> for StoredBytes {
 impl std::ops::Deref for StoredBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.buf[self.start..self.start + self.len]
+        &(*self.buf).as_ref()[self.start..self.start + self.len]
     }
 }
 

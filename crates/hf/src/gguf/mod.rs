@@ -95,8 +95,25 @@ pub struct GgufFile {
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
-    /// The whole file, shared with the weights kept in their stored types ([`Self::stored`]).
-    bytes: std::sync::Arc<Vec<u8>>,
+    /// The whole file, mapped (or read, for bytes made in memory), shared with the weights kept in
+    /// their stored types ([`Self::stored`]).
+    bytes: std::sync::Arc<FileBytes>,
+}
+
+/// A GGUF file's bytes: the file mapped into memory (pages read as they are touched, shared with
+/// the page cache: a weight read in place costs no copy), or bytes made in memory.
+pub enum FileBytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl AsRef<[u8]> for FileBytes {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Self::Mapped(m) => m,
+            Self::Owned(v) => v,
+        }
+    }
 }
 
 /// A cursor over the file's bytes that checks every read against what remains.
@@ -260,13 +277,32 @@ impl<'a> Reader<'a> {
 impl GgufFile {
     /// Reads and checks a whole GGUF file: header, metadata, tensor infos, and that every tensor's
     /// bytes lie inside the file. Tensor data is not decoded here.
+    ///
+    /// The file is mapped, not read: its pages come in as the weights touch them, and a weight
+    /// kept in its stored type reads them in place. As with llama.cpp's mapping, the file must not
+    /// be truncated or rewritten while a model made from it runs (ember's own exports write a new
+    /// file and rename it over the old one, which leaves the mapped one intact).
     pub fn open(path: &Path) -> Result<Self, GgufError> {
-        let bytes = std::fs::read(path).map_err(|err| GgufError::Io { path: path.into(), err })?;
-        Self::parse(bytes, path)
+        let io = |err| GgufError::Io { path: path.into(), err };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the mapping is read-only; what the documentation above asks of the file keeps
+        // its bytes as they were for as long as the mapping lives. An empty file cannot be mapped:
+        // it is read (and refused by the parser).
+        let bytes = match file.metadata().map_err(io)?.len() {
+            0 => FileBytes::Owned(Vec::new()),
+            _ => FileBytes::Mapped(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?),
+        };
+        Self::parse_shared(std::sync::Arc::new(bytes), path)
     }
 
+    /// A GGUF file made in memory.
     pub fn parse(bytes: Vec<u8>, path: &Path) -> Result<Self, GgufError> {
-        let mut r = Reader { bytes: &bytes, at: 0, path };
+        Self::parse_shared(std::sync::Arc::new(FileBytes::Owned(bytes)), path)
+    }
+
+    fn parse_shared(shared: std::sync::Arc<FileBytes>, path: &Path) -> Result<Self, GgufError> {
+        let bytes: &[u8] = (*shared).as_ref();
+        let mut r = Reader { bytes, at: 0, path };
         let magic = r.take(4, "the magic")?;
         if magic != MAGIC {
             return Err(r.err(format!("magic is {magic:?}, expected \"GGUF\"")));
@@ -295,7 +331,7 @@ impl GgufFile {
         let infos = r.tensor_infos(n_tensors)?;
         let tensors = r.place(infos, alignment)?;
         check_disjoint(&tensors, path)?;
-        Ok(Self { path: path.into(), version, metadata, tensors, bytes: std::sync::Arc::new(bytes) })
+        Ok(Self { path: path.into(), version, metadata, tensors, bytes: shared })
     }
 
     /// The metadata, read by type.
@@ -318,7 +354,7 @@ impl GgufFile {
 
     /// A tensor's raw (possibly quantized) bytes.
     pub fn raw(&self, t: &TensorInfo) -> &[u8] {
-        &self.bytes[t.start..t.start + t.len]
+        &(*self.bytes).as_ref()[t.start..t.start + t.len]
     }
 
     /// A tensor's raw bytes as a view of the file's buffer, shared (not copied): what a weight kept
@@ -327,10 +363,29 @@ impl GgufFile {
         ember_kernels::quant::StoredBytes::view(self.bytes.clone(), t.start..t.start + t.len)
     }
 
-    /// A tensor dequantized to f32, in row-major order of [`TensorInfo::shape`].
+    /// Lets the pages of tensor `t`'s bytes go from this process's memory once what was made from
+    /// them no longer reads them (a weight copied into another layout, a tensor dequantized): a
+    /// mapped file's pages would otherwise count until the mapping ends. They come back from the
+    /// file if read again. Nothing happens to bytes made in memory.
+    pub fn release(&self, t: &TensorInfo) {
+        if let FileBytes::Mapped(map) = &*self.bytes {
+            // Whole pages inside the tensor's bytes only: its neighbours' stay.
+            let page = 4096;
+            let (start, end) = (t.start.div_ceil(page) * page, (t.start + t.len) / page * page);
+            if end > start {
+                // SAFETY: the mapping is of a file, read-only: pages let go are read again from
+                // the file on the next access, with the same bytes (no view sees them change).
+                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+            }
+        }
+    }
+
+    /// A tensor dequantized to f32, in row-major order of [`TensorInfo::shape`]; its bytes are let
+    /// go after ([`Self::release`]).
     pub fn dequantize(&self, t: &TensorInfo) -> Vec<f32> {
         let mut out = vec![0f32; t.num_values() as usize];
         quant::dequantize(t.kind, self.raw(t), &mut out);
+        self.release(t);
         out
     }
 }

@@ -368,23 +368,25 @@ fn read_tensor(
 }
 
 /// A projection weight kept in its stored type, its rows in Hugging Face's order (`permuted`: the
-/// heads whose rows llama.cpp reordered).
+/// heads whose rows llama.cpp reordered). Where the weight ends up with bytes of its own (rows
+/// reordered, or interleaved for the integer products), the file's pages of it are let go.
 fn kept_weight(f: &GgufFile, t: &super::TensorInfo, permuted: Option<usize>) -> Result<QuantWeight, GgufError> {
     let shape = t.shape();
     let decode = super::quant::block_decoder(t.kind).expect("keeps checked the type");
     let mut weight = QuantWeight::new(t.kind.name(), [shape[0], shape[1]], t.kind.block(), f.stored(t), decode)
         .map_err(|e| f.meta_err(&t.name, e.to_string()))?;
+    if let Some(heads) = permuted {
+        // Row i of the Hugging Face order is the row the f32 permutation moves there.
+        let rows: Vec<f32> = (0..shape[0]).map(|i| i as f32).collect();
+        weight = weight.with_rows(&permute_rows(&rows, heads, 1, true).iter().map(|&r| r as usize).collect::<Vec<_>>());
+    }
     if let Some(format) = super::quant::dot_format(t.kind) {
         weight = weight.with_dot(format).map_err(|e| f.meta_err(&t.name, e.to_string()))?;
     }
-    Ok(match permuted {
-        Some(heads) => {
-            // Row i of the Hugging Face order is the row the f32 permutation moves there.
-            let rows: Vec<f32> = (0..shape[0]).map(|i| i as f32).collect();
-            weight.with_rows(&permute_rows(&rows, heads, 1, true).iter().map(|&r| r as usize).collect::<Vec<_>>())
-        }
-        None => weight,
-    })
+    if permuted.is_some() || weight.interleaved() {
+        f.release(t);
+    }
+    Ok(weight)
 }
 
 /// A row-major `[rows, cols]` matrix transposed.
