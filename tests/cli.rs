@@ -335,6 +335,15 @@ fn cached_batched_sampling_eval_and_decode_bench() {
     assert_eq!(d["batch"], 3);
     let (ms, rate) = (d["cached_ms_per_token"][0].as_f64().unwrap(), d["decode_tokens_per_sec"][0].as_f64().unwrap());
     assert!((rate - 3e3 / ms).abs() <= 1e-6 * rate, "{rate} tokens/s at {ms} ms a step of 3");
+    // Where a step goes: the parts add up to the step, the timed ones each some of it; and the
+    // process's peak resident memory.
+    let parts = &d["cached_parts_ms"][0];
+    let part = |k: &str| parts[k].as_f64().unwrap();
+    let sum = part("projections") + part("attention") + part("head") + part("other");
+    assert!((sum - ms).abs() <= 1e-6 * ms, "parts {parts} of a {ms} ms step");
+    assert!(part("projections") > 0.0 && part("attention") > 0.0 && part("head") > 0.0, "{parts}");
+    assert!(d["prefill_parts_ms"][0]["projections"].as_f64().unwrap() > 0.0);
+    assert!(d["peak_rss_bytes"].as_u64().unwrap() > 1 << 20);
     assert_clean_error(
         &decode(&["--contexts", "8", "--new-tokens", "3", "--batch", "0"]),
         "--batch 0 is not in 1..=256",

@@ -46,6 +46,7 @@ pub mod linear;
 pub mod newton_schulz;
 pub mod paged;
 mod products;
+pub mod profile;
 pub mod qdot;
 pub mod qk_norm;
 pub mod quant;

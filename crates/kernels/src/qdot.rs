@@ -526,8 +526,14 @@ mod wide {
                 DotFormat::Q4_1 => small_rows::<I, Q4_1, ROWS>(row, xs, blocks),
                 DotFormat::Q5_0 => small_rows::<I, Q5_0, ROWS>(row, xs, blocks),
                 DotFormat::Q5_1 => small_rows::<I, Q5_1, ROWS>(row, xs, blocks),
+                // One row at a time (a loop, not a closure: a closure would not inherit the target
+                // features, and the intrinsics inside would not inline).
                 DotFormat::Q4K | DotFormat::Q5K | DotFormat::Q6K => {
-                    std::array::from_fn(|r| dot_with::<I>(format, row, xs[r]))
+                    let mut out = [0f32; ROWS];
+                    for r in 0..ROWS {
+                        out[r] = dot_with::<I>(format, row, xs[r]);
+                    }
+                    out
                 }
             }
         }

@@ -257,10 +257,10 @@ impl<B: EmberBackend> Attention<B> {
         }
         let [b, t, d] = x.dims();
         let qkv = self.qkv(x.reshape([b * t, d]), cx); // [B·T, (H + 2K)·Dh]
-        let o = match keys {
+        let o = ember_kernels::profile::time(ember_kernels::profile::Part::Attention, || match keys {
             Keys::Own { start, docs } => self.attend_own(qkv, rope, (b, t), start, docs, cx),
             Keys::Cache(kv) => self.attend_cache(qkv, rope, (b, t), kv, cx),
-        }; // [B·T, H·Dh]
+        }); // [B·T, H·Dh]
         self.o_proj.forward(o, cx).reshape([b, t, d])
     }
 

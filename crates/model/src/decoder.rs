@@ -326,6 +326,10 @@ impl<B: EmberBackend> Decoder<B> {
     /// # Shapes
     /// - hidden: `[N, D]` -> `[N, V]`
     pub fn logits(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
+        ember_kernels::profile::time(ember_kernels::profile::Part::Head, || self.head(hidden))
+    }
+
+    fn head(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
         let dtype = self.compute.dtype;
         let hidden = to_dtype(hidden, dtype);
         let logits = match (&self.lm_head, &self.embed_quantized) {

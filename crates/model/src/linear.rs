@@ -148,6 +148,10 @@ const DECODE_ROWS: usize = 16;
 /// # Shapes
 /// - x: `[N, in]` -> `[N, Σ out_i]`
 pub(crate) fn forward_packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
+    ember_kernels::profile::time(ember_kernels::profile::Part::Projections, || packed(parts, x, cx))
+}
+
+fn packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, cx: Compute) -> Tensor<B, 2> {
     let compute = cx.dtype;
     let biased = parts.iter().filter(|p| p.bias.is_some()).count();
     let adapted = parts.iter().any(|p| p.has_lora());

@@ -330,6 +330,74 @@ pub struct DecodeBench {
     pub decode_tokens_per_sec: Vec<f64>,
     /// KV cache bytes per position (f32).
     pub kv_bytes_per_token: usize,
+    /// Where a cached step's milliseconds go, at each context (CPU backends: the ops run as they
+    /// are called).
+    pub cached_parts_ms: Vec<PartsMs>,
+    /// Where the prefill pass's milliseconds go, per prompt token, at each context.
+    pub prefill_parts_ms: Vec<PartsMs>,
+    /// The process's peak resident memory when the measurements end (Linux's VmHWM), weights,
+    /// caches and all.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// A [`DecodeBench`] of one step a context, reported for its prompts (`ember bench prefill`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct PrefillBench(pub DecodeBench);
+
+impl std::fmt::Display for PrefillBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let d = &self.0;
+        write!(f, "{} prefill, batch {}:", d.device, d.batch)?;
+        for (i, c) in d.contexts.iter().enumerate() {
+            write!(f, "\n  prompt {c:>5}: {:.0} tokens/s", d.prefill_tokens_per_sec[i])?;
+            if let Some(parts) = d.prefill_parts_ms.get(i) {
+                write!(f, "\n    a prompt token: {parts}")?;
+            }
+        }
+        if let Some(b) = d.peak_rss_bytes {
+            write!(f, "\n  peak RSS {:.0} MiB", b as f64 / (1u64 << 20) as f64)?;
+        }
+        Ok(())
+    }
+}
+
+/// Milliseconds of a forward pass by part ([`ember_kernels::profile`]): the blocks' projections,
+/// attention (positions, the cache write and the attention itself), the LM head, and the rest
+/// (norms, activations, embedding rows, sampling's argmax, allocation, threads waking).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PartsMs {
+    pub projections: f64,
+    pub attention: f64,
+    pub head: f64,
+    pub other: f64,
+}
+
+impl PartsMs {
+    /// `total_ms` split by the seconds [`ember_kernels::profile::take`] gave, all divided by `per`.
+    fn split(total_ms: f64, [p, a, h]: [f64; 3], per: f64) -> Self {
+        let (p, a, h) = (p * 1e3, a * 1e3, h * 1e3);
+        let per = per.max(1.0);
+        Self { projections: p / per, attention: a / per, head: h / per, other: (total_ms - p - a - h).max(0.0) / per }
+    }
+}
+
+impl std::fmt::Display for PartsMs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "projections {:.2}, attention {:.2}, head {:.2}, other {:.2} ms",
+            self.projections, self.attention, self.head, self.other
+        )
+    }
+}
+
+/// The process's peak resident set (Linux: `VmHWM` of /proc/self/status), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// What [`bench_decode`] measures: at each context, `new_tokens` steps with the KV cache and
@@ -374,22 +442,34 @@ pub fn bench_decode<B: ember_kernels::EmberBackend>(
         prefill_tokens_per_sec: Vec::new(),
         decode_tokens_per_sec: Vec::new(),
         kv_bytes_per_token: model.new_cache(1, spec.block_size).bytes_per_token(DType::F32),
+        cached_parts_ms: Vec::new(),
+        prefill_parts_ms: Vec::new(),
+        peak_rss_bytes: None,
     };
+    use ember_kernels::profile;
     for &c in &spec.contexts {
         let prompts: Vec<Vec<i32>> = (0..batch).map(|row| ids(c, row)).collect();
         let mut cache = model.new_cache(batch, spec.block_size);
         let _ = B::sync(&device);
+        profile::set(true);
+        let _ = profile::take();
         let start = Instant::now();
         let mut next = greedy(model.forward_cached(input(&prompts), &vec![c; batch], &mut cache));
         let _ = B::sync(&device);
-        out.prefill_tokens_per_sec.push((c * batch) as f64 / start.elapsed().as_secs_f64());
+        let secs = start.elapsed().as_secs_f64();
+        out.prefill_tokens_per_sec.push((c * batch) as f64 / secs);
+        out.prefill_parts_ms.push(PartsMs::split(secs * 1e3, profile::take(), (c * batch) as f64));
         let start = Instant::now();
         for _ in 0..spec.new_tokens {
             let step: Vec<Vec<i32>> = next.iter().map(|&t| vec![t]).collect();
             next = greedy(model.forward_cached(input(&step), &vec![1; batch], &mut cache));
         }
         let _ = B::sync(&device);
-        let ms = start.elapsed().as_secs_f64() * 1e3 / spec.new_tokens.max(1) as f64;
+        let total = start.elapsed().as_secs_f64() * 1e3;
+        profile::set(false);
+        let steps = spec.new_tokens.max(1) as f64;
+        out.cached_parts_ms.push(PartsMs::split(total, profile::take(), steps));
+        let ms = total / steps;
         out.cached_ms_per_token.push(ms);
         out.decode_tokens_per_sec.push(batch as f64 * 1e3 / ms);
         let mut toks = prompts;
@@ -401,6 +481,7 @@ pub fn bench_decode<B: ember_kernels::EmberBackend>(
         let _ = B::sync(&device);
         out.uncached_ms_per_token.push(start.elapsed().as_secs_f64() * 1e3 / spec.uncached_tokens.max(1) as f64);
     }
+    out.peak_rss_bytes = peak_rss_bytes();
     out
 }
 
@@ -472,6 +553,12 @@ impl std::fmt::Display for DecodeBench {
                 self.uncached_ms_per_token[i] / self.cached_ms_per_token[i],
                 self.prefill_tokens_per_sec[i]
             )?;
+            if let (Some(step), Some(prompt)) = (self.cached_parts_ms.get(i), self.prefill_parts_ms.get(i)) {
+                write!(f, "\n    a step: {step}\n    a prompt token: {prompt}")?;
+            }
+        }
+        if let Some(b) = self.peak_rss_bytes {
+            write!(f, "\n  peak RSS {:.0} MiB", b as f64 / (1u64 << 20) as f64)?;
         }
         Ok(())
     }

@@ -35,6 +35,9 @@ enum BenchCommand {
     Attention(AttentionBenchArgs),
     /// Decode speed with and without the KV cache as the context grows.
     Decode(DecodeBenchArgs),
+    /// Prompt processing speed as the prompt grows: one prefill pass a prompt, its milliseconds a
+    /// token by part, peak RSS.
+    Prefill(PrefillBenchArgs),
     /// How long `ember dashboard` takes to load a log directory of many long runs.
     Dashboard(DashboardBenchArgs),
     /// Concurrent streaming clients against `ember serve` (started in-process on a free port):
@@ -124,6 +127,24 @@ struct DecodeBenchArgs {
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     /// Sequences decoded side by side (each step feeds one token of every one), 1..=256.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Args, Debug)]
+struct PrefillBenchArgs {
+    /// A run directory or checkpoint folder, `gguf:FILE` (its stored quantized weights) or `hf:DIR`.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Prompt lengths to measure, each at least 1 and less than the model's max_seq_len.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
+    contexts: Vec<usize>,
+    /// Positions per KV-cache block, 1..=65536.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Prompts processed side by side, 1..=256.
     #[arg(long, default_value_t = 1)]
     batch: usize,
     #[command(flatten)]
@@ -294,6 +315,15 @@ impl BenchFn for DecodeBenchFn {
     }
 }
 
+/// A decode bench of one step a context, shown as what it measured of the prompts.
+struct PrefillBenchFn(DecodeBenchFn);
+impl BenchFn for PrefillBenchFn {
+    type Out = ember_train::bench::PrefillBench;
+    fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
+        Ok(ember_train::bench::PrefillBench(self.0.call::<B>(device, name)?))
+    }
+}
+
 struct ServeBenchFn(ServeBenchArgs, ModelSource);
 impl BenchFn for ServeBenchFn {
     type Out = ServeBench;
@@ -383,6 +413,7 @@ pub fn run(
         BenchCommand::Loss(a) => loss(a),
         BenchCommand::Attention(a) => attention(a),
         BenchCommand::Decode(a) => decode(a),
+        BenchCommand::Prefill(a) => prefill(a),
         BenchCommand::Dashboard(a) => dashboard(a),
         BenchCommand::Serve(a) => serve(a),
         BenchCommand::Allreduce(a) => allreduce(a, collective.as_ref()),
@@ -465,7 +496,28 @@ fn loss(a: LossBenchArgs) -> anyhow::Result<()> {
     report(json, &dispatch(device, false, BenchJob(LossBenchFn(a)))?)
 }
 
+fn prefill(a: PrefillBenchArgs) -> anyhow::Result<()> {
+    let decode = DecodeBenchArgs {
+        checkpoint: a.checkpoint,
+        contexts: a.contexts,
+        new_tokens: 1,
+        uncached_tokens: 0,
+        block_size: a.block_size,
+        batch: a.batch,
+        common: a.common,
+    };
+    let (checkpoint, device, json) = decode_checks(&decode)?;
+    report(json, &dispatch(device, false, BenchJob(PrefillBenchFn(DecodeBenchFn(decode, checkpoint))))?)
+}
+
 fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
+    let (checkpoint, device, json) = decode_checks(&a)?;
+    report(json, &dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?)
+}
+
+/// The flags of a decode (or prefill) bench checked, the checkpoint opened and the bounds its model
+/// sets checked: the model source, the device and `--json`.
+fn decode_checks(a: &DecodeBenchArgs) -> anyhow::Result<(ModelSource, DeviceSpec, bool)> {
     // Every flag first, before the checkpoint is read; then what the model bounds.
     each_in_range("--contexts", &a.contexts, 1..=1 << 24)?;
     in_range("--new-tokens", a.new_tokens, 1..=1 << 20)?;
@@ -491,8 +543,7 @@ fn decode(a: DecodeBenchArgs) -> anyhow::Result<()> {
     let need = per_position.and_then(|p| p.checked_mul(product(&[2, a.batch, positions])?));
     let what = format!("--block-size {} --batch {} (KV cache of {positions} positions)", a.block_size, a.batch);
     fits_memory(&what, need, a.common.device)?;
-    let (device, json) = (a.common.device, a.common.json);
-    report(json, &dispatch(device, false, BenchJob(DecodeBenchFn(a, checkpoint)))?)
+    Ok((checkpoint, a.common.device, a.common.json))
 }
 
 fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {
