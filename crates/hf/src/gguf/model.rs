@@ -173,7 +173,13 @@ fn read_file_as(f: GgufFile, keep: Keep) -> Result<GgufModel, GgufError> {
     }
     let (config, arch, hf_config) = read_config(&f)?;
     let (tensors, stored, quantized) = read_tensors(&f, arch, &config, keep)?;
-    let (tokenizer_json, tokenizer_config) = super::tokenizer::from_gguf(&f)?;
+    // Inference has its tokenizer already (built when the source was opened); a second one, a
+    // JSON text and tree as large as the vocabulary (262k tokens for Gemma 3), would be made only
+    // to be dropped.
+    let (tokenizer_json, tokenizer_config) = match keep {
+        Keep::Inference => (String::new(), Json::Null),
+        _ => super::tokenizer::from_gguf(&f)?,
+    };
     Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored, quantized })
 }
 
@@ -404,7 +410,10 @@ pub(super) fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 pub struct GgufImport<B: ember_kernels::EmberBackend> {
     pub imported: crate::Imported<B>,
     pub arch: Architecture,
+    /// tokenizer.json's text ([`super::tokenizer::from_gguf`]); empty from [`import_for_inference`],
+    /// whose callers build their tokenizer once, from the file.
     pub tokenizer_json: String,
+    /// tokenizer_config.json's (null from [`import_for_inference`]).
     pub tokenizer_config: Json,
     /// (name, type) of every tensor as stored.
     pub stored: Vec<(String, &'static str)>,
@@ -420,7 +429,8 @@ pub fn import<B: ember_kernels::EmberBackend>(
 }
 
 /// [`import`] for inference: the blocks' projections, the embedding table and the LM head kept in
-/// their stored block types ([`Keep::Inference`]), products on the stored blocks.
+/// their stored block types ([`Keep::Inference`]), products on the stored blocks. The tokenizer
+/// files are left empty.
 pub fn import_for_inference<B: ember_kernels::EmberBackend>(
     path: &Path,
     device: &burn::tensor::Device<B>,
