@@ -14,9 +14,11 @@
 //! tensor for the call, then a matmul.
 //!
 //! A weight whose type has integer dot products ([`QuantWeight::with_dot`], [`crate::qdot`]) runs
-//! the forward product of a few rows (a decode step: up to [`DOT_ROWS`]) on them instead, its input
-//! quantized to 8 bits on the fly as llama.cpp does (unless the run's [`Compute::int8_inputs`] is
-//! off): the stored bytes are read once and nothing is decoded to f32.
+//! the forward product of a few rows (a decode step: up to [`DOT_ROWS`]) on them instead (rows
+//! interleaved sixteen at a time where the CPU has AVX-512 VNNI, [`crate::interleave`]), its input
+//! quantized to 8 bits on the fly as llama.cpp does, unless the run's [`Compute::int8_inputs`] is
+//! off (as it is under autodiff: training multiplies exactly): the stored bytes are read once and
+//! nothing is decoded to f32. A prompt's rows multiply exactly, on decoded tiles.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -341,7 +343,7 @@ impl QuantLinearOps for Flex {
         }
         let (n, x) = (shape[0], flex::f32s(&x));
         let y = match w.0.dot {
-            Some(format) if cx.int8_inputs && w.0.interleaved => {
+            Some(format) if n <= DOT_ROWS && cx.int8_inputs && w.0.interleaved => {
                 crate::interleave::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
             }
             Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
@@ -365,6 +367,9 @@ impl QuantLinearOps for Flex {
 /// (shared, not copied) and nothing of the input.
 impl<B: EmberBackend, C: CheckpointStrategy> QuantLinearOps for Autodiff<B, C> {
     fn quant_linear(x: FloatTensor<Self>, w: &QuantWeight, cx: Compute) -> FloatTensor<Self> {
+        // Training (and a training run's evaluations) multiply exactly: 8-bit activations are an
+        // inference choice, lossy.
+        let cx = cx.with_int8_inputs(false);
         #[derive(Debug)]
         struct QuantLinearBackward;
         impl<B: EmberBackend> Backward<B, 1> for QuantLinearBackward {
@@ -393,6 +398,7 @@ impl<B: EmberBackend, C: CheckpointStrategy> QuantLinearOps for Autodiff<B, C> {
         (a, b, scale): (FloatTensor<Self>, FloatTensor<Self>, f32),
         cx: Compute,
     ) -> FloatTensor<Self> {
+        let cx = cx.with_int8_inputs(false); // as `quant_linear`
         #[derive(Debug)]
         struct QuantLoraBackward;
         impl<B: EmberBackend> Backward<B, 3> for QuantLoraBackward {

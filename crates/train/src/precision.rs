@@ -83,7 +83,9 @@ pub(crate) fn run_compute<B: EmberBackend>(
     if let Some(note) = note {
         tracing::warn!("{note}");
     }
-    compute
+    // A run's losses (validation and reference passes included) come from exact products: a
+    // quantized base's 8-bit activations are for inference.
+    compute.with_int8_inputs(false)
 }
 
 /// The GEMMs a run's MFU is measured against: the CPU's bf16 kernel's where its products run on it.

@@ -103,7 +103,8 @@ impl Job for EvalJob {
     type Output = Report;
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Report> {
         let model = self.checkpoint.decoder_over::<B::InnerBackend>(self.init.as_ref(), &device)?;
-        let model = model.with_compute(crate::env::compute());
+        // A perplexity is the model's, from exact products (not 8-bit activations).
+        let model = model.with_compute(crate::env::compute().with_int8_inputs(false));
         Ok(match self.scored {
             Scored::Stream { tokens, bytes, context, stride } => {
                 Report::Perplexity(perplexity(&model, &tokens, context, stride, self.batch, bytes))
