@@ -14,11 +14,12 @@
 //! tensor for the call, then a matmul.
 //!
 //! A weight whose type has integer dot products ([`QuantWeight::with_dot`], [`crate::qdot`]) runs
-//! the forward product of a few rows (a decode step: up to [`DOT_ROWS`]) on them instead (rows
-//! interleaved sixteen at a time where the CPU has AVX-512 VNNI, [`crate::interleave`]), its input
-//! quantized to 8 bits on the fly as llama.cpp does, unless the run's [`Compute::int8_inputs`] is
-//! off (as it is under autodiff: training multiplies exactly): the stored bytes are read once and
-//! nothing is decoded to f32. A prompt's rows multiply exactly, on decoded tiles.
+//! the forward product of a few rows (a decode step: up to [`DOT_ROWS`]) on them instead, its input
+//! quantized to 8 bits on the fly as llama.cpp does: the stored bytes are read once and nothing is
+//! decoded to f32. Where the CPU has AVX-512 VNNI and the rows are interleaved sixteen at a time
+//! ([`crate::interleave`]), a prompt's rows take the integer products too (llama.cpp's prefill
+//! does the same); elsewhere they multiply decoded tiles. [`Compute::int8_inputs`] off (training,
+//! under autodiff always; `ember eval`) multiplies every row exactly, on decoded tiles.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -36,8 +37,8 @@ use crate::compute::{Compute, Path};
 use crate::qdot::DotFormat;
 use crate::{flex, float, prim, EmberBackend};
 
-/// Rows up to which the forward product of a weight with integer dot products runs on them; more
-/// rows (prefill, training) decode tiles for the f32 GEMM.
+/// Rows up to which the forward product of a weight with integer dot products in the file's layout
+/// runs on them; more rows decode tiles for the f32 GEMM (interleaved weights take any number).
 pub const DOT_ROWS: usize = 16;
 
 /// Decodes whole blocks: `bytes` holds `out.len() / values` blocks of the type, `out` receives
@@ -343,7 +344,7 @@ impl QuantLinearOps for Flex {
         }
         let (n, x) = (shape[0], flex::f32s(&x));
         let y = match w.0.dot {
-            Some(format) if n <= DOT_ROWS && cx.int8_inputs && w.0.interleaved => {
+            Some(format) if cx.int8_inputs && w.0.interleaved => {
                 crate::interleave::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
             }
             Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
