@@ -222,9 +222,16 @@ impl<B: EmberBackend> Engine<B> {
     /// and one for the prefilling ones, and samples a token for every slot whose prompt is in.
     pub fn step(&mut self) -> Vec<Event> {
         self.admit();
+        let waiting = match self.config.share_prefixes {
+            true => {
+                self.catch_up();
+                self.followers()
+            }
+            false => Vec::new(),
+        };
         let mut events = Vec::new();
         let (decoding, prefilling): (Vec<usize>, Vec<usize>) = (0..self.slots.len())
-            .filter(|&i| self.slots[i].is_some())
+            .filter(|&i| self.slots[i].is_some() && !waiting.contains(&i))
             .partition(|&i| self.slots[i].as_ref().is_some_and(|l| !l.prefilling()));
         for group in [decoding, prefilling] {
             if group.is_empty() {
@@ -293,6 +300,46 @@ impl<B: EmberBackend> Engine<B> {
         self.count_blocks();
     }
 
+    /// Prefilling slots start from a longer prefix of their prompt where another slot now holds
+    /// one (one that was being prefilled when they were admitted).
+    fn catch_up(&mut self) {
+        for slot in 0..self.slots.len() {
+            let Some(live) = self.slots[slot].as_ref().filter(|l| l.prefilling()) else { continue };
+            let prompt = &live.request.prompt;
+            let held = |o: usize| common_prefix(&self.cached[o], prompt).min(prompt.len() - 1);
+            let best = (0..self.slots.len()).filter(|&o| o != slot).max_by_key(|&o| held(o));
+            let Some((from, len)) = best.map(|o| (o, held(o))).filter(|&(_, len)| len > live.fed) else { continue };
+            let fed = live.fed;
+            self.cache.share_prefix(from, slot, len);
+            self.usage.reused_tokens += (len - fed) as u64;
+            let prompt = self.slots[slot].as_ref().map(|l| l.request.prompt[..len].to_vec()).unwrap_or_default();
+            self.cached[slot] = prompt;
+            if let Some(live) = self.slots[slot].as_mut() {
+                live.fed = len;
+            }
+        }
+    }
+
+    /// Prefilling slots that wait a step: those whose prompt shares at least [`WAIT_FOR_PREFIX`]
+    /// more tokens with a lower slot's prompt that is being prefilled and has not fed them yet.
+    /// Requests that arrive together with one system prompt then compute it once (the lowest slot
+    /// feeds it, the others take it over at the next step) instead of each its own copy.
+    fn followers(&self) -> Vec<usize> {
+        let prefilling: Vec<(usize, &Live)> =
+            (0..self.slots.len()).filter_map(|s| self.slots[s].as_ref().filter(|l| l.prefilling()).map(|l| (s, l))).collect();
+        prefilling
+            .iter()
+            .filter(|(s, live)| {
+                let prompt = &live.request.prompt;
+                prefilling.iter().any(|(l, leader)| {
+                    let shared = common_prefix(&leader.request.prompt, prompt).min(prompt.len() - 1);
+                    l < s && shared >= live.fed + WAIT_FOR_PREFIX && leader.fed < shared
+                })
+            })
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
     /// Lets go of the prefixes idle slots keep until the pool's free blocks cover what `group`
     /// stores of `inputs` (the pool grows only when they are not enough).
     fn make_room(&mut self, group: &[usize], inputs: &[Vec<u32>]) {
@@ -358,6 +405,10 @@ impl<B: EmberBackend> Engine<B> {
         Event::Done { id, finish, prompt_tokens, completion_tokens }
     }
 }
+
+/// Prompt tokens a prefilling request waits a step for, rather than compute them beside another
+/// request that is computing the same ([`Engine::followers`]).
+const WAIT_FOR_PREFIX: usize = 16;
 
 /// Tokens `a` and `b` share from the start.
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -457,6 +508,17 @@ mod tests {
             (tokens, engine.cache_use())
         };
         let (tokens, shared) = run_with(true);
+        // Four requests at once with one 40-token system prompt: the first prefills it, the other
+        // three wait a step and take it over.
+        let long: Vec<u32> = (0..40).map(|i| (i * 11 + 2) % 41).collect();
+        let together: Vec<Vec<u32>> = (0..4).map(|q| long.iter().copied().chain([q, q + 1]).collect()).collect();
+        let config = EngineConfig { slots: 4, queue_limit: 8, prefill_chunk: 64, block_size: 4, share_prefixes: true };
+        let mut engine = Engine::new(model.clone(), config);
+        let (got, _) = run(&mut engine, together.iter().map(|p| (0, request(p, 3))).collect());
+        for (i, p) in together.iter().enumerate() {
+            assert_eq!(got[&(i as u64)], alone(&model, p, 3), "request {i} of the four");
+        }
+        assert_eq!(engine.cache_use().reused_tokens, 3 * 40, "three requests took over the system prompt");
         for (i, prompt) in prompts.iter().enumerate() {
             assert_eq!(tokens[&(i as u64)], alone(&model, prompt, lens[i]), "request {i}");
         }
