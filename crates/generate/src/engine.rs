@@ -325,8 +325,9 @@ impl<B: EmberBackend> Engine<B> {
     /// Requests that arrive together with one system prompt then compute it once (the lowest slot
     /// feeds it, the others take it over at the next step) instead of each its own copy.
     fn followers(&self) -> Vec<usize> {
-        let prefilling: Vec<(usize, &Live)> =
-            (0..self.slots.len()).filter_map(|s| self.slots[s].as_ref().filter(|l| l.prefilling()).map(|l| (s, l))).collect();
+        let prefilling: Vec<(usize, &Live)> = (0..self.slots.len())
+            .filter_map(|s| self.slots[s].as_ref().filter(|l| l.prefilling()).map(|l| (s, l)))
+            .collect();
         prefilling
             .iter()
             .filter(|(s, live)| {

@@ -388,7 +388,8 @@ mod tests {
     #[test]
     fn top_p_without_a_whole_sort_keeps_the_nucleus_of_one() {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
-        let peaked: Vec<f32> = (0..5000).map(|i| if i % 97 == 0 { 8.0 } else { rng.random_range(-4.0f32..0.0) }).collect();
+        let peaked: Vec<f32> =
+            (0..5000).map(|i| if i % 97 == 0 { 8.0 } else { rng.random_range(-4.0f32..0.0) }).collect();
         let flat: Vec<f32> = (0..5000).map(|_| rng.random_range(-0.1f32..0.1)).collect();
         let ties: Vec<f32> = (0..5000).map(|i| (i % 7) as f32 * 0.5).collect();
         for logits in [peaked, flat, ties] {
@@ -398,7 +399,10 @@ mod tests {
                 // The reference: every id sorted, then the shortest prefix reaching top_p.
                 let mut sorted: Vec<usize> = (0..logits.len()).collect();
                 sorted.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-                let w: Vec<f64> = sorted.iter().map(|&i| ((logits[i] as f64 - logits[sorted[0]] as f64) / 0.7f32 as f64).exp()).collect();
+                let w: Vec<f64> = sorted
+                    .iter()
+                    .map(|&i| ((logits[i] as f64 - logits[sorted[0]] as f64) / 0.7f32 as f64).exp())
+                    .collect();
                 let total: f64 = w.iter().sum();
                 let mut mass = 0.0;
                 let keep = w.iter().position(|&x| {

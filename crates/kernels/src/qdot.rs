@@ -613,7 +613,6 @@ mod wide {
         /// The block's 32 codes, in value order.
         unsafe fn codes(blk: *const u8) -> __m256i;
 
-
         /// The codes of the block at `blk` times `x`, in i32 lanes.
         #[inline(always)]
         unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i {
@@ -668,7 +667,9 @@ mod wide {
         const SIGNED: bool = true;
         #[inline(always)]
         unsafe fn codes(blk: *const u8) -> __m256i {
-            unsafe { _mm256_sub_epi8(_mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2))), _mm256_set1_epi8(16)) }
+            unsafe {
+                _mm256_sub_epi8(_mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2))), _mm256_set1_epi8(16))
+            }
         }
     }
 

@@ -164,7 +164,9 @@ impl<B: Backend> KvCache<B> {
     pub fn blocks_needed(&self, row: usize, n: usize) -> usize {
         let (len, table) = (self.lens[row], &self.tables[row]);
         let grows = (len + n).div_ceil(self.block_size).saturating_sub(table.len());
-        let copies = table.get(len / self.block_size).is_some_and(|&b| n > 0 && len % self.block_size > 0 && self.holders[b] > 1);
+        let copies = table
+            .get(len / self.block_size)
+            .is_some_and(|&b| n > 0 && len % self.block_size > 0 && self.holders[b] > 1);
         grows + usize::from(copies)
     }
 

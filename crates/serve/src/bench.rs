@@ -116,7 +116,8 @@ fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
 
 /// The server's `/health` KV-cache counters, if it reports them.
 fn cache_counters(base: &str) -> Option<Value> {
-    let health: Value = serde_json::from_str(&ureq::get(&format!("{base}/health")).call().ok()?.into_string().ok()?).ok()?;
+    let health: Value =
+        serde_json::from_str(&ureq::get(&format!("{base}/health")).call().ok()?.into_string().ok()?).ok()?;
     Some(health.get("kv_cache")?.clone())
 }
 

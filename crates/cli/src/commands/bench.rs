@@ -333,7 +333,8 @@ impl BenchFn for ServeBenchFn {
         let context = model.config().max_seq_len;
         let slots = a.clients.iter().copied().max().unwrap_or(1);
         let share_prefixes = !a.no_prefix_sharing;
-        let engine = Engine::new(model, EngineConfig { slots, queue_limit: 4096, share_prefixes, ..EngineConfig::default() });
+        let engine =
+            Engine::new(model, EngineConfig { slots, queue_limit: 4096, share_prefixes, ..EngineConfig::default() });
         let system = match a.system.as_deref() {
             Some(s) => Some(match s.strip_prefix('@') {
                 Some(path) => std::fs::read_to_string(path).with_context(|| format!("reading --system {path}"))?,
