@@ -78,14 +78,31 @@ fn chunks(format: DotFormat) -> usize {
 
 /// `m` rows of `k` values in the file's layout (`data`), interleaved; `None` where the type does not
 /// interleave or the rows do not make whole groups.
-pub fn interleave(format: DotFormat, data: &[u8], (m, k): (usize, usize)) -> Option<Vec<u8>> {
+pub fn interleave(format: DotFormat, data: &[u8], shape: (usize, usize)) -> Option<Vec<u8>> {
+    interleave_with(format, data, shape, &mut |_| {})
+}
+
+/// Source bytes read between two calls of [`interleave_with`]'s `consumed`.
+const CONSUMED_STEP: usize = 1 << 20;
+
+/// [`interleave`], calling `consumed` with each range of `data` it is done reading (about a MiB at
+/// a time, in order): a mapped file's pages can be let go as the copy grows, so that the two are
+/// never whole at once.
+pub fn interleave_with(
+    format: DotFormat,
+    data: &[u8],
+    (m, k): (usize, usize),
+    consumed: &mut dyn FnMut(std::ops::Range<usize>),
+) -> Option<Vec<u8>> {
     let (bv, bb) = format.block();
     if !supports(format) || !m.is_multiple_of(GROUP) || !k.is_multiple_of(bv) || data.len() != m * k / bv * bb {
         return None;
     }
     let (blocks, head) = (k / bv, header(format));
+    let group_bytes = GROUP * blocks * bb;
     let mut out = vec![0u8; data.len()];
-    for (g, group) in out.chunks_exact_mut(GROUP * blocks * bb).enumerate() {
+    let mut done = 0;
+    for (g, group) in out.chunks_exact_mut(group_bytes).enumerate() {
         for (b, rec) in group.chunks_exact_mut(GROUP * bb).enumerate() {
             for j in 0..GROUP {
                 let block = &data[((g * GROUP + j) * blocks + b) * bb..][..bb];
@@ -100,6 +117,12 @@ pub fn interleave(format: DotFormat, data: &[u8], (m, k): (usize, usize)) -> Opt
                     }
                 }
             }
+        }
+        // A group's records come from its 16 rows, which are contiguous in the file's layout.
+        let read = (g + 1) * group_bytes;
+        if read - done >= CONSUMED_STEP || read == data.len() {
+            consumed(done..read);
+            done = read;
         }
     }
     Some(out)
@@ -333,6 +356,10 @@ mod tests {
                 assert_eq!(row, data[r * rb..(r + 1) * rb], "{format:?} row {r}");
             }
             assert!(interleave(format, &data[..data.len() - rb], (m - 1, k)).is_none(), "31 rows");
+            // What is read is reported once, in order, to the end.
+            let mut ranges = Vec::new();
+            assert_eq!(interleave_with(format, &data, (m, k), &mut |r| ranges.push(r)).unwrap(), packed);
+            assert_eq!(ranges, vec![0..data.len()]);
         }
         assert!(interleave(DotFormat::Q4K, &[0; 144 * 16], (16, 256)).is_none());
     }

@@ -150,12 +150,23 @@ impl QuantWeight {
     /// rows are interleaved sixteen at a time for those products ([`crate::interleave`]: a copy as
     /// large as the blocks, which then replaces them).
     pub fn with_dot(self, format: DotFormat) -> Result<Self, QuantError> {
+        self.with_dot_releasing(format, &mut |_| {})
+    }
+
+    /// [`Self::with_dot`], calling `consumed` with each range of the stored bytes the interleaving
+    /// is done reading ([`crate::interleave::interleave_with`]): a mapped file's pages can go as
+    /// the copy grows.
+    pub fn with_dot_releasing(
+        self,
+        format: DotFormat,
+        consumed: &mut dyn FnMut(Range<usize>),
+    ) -> Result<Self, QuantError> {
         let s = &self.0;
         if s.block != format.block() {
             return Err(QuantError::Format { kind: s.kind, block: s.block, format, expected: format.block() });
         }
         let packed = (!s.interleaved && crate::interleave::pays(format, s.rows))
-            .then(|| crate::interleave::interleave(format, &s.data, (s.rows, s.cols)))
+            .then(|| crate::interleave::interleave_with(format, &s.data, (s.rows, s.cols), consumed))
             .flatten();
         let stored = Arc::unwrap_or_clone(self.0);
         Ok(Self(Arc::new(match packed {

@@ -368,10 +368,16 @@ impl GgufFile {
     /// mapped file's pages would otherwise count until the mapping ends. They come back from the
     /// file if read again. Nothing happens to bytes made in memory.
     pub fn release(&self, t: &TensorInfo) {
+        self.release_range(t, 0..t.len);
+    }
+
+    /// [`Self::release`] for bytes `range` of tensor `t`'s only.
+    pub fn release_range(&self, t: &TensorInfo, range: std::ops::Range<usize>) {
         if let FileBytes::Mapped(map) = &*self.bytes {
-            // Whole pages inside the tensor's bytes only: its neighbours' stay.
+            // Whole pages inside those bytes only: their neighbours' stay.
             let page = 4096;
-            let (start, end) = (t.start.div_ceil(page) * page, (t.start + t.len) / page * page);
+            let (from, to) = (t.start + range.start.min(t.len), t.start + range.end.min(t.len));
+            let (start, end) = (from.div_ceil(page) * page, to / page * page);
             if end > start {
                 // SAFETY: the mapping is of a file, read-only: pages let go are read again from
                 // the file on the next access, with the same bytes (no view sees them change).

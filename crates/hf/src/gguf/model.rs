@@ -385,11 +385,18 @@ fn kept_weight(f: &GgufFile, t: &super::TensorInfo, permuted: Option<usize>) -> 
         // Row i of the Hugging Face order is the row the f32 permutation moves there.
         let rows: Vec<f32> = (0..shape[0]).map(|i| i as f32).collect();
         weight = weight.with_rows(&permute_rows(&rows, heads, 1, true).iter().map(|&r| r as usize).collect::<Vec<_>>());
+        f.release(t); // a copy of its own
     }
     if let Some(format) = super::quant::dot_format(t.kind) {
-        weight = weight.with_dot(format).map_err(|e| f.meta_err(&t.name, e.to_string()))?;
+        // An interleaved copy of the file's bytes lets their pages go as it grows.
+        let mut consumed = |r: std::ops::Range<usize>| {
+            if permuted.is_none() {
+                f.release_range(t, r);
+            }
+        };
+        weight = weight.with_dot_releasing(format, &mut consumed).map_err(|e| f.meta_err(&t.name, e.to_string()))?;
     }
-    if permuted.is_some() || weight.interleaved() {
+    if weight.interleaved() {
         f.release(t);
     }
     Ok(weight)
