@@ -401,6 +401,7 @@ impl<B: EmberBackend> Engine<B> {
             self.cache.reset(slot);
             self.cached[slot].clear();
         }
+        self.count_blocks();
         let (id, prompt_tokens, completion_tokens) =
             live.map_or((0, 0, 0), |l| (l.id, l.request.prompt.len(), l.generated));
         Event::Done { id, finish, prompt_tokens, completion_tokens }

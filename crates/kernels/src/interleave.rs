@@ -38,14 +38,14 @@ pub fn supports(format: DotFormat) -> bool {
 /// Whether a weight of `rows` rows in `format` is worth interleaving on this machine: its type
 /// interleaves, its rows make whole groups, and the CPU has the instructions the layout is for.
 pub fn pays(format: DotFormat, rows: usize) -> bool {
-    supports(format) && rows.is_multiple_of(GROUP) && Isa::best(Cpu::detect()) == wide_isa()
-}
-
-fn wide_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
-    return Isa::Avx512Vnni;
+    return supports(format) && rows.is_multiple_of(GROUP) && Isa::best(Cpu::detect()) == Isa::Avx512Vnni;
+    // Elsewhere only the plain loop would read the layout.
     #[cfg(not(target_arch = "x86_64"))]
-    Isa::Scalar
+    {
+        let _ = (format, rows);
+        false
+    }
 }
 
 /// Bytes of the scales (and mins) at the head of a record.
@@ -131,11 +131,25 @@ pub fn interleave_with(
 /// Row `row` of an interleaved weight of `m` rows of `k` values, in the file's layout, into `out`
 /// (`k / 32` blocks).
 pub fn restore_row(format: DotFormat, data: &[u8], (m, k): (usize, usize), row: usize, out: &mut [u8]) {
+    restore_blocks(format, data, (m, k), row, 0..k / format.block().0, out);
+}
+
+/// Blocks `blocks` of row `row` of an interleaved weight, in the file's layout, into `out`.
+pub fn restore_blocks(
+    format: DotFormat,
+    data: &[u8],
+    (m, k): (usize, usize),
+    row: usize,
+    blocks: std::ops::Range<usize>,
+    out: &mut [u8],
+) {
     let (bv, bb) = format.block();
-    let (blocks, head) = (k / bv, header(format));
-    assert!(row < m && out.len() == blocks * bb, "restore_row: row {row} of {m}, {} bytes", out.len());
+    let head = header(format);
+    let (first, len, all) = (blocks.start, blocks.len(), k / bv);
+    assert!(row < m && blocks.end <= all && out.len() == len * bb, "restore_blocks: row {row} of {m}, {blocks:?}");
+    let blocks = all;
     let (g, j) = (row / GROUP, row % GROUP);
-    for (b, block) in out.chunks_exact_mut(bb).enumerate() {
+    for (b, block) in (first..).zip(out.chunks_exact_mut(bb)) {
         let rec = &data[(g * blocks + b) * GROUP * bb..][..GROUP * bb];
         block[..2].copy_from_slice(&rec[2 * j..2 * j + 2]);
         if format == DotFormat::Q4_1 {
@@ -223,7 +237,7 @@ mod wide {
     /// # Safety
     /// The CPU must have AVX-512 F, VL and VNNI, and F16C; `rec` one group's records of `format`
     /// (a type that interleaves), `xs` rows of as many values, `out(r)` 16 writable f32s.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn group(format: DotFormat, rec: &[u8], xs: &[Row<'_>], out: impl Fn(usize) -> *mut f32) {
         let grouped = xs.len() / ROWS * ROWS;
         unsafe {
@@ -295,7 +309,9 @@ mod wide {
                         codes[c] = v;
                     } else {
                         codes[c] = _mm512_and_si512(v, m4);
-                        codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m4);
+                        // (Shifted in 32-bit lanes: the bits a byte takes from its neighbour land
+                        // in its high nibble, which the mask drops.)
+                        codes[c + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(v), m4);
                     }
                 }
                 for r in 0..R {

@@ -180,18 +180,18 @@ impl QuantWeight {
         self.0.interleaved
     }
 
-    /// Stored row `row` in the file's layout: a view of the bytes, or, interleaved, restored into
-    /// `buf`.
-    fn stored_row<'a>(&'a self, row: usize, buf: &'a mut Vec<u8>) -> &'a [u8] {
+    /// Blocks `blocks` of stored row `row` in the file's layout: a view of the bytes, or,
+    /// interleaved, restored into `buf`.
+    fn stored_blocks<'a>(&'a self, row: usize, blocks: Range<usize>, buf: &'a mut Vec<u8>) -> &'a [u8] {
         let s = &self.0;
-        let rb = self.row_bytes();
+        let (rb, bb) = (self.row_bytes(), s.block.1);
         match (s.interleaved, s.dot) {
             (true, Some(format)) => {
-                buf.resize(rb, 0);
-                crate::interleave::restore_row(format, &s.data, (s.rows, s.cols), row, buf);
+                buf.resize(blocks.len() * bb, 0);
+                crate::interleave::restore_blocks(format, &s.data, (s.rows, s.cols), row, blocks, buf);
                 buf
             }
-            _ => &s.data[row * rb..(row + 1) * rb],
+            _ => &s.data[row * rb + blocks.start * bb..row * rb + blocks.end * bb],
         }
     }
 
@@ -235,8 +235,9 @@ impl QuantWeight {
         assert_eq!(order.len(), self.0.rows, "with_rows: a permutation of {} rows", self.0.rows);
         let mut buf = Vec::new();
         let mut data: Vec<u8> = Vec::with_capacity(self.0.data.len());
+        let blocks = self.0.cols / self.0.block.0;
         for &r in order {
-            data.extend_from_slice(self.stored_row(r, &mut buf));
+            data.extend_from_slice(self.stored_blocks(r, 0..blocks, &mut buf));
         }
         let rows = Self(Arc::new(Stored { data: data.into(), interleaved: false, ..(*self.0).clone() }));
         match self.0.dot {
@@ -248,15 +249,15 @@ impl QuantWeight {
 
     /// Rows `rows`, columns `cols` (whole blocks) decoded into `out`, row-major `[rows, cols]`.
     pub fn decode_tile(&self, rows: Range<usize>, cols: Range<usize>, out: &mut [f32]) {
-        let (bv, bb) = self.0.block;
+        let bv = self.0.block.0;
         assert!(cols.start.is_multiple_of(bv) && (cols.end.is_multiple_of(bv) || cols.end == self.0.cols));
         assert!(rows.end <= self.0.rows && cols.end <= self.0.cols, "decode_tile: outside the weight");
         let width = cols.len();
         assert_eq!(out.len(), rows.len() * width, "decode_tile: output of {} rows × {width}", rows.len());
-        let (b0, b1) = (cols.start / bv * bb, cols.end / bv * bb);
+        let blocks = cols.start / bv..cols.end / bv;
         let mut buf = Vec::new();
         for (row, out) in rows.zip(out.chunks_exact_mut(width.max(1))) {
-            (self.0.decode)(&self.stored_row(row, &mut buf)[b0..b1], out);
+            (self.0.decode)(self.stored_blocks(row, blocks.clone(), &mut buf), out);
         }
     }
 
@@ -677,6 +678,11 @@ mod tests {
         let order: Vec<usize> = (0..rows).rev().collect();
         assert_eq!(w.with_rows(&order).dequantize(), plain.with_rows(&order).dequantize());
         assert_eq!(w.with_rows(&order).interleaved(), w.interleaved());
+        // A tile of some blocks of some rows, restored block by block.
+        let (mut a, mut b) = (vec![0f32; 4 * 32], vec![0f32; 4 * 32]);
+        w.decode_tile(3..7, 32..64, &mut a);
+        plain.decode_tile(3..7, 32..64, &mut b);
+        assert_eq!(a, b);
         assert!(QuantWeight::new("Q8_0", [rows, cols], (32, 34), vec![0; rows * 68], decode_q8_0)
             .unwrap()
             .with_dot(DotFormat::Q4_0)

@@ -285,12 +285,17 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<Self, GgufError> {
         let io = |err| GgufError::Io { path: path.into(), err };
         let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the mapping is read-only; what the documentation above asks of the file keeps
-        // its bytes as they were for as long as the mapping lives. An empty file cannot be mapped:
-        // it is read (and refused by the parser).
+        // SAFETY (the map below): the mapping is read-only; what the documentation above asks of
+        // the file keeps its bytes as they were for as long as the mapping lives. An empty file
+        // cannot be mapped: it is read (and refused by the parser).
+        // A file that cannot be mapped (a pipe, some network file systems) is read.
         let bytes = match file.metadata().map_err(io)?.len() {
-            0 => FileBytes::Owned(Vec::new()),
-            _ => FileBytes::Mapped(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?),
+            0 => None,
+            _ => unsafe { memmap2::Mmap::map(&file) }.ok().map(FileBytes::Mapped),
+        };
+        let bytes = match bytes {
+            Some(mapped) => mapped,
+            None => FileBytes::Owned(std::fs::read(path).map_err(io)?),
         };
         Self::parse_shared(std::sync::Arc::new(bytes), path)
     }
