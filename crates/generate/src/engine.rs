@@ -277,23 +277,15 @@ impl<B: EmberBackend> Engine<B> {
                 break;
             }
             let Some((id, request)) = self.queue.pop_front() else { break };
-            let held = |slot: usize| match self.config.share_prefixes {
-                true => common_prefix(&self.cached[slot], &request.prompt).min(request.prompt.len() - 1),
-                false => 0,
-            };
+            let share = self.config.share_prefixes;
+            let held = |slot: usize| if share { self.held(slot, &request.prompt) } else { 0 };
             // The free slot whose kept tokens serve the prompt best (a prefix is taken from
             // itself without a copy), and the best prefix of any slot.
             let slot = free.iter().copied().max_by_key(|&s| (held(s), std::cmp::Reverse(s))).unwrap_or(free[0]);
             let from = (0..self.slots.len()).max_by_key(|&s| (held(s), s == slot)).unwrap_or(slot);
             let reused = held(from);
-            if reused > 0 {
-                self.cache.share_prefix(from, slot, reused);
-            } else {
-                self.cache.reset(slot);
-            }
-            self.cached[slot] = request.prompt[..reused].to_vec();
+            self.take_prefix((from, slot), &request.prompt, reused, 0);
             self.usage.prompt_tokens += request.prompt.len() as u64;
-            self.usage.reused_tokens += reused as u64;
             let history = request.prompt.clone();
             self.slots[slot] = Some(Live { id, request, fed: reused, history, generated: 0 });
         }
@@ -305,19 +297,30 @@ impl<B: EmberBackend> Engine<B> {
     fn catch_up(&mut self) {
         for slot in 0..self.slots.len() {
             let Some(live) = self.slots[slot].as_ref().filter(|l| l.prefilling()) else { continue };
-            let prompt = &live.request.prompt;
-            let held = |o: usize| common_prefix(&self.cached[o], prompt).min(prompt.len() - 1);
-            let best = (0..self.slots.len()).filter(|&o| o != slot).max_by_key(|&o| held(o));
-            let Some((from, len)) = best.map(|o| (o, held(o))).filter(|&(_, len)| len > live.fed) else { continue };
-            let fed = live.fed;
-            self.cache.share_prefix(from, slot, len);
-            self.usage.reused_tokens += (len - fed) as u64;
-            let prompt = self.slots[slot].as_ref().map(|l| l.request.prompt[..len].to_vec()).unwrap_or_default();
-            self.cached[slot] = prompt;
+            let best =
+                (0..self.slots.len()).filter(|&o| o != slot).map(|o| (self.held(o, &live.request.prompt), o)).max();
+            let Some((len, from)) = best.filter(|&(len, _)| len > live.fed) else { continue };
+            let (prompt, fed) = (live.request.prompt.clone(), live.fed);
+            self.take_prefix((from, slot), &prompt, len, fed);
             if let Some(live) = self.slots[slot].as_mut() {
                 live.fed = len;
             }
         }
+    }
+
+    /// Tokens of `prompt` slot `o` holds that a request can start from: all but the prompt's last
+    /// at most (its logits start the answer).
+    fn held(&self, o: usize, prompt: &[u32]) -> usize {
+        common_prefix(&self.cached[o], prompt).min(prompt.len() - 1)
+    }
+
+    /// Slot `slot` holds the first `len` tokens of `prompt` as slot `from` holds them, the blocks
+    /// shared (none for 0: it starts empty); the `len - fed` it did not compute itself count as
+    /// reused.
+    fn take_prefix(&mut self, (from, slot): (usize, usize), prompt: &[u32], len: usize, fed: usize) {
+        self.cache.share_prefix(from, slot, len);
+        self.cached[slot] = prompt[..len].to_vec();
+        self.usage.reused_tokens += (len - fed) as u64;
     }
 
     /// Prefilling slots that wait a step: those whose prompt shares at least [`WAIT_FOR_PREFIX`]

@@ -338,24 +338,9 @@ mod wide {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::qdot::tests::random_rows;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
-
-    /// Rows of random codes, each block's halves normal values between 2^-5 and 2^0 of either sign.
-    fn random_rows(format: DotFormat, rows: usize, k: usize, seed: u64) -> Vec<u8> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (bv, bb) = format.block();
-        let mut data: Vec<u8> = (0..rows * k / bv * bb).map(|_| rng.random()).collect();
-        let halves: &[usize] = if format == DotFormat::Q4_1 { &[0, 2] } else { &[0] };
-        for blk in data.chunks_exact_mut(bb) {
-            for &at in halves {
-                let (sign, exp, man) =
-                    (rng.random::<bool>() as u16, rng.random_range(10u16..15), rng.random_range(0u16..1024));
-                blk[at..at + 2].copy_from_slice(&(sign << 15 | exp << 10 | man).to_le_bytes());
-            }
-        }
-        data
-    }
 
     #[test]
     fn interleaving_keeps_every_row_and_refuses_what_does_not_fit() {

@@ -848,14 +848,14 @@ mod wide {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
     /// `rows` stored rows of `k` values: random code bytes, every f16 scale a normal half between
     /// 2^-5 and 2^0 of either sign.
-    fn random_rows(format: DotFormat, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+    pub(crate) fn random_rows(format: DotFormat, rows: usize, k: usize, seed: u64) -> Vec<u8> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let (bv, bb) = format.block();
         let mut data: Vec<u8> = (0..rows * k / bv * bb).map(|_| rng.random()).collect();
