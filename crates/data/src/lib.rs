@@ -11,6 +11,7 @@ pub mod loader;
 pub mod manifest;
 pub mod preference;
 pub mod prepare;
+pub mod prompts;
 pub mod shards;
 pub mod stream;
 pub mod tokenizer;

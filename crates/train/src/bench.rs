@@ -92,7 +92,7 @@ pub fn bench_run<B: TrainBackend>(
     let mut scaler = (compute.dtype == DType::F16).then(LossScaler::default);
     let schedule = LrSchedule::from_config(config);
     let splits = crate::objective::Splits { train: &setup.train, val: &setup.val };
-    let objective = crate::objective::build_timed::<B>(config, splits);
+    let objective = crate::objective::build_timed::<B>(config, splits)?;
     let stepper = Stepper {
         data: &setup.train,
         sampler: WindowSampler::random(config.train.seed),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ember_data::fetch::{locate, Locations};
 use ember_data::finetune::{encode, read_jsonl, ChatTemplate, PackedExamples, Record};
 use ember_data::prepare::prepare_cached;
-use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, TokenizerSpec};
+use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, TokenizerSpec, Window};
 
 use crate::config::{DataConfig, DataFormat, TrainConfig};
 use crate::error::{InvalidConfig, TrainError};
@@ -62,6 +62,8 @@ pub struct LoadedData {
     /// messages up to its last user turn through the chat template, with the generation prompt; a
     /// completion's prompt), for the evaluation samples. Encoded with special tokens.
     pub held_out_prompt: Option<String>,
+    /// Reinforcement learning: the prompts with their rows (the rows above hold their tokens).
+    pub prompts: Option<crate::rl::Prompts>,
 }
 
 /// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's (`init`, the source
@@ -97,9 +99,10 @@ pub fn load(
         DataFormat::Jsonl => {
             let (tokenizer, template) = jsonl_tokenizer(&spec, tokenizer_dir.as_deref())?;
             let file = JsonlFile { path: &path, val_fraction, tokenizer, template, tokenizer_dir };
-            match config.preference {
-                Some(_) => load_preference(config, file),
-                None => load_jsonl(config, file),
+            match (&config.preference, &config.rl) {
+                (_, Some(rl)) => load_prompts(config, rl.max_new_tokens, file),
+                (Some(_), None) => load_preference(config, file),
+                (None, None) => load_jsonl(config, file),
             }
         }
     }
@@ -167,6 +170,39 @@ fn load_preference(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedDa
         val: Arc::new(PackedExamples::from_rows(val)),
         seq_len,
         held_out_prompt,
+        prompts: None,
+    })
+}
+
+/// Prompts for reinforcement learning ([`ember_data::prompts`]), the held-out ones the file's
+/// last. Each is a row of its tokens (no targets: the answers are sampled); `train.seq_len` left
+/// out is the longest prompt and `max_new_tokens`.
+fn load_prompts(config: &TrainConfig, max_new_tokens: usize, file: JsonlFile<'_>) -> Result<LoadedData, TrainError> {
+    use ember_data::prompts::{encode_prompts, read_prompt_jsonl};
+    let JsonlFile { path, val_fraction, tokenizer, template, tokenizer_dir } = file;
+    let records = read_prompt_jsonl(path)?;
+    let n_val = held_out(records.len(), val_fraction, path, "prompts")?;
+    let mut train = encode_prompts(&records, &tokenizer, template.as_ref())?;
+    let longest = train.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+    let seq_len = config.train.seq_len.unwrap_or(longest + max_new_tokens);
+    let val = train.split_off(train.len() - n_val);
+    let rows = |prompts: &[ember_data::prompts::Prompt]| -> Examples {
+        let rows = prompts
+            .iter()
+            .map(|p| Window { input: p.ids.clone(), target: vec![-1; p.ids.len()], docs: None })
+            .collect();
+        Arc::new(PackedExamples::from_rows(rows))
+    };
+    tracing::info!(train_prompts = train.len(), val_prompts = val.len(), longest, "prompts from {}", path.display());
+    let held_out_prompt = val.first().map(|p| p.text.clone());
+    Ok(LoadedData {
+        train: rows(&train),
+        val: rows(&val),
+        prompts: Some(crate::rl::Prompts { train, val, file: path.to_path_buf() }),
+        tokenizer,
+        tokenizer_dir,
+        seq_len,
+        held_out_prompt,
     })
 }
 
@@ -200,7 +236,7 @@ fn load_text(
     let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
     let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
     let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
-    Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len, held_out_prompt: None })
+    Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len, held_out_prompt: None, prompts: None })
 }
 
 /// Fine-tuning examples, encoded (chat messages through the model's template) and packed into rows.
@@ -230,7 +266,15 @@ fn load_jsonl(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedData, T
         path.display()
     );
     let held_out_prompt = prompt_of(&records[records.len() - n_val], template.as_ref());
-    Ok(LoadedData { tokenizer, tokenizer_dir, train: Arc::new(train), val: Arc::new(val), seq_len, held_out_prompt })
+    Ok(LoadedData {
+        tokenizer,
+        tokenizer_dir,
+        train: Arc::new(train),
+        val: Arc::new(val),
+        seq_len,
+        held_out_prompt,
+        prompts: None,
+    })
 }
 
 /// The tokenizer of JSONL data (a tokenizer.json, with its model's end-of-sequence token) and the

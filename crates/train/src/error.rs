@@ -25,6 +25,9 @@ pub enum TrainError {
     NotACheckpoint { path: PathBuf, reason: String },
     #[error("{path}: damaged checkpoint: {message}")]
     Checkpoint { path: PathBuf, message: String },
+    /// Reinforcement learning's rollouts: a reward that failed, a prompt that does not fit.
+    #[error("[rl] {0}")]
+    Rl(String),
     #[error("[eval] tasks: {0}")]
     Eval(#[from] ember_eval::EvalError),
     #[error("cannot build the optimizer: {0}")]
@@ -106,6 +109,9 @@ pub enum InvalidConfig {
     /// `[eval] tasks` names no task, or one ember does not know.
     #[error("eval.tasks: {0}")]
     EvalTasks(String),
+    /// `[rl]`'s rules that name more than one key, or a reward by its place in the list.
+    #[error("rl: {0}")]
+    Rl(String),
     /// `train.batch_size must be at least 1, found 0`.
     #[error("{key} must be {rule}, found {value}")]
     OutOfRange { key: &'static str, value: String, rule: &'static str },

@@ -21,6 +21,7 @@ mod optim;
 pub mod perplexity;
 pub mod precision;
 pub mod preference;
+pub mod rl;
 mod schedule;
 pub mod selfcheck;
 mod step;

@@ -50,7 +50,7 @@ pub(crate) fn estimate_keeping(config: &TrainConfig, trainable: u64, kept: (u64,
         act /= 2; // elementwise outputs are recomputed; GEMM outputs and scores stay
     }
     let mut loss = 4 * (d * m.vocab_size as u128 + 3 * (8 << 20));
-    if config.preference.is_some() {
+    if config.preference.is_some() || config.rl.is_some() {
         // Pairs are scored through the whole `[B·T, V]` logits: them, their log-softmax and its
         // gradient.
         loss += 3 * 4 * tokens * m.vocab_size as u128;

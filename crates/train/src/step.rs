@@ -124,8 +124,8 @@ impl<B: TrainBackend> Stepper<'_, B> {
             (0..self.micro_batches_per_step()).map(|j| self.sampler.indices(first_stream + j, batch, n)).collect();
         let (rank, world, device) = (c.rank(), c.world(), self.device);
         let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-        let batches = MicroBatches { data: self.data, indices, rank, world, device, loss_scale };
-        let computed = self.objective.forward_backward(&model, batches);
+        let batches = MicroBatches { data: self.data, indices, rank, world, device, loss_scale, step, collective: c };
+        let computed = self.objective.forward_backward(&model, batches)?;
         // Every rank has computed its gradients: the one that has not within the timeout is named.
         let t = Instant::now();
         c.arrive(step as u64, &what)?;

@@ -13,7 +13,7 @@ use ember_model::{LoraConfig, ModelConfig};
 
 use super::sections::{
     DataConfig, DistributedConfig, EvalTasksConfig, LoopConfig, MetricsConfig, MuonConfig, OptimConfig,
-    PreferenceConfig, ScheduleConfig,
+    PreferenceConfig, RlConfig, ScheduleConfig,
 };
 use super::{InitSource, TrainConfig};
 use crate::error::InvalidConfig;
@@ -43,6 +43,7 @@ impl ConfigProblem {
             InvalidConfig::NoData | InvalidConfig::TwoData { .. } => (Some("data"), None),
             InvalidConfig::NoSinks => (Some("metrics"), Some("sinks")),
             InvalidConfig::EvalTasks(_) => (Some("eval"), Some("tasks")),
+            InvalidConfig::Rl(_) => (Some("rl"), None),
             InvalidConfig::LoraWithoutInit | InvalidConfig::Lora(_) => (Some("lora"), None),
             InvalidConfig::Model(_) => (Some("model"), None),
         };
@@ -75,6 +76,7 @@ pub(crate) fn section_keys(name: &str) -> Option<&'static [&'static str]> {
         "lora" => serde_fields::<LoraConfig>(),
         "muon" => serde_fields::<MuonConfig>(),
         "preference" => serde_fields::<PreferenceConfig>(),
+        "rl" => serde_fields::<RlConfig>(),
         "eval" => serde_fields::<EvalTasksConfig>(),
         "metrics" => serde_fields::<MetricsConfig>(),
         "distributed" => serde_fields::<DistributedConfig>(),
@@ -94,6 +96,7 @@ fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
         "lora" => toml::from_str::<LoraConfig>(text).map(drop),
         "muon" => toml::from_str::<MuonConfig>(text).map(drop),
         "preference" => toml::from_str::<PreferenceConfig>(text).map(drop),
+        "rl" => toml::from_str::<RlConfig>(text).map(drop),
         "eval" => toml::from_str::<EvalTasksConfig>(text).map(drop),
         "metrics" => toml::from_str::<MetricsConfig>(text).map(drop),
         "distributed" => toml::from_str::<DistributedConfig>(text).map(drop),
@@ -418,6 +421,7 @@ mod tests {
                 "lora",
                 "muon",
                 "preference",
+                "rl",
                 "eval",
                 "metrics",
                 "distributed"

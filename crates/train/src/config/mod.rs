@@ -25,9 +25,9 @@ pub use file::{ConfigFile, InitSource, Purpose};
 pub(crate) use keys::REQUIRED;
 pub use keys::{ConfigProblem, Hint, Problem};
 pub use sections::{
-    AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, EvalTasksConfig, LoopConfig, MetricsConfig,
-    MuonConfig, NsDtype, OptimConfig, Precision, PreferenceConfig, PreferenceMethod, ScheduleConfig, ScheduleShape,
-    SinkKind,
+    AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, EvalTasksConfig, Importance, LoopConfig,
+    MetricsConfig, MuonConfig, NsDtype, OptimConfig, Precision, PreferenceConfig, PreferenceMethod, RewardConfig,
+    RewardKind, RlConfig, RlLoss, RlMethod, ScaleRewards, ScheduleConfig, ScheduleShape, SinkKind,
 };
 
 /// A run's config: pure data, read from TOML. `M` is the architecture: a [`ModelConfig`], or in a
@@ -54,6 +54,9 @@ pub struct TrainConfig<M = ModelConfig> {
     /// Preference tuning (DPO, IPO, SimPO, ORPO) on pairs of answers instead of the next-token loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preference: Option<PreferenceConfig>,
+    /// Reinforcement learning (GRPO) on prompts and rewards instead of the next-token loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rl: Option<RlConfig>,
     /// Benchmark tasks scored at every evaluation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalTasksConfig>,
@@ -138,6 +141,7 @@ impl<M> TrainConfig<M> {
             lora: self.lora,
             muon: self.muon,
             preference: self.preference,
+            rl: self.rl,
             eval: self.eval,
             metrics: self.metrics,
             distributed: self.distributed,

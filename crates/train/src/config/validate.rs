@@ -6,7 +6,7 @@ use ember_model::ModelConfig;
 
 use super::file::Purpose;
 use super::sections::{DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig};
-use super::sections::{MuonConfig, OptimConfig, PreferenceConfig, PreferenceMethod, ScheduleConfig};
+use super::sections::{MuonConfig, OptimConfig, PreferenceConfig, PreferenceMethod, RlConfig, ScheduleConfig};
 use super::TrainConfig;
 use crate::error::{InvalidConfig, Relation};
 
@@ -83,6 +83,15 @@ impl<M> TrainConfig<M> {
             p.check(&mut broken);
             if self.data.format() == DataFormat::Text {
                 broken.push(InvalidConfig::JsonlOnly { key: "preference.method", value: format!("\"{}\"", p.method) });
+            }
+        }
+        if let Some(rl) = &self.rl {
+            rl.check(&mut broken);
+            if self.data.format() == DataFormat::Text {
+                broken.push(InvalidConfig::JsonlOnly { key: "rl.method", value: "\"grpo\"".into() });
+            }
+            if self.preference.is_some() {
+                broken.push(InvalidConfig::Rl("[rl] and [preference] are two objectives: keep one".into()));
             }
         }
         self.schedule.check(&mut broken);
@@ -243,6 +252,87 @@ impl PreferenceConfig {
         }
         if !self.simpo_gamma.is_finite() {
             broken.push(out_of_range("preference.simpo_gamma", self.simpo_gamma, "finite"));
+        }
+    }
+}
+
+impl RlConfig {
+    fn check(&self, broken: &mut Vec<InvalidConfig>) {
+        if self.group_size < 2 {
+            broken.push(out_of_range(
+                "rl.group_size",
+                self.group_size,
+                "at least 2 (the advantage compares a prompt's answers)",
+            ));
+        }
+        broken.extend(at_most("rl.group_size", self.group_size, 1024).err());
+        if self.max_new_tokens == 0 {
+            broken.push(out_of_range("rl.max_new_tokens", 0, "at least 1"));
+        }
+        broken.extend(at_most("rl.max_new_tokens", self.max_new_tokens, 1 << 20).err());
+        if !(self.temperature > 0.0 && self.temperature.is_finite()) {
+            broken.push(out_of_range("rl.temperature", self.temperature, "positive (answers are sampled)"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            broken.push(out_of_range("rl.top_p", self.top_p, "in (0, 1]"));
+        }
+        if self.top_k == Some(0) {
+            broken.push(out_of_range("rl.top_k", 0, "at least 1"));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            broken.push(InvalidConfig::Rl("stop holds an empty text, which would end every answer at once".into()));
+        }
+        if !(self.epsilon > 0.0 && self.epsilon < 1.0) {
+            broken.push(out_of_range("rl.epsilon", self.epsilon, "in (0, 1)"));
+        }
+        if let Some(e) = self.epsilon_high.filter(|e| !(*e > 0.0 && e.is_finite())) {
+            broken.push(out_of_range("rl.epsilon_high", e, "positive"));
+        }
+        if !(self.beta >= 0.0 && self.beta.is_finite()) {
+            broken.push(out_of_range("rl.beta", self.beta, ">= 0"));
+        }
+        if self.num_iterations == 0 {
+            broken.push(out_of_range("rl.num_iterations", 0, "at least 1"));
+        }
+        broken.extend(at_most("rl.num_iterations", self.num_iterations, 1024).err());
+        if self.rewards.is_empty() {
+            broken.push(InvalidConfig::Rl("rewards is empty: add at least one [[rl.rewards]] with a kind".into()));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, r) in self.rewards.iter().enumerate() {
+            let at = format!("rewards[{i}] (kind = \"{}\")", r.kind.as_str());
+            let own = r.kind.keys();
+            for key in r.set_keys() {
+                if !own.iter().any(|(k, _)| *k == key) {
+                    let takes: Vec<&str> = own.iter().map(|(k, _)| *k).collect();
+                    let takes = if takes.is_empty() { "no other key".to_string() } else { takes.join(", ") };
+                    broken.push(InvalidConfig::Rl(format!(
+                        "{at}: `{key}` has no effect on this kind (it takes {takes})"
+                    )));
+                }
+            }
+            for (key, required) in own {
+                if *required && !r.set_keys().contains(key) {
+                    broken.push(InvalidConfig::Rl(format!("{at}: `{key}` is missing")));
+                }
+            }
+            if !r.weight.is_finite() {
+                broken.push(InvalidConfig::Rl(format!("{at}: weight must be finite, found {}", r.weight)));
+            }
+            if let Some(p) = &r.pattern {
+                if let Err(e) = regex::Regex::new(p) {
+                    broken.push(InvalidConfig::Rl(format!("{at}: pattern {p:?} is not a regular expression: {e}")));
+                }
+            }
+            if r.command.as_deref().is_some_and(|c| c.trim().is_empty()) {
+                broken.push(InvalidConfig::Rl(format!("{at}: command is empty")));
+            }
+            if !names.insert(r.name().to_string()) {
+                broken.push(InvalidConfig::Rl(format!(
+                    "{at}: the name \"{}\" is taken by an earlier reward; set name = \"…\"",
+                    r.name()
+                )));
+            }
         }
     }
 }

@@ -3,12 +3,14 @@
 //! micro-batches (gradient accumulation), its evaluation of both splits, the sums the ranks add
 //! (the loss first) and the names the records give them, and what it changes in the model after a
 //! step. [`next_token`]: the language-modelling loss (with a mixture of experts' auxiliary losses
-//! and DeepSeek's bias balancing); [`preference`]: pairs of answers (DPO, IPO, SimPO, ORPO).
+//! and DeepSeek's bias balancing); [`preference`]: pairs of answers (DPO, IPO, SimPO, ORPO);
+//! [`rl`]: answers sampled by the policy and scored by rewards (GRPO and its variants).
 //!
 //! A new objective is a new file here with an `impl Objective`, chosen in [`build`].
 
 pub(crate) mod next_token;
 pub(crate) mod preference;
+pub(crate) mod rl;
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, ElementConversion, Tensor};
@@ -67,6 +69,10 @@ pub(crate) struct MicroBatches<'a, B: TrainBackend> {
     pub(crate) device: &'a Device<B>,
     /// f16's loss scale (1 otherwise).
     pub(crate) loss_scale: f64,
+    /// The step, from 1.
+    pub(crate) step: usize,
+    /// The ranks, for sums an objective needs before its backward passes.
+    pub(crate) collective: &'a dyn Collective,
 }
 
 impl<B: TrainBackend> MicroBatches<'_, B> {
@@ -86,7 +92,11 @@ impl<B: TrainBackend> MicroBatches<'_, B> {
 pub(crate) trait Objective<B: TrainBackend> {
     /// Forward and backward over this rank's micro-batches of a step: its gradients (times the
     /// loss scale), and its sums, `[loss, …]` (this rank's part of the step's loss first).
-    fn forward_backward(&self, model: &Decoder<B>, batches: MicroBatches<'_, B>) -> (GradientsParams, Vec<f64>);
+    fn forward_backward(
+        &self,
+        model: &Decoder<B>,
+        batches: MicroBatches<'_, B>,
+    ) -> Result<(GradientsParams, Vec<f64>), TrainError>;
 
     /// What a step record holds beside the loss, from the step's sums over all ranks (the loss
     /// left out: `sums[0]` is the first sum after it).
@@ -99,7 +109,7 @@ pub(crate) trait Objective<B: TrainBackend> {
     }
 
     /// This rank's sums of the evaluation of `split` (its batches where `part` keeps them).
-    fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split, part: Part) -> Vec<f64>;
+    fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split, part: Part) -> Result<Vec<f64>, TrainError>;
 
     /// The evaluation of `split` from its sums over all ranks.
     fn evaluated(&self, sums: &[f64], split: Split) -> Evaluated;
@@ -135,13 +145,24 @@ impl EvalBatches {
 
 /// The objective of `config` over `splits`. Preference tuning against a reference (DPO, IPO)
 /// scores the pairs with the model the run starts from, `starting` (called before the run's model
-/// is built: the reference model is held only while it does).
+/// is built: the reference model is held only while it does); reinforcement learning reads `rl`
+/// (its prompts) and keeps the starting model as the KL term's reference where β > 0.
 pub(crate) fn build<'a, B: TrainBackend>(
     config: &TrainConfig,
     splits: Splits<'a>,
+    rl: Option<RlData<'a>>,
     starting: impl FnOnce() -> Result<Decoder<B::InnerBackend>, TrainError>,
     c: &dyn Collective,
 ) -> Result<Box<dyn Objective<B> + 'a>, TrainError> {
+    if let Some(r) = &config.rl {
+        let Some(data) = rl else {
+            return Err(TrainError::Rl("the run's data holds no prompts".into()));
+        };
+        let reference = if r.beta != 0.0 { Some(starting()?) } else { None };
+        let inputs =
+            rl::RlInputs { prompts: data.prompts, tokenizer: data.tokenizer, rollouts: data.rollouts, reference };
+        return Ok(Box::new(rl::Rl::new(config, r.clone(), inputs)?));
+    }
     let reference = match &config.preference {
         Some(p) if p.method.needs_reference() => Some(preference::reference::<B>(config, splits, starting()?, c)?),
         _ => None,
@@ -149,10 +170,26 @@ pub(crate) fn build<'a, B: TrainBackend>(
     Ok(build_with(config, splits, reference))
 }
 
+/// What reinforcement learning reads of the run: its prompts, the tokenizer, and the file rank 0
+/// appends the rollouts to.
+pub(crate) struct RlData<'a> {
+    pub(crate) prompts: &'a crate::rl::Prompts,
+    pub(crate) tokenizer: &'a ember_data::Tokenizer,
+    pub(crate) rollouts: Option<std::path::PathBuf>,
+}
+
 /// [`build`] for a benchmark, which times the step: without a reference (its values would not
-/// change the work).
-pub(crate) fn build_timed<'a, B: TrainBackend>(config: &TrainConfig, splits: Splits<'a>) -> Box<dyn Objective<B> + 'a> {
-    build_with(config, splits, None)
+/// change the work). Reinforcement learning's steps are timed by its run's log instead.
+pub(crate) fn build_timed<'a, B: TrainBackend>(
+    config: &TrainConfig,
+    splits: Splits<'a>,
+) -> Result<Box<dyn Objective<B> + 'a>, TrainError> {
+    if config.rl.is_some() {
+        return Err(TrainError::Rl(
+            "ember bench train times next-token and preference steps; an [rl] run logs its own step times".into(),
+        ));
+    }
+    Ok(build_with(config, splits, None))
 }
 
 fn build_with<'a, B: TrainBackend>(

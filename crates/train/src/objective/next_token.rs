@@ -48,14 +48,18 @@ impl<'a> NextToken<'a> {
 }
 
 impl<B: TrainBackend> Objective<B> for NextToken<'_> {
-    fn forward_backward(&self, model: &Decoder<B>, batches: MicroBatches<'_, B>) -> (GradientsParams, Vec<f64>) {
+    fn forward_backward(
+        &self,
+        model: &Decoder<B>,
+        batches: MicroBatches<'_, B>,
+    ) -> Result<(GradientsParams, Vec<f64>), crate::error::TrainError> {
         let all: Vec<Vec<Window>> = batches.indices.iter().map(|idx| batches.rows(idx)).collect();
         let total = all.iter().map(|b| scored(b)).sum::<usize>();
         let (device, loss_scale) = (batches.device, batches.loss_scale);
         let (loss, grads, moe) = forward_backward(model, batches.mine(all), total, device, loss_scale);
         let mut sums = vec![loss];
         sums.extend(moe.iter().flat_map(MoeSums::to_vec));
-        (grads, sums)
+        Ok((grads, sums))
     }
 
     fn record_step(&self, sums: &[f64], record: &mut StepRecord) {
@@ -79,14 +83,19 @@ impl<B: TrainBackend> Objective<B> for NextToken<'_> {
 
     /// The fixed batches of the split (every held-out example for fine-tuning's val split), as
     /// `[Σ loss · scored, scored]`.
-    fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split, part: Part) -> Vec<f64> {
+    fn evaluate(
+        &self,
+        model: &Decoder<B::InnerBackend>,
+        split: Split,
+        part: Part,
+    ) -> Result<Vec<f64>, crate::error::TrainError> {
         let e = &self.eval;
         let sum = match split {
             Split::Val if e.held_out => evaluate_all_part(model, self.splits.val.as_ref(), e.batch_size, part),
             Split::Val => evaluate_part(model, self.splits.val.as_ref(), e.val_seed, e.iters, e.batch_size, part),
             Split::Train => evaluate_part(model, self.splits.train.as_ref(), e.train_seed, e.iters, e.batch_size, part),
         };
-        vec![sum.weighted, sum.scored]
+        Ok(vec![sum.weighted, sum.scored])
     }
 
     fn evaluated(&self, sums: &[f64], _split: Split) -> Evaluated {

@@ -45,7 +45,11 @@ impl<B: TrainBackend> Objective<B> for Pairs<'_> {
     /// Each micro-batch's rows (with their reference log-probabilities, DPO and IPO) scored in one
     /// forward pass, its share of the step's loss ([`pair_loss`]) backpropagated; the sums are the
     /// loss and the pairs' metrics ([`PairSums`]).
-    fn forward_backward(&self, model: &Decoder<B>, batches: MicroBatches<'_, B>) -> (GradientsParams, Vec<f64>) {
+    fn forward_backward(
+        &self,
+        model: &Decoder<B>,
+        batches: MicroBatches<'_, B>,
+    ) -> Result<(GradientsParams, Vec<f64>), crate::error::TrainError> {
         let reference = self.reference.as_ref().map(|r| r.train.as_slice());
         let all: Vec<PairRows> = batches
             .indices
@@ -69,7 +73,7 @@ impl<B: TrainBackend> Objective<B> for Pairs<'_> {
         let (loss, grads) = acc.finish();
         let mut v = vec![loss];
         v.extend(sums.to_vec());
-        (grads, v)
+        Ok((grads, v))
     }
 
     fn record_step(&self, sums: &[f64], record: &mut StepRecord) {
@@ -80,7 +84,12 @@ impl<B: TrainBackend> Objective<B> for Pairs<'_> {
 
     /// The preference loss (and TRL's metrics) of every held-out pair, or of the training split's
     /// fixed batches, as `[loss, pair sums…]`.
-    fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split, part: Part) -> Vec<f64> {
+    fn evaluate(
+        &self,
+        model: &Decoder<B::InnerBackend>,
+        split: Split,
+        part: Part,
+    ) -> Result<Vec<f64>, crate::error::TrainError> {
         let e = &self.eval;
         let (rows, reference) = match split {
             Split::Val => {
@@ -101,7 +110,7 @@ impl<B: TrainBackend> Objective<B> for Pairs<'_> {
         let (loss, sums) = evaluate_pairs(model, &self.config, &rows, reference.as_deref(), e.batch_size, keep);
         let mut v = vec![loss];
         v.extend(sums.to_vec());
-        v
+        Ok(v)
     }
 
     fn evaluated(&self, sums: &[f64], split: Split) -> Evaluated {

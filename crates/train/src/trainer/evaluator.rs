@@ -100,7 +100,7 @@ impl<B: TrainBackend> Evaluator<'_, B> {
     /// added.
     fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split) -> Result<Evaluated, TrainError> {
         let c = self.collective;
-        let mut sums = self.objective.evaluate(model, split, Part { rank: c.rank(), world: c.world() });
+        let mut sums = self.objective.evaluate(model, split, Part { rank: c.rank(), world: c.world() })?;
         c.all_reduce_f64(&mut sums, &format!("evaluation ({})", split.name()))?;
         Ok(self.objective.evaluated(&sums, split))
     }

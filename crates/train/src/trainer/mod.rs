@@ -208,7 +208,12 @@ pub fn train<B: TrainBackend>(
     // Before the run's model is built: an objective may score the data with the starting model.
     let splits = Splits { train: &setup.train, val: &setup.val };
     let starting = || Ok(initial_model::<B>(&setup, device)?.with_compute(compute).valid());
-    let objective = objective::build::<B>(config, splits, starting, c)?;
+    let rl = setup.prompts.as_ref().map(|prompts| objective::RlData {
+        prompts,
+        tokenizer: &setup.tokenizer,
+        rollouts: (c.rank() == 0).then(|| opts.run_dir.join("rollouts.jsonl")),
+    });
+    let objective = objective::build::<B>(config, splits, rl, starting, c)?;
     let (model, mut optim, mut state, sinks) = open_run::<B>(&setup, &checkpointer, opts, compute, device)?;
     c.set_timeout(config.distributed.timeout());
     let schedule = LrSchedule::from_config(config);

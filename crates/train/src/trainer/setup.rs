@@ -27,6 +27,8 @@ pub(crate) struct Setup {
     pub(crate) val: Examples,
     /// Fine-tuning data: the first held-out example's prompt (see [`crate::data::LoadedData`]).
     pub(crate) held_out_prompt: Option<String>,
+    /// Reinforcement learning's prompts.
+    pub(crate) prompts: Option<crate::rl::Prompts>,
 }
 
 /// Finds the data, fills in the vocabulary size (and a length given in epochs, with `ranks`
@@ -54,6 +56,7 @@ pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations, ranks: usize) 
         train: data.train,
         val: data.val,
         held_out_prompt: data.held_out_prompt,
+        prompts: data.prompts,
     })
 }
 

@@ -1,0 +1,118 @@
+//! Sampling a step's answers through the continuous-batching engine: every answer of the step in
+//! its own slot, the answers to one prompt submitted together so that the prompt's keys and values
+//! are computed once and shared (the engine's prefix sharing), each with its own seeded sampler.
+
+use ember_data::Tokenizer;
+use ember_generate::engine::{Engine, EngineConfig, Event, Finish, Request};
+use ember_generate::sample::{Sampler, SamplingConfig};
+use ember_kernels::EmberBackend;
+use ember_model::Decoder;
+
+use crate::config::RlConfig;
+use crate::error::TrainError;
+
+/// How answers are sampled, from `[rl]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleConfig {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingConfig,
+    /// End-of-sequence ids: an answer ends after one (it is kept, as TRL keeps it).
+    pub stop_tokens: Vec<u32>,
+    /// An answer ends once its text holds one of these.
+    pub stop: Vec<String>,
+}
+
+impl SampleConfig {
+    pub fn of(rl: &RlConfig, tokenizer: &Tokenizer) -> Self {
+        Self {
+            max_new_tokens: rl.max_new_tokens,
+            sampling: SamplingConfig {
+                temperature: rl.temperature as f32,
+                top_k: rl.top_k,
+                top_p: (rl.top_p < 1.0).then_some(rl.top_p as f32),
+                repetition_penalty: 1.0,
+            },
+            stop_tokens: tokenizer.end_ids(),
+            stop: rl.stop.clone(),
+        }
+    }
+
+    /// The same, greedy (held-out evaluations).
+    pub fn greedy(&self) -> Self {
+        Self {
+            sampling: SamplingConfig { temperature: 0.0, top_k: None, top_p: None, ..self.sampling.clone() },
+            ..self.clone()
+        }
+    }
+}
+
+/// Sampled answers: tokens, and whether each was cut by `max_new_tokens`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sampled {
+    pub tokens: Vec<Vec<u32>>,
+    pub truncated: Vec<bool>,
+}
+
+/// Samples one answer per entry of `prompts` (the answers to one prompt next to each other), the
+/// `i`-th with the sampler seeded by `seeds[i]`. `lines` name the prompts' rows in errors.
+pub fn sample<B: EmberBackend>(
+    model: Decoder<B>,
+    prompts: &[&[u32]],
+    seeds: &[u64],
+    lines: &[String],
+    config: &SampleConfig,
+    tokenizer: &Tokenizer,
+) -> Result<Sampled, TrainError> {
+    let n = prompts.len();
+    let engine_config = EngineConfig {
+        slots: n.max(1),
+        queue_limit: n.max(1),
+        prefill_chunk: 512,
+        block_size: 16,
+        share_prefixes: true,
+    };
+    let mut engine = Engine::new(model, engine_config);
+    let mut ids = Vec::with_capacity(n);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let sampler = Sampler::new(config.sampling.clone(), seeds[i]).map_err(|e| TrainError::Rl(e.to_string()))?;
+        let request = Request {
+            prompt: prompt.to_vec(),
+            max_new_tokens: config.max_new_tokens,
+            stop_tokens: config.stop_tokens.clone(),
+            sampler,
+        };
+        let id = engine.submit(request).map_err(|e| TrainError::Rl(format!("the prompt of {}: {e}", lines[i])))?;
+        ids.push(id);
+    }
+    // Request ids are given in submission order from 0.
+    let first = ids.first().copied().unwrap_or(0);
+    let mut out = Sampled { tokens: vec![Vec::new(); n], truncated: vec![false; n] };
+    let mut finished = 0;
+    while finished < n && !engine.is_idle() {
+        let mut stopped = Vec::new();
+        for event in engine.step() {
+            match event {
+                Event::Token { id, token } => {
+                    let i = (id - first) as usize;
+                    out.tokens[i].push(token);
+                    if !config.stop.is_empty() {
+                        let text = tokenizer.decode_skipping_special(&out.tokens[i]).unwrap_or_default();
+                        if config.stop.iter().any(|s| text.contains(s.as_str())) {
+                            stopped.push(id);
+                        }
+                    }
+                }
+                Event::Done { id, finish, .. } => {
+                    out.truncated[(id - first) as usize] = finish == Finish::Length;
+                    finished += 1;
+                }
+            }
+        }
+        for id in stopped {
+            if engine.cancel(id).is_some() {
+                finished += 1;
+            }
+        }
+    }
+    Ok(out)
+}
