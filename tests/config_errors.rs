@@ -64,15 +64,16 @@ fn a_short_fine_tuning_config_is_completed_by_its_defaults() {
 #[test]
 fn init_writes_each_template_and_never_overwrites() {
     let s = Scratch::new();
-    for kind in ["pretrain", "lora", "full", "dpo"] {
+    for kind in ["pretrain", "lora", "full", "dpo", "grpo"] {
         let o = s.ember(&["init", kind]);
         assert!(o.status.success(), "{}", stderr(&o));
         let file = format!("{kind}.toml");
         let written = std::fs::read_to_string(s.path().join(&file)).unwrap();
         assert_eq!(written, std::fs::read_to_string(repo(&format!("configs/{file}"))).unwrap(), "{kind}");
         let parsed = ember_train::ConfigFile::read(&s.path().join(&file)).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(parsed.config.lora.is_some(), kind == "lora" || kind == "dpo");
+        assert_eq!(parsed.config.lora.is_some(), ["lora", "dpo", "grpo"].contains(&kind));
         assert_eq!(parsed.config.preference.is_some(), kind == "dpo");
+        assert_eq!(parsed.config.rl.is_some(), kind == "grpo");
         assert!(stdout(&o).contains(&format!("ember train --config {file}")), "{}", stdout(&o));
     }
     // An existing file is kept as it is, whatever the kind asked for.
@@ -141,4 +142,38 @@ fn the_dpo_template_runs_on_smollm2() {
     assert!(start > std::f64::consts::LN_2 + 0.5 && start.is_finite(), "step 0 val loss {start}");
     let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
     assert!(last["rewards/accuracies"].is_number(), "{last}");
+}
+
+/// `ember init grpo` as written, on SmolLM2-135M-Instruct and the repository's arithmetic prompts:
+/// the held-out prompts are answered greedily at step 0 (the "val loss" is minus their mean
+/// reward), and two steps of 2 prompts × 8 answers run and record TRL's metrics.
+#[test]
+fn the_grpo_template_runs_on_smollm2() {
+    let model = assets().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(model.is_file(), "{} not found: set EMBER_TEST_ASSETS (../shared)", model.display());
+    let s = Scratch::new();
+    std::fs::create_dir(s.path().join("examples")).unwrap();
+    std::fs::copy(repo("examples/arithmetic.jsonl"), s.path().join("examples/arithmetic.jsonl")).unwrap();
+    let o = s.ember(&["import", model.to_str().unwrap(), "--out", "runs/smollm2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["init", "grpo"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = s.ember(&["train", "--config", "grpo.toml", "--max-steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("prompts from") && stderr(&o).contains("train_prompts=450 val_prompts=50"),
+        "{}",
+        stderr(&o)
+    );
+    let metrics = std::fs::read_to_string(s.path().join("runs/grpo/metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let start = -first["val_loss"].as_f64().unwrap();
+    // SmolLM2 answers some sums right without training, and none in the #### form.
+    assert!((0.1..1.0).contains(&start), "step 0 held-out reward {start}");
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    for key in ["reward", "rewards/gsm8k/mean", "rewards/format/mean", "completions/mean_length", "entropy"] {
+        assert!(last[key].is_number(), "{key}: {last}");
+    }
+    let rollouts = std::fs::read_to_string(s.path().join("runs/grpo/rollouts.jsonl")).unwrap();
+    assert_eq!(rollouts.lines().count(), 16, "step 1's answers");
 }

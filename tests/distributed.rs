@@ -356,6 +356,60 @@ fn dpo_on_two_ranks_trains_as_one_process() {
     }
 }
 
+/// GRPO with LoRA: each rank samples, scores and trains on its share of a step's prompts (the answers
+/// seeded by their place in the step, so the same ones as one process accumulating the micro-batches
+/// draws), the step's token count (`dapo`) and reward statistics (`scale_rewards = "batch"`) summed
+/// over the ranks, the held-out prompts shared out at evaluations.
+#[test]
+fn grpo_on_two_ranks_trains_as_one_process() {
+    let _g = serial();
+    let s = Scratch::new();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/llama");
+    let o = command(&s, 0, &["import", fixture.to_str().unwrap(), "--out", "base"]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let prompts = ["First Citizen:", "All:", "Caius Marcius:", "Speak, speak.", "We know it,"];
+    let mut jsonl = String::new();
+    for i in 0..30 {
+        jsonl.push_str(&format!("{}\n", serde_json::json!({"prompt": prompts[i % 5]})));
+    }
+    s.write("prompts.jsonl", &jsonl);
+    let config = |name: &str, accum: usize| {
+        s.write(
+            name,
+            &format!(
+                "init_from = \"run:base\"\n[data]\npath = \"prompts.jsonl\"\nval_fraction = 0.2\n\
+                 [train]\nbatch_size = 1\ngrad_accum_steps = {accum}\nmax_steps = 6\neval_interval = 3\n\
+                 log_interval = 1\ncheckpoint_interval = 6\nseed = 5\n\
+                 [optim]\nweight_decay = 0.0\n[schedule]\nlr = 1e-2\nwarmup_steps = 1\n\
+                 [lora]\nrank = 4\nalpha = 8.0\ntargets = [\"q_proj\", \"v_proj\", \"down_proj\"]\n\
+                 [rl]\ngroup_size = 4\nmax_new_tokens = 5\nscale_rewards = \"batch\"\n\
+                 [[rl.rewards]]\nkind = \"regex\"\npattern = \"[,.]\"\n"
+            ),
+        )
+    };
+    let one = config("one.toml", 2);
+    let two = config("two.toml", 1);
+    train(&s, 0, &one, "single", &[]);
+    train(&s, 2, &two, "dp", &[]);
+    let single = losses(&s, "single");
+    assert_eq!(single.len(), 6);
+    assert_same_losses(&single, &losses(&s, "dp"), "dp");
+    let metrics = |run: &str| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(s.path().join(run).join("metrics.jsonl")).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    for (a, b) in metrics("single").iter().zip(metrics("dp")) {
+        for key in ["val_loss", "reward", "reward_std", "completions/mean_length", "entropy", "val_reward"] {
+            if let Some(x) = a[key].as_f64() {
+                let y = b[key].as_f64().unwrap_or(f64::NAN);
+                assert!((x - y).abs() <= 1e-5 * x.abs().max(0.1), "step {}: {key} {x} vs {y}", a["step"]);
+            }
+        }
+    }
+    let rel = max_rel(&tensors(&s, "single", 6, "adapter.safetensors"), &tensors(&s, "dp", 6, "adapter.safetensors"));
+    assert!(rel <= 1e-5, "adapters differ by {rel:e}");
+}
+
 /// Three ranks (an odd split: the ZeRO-1 shards end in padding, and MPI sums three terms in an order
 /// of its own) against one process accumulating three micro-batches.
 #[test]

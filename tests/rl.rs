@@ -125,7 +125,7 @@ fn losses_metrics_and_gradients_equal_trls() {
     }
 
     let tokens: f64 = completions.iter().map(|c| c.len() as f64).sum();
-    let totals = StepTotals { micro_batches: 1.0, tokens };
+    let totals = StepTotals::of(1.0, tokens, &base);
     let cases = want["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 18);
     for case in cases {

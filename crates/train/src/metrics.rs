@@ -33,6 +33,9 @@ pub(crate) struct InitialEvalRecord {
     /// Fine-tuning runs: 0 epochs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<f64>,
+    /// The objective's metrics of the evaluation (`val_…`), as a step's evaluation records them.
+    #[serde(flatten, default)]
+    pub named: std::collections::BTreeMap<String, f64>,
 }
 
 /// A destination for what training logs.
@@ -119,6 +122,7 @@ impl MetricsSink for TensorBoardSink {
     fn initial(&mut self, r: &InitialEvalRecord) -> Result<(), TrainError> {
         let mut values = vec![("loss/val", r.val_loss as f32)];
         values.extend(r.epoch.map(|e| ("epoch", e as f32)));
+        values.extend(r.named.iter().map(|(k, v)| (k.as_str(), *v as f32)));
         self.writer.scalars(r.step as u64, self.start + r.elapsed_s, &values)?;
         self.writer.flush()
     }
@@ -304,7 +308,14 @@ mod tests {
     fn reopening_for_a_resume_drops_later_records() {
         let dir = tempfile::tempdir().unwrap();
         let mut sink = JsonlSink::open(dir.path(), None).unwrap();
-        sink.initial(&InitialEvalRecord { step: 0, elapsed_s: 0.5, val_loss: 3.0, epoch: None }).unwrap();
+        sink.initial(&InitialEvalRecord {
+            step: 0,
+            elapsed_s: 0.5,
+            val_loss: 3.0,
+            epoch: None,
+            named: Default::default(),
+        })
+        .unwrap();
         drop(sink);
         let mut log = MetricsLog::open(dir.path(), None).unwrap();
         for s in 1..=5 {

@@ -1,6 +1,6 @@
 //! `ember init`: writes a commented config to start from, one of the templates kept (and tested)
 //! in configs/: pretraining from scratch, LoRA or full fine-tuning of a pretrained model, preference
-//! tuning (DPO).
+//! tuning (DPO), reinforcement learning (GRPO).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -12,7 +12,8 @@ use clap::{Args, ValueEnum};
 pub struct InitArgs {
     /// pretrain: a small model from scratch on tinyshakespeare; lora: LoRA fine-tuning of
     /// SmolLM2-135M-Instruct on examples/chat.jsonl; full: every weight of it; dpo: preference
-    /// tuning (DPO, LoRA) of it on examples/preference.jsonl.
+    /// tuning (DPO, LoRA) of it on examples/preference.jsonl; grpo: reinforcement learning (GRPO,
+    /// LoRA) of it on examples/arithmetic.jsonl with verifiable rewards.
     kind: Kind,
     /// The file to write [default: KIND.toml]; an existing file is never overwritten.
     #[arg(long)]
@@ -25,6 +26,7 @@ pub enum Kind {
     Lora,
     Full,
     Dpo,
+    Grpo,
 }
 
 impl Kind {
@@ -35,6 +37,7 @@ impl Kind {
             Kind::Lora => include_str!("../../../../configs/lora.toml"),
             Kind::Full => include_str!("../../../../configs/full.toml"),
             Kind::Dpo => include_str!("../../../../configs/dpo.toml"),
+            Kind::Grpo => include_str!("../../../../configs/grpo.toml"),
         }
     }
 
@@ -44,6 +47,7 @@ impl Kind {
             Kind::Lora => "lora",
             Kind::Full => "full",
             Kind::Dpo => "dpo",
+            Kind::Grpo => "grpo",
         }
     }
 }
@@ -61,7 +65,7 @@ pub fn run(args: InitArgs) -> anyhow::Result<()> {
     file.write_all(args.kind.template().as_bytes()).with_context(|| format!("writing {}", out.display()))?;
     let next = match args.kind {
         Kind::Pretrain => String::new(),
-        Kind::Lora | Kind::Full | Kind::Dpo => {
+        Kind::Lora | Kind::Full | Kind::Dpo | Kind::Grpo => {
             "import the model its init_from names (see the file's first lines), then ".to_string()
         }
     };

@@ -495,8 +495,9 @@ pub enum RewardKind {
     Regex,
     /// `-(tokens − limit)` for an answer longer than `limit` tokens, else 0.
     Length,
-    /// A program (run by `sh -c`) that reads a JSON line per answer on stdin (`prompt`,
-    /// `completion` and the row's columns) and writes one number a line.
+    /// A program (run by `sh -c`) that reads a JSON line per answer on stdin (the row's columns,
+    /// `prompt` among them, `prompt_text` as the model read it, and `completion`) and writes one
+    /// number a line.
     Command,
 }
 

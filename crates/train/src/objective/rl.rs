@@ -36,6 +36,9 @@ pub(crate) struct RlInputs<'a, B: TrainBackend> {
     pub(crate) reference: Option<Decoder<B::InnerBackend>>,
 }
 
+/// Answers through the loss in one forward and backward pass.
+const ANSWERS_PER_PASS: usize = 8;
+
 /// A generation's answers, by micro-batch, and its sums for the records.
 struct Generation {
     batches: Vec<Answers>,
@@ -282,21 +285,28 @@ impl<B: TrainBackend> Objective<B> for Rl<'_, B> {
         let mine = batches.mine(batches.indices.clone());
         let mut held = self.generation.lock().unwrap_or_else(|e| e.into_inner());
         let fresh = (batches.step.saturating_sub(1)) % self.config.num_iterations == 0;
+        let started = std::time::Instant::now();
         if fresh || held.is_none() {
             *held = Some(self.generate(&model.valid(), &mine, &global, batches.step, batches.collective)?);
         }
+        let generation_s = started.elapsed().as_secs_f64();
         let generation = held.as_ref().expect("generated above");
         let mut tokens = [generation.batches.iter().map(Answers::tokens).sum::<f64>()];
         batches.collective.all_reduce_f64(&mut tokens, "answer tokens of the step")?;
-        let totals = StepTotals { micro_batches: batches.indices.len() as f64, tokens: tokens[0] };
         let mut acc = Accumulation::<B>::new(batches.loss_scale);
         let mut sums = LossSums::default();
         for answers in &generation.batches {
-            let (logps, entropy) = completion_logps(model, answers, self.config.temperature, batches.device);
-            let out = policy_loss(&self.loss, logps, entropy, answers, totals);
-            acc.report(out.loss.clone());
-            sums.add(&out.sums);
-            acc.backward(model, out.loss);
+            let totals = StepTotals::of(batches.indices.len() as f64, tokens[0], answers);
+            // ANSWERS_PER_PASS answers a forward and backward pass: the `[answers · C, V]` logits
+            // (with their log-softmax and its gradient) are what a pass holds most of.
+            for start in (0..answers.len()).step_by(ANSWERS_PER_PASS) {
+                let part = answers.part(start..(start + ANSWERS_PER_PASS).min(answers.len()));
+                let (logps, entropy) = completion_logps(model, &part, self.config.temperature, batches.device);
+                let out = policy_loss(&self.loss, logps, entropy, &part, totals);
+                acc.report(out.loss.clone());
+                sums.add(&out.sums);
+                acc.backward(model, out.loss);
+            }
         }
         let (loss, grads) = acc.finish();
         let mut v = vec![loss];
@@ -306,6 +316,9 @@ impl<B: TrainBackend> Objective<B> for Rl<'_, B> {
         generated[9] /= world as f64;
         v.extend(generated);
         v.extend(sums.to_vec());
+        // The time spent sampling and scoring answers (and the old and reference log-probabilities):
+        // its mean over the ranks once summed.
+        v.push(generation_s / world as f64);
         Ok((grads, v))
     }
 
@@ -315,6 +328,7 @@ impl<B: TrainBackend> Objective<B> for Rl<'_, B> {
         let generation = GenerationSums::from_slice(&sums[..n], k);
         record.named.extend(generation.named(&self.rewards.names()));
         record.named.extend(LossSums::from_slice(&sums[n..]).named(self.config.beta));
+        record.named.insert("timing/generation_s".into(), sums[n + LossSums::LEN]);
     }
 
     fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split, part: Part) -> Result<Vec<f64>, TrainError> {

@@ -71,6 +71,19 @@ impl Answers {
         mask
     }
 
+    /// The answers `range`, with their values.
+    pub fn part(&self, range: std::ops::Range<usize>) -> Answers {
+        let pick = |v: &Option<Vec<Vec<f64>>>| v.as_ref().map(|v| v[range.clone()].to_vec());
+        Answers {
+            prompts: self.prompts[range.clone()].to_vec(),
+            completions: self.completions[range.clone()].to_vec(),
+            advantages: self.advantages[range.clone()].to_vec(),
+            masked: self.masked[range.clone()].to_vec(),
+            old_logps: pick(&self.old_logps),
+            ref_logps: pick(&self.ref_logps),
+        }
+    }
+
     /// Counted tokens.
     pub fn tokens(&self) -> f64 {
         self.completions.iter().zip(&self.masked).filter(|(_, m)| !**m).map(|(c, _)| c.len() as f64).sum()
@@ -194,7 +207,9 @@ impl LossConfig {
     }
 }
 
-/// What the normalisations need of the whole step (every micro-batch of every rank).
+/// What the normalisations need beyond the answers at hand: the step (every micro-batch of every
+/// rank) and the micro-batch they belong to (a micro-batch's answers may go through the loss in
+/// parts, which bounds the logits held at once; the parts' losses add up to the micro-batch's).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepTotals {
     /// Micro-batches of the step: `grpo`, `bnpo` and `dr_grpo` average them (TRL divides by the
@@ -202,6 +217,18 @@ pub struct StepTotals {
     pub micro_batches: f64,
     /// Counted completion tokens of the step: `dapo`'s normaliser.
     pub tokens: f64,
+    /// Answers of the micro-batch: `grpo`'s mean and `dr_grpo`'s normaliser.
+    pub batch_answers: f64,
+    /// Counted tokens of the micro-batch: `bnpo`'s normaliser.
+    pub batch_tokens: f64,
+}
+
+impl StepTotals {
+    /// The totals for `batch`'s answers (or parts of them), in a step of `micro_batches` holding
+    /// `tokens` counted tokens.
+    pub fn of(micro_batches: f64, tokens: f64, batch: &Answers) -> Self {
+        Self { micro_batches, tokens, batch_answers: batch.len() as f64, batch_tokens: batch.tokens() }
+    }
 }
 
 /// A micro-batch's share of the step's loss and its sums of TRL's metrics.
@@ -311,12 +338,13 @@ where
     }
     let masked = per_token * mask.clone();
     let loss: Tensor<B, 1> = match config.loss {
-        RlLoss::Grpo => (masked.sum_dim(1) / tokens_per_answer).mean().div_scalar(totals.micro_batches),
-        RlLoss::Bnpo => {
-            let tokens = (mask_host.iter().sum::<f32>() as f64).max(1.0);
-            masked.sum().div_scalar(tokens * totals.micro_batches)
+        RlLoss::Grpo => {
+            (masked.sum_dim(1) / tokens_per_answer).sum().div_scalar(totals.batch_answers * totals.micro_batches)
         }
-        RlLoss::DrGrpo => masked.sum().div_scalar((n * config.max_new_tokens) as f64 * totals.micro_batches),
+        RlLoss::Bnpo => masked.sum().div_scalar(totals.batch_tokens.max(1.0) * totals.micro_batches),
+        RlLoss::DrGrpo => {
+            masked.sum().div_scalar(totals.batch_answers * config.max_new_tokens as f64 * totals.micro_batches)
+        }
         RlLoss::Dapo => masked.sum().div_scalar(totals.tokens.max(1.0)),
     };
 
@@ -366,7 +394,6 @@ pub fn policy_loss_reference(config: &LossConfig, logps: &[Vec<f64>], answers: &
     let n = answers.len();
     let mut total = 0.0;
     let mut per_answer_means = 0.0;
-    let mut tokens = 0.0;
     for i in 0..n {
         let counted = !answers.masked[i];
         let len = answers.completions[i].len();
@@ -392,13 +419,12 @@ pub fn policy_loss_reference(config: &LossConfig, logps: &[Vec<f64>], answers: &
         }
         let counted_len = if counted { len as f64 } else { 0.0 };
         total += sum;
-        tokens += counted_len;
         per_answer_means += sum / counted_len.max(1.0);
     }
     match config.loss {
-        RlLoss::Grpo => per_answer_means / n as f64 / totals.micro_batches,
-        RlLoss::Bnpo => total / tokens.max(1.0) / totals.micro_batches,
-        RlLoss::DrGrpo => total / (n * config.max_new_tokens) as f64 / totals.micro_batches,
+        RlLoss::Grpo => per_answer_means / totals.batch_answers / totals.micro_batches,
+        RlLoss::Bnpo => total / totals.batch_tokens.max(1.0) / totals.micro_batches,
+        RlLoss::DrGrpo => total / (totals.batch_answers * config.max_new_tokens as f64) / totals.micro_batches,
         RlLoss::Dapo => total / totals.tokens.max(1.0),
     }
 }
@@ -466,7 +492,7 @@ mod tests {
                     let (a, logps) = answers(old, beta > 0.0);
                     let config =
                         LossConfig { loss, importance, epsilon_low: 0.2, epsilon_high: 0.28, beta, max_new_tokens: 5 };
-                    let totals = StepTotals { micro_batches: 2.0, tokens: 11.0 };
+                    let totals = StepTotals::of(2.0, 11.0, &a);
                     let t = padded::<AD>(&logps, a.width(), &device);
                     let entropy = Tensor::zeros([a.len(), a.width()], &device);
                     let got = scalar2(policy_loss(&config, t, entropy, &a, totals).loss.inner());
@@ -474,6 +500,20 @@ mod tests {
                     assert!(
                         (got - want).abs() < 1e-6 * want.abs().max(1e-3),
                         "{loss:?} {importance:?} {old} {beta}: {got} vs {want}"
+                    );
+                    // In parts (answers 0..3 and 3..4), the losses add up to the whole's.
+                    let parts: f64 = [0..3, 3..4]
+                        .into_iter()
+                        .map(|r| {
+                            let part = a.part(r.clone());
+                            let t = padded::<AD>(&logps[r], part.width(), &device);
+                            let entropy = Tensor::zeros([part.len(), part.width()], &device);
+                            scalar2(policy_loss(&config, t, entropy, &part, totals).loss.inner())
+                        })
+                        .sum();
+                    assert!(
+                        (parts - want).abs() < 1e-6 * want.abs().max(1e-3),
+                        "{loss:?} {importance:?} in parts: {parts} vs {want}"
                     );
                 }
             }

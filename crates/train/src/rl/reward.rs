@@ -123,8 +123,10 @@ impl Rewards {
         let fail = |m: String| TrainError::Rl(format!("reward {} (`{command}`): {m}", r.name()));
         let mut input = Vec::new();
         for item in items {
+            // The row as the file has it (its `prompt` text or messages), the prompt as the model
+            // read it, and the answer.
             let mut line = item.row.clone();
-            line.insert("prompt".into(), Value::String(item.prompt.to_string()));
+            line.insert("prompt_text".into(), Value::String(item.prompt.to_string()));
             line.insert("completion".into(), Value::String(item.completion.to_string()));
             serde_json::to_writer(&mut input, &Value::Object(line)).map_err(|e| fail(e.to_string()))?;
             input.push(b'\n');

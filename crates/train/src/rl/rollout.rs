@@ -11,6 +11,9 @@ use ember_model::Decoder;
 use crate::config::RlConfig;
 use crate::error::TrainError;
 
+/// Answers decoded at once.
+const MAX_SLOTS: usize = 64;
+
 /// How answers are sampled, from `[rl]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampleConfig {
@@ -64,8 +67,10 @@ pub fn sample<B: EmberBackend>(
     tokenizer: &Tokenizer,
 ) -> Result<Sampled, TrainError> {
     let n = prompts.len();
+    // At most MAX_SLOTS answers decode at once (the cache holds their keys and values); the rest
+    // wait their turn in the queue.
     let engine_config = EngineConfig {
-        slots: n.max(1),
+        slots: n.clamp(1, MAX_SLOTS),
         queue_limit: n.max(1),
         prefill_chunk: 512,
         block_size: 16,

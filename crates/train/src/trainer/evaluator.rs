@@ -108,14 +108,25 @@ impl<B: TrainBackend> Evaluator<'_, B> {
     /// The loss before training, beside ln V (what a model that knows nothing scores), logged and
     /// recorded as step 0 (rank 0), where the val curve starts.
     pub(super) fn initial(&self, model: &Decoder<B::InnerBackend>, rec: &mut Recorder) -> Result<f64, TrainError> {
-        let val = self.evaluate(model, Split::Val)?.loss;
+        let evaluated = self.evaluate(model, Split::Val)?;
+        let val = evaluated.loss;
         if self.collective.rank() != 0 {
             return Ok(val);
         }
-        let ln_v = (self.config.vocab_size as f64).ln();
-        tracing::info!("step 0: val loss {val:.4} (ln V = {ln_v:.4})");
+        match evaluated.note.as_str() {
+            // A loss over the vocabulary, beside what knowing nothing scores.
+            "" => tracing::info!("step 0: val loss {val:.4} (ln V = {:.4})", (self.config.vocab_size as f64).ln()),
+            note => tracing::info!("step 0: val loss {val:.4}{note}"),
+        }
         let epoch = self.epoch(0);
-        rec.sinks.initial(&InitialEvalRecord { step: 0, elapsed_s: rec.clock.elapsed_s(), val_loss: val, epoch })?;
+        let named = evaluated.named.into_iter().collect();
+        rec.sinks.initial(&InitialEvalRecord {
+            step: 0,
+            elapsed_s: rec.clock.elapsed_s(),
+            val_loss: val,
+            epoch,
+            named,
+        })?;
         Ok(val)
     }
 
