@@ -299,8 +299,7 @@ impl<B: TrainBackend> Objective<B> for Rl<'_, B> {
             let totals = StepTotals::of(batches.indices.len() as f64, tokens[0], answers);
             // ANSWERS_PER_PASS answers a forward and backward pass: the `[answers · C, V]` logits
             // (with their log-softmax and its gradient) are what a pass holds most of.
-            for start in (0..answers.len()).step_by(ANSWERS_PER_PASS) {
-                let part = answers.part(start..(start + ANSWERS_PER_PASS).min(answers.len()));
+            for part in answers.parts(ANSWERS_PER_PASS) {
                 let (logps, entropy) = completion_logps(model, &part, self.config.temperature, batches.device);
                 let out = policy_loss(&self.loss, logps, entropy, &part, totals);
                 acc.report(out.loss.clone());

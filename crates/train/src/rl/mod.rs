@@ -71,17 +71,27 @@ impl Answers {
         mask
     }
 
-    /// The answers `range`, with their values.
-    pub fn part(&self, range: std::ops::Range<usize>) -> Answers {
-        let pick = |v: &Option<Vec<Vec<f64>>>| v.as_ref().map(|v| v[range.clone()].to_vec());
-        Answers {
-            prompts: self.prompts[range.clone()].to_vec(),
-            completions: self.completions[range.clone()].to_vec(),
-            advantages: self.advantages[range.clone()].to_vec(),
-            masked: self.masked[range.clone()].to_vec(),
-            old_logps: pick(&self.old_logps),
-            ref_logps: pick(&self.ref_logps),
+    /// The answers at `which`, in that order, with their values.
+    pub fn part(&self, which: &[usize]) -> Answers {
+        fn take<T: Clone>(v: &[T], which: &[usize]) -> Vec<T> {
+            which.iter().map(|&i| v[i].clone()).collect()
         }
+        Answers {
+            prompts: take(&self.prompts, which),
+            completions: take(&self.completions, which),
+            advantages: take(&self.advantages, which),
+            masked: take(&self.masked, which),
+            old_logps: self.old_logps.as_deref().map(|v| take(v, which)),
+            ref_logps: self.ref_logps.as_deref().map(|v| take(v, which)),
+        }
+    }
+
+    /// The answers in parts of at most `size`, the shortest sequences together (less padding in
+    /// each part's `[answers, positions]` batch).
+    pub fn parts(&self, size: usize) -> Vec<Answers> {
+        let mut order: Vec<usize> = (0..self.len()).collect();
+        order.sort_by_key(|&i| self.prompts[i].len() + self.completions[i].len());
+        order.chunks(size.max(1)).map(|which| self.part(which)).collect()
     }
 
     /// Counted tokens.
@@ -501,12 +511,13 @@ mod tests {
                         (got - want).abs() < 1e-6 * want.abs().max(1e-3),
                         "{loss:?} {importance:?} {old} {beta}: {got} vs {want}"
                     );
-                    // In parts (answers 0..3 and 3..4), the losses add up to the whole's.
-                    let parts: f64 = [0..3, 3..4]
+                    // In parts (answers 3, 0, 2 and 1), the losses add up to the whole's.
+                    let parts: f64 = [vec![3, 0, 2], vec![1]]
                         .into_iter()
-                        .map(|r| {
-                            let part = a.part(r.clone());
-                            let t = padded::<AD>(&logps[r], part.width(), &device);
+                        .map(|which| {
+                            let part = a.part(&which);
+                            let rows: Vec<Vec<f64>> = which.iter().map(|&i| logps[i].clone()).collect();
+                            let t = padded::<AD>(&rows, part.width(), &device);
                             let entropy = Tensor::zeros([part.len(), part.width()], &device);
                             scalar2(policy_loss(&config, t, entropy, &part, totals).loss.inner())
                         })
