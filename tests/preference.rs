@@ -2,11 +2,12 @@
 //! (tests/fixtures/preference, made by its make_fixture.py), and DPO through `ember train`.
 
 mod common;
+mod trl_parity;
 
 use std::path::{Path, PathBuf};
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Param};
+use burn::backend::Flex;
+use burn::module::Param;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use common::*;
@@ -17,8 +18,7 @@ use ember_train::config::{PreferenceConfig, PreferenceMethod};
 use ember_train::metrics::read_metrics;
 use ember_train::preference::{answer_logps, pair_loss, reference_logps, scalar, StepTotals};
 use serde_json::Value;
-
-type AD = Autodiff<Flex>;
+use trl_parity::{assert_gradients, close, AD};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
@@ -30,19 +30,6 @@ impl PathMapper<Flex> for Scale {
     fn map<const D: usize>(&mut self, _: &str, p: Param<Tensor<Flex, D>>) -> Param<Tensor<Flex, D>> {
         Param::from_tensor(p.val().mul_scalar(self.0))
     }
-}
-
-/// Every parameter replaced by its gradient.
-struct ToGrad<'a>(&'a <AD as AutodiffBackend>::Gradients);
-impl PathMapper<AD> for ToGrad<'_> {
-    fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<AD, D>>) -> Param<Tensor<AD, D>> {
-        let g = p.val().grad(self.0).unwrap_or_else(|| panic!("{path} has no gradient"));
-        Param::from_tensor(Tensor::from_inner(g))
-    }
-}
-
-fn close(got: f64, want: f64, rel: f64, floor: f64) -> bool {
-    (got - want).abs() <= rel * want.abs().max(floor)
 }
 
 /// A scratch folder with the tiny Llama imported as `base`.
@@ -134,26 +121,7 @@ fn losses_metrics_and_gradients_equal_trls() {
         }
 
         // Every parameter's gradient, in Hugging Face's layout: its sum of squares and 16 elements.
-        let grads = out.loss.backward();
-        let grads = map_paths(policy, &mut ToGrad(&grads)).valid();
-        let mut checked = 0;
-        for (hf_name, data) in ember_hf::weights::hf_tensors(&grads, ember_hf::Architecture::Llama).unwrap() {
-            let g: Vec<f32> = data.to_vec().unwrap();
-            let w = &want["gradients"][&hf_name];
-            let sum_sq: f64 = g.iter().map(|&x| (x as f64).powi(2)).sum();
-            let trl_sq = w["sum_sq"].as_f64().unwrap();
-            assert!(close(sum_sq, trl_sq, 2e-5, 1e-12), "{name}: {hf_name} sum of squares {sum_sq} vs TRL's {trl_sq}");
-            let scale = trl_sq.sqrt() / (g.len() as f64).sqrt();
-            for (i, v) in w["index"].as_array().unwrap().iter().zip(w["values"].as_array().unwrap()) {
-                let (got, trl) = (g[i.as_u64().unwrap() as usize] as f64, v.as_f64().unwrap());
-                assert!(
-                    (got - trl).abs() <= 1e-5 * trl.abs().max(scale),
-                    "{name}: {hf_name}[{i}] {got} vs TRL's {trl}"
-                );
-            }
-            checked += 1;
-        }
-        assert_eq!(checked, want["gradients"].as_object().unwrap().len(), "{name}");
+        assert_gradients(policy, out.loss, &want["gradients"], 2e-5, 1e-5, name);
     }
 }
 

@@ -4,40 +4,23 @@
 //! rollouts; and the bad inputs a user makes, each refused by name.
 
 mod common;
+mod trl_parity;
 
 use std::path::{Path, PathBuf};
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, Param};
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use common::*;
 use ember_data::preference::Turns;
 use ember_data::prompts::{encode_prompts, PromptRecord};
-use ember_model::weights::{map_paths, PathMapper};
 use ember_train::config::{Importance, RlLoss, ScaleRewards};
 use ember_train::metrics::read_metrics;
 use ember_train::preference::scalar;
 use ember_train::rl::{advantages, completion_logps, policy_loss, Answers, LossConfig, StepTotals};
 use serde_json::Value;
-
-type AD = Autodiff<Flex>;
+use trl_parity::{assert_gradients, close, AD};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-/// Every parameter replaced by its gradient.
-struct ToGrad<'a>(&'a <AD as AutodiffBackend>::Gradients);
-impl PathMapper<AD> for ToGrad<'_> {
-    fn map<const D: usize>(&mut self, path: &str, p: Param<Tensor<AD, D>>) -> Param<Tensor<AD, D>> {
-        let g = p.val().grad(self.0).unwrap_or_else(|| panic!("{path} has no gradient"));
-        Param::from_tensor(Tensor::from_inner(g))
-    }
-}
-
-fn close(got: f64, want: f64, rel: f64, floor: f64) -> bool {
-    (got - want).abs() <= rel * want.abs().max(floor)
 }
 
 fn numbers(v: &Value) -> Vec<f64> {
@@ -172,26 +155,7 @@ fn losses_metrics_and_gradients_equal_trls() {
         // Every parameter's gradient, in Hugging Face's layout: its sum of squares within 1e-5, and 8
         // elements within 2e-5 of the larger of themselves and the gradient's RMS (f32 rounding: one
         // element of layer 1's q_proj is 1.1-1.3e-5 off under μ = 2, every other within 1e-5).
-        let grads = out.loss.backward();
-        let grads = map_paths(policy, &mut ToGrad(&grads)).valid();
-        let mut checked = 0;
-        for (hf_name, data) in ember_hf::weights::hf_tensors(&grads, ember_hf::Architecture::Llama).unwrap() {
-            let g: Vec<f32> = data.to_vec().unwrap();
-            let w = &case["gradients"][&hf_name];
-            let sum_sq: f64 = g.iter().map(|&x| (x as f64).powi(2)).sum();
-            let trl_sq = w["sum_sq"].as_f64().unwrap();
-            assert!(close(sum_sq, trl_sq, 1e-5, 1e-12), "{name}: {hf_name} sum of squares {sum_sq} vs TRL's {trl_sq}");
-            let scale = trl_sq.sqrt() / (g.len() as f64).sqrt();
-            for (i, v) in w["index"].as_array().unwrap().iter().zip(w["values"].as_array().unwrap()) {
-                let (got, trl) = (g[i.as_u64().unwrap() as usize] as f64, v.as_f64().unwrap());
-                assert!(
-                    (got - trl).abs() <= 2e-5 * trl.abs().max(scale),
-                    "{name}: {hf_name}[{i}] {got} vs TRL's {trl}"
-                );
-            }
-            checked += 1;
-        }
-        assert_eq!(checked, case["gradients"].as_object().unwrap().len(), "{name}");
+        assert_gradients(policy, out.loss, &case["gradients"], 1e-5, 2e-5, &name);
     }
 }
 

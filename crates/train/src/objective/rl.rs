@@ -39,6 +39,13 @@ pub(crate) struct RlInputs<'a, B: TrainBackend> {
 /// Answers through the loss in one forward and backward pass.
 const ANSWERS_PER_PASS: usize = 8;
 
+/// Sampled answers, their texts and their scores.
+struct Answered {
+    sampled: rollout::Sampled,
+    texts: Vec<String>,
+    scores: Scores,
+}
+
 /// A generation's answers, by micro-batch, and its sums for the records.
 struct Generation {
     batches: Vec<Answers>,
@@ -104,38 +111,13 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
     ) -> Result<Generation, TrainError> {
         let g = self.config.group_size;
         let prompts: Vec<&Prompt> = batches.iter().flatten().map(|&i| &self.inputs.prompts.train[i]).collect();
-        let mut ids = Vec::new();
         let mut seeds = Vec::new();
-        let mut lines = Vec::new();
         for (k, batch) in batches.iter().enumerate() {
-            for (b, &i) in batch.iter().enumerate() {
-                let p = &self.inputs.prompts.train[i];
-                for j in 0..g {
-                    ids.push(p.ids.as_slice());
-                    seeds.push(mix(&[self.seed, step as u64, global[k] as u64, b as u64, j as u64]));
-                    lines.push(format!("{}:{}", self.inputs.prompts.file.display(), p.line));
-                }
+            for b in 0..batch.len() {
+                seeds.extend((0..g).map(|j| mix(&[self.seed, step as u64, global[k] as u64, b as u64, j as u64])));
             }
         }
-        let sampled = rollout::sample(model.clone(), &ids, &seeds, &lines, &self.sample, self.inputs.tokenizer)?;
-        let texts: Vec<String> = sampled
-            .tokens
-            .iter()
-            .map(|t| self.inputs.tokenizer.decode_skipping_special(t))
-            .collect::<Result<_, _>>()?;
-        let items: Vec<Item<'_>> = (0..texts.len())
-            .map(|a| {
-                let p = prompts[a / g];
-                Item {
-                    prompt: &p.text,
-                    completion: &texts[a],
-                    tokens: sampled.tokens[a].len(),
-                    row: &p.row,
-                    line: p.line,
-                }
-            })
-            .collect();
-        let scores = self.rewards.score(&items)?;
+        let Answered { sampled, texts, scores } = self.answer(model, &prompts, g, &seeds, &self.sample)?;
         let batch_std = match self.config.scale_rewards {
             ScaleRewards::Batch => {
                 let r = &scores.total;
@@ -153,7 +135,7 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
         let (adv, stds) = advantages(&scores.total, g, self.config.scale_rewards, batch_std);
         let sums = GenerationSums::of(&scores, &stds, &sampled.tokens, &sampled.truncated);
         if let Some(path) = self.inputs.rollouts.as_ref().filter(|_| self.logs_rollouts(step)) {
-            self.log_rollouts(path, step, &items, &scores, &adv)?;
+            self.log_rollouts(path, step, &prompts, g, &texts, &sampled.tokens, &scores, &adv)?;
         }
 
         let mut out = Vec::with_capacity(batches.len());
@@ -191,25 +173,30 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
 
     /// Appends the step's answers to `rollouts.jsonl`: prompt, answer, each reward, the sum and the
     /// advantage.
+    #[allow(clippy::too_many_arguments)]
     fn log_rollouts(
         &self,
         path: &std::path::Path,
         step: usize,
-        items: &[Item<'_>],
+        prompts: &[&Prompt],
+        group: usize,
+        texts: &[String],
+        tokens: &[Vec<u32>],
         scores: &Scores,
         adv: &[f64],
     ) -> Result<(), TrainError> {
         let names = self.rewards.names();
         let mut text = Vec::new();
-        for (a, item) in items.iter().enumerate() {
+        for (a, completion) in texts.iter().enumerate() {
+            let p = prompts[a / group];
             let rewards: serde_json::Map<String, serde_json::Value> =
                 names.iter().zip(&scores.per_reward).map(|(n, s)| (n.clone(), s[a].into())).collect();
             let line = serde_json::json!({
                 "step": step,
-                "line": item.line,
-                "prompt": item.prompt,
-                "completion": item.completion,
-                "tokens": item.tokens,
+                "line": p.line,
+                "prompt": p.text,
+                "completion": completion,
+                "tokens": tokens[a].len(),
                 "rewards": rewards,
                 "reward": scores.total[a],
                 "advantage": adv[a],
@@ -220,6 +207,42 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
         let io = |err| TrainError::Io { path: path.to_path_buf(), err };
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(io)?;
         f.write_all(&text).map_err(io)
+    }
+
+    /// Answers each of `prompts` `group` times (the `i`-th answer's sampler seeded by `seeds[i]`)
+    /// and scores the answers.
+    fn answer(
+        &self,
+        model: &Decoder<B::InnerBackend>,
+        prompts: &[&Prompt],
+        group: usize,
+        seeds: &[u64],
+        sample: &SampleConfig,
+    ) -> Result<Answered, TrainError> {
+        let file = self.inputs.prompts.file.display();
+        let ids: Vec<&[u32]> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.ids.as_slice(), group)).collect();
+        let lines: Vec<String> =
+            prompts.iter().flat_map(|p| std::iter::repeat_n(format!("{file}:{}", p.line), group)).collect();
+        let sampled = rollout::sample(model.clone(), &ids, seeds, &lines, sample, self.inputs.tokenizer)?;
+        let texts: Vec<String> = sampled
+            .tokens
+            .iter()
+            .map(|t| self.inputs.tokenizer.decode_skipping_special(t))
+            .collect::<Result<_, _>>()?;
+        let items: Vec<Item<'_>> = (0..texts.len())
+            .map(|a| {
+                let p = prompts[a / group];
+                Item {
+                    prompt: &p.text,
+                    completion: &texts[a],
+                    tokens: sampled.tokens[a].len(),
+                    row: &p.row,
+                    line: p.line,
+                }
+            })
+            .collect();
+        let scores = self.rewards.score(&items)?;
+        Ok(Answered { sampled, texts, scores })
     }
 
     /// This rank's share of the held-out (or a fixed sample of the training) prompts, answered once
@@ -242,28 +265,8 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
         if mine.is_empty() {
             return Ok(sums);
         }
-        let ids: Vec<&[u32]> = mine.iter().map(|p| p.ids.as_slice()).collect();
-        let lines: Vec<String> = mine.iter().map(|p| format!("{}:{}", prompts.file.display(), p.line)).collect();
         let seeds = vec![0; mine.len()];
-        let greedy = self.sample.greedy();
-        let sampled = rollout::sample(model.clone(), &ids, &seeds, &lines, &greedy, self.inputs.tokenizer)?;
-        let texts: Vec<String> = sampled
-            .tokens
-            .iter()
-            .map(|t| self.inputs.tokenizer.decode_skipping_special(t))
-            .collect::<Result<_, _>>()?;
-        let items: Vec<Item<'_>> = mine
-            .iter()
-            .enumerate()
-            .map(|(a, p)| Item {
-                prompt: &p.text,
-                completion: &texts[a],
-                tokens: sampled.tokens[a].len(),
-                row: &p.row,
-                line: p.line,
-            })
-            .collect();
-        let scores = self.rewards.score(&items)?;
+        let Answered { sampled, scores, .. } = self.answer(model, &mine, 1, &seeds, &self.sample.greedy())?;
         sums[0] = -scores.total.iter().sum::<f64>();
         sums[1] = mine.len() as f64;
         sums[2] = sampled.tokens.iter().map(|t| t.len() as f64).sum();
