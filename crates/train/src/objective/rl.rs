@@ -386,7 +386,8 @@ impl GenerationSums {
             zero_std_groups: group_stds.iter().filter(|s| s.abs() < 1e-8).count() as f64,
             length: lengths.iter().sum(),
             truncated: truncated.iter().filter(|&&t| t).count() as f64,
-            terminated_length: lengths.iter().zip(truncated).filter(|(_, t)| !**t).map(|(l, _)| l).sum(),
+            // A fold from +0 (an empty sum of floats is -0).
+            terminated_length: lengths.iter().zip(truncated).filter(|(_, t)| !**t).fold(0.0, |s, (l, _)| s + l),
             min_length: lengths.iter().copied().fold(f64::INFINITY, f64::min),
             max_length: lengths.iter().copied().fold(0.0, f64::max),
         }
