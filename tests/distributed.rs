@@ -391,9 +391,14 @@ fn grpo_on_two_ranks_trains_as_one_process() {
     let two = config("two.toml", 1);
     train(&s, 0, &one, "single", &[]);
     train(&s, 2, &two, "dp", &[]);
-    let single = losses(&s, "single");
+    // On-policy (μ = 1) the loss is a sum of advantages that cancel within each group: about 0, so
+    // compared absolutely, on the scale of its terms (|A| ~ 1).
+    let (single, dp) = (losses(&s, "single"), losses(&s, "dp"));
     assert_eq!(single.len(), 6);
-    assert_same_losses(&single, &losses(&s, "dp"), "dp");
+    assert_eq!(single.iter().map(|l| l.0).collect::<Vec<_>>(), dp.iter().map(|l| l.0).collect::<Vec<_>>());
+    for ((step, a), (_, b)) in single.iter().zip(&dp) {
+        assert!((a - b).abs() <= 1e-6, "step {step}: loss {a} vs {b}");
+    }
     let metrics = |run: &str| -> Vec<serde_json::Value> {
         let text = std::fs::read_to_string(s.path().join(run).join("metrics.jsonl")).unwrap();
         text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
