@@ -30,6 +30,23 @@ pub struct PreferenceRecord {
     pub rejected: Turns,
 }
 
+/// The value of `key` as TRL reads it: a string, or a list of chat messages of known roles; the
+/// error names the key (and the message) in words.
+pub(crate) fn turns_of(value: &Value, key: &str) -> std::result::Result<Turns, String> {
+    match value {
+        Value::String(s) => Ok(Turns::Text(s.clone())),
+        Value::Array(_) => {
+            let messages: Vec<Message> = serde_json::from_value(value.clone()).map_err(|e| format!("{key}: {e}"))?;
+            if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
+                let role = m.role.escape_debug();
+                return Err(format!("{key}[{j}].role `{role}` is not one of {}", ROLES.join(", ")));
+            }
+            Ok(Turns::Chat(messages))
+        }
+        _ => Err(format!("{key}: expected a string or a list of messages")),
+    }
+}
+
 /// Reads a preference file; a bad line is an error naming the file, the line and the key.
 pub fn read_preference_jsonl(path: &Path) -> Result<Vec<PreferenceRecord>> {
     let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
@@ -37,17 +54,7 @@ pub fn read_preference_jsonl(path: &Path) -> Result<Vec<PreferenceRecord>> {
     for (i, v) in json_lines(path)? {
         let turns = |key: &str| -> Result<Turns> {
             match v.get(key) {
-                Some(Value::String(s)) => Ok(Turns::Text(s.clone())),
-                Some(m @ Value::Array(_)) => {
-                    let messages: Vec<Message> =
-                        serde_json::from_value(m.clone()).map_err(|e| bad(i + 1, format!("{key}: {e}")))?;
-                    if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
-                        let role = m.role.escape_debug();
-                        return Err(bad(i + 1, format!("{key}[{j}].role `{role}` is not one of {}", ROLES.join(", "))));
-                    }
-                    Ok(Turns::Chat(messages))
-                }
-                Some(_) => Err(bad(i + 1, format!("{key}: expected a string or a list of messages"))),
+                Some(value) => turns_of(value, key).map_err(|m| bad(i + 1, m)),
                 None => Err(bad(i + 1, format!("{key} is missing: expected {{\"prompt\", \"chosen\", \"rejected\"}}"))),
             }
         };

@@ -9,8 +9,8 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::{DataError, Result};
-use crate::finetune::{json_lines, ChatTemplate, Message, ROLES};
-use crate::preference::Turns;
+use crate::finetune::{json_lines, ChatTemplate};
+use crate::preference::{turns_of, Turns};
 use crate::tokenizer::Tokenizer;
 
 /// One line of a prompt file: its prompt and the whole row (the rewards' columns).
@@ -33,25 +33,16 @@ pub fn read_prompt_jsonl(path: &Path) -> Result<Vec<PromptRecord>> {
             return Err(bad(line, "expected an object with a \"prompt\"".into()));
         };
         let prompt = match row.get("prompt") {
-            Some(Value::String(s)) if s.is_empty() => return Err(bad(line, "prompt is empty".into())),
-            Some(Value::String(s)) => Turns::Text(s.clone()),
-            Some(m @ Value::Array(_)) => {
-                let messages: Vec<Message> =
-                    serde_json::from_value(m.clone()).map_err(|e| bad(line, format!("prompt: {e}")))?;
-                if messages.is_empty() {
-                    return Err(bad(line, "prompt is an empty list of messages".into()));
-                }
-                if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
-                    let role = m.role.escape_debug();
-                    return Err(bad(line, format!("prompt[{j}].role `{role}` is not one of {}", ROLES.join(", "))));
-                }
-                Turns::Chat(messages)
-            }
-            Some(_) => return Err(bad(line, "prompt: expected a string or a list of messages".into())),
+            Some(value) => turns_of(value, "prompt").map_err(|m| bad(line, m))?,
             None => {
                 return Err(bad(line, "prompt is missing: expected {\"prompt\": …} and the rewards' columns".into()))
             }
         };
+        match &prompt {
+            Turns::Text(t) if t.is_empty() => return Err(bad(line, "prompt is empty".into())),
+            Turns::Chat(m) if m.is_empty() => return Err(bad(line, "prompt is an empty list of messages".into())),
+            _ => {}
+        }
         out.push(PromptRecord { prompt, row, line });
     }
     if out.is_empty() {

@@ -92,6 +92,10 @@ pub fn sample<B: EmberBackend>(
     // Request ids are given in submission order from 0.
     let first = ids.first().copied().unwrap_or(0);
     let mut out = Sampled { tokens: vec![Vec::new(); n], truncated: vec![false; n] };
+    // Stop texts are looked for in each answer's text, decoded a token at a time (not the whole
+    // answer again per token).
+    let mut streams: Vec<_> = (0..n).map(|_| tokenizer.decode_stream(&[])).collect();
+    let mut texts = vec![String::new(); n];
     let mut finished = 0;
     while finished < n && !engine.is_idle() {
         let mut stopped = Vec::new();
@@ -101,8 +105,8 @@ pub fn sample<B: EmberBackend>(
                     let i = (id - first) as usize;
                     out.tokens[i].push(token);
                     if !config.stop.is_empty() {
-                        let text = tokenizer.decode_skipping_special(&out.tokens[i]).unwrap_or_default();
-                        if config.stop.iter().any(|s| text.contains(s.as_str())) {
+                        texts[i].push_str(&streams[i].step(token).unwrap_or_default());
+                        if config.stop.iter().any(|s| texts[i].contains(s.as_str())) {
                             stopped.push(id);
                         }
                     }
