@@ -2,8 +2,8 @@
 """Writes experiments/dpo_style.jsonl: 320 chat preference pairs (TRL's conversational format) in
 which the chosen answer is the same as the rejected one said in a fixed style, a pirate's ("Ahoy!
 ... be ..., matey!"). A DPO run that learns the preference raises the held-out reward accuracy and
-its samples take up the style (experiments/dpo.md). Also writes examples/preference.jsonl (64 pairs,
-another seed), the data of `ember init dpo`. Deterministic: python experiments/dpo_style_pairs.py
+its samples take up the style (experiments/dpo.md). (The DPO template's pairs, examples/preference.jsonl,
+are examples/make_preference.py's.) Deterministic: python experiments/dpo_style_pairs.py
 """
 
 import json
@@ -52,8 +52,6 @@ def write(path, n, seed):
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     write(os.path.join(here, "dpo_style.jsonl"), 320, 37)
-    # The smaller file `ember init dpo`'s template trains on.
-    write(os.path.join(here, "..", "examples", "preference.jsonl"), 64, 41)
 
 
 if __name__ == "__main__":

@@ -368,3 +368,49 @@ fn prepare_refuses_to_overwrite_files_it_did_not_write() {
         assert!(o.status.success(), "{}", stderr(&o));
     }
 }
+
+/// A run resumed after its data file changed is refused, naming the file and the change; with
+/// `--accept-data-change` it continues, says so, and its next checkpoints record the data as it is
+/// then (a later resume compares with that). Each checkpoint, `best/` too, records the data.
+#[test]
+fn a_resume_on_changed_data_is_refused_unless_the_change_is_accepted() {
+    let s = Scratch::new();
+    s.write("corpus.txt", &corpus());
+    s.write("cfg.toml", &tiny_config(""));
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--config", "cfg.toml", "--run-dir", "run"];
+        args.extend(extra);
+        s.ember(&args)
+    };
+    let rows = |folder: &str| -> u64 {
+        let text = std::fs::read_to_string(s.path().join("run").join(folder).join("inputs.json")).unwrap();
+        let inputs: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(inputs["data"]["path"].as_str().unwrap().ends_with("corpus.txt"), "{inputs}");
+        assert_eq!(inputs["data"]["shards"][0]["name"], "train.bin", "{inputs}");
+        inputs["data"]["rows"].as_u64().unwrap()
+    };
+    let o = train(&["--max-steps", "3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // 400 speeches of a name and two lines (blank lines between them are not rows).
+    assert_eq!((rows("checkpoints/step-000003"), rows("best")), (1200, 1200));
+
+    s.write("corpus.txt", &format!("{}JULIET:\nthe night is long,\n", corpus()));
+    let o = train(&["--resume"]);
+    assert_clean_error(&o, "corpus.txt changed since this checkpoint was written: 1200 lines then, 1202 now");
+    assert!(stderr(&o).contains("--accept-data-change"), "{}", stderr(&o));
+    assert!(!s.path().join("run/checkpoints/step-000006").exists());
+
+    let o = train(&["--resume", "--accept-data-change"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("WARN") && err.contains("changed since the checkpoint of step 3"), "{err}");
+    assert!(err.contains("2 lines added at the end") && err.contains("(--accept-data-change)"), "{err}");
+    assert_eq!(rows("checkpoints/step-000006"), 1202);
+    // The run's record follows the accepted data: resuming the complete run again is quiet.
+    let o = train(&["--resume"]);
+    assert!(o.status.success() && !stderr(&o).contains("changed"), "{}", stderr(&o));
+    // A checkpoint of an earlier ember, without the record, resumes with a note.
+    std::fs::remove_file(s.path().join("run/checkpoints/step-000006/inputs.json")).unwrap();
+    let o = train(&["--resume"]);
+    assert!(o.status.success() && stderr(&o).contains("has no record of its data"), "{}", stderr(&o));
+}

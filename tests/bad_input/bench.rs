@@ -88,3 +88,28 @@ fn decode_and_serve_sizes_past_the_model_are_refused() {
     bench(&s, &[&["decode"][..], &run, &too_many].concat(), &["--contexts 16", "max_seq_len of 32"]);
     bench(&s, &[&["serve"][..], &run, &["--max-tokens", "1000"]].concat(), &["--max-tokens 1000 is not in 1..=32"]);
 }
+
+/// Issue 57: a seed past TOML's largest integer (2^63 − 1) runs (serialising the run's config
+/// panicked): written as a string in the run's config.toml, read back by a resume; seed + 1 wraps.
+#[test]
+fn seeds_past_tomls_integers_run_and_resume() {
+    let s = super::with_config(&tiny_config(""));
+    let max = u64::MAX.to_string();
+    let target = ["--target-val", "100", "--max-steps", "2", "--eval-interval", "1", "--eval-iters", "1"];
+    let o = s.ember(
+        &[&["bench", "target", "--config", "cfg.toml", "--seed", &max, "--runs", "2", "--out", "bt"], &target[..]]
+            .concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains(&format!("seed {max}: reached")) && stdout(&o).contains("seed 0: reached"),
+        "{}",
+        stdout(&o)
+    );
+    let run = format!("bt/seed-{max}");
+    let config = std::fs::read_to_string(s.path().join(&run).join("config.toml")).unwrap();
+    assert!(config.contains(&format!("seed = \"{max}\"")), "{config}");
+    let config_path = format!("{run}/config.toml");
+    let o = s.ember(&["train", "--config", &config_path, "--run-dir", &run, "--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -70,7 +70,40 @@ fn resuming_and_restarting_runs() {
     s.write("other.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2").replace("d_ff = 64", "d_ff = 96"));
     refuse(&s, &["train", "--config", "other.toml", "--run-dir", "runs/cfg", "--resume"], &["[model] differs"]);
     s.write("lr.toml", &tiny_config("").replace("max_steps = 6", "max_steps = 2").replace("lr = 3e-3", "lr = 1e-2"));
-    refuse(&s, &["train", "--config", "lr.toml", "--run-dir", "runs/cfg", "--resume"], &["[schedule] differs"]);
+    refuse(
+        &s,
+        &["train", "--config", "lr.toml", "--run-dir", "runs/cfg", "--resume"],
+        &["[schedule] differs", "lr is 0.003 in the checkpoint, 0.01 now", "resume with the run's config.toml"],
+    );
+}
+
+/// Every section that changes the optimisation is compared on resume, as a config difference (a
+/// `[muon]` added used to be reported as a damaged checkpoint); and the data file is compared with
+/// the checkpoint's record of it.
+#[test]
+fn resuming_after_the_optimisation_or_the_data_changed() {
+    let s = with_run();
+    let resume = |config: &str, needles: &[&str]| {
+        refuse(&s, &["train", "--config", config, "--run-dir", "runs/cfg", "--resume"], needles);
+    };
+    let cfg = std::fs::read_to_string(s.path().join("cfg.toml")).unwrap();
+    s.write("muon.toml", &format!("{cfg}\n[muon]\nlr = 0.02\n"));
+    resume("muon.toml", &["[muon] differs", "the checkpoint's config has no [muon], this one has", "config.toml"]);
+    s.write("seed.toml", &cfg.replace("seed = 7", "seed = 8"));
+    resume("seed.toml", &["[train] differs", "seed is 7 in the checkpoint, 8 now"]);
+    // The corpus changed after the run (characters it holds already: the vocabulary stays).
+    let corpus = corpus();
+    s.write("corpus.txt", &format!("{corpus}ROMEO:\nthe night is long,\n"));
+    resume(
+        "cfg.toml",
+        &["corpus.txt changed since this checkpoint", "2 lines added at the end", "--accept-data-change", "--run-dir"],
+    );
+    s.write("corpus.txt", &corpus.replacen("night", "light", 1));
+    resume("cfg.toml", &["corpus.txt changed", "content changed (lines edited or replaced"]);
+    s.write("corpus.txt", &corpus.replacen("ROMEO:\n", "", 1));
+    resume("cfg.toml", &["corpus.txt changed", "1 line removed"]);
+    // Without --resume the flag means nothing: refused by name.
+    refuse(&s, &["train", "--config", "cfg.toml", "--accept-data-change"], &["--accept-data-change", "--resume"]);
 }
 
 /// Weights holding NaN are sampled (the run is the user's), but not without a word naming the

@@ -58,7 +58,7 @@ fn zero_and_out_of_range_values() {
         (
             "tokenizer = \"char\"",
             "tokenizer = \"char\"\nval_fraction = 1.5",
-            "data.val_fraction must be in (0, 1), found 1.5",
+            "data.val_fraction must be in [0, 1) (0: no validation), found 1.5",
         ),
         ("seed = 7", "seed = 7\nprecision = \"f8\"", "f8"),
     ];
@@ -101,6 +101,59 @@ fn structure_keys_and_sections() {
         &(tiny_config("") + "\n[lora]\nrank = 4\nalpha = 8.0\n"),
         &["lora: adapters fine-tune a pretrained model; set init_from"],
     );
+}
+
+/// Issue 57: keys that do nothing where they stand were taken without a word; each is refused at
+/// its line with the reason (the table of them is tested in ember-train's config::effect), and an
+/// unknown `[muon]` key is no longer sent to [preference].
+#[test]
+fn keys_with_no_effect_are_refused_with_the_reason() {
+    let line = |config: &str, needle: &str| config.lines().position(|l| l == needle).unwrap() + 1;
+    let config = edit("warmup_steps = 2", "warmup_steps = 2\ncooldown_frac = 0.3");
+    let want = format!(
+        "line {}: [schedule] cooldown_frac has no effect with shape = \"cosine\" (only the wsd schedule cools \
+         down); remove it, or set shape = \"wsd\"",
+        line(&config, "cooldown_frac = 0.3")
+    );
+    train_refuses(&config, &[&want]);
+    let config = edit("n_layers = 2", "n_layers = 2\npositions = \"learned\"\nrope_theta = 5e5");
+    train_refuses(&config, &["[model] rope_theta has no effect with positions = \"learned\""]);
+    let config = tiny_config("") + "\n[model.moe]\nn_experts = 4\ntop_k = 2\nd_expert = 16\ndense_layers = 2\n";
+    train_refuses(&config, &["[model.moe] has no effect with dense_layers = 2 and n_layers = 2"]);
+    let config = tiny_config("") + "\n[muon]\nlr = 0.02\nlora = true\n";
+    train_refuses(&config, &["[muon] lora has no effect without [lora]"]);
+    let config = tiny_config("") + "\n[muon]\nlr = 0.02\nbeta = 0.9\n";
+    train_refuses(&config, &["[muon] unknown key \"beta\" — did you mean \"momentum\"?"]);
+}
+
+/// Issue 57 (found by the config fuzzing): a bad value of a key that has a default came with a
+/// `missing field` for every other key of its section; a key of a nested table was blamed on the
+/// table at its header; a section's name as a key was "did you mean" itself; an enum given a
+/// number said only `wanted string or table`; a huge float printed 309 digits. Each is now the one
+/// problem, named at its line.
+#[test]
+fn a_bad_value_is_named_once_at_its_key() {
+    let line = |config: &str, needle: &str| config.lines().position(|l| l == needle).unwrap() + 1;
+    let config = edit("batch_size = 4", "batch_size = \"x\"");
+    let want = format!(
+        "cfg.toml: line {}: [train] batch_size: invalid type: string \"x\"",
+        line(&config, "batch_size = \"x\"")
+    );
+    let out = stderr(&with_config(&config).ember(&["train", "--config", "cfg.toml"]));
+    assert!(out.contains(&want) && !out.contains("missing field") && !out.contains("problems"), "{out}");
+    let config =
+        tiny_config("") + "\n[model.mla]\nq_rank = 16\nkv_rank = 8\nnope_dim = 8\nrope_dim = 4\nv_dim = true\n";
+    let want = format!(
+        "line {}: [model.mla] v_dim: invalid type: boolean `true`, expected usize",
+        line(&config, "v_dim = true")
+    );
+    train_refuses(&config, &[&want]);
+    let config = edit("warmup_steps = 2", "warmup_steps = 2\nmodel = 1");
+    train_refuses(&config, &["[schedule] unknown key \"model\" — [model] is a section: write it as a table header"]);
+    let config = edit("warmup_steps = 2", "warmup_steps = 2\nshape = 5");
+    train_refuses(&config, &["[schedule] shape: expected one of \"cosine\", \"wsd\" (a string), found integer 5"]);
+    let config = edit("min_lr = 3e-4", "min_lr = 1.7976931348623157e308");
+    train_refuses(&config, &["schedule.min_lr (1.7976931348623157e308) must not exceed schedule.lr"]);
 }
 
 #[test]

@@ -65,9 +65,10 @@ fn jsonl_examples() {
     refuse(&s, &["train", "--config", "cfg.toml"], &["chat template"]);
     s.write("data.jsonl", &"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n".repeat(4));
     refuse(&s, &["train", "--config", "cfg.toml"], &["without an assistant turn"]);
-    // An example longer than a row, under documents packing, without truncation.
-    s.write("data.jsonl", &(examples(3, "so") + &examples(1, &"the night is long ".repeat(6))));
-    refuse(&s, &["train", "--config", "cfg.toml"], &["fine-tuning example 4 has", "data.truncate"]);
+    // An example longer than a row, under documents packing, without truncation: named by its
+    // line (issue 57: by its index, wrong past a blank line).
+    s.write("data.jsonl", &(examples(3, "so") + "\n" + &examples(1, &"the night is long ".repeat(6))));
+    refuse(&s, &["train", "--config", "cfg.toml"], &["data.jsonl:5: the example has", "data.truncate = true"]);
     let s = with_config(&jsonl_config("packing = \"interleaved\""));
     s.write("data.jsonl", &examples(4, "so"));
     refuse(&s, &["train", "--config", "cfg.toml"], &["interleaved"]);
@@ -121,10 +122,11 @@ fn a_lora_rank_past_the_model_is_refused_before_anything_is_written() {
          max_steps = 2\neval_interval = 2\neval_iters = 1\n[optim]\nweight_decay = 0.0\n[schedule]\nlr = 1e-3\n\
          warmup_steps = 0\n[lora]\nrank = 1000000\nalpha = 16.0\n",
     );
-    // The fixture's narrowest adapted projection is v_proj, 64 × 32 (two key-value heads of 16).
+    // The fixture's narrowest adapted projections are k_proj and v_proj, 64 × 32 (two key-value
+    // heads of 16); the default targets (all seven projections) name the first of them.
     refuse(
         &s,
         &["train", "--config", "lora.toml", "--run-dir", "ft"],
-        &["lora.rank 1000000", "`v_proj`'s smaller side (32"],
+        &["lora.rank 1000000", "`k_proj`'s smaller side (32, of 64 × 32)"],
     );
 }

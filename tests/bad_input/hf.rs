@@ -219,3 +219,59 @@ fn import_of_a_fifo_or_a_plain_file() {
     s.write("notes.txt", "not a model");
     refuse(&s, &["import", "notes.txt", "--out", "run"], &["notes.txt", "a file that is not GGUF"]);
 }
+
+/// A thread that, after `secs`, opens `fifo` to write and closes it: an ember that hangs reading
+/// the FIFO (the fault tested for) then gets an end of file and fails the test's needles instead of
+/// hanging it. A fixed ember never opens it; the thread then waits unseen until the tests end.
+fn unblock_later(fifo: &Path, secs: u64) {
+    let fifo = fifo.to_path_buf();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(secs));
+        drop(std::fs::OpenOptions::new().write(true).open(&fifo));
+    });
+}
+
+/// Issue 57: a source that is not what its prefix says is named with the prefix it needs: a FIFO
+/// refused at once (`init_from = "gguf:FIFO"` hung; a config that is a FIFO too), a GGUF file
+/// given as `hf:` or `run:` told to use `gguf:` (it was "config.json: Not a directory"), a folder
+/// given as `gguf:` told to use `hf:` or `run:`.
+#[test]
+fn sources_that_are_not_what_their_prefix_says() {
+    let (s, _) = with_gguf();
+    let elsewhere = Scratch::new();
+    let fifo = elsewhere.path().join("pipe");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    unblock_later(&fifo, 60);
+    let fifo = fifo.to_str().unwrap();
+    let sample = |source: &str, needles: &[&str]| {
+        refuse(&s, &["sample", "--checkpoint", source, "--prompt", "a"], needles);
+    };
+    sample(&format!("gguf:{fifo}"), &[&format!("{fifo} is a FIFO (named pipe), not a GGUF file")]);
+    sample(&format!("hf:{fifo}"), &["is a FIFO (named pipe), not a Hugging Face model folder"]);
+    sample("hf:model.gguf", &["--checkpoint hf:model.gguf: model.gguf is a GGUF file: use gguf:model.gguf"]);
+    sample("run:model.gguf", &["model.gguf is a GGUF file: use gguf:model.gguf"]);
+    sample("gguf:model", &["model is a folder, not a GGUF file (a Hugging Face model folder): use hf:model"]);
+    sample("gguf:run", &["run is a folder, not a GGUF file (an ember run): use run:run"]);
+    let lora = "\n[data]\npath = \"corpus.txt\"\n[lora]\nrank = 4\nalpha = 8\n[train]\nbatch_size = 2\nmax_steps = 1\n";
+    s.write("corpus.txt", &corpus());
+    s.write("ft.toml", &format!("init_from = \"gguf:{fifo}\"\n{lora}"));
+    refuse(&s, &["train", "--config", "ft.toml"], &[&format!("init_from = \"gguf:{fifo}\""), "is a FIFO"]);
+    s.write("hf.toml", &format!("init_from = \"hf:model.gguf\"\n{lora}"));
+    refuse(&s, &["train", "--config", "hf.toml"], &["init_from = \"hf:model.gguf\"", "use gguf:model.gguf"]);
+    refuse(&s, &["train", "--config", fifo], &[&format!("{fifo}: is a FIFO (named pipe), not a regular file")]);
+}
+
+/// Issue 57: `--allow-missing` keeps the size check: a config describing 5.7 B parameters over a
+/// 160 KB folder is refused, naming the config and both sizes, before anything is allocated (it
+/// allocated 22 GB, and aborted where that was not there).
+#[test]
+fn allow_missing_keeps_the_size_check() {
+    let s = with_model();
+    for (key, value) in [("hidden_size", 4096), ("intermediate_size", 11008), ("num_hidden_layers", 28)] {
+        edit_config(&s, key, serde_json::json!(value));
+    }
+    edit_config(&s, "num_attention_heads", serde_json::json!(32));
+    edit_config(&s, "num_key_value_heads", serde_json::json!(32));
+    let needles = ["model/config.json", "describes 5667606528 parameters", "hold only 164992 bytes", "--allow-missing"];
+    refuse(&s, &["import", "model", "--out", "run", "--allow-missing"], &needles);
+}

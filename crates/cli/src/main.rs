@@ -1,4 +1,4 @@
-//! `ember`: train, sample and prepare data for Llama-style decoders on Burn.
+//! `ember`: train, fine-tune, evaluate and serve decoder-only transformers on Burn.
 
 use std::process::ExitCode;
 
@@ -17,7 +17,12 @@ use needs::Needs;
 static ALLOCATOR: alloc::Counting = alloc::Counting;
 
 #[derive(Parser, Debug)]
-#[command(name = "ember", version, about = "Train and sample Llama-style decoder-only transformers on Burn")]
+#[command(
+    name = "ember",
+    version,
+    about = "Train, fine-tune and serve decoder-only transformers (Llama, Qwen, Gemma, GPT-2, Mixtral, DeepSeek \
+             families) on Burn"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -35,9 +40,9 @@ enum Command {
     /// Evaluate a checkpoint: benchmark `--tasks` (HellaSwag, ARC, MMLU, …) or `--perplexity` on a
     /// text file or a split.
     Eval(commands::eval::EvalArgs),
-    /// Read a Hugging Face model folder into a run directory.
+    /// Read a model into a run directory: a Hugging Face folder or a GGUF file.
     Import(commands::hf::ImportArgs),
-    /// Write a run as a Hugging Face model folder.
+    /// Write a run as a Hugging Face model folder or a GGUF file.
     Export(commands::hf::ExportArgs),
     /// Tokenize a text file into train/val token shards.
     Prepare(commands::prepare::PrepareArgs),
@@ -53,7 +58,8 @@ enum Command {
     Check(commands::check::CheckArgs),
     /// Print the backends this binary was built with.
     Backends,
-    /// Write a commented config to start from: pretrain, lora or full (fine-tuning).
+    /// Write a commented config to start from: pretrain, lora, full (fine-tuning), dpo (preference
+    /// tuning) or grpo (reinforcement learning).
     Init(commands::init::InitArgs),
 }
 

@@ -18,6 +18,7 @@ use serde_json::Value;
 
 use crate::error::{DataError, Result};
 use crate::loader::Window;
+use crate::preference::{json_type, message_of};
 use crate::tokenizer::Tokenizer;
 
 /// One chat turn.
@@ -30,9 +31,25 @@ pub struct Message {
 /// The roles chat templates know (Hugging Face's conventions): a message's role is one of these.
 pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
-/// One line of a fine-tuning file.
+/// One row of a fine-tuning file, and its line there.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Record {
+pub struct Record {
+    pub body: Body,
+    /// The line of the file it was read from, 1-based as editors count (blank lines included);
+    /// 0 for an example made in memory. Errors about the example name it.
+    pub line: usize,
+}
+
+impl From<Body> for Record {
+    /// An example made in memory (no line).
+    fn from(body: Body) -> Self {
+        Record { body, line: 0 }
+    }
+}
+
+/// What a row of a fine-tuning file holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Body {
     /// Scored whole.
     Text(String),
     /// Only the completion is scored.
@@ -49,11 +66,25 @@ pub const MAX_LINE_BYTES: usize = 16 << 20;
 pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
     let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
     let mut out = Vec::new();
-    for (i, v) in json_lines(path)? {
+    let rows = json_lines(path)?;
+    // The file line of its first row (blank lines before it counted), for errors about the whole.
+    let first_line = rows.first().map_or(1, |(i, _)| i + 1);
+    for (i, v) in rows {
         let s = |k: &str| v.get(k).and_then(Value::as_str).map(String::from);
-        let record = if let Some(m) = v.get("messages") {
-            let messages: Vec<Message> =
-                serde_json::from_value(m.clone()).map_err(|e| bad(i + 1, format!("messages: {e}")))?;
+        let body = if let Some(m) = v.get("messages") {
+            let Value::Array(items) = m else {
+                let found = json_type(m);
+                return Err(bad(
+                    i + 1,
+                    format!("messages: expected a list of {{\"role\", \"content\"}}, found {found}"),
+                ));
+            };
+            let messages = items
+                .iter()
+                .enumerate()
+                .map(|(j, m)| message_of(m, &format!("messages[{j}]")))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| bad(i + 1, e))?;
             if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
                 let role = m.role.escape_debug();
                 return Err(bad(i + 1, format!("messages[{j}].role `{role}` is not one of {}", ROLES.join(", "))));
@@ -61,24 +92,24 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
             if !messages.iter().any(|m| m.role == "assistant") {
                 return Err(bad(i + 1, "messages without an assistant turn: nothing to learn".into()));
             }
-            Record::Chat(messages)
+            Body::Chat(messages)
         } else if let (Some(prompt), Some(completion)) = (s("prompt"), s("completion")) {
-            Record::Completion { prompt, completion }
+            Body::Completion { prompt, completion }
         } else if let Some(text) = s("text") {
-            Record::Text(text)
+            Body::Text(text)
         } else {
             return Err(bad(i + 1, "expected {\"prompt\", \"completion\"}, {\"messages\"} or {\"text\"}".into()));
         };
-        out.push(record);
+        out.push(Record { body, line: i + 1 });
     }
     // Examples whose completions are empty teach only the end-of-text token: all of them is a
     // mistake in the file (a misnamed key, an export gone wrong), some of them worth a word.
-    let scored = out.iter().filter(|r| !matches!(r, Record::Text(_))).count();
+    let scored = out.iter().filter(|r| !matches!(r.body, Body::Text(_))).count();
     let empty = out.iter().filter(|r| r.completion_is_empty()).count();
     if empty > 0 && empty == scored && scored == out.len() {
         let message =
             format!("every example's completion is empty ({empty} of {scored}): only end-of-text would be learned");
-        return Err(bad(1, message));
+        return Err(bad(first_line, message));
     }
     if empty > 0 {
         tracing::warn!(
@@ -92,7 +123,7 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
 /// The JSON values of a JSON-lines file with their 0-based line numbers (blank lines skipped); a
 /// line too long or not JSON is an error naming the file and line.
 pub fn json_lines(path: &Path) -> Result<Vec<(usize, Value)>> {
-    let text = std::fs::read_to_string(path).map_err(DataError::io(path))?;
+    let text = crate::read_file_to_string(path).map_err(DataError::io(path))?;
     let bad = |line: usize, message: String| DataError::Jsonl { path: path.into(), line, message };
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -108,10 +139,10 @@ pub fn json_lines(path: &Path) -> Result<Vec<(usize, Value)>> {
 impl Record {
     /// Whether the text to learn is empty: a blank completion, or assistant turns all blank.
     fn completion_is_empty(&self) -> bool {
-        match self {
-            Self::Text(_) => false,
-            Self::Completion { completion, .. } => completion.trim().is_empty(),
-            Self::Chat(messages) => {
+        match &self.body {
+            Body::Text(_) => false,
+            Body::Completion { completion, .. } => completion.trim().is_empty(),
+            Body::Chat(messages) => {
                 messages.iter().filter(|m| m.role == "assistant").all(|m| m.content.trim().is_empty())
             }
         }
@@ -207,6 +238,24 @@ impl Example {
     }
 }
 
+/// Tokenizes the records of the file `path` ([`encode`]); an error names the file and the
+/// record's line: `data.jsonl:7: tokenizer: chat template: …`.
+pub fn encode_of_file(
+    path: &Path,
+    records: &[Record],
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+) -> Result<Vec<Example>> {
+    records
+        .iter()
+        .map(|r| {
+            encode(std::slice::from_ref(r), tokenizer, template)
+                .map(|mut one| one.remove(0))
+                .map_err(|e| DataError::Jsonl { path: path.into(), line: r.line, message: e.to_string() })
+        })
+        .collect()
+}
+
 /// Tokenizes records. Chats are rendered turn by turn so that the text of each assistant turn is
 /// known: the difference between the rendering up to the turn (with the generation prompt) and the
 /// rendering including it is the scored part.
@@ -216,13 +265,13 @@ pub fn encode(records: &[Record], tokenizer: &Tokenizer, template: Option<&ChatT
         .iter()
         .map(|r| {
             let mut ex = Example { ids: Vec::new(), scored: Vec::new() };
-            match r {
-                Record::Text(t) => ex.push(tokenizer.encode_with_special(t)?, true),
-                Record::Completion { prompt, completion } => {
+            match &r.body {
+                Body::Text(t) => ex.push(tokenizer.encode_with_special(t)?, true),
+                Body::Completion { prompt, completion } => {
                     ex.push(tokenizer.encode_with_special(prompt)?, false);
                     ex.push(tokenizer.encode(completion)?, true);
                 }
-                Record::Chat(messages) => {
+                Body::Chat(messages) => {
                     let template = template.ok_or_else(|| {
                         DataError::Tokenizer("chat messages need a chat template (tokenizer_config.json `chat_template` or chat_template.jinja)".into())
                     })?;
@@ -393,7 +442,7 @@ mod tests {
         std::fs::write(&p, "{\"prompt\": \"Q: hi\", \"completion\": \" A: ho\"}\n\n{\"text\": \"plain\"}\n").unwrap();
         let r = read_jsonl(&p).unwrap();
         assert_eq!(r.len(), 2);
-        assert_eq!(r[1], Record::Text("plain".into()));
+        assert_eq!(r[1], Record { body: Body::Text("plain".into()), line: 3 }, "blank lines counted");
         std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \"y\"}\n{\"question\": 1}\n").unwrap();
         let e = read_jsonl(&p).unwrap_err().to_string();
         assert!(e.contains("d.jsonl:2:") && e.contains("expected {\"prompt\""), "{e}");
@@ -407,9 +456,56 @@ mod tests {
             .unwrap();
         let e = read_jsonl(&p).unwrap_err().to_string();
         assert!(e.contains("every example's completion is empty (2 of 2)"), "{e}");
+        // Named at the first row's line, blank lines before it counted.
+        std::fs::write(&p, "\n{\"prompt\": \"x\", \"completion\": \"\"}\n").unwrap();
+        let e = read_jsonl(&p).unwrap_err().to_string();
+        assert!(e.contains("d.jsonl:2: every example's completion is empty (1 of 1)"), "{e}");
         std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \"z\"}\n{\"prompt\": \"y\", \"completion\": \"\"}\n")
             .unwrap();
         assert_eq!(read_jsonl(&p).unwrap().len(), 2, "some empty completions: a warning");
+    }
+
+    /// Issue 57: a `messages` row was refused in serde's words (`invalid type: ... expected struct
+    /// Message`), and an example the template refuses named neither the file nor the line.
+    #[test]
+    fn chat_rows_are_refused_in_words_at_their_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.jsonl");
+        let refused = |row: &str| {
+            std::fs::write(&p, format!("\n{row}\n")).unwrap();
+            read_jsonl(&p).unwrap_err().to_string()
+        };
+        let file = p.display().to_string();
+        for (row, want) in [
+            (r#"{"messages": 5}"#, r#"2: messages: expected a list of {"role", "content"}, found a number"#),
+            (r#"{"messages": [7]}"#, r#"2: messages[0]: expected a message {"role", "content"}, found a number"#),
+            (r#"{"messages": [{"role": "user"}]}"#, "2: messages[0].content is missing"),
+            (
+                r#"{"messages": [{"role": 1, "content": "a"}]}"#,
+                "2: messages[0].role: expected a string, found a number",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "text"}]}]}"#,
+                "2: messages[0].content: expected a string, found a list (of parts?)",
+            ),
+        ] {
+            let e = refused(row);
+            assert!(e.starts_with(&format!("{file}:{want}")), "{row}: {e}");
+        }
+        // The template's own refusal, at the line of the row it refused.
+        let strict = "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}\
+                      {{ raise_exception('Conversation roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}";
+        let template = ChatTemplate::new(strict.into(), String::new(), String::new()).unwrap();
+        let ok = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}"#;
+        let bad = r#"{"messages": [{"role": "assistant", "content": "ho"}, {"role": "user", "content": "hi"}]}"#;
+        std::fs::write(&p, format!("{ok}\n\n{bad}\n")).unwrap();
+        let records = read_jsonl(&p).unwrap();
+        assert_eq!(records.iter().map(|r| r.line).collect::<Vec<_>>(), [1, 3]);
+        let e = encode_of_file(&p, &records, &tokenizer(), Some(&template)).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{file}:3: tokenizer: chat template: ")), "{e}");
+        assert!(e.contains("Conversation roles must alternate"), "{e}");
+        let e = encode_of_file(&p, &records, &tokenizer(), None).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{file}:1: tokenizer: chat messages need a chat template")), "{e}");
     }
 
     #[test]
@@ -423,25 +519,26 @@ mod tests {
     #[test]
     fn only_completions_and_assistant_turns_are_scored() {
         let tok = tokenizer();
-        let ex =
-            encode(&[Record::Completion { prompt: "Q: hi".into(), completion: " A: ho".into() }], &tok, None).unwrap();
+        let ex = encode(&[Body::Completion { prompt: "Q: hi".into(), completion: " A: ho".into() }.into()], &tok, None)
+            .unwrap();
         let scored: String =
             ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
         assert_eq!(scored, " A: ho");
         let template = ChatTemplate::new(CHATML.into(), String::new(), "<|im_end|>".into()).unwrap();
-        let chat = Record::Chat(vec![
+        let chat: Record = Body::Chat(vec![
             Message { role: "user".into(), content: "hi".into() },
             Message { role: "assistant".into(), content: "ho".into() },
             Message { role: "user".into(), content: "why".into() },
             Message { role: "assistant".into(), content: "so".into() },
-        ]);
+        ])
+        .into();
         let ex = encode(&[chat], &tok, Some(&template)).unwrap();
         let all = tok.decode(&ex[0].ids).unwrap();
         assert_eq!(all, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nho<|im_end|>\n<|im_start|>user\nwhy<|im_end|>\n<|im_start|>assistant\nso<|im_end|>\n");
         let scored: String =
             ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
         assert_eq!(scored, "ho<|im_end|>\nso<|im_end|>\n");
-        assert!(encode(&[Record::Chat(vec![])], &tok, None).is_err());
+        assert!(encode(&[Body::Chat(vec![]).into()], &tok, None).is_err());
     }
 
     #[test]

@@ -40,6 +40,55 @@ pub fn special_file(kind: std::fs::FileType) -> Option<&'static str> {
     }
     Some("a special file")
 }
+
+/// Opens `path` to read it, refusing what is not a regular file (or a link to one) before a byte
+/// is read: a folder, a FIFO, a socket, a device. Every file a user names goes through it (configs,
+/// data, tokenizers, model files): a FIFO would block until a writer came, a device might never
+/// end. The error says what the path is ("is a FIFO (named pipe), not a regular file"); callers
+/// add the path. The open itself does not block either (a path swapped for a FIFO after the check
+/// is opened without waiting, and refused by what the opened handle is); on a regular file that
+/// flag changes nothing.
+pub fn open_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let refused = |kind: std::fs::FileType| {
+        use std::io::{Error, ErrorKind};
+        if kind.is_dir() {
+            return Some(Error::new(ErrorKind::IsADirectory, "is a folder, not a file"));
+        }
+        special_file(kind).map(|what| Error::new(ErrorKind::InvalidInput, format!("is {what}, not a regular file")))
+    };
+    if let Some(err) = refused(std::fs::metadata(path)?.file_type()) {
+        return Err(err);
+    }
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path)?;
+    match refused(file.metadata()?.file_type()) {
+        Some(err) => Err(err),
+        None => Ok(file),
+    }
+}
+
+/// The bytes of the regular file `path` ([`open_file`]'s refusals).
+pub fn read_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut file = open_file(path)?;
+    let mut bytes = Vec::with_capacity(file.metadata().map_or(0, |m| m.len() as usize));
+    file.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// The text of the regular file `path` ([`open_file`]'s refusals); not UTF-8 is an error.
+pub fn read_file_to_string(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    open_file(path)?.read_to_string(&mut text)?;
+    Ok(text)
+}
 pub use detokenize::DecodeStream;
 pub use loader::{Examples, LmBatch, LmBatcher, TokenWindows, Window, WindowSampler};
 pub use manifest::Manifest;
@@ -71,6 +120,45 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
     }
     result.map_err(DataError::io(path))?;
     sync_dir(dir).map_err(DataError::io(dir))
+}
+
+/// Writes a new file `out`, which must not exist, so that it is whole or absent: a temporary file
+/// beside it written (by `write`) and fsynced, then linked as `out` (a link never replaces a file:
+/// one made meanwhile is kept and the write refused with `AlreadyExists`), the folder fsynced. A
+/// failed write (a full disk) leaves no file behind, so that running it again does not find one
+/// "already there"; the temporary file is removed whatever happens.
+pub fn write_new_with(
+    out: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    let exists = || Error::new(ErrorKind::AlreadyExists, format!("{} already exists", out.display()));
+    if out.symlink_metadata().is_ok() {
+        return Err(exists());
+    }
+    let dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        write(&mut file)?;
+        file.sync_all()?;
+        match std::fs::hard_link(&tmp, out) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => Err(exists()),
+            // A file system without links: renamed instead, `out` checked just before.
+            Err(_) if out.symlink_metadata().is_ok() => Err(exists()),
+            Err(_) => std::fs::rename(&tmp, out),
+        }
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    written?;
+    sync_dir(dir)
+}
+
+/// [`write_new_with`] of `bytes`.
+pub fn write_new(out: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_new_with(out, |file| file.write_all(bytes))
 }
 
 /// Flushes a folder's entries (files created, renamed or removed in it) to disk. Renames are only

@@ -129,7 +129,7 @@ fn prepare_hashed(
         return Ok(p);
     }
 
-    let text = std::fs::read_to_string(text_path).map_err(DataError::io(text_path))?;
+    let text = crate::read_file_to_string(text_path).map_err(DataError::io(text_path))?;
     let (train_text, val_text) = split_text(&text, val_fraction);
     let tokenizer = match spec {
         // The char vocabulary covers the whole text (as nanoGPT's), so validation has no unknowns.

@@ -57,6 +57,8 @@ pub struct Prompt {
     pub ids: Vec<u32>,
     pub text: String,
     pub row: Map<String, Value>,
+    /// The file and line the prompt comes from, for messages.
+    pub file: std::sync::Arc<std::path::Path>,
     pub line: usize,
 }
 
@@ -65,26 +67,33 @@ pub fn encode_prompts(
     records: &[PromptRecord],
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
+    file: &std::path::Path,
 ) -> Result<Vec<Prompt>> {
+    let path = file;
+    let file: std::sync::Arc<std::path::Path> = file.into();
     records
         .iter()
         .map(|r| {
-            let (text, ids) = match &r.prompt {
-                Turns::Text(t) => (t.clone(), tokenizer.encode_with_special(t)?),
-                Turns::Chat(messages) => {
-                    let template = template.ok_or_else(|| {
-                        DataError::Tokenizer(format!(
-                            "line {}: chat messages need a chat template (tokenizer_config.json `chat_template` or \
-                             chat_template.jinja)",
-                            r.line
-                        ))
-                    })?;
-                    let text = template.render(messages, true)?;
-                    let ids = tokenizer.encode(&text)?;
-                    (text, ids)
-                }
+            let encoded = || -> Result<(String, Vec<u32>)> {
+                Ok(match &r.prompt {
+                    Turns::Text(t) => (t.clone(), tokenizer.encode_with_special(t)?),
+                    Turns::Chat(messages) => {
+                        let template = template.ok_or_else(|| {
+                            DataError::Tokenizer(
+                                "chat messages need a chat template (tokenizer_config.json `chat_template` or \
+                                 chat_template.jinja)"
+                                    .into(),
+                            )
+                        })?;
+                        let text = template.render(messages, true)?;
+                        let ids = tokenizer.encode(&text)?;
+                        (text, ids)
+                    }
+                })
             };
-            Ok(Prompt { ids, text, row: r.row.clone(), line: r.line })
+            let (text, ids) =
+                encoded().map_err(|e| DataError::Jsonl { path: path.into(), line: r.line, message: e.to_string() })?;
+            Ok(Prompt { ids, text, row: r.row.clone(), file: file.clone(), line: r.line })
         })
         .collect()
 }

@@ -146,7 +146,7 @@ impl Tokenizer {
 
     pub fn from_file(path: &Path) -> Result<Self> {
         let bad = |message: String| DataError::TokenizerFile { path: path.into(), message };
-        let json = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let json = crate::read_file_to_string(path).map_err(|e| bad(e.to_string()))?;
         Self::parse(&json).map(Self::wrap).map_err(|e| match e {
             DataError::Tokenizer(message) => bad(message),
             other => other,

@@ -125,8 +125,9 @@ fn hf_shape(shapes: &[&Vec<usize>], layout: Layout) -> Option<Vec<usize>> {
 /// Every tensor of a model folder, by Hugging Face name, with the file it came from.
 fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (TensorData, PathBuf)>, HfError> {
     let index = dir.join(INDEX);
-    let files: Vec<(PathBuf, Option<Vec<String>>)> = if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(HfError::io(&index))?;
+    // `exists`, not `is_file`: a FIFO or a folder in a file's place is named for what it is.
+    let files: Vec<(PathBuf, Option<Vec<String>>)> = if index.exists() {
+        let text = ember_data::read_file_to_string(&index).map_err(HfError::io(&index))?;
         let json: Value = serde_json::from_str(&text)
             .map_err(|e| HfError::Config { source_name: index.display().to_string(), message: e.to_string() })?;
         let map = json
@@ -141,20 +142,20 @@ fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (TensorData, PathBuf)>, H
         let mut out = Vec::new();
         for (file, keys) in by_file {
             let path = dir.join(&file);
-            if file.contains('/') || !path.is_file() {
+            if file.contains('/') || !path.exists() {
                 return Err(HfError::MissingShard { index: index.clone(), shard: file });
             }
             out.push((path, Some(keys)));
         }
         out
-    } else if dir.join(SINGLE).is_file() {
+    } else if dir.join(SINGLE).exists() {
         vec![(dir.join(SINGLE), None)]
     } else {
         return Err(HfError::NoWeights { dir: dir.into() });
     };
     let mut tensors = BTreeMap::new();
     for (path, keys) in files {
-        let bytes = std::fs::read(&path).map_err(HfError::io(&path))?;
+        let bytes = ember_data::read_file(&path).map_err(HfError::io(&path))?;
         let file = SafeTensors::deserialize(&bytes)
             .map_err(|e| HfError::Safetensors { file: path.clone(), message: e.to_string() })?;
         let names: Vec<String> = match keys {
@@ -204,7 +205,7 @@ pub fn import<B: EmberBackend>(
     device: &Device<B>,
 ) -> Result<Imported<B>, HfError> {
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(HfError::io(&config_path))?;
+    let text = ember_data::read_file_to_string(&config_path).map_err(HfError::io(&config_path))?;
     let hf_config: Value = serde_json::from_str(&text)
         .map_err(|e| HfError::Config { source_name: config_path.display().to_string(), message: e.to_string() })?;
     // The tensors are read first (their size is the files'), so that a config describing far more
@@ -265,14 +266,22 @@ pub(crate) fn load_tensors<B: EmberBackend>(
 ) -> Result<Imported<B>, HfError> {
     let (config_path, dir) = (load.config_path, load.dir);
     let bad = |message: String| HfError::Config { source_name: config_path.display().to_string(), message };
-    if !load.allow_missing {
-        let bytes = tensors.values().fold(0u64, |n, (t, _)| n.saturating_add(t.as_bytes().len() as u64));
-        // A kept weight counts as the f32 values it stands for (the check's unit).
-        let kept = load.quantized.values().map(|q| (q.d_in() * q.d_out() * 4) as u64).sum::<u64>();
-        let bytes = bytes.saturating_add(kept);
-        ember_model::weights::check_model_size(&load.config, &format!("the weights of {}", dir.display()), bytes)
-            .map_err(|e| bad(e.to_string()))?;
-    }
+    // Checked before the model is allocated, `allow_missing` or not: a tensor left at zero is a
+    // gap in a model, never most of one (the check asks a byte of file per parameter, half of what
+    // bf16 weights hold), so a config describing far more than its files is refused here, not by
+    // an allocation that fails.
+    let bytes = tensors.values().fold(0u64, |n, (t, _)| n.saturating_add(t.as_bytes().len() as u64));
+    // A kept weight counts as the f32 values it stands for (the check's unit).
+    let kept = load.quantized.values().map(|q| (q.d_in() * q.d_out() * 4) as u64).sum::<u64>();
+    let bytes = bytes.saturating_add(kept);
+    ember_model::weights::check_model_size(&load.config, &format!("the weights of {}", dir.display()), bytes).map_err(
+        |e| match (load.allow_missing, e) {
+            (true, e @ ember_model::weights::SizeError::LargerThanFiles { .. }) => {
+                bad(format!("{e} (--allow-missing keeps a few missing tensors at zero, not most of a model)"))
+            }
+            (_, e) => bad(e.to_string()),
+        },
+    )?;
     let family = load.architecture.family();
     // Projections kept quantized: placeholders from the start (their f32 zeros never all exist).
     let kept = load.quantized.len();

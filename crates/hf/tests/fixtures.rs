@@ -184,3 +184,82 @@ fn damaged_folders_give_errors_that_name_the_problem() {
     assert!(e.contains("model.layers.1.") && e.contains("match no ember parameter"), "{e}");
     assert!(import::<B>(&d, DType::F32, false, true, &Default::default()).is_ok());
 }
+
+/// Issue 57: GGUF files whose faults were reported under another cause are refused for the real
+/// one: an expert count under its own key (it was `llama.block_count`), an unknown tensor name as
+/// unknown (it was "stored as a tensor ember does not map, which ember cannot read"), a token text
+/// twice by both ids (it surfaced only as the tokenizers crate's warning), and a DeepSeek file with
+/// both `attn_kv_b` and `attn_k_b`/`attn_v_b` by both names (one silently won).
+#[test]
+fn gguf_faults_are_refused_for_their_real_cause() {
+    use ember_hf::gguf::model::{encode_model, read_file, ExportType};
+    use ember_hf::gguf::{encode, GgmlType, GgufFile, TensorOut, Value};
+    // A fixture's model (the DeepSeek-V3 one without its YaRN scaling, which GGUF holds otherwise)
+    // exported as GGUF (f32), as its metadata and tensors, to be edited and encoded again.
+    let exported = |name: &str| {
+        let m = import::<B>(&fixture(name), DType::F32, false, false, &Default::default()).unwrap();
+        let tokenizer = std::fs::read_to_string(fixture(name).join("tokenizer.json")).unwrap();
+        let (model, base) = match name {
+            "deepseek_v3" => {
+                let config = ModelConfig { rope_scaling: None, ..m.model.config().clone() };
+                (Decoder::<B>::new(&config, 0, &Default::default()).unwrap(), None)
+            }
+            _ => (m.model, Some(m.hf_config)),
+        };
+        let bytes = encode_model(&model, base.as_ref(), &tokenizer, None, ExportType::F32).unwrap().bytes;
+        let f = GgufFile::parse(bytes, Path::new("m.gguf")).unwrap();
+        let tensors: Vec<TensorOut> = f
+            .tensors
+            .iter()
+            .map(|t| TensorOut { name: t.name.clone(), shape: t.shape(), kind: t.kind, data: f.raw(t).to_vec() })
+            .collect();
+        (f.metadata.clone(), tensors, model.config().clone())
+    };
+    let refused = |meta: &std::collections::BTreeMap<String, Value>, tensors: &[TensorOut]| {
+        let meta: Vec<(String, Value)> = meta.clone().into_iter().collect();
+        let f = GgufFile::parse(encode(&meta, tensors), Path::new("m.gguf")).unwrap();
+        read_file(f).err().expect("an error").to_string()
+    };
+
+    let (mut meta, tensors, _) = exported("mixtral");
+    meta.insert("llama.expert_count".into(), Value::U32(1_000_000));
+    let e = refused(&meta, &tensors);
+    assert!(e.contains("m.gguf: metadata `llama.expert_count`") && e.contains("moe.n_experts = 1000000"), "{e}");
+    meta.insert("llama.expert_count".into(), Value::U32(2));
+    meta.insert("llama.expert_used_count".into(), Value::U32(3));
+    let e = refused(&meta, &tensors);
+    assert!(e.contains("metadata `llama.expert_used_count`") && e.contains("moe.top_k"), "{e}");
+
+    let (mut meta, mut tensors, _) = exported("qwen2");
+    let extra =
+        TensorOut { name: "blk.0.attn_foo.weight".into(), shape: vec![4], kind: GgmlType::F32, data: vec![0; 16] };
+    tensors.push(extra);
+    let e = refused(&meta, &tensors);
+    assert!(e.contains("tensor `blk.0.attn_foo.weight` is not a tensor of llama.cpp's `qwen2` architecture"), "{e}");
+    assert!(!e.contains("cannot read"), "{e}");
+    tensors.pop();
+    let Some(Value::Array(tokens)) = meta.get_mut("tokenizer.ggml.tokens") else { panic!("tokens") };
+    tokens[9] = tokens[8].clone();
+    let text = tokens[8].as_str().unwrap().to_string();
+    let e = refused(&meta, &tensors);
+    let want = format!("`tokenizer.ggml.tokens`: token {text:?} appears twice, as ids 8 and 9");
+    assert!(e.contains(&want), "{e}");
+    // Empty tokens are no duplicates of each other: read as llama.cpp reads them, `[EMPTY_<id>]`.
+    let Some(Value::Array(tokens)) = meta.get_mut("tokenizer.ggml.tokens") else { panic!("tokens") };
+    (tokens[8], tokens[9]) = (Value::String(String::new()), Value::String(String::new()));
+    let f = GgufFile::parse(encode(&meta.clone().into_iter().collect::<Vec<_>>(), &tensors), Path::new("m.gguf"));
+    let read = read_file(f.unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(read.tokenizer_json.contains("\"[EMPTY_9]\":9"), "{}", read.tokenizer_json);
+
+    let (meta, mut tensors, config) = exported("deepseek_v3");
+    assert!(tensors.iter().any(|t| t.name == "blk.0.attn_k_b.weight"), "the split form");
+    let mla = config.mla.unwrap();
+    let shape = vec![config.n_heads * (mla.nope_dim + mla.v_dim), mla.kv_rank];
+    let n = shape.iter().product::<usize>();
+    tensors.push(TensorOut { name: "blk.0.attn_kv_b.weight".into(), shape, kind: GgmlType::F32, data: vec![0; 4 * n] });
+    let e = refused(&meta, &tensors);
+    assert!(
+        e.contains("blk.0.attn_k_b.weight and blk.0.attn_v_b.weight hold the same weight as `blk.0.attn_kv_b.weight`"),
+        "{e}"
+    );
+}

@@ -34,6 +34,10 @@ use tokio::sync::Notify;
 use crate::conn::{Conn, Conns, Idle, Place, Watched};
 use crate::hosts::AllowedHosts;
 
+/// How long answers cut by a draining server ([`Server::drain`]) get to send their last words: one
+/// event each, at once unless the client has stopped reading.
+pub(crate) const CUT_WAIT: Duration = Duration::from_secs(2);
+
 /// What a connection turned away at a full house gets (written once, without waiting).
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 15\r\n\
 Retry-After: 1\r\nConnection: close\r\n\r\nserver is busy\n";
@@ -245,7 +249,9 @@ impl Server {
 
     /// Stops gracefully: new connections are no longer accepted and new requests on open ones get
     /// 503, idle connections are closed, the requests in work have `grace` to finish, then the
-    /// service ends the rest ([`Service::cut`]) and gets a few seconds more; then the server stops.
+    /// service ends the rest ([`Service::cut`]) and they get [`CUT_WAIT`] more to send their last
+    /// words; then the server stops. Returns within `grace` + [`CUT_WAIT`] + about a second, however
+    /// the clients behave (one that does not read loses its answer's last bytes).
     pub fn drain(mut self, grace: Duration) -> Drained {
         self.draining.store(true, Ordering::SeqCst);
         self.shutdown.notify_one();
@@ -261,7 +267,12 @@ impl Server {
         let cut = settled(grace);
         if cut > 0 {
             (self.cut)();
-            settled(Duration::from_secs(5));
+            let left = settled(CUT_WAIT);
+            if left > 0 {
+                tracing::warn!(
+                    "{left} answers did not end within {CUT_WAIT:?} of being cut; their clients do not read"
+                );
+            }
         }
         // The last answers' final bytes leave hyper's buffers for the sockets.
         std::thread::sleep(Duration::from_millis(100));

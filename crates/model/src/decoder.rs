@@ -426,6 +426,12 @@ impl<B: EmberBackend> Decoder<B> {
         })
     }
 
+    /// The model with its adapters folded in ([`Self::merge_lora`]) and its weights trainable
+    /// again, as a model read from a file is: where a run that starts from a LoRA run begins.
+    pub fn merged_for_training(self) -> Self {
+        crate::weights::map_paths(self.merge_lora(), &mut crate::lora::ThawBase)
+    }
+
     /// Folds every adapter into its projection's weight; quantized projections are dequantized
     /// (the merged model is plain f32 weights).
     pub fn merge_lora(mut self) -> Self {

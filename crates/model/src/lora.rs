@@ -39,7 +39,9 @@ pub struct LoraConfig {
     /// Dropout on the adapter's input during training.
     #[serde(default)]
     pub dropout: f64,
-    /// The projections to adapt.
+    /// The projections to adapt. A config file's `[lora]` that leaves them out gets the seven
+    /// projections (ember-train's defaults, which know the model); this default serves values read
+    /// without them elsewhere.
     #[serde(default = "default_targets")]
     pub targets: Vec<Target>,
 }
@@ -180,6 +182,21 @@ impl<B: Backend> PathMapper<B> for FreezeBase {
             return param;
         }
         param.set_require_grad(false)
+    }
+}
+
+/// Makes trainable again what [`FreezeBase`] froze: every parameter but the placeholders of
+/// projections kept in their stored block types (no elements) and the experts' selection bias
+/// (balanced by its own rule, never by gradients).
+pub(crate) struct ThawBase;
+
+impl<B: Backend> PathMapper<B> for ThawBase {
+    fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let placeholder = param.shape().num_elements() == 0;
+        if placeholder || path.ends_with("selection_bias") {
+            return param;
+        }
+        param.set_require_grad(true)
     }
 }
 

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod chat;
 pub mod sampling;
 pub mod server;
 pub mod worker;

@@ -37,6 +37,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
 use crate::api::{error_body, ChatRequest, CompletionRequest, Generation, Invalid, Kind, Usage};
+use crate::chat::ChatPrompt;
 use crate::worker::{SubmitError, Worker};
 
 const CHAT_PAGE: &str = include_str!("../assets/chat.html");
@@ -46,7 +47,8 @@ pub struct Options {
     /// The name `/v1/models` lists and requests may give as `model`.
     pub model_name: String,
     pub tokenizer: Tokenizer,
-    /// For `/v1/chat/completions`; without one, chat requests get 400.
+    /// For `/v1/chat/completions`; without one, chat requests get 400. A template without a system
+    /// turn gets system messages at the head of the next user message ([`crate::chat`]).
     pub template: Option<ChatTemplate>,
     /// The model's context (prompt and answer together).
     pub context: usize,
@@ -65,7 +67,7 @@ pub struct Server(ember_http::Server);
 
 impl Server {
     /// Serves on `addr` (port 0: any free port) with the engine behind `worker`. Returns once listening.
-    pub fn start(addr: SocketAddr, worker: Worker, options: Options) -> Result<Self, StartError> {
+    pub fn start(addr: SocketAddr, worker: Worker, mut options: Options) -> Result<Self, StartError> {
         let settings = Settings {
             name: "ember-serve",
             threads: 2,
@@ -73,7 +75,14 @@ impl Server {
             allowed_hosts: options.allowed_hosts.clone(),
             limits: options.limits.clone(),
         };
-        let state = State { worker, options, next_id: AtomicU64::new(1), cut: watch::channel(false).0 };
+        let chat = options.template.take().map(ChatPrompt::new);
+        if chat.as_ref().is_some_and(|c| !c.renders_system()) {
+            tracing::warn!(
+                "the model's chat template renders no system message: a request's system messages are put at the \
+                 head of the next user message (as llama.cpp's server does)"
+            );
+        }
+        let state = State { worker, options, chat, next_id: AtomicU64::new(1), cut: watch::channel(false).0 };
         ember_http::Server::start(addr, settings, state).map(Self)
     }
 
@@ -96,7 +105,9 @@ impl Server {
 
 struct State {
     worker: Worker,
+    /// Its `template` taken into `chat`.
     options: Options,
+    chat: Option<ChatPrompt>,
     next_id: AtomicU64,
     /// Set when the answers in work are to end now (a drain's grace period is over).
     cut: watch::Sender<bool>,
@@ -303,9 +314,10 @@ async fn route(state: &State, req: Request<Incoming>, conn: &Arc<Conn>) -> Answe
     }
 }
 
-/// The body as JSON of type `T`, within the size and time limits (a body announced over the size
-/// limit never gets here: the shell refuses it).
-async fn read_json<T: serde::de::DeserializeOwned>(state: &State, req: Request<Incoming>) -> Result<T, Answer> {
+/// The body as JSON read into a `T`, within the size and time limits (a body announced over the
+/// size limit never gets here: the shell refuses it). Bad JSON is refused with the parser's
+/// message; a field of the wrong type with a message naming it and what it should be, as `param`.
+async fn read_json<T: TryFrom<Value, Error = Invalid>>(state: &State, req: Request<Incoming>) -> Result<T, Answer> {
     let limits = &state.options.limits;
     let body = Limited::new(req.into_body(), usize::try_from(limits.max_body).unwrap_or(usize::MAX));
     let bytes = match tokio::time::timeout(limits.body_timeout, body.collect()).await {
@@ -321,9 +333,14 @@ async fn read_json<T: serde::de::DeserializeOwned>(state: &State, req: Request<I
         Ok(Err(_)) => return Err(state.refuse(Refused::BodyTooLarge(limits.max_body))),
         Ok(Ok(collected)) => collected.to_bytes(),
     };
-    serde_json::from_slice(&bytes).map_err(|e| {
+    let body: Value = serde_json::from_slice(&bytes).map_err(|e| {
         let message = format!("could not parse the JSON body: {e}");
         error(StatusCode::BAD_REQUEST, "invalid_request_error", &message, None, None)
+    })?;
+    T::try_from(body).map_err(|e| {
+        // An empty param is the body as a whole.
+        let param = Some(e.param.as_str()).filter(|p| !p.is_empty());
+        error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.message, param, None)
     })
 }
 
@@ -345,13 +362,13 @@ async fn completion(state: &State, r: CompletionRequest, conn: &Arc<Conn>) -> An
 }
 
 async fn chat(state: &State, r: ChatRequest, conn: &Arc<Conn>) -> Answer {
-    let Some(template) = &state.options.template else {
+    let Some(template) = &state.chat else {
         return invalid(Invalid::new("messages", "this model has no chat template; use /v1/completions"));
     };
     let prepared = (|| {
         let generation = r.settings.generation(&state.options.model_name, &state.options.sampling)?;
         let messages = r.messages(template.roles())?;
-        let text = template.render(&messages, true).map_err(|e| Invalid::new("messages", e.to_string()))?;
+        let text = template.render(&messages)?;
         let ids = state.options.tokenizer.encode_prompt(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;
         Ok::<_, Invalid>((ids, generation))
     })();

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ember_data::fetch::{locate, Locations};
-use ember_data::finetune::{encode, read_jsonl, ChatTemplate, PackedExamples, Record};
+use ember_data::finetune::{encode_of_file, read_jsonl, Body, ChatTemplate, PackedExamples, Record};
 use ember_data::prepare::prepare_cached;
 use ember_data::{DataError, Examples, Manifest, TokenWindows, Tokenizer, TokenizerSpec, Window};
 
@@ -15,11 +15,13 @@ use crate::init::ResolvedInit;
 
 /// The text file a data config names, found or downloaded, and its validation fraction.
 pub(crate) fn text_source(config: &DataConfig, locations: &Locations) -> Result<(PathBuf, f64), TrainError> {
+    // A separate validation file: the training file is read whole.
+    let fraction = |default: f64| if config.val_path.is_some() { 0.0 } else { config.val_fraction.unwrap_or(default) };
     match (&config.dataset, &config.path) {
         (Some(name), _) => {
             let manifest = Manifest::built_in(name)?;
             let path = locate(&manifest, locations)?;
-            Ok((path, config.val_fraction.unwrap_or(manifest.val_fraction)))
+            Ok((path, fraction(manifest.val_fraction)))
         }
         (None, Some(path)) => {
             use std::io::{Error, ErrorKind};
@@ -41,7 +43,7 @@ pub(crate) fn text_source(config: &DataConfig, locations: &Locations) -> Result<
             if let Some(err) = refused {
                 return Err(TrainError::Io { path: path.clone(), err });
             }
-            Ok((path.clone(), config.val_fraction.unwrap_or(0.1)))
+            Ok((path.clone(), fraction(0.1)))
         }
         // Validation refuses this; a caller that skipped it gets the same error.
         (None, None) => Err(TrainError::Invalid { path: PathBuf::from("[data]"), error: InvalidConfig::NoData }),
@@ -64,6 +66,26 @@ pub struct LoadedData {
     pub held_out_prompt: Option<String>,
     /// Reinforcement learning: the prompts with their rows (the rows above hold their tokens).
     pub prompts: Option<crate::rl::Prompts>,
+    /// Where the training rows come from, for the record in a run's checkpoints.
+    pub origin: DataOrigin,
+}
+
+/// The training data's file (a built-in dataset's, found or downloaded) and, for a token stream,
+/// its training shard.
+#[derive(Debug, Clone, Default)]
+pub struct DataOrigin {
+    pub source: PathBuf,
+    pub train_shard: Option<Arc<ember_data::TokenShard>>,
+}
+
+impl DataOrigin {
+    /// The record of what a run of this data reads (the file's digest and rows, a token stream's
+    /// training shard), hashing all of it: only training runs ask.
+    pub(crate) fn record(&self) -> Result<crate::checkpoint::DataRecord, TrainError> {
+        let shards: Vec<_> =
+            self.train_shard.iter().map(|s| (ember_data::prepare::TRAIN_FILE.to_string(), s.clone())).collect();
+        crate::checkpoint::DataRecord::of(&self.source, shards.is_empty(), &shards)
+    }
 }
 
 /// Tokenizer spec of a config: `data.tokenizer`, else the `init_from` model's (`init`, the source
@@ -94,27 +116,63 @@ pub fn load(
 ) -> Result<LoadedData, TrainError> {
     let (path, val_fraction) = text_source(&config.data, locations)?;
     let (spec, tokenizer_dir) = tokenizer_spec(config, init)?;
-    match config.data.format() {
+    let mut loaded = match config.data.format() {
         DataFormat::Text => load_text(config, &path, val_fraction, &spec, tokenizer_dir, locations),
         DataFormat::Jsonl => {
             let (tokenizer, template) = jsonl_tokenizer(&spec, tokenizer_dir.as_deref())?;
-            let file = JsonlFile { path: &path, val_fraction, tokenizer, template, tokenizer_dir };
+            let val_path = config.data.val_path.as_deref();
+            let file = JsonlFile { path: &path, val_fraction, val_path, tokenizer, template, tokenizer_dir };
             match (&config.preference, &config.rl) {
                 (_, Some(rl)) => load_prompts(config, rl.max_new_tokens, file),
                 (Some(_), None) => load_preference(config, file),
                 (None, None) => load_jsonl(config, file),
             }
         }
-    }
+    }?;
+    loaded.origin.source = path;
+    Ok(loaded)
 }
 
-/// A JSONL file of examples or pairs: its held-out fraction, its tokenizer and chat template.
+/// A JSONL file of examples or pairs: its held-out fraction (or its validation file), its
+/// tokenizer and chat template.
 struct JsonlFile<'a> {
     path: &'a Path,
     val_fraction: f64,
+    /// `data.val_path`: the held-out records are this file's, the training file is used whole.
+    val_path: Option<&'a Path>,
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
     tokenizer_dir: Option<PathBuf>,
+}
+
+impl<'a> JsonlFile<'a> {
+    /// The records (`what`) read by `read`, the held-out ones last, and how many those are:
+    /// `val_fraction` of the file's, or all of `data.val_path`'s.
+    fn records<T>(
+        &self,
+        read: impl Fn(&Path) -> Result<Vec<T>, DataError>,
+        what: &str,
+    ) -> Result<(Vec<T>, usize), TrainError> {
+        let mut records = read(self.path)?;
+        let Some(val_path) = self.val_path else {
+            let n_val = held_out(records.len(), self.val_fraction, self.path, what)?;
+            return Ok((records, n_val));
+        };
+        let val = read(val_path)?;
+        for (path, n) in [(self.path, records.len()), (val_path, val.len())] {
+            if n == 0 {
+                return Err(DataError::Jsonl { path: path.into(), line: 0, message: format!("holds no {what}") }.into());
+            }
+        }
+        let n_val = val.len();
+        records.extend(val);
+        Ok((records, n_val))
+    }
+
+    /// The file the held-out records come from: `data.val_path`, or the training file.
+    fn val_source(&self) -> &'a Path {
+        self.val_path.unwrap_or(self.path)
+    }
 }
 
 /// `train.seq_len`, or where the file left it out the default for rows of `longest` tokens (the
@@ -128,22 +186,30 @@ fn seq_len_or_longest(config: &TrainConfig, longest: usize, note: impl FnOnce() 
 }
 
 /// Preference pairs, tokenized as TRL does, one row of two documents each
-/// ([`ember_data::preference`]); the held-out pairs are the file's last.
+/// ([`ember_data::preference`]); the held-out pairs are the file's last, or `data.val_path`'s.
 fn load_preference(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedData, TrainError> {
-    use ember_data::preference::{encode_pairs, read_preference_jsonl, Turns};
-    let JsonlFile { path, val_fraction, tokenizer, template, tokenizer_dir } = file;
-    let records = read_preference_jsonl(path)?;
-    let n_val = held_out(records.len(), val_fraction, path, "preference pairs")?;
-    let pairs = encode_pairs(&records, &tokenizer, template.as_ref())?;
+    use ember_data::preference::{encode_pairs_of_file, read_preference_jsonl, Turns};
+    let (records, n_val) = file.records(read_preference_jsonl, "preference pairs")?;
+    let JsonlFile { path, val_path, tokenizer, template, tokenizer_dir, .. } = file;
+    // The file each pair was read from (errors name it, and the pair's line there): the training
+    // file, then `data.val_path` where the held-out pairs are its.
+    let n_train = records.len() - n_val;
+    let source = |i: usize| if i < n_train { path } else { val_path.unwrap_or(path) };
+    let encode = |range: std::ops::Range<usize>| {
+        encode_pairs_of_file(source(range.start), &records[range], &tokenizer, template.as_ref())
+    };
+    let mut pairs = encode(0..n_train)?;
+    pairs.extend(encode(n_train..records.len())?);
     let longest = pairs.iter().map(|p| p.len()).max().unwrap_or(0);
     // `default_seq_len` counts a row's `seq_len + 1` tokens; a pair row holds `len`.
     let seq_len = seq_len_or_longest(config, longest + 1, || format!("the longest pair takes {longest} positions"));
     let pad = tokenizer.eos_id().unwrap_or(0);
     let mut rows = Vec::with_capacity(pairs.len());
     for (i, pair) in pairs.iter().enumerate() {
+        // The pair's line in its file (blank lines counted), not its index.
         let row = pair.row(seq_len, pad).ok_or_else(|| DataError::Jsonl {
-            path: path.into(),
-            line: i + 1,
+            path: source(i).into(),
+            line: records[i].line,
             message: format!(
                 "the pair takes {} positions (the prompt twice and both answers), more than train.seq_len = {seq_len}",
                 pair.len()
@@ -159,10 +225,11 @@ fn load_preference(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedDa
         "preference pairs from {}",
         path.display()
     );
-    let held_out_prompt = match &records[records.len() - n_val].prompt {
+    // None held out (`val_fraction = 0`): no prompt.
+    let held_out_prompt = records.get(n_train).and_then(|r| match &r.prompt {
         Turns::Text(p) => Some(p.clone()),
         Turns::Chat(m) => template.as_ref().and_then(|t| t.render(m, true).ok()),
-    };
+    });
     Ok(LoadedData {
         tokenizer,
         tokenizer_dir,
@@ -171,6 +238,7 @@ fn load_preference(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedDa
         seq_len,
         held_out_prompt,
         prompts: None,
+        origin: Default::default(),
     })
 }
 
@@ -179,13 +247,14 @@ fn load_preference(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedDa
 /// out is the longest prompt and `max_new_tokens`.
 fn load_prompts(config: &TrainConfig, max_new_tokens: usize, file: JsonlFile<'_>) -> Result<LoadedData, TrainError> {
     use ember_data::prompts::{encode_prompts, read_prompt_jsonl};
-    let JsonlFile { path, val_fraction, tokenizer, template, tokenizer_dir } = file;
-    let records = read_prompt_jsonl(path)?;
-    let n_val = held_out(records.len(), val_fraction, path, "prompts")?;
-    let mut train = encode_prompts(&records, &tokenizer, template.as_ref())?;
-    let longest = train.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+    let (records, n_val) = file.records(read_prompt_jsonl, "prompts")?;
+    let (train_records, val_records) = records.split_at(records.len() - n_val);
+    let val_file = file.val_source();
+    let JsonlFile { path, tokenizer, template, tokenizer_dir, .. } = file;
+    let train = encode_prompts(train_records, &tokenizer, template.as_ref(), path)?;
+    let val = encode_prompts(val_records, &tokenizer, template.as_ref(), val_file)?;
+    let longest = train.iter().chain(&val).map(|p| p.ids.len()).max().unwrap_or(0);
     let seq_len = config.train.seq_len.unwrap_or(longest + max_new_tokens);
-    let val = train.split_off(train.len() - n_val);
     let rows = |prompts: &[ember_data::prompts::Prompt]| -> Examples {
         let rows = prompts
             .iter()
@@ -198,11 +267,12 @@ fn load_prompts(config: &TrainConfig, max_new_tokens: usize, file: JsonlFile<'_>
     Ok(LoadedData {
         train: rows(&train),
         val: rows(&val),
-        prompts: Some(crate::rl::Prompts { train, val, file: path.to_path_buf() }),
+        prompts: Some(crate::rl::Prompts { train, val }),
         tokenizer,
         tokenizer_dir,
         seq_len,
         held_out_prompt,
+        origin: Default::default(),
     })
 }
 
@@ -233,26 +303,49 @@ fn load_text(
         }
     }
     let seq_len = config.train.seq_len.unwrap_or_else(|| config.default_seq_len(None));
-    let train: Examples = Arc::new(TokenWindows::new(Arc::new(data.train), seq_len, "train")?);
-    let val: Examples = Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?);
+    let train_shard = Arc::new(data.train);
+    let train: Examples = Arc::new(TokenWindows::new(train_shard.clone(), seq_len, "train")?);
+    let val: Examples = match (&config.data.val_path, val_fraction) {
+        (Some(val_path), _) => {
+            // The validation text through the training tokenizer, which must not depend on the
+            // text it reads (a char or trained BPE vocabulary is the training file's own).
+            if !matches!(spec, TokenizerSpec::File(_)) {
+                let message = format!(
+                    "data.val_path with text data needs a tokenizer.json (data.tokenizer or init_from's), not {spec}: \
+                     a {spec} vocabulary is built from the training file; use data.val_fraction instead"
+                );
+                return Err(TrainError::Config { path: val_path.clone(), key: Some("data.val_path".into()), message });
+            }
+            let held = prepare_cached(val_path, spec, 0.0, root)?;
+            Arc::new(TokenWindows::new(Arc::new(held.train), seq_len, "val")?)
+        }
+        (None, f) if f == 0.0 => Arc::new(PackedExamples::from_rows(Vec::new())),
+        (None, _) => Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?),
+    };
     let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
-    Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len, held_out_prompt: None, prompts: None })
+    let origin = DataOrigin { source: path.to_path_buf(), train_shard: Some(train_shard) };
+    Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len, held_out_prompt: None, prompts: None, origin })
 }
 
 /// Fine-tuning examples, encoded (chat messages through the model's template) and packed into rows.
 fn load_jsonl(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedData, TrainError> {
-    let JsonlFile { path, val_fraction, tokenizer, template, tokenizer_dir } = file;
-    let records = read_jsonl(path)?;
-    let n_val = held_out(records.len(), val_fraction, path, "examples")?;
-    let examples = encode(&records, &tokenizer, template.as_ref())?;
-    let (train_ex, val_ex) = examples.split_at(examples.len() - n_val);
+    let (records, n_val) = file.records(read_jsonl, "examples")?;
+    let n_train = records.len() - n_val;
+    let val_file = file.val_source();
+    let JsonlFile { path, tokenizer, template, tokenizer_dir, .. } = file;
+    // Errors name the file each record was read from, and its line there.
+    let (train_rec, val_rec) = records.split_at(n_train);
+    let mut examples = encode_of_file(path, train_rec, &tokenizer, template.as_ref())?;
+    examples.extend(encode_of_file(val_file, val_rec, &tokenizer, template.as_ref())?);
+    let (train_ex, val_ex) = examples.split_at(n_train);
     let longest = examples.iter().map(|e| e.ids.len()).max().unwrap_or(0);
     let seq_len = seq_len_or_longest(config, longest, || format!("the longest example has {longest} tokens"));
     let packing = Packing { seq_len, mode: config.data.packing(), truncate: config.data.truncate };
-    let train = packing.pack(train_ex, &tokenizer, path, 0)?;
-    let val = packing.pack(val_ex, &tokenizer, path, train_ex.len())?;
-    for (split, set) in [("train", &train), ("val", &val)] {
-        if burn::data::dataset::Dataset::len(set) == 0 {
+    let train = packing.pack(train_ex, train_rec, &tokenizer, path)?;
+    let val = packing.pack(val_ex, val_rec, &tokenizer, val_file)?;
+    // No validation (`val_fraction = 0`) leaves the val split empty.
+    for (split, set, wanted) in [("train", &train, true), ("val", &val, n_val > 0)] {
+        if wanted && burn::data::dataset::Dataset::len(set) == 0 {
             return Err(DataError::TooShort { split: split.into(), tokens: 0, needed: 1 }.into());
         }
     }
@@ -265,7 +358,8 @@ fn load_jsonl(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedData, T
         "packed fine-tuning examples from {}",
         path.display()
     );
-    let held_out_prompt = prompt_of(&records[records.len() - n_val], template.as_ref());
+    let first_held_out = records.get(records.len() - n_val);
+    let held_out_prompt = first_held_out.and_then(|r| prompt_of(r, template.as_ref()));
     Ok(LoadedData {
         tokenizer,
         tokenizer_dir,
@@ -274,6 +368,7 @@ fn load_jsonl(config: &TrainConfig, file: JsonlFile<'_>) -> Result<LoadedData, T
         seq_len,
         held_out_prompt,
         prompts: None,
+        origin: Default::default(),
     })
 }
 
@@ -292,8 +387,15 @@ fn jsonl_tokenizer(spec: &TokenizerSpec, dir: Option<&Path>) -> Result<(Tokenize
 }
 
 /// How many of the file's `n` records (`what`) are held out: `val_fraction` of them, at least one
-/// and one fewer than all; fewer than 2 records is an error.
+/// and one fewer than all; fewer than 2 records is an error. None with a `val_fraction` of 0 (no
+/// validation).
 fn held_out(n: usize, val_fraction: f64, path: &Path, what: &str) -> Result<usize, TrainError> {
+    if val_fraction == 0.0 {
+        if n == 0 {
+            return Err(DataError::Jsonl { path: path.into(), line: 0, message: format!("holds no {what}") }.into());
+        }
+        return Ok(0);
+    }
     if n < 2 {
         let message = format!("need at least 2 {what} (train and val)");
         return Err(DataError::Jsonl { path: path.into(), line: n, message }.into());
@@ -305,10 +407,10 @@ fn held_out(n: usize, val_fraction: f64, path: &Path, what: &str) -> Result<usiz
 /// through `template`, with the generation prompt; a completion's prompt. `None` for text (no
 /// prompt), a chat without a user turn, or a template that fails on the shortened conversation.
 fn prompt_of(record: &Record, template: Option<&ChatTemplate>) -> Option<String> {
-    match record {
-        Record::Text(_) => None,
-        Record::Completion { prompt, .. } => Some(prompt.clone()),
-        Record::Chat(messages) => {
+    match &record.body {
+        Body::Text(_) => None,
+        Body::Completion { prompt, .. } => Some(prompt.clone()),
+        Body::Chat(messages) => {
             let last_user = messages.iter().rposition(|m| m.role == "user")?;
             template?
                 .render(&messages[..=last_user], true)
@@ -327,22 +429,27 @@ pub struct Packing {
 }
 
 impl Packing {
-    /// Packs `examples` of the file `path`, whose first is example `offset + 1` of the file; an
-    /// example too long for a row is an error naming the file and the example.
+    /// Packs `examples`, those of `records` of the file `path`; an example too long for a row is
+    /// an error naming the file and the record's line there.
     pub(crate) fn pack(
         &self,
         examples: &[ember_data::finetune::Example],
+        records: &[Record],
         tokenizer: &Tokenizer,
         path: &Path,
-        offset: usize,
     ) -> Result<PackedExamples, TrainError> {
         let pad = tokenizer.eos_id().unwrap_or(0);
         PackedExamples::new(examples, self.seq_len, pad, self.mode, self.truncate).map_err(|e| match e {
-            DataError::ExampleTooLong { index, tokens, window } => TrainError::Config {
+            // `index` counts from 1.
+            DataError::ExampleTooLong { index, tokens, window } => DataError::Jsonl {
                 path: path.into(),
-                key: Some("data.truncate".into()),
-                message: DataError::ExampleTooLong { index: index + offset, tokens, window }.to_string(),
-            },
+                line: records.get(index.wrapping_sub(1)).map_or(0, |r| r.line),
+                message: format!(
+                    "the example has {tokens} tokens, more than the {window} a row of train.seq_len + 1 holds; \
+                     raise train.seq_len, or set data.truncate = true to cut long examples"
+                ),
+            }
+            .into(),
             other => other.into(),
         })
     }
@@ -359,9 +466,9 @@ pub fn jsonl_examples(
 ) -> Result<(PackedExamples, usize), TrainError> {
     let records = read_jsonl(path)?;
     let template = ChatTemplate::from_dir(template_dir)?;
-    let examples = encode(&records, tokenizer, template.as_ref())?;
+    let examples = encode_of_file(path, &records, tokenizer, template.as_ref())?;
     let packing = Packing { seq_len, mode: ember_data::finetune::Packing::Documents, truncate: false };
-    Ok((packing.pack(&examples, tokenizer, path, 0)?, examples.len()))
+    Ok((packing.pack(&examples, &records, tokenizer, path)?, examples.len()))
 }
 
 /// The tokenizer with its model's own end-of-sequence token, where its folder names one.
@@ -389,7 +496,11 @@ pub fn split_tokens(
         });
     }
     let (spec, _) = tokenizer_spec(config, init)?;
-    let data = prepare_cached(&path, &spec, val_fraction, &locations.cache_dir.join("prepared"))?;
+    let root = locations.cache_dir.join("prepared");
+    if let (Some(val_path), "val") = (&config.data.val_path, split) {
+        return Ok(prepare_cached(val_path, &spec, 0.0, &root)?.train.tokens);
+    }
+    let data = prepare_cached(&path, &spec, val_fraction, &root)?;
     Ok(if split == "train" { data.train.tokens } else { data.val.tokens })
 }
 
@@ -409,20 +520,21 @@ mod tests {
         )
         .unwrap();
         let m = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
-        let chat = Record::Chat(vec![
+        let chat = Body::Chat(vec![
             m("system", "Be brief."),
             m("user", "Capital of France?"),
             m("assistant", "Paris."),
             m("user", "And of Italy?"),
             m("assistant", "Rome."),
-        ]);
+        ])
+        .into();
         assert_eq!(
             prompt_of(&chat, Some(&template)).as_deref(),
             Some("<system>Be brief.\n<user>Capital of France?\n<assistant>Paris.\n<user>And of Italy?\n<assistant>")
         );
-        let completion = Record::Completion { prompt: "Q: 2+2?\nA:".into(), completion: " 4".into() };
+        let completion = Body::Completion { prompt: "Q: 2+2?\nA:".into(), completion: " 4".into() }.into();
         assert_eq!(prompt_of(&completion, None).as_deref(), Some("Q: 2+2?\nA:"));
-        assert_eq!(prompt_of(&Record::Text("plain".into()), None), None);
-        assert_eq!(prompt_of(&Record::Chat(vec![m("assistant", "Hi.")]), Some(&template)), None);
+        assert_eq!(prompt_of(&Body::Text("plain".into()).into(), None), None);
+        assert_eq!(prompt_of(&Body::Chat(vec![m("assistant", "Hi.")]).into(), Some(&template)), None);
     }
 }

@@ -141,6 +141,19 @@ pub enum InvalidConfig {
     Lora(ember_model::lora::LoraError),
     #[error(transparent)]
     Model(#[from] ConfigError),
+    /// A key the file writes where it does nothing (config::effect's table): `[preference]
+    /// simpo_gamma has no effect with method = "dpo" (only simpo uses it); remove it`.
+    #[error("[{section}] {}has no effect {when} ({reason}); {fix}", key.map(|k| format!("{k} ")).unwrap_or_default())]
+    NoEffect {
+        /// The section (`model.moe` for a nested table).
+        section: &'static str,
+        /// The key; `None`: the section as a whole.
+        key: Option<&'static str>,
+        /// Where it stands: `with method = "dpo"`.
+        when: String,
+        reason: &'static str,
+        fix: &'static str,
+    },
 }
 
 /// How [`InvalidConfig::Bounded`]'s value relates to its bound.
@@ -207,10 +220,14 @@ pub enum Hint {
     None,
     /// A known name a typo away.
     DidYouMean(String),
-    /// The key exists, in another section.
+    /// The key exists in one other section, and only there.
     BelongsIn(String),
+    /// The key exists in several other sections, each its own (`beta`: DPO's and GRPO's).
+    KeyOf(Vec<String>),
     /// A known section a typo away.
     Section(String),
+    /// A section's own name, written as a key of another.
+    IsSection(String),
 }
 
 impl std::fmt::Display for Hint {
@@ -219,7 +236,12 @@ impl std::fmt::Display for Hint {
             Hint::None => Ok(()),
             Hint::DidYouMean(name) => write!(f, " — did you mean \"{name}\"?"),
             Hint::BelongsIn(section) => write!(f, " — it belongs in [{section}]"),
+            Hint::KeyOf(sections) => {
+                let names: Vec<String> = sections.iter().map(|s| format!("[{s}]")).collect();
+                write!(f, " — a key of {}, each its own", names.join(" and "))
+            }
             Hint::Section(section) => write!(f, " — did you mean [{section}]?"),
+            Hint::IsSection(section) => write!(f, " — [{section}] is a section: write it as a table header"),
         }
     }
 }

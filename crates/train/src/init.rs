@@ -21,10 +21,12 @@ impl InitSource {
     /// Opens the source, once for the whole run: its architecture and Hugging Face config read,
     /// a run's checkpoint checked. The weights are read when [`ResolvedInit::load`] asks for them.
     pub fn resolve(&self) -> Result<ResolvedInit, TrainError> {
+        self.check_kind()?;
         let (opened, model_config, hf_config) = match self {
             Self::Hf(dir) => {
                 let path = dir.join("config.json");
-                let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+                let text =
+                    ember_data::read_file_to_string(&path).map_err(|e| self.err(format!("{}: {e}", path.display())))?;
                 let json: serde_json::Value =
                     serde_json::from_str(&text).map_err(|e| self.err(format!("{}: {e}", path.display())))?;
                 let (model, _) = ember_hf::to_model_config(&json, &path.display().to_string())
@@ -56,7 +58,56 @@ impl InitSource {
                 (Opened::Gguf { path: path.clone(), tokenizer, kept }, model, Some(hf))
             }
         };
-        Ok(ResolvedInit { source: self.clone(), model_config, hf_config, opened })
+        Ok(ResolvedInit { source: self.clone(), model_config, hf_config, opened, identity: Default::default() })
+    }
+}
+
+impl InitSource {
+    /// Refuses a path that is not what its prefix says, before it is opened, with the prefix it
+    /// needs: a GGUF file given as `hf:` or `run:` ("use gguf:PATH"), a folder given as `gguf:`
+    /// ("use hf:PATH" for a Hugging Face folder, "run:PATH" for an ember run), a FIFO, socket or
+    /// device as any of them (never opened: a FIFO would block).
+    fn check_kind(&self) -> Result<(), TrainError> {
+        let (path, wants) = match self {
+            Self::Hf(p) => (p, "a Hugging Face model folder"),
+            Self::Run(p) => (p, "an ember run directory or checkpoint folder"),
+            Self::Gguf(p) => (p, "a GGUF file"),
+        };
+        let shown = path.display();
+        let meta = match std::fs::metadata(path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(self.err(format!("{shown}: no such file or folder")));
+            }
+            Err(e) => return Err(self.err(format!("{shown}: {e}"))),
+        };
+        if let Some(kind) = ember_data::special_file(meta.file_type()) {
+            return Err(self.err(format!("{shown} is {kind}, not {wants}")));
+        }
+        match self {
+            Self::Hf(_) | Self::Run(_) if meta.is_file() => {
+                if ember_hf::gguf::is_gguf(path).map_err(|e| self.err(e.to_string()))? {
+                    return Err(self.err(format!("{shown} is a GGUF file: use gguf:{shown}")));
+                }
+                if matches!(self, Self::Hf(_)) {
+                    return Err(self.err(format!("{shown} is a file, not {wants} (config.json, model.safetensors)")));
+                }
+            }
+            Self::Gguf(_) if meta.is_dir() => {
+                let hint = if path.join("config.json").exists() {
+                    format!(" (a Hugging Face model folder): use hf:{shown}")
+                } else if path.join(crate::checkpoint::CHECKPOINTS).exists()
+                    || path.join(crate::checkpoint::MODEL_CONFIG_FILE).exists()
+                {
+                    format!(" (an ember run): use run:{shown}")
+                } else {
+                    String::new()
+                };
+                return Err(self.err(format!("{shown} is a folder, not {wants}{hint}")));
+            }
+            _ => {}
+        }
+        Ok(())
     }
 }
 
@@ -70,6 +121,8 @@ pub struct ResolvedInit {
     /// carried to exports.
     pub hf_config: Option<serde_json::Value>,
     opened: Opened,
+    /// The digests of its weights files, computed on first use ([`ResolvedInit::identity`]).
+    pub(crate) identity: std::sync::OnceLock<crate::checkpoint::BaseRecord>,
 }
 
 #[derive(Debug)]
@@ -143,7 +196,21 @@ impl ResolvedInit {
             Opened::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
                 .map_err(|e| self.source.err(e.to_string()))?
                 .model),
-            Opened::Run(ckpt) => ckpt.decoder::<B>(device),
+            // A LoRA run starts the next one as base + adapters, folded into the weights (the next
+            // run's own adapters, if any, then train on top of them; a full fine-tune gets f32
+            // weights throughout).
+            Opened::Run(ckpt) => match ckpt.adapter_source()? {
+                Some(_) => {
+                    let base_keep = if keep == Keep::Nothing { Keep::Nothing } else { Keep::Projections };
+                    let model = ckpt.decoder_keeping::<B>(None, base_keep, device)?.merged_for_training();
+                    tracing::info!(
+                        run = %ckpt.dir.display(),
+                        "init_from is a LoRA run: its adapters are merged into its base's weights"
+                    );
+                    Ok(model)
+                }
+                None => ckpt.decoder::<B>(device),
+            },
         }
     }
 }
@@ -192,6 +259,17 @@ impl Checkpoint {
         base: Option<&ResolvedInit>,
         device: &Device<B>,
     ) -> Result<Decoder<B>, TrainError> {
+        self.decoder_keeping(base, Keep::Projections, device)
+    }
+
+    /// [`Checkpoint::decoder_over`], a LoRA checkpoint's base loaded keeping what `keep` says of
+    /// a GGUF file's stored blocks.
+    pub(crate) fn decoder_keeping<B: ember_kernels::EmberBackend>(
+        &self,
+        base: Option<&ResolvedInit>,
+        keep: Keep,
+        device: &Device<B>,
+    ) -> Result<Decoder<B>, TrainError> {
         let Some(source) = self.adapter_source()? else {
             return self.own_decoder(device);
         };
@@ -203,6 +281,8 @@ impl Checkpoint {
                 &opened
             }
         };
-        self.with_adapters(base.load::<B>(Keep::Projections, device)?)
+        // The weights under the adapters must be the ones they were trained on.
+        self.check_base(base)?;
+        self.with_adapters(base.load::<B>(keep, device)?)
     }
 }

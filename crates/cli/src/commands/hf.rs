@@ -44,7 +44,7 @@ pub struct ExportArgs {
     /// hf, or gguf (the default when --out ends in .gguf).
     #[arg(long, value_enum)]
     format: Option<ExportFormat>,
-    /// The folder to write (must not exist or be empty).
+    /// The folder to write (must not exist or be empty), or the GGUF file (`.gguf`) to create.
     #[arg(long)]
     out: PathBuf,
     /// Fold LoRA adapters into the weights (required to export a LoRA checkpoint).
@@ -222,7 +222,7 @@ fn import_gguf(args: &ImportArgs, dtype: DType) -> anyhow::Result<()> {
 
 /// `ember export RUN --format gguf --out FILE.gguf`.
 fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decoder<Flex>) -> anyhow::Result<()> {
-    use ember_hf::gguf::model::{encode_model, write_new, ExportType};
+    use ember_hf::gguf::model::{encode_model, ExportType};
     let dtype = args.dtype.unwrap_or(GgufDtype::F32);
     let ty = match dtype {
         GgufDtype::F32 => ExportType::F32,
@@ -240,7 +240,7 @@ fn export_gguf(args: &ExportArgs, ckpt: &Checkpoint, model: &ember_model::Decode
     };
     let encoded = encode_model(model, ckpt.hf_config().as_ref(), &tokenizer_json, tokenizer_config.as_ref(), ty)
         .with_context(|| format!("exporting {} to GGUF", ckpt.dir.display()))?;
-    write_new(&args.out, &encoded.bytes).with_context(|| format!("writing {}", args.out.display()))?;
+    ember_data::write_new(&args.out, &encoded.bytes).with_context(|| format!("writing {}", args.out.display()))?;
     println!(
         "exported {} as GGUF {} ({:?}): {} tensors, {:.1} MB in {}",
         ckpt.dir.display(),

@@ -3,7 +3,7 @@
 //! tuning (DPO), reinforcement learning (GRPO).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
@@ -12,8 +12,9 @@ use clap::{Args, ValueEnum};
 pub struct InitArgs {
     /// pretrain: a small model from scratch on tinyshakespeare; lora: LoRA fine-tuning of
     /// SmolLM2-135M-Instruct on examples/chat.jsonl; full: every weight of it; dpo: preference
-    /// tuning (DPO, LoRA) of it on examples/preference.jsonl; grpo: reinforcement learning (GRPO,
-    /// LoRA) of it on examples/arithmetic.jsonl with verifiable rewards.
+    /// tuning (DPO, LoRA) of the lora run (runs/lora) on examples/preference.jsonl; grpo:
+    /// reinforcement learning (GRPO, LoRA) of SmolLM2 on examples/arithmetic.jsonl with verifiable
+    /// rewards.
     kind: Kind,
     /// The file to write [default: KIND.toml]; an existing file is never overwritten.
     #[arg(long)]
@@ -54,21 +55,51 @@ impl Kind {
 
 pub fn run(args: InitArgs) -> anyhow::Result<()> {
     let out = args.out.unwrap_or_else(|| PathBuf::from(format!("{}.toml", args.kind.name())));
-    // `create_new` refuses a file that exists, in the same system call that creates it.
-    let mut file = match std::fs::OpenOptions::new().write(true).create_new(true).open(&out) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            anyhow::bail!("{} already exists; remove it or choose another --out", out.display())
-        }
-        Err(e) => return Err(e).with_context(|| format!("creating {}", out.display())),
-    };
-    file.write_all(args.kind.template().as_bytes()).with_context(|| format!("writing {}", out.display()))?;
+    write_new(&out, |file| file.write_all(args.kind.template().as_bytes()))?;
     let next = match args.kind {
         Kind::Pretrain => String::new(),
-        Kind::Lora | Kind::Full | Kind::Dpo | Kind::Grpo => {
+        Kind::Lora | Kind::Full | Kind::Grpo => {
             "import the model its init_from names (see the file's first lines), then ".to_string()
         }
+        Kind::Dpo => "train the lora template first (this run starts from its runs/lora; see the file's first \
+                      lines), then "
+            .to_string(),
     };
     println!("wrote {}; {next}run it with: ember train --config {}", out.display(), out.display());
     Ok(())
+}
+
+/// Writes the new file `out` whole or not at all ([`ember_data::write_new_with`]).
+fn write_new(out: &Path, write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>) -> anyhow::Result<()> {
+    match ember_data::write_new_with(out, write) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            anyhow::bail!("{} already exists; remove it or choose another --out", out.display())
+        }
+        Err(e) => Err(e).with_context(|| format!("creating {}", out.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 57: a write that fails (a full disk, injected) leaves neither the file nor its
+    /// temporary behind, so the retry writes it (it said "already exists" of an empty file).
+    #[test]
+    fn a_failed_write_leaves_no_file_and_the_retry_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("lora.toml");
+        let full = |_: &mut std::fs::File| Err(std::io::Error::from(std::io::ErrorKind::StorageFull));
+        let e = format!("{:#}", write_new(&out, full).unwrap_err());
+        assert!(e.contains("creating") && e.contains("lora.toml"), "{e}");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "nothing left behind: {left:?}");
+        write_new(&out, |f| f.write_all(b"x = 1\n")).unwrap();
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "x = 1\n");
+        let e = write_new(&out, |f| f.write_all(b"y = 2\n")).unwrap_err().to_string();
+        assert!(e.contains("lora.toml already exists"), "{e}");
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "x = 1\n", "never overwritten");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary left");
+    }
 }

@@ -62,10 +62,14 @@ pub struct ServeArgs {
     /// open). When all are taken, the one idle longest is closed to make room.
     #[arg(long, default_value_t = 256, value_parser = RangedU64ValueParser::<usize>::new().range(1..=65536))]
     max_connections: usize,
-    /// On SIGTERM or Ctrl-C: seconds the answers in work get to finish before they are ended
-    /// (streams with a last event saying so), 0 to 600. A second signal stops at once.
-    #[arg(long, default_value_t = 10, value_parser = RangedU64ValueParser::<u64>::new().range(0..=600))]
-    shutdown_grace: u64,
+    /// On SIGTERM or Ctrl-C the server takes no new requests and gives the answers in work this
+    /// many seconds to finish, 0 to 600; then streams end with an error event (`server_shutdown`)
+    /// and `data: [DONE]`, whole answers with 503, and it exits (status 0) within about 3 s more.
+    /// A second signal stops at once.
+    // `--shutdown-grace` was its name before; kept, hidden, for the scripts that use it.
+    #[arg(long, alias = "shutdown-grace", value_name = "SECONDS", default_value_t = 5,
+          value_parser = RangedU64ValueParser::<u64>::new().range(0..=600))]
+    drain_seconds: u64,
     /// cpu, wgpu[:N] or cuda[:N].
     #[arg(long, default_value = "cpu")]
     device: DeviceSpec,
@@ -135,7 +139,7 @@ impl Job for ServeJob {
         while !crate::signals::stop_requested() {
             std::thread::sleep(Duration::from_millis(50));
         }
-        let grace = Duration::from_secs(args.shutdown_grace);
+        let grace = Duration::from_secs(args.drain_seconds);
         tracing::info!(
             "stopping: no new requests; answers in work get {grace:?} to finish (a second signal stops at once)"
         );

@@ -34,7 +34,11 @@ impl ModelSource {
         let text = spec.to_string_lossy();
         if ["gguf:", "hf:", "run:"].iter().any(|p| text.starts_with(p)) {
             let source = InitSource::parse(&text)?;
-            let init = source.resolve().with_context(|| format!("opening {text}"))?;
+            // The source's own errors name it as `--checkpoint` gave it, not as an `init_from` key.
+            let init = source.resolve().map_err(|e| match e {
+                ember_train::TrainError::InitFrom { message, .. } => anyhow::anyhow!("--checkpoint {text}: {message}"),
+                e => anyhow::Error::new(e).context(format!("opening {text}")),
+            })?;
             let dir = init.tokenizer_dir()?;
             let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?.with_model_eos(&dir);
             return Ok(Self {

@@ -23,6 +23,11 @@ pub struct TrainArgs {
     /// Continue the run in the run directory from its latest checkpoint.
     #[arg(long)]
     resume: bool,
+    /// With --resume: continue even though the data file changed since the checkpoint (rows added,
+    /// removed, shuffled or edited); the change is logged as a warning and recorded in the next
+    /// checkpoints. Without it such a resume is refused.
+    #[arg(long, requires = "resume")]
+    accept_data_change: bool,
     /// Stop after N optimizer steps, with a checkpoint; the LR schedule still follows the config.
     #[arg(long)]
     max_steps: Option<usize>,
@@ -192,6 +197,7 @@ fn options(args: &TrainArgs, device: DeviceSpec, collective: Arc<dyn Collective>
     Ok(TrainOptions {
         run_dir,
         resume: args.resume,
+        accept_data_change: args.accept_data_change,
         stop_at: args.max_steps,
         show_progress: !args.no_progress && std::io::stderr().is_terminal(),
         locations: crate::env::locations(),

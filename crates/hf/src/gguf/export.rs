@@ -3,7 +3,7 @@
 //! llama.cpp's order, experts stacked, stored in the export's type.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::tensor::TensorData;
 use ember_model::{Decoder, ModelConfig, NormKind};
@@ -282,22 +282,33 @@ fn export_tensor(
     Ok(TensorOut { name: gname, shape, kind, data })
 }
 
-/// Writes `bytes` to `out` atomically: a temporary file beside it, fsynced, then renamed; an
-/// existing `out` is an error.
-pub fn write_new(out: &Path, bytes: &[u8]) -> std::io::Result<PathBuf> {
-    use std::io::Write;
-    if out.exists() {
-        return Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, "exists; choose another --out"));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The model of a shipped config (its `[model]` table; the vocabulary, which a run takes from
+    /// its tokenizer, 65 as tinyshakespeare's characters where the table leaves it out).
+    fn shipped_model(name: &str) -> ModelConfig {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs").join(name);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut table: toml::Table = text.parse().unwrap();
+        let mut model = table.remove("model").unwrap_or_else(|| panic!("{name} has no [model]"));
+        let model_table = model.as_table_mut().unwrap();
+        model_table.entry("vocab_size").or_insert(toml::Value::Integer(65));
+        model.try_into().unwrap_or_else(|e| panic!("{name}: {e}"))
     }
-    let tmp = out.with_extension(format!("gguf.tmp-{}", std::process::id()));
-    let written = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, out)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+
+    /// Issue 57: configs/deepseek-nano.toml's model exports to GGUF (its latents' epsilon was
+    /// DeepSeek's 1e-6 and its blocks' nano's 1e-5, where llama.cpp's deepseek2 holds one).
+    #[test]
+    fn the_shipped_deepseek_config_exports_to_gguf() {
+        let config = shipped_model("deepseek-nano.toml");
+        let arch = Architecture::for_model(&config);
+        assert_eq!(arch.family().gguf_arch, "deepseek2");
+        expressible(&config, arch).unwrap_or_else(|e| panic!("deepseek-nano.toml: {e}"));
+        // The two epsilons apart are what GGUF cannot hold: said, by name.
+        let apart = ModelConfig { norm_eps: 1e-5, ..config };
+        let e = expressible(&apart, arch).expect_err("two epsilons").to_string();
+        assert!(e.contains("norm_eps"), "{e}");
     }
-    written.map(|_| out.into())
 }

@@ -237,8 +237,52 @@ pub(crate) fn model_config(
             c
         }
     };
-    c.validate().map_err(|e| k.err("block_count", format!("the model the metadata describes: {e}")))?;
+    c.validate().map_err(|e| k.err(key_of(&e, &rules), format!("the model the metadata describes: {e}")))?;
     Ok(c)
+}
+
+/// The `{arch}.*` key (after the prefix) that holds the model field a config error names, so that
+/// the error names the key the file got wrong; `*` (every key) for the model as a whole.
+fn key_of(e: &ember_model::ConfigError, rules: &GgufRules) -> &'static str {
+    use ember_model::ConfigError as E;
+    let field = match e {
+        E::NotPositive { name, .. } | E::TooLarge { name, .. } => *name,
+        E::NotDivisible { dividend, .. } => dividend,
+        E::Needs { key, .. } => key,
+        E::OddHeadDim(_) => "head_dim",
+        E::VocabUnset => "vocab_size",
+        E::Dropout(_) => "",
+    };
+    let deepseek = rules.own_keys.is_some();
+    match field {
+        "n_layers" => "block_count",
+        "d_model" => "embedding_length",
+        "n_heads" => "attention.head_count",
+        "n_kv_heads" => "attention.head_count_kv",
+        "head_dim" => "attention.key_length",
+        "d_ff" => "feed_forward_length",
+        "max_seq_len" => "context_length",
+        "vocab_size" => "vocab_size",
+        "rope_theta" => "rope.freq_base",
+        "norm_eps" | "mla.norm_eps" => "attention.layer_norm_rms_epsilon",
+        "sliding_window" => "attention.sliding_window",
+        "moe.n_experts" => "expert_count",
+        "moe.top_k" => "expert_used_count",
+        "moe.d_expert" if rules.experts.is_some_and(|e| e.width_is_ffn) => "feed_forward_length",
+        "moe.d_expert" => "expert_feed_forward_length",
+        "moe.shared_expert" if deepseek => "expert_shared_count",
+        "moe.shared_expert" => "expert_shared_feed_forward_length",
+        "moe.dense_layers" => "leading_dense_block_count",
+        "moe.groups" => "expert_group_count",
+        "moe.top_groups" => "expert_group_used_count",
+        "moe.routed_scale" => "expert_weights_scale",
+        "mla.kv_rank" => "attention.kv_lora_rank",
+        "mla.q_rank" => "attention.q_lora_rank",
+        "mla.rope_dim" => "rope.dimension_count",
+        "mla.nope_dim" => "attention.key_length_mla",
+        "mla.v_dim" => "attention.value_length_mla",
+        _ => "*",
+    }
 }
 
 /// The model the shared keys describe, of `sizes` and the family's parts.

@@ -29,6 +29,8 @@ pub use value::{Meta, Value};
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
+/// The largest `general.alignment` read: a page of 1 MiB, past any real file's (llama.cpp writes 32).
+const MAX_ALIGNMENT: u64 = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
@@ -40,6 +42,13 @@ pub enum GgufError {
     Unsupported { path: PathBuf, name: String, kind: String },
     #[error("{}: metadata `{key}`: {message}", path.display())]
     Metadata { path: PathBuf, key: String, message: String },
+    /// A tensor whose name is none of the architecture's (whatever its type).
+    #[error(
+        "{}: tensor `{name}` is not a tensor of llama.cpp's `{arch}` architecture that ember knows (an unknown name; \
+         the file is damaged or was written for another model)",
+        path.display()
+    )]
+    UnknownTensor { path: PathBuf, name: String, arch: &'static str },
     /// A value of another type than the key's: not taken for a missing one.
     #[error("{}: metadata `{key}` has type {found}, expected {expected}", path.display())]
     WrongType { path: PathBuf, key: String, found: String, expected: &'static str },
@@ -254,11 +263,23 @@ impl<'a> Reader<'a> {
                 name: name.clone(),
                 kind: kind.to_string(),
             })?;
+            let per = kind.block().0 as u64;
+            if dims[0] % per != 0 {
+                let (first, kind) = (dims[0], kind.name());
+                let message = format!(
+                    "tensor `{name}`: dims {dims:?}: the first, {first}, is not a whole number of {kind} blocks of \
+                     {per} values"
+                );
+                return Err(self.err(message));
+            }
+            // With the first dimension whole blocks, only an overflow leaves no byte count.
             let n = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
-            let len = n.and_then(|n| kind.bytes_for(n)).filter(|_| dims[0] % kind.block().0 as u64 == 0);
-            let Some(len) = len else {
-                return Err(self
-                    .err(format!("tensor `{name}`: dims {dims:?} are not a whole number of {} blocks", kind.name())));
+            let Some(len) = n.and_then(|n| kind.bytes_for(n)) else {
+                let (kind, what) = (kind.name(), if n.is_none() { "values" } else { "bytes" });
+                let message = format!(
+                    "tensor `{name}`: dims {dims:?} are too large: their {what} as {kind} overflow a 64-bit count"
+                );
+                return Err(self.err(message));
             };
             let start = data_start.checked_add(offset);
             let end = start.and_then(|s| s.checked_add(len));
@@ -284,7 +305,8 @@ impl GgufFile {
     /// file and rename it over the old one, which leaves the mapped one intact).
     pub fn open(path: &Path) -> Result<Self, GgufError> {
         let io = |err| GgufError::Io { path: path.into(), err };
-        let file = std::fs::File::open(path).map_err(io)?;
+        // A folder, a FIFO, a socket or a device is refused before it is read (a FIFO would block).
+        let file = ember_data::open_file(path).map_err(io)?;
         // SAFETY (the map below): the mapping is read-only; what the documentation above asks of
         // the file keeps its bytes as they were for as long as the mapping lives. An empty file
         // cannot be mapped: it is read (and refused by the parser).
@@ -295,7 +317,7 @@ impl GgufFile {
         };
         let bytes = match bytes {
             Some(mapped) => mapped,
-            None => FileBytes::Owned(std::fs::read(path).map_err(io)?),
+            None => FileBytes::Owned(ember_data::read_file(path).map_err(io)?),
         };
         Self::parse_shared(std::sync::Arc::new(bytes), path)
     }
@@ -328,10 +350,23 @@ impl GgufFile {
         let metadata = r.metadata(n_kv)?;
         let alignment = match metadata.get("general.alignment") {
             None => DEFAULT_ALIGNMENT,
-            Some(v) => match v.as_u64() {
-                Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a,
-                _ => return Err(r.err(format!("general.alignment {v:?} is not a power of two"))),
-            },
+            Some(v) => {
+                let refuse = |message: String| GgufError::Metadata {
+                    path: path.into(),
+                    key: "general.alignment".into(),
+                    message,
+                };
+                match v.as_u64() {
+                    Some(a) if a > 0 && a.is_power_of_two() && a <= MAX_ALIGNMENT => a,
+                    Some(a) if a.is_power_of_two() => {
+                        return Err(refuse(format!(
+                            "{a} is too large: ember reads alignments up to {MAX_ALIGNMENT} bytes (llama.cpp writes 32)"
+                        )))
+                    }
+                    Some(a) => return Err(refuse(format!("{a} is not a power of two"))),
+                    None => return Err(refuse(format!("{v:?} is not an unsigned integer"))),
+                }
+            }
         };
         let infos = r.tensor_infos(n_tensors)?;
         let tensors = r.place(infos, alignment)?;
@@ -440,7 +475,7 @@ pub fn is_gguf(path: &Path) -> Result<bool, GgufError> {
     }
     let io = |err| GgufError::Io { path: path.into(), err };
     let mut magic = [0u8; 4];
-    let mut file = std::fs::File::open(path).map_err(io)?;
+    let mut file = ember_data::open_file(path).map_err(io)?;
     match file.read_exact(&mut magic) {
         Ok(()) => Ok(&magic == MAGIC),
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
@@ -624,6 +659,67 @@ mod tests {
         let meta = [("a.b".to_string(), Value::U32(1)), ("a.b".to_string(), Value::U32(2))];
         let e = err(encode(&meta, &[]));
         assert!(e.contains("t.gguf") && e.contains("metadata key `a.b` appears twice"), "{e}");
+    }
+
+    /// Issue 57: dimensions whose product overflows are said to be too large (they were "not a
+    /// whole number of F32 blocks"); an alignment of 2^40 is too large (it was "not a power of
+    /// two"), one of 48 is not a power of two.
+    #[test]
+    fn overflowing_dims_and_alignments_are_named_for_what_they_are() {
+        let err = |bytes: Vec<u8>| GgufFile::parse(bytes, Path::new("t.gguf")).err().expect("an error").to_string();
+        let good = sample();
+        // `y`: F32, one dim; 2^63 values fit in 64 bits, their 2^65 bytes do not.
+        let dims_at = info_at(&good, "y") + 4;
+        let mut v = good.clone();
+        v[dims_at..dims_at + 8].copy_from_slice(&(1u64 << 63).to_le_bytes());
+        let e = err(v);
+        assert!(e.contains("tensor `y`: dims [9223372036854775808] are too large"), "{e}");
+        assert!(e.contains("bytes as F32 overflow") && !e.contains("whole number"), "{e}");
+        // `x`: Q8_0 [32, 2] in ggml order; 32 · 2^62 values overflow.
+        let dims_at = info_at(&good, "x") + 4;
+        let mut v = good.clone();
+        v[dims_at + 8..dims_at + 16].copy_from_slice(&(1u64 << 62).to_le_bytes());
+        let e = err(v);
+        assert!(e.contains("tensor `x`: dims [32, 4611686018427387904] are too large: their values"), "{e}");
+        // A first dimension that is no whole number of blocks is still said so.
+        let mut v = good.clone();
+        v[dims_at..dims_at + 8].copy_from_slice(&33u64.to_le_bytes());
+        let e = err(v);
+        assert!(e.contains("the first, 33, is not a whole number of Q8_0 blocks of 32 values"), "{e}");
+        let aligned = |a: Value| {
+            let meta = [("general.alignment".to_string(), a)];
+            err(encode(&meta, &[]))
+        };
+        let e = aligned(Value::U64(1 << 40));
+        assert!(e.contains("`general.alignment`: 1099511627776 is too large") && e.contains("up to 1048576"), "{e}");
+        assert!(!e.contains("power of two"), "{e}");
+        let e = aligned(Value::U32(48));
+        assert!(e.contains("`general.alignment`: 48 is not a power of two"), "{e}");
+        let e = aligned(Value::String("32".into()));
+        assert!(e.contains("`general.alignment`") && e.contains("not an unsigned integer"), "{e}");
+    }
+
+    /// Issue 57: opening a FIFO, a folder or a device as a GGUF file is refused at once (a FIFO
+    /// hung `init_from = "gguf:FIFO"`), through `ember_data::open_file`.
+    #[test]
+    fn special_files_are_refused_unopened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("pipe.gguf");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let paths = [fifo, dir.path().to_path_buf(), PathBuf::from("/dev/zero")];
+        std::thread::spawn(move || {
+            for p in paths {
+                tx.send(GgufFile::open(&p).err().map(|e| e.to_string())).unwrap();
+            }
+        });
+        let next = || rx.recv_timeout(std::time::Duration::from_secs(20)).expect("refused at once, not hung");
+        let e = next().expect("a FIFO is refused");
+        assert!(e.contains("pipe.gguf: is a FIFO (named pipe), not a regular file"), "{e}");
+        let e = next().expect("a folder is refused");
+        assert!(e.contains("is a folder, not a file"), "{e}");
+        let e = next().expect("a device is refused");
+        assert!(e.contains("/dev/zero: is a device, not a regular file"), "{e}");
     }
 
     #[test]

@@ -49,7 +49,7 @@ use burn::tensor::TensorData;
 use ember_model::ModelConfig;
 use serde_json::{json, Value as Json};
 
-pub use super::export::{encode_model, expressible, write_new, Encoded, ExportType};
+pub use super::export::{encode_model, expressible, Encoded, ExportType};
 use super::hparams::{model_config, SplitTensor};
 use super::{GgmlType, GgufError, GgufFile, Value};
 use crate::family::Architecture;
@@ -299,8 +299,20 @@ fn read_tensors(f: &GgufFile, arch: Architecture, config: &ModelConfig, keep: Ke
             let message = format!("{} without {}, or the reverse", split.parts[0], split.parts[1]);
             return Err(f.meta_err(&key, message));
         };
+        let hf = split.hf.replace("{i}", &layer.to_string());
+        // The tensor whole too (older files' `attn_kv_b`): two sources of one weight, refused
+        // rather than one silently winning.
+        if out.0.contains_key(&hf) || out.2.contains_key(&hf) {
+            let whole = arch.family().hf_to_gguf(&hf).map_or_else(|| hf.clone(), |(name, _)| name);
+            let (k, v) = (split.parts[0], split.parts[1]);
+            let message = format!(
+                "blk.{layer}.{k}.weight and blk.{layer}.{v}.weight hold the same weight as `{whole}`, which the file \
+                 has too: a file holds one or the other"
+            );
+            return Err(f.meta_err(&key, message));
+        }
         let (values, shape) = (split.join)(f, &key, config, &a, &b)?;
-        out.0.insert(split.hf.replace("{i}", &layer.to_string()), TensorData::new(values, shape));
+        out.0.insert(hf, TensorData::new(values, shape));
     }
     Ok(out)
 }
@@ -325,11 +337,7 @@ fn read_tensor(
 ) -> Result<(), GgufError> {
     let family = arch.family();
     let Some((hf, transposed)) = family.gguf_to_hf(&t.name) else {
-        return Err(GgufError::Unsupported {
-            path: f.path.clone(),
-            name: t.name.clone(),
-            kind: format!("a tensor ember does not map for {}", family.gguf_arch),
-        });
+        return Err(GgufError::UnknownTensor { path: f.path.clone(), name: t.name.clone(), arch: family.gguf_arch });
     };
     out.1.push((t.name.clone(), t.kind.name()));
     let mut shape = t.shape();

@@ -139,7 +139,20 @@ struct GgufVocab {
 
 impl GgufVocab {
     fn read(f: &GgufFile) -> Result<Self, GgufError> {
-        let tokens = strings(f, "tokenizer.ggml.tokens")?;
+        let mut tokens = strings(f, "tokenizer.ggml.tokens")?;
+        // Empty tokens are spelled `[EMPTY_{id}]`, as llama.cpp's vocabulary does (texts must differ).
+        let mut empty = Vec::new();
+        for (id, token) in tokens.iter_mut().enumerate().filter(|(_, t)| t.is_empty()) {
+            *token = format!("[EMPTY_{id}]");
+            empty.push(id);
+        }
+        if let (Some(first), n) = (empty.first(), empty.len()) {
+            let path = f.path.display();
+            tracing::warn!(
+                "{path}: tokenizer.ggml.tokens: {n} empty token(s) (the first id {first}) read as [EMPTY_<id>], as \
+                 llama.cpp reads them"
+            );
+        }
         let types: Vec<i64> = match f.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
             Some(t) => t.iter().map(|v| v.as_f64().map_or(NORMAL, |x| x as i64)).collect(),
             None => vec![NORMAL; tokens.len()],
@@ -148,6 +161,7 @@ impl GgufVocab {
             let message = format!("{} types for {} tokens", types.len(), tokens.len());
             return Err(f.meta_err("tokenizer.ggml.token_type", message));
         }
+        refuse_duplicates(f, &tokens)?;
         Ok(Self { tokens, types })
     }
 
@@ -185,6 +199,23 @@ impl GgufVocab {
     fn id_of(&self, f: &GgufFile, key: &str) -> Option<usize> {
         f.get(key).and_then(Value::as_u64).map(|i| i as usize).filter(|&i| i < self.tokens.len())
     }
+}
+
+/// Refuses a token text that appears twice in `tokenizer.ggml.tokens`: llama.cpp refuses such a
+/// file too (its vocabulary asserts one id per text), and a Hugging Face vocabulary holds one id per
+/// text. Named with both ids.
+fn refuse_duplicates(f: &GgufFile, tokens: &[String]) -> Result<(), GgufError> {
+    let mut first: HashMap<&str, usize> = HashMap::with_capacity(tokens.len());
+    for (id, token) in tokens.iter().enumerate() {
+        if let Some(earlier) = first.insert(token, id) {
+            let message = format!(
+                "token {token:?} appears twice, as ids {earlier} and {id}: each text must be one token (llama.cpp \
+                 refuses the file too)"
+            );
+            return Err(f.meta_err("tokenizer.ggml.tokens", message));
+        }
+    }
+    Ok(())
 }
 
 /// llama.cpp's `gpt2` tokenizer as a byte-level BPE `tokenizer.json`.

@@ -42,10 +42,10 @@ pub struct ModelConfig {
     /// [max_position_embeddings; GPT-2: n_positions].
     pub max_seq_len: usize,
     /// RoPE base [rope_theta]. 10,000 for Llama 2, 500,000 for Llama 3, 1,000,000 for Qwen2.5.
-    #[serde(default = "default_rope_theta")]
+    #[serde(default = "default_rope_theta", skip_serializing_if = "is_default_rope_theta")]
     pub rope_theta: f64,
     /// Which channels RoPE pairs up.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub rope_layout: RopeLayout,
     /// Frequency scaling for contexts beyond the pretraining length [rope_scaling].
     #[serde(default)]
@@ -149,6 +149,11 @@ fn is_default<T: Default + PartialEq>(x: &T) -> bool {
 
 fn default_rope_theta() -> f64 {
     10_000.0
+}
+/// Left out of a written config at its default, as the other keys that learned positions leave
+/// idle: a config written back holds no key where it has no effect.
+fn is_default_rope_theta(theta: &f64) -> bool {
+    *theta == default_rope_theta()
 }
 fn default_norm_eps() -> f64 {
     1e-5

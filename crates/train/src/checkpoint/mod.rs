@@ -10,9 +10,11 @@
 //!     optimizer.safetensors  AdamW moments, `<path>.exp_avg` / `<path>.exp_avg_sq`   } training
 //!     state.json             step, LR schedule, sampler seed and data position, ...  } runs
 //!     config.toml            the resolved training config                             } only
+//!     inputs.json            what the run read: its data file's digest and rows (and a
+//!                            token stream's shards), a LoRA run's base's weights (`inputs.rs`)
 //! <run_dir>/checkpoints/latest   the name of the newest complete checkpoint
 //! <run_dir>/best/            runs that evaluate: the weights of the best val loss so far, with
-//!     model.toml, tokenizer, config.toml and best.json (its step and val loss); no optimizer or
+//!     model.toml, tokenizer, config.toml, inputs.json and best.json (its step and val loss); no optimizer or
 //!     loop state (it is for sample, eval and export, not for resuming)
 //! ```
 //! A checkpoint is written in a temporary folder and renamed into place, then `latest` is replaced
@@ -27,6 +29,7 @@
 //! This module is the format (file names, the loop state, what a checkpoint holds) and reading it;
 //! `save.rs` writes one durably; `run_dir.rs` gets a run directory ready to start or resume.
 
+mod inputs;
 mod run_dir;
 mod save;
 
@@ -43,6 +46,8 @@ use crate::config::{InitSource, TrainConfig};
 use crate::error::TrainError;
 use crate::schedule::LrSchedule;
 
+pub(crate) use inputs::INPUTS_FILE;
+pub use inputs::{BaseRecord, DataRecord, FileDigest, RunInputs, ShardRecord};
 pub(crate) use run_dir::{has_checkpoint, set_aside_dead_attempt, tidy_run_dir};
 pub use save::save;
 pub(crate) use save::save_best;
@@ -141,6 +146,8 @@ pub struct TrainingData<'a> {
     pub optimizer: Vec<(String, TensorData)>,
     pub state: &'a TrainState,
     pub config: &'a TrainConfig,
+    /// What the run read (`inputs.json`).
+    pub inputs: &'a RunInputs,
 }
 
 /// What goes into a checkpoint.
@@ -223,6 +230,8 @@ pub struct Checkpoint {
     /// Present for checkpoints of training runs (not for `ember import`s).
     pub state: Option<TrainState>,
     pub config: Option<TrainConfig>,
+    /// What the run read (`inputs.json`), where it was recorded (runs of an older ember have none).
+    pub inputs: Option<RunInputs>,
 }
 
 impl Checkpoint {
@@ -275,7 +284,13 @@ impl Checkpoint {
         if state.is_some() && !dir.join(OPTIMIZER_FILE).is_file() {
             return Err(damaged(format!("{OPTIMIZER_FILE} is missing")));
         }
-        Ok(Self { dir, model_config, tokenizer, state, config })
+        // No record: a checkpoint of an ember from before the records.
+        let inputs = match std::fs::read_to_string(dir.join(INPUTS_FILE)) {
+            Ok(text) => Some(serde_json::from_str(&text).map_err(|e| damaged(format!("{INPUTS_FILE}: {e}")))?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(damaged(format!("{INPUTS_FILE}: {e}"))),
+        };
+        Ok(Self { dir, model_config, tokenizer, state, config, inputs })
     }
 
     /// The training config, for what needs a training run's checkpoint.

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use ember_model::weights::to_safetensors;
 
-use super::{step_dir_name, step_of, CheckpointData};
+use super::{step_dir_name, step_of, CheckpointData, RunInputs, INPUTS_FILE};
 use super::{BestRecord, BEST_DIR, BEST_FILE, OPTIMIZER_FILE, STATE_FILE, TOKENIZER_EXTRAS, TOKENIZER_FILE};
 use super::{ADAPTER_FILE, CHECKPOINTS, CONFIG_FILE, HF_CONFIG_FILE, LATEST, MODEL_CONFIG_FILE, MODEL_FILE};
 use crate::error::TrainError;
@@ -62,6 +62,7 @@ fn checkpoint_files(data: &CheckpointData<'_>) -> Result<Vec<(&'static str, Vec<
         files.push((OPTIMIZER_FILE, to_safetensors(&t.optimizer, meta("adamw"))));
         files.push((STATE_FILE, serde_json::to_vec_pretty(t.state).expect("state serialises")));
         files.push((CONFIG_FILE, t.config.to_toml().into_bytes()));
+        files.push((INPUTS_FILE, serde_json::to_vec_pretty(t.inputs).expect("inputs serialise")));
     }
     for extra in TOKENIZER_EXTRAS {
         if let Some(src) = data.tokenizer_dir.map(|d| d.join(extra)).filter(|p| p.is_file()) {
@@ -87,7 +88,7 @@ fn write_folder(tmp: &Path, files: Vec<(&'static str, Vec<u8>)>) -> Result<(), T
 }
 
 /// Replaces `<run_dir>/best` with a checkpoint of `data` (weights, model, tokenizer, the run's
-/// `config`; no optimizer or loop state: it is for sampling, evaluating and exporting, not for
+/// `config` and `inputs`; no optimizer or loop state: it is for sampling, evaluating and exporting, not for
 /// resuming) and `best.json` naming its step and val loss. Written aside and renamed into place
 /// like a step's checkpoint; the folder it replaces is renamed to `.best.old-PID` first and deleted
 /// after, and a run killed between the two renames gets it back at its next start
@@ -96,11 +97,13 @@ pub(crate) fn save_best(
     run_dir: &Path,
     data: CheckpointData<'_>,
     config: &crate::config::TrainConfig,
+    inputs: &RunInputs,
     val_loss: f64,
 ) -> Result<PathBuf, TrainError> {
     let best = BestRecord { step: data.step, val_loss };
     let mut files = checkpoint_files(&CheckpointData { training: None, ..data })?;
     files.push((CONFIG_FILE, config.to_toml().into_bytes()));
+    files.push((INPUTS_FILE, serde_json::to_vec_pretty(inputs).expect("inputs serialise")));
     files.push((BEST_FILE, serde_json::to_vec_pretty(&best).expect("best record serialises")));
     std::fs::create_dir_all(run_dir).map_err(TrainError::io(run_dir))?;
     let pid = std::process::id();
@@ -239,8 +242,9 @@ mod tests {
             text.display().to_string()
         );
         let config = crate::config::TrainConfig::from_toml(&toml, Path::new("t.toml")).unwrap();
-        save_best(&run, data(3, &tok), &config, 1.5).unwrap();
-        save_best(&run, data(5, &tok), &config, 1.25).unwrap();
+        let inputs = RunInputs::default();
+        save_best(&run, data(3, &tok), &config, &inputs, 1.5).unwrap();
+        save_best(&run, data(5, &tok), &config, &inputs, 1.25).unwrap();
         // One copy, no temporaries: the step-3 folder was replaced whole.
         assert_eq!(names(&run), [BEST_DIR]);
         assert_eq!(read_best(&run), Some(BestRecord { step: 5, val_loss: 1.25 }));

@@ -4,10 +4,11 @@
 
 use std::path::{Path, PathBuf};
 
-use ember_model::ModelConfig;
+use ember_model::lora::Target;
+use ember_model::{MlpKind, ModelConfig};
 
-use super::{defaults, keys, PendingLength, TrainConfig};
-use crate::error::{TrainError, UnknownInitSource};
+use super::{defaults, effect, keys, values, PendingLength, TrainConfig};
+use crate::error::{InvalidConfig, TrainError, UnknownInitSource};
 
 /// A config file as written, parsed and checked without opening anything but itself. `model` is
 /// `None` where `[model]` is left out for the `init_from` model's: [`ConfigFile::resolve`] opens
@@ -16,6 +17,19 @@ use crate::error::{TrainError, UnknownInitSource};
 pub struct ConfigFile {
     pub path: PathBuf,
     pub config: TrainConfig<Option<ModelConfig>>,
+    /// The defaults put in for keys the file leaves out that follow other keys (the batch, the
+    /// rate, LoRA's alpha and targets, …): logged when the config is completed.
+    pub defaults: Vec<defaults::Applied>,
+}
+
+/// Who wrote the text being read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Author {
+    /// A person: every rule, and no key where it has no effect ([`effect`]).
+    User,
+    /// ember, as a run directory's config.toml: every key is written out, and copies written by
+    /// earlier versions hold keys at their defaults where they have no effect.
+    Ember,
 }
 
 /// What a config file is read for.
@@ -34,8 +48,14 @@ impl ConfigFile {
     }
 
     pub fn read_for(path: &Path, purpose: Purpose) -> Result<Self, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
-        Self::parse_for(&text, path, purpose)
+        let text = ember_data::read_file_to_string(path).map_err(TrainError::io(path))?;
+        // A run directory's own copy (what a refused resume points to) is ember's: those written
+        // by earlier versions hold keys at their defaults where they have no effect.
+        let author = match run_dir_copy(path) {
+            true => Author::Ember,
+            false => Author::User,
+        };
+        Self::parse_by(&text, path, purpose, author)
     }
 
     /// Syntax, keys and types, then every rule that does not need the model; errors name the file
@@ -45,6 +65,10 @@ impl ConfigFile {
     }
 
     pub(crate) fn parse_for(text: &str, path: &Path, purpose: Purpose) -> Result<Self, TrainError> {
+        Self::parse_by(text, path, purpose, Author::User)
+    }
+
+    fn parse_by(text: &str, path: &Path, purpose: Purpose, author: Author) -> Result<Self, TrainError> {
         let syntax = |e: toml::de::Error| TrainError::Config {
             path: path.into(),
             message: match e.span() {
@@ -63,8 +87,10 @@ impl ConfigFile {
         let mut table = toml::from_str::<toml::Table>(text).map_err(syntax)?;
         // Then every key at once (serde stops at the first): unknown, missing, mistyped.
         let mut problems = keys::check(&mut table, text);
-        defaults::fill(&mut table);
-        problems.extend(keys::check_values(&table, text));
+        // What the file writes, before the defaults are put in: a key left out is never refused.
+        let written = effect::written(&table);
+        let defaults = defaults::fill(&mut table);
+        problems.extend(values::check_values(&table, text));
         if !problems.is_empty() {
             // In the order of the file; keys left out (no line) last.
             problems.sort_by_key(|p| p.line.unwrap_or(usize::MAX));
@@ -81,11 +107,21 @@ impl ConfigFile {
             })?;
         config.pending =
             config.train.num_epochs.map(|num_epochs| PendingLength { num_epochs, eval_interval, warmup_steps });
-        // Every rule broken, at once: one as before, several as a list with their lines.
+        // Every rule broken, at once: one as before, several (or a key with no effect, whose line
+        // the message needs) as a list with their lines.
         let mut broken = config.broken_rules(purpose);
+        if author == Author::User {
+            broken.extend(config.idle_keys(&written));
+        }
+        // A key with no effect, or a reward of a list, is named by its line even alone.
+        let placed = |e: &InvalidConfig| match e {
+            InvalidConfig::NoEffect { .. } => true,
+            InvalidConfig::Rl(m) => m.starts_with("rewards["),
+            _ => false,
+        };
         match broken.len() {
-            0 => Ok(Self { path: path.into(), config }),
-            1 => Err(TrainError::Invalid { path: path.into(), error: broken.remove(0) }),
+            0 => Ok(Self { path: path.into(), config, defaults }),
+            1 if !placed(&broken[0]) => Err(TrainError::Invalid { path: path.into(), error: broken.remove(0) }),
             _ => {
                 let mut problems: Vec<_> =
                     broken.into_iter().map(|rule| keys::ConfigProblem::rule(rule, text)).collect();
@@ -110,10 +146,24 @@ impl ConfigFile {
         }
     }
 
-    /// The config with the architecture `model`, checked against the rules that need it.
-    pub fn complete_with(self, model: ModelConfig) -> Result<TrainConfig, TrainError> {
+    /// The config with the architecture `model`, checked against the rules that need it; the
+    /// defaults the file's keys left to ember are logged.
+    pub fn complete_with(mut self, model: ModelConfig) -> Result<TrainConfig, TrainError> {
+        // LoRA's default targets are the blocks' seven projections, those the model has: a plain
+        // (GPT-2) MLP has no gate.
+        let gated = matches!(model.mlp, MlpKind::Swiglu | MlpKind::Geglu);
+        if let (Some(lora), false) = (self.config.lora.as_mut(), gated) {
+            if let Some(d) = self.defaults.iter_mut().find(|d| (d.section, d.key) == ("lora", "targets")) {
+                lora.targets.retain(|t| *t != Target::GateProj);
+                let names: Vec<String> = lora.targets.iter().map(|t| format!("\"{t}\"")).collect();
+                d.value = format!("[{}]", names.join(", "));
+            }
+        }
         let config = self.config.with_model(model);
         config.validate_model().map_err(|error| TrainError::Invalid { path: self.path, error })?;
+        for d in &self.defaults {
+            tracing::info!("{d}");
+        }
         Ok(config)
     }
 }
@@ -121,8 +171,11 @@ impl ConfigFile {
 impl TrainConfig {
     /// Reads a complete config file (one with `[model]`, as every run directory's config.toml):
     /// nothing but the file is opened; errors name the file and the key.
+    /// Keys that have no effect where they stand are not refused here: a copy written by an
+    /// earlier version holds some at their defaults.
     pub fn from_file(path: &Path) -> Result<Self, TrainError> {
-        ConfigFile::read(path)?.complete()
+        let text = ember_data::read_file_to_string(path).map_err(TrainError::io(path))?;
+        ConfigFile::parse_by(&text, path, Purpose::Run, Author::Ember)?.complete()
     }
 
     #[cfg(test)]
@@ -137,6 +190,9 @@ impl TrainConfig {
         if let Some(p) = &self.data.path {
             self.data.path = Some(abs(p));
         }
+        if let Some(p) = &self.data.val_path {
+            self.data.val_path = Some(abs(p));
+        }
         if let Some(t) = &self.data.tokenizer {
             if t.ends_with(".json") {
                 self.data.tokenizer = Some(abs(Path::new(t)).display().to_string());
@@ -148,6 +204,13 @@ impl TrainConfig {
     pub(crate) fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("config serialises")
     }
+}
+
+/// Whether `path` is a run directory's own `config.toml` (one beside the run's `checkpoints/`).
+fn run_dir_copy(path: &Path) -> bool {
+    let beside = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    path.file_name().is_some_and(|n| n == crate::checkpoint::CONFIG_FILE)
+        && beside.join(crate::checkpoint::CHECKPOINTS).is_dir()
 }
 
 /// The dotted key at a TOML error position: the section header above it and the key on its line.
@@ -242,6 +305,20 @@ mod tests {
     use crate::config::tests::{parse, parse_err, NANO};
     use crate::config::REQUIRED;
 
+    /// A run directory's own config.toml, as earlier versions wrote it (every key, those without
+    /// effect at their defaults), is read as ember's: a refused resume points the user to it.
+    #[test]
+    fn a_run_directorys_copy_keeps_keys_without_effect() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = NANO.replace("[schedule]", "[schedule]\ncooldown_frac = 0.4");
+        let path = dir.path().join(crate::checkpoint::CONFIG_FILE);
+        std::fs::write(&path, &text).unwrap();
+        let e = ConfigFile::read(&path).unwrap_err().to_string();
+        assert!(e.contains("cooldown_frac has no effect"), "{e}");
+        std::fs::create_dir(dir.path().join(crate::checkpoint::CHECKPOINTS)).unwrap();
+        ConfigFile::read(&path).unwrap();
+    }
+
     #[test]
     fn an_unknown_key_is_named_with_its_section_and_line() {
         let text = NANO.replace("n_layers = 4", "n_layers = 4\nn_kv_head = 2");
@@ -284,20 +361,17 @@ mod tests {
                 format!("line {}: [schedul] unknown section — did you mean [schedule]?", line("[schedul]")),
                 "[train] max_steps is missing".into(),
                 "[lora] rank is missing".into(),
-                "[lora] alpha is missing".into(),
             ]
         );
         // Printed under the file's name, one a line.
         let e = ConfigFile::parse(&text, Path::new("c.toml")).unwrap_err().to_string();
-        assert!(e.starts_with("c.toml: 8 problems:\n  line "), "{e}");
-        assert_eq!(e.lines().count(), 9, "{e}");
-        // A nested table's key: named by the key of the section that holds it.
+        assert!(e.starts_with("c.toml: 7 problems:\n  line "), "{e}");
+        assert_eq!(e.lines().count(), 8, "{e}");
+        // A nested table's key: named in its table, at its line (not `factor is missing` too).
         let text = NANO.replace("[data]", "[model.rope_scaling]\ntype = \"linear\"\nfactr = 2.0\n\n[data]");
-        let found = problems(&text);
-        assert_eq!(found.len(), 1, "{found:?}");
-        let header = text.lines().position(|l| l == "[model.rope_scaling]").unwrap() + 1;
-        let want = format!("line {header}: [model] rope_scaling: unknown field `factr`, expected `factor`");
-        assert_eq!(found, [want]);
+        let at = text.lines().position(|l| l == "factr = 2.0").unwrap() + 1;
+        let want = format!("line {at}: [model.rope_scaling] unknown key \"factr\" — did you mean \"factor\"?");
+        assert_eq!(problems(&text), [want]);
         // Sections that are not tables, keys at the top that belong in a section, no [data].
         let text = "init_from = 3\nmax_steps = 10\ntrain = 5\n";
         assert_eq!(
@@ -396,6 +470,57 @@ mod tests {
         // The resolved config names every default it took.
         let saved = c.to_toml();
         assert!(saved.contains("lr = 0.0006") && saved.contains("eval_interval = 1"), "{saved}");
+    }
+
+    /// Issue 57: the minimal LoRA config (a source, the data, a rank, a length) was refused for
+    /// its batch size and alpha. What it leaves out is filled in, and listed for the log.
+    #[test]
+    fn a_minimal_fine_tune_needs_a_source_the_data_a_rank_and_a_length() {
+        let minimal =
+            "init_from = \"gguf:m.gguf\"\n[data]\npath = \"chat.jsonl\"\n[lora]\nrank = 8\n[train]\nmax_steps = 20\n";
+        let file = ConfigFile::parse(minimal, Path::new("c.toml")).unwrap();
+        let applied: Vec<String> = file.defaults.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            applied,
+            [
+                "[train] batch_size = 8 (default: Hugging Face Trainer's and TRL's per-device batch)",
+                "[train] eval_interval = 2 (default: max_steps / 10)",
+                "[lora] alpha = 16.0 (default: 2 × rank, an update scaled by 2)",
+                "[lora] targets = [\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\", \"gate_proj\", \"up_proj\", \"down_proj\"] \
+                 (default: every projection of the blocks)",
+                "[schedule] lr = 0.0002 (default: LoRA)",
+                "[schedule] warmup_steps = 1 (default: decay_steps / 20)",
+            ]
+        );
+        let c = file.complete_with(ember_model::ModelConfig::tiny(0, 64)).unwrap();
+        let lora = c.lora.as_ref().unwrap();
+        assert_eq!((c.train.batch_size, lora.alpha, lora.targets.len()), (8, 16.0, 7));
+        // Written keys win; alpha follows the rank.
+        let text = minimal
+            .replace("rank = 8", "rank = 4\ntargets = [\"q_proj\"]")
+            .replace("max_steps", "batch_size = 2\nmax_steps");
+        let c = ConfigFile::parse(&text, Path::new("c.toml")).unwrap();
+        assert_eq!(c.defaults.iter().filter(|d| d.section != "schedule" && d.key != "eval_interval").count(), 1);
+        let c = c.complete_with(ember_model::ModelConfig::tiny(0, 64)).unwrap();
+        let lora = c.lora.as_ref().unwrap();
+        assert_eq!((c.train.batch_size, lora.alpha, lora.targets.len()), (2, 8.0, 1));
+        // A model whose MLP has no gate (GPT-2's) gets the six projections it has.
+        let gpt2 =
+            ember_model::ModelConfig { mlp: ember_model::MlpKind::Gelu, ..ember_model::ModelConfig::tiny(0, 64) };
+        let c = ConfigFile::parse(minimal, Path::new("c.toml")).unwrap().complete_with(gpt2).unwrap();
+        assert_eq!(c.lora.map(|l| l.targets.len()), Some(6));
+        // The rate follows what is trained and how.
+        let lr = |extra: &str| {
+            let text = format!("{minimal}{extra}");
+            ConfigFile::parse(&text, Path::new("c.toml")).unwrap_or_else(|e| panic!("{e}")).config.schedule.lr
+        };
+        assert_eq!(lr("[preference]\nmethod = \"dpo\"\n"), super::super::defaults::LR_PREFERENCE_LORA);
+        assert_eq!(lr("[rl]\n[[rl.rewards]]\nkind = \"length\"\nlimit = 5\n"), super::super::defaults::LR_RL_LORA);
+        let full = minimal.replace("[lora]\nrank = 8\n", "");
+        let c = ConfigFile::parse(&format!("{full}[preference]\n"), Path::new("c.toml")).unwrap();
+        assert_eq!(c.config.schedule.lr, super::super::defaults::LR_RL_FULL);
+        let c = ConfigFile::parse(&full, Path::new("c.toml")).unwrap();
+        assert_eq!((c.config.schedule.lr, c.config.lora), (super::super::LR_FULL, None));
     }
 
     #[test]

@@ -21,10 +21,11 @@ pub use crate::error::{ConfigProblem, Hint, Problem};
 
 /// Keys with no default, by section (a section left out counts as empty). `[model]` may be left
 /// out as a whole when `init_from` gives the model; `[lora]` and `[muon]` are optional as a whole.
+/// (`train.batch_size` and `lora.alpha` have defaults that follow other keys: `config::defaults`.)
 pub(crate) const REQUIRED: &[(&str, &[&str])] = &[
     ("model", &["d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"]),
-    ("train", &["batch_size", "max_steps"]),
-    ("lora", &["rank", "alpha"]),
+    ("train", &["max_steps"]),
+    ("lora", &["rank"]),
     ("muon", &["lr"]),
     ("eval", &["tasks"]),
 ];
@@ -46,14 +47,36 @@ impl ConfigProblem {
             InvalidConfig::Rl(_) => (Some("rl"), None),
             InvalidConfig::LoraWithoutInit | InvalidConfig::Lora(_) => (Some("lora"), None),
             InvalidConfig::Model(_) => (Some("model"), None),
+            InvalidConfig::NoEffect { section, key, .. } => (Some(*section), *key),
         };
         let line = match (section, key) {
+            // A reward, by its place in the list (and its key, where the message names one).
+            _ if reward_line(&rule, text).is_some() => reward_line(&rule, text),
+            // A table inside a section (`[model.moe]`), or written inline in it (`moe = {…}`).
+            (Some(s), None) if s.contains('.') => header_line(text, s).or_else(|| {
+                let (parent, name) = s.rsplit_once('.')?;
+                key_line(text, Some(parent), name)
+            }),
             (Some(s), Some(k)) => key_line(text, Some(s), k),
             (Some(s), None) => header_line(text, s),
             _ => None,
         };
         ConfigProblem { line, section: None, what: Problem::Rule(rule) }
     }
+}
+
+/// The line of the reward an `[rl]` rule names (`rewards[1] (kind = "regex"): pattern …`): its
+/// key's where the message starts with one that the file writes, else its `[[rl.rewards]]`.
+fn reward_line(rule: &InvalidConfig, text: &str) -> Option<usize> {
+    use super::values::Seg;
+    let InvalidConfig::Rl(message) = rule else { return None };
+    let rest = message.strip_prefix("rewards[")?;
+    let (index, rest) = rest.split_once(']')?;
+    let mut path = vec![Seg::Key("rl".into()), Seg::Key("rewards".into()), Seg::Index(index.parse().ok()?)];
+    let what = rest.split_once(": ").map_or("", |(_, w)| w);
+    let key = what.trim_start_matches('`').split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).next();
+    path.extend(key.filter(|k| !k.is_empty()).map(|k| Seg::Key(k.into())));
+    super::values::locate(text, &path)
 }
 
 /// The sections of a config file: the top-level keys of [`TrainConfig`] but `init_from`.
@@ -86,7 +109,7 @@ pub(crate) fn section_keys(name: &str) -> Option<&'static [&'static str]> {
 
 /// Reads section `name` alone, as its struct: serde's error for a bad value, with its span in
 /// `text` (the section written back as TOML).
-fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
+pub(super) fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error> {
     match name {
         "model" => toml::from_str::<ModelConfig>(text).map(drop),
         "data" => toml::from_str::<DataConfig>(text).map(drop),
@@ -200,59 +223,6 @@ fn init_from_problem(value: &toml::Value, text: &str) -> Option<ConfigProblem> {
     Some(at(text, None, Some(key), Problem::BadValue { key: key.into(), message }))
 }
 
-/// Every value of the wrong type or outside its choices, section by section: each section is
-/// read alone, and a key whose value fails is reported and taken out before reading it again.
-pub(crate) fn check_values(table: &toml::Table, text: &str) -> Vec<ConfigProblem> {
-    let mut problems = Vec::new();
-    for (name, value) in table {
-        let Some(section) = value.as_table() else { continue };
-        let mut section = section.clone();
-        let required = REQUIRED.iter().find(|(s, _)| s == name).map_or(&[][..], |(_, keys)| keys);
-        // Each round takes one key out: at most one round per key, and one to see it pass.
-        for _ in 0..=section.len() {
-            let Ok(written) = toml::to_string(&section) else { break };
-            let Err(e) = read_section(name, &written) else { break };
-            let key = super::file::toml_key(&written, e.span()).map(|k| k.split('.').next().unwrap_or("").to_string());
-            let message = e.message().trim().to_string();
-            // Required keys left out are reported by `check`, with the other missing ones.
-            if let Some(field) = message.strip_prefix("missing field `").and_then(|m| m.strip_suffix('`')) {
-                if required.contains(&field) {
-                    break;
-                }
-            }
-            // Errors inside a nested value (an enum's table) come without a span: the key is the
-            // one (not a required one) without which this error goes away.
-            let key = key.filter(|k| section.contains_key(k)).or_else(|| {
-                section
-                    .keys()
-                    .filter(|k| !required.contains(&k.as_str()))
-                    .find(|k| {
-                        let mut without = section.clone();
-                        without.remove(*k);
-                        let still = toml::to_string(&without).ok().and_then(|w| read_section(name, &w).err());
-                        still.is_none_or(|e| e.message().trim() != message)
-                    })
-                    .cloned()
-            });
-            match key {
-                Some(key) => {
-                    problems.push(at(text, Some(name), Some(&key), Problem::BadValue { key: key.clone(), message }));
-                    section.remove(&key);
-                }
-                None => {
-                    problems.push(ConfigProblem {
-                        line: header_line(text, name),
-                        section: Some(name.clone()),
-                        what: Problem::BadValue { key: String::new(), message },
-                    });
-                    break;
-                }
-            }
-        }
-    }
-    problems
-}
-
 /// A problem at `key` of `section` (the section's header where there is no key).
 fn at(text: &str, section: Option<&str>, key: Option<&str>, what: Problem) -> ConfigProblem {
     let line = match (section, key) {
@@ -263,23 +233,66 @@ fn at(text: &str, section: Option<&str>, key: Option<&str>, what: Problem) -> Co
     ConfigProblem { line, section: section.map(String::from), what }
 }
 
-/// What unknown key `key` of `section` may have meant: a key of the same section a typo away, or
-/// the same key in another section.
+/// What unknown key `key` of `section` may have meant, in this order: a key of the same section a
+/// typo away; the section's key that other trainers name `key` ([`ALIASES`]); the same key,
+/// exactly, in another section (the only one that has it; several are named as such, since a name
+/// like `beta` means something else in each).
 fn hint(key: &str, keys: &[&str], section: Option<&str>) -> Hint {
     if let Some(near) = suggest(key, keys) {
         return Hint::DidYouMean(near);
     }
-    let other = sections().into_iter().filter(|s| Some(*s) != section);
-    let home = other.clone().find(|s| section_keys(s).is_some_and(|keys| keys.contains(&key)));
-    if let Some(home) = home {
+    if let Some((.., ours)) = ALIASES.iter().find(|(s, theirs, _)| Some(*s) == section && *theirs == key) {
+        return Hint::DidYouMean(ours.to_string());
+    }
+    if let Some((_, home)) = HOMES.iter().find(|(k, _)| *k == key) {
         return Hint::BelongsIn(home.to_string());
     }
-    // A section's name written as a key (`train = ...`), or a typo of one.
+    let homes: Vec<String> = sections()
+        .into_iter()
+        .filter(|s| Some(*s) != section && section_keys(s).is_some_and(|keys| keys.contains(&key)))
+        .map(String::from)
+        .collect();
+    match <[String; 1]>::try_from(homes) {
+        Ok([home]) => return Hint::BelongsIn(home),
+        Err(homes) if !homes.is_empty() => return Hint::KeyOf(homes),
+        Err(_) => {}
+    }
+    // A section's name written as a key (`model = 1` in [schedule]), or a typo of one.
+    if sections().contains(&key) {
+        return Hint::IsSection(key.to_string());
+    }
     match suggest(key, &sections()) {
         Some(near) => Hint::DidYouMean(near),
         None => Hint::None,
     }
 }
+
+/// Names other trainers give a key, by section: `(section, their name, ours)` (PyTorch's Muon and
+/// the papers' β for its momentum; PEFT's `LoraConfig`; TRL's and Hugging Face Trainer's
+/// arguments), suggested where the name is no key of that section.
+const ALIASES: &[(&str, &str, &str)] = &[
+    ("muon", "beta", "momentum"),
+    ("muon", "mu", "momentum"),
+    ("muon", "ns_iters", "ns_steps"),
+    ("lora", "r", "rank"),
+    ("lora", "lora_alpha", "alpha"),
+    ("lora", "lora_dropout", "dropout"),
+    ("lora", "target_modules", "targets"),
+    ("train", "per_device_train_batch_size", "batch_size"),
+    ("train", "gradient_accumulation_steps", "grad_accum_steps"),
+    ("train", "num_train_epochs", "num_epochs"),
+    ("schedule", "learning_rate", "lr"),
+    ("schedule", "lr_scheduler_type", "shape"),
+    ("rl", "num_generations", "group_size"),
+    ("rl", "max_completion_length", "max_new_tokens"),
+    ("preference", "loss_type", "method"),
+    ("preference", "gamma", "simpo_gamma"),
+    ("preference", "rpo_alpha", "sft_weight"),
+];
+
+/// Keys of several sections whose home is plain wherever else they are written: `lr` in `[optim]`,
+/// `[train]` or at the top is AdamW's rate, `[schedule] lr` (`[muon] lr` is Muon's own).
+const HOMES: &[(&str, &str)] = &[("lr", "schedule")];
 
 /// The candidate nearest to `name`, if it is a typo away: at most one edit for short names, up to
 /// a third of the name's length for longer ones (a swap of two letters is one edit).
@@ -352,24 +365,28 @@ fn header(line: &str) -> Option<&str> {
     (!name.starts_with('[')).then(|| name.trim())
 }
 
-/// The field names a struct's `Deserialize` derive accepts: it asks the deserializer for a struct
-/// with these fields, and this one records them and stops.
+/// The field names a struct's `Deserialize` derive accepts ([`serde_names`]).
 pub(crate) fn serde_fields<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
-    let mut fields = None;
-    let _ = T::deserialize(FieldNames { fields: &mut fields });
-    fields.unwrap_or(&[])
+    serde_names::<T>().0
 }
 
-struct FieldNames<'a> {
-    fields: &'a mut Option<&'static [&'static str]>,
+/// The field names of a struct's `Deserialize` derive and the variant names of an enum's: the
+/// derive asks the deserializer for a struct (an enum) of these names, and this one records them
+/// and stops. Empty for what is neither.
+pub fn serde_names<'de, T: Deserialize<'de>>() -> (&'static [&'static str], &'static [&'static str]) {
+    let mut names: (&'static [&'static str], &'static [&'static str]) = (&[], &[]);
+    let _ = T::deserialize(Names(&mut names));
+    names
 }
+
+struct Names<'a>(&'a mut (&'static [&'static str], &'static [&'static str]));
 
 #[derive(Debug)]
 struct Stop;
 
 impl std::fmt::Display for Stop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("field names read")
+        f.write_str("names read")
     }
 }
 
@@ -381,7 +398,7 @@ impl serde::de::Error for Stop {
     }
 }
 
-impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
+impl<'de> serde::Deserializer<'de> for Names<'_> {
     type Error = Stop;
 
     fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
@@ -390,17 +407,27 @@ impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
 
     fn deserialize_struct<V: serde::de::Visitor<'de>>(
         self,
-        _name: &'static str,
+        _: &'static str,
         fields: &'static [&'static str],
-        _visitor: V,
+        _: V,
     ) -> Result<V::Value, Stop> {
-        *self.fields = Some(fields);
+        self.0 .0 = fields;
+        Err(Stop)
+    }
+
+    fn deserialize_enum<V: serde::de::Visitor<'de>>(
+        self,
+        _: &'static str,
+        variants: &'static [&'static str],
+        _: V,
+    ) -> Result<V::Value, Stop> {
+        self.0 .1 = variants;
         Err(Stop)
     }
 
     serde::forward_to_deserialize_any! {
         bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf option unit
-        unit_struct newtype_struct seq tuple tuple_struct map enum identifier ignored_any
+        unit_struct newtype_struct seq tuple tuple_struct map identifier ignored_any
     }
 }
 
@@ -446,7 +473,38 @@ mod tests {
         assert_eq!(suggest("trian", &sections()).as_deref(), Some("train"));
         assert_eq!(suggest("bath_size", section_keys("train").unwrap()).as_deref(), Some("batch_size"));
         assert_eq!(suggest("zzz", &sections()), None);
+        // `lr` is [schedule]'s (AdamW's rate) and [muon]'s; elsewhere it means AdamW's.
         assert_eq!(hint("lr", section_keys("optim").unwrap(), Some("optim")), Hint::BelongsIn("schedule".into()));
+        assert_eq!(hint("lr", section_keys("train").unwrap(), Some("train")), Hint::BelongsIn("schedule".into()));
+        assert_eq!(hint("max_steps", top_level(), None), Hint::BelongsIn("train".into()));
+        // Issue 57: a section's name as a key was "did you mean" itself.
+        for (key, section) in [("model", "schedule"), ("rl", "rl"), ("model", "lora")] {
+            let found = hint(key, section_keys(section).unwrap(), Some(section));
+            assert_eq!(found, Hint::IsSection(key.into()), "{key} in [{section}]");
+            assert_eq!(found.to_string(), format!(" — [{key}] is a section: write it as a table header"));
+        }
+    }
+
+    /// Issue 57: `[muon] beta` was said to belong in [preference] (DPO's β). Muon's β is its
+    /// momentum; a key of one other section only is said to belong there; a typo of the section's
+    /// own key comes first.
+    #[test]
+    fn an_unknown_muon_key_is_not_sent_to_another_objective() {
+        let muon = section_keys("muon").unwrap();
+        assert_eq!(hint("beta", muon, Some("muon")), Hint::DidYouMean("momentum".into()));
+        assert_eq!(hint("momentum2", muon, Some("muon")), Hint::DidYouMean("momentum".into()));
+        assert_eq!(hint("ns_step", muon, Some("muon")), Hint::DidYouMean("ns_steps".into()));
+        assert_eq!(hint("beta1", muon, Some("muon")), Hint::BelongsIn("optim".into()));
+        let both = Hint::KeyOf(vec!["preference".into(), "rl".into()]);
+        assert_eq!(hint("method", muon, Some("muon")), both);
+        assert_eq!(both.to_string(), " — a key of [preference] and [rl], each its own");
+        assert_eq!(hint("label_smoothing", muon, Some("muon")), Hint::BelongsIn("preference".into()));
+        assert_eq!(hint("lora_alpha", section_keys("lora").unwrap(), Some("lora")), Hint::DidYouMean("alpha".into()));
+        // Every alias names a key its section has, and is none itself.
+        for (section, theirs, ours) in ALIASES {
+            let keys = section_keys(section).unwrap();
+            assert!(keys.contains(ours) && !keys.contains(theirs), "[{section}] {theirs} -> {ours}");
+        }
     }
 
     #[test]

@@ -5,25 +5,29 @@
 //! ([`ConfigFile::resolve`], in `init`).
 //!
 //! [`sections`]: the schema, one struct per section; [`file`]: reading a file (syntax, unknown
-//! keys) and `init_from`; [`validate`]: the rules, within and across sections, and the bounds that
-//! keep products of sizes far from overflow.
+//! keys) and `init_from`; [`defaults`]: the defaults that follow other keys; [`validate`]: the
+//! rules, within and across sections, and the bounds that keep products of sizes far from
+//! overflow; [`effect`]: the keys that do something only in some configs, refused where they do
+//! nothing; [`values`]: values of the wrong type or outside their choices, at any depth.
 
 mod defaults;
+mod effect;
 mod file;
 mod keys;
 mod sections;
 mod validate;
+mod values;
 
 use ember_model::{LoraConfig, ModelConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::error::InvalidConfig;
 
-pub use defaults::{LR_FULL, LR_LORA, LR_SCRATCH};
+pub use defaults::{Applied, ALPHA_PER_RANK, BATCH_SIZE, LR_FULL, LR_LORA, LR_SCRATCH};
 pub use file::{ConfigFile, InitSource, Purpose};
 #[cfg(test)]
 pub(crate) use keys::REQUIRED;
-pub use keys::{ConfigProblem, Hint, Problem};
+pub use keys::{serde_names, ConfigProblem, Hint, Problem};
 pub use sections::{
     AdjustLr, DataConfig, DataFormat, DistributedConfig, EvalStrategy, EvalTasksConfig, Importance, LoopConfig,
     MetricsConfig, MuonConfig, NsDtype, OptimConfig, Precision, PreferenceConfig, PreferenceMethod, RewardConfig,
@@ -162,7 +166,8 @@ impl<M> TrainConfig<M> {
         self.train.max_steps = if steps < (1u64 << 52) as f64 { steps as usize } else { usize::MAX };
         self.train.num_epochs = None;
         let steps = self.train.max_steps as u64;
-        if p.eval_interval {
+        // With evaluations at each epoch the interval is not used (and stays 0).
+        if p.eval_interval && self.train.eval_strategy == EvalStrategy::Steps {
             self.train.eval_interval = usize::try_from(defaults::eval_interval(steps)).unwrap_or(usize::MAX);
         }
         if p.warmup_steps {

@@ -19,7 +19,10 @@ pub struct MetricsConfig {
     /// Tokens of text generated from `sample_prompt` at every evaluation; 0 turns sampling off.
     #[serde(default = "default_sample_tokens")]
     pub sample_tokens: usize,
-    #[serde(default = "default_sample_prompt")]
+    /// The text sampled from [default: a newline]. (Left out of the run directory's copy at its
+    /// default, as are the other keys below whose effect depends on other keys: a copy read back
+    /// as a file holds no key where it has no effect, `config::effect`.)
+    #[serde(default = "default_sample_prompt", skip_serializing_if = "is_default_sample_prompt")]
     pub sample_prompt: String,
 }
 
@@ -38,6 +41,9 @@ fn default_sample_tokens() -> usize {
 }
 fn default_sample_prompt() -> String {
     "\n".into()
+}
+fn is_default_sample_prompt(p: &str) -> bool {
+    p == "\n"
 }
 
 impl Default for MetricsConfig {
@@ -65,9 +71,14 @@ pub struct DataConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<DataFormat>,
     /// Fraction of the text (or of the examples) held out for validation; the dataset's manifest
-    /// value when absent.
+    /// value when absent (0.1 for a file). 0: no validation (evaluations score the training split
+    /// and the benchmark tasks only; the run keeps no best checkpoint).
     #[serde(default)]
     pub val_fraction: Option<f64>,
+    /// A separate validation file of the same format as `path` (the training file is then used
+    /// whole; `val_fraction` does not apply).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<PathBuf>,
     /// JSONL only: how examples fill rows: `documents` (whole examples side by side, each attending
     /// only to itself from position 0), `stream` (one stream cut into rows; examples see each
     /// other) or `none` (one example per row) [default: documents].
@@ -104,7 +115,8 @@ impl DataConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoopConfig {
-    /// Sequences per micro-batch.
+    /// Sequences per micro-batch [default: 8, Hugging Face Trainer's and TRL's; filled in when the
+    /// file is read, `config::defaults`].
     pub batch_size: usize,
     /// Tokens per sequence [default: JSONL examples: the longest, rounded up to a multiple of
     /// 64; text: `model.max_seq_len`; either at most 2048 for a model from `init_from`].
@@ -122,8 +134,8 @@ pub struct LoopConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_epochs: Option<f64>,
     /// Evaluate every this many steps (and at the first and last) [default: `max_steps / 10`, at
-    /// least 1: ten evaluations a run].
-    #[serde(default)]
+    /// least 1: ten evaluations a run]; not used with `eval_strategy = "epoch"` (0 there).
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub eval_interval: usize,
     /// `steps` (every `eval_interval` steps) or `epoch` (JSONL data: each time the run has drawn
     /// as many rows as the training examples fill) [default: steps].
@@ -148,7 +160,7 @@ pub struct LoopConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_val_loss: Option<f64>,
     /// Seeds the initial weights and the batch sampler.
-    #[serde(default = "default_seed")]
+    #[serde(default = "default_seed", with = "seed_u64")]
     pub seed: u64,
     /// dtype of the GEMMs: "f32", or "bf16"/"f16" mixed precision (f32 master weights and moments).
     #[serde(default)]
@@ -217,6 +229,9 @@ impl Precision {
 
 fn one() -> usize {
     1
+}
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 fn two() -> usize {
     2
@@ -292,7 +307,7 @@ pub struct MuonConfig {
     #[serde(default)]
     pub ns_dtype: NsDtype,
     /// Muon on LoRA's adapter matrices too (by default they train with AdamW).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub lora: bool,
 }
 
@@ -333,10 +348,10 @@ pub struct PreferenceConfig {
     pub beta: f64,
     /// `dpo` and `simpo`: the probability that a pair's labels are flipped (conservative DPO),
     /// in [0, 0.5) [default: 0].
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub label_smoothing: f64,
     /// `simpo`: the target reward margin γ [default: 0.5, TRL's `simpo_gamma`].
-    #[serde(default = "simpo_gamma")]
+    #[serde(default = "simpo_gamma", skip_serializing_if = "is_default_simpo_gamma")]
     pub simpo_gamma: f64,
     /// Adds this times the chosen answers' NLL (per token, over the step) to the loss: RPO, TRL's
     /// `loss_type = ["sigmoid", "sft"]` with `loss_weights = [1, w]`; it keeps the chosen answers
@@ -580,12 +595,15 @@ pub struct EvalTasksConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_fewshot: Option<usize>,
     /// Seed of the few-shot draws [default: 1234, the harness's].
-    #[serde(default = "fewshot_seed")]
+    #[serde(default = "fewshot_seed", skip_serializing_if = "is_default_fewshot_seed", with = "seed_u64")]
     pub seed: u64,
 }
 
 fn fewshot_seed() -> u64 {
     1234
+}
+fn is_default_fewshot_seed(s: &u64) -> bool {
+    *s == fewshot_seed()
 }
 
 /// The preference losses.
@@ -629,6 +647,12 @@ fn beta() -> f64 {
 fn simpo_gamma() -> f64 {
     0.5
 }
+fn is_default_simpo_gamma(g: &f64) -> bool {
+    *g == simpo_gamma()
+}
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
+}
 
 fn muon_momentum() -> f64 {
     0.95
@@ -652,8 +676,9 @@ fn muon_eps() -> f64 {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleConfig {
-    /// Peak learning rate [default: 2e-4 with `[lora]`, 5e-5 for every weight of an `init_from`
-    /// model, 6e-4 from scratch].
+    /// Peak learning rate [default: with `[lora]` 2e-4, 1e-4 with `[preference]`, 5e-5 with
+    /// `[rl]`; for every weight of an `init_from` model 5e-5, 1e-6 with `[preference]` or `[rl]`
+    /// (TRL's); from scratch 6e-4: `config::defaults`].
     pub lr: f64,
     #[serde(default)]
     pub min_lr: f64,
@@ -668,7 +693,7 @@ pub struct ScheduleConfig {
     #[serde(default, skip_serializing_if = "is_cosine")]
     pub shape: ScheduleShape,
     /// With `shape = "wsd"`: the fraction of `decay_steps` the cool-down takes, in (0, 1].
-    #[serde(default = "cooldown_frac")]
+    #[serde(default = "cooldown_frac", skip_serializing_if = "is_default_cooldown_frac")]
     pub cooldown_frac: f64,
 }
 
@@ -688,6 +713,9 @@ fn is_cosine(s: &ScheduleShape) -> bool {
 }
 fn cooldown_frac() -> f64 {
     0.4
+}
+fn is_default_cooldown_frac(f: &f64) -> bool {
+    *f == cooldown_frac()
 }
 
 /// `[distributed]`: how the ranks of a data-parallel run cooperate (ignored by a single process).
@@ -743,5 +771,45 @@ impl DistributedConfig {
 
     pub(crate) fn bucket_elems(&self) -> usize {
         self.bucket_mib * (1 << 20) / 4
+    }
+}
+
+/// Seeds are u64 and TOML's integers i64: a seed above 2^63 − 1 (`ember bench target --seed`) is
+/// written as the string of its digits, and either form is read back (issue 57: serialising it
+/// panicked).
+mod seed_u64 {
+    use serde::{de, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(seed: &u64, s: S) -> Result<S::Ok, S::Error> {
+        match i64::try_from(*seed) {
+            Ok(v) => s.serialize_i64(v),
+            Err(_) => s.serialize_str(&seed.to_string()),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        d.deserialize_any(Seed)
+    }
+
+    struct Seed;
+
+    impl de::Visitor<'_> for Seed {
+        type Value = u64;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "an integer from 0 to {} (above {}, as a string of digits)", u64::MAX, i64::MAX)
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+            u64::try_from(v).map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+        }
+
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+            v.parse().map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
+        }
     }
 }

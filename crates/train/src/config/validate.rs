@@ -6,7 +6,8 @@ use ember_model::ModelConfig;
 
 use super::file::Purpose;
 use super::sections::{DataConfig, DataFormat, DistributedConfig, EvalStrategy, LoopConfig, MetricsConfig};
-use super::sections::{MuonConfig, OptimConfig, PreferenceConfig, PreferenceMethod, RlConfig, ScheduleConfig};
+use super::sections::{MuonConfig, OptimConfig, PreferenceConfig, RlConfig, ScheduleConfig};
+use super::values::float;
 use super::TrainConfig;
 use crate::error::{InvalidConfig, Relation};
 
@@ -66,12 +67,16 @@ impl<M> TrainConfig<M> {
             }
         }
         self.data.check(&mut broken);
+        if let (Some(target), Some(0.0)) = (self.train.target_val_loss, self.data.val_fraction) {
+            let needs = "validation: data.val_fraction above 0 or data.val_path";
+            broken.push(InvalidConfig::Needs { key: "train.target_val_loss", value: float(target), needs });
+        }
         if self.data.format() == DataFormat::Text && self.train.eval_strategy == EvalStrategy::Epoch {
             broken.push(InvalidConfig::JsonlOnly { key: "train.eval_strategy", value: "\"epoch\"".into() });
         }
         if self.data.format() == DataFormat::Text {
             if let Some(n) = self.train.num_epochs {
-                broken.push(InvalidConfig::JsonlOnly { key: "train.num_epochs", value: n.to_string() });
+                broken.push(InvalidConfig::JsonlOnly { key: "train.num_epochs", value: float(n) });
             }
         }
         self.train.check(&mut broken, self.pending.is_some());
@@ -153,8 +158,12 @@ impl DataConfig {
                 broken.push(InvalidConfig::JsonlOnly { key: "data.truncate", value: "true".into() });
             }
         }
-        if let Some(f) = self.val_fraction.filter(|f| !(*f > 0.0 && *f < 1.0)) {
-            broken.push(out_of_range("data.val_fraction", f, "in (0, 1)"));
+        if let Some(f) = self.val_fraction.filter(|f| !(*f >= 0.0 && *f < 1.0)) {
+            broken.push(out_of_range("data.val_fraction", f, "in [0, 1) (0: no validation)"));
+        }
+        if let (Some(f), Some(_)) = (self.val_fraction, &self.val_path) {
+            let rule = "left out where data.val_path is set (the validation file replaces it)";
+            broken.push(out_of_range("data.val_fraction", f, rule));
         }
     }
 }
@@ -167,7 +176,15 @@ impl LoopConfig {
             ("train.batch_size", self.batch_size),
             ("train.grad_accum_steps", self.grad_accum_steps),
             ("train.max_steps", if pending { 1 } else { self.max_steps }),
-            ("train.eval_interval", if pending && self.eval_interval == 0 { 1 } else { self.eval_interval }),
+            // Not used with evaluations at each epoch; filled in from the length in epochs once known.
+            (
+                "train.eval_interval",
+                if (pending || self.eval_strategy == EvalStrategy::Epoch) && self.eval_interval == 0 {
+                    1
+                } else {
+                    self.eval_interval
+                },
+            ),
             ("train.eval_iters", self.eval_iters),
             ("train.log_interval", self.log_interval),
             ("train.keep_checkpoints", self.keep_checkpoints),
@@ -226,7 +243,8 @@ impl MuonConfig {
             broken.push(out_of_range("muon.ns_steps", self.ns_steps, "in 1..=99"));
         }
         if !self.ns_coefficients.iter().all(|c| c.is_finite()) {
-            broken.push(out_of_range("muon.ns_coefficients", format!("{:?}", self.ns_coefficients), "finite"));
+            let shown: Vec<String> = self.ns_coefficients.iter().map(|c| float(*c)).collect();
+            broken.push(out_of_range("muon.ns_coefficients", format!("[{}]", shown.join(", ")), "finite"));
         }
         if !(self.eps > 0.0 && self.eps.is_finite()) {
             broken.push(out_of_range("muon.eps", self.eps, "positive"));
@@ -242,10 +260,10 @@ impl PreferenceConfig {
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             broken.push(out_of_range("preference.beta", self.beta, "positive"));
         }
+        // Written with ipo or orpo, which do not use it, it is refused as a key with no effect
+        // (`config::effect`).
         if !(0.0..0.5).contains(&self.label_smoothing) {
             broken.push(out_of_range("preference.label_smoothing", self.label_smoothing, "in [0, 0.5)"));
-        } else if self.label_smoothing > 0.0 && matches!(self.method, PreferenceMethod::Ipo | PreferenceMethod::Orpo) {
-            broken.push(out_of_range("preference.label_smoothing", self.label_smoothing, "0 with ipo and orpo"));
         }
         if !(self.sft_weight >= 0.0 && self.sft_weight.is_finite()) {
             broken.push(out_of_range("preference.sft_weight", self.sft_weight, ">= 0"));
@@ -352,10 +370,10 @@ impl ScheduleConfig {
         } else if self.lr > 0.0 && self.min_lr > self.lr {
             broken.push(InvalidConfig::Bounded {
                 key: "schedule.min_lr",
-                value: self.min_lr.to_string(),
+                value: float(self.min_lr),
                 relation: Relation::NotAbove,
                 bound_key: "schedule.lr",
-                bound: self.lr.to_string(),
+                bound: float(self.lr),
             });
         }
     }
@@ -376,8 +394,31 @@ impl DistributedConfig {
     }
 }
 
-fn out_of_range(key: &'static str, value: impl std::fmt::Display, rule: &'static str) -> InvalidConfig {
-    InvalidConfig::OutOfRange { key, value: value.to_string(), rule }
+fn out_of_range(key: &'static str, value: impl Shown, rule: &'static str) -> InvalidConfig {
+    InvalidConfig::OutOfRange { key, value: value.shown(), rule }
+}
+
+/// A value as a message prints it: floats in their short form ([`float`]), not 309 digits.
+trait Shown {
+    fn shown(&self) -> String;
+}
+
+impl Shown for f64 {
+    fn shown(&self) -> String {
+        float(*self)
+    }
+}
+
+impl Shown for usize {
+    fn shown(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl Shown for String {
+    fn shown(&self) -> String {
+        self.clone()
+    }
 }
 
 fn at_most(key: &'static str, value: usize, limit: u64) -> Result<(), InvalidConfig> {

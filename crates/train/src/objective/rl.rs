@@ -67,20 +67,21 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
     /// The objective of `run`'s `[rl]`; refuses prompts that lack a reward's column or leave no
     /// room in the model's context for `max_new_tokens`.
     pub(crate) fn new(run: &TrainConfig, config: RlConfig, inputs: RlInputs<'a, B>) -> Result<Self, TrainError> {
-        let file = inputs.prompts.file.display().to_string();
-        let rewards = Rewards::new(&config.rewards, &file)?;
+        let rewards = Rewards::new(&config.rewards)?;
         let context = run.model.max_seq_len;
         for p in inputs.prompts.train.iter().chain(&inputs.prompts.val) {
             if let Some((reward, column)) = rewards.missing_columns(&p.row) {
                 return Err(TrainError::Rl(format!(
-                    "{file}:{}: the row has no column `{column}`, which reward {reward} reads",
+                    "{}:{}: the row has no column `{column}`, which reward {reward} reads",
+                    p.file.display(),
                     p.line
                 )));
             }
             if p.ids.len() + config.max_new_tokens > context {
                 return Err(TrainError::Rl(format!(
-                    "{file}:{}: the prompt takes {} tokens; with rl.max_new_tokens = {} that is more than the \
+                    "{}:{}: the prompt takes {} tokens; with rl.max_new_tokens = {} that is more than the \
                      model's context of {context} positions (shorten the prompt or lower rl.max_new_tokens)",
+                    p.file.display(),
                     p.line,
                     p.ids.len(),
                     config.max_new_tokens
@@ -219,10 +220,11 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
         seeds: &[u64],
         sample: &SampleConfig,
     ) -> Result<Answered, TrainError> {
-        let file = self.inputs.prompts.file.display();
         let ids: Vec<&[u32]> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.ids.as_slice(), group)).collect();
-        let lines: Vec<String> =
-            prompts.iter().flat_map(|p| std::iter::repeat_n(format!("{file}:{}", p.line), group)).collect();
+        let lines: Vec<String> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(format!("{}:{}", p.file.display(), p.line), group))
+            .collect();
         let sampled = rollout::sample(model.clone(), &ids, seeds, &lines, sample, self.inputs.tokenizer)?;
         let texts: Vec<String> = sampled
             .tokens
@@ -237,6 +239,7 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
                     completion: &texts[a],
                     tokens: sampled.tokens[a].len(),
                     row: &p.row,
+                    file: &p.file,
                     line: p.line,
                 }
             })

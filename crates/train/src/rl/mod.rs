@@ -25,8 +25,6 @@ use crate::config::{Importance, RlConfig, RlLoss, ScaleRewards};
 pub struct Prompts {
     pub train: Vec<ember_data::prompts::Prompt>,
     pub val: Vec<ember_data::prompts::Prompt>,
-    /// The prompt file, for messages.
-    pub file: std::path::PathBuf,
 }
 
 /// A micro-batch's answers as the loss reads them: each answer's prompt and completion tokens,

@@ -18,14 +18,14 @@ pub struct Item<'a> {
     pub completion: &'a str,
     pub tokens: usize,
     pub row: &'a Map<String, Value>,
+    /// The prompt's file and line, for messages.
+    pub file: &'a std::path::Path,
     pub line: usize,
 }
 
 /// The rewards of a run, compiled.
 pub struct Rewards {
     rewards: Vec<(RewardConfig, Option<regex::Regex>)>,
-    /// The prompt file, for messages.
-    file: String,
 }
 
 /// Each reward's scores (`[reward][answer]`) and their weighted sums.
@@ -36,9 +36,8 @@ pub struct Scores {
 }
 
 impl Rewards {
-    /// `config`'s rewards (validated: a regex compiles, each kind has its keys); `file` names the
-    /// prompt file in messages.
-    pub fn new(config: &[RewardConfig], file: &str) -> Result<Self, TrainError> {
+    /// `config`'s rewards (validated: a regex compiles, each kind has its keys).
+    pub fn new(config: &[RewardConfig]) -> Result<Self, TrainError> {
         let rewards = config
             .iter()
             .map(|r| {
@@ -52,7 +51,7 @@ impl Rewards {
                 Ok((r.clone(), re))
             })
             .collect::<Result<_, TrainError>>()?;
-        Ok(Self { rewards, file: file.to_string() })
+        Ok(Self { rewards })
     }
 
     /// The names in the metrics, in order.
@@ -114,7 +113,7 @@ impl Rewards {
     }
 
     fn row_error(&self, r: &RewardConfig, item: &Item<'_>, message: String) -> TrainError {
-        TrainError::Rl(format!("reward {} on {}:{}: {message}", r.name(), self.file, item.line))
+        TrainError::Rl(format!("reward {} on {}:{}: {message}", r.name(), item.file.display(), item.line))
     }
 
     /// Runs the reward's program once for all answers: JSON lines in, one number a line out.
@@ -183,7 +182,7 @@ impl Rewards {
                 _ => Err(fail(format!(
                     "line {} of its output, for the answer to {}:{}, is {:?}: not a finite number",
                     k + 1,
-                    self.file,
+                    item.file.display(),
                     item.line,
                     l.trim()
                 ))),
@@ -226,6 +225,8 @@ fn same_number(a: &str, b: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     fn reward(toml: &str) -> RewardConfig {
@@ -238,18 +239,22 @@ mod tests {
 
     #[test]
     fn builtin_rewards_score_as_documented() {
-        let rewards = Rewards::new(
-            &[
-                reward("kind = \"gsm8k\""),
-                reward("kind = \"exact\"\ncolumn = \"word\""),
-                reward("kind = \"regex\"\npattern = \"^<think>\"\nweight = 0.5"),
-                reward("kind = \"length\"\nlimit = 3"),
-            ],
-            "p.jsonl",
-        )
+        let rewards = Rewards::new(&[
+            reward("kind = \"gsm8k\""),
+            reward("kind = \"exact\"\ncolumn = \"word\""),
+            reward("kind = \"regex\"\npattern = \"^<think>\"\nweight = 0.5"),
+            reward("kind = \"length\"\nlimit = 3"),
+        ])
         .unwrap();
         let r = row(serde_json::json!({"answer": "She pays 3 * 24 = 72.\n#### 72", "word": " yes"}));
-        let item = |completion: &'static str, tokens| Item { prompt: "q", completion, tokens, row: &r, line: 4 };
+        let item = |completion: &'static str, tokens| Item {
+            prompt: "q",
+            completion,
+            tokens,
+            row: &r,
+            file: Path::new("p.jsonl"),
+            line: 4,
+        };
         let s = rewards
             .score(&[item("<think>6 * 12 = 72 dollars", 2), item("#### 7,200\nthen 72", 5), item("yes ", 3)])
             .unwrap();
@@ -263,8 +268,16 @@ mod tests {
         assert!(same_number("72.0", "72"));
 
         let missing = row(serde_json::json!({"word": "x"}));
-        let err =
-            rewards.score(&[Item { prompt: "q", completion: "1", tokens: 1, row: &missing, line: 9 }]).unwrap_err();
+        let err = rewards
+            .score(&[Item {
+                prompt: "q",
+                completion: "1",
+                tokens: 1,
+                row: &missing,
+                file: Path::new("p.jsonl"),
+                line: 9,
+            }])
+            .unwrap_err();
         assert_eq!(err.to_string(), "[rl] reward gsm8k on p.jsonl:9: the row has no column `answer`");
         assert_eq!(rewards.missing_columns(&missing), Some(("gsm8k".into(), "answer".into())));
     }
@@ -273,21 +286,19 @@ mod tests {
     fn a_command_reads_json_lines_and_its_failures_name_the_row() {
         let r = row(serde_json::json!({"answer": "5"}));
         let items = [
-            Item { prompt: "2 + 3 =", completion: " 5", tokens: 1, row: &r, line: 1 },
-            Item { prompt: "2 + 3 =", completion: " 6", tokens: 1, row: &r, line: 2 },
+            Item { prompt: "2 + 3 =", completion: " 5", tokens: 1, row: &r, file: Path::new("p.jsonl"), line: 1 },
+            Item { prompt: "2 + 3 =", completion: " 6", tokens: 1, row: &r, file: Path::new("p.jsonl"), line: 2 },
         ];
         // Each line's completion against its answer, by a shell program.
         let script = r#"while read -r l; do case "$l" in *'"completion":" 5"'*) echo 1;; *) echo 0.25;; esac; done"#;
-        let rewards =
-            Rewards::new(&[reward(&format!("kind = \"command\"\ncommand = '''{script}'''"))], "p.jsonl").unwrap();
+        let rewards = Rewards::new(&[reward(&format!("kind = \"command\"\ncommand = '''{script}'''"))]).unwrap();
         assert_eq!(rewards.score(&items).unwrap().total, [1.0, 0.25]);
         for (command, want) in [
             ("cat >/dev/null; echo 1; echo oops", "line 2 of its output, for the answer to p.jsonl:2, is \"oops\""),
             ("cat >/dev/null; echo boom >&2; exit 3", "exited with exit status: 3: boom"),
             ("cat >/dev/null; echo 1", "wrote 1 numbers for 2 answers"),
         ] {
-            let rewards =
-                Rewards::new(&[reward(&format!("kind = \"command\"\ncommand = '{command}'"))], "p.jsonl").unwrap();
+            let rewards = Rewards::new(&[reward(&format!("kind = \"command\"\ncommand = '{command}'"))]).unwrap();
             let err = rewards.score(&items).unwrap_err().to_string();
             assert!(err.contains(want), "{command}: {err}");
         }

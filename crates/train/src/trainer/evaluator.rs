@@ -105,13 +105,31 @@ impl<B: TrainBackend> Evaluator<'_, B> {
         Ok(self.objective.evaluated(&sums, split))
     }
 
+    /// Whether the run holds examples out for validation (`data.val_fraction = 0` holds none).
+    fn has_val(&self) -> bool {
+        burn::data::dataset::Dataset::len(self.setup.val.as_ref()) > 0
+    }
+
     /// The loss before training, beside ln V (what a model that knows nothing scores), logged and
-    /// recorded as step 0 (rank 0), where the val curve starts.
-    pub(super) fn initial(&self, model: &Decoder<B::InnerBackend>, rec: &mut Recorder) -> Result<f64, TrainError> {
+    /// recorded as step 0 (rank 0), where the val curve starts. None without validation.
+    pub(super) fn initial(
+        &self,
+        model: &Decoder<B::InnerBackend>,
+        rec: &mut Recorder,
+    ) -> Result<Option<f64>, TrainError> {
+        if !self.has_val() {
+            if self.collective.rank() == 0 {
+                tracing::info!(
+                    "no validation (data.val_fraction = 0): evaluations score the training split and [eval]'s \
+                     tasks; no best checkpoint is kept"
+                );
+            }
+            return Ok(None);
+        }
         let evaluated = self.evaluate(model, Split::Val)?;
         let val = evaluated.loss;
         if self.collective.rank() != 0 {
-            return Ok(val);
+            return Ok(Some(val));
         }
         match evaluated.note.as_str() {
             // A loss over the vocabulary, beside what knowing nothing scores.
@@ -127,7 +145,7 @@ impl<B: TrainBackend> Evaluator<'_, B> {
             epoch,
             named,
         })?;
-        Ok(val)
+        Ok(Some(val))
     }
 
     /// The prompt of the evaluation samples: `metrics.sample_prompt`; for fine-tuning data left at
@@ -168,27 +186,37 @@ impl<B: TrainBackend> Evaluator<'_, B> {
         self.config.held_out.then(|| stream as f64 * self.config.batch_size as f64 / rows)
     }
 
-    /// Evaluates both splits into `record`, logs them, writes a sample (rank 0); returns the val loss.
+    /// Evaluates both splits (the val split where the run has one) into `record`, logs them, writes
+    /// a sample (rank 0); returns the val loss.
     pub(super) fn record(
         &self,
         model: &Decoder<B::InnerBackend>,
         record: &mut StepRecord,
         rec: &mut Recorder,
-    ) -> Result<f64, TrainError> {
+    ) -> Result<Option<f64>, TrainError> {
         let (c, step) = (&self.config, record.step);
-        let tl = self.evaluate(model, Split::Train)?.loss;
-        let val = self.evaluate(model, Split::Val)?;
-        let vl = val.loss;
-        (record.eval_train_loss, record.val_loss) = (Some(tl), Some(vl));
-        record.named.extend(val.named);
+        let Evaluated { loss: tl, named: train_named, note: train_note } = self.evaluate(model, Split::Train)?;
+        record.eval_train_loss = Some(tl);
+        let val = self.has_val().then(|| self.evaluate(model, Split::Val)).transpose()?;
+        let (vl, note) = match val {
+            Some(val) => {
+                record.val_loss = Some(val.loss);
+                record.named.extend(val.named);
+                (Some(val.loss), format!(", val loss {:.4}{}", val.loss, val.note))
+            }
+            // Without validation, the training split's own metrics (`eval_train_…`).
+            None => {
+                record.named.extend(train_named);
+                (None, train_note)
+            }
+        };
         self.score_tasks(model, record, rec)?;
         if self.collective.rank() != 0 {
             return Ok(vl);
         }
         let memory =
             record.memory_bytes.map_or(String::new(), |m| format!(", memory in use {}", crate::memory::gib(m)));
-        let note = val.note;
-        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}, val loss {vl:.4}{note}{memory}"));
+        rec.bar.suspend(|| tracing::info!("step {step}: train loss {tl:.4}{note}{memory}"));
         let tokens = c.sample.sample_tokens;
         if let Some((prompt, ids)) = self.sample_prompt().filter(|_| tokens > 0) {
             if let Some(text) = sample_text(model, &self.setup.tokenizer, ids, tokens, c.seed ^ step as u64) {

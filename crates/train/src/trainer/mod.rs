@@ -56,6 +56,9 @@ pub struct TrainOptions {
     pub run_dir: PathBuf,
     /// Continue the run in `run_dir` from its latest checkpoint.
     pub resume: bool,
+    /// Resume even where the data changed since the checkpoint (warned of, and recorded in the
+    /// next checkpoints); otherwise such a resume is refused.
+    pub accept_data_change: bool,
     /// Stop after this many optimizer steps, checkpointing there; the LR schedule still follows the
     /// config, so a later `--resume` continues the same run.
     pub stop_at: Option<usize>,
@@ -204,7 +207,10 @@ pub fn train<B: TrainBackend>(
     // Start-up waits for slow work of other ranks (loading a model); steps do not.
     c.set_timeout(config.distributed.io_timeout());
     let compute = run_compute::<B>(device, config, opts.compute);
-    let checkpointer = CheckpointerConfig::of(config).build(&setup, &opts.run_dir, c);
+    let checkpointer = CheckpointerConfig::of(config).build(&setup, &opts.run_dir, c, opts.accept_data_change);
+    // Before anything costly (an objective's reference scores): a resume that cannot go on fails
+    // at once.
+    checkpointer.ready(opts.resume)?;
     // Before the run's model is built: an objective may score the data with the starting model.
     let splits = Splits { train: &setup.train, val: &setup.val };
     let starting = || Ok(initial_model::<B>(&setup, device)?.with_compute(compute).valid());
@@ -243,8 +249,9 @@ pub fn train<B: TrainBackend>(
     }
     let mut curve = Vec::new();
     if state.step == 0 {
-        let val_loss = evaluator.initial(&model.valid(), &mut rec)?;
-        curve.push(ValPoint { step: 0, elapsed_s: rec.clock.elapsed_s(), val_loss });
+        if let Some(val_loss) = evaluator.initial(&model.valid(), &mut rec)? {
+            curve.push(ValPoint { step: 0, elapsed_s: rec.clock.elapsed_s(), val_loss });
+        }
     }
     let parts = Parts { opts, stepper, evaluator, checkpointer, schedule, stop, target: config.train.target_val_loss };
     let (end, last_val) = parts.run(model, &mut optim, &mut state, &mut rec, &mut curve)?;
@@ -289,7 +296,7 @@ impl<B: TrainBackend> Parts<'_, B> {
                 if is_eval {
                     let vl;
                     (vl, reached) = self.evaluate(&model, state, &mut record, rec, curve)?;
-                    last_val = Some(vl);
+                    last_val = vl.or(last_val);
                 }
                 rec.write(&record)?;
             }
@@ -318,8 +325,8 @@ impl<B: TrainBackend> Parts<'_, B> {
     }
 
     /// The evaluation after step `state.step`, into `record`: a new best val loss kept as the best
-    /// checkpoint, the val curve extended. Returns the val loss, and the end of the run where it
-    /// reached the target.
+    /// checkpoint, the val curve extended. Returns the val loss (none without validation), and the
+    /// end of the run where it reached the target.
     fn evaluate(
         &self,
         model: &Decoder<B>,
@@ -327,9 +334,9 @@ impl<B: TrainBackend> Parts<'_, B> {
         record: &mut StepRecord,
         rec: &mut Recorder,
         curve: &mut Vec<ValPoint>,
-    ) -> Result<(f64, Option<RunEnd>), TrainError> {
+    ) -> Result<(Option<f64>, Option<RunEnd>), TrainError> {
         let step = state.step;
-        let vl = self.evaluator.record(&model.valid(), record, rec)?;
+        let Some(vl) = self.evaluator.record(&model.valid(), record, rec)? else { return Ok((None, None)) };
         // Every rank has the same (reduced) loss, so they all agree on a new best.
         if vl.is_finite() && state.best_val_loss.is_none_or(|b| vl < b) {
             (state.best_val_loss, state.best_step) = (Some(vl), Some(step));
@@ -337,11 +344,11 @@ impl<B: TrainBackend> Parts<'_, B> {
         }
         let elapsed_s = rec.clock.elapsed_s();
         curve.push(ValPoint { step, elapsed_s, val_loss: vl });
-        let Some(target) = self.target.filter(|&t| vl <= t) else { return Ok((vl, None)) };
+        let Some(target) = self.target.filter(|&t| vl <= t) else { return Ok((Some(vl), None)) };
         record.target_reached_s = Some(elapsed_s);
         rec.bar
             .suspend(|| tracing::info!("reached val loss {vl:.4} <= target {target} at step {step}, {elapsed_s:.1} s"));
-        Ok((vl, Some(RunEnd::ReachedTarget { target, val_loss: vl, elapsed_s })))
+        Ok((Some(vl), Some(RunEnd::ReachedTarget { target, val_loss: vl, elapsed_s })))
     }
 }
 

@@ -29,6 +29,8 @@ pub(crate) struct Setup {
     pub(crate) held_out_prompt: Option<String>,
     /// Reinforcement learning's prompts.
     pub(crate) prompts: Option<crate::rl::Prompts>,
+    /// The training data's file (and shard), recorded in the checkpoints.
+    pub(crate) data_origin: crate::data::DataOrigin,
 }
 
 /// Finds the data, fills in the vocabulary size (and a length given in epochs, with `ranks`
@@ -57,6 +59,7 @@ pub(crate) fn prepare(run: ResolvedConfig, locations: &Locations, ranks: usize) 
         val: data.val,
         held_out_prompt: data.held_out_prompt,
         prompts: data.prompts,
+        data_origin: data.origin,
     })
 }
 

@@ -289,6 +289,7 @@ fn a_fresh_run_whose_optimizer_cannot_be_built_reports_the_optimizer() {
     let opts = TrainOptions {
         run_dir: run_dir.clone(),
         resume: false,
+        accept_data_change: false,
         stop_at: None,
         show_progress: false,
         locations: Locations {

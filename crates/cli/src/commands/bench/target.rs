@@ -203,6 +203,7 @@ fn one_run(a: &TargetBenchArgs, i: u64, root: &Path) -> anyhow::Result<TargetRun
     let options = TrainOptions {
         run_dir: run_dir.clone(),
         resume: false,
+        accept_data_change: false,
         stop_at: None,
         show_progress: false,
         locations: crate::env::locations(),

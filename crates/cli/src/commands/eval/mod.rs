@@ -227,6 +227,12 @@ fn split_data(
             ember_train::checkpoint::CONFIG_FILE
         );
     };
+    anyhow::ensure!(
+        split != "val" || config.data.val_fraction != Some(0.0),
+        "--data val: {} trained without validation (data.val_fraction = 0), so it has no val split; give --data \
+         a file",
+        checkpoint.dir.display()
+    );
     let needed = config.data.tokenizer.is_none() || checkpoint.is_adapter();
     let init = config.init_from.as_ref().filter(|_| needed).map(InitSource::resolve).transpose();
     let init = init.context("opening the run's init_from source")?;
