@@ -372,9 +372,17 @@ fn a_validation_file_of_its_own_or_none() {
         .collect();
     s.write("held.jsonl", &held);
     s.write("own.toml", &lora.replace("path = \"data.jsonl\"", "path = \"data.jsonl\"\nval_path = \"held.jsonl\""));
-    let o = s.ember(&["train", "--config", "own.toml", "--run-dir", "own"]);
+    let o = s.ember(&["train", "--config", "own.toml", "--run-dir", "own", "--max-steps", "5"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("train_examples=36") && stderr(&o).contains("val_examples=2"), "{}", stderr(&o));
+    // The validation file is recorded too: changed, the resume is refused; as it was, it goes on.
+    s.write("held.jsonl", &held.replace("Speak.", "Speak!"));
+    let o = s.ember(&["train", "--config", "own.toml", "--run-dir", "own", "--resume"]);
+    assert_clean_error(&o, "the validation file (data.val_path)");
+    assert_clean_error(&o, "held.jsonl changed since this checkpoint was written");
+    s.write("held.jsonl", &held);
+    let o = s.ember(&["train", "--config", "own.toml", "--run-dir", "own", "--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
     let vals: Vec<f64> =
         read_metrics(&s.path().join("own/metrics.jsonl")).unwrap().iter().filter_map(|r| r.val_loss).collect();
     let o = s.ember(&["eval", "--perplexity", "--checkpoint", "own", "--data", "held.jsonl", "--json"]);

@@ -76,6 +76,8 @@ pub struct LoadedData {
 pub struct DataOrigin {
     pub source: PathBuf,
     pub train_shard: Option<Arc<ember_data::TokenShard>>,
+    /// `data.val_path`: the validation file, where the run has one of its own.
+    pub val_file: Option<PathBuf>,
 }
 
 impl DataOrigin {
@@ -85,6 +87,12 @@ impl DataOrigin {
         let shards: Vec<_> =
             self.train_shard.iter().map(|s| (ember_data::prepare::TRAIN_FILE.to_string(), s.clone())).collect();
         crate::checkpoint::DataRecord::of(&self.source, shards.is_empty(), &shards)
+    }
+
+    /// The record of the validation file, where the run has one of its own.
+    pub(crate) fn record_val(&self) -> Result<Option<crate::checkpoint::DataRecord>, TrainError> {
+        let jsonl = self.train_shard.is_none();
+        self.val_file.as_ref().map(|path| crate::checkpoint::DataRecord::of(path, jsonl, &[])).transpose()
     }
 }
 
@@ -130,6 +138,7 @@ pub fn load(
         }
     }?;
     loaded.origin.source = path;
+    loaded.origin.val_file = config.data.val_path.clone();
     Ok(loaded)
 }
 
@@ -323,7 +332,7 @@ fn load_text(
         (None, _) => Arc::new(TokenWindows::new(Arc::new(data.val), seq_len, "val")?),
     };
     let tokenizer = with_model_eos(data.tokenizer, tokenizer_dir.as_deref());
-    let origin = DataOrigin { source: path.to_path_buf(), train_shard: Some(train_shard) };
+    let origin = DataOrigin { source: path.to_path_buf(), train_shard: Some(train_shard), val_file: None };
     Ok(LoadedData { tokenizer, tokenizer_dir, train, val, seq_len, held_out_prompt: None, prompts: None, origin })
 }
 

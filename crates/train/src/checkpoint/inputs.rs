@@ -1,5 +1,5 @@
 //! What a run read, recorded in each of its checkpoints (`inputs.json`): its data file (size,
-//! sha256, rows, and for a token stream its shards) and, for a LoRA run, the weights of its base
+//! sha256, rows, and for a token stream its shards), its validation file where it has its own, and, for a LoRA run, the weights of its base
 //! (`init_from`), whose checkpoints hold the adapters only. A resume compares the data found now
 //! with the record ([`DataRecord::changes_since`]); loading a LoRA checkpoint over its base compares
 //! the base ([`Checkpoint::check_base`]).
@@ -29,6 +29,10 @@ pub(crate) const INPUTS_FILE: &str = "inputs.json";
 pub struct RunInputs {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<DataRecord>,
+    /// Its validation file (`data.val_path`), where it has one of its own: it decides the run's
+    /// best checkpoint and its target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val: Option<DataRecord>,
     /// A LoRA run's base: its weights are not in the checkpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<BaseRecord>,

@@ -130,6 +130,10 @@ impl Checkpointer<'_> {
         let inputs = self.inputs_now()?;
         if theirs.data == self.setup.config.data {
             self.check_same_data(&ckpt, state.step, inputs.data.as_ref())?;
+            let then = ckpt.inputs.as_ref().and_then(|i| i.val.as_ref());
+            if let (Some(now), Some(then)) = (inputs.val.as_ref(), then) {
+                self.refuse_changed("validation file (data.val_path)", &ckpt, state.step, now, then)?;
+            }
         }
         self.check_same_run(&ckpt, theirs, state)?;
         // A LoRA run's base: its weights are the ones the adapters were trained on.
@@ -156,7 +160,7 @@ impl Checkpointer<'_> {
             (Some(init), Some(_)) => Some(init.identity()?.clone()),
             _ => None,
         };
-        Ok(RunInputs { data: Some(setup.data_origin.record()?), base })
+        Ok(RunInputs { data: Some(setup.data_origin.record()?), val: setup.data_origin.record_val()?, base })
     }
 
     /// Refuses a config that trains differently from the checkpoint's (every section that changes
@@ -206,16 +210,30 @@ impl Checkpointer<'_> {
             );
             return Ok(());
         };
+        self.refuse_changed("data file", ckpt, step, now, then)
+    }
+
+    /// Refuses the `what` (the data file, or the validation file) that changed since the
+    /// checkpoint of step `step` was written (`then`, against `now`), unless
+    /// `--accept-data-change` (then warned of).
+    fn refuse_changed(
+        &self,
+        what: &str,
+        ckpt: &Checkpoint,
+        step: usize,
+        now: &checkpoint::DataRecord,
+        then: &checkpoint::DataRecord,
+    ) -> Result<(), TrainError> {
         let Some(change) = now.changes_since(then)? else {
             if self.accept_data_change {
-                tracing::info!("--accept-data-change: the data is the checkpoint's, unchanged");
+                tracing::info!("--accept-data-change: the {what} is the checkpoint's, unchanged");
             }
             return Ok(());
         };
         let file = now.path.display();
         if self.accept_data_change {
             tracing::warn!(
-                "the data file {file} changed since the checkpoint of step {step}: {change}; continuing on it as it is \
+                "the {what} {file} changed since the checkpoint of step {step}: {change}; continuing on it as it is \
                  now (--accept-data-change), and recording it in the next checkpoints"
             );
             return Ok(());
@@ -223,7 +241,7 @@ impl Checkpointer<'_> {
         Err(TrainError::Resume {
             path: ckpt.dir.clone(),
             message: format!(
-                "the data file {file} changed since this checkpoint was written: {change}. Start afresh in a new \
+                "the {what} {file} changed since this checkpoint was written: {change}. Start afresh in a new \
                  --run-dir, or continue on the data as it is now with `ember train --resume --accept-data-change`"
             ),
         })
