@@ -258,7 +258,7 @@ fn lora_fine_tune_lowers_the_loss_keeps_the_base_and_merges() {
     assert!(o.status.success(), "{}", stderr(&o));
     let merged =
         ember_hf::import::<Flex>(&s.path().join("merged"), DType::F32, false, false, &Default::default()).unwrap();
-    assert_eq!(merged.architecture, ember_hf::Architecture::Qwen2);
+    assert_eq!(merged.architecture, ember_hf::families::qwen::QWEN2.architecture());
     let ids: Vec<i32> = (0..24).map(|i| (i * 5 + 1) % 128).collect();
     let (a, b) = (logits(&tuned, &ids), logits(&merged.model, &ids));
     let diff = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));

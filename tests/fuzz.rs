@@ -640,7 +640,7 @@ fn templates() -> Vec<(String, String)> {
     vec![
         ("chatml".into(), CHATML.into()),
         ("qwen3".into(), qwen3_template()),
-        ("gemma3-gguf".into(), ember_hf::gguf::tokenizer::GEMMA3_CHAT_TEMPLATE.into()),
+        ("gemma3-gguf".into(), ember_hf::families::gemma3::GEMMA3_CHAT_TEMPLATE.into()),
         ("gemma3-fixture".into(), gemma3["chat_template"].as_str().unwrap().into()),
     ]
 }

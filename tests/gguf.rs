@@ -442,7 +442,7 @@ fn hf_fixtures_round_trip_through_gguf() {
         }
 
         // The weights: bit for bit, but Gemma's gains, kept as the file stores them (`1 + w`).
-        let family = ember_hf::Architecture::Gemma3.family();
+        let family = ember_hf::families::gemma3::GEMMA3.architecture().family();
         let (before, after) = (run_tensors(&s, &run("hf")), run_tensors(&s, &run("back")));
         assert_eq!(before.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>(), "{name}");
         for (path, bytes) in &before {
@@ -553,7 +553,7 @@ fn hf_fixtures_round_trip_through_gguf() {
                 assert_eq!(meta["gemma3.rope.freq_base"].as_f64(), Some(1e6));
                 assert_eq!(meta["gemma3.attention.head_count_kv"], 1);
                 // Every RMSNorm gain is `1 + w` of the fixture's `w`.
-                let gemma = ember_hf::Architecture::Gemma3.family();
+                let gemma = ember_hf::families::gemma3::GEMMA3.architecture().family();
                 let st = std::fs::read(hf_fixture(name).join("model.safetensors")).unwrap();
                 let st = safetensors::SafeTensors::deserialize(&st).unwrap();
                 let mut gains = 0;
@@ -894,7 +894,7 @@ fn continues_as_llama_cpp(file: &Path, prompts: &[&str], tie: f32) {
     let kept = ember_hf::gguf::model::import_for_inference::<Flex>(file, &dev).unwrap();
     let dense = ember_hf::gguf::model::import::<Flex>(file, burn::tensor::DType::F32, &dev).unwrap().imported.model;
     let model = kept.imported.model;
-    assert!(model.embed_quantized.is_some() && model.quantized_projections().0 > 0);
+    assert!(matches!(model.embed_tokens, ember_model::Weight::Stored(_)) && model.quantized_projections().0 > 0);
     let n = 32;
     let runs = llama_cpp(file, n, prompts);
     let (mut compared, mut total) = (0, 0);

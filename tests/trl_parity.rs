@@ -40,7 +40,8 @@ pub fn assert_gradients(
     let grads = loss.backward();
     let grads = map_paths(policy, &mut ToGrad(&grads)).valid();
     let mut checked = 0;
-    for (hf_name, data) in ember_hf::weights::hf_tensors(&grads, ember_hf::Architecture::Llama).unwrap() {
+    let llama = ember_hf::families::llama::LLAMA.architecture();
+    for (hf_name, data) in ember_hf::weights::hf_tensors(&grads, llama).unwrap() {
         let g: Vec<f32> = data.to_vec().unwrap();
         let w = &want[&hf_name];
         let sum_sq: f64 = g.iter().map(|&x| (x as f64).powi(2)).sum();

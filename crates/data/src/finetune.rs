@@ -18,7 +18,6 @@ use serde_json::Value;
 
 use crate::error::{DataError, Result};
 use crate::loader::Window;
-use crate::preference::{json_type, message_of};
 use crate::tokenizer::Tokenizer;
 
 /// One chat turn.
@@ -79,16 +78,7 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
                     format!("messages: expected a list of {{\"role\", \"content\"}}, found {found}"),
                 ));
             };
-            let messages = items
-                .iter()
-                .enumerate()
-                .map(|(j, m)| message_of(m, &format!("messages[{j}]")))
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(|e| bad(i + 1, e))?;
-            if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
-                let role = m.role.escape_debug();
-                return Err(bad(i + 1, format!("messages[{j}].role `{role}` is not one of {}", ROLES.join(", "))));
-            }
+            let messages = messages_of(items, "messages").map_err(|e| bad(i + 1, e.to_string()))?;
             if !messages.iter().any(|m| m.role == "assistant") {
                 return Err(bad(i + 1, "messages without an assistant turn: nothing to learn".into()));
             }
@@ -134,6 +124,66 @@ pub fn json_lines(path: &Path) -> Result<Vec<(usize, Value)>> {
         out.push((i, serde_json::from_str(line).map_err(|e| bad(i + 1, e.to_string()))?));
     }
     Ok(out)
+}
+
+/// A JSON value that is not the text or the chat messages a row's key must hold; `place` names
+/// the key or the message (`prompt`, `messages[2]`). The caller adds the file and the line.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum TurnsError {
+    #[error("{place}: expected a string or a list of messages, found {found}")]
+    NotTurns { place: String, found: &'static str },
+    #[error("{place}: expected a message {{\"role\", \"content\"}}, found {found}")]
+    NotMessage { place: String, found: &'static str },
+    #[error("{place}.content: expected a string, found a list (of parts?): give the text as one string")]
+    ContentParts { place: String },
+    #[error("{place}.{field}: expected a string, found {found}")]
+    NotString { place: String, field: &'static str, found: &'static str },
+    #[error("{place}.{field} is missing")]
+    Missing { place: String, field: &'static str },
+    #[error("{place}.role `{role}` is not one of {roles}", roles = ROLES.join(", "))]
+    UnknownRole { place: String, role: String },
+}
+
+/// The chat messages of the list `items` at `key`, each of a known role; the error names the
+/// message (`messages[2]`, `prompt[1]`) and its field.
+pub(crate) fn messages_of(items: &[Value], key: &str) -> std::result::Result<Vec<Message>, TurnsError> {
+    let messages = items
+        .iter()
+        .enumerate()
+        .map(|(j, m)| message_of(m, &format!("{key}[{j}]")))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
+        let role = m.role.escape_debug().to_string();
+        return Err(TurnsError::UnknownRole { place: format!("{key}[{j}]"), role });
+    }
+    Ok(messages)
+}
+
+/// A chat message, `{"role", "content"}` of two strings (other keys are not read); the error names
+/// the message (`place`: `prompt[1]`) and its field.
+fn message_of(value: &Value, place: &str) -> std::result::Result<Message, TurnsError> {
+    let Value::Object(m) = value else {
+        return Err(TurnsError::NotMessage { place: place.into(), found: json_type(value) });
+    };
+    let field = |field: &'static str| match m.get(field) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(_)) if field == "content" => Err(TurnsError::ContentParts { place: place.into() }),
+        Some(other) => Err(TurnsError::NotString { place: place.into(), field, found: json_type(other) }),
+        None => Err(TurnsError::Missing { place: place.into(), field }),
+    };
+    Ok(Message { role: field("role")?, content: field("content")? })
+}
+
+/// The JSON type of `v`, in words.
+pub(crate) fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
 }
 
 impl Record {

@@ -11,7 +11,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::error::{DataError, Result};
-use crate::finetune::{json_lines, ChatTemplate, Message, ROLES};
+use crate::finetune::{json_lines, json_type, messages_of, ChatTemplate, Message, TurnsError};
 use crate::loader::Window;
 use crate::tokenizer::Tokenizer;
 
@@ -38,51 +38,11 @@ const LINES_SHOWN: usize = 5;
 
 /// The value of `key` as TRL reads it: a string, or a list of chat messages of known roles; the
 /// error names the key (and the message) in words.
-pub(crate) fn turns_of(value: &Value, key: &str) -> std::result::Result<Turns, String> {
+pub(crate) fn turns_of(value: &Value, key: &str) -> std::result::Result<Turns, TurnsError> {
     match value {
         Value::String(s) => Ok(Turns::Text(s.clone())),
-        Value::Array(items) => {
-            let messages = items
-                .iter()
-                .enumerate()
-                .map(|(j, m)| message_of(m, &format!("{key}[{j}]")))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            if let Some((j, m)) = messages.iter().enumerate().find(|(_, m)| !ROLES.contains(&m.role.as_str())) {
-                let role = m.role.escape_debug();
-                return Err(format!("{key}[{j}].role `{role}` is not one of {}", ROLES.join(", ")));
-            }
-            Ok(Turns::Chat(messages))
-        }
-        other => Err(format!("{key}: expected a string or a list of messages, found {}", json_type(other))),
-    }
-}
-
-/// A chat message, `{"role", "content"}` of two strings (other keys are not read); the error names
-/// the message (`place`: `prompt[1]`) and its field.
-pub(crate) fn message_of(value: &Value, place: &str) -> std::result::Result<Message, String> {
-    let Value::Object(m) = value else {
-        return Err(format!("{place}: expected a message {{\"role\", \"content\"}}, found {}", json_type(value)));
-    };
-    let field = |name: &str| match m.get(name) {
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(_)) if name == "content" => {
-            Err(format!("{place}.content: expected a string, found a list (of parts?): give the text as one string"))
-        }
-        Some(other) => Err(format!("{place}.{name}: expected a string, found {}", json_type(other))),
-        None => Err(format!("{place}.{name} is missing")),
-    };
-    Ok(Message { role: field("role")?, content: field("content")? })
-}
-
-/// The JSON type of `v`, in words.
-pub(crate) fn json_type(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
+        Value::Array(items) => Ok(Turns::Chat(messages_of(items, key)?)),
+        other => Err(TurnsError::NotTurns { place: key.into(), found: json_type(other) }),
     }
 }
 
@@ -95,7 +55,7 @@ pub fn read_preference_jsonl(path: &Path) -> Result<Vec<PreferenceRecord>> {
     for (i, v) in json_lines(path)? {
         let turns = |key: &str| -> Result<Turns> {
             match v.get(key) {
-                Some(value) => turns_of(value, key).map_err(|m| bad(i + 1, m)),
+                Some(value) => turns_of(value, key).map_err(|m| bad(i + 1, m.to_string())),
                 None => Err(bad(i + 1, format!("{key} is missing: expected {{\"prompt\", \"chosen\", \"rejected\"}}"))),
             }
         };

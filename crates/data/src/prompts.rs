@@ -33,7 +33,7 @@ pub fn read_prompt_jsonl(path: &Path) -> Result<Vec<PromptRecord>> {
             return Err(bad(line, "expected an object with a \"prompt\"".into()));
         };
         let prompt = match row.get("prompt") {
-            Some(value) => turns_of(value, "prompt").map_err(|m| bad(line, m))?,
+            Some(value) => turns_of(value, "prompt").map_err(|m| bad(line, m.to_string()))?,
             None => {
                 return Err(bad(line, "prompt is missing: expected {\"prompt\": …} and the rewards' columns".into()))
             }

@@ -137,7 +137,7 @@ fn forward<B: EmberBackend>(
     let tokens = padded(rows.iter().map(|r| r.1), t);
     let ids: Vec<usize> = rows.iter().map(|r| r.0).collect();
     let lens: Vec<usize> = rows.iter().map(|r| r.1.len()).collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [rows.len(), t]), &model.embed_tokens.device());
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [rows.len(), t]), &model.device());
     let hidden = model.forward_cached_rows(tokens, &ids, &lens, cache);
     (hidden.reshape([rows.len() * t, model.config().d_model]), t)
 }
@@ -202,7 +202,7 @@ fn log_probs<B: EmberBackend>(
     picks: &[(i32, u32)],
     logit_rows: usize,
 ) -> Vec<(f64, bool)> {
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let mut out = Vec::with_capacity(picks.len());
     for chunk in picks.chunks(logit_rows.max(1)) {
         let n = chunk.len();
@@ -243,7 +243,7 @@ fn padded<'a>(rows: impl Iterator<Item = &'a [u32]>, t: usize) -> Vec<i32> {
 /// The slow reference: every pair alone, its whole window through the model's plain forward pass,
 /// the log-softmax of every position's logits in f64 on the host.
 pub fn score_reference<B: EmberBackend>(model: &Decoder<B>, items: &[Vec<Pair>]) -> Vec<Vec<Scored>> {
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let max_len = model.config().max_seq_len;
     let d = model.config().d_model;
     items

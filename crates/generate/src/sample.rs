@@ -215,7 +215,7 @@ pub fn generate<B: EmberBackend>(
 ) -> Result<Vec<u32>, SampleError> {
     // Longer prompts are cropped to the window below; only emptiness and ids are errors here.
     check_prompts(&[prompt], usize::MAX, model.config().vocab_size)?;
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let window = model.config().max_seq_len;
     let mut ids = prompt.to_vec();
     for _ in 0..max_new_tokens {
@@ -320,7 +320,7 @@ pub(crate) fn feed_rows<B: EmberBackend>(
             ids[b * t + i] = tok as i32;
         }
     }
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, t]), &device);
     let new_lens: Vec<usize> = inputs.iter().map(Vec::len).collect();
     let hidden = model.forward_cached_rows(tokens, rows, &new_lens, cache); // [N, T, D]

@@ -19,8 +19,11 @@ pub fn to_model_config(json: &Value, source: &str) -> Result<(ModelConfig, Archi
         .and_then(|a| a.get(0))
         .and_then(Value::as_str)
         .ok_or_else(|| HfError::Config { source_name: source.into(), message: "no `architectures` entry".into() })?;
-    let arch = Architecture::from_class(class)
-        .ok_or_else(|| HfError::Unsupported { source_name: source.into(), architecture: class.into() })?;
+    let arch = Architecture::from_class(class).ok_or_else(|| HfError::Unsupported {
+        source_name: source.into(),
+        architecture: class.into(),
+        supported: Architecture::supported_classes(),
+    })?;
     let family = arch.family();
     let (r, k) = (Reader::new(obj, source), &family.keys);
 
@@ -204,6 +207,7 @@ fn canonical(c: &ModelConfig) -> ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::families::qwen::QWEN2;
 
     /// Qwen2.5-0.5B's config.json (the fields that matter).
     const QWEN25_05B: &str = r#"{
@@ -217,7 +221,7 @@ mod tests {
     #[test]
     fn qwen25_05b_maps_to_494m_parameters() {
         let (c, arch) = to_model_config(&serde_json::from_str(QWEN25_05B).unwrap(), "config.json").unwrap();
-        assert_eq!(arch, Architecture::Qwen2);
+        assert_eq!(arch, QWEN2.architecture());
         assert!(c.qkv_bias && c.tie_embeddings);
         assert_eq!(
             (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads(), c.head_dim(), c.d_ff),
@@ -252,8 +256,10 @@ mod tests {
         let e = to_model_config(&json!({"architectures": ["PhiForCausalLM"]}), "phi/config.json").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "phi/config.json: architecture `PhiForCausalLM` is not supported \
-             (Llama, Qwen2, Qwen3, Mistral, Gemma 3 and GPT-2 are)"
+            "phi/config.json: architecture `PhiForCausalLM` is not supported (LlamaForCausalLM, \
+             Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, GPT2LMHeadModel, \
+             MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM, \
+             DeepseekV2ForCausalLM and DeepseekV3ForCausalLM are)"
         );
         let mut v: Value = serde_json::from_str(QWEN25_05B).unwrap();
         v.as_object_mut().unwrap().remove("hidden_size");

@@ -9,8 +9,9 @@ pub enum HfError {
     Config { source_name: String, message: String },
     #[error("{source_name}: missing field `{field}`")]
     MissingField { source_name: String, field: &'static str },
-    #[error("{source_name}: architecture `{architecture}` is not supported (Llama, Qwen2, Qwen3, Mistral, Gemma 3 and GPT-2 are)")]
-    Unsupported { source_name: String, architecture: String },
+    /// A class no family has; `supported` lists the registered families' classes.
+    #[error("{source_name}: architecture `{architecture}` is not supported ({supported} are)")]
+    Unsupported { source_name: String, architecture: String, supported: String },
     #[error("{dir}: no model.safetensors and no model.safetensors.index.json")]
     NoWeights { dir: PathBuf },
     #[error("{index}: lists shard `{shard}`, which is missing")]

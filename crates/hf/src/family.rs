@@ -36,27 +36,49 @@ use serde_json::{Map, Value};
 use crate::config_json::Reader;
 use crate::error::HfError;
 
-/// The model families ember reads and writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Architecture {
-    Llama,
-    Qwen2,
-    Mistral,
-    Qwen3,
-    Gemma3,
-    Gpt2,
-    Mixtral,
-    Qwen2Moe,
-    Qwen3Moe,
-    Olmoe,
-    DeepseekV2,
-    DeepseekV3,
+/// A model family ember reads and writes: a handle to its [`Family`] in the registry
+/// (`families::FAMILIES`, which also holds its GGUF rules), told apart by its class name. Adding a
+/// family adds no variant here: its file registers it.
+#[derive(Clone, Copy)]
+pub struct Architecture(&'static Family);
+
+impl Architecture {
+    /// The handle of `family`, one of the registry's.
+    pub(crate) const fn of(family: &'static Family) -> Self {
+        Self(family)
+    }
+
+    /// Its family: names, keys and parts.
+    pub fn family(self) -> &'static Family {
+        self.0
+    }
+
+    pub fn class_name(self) -> &'static str {
+        self.0.class_name
+    }
+
+    pub fn model_type(self) -> &'static str {
+        self.0.model_type
+    }
+}
+
+impl PartialEq for Architecture {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.class_name == other.0.class_name
+    }
+}
+
+impl Eq for Architecture {}
+
+impl std::fmt::Debug for Architecture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.class_name)
+    }
 }
 
 /// How a family's config.json and tensors map onto ember's. Each family's is in its file of
 /// `families/`.
 pub struct Family {
-    pub architecture: Architecture,
     /// llama.cpp's `general.architecture` for the family (Mistral is a `llama` to llama.cpp).
     pub gguf_arch: &'static str,
     /// `architectures[0]` of its config.json.
@@ -85,6 +107,10 @@ pub struct Family {
     /// The name an export writes for the tensor the family's rules name `name`, given the model
     /// (DeepSeek's query is `q_b_proj` when it is low-rank); [`same_name`] for most.
     pub export_name: fn(&ModelConfig, String) -> String,
+    /// Whether an ember model that names no family (one trained from scratch) exports as this one,
+    /// the parts aside: [`Architecture::for_model`] takes the first family whose parts and
+    /// activation the model has and this says yes, else the first this says yes to.
+    pub exports: fn(&ModelConfig) -> bool,
     /// Whether config.json holds the balancing loss's weight (`router_aux_loss_coef`); DeepSeek's
     /// does not (transformers computes no such loss for it): the weight is training's.
     pub aux_loss_in_config: bool,
@@ -99,6 +125,11 @@ pub type WriteKeys = fn(&ModelConfig, &mut Map<String, Value>);
 /// The name as the rules give it.
 pub fn same_name(_: &ModelConfig, name: String) -> String {
     name
+}
+
+/// Whether `c` has neither experts nor latent attention: the models the dense families export.
+pub(crate) fn dense(c: &ModelConfig) -> bool {
+    c.moe.is_none() && c.mla.is_none()
 }
 
 /// The config.json keys of the sizes ember's [`ModelConfig`] holds.
@@ -187,10 +218,26 @@ pub struct Rule {
     pub gguf: &'static str,
     /// Whether the GGUF tensor is the Hugging Face one transposed (GPT-2's `Conv1D` weights).
     pub gguf_transposed: bool,
+    /// Which reads of a GGUF file may keep the tensor in its stored block type.
+    pub stored: Stored,
+}
+
+/// Which reads of a GGUF file may keep a tensor in its stored block type (a quantized weight whose
+/// products run on its blocks) rather than dequantize it: what the family's rules say, so that the
+/// reader matches no names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// None: norms, biases, fused or `Conv1D` weights, routers, experts and shared experts.
+    Dequantized,
+    /// A block's projection (q, k, v, o, gate, up, down: one ember linear, transposed): kept by the
+    /// read of a LoRA base and by the read for inference.
+    Projection,
+    /// The embedding table or the LM head: kept by the read for inference only.
+    Table,
 }
 
 pub(crate) const fn rule(hf: &'static str, ember: &'static [&'static str], layout: Layout) -> Rule {
-    Rule { hf, ember, layout, gguf: "", gguf_transposed: false }
+    Rule { hf, ember, layout, gguf: "", gguf_transposed: false, stored: Stored::Dequantized }
 }
 
 pub(crate) const fn as_is(hf: &'static str, ember: &'static [&'static str]) -> Rule {
@@ -227,6 +274,11 @@ impl Rule {
     /// The same rule without a GGUF name (a tensor llama.cpp's architecture lacks).
     pub(crate) const fn no_gguf(self) -> Rule {
         Rule { gguf: "", gguf_transposed: false, ..self }
+    }
+
+    /// The same rule with the reads that may keep the GGUF tensor in its stored type.
+    pub(crate) const fn stored(self, stored: Stored) -> Rule {
+        Rule { stored, ..self }
     }
 }
 
@@ -374,10 +426,12 @@ impl Family {
     /// The Hugging Face name of GGUF tensor `name`, and whether its values are the Hugging Face
     /// ones transposed; `None` for a name the family has no rule for.
     pub fn gguf_to_hf(&self, name: &str) -> Option<(String, bool)> {
-        self.rules().filter(|r| !r.gguf.is_empty()).find_map(|r| {
-            let layer = match_pattern(r.gguf, name)?;
-            Some((fill(r.hf, layer), r.gguf_transposed))
-        })
+        self.gguf_rule(name).map(|(r, layer)| (fill(r.hf, layer), r.gguf_transposed))
+    }
+
+    /// The rule of GGUF tensor `name` and its layer; `None` for a name the family has no rule for.
+    pub fn gguf_rule(&self, name: &str) -> Option<(&'static Rule, Option<usize>)> {
+        self.rules().filter(|r| !r.gguf.is_empty()).find_map(|r| Some((r, match_pattern(r.gguf, name)?)))
     }
 
     /// The GGUF name of Hugging Face tensor `name` (with or without the optional prefix), and
@@ -404,12 +458,19 @@ impl Family {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::families::experts::MIXTRAL;
+    use crate::families::gemma3::GEMMA3;
+    use crate::families::gpt2::GPT2;
+    use crate::families::llama::LLAMA;
 
     #[test]
     fn every_architecture_has_one_row_and_names_round_trip() {
-        for f in crate::families::FAMILIES.into_iter().map(|r| &r.hf) {
-            assert_eq!(f.architecture.family().class_name, f.class_name);
-            assert_eq!(Architecture::from_class(f.class_name), Some(f.architecture));
+        for registration in crate::families::FAMILIES {
+            let (f, arch) = (&registration.hf, registration.architecture());
+            assert_eq!(arch.family().class_name, f.class_name);
+            assert_eq!(Architecture::from_class(f.class_name), Some(arch));
+            // The class name is the handle's identity: one family each.
+            assert_eq!(crate::families::FAMILIES.iter().filter(|o| o.hf.class_name == f.class_name).count(), 1);
             for r in f.rules() {
                 for (part, e) in r.ember.iter().enumerate() {
                     let (hf, path) = (fill_expert(&fill(r.hf, Some(7)), 3), fill(e, Some(7)));
@@ -438,10 +499,10 @@ mod tests {
         assert_eq!(match_expert("a.{i}.e.{j}.w", "a.12.e.03.w"), None);
         assert_eq!(match_expert("a.{i}.e.{j}.w", "a.1.2.e.3.w"), None);
         assert_eq!(match_pattern("a.{i}.e.{j}.w", "a.12.e.3.w"), Some(Some(12)));
-        let mixtral = Architecture::Mixtral.family();
+        let mixtral = MIXTRAL.architecture().family();
         let to = mixtral.hf_to_ember("model.layers.1.block_sparse_moe.experts.5.w3.weight").unwrap();
         assert_eq!((to.paths, to.layout, to.expert), (vec!["layers.1.moe.up".to_string()], Layout::Experts, Some(5)));
-        let llama = Architecture::Llama.family();
+        let llama = LLAMA.architecture().family();
         assert_eq!(llama.hf_to_ember("model.layers.0.self_attn.rotary_emb.inv_freq"), None);
         assert!(llama.is_buffer("model.layers.0.self_attn.rotary_emb.inv_freq"));
         assert_eq!(llama.ember_to_hf("layers.0.self_attn.q_proj.lora.a"), None);
@@ -449,7 +510,7 @@ mod tests {
 
     #[test]
     fn gpt2_names_come_with_or_without_the_prefix() {
-        let gpt2 = Architecture::Gpt2.family();
+        let gpt2 = GPT2.architecture().family();
         let qkv = |l: usize| -> Vec<String> {
             ["q", "k", "v"].iter().map(|p| format!("layers.{l}.self_attn.{p}_proj.weight")).collect()
         };
@@ -468,10 +529,37 @@ mod tests {
 
     #[test]
     fn gemma3_norm_names_are_its_own() {
-        let gemma = Architecture::Gemma3.family();
+        let gemma = GEMMA3.architecture().family();
         let path = |k: &str| gemma.hf_to_ember(k).unwrap().paths.remove(0);
         assert_eq!(path("model.layers.2.post_attention_layernorm.weight"), "layers.2.attn_output_norm.weight");
         assert_eq!(path("model.layers.2.pre_feedforward_layernorm.weight"), "layers.2.post_attention_layernorm.weight");
         assert_eq!(path("model.layers.2.post_feedforward_layernorm.weight"), "layers.2.mlp_output_norm.weight");
+    }
+
+    /// The rules say which GGUF tensors may stay in their stored type: a block's projections (one
+    /// ember linear each, not transposed in the file) and the embedding table and LM head; never a
+    /// shared expert, an expert, a router or DeepSeek's latent projections.
+    #[test]
+    fn only_projections_and_tables_may_stay_stored() {
+        for registration in crate::families::FAMILIES {
+            for r in registration.hf.rules().filter(|r| r.stored != Stored::Dequantized) {
+                assert!(!r.gguf.is_empty() && !r.gguf_transposed, "{}", r.hf);
+                match r.stored {
+                    Stored::Projection => assert!(r.layout == Layout::Transposed && r.ember.len() == 1, "{}", r.hf),
+                    _ => assert!(matches!(r.ember, ["embed_tokens"] | ["lm_head.weight"]), "{}", r.hf),
+                }
+            }
+        }
+        let stored = |f: &Family, gguf: &str| f.gguf_rule(gguf).map(|(r, _)| r.stored);
+        let qwen2_moe = &crate::families::experts::QWEN2_MOE.hf;
+        assert_eq!(stored(qwen2_moe, "blk.0.attn_q.weight"), Some(Stored::Projection));
+        for name in ["blk.0.ffn_gate_shexp.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_gate_inp.weight"] {
+            assert_eq!(stored(qwen2_moe, name), Some(Stored::Dequantized), "{name}");
+        }
+        let deepseek = &crate::families::deepseek::DEEPSEEK_V3.hf;
+        assert_eq!(stored(deepseek, "blk.0.attn_q_b.weight"), Some(Stored::Dequantized));
+        assert_eq!(stored(deepseek, "blk.0.ffn_down.weight"), Some(Stored::Projection));
+        assert_eq!(stored(&GPT2.hf, "blk.0.attn_qkv.weight"), Some(Stored::Dequantized));
+        assert_eq!(stored(&GPT2.hf, "token_embd.weight"), Some(Stored::Table));
     }
 }

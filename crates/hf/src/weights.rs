@@ -283,19 +283,12 @@ pub(crate) fn load_tensors<B: EmberBackend>(
         },
     )?;
     let family = load.architecture.family();
-    // Projections kept quantized: placeholders from the start (their f32 zeros never all exist).
+    // Projections kept quantized have no parameter from the start (their f32 zeros never exist):
+    // nothing of theirs is expected.
     let kept = load.quantized.len();
     let model = Decoder::<B>::empty_keeping(&load.config, device, kept_paths(family, load.quantized, dir)?)
         .map_err(|e| bad(e.to_string()))?;
-    let mut expected: HashMap<String, Vec<usize>> = param_shapes::<B, _>(&model).into_iter().collect();
-    let mut placeholders = BTreeMap::new();
-    expected.retain(|path, shape| {
-        let placeholder = shape.as_slice() == [0, 0];
-        if placeholder {
-            placeholders.insert(path.clone(), TensorData::new(Vec::<f32>::new(), [0, 0]));
-        }
-        !placeholder
-    });
+    let expected: HashMap<String, Vec<usize>> = param_shapes::<B, _>(&model).into_iter().collect();
     let Placed { mut values, unused } = place(family, tensors, &expected, dir)?;
     let mut missing: Vec<String> = expected.keys().filter(|k| !values.contains_key(*k)).cloned().collect();
     missing.sort();
@@ -321,7 +314,6 @@ pub(crate) fn load_tensors<B: EmberBackend>(
             values.insert(k, data);
         }
     }
-    values.extend(placeholders);
     let model = assign(model, values, &dir.display().to_string(), false)
         .map_err(|e| HfError::Config { source_name: dir.display().to_string(), message: e.to_string() })?;
     tracing::info!(loaded, missing = missing.len(), unused = unused.len(), "imported {}", dir.display());
@@ -609,7 +601,7 @@ fn shift_values(data: TensorData, shift: f32) -> TensorData {
 /// q/k projection columns (ember layout `[in, heads·Dh]`, or a bias `[heads·Dh]`) from interleaved
 /// to half-split RoPE pairs.
 fn permute_rope<B: EmberBackend>(data: TensorData, heads: usize, model: &Decoder<B>) -> TensorData {
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let dtype = data.dtype;
     let shape = data.shape.to_vec();
     let (rows, cols) = if shape.len() == 2 { (shape[0], shape[1]) } else { (1, shape[0]) };
@@ -622,10 +614,11 @@ fn permute_rope<B: EmberBackend>(data: TensorData, heads: usize, model: &Decoder
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::families::llama::LLAMA;
 
     #[test]
     fn llama_key_table_is_as_before() {
-        let llama = Architecture::Llama.family();
+        let llama = LLAMA.architecture().family();
         let (as_is, t, gain) = (Layout::AsIs, Layout::Transposed, Layout::Gain);
         for (hf, ember, layout) in [
             ("model.embed_tokens.weight", "embed_tokens", as_is),

@@ -14,26 +14,33 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use common::{fixture, greedy, ids, logits, B};
+use ember_hf::families::{
+    deepseek::{DEEPSEEK_V2, DEEPSEEK_V3},
+    experts::{MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE},
+    gemma3::GEMMA3,
+    gpt2::GPT2,
+    qwen::QWEN3,
+};
 use ember_hf::{export, expressible, hf_tensors, import, to_model_config, Architecture};
 use ember_model::moe::load_balancing_loss;
 use ember_model::weights::{assign, named_tensors, visit_paths, PathVisitor};
-use ember_model::{Decoder, MlpKind, ModelConfig, NormKind, Positions, RopeLayout};
+use ember_model::{Decoder, MlpKind, ModelConfig, NormKind, Positions, RopeLayout, SelfAttention};
 use serde_json::{json, Value};
 
 type AB = Autodiff<Flex>;
 
 const FAMILIES: [(&str, Architecture); 10] = [
-    ("gpt2", Architecture::Gpt2),
-    ("qwen3", Architecture::Qwen3),
-    ("gemma3_text", Architecture::Gemma3),
+    ("gpt2", GPT2.architecture()),
+    ("qwen3", QWEN3.architecture()),
+    ("gemma3_text", GEMMA3.architecture()),
     // The Gemma 3 of llama.cpp's shape that the GGUF tests export (tests/gguf.rs).
-    ("gemma3_gguf", Architecture::Gemma3),
-    ("mixtral", Architecture::Mixtral),
-    ("qwen2_moe", Architecture::Qwen2Moe),
-    ("qwen3_moe", Architecture::Qwen3Moe),
-    ("olmoe", Architecture::Olmoe),
-    ("deepseek_v2", Architecture::DeepseekV2),
-    ("deepseek_v3", Architecture::DeepseekV3),
+    ("gemma3_gguf", GEMMA3.architecture()),
+    ("mixtral", MIXTRAL.architecture()),
+    ("qwen2_moe", QWEN2_MOE.architecture()),
+    ("qwen3_moe", QWEN3_MOE.architecture()),
+    ("olmoe", OLMOE.architecture()),
+    ("deepseek_v2", DEEPSEEK_V2.architecture()),
+    ("deepseek_v3", DEEPSEEK_V3.architecture()),
 ];
 
 /// The families with experts, whose fixtures have a training case.
@@ -117,7 +124,7 @@ fn both_gemma3_config_layouts_read_to_the_same_model() {
     assert!(legacy.get("layer_types").is_none() && legacy.get("rope_local_base_freq").is_some());
     let (a, _) = to_model_config(&config, "config.json").unwrap();
     let (b, arch) = to_model_config(&legacy, "legacy_config").unwrap();
-    assert_eq!((a, arch), (b, Architecture::Gemma3));
+    assert_eq!((a, arch), (b, GEMMA3.architecture()));
 }
 
 #[test]
@@ -357,8 +364,8 @@ fn models_no_family_runs_are_refused_on_export() {
         tie_embeddings: true,
         ..ModelConfig::tiny(50, 32)
     };
-    assert_eq!(Architecture::for_model(&nano), Architecture::Gpt2);
-    let e = expressible(&nano, Architecture::Gpt2).unwrap_err().to_string();
+    assert_eq!(Architecture::for_model(&nano), GPT2.architecture());
+    let e = expressible(&nano, GPT2.architecture()).unwrap_err().to_string();
     assert!(e.starts_with("this model cannot be written as GPT2LMHeadModel:"), "{e}");
     assert!(e.contains("model.mlp_bias is false, GPT2LMHeadModel has true"), "{e}");
     assert!(e.contains("model.n_kv_heads is 2, GPT2LMHeadModel has 4"), "{e}");
@@ -377,7 +384,7 @@ fn models_no_family_runs_are_refused_on_export() {
         dropout: 0.1,
         ..nano
     };
-    expressible(&gpt2, Architecture::Gpt2).unwrap();
+    expressible(&gpt2, GPT2.architecture()).unwrap();
     // A Llama with Gemma's norms but a SwiGLU MLP is no family's.
     let odd = ModelConfig { norm: NormKind::RmsNormPlusOne, ..ModelConfig::tiny(50, 32) };
     let e = expressible(&odd, Architecture::for_model(&odd)).unwrap_err().to_string();
@@ -392,7 +399,8 @@ fn interleaved_qk_norm_models_export_in_the_half_split_layout() {
     let mut model = Decoder::<B>::new(&cfg, 4, &Default::default()).unwrap();
     // Gains that are not all one, so that their order matters.
     for layer in &mut model.layers {
-        for norm in [layer.self_attn.q_norm.as_mut().unwrap(), layer.self_attn.k_norm.as_mut().unwrap()] {
+        let SelfAttention::Grouped(att) = &mut layer.self_attn else { panic!("grouped-query attention") };
+        for norm in [att.q_norm.as_mut().unwrap(), att.k_norm.as_mut().unwrap()] {
             let g: Vec<f32> = (0..8).map(|i| 0.5 + i as f32 * 0.25).collect();
             norm.weight =
                 burn::module::Param::from_tensor(Tensor::from_data(TensorData::new(g, [8]), &Default::default()));
@@ -401,7 +409,7 @@ fn interleaved_qk_norm_models_export_in_the_half_split_layout() {
     let dir = tempfile::tempdir().unwrap();
     export(&model, None, &dir.path().join("x"), u64::MAX, &[]).unwrap();
     let back = import_dir(&dir.path().join("x"));
-    assert_eq!(back.architecture, Architecture::Qwen3);
+    assert_eq!(back.architecture, QWEN3.architecture());
     assert_eq!(back.model.config().rope_layout, RopeLayout::HalfSplit);
     let prompt: Vec<u32> = (0..20).map(|i| (i * 7) % 50).collect();
     let diff = max_diff(&logits(&model, &prompt), &logits(&back.model, &prompt));

@@ -8,7 +8,11 @@ use std::path::Path;
 
 use burn::tensor::DType;
 use common::{fixture, greedy, ids, logits, B};
-use ember_hf::{export, import, Architecture};
+use ember_hf::families::{
+    llama::{LLAMA, MISTRAL},
+    qwen::QWEN2,
+};
+use ember_hf::{export, import};
 use ember_model::weights::named_tensors;
 use ember_model::{Decoder, ModelConfig};
 use serde_json::Value;
@@ -20,7 +24,7 @@ fn expected(name: &str) -> Value {
 #[test]
 fn logits_and_greedy_tokens_match_transformers() {
     for (name, arch) in
-        [("llama", Architecture::Llama), ("qwen2", Architecture::Qwen2), ("mistral", Architecture::Mistral)]
+        [("llama", LLAMA.architecture()), ("qwen2", QWEN2.architecture()), ("mistral", MISTRAL.architecture())]
     {
         let want = expected(name);
         let imported = import::<B>(&fixture(name), DType::F32, false, false, &Default::default()).unwrap();
@@ -104,7 +108,7 @@ fn interleaved_models_export_in_the_half_split_layout() {
     let dir = tempfile::tempdir().unwrap();
     export(&model, None, &dir.path().join("x"), u64::MAX, &[]).unwrap();
     let back = import::<B>(&dir.path().join("x"), DType::F32, false, false, &Default::default()).unwrap();
-    assert_eq!(back.architecture, Architecture::Qwen2);
+    assert_eq!(back.architecture, QWEN2.architecture());
     assert_eq!(back.model.config().rope_layout, ember_model::RopeLayout::HalfSplit);
     let prompt: Vec<u32> = (0..20).map(|i| (i * 7) % 50).collect();
     let (a, b) = (logits(&model, &prompt), logits(&back.model, &prompt));

@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use ember_data::finetune::{ChatTemplate, Message};
-use ember_hf::gguf::tokenizer::{from_gguf, GEMMA3_CHAT_TEMPLATE};
+use ember_hf::families::gemma3::GEMMA3_CHAT_TEMPLATE;
+use ember_hf::gguf::tokenizer::from_gguf;
 use ember_hf::gguf::{encode, GgufFile, Value};
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};

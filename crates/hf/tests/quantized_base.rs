@@ -158,9 +158,13 @@ fn parity(path: &std::path::Path, ids: &[i64]) -> (f64, usize, BTreeSet<&'static
     let dense = ember_hf::gguf::model::import::<AB>(path, burn::tensor::DType::F32, &dev).unwrap().imported.model;
     assert_eq!(dense.quantized_projections(), (0, 0));
     let projections = || kept.layers.iter().flat_map(|l| Target::ALL.map(|t| l.projection(t).unwrap()));
-    let kinds: BTreeSet<&str> = projections().filter_map(|p| p.quantized.as_ref().map(|q| q.kind())).collect();
+    let blocks = |p: &ember_model::Weight<AB>| match p {
+        ember_model::Weight::Stored(s) => Some(s.blocks.clone()),
+        ember_model::Weight::Dense(_) => None,
+    };
+    let kinds: BTreeSet<&str> = projections().filter_map(|p| blocks(&p.weight).map(|q| q.kind())).collect();
     let (n, bytes) = kept.quantized_projections();
-    let stored: usize = projections().filter_map(|p| p.quantized.as_ref()).map(|q| q.stored_bytes()).sum();
+    let stored: usize = projections().filter_map(|p| blocks(&p.weight)).map(|q| q.stored_bytes()).sum();
     assert_eq!(bytes, stored);
     let (kept, dense) = (adapted(kept), adapted(dense));
     let ((logits_q, loss_q, grads_q), (logits_f, loss_f, grads_f)) = (run(&kept, ids), run(&dense, ids));
@@ -196,7 +200,8 @@ fn parity(path: &std::path::Path, ids: &[i64]) -> (f64, usize, BTreeSet<&'static
     let merged = kept.merge_lora();
     assert_eq!(merged.quantized_projections(), (0, 0));
     let q = merged.layers[3].projection(Target::DownProj).unwrap();
-    assert_eq!(q.weight.dims(), [q.d_in(), q.d_out()]);
+    let ember_model::Weight::Dense(w) = &q.weight else { panic!("merged: a dense weight") };
+    assert_eq!(w.dims(), [q.d_in(), q.d_out()]);
     (global, n, kinds)
 }
 

@@ -89,8 +89,8 @@ pub struct Compute {
     pub path: Path,
     pub cpu: Cpu,
     /// Whether products of a few rows with block-quantized weights quantize those rows to 8 bits
-    /// for integer dot products ([`crate::qdot`], as llama.cpp does: fast, about 1% off); off, they
-    /// are the exact f32 products of the decoded blocks (evaluation's log-likelihoods).
+    /// for integer dot products (the `qdot` module's, as llama.cpp does: fast, about 1% off); off,
+    /// they are the exact f32 products of the decoded blocks (evaluation's log-likelihoods).
     pub int8_inputs: bool,
 }
 

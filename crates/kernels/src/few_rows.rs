@@ -149,24 +149,14 @@ mod wide {
         /// Columns of one stripe: three vectors.
         const STRIPE: usize;
 
-        /// `y[r][0..width] (+)= Σ_kk xt[kk·R + r] · w[kk·ldw + 0..width]` for R rows, the R ×
-        /// [`Isa::STRIPE`] sums held in registers while the weight's rows stream past.
+        /// The [`Stripe`] `s` for R rows, the R × [`Isa::STRIPE`] sums held in registers while the
+        /// weight's rows stream past.
         ///
         /// # Safety
-        /// The CPU must have the features; `xt` must hold `k·R` values, `w` `k` rows of `width` at
-        /// stride `ldw`, `y` R rows of `width` at stride `ldy`; `width ≤ STRIPE`, `R ≤ ROWS`.
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn stripe<const R: usize>(
-            y: *mut f32,
-            ldy: usize,
-            xt: &[f32],
-            w: *const f32,
-            ldw: usize,
-            k: usize,
-            width: usize,
-            accumulate: bool,
-            prefetch: &mut Prefetch,
-        );
+        /// The CPU must have the features; `s.xt` must hold `s.k·R` values, `s.w` `s.k` rows of
+        /// `s.width` at stride `s.ldw`, `s.y` R rows of `s.width` at stride `s.ldy`;
+        /// `s.width ≤ STRIPE`, `R ≤ ROWS`.
+        unsafe fn stripe<const R: usize>(s: Stripe<'_>, prefetch: &mut Prefetch);
 
         /// `y[r·ldy + j] = x[r] · w[j]` for R rows of x and J rows of w, each of length k: R × J
         /// accumulators along k, summed across lanes at the end.
@@ -183,33 +173,37 @@ mod wide {
     /// AVX2 and FMA: 8 lanes, 4 rows a pass (12 accumulators of the 16 registers).
     pub(super) struct Avx2;
 
-    /// The stripe kernel for `rows` (≤ `I::ROWS`) rows.
-    ///
-    /// # Safety
-    /// As for [`Isa::stripe`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn stripe_of<I: Isa>(
-        rows: usize,
+    /// One stripe of a pass: `y[r][0..width] (+)= Σ_kk xt[kk·R + r] · w[kk·ldw + 0..width]` for the
+    /// pass's R rows, over `k` rows of the weight.
+    #[derive(Clone, Copy)]
+    pub(super) struct Stripe<'a> {
         y: *mut f32,
         ldy: usize,
-        xt: &[f32],
+        /// The pass's rows transposed: `xt[kk·R + r]` is row r's multiplier of weight row kk.
+        xt: &'a [f32],
         w: *const f32,
         ldw: usize,
         k: usize,
         width: usize,
-        add: bool,
-        pf: &mut Prefetch,
-    ) {
+        /// Add to y's contents instead of overwriting them.
+        accumulate: bool,
+    }
+
+    /// The stripe kernel for `rows` (≤ `I::ROWS`) rows.
+    ///
+    /// # Safety
+    /// As for [`Isa::stripe`].
+    unsafe fn stripe_of<I: Isa>(rows: usize, s: Stripe<'_>, pf: &mut Prefetch) {
         debug_assert!(rows <= I::ROWS, "a pass of {rows} rows for kernels of {}", I::ROWS);
         match rows {
-            1 => I::stripe::<1>(y, ldy, xt, w, ldw, k, width, add, pf),
-            2 => I::stripe::<2>(y, ldy, xt, w, ldw, k, width, add, pf),
-            3 => I::stripe::<3>(y, ldy, xt, w, ldw, k, width, add, pf),
-            4 => I::stripe::<4>(y, ldy, xt, w, ldw, k, width, add, pf),
-            5 => I::stripe::<5>(y, ldy, xt, w, ldw, k, width, add, pf),
-            6 => I::stripe::<6>(y, ldy, xt, w, ldw, k, width, add, pf),
-            7 => I::stripe::<7>(y, ldy, xt, w, ldw, k, width, add, pf),
-            _ => I::stripe::<8>(y, ldy, xt, w, ldw, k, width, add, pf),
+            1 => I::stripe::<1>(s, pf),
+            2 => I::stripe::<2>(s, pf),
+            3 => I::stripe::<3>(s, pf),
+            4 => I::stripe::<4>(s, pf),
+            5 => I::stripe::<5>(s, pf),
+            6 => I::stripe::<6>(s, pf),
+            7 => I::stripe::<7>(s, pf),
+            _ => I::stripe::<8>(s, pf),
         }
     }
 
@@ -325,7 +319,8 @@ mod wide {
                 // The block's rows of y, stripe by stripe.
                 while c < n {
                     let width = (n - c).min(I::STRIPE);
-                    stripe_of::<I>(rows, y.add(c), n, xt, w.add(c), n, block, width, add, &mut prefetch);
+                    let s = Stripe { y: y.add(c), ldy: n, xt, w: w.add(c), ldw: n, k: block, width, accumulate: add };
+                    stripe_of::<I>(rows, s, &mut prefetch);
                     c += width;
                 }
             }
@@ -441,82 +436,74 @@ mod wide {
         unsafe fn sum(v: Self::V) -> f32;
     }
 
-    // SAFETY: AVX-512 F intrinsics only; `isa!` inlines them into functions enabling `avx512f`.
-    unsafe impl Lanes for Avx512 {
-        type V = __m512;
-        type Mask = __mmask16;
-        const N: usize = 16;
-        #[inline(always)]
-        unsafe fn zero() -> __m512 {
-            _mm512_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> __m512 {
-            _mm512_loadu_ps(p)
-        }
-        #[inline(always)]
-        unsafe fn splat(p: *const f32) -> __m512 {
-            _mm512_set1_ps(*p)
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
-            _mm512_fmadd_ps(a, b, c)
-        }
-        #[inline(always)]
-        unsafe fn mask(live: usize) -> __mmask16 {
-            ((1u32 << live.min(16)) - 1) as u16
-        }
-        #[inline(always)]
-        unsafe fn load_masked(p: *const f32, mask: __mmask16) -> __m512 {
-            _mm512_maskz_loadu_ps(mask, p)
-        }
-        #[inline(always)]
-        unsafe fn store_masked(p: *mut f32, mask: __mmask16, v: __m512) {
-            _mm512_mask_storeu_ps(p, mask, v)
-        }
-        #[inline(always)]
-        unsafe fn sum(v: __m512) -> f32 {
-            _mm512_reduce_add_ps(v)
-        }
+    /// Implements [`Lanes`] for an instruction set from its types, its lanes and each method's body
+    /// (its intrinsics), every method `#[inline(always)]`.
+    macro_rules! lanes {
+        (
+            $set:ty { V = $v:ty, Mask = $m:ty, N = $n:literal }
+            zero() $zero:block
+            load($load_p:ident) $load:block
+            splat($splat_p:ident) $splat:block
+            fmadd($a:ident, $b:ident, $c:ident) $fmadd:block
+            mask($live:ident) $mask:block
+            load_masked($lm_p:ident, $lm_mask:ident) $load_masked:block
+            store_masked($sm_p:ident, $sm_mask:ident, $sm_v:ident) $store_masked:block
+            sum($sum_v:ident) $sum:block
+        ) => {
+            // SAFETY: each invocation's bodies use its set's intrinsics only, and `isa!` inlines
+            // them into the functions that enable that set.
+            unsafe impl Lanes for $set {
+                type V = $v;
+                type Mask = $m;
+                const N: usize = $n;
+                #[inline(always)]
+                unsafe fn zero() -> $v $zero
+                #[inline(always)]
+                unsafe fn load($load_p: *const f32) -> $v $load
+                #[inline(always)]
+                unsafe fn splat($splat_p: *const f32) -> $v $splat
+                #[inline(always)]
+                unsafe fn fmadd($a: $v, $b: $v, $c: $v) -> $v $fmadd
+                #[inline(always)]
+                unsafe fn mask($live: usize) -> $m $mask
+                #[inline(always)]
+                unsafe fn load_masked($lm_p: *const f32, $lm_mask: $m) -> $v $load_masked
+                #[inline(always)]
+                unsafe fn store_masked($sm_p: *mut f32, $sm_mask: $m, $sm_v: $v) $store_masked
+                #[inline(always)]
+                unsafe fn sum($sum_v: $v) -> f32 $sum
+            }
+        };
     }
 
-    // SAFETY: SSE3, AVX, AVX2 and FMA intrinsics only; `isa!` inlines them into functions enabling
-    // `avx2,fma` (which imply the older sets).
-    unsafe impl Lanes for Avx2 {
-        type V = __m256;
-        type Mask = __m256i;
-        const N: usize = 8;
-        #[inline(always)]
-        unsafe fn zero() -> __m256 {
-            _mm256_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> __m256 {
-            _mm256_loadu_ps(p)
-        }
-        #[inline(always)]
-        unsafe fn splat(p: *const f32) -> __m256 {
-            _mm256_broadcast_ss(&*p)
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
-            _mm256_fmadd_ps(a, b, c)
-        }
-        /// All ones in the lanes below `live`: `maskload` and `maskstore` read a lane's top bit.
-        #[inline(always)]
-        unsafe fn mask(live: usize) -> __m256i {
+    // AVX-512 F intrinsics only (`isa!` enables `avx512f`).
+    lanes! {
+        Avx512 { V = __m512, Mask = __mmask16, N = 16 }
+        zero() { _mm512_setzero_ps() }
+        load(p) { _mm512_loadu_ps(p) }
+        splat(p) { _mm512_set1_ps(*p) }
+        fmadd(a, b, c) { _mm512_fmadd_ps(a, b, c) }
+        mask(live) { ((1u32 << live.min(16)) - 1) as u16 }
+        load_masked(p, mask) { _mm512_maskz_loadu_ps(mask, p) }
+        store_masked(p, mask, v) { _mm512_mask_storeu_ps(p, mask, v) }
+        sum(v) { _mm512_reduce_add_ps(v) }
+    }
+
+    // SSE3, AVX, AVX2 and FMA intrinsics only (`isa!` enables `avx2,fma`, which imply the older
+    // sets).
+    lanes! {
+        Avx2 { V = __m256, Mask = __m256i, N = 8 }
+        zero() { _mm256_setzero_ps() }
+        load(p) { _mm256_loadu_ps(p) }
+        splat(p) { _mm256_broadcast_ss(&*p) }
+        fmadd(a, b, c) { _mm256_fmadd_ps(a, b, c) }
+        // All ones in the lanes below `live`: `maskload` and `maskstore` read a lane's top bit.
+        mask(live) {
             _mm256_cmpgt_epi32(_mm256_set1_epi32(live.min(8) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
         }
-        #[inline(always)]
-        unsafe fn load_masked(p: *const f32, mask: __m256i) -> __m256 {
-            _mm256_maskload_ps(p, mask)
-        }
-        #[inline(always)]
-        unsafe fn store_masked(p: *mut f32, mask: __m256i, v: __m256) {
-            _mm256_maskstore_ps(p, mask, v)
-        }
-        #[inline(always)]
-        unsafe fn sum(v: __m256) -> f32 {
+        load_masked(p, mask) { _mm256_maskload_ps(p, mask) }
+        store_masked(p, mask, v) { _mm256_maskstore_ps(p, mask, v) }
+        sum(v) {
             let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
             let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
             _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
@@ -528,18 +515,8 @@ mod wide {
     /// # Safety
     /// As for [`Isa::stripe`], inlined into a function that enables `L`'s features.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn stripe<L: Lanes, const R: usize>(
-        y: *mut f32,
-        ldy: usize,
-        xt: &[f32],
-        w: *const f32,
-        ldw: usize,
-        k: usize,
-        width: usize,
-        accumulate: bool,
-        prefetch: &mut Prefetch,
-    ) {
+    unsafe fn stripe<L: Lanes, const R: usize>(s: Stripe<'_>, prefetch: &mut Prefetch) {
+        let Stripe { y, ldy, xt, w, ldw, k, width, accumulate } = s;
         let live: [usize; 3] = std::array::from_fn(|v| width.saturating_sub(v * L::N).min(L::N));
         let mask: [L::Mask; 3] = std::array::from_fn(|v| L::mask(live[v]));
         let mut acc = [[L::zero(); 3]; R];
@@ -648,18 +625,8 @@ mod wide {
                 const STRIPE: usize = 3 * <$set as Lanes>::N;
 
                 #[target_feature(enable = $features)]
-                unsafe fn stripe<const R: usize>(
-                    y: *mut f32,
-                    ldy: usize,
-                    xt: &[f32],
-                    w: *const f32,
-                    ldw: usize,
-                    k: usize,
-                    width: usize,
-                    accumulate: bool,
-                    prefetch: &mut Prefetch,
-                ) {
-                    stripe::<$set, R>(y, ldy, xt, w, ldw, k, width, accumulate, prefetch)
+                unsafe fn stripe<const R: usize>(s: Stripe<'_>, prefetch: &mut Prefetch) {
+                    stripe::<$set, R>(s, prefetch)
                 }
 
                 #[target_feature(enable = $features)]

@@ -21,11 +21,8 @@
 //! layout (what the f32 paths decode), and [`product`] on CPUs without AVX-512 VNNI runs the plain
 //! loop of [`crate::qdot`] over the restored rows: the reference the fast path is tested against.
 
-use rayon::prelude::*;
-
 use crate::compute::Cpu;
-use crate::qdot::{reference, DotFormat, Isa, Q8Rows, Row};
-use crate::SharedOut;
+use crate::qdot::{reference, split_product, DotFormat, DotWeight, Isa, Row};
 
 /// Rows a group.
 pub const GROUP: usize = 16;
@@ -164,23 +161,15 @@ pub fn restore_blocks(
     }
 }
 
-/// `y = x·Wᵀ` for `n` rows `x` (`[n, k]` row-major) and W the interleaved `data` of `m` rows:
-/// `y` is `[n, m]`, the activations quantized to 8 bits in blocks of 32 as [`crate::qdot`]'s.
+/// `y = x·Wᵀ` for `n` rows `x` (`[n, k]` row-major) and W the `m` rows of `k` values of `w`,
+/// interleaved: `y` is `[n, m]`, the activations quantized to 8 bits in blocks of 32 as
+/// [`crate::qdot`]'s. On AVX-512 VNNI (`isa`, [`Isa::best`] for the caller's CPU) the interleaved
+/// kernel runs, on every other set the plain loop over the restored rows.
 ///
 /// # Panics
-/// If `data` is not `m` interleaved rows of `k` values of `format`, or `x` not `n·k` values.
-pub fn product(cpu: Cpu, format: DotFormat, data: &[u8], (m, k): (usize, usize), x: &[f32], n: usize) -> Vec<f32> {
-    product_with(Isa::best(cpu), format, data, (m, k), x, n)
-}
-
-pub(crate) fn product_with(
-    isa: Isa,
-    format: DotFormat,
-    data: &[u8],
-    (m, k): (usize, usize),
-    x: &[f32],
-    n: usize,
-) -> Vec<f32> {
+/// If `w` is not `m` interleaved rows of `k` values of its format, or `x` not `n·k` values.
+pub(crate) fn product(isa: Isa, w: DotWeight<'_>, x: &[f32], n: usize) -> Vec<f32> {
+    let DotWeight { format, data, rows: m, cols: k } = w;
     let (bv, bb) = format.block();
     assert!(
         supports(format) && m.is_multiple_of(GROUP) && k.is_multiple_of(bv) && data.len() == m * (k / bv) * bb,
@@ -188,26 +177,17 @@ pub(crate) fn product_with(
         data.len()
     );
     assert_eq!(x.len(), n * k, "interleave::product: x is [{n}, {k}]");
-    let acts = Q8Rows::quantize(x, n, k, bv);
-    let mut y = vec![0f32; n * m];
-    if n == 0 || m == 0 {
-        return y;
-    }
-    let xs: Vec<Row<'_>> = (0..n).map(|r| acts.row(r)).collect();
-    let groups = m / GROUP;
-    let per_task = groups.div_ceil(rayon::current_num_threads().max(1) * 4).max(1);
-    let out = SharedOut(y.as_mut_ptr());
     let group_bytes = GROUP * k / bv * bb;
-    (0..groups.div_ceil(per_task)).into_par_iter().for_each(|t| {
+    split_product(x, (n, k, m), bv, (m / GROUP, 1), |groups, xs, out| {
         let mut row = Vec::new();
-        for g in t * per_task..((t + 1) * per_task).min(groups) {
+        for g in groups {
             let rec = &data[g * group_bytes..(g + 1) * group_bytes];
             #[cfg(target_arch = "x86_64")]
             if isa == Isa::Avx512Vnni {
                 // SAFETY: `Isa::reachable` offers AVX-512 VNNI only where the CPU has it; `rec` is
                 // one group's records, `xs` rows of `k` values, and each task writes the entries
                 // (r, 16g..16g + 16) of y only, inside its n·m values.
-                unsafe { wide::group(format, rec, &xs, |r| out.at(r * m + g * GROUP)) };
+                unsafe { wide::group(format, rec, xs, |r| out.at(r * m + g * GROUP)) };
                 continue;
             }
             row.resize(k / bv * bb, 0);
@@ -219,8 +199,7 @@ pub(crate) fn product_with(
                 }
             }
         }
-    });
-    y
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -240,6 +219,8 @@ mod wide {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn group(format: DotFormat, rec: &[u8], xs: &[Row<'_>], out: impl Fn(usize) -> *mut f32) {
         let grouped = xs.len() / ROWS * ROWS;
+        // SAFETY: the features enabled here are `rows`' (on the CPU by the `# Safety` contract); it
+        // gets all of `rec`, rows of `xs` in range and their `out` (16 f32s each by the contract).
         unsafe {
             for r0 in (0..grouped).step_by(ROWS) {
                 let mut o = [std::ptr::null_mut(); ROWS];
@@ -261,6 +242,8 @@ mod wide {
 
     #[inline(always)]
     unsafe fn rows<const R: usize>(format: DotFormat, rec: &[u8], xs: &[Row<'_>], out: [*mut f32; R]) {
+        // SAFETY: inlined into `group`, whose target features and `# Safety` contract `records`
+        // needs; `CHUNKS` is `format`'s chunks of codes (8 for Q8_0, 4 for Q4_0 and Q4_1).
         unsafe {
             match format {
                 DotFormat::Q8_0 => records::<R, 8>(format, rec, xs, out),
@@ -285,6 +268,9 @@ mod wide {
         let blocks = rec.len() / size;
         let head = header(format);
         debug_assert!(xs.len() == R && xs.iter().all(|x| x.q.len() >= 32 * blocks && x.d.len() >= blocks));
+        // SAFETY: `group`'s features and contract: `p` (b < blocks) is a whole record of `size`
+        // bytes (header + 64·CHUNKS), each row of `xs` has 32·blocks codes and `blocks` scales and
+        // sums, and `out[r]` 16 writable f32s.
         unsafe {
             let mut xq = [std::ptr::null::<u8>(); R];
             let (mut xd, mut xsum) = ([std::ptr::null::<f32>(); R], [std::ptr::null::<f32>(); R]);
@@ -376,13 +362,13 @@ mod tests {
             let mut rng = ChaCha8Rng::seed_from_u64(9);
             for n in [1, 4, 9, 13, 16] {
                 let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-                let want = product_with(Isa::Scalar, format, &packed, (m, k), &x, n);
-                let on_rows = crate::qdot::product_with(Isa::Scalar, format, &data, (m, k), &x, n);
+                let want = product(Isa::Scalar, DotWeight::new(format, &packed, (m, k)), &x, n);
+                let on_rows = crate::qdot::product_with(Isa::Scalar, DotWeight::new(format, &data, (m, k)), &x, n);
                 assert_eq!(want, on_rows, "{format:?}: the restored rows are the rows");
                 let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                 assert!(scale > 0.0);
                 for isa in Isa::reachable(Cpu::detect()) {
-                    let got = product_with(isa, format, &packed, (m, k), &x, n);
+                    let got = product(isa, DotWeight::new(format, &packed, (m, k)), &x, n);
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                         assert!((a - b).abs() <= 1e-5 * scale, "{format:?} on {isa:?}, n {n}, entry {i}: {a} vs {b}");
                     }

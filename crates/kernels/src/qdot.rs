@@ -191,6 +191,8 @@ fn quantize_block_plain(x: &[f32], q: &mut [i8], sums: &mut [i32]) -> f32 {
 unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8], sums: &mut [i32]) -> f32 {
     use std::arch::x86_64::*;
     debug_assert!(x.len().is_multiple_of(16) && q.len() == x.len() && sums.len() == x.len() / 16);
+    // SAFETY: AVX2 is enabled here and present by the `# Safety` contract; each load reads 8 f32s
+    // of an 8- or 16-value chunk of `x`, each store the 16 bytes of a 16-code chunk of `q`.
     unsafe {
         let sign = _mm256_set1_ps(-0.0);
         let mut m = _mm256_setzero_ps();
@@ -346,43 +348,68 @@ impl Isa {
 /// # Panics
 /// If `data` is not `m` rows of `k / block` blocks, or `x` not `n·k` values (callers check shapes).
 pub fn product(cpu: Cpu, format: DotFormat, data: &[u8], (m, k): (usize, usize), x: &[f32], n: usize) -> Vec<f32> {
-    product_with(Isa::best(cpu), format, data, (m, k), x, n)
+    product_with(Isa::best(cpu), DotWeight::new(format, data, (m, k)), x, n)
 }
 
-pub(crate) fn product_with(
-    isa: Isa,
-    format: DotFormat,
-    data: &[u8],
-    (m, k): (usize, usize),
-    x: &[f32],
-    n: usize,
-) -> Vec<f32> {
+/// A weight in one of the [`DotFormat`]s, as its bytes: `rows` stored rows of `cols` values, one
+/// after another (or interleaved, for the layout that multiplies sixteen rows at once).
+#[derive(Clone, Copy)]
+pub(crate) struct DotWeight<'a> {
+    pub(crate) format: DotFormat,
+    pub(crate) data: &'a [u8],
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+impl<'a> DotWeight<'a> {
+    pub(crate) fn new(format: DotFormat, data: &'a [u8], (rows, cols): (usize, usize)) -> Self {
+        Self { format, data, rows, cols }
+    }
+}
+
+/// [`product`] on `isa`'s instructions.
+pub(crate) fn product_with(isa: Isa, w: DotWeight<'_>, x: &[f32], n: usize) -> Vec<f32> {
+    let DotWeight { format, data, rows: m, cols: k } = w;
     let (bv, bb) = format.block();
     assert!(k.is_multiple_of(bv) && data.len() == m * (k / bv) * bb, "qdot: {m} rows of {k} {format:?} values");
-    // The activations in blocks of the stored ones.
-    let acts = Q8Rows::quantize(x, n, k, bv);
-    let mut y = vec![0f32; n * m];
-    if n == 0 || m == 0 {
-        return y;
-    }
     let row_bytes = k / bv * bb;
-    let threads = rayon::current_num_threads().max(1);
-    // A few tasks a thread, of whole rows; small weights in one task.
-    let chunk = m.div_ceil(threads * 4).max(16);
-    let out = SharedOut(y.as_mut_ptr());
-    let xs: Vec<Row<'_>> = (0..n).map(|r| acts.row(r)).collect();
-    (0..m.div_ceil(chunk)).into_par_iter().for_each(|t| {
-        let rows = t * chunk..((t + 1) * chunk).min(m);
+    // Tasks of whole rows, at least 16: small weights in one task.
+    split_product(x, (n, k, m), bv, (m, 16), |rows, xs, out| {
         let w = &data[rows.start * row_bytes..rows.end * row_bytes];
         let mut col = vec![0f32; n];
         for (i, row) in w.chunks_exact(row_bytes).enumerate() {
-            row_times(isa, format, row, &xs, &mut col);
+            row_times(isa, format, row, xs, &mut col);
             for (r, &v) in col.iter().enumerate() {
                 // SAFETY: each task writes entries (r, rows) of y only, inside its n·m values.
                 unsafe { *out.at(r * m + rows.start + i) = v };
             }
         }
-    });
+    })
+}
+
+/// The frame of the products of several rows with a stored weight ([`product`], and the
+/// interleaved layout's product): `y = x·Wᵀ`, `[n, m]`, with x (`[n, k]`) quantized to 8 bits
+/// once, in blocks of `block` values (the stored blocks'), and the weight's `units` (its rows, or
+/// groups of them) split into a few tasks a thread, of at least `min_units` each.
+/// `task(units, xs, y)` writes the entries of y that its units own, and only those.
+pub(crate) fn split_product(
+    x: &[f32],
+    (n, k, m): (usize, usize, usize),
+    block: usize,
+    (units, min_units): (usize, usize),
+    task: impl Fn(std::ops::Range<usize>, &[Row<'_>], SharedOut) + Sync,
+) -> Vec<f32> {
+    let acts = Q8Rows::quantize(x, n, k, block);
+    let mut y = vec![0f32; n * m];
+    if n == 0 || m == 0 {
+        return y;
+    }
+    let xs: Vec<Row<'_>> = (0..n).map(|r| acts.row(r)).collect();
+    let per_task = units.div_ceil(rayon::current_num_threads().max(1) * 4).max(min_units);
+    let out = SharedOut(y.as_mut_ptr());
+    (0..units.div_ceil(per_task))
+        .into_par_iter()
+        .for_each(|t| task(t * per_task..((t + 1) * per_task).min(units), &xs, out));
     y
 }
 
@@ -478,6 +505,8 @@ mod wide {
     /// The CPU must have AVX2 and FMA; `row` whole blocks of `format`, `x` as many values.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_avx2(format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+        // SAFETY: AVX2, FMA and F16C are enabled here and on the CPU (`# Safety`), `row` is
+        // whole blocks of `format` and `x` as many values: what `dot_with::<Avx2>` needs.
         unsafe { dot_with::<Avx2>(format, row, x) }
     }
 
@@ -485,6 +514,8 @@ mod wide {
     /// The CPU must have AVX-VNNI; as [`dot_avx2`] otherwise.
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
     pub(super) unsafe fn dot_avxvnni(format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+        // SAFETY: AVX2, FMA, F16C and AVX-VNNI are enabled here and on the CPU (`# Safety`), `row` is
+        // whole blocks of `format` and `x` as many values: what `dot_with::<AvxVnni>` needs.
         unsafe { dot_with::<AvxVnni>(format, row, x) }
     }
 
@@ -492,33 +523,44 @@ mod wide {
     /// The CPU must have AVX-512 VNNI and VL; as [`dot_avx2`] otherwise.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn dot_avx512vnni(format: DotFormat, row: &[u8], x: Row<'_>) -> f32 {
+        // SAFETY: AVX2, FMA, F16C and AVX-512 VNNI/VL are enabled here and on the CPU (`# Safety`), `row` is
+        // whole blocks of `format` and `x` as many values: what `dot_with::<Avx512Vnni>` needs.
         unsafe { dot_with::<Avx512Vnni>(format, row, x) }
     }
 
     /// # Safety
-    /// As [`dot_avx2`], for each row of `xs`; `format` one of the 32-value types.
+    /// As [`dot_avx2`], for each row of `xs`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dots_avx2(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+        // SAFETY: as in `dot_avx2` (the same features, enabled here and on the CPU by the
+        // `# Safety` contract), for each row of `xs`.
         unsafe { dots_with::<Avx2>(format, row, xs) }
     }
 
     /// # Safety
-    /// As [`dot_avxvnni`], for each row of `xs`; `format` one of the 32-value types.
+    /// As [`dot_avxvnni`], for each row of `xs`.
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
     pub(super) unsafe fn dots_avxvnni(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+        // SAFETY: as in `dot_avxvnni` (the same features, enabled here and on the CPU by the
+        // `# Safety` contract), for each row of `xs`.
         unsafe { dots_with::<AvxVnni>(format, row, xs) }
     }
 
     /// # Safety
-    /// As [`dot_avx512vnni`], for each row of `xs`; `format` one of the 32-value types.
+    /// As [`dot_avx512vnni`], for each row of `xs`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn dots_avx512vnni(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+        // SAFETY: as in `dot_avx512vnni` (the same features, enabled here and on the CPU by the
+        // `# Safety` contract), for each row of `xs`.
         unsafe { dots_with::<Avx512Vnni>(format, row, xs) }
     }
 
     #[inline(always)]
     unsafe fn dots_with<I: Isa>(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
         let blocks = row.len() / format.block().1;
+        // SAFETY: inlined only into the `dots_*` entry points, whose target features (and `# Safety`
+        // contracts) give AVX2, FMA, F16C and I's set; `row` is `blocks` whole blocks, each row of
+        // `xs` as many values.
         unsafe {
             match format {
                 DotFormat::Q8_0 => small_rows::<I, Q8_0, ROWS>(row, xs, blocks),
@@ -544,6 +586,9 @@ mod wide {
         let (bv, bb) = format.block();
         let blocks = row.len() / bb;
         debug_assert!(x.q.len() >= blocks * bv && x.d.len() >= blocks && x.sums.len() >= blocks * bv / 16);
+        // SAFETY: inlined only into the `dot_*`/`dots_*` entry points, whose target features (and
+        // `# Safety` contracts) give AVX2, FMA, F16C and I's set; `row` is `blocks` whole blocks,
+        // `x` as many values (the contracts; checked above in debug builds).
         unsafe {
             match format {
                 DotFormat::Q8_0 => small::<I, Q8_0>(row, x, blocks),
@@ -560,11 +605,14 @@ mod wide {
 
     #[inline(always)]
     unsafe fn load(p: *const u8) -> __m256i {
+        // SAFETY: AVX from the entry points this inlines into; every caller passes `p` with 32
+        // readable bytes (inside one block of `row`, or 32 activation codes of `x.q`).
         unsafe { _mm256_loadu_si256(p as *const __m256i) }
     }
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: register-only AVX/SSE operations, AVX enabled by the entry points this inlines into.
         unsafe {
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
             let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -577,18 +625,23 @@ mod wide {
     /// callers' target features.
     #[inline(always)]
     unsafe fn bits_at_4(v: __m256i, shift: i32, mask: __m256i) -> __m256i {
+        // SAFETY: register-only AVX2 operations, enabled by the entry points this inlines into.
         unsafe { _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), mask)) }
     }
 
     /// Signed codes `w` times signed `x`: `|w|` times `x` with w's sign.
     #[inline(always)]
     unsafe fn signed<I: Isa>(w: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: register-only; AVX2 and I's set are enabled (and on the CPU) in the entry point
+        // this inlines into, as `Isa`'s contract asks.
         unsafe { I::dot(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)) }
     }
 
     /// A Q4_0/Q4_1 block's 16 bytes of nibbles as 32 codes in value order.
     #[inline(always)]
     unsafe fn nibbles(p: *const u8) -> __m256i {
+        // SAFETY: AVX from the entry points this inlines into; the callers (the 4- and 5-bit
+        // types' `codes`) pass `p` at their block's 16 bytes of nibbles, the block's last 16.
         unsafe {
             let v = _mm_loadu_si128(p as *const __m128i);
             let m4 = _mm_set1_epi8(0x0F);
@@ -599,6 +652,8 @@ mod wide {
     /// A half at `p` (unaligned) as f32, on F16C.
     #[inline(always)]
     unsafe fn half(p: *const u8) -> f32 {
+        // SAFETY: F16C from the entry points this inlines into; every caller passes `p` at an f16
+        // inside one block of `row` (a scale or min: bytes 0, 2 or 208).
         unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const u16) as i32))) }
     }
 
@@ -616,6 +671,8 @@ mod wide {
         /// The codes of the block at `blk` times `x`, in i32 lanes.
         #[inline(always)]
         unsafe fn product<I: Isa>(blk: *const u8, x: __m256i) -> __m256i {
+            // SAFETY: `small` passes `blk` at a whole block of `Self::BYTES` in `row`, what `codes`
+            // reads; AVX2 and I's set are enabled in the entry point this inlines into.
             unsafe {
                 match Self::SIGNED {
                     true => signed::<I>(Self::codes(blk), x),
@@ -637,6 +694,8 @@ mod wide {
         const SIGNED: bool = true;
         #[inline(always)]
         unsafe fn codes(blk: *const u8) -> __m256i {
+            // SAFETY: `blk` is a whole 34-byte block (`small`, `small_rows` step through
+            // `row` by blocks): the codes are its bytes 2..34.
             unsafe { load(blk.add(2)) }
         }
     }
@@ -647,6 +706,8 @@ mod wide {
         const SIGNED: bool = true;
         #[inline(always)]
         unsafe fn codes(blk: *const u8) -> __m256i {
+            // SAFETY: `blk` is a whole 18-byte block (`small`, `small_rows` step through
+            // `row` by blocks): the nibbles are its bytes 2..18.
             unsafe { _mm256_sub_epi8(nibbles(blk.add(2)), _mm256_set1_epi8(8)) }
         }
     }
@@ -657,6 +718,8 @@ mod wide {
         const SIGNED: bool = false;
         #[inline(always)]
         unsafe fn codes(blk: *const u8) -> __m256i {
+            // SAFETY: `blk` is a whole 20-byte block (`small`, `small_rows` step through
+            // `row` by blocks): the nibbles are its bytes 4..20.
             unsafe { nibbles(blk.add(4)) }
         }
     }
@@ -667,6 +730,8 @@ mod wide {
         const SIGNED: bool = true;
         #[inline(always)]
         unsafe fn codes(blk: *const u8) -> __m256i {
+            // SAFETY: `blk` is a whole 22-byte block (`small`, `small_rows` step through
+            // `row` by blocks): `qh` is its bytes 2..6, the nibbles 6..22.
             unsafe {
                 _mm256_sub_epi8(_mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2))), _mm256_set1_epi8(16))
             }
@@ -679,6 +744,8 @@ mod wide {
         const SIGNED: bool = false;
         #[inline(always)]
         unsafe fn codes(blk: *const u8) -> __m256i {
+            // SAFETY: `blk` is a whole 24-byte block (`small`, `small_rows` step through
+            // `row` by blocks): `qh` is its bytes 4..8, the nibbles 8..24.
             unsafe { _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4))) }
         }
     }
@@ -686,6 +753,8 @@ mod wide {
     /// The 32 bits of the u32 at `p` as 32 bytes: 16 in byte `j` where bit `j` is set, else 0.
     #[inline(always)]
     unsafe fn fifth_bits(p: *const u8) -> __m256i {
+        // SAFETY: AVX2 from the entry points this inlines into; the callers (Q5_0's and Q5_1's
+        // `codes`) pass `p` at their block's 4 bytes of `qh`.
         unsafe {
             let bits = _mm256_set1_epi32(std::ptr::read_unaligned(p as *const u32) as i32);
             // Byte j takes byte j / 8 of the u32 (each 128-bit lane holds all four), then keeps
@@ -707,6 +776,9 @@ mod wide {
     #[inline(always)]
     unsafe fn small<I: Isa, T: Small>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
         debug_assert!(row.len() >= blocks * T::BYTES && x.d.len() >= blocks && x.dsum.len() >= blocks);
+        // SAFETY: `dot_with` passes `blocks = row.len() / T::BYTES`, so `blk` (b < blocks) is a
+        // whole block; `x` has 32·blocks codes and `blocks` scales and sums (the entry points'
+        // contract); their target features give AVX2, FMA, F16C and I's set.
         unsafe {
             let (w, xq, xd, xs) = (row.as_ptr(), x.q.as_ptr() as *const u8, x.d.as_ptr(), x.dsum.as_ptr());
             let mut acc = [_mm256_setzero_ps(); 2];
@@ -738,6 +810,8 @@ mod wide {
     unsafe fn small_rows<I: Isa, T: Small, const R: usize>(row: &[u8], xs: &[Row<'_>; R], blocks: usize) -> [f32; R] {
         debug_assert!(row.len() >= blocks * T::BYTES);
         debug_assert!(xs.iter().all(|x| x.q.len() >= 32 * blocks && x.d.len() >= blocks && x.dsum.len() >= blocks));
+        // SAFETY: as in `small`: `dots_with` passes `blocks = row.len() / T::BYTES`, and each row
+        // of `xs` has 32·blocks codes and `blocks` scales and sums (the `dots_*` contracts).
         unsafe {
             let w = row.as_ptr();
             let xq: [*const u8; R] = std::array::from_fn(|r| xs[r].q.as_ptr() as *const u8);
@@ -769,6 +843,9 @@ mod wide {
     #[inline(always)]
     unsafe fn q4k<I: Isa, const FIFTH: bool>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
         let bb = if FIFTH { 176 } else { 144 };
+        // SAFETY: `blk` points at `bytes`, one block (sliced with bounds checks), and every read
+        // stays in its 144/176 bytes; `xq` at block b's 256 codes of `x` (the entry points'
+        // contract: `x` as many values as `row`), which also give AVX2, FMA, F16C and I's set.
         unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             let one = _mm256_set1_epi8(1);
@@ -806,6 +883,8 @@ mod wide {
 
     #[inline(always)]
     unsafe fn q6k<I: Isa>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
+        // SAFETY: as in `q4k`: `blk` points at one bounds-checked 210-byte block (reads: `ql`
+        // 0..128, `qh` 128..192, `d` 208..210), `xq` at block b's 256 codes of `x`.
         unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             let m3 = _mm256_set1_epi8(3);
@@ -921,13 +1000,13 @@ pub(crate) mod tests {
             let data = random_rows(format, m, k, 7 + format as u64);
             let mut rng = ChaCha8Rng::seed_from_u64(11);
             let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-            let want = product_with(Isa::Scalar, format, &data, (m, k), &x, n);
+            let want = product_with(Isa::Scalar, DotWeight::new(format, &data, (m, k)), &x, n);
             assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
             // The integer sums are exact; the f32 sums of the blocks' terms (each up to the row's
             // largest output) run in another order.
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for isa in Isa::reachable(Cpu::detect()) {
-                let got = product_with(isa, format, &data, (m, k), &x, n);
+                let got = product_with(isa, DotWeight::new(format, &data, (m, k)), &x, n);
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (a - b).abs() <= 1e-5 * scale,

@@ -34,7 +34,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
 use crate::compute::{Compute, Path};
-use crate::qdot::DotFormat;
+use crate::qdot::{DotFormat, DotWeight, Isa};
 use crate::{flex, float, prim, EmberBackend};
 
 /// Rows up to which the forward product of a weight with integer dot products in the file's layout
@@ -355,12 +355,13 @@ impl QuantLinearOps for Flex {
             return prim(reference(float::<Self, 2>(x), w));
         }
         let (n, x) = (shape[0], flex::f32s(&x));
+        let dot = |format| DotWeight::new(format, &w.0.data, (w.d_out(), w.d_in()));
         let y = match w.0.dot {
             Some(format) if cx.int8_inputs && w.0.interleaved => {
-                crate::interleave::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
+                crate::interleave::product(Isa::best(cx.cpu), dot(format), &x, n)
             }
             Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
-                crate::qdot::product(cx.cpu, format, &w.0.data, (w.d_out(), w.d_in()), &x, n)
+                crate::qdot::product_with(Isa::best(cx.cpu), dot(format), &x, n)
             }
             _ => kernel::forward(&x, n, w),
         };

@@ -15,15 +15,14 @@ use ember_kernels::{Compute, EmberBackend};
 
 use crate::init::Init;
 use crate::keys::{rotate_own, Keys};
-use crate::kinds::{positive_std, ConfigError, Target};
+use crate::kinds::{positive_std, AttentionPart, ConfigError, PartConfig, Target};
 use crate::kv_cache::LayerKv;
 use crate::linear::{forward_packed, Linear};
-use crate::mla::{Latent, MlaConfig};
 use crate::norm::{Norm, NormConfig};
 
 /// What an [`Attention`] is built from.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct AttentionConfig {
+pub(crate) struct GroupedConfig {
     pub d_model: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
@@ -41,11 +40,9 @@ pub(crate) struct AttentionConfig {
     /// Init standard deviation of the q/k/v projections and of the output projection.
     pub init_std: f64,
     pub out_std: f64,
-    /// Multi-head latent attention in place of the plain projections (DeepSeek).
-    pub mla: Option<MlaConfig>,
 }
 
-impl AttentionConfig {
+impl GroupedConfig {
     /// Multi-head attention of `n_heads` heads over `d_model` (one key/value head a query head, no
     /// bias, no window, init std 0.02): the fields are public for the rest.
     #[cfg(test)]
@@ -65,11 +62,42 @@ impl AttentionConfig {
             softcap: None,
             init_std: 0.02,
             out_std: 0.02,
-            mla: None,
         }
     }
 
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+    /// The q or k norm of `heads` heads: per head, or over the projection's whole width.
+    fn whole(&self, norm: &NormConfig, heads: usize) -> NormConfig {
+        match self.qk_norm_whole {
+            true => NormConfig { d_model: heads * self.head_dim, ..norm.clone() },
+            false => norm.clone(),
+        }
+    }
+
+    /// The projections, drawn from `init` (q, k, v, o in that order); the q/k norms start at a
+    /// gain of one. Call [`GroupedConfig::validate`] first (as `Decoder::new` does): a config
+    /// that breaks its rules builds a part that panics when run.
+    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
+        let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
+        let scores = Scores { scale: self.scale, softcap: self.softcap };
+        Attention {
+            q_proj: Linear::new(init, d, h * dh, self.qkv_bias, self.init_std, device),
+            k_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
+            v_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
+            o_proj: Linear::new(init, h * dh, d, self.o_bias, self.out_std, device),
+            q_norm: self.qk_norm.as_ref().map(|n| self.whole(n, h).init(device)),
+            k_norm: self.qk_norm.as_ref().map(|n| self.whole(n, k).init(device)),
+            qk_norm_whole: self.qk_norm_whole,
+            n_heads: h,
+            n_kv_heads: k,
+            head_dim: dh,
+            sliding_window: self.sliding_window,
+            scores,
+        }
+    }
+}
+
+impl PartConfig for GroupedConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
         let sizes = [("d_model", self.d_model), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads)];
         if let Some((name, _)) = sizes.into_iter().find(|&(_, value)| value == 0) {
             return Err(ConfigError::NotPositive { name, value: 0.0 });
@@ -85,7 +113,7 @@ impl AttentionConfig {
         if self.head_dim == 0 {
             return Err(ConfigError::NotPositive { name: "head_dim", value: 0.0 });
         }
-        if !self.head_dim.is_multiple_of(2) && self.mla.is_none() {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(ConfigError::OddHeadDim(self.head_dim));
         }
         if self.sliding_window == Some(0) {
@@ -94,28 +122,11 @@ impl AttentionConfig {
         if let Some(norm) = &self.qk_norm {
             norm.validate()?;
         }
-        if let Some(mla) = &self.mla {
-            mla.validate()?;
-            let other = [("sliding_window", self.sliding_window.is_some()), ("qk_norm", self.qk_norm.is_some())];
-            if let Some((key, _)) = other.into_iter().find(|&(_, set)| set) {
-                return Err(ConfigError::Needs { key, needs: "plain attention (not [model.mla])" });
-            }
-            if self.softcap.is_some() {
-                return Err(ConfigError::Needs {
-                    key: "attn_logit_softcap",
-                    needs: "plain attention (not [model.mla])",
-                });
-            }
-        }
         positive_std(self.init_std, self.out_std)
     }
 
-    /// Its parameters: the projections' weights and biases and the q/k norms (latent attention
-    /// counts its own).
-    pub(crate) fn params(&self) -> u64 {
-        if let Some(mla) = &self.mla {
-            return mla.params(self.d_model, self.n_heads, self.qkv_bias, self.o_bias);
-        }
+    /// Its parameters: the projections' weights and biases and the q/k norms.
+    fn params(&self) -> u64 {
         let d = self.d_model as u64;
         let (q, kv) = ((self.n_heads * self.head_dim) as u64, (self.n_kv_heads * self.head_dim) as u64);
         let qkv_bias = if self.qkv_bias { q + 2 * kv } else { 0 };
@@ -127,91 +138,43 @@ impl AttentionConfig {
         self.matmul_params() + qkv_bias + o_bias + qk_norm
     }
 
-    /// Weights a token multiplies by: `D·H·Dh + 2·D·K·Dh + H·Dh·D`; latent attention's expanded
-    /// form's.
-    pub(crate) fn matmul_params(&self) -> u64 {
-        if let Some(mla) = &self.mla {
-            return mla.matmul_params(self.d_model, self.n_heads);
-        }
+    /// Weights a token multiplies by: `D·H·Dh + 2·D·K·Dh + H·Dh·D`.
+    fn matmul_params(&self) -> u64 {
         let d = self.d_model as u64;
         let (q, kv) = ((self.n_heads * self.head_dim) as u64, (self.n_kv_heads * self.head_dim) as u64);
         d * q + 2 * d * kv + q * d
     }
 
-    /// `(in, out)` of the projection `target` names, if it is one of the attention's (latent
-    /// attention's four: the query's up-projection when it is low-rank).
-    pub(crate) fn projection(&self, target: Target) -> Option<(usize, usize)> {
+    /// `(in, out)` of the projection `target` names, if it is one of the attention's.
+    fn projection(&self, target: Target) -> Option<(usize, usize)> {
         let i = [Target::QProj, Target::KProj, Target::VProj, Target::OProj].iter().position(|&t| t == target)?;
-        if let Some(mla) = &self.mla {
-            return Some(mla.shapes(self.d_model, self.n_heads)[i]);
-        }
         let d = self.d_model;
         let (q, kv) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
         Some([(d, q), (d, kv), (d, kv), (q, d)][i])
     }
 
-    /// The width of the score and value products per position, `H·Dh` (latent attention's scores
-    /// are `qk_dim` wide and its values `v_dim`: their mean).
-    pub(crate) fn width(&self) -> f64 {
-        let head = self.mla.as_ref().map_or(self.head_dim as f64, |m| (m.qk_dim() + m.v_dim) as f64 / 2.0);
-        self.n_heads as f64 * head
-    }
-
-    /// The q or k norm of `heads` heads: per head, or over the projection's whole width.
-    fn whole(&self, norm: &NormConfig, heads: usize) -> NormConfig {
-        match self.qk_norm_whole {
-            true => NormConfig { d_model: heads * self.head_dim, ..norm.clone() },
-            false => norm.clone(),
-        }
-    }
-
-    /// The projections, drawn from `init` (q, k, v, o in that order); the q/k norms start at a
-    /// gain of one. Call [`AttentionConfig::validate`] first (as `Decoder::new` does): a config
-    /// that breaks its rules builds a part that panics when run.
-    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Attention<B> {
-        let (d, dh, h, k) = (self.d_model, self.head_dim, self.n_heads, self.n_kv_heads);
-        let scores = Scores { scale: self.scale, softcap: self.softcap };
-        if let Some(mla) = &self.mla {
-            let latent = mla.init(init, (d, h, self.qkv_bias, self.init_std), scores, device);
-            let [q, kv_down, kv_up, o] = mla.shapes(d, h);
-            let std = self.init_std;
-            return Attention {
-                q_proj: Linear::new(init, q.0, q.1, false, std, device),
-                k_proj: Linear::new(init, kv_down.0, kv_down.1, self.qkv_bias, std, device),
-                v_proj: Linear::new(init, kv_up.0, kv_up.1, false, std, device),
-                o_proj: Linear::new(init, o.0, o.1, self.o_bias, self.out_std, device),
-                q_norm: None,
-                k_norm: None,
-                mla: Some(latent),
-                qk_norm_whole: false,
-                n_heads: h,
-                n_kv_heads: h,
-                head_dim: mla.qk_dim(),
-                sliding_window: None,
-                scores,
-            };
-        }
-        Attention {
-            q_proj: Linear::new(init, d, h * dh, self.qkv_bias, self.init_std, device),
-            k_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
-            v_proj: Linear::new(init, d, k * dh, self.qkv_bias, self.init_std, device),
-            o_proj: Linear::new(init, h * dh, d, self.o_bias, self.out_std, device),
-            q_norm: self.qk_norm.as_ref().map(|n| self.whole(n, h).init(device)),
-            k_norm: self.qk_norm.as_ref().map(|n| self.whole(n, k).init(device)),
-            mla: None,
-            qk_norm_whole: self.qk_norm_whole,
-            n_heads: h,
-            n_kv_heads: k,
-            head_dim: dh,
-            sliding_window: self.sliding_window,
-            scores,
-        }
+    /// The f32 values autodiff keeps per token: q, k, v and their rotated copies (2·H·Dh + 3·K·Dh),
+    /// the attention output and projection (2·H·Dh), and the `[T, T]` score and probability
+    /// matrices per head (2·H·T).
+    fn activations(&self, seq_len: usize) -> u64 {
+        let (h, k, dh, t) = (self.n_heads as u64, self.n_kv_heads as u64, self.head_dim as u64, seq_len as u64);
+        2 * h * dh + 3 * k * dh + 2 * h * dh + 2 * h * t
     }
 }
 
-/// The attention's projections. With latent attention (`mla`) they are MLA's, as [`crate::mla`]
-/// describes: `q_proj` `[D or q_rank, H·(dn + dr)]` [q_proj; q_b_proj], `k_proj` `[D, r + dr]`
-/// [kv_a_proj_with_mqa], `v_proj` `[r, H·(dn + dv)]` [kv_b_proj], `o_proj` `[H·dv, D]`.
+impl AttentionPart for GroupedConfig {
+    /// The width of the score and value products per position, `H·Dh`.
+    fn width(&self) -> f64 {
+        self.n_heads as f64 * self.head_dim as f64
+    }
+
+    /// Numbers a position takes in the cache's key pool and value pool: `K·Dh` each.
+    fn cache_widths(&self) -> (usize, usize) {
+        (self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+    }
+}
+
+/// Grouped-query attention's projections and q/k norms.
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
     /// `[D, H·Dh]`
@@ -222,8 +185,6 @@ pub struct Attention<B: Backend> {
     pub v_proj: Linear<B>,
     /// `[H·Dh, D]`
     pub o_proj: Linear<B>,
-    /// Latent attention's other parts (DeepSeek's MLA).
-    pub mla: Option<Latent<B>>,
     /// Per-head norms of the queries and keys, `[Dh]` each; over the whole projections, `[H·Dh]`
     /// and `[K·Dh]`, with `qk_norm_whole`.
     pub q_norm: Option<Norm<B>>,
@@ -251,10 +212,6 @@ impl<B: EmberBackend> Attention<B> {
     /// Projections and the attention GEMMs run in `cx.dtype`; RoPE, the softmax and the result are
     /// f32.
     pub(crate) fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
-        if let Some(latent) = &self.mla {
-            let projections = [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
-            return latent.forward(projections, x, rope, keys, cx);
-        }
         let [b, t, d] = x.dims();
         let qkv = self.qkv(x.reshape([b * t, d]), cx); // [B·T, (H + 2K)·Dh]
         let o = ember_kernels::profile::time(ember_kernels::profile::Part::Attention, || match keys {
@@ -344,13 +301,21 @@ impl<B: EmberBackend> Attention<B> {
 mod tests {
     use super::*;
     use crate::config::{tiny_config, ModelConfig};
-    use crate::linear::Linear;
+    use crate::linear::{Linear, Weight};
     use crate::TestBackend;
     use burn::module::Param;
     use burn::tensor::activation::softmax;
     use burn::tensor::{Bool, Distribution, Tolerance};
 
     type B = TestBackend;
+
+    /// The config of `cfg`'s first attention, grouped.
+    fn grouped(cfg: &ModelConfig) -> GroupedConfig {
+        match cfg.attention(0) {
+            crate::block::AttentionConfig::Grouped(g) => g,
+            crate::block::AttentionConfig::Latent(_) => panic!("a grouped-query model"),
+        }
+    }
 
     /// Plain multi-head attention, written out: explicit scores, mask and softmax, one K/V head per
     /// query head.
@@ -379,7 +344,7 @@ mod tests {
     fn gqa_with_as_many_kv_heads_as_heads_is_plain_mha() {
         let dev = Default::default();
         let cfg = ModelConfig { n_kv_heads: Some(4), qkv_bias: true, ..tiny_config() };
-        let mut att = cfg.attention(0).init::<B>(&mut Init::new(1), &dev);
+        let mut att = grouped(&cfg).init::<B>(&mut Init::new(1), &dev);
         // Non-zero biases so that the bias path is checked too.
         for lin in [&mut att.q_proj, &mut att.k_proj, &mut att.v_proj] {
             let n = lin.d_out();
@@ -396,19 +361,19 @@ mod tests {
     fn gqa_equals_mha_with_repeated_kv_weights() {
         let dev = Default::default();
         let cfg = tiny_config(); // 4 heads, 2 KV heads
-        let gqa = cfg.attention(0).init::<B>(&mut Init::new(2), &dev);
+        let gqa = grouped(&cfg).init::<B>(&mut Init::new(2), &dev);
         let mha_cfg = ModelConfig { n_kv_heads: Some(4), ..cfg.clone() };
-        let mut mha = mha_cfg.attention(0).init::<B>(&mut Init::new(3), &dev);
+        let mut mha = grouped(&mha_cfg).init::<B>(&mut Init::new(3), &dev);
         let dh = cfg.head_dim();
         // KV head j serves query heads 2j and 2j+1: repeat its columns.
         let repeat = |w: Tensor<B, 2>| {
             let d = w.dims()[0];
             w.reshape([d, 2, 1, dh]).expand([d, 2, 2, dh]).reshape([d, 4 * dh])
         };
-        mha.q_proj.weight = Param::from_tensor(gqa.q_proj.weight.val());
-        mha.o_proj.weight = Param::from_tensor(gqa.o_proj.weight.val());
-        mha.k_proj.weight = Param::from_tensor(repeat(gqa.k_proj.weight.val()));
-        mha.v_proj.weight = Param::from_tensor(repeat(gqa.v_proj.weight.val()));
+        mha.q_proj.weight = Weight::Dense(Param::from_tensor(gqa.q_proj.weight.val()));
+        mha.o_proj.weight = Weight::Dense(Param::from_tensor(gqa.o_proj.weight.val()));
+        mha.k_proj.weight = Weight::Dense(Param::from_tensor(repeat(gqa.k_proj.weight.val())));
+        mha.v_proj.weight = Weight::Dense(Param::from_tensor(repeat(gqa.v_proj.weight.val())));
         let rope = Rope::new(cfg.max_seq_len, dh, cfg.rope_theta, cfg.rope_layout, &dev);
         let x = Tensor::<B, 3>::random([1, 9, cfg.d_model], Distribution::Normal(0.0, 1.0), &dev);
         let a = gqa.forward(x.clone(), &rope, Keys::Own { start: 0, docs: None }, Compute::default()).into_data();
@@ -419,7 +384,7 @@ mod tests {
     #[test]
     fn an_attention_is_built_and_run_from_its_own_config() {
         let dev = Default::default();
-        let config = AttentionConfig { n_kv_heads: 1, ..AttentionConfig::new(16, 2) };
+        let config = GroupedConfig { n_kv_heads: 1, ..GroupedConfig::new(16, 2) };
         config.validate().unwrap();
         let att = config.init::<B>(&mut Init::new(4), &dev);
         assert_eq!((att.k_proj.d_out(), att.q_proj.d_out()), (8, 16));

@@ -9,12 +9,13 @@ use burn::tensor::{backend::Backend, Tensor};
 use ember_kernels::rope::Rope;
 use ember_kernels::{Compute, EmberBackend};
 
-use crate::attention::{Attention, AttentionConfig};
+use crate::attention::{Attention, GroupedConfig};
 use crate::dropout;
 use crate::init::Init;
 use crate::keys::Keys;
-use crate::kinds::{ConfigError, Target};
+use crate::kinds::{AttentionPart, ConfigError, PartConfig, Target};
 use crate::linear::Linear;
+use crate::mla::{LatentAttention, LatentConfig};
 use crate::mlp::{Mlp, MlpConfig};
 use crate::moe::{Moe, MoePartConfig, Route};
 use crate::norm::{Norm, NormConfig};
@@ -31,6 +32,31 @@ pub(crate) struct BlockConfig {
     pub dropout: f64,
 }
 
+/// What a block's self-attention is built from: grouped-query attention, or latent attention
+/// (DeepSeek's MLA), each with only the fields it uses.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum AttentionConfig {
+    Grouped(GroupedConfig),
+    Latent(LatentConfig),
+}
+
+impl AttentionConfig {
+    /// The variant's config, as every kind of attention answers.
+    pub(crate) fn part(&self) -> &dyn AttentionPart {
+        match self {
+            Self::Grouped(att) => att,
+            Self::Latent(att) => att,
+        }
+    }
+
+    fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> SelfAttention<B> {
+        match self {
+            Self::Grouped(att) => SelfAttention::Grouped(att.init(init, device)),
+            Self::Latent(att) => SelfAttention::Latent(att.init(init, device)),
+        }
+    }
+}
+
 /// What a block's feed-forward part is built from: one MLP, or a mixture of experts.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum FeedForwardConfig {
@@ -39,10 +65,11 @@ pub(crate) enum FeedForwardConfig {
 }
 
 impl FeedForwardConfig {
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// The variant's config, as every feed-forward part answers.
+    fn part(&self) -> &dyn PartConfig {
         match self {
-            Self::Dense(mlp) => mlp.validate(),
-            Self::Experts(moe) => moe.validate(),
+            Self::Dense(mlp) => mlp,
+            Self::Experts(moe) => moe,
         }
     }
 
@@ -52,33 +79,12 @@ impl FeedForwardConfig {
             Self::Experts(moe) => FeedForward::Moe(moe.init(init, device)),
         }
     }
-
-    fn params(&self) -> u64 {
-        match self {
-            Self::Dense(mlp) => mlp.params(),
-            Self::Experts(moe) => moe.params(),
-        }
-    }
-
-    fn matmul_params(&self) -> u64 {
-        match self {
-            Self::Dense(mlp) => mlp.matmul_params(),
-            Self::Experts(moe) => moe.matmul_params(),
-        }
-    }
-
-    fn projection(&self, target: Target) -> Option<(usize, usize)> {
-        match self {
-            Self::Dense(mlp) => mlp.projection(target),
-            Self::Experts(moe) => moe.projection(target),
-        }
-    }
 }
 
 impl BlockConfig {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        self.attention.validate()?;
-        self.ffn.validate()?;
+        self.attention.part().validate()?;
+        self.ffn.part().validate()?;
         self.norm.validate()?;
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(ConfigError::Dropout(self.dropout));
@@ -94,17 +100,27 @@ impl BlockConfig {
 
     /// Its parameters: the attention's, the feed-forward part's and the norms'.
     pub(crate) fn params(&self) -> u64 {
-        self.attention.params() + self.ffn.params() + self.norms() * self.norm.params()
+        self.attention.part().params() + self.ffn.part().params() + self.norms() * self.norm.params()
     }
 
     /// `(in, out)` of the projection `target` names, if the block has it.
     pub(crate) fn projection(&self, target: Target) -> Option<(usize, usize)> {
-        self.attention.projection(target).or_else(|| self.ffn.projection(target))
+        self.attention.part().projection(target).or_else(|| self.ffn.part().projection(target))
     }
 
     /// Weights a token multiplies by in this block (the N of 6N).
     pub(crate) fn matmul_params(&self) -> u64 {
-        self.attention.matmul_params() + self.ffn.matmul_params()
+        self.attention.part().matmul_params() + self.ffn.part().matmul_params()
+    }
+
+    /// The f32 values autodiff keeps per token at context `seq_len`: the block's input, two norm
+    /// outputs (the attention's and the feed-forward part's inputs), and what the attention and
+    /// the feed-forward part keep.
+    pub(crate) fn activations(&self, seq_len: usize) -> u64 {
+        let d = self.norm.d_model as u64;
+        d + 2 * self.norm.activations()
+            + self.attention.part().activations(seq_len)
+            + self.ffn.part().activations(seq_len)
     }
 
     /// The part, its weights drawn from `init` (the attention's, then the MLP's). Call
@@ -124,6 +140,58 @@ impl BlockConfig {
     }
 }
 
+/// A block's self-attention. Its parameters are named by its field whichever the variant,
+/// `layers.{i}.self_attn.q_proj.…`, latent attention's other parts `layers.{i}.self_attn.mla.…`
+/// (see [`crate::weights`]).
+#[derive(Module, Debug)]
+pub enum SelfAttention<B: Backend> {
+    Grouped(Attention<B>),
+    Latent(LatentAttention<B>),
+}
+
+impl<B: Backend> SelfAttention<B> {
+    /// The projection `target` names, if it is the attention's (q, k, v, o).
+    fn projection(&self, target: Target) -> Option<&Linear<B>> {
+        let [q, k, v, o] = match self {
+            Self::Grouped(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj],
+            Self::Latent(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj],
+        };
+        match target {
+            Target::QProj => Some(q),
+            Target::KProj => Some(k),
+            Target::VProj => Some(v),
+            Target::OProj => Some(o),
+            _ => None,
+        }
+    }
+
+    /// The projection `target` names, to change.
+    fn projection_mut(&mut self, target: Target) -> Option<&mut Linear<B>> {
+        let [q, k, v, o] = match self {
+            Self::Grouped(a) => [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj],
+            Self::Latent(a) => [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj],
+        };
+        match target {
+            Target::QProj => Some(q),
+            Target::KProj => Some(k),
+            Target::VProj => Some(v),
+            Target::OProj => Some(o),
+            _ => None,
+        }
+    }
+}
+
+impl<B: EmberBackend> SelfAttention<B> {
+    /// # Shapes
+    /// - x: `[B, T, D]` -> `[B, T, D]`
+    fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
+        match self {
+            Self::Grouped(att) => att.forward(x, rope, keys, cx),
+            Self::Latent(att) => att.forward(x, rope, keys, cx),
+        }
+    }
+}
+
 /// A block's feed-forward part. Its parameters are named by the variant, `layers.{i}.mlp.…` or
 /// `layers.{i}.moe.…` (see [`crate::weights`]).
 #[derive(Module, Debug)]
@@ -137,7 +205,7 @@ pub enum FeedForward<B: Backend> {
 pub struct Block<B: Backend> {
     /// The attention's input norm (a parallel block's only one).
     pub input_layernorm: Norm<B>,
-    pub self_attn: Attention<B>,
+    pub self_attn: SelfAttention<B>,
     /// The attention's output norm (sandwich norms) [Gemma: post_attention_layernorm].
     pub attn_output_norm: Option<Norm<B>>,
     /// The MLP's input norm [Llama: post_attention_layernorm; Gemma: pre_feedforward_layernorm].
@@ -152,7 +220,7 @@ pub struct Block<B: Backend> {
 
 impl<B: Backend> Block<B> {
     /// The MLP, unless the block has experts.
-    pub fn mlp(&self) -> Option<&Mlp<B>> {
+    pub(crate) fn mlp(&self) -> Option<&Mlp<B>> {
         match &self.ffn {
             FeedForward::Mlp(mlp) => Some(mlp),
             FeedForward::Moe(_) => None,
@@ -177,13 +245,9 @@ impl<B: Backend> Block<B> {
 
     /// The projection `target` names (`None`: a plain MLP has no gate, experts no MLP).
     pub fn projection(&self, target: Target) -> Option<&Linear<B>> {
-        let att = &self.self_attn;
         let mlp = || self.mlp();
         Some(match target {
-            Target::QProj => &att.q_proj,
-            Target::KProj => &att.k_proj,
-            Target::VProj => &att.v_proj,
-            Target::OProj => &att.o_proj,
+            Target::QProj | Target::KProj | Target::VProj | Target::OProj => self.self_attn.projection(target)?,
             Target::GateProj => mlp()?.gate_proj.as_ref()?,
             Target::UpProj => &mlp()?.up_proj,
             Target::DownProj => &mlp()?.down_proj,
@@ -192,16 +256,12 @@ impl<B: Backend> Block<B> {
 
     /// The projection `target` names, to change.
     pub fn projection_mut(&mut self, target: Target) -> Option<&mut Linear<B>> {
-        let att = &mut self.self_attn;
         let mlp = match &mut self.ffn {
             FeedForward::Mlp(mlp) => Some(mlp),
             FeedForward::Moe(_) => None,
         };
         Some(match target {
-            Target::QProj => &mut att.q_proj,
-            Target::KProj => &mut att.k_proj,
-            Target::VProj => &mut att.v_proj,
-            Target::OProj => &mut att.o_proj,
+            Target::QProj | Target::KProj | Target::VProj | Target::OProj => self.self_attn.projection_mut(target)?,
             Target::GateProj => mlp?.gate_proj.as_mut()?,
             Target::UpProj => &mut mlp?.up_proj,
             Target::DownProj => &mut mlp?.down_proj,
@@ -211,18 +271,18 @@ impl<B: Backend> Block<B> {
 
 impl<B: EmberBackend> Block<B> {
     /// The block with its adapters merged into its weights (the experts' and the shared
-    /// expert's too).
-    pub(crate) fn merge_lora(mut self) -> Self {
+    /// expert's too), stored weights dequantized on `device`.
+    pub(crate) fn merge_lora(mut self, device: &B::Device) -> Self {
         for target in Target::ALL {
             if let Some(lin) = self.projection_mut(target) {
-                *lin = lin.clone().merge_lora();
+                *lin = lin.clone().merge_lora(device);
             }
         }
         if let FeedForward::Moe(moe) = self.ffn {
             let mut moe = moe.merge_lora();
             if let Some(shared) = moe.shared.as_mut() {
                 for lin in shared.gate_proj.iter_mut().chain([&mut shared.up_proj, &mut shared.down_proj]) {
-                    *lin = lin.clone().merge_lora();
+                    *lin = lin.clone().merge_lora(device);
                 }
             }
             self.ffn = FeedForward::Moe(moe);

@@ -23,6 +23,29 @@ pub enum ConfigError {
     Needs { key: &'static str, needs: &'static str },
 }
 
+/// What a part's config answers without building the part: its rules, its size and cost, its LoRA
+/// projections and its memory. The model's totals sum over its parts' answers; a block's
+/// variants (grouped or latent attention, an MLP or experts) are each one implementation.
+pub(crate) trait PartConfig {
+    fn validate(&self) -> Result<(), ConfigError>;
+    /// Its parameters.
+    fn params(&self) -> u64;
+    /// Weights a token multiplies by (its share of the N of 6N).
+    fn matmul_params(&self) -> u64;
+    /// `(in, out)` of the projection `target` names, if the part has it.
+    fn projection(&self, target: Target) -> Option<(usize, usize)>;
+    /// The f32 values autodiff keeps per token at context `seq_len`.
+    fn activations(&self, seq_len: usize) -> u64;
+}
+
+/// What an attention part's config answers besides.
+pub(crate) trait AttentionPart: PartConfig {
+    /// The width of the score and value products per position (for FLOP counts).
+    fn width(&self) -> f64;
+    /// Numbers a position takes in the cache's key pool and value pool.
+    fn cache_widths(&self) -> (usize, usize);
+}
+
 /// A norm.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

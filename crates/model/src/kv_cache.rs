@@ -26,8 +26,6 @@ use ember_kernels::Compute;
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
     block_size: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
     /// Numbers a position takes in each layer's key pool and value pool: `K·Dh` each, or a latent
     /// attention's `kv_rank + rope_dim` and none (its values are part of the latent).
     key_width: usize,
@@ -81,8 +79,8 @@ struct Plan<B: Backend> {
 impl<B: Backend> KvCache<B> {
     /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions.
     pub(crate) fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
-        let width = config.n_kv_heads() * config.head_dim();
-        let (key_width, value_width) = config.mla.as_ref().map_or((width, width), |mla| (mla.cache_width(), 0));
+        // Every layer's attention answers alike (the window aside): the first's widths are all's.
+        let (key_width, value_width) = config.attention(0).part().cache_widths();
         // Latent attention has no value pools (its values are part of the latent).
         let empty = |w| match w {
             0 => Vec::new(),
@@ -90,8 +88,6 @@ impl<B: Backend> KvCache<B> {
         };
         Self {
             block_size: block_size.max(1),
-            n_kv_heads: config.n_kv_heads(),
-            head_dim: config.head_dim(),
             key_width,
             value_width,
             max_len: config.max_seq_len,
@@ -129,12 +125,6 @@ impl<B: Backend> KvCache<B> {
     pub(crate) fn pool_bytes(&self) -> usize {
         let rows = |pools: &[Tensor<B, 2>]| pools.iter().map(|p| p.dims()[0] * p.dims()[1]).sum::<usize>();
         (rows(&self.keys) + rows(&self.values)) * DType::F32.size()
-    }
-
-    /// Bytes of the blocks the sequences hold (f32), filled or not.
-    pub fn allocated_bytes(&self) -> usize {
-        let blocks: usize = self.tables.iter().map(Vec::len).sum();
-        blocks * self.block_size * self.bytes_per_token(DType::F32)
     }
 
     /// Forgets everything stored for sequence `b`; its blocks go back to the pool (a block shared
@@ -367,13 +357,13 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
         cx: Compute,
     ) -> Tensor<B, 4> {
         let c = self.cache;
-        let (kh, dh) = (c.n_kv_heads, c.head_dim);
+        let width = c.key_width; // K·Dh
         let Some(plan) = c.plan.as_ref() else {
             return grouped_attention(q, k, v, None, (rep, scores), cx.dtype); // no step under way: own keys only
         };
         let b = plan.rows.len();
         let rows = |x: Tensor<B, 4>| {
-            let x = x.swap_dims(1, 2).reshape([b * plan.t, kh * dh]); // [B·T, K·Dh]
+            let x = x.swap_dims(1, 2).reshape([b * plan.t, width]); // [B·T, K·Dh]
             match &plan.real {
                 Some(real) => x.select(0, real.clone()),
                 None => x,
@@ -382,7 +372,7 @@ impl<B: KvWriteOps + PagedAttentionOps> LayerKv<'_, B> {
         let (nk, nv) = (rows(k), rows(v));
         let l = self.layer;
         // The pool is moved into the write (not cloned), so that it can happen in place.
-        let placeholder = || Tensor::<B, 2>::empty([0, kh * dh], &c.device);
+        let placeholder = || Tensor::<B, 2>::empty([0, width], &c.device);
         let keys = std::mem::replace(&mut c.keys[l], placeholder());
         c.keys[l] = float(B::kv_write(prim(keys), &plan.write, prim(nk)));
         let values = std::mem::replace(&mut c.values[l], placeholder());

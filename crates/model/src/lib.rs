@@ -19,16 +19,17 @@ pub mod moe;
 mod norm;
 pub mod weights;
 
-pub use block::Block;
-pub use config::{ModelConfig, MoeConfig, RopeLayout, RopeScaling};
-pub use decoder::{Decoder, KeepError};
+pub use block::{Block, SelfAttention};
+pub use config::{ModelConfig, RopeLayout, RopeScaling};
+pub use decoder::{stored::KeepError, Decoder};
 pub use ember_kernels::documents::{Documents, DocumentsError};
 pub use ember_kernels::Compute;
 pub use kinds::{ConfigError, MlpKind, NormKind, Positions};
 pub use kv_cache::KvCache;
+pub use linear::Weight;
 pub use lora::LoraConfig;
-pub use mla::{Latent, MlaConfig};
-pub use moe::Scoring;
+pub use mla::MlaConfig;
+pub use moe::{MoeConfig, Scoring};
 
 pub(crate) use ember_kernels::to_dtype;
 

@@ -1,6 +1,8 @@
 //! Linear layer in Burn's layout: `weight` is `[in, out]` and `y = x·W + b`. Hugging Face stores the
 //! transpose, `[out, in]`; conversions transpose at the checkpoint boundary, never here.
 
+use std::marker::PhantomData;
+
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Tensor};
 
@@ -10,61 +12,117 @@ use crate::to_dtype;
 use ember_kernels::linear::{self, linear, LowRank};
 use ember_kernels::{quant_linear, quant_linear_lora, Compute, EmberBackend, QuantWeight};
 
+/// A weight matrix as a model holds it: a parameter, or the blocks of a GGUF file kept in their
+/// storage type (frozen; products dequantize a tile at a time, [`quant_linear`]). A stored weight
+/// has no tensor at all: nothing can read, train or save values it does not hold. Its parameter is
+/// named by its field (`q_proj.weight`, `embed_tokens`), whichever the variant ([`crate::weights`]).
+#[derive(Module, Debug)]
+pub enum Weight<B: Backend> {
+    Dense(Param<Tensor<B, 2>>),
+    Stored(Stored<B>),
+}
+
+/// A weight kept in its block-quantized storage type: `d_out` rows of `d_in` values (a linear
+/// layer's `[in, out]` transposed, as GGUF stores it; an embedding table's rows).
+#[derive(Module, Debug)]
+pub struct Stored<B: Backend> {
+    #[module(skip)]
+    pub blocks: QuantWeight,
+    backend: PhantomData<B>,
+}
+
+impl<B: Backend> Weight<B> {
+    /// The parameter, unless the weight is stored.
+    pub(crate) fn dense(&self) -> Option<&Param<Tensor<B, 2>>> {
+        match self {
+            Weight::Dense(w) => Some(w),
+            Weight::Stored(_) => None,
+        }
+    }
+
+    /// The stored blocks, if the weight is kept so.
+    pub(crate) fn stored(&self) -> Option<&QuantWeight> {
+        match self {
+            Weight::Stored(s) => Some(&s.blocks),
+            Weight::Dense(_) => None,
+        }
+    }
+
+    /// The dense weight's value (tests read built models' weights).
+    #[cfg(test)]
+    pub(crate) fn val(&self) -> Tensor<B, 2> {
+        self.dense().expect("a dense weight").val()
+    }
+}
+
+impl<B: Backend> Stored<B> {
+    pub(crate) fn new(blocks: QuantWeight) -> Self {
+        Self { blocks, backend: PhantomData }
+    }
+}
+
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
-    /// `[in, out]`.
-    pub weight: Param<Tensor<B, 2>>,
+    /// `[in, out]`, or the stored blocks of a GGUF base (frozen, under LoRA or for inference).
+    pub weight: Weight<B>,
     /// `[out]`.
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// A low-rank adapter added to the output, when fine-tuning with LoRA.
     pub lora: Option<Lora<B>>,
-    /// The frozen weight kept in its block-quantized storage type (a GGUF base under LoRA): `weight`
-    /// is then an empty `[0, 0]` placeholder and the products dequantize a tile at a time
-    /// ([`quant_linear`]).
-    #[module(skip)]
-    pub quantized: Option<QuantWeight>,
 }
 
 impl<B: Backend> Linear<B> {
     pub(crate) fn new(init: &mut Init, d_in: usize, d_out: usize, bias: bool, std: f64, device: &B::Device) -> Self {
         Self {
-            weight: init.normal_param([d_in, d_out], std, device),
+            weight: Weight::Dense(init.normal_param([d_in, d_out], std, device)),
             bias: bias.then(|| const_param([d_out], 0.0, device)),
             lora: None,
-            quantized: None,
         }
+    }
+
+    /// A layer of `blocks` (`d_out` rows of `d_in`), frozen, without bias or adapter.
+    pub(crate) fn stored(blocks: QuantWeight) -> Self {
+        Self { weight: Weight::Stored(Stored::new(blocks)), bias: None, lora: None }
     }
 
     pub fn d_out(&self) -> usize {
-        self.quantized.as_ref().map_or_else(|| self.weight.dims()[1], QuantWeight::d_out)
+        match &self.weight {
+            Weight::Dense(w) => w.dims()[1],
+            Weight::Stored(s) => s.blocks.d_out(),
+        }
     }
 
     pub fn d_in(&self) -> usize {
-        self.quantized.as_ref().map_or_else(|| self.weight.dims()[0], QuantWeight::d_in)
-    }
-
-    /// Keeps `weight` (`[d_in, d_out]` of this layer) in its quantized storage, frozen: the f32
-    /// weight is dropped for an empty placeholder.
-    pub(crate) fn with_quantized(self, weight: QuantWeight) -> Self {
-        let device = self.weight.device();
-        let placeholder = Tensor::<B, 2>::empty([0, 0], &device);
-        Self { weight: Param::from_tensor(placeholder).set_require_grad(false), quantized: Some(weight), ..self }
-    }
-
-    /// The layer with its weight dequantized to an f32 parameter (frozen, as it was), for export.
-    pub(crate) fn dequantized(mut self) -> Self {
-        if let Some(q) = self.quantized.take() {
-            self.weight = Param::from_tensor(q.to_tensor(&self.weight.device())).set_require_grad(false);
+        match &self.weight {
+            Weight::Dense(w) => w.dims()[0],
+            Weight::Stored(s) => s.blocks.d_in(),
         }
-        self
     }
 
-    /// The weight the layer multiplies by, `[in, out]` in f32: dequantized where it is kept
-    /// quantized, with the attached adapter's `(α/r)·A·B` added.
-    pub(crate) fn effective_weight(&self) -> Tensor<B, 2> {
-        let weight = match &self.quantized {
-            Some(q) => q.to_tensor(&self.weight.device()),
-            None => to_dtype(self.weight.val(), DType::F32),
+    /// Keeps the weight (`[d_in, d_out]` of this layer) in its quantized storage, frozen: the f32
+    /// weight is dropped.
+    pub(crate) fn with_quantized(self, blocks: QuantWeight) -> Self {
+        Self { weight: Weight::Stored(Stored::new(blocks)), ..self }
+    }
+
+    /// The layer with its weight dequantized to an f32 parameter on `device` (frozen, as it was),
+    /// for export.
+    pub(crate) fn dequantized(self, device: &B::Device) -> Self {
+        match self.weight {
+            Weight::Stored(s) => {
+                let weight = Param::from_tensor(s.blocks.to_tensor(device)).set_require_grad(false);
+                Self { weight: Weight::Dense(weight), ..self }
+            }
+            Weight::Dense(_) => self,
+        }
+    }
+
+    /// The weight the layer multiplies by, `[in, out]` in f32: dequantized (on `device`) where it
+    /// is kept quantized, with the attached adapter's `(α/r)·A·B` added.
+    pub(crate) fn effective_weight(&self, device: &B::Device) -> Tensor<B, 2> {
+        let weight = match &self.weight {
+            Weight::Stored(s) => s.blocks.to_tensor(device),
+            Weight::Dense(w) => to_dtype(w.val(), DType::F32),
         };
         match &self.lora {
             Some(lora) => weight + lora.delta(),
@@ -78,16 +136,18 @@ impl<B: Backend> Linear<B> {
     }
 
     /// Folds the adapter into the weight (`W + (α/r)·A·B`) and drops it; a quantized weight is
-    /// dequantized first (the merged weight is f32).
-    pub(crate) fn merge_lora(self) -> Self {
-        let mut layer = self.dequantized();
-        if let Some(lora) = layer.lora.take() {
-            let (dtype, require_grad) = (layer.weight.val().dtype(), layer.weight.val().is_require_grad());
-            let merged = (to_dtype(layer.weight.val(), DType::F32) + lora.delta()).detach();
-            let merged = to_dtype(merged, dtype);
-            layer.weight = layer.weight.map(|_| if require_grad { merged.require_grad() } else { merged });
-        }
-        layer
+    /// dequantized first, on `device` (the merged weight is f32).
+    pub(crate) fn merge_lora(self, device: &B::Device) -> Self {
+        let Self { weight, bias, lora } = self.dequantized(device);
+        let weight = match (weight, lora) {
+            (Weight::Dense(weight), Some(lora)) => {
+                let (dtype, require_grad) = (weight.val().dtype(), weight.val().is_require_grad());
+                let merged = to_dtype((to_dtype(weight.val(), DType::F32) + lora.delta()).detach(), dtype);
+                Weight::Dense(weight.map(|_| if require_grad { merged.require_grad() } else { merged }))
+            }
+            (weight, _) => weight,
+        };
+        Self { weight, bias, lora: None }
     }
 }
 
@@ -111,14 +171,14 @@ impl<B: EmberBackend> Linear<B> {
             Some(b) => y + to_dtype(b.val(), DType::F32).unsqueeze(),
             None => y,
         };
-        let y = match (&self.quantized, &self.lora) {
+        let y = match (&self.weight, &self.lora) {
             // The adapter inside the quantized product (one graph node), where it has no dropout.
-            (Some(q), Some(lora)) if lora.dropout == 0.0 || !B::ad_enabled(&x.device()) => {
+            (Weight::Stored(s), Some(lora)) if lora.dropout == 0.0 || !B::ad_enabled(&x.device()) => {
                 let factors = (lora.lora_a.val(), lora.lora_b.val(), lora.scale as f32);
-                return bias(quant_linear_lora(x, q, factors, cx));
+                return bias(quant_linear_lora(x, &s.blocks, factors, cx));
             }
-            (Some(q), _) => bias(quant_linear(x.clone(), q, cx)),
-            (None, _) => linear_packed(x.clone(), self.weight.val(), self.bias.as_ref().map(|b| b.val()), cx),
+            (Weight::Stored(s), _) => bias(quant_linear(x.clone(), &s.blocks, cx)),
+            (Weight::Dense(w), _) => linear_packed(x.clone(), w.val(), self.bias.as_ref().map(|b| b.val()), cx),
         };
         match &self.lora {
             Some(lora) => y + lora.forward(x, cx),
@@ -161,11 +221,12 @@ fn packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, cx: Compute) -
     let training = B::ad_enabled(&x.device());
     let decoding = x.dims()[0] <= DECODE_ROWS && !training;
     let dropout = training && parts.iter().any(|p| p.lora.as_ref().is_some_and(|l| l.dropout > 0.0));
-    // A quantized weight has its own product (a tile dequantized at a time), each on its own.
-    let quantized = parts.iter().any(|p| p.quantized.is_some());
-    let apart = decoding || dropout || quantized || (biased != 0 && biased != parts.len());
+    let apart = decoding || dropout || (biased != 0 && biased != parts.len());
     // One layer: the plain linear op, and its adapter added where no kernel takes it inside.
-    if apart || (parts.len() == 1 && !(adapted && cx.fused::<B>(compute))) {
+    let apart = apart || (parts.len() == 1 && !(adapted && cx.fused::<B>(compute)));
+    // A quantized weight has its own product (a tile dequantized at a time), each on its own.
+    let apart = apart || parts.iter().any(|p| p.weight.dense().is_none());
+    if apart {
         let outputs: Vec<_> = parts.iter().map(|p| p.forward_apart(x.clone(), cx)).collect();
         return if outputs.len() == 1 {
             outputs.into_iter().next().expect("one output")
@@ -173,7 +234,7 @@ fn packed<B: EmberBackend>(parts: &[&Linear<B>], x: Tensor<B, 2>, cx: Compute) -
             Tensor::cat(outputs, 1)
         };
     }
-    let weights = parts.iter().map(|p| to_dtype(p.weight.val(), compute)).collect();
+    let weights = parts.iter().filter_map(|p| p.weight.dense().map(|w| to_dtype(w.val(), compute))).collect();
     let biases = parts.iter().filter_map(|p| p.bias.as_ref().map(|b| to_dtype(b.val(), compute))).collect();
     let x = to_dtype(x, compute);
     let y = match adapted {
@@ -192,6 +253,19 @@ fn linear_packed<B: EmberBackend>(
 ) -> Tensor<B, 2> {
     let bias = b.map(|b| to_dtype(b, cx.dtype));
     to_dtype(linear(to_dtype(x, cx.dtype), to_dtype(w, cx.dtype), bias, cx), DType::F32)
+}
+
+/// `values`, `rows` of `cols` row-major, as a "stored" weight of f32 blocks (one value a block): a
+/// stand-in for a GGUF file's blocks whose products are exact.
+#[cfg(test)]
+pub(crate) fn f32_blocks(rows: usize, cols: usize, values: &[f32]) -> QuantWeight {
+    fn decode(bytes: &[u8], out: &mut [f32]) {
+        for (v, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    QuantWeight::new("f32", [rows, cols], (1, 4), bytes, decode).expect("whole blocks")
 }
 
 #[cfg(test)]
@@ -226,7 +300,7 @@ mod tests {
                 outs.iter().map(|&o| Linear::new(&mut init, d_in, o, bias, 0.5, &dev)).collect();
             if frozen {
                 let freeze = |p: Linear<AB>| Linear {
-                    weight: p.weight.set_require_grad(false),
+                    weight: Weight::Dense(p.weight.dense().unwrap().clone().set_require_grad(false)),
                     bias: p.bias.map(|b| b.map(|b| b.add_scalar(0.25)).set_require_grad(false)),
                     ..p
                 };
@@ -254,7 +328,7 @@ mod tests {
                 let grad = |t: Tensor<AB, 2>| t.grad(&grads).map(|g| g.into_data());
                 let mut out = vec![("y", Some(y.into_data())), ("dX", grad(x))];
                 for p in &parts {
-                    out.push(("dW", grad(p.weight.val())));
+                    out.push(("dW", grad(p.weight.dense().unwrap().val())));
                     if let Some(lora) = &p.lora {
                         out.extend([("dA", grad(lora.lora_a.val())), ("dB", grad(lora.lora_b.val()))]);
                     }

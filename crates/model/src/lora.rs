@@ -185,15 +185,14 @@ impl<B: Backend> PathMapper<B> for FreezeBase {
     }
 }
 
-/// Makes trainable again what [`FreezeBase`] froze: every parameter but the placeholders of
-/// projections kept in their stored block types (no elements) and the experts' selection bias
-/// (balanced by its own rule, never by gradients).
+/// Makes trainable again what [`FreezeBase`] froze: every parameter but the experts' selection
+/// bias (balanced by its own rule, never by gradients). Weights kept in their stored block types
+/// have no parameter: they stay frozen.
 pub(crate) struct ThawBase;
 
 impl<B: Backend> PathMapper<B> for ThawBase {
     fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let placeholder = param.shape().num_elements() == 0;
-        if placeholder || path.ends_with("selection_bias") {
+        if path.ends_with("selection_bias") {
             return param;
         }
         param.set_require_grad(true)

@@ -4,10 +4,10 @@
 //! head is `[q_nope | q_rope]`, optionally through a low-rank query (`q_lora_rank`, with its own
 //! norm); a key head is `[c·W_UK_h | k_rope]`, a value head `c·W_UV_h`.
 //!
-//! In the attention's projections: `q_proj` is the query's (its up-projection `q_b_proj` when the
-//! query is low-rank), `k_proj` the joint down-projection to `[c | k_rope]`
+//! In [`LatentAttention`]'s projections: `q_proj` is the query's (its up-projection `q_b_proj` when
+//! the query is low-rank), `k_proj` the joint down-projection to `[c | k_rope]`
 //! (`kv_a_proj_with_mqa`), `v_proj` the keys' and values' up-projection `W_UKV`, per head
-//! `[W_UK_h | W_UV_h]` (`kv_b_proj`), `o_proj` the output's. [`Latent`] holds the rest.
+//! `[W_UK_h | W_UV_h]` (`kv_b_proj`), `o_proj` the output's. Its `mla` holds the rest.
 //!
 //! Training runs the expanded form (every head's keys and values made, then attention). Cached
 //! decoding stores only `[c | k_rope]` per token and layer (`kv_lora_rank + qk_rope_head_dim`
@@ -26,7 +26,7 @@ use ember_kernels::{Compute, EmberBackend};
 
 use crate::init::Init;
 use crate::keys::{rotate_own, Keys};
-use crate::kinds::{ConfigError, NormKind};
+use crate::kinds::{positive_std, AttentionPart, ConfigError, NormKind, PartConfig, Target};
 use crate::kv_cache::LayerKv;
 use crate::linear::Linear;
 use crate::norm::{Norm, NormConfig};
@@ -90,66 +90,142 @@ impl MlaConfig {
     pub fn cache_width(&self) -> usize {
         self.kv_rank + self.rope_dim
     }
+}
 
-    /// Projection weights of one layer's attention over `d_model` with `heads` heads:
-    /// `(query, key/value down, key/value up, output)`.
-    pub(crate) fn shapes(&self, d_model: usize, heads: usize) -> [(usize, usize); 4] {
-        let q_in = self.q_rank.unwrap_or(d_model);
+/// What a [`LatentAttention`] is built from: the model's width and heads, the latent's widths, and
+/// the options it takes (no window, no q/k norm, no soft cap: the model's config refuses those with
+/// `[model.mla]`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LatentConfig {
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub mla: MlaConfig,
+    /// Biases on the two down-projections, the query's and the joint key/value one (`qkv_bias`).
+    pub bias: bool,
+    pub o_bias: bool,
+    /// What `q·k` is multiplied by.
+    pub scale: f64,
+    /// Init standard deviation of the projections and of the output projection.
+    pub init_std: f64,
+    pub out_std: f64,
+}
+
+impl LatentConfig {
+    /// The four projections' `(in, out)`: query, key/value down, key/value up, output.
+    pub(crate) fn shapes(&self) -> [(usize, usize); 4] {
+        let (m, d, h) = (&self.mla, self.d_model, self.n_heads);
         [
-            (q_in, heads * self.qk_dim()),
-            (d_model, self.cache_width()),
-            (self.kv_rank, heads * (self.nope_dim + self.v_dim)),
-            (heads * self.v_dim, d_model),
+            (m.q_rank.unwrap_or(d), h * m.qk_dim()),
+            (d, m.cache_width()),
+            (m.kv_rank, h * (m.nope_dim + m.v_dim)),
+            (h * m.v_dim, d),
         ]
     }
 
-    /// Every parameter of one layer's attention: the four projections of [`Self::shapes`], the
-    /// low-rank query's down-projection and norm, the latent's norm and the biases.
-    pub(crate) fn params(&self, d_model: usize, heads: usize, bias: bool, o_bias: bool) -> u64 {
-        let products: u64 = self.shapes(d_model, heads).iter().map(|&(i, o)| (i * o) as u64).sum();
-        let q_down = self.q_rank.map_or(0, |r| (d_model * r + r) as u64 + if bias { r as u64 } else { 0 });
-        let biases = if bias { self.cache_width() as u64 } else { 0 } + if o_bias { d_model as u64 } else { 0 };
-        products + q_down + self.kv_rank as u64 + biases
-    }
-
-    /// Weights one token multiplies by in one layer's attention (the expanded form's).
-    pub(crate) fn matmul_params(&self, d_model: usize, heads: usize) -> u64 {
-        let products: u64 = self.shapes(d_model, heads).iter().map(|&(i, o)| (i * o) as u64).sum();
-        products + self.q_rank.map_or(0, |r| (d_model * r) as u64)
-    }
-
-    /// The latent's parts: the low-rank query's down-projection and norm, the latent's norm.
-    pub(crate) fn init<B: Backend>(
-        &self,
-        init: &mut Init,
-        (d_model, heads, bias, std): (usize, usize, bool, f64),
-        scores: Scores,
-        device: &B::Device,
-    ) -> Latent<B> {
-        let norm = |d| NormConfig { d_model: d, eps: self.norm_eps, kind: NormKind::RmsNorm, bias: false };
-        Latent {
-            q_a_proj: self.q_rank.map(|r| Linear::new(init, d_model, r, bias, std, device)),
-            q_a_norm: self.q_rank.map(|r| norm(r).init(device)),
-            kv_a_norm: norm(self.kv_rank).init(device),
-            heads,
-            kv_rank: self.kv_rank,
-            nope_dim: self.nope_dim,
-            rope_dim: self.rope_dim,
-            v_dim: self.v_dim,
-            scores,
+    /// The part, its weights drawn from `init`: the latent's parts (the low-rank query's
+    /// down-projection first), then q, k, v, o. Call [`LatentConfig::validate`] first.
+    pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> LatentAttention<B> {
+        let (m, d, std) = (&self.mla, self.d_model, self.init_std);
+        let norm = |d| NormConfig { d_model: d, eps: m.norm_eps, kind: NormKind::RmsNorm, bias: false };
+        let mla = Latent {
+            q_a_proj: m.q_rank.map(|r| Linear::new(init, d, r, self.bias, std, device)),
+            q_a_norm: m.q_rank.map(|r| norm(r).init(device)),
+            kv_a_norm: norm(m.kv_rank).init(device),
+        };
+        let [q, kv_down, kv_up, o] = self.shapes();
+        LatentAttention {
+            mla,
+            q_proj: Linear::new(init, q.0, q.1, false, std, device),
+            k_proj: Linear::new(init, kv_down.0, kv_down.1, self.bias, std, device),
+            v_proj: Linear::new(init, kv_up.0, kv_up.1, false, std, device),
+            o_proj: Linear::new(init, o.0, o.1, self.o_bias, self.out_std, device),
+            heads: self.n_heads,
+            kv_rank: m.kv_rank,
+            nope_dim: m.nope_dim,
+            rope_dim: m.rope_dim,
+            v_dim: m.v_dim,
+            scores: Scores { scale: self.scale, softcap: None },
         }
     }
 }
 
-/// The parts of a latent attention beside its four projections.
+impl PartConfig for LatentConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some((name, _)) =
+            [("d_model", self.d_model), ("n_heads", self.n_heads)].into_iter().find(|&(_, v)| v == 0)
+        {
+            return Err(ConfigError::NotPositive { name, value: 0.0 });
+        }
+        self.mla.validate()?;
+        positive_std(self.init_std, self.out_std)
+    }
+
+    /// Its parameters: the four projections of [`Self::shapes`], the low-rank query's
+    /// down-projection and norm, the latent's norm and the biases.
+    fn params(&self) -> u64 {
+        let (m, d) = (&self.mla, self.d_model as u64);
+        let products: u64 = self.shapes().iter().map(|&(i, o)| (i * o) as u64).sum();
+        let q_down = m.q_rank.map_or(0, |r| d * r as u64 + r as u64 + if self.bias { r as u64 } else { 0 });
+        let biases = if self.bias { m.cache_width() as u64 } else { 0 } + if self.o_bias { d } else { 0 };
+        products + q_down + m.kv_rank as u64 + biases
+    }
+
+    /// Weights a token multiplies by (the expanded form's).
+    fn matmul_params(&self) -> u64 {
+        let products: u64 = self.shapes().iter().map(|&(i, o)| (i * o) as u64).sum();
+        products + self.mla.q_rank.map_or(0, |r| (self.d_model * r) as u64)
+    }
+
+    /// `(in, out)` of the projection `target` names, if it is one of the four.
+    fn projection(&self, target: Target) -> Option<(usize, usize)> {
+        let i = [Target::QProj, Target::KProj, Target::VProj, Target::OProj].iter().position(|&t| t == target)?;
+        Some(self.shapes()[i])
+    }
+
+    /// The f32 values autodiff keeps per token for the expanded form: the queries and their
+    /// concatenation with the rotated part (2·H·(dn + dr)), a low-rank query's down-projection and
+    /// norm (2·q_rank), the joint down-projection, the normed latent and the rotated key
+    /// (2·r + 2·dr), the keys and values made from the latent and the keys' concatenation
+    /// (H·(dn + dv) + H·(dn + dr)), the attention output and projection (2·H·dv), and the `[T, T]`
+    /// score and probability matrices per head (2·H·T).
+    fn activations(&self, seq_len: usize) -> u64 {
+        let (m, h, t) = (&self.mla, self.n_heads as u64, seq_len as u64);
+        let (qk, r, dr, dv) = (m.qk_dim() as u64, m.kv_rank as u64, m.rope_dim as u64, m.v_dim as u64);
+        let queries = 2 * h * qk + 2 * m.q_rank.unwrap_or(0) as u64;
+        let latent = 2 * r + 2 * dr;
+        let expanded = h * (m.nope_dim as u64 + dv) + h * qk;
+        queries + latent + expanded + 2 * h * dv + 2 * h * t
+    }
+}
+
+impl AttentionPart for LatentConfig {
+    /// The width of the score and value products per position: the mean of the scores' `qk_dim`
+    /// and the values' `v_dim`, times the heads.
+    fn width(&self) -> f64 {
+        self.n_heads as f64 * ((self.mla.qk_dim() + self.mla.v_dim) as f64 / 2.0)
+    }
+
+    /// Numbers a position takes in the cache's key pool and value pool: the latent and the rotary
+    /// key, and no values (they are part of the latent).
+    fn cache_widths(&self) -> (usize, usize) {
+        (self.mla.cache_width(), 0)
+    }
+}
+
+/// Latent attention's parts: the four projections (as the module doc names them), and the rest
+/// under `mla`.
 #[derive(Module, Debug)]
-pub struct Latent<B: Backend> {
-    /// `[D, q_rank]`, the low-rank query's down-projection [q_a_proj].
-    pub q_a_proj: Option<Linear<B>>,
-    /// `[q_rank]` [q_a_layernorm].
-    pub q_a_norm: Option<Norm<B>>,
-    /// `[kv_rank]` [kv_a_layernorm].
-    pub kv_a_norm: Norm<B>,
+pub struct LatentAttention<B: Backend> {
+    /// `[D or q_rank, H·(dn + dr)]` [q_proj; q_b_proj].
+    pub q_proj: Linear<B>,
+    /// `[D, r + dr]` [kv_a_proj_with_mqa].
+    pub k_proj: Linear<B>,
+    /// `[r, H·(dn + dv)]` [kv_b_proj].
+    pub v_proj: Linear<B>,
+    /// `[H·dv, D]` [o_proj].
+    pub o_proj: Linear<B>,
+    /// The low-rank query's down-projection and norm, the latent's norm.
+    pub(crate) mla: Latent<B>,
     #[module(skip)]
     heads: usize,
     #[module(skip)]
@@ -164,6 +240,17 @@ pub struct Latent<B: Backend> {
     scores: Scores,
 }
 
+/// The parts of a latent attention beside its four projections.
+#[derive(Module, Debug)]
+pub(crate) struct Latent<B: Backend> {
+    /// `[D, q_rank]`, the low-rank query's down-projection [q_a_proj].
+    pub q_a_proj: Option<Linear<B>>,
+    /// `[q_rank]` [q_a_layernorm].
+    pub q_a_norm: Option<Norm<B>>,
+    /// `[kv_rank]` [kv_a_layernorm].
+    pub kv_a_norm: Norm<B>,
+}
+
 /// A call's queries split at the rotary part, `q_nope` `[B, H, T, dn]` and `q_rope` `[B, H, T, dr]`;
 /// its latents `c` `[B·T, r]` and rotary keys `k_rope` `[B, 1, T, dr]`; and `(B, T)`.
 struct Parts<B: Backend> {
@@ -172,39 +259,31 @@ struct Parts<B: Backend> {
     bt: (usize, usize),
 }
 
-impl<B: EmberBackend> Latent<B> {
-    /// The attention of `x`'s positions through the attention's four projections (as
-    /// the attention names them: q, k, v, o).
+impl<B: EmberBackend> LatentAttention<B> {
+    /// The attention of `x`'s positions.
     ///
     /// # Shapes
     /// - x: `[B, T, D]` -> `[B, T, D]`
-    pub(crate) fn forward(
-        &self,
-        [q_proj, kv_down, kv_up, o_proj]: [&Linear<B>; 4],
-        x: Tensor<B, 3>,
-        rope: &Rope<B>,
-        keys: Keys<'_, B>,
-        cx: Compute,
-    ) -> Tensor<B, 3> {
+    pub(crate) fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, keys: Keys<'_, B>, cx: Compute) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, r, dn, dr, dv) = (self.heads, self.kv_rank, self.nope_dim, self.rope_dim, self.v_dim);
         let x = x.reshape([b * t, d]);
-        let q = match (&self.q_a_proj, &self.q_a_norm) {
-            (Some(down), Some(norm)) => q_proj.forward(norm.forward(down.forward(x.clone(), cx), cx), cx),
-            _ => q_proj.forward(x.clone(), cx),
+        let q = match (&self.mla.q_a_proj, &self.mla.q_a_norm) {
+            (Some(down), Some(norm)) => self.q_proj.forward(norm.forward(down.forward(x.clone(), cx), cx), cx),
+            _ => self.q_proj.forward(x.clone(), cx),
         }; // [B·T, H·(dn + dr)]
-        let kv = kv_down.forward(x, cx); // [B·T, r + dr]
-        let c = self.kv_a_norm.forward(kv.clone().narrow(1, 0, r), cx); // [B·T, r]
+        let kv = self.k_proj.forward(x, cx); // [B·T, r + dr]
+        let c = self.mla.kv_a_norm.forward(kv.clone().narrow(1, 0, r), cx); // [B·T, r]
         let k_rope = kv.narrow(1, r, dr).reshape([b, t, 1, dr]).swap_dims(1, 2); // [B, 1, T, dr]
         let q = q.reshape([b, t, h, dn + dr]).swap_dims(1, 2); // [B, H, T, dn + dr]
         let (q_nope, q_rope) = (q.clone().narrow(3, 0, dn), q.narrow(3, dn, dr));
         let parts = Parts { queries: (q_nope, q_rope), keys: (c, k_rope), bt: (b, t) };
         let o = match keys {
-            Keys::Own { start, docs } => self.expanded(kv_up, parts, rope, (start, docs), cx),
-            Keys::Cache(kv) => self.absorbed(kv_up, parts, rope, kv, cx),
+            Keys::Own { start, docs } => self.expanded(parts, rope, (start, docs), cx),
+            Keys::Cache(kv) => self.absorbed(parts, rope, kv, cx),
         }; // [B, H, T, dv]
         let o = o.swap_dims(1, 2).reshape([b * t, h * dv]);
-        o_proj.forward(o, cx).reshape([b, t, d])
+        self.o_proj.forward(o, cx).reshape([b, t, d])
     }
 
     /// The expanded form: every head's keys and values made from the latent, then causal attention
@@ -214,7 +293,6 @@ impl<B: EmberBackend> Latent<B> {
     /// - parts as [`Parts`] -> `[B, H, T, dv]`
     fn expanded(
         &self,
-        kv_up: &Linear<B>,
         Parts { queries: (q_nope, q_rope), keys: (c, k_rope), bt: (b, t) }: Parts<B>,
         rope: &Rope<B>,
         (start, docs): (usize, Option<&Documents>),
@@ -222,7 +300,7 @@ impl<B: EmberBackend> Latent<B> {
     ) -> Tensor<B, 4> {
         let (h, dn, dr, dv) = (self.heads, self.nope_dim, self.rope_dim, self.v_dim);
         let (q_rope, k_rope, hidden) = rotate_own(rope, (q_rope, k_rope), (start, docs), None);
-        let kv = kv_up.forward(c, cx).reshape([b, t, h, dn + dv]).swap_dims(1, 2); // [B, H, T, dn + dv]
+        let kv = self.v_proj.forward(c, cx).reshape([b, t, h, dn + dv]).swap_dims(1, 2); // [B, H, T, dn + dv]
         let k = Tensor::cat(vec![kv.clone().narrow(3, 0, dn), k_rope.expand([b, h, t, dr])], 3);
         let v = kv.narrow(3, dn, dv);
         let q = Tensor::cat(vec![q_nope, q_rope], 3);
@@ -237,7 +315,6 @@ impl<B: EmberBackend> Latent<B> {
     /// - as [`Self::expanded`]
     fn absorbed(
         &self,
-        kv_up: &Linear<B>,
         Parts { queries: (q_nope, q_rope), keys: (c, k_rope), bt: (b, t) }: Parts<B>,
         rope: &Rope<B>,
         kv: LayerKv<'_, B>,
@@ -247,7 +324,7 @@ impl<B: EmberBackend> Latent<B> {
         let starts = kv.starts();
         let (q_rope, k_rope) = (rope.apply_rows_op(q_rope, &starts, cx), rope.apply_rows_op(k_rope, &starts, cx));
         // W_UKV per head: [H, r, dn + dv].
-        let w = kv_up.effective_weight().reshape([r, h, dn + dv]).swap_dims(0, 1);
+        let w = self.v_proj.effective_weight(&c.device()).reshape([r, h, dn + dv]).swap_dims(0, 1);
         let w_uk = w.clone().narrow(2, 0, dn).swap_dims(1, 2).unsqueeze::<4>(); // [1, H, dn, r]
         let w_uv = w.narrow(2, dn, dv).unsqueeze::<4>(); // [1, H, r, dv]
         let q = Tensor::cat(vec![q_nope.matmul(w_uk), q_rope], 3); // [B, H, T, r + dr]
@@ -399,6 +476,8 @@ mod tests {
         assert!(err(mla(|m| m.q_rank = Some(0))).contains("mla.q_rank"));
         assert!(err(ModelConfig { sliding_window: Some(4), ..base.clone() }).contains("sliding_window"));
         assert!(err(ModelConfig { qk_norm: true, ..base.clone() }).contains("qk_norm"));
+        assert!(err(ModelConfig { attn_logit_softcap: Some(30.0), ..base.clone() }).contains("attn_logit_softcap"));
+        assert!(err(ModelConfig { n_kv_heads: Some(base.n_heads + 1), ..base.clone() }).contains("n_kv_heads"));
         let moe = |f: fn(&mut MoeConfig)| {
             let mut c = base.clone();
             f(c.moe.as_mut().unwrap());

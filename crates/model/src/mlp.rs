@@ -13,7 +13,7 @@ use ember_kernels::swiglu::{geglu_packed, swiglu_packed};
 use ember_kernels::{Compute, EmberBackend};
 
 use crate::init::Init;
-use crate::kinds::{positive_std, ConfigError, MlpKind, Target};
+use crate::kinds::{positive_std, ConfigError, MlpKind, PartConfig, Target};
 use crate::linear::{forward_packed, Linear};
 
 /// What an [`Mlp`] is built from.
@@ -36,41 +36,6 @@ impl MlpConfig {
         Self { d_model, d_ff, kind: MlpKind::Swiglu, bias: false, init_std: 0.02, out_std: 0.02 }
     }
 
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        if let Some((name, _)) = [("d_model", self.d_model), ("d_ff", self.d_ff)].into_iter().find(|&(_, v)| v == 0) {
-            return Err(ConfigError::NotPositive { name, value: 0.0 });
-        }
-        positive_std(self.init_std, self.out_std)
-    }
-
-    /// Its parameters: the projections and their biases.
-    pub(crate) fn params(&self) -> u64 {
-        let (d, f) = (self.d_model as u64, self.d_ff as u64);
-        let biases = match (self.bias, self.kind.gated()) {
-            (false, _) => 0,
-            (true, true) => 2 * f + d,
-            (true, false) => f + d,
-        };
-        self.matmul_params() + biases
-    }
-
-    /// Weights a token multiplies by: `3·D·F` gated, `2·D·F` plain.
-    pub(crate) fn matmul_params(&self) -> u64 {
-        let projections = if self.kind.gated() { 3 } else { 2 };
-        projections * self.d_model as u64 * self.d_ff as u64
-    }
-
-    /// `(in, out)` of the projection `target` names, if the MLP has it (a plain MLP no gate).
-    pub(crate) fn projection(&self, target: Target) -> Option<(usize, usize)> {
-        let (d, f) = (self.d_model, self.d_ff);
-        match target {
-            Target::GateProj if self.kind.gated() => Some((d, f)),
-            Target::UpProj => Some((d, f)),
-            Target::DownProj => Some((f, d)),
-            _ => None,
-        }
-    }
-
     /// The part, its weights drawn from `init` (gate, up, down in that order). Call
     /// [`MlpConfig::validate`] first (as `Decoder::new` does): a config that breaks its rules
     /// builds a part that panics when run.
@@ -82,6 +47,49 @@ impl MlpConfig {
             down_proj: Linear::new(init, f, d, bias, self.out_std, device),
             kind: self.kind,
         }
+    }
+}
+
+impl PartConfig for MlpConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some((name, _)) = [("d_model", self.d_model), ("d_ff", self.d_ff)].into_iter().find(|&(_, v)| v == 0) {
+            return Err(ConfigError::NotPositive { name, value: 0.0 });
+        }
+        positive_std(self.init_std, self.out_std)
+    }
+
+    /// Its parameters: the projections and their biases.
+    fn params(&self) -> u64 {
+        let (d, f) = (self.d_model as u64, self.d_ff as u64);
+        let biases = match (self.bias, self.kind.gated()) {
+            (false, _) => 0,
+            (true, true) => 2 * f + d,
+            (true, false) => f + d,
+        };
+        self.matmul_params() + biases
+    }
+
+    /// Weights a token multiplies by: `3·D·F` gated, `2·D·F` plain.
+    fn matmul_params(&self) -> u64 {
+        let projections = if self.kind.gated() { 3 } else { 2 };
+        projections * self.d_model as u64 * self.d_ff as u64
+    }
+
+    /// `(in, out)` of the projection `target` names, if the MLP has it (a plain MLP no gate).
+    fn projection(&self, target: Target) -> Option<(usize, usize)> {
+        let (d, f) = (self.d_model, self.d_ff);
+        match target {
+            Target::GateProj if self.kind.gated() => Some((d, f)),
+            Target::UpProj => Some((d, f)),
+            Target::DownProj => Some((f, d)),
+            _ => None,
+        }
+    }
+
+    /// The f32 values autodiff keeps per token: the gate, up, activation and product (4F; a plain
+    /// MLP's up and activation counted as much, a bound), and the output (D).
+    fn activations(&self, _seq_len: usize) -> u64 {
+        4 * self.d_ff as u64 + self.d_model as u64
     }
 }
 

@@ -46,6 +46,11 @@ impl NormConfig {
         self.d_model as u64 * if self.bias { 2 } else { 1 }
     }
 
+    /// The f32 values autodiff keeps per token: the output, `D`.
+    pub(crate) fn activations(&self) -> u64 {
+        self.d_model as u64
+    }
+
     /// A norm of gain one (Gemma's stored weight zero) and bias zero.
     pub(crate) fn init<B: Backend>(&self, device: &B::Device) -> Norm<B> {
         let stored_one = if self.kind == NormKind::RmsNormPlusOne { 0.0 } else { 1.0 };

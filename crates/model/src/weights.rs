@@ -122,10 +122,14 @@ impl<V> Paths<V> {
         self.path.join(".")
     }
 
-    /// A module entered by field `name`; an enum's variant takes its field's place in the path, in
+    /// A module entered by field `name`. An enum's variant takes its field's place in the path, in
     /// snake case (`ffn: FeedForward::Mlp(…)` is `mlp`), so that a part whose kind is a type keeps
-    /// the names it had as one of two optional fields.
+    /// the names it had as one of two optional fields; the variant of one of [`KINDS`] leaves the
+    /// field's name as it is.
     fn enter(&mut self, name: &str, container: &str) {
+        if KINDS.contains(&container) {
+            return;
+        }
         if container.starts_with("Enum:") {
             self.path.pop();
             self.path.push(snake_case(name));
@@ -142,6 +146,11 @@ impl<V> Paths<V> {
         }
     }
 }
+
+/// The enums whose variant is how their field's part is held, not which part it is: a weight dense
+/// or stored (`q_proj.weight`, `embed_tokens`), self-attention grouped or latent (`self_attn.q_proj`,
+/// `self_attn.mla.kv_a_norm`). Their parameters are named by the field alone.
+const KINDS: [&str; 2] = ["Enum:Weight", "Enum:SelfAttention"];
 
 /// `FeedForward` → `feed_forward`.
 fn snake_case(name: &str) -> String {
@@ -355,7 +364,7 @@ mod tests {
         assert_eq!(count_non_finite(&TensorData::new(vec![1i32, -1], [2])), 0);
     }
     use crate::config::tiny_config;
-    use crate::{Decoder, TestBackend};
+    use crate::{Decoder, ModelConfig, TestBackend};
 
     type B = TestBackend;
 
@@ -368,6 +377,57 @@ mod tests {
         assert!(names.contains(&"layers.0.post_attention_layernorm.weight".to_string()));
         assert!(names.contains(&"lm_head.weight".to_string()));
         assert_eq!(names.len(), 1 + 2 * 9 + 1 + 1);
+    }
+
+    /// A weight is named by its field whether it is dense or stored (stored, it has no tensor: the
+    /// layer's other parameters keep their names), and the attention's parts by theirs whether it
+    /// is grouped or latent.
+    #[test]
+    fn the_kind_of_a_weight_or_an_attention_is_not_in_the_names() {
+        use crate::linear::{f32_blocks, Linear, Stored, Weight};
+        use crate::lora::{Lora, LoraConfig};
+        let dev = Default::default();
+        let mut init = crate::init::Init::new(1);
+        let lora = LoraConfig { rank: 2, alpha: 4.0, dropout: 0.0, targets: vec![] };
+        let dense = Linear::<B> {
+            lora: Some(Lora::new(&mut init, 8, 4, &lora, &dev)),
+            ..Linear::new(&mut init, 8, 4, true, 0.02, &dev)
+        };
+        let stored = Linear { weight: Weight::Stored(Stored::new(f32_blocks(4, 8, &[0.0; 32]))), ..dense.clone() };
+        let names = |l: &Linear<B>| param_shapes::<B, _>(l).into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        assert_eq!(names(&dense), ["weight", "bias", "lora.lora_a", "lora.lora_b"]);
+        assert_eq!(names(&stored), ["bias", "lora.lora_a", "lora.lora_b"]);
+
+        let grouped = ModelConfig { qk_norm: true, ..tiny_config() };
+        let names = |c: &ModelConfig| {
+            param_shapes::<B, _>(&Decoder::<B>::new(c, 0, &dev).unwrap())
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect::<Vec<_>>()
+        };
+        let grouped = names(&grouped);
+        for name in [
+            "embed_tokens",
+            "layers.1.self_attn.q_proj.weight",
+            "layers.1.self_attn.q_norm.weight",
+            "layers.1.mlp.up_proj.weight",
+        ] {
+            assert!(grouped.contains(&name.to_string()), "{name}: {grouped:?}");
+        }
+        let mla = crate::MlaConfig { q_rank: Some(8), kv_rank: 8, nope_dim: 4, rope_dim: 4, v_dim: 4, norm_eps: 1e-6 };
+        let latent = names(&ModelConfig { mla: Some(mla), ..tiny_config() });
+        let want = [
+            "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight",
+            "layers.0.self_attn.o_proj.weight",
+            "layers.0.self_attn.mla.q_a_proj.weight",
+            "layers.0.self_attn.mla.q_a_norm.weight",
+            "layers.0.self_attn.mla.kv_a_norm.weight",
+        ];
+        let attention: Vec<&str> =
+            latent.iter().map(String::as_str).filter(|n| n.starts_with("layers.0.self_attn")).collect();
+        assert_eq!(attention, want);
     }
 
     #[test]

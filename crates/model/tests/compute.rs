@@ -3,7 +3,8 @@
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Int, Tensor, TensorData};
-use ember_model::{Compute, Decoder, ModelConfig};
+use ember_model::lora::Target;
+use ember_model::{Compute, Decoder, ModelConfig, Weight};
 
 use ember_kernels::{Bf16Products, Cpu, Path, Tier};
 
@@ -25,7 +26,9 @@ fn config() -> ModelConfig {
 fn step(model: &Decoder<B>, tokens: &Tensor<B, 2, Int>) -> (Vec<f32>, Vec<f32>) {
     let logits = model.forward(tokens.clone());
     let grads = logits.clone().powi_scalar(2).mean().backward();
-    let q = &model.layers[0].self_attn.q_proj.weight;
+    let Some(Weight::Dense(q)) = model.layers[0].projection(Target::QProj).map(|q| &q.weight) else {
+        panic!("a dense q projection")
+    };
     let g = q.grad(&grads).expect("a gradient");
     (logits.into_data().to_vec().expect("f32"), g.into_data().to_vec().expect("f32"))
 }

@@ -2,12 +2,19 @@
 //! `/v1/chat/completions` (with `stream: true` as server-sent events) and `/v1/models`. Fields
 //! ember does not use are accepted and ignored, as OpenAI's own server does for most of them;
 //! settings it cannot honour (`n` > 1, `logprobs`) are refused with a message that names them.
+//!
+//! This file reads and checks the requests; `response.rs` writes the answers' JSON ([`Kind`],
+//! [`Usage`], [`error_body`]).
+
+mod response;
 
 use ember_data::finetune::Message;
 use ember_generate::sample::SamplingConfig;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use serde_json::{json, Map, Value};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+pub use response::{error_body, Kind, Usage};
 
 /// A string or a list of strings (`prompt`, `stop`).
 #[derive(Debug, Clone, PartialEq)]
@@ -434,87 +441,10 @@ impl ChatRequest {
     }
 }
 
-/// Token counts of an answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    pub total_tokens: usize,
-}
-
-impl Usage {
-    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
-    }
-}
-
-/// Which endpoint an answer is for: the shapes of its JSON.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Completion,
-    Chat,
-}
-
-impl Kind {
-    fn object(self, chunk: bool) -> &'static str {
-        match (self, chunk) {
-            (Self::Completion, _) => "text_completion",
-            (Self::Chat, false) => "chat.completion",
-            (Self::Chat, true) => "chat.completion.chunk",
-        }
-    }
-
-    /// A whole answer.
-    pub fn response(self, id: &str, created: u64, model: &str, text: &str, finish: &str, usage: Usage) -> Value {
-        let choice = match self {
-            Self::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
-            Self::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": null,
-            }),
-        };
-        json!({"id": id, "object": self.object(false), "created": created, "model": model, "choices": [choice], "usage": usage})
-    }
-
-    /// One streamed piece: text (`finish` None), or the last piece with the reason and the usage.
-    pub fn chunk(
-        self,
-        id: &str,
-        created: u64,
-        model: &str,
-        text: &str,
-        finish: Option<&str>,
-        usage: Option<Usage>,
-    ) -> Value {
-        let choice = match self {
-            Self::Completion => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
-            Self::Chat => {
-                let delta = if finish.is_some() && text.is_empty() {
-                    json!({})
-                } else {
-                    json!({"role": "assistant", "content": text})
-                };
-                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
-            }
-        };
-        let mut v =
-            json!({"id": id, "object": self.object(true), "created": created, "model": model, "choices": [choice]});
-        if let Some(u) = usage {
-            v["usage"] = json!(u);
-        }
-        v
-    }
-}
-
-/// OpenAI's error body.
-pub fn error_body(kind: &str, message: &str, param: Option<&str>, code: Option<&str>) -> Value {
-    json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
-}
-
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     fn settings(v: Value) -> Settings {

@@ -393,7 +393,7 @@ impl std::fmt::Display for PartsMs {
 }
 
 /// The process's peak resident set (Linux: `VmHWM` of /proc/self/status), if known.
-pub fn peak_rss_bytes() -> Option<u64> {
+pub(crate) fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -418,7 +418,7 @@ pub fn bench_decode<B: ember_kernels::EmberBackend>(
     device_label: &str,
     spec: &DecodeBenchSpec,
 ) -> DecodeBench {
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let v = model.config().vocab_size;
     let batch = spec.batch.max(1);
     let greedy = |h: Tensor<B, 3>| -> Vec<i32> {

@@ -132,7 +132,7 @@ fn loss_of_batches<B: EmberBackend>(model: &Decoder<B>, batches: Vec<Vec<Window>
     if batches.is_empty() {
         return LossSum::default();
     }
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let mut scored = Vec::with_capacity(batches.len());
     // Every batch's loss stays on the device; they are read back together, once.
     let losses: Vec<Tensor<B, 1>> = batches
@@ -157,7 +157,7 @@ pub(crate) fn windows_loss<B: EmberBackend>(model: &Decoder<B>, data: &dyn Datas
     use burn::data::dataloader::batcher::Batcher;
     use burn::tensor::ElementConversion;
     use ember_data::LmBatcher;
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let items = starts.iter().map(|&i| data.get(i).expect("window start in range")).collect();
     let batch = <LmBatcher as Batcher<B, Window, LmBatch<B>>>::batch(&LmBatcher, items, &device);
     lm_loss(model, batch).into_scalar().elem::<f64>()

@@ -49,7 +49,7 @@ pub(crate) fn table_peak(device_name: &str, dtype: DType) -> Option<Peak> {
 }
 
 /// `MFU` for `flops_per_token` model FLOPs at `tokens_per_sec`.
-pub fn mfu(flops_per_token: f64, tokens_per_sec: f64, peak: &Peak) -> f64 {
+pub(crate) fn mfu(flops_per_token: f64, tokens_per_sec: f64, peak: &Peak) -> f64 {
     flops_per_token * tokens_per_sec / peak.flops
 }
 
@@ -132,7 +132,7 @@ impl Gemms {
     }
 
     /// The best square-GEMM rates in `sizes` (each the fastest of `reps`).
-    pub fn measure<B: Backend>(self, device: &Device<B>, sizes: &[usize], reps: usize) -> Vec<GemmRate> {
+    pub(crate) fn measure<B: Backend>(self, device: &Device<B>, sizes: &[usize], reps: usize) -> Vec<GemmRate> {
         let kernel = match self {
             Gemms::CpuBf16(kernel) => measure_cpu_bf16_gemm(kernel, sizes, reps),
             Gemms::Backend(_) => None,

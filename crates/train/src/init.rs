@@ -5,7 +5,9 @@
 //!
 //! The config holds the source as a typed value ([`InitSource`]); [`InitSource::resolve`] opens it,
 //! once per run, and the [`ResolvedInit`] is passed along (architecture, tokenizer folder, Hugging
-//! Face config, weights).
+//! Face config, weights). A checkpoint is loaded over an opened source here too
+//! ([`Checkpoint::decoder_over`]): a LoRA checkpoint's base is checked against what its
+//! `inputs.json` records ([`Checkpoint::check_base`]).
 
 use std::path::PathBuf;
 
@@ -13,7 +15,7 @@ use burn::tensor::{DType, Device};
 use ember_hf::gguf::model::Keep;
 use ember_model::{Decoder, ModelConfig};
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{BaseRecord, Checkpoint};
 use crate::config::{ConfigFile, InitSource, TrainConfig};
 use crate::error::TrainError;
 
@@ -122,7 +124,7 @@ pub struct ResolvedInit {
     pub hf_config: Option<serde_json::Value>,
     opened: Opened,
     /// The digests of its weights files, computed on first use ([`ResolvedInit::identity`]).
-    pub(crate) identity: std::sync::OnceLock<crate::checkpoint::BaseRecord>,
+    pub(crate) identity: std::sync::OnceLock<BaseRecord>,
 }
 
 #[derive(Debug)]
@@ -179,7 +181,10 @@ impl ResolvedInit {
                 };
                 let model = imported.map_err(|e| self.source.err(e.to_string()))?.imported.model;
                 let (kept, bytes) = model.quantized_projections();
-                let table = model.embed_quantized.as_ref().map_or(0, |q| q.stored_bytes());
+                let table = match &model.embed_tokens {
+                    ember_model::Weight::Stored(table) => table.blocks.stored_bytes(),
+                    ember_model::Weight::Dense(_) => 0,
+                };
                 let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
                 if table > 0 {
                     tracing::info!(
@@ -284,5 +289,45 @@ impl Checkpoint {
         // The weights under the adapters must be the ones they were trained on.
         self.check_base(base)?;
         self.with_adapters(base.load::<B>(keep, device)?)
+    }
+}
+
+impl ResolvedInit {
+    /// The identity of the source's weights ([`BaseRecord::of`]), computed once per opened source.
+    pub(crate) fn identity(&self) -> Result<&BaseRecord, TrainError> {
+        if let Some(record) = self.identity.get() {
+            return Ok(record);
+        }
+        let record = BaseRecord::of(&self.source)?;
+        Ok(self.identity.get_or_init(|| record))
+    }
+}
+
+impl Checkpoint {
+    /// Refuses `base` for this LoRA checkpoint where its weights are not the ones the run was
+    /// trained on (as its `inputs.json` records them); a checkpoint without the record (an older
+    /// ember) is loaded over whatever the source holds now.
+    pub(crate) fn check_base(&self, base: &ResolvedInit) -> Result<(), TrainError> {
+        let Some(then) = self.inputs.as_ref().and_then(|i| i.base.as_ref()) else {
+            tracing::debug!(dir = %self.dir.display(), "no record of the base's weights: not checked");
+            return Ok(());
+        };
+        if BaseRecord::same_stamps(&base.source, then) {
+            return Ok(());
+        }
+        let Some(change) = base.identity()?.changes_since(then) else { return Ok(()) };
+        let what = match &base.source {
+            InitSource::Gguf(_) => "file",
+            InitSource::Hf(_) => "folder",
+            InitSource::Run(_) => "run (or one of its checkpoints)",
+        };
+        Err(TrainError::Config {
+            path: self.dir.clone(),
+            key: None,
+            message: format!(
+                "its base {} changed since the run was trained ({change}); point init_from at the original {what}",
+                base.source
+            ),
+        })
     }
 }

@@ -22,6 +22,7 @@ pub mod perplexity;
 pub mod precision;
 pub mod preference;
 pub mod rl;
+mod run_layout;
 mod schedule;
 pub mod selfcheck;
 mod step;

@@ -17,11 +17,13 @@ pub struct MemoryEstimate {
 /// moments for the trained parameters, the activations autodiff keeps for one micro-batch, and a
 /// checkpoint's copy of what it saves.
 ///
-/// Activations per token per layer, in f32 (this implementation): the block input and two norm
-/// outputs (3D), q, k, v and their rotated copies (2·H·Dh + 3·K·Dh), the attention output and
-/// projection (2·H·Dh), the MLP's gate, up, activation and product (4F), its output (D), and the
-/// `[T, T]` score and probability matrices per head (2·H·T). Low-precision compute keeps cast
-/// copies of the GEMM inputs besides (counted as half again, in 2 bytes). The LM head's loss adds a
+/// Activations per token, in f32 (this implementation), as each block's parts answer
+/// ([`ember_model::ModelConfig::activations_per_token`]): for a dense Llama block the block input
+/// and two norm outputs (3D), q, k, v and their rotated copies (2·H·Dh + 3·K·Dh), the attention
+/// output and projection (2·H·Dh), the MLP's gate, up, activation and product (4F), its output
+/// (D), and the `[T, T]` score and probability matrices per head (2·H·T); experts count the `k`
+/// a token runs through, latent attention its own widths. Low-precision compute keeps cast copies
+/// of the GEMM inputs besides (counted as half again, in 2 bytes). The LM head's loss adds a
 /// `[D, V]` gradient and up to 24M logits (three tiles of the composition, or the CPU kernel's block
 /// of rows), and in low precision the weight packed twice in 2 bytes (the CPU's bf16 GEMMs);
 /// preference tuning holds the whole logits three times over (`[B·T, V]`).
@@ -35,14 +37,12 @@ pub(crate) fn estimate_keeping(config: &TrainConfig, trainable: u64, kept: (u64,
     // In u128 and saturated: every size is bounded by validation, but a product of bounds may still
     // pass 2^64, and a wrapped estimate would wave a config through.
     let m = &config.model;
-    let (d, f, l) = (m.d_model as u128, m.d_ff as u128, m.n_layers as u128);
-    let (h, k, dh) = (m.n_heads as u128, m.n_kv_heads() as u128, m.head_dim() as u128);
+    let (d, l) = (m.d_model as u128, m.n_layers as u128);
     let (b, t) = (config.train.batch_size as u128, config.seq_len() as u128);
     let tokens = b * t;
     let n = m.num_params() as u128;
     let trainable = trainable as u128;
-    let per_token_layer = 3 * d + 2 * h * dh + 3 * k * dh + 2 * h * dh + 4 * f + d + 2 * h * t;
-    let mut act = 4 * tokens * l * per_token_layer;
+    let mut act = 4 * tokens * m.activations_per_token(config.seq_len()) as u128;
     if config.train.precision != crate::config::Precision::F32 {
         act += act / 4; // half again, at 2 bytes a value
     }
@@ -154,5 +154,57 @@ mod tests {
         let e = estimate(&c, c.model.num_params());
         // 16 bytes per parameter for weights, gradients and moments: over 100 GB before activations.
         assert!(e.total > 100_000_000_000, "{}", gib(e.total));
+    }
+
+    /// The activations term of an estimate: `4·B·T` times what each block's parts keep per token
+    /// (a dense block's as the flat formula always had it; experts the `k` a token runs through;
+    /// latent attention its own widths).
+    #[test]
+    fn activations_follow_each_block_s_parts() {
+        let text = include_str!("../../../configs/nano.toml");
+        let mut c = TrainConfig::from_toml(text, std::path::Path::new("nano.toml")).unwrap();
+        c.model.vocab_size = 65;
+        let activations = |c: &TrainConfig| {
+            let e = estimate(c, c.model.num_params());
+            e.terms.iter().find(|(k, _)| k.starts_with("activations")).map(|t| t.1).unwrap()
+        };
+        let m = c.model.clone();
+        let (b, t, l) = (c.train.batch_size as u64, c.seq_len() as u64, m.n_layers as u64);
+        let (d, f, h, k, dh) =
+            (m.d_model as u64, m.d_ff as u64, m.n_heads as u64, m.n_kv_heads() as u64, m.head_dim() as u64);
+        let (norms, mlp) = (3 * d, 4 * f + d);
+        let grouped = 2 * h * dh + 3 * k * dh + 2 * h * dh + 2 * h * t;
+        assert_eq!(activations(&c), 4 * b * t * l * (norms + grouped + mlp));
+
+        // Experts after one dense layer: the router's logits and scores, two experts' rows, the
+        // shared expert as an MLP, the output.
+        let moe = ember_model::MoeConfig {
+            n_experts: 8,
+            top_k: 2,
+            d_expert: 64,
+            shared_expert: Some(96),
+            dense_layers: 1,
+            ..Default::default()
+        };
+        let experts = 2 * 8 + 2 * (2 * d + 4 * 64) + (4 * 96 + d) + d;
+        assert_ne!(experts, mlp);
+        let sparse = TrainConfig { model: ember_model::ModelConfig { moe: Some(moe), ..m.clone() }, ..c.clone() };
+        let per_token = (norms + grouped + mlp) + (l - 1) * (norms + grouped + experts);
+        assert_eq!(activations(&sparse), 4 * b * t * per_token);
+
+        // Latent attention: its queries, latent, expanded keys and values, output and scores.
+        let mla = ember_model::MlaConfig {
+            q_rank: Some(48),
+            kv_rank: 32,
+            nope_dim: 24,
+            rope_dim: 8,
+            v_dim: 16,
+            norm_eps: 1e-6,
+        };
+        let (qk, dv) = (24 + 8, 16);
+        let latent = 2 * h * qk + 2 * 48 + (2 * 32 + 2 * 8) + (h * (24 + dv) + h * qk) + 2 * h * dv + 2 * h * t;
+        let model = ember_model::ModelConfig { mla: Some(mla), n_kv_heads: None, ..m.clone() };
+        let deepseek = TrainConfig { model, ..c.clone() };
+        assert_eq!(activations(&deepseek), 4 * b * t * l * (norms + latent + mlp));
     }
 }

@@ -54,7 +54,7 @@ pub(crate) struct JsonlSink {
 
 impl JsonlSink {
     /// Opens both logs, dropping records after `keep_through_step` when resuming.
-    pub fn open(run_dir: &Path, keep_through_step: Option<usize>) -> Result<Self, TrainError> {
+    pub(crate) fn open(run_dir: &Path, keep_through_step: Option<usize>) -> Result<Self, TrainError> {
         Ok(Self {
             metrics: MetricsLog::open(run_dir, keep_through_step)?,
             samples: AppendLog::open(&run_dir.join(SAMPLES_FILE), keep_through_step, |line| {
@@ -84,7 +84,7 @@ pub(crate) struct TensorBoardSink {
 }
 
 impl TensorBoardSink {
-    pub fn create(run_dir: &Path, resumed_at: Option<usize>, elapsed_before: f64) -> Result<Self, TrainError> {
+    pub(crate) fn create(run_dir: &Path, resumed_at: Option<usize>, elapsed_before: f64) -> Result<Self, TrainError> {
         let writer = crate::tensorboard::EventWriter::create(run_dir, resumed_at.map(|s| s as u64))?;
         Ok(Self { writer, start: crate::tensorboard::wall_time() - elapsed_before })
     }
@@ -248,7 +248,7 @@ pub(crate) struct MetricsLog {
 impl MetricsLog {
     /// Opens `run_dir/metrics.jsonl` for appending, first dropping records after `keep_through_step`
     /// (records a stopped run wrote after its last checkpoint; the resumed run writes them again).
-    pub fn open(run_dir: &Path, keep_through_step: Option<usize>) -> Result<Self, TrainError> {
+    pub(crate) fn open(run_dir: &Path, keep_through_step: Option<usize>) -> Result<Self, TrainError> {
         // By `step` alone: the step-0 evaluation is kept too.
         #[derive(Deserialize)]
         struct Step {
@@ -260,7 +260,7 @@ impl MetricsLog {
         Ok(Self { log })
     }
 
-    pub fn write(&mut self, record: &StepRecord) -> Result<(), TrainError> {
+    pub(crate) fn write(&mut self, record: &StepRecord) -> Result<(), TrainError> {
         self.log.write_line(&serde_json::to_string(record).expect("record serialises"))
     }
 }

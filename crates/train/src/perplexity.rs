@@ -59,7 +59,7 @@ pub fn perplexity<B: EmberBackend>(
     batch: usize,
     bytes: usize,
 ) -> Perplexity {
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let d = model.config().d_model;
     let windows = sliding_windows(tokens.len(), context, stride);
     let mut total = 0.0f64;

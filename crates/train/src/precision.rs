@@ -126,7 +126,7 @@ impl Default for LossScaler {
 
 impl LossScaler {
     /// Records a step whose (scaled) gradients were `finite`; returns whether to apply it.
-    pub fn update(&mut self, finite: bool) -> bool {
+    pub(crate) fn update(&mut self, finite: bool) -> bool {
         if !finite {
             self.scale = (self.scale / 2.0).max(1.0);
             self.good_steps = 0;

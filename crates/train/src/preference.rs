@@ -76,7 +76,7 @@ pub struct PairSums {
 impl PairSums {
     pub(crate) const LEN: usize = 6;
 
-    pub fn to_vec(self) -> [f64; Self::LEN] {
+    pub(crate) fn to_vec(self) -> [f64; Self::LEN] {
         [
             self.pairs,
             self.rewards_chosen,
@@ -87,7 +87,7 @@ impl PairSums {
         ]
     }
 
-    pub fn from_slice(v: &[f64]) -> Self {
+    pub(crate) fn from_slice(v: &[f64]) -> Self {
         let g = |i: usize| v.get(i).copied().unwrap_or(0.0);
         Self {
             pairs: g(0),
@@ -99,7 +99,7 @@ impl PairSums {
         }
     }
 
-    pub fn add(&mut self, o: &Self) {
+    pub(crate) fn add(&mut self, o: &Self) {
         let (a, b) = (self.to_vec(), o.to_vec());
         *self = Self::from_slice(&std::array::from_fn::<f64, { Self::LEN }, _>(|i| a[i] + b[i]));
     }
@@ -309,7 +309,7 @@ pub(crate) fn evaluate_pairs<B: EmberBackend>(
     batch: usize,
     keep: impl Fn(usize) -> bool,
 ) -> (f64, PairSums) {
-    let device = model.embed_tokens.device();
+    let device = model.device();
     let chosen_tokens = rows.iter().map(|w| answer_masks(w).0.iter().sum::<f32>() as f64).sum();
     let totals = StepTotals { pairs: rows.len() as f64, chosen_tokens };
     let (mut loss, mut sums) = (0.0, PairSums::default());

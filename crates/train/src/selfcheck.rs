@@ -8,7 +8,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, ElementConversion, Int, Tensor, TensorData};
 use ember_kernels::cross_entropy::lm_head_loss_reference;
 use ember_kernels::{lm_head_cross_entropy, ChunkSpec, Compute, TrainBackend};
-use ember_model::{Decoder, ModelConfig, RopeLayout};
+use ember_model::lora::Target;
+use ember_model::{Decoder, ModelConfig, RopeLayout, Weight};
 use serde::Serialize;
 
 use crate::config::OptimConfig;
@@ -169,18 +170,19 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
             TensorData::new(ids.iter().map(|i| (i + 1) % 53).collect::<Vec<_>>(), [24]),
             device,
         );
-        let loss = lm_head_cross_entropy(hidden, m.head_weight(), t, ChunkSpec::auto(24, 53, m.compute()));
+        let loss = m.loss(hidden, t);
         GradientsParams::from_grads(loss.backward(), m)
     };
     // Two identical ranks: the sum is twice each gradient.
     let mut grads = loss_grads(&model);
-    let want =
-        grads.get::<IB<B>, 2>(model.layers[0].mlp().expect("a dense block").down_proj.weight.id).expect("a gradient");
+    let Some(Weight::Dense(down)) = model.layers[0].projection(Target::DownProj).map(|p| &p.weight) else {
+        return (false, "the check's model has a dense down projection".into());
+    };
+    let want = grads.get::<IB<B>, 2>(down.id).expect("a gradient");
     let flat = flatten(&model, &mut grads);
     let doubled: Vec<f32> = flat.values.iter().map(|v| 2.0 * v).collect();
     let back = unflatten(&model, &flat, &doubled);
-    let got =
-        back.get::<IB<B>, 2>(model.layers[0].mlp().expect("a dense block").down_proj.weight.id).expect("put back");
+    let got = back.get::<IB<B>, 2>(down.id).expect("put back");
     let d_sum = max_abs(got, want.mul_scalar(2.0));
     // One rank's ZeRO-1 step against AdamW's, from the same gradients.
     let o = OptimConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, grad_clip: 0.0 };
@@ -192,7 +194,11 @@ fn data_parallel<B: TrainBackend>(device: &Device<B>, tol: f64) -> (bool, String
     let sharded = zero.step(&Solo, 1e-2, model.clone(), loss_grads(&model), 1.0, None, device, "check");
     let d_zero = match sharded {
         Ok(s) => {
-            max_abs(s.model.layers[1].self_attn.o_proj.weight.val(), plain.layers[1].self_attn.o_proj.weight.val())
+            let o_proj = |m: &Decoder<B>| match m.layers[1].projection(Target::OProj).map(|p| &p.weight) {
+                Some(Weight::Dense(w)) => w.val(),
+                _ => unreachable!("the check's model has dense projections"),
+            };
+            max_abs(o_proj(&s.model), o_proj(&plain))
         }
         Err(e) => return (false, e.to_string()),
     };
@@ -213,7 +219,7 @@ fn training_steps<B: TrainBackend>(device: &Device<B>, precision: DType) -> (boo
     for _ in 0..25 {
         let hidden = model.hidden(tokens(&inputs, 4, device), 0).reshape([64, cfg.d_model]);
         let t = Tensor::<B, 1, Int>::from_data(TensorData::new(targets.clone(), [64]), device);
-        let loss = lm_head_cross_entropy(hidden, model.head_weight(), t, ChunkSpec::auto(64, 53, cx));
+        let loss = model.loss(hidden, t);
         losses.push(loss.clone().into_scalar().elem::<f64>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(3e-3, model, grads, 1.0);

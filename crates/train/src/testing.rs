@@ -5,16 +5,16 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Tensor};
 
-pub type AB = Autodiff<Flex>;
+pub(crate) type AB = Autodiff<Flex>;
 
 #[derive(Module, Debug)]
-pub struct Two<B: Backend> {
+pub(crate) struct Two<B: Backend> {
     pub w: Param<Tensor<B, 2>>,
     pub b: Param<Tensor<B, 1>>,
 }
 
 impl Two<AB> {
-    pub fn new<const R: usize, const C: usize>(w: [[f32; C]; R], b: [f32; C], dev: &Device<AB>) -> Self {
+    pub(crate) fn new<const R: usize, const C: usize>(w: [[f32; C]; R], b: [f32; C], dev: &Device<AB>) -> Self {
         Self { w: Param::from_tensor(Tensor::from_data(w, dev)), b: Param::from_tensor(Tensor::from_data(b, dev)) }
     }
 }

@@ -122,6 +122,14 @@ struct DecodeBenchArgs {
     /// Tokens generated without the cache at each context, 0..=1048576 (0: no uncached timing).
     #[arg(long, default_value_t = 4)]
     uncached_tokens: usize,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+/// The flags a decode and a prefill bench share after their own: the KV cache's blocks, the
+/// sequences side by side, the device and `--json`.
+#[derive(Args, Debug)]
+struct CacheArgs {
     /// Positions per KV-cache block, 1..=65536. The cache of every sequence must fit in the
     /// device's memory.
     #[arg(long, default_value_t = 16)]
@@ -133,7 +141,12 @@ struct DecodeBenchArgs {
     common: Common,
 }
 
+/// The prefill bench's flags: [`CacheArgs`], two of them worded for prompts.
 #[derive(Args, Debug)]
+#[command(
+    mut_arg("block_size", |a| a.help("Positions per KV-cache block, 1..=65536")),
+    mut_arg("batch", |a| a.help("Prompts processed side by side, 1..=256"))
+)]
 struct PrefillBenchArgs {
     /// A run directory or checkpoint folder, `gguf:FILE` (its stored quantized weights) or `hf:DIR`.
     #[arg(long)]
@@ -141,14 +154,8 @@ struct PrefillBenchArgs {
     /// Prompt lengths to measure, each at least 1 and less than the model's max_seq_len.
     #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
     contexts: Vec<usize>,
-    /// Positions per KV-cache block, 1..=65536.
-    #[arg(long, default_value_t = 16)]
-    block_size: usize,
-    /// Prompts processed side by side, 1..=256.
-    #[arg(long, default_value_t = 1)]
-    batch: usize,
     #[command(flatten)]
-    common: Common,
+    cache: CacheArgs,
 }
 
 #[derive(Args, Debug)]
@@ -308,8 +315,8 @@ impl BenchFn for DecodeBenchFn {
             contexts: a.contexts.clone(),
             new_tokens: a.new_tokens,
             uncached_tokens: a.uncached_tokens,
-            block_size: a.block_size,
-            batch: a.batch,
+            block_size: a.cache.block_size,
+            batch: a.cache.batch,
         };
         Ok(bench_decode(&model, name, &spec))
     }
@@ -503,9 +510,7 @@ fn prefill(a: PrefillBenchArgs) -> anyhow::Result<()> {
         contexts: a.contexts,
         new_tokens: 1,
         uncached_tokens: 0,
-        block_size: a.block_size,
-        batch: a.batch,
-        common: a.common,
+        cache: a.cache,
     };
     let (checkpoint, device, json) = decode_checks(&decode)?;
     report(json, &dispatch(device, false, BenchJob(PrefillBenchFn(DecodeBenchFn(decode, checkpoint))))?)
@@ -523,8 +528,9 @@ fn decode_checks(a: &DecodeBenchArgs) -> anyhow::Result<(ModelSource, DeviceSpec
     each_in_range("--contexts", &a.contexts, 1..=1 << 24)?;
     in_range("--new-tokens", a.new_tokens, 1..=1 << 20)?;
     in_range("--uncached-tokens", a.uncached_tokens, 0..=1 << 20)?;
-    in_range("--block-size", a.block_size, 1..=1 << 16)?;
-    in_range("--batch", a.batch, 1..=256)?;
+    let (block_size, batch, common) = (a.cache.block_size, a.cache.batch, &a.cache.common);
+    in_range("--block-size", block_size, 1..=1 << 16)?;
+    in_range("--batch", batch, 1..=256)?;
     let checkpoint = ModelSource::open(&a.checkpoint)?;
     let config = &checkpoint.model_config;
     let max = config.max_seq_len;
@@ -534,17 +540,17 @@ fn decode_checks(a: &DecodeBenchArgs) -> anyhow::Result<(ModelSource, DeviceSpec
     }
     // The KV cache of the longest context: whole blocks for every sequence, keys and values of
     // every layer in f32, twice over while the pool grows.
-    let positions = a.contexts.iter().max().map_or(0, |c| c + longest).div_ceil(a.block_size) * a.block_size;
+    let positions = a.contexts.iter().max().map_or(0, |c| c + longest).div_ceil(block_size) * block_size;
     // Latent attention caches one latent and rotary key a layer, not every head's keys and values.
     let per_layer = match &config.mla {
         Some(mla) => &[mla.cache_width()][..],
         None => &[2, config.n_kv_heads(), config.head_dim()][..],
     };
     let per_position = product(&[per_layer, &[config.n_layers, 4]].concat());
-    let need = per_position.and_then(|p| p.checked_mul(product(&[2, a.batch, positions])?));
-    let what = format!("--block-size {} --batch {} (KV cache of {positions} positions)", a.block_size, a.batch);
-    fits_memory(&what, need, a.common.device)?;
-    Ok((checkpoint, a.common.device, a.common.json))
+    let need = per_position.and_then(|p| p.checked_mul(product(&[2, batch, positions])?));
+    let what = format!("--block-size {block_size} --batch {batch} (KV cache of {positions} positions)");
+    fits_memory(&what, need, common.device)?;
+    Ok((checkpoint, common.device, common.json))
 }
 
 fn serve(a: ServeBenchArgs) -> anyhow::Result<()> {

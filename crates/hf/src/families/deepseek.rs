@@ -12,9 +12,7 @@ use super::llama::{llama_like, ATTN_OUTPUT, BIASES, EMBEDDING, FFN_NORM, HEAD, L
 use super::Registration;
 use crate::config_json::{read_default_rope, rope_parameters, Reader};
 use crate::error::HfError;
-use crate::family::{
-    as_is, experts, gain, join, linear, without_gguf, Architecture, Family, ReadKeys, Rule, WriteKeys,
-};
+use crate::family::{as_is, experts, gain, join, linear, without_gguf, Family, Rule};
 use crate::gguf::hparams::{size_keys, ArchKeys, ArchWriter, GgufRules, OwnKeys, SplitTensor};
 use crate::gguf::{GgufError, GgufFile, Value as GgufValue};
 
@@ -81,47 +79,53 @@ const DEEPSEEK_KEYS: &[&str] = &[
     "mlp_bias",
 ];
 
-/// DeepSeek-V2: `DeepseekV2ForCausalLM`, llama.cpp's `deepseek2` without selection biases.
+/// DeepSeek-V2: `DeepseekV2ForCausalLM`, llama.cpp's `deepseek2` without selection biases. It
+/// exports a model of latent attention whose router is V2's.
 pub const DEEPSEEK_V2: Registration = Registration {
-    hf: deepseek(
-        Architecture::DeepseekV2,
+    hf: deepseek(llama_like(
+        "deepseek2",
         "DeepseekV2ForCausalLM",
         "deepseek_v2",
         (read_deepseek_v2, write_deepseek_v2),
-    ),
-    gguf: GgufRules { variant: v2_or_v3, ..deepseek_gguf(read_gguf_v2) },
+        |c| c.mla.is_some() && !v3_router(c),
+    )),
+    gguf: GgufRules { claims: no_selection_bias, ..deepseek_gguf(read_gguf_v2) },
 };
 
-/// DeepSeek-V3: `DeepseekV3ForCausalLM`, llama.cpp's `deepseek2` with selection biases.
+/// DeepSeek-V3: `DeepseekV3ForCausalLM`, llama.cpp's `deepseek2` with selection biases. It exports
+/// a model of latent attention whose router is V3's.
 pub const DEEPSEEK_V3: Registration = Registration {
-    hf: deepseek(
-        Architecture::DeepseekV3,
+    hf: deepseek(llama_like(
+        "deepseek2",
         "DeepseekV3ForCausalLM",
         "deepseek_v3",
         (read_deepseek_v3, write_deepseek_v3),
-    ),
+        |c| c.mla.is_some() && v3_router(c),
+    )),
     gguf: deepseek_gguf(read_gguf_v3),
 };
 
-/// A DeepSeek family: Llama's sizes and parts, its tensors and keys.
-const fn deepseek(
-    architecture: Architecture,
-    class_name: &'static str,
-    model_type: &'static str,
-    (read, write): (ReadKeys, WriteKeys),
-) -> Family {
+/// A DeepSeek family: Llama's sizes and parts (`llama`, of llama.cpp's `deepseek2`), its tensors
+/// and keys.
+const fn deepseek(llama: Family) -> Family {
     Family {
         tensors: &[DEEPSEEK_TENSORS, LLAMA_MLP, DEEPSEEK_EXPERTS],
         replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS, DEEPSEEK_KEYS],
         export_name: low_rank_query_name,
         aux_loss_in_config: false,
-        ..llama_like(architecture, "deepseek2", class_name, model_type, (read, write))
+        ..llama
     }
+}
+
+/// Whether the router is V3's: sigmoid scores or the selection bias.
+fn v3_router(c: &ModelConfig) -> bool {
+    c.moe.as_ref().is_some_and(|m| m.scoring == Scoring::Sigmoid || m.selection_bias)
 }
 
 /// llama.cpp's `deepseek2`: its own keys (read by `read`), `kv_b_proj` split in two.
 const fn deepseek_gguf(read: fn(&ArchKeys, ModelConfig) -> Result<ModelConfig, GgufError>) -> GgufRules {
-    GgufRules { own_keys: Some(OwnKeys { read, write: write_gguf }), split: Some(KV_B), ..GgufRules::DENSE }
+    let own = OwnKeys { read, write: write_gguf, key_of: gguf_key_of };
+    GgufRules { own_keys: Some(own), split: Some(KV_B), ..GgufRules::DENSE }
 }
 
 /// The query of a low-rank query is `q_b_proj` (its up-projection): the rules' first name for
@@ -134,10 +138,9 @@ fn low_rank_query_name(config: &ModelConfig, name: String) -> String {
     name
 }
 
-/// llama.cpp's deepseek2 is DeepSeek-V3 where its routers have the selection bias.
-fn v2_or_v3(arch: Architecture, f: &GgufFile) -> Result<Architecture, GgufError> {
-    let v3 = f.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias"));
-    Ok(if v3 { Architecture::DeepseekV3 } else { arch })
+/// llama.cpp's deepseek2 is DeepSeek-V2 where its routers lack the selection bias (V3 otherwise).
+fn no_selection_bias(f: &GgufFile) -> Result<bool, GgufError> {
+    Ok(!f.tensors.iter().any(|t| t.name.ends_with(".exp_probs_b.bias")))
 }
 
 // ---- config.json ----
@@ -330,6 +333,25 @@ fn kv_b_join(
 fn kv_b_split(c: &ModelConfig, kv_b: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (nope, rank) = c.mla.as_ref().map_or((0, 0), |m| (m.nope_dim, m.kv_rank));
     split_kv_b(kv_b, c.n_heads, nope, rank)
+}
+
+/// The `deepseek2.*` key (after the prefix) of a model field of DeepSeek's own, or of one whose key
+/// differs from the shared architectures' (its shared experts are counted, not sized).
+fn gguf_key_of(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "mla.norm_eps" => "attention.layer_norm_rms_epsilon",
+        "moe.shared_expert" => "expert_shared_count",
+        "moe.dense_layers" => "leading_dense_block_count",
+        "moe.groups" => "expert_group_count",
+        "moe.top_groups" => "expert_group_used_count",
+        "moe.routed_scale" => "expert_weights_scale",
+        "mla.kv_rank" => "attention.kv_lora_rank",
+        "mla.q_rank" => "attention.q_lora_rank",
+        "mla.rope_dim" => "rope.dimension_count",
+        "mla.nope_dim" => "attention.key_length_mla",
+        "mla.v_dim" => "attention.value_length_mla",
+        _ => return None,
+    })
 }
 
 fn read_gguf_v2(k: &ArchKeys, sizes: ModelConfig) -> Result<ModelConfig, GgufError> {

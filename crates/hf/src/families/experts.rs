@@ -10,13 +10,14 @@ use ember_model::{ModelConfig, MoeConfig};
 use serde_json::{json, Map, Value};
 
 use super::llama::{
-    llama_like, read_llama_like, read_mistral, write_mistral, LLAMA_GGUF, LLAMA_PARTS, LLAMA_REPLACED, LLAMA_TENSORS,
+    has_experts, llama_like, read_llama_like, read_mistral, write_mistral, LLAMA_GGUF, LLAMA_PARTS, LLAMA_REPLACED,
+    LLAMA_TENSORS,
 };
 use super::qwen::{qkv_bias_gguf, read_qwen2, read_qwen3, write_qwen2, write_qwen3};
 use super::Registration;
 use crate::config_json::{rope_parameters, Reader};
 use crate::error::HfError;
-use crate::family::{experts, linear, Architecture, Family, Parts, Rule};
+use crate::family::{experts, linear, Family, Parts, Rule};
 use crate::gguf::hparams::{GgufExperts, GgufRules};
 
 /// Mixtral's experts (`block_sparse_moe`: `w1` the gate, `w3` the up, `w2` the down projection)
@@ -68,9 +69,15 @@ pub const MIXTRAL: Registration = Registration {
     hf: Family {
         tensors: &[LLAMA_TENSORS, MIXTRAL_EXPERTS],
         replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS],
-        ..llama_like(Architecture::Mixtral, "llama", "MixtralForCausalLM", "mixtral", (read_mixtral, write_mixtral))
+        ..llama_like("llama", "MixtralForCausalLM", "mixtral", (read_mixtral, write_mixtral), |c| {
+            experts_of(c).is_some_and(|shared| !c.qk_norm && !shared)
+        })
     },
-    gguf: GgufRules { experts: Some(GgufExperts { norm_topk: true, shared: false, width_is_ffn: true }), ..LLAMA_GGUF },
+    gguf: GgufRules {
+        claims: has_experts,
+        experts: Some(GgufExperts { norm_topk: true, shared: false, width_is_ffn: true }),
+        ..LLAMA_GGUF
+    },
 };
 
 /// Qwen2-MoE: `Qwen2MoeForCausalLM`, llama.cpp's `qwen2moe` (q/k/v biases, the gated shared expert).
@@ -78,13 +85,9 @@ pub const QWEN2_MOE: Registration = Registration {
     hf: Family {
         tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
         replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS],
-        ..llama_like(
-            Architecture::Qwen2Moe,
-            "qwen2moe",
-            "Qwen2MoeForCausalLM",
-            "qwen2_moe",
-            (read_qwen2_moe, write_qwen2_moe),
-        )
+        ..llama_like("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe", (read_qwen2_moe, write_qwen2_moe), |c| {
+            experts_of(c).is_some_and(|shared| !c.qk_norm && shared)
+        })
     },
     gguf: GgufRules {
         experts: Some(GgufExperts { norm_topk: false, shared: true, width_is_ffn: false }),
@@ -100,13 +103,9 @@ pub const QWEN3_MOE: Registration = Registration {
         tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
         parts: Parts { qk_norm: true, ..LLAMA_PARTS },
         replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS, &["layer_types"]],
-        ..llama_like(
-            Architecture::Qwen3Moe,
-            "qwen3moe",
-            "Qwen3MoeForCausalLM",
-            "qwen3_moe",
-            (read_qwen3_moe, write_qwen3_moe),
-        )
+        ..llama_like("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", (read_qwen3_moe, write_qwen3_moe), |c| {
+            experts_of(c).is_some() && c.qk_norm && !c.qk_norm_whole
+        })
     },
     gguf: GgufRules {
         experts: Some(GgufExperts { norm_topk: true, shared: false, width_is_ffn: false }),
@@ -121,7 +120,10 @@ pub const OLMOE: Registration = Registration {
         tensors: &[LLAMA_TENSORS, QWEN_EXPERTS],
         parts: Parts { qk_norm: true, qk_norm_whole: true, ..LLAMA_PARTS },
         replaced_keys: &[LLAMA_REPLACED, EXPERT_KEYS, &["clip_qkv"]],
-        ..llama_like(Architecture::Olmoe, "olmoe", "OlmoeForCausalLM", "olmoe", (read_olmoe, write_olmoe))
+        // Whole q/k norms are OLMoE's, with experts or without.
+        ..llama_like("olmoe", "OlmoeForCausalLM", "olmoe", (read_olmoe, write_olmoe), |c| {
+            c.mla.is_none() && c.qk_norm && c.qk_norm_whole
+        })
     },
     gguf: GgufRules {
         experts: Some(GgufExperts { norm_topk: false, shared: false, width_is_ffn: true }),
@@ -130,6 +132,13 @@ pub const OLMOE: Registration = Registration {
         ..GgufRules::DENSE
     },
 };
+
+/// For a model with experts and no latent attention, whether it has a shared expert or q/k/v bias
+/// (what Qwen2-MoE has and Mixtral lacks): what this file's families export.
+fn experts_of(c: &ModelConfig) -> Option<bool> {
+    let moe = c.moe.as_ref().filter(|_| c.mla.is_none())?;
+    Some(moe.shared_expert.is_some() || c.qkv_bias)
+}
 
 /// llama.cpp's `olmoe` norms the keys over d_model: it has no place for fewer key/value heads.
 fn olmoe_refuses(config: &ModelConfig) -> Option<String> {

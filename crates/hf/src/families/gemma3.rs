@@ -19,8 +19,9 @@ use super::llama::{
 use super::Registration;
 use crate::config_json::{read_rope, rope_parameters, Reader};
 use crate::error::HfError;
-use crate::family::{gain, join, same_name, without_gguf, Architecture, Family, Parts, Rule, SizeKeys};
+use crate::family::{dense, gain, join, same_name, without_gguf, Family, Parts, Rule, SizeKeys};
 use crate::gguf::hparams::{ArchKeys, ArchWriter, GgufRules};
+use crate::gguf::tokenizer::{MergeOrder, VocabRules};
 use crate::gguf::GgufError;
 
 /// Gemma 3's own norms. Its `post_attention_layernorm` is the attention's output norm and
@@ -43,7 +44,6 @@ pub(crate) const GEMMA3_TENSORS: &[Rule] =
 /// Gemma 3: `Gemma3ForCausalLM`, llama.cpp's `gemma3`.
 pub const GEMMA3: Registration = Registration {
     hf: Family {
-        architecture: Architecture::Gemma3,
         gguf_arch: "gemma3",
         class_name: "Gemma3ForCausalLM",
         model_type: "gemma3_text",
@@ -76,10 +76,30 @@ pub const GEMMA3: Registration = Registration {
         buffers: &["rotary_emb.inv_freq", "rotary_emb_local.inv_freq"],
         optional_prefix: None,
         export_name: same_name,
+        exports: dense,
         aux_loss_in_config: true,
     },
-    gguf: GgufRules { read: read_gguf, write: write_gguf, ..GgufRules::DENSE },
+    gguf: GgufRules { read: read_gguf, write: write_gguf, vocab: GEMMA_VOCAB, ..GgufRules::DENSE },
 };
+
+/// Gemma's SentencePiece vocabulary, in Gemma 1's and 2's files too: merges ranked by the merged
+/// piece's position (its scores do not follow the merge order) and runs of spaces spelled with
+/// `▁`, as transformers' GGUF reader builds Gemma's; Google's chat template for Gemma 3 files that
+/// carry none.
+const GEMMA_VOCAB: VocabRules = VocabRules {
+    merges: MergeOrder::Position,
+    space_runs_as_pieces: true,
+    also_in: &["gemma", "gemma2"],
+    chat_template: Some(GEMMA3_CHAT_TEMPLATE),
+};
+
+/// Gemma 3's chat template: Google's published template for its instruction-tuned models
+/// (`chat_template` of google/gemma-3-*-it's tokenizer_config.json), for the Gemma 3 files that carry
+/// none (GGUFs made from the pre-trained checkpoints). Turns are `<start_of_turn>{user|model}\n ...
+/// <end_of_turn>\n`, a system message goes before the first user turn's text, and the generation
+/// prompt opens a `model` turn. The model ends its answer with `<end_of_turn>`, one of the end
+/// tokens of ember-data's `Tokenizer::end_ids`.
+pub const GEMMA3_CHAT_TEMPLATE: &str = include_str!("gemma3_chat_template.jinja");
 
 /// Gemma 3's defaults where its config.json is silent (transformers' `Gemma3TextConfig`).
 const GEMMA3_HEAD_DIM: usize = 256;

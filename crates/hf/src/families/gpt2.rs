@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 use super::Registration;
 use crate::config_json::Reader;
 use crate::error::HfError;
-use crate::family::{as_is, fused, linear, same_name, Architecture, Family, Parts, Rule, SizeKeys};
+use crate::family::{as_is, dense, fused, linear, same_name, Family, Parts, Rule, SizeKeys, Stored::Table};
 use crate::gguf::hparams::{ArchKeys, GgufRules};
 use crate::gguf::GgufError;
 
@@ -17,7 +17,7 @@ use crate::gguf::GgufError;
 /// side by side (`[D, 3D]`, bias `[3D]`); `c_fc` is the MLP's up projection, `c_proj` its down.
 #[rustfmt::skip]
 const GPT2_TENSORS: &[Rule] = &[
-    as_is("transformer.wte.weight", &["embed_tokens"]).gguf("token_embd.weight"),
+    as_is("transformer.wte.weight", &["embed_tokens"]).gguf("token_embd.weight").stored(Table),
     as_is("transformer.wpe.weight", &["embed_positions"]).gguf("position_embd.weight"),
     as_is("transformer.h.{i}.ln_1.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
     as_is("transformer.h.{i}.ln_1.bias", &["layers.{i}.input_layernorm.bias"]).gguf("blk.{i}.attn_norm.bias"),
@@ -47,13 +47,12 @@ const GPT2_TENSORS: &[Rule] = &[
     as_is("transformer.h.{i}.mlp.c_proj.bias", &["layers.{i}.mlp.down_proj.bias"]).gguf("blk.{i}.ffn_down.bias"),
     as_is("transformer.ln_f.weight", &["norm.weight"]).gguf("output_norm.weight"),
     as_is("transformer.ln_f.bias", &["norm.bias"]).gguf("output_norm.bias"),
-    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight"),
+    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight").stored(Table),
 ];
 
 /// GPT-2: `GPT2LMHeadModel`, llama.cpp's `gpt2`.
 pub const GPT2: Registration = Registration {
     hf: Family {
-        architecture: Architecture::Gpt2,
         gguf_arch: "gpt2",
         class_name: "GPT2LMHeadModel",
         model_type: "gpt2",
@@ -87,6 +86,7 @@ pub const GPT2: Registration = Registration {
         buffers: &[".attn.bias", ".attn.masked_bias"],
         optional_prefix: Some("transformer."),
         export_name: same_name,
+        exports: dense,
         aux_loss_in_config: true,
     },
     gguf: GgufRules { read: biases_gguf, ..GgufRules::DENSE },

@@ -9,36 +9,35 @@ use serde_json::{json, Map, Value};
 use super::Registration;
 use crate::config_json::{read_default_rope, rope_parameters, Reader};
 use crate::error::HfError;
-use crate::family::{
-    as_is, gain, join, linear, same_name, Architecture, Family, Parts, ReadKeys, Rule, SizeKeys, WriteKeys,
-};
+use crate::family::Stored::{Projection, Table};
+use crate::family::{as_is, dense, gain, join, linear, same_name, Family, Parts, ReadKeys, Rule, SizeKeys, WriteKeys};
 use crate::gguf::hparams::GgufRules;
 use crate::gguf::{GgufError, GgufFile};
 
 /// The embedding, `model.embed_tokens`.
 #[rustfmt::skip]
 pub(crate) const EMBEDDING: &[Rule] = &[
-    as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight"),
+    as_is("model.embed_tokens.weight", &["embed_tokens"]).gguf("token_embd.weight").stored(Table),
 ];
 
 /// The block's input norm and the query.
 #[rustfmt::skip]
 pub(crate) const QUERY: &[Rule] = &[
     gain("model.layers.{i}.input_layernorm.weight", &["layers.{i}.input_layernorm.weight"]).gguf("blk.{i}.attn_norm.weight"),
-    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]).gguf("blk.{i}.attn_q.weight"),
+    linear("model.layers.{i}.self_attn.q_proj.weight", &["layers.{i}.self_attn.q_proj.weight"]).gguf("blk.{i}.attn_q.weight").stored(Projection),
 ];
 
 /// The keys and values.
 #[rustfmt::skip]
 pub(crate) const KEY_VALUE: &[Rule] = &[
-    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]).gguf("blk.{i}.attn_k.weight"),
-    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]).gguf("blk.{i}.attn_v.weight"),
+    linear("model.layers.{i}.self_attn.k_proj.weight", &["layers.{i}.self_attn.k_proj.weight"]).gguf("blk.{i}.attn_k.weight").stored(Projection),
+    linear("model.layers.{i}.self_attn.v_proj.weight", &["layers.{i}.self_attn.v_proj.weight"]).gguf("blk.{i}.attn_v.weight").stored(Projection),
 ];
 
 /// The attention's output projection.
 #[rustfmt::skip]
 pub(crate) const ATTN_OUTPUT: &[Rule] = &[
-    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]).gguf("blk.{i}.attn_output.weight"),
+    linear("model.layers.{i}.self_attn.o_proj.weight", &["layers.{i}.self_attn.o_proj.weight"]).gguf("blk.{i}.attn_output.weight").stored(Projection),
 ];
 
 /// The four projections' biases (Qwen2's q/k/v; all four with Qwen3's `attention_bias`).
@@ -67,7 +66,7 @@ pub(crate) const FFN_NORM: &[Rule] = &[
 #[rustfmt::skip]
 pub(crate) const HEAD: &[Rule] = &[
     gain("model.norm.weight", &["norm.weight"]).gguf("output_norm.weight"),
-    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight"),
+    linear("lm_head.weight", &["lm_head.weight"]).gguf("output.weight").stored(Table),
 ];
 
 /// Llama, Qwen2 (q/k/v biases), Mistral and Qwen3 (q/k norms; all four biases with
@@ -78,9 +77,9 @@ pub(crate) const LLAMA_TENSORS: &[Rule] =
 /// The MLP of Llama's blocks (and Gemma 3's, and DeepSeek's dense layers').
 #[rustfmt::skip]
 pub(crate) const LLAMA_MLP: &[Rule] = &[
-    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]).gguf("blk.{i}.ffn_gate.weight"),
-    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf("blk.{i}.ffn_up.weight"),
-    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf("blk.{i}.ffn_down.weight"),
+    linear("model.layers.{i}.mlp.gate_proj.weight", &["layers.{i}.mlp.gate_proj.weight"]).gguf("blk.{i}.ffn_gate.weight").stored(Projection),
+    linear("model.layers.{i}.mlp.up_proj.weight", &["layers.{i}.mlp.up_proj.weight"]).gguf("blk.{i}.ffn_up.weight").stored(Projection),
+    linear("model.layers.{i}.mlp.down_proj.weight", &["layers.{i}.mlp.down_proj.weight"]).gguf("blk.{i}.ffn_down.weight").stored(Projection),
 ];
 
 /// Llama's sizes, shared by every family but GPT-2.
@@ -113,16 +112,16 @@ const SILU: &[(&str, MlpKind)] = &[("silu", MlpKind::Swiglu)];
 pub(crate) const LLAMA_REPLACED: &[&str] =
     &["rope_scaling", "rope_theta", "rope_parameters", "sliding_window", "use_sliding_window", "attention_bias"];
 
-/// A family built as Llama is: its sizes' keys, parts, SiLU, tensors and buffers.
+/// A family built as Llama is: its sizes' keys, parts, SiLU, tensors and buffers; `exports` says
+/// which models that name no family it takes ([`Family::exports`]).
 pub(crate) const fn llama_like(
-    architecture: Architecture,
     gguf_arch: &'static str,
     class_name: &'static str,
     model_type: &'static str,
     (read, write): (ReadKeys, WriteKeys),
+    exports: fn(&ModelConfig) -> bool,
 ) -> Family {
     Family {
-        architecture,
         gguf_arch,
         class_name,
         model_type,
@@ -136,29 +135,43 @@ pub(crate) const fn llama_like(
         buffers: &["rotary_emb.inv_freq"],
         optional_prefix: None,
         export_name: same_name,
+        exports,
         aux_loss_in_config: true,
     }
 }
 
-/// Llama: `LlamaForCausalLM`, llama.cpp's `llama`.
+/// Llama: `LlamaForCausalLM`, llama.cpp's `llama` without experts. It exports a dense model
+/// without q/k/v bias or window.
 pub const LLAMA: Registration = Registration {
-    hf: llama_like(Architecture::Llama, "llama", "LlamaForCausalLM", "llama", (read_llama, write_llama)),
-    gguf: LLAMA_GGUF,
+    hf: llama_like("llama", "LlamaForCausalLM", "llama", (read_llama, write_llama), |c| {
+        dense(c) && !c.qkv_bias && c.sliding_window.is_none()
+    }),
+    gguf: GgufRules { claims: no_experts, ..LLAMA_GGUF },
 };
 
-/// Mistral: Llama with `sliding_window`; llama.cpp's `llama`, which has no window.
+/// Mistral: Llama with `sliding_window`; llama.cpp's `llama`, which has no window (its files are
+/// read as Llama's). It exports a dense model without q/k/v bias, with a window.
 pub const MISTRAL: Registration = Registration {
-    hf: llama_like(Architecture::Mistral, "llama", "MistralForCausalLM", "mistral", (read_mistral, write_mistral)),
-    gguf: LLAMA_GGUF,
+    hf: llama_like("llama", "MistralForCausalLM", "mistral", (read_mistral, write_mistral), |c| {
+        dense(c) && !c.qkv_bias && c.sliding_window.is_some()
+    }),
+    gguf: GgufRules { claims: no_file, ..LLAMA_GGUF },
 };
 
-/// llama.cpp's `llama`: q/k rows permuted; with experts, Mixtral.
-pub(crate) const LLAMA_GGUF: GgufRules = GgufRules { permutes_qk: true, variant: llama_or_mixtral, ..GgufRules::DENSE };
+/// llama.cpp's `llama`: q/k rows permuted.
+pub(crate) const LLAMA_GGUF: GgufRules = GgufRules { permutes_qk: true, ..GgufRules::DENSE };
 
-/// llama.cpp's `llama` with experts is Mixtral.
-fn llama_or_mixtral(arch: Architecture, f: &GgufFile) -> Result<Architecture, GgufError> {
-    let experts = f.meta().u64("llama.expert_count")?.is_some_and(|n| n > 0);
-    Ok(if arch == Architecture::Llama && experts { Architecture::Mixtral } else { arch })
+/// Whether llama.cpp's `llama` file has experts (then it is Mixtral's).
+pub(crate) fn has_experts(f: &GgufFile) -> Result<bool, GgufError> {
+    Ok(f.meta().u64("llama.expert_count")?.is_some_and(|n| n > 0))
+}
+
+fn no_experts(f: &GgufFile) -> Result<bool, GgufError> {
+    has_experts(f).map(|experts| !experts)
+}
+
+fn no_file(_: &GgufFile) -> Result<bool, GgufError> {
+    Ok(false)
 }
 
 /// Llama's keys: RoPE, no biases (Qwen2's q/k/v biases where `qkv_bias`).

@@ -9,13 +9,13 @@ use super::llama::{llama_like, read_llama_like, LLAMA_PARTS};
 use super::Registration;
 use crate::config_json::{read_default_rope, rope_parameters, Reader};
 use crate::error::HfError;
-use crate::family::{Architecture, Family, Parts};
+use crate::family::{dense, Family, Parts};
 use crate::gguf::hparams::{ArchKeys, GgufRules};
 use crate::gguf::GgufError;
 
-/// Qwen2: `Qwen2ForCausalLM`, llama.cpp's `qwen2`.
+/// Qwen2: `Qwen2ForCausalLM`, llama.cpp's `qwen2`. It exports a dense model with q/k/v bias.
 pub const QWEN2: Registration = Registration {
-    hf: llama_like(Architecture::Qwen2, "qwen2", "Qwen2ForCausalLM", "qwen2", (read_qwen2, write_qwen2)),
+    hf: llama_like("qwen2", "Qwen2ForCausalLM", "qwen2", (read_qwen2, write_qwen2), |c| dense(c) && c.qkv_bias),
     gguf: GgufRules { read: qkv_bias_gguf, ..GgufRules::DENSE },
 };
 
@@ -32,7 +32,7 @@ pub const QWEN3: Registration = Registration {
             "attention_bias",
             "layer_types",
         ]],
-        ..llama_like(Architecture::Qwen3, "qwen3", "Qwen3ForCausalLM", "qwen3", (read_qwen3, write_qwen3))
+        ..llama_like("qwen3", "Qwen3ForCausalLM", "qwen3", (read_qwen3, write_qwen3), dense)
     },
     gguf: GgufRules::DENSE,
 };

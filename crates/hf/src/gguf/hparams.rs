@@ -13,6 +13,7 @@ use std::path::Path;
 
 use ember_model::{ModelConfig, MoeConfig, NormKind, Positions, RopeScaling};
 
+use super::tokenizer::VocabRules;
 use super::{GgufError, GgufFile, Meta, Value};
 use crate::family::{Architecture, Family};
 
@@ -21,9 +22,11 @@ pub struct GgufRules {
     /// Whether llama.cpp reorders the rows of the q and k projections (its `llama`, whose RoPE
     /// rotates adjacent pairs; Hugging Face pairs channel `i` with `i + Dh/2`).
     pub permutes_qk: bool,
-    /// The family a file of the architecture holds, from its metadata and tensors (llama.cpp's
-    /// `llama` with experts is Mixtral, its `deepseek2` with selection biases DeepSeek-V3).
-    pub variant: fn(Architecture, &GgufFile) -> Result<Architecture, GgufError>,
+    /// Whether a file of llama.cpp's architecture holds this family, by its metadata and tensors:
+    /// the first family of the architecture that claims a file reads it (llama.cpp's `llama` is
+    /// Llama's, or with experts Mixtral's, never Mistral's; its `deepseek2` with selection biases
+    /// is DeepSeek-V3's).
+    pub claims: fn(&GgufFile) -> Result<bool, GgufError>,
     /// The experts' keys, for a family that has experts.
     pub experts: Option<GgufExperts>,
     /// Reads the family's own keys into a model the shared keys describe.
@@ -39,6 +42,8 @@ pub struct GgufRules {
     /// Name endings of Hugging Face tensors `[1, D]` that llama.cpp stores as `[D]` (Qwen2-MoE's
     /// shared expert gate).
     pub squeezed: &'static [&'static str],
+    /// How the family's files spell their tokenizer.
+    pub vocab: VocabRules,
 }
 
 impl GgufRules {
@@ -52,7 +57,7 @@ impl GgufRules {
     /// A dense family's: no experts, no keys of its own, q/k rows as Hugging Face has them.
     pub const DENSE: GgufRules = GgufRules {
         permutes_qk: false,
-        variant: same_family,
+        claims: every_file,
         experts: None,
         read: no_keys,
         write: no_keys_written,
@@ -60,11 +65,12 @@ impl GgufRules {
         refuses: refuses_nothing,
         split: None,
         squeezed: &[],
+        vocab: VocabRules::SCORES,
     };
 }
 
-fn same_family(arch: Architecture, _: &GgufFile) -> Result<Architecture, GgufError> {
-    Ok(arch)
+fn every_file(_: &GgufFile) -> Result<bool, GgufError> {
+    Ok(true)
 }
 
 fn no_keys(_: &ArchKeys, _: &mut ModelConfig) -> Result<(), GgufError> {
@@ -90,10 +96,13 @@ pub struct GgufExperts {
 }
 
 /// Keys that replace the shared ones: `read` gets the sizes (vocabulary, layers, width, heads,
-/// tied head) and returns the model; `write` writes every `{arch}.*` key, `vocab_size` included.
+/// tied head) and returns the model; `write` writes every `{arch}.*` key, `vocab_size` included;
+/// `key_of` names the key (after the prefix) that holds a model field of the family's own, for
+/// errors about it (`None`: the shared keys').
 pub struct OwnKeys {
     pub read: fn(&ArchKeys, ModelConfig) -> Result<ModelConfig, GgufError>,
     pub write: fn(&ModelConfig, &mut ArchWriter),
+    pub key_of: fn(&str) -> Option<&'static str>,
 }
 
 /// A Hugging Face tensor (`hf`, `{i}` the layer) that llama.cpp stores as two, `blk.{i}.{part}.weight`
@@ -253,7 +262,9 @@ fn key_of(e: &ember_model::ConfigError, rules: &GgufRules) -> &'static str {
         E::VocabUnset => "vocab_size",
         E::Dropout(_) => "",
     };
-    let deepseek = rules.own_keys.is_some();
+    if let Some(key) = rules.own_keys.as_ref().and_then(|own| (own.key_of)(field)) {
+        return key;
+    }
     match field {
         "n_layers" => "block_count",
         "d_model" => "embedding_length",
@@ -264,23 +275,13 @@ fn key_of(e: &ember_model::ConfigError, rules: &GgufRules) -> &'static str {
         "max_seq_len" => "context_length",
         "vocab_size" => "vocab_size",
         "rope_theta" => "rope.freq_base",
-        "norm_eps" | "mla.norm_eps" => "attention.layer_norm_rms_epsilon",
+        "norm_eps" => "attention.layer_norm_rms_epsilon",
         "sliding_window" => "attention.sliding_window",
         "moe.n_experts" => "expert_count",
         "moe.top_k" => "expert_used_count",
         "moe.d_expert" if rules.experts.is_some_and(|e| e.width_is_ffn) => "feed_forward_length",
         "moe.d_expert" => "expert_feed_forward_length",
-        "moe.shared_expert" if deepseek => "expert_shared_count",
         "moe.shared_expert" => "expert_shared_feed_forward_length",
-        "moe.dense_layers" => "leading_dense_block_count",
-        "moe.groups" => "expert_group_count",
-        "moe.top_groups" => "expert_group_used_count",
-        "moe.routed_scale" => "expert_weights_scale",
-        "mla.kv_rank" => "attention.kv_lora_rank",
-        "mla.q_rank" => "attention.q_lora_rank",
-        "mla.rope_dim" => "rope.dimension_count",
-        "mla.nope_dim" => "attention.key_length_mla",
-        "mla.v_dim" => "attention.value_length_mla",
         _ => "*",
     }
 }

@@ -52,7 +52,7 @@ use serde_json::{json, Value as Json};
 pub use super::export::{encode_model, expressible, Encoded, ExportType};
 use super::hparams::{model_config, SplitTensor};
 use super::{GgmlType, GgufError, GgufFile, Value};
-use crate::family::Architecture;
+use crate::family::{fill, Architecture, Rule, Stored};
 use ember_kernels::QuantWeight;
 
 /// A GGUF model read as a Hugging Face one.
@@ -159,9 +159,8 @@ pub fn read_config(f: &GgufFile) -> Result<(ModelConfig, Architecture, Json), Gg
 pub fn kept_sizes(f: &GgufFile) -> Result<(u64, u64), GgufError> {
     let family = read_arch(f)?.family();
     let kept = f.tensors.iter().filter(|t| {
-        let mapped = family.gguf_to_hf(&t.name);
-        let keeps = |(hf, transposed): (String, bool)| keeps(family, &hf, t.kind, transposed, Keep::Projections);
-        t.shape().len() == 2 && mapped.is_some_and(keeps)
+        let rule = family.gguf_rule(&t.name).map(|(rule, _)| rule);
+        t.shape().len() == 2 && rule.is_some_and(|r| keeps(r, t.kind, Keep::Projections))
     });
     Ok(kept.fold((0, 0), |(n, b), t| (n + t.num_values(), b + t.len as u64)))
 }
@@ -183,15 +182,14 @@ fn read_file_as(f: GgufFile, keep: Keep) -> Result<GgufModel, GgufError> {
     Ok(GgufModel { arch, config, hf_config, tensors, tokenizer_json, tokenizer_config, stored, quantized })
 }
 
-/// The architecture `general.architecture` names, as its family tells it apart
-/// ([`GgufRules::variant`]).
+/// The family of the architecture `general.architecture` names that claims the file
+/// ([`GgufRules::claims`](super::hparams::GgufRules::claims)).
 fn read_arch(f: &GgufFile) -> Result<Architecture, GgufError> {
     let key = "general.architecture";
     let name = f.meta().str(key)?.ok_or_else(|| f.meta_err(key, "missing"))?;
-    let supported = "llama, qwen2, qwen3, gemma3, gpt2, qwen2moe, qwen3moe, olmoe and deepseek2 are";
-    let arch = Architecture::from_gguf(name)
-        .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported ({supported})")))?;
-    (arch.gguf().variant)(arch, f)
+    let supported = Architecture::supported_gguf();
+    Architecture::of_gguf_file(name, f)?
+        .ok_or_else(|| f.meta_err(key, format!("`{name}` is not supported ({supported} are)")))
 }
 
 /// A `config.json` for the model (transformers' layout of its family), with the token ids and what
@@ -250,25 +248,18 @@ fn carried_to_json(value: &Value) -> Option<Json> {
 /// quantized.
 type ReadTensors = (BTreeMap<String, TensorData>, Vec<(String, &'static str)>, BTreeMap<String, QuantWeight>);
 
-/// The Hugging Face names of the projections a quantized base keeps in their stored type.
-const KEPT_PROJECTIONS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
-
-/// Whether tensor `hf` (stored `[out, in]`, Hugging Face's orientation) of type `kind` is one that
-/// `keep` keeps as stored: a block projection weight, or for inference the embedding table or the
-/// LM head too.
-fn keeps(family: &crate::Family, hf: &str, kind: GgmlType, transposed: bool, keep: Keep) -> bool {
+/// Whether `keep` keeps a tensor of `rule`, of type `kind`, as stored: a block type, in Hugging
+/// Face's orientation (`[out, in]`, not transposed as GPT-2's `Conv1D` weights are), that the
+/// family's rule lets stay stored ([`Stored`]: a block's projection, or for inference the
+/// embedding table or the LM head too).
+fn keeps(rule: &Rule, kind: GgmlType, keep: Keep) -> bool {
     let blocks = super::quant::block_decoder(kind).is_some();
-    if keep == Keep::Nothing || transposed || !blocks {
-        return false;
-    }
-    let Some(mapped) = family.hf_to_ember(hf) else { return false };
-    if matches!(mapped.paths.first().map(String::as_str), Some("embed_tokens" | "lm_head.weight")) {
-        return keep == Keep::Inference;
-    }
-    // A shared expert's projections are the experts part's, not a block's: dequantized.
-    let shared = hf.contains(".shared_expert.") || hf.contains(".shared_experts.");
-    let projection = KEPT_PROJECTIONS.iter().any(|p| hf.ends_with(&format!("{p}.weight"))) && !shared;
-    projection && mapped.paths.len() == 1 && mapped.layout == crate::family::Layout::Transposed
+    let kept = match rule.stored {
+        Stored::Dequantized => false,
+        Stored::Projection => keep != Keep::Nothing,
+        Stored::Table => keep == Keep::Inference,
+    };
+    kept && blocks && !rule.gguf_transposed
 }
 
 /// Every tensor under its Hugging Face name, dequantized to f32, in Hugging Face's layout (q/k rows
@@ -336,9 +327,10 @@ fn read_tensor(
     out: &mut ReadTensors,
 ) -> Result<(), GgufError> {
     let family = arch.family();
-    let Some((hf, transposed)) = family.gguf_to_hf(&t.name) else {
+    let Some((rule, layer)) = family.gguf_rule(&t.name) else {
         return Err(GgufError::UnknownTensor { path: f.path.clone(), name: t.name.clone(), arch: family.gguf_arch });
     };
+    let (hf, transposed) = (fill(rule.hf, layer), rule.gguf_transposed);
     out.1.push((t.name.clone(), t.kind.name()));
     let mut shape = t.shape();
     let heads = Heads::of(config);
@@ -347,7 +339,7 @@ fn read_tensor(
         let message = format!("{} rows cannot hold {heads} heads of rotary pairs", shape[0]);
         return Err(f.meta_err(&t.name, message));
     }
-    if shape.len() == 2 && keeps(family, &hf, t.kind, transposed, keep) {
+    if shape.len() == 2 && keeps(rule, t.kind, keep) {
         out.2.insert(hf, kept_weight(f, t, permuted)?);
         return Ok(());
     }
@@ -494,35 +486,40 @@ fn import_from<B: ember_kernels::EmberBackend>(
 mod tests {
     use super::super::hparams::arch_metadata;
     use super::*;
+    use crate::families::gemma3::GEMMA3;
+    use crate::families::gpt2::GPT2;
+    use crate::families::llama::LLAMA;
+    use crate::families::qwen::QWEN2;
+    use crate::families::qwen::QWEN3;
     use ember_model::RopeScaling;
 
     #[test]
     fn names_map_both_ways_per_architecture() {
         let cases = [
-            (Architecture::Llama, "blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", false),
-            (Architecture::Llama, "blk.12.ffn_norm.weight", "model.layers.12.post_attention_layernorm.weight", false),
-            (Architecture::Qwen2, "blk.0.attn_v.bias", "model.layers.0.self_attn.v_proj.bias", false),
-            (Architecture::Qwen3, "blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight", false),
+            (LLAMA.architecture(), "blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", false),
+            (LLAMA.architecture(), "blk.12.ffn_norm.weight", "model.layers.12.post_attention_layernorm.weight", false),
+            (QWEN2.architecture(), "blk.0.attn_v.bias", "model.layers.0.self_attn.v_proj.bias", false),
+            (QWEN3.architecture(), "blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight", false),
             // Gemma's four norms: the attention's output norm is llama.cpp's post_attention_norm,
             // the MLP's input norm its ffn_norm.
             (
-                Architecture::Gemma3,
+                GEMMA3.architecture(),
                 "blk.2.post_attention_norm.weight",
                 "model.layers.2.post_attention_layernorm.weight",
                 false,
             ),
-            (Architecture::Gemma3, "blk.2.ffn_norm.weight", "model.layers.2.pre_feedforward_layernorm.weight", false),
+            (GEMMA3.architecture(), "blk.2.ffn_norm.weight", "model.layers.2.pre_feedforward_layernorm.weight", false),
             (
-                Architecture::Gemma3,
+                GEMMA3.architecture(),
                 "blk.2.post_ffw_norm.weight",
                 "model.layers.2.post_feedforward_layernorm.weight",
                 false,
             ),
-            (Architecture::Gpt2, "position_embd.weight", "transformer.wpe.weight", false),
-            (Architecture::Gpt2, "blk.0.attn_qkv.weight", "transformer.h.0.attn.c_attn.weight", true),
-            (Architecture::Gpt2, "blk.0.attn_qkv.bias", "transformer.h.0.attn.c_attn.bias", false),
-            (Architecture::Gpt2, "blk.1.ffn_down.weight", "transformer.h.1.mlp.c_proj.weight", true),
-            (Architecture::Gpt2, "output.weight", "lm_head.weight", false),
+            (GPT2.architecture(), "position_embd.weight", "transformer.wpe.weight", false),
+            (GPT2.architecture(), "blk.0.attn_qkv.weight", "transformer.h.0.attn.c_attn.weight", true),
+            (GPT2.architecture(), "blk.0.attn_qkv.bias", "transformer.h.0.attn.c_attn.bias", false),
+            (GPT2.architecture(), "blk.1.ffn_down.weight", "transformer.h.1.mlp.c_proj.weight", true),
+            (GPT2.architecture(), "output.weight", "lm_head.weight", false),
         ];
         for (arch, g, hf, transposed) in cases {
             let f = arch.family();
@@ -530,11 +527,11 @@ mod tests {
             assert_eq!(f.hf_to_gguf(hf), Some((g.to_string(), transposed)), "{arch:?} {hf}");
         }
         // Hub GPT-2 names lack the prefix; Gemma's biases have no GGUF tensor; unknown names none.
-        assert_eq!(Architecture::Gpt2.family().hf_to_gguf("h.0.ln_1.bias").unwrap().0, "blk.0.attn_norm.bias");
-        assert_eq!(Architecture::Gemma3.family().hf_to_gguf("model.layers.0.self_attn.q_proj.bias"), None);
-        assert_eq!(Architecture::Llama.family().gguf_to_hf("blk.x.attn_q.weight"), None);
-        assert_eq!(Architecture::Llama.family().gguf_to_hf("rope_freqs.weight"), None);
-        assert_eq!(Architecture::from_gguf("llama"), Some(Architecture::Llama), "not Mistral");
+        assert_eq!(GPT2.architecture().family().hf_to_gguf("h.0.ln_1.bias").unwrap().0, "blk.0.attn_norm.bias");
+        assert_eq!(GEMMA3.architecture().family().hf_to_gguf("model.layers.0.self_attn.q_proj.bias"), None);
+        assert_eq!(LLAMA.architecture().family().gguf_to_hf("blk.x.attn_q.weight"), None);
+        assert_eq!(LLAMA.architecture().family().gguf_to_hf("rope_freqs.weight"), None);
+        assert_eq!(Architecture::from_gguf("llama"), Some(LLAMA.architecture()), "not Mistral");
     }
 
     #[test]
@@ -553,13 +550,13 @@ mod tests {
             assert!(meta.insert(key.to_string(), value).is_some(), "{key} is written");
             read(&meta, arch).expect_err("an error").to_string()
         };
-        assert!(read(&metadata(&llama, Architecture::Llama), Architecture::Llama).is_ok());
-        assert!(read(&metadata(&gemma, Architecture::Gemma3), Architecture::Gemma3).is_ok());
+        assert!(read(&metadata(&llama, LLAMA.architecture()), LLAMA.architecture()).is_ok());
+        assert!(read(&metadata(&gemma, GEMMA3.architecture()), GEMMA3.architecture()).is_ok());
         for (config, arch, key, value) in [
-            (&llama, Architecture::Llama, "llama.rope.freq_base", Value::F32(f32::NAN)),
-            (&llama, Architecture::Llama, "llama.attention.layer_norm_rms_epsilon", Value::F32(f32::INFINITY)),
-            (&llama, Architecture::Llama, "llama.rope.scaling.factor", Value::F64(f64::NAN)),
-            (&gemma, Architecture::Gemma3, "gemma3.final_logit_softcapping", Value::F32(f32::NEG_INFINITY)),
+            (&llama, LLAMA.architecture(), "llama.rope.freq_base", Value::F32(f32::NAN)),
+            (&llama, LLAMA.architecture(), "llama.attention.layer_norm_rms_epsilon", Value::F32(f32::INFINITY)),
+            (&llama, LLAMA.architecture(), "llama.rope.scaling.factor", Value::F64(f64::NAN)),
+            (&gemma, GEMMA3.architecture(), "gemma3.final_logit_softcapping", Value::F32(f32::NEG_INFINITY)),
         ] {
             let e = bad(config, arch, key, value);
             assert!(
@@ -567,11 +564,11 @@ mod tests {
                 "{e}"
             );
         }
-        let e = bad(&llama, Architecture::Llama, "llama.rope.freq_base", Value::String("1e4".into()));
+        let e = bad(&llama, LLAMA.architecture(), "llama.rope.freq_base", Value::String("1e4".into()));
         assert!(e.contains("`llama.rope.freq_base` has type string, expected a number"), "{e}");
-        let e = bad(&llama, Architecture::Llama, "llama.block_count", Value::F32(2.0));
+        let e = bad(&llama, LLAMA.architecture(), "llama.block_count", Value::F32(2.0));
         assert!(e.contains("`llama.block_count` has type f32 (2), expected an unsigned integer"), "{e}");
-        let e = bad(&llama, Architecture::Llama, "llama.rope.scaling.type", Value::U32(1));
+        let e = bad(&llama, LLAMA.architecture(), "llama.rope.scaling.type", Value::U32(1));
         assert!(e.contains("`llama.rope.scaling.type` has type u32 (1), expected string"), "{e}");
         // `general.architecture` as an integer: its type, not "missing".
         let file = GgufFile::parse(

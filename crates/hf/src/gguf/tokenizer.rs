@@ -6,17 +6,17 @@
 //! - `llama`: SentencePiece BPE with `scores`; merges are recovered from the scores (a merge of
 //!   two pieces whose concatenation is a piece, ranked by that piece's score), `▁` for spaces, byte
 //!   fallback through the `<0xXX>` tokens, `<bos>` put first when `add_bos_token` (the default).
-//! - `llama` in a Gemma file (`general.architecture` gemma, gemma2, gemma3): the same, as transformers'
-//!   GGUF reader builds Gemma's: merges ranked by the merged piece's position in the vocabulary (its
-//!   scores do not follow the merge order), and the runs of spaces that llama.cpp stores as real
-//!   spaces spelled with `▁` again. Gemma 3 files without a chat template get Google's
-//!   ([`GEMMA3_CHAT_TEMPLATE`]).
+//! - what a family's files spell their own way ([`VocabRules`], in the family's file): Gemma's
+//!   merges are ranked by the merged piece's position in the vocabulary (its scores do not follow the
+//!   merge order) and its runs of spaces, stored as real spaces, are spelled with `▁` again, as
+//!   transformers' GGUF reader builds Gemma's; files without a chat template may get the family's.
 
 use std::collections::HashMap;
 
 use serde_json::{json, Map, Value as Json};
 
 use super::{GgufError, GgufFile, Value};
+use crate::family::Architecture;
 
 /// Why a `tokenizer.json` cannot be written as GGUF metadata; each carries the offending value.
 #[derive(Debug, thiserror::Error)]
@@ -99,34 +99,50 @@ fn pre_tokenizer(pre: &str) -> Option<Json> {
     })
 }
 
-/// Gemma 3's chat template: Google's published template for its instruction-tuned models
-/// (`chat_template` of google/gemma-3-*-it's tokenizer_config.json), for the Gemma 3 files that carry
-/// none (GGUFs made from the pre-trained checkpoints). Turns are `<start_of_turn>{user|model}\n ...
-/// <end_of_turn>\n`, a system message goes before the first user turn's text, and the generation
-/// prompt opens a `model` turn. The model ends its answer with `<end_of_turn>`, one of the end
-/// tokens of ember-data's `Tokenizer::end_ids`.
-pub const GEMMA3_CHAT_TEMPLATE: &str = include_str!("gemma3_chat_template.jinja");
+/// How a family's files spell a SentencePiece (`llama`) vocabulary, and the chat template of those
+/// that carry none: each family's [`GgufRules::vocab`](super::hparams::GgufRules::vocab).
+#[derive(Debug, Clone, Copy)]
+pub struct VocabRules {
+    /// How the merges are ranked.
+    pub merges: MergeOrder,
+    /// Whether the runs of spaces (user-defined tokens `"  "` to 31 spaces) that llama.cpp's
+    /// converter stores as real spaces are spelled `▁▁…`, as the family's tokenizer.json has them.
+    pub space_runs_as_pieces: bool,
+    /// Other llama.cpp architectures, of no model ember reads, whose files spell their vocabulary so
+    /// (Gemma 3's forerunners).
+    pub also_in: &'static [&'static str],
+    /// The chat template of the family's files that carry none.
+    pub chat_template: Option<&'static str>,
+}
+
+impl VocabRules {
+    /// Most families': merges by score, spaces as they are, no template of their own.
+    pub const SCORES: VocabRules =
+        VocabRules { merges: MergeOrder::Score, space_runs_as_pieces: false, also_in: &[], chat_template: None };
+}
 
 /// `tokenizer.json` and `tokenizer_config.json` from a GGUF file's metadata.
 pub fn from_gguf(f: &GgufFile) -> Result<(String, Json), GgufError> {
     let model = f.meta().str("tokenizer.ggml.model")?.unwrap_or("gpt2");
     let arch = f.meta().str("general.architecture")?.unwrap_or_default();
+    let rules = Architecture::vocab_rules(arch);
     let mut v = GgufVocab::read(f)?;
     let tokenizer = match model {
         "gpt2" => gpt2_tokenizer(f, &v)?,
-        "llama" if matches!(arch, "gemma" | "gemma2" | "gemma3") => {
-            v.respell_space_runs();
-            llama_tokenizer(f, &v, MergeOrder::Position)?
+        "llama" => {
+            if rules.space_runs_as_pieces {
+                v.respell_space_runs();
+            }
+            llama_tokenizer(f, &v, rules.merges)?
         }
-        "llama" => llama_tokenizer(f, &v, MergeOrder::Score)?,
         other => {
             return Err(f.meta_err("tokenizer.ggml.model", format!("`{other}` is not supported (gpt2 and llama are)")))
         }
     };
     let text = serde_json::to_string(&tokenizer).expect("JSON serialises");
     let mut config = tokenizer_config(f, &v);
-    if arch == "gemma3" && config.get("chat_template").is_none() {
-        config["chat_template"] = json!(GEMMA3_CHAT_TEMPLATE);
+    if let Some(template) = rules.chat_template.filter(|_| config.get("chat_template").is_none()) {
+        config["chat_template"] = json!(template);
     }
     Ok((text, config))
 }
@@ -245,7 +261,7 @@ fn gpt2_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
 
 /// How the merges of a SentencePiece vocabulary are ranked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum MergeOrder {
+pub enum MergeOrder {
     /// By the merged piece's score, higher first (Llama 2 and most SentencePiece files).
     Score,
     /// By the merged piece's id, lower first (Gemma, whose vocabulary is in merge order).
@@ -646,10 +662,14 @@ mod tests {
         // (id 12); `\n` and `<end_of_turn>` are matched whole in the text.
         let (got, config) = ids(&file("gemma3", None), " ab  a\n<end_of_turn>", false);
         assert_eq!(got, [11, 10, 7, 9, 6, 5]);
-        assert_eq!(config["chat_template"], GEMMA3_CHAT_TEMPLATE);
+        assert_eq!(config["chat_template"], crate::families::gemma3::GEMMA3_CHAT_TEMPLATE);
         assert_eq!(ids(&file("gemma3", None), "a", true).0, [2, 9], "<bos> first (add_bos_token by default)");
         // A file's own template wins; other architectures get none.
         assert_eq!(ids(&file("gemma3", Some("{{ x }}")), "a", false).1["chat_template"], "{{ x }}");
+        // Gemma 2's files spell their vocabulary as Gemma 3's, and get no template.
+        let (got, config) = ids(&file("gemma2", None), " ab  a\n<end_of_turn>", false);
+        assert_eq!(got, [11, 10, 7, 9, 6, 5]);
+        assert!(config.get("chat_template").is_none());
         let (got, config) = ids(&file("llama", None), " ab", false);
         assert!(config.get("chat_template").is_none());
         assert_eq!(got, [8, 12], "by score `ab` merges before `▁a`");

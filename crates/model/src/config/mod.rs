@@ -3,15 +3,14 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::attention::AttentionConfig;
-use crate::block::{BlockConfig, FeedForwardConfig};
-use crate::mla::MlaConfig;
+use crate::attention::GroupedConfig;
+use crate::block::{AttentionConfig, BlockConfig, FeedForwardConfig};
+use crate::mla::{LatentConfig, MlaConfig};
 use crate::mlp::MlpConfig;
-pub use crate::moe::MoeConfig;
-use crate::moe::MoePartConfig;
+use crate::moe::{MoeConfig, MoePartConfig};
 use crate::norm::NormConfig;
 
-pub use crate::kinds::{ConfigError, MlpKind, NormKind, Positions};
+pub(crate) use crate::kinds::{ConfigError, MlpKind, NormKind, Positions};
 use ember_kernels::rope::Rope;
 pub use ember_kernels::rope::{RopeLayout, RopeScaling};
 
@@ -229,16 +228,43 @@ impl ModelConfig {
         self.moe.as_ref().is_some_and(|moe| layer >= moe.dense_layers)
     }
 
-    /// The config of layer `layer`'s attention (its window depends on the layer).
+    /// The config of layer `layer`'s attention: latent with `[model.mla]`, else grouped-query (its
+    /// window depends on the layer).
     pub(crate) fn attention(&self, layer: usize) -> AttentionConfig {
-        let head_dim = self.head_dim();
-        let scale = 1.0 / self.query_pre_attn_scalar.unwrap_or(head_dim as f64).sqrt();
+        match &self.mla {
+            Some(mla) => AttentionConfig::Latent(self.latent_attention(mla)),
+            None => AttentionConfig::Grouped(self.grouped_attention(layer)),
+        }
+    }
+
+    /// What `q·k` is multiplied by: `1/sqrt(query_pre_attn_scalar or head_dim)`.
+    fn score_scale(&self) -> f64 {
+        1.0 / self.query_pre_attn_scalar.unwrap_or(self.head_dim() as f64).sqrt()
+    }
+
+    /// Latent attention of this model's width and heads.
+    fn latent_attention(&self, mla: &MlaConfig) -> LatentConfig {
         // DeepSeek's YaRN models scale the whole score, not only the rotary part.
-        let scale = match (&self.mla, &self.rope_scaling) {
-            (Some(_), Some(scaling)) => scale * scaling.softmax_scale_factor(),
-            _ => scale,
+        let scale = match &self.rope_scaling {
+            Some(scaling) => self.score_scale() * scaling.softmax_scale_factor(),
+            None => self.score_scale(),
         };
-        AttentionConfig {
+        LatentConfig {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            mla: mla.clone(),
+            bias: self.qkv_bias,
+            o_bias: self.o_bias,
+            scale,
+            init_std: self.init_std,
+            out_std: self.out_std(),
+        }
+    }
+
+    /// Grouped-query attention of layer `layer`.
+    fn grouped_attention(&self, layer: usize) -> GroupedConfig {
+        let head_dim = self.head_dim();
+        GroupedConfig {
             d_model: self.d_model,
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads(),
@@ -253,11 +279,10 @@ impl ModelConfig {
             }),
             qk_norm_whole: self.qk_norm_whole,
             sliding_window: self.sliding_window.filter(|_| self.is_local(layer)),
-            scale,
+            scale: self.score_scale(),
             softcap: self.attn_logit_softcap,
             init_std: self.init_std,
             out_std: self.out_std(),
-            mla: self.mla.clone(),
         }
     }
 

@@ -24,11 +24,18 @@ impl ModelConfig {
         blocks + self.d_model as u64 * self.vocab_size as u64
     }
 
+    /// The f32 values autodiff keeps per token for a training step at context `seq_len`, summed
+    /// over the blocks (each block's attention, feed-forward part and norms count their own: see
+    /// `BlockConfig::activations`). What a training run's activation memory is estimated from.
+    pub fn activations_per_token(&self, seq_len: usize) -> u64 {
+        (0..self.n_layers).map(|layer| self.block(layer).activations(seq_len)).fold(0, u64::saturating_add)
+    }
+
     /// Forward FLOPs per token at context `seq_len`: `2N + 4·L·T·(H·Dh)` (PaLM appendix B; a
     /// multiply-add is 2 FLOPs; the attention term counts the full T×T score matrix, as MFU does).
     /// `H·Dh` is the attention width, equal to `d_model` for Llama and Qwen2.
     pub(crate) fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
-        let attn_width = self.attention(0).width();
+        let attn_width = self.attention(0).part().width();
         2.0 * self.matmul_params() as f64 + 4.0 * self.n_layers as f64 * seq_len as f64 * attn_width
     }
 

@@ -58,12 +58,13 @@ fn validation_names_the_problem() {
 
 #[test]
 fn parts_get_their_configs_from_the_model_and_check_their_own_rules() {
-    use crate::attention::AttentionConfig;
+    use crate::attention::GroupedConfig;
     use crate::block::BlockConfig;
+    use crate::kinds::PartConfig;
     use crate::mlp::MlpConfig;
     use crate::norm::NormConfig;
     let c = ModelConfig::tiny(50, 16);
-    let att = c.attention(0);
+    let att = c.grouped_attention(0);
     assert_eq!((att.n_heads, att.n_kv_heads, att.head_dim), (4, 2, 8));
     assert!((att.out_std - 0.02 / 2.0).abs() < 1e-12, "GPT-2 residual init: 0.02 / sqrt(2·2)");
     assert!((att.scale - 1.0 / 8f64.sqrt()).abs() < 1e-15 && att.softcap.is_none() && att.qk_norm.is_none());
@@ -71,10 +72,10 @@ fn parts_get_their_configs_from_the_model_and_check_their_own_rules() {
     assert_eq!(c.norm(), NormConfig { eps: 1e-5, ..NormConfig::new(32) });
     c.block(0).validate().unwrap();
 
-    let gqa = AttentionConfig { n_kv_heads: 3, ..AttentionConfig::new(32, 4) };
+    let gqa = GroupedConfig { n_kv_heads: 3, ..GroupedConfig::new(32, 4) };
     let err = gqa.validate().unwrap_err().to_string();
     assert!(err.contains("n_kv_heads") && err.contains('3') && err.contains('4'), "{err}");
-    let odd = AttentionConfig { head_dim: 7, ..AttentionConfig::new(32, 4) };
+    let odd = GroupedConfig { head_dim: 7, ..GroupedConfig::new(32, 4) };
     assert!(matches!(odd.validate(), Err(ConfigError::OddHeadDim(7))));
     let err = MlpConfig::new(32, 0).validate().unwrap_err().to_string();
     assert!(err.contains("d_ff"), "{err}");
@@ -102,8 +103,9 @@ fn the_layer_pattern_and_the_scores_follow_the_config() {
     };
     let local: Vec<bool> = (0..12).map(|l| c.is_local(l)).collect();
     assert_eq!(local, [true, true, true, true, true, false, true, true, true, true, true, false]);
-    assert_eq!((c.attention(0).sliding_window, c.attention(5).sliding_window), (Some(4), None));
-    assert_eq!((c.attention(0).scale, c.attention(0).softcap), (0.25, Some(50.0)));
+    let att = |l| c.grouped_attention(l);
+    assert_eq!((att(0).sliding_window, att(5).sliding_window), (Some(4), None));
+    assert_eq!((att(0).scale, att(0).softcap), (0.25, Some(50.0)));
     // Mistral: every layer local; no window: none.
     let mistral = ModelConfig { sliding_window: Some(4), ..tiny_config() };
     assert!((0..2).all(|l| mistral.is_local(l)) && !tiny_config().is_local(0));

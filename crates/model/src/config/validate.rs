@@ -38,6 +38,7 @@ impl ModelConfig {
         }
         self.block(0).validate()?;
         self.block(self.n_layers - 1).validate()?;
+        self.validate_latent()?;
         if let Some(moe) = &self.moe {
             moe.validate()?; // also when every layer is dense
             if moe.dense_layers > self.n_layers {
@@ -88,6 +89,33 @@ impl ModelConfig {
             return Err(ConfigError::TooLarge { name: "parameter count", value: params, limit: MAX_PARAMS });
         }
         Ok(())
+    }
+
+    /// With `[model.mla]`, none of the options latent attention has no place for: a window, q/k
+    /// norms, soft-capped scores; key/value heads, if given, still divide the query heads (a
+    /// config written back names them, and an export writes them).
+    fn validate_latent(&self) -> Result<(), ConfigError> {
+        if self.mla.is_none() {
+            return Ok(());
+        }
+        let kv_heads = self.n_kv_heads();
+        if kv_heads > 0 && !self.n_heads.is_multiple_of(kv_heads) {
+            return Err(ConfigError::NotDivisible {
+                divisor: "n_kv_heads",
+                divisor_value: kv_heads,
+                dividend: "n_heads",
+                dividend_value: self.n_heads,
+            });
+        }
+        let other = [
+            ("sliding_window", self.sliding_window.is_some()),
+            ("qk_norm", self.qk_norm),
+            ("attn_logit_softcap", self.attn_logit_softcap.is_some()),
+        ];
+        match other.into_iter().find(|&(_, set)| set) {
+            Some((key, _)) => Err(ConfigError::Needs { key, needs: "plain attention (not [model.mla])" }),
+            None => Ok(()),
+        }
     }
 
     /// Every size positive (the vocabulary set) and within [`LIMITS`].

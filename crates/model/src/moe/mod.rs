@@ -20,7 +20,7 @@ use ember_kernels::{experts, Compute, EmberBackend};
 
 use crate::dropout;
 use crate::init::{const_param, Init};
-use crate::kinds::{positive_std, ConfigError, MlpKind, Target};
+use crate::kinds::{positive_std, ConfigError, MlpKind, PartConfig, Target};
 use crate::linear::Linear;
 use crate::lora::LoraConfig;
 use crate::mlp::{Mlp, MlpConfig};
@@ -44,31 +44,6 @@ pub(crate) struct MoePartConfig {
 }
 
 impl MoePartConfig {
-    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        self.moe.validate()?;
-        positive_std(self.init_std, self.out_std)
-    }
-
-    /// Its parameters: every expert's, the router's, the shared expert's.
-    pub(crate) fn params(&self) -> u64 {
-        self.moe.params(self.d_model)
-    }
-
-    /// Weights a token multiplies by: the router, `k` experts, the shared expert.
-    pub(crate) fn matmul_params(&self) -> u64 {
-        self.moe.active_params(self.d_model)
-    }
-
-    /// `(in, out)` of each expert's projection `target` names (an MLP target adapts every expert).
-    pub(crate) fn projection(&self, target: Target) -> Option<(usize, usize)> {
-        let (d, f) = (self.d_model, self.moe.d_expert);
-        match target {
-            Target::GateProj | Target::UpProj => Some((d, f)),
-            Target::DownProj => Some((f, d)),
-            _ => None,
-        }
-    }
-
     /// The part, its weights drawn from `init`: the router, the experts' gate, up and down weights,
     /// then the shared expert and its gate.
     pub(crate) fn init<B: Backend>(&self, init: &mut Init, device: &B::Device) -> Moe<B> {
@@ -98,6 +73,44 @@ impl MoePartConfig {
             groups: m.groups.zip(m.top_groups),
             routed_scale: m.routed_scale,
         }
+    }
+}
+
+impl PartConfig for MoePartConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.moe.validate()?;
+        positive_std(self.init_std, self.out_std)
+    }
+
+    /// Its parameters: every expert's, the router's, the shared expert's.
+    fn params(&self) -> u64 {
+        self.moe.params(self.d_model)
+    }
+
+    /// Weights a token multiplies by: the router, `k` experts, the shared expert.
+    fn matmul_params(&self) -> u64 {
+        self.moe.active_params(self.d_model)
+    }
+
+    /// `(in, out)` of each expert's projection `target` names (an MLP target adapts every expert).
+    fn projection(&self, target: Target) -> Option<(usize, usize)> {
+        let (d, f) = (self.d_model, self.moe.d_expert);
+        match target {
+            Target::GateProj | Target::UpProj => Some((d, f)),
+            Target::DownProj => Some((f, d)),
+            _ => None,
+        }
+    }
+
+    /// The f32 values autodiff keeps per token: the router's logits and scores (2E); for each of
+    /// the `k` experts the token runs through, its gathered input row, gate, up, activation and
+    /// product and its weighted output (2D + 4F); the shared expert's, as an MLP's (4F + D); and the
+    /// part's output (D).
+    fn activations(&self, _seq_len: usize) -> u64 {
+        let m = &self.moe;
+        let (d, e, k, f) = (self.d_model as u64, m.n_experts as u64, m.top_k as u64, m.d_expert as u64);
+        let shared = m.shared_expert.map_or(0, |s| 4 * s as u64 + d);
+        2 * e + k * (2 * d + 4 * f) + shared + d
     }
 }
 

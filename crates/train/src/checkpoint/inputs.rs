@@ -2,7 +2,7 @@
 //! sha256, rows, and for a token stream its shards), its validation file where it has its own, and, for a LoRA run, the weights of its base
 //! (`init_from`), whose checkpoints hold the adapters only. A resume compares the data found now
 //! with the record ([`DataRecord::changes_since`]); loading a LoRA checkpoint over its base compares
-//! the base ([`Checkpoint::check_base`]).
+//! the base ([`Checkpoint::check_base`](super::Checkpoint::check_base)).
 //!
 //! Rows are the file's non-blank lines (JSONL: examples, pairs or prompts; text: lines). Besides
 //! the file's digest the record keeps the rows' count, a digest of the rows in order and one
@@ -15,13 +15,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{resolve, Checkpoint, ADAPTER_FILE, MODEL_FILE};
+use super::{resolve, ADAPTER_FILE, MODEL_FILE};
 use crate::config::InitSource;
 use crate::error::TrainError;
-use crate::init::ResolvedInit;
-
-/// The file in a checkpoint folder that records what the run read.
-pub(crate) const INPUTS_FILE: &str = "inputs.json";
 
 /// `inputs.json`: what the run read; each part absent where the run does not record it (an older
 /// ember, or a run without a base to check).
@@ -271,7 +267,7 @@ impl BaseRecord {
 
     /// Whether the source's files are `then`'s by name, size and modification time (then they are
     /// taken as the same, unread: a multi-GB base is not hashed at every load).
-    fn same_stamps(source: &InitSource, then: &BaseRecord) -> bool {
+    pub(crate) fn same_stamps(source: &InitSource, then: &BaseRecord) -> bool {
         let Ok(paths) = Self::paths(source) else { return false };
         paths.len() == then.files.len()
             && paths.iter().zip(&then.files).all(|(path, old)| {
@@ -305,7 +301,7 @@ impl BaseRecord {
     }
 
     /// How the base now (`self`) differs from `then`, in words; `None` where its files are the same.
-    fn changes_since(&self, then: &BaseRecord) -> Option<String> {
+    pub(crate) fn changes_since(&self, then: &BaseRecord) -> Option<String> {
         let single = self.files.len() == 1 && then.files.len() == 1;
         for old in &then.files {
             let Some(new) = self.files.iter().find(|f| f.name == old.name || single) else {
@@ -328,46 +324,6 @@ impl BaseRecord {
             .map(|f| f.name.as_str())
             .collect();
         (!added.is_empty()).then(|| format!("{} is new", added.join(", ")))
-    }
-}
-
-impl ResolvedInit {
-    /// The identity of the source's weights ([`BaseRecord::of`]), computed once per opened source.
-    pub(crate) fn identity(&self) -> Result<&BaseRecord, TrainError> {
-        if let Some(record) = self.identity.get() {
-            return Ok(record);
-        }
-        let record = BaseRecord::of(&self.source)?;
-        Ok(self.identity.get_or_init(|| record))
-    }
-}
-
-impl Checkpoint {
-    /// Refuses `base` for this LoRA checkpoint where its weights are not the ones the run was
-    /// trained on (as its `inputs.json` records them); a checkpoint without the record (an older
-    /// ember) is loaded over whatever the source holds now.
-    pub(crate) fn check_base(&self, base: &ResolvedInit) -> Result<(), TrainError> {
-        let Some(then) = self.inputs.as_ref().and_then(|i| i.base.as_ref()) else {
-            tracing::debug!(dir = %self.dir.display(), "no record of the base's weights: not checked");
-            return Ok(());
-        };
-        if BaseRecord::same_stamps(&base.source, then) {
-            return Ok(());
-        }
-        let Some(change) = base.identity()?.changes_since(then) else { return Ok(()) };
-        let what = match &base.source {
-            InitSource::Gguf(_) => "file",
-            InitSource::Hf(_) => "folder",
-            InitSource::Run(_) => "run (or one of its checkpoints)",
-        };
-        Err(TrainError::Config {
-            path: self.dir.clone(),
-            key: None,
-            message: format!(
-                "its base {} changed since the run was trained ({change}); point init_from at the original {what}",
-                base.source
-            ),
-        })
     }
 }
 

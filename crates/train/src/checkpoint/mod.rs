@@ -46,29 +46,17 @@ use crate::config::{InitSource, TrainConfig};
 use crate::error::TrainError;
 use crate::schedule::LrSchedule;
 
-pub(crate) use inputs::INPUTS_FILE;
 pub use inputs::{BaseRecord, DataRecord, FileDigest, RunInputs, ShardRecord};
 pub(crate) use run_dir::{has_checkpoint, set_aside_dead_attempt, tidy_run_dir};
 pub use save::save;
 pub(crate) use save::save_best;
+// The names live in a leaf module, which the config reads too.
+pub(crate) use crate::run_layout::{
+    ADAPTER_FILE, BEST_DIR, BEST_FILE, HF_CONFIG_FILE, INPUTS_FILE, MODEL_CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE,
+    STATE_FILE,
+};
+pub use crate::run_layout::{CHECKPOINTS, CONFIG_FILE, LATEST, TOKENIZER_EXTRAS, TOKENIZER_FILE};
 
-pub const CHECKPOINTS: &str = "checkpoints";
-pub const LATEST: &str = "latest";
-pub(crate) const MODEL_FILE: &str = "model.safetensors";
-pub(crate) const ADAPTER_FILE: &str = "adapter.safetensors";
-pub(crate) const MODEL_CONFIG_FILE: &str = "model.toml";
-pub(crate) const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-pub(crate) const STATE_FILE: &str = "state.json";
-pub const CONFIG_FILE: &str = "config.toml";
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
-pub(crate) const HF_CONFIG_FILE: &str = "hf_config.json";
-/// The run directory's folder of the best checkpoint (by val loss), and its record.
-pub(crate) const BEST_DIR: &str = "best";
-pub(crate) const BEST_FILE: &str = "best.json";
-/// Files of a tokenizer folder that travel with tokenizer.json: the chat template, and the
-/// generation settings the model's authors recommend (Hugging Face's `generation_config.json`, read
-/// by `ember_serve::sampling`).
-pub const TOKENIZER_EXTRAS: [&str; 3] = ["tokenizer_config.json", "chat_template.jinja", "generation_config.json"];
 const FORMAT_VERSION: u32 = 1;
 
 /// Loop state at the moment of the checkpoint.
@@ -105,7 +93,7 @@ pub struct TrainState {
 
 /// `best/best.json`: which evaluation the best checkpoint comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BestRecord {
+pub(crate) struct BestRecord {
     pub step: usize,
     pub val_loss: f64,
 }
@@ -122,7 +110,7 @@ fn one() -> usize {
 }
 
 impl TrainState {
-    pub fn new(step: usize, schedule: LrSchedule, sampler_seed: u64, next_stream: u64) -> Self {
+    pub(crate) fn new(step: usize, schedule: LrSchedule, sampler_seed: u64, next_stream: u64) -> Self {
         Self {
             format_version: FORMAT_VERSION,
             step,

@@ -8,29 +8,29 @@
 use ember_model::lora::Target;
 
 /// LoRA: the rate of the LoRA and QLoRA papers' recipes (and PEFT's examples) for adapters.
-pub const LR_LORA: f64 = 2e-4;
+pub(crate) const LR_LORA: f64 = 2e-4;
 /// Every weight of a pretrained model: Hugging Face Trainer's default `learning_rate`.
-pub const LR_FULL: f64 = 5e-5;
+pub(crate) const LR_FULL: f64 = 5e-5;
 /// From scratch: nanoGPT's `train.py` default (GPT-3 Small's rate).
-pub const LR_SCRATCH: f64 = 6e-4;
+pub(crate) const LR_SCRATCH: f64 = 6e-4;
 /// Preference tuning with LoRA: half of SFT's: at 2e-4 plain DPO overshot into answers with no
 /// content, 1e-4 with the NLL term kept both style and facts (experiments/dpo.md).
-pub const LR_PREFERENCE_LORA: f64 = 1e-4;
+pub(crate) const LR_PREFERENCE_LORA: f64 = 1e-4;
 /// Reinforcement learning with LoRA: 1e-4 collapsed the answers' entropy within 30 steps, 5e-5
 /// trained (experiments/grpo.md).
-pub const LR_RL_LORA: f64 = 5e-5;
+pub(crate) const LR_RL_LORA: f64 = 5e-5;
 /// Preference tuning or reinforcement learning of every weight: TRL's `DPOConfig` and
 /// `GRPOConfig` default `learning_rate` (1e-6): the policy moves far per step with every weight.
-pub const LR_RL_FULL: f64 = 1e-6;
+pub(crate) const LR_RL_FULL: f64 = 1e-6;
 /// `train.batch_size` left out: Hugging Face Trainer's (and so TRL's) `per_device_train_batch_size`.
 /// Eight rows keep a step's gradient from resting on one or two examples while a small model's
 /// step stays within a laptop's memory; the memory estimate at start refuses a run that would not
 /// fit and says to lower it.
-pub const BATCH_SIZE: u64 = 8;
+pub(crate) const BATCH_SIZE: u64 = 8;
 /// `lora.alpha` left out: this times the rank. PEFT's `lora_alpha` is 8 whatever the rank, so its
 /// update's scale `alpha / rank` halves each time the rank doubles; twice the rank keeps the scale
 /// at 2 for every rank, the pair (rank 8, alpha 16) of the QLoRA recipes and of ember's templates.
-pub const ALPHA_PER_RANK: u64 = 2;
+pub(crate) const ALPHA_PER_RANK: u64 = 2;
 /// Evaluations in a run whose `eval_interval` is left out (and the first and last).
 pub(crate) const EVALS_PER_RUN: u64 = 10;
 /// Warmup, as a fraction of the decay steps, where `warmup_steps` is left out (1 in 20 steps:
@@ -39,14 +39,14 @@ pub(crate) const WARMUP_DIVISOR: u64 = 20;
 
 /// What a run trains toward: the next token (SFT or pretraining), preferences, or rewards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Objective {
+pub(crate) enum Objective {
     NextToken,
     Preference,
     Rl,
 }
 
 /// The learning rate of a config that leaves `schedule.lr` out.
-pub fn lr(lora: bool, init_from: bool, objective: Objective) -> f64 {
+pub(crate) fn lr(lora: bool, init_from: bool, objective: Objective) -> f64 {
     match (lora, init_from, objective) {
         (true, _, Objective::NextToken) => LR_LORA,
         (true, _, Objective::Preference) => LR_PREFERENCE_LORA,
@@ -76,7 +76,7 @@ impl std::fmt::Display for Applied {
 
 /// The seven projections of a Llama-style block, LoRA's targets when `lora.targets` is left out
 /// (those of ember's templates; a model whose MLP has no gate loses `gate_proj` once it is known).
-pub const TARGETS: [Target; 7] = Target::ALL;
+pub(crate) const TARGETS: [Target; 7] = Target::ALL;
 
 /// Fills in `table` (a config file, its keys checked) the defaults that depend on other keys,
 /// where they are left out: `[optim]` and `[schedule]` whole, `schedule.lr`,
@@ -85,7 +85,7 @@ pub const TARGETS: [Target; 7] = Target::ALL;
 /// are missing or mistyped is left out (those are reported); so are those that follow a length
 /// given in epochs (`train.num_epochs`), until the data is loaded
 /// ([`super::TrainConfig::resolve_epochs`]).
-pub fn fill(table: &mut toml::Table) -> Vec<Applied> {
+pub(crate) fn fill(table: &mut toml::Table) -> Vec<Applied> {
     let mut applied = Vec::new();
     let mut put = |section: &mut toml::Table, name: &'static str, key: &'static str, value, why| {
         if !section.contains_key(key) {
@@ -151,12 +151,12 @@ fn toml_text(value: &toml::Value) -> String {
 }
 
 /// `train.eval_interval` of a run of `max_steps` that leaves it out.
-pub fn eval_interval(max_steps: u64) -> u64 {
+pub(crate) fn eval_interval(max_steps: u64) -> u64 {
     (max_steps / EVALS_PER_RUN).max(1)
 }
 
 /// `schedule.warmup_steps` of a run whose learning rate decays over `decay_steps`, where left out.
-pub fn warmup_steps(decay_steps: u64) -> u64 {
+pub(crate) fn warmup_steps(decay_steps: u64) -> u64 {
     decay_steps / WARMUP_DIVISOR
 }
 

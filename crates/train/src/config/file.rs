@@ -209,8 +209,8 @@ impl TrainConfig {
 /// Whether `path` is a run directory's own `config.toml` (one beside the run's `checkpoints/`).
 fn run_dir_copy(path: &Path) -> bool {
     let beside = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    path.file_name().is_some_and(|n| n == crate::checkpoint::CONFIG_FILE)
-        && beside.join(crate::checkpoint::CHECKPOINTS).is_dir()
+    path.file_name().is_some_and(|n| n == crate::run_layout::CONFIG_FILE)
+        && beside.join(crate::run_layout::CHECKPOINTS).is_dir()
 }
 
 /// The dotted key at a TOML error position: the section header above it and the key on its line.
@@ -311,11 +311,11 @@ mod tests {
     fn a_run_directorys_copy_keeps_keys_without_effect() {
         let dir = tempfile::tempdir().unwrap();
         let text = NANO.replace("[schedule]", "[schedule]\ncooldown_frac = 0.4");
-        let path = dir.path().join(crate::checkpoint::CONFIG_FILE);
+        let path = dir.path().join(crate::run_layout::CONFIG_FILE);
         std::fs::write(&path, &text).unwrap();
         let e = ConfigFile::read(&path).unwrap_err().to_string();
         assert!(e.contains("cooldown_frac has no effect"), "{e}");
-        std::fs::create_dir(dir.path().join(crate::checkpoint::CHECKPOINTS)).unwrap();
+        std::fs::create_dir(dir.path().join(crate::run_layout::CHECKPOINTS)).unwrap();
         ConfigFile::read(&path).unwrap();
     }
 
@@ -455,7 +455,7 @@ mod tests {
         assert_eq!((c.train.eval_interval, c.train.eval_iters, c.train.seq_len), (20, 20, None));
         assert_eq!((c.optim.beta1, c.optim.beta2, c.optim.eps), (0.9, 0.95, 1e-8));
         let c = ConfigFile::parse(minimal, Path::new("c.toml")).unwrap().config;
-        assert_eq!(c.schedule.lr, super::super::LR_FULL);
+        assert_eq!(c.schedule.lr, super::super::defaults::LR_FULL);
         // Written keys win, and the warmup follows decay_steps.
         let text = format!("{minimal}eval_interval = 7\n[schedule]\nlr = 1e-3\ndecay_steps = 100\n");
         let c = ConfigFile::parse(&text, Path::new("c.toml")).unwrap().config;
@@ -520,7 +520,7 @@ mod tests {
         let c = ConfigFile::parse(&format!("{full}[preference]\n"), Path::new("c.toml")).unwrap();
         assert_eq!(c.config.schedule.lr, super::super::defaults::LR_RL_FULL);
         let c = ConfigFile::parse(&full, Path::new("c.toml")).unwrap();
-        assert_eq!((c.config.schedule.lr, c.config.lora), (super::super::LR_FULL, None));
+        assert_eq!((c.config.schedule.lr, c.config.lora), (super::super::defaults::LR_FULL, None));
     }
 
     #[test]

@@ -32,7 +32,7 @@ pub(crate) const REQUIRED: &[(&str, &[&str])] = &[
 
 impl ConfigProblem {
     /// `rule`, at the line of the key it names (or of its section's header).
-    pub fn rule(rule: InvalidConfig, text: &str) -> Self {
+    pub(crate) fn rule(rule: InvalidConfig, text: &str) -> Self {
         let (section, key) = match &rule {
             InvalidConfig::OutOfRange { key, .. }
             | InvalidConfig::TooLarge { key, .. }
@@ -68,7 +68,7 @@ impl ConfigProblem {
 /// The line of the reward an `[rl]` rule names (`rewards[1] (kind = "regex"): pattern …`): its
 /// key's where the message starts with one that the file writes, else its `[[rl.rewards]]`.
 fn reward_line(rule: &InvalidConfig, text: &str) -> Option<usize> {
-    use super::values::Seg;
+    use super::toml_path::Seg;
     let InvalidConfig::Rl(message) = rule else { return None };
     let rest = message.strip_prefix("rewards[")?;
     let (index, rest) = rest.split_once(']')?;
@@ -76,7 +76,7 @@ fn reward_line(rule: &InvalidConfig, text: &str) -> Option<usize> {
     let what = rest.split_once(": ").map_or("", |(_, w)| w);
     let key = what.trim_start_matches('`').split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).next();
     path.extend(key.filter(|k| !k.is_empty()).map(|k| Seg::Key(k.into())));
-    super::values::locate(text, &path)
+    super::toml_path::locate(text, &path)
 }
 
 /// The sections of a config file: the top-level keys of [`TrainConfig`] but `init_from`.
@@ -130,7 +130,7 @@ pub(super) fn read_section(name: &str, text: &str) -> Result<(), toml::de::Error
 /// Every problem with the keys of `table` (the file `text`, parsed): unknown sections and keys
 /// (with what they may have meant), required keys left out, values of the wrong type. Unknown
 /// keys are taken out of `table`, so that what is left can be read once the list is empty.
-pub fn check(table: &mut toml::Table, text: &str) -> Vec<ConfigProblem> {
+pub(crate) fn check(table: &mut toml::Table, text: &str) -> Vec<ConfigProblem> {
     let mut problems = missing(table, text);
     let sections = sections();
     let names: Vec<String> = table.keys().cloned().collect();

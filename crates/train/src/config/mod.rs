@@ -8,13 +8,15 @@
 //! keys) and `init_from`; [`defaults`]: the defaults that follow other keys; [`validate`]: the
 //! rules, within and across sections, and the bounds that keep products of sizes far from
 //! overflow; [`effect`]: the keys that do something only in some configs, refused where they do
-//! nothing; [`values`]: values of the wrong type or outside their choices, at any depth.
+//! nothing; [`values`]: values of the wrong type or outside their choices, at any depth, placed by
+//! [`toml_path`].
 
 mod defaults;
 mod effect;
 mod file;
 mod keys;
 mod sections;
+mod toml_path;
 mod validate;
 mod values;
 
@@ -23,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::InvalidConfig;
 
-pub use defaults::{Applied, ALPHA_PER_RANK, BATCH_SIZE, LR_FULL, LR_LORA, LR_SCRATCH};
+pub use defaults::Applied;
 pub use file::{ConfigFile, InitSource, Purpose};
 #[cfg(test)]
 pub(crate) use keys::REQUIRED;
@@ -134,7 +136,7 @@ impl TrainConfig {
 
 impl<M> TrainConfig<M> {
     /// The same config with the architecture `model`.
-    pub fn with_model<N>(self, model: N) -> TrainConfig<N> {
+    pub(crate) fn with_model<N>(self, model: N) -> TrainConfig<N> {
         TrainConfig {
             init_from: self.init_from,
             model,

@@ -6,14 +6,8 @@
 //! section read again, so that every bad value is reported once, and nothing else.
 
 use super::keys::{read_section, suggest, REQUIRED};
+use super::toml_path::{locate, parent_of, remove_at, render, value_at, written_path, Seg};
 use crate::error::{ConfigProblem, Hint, Problem};
-
-/// One step of a path into a section: a key of a table, or an element of a list.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Seg {
-    Key(String),
-    Index(usize),
-}
 
 /// Examples of the tables an internally tagged enum takes, by key.
 const TAGGED_EXAMPLES: &[(&str, &str)] = &[("rope_scaling", "{ type = \"linear\", factor = 2.0 }")];
@@ -24,119 +18,168 @@ pub(crate) fn check_values(table: &toml::Table, text: &str) -> Vec<ConfigProblem
     let mut problems = Vec::new();
     for (name, value) in table {
         let Some(section) = value.as_table() else { continue };
-        let mut section = section.clone();
-        let required = REQUIRED.iter().find(|(s, _)| s == name).map_or(&[][..], |(_, keys)| keys);
-        // Values taken out once reported: a field then missing is stood in for, not reported.
-        let mut taken: Vec<Vec<Seg>> = Vec::new();
-        // Fields reported missing (their problems' places in `found`), and those an unknown key
-        // is a typo of: `factr` says what `factor is missing` would.
-        let (mut found, mut missing, mut meant) = (Vec::new(), Vec::new(), Vec::new());
-        // Each round reports a value and takes it out, or stands in for one: two per value at most.
-        let rounds = 2 * leaves(value) + 4;
-        for _ in 0..rounds {
-            let Ok(written) = toml::to_string(&section) else { break };
-            let Err(e) = read_section(name, &written) else { break };
-            let message = e.message().trim().to_string();
-            let mut path = e.span().map(|s| written_path(&written, s.start)).unwrap_or_default();
-            if let Some(field) = quoted_after(&message, "missing field `") {
-                // The section's own field, where its text starts with a table (`[mla]`): the
-                // span of the whole starts at that table's header.
-                let own = super::keys::section_keys(name).is_some_and(|keys| keys.contains(&field.as_str()));
-                if own && e.span().is_some_and(|s| s.start == 0) {
-                    path.clear();
-                }
-                let tag = path.clone();
-                path.push(Seg::Key(field.clone()));
-                // An internally tagged enum without its tag: what it takes (unless the tag was
-                // written, and reported).
-                if let Some(expected) = tagged_enum(name, &tag, &field) {
-                    if !taken.contains(&path) {
-                        let message = format!("{expected}; found a table without `{field}`");
-                        found.push(problem(text, name, &tag, Problem::BadValue { key: render(&tag), message }));
-                    }
-                    if !remove_at(&mut section, &tag) {
-                        break;
-                    }
-                    taken.push(tag);
-                    continue;
-                }
-                // A key of the section left out is either required, and reported by `keys::check`
-                // with the other missing ones, or has a default that follows other keys
-                // (`defaults::fill`), left out because those are missing or mistyped: reported.
-                let reported = path.len() == 1 || taken.contains(&path);
-                if !reported {
-                    missing.push((found.len(), path.clone()));
-                    found.push(problem(text, name, &path, Problem::Missing { key: render(&path) }));
-                }
-                if stand_in(name, &mut section, &path) {
-                    continue;
-                }
-                break;
-            }
-            if let Some(field) = quoted_after(&message, "unknown field `") {
-                if path.last() != Some(&Seg::Key(field.clone())) {
-                    path.push(Seg::Key(field.clone()));
-                }
-                let near = suggest(&field, &quoted_names(message.split_once("expected").map_or("", |(_, e)| e)));
-                // What the unknown key stands for: the key it is a typo of, or the keys of the
-                // table it holds (`[model.moe.x]`: moe's keys one table too deep).
-                let mut beside = |key: &str| {
-                    let mut p = path.clone();
-                    p.pop();
-                    p.push(Seg::Key(key.to_string()));
-                    meant.push(p);
-                };
-                if let Some(near) = &near {
-                    beside(near);
-                }
-                if let Some(toml::Value::Table(inner)) = value_at(&section, &path) {
-                    inner.keys().for_each(|k| beside(k));
-                }
-                let hint = near.map_or(Hint::None, Hint::DidYouMean);
-                found.push(problem(text, name, &path, Problem::UnknownKey { key: render(&path), hint }));
-                if !remove_at(&mut section, &path) {
-                    break;
-                }
-                continue;
-            }
-            // Errors without a place (or at the section's start): the key without which this
-            // error goes away.
-            if path.is_empty() {
-                path = section
-                    .keys()
-                    .filter(|k| !required.contains(&k.as_str()))
-                    .find(|k| {
-                        let mut without = section.clone();
-                        without.remove(*k);
-                        let still = toml::to_string(&without).ok().and_then(|w| read_section(name, &w).err());
-                        still.is_none_or(|e| e.message().trim() != message)
-                    })
-                    .map(|k| vec![Seg::Key(k.clone())])
-                    .unwrap_or_default();
-            }
-            // An unknown variant named by a table's key (`adjust_lr = { x = 1 }`): the enum's key.
-            if message.starts_with("unknown variant") && value_at(&section, &path).is_some_and(|v| !v.is_str()) {
-                path.pop();
-            }
-            // A path into a list ends at its key: the list is what is taken out.
-            while matches!(path.last(), Some(Seg::Index(_))) {
-                path.pop();
-            }
-            if path.is_empty() {
-                found.push(problem(text, name, &[], Problem::BadValue { key: String::new(), message: tidy(&message) }));
-                break;
-            }
-            let message = choices(name, &section, &path, &message).unwrap_or_else(|| tidy(&message));
-            found.push(problem(text, name, &path, Problem::BadValue { key: render(&path), message }));
-            if !remove_at(&mut section, &path) {
-                break;
-            }
-            taken.push(path);
-        }
-        let dropped: Vec<usize> = missing.iter().filter(|(_, p)| meant.contains(p)).map(|(i, _)| *i).collect();
-        problems.extend(found.into_iter().enumerate().filter(|(i, _)| !dropped.contains(i)).map(|(_, p)| p));
+        problems.extend(SectionReading::new(name, section.clone(), text).problems(leaves(value)));
     }
     problems
+}
+
+/// One section read again and again, a bad value reported and taken out (or a missing one stood
+/// in for) at each reading, until it reads.
+struct SectionReading<'a> {
+    name: &'a str,
+    /// The user's file, for the lines.
+    text: &'a str,
+    /// The section as it is now: what was reported taken out, what was missing stood in for.
+    section: toml::Table,
+    required: &'static [&'static str],
+    /// Values taken out once reported: a field then missing is stood in for, not reported.
+    taken: Vec<Vec<Seg>>,
+    found: Vec<ConfigProblem>,
+    /// Fields reported missing (their problems' places in `found`), and those an unknown key is a
+    /// typo of: `factr` says what `factor is missing` would.
+    missing: Vec<(usize, Vec<Seg>)>,
+    meant: Vec<Vec<Seg>>,
+}
+
+impl<'a> SectionReading<'a> {
+    fn new(name: &'a str, section: toml::Table, text: &'a str) -> Self {
+        let required = REQUIRED.iter().find(|(s, _)| *s == name).map_or(&[][..], |(_, keys)| keys);
+        let (taken, found, missing, meant) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        Self { name, text, section, required, taken, found, missing, meant }
+    }
+
+    /// The section's problems, in the order they were found, the missing fields an unknown key
+    /// stands for left out. Each round reports a value and takes it out, or stands in for one: two
+    /// per value (of `leaves`) at most.
+    fn problems(mut self, leaves: usize) -> Vec<ConfigProblem> {
+        for _ in 0..2 * leaves + 4 {
+            let Ok(written) = toml::to_string(&self.section) else { break };
+            let Err(e) = read_section(self.name, &written) else { break };
+            let message = e.message().trim().to_string();
+            let path = e.span().map(|s| written_path(&written, s.start)).unwrap_or_default();
+            let go_on = if let Some(field) = quoted_after(&message, "missing field `") {
+                self.missing_field(path, field, e.span().is_some_and(|s| s.start == 0))
+            } else if let Some(field) = quoted_after(&message, "unknown field `") {
+                self.unknown_field(path, field, &message)
+            } else {
+                self.bad_value(path, &message)
+            };
+            if !go_on {
+                break;
+            }
+        }
+        let Self { found, missing, meant, .. } = self;
+        let dropped: Vec<usize> = missing.iter().filter(|(_, p)| meant.contains(p)).map(|(i, _)| *i).collect();
+        found.into_iter().enumerate().filter(|(i, _)| !dropped.contains(i)).map(|(_, p)| p).collect()
+    }
+
+    fn report(&mut self, path: &[Seg], what: Problem) {
+        self.found.push(problem(self.text, self.name, path, what));
+    }
+
+    /// serde's `missing field` at `path` (`at_start`: its span starts the written section); false
+    /// where the reading cannot go on.
+    fn missing_field(&mut self, mut path: Vec<Seg>, field: String, at_start: bool) -> bool {
+        // The section's own field, where its text starts with a table (`[mla]`): the span of the
+        // whole starts at that table's header.
+        let own = super::keys::section_keys(self.name).is_some_and(|keys| keys.contains(&field.as_str()));
+        if own && at_start {
+            path.clear();
+        }
+        let tag = path.clone();
+        path.push(Seg::Key(field.clone()));
+        // An internally tagged enum without its tag: what it takes (unless the tag was written,
+        // and reported).
+        if let Some(expected) = tagged_enum(self.name, &tag, &field) {
+            if !self.taken.contains(&path) {
+                let message = format!("{expected}; found a table without `{field}`");
+                self.report(&tag, Problem::BadValue { key: render(&tag), message });
+            }
+            if !remove_at(&mut self.section, &tag) {
+                return false;
+            }
+            self.taken.push(tag);
+            return true;
+        }
+        // A key of the section left out is either required, and reported by `keys::check` with
+        // the other missing ones, or has a default that follows other keys (`defaults::fill`),
+        // left out because those are missing or mistyped: reported.
+        let reported = path.len() == 1 || self.taken.contains(&path);
+        if !reported {
+            self.missing.push((self.found.len(), path.clone()));
+            self.report(&path, Problem::Missing { key: render(&path) });
+        }
+        stand_in(self.name, &mut self.section, &path)
+    }
+
+    /// serde's `unknown field` at `path` (serde's `message` lists the known ones); false where the
+    /// reading cannot go on.
+    fn unknown_field(&mut self, mut path: Vec<Seg>, field: String, message: &str) -> bool {
+        if path.last() != Some(&Seg::Key(field.clone())) {
+            path.push(Seg::Key(field.clone()));
+        }
+        let near = suggest(&field, &quoted_names(message.split_once("expected").map_or("", |(_, e)| e)));
+        // What the unknown key stands for: the key it is a typo of, or the keys of the table it
+        // holds (`[model.moe.x]`: moe's keys one table too deep).
+        let mut beside = |key: &str| {
+            let mut p = path.clone();
+            p.pop();
+            p.push(Seg::Key(key.to_string()));
+            self.meant.push(p);
+        };
+        if let Some(near) = &near {
+            beside(near);
+        }
+        if let Some(toml::Value::Table(inner)) = value_at(&self.section, &path) {
+            inner.keys().for_each(|k| beside(k));
+        }
+        let hint = near.map_or(Hint::None, Hint::DidYouMean);
+        self.report(&path, Problem::UnknownKey { key: render(&path), hint });
+        remove_at(&mut self.section, &path)
+    }
+
+    /// Any other error of serde's (`message`), at `path`: a value of the wrong type or outside its
+    /// choices; false where the reading cannot go on.
+    fn bad_value(&mut self, mut path: Vec<Seg>, message: &str) -> bool {
+        // Errors without a place (or at the section's start): the key without which this error
+        // goes away.
+        if path.is_empty() {
+            path = self.key_behind(message).map(|k| vec![Seg::Key(k)]).unwrap_or_default();
+        }
+        // An unknown variant named by a table's key (`adjust_lr = { x = 1 }`): the enum's key.
+        if message.starts_with("unknown variant") && value_at(&self.section, &path).is_some_and(|v| !v.is_str()) {
+            path.pop();
+        }
+        // A path into a list ends at its key: the list is what is taken out.
+        while matches!(path.last(), Some(Seg::Index(_))) {
+            path.pop();
+        }
+        if path.is_empty() {
+            self.report(&[], Problem::BadValue { key: String::new(), message: tidy(message) });
+            return false;
+        }
+        let message = choices(self.name, &self.section, &path, message).unwrap_or_else(|| tidy(message));
+        self.report(&path, Problem::BadValue { key: render(&path), message });
+        if !remove_at(&mut self.section, &path) {
+            return false;
+        }
+        self.taken.push(path);
+        true
+    }
+
+    /// The key of the section (not a required one) without which the error `message` goes away.
+    fn key_behind(&self, message: &str) -> Option<String> {
+        self.section
+            .keys()
+            .filter(|k| !self.required.contains(&k.as_str()))
+            .find(|k| {
+                let mut without = self.section.clone();
+                without.remove(*k);
+                let still = toml::to_string(&without).ok().and_then(|w| read_section(self.name, &w).err());
+                still.is_none_or(|e| e.message().trim() != message)
+            })
+            .cloned()
+    }
 }
 
 /// The problem `what` at `path` of section `name`: the section is the tables the path goes
@@ -180,22 +223,6 @@ fn problem(text: &str, name: &str, path: &[Seg], what: Problem) -> ConfigProblem
     ConfigProblem { line, section: Some(section), what }
 }
 
-/// `a.b[1].c`.
-fn render(path: &[Seg]) -> String {
-    let mut out = String::new();
-    for seg in path {
-        match seg {
-            Seg::Key(k) if out.is_empty() => out.push_str(k),
-            Seg::Key(k) => {
-                out.push('.');
-                out.push_str(k);
-            }
-            Seg::Index(i) => out.push_str(&format!("[{i}]")),
-        }
-    }
-    out
-}
-
 /// The name between backticks after `prefix` in `message`.
 fn quoted_after(message: &str, prefix: &str) -> Option<String> {
     let rest = message.strip_prefix(prefix)?;
@@ -214,166 +241,6 @@ fn leaves(value: &toml::Value) -> usize {
         toml::Value::Array(a) => 1 + a.iter().map(leaves).sum::<usize>(),
         _ => 1,
     }
-}
-
-/// Splits a TOML key (`a.b`, `"a.b".c`) into its parts, quotes taken off.
-fn split_key(key: &str) -> Vec<String> {
-    let (mut parts, mut part, mut quote) = (Vec::new(), String::new(), None);
-    let mut chars = key.chars();
-    while let Some(c) = chars.next() {
-        match (quote, c) {
-            (None, '"' | '\'') => quote = Some(c),
-            (Some(q), _) if c == q => quote = None,
-            (Some('"'), '\\') => part.extend(chars.next()),
-            (None, '.') => parts.push(std::mem::take(&mut part).trim().to_string()),
-            _ => part.push(c),
-        }
-    }
-    parts.push(part.trim().to_string());
-    parts
-}
-
-/// The header of a `[table]` or `[[list of tables]]` line: its path and whether it is a list.
-fn header_of(line: &str) -> Option<(Vec<String>, bool)> {
-    let line = line.trim();
-    if let Some(inner) = line.strip_prefix("[[") {
-        let inner = inner.split("]]").next()?;
-        return Some((split_key(inner), true));
-    }
-    let inner = line.strip_prefix('[')?;
-    // The closing bracket outside quotes; a comment may follow.
-    let end = inner.find(']')?;
-    Some((split_key(&inner[..end]), false))
-}
-
-/// Walks the lines of a TOML `text`, calling `each(line number, byte offset, line, path)` with
-/// the path of every header line (its table, lists of tables with their index) and of every key
-/// line (its table's path and the key's parts), and `at_value`: the byte offset of the `=`.
-fn walk(text: &str, mut each: impl FnMut(usize, usize, &str, &[Seg], Option<usize>) -> bool) {
-    let mut table: Vec<Seg> = Vec::new();
-    let mut counts: Vec<(Vec<String>, usize)> = Vec::new();
-    let mut offset = 0;
-    for (i, line) in text.split_inclusive('\n').enumerate() {
-        let trimmed = line.trim_start();
-        if trimmed.starts_with('[') {
-            if let Some((keys, list)) = header_of(trimmed) {
-                table = keys.iter().cloned().map(Seg::Key).collect();
-                if list {
-                    let n = match counts.iter_mut().find(|(k, _)| *k == keys) {
-                        Some((_, n)) => {
-                            *n += 1;
-                            *n
-                        }
-                        None => {
-                            counts.push((keys, 0));
-                            0
-                        }
-                    };
-                    table.push(Seg::Index(n));
-                }
-                if each(i + 1, offset, line, &table, None) {
-                    return;
-                }
-            }
-        } else if !trimmed.starts_with('#') {
-            if let Some(eq) = line.find('=') {
-                let mut path = table.clone();
-                path.extend(split_key(&line[..eq]).into_iter().map(Seg::Key));
-                if each(i + 1, offset, line, &path, Some(eq)) {
-                    return;
-                }
-            } else if each(i + 1, offset, line, &table, None) {
-                return;
-            }
-        }
-        offset += line.len();
-    }
-}
-
-/// The path of what stands at byte `pos` of `written` (a section as `toml` writes it): a header
-/// names its table (or, at one of its keys, the table that key names); a key line its key from the
-/// `=` on, else the table it is in.
-fn written_path(written: &str, pos: usize) -> Vec<Seg> {
-    let mut found = Vec::new();
-    let mut table = Vec::new();
-    walk(written, |_, offset, line, path, eq| {
-        let header = line.trim_start().starts_with('[');
-        if eq.is_none() || header {
-            table = path.to_vec();
-        }
-        if pos < offset + line.len() {
-            found = match eq {
-                Some(eq) if pos >= offset + eq => path.to_vec(),
-                _ => table.clone(),
-            };
-            // `[[mla.rl.rewards]]` at `rl`: the table `mla.rl`.
-            let before = line.get(..pos.saturating_sub(offset)).unwrap_or("").trim_start().trim_start_matches('[');
-            if header && !before.is_empty() {
-                let k = split_key(before).len();
-                let keys = found.iter().filter(|s| matches!(s, Seg::Key(_))).count();
-                if k < keys {
-                    found = found.iter().filter(|s| matches!(s, Seg::Key(_))).take(k).cloned().collect();
-                }
-            }
-            return true;
-        }
-        false
-    });
-    found
-}
-
-/// The line of `text` that names the longest start of `path` (its key, else the table or list
-/// element it is in, else the key that holds that inline).
-pub(super) fn locate(text: &str, path: &[Seg]) -> Option<usize> {
-    let mut best: Option<(usize, usize)> = None;
-    walk(text, |line, _, _, here, _| {
-        let matched = here.len() <= path.len() && path.starts_with(here) && !here.is_empty();
-        if matched && best.is_none_or(|(n, _)| here.len() > n) {
-            best = Some((here.len(), line));
-        }
-        false
-    });
-    best.map(|(_, line)| line)
-}
-
-/// The value at `path` of `table`.
-fn value_at<'t>(table: &'t toml::Table, path: &[Seg]) -> Option<&'t toml::Value> {
-    let (Seg::Key(first), rest) = path.split_first()? else { return None };
-    let mut v = table.get(first)?;
-    for seg in rest {
-        v = match (seg, v) {
-            (Seg::Key(k), toml::Value::Table(t)) => t.get(k)?,
-            (Seg::Index(i), toml::Value::Array(a)) => a.get(*i)?,
-            _ => return None,
-        };
-    }
-    Some(v)
-}
-
-/// The table holding the last key of `path`, and that key.
-fn parent_of<'t>(table: &'t mut toml::Table, path: &[Seg]) -> Option<(&'t mut toml::Table, String)> {
-    let (Seg::Key(last), init) = path.split_last()? else { return None };
-    let mut t = table;
-    let mut segs = init.iter().peekable();
-    while let Some(seg) = segs.next() {
-        let Seg::Key(k) = seg else { return None };
-        let v = t.get_mut(k)?;
-        let v = match (segs.peek(), v) {
-            (Some(Seg::Index(i)), toml::Value::Array(a)) => {
-                let i = *i;
-                segs.next();
-                a.get_mut(i)?
-            }
-            (_, v) => v,
-        };
-        t = v.as_table_mut()?;
-    }
-    Some((t, last.clone()))
-}
-
-/// Takes the value at `path` out of `table`; false if there is none.
-fn remove_at(table: &mut toml::Table, path: &[Seg]) -> bool {
-    parent_of(table, path).is_some_and(|(t, k)| t.remove(&k).is_some())
 }
 
 /// Puts a value at `path` (a field the struct cannot do without) that reads, so that the rest
@@ -691,37 +558,6 @@ mod tests {
         assert_eq!(e, "c.toml: schedule.min_lr (1.7976931348623157e308) must not exceed schedule.lr (0.001)");
         let text = NANO.replace("d_model = 128", "d_model = 1e300");
         assert!(problems(&text)[0].ends_with("d_model: invalid type: floating point `1e300`, expected usize"));
-    }
-
-    #[test]
-    fn paths_of_written_sections_and_of_the_file() {
-        let written = "a = 1\n\n[mla]\nv_dim = true\n\n[[rewards]]\nkind = \"x\"\n\n[[rewards]]\nlimit = \"x\"\n";
-        let at = |needle: &str| written_path(written, written.find(needle).unwrap());
-        let k = |s: &str| Seg::Key(s.into());
-        assert_eq!(at("true"), [k("mla"), k("v_dim")]);
-        assert_eq!(at("[mla]"), [k("mla")]);
-        let headers = "[[mla.rl.rewards]]\nx = 1\n";
-        assert_eq!(written_path(headers, 6), [k("mla"), k("rl")], "at `rl` of the header");
-        assert_eq!(written_path(headers, 0), [k("mla"), k("rl"), k("rewards"), Seg::Index(0)]);
-        assert_eq!(at("v_dim"), [k("mla")], "a key's name is in its table");
-        assert_eq!(at("\"x\"\n\n"), [k("rewards"), Seg::Index(0), k("kind")]);
-        assert_eq!(at("limit"), [k("rewards"), Seg::Index(1)]);
-        assert_eq!(written_path(written, written.rfind("\"x\"").unwrap()), [k("rewards"), Seg::Index(1), k("limit")]);
-        let text = "[rl]\nx = 1\n[[rl.rewards]]\nkind = \"a\"\n[[rl.rewards]] # second\nkind = \"b\"\n\
-                    [model]\nmla = { v_dim = true }\n\"a.b\" = 2\n";
-        let path = |p: &[Seg]| {
-            let mut full = vec![k("rl")];
-            full.extend(p.iter().cloned());
-            locate(text, &full)
-        };
-        assert_eq!(path(&[k("rewards"), Seg::Index(1), k("kind")]), Some(6));
-        assert_eq!(path(&[k("rewards"), Seg::Index(1), k("limit")]), Some(5));
-        assert_eq!(path(&[k("rewards"), Seg::Index(0)]), Some(3));
-        assert_eq!(path(&[k("zz")]), Some(1));
-        assert_eq!(locate(text, &[k("model"), k("mla"), k("v_dim")]), Some(8));
-        assert_eq!(locate(text, &[k("model"), k("a.b")]), Some(9));
-        assert_eq!(split_key(" \"a.b\" . c"), ["a.b", "c"]);
-        assert_eq!(render(&[k("rewards"), Seg::Index(1), k("limit")]), "rewards[1].limit");
     }
 
     #[test]

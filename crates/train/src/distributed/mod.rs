@@ -14,7 +14,7 @@
 pub mod bench;
 pub(crate) mod buckets;
 #[cfg(feature = "mpi")]
-pub mod mpi;
+pub(crate) mod mpi;
 pub(crate) mod zero;
 
 use std::sync::Arc;
@@ -84,7 +84,7 @@ pub(crate) fn code_version() -> String {
 }
 
 /// SHA-256 of byte slices, for [`check_same`].
-pub fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> [u8; 32] {
+pub(crate) fn digest<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> [u8; 32] {
     let mut h = Sha256::new();
     for p in parts {
         h.update((p.len() as u64).to_le_bytes());

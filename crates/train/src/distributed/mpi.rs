@@ -99,7 +99,7 @@ impl Watchdog {
     }
 }
 
-pub struct MpiCollective {
+pub(crate) struct MpiCollective {
     inner: Mutex<Inner>,
     rank: usize,
     size: usize,
@@ -117,7 +117,7 @@ unsafe impl Sync for MpiCollective {}
 
 impl MpiCollective {
     /// Initialises MPI (once per process) and learns this rank's place.
-    pub fn init() -> Result<Self, DistError> {
+    pub(crate) fn init() -> Result<Self, DistError> {
         let (universe, provided) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| DistError::Launch("MPI was already initialised in this process".into()))?;
         if provided < Threading::Serialized {

@@ -11,6 +11,7 @@ use ember_model::Decoder;
 
 use super::{Accumulation, EvalBatches, Evaluated, MicroBatches, Objective, Split, Splits};
 use crate::config::TrainConfig;
+use crate::error::TrainError;
 use crate::eval::{evaluate_all_part, evaluate_part, lm_loss_parts, LossSum, Part};
 use crate::metrics::StepRecord;
 
@@ -52,7 +53,7 @@ impl<B: TrainBackend> Objective<B> for NextToken<'_> {
         &self,
         model: &Decoder<B>,
         batches: MicroBatches<'_, B>,
-    ) -> Result<(GradientsParams, Vec<f64>), crate::error::TrainError> {
+    ) -> Result<(GradientsParams, Vec<f64>), TrainError> {
         let all: Vec<Vec<Window>> = batches.indices.iter().map(|idx| batches.rows(idx)).collect();
         let total = all.iter().map(|b| scored(b)).sum::<usize>();
         let (device, loss_scale) = (batches.device, batches.loss_scale);
@@ -83,12 +84,7 @@ impl<B: TrainBackend> Objective<B> for NextToken<'_> {
 
     /// The fixed batches of the split (every held-out example for fine-tuning's val split), as
     /// `[Σ loss · scored, scored]`.
-    fn evaluate(
-        &self,
-        model: &Decoder<B::InnerBackend>,
-        split: Split,
-        part: Part,
-    ) -> Result<Vec<f64>, crate::error::TrainError> {
+    fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split, part: Part) -> Result<Vec<f64>, TrainError> {
         let e = &self.eval;
         let sum = match split {
             Split::Val if e.held_out => evaluate_all_part(model, self.splits.val.as_ref(), e.batch_size, part),

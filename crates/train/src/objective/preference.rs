@@ -49,7 +49,7 @@ impl<B: TrainBackend> Objective<B> for Pairs<'_> {
         &self,
         model: &Decoder<B>,
         batches: MicroBatches<'_, B>,
-    ) -> Result<(GradientsParams, Vec<f64>), crate::error::TrainError> {
+    ) -> Result<(GradientsParams, Vec<f64>), TrainError> {
         let reference = self.reference.as_ref().map(|r| r.train.as_slice());
         let all: Vec<PairRows> = batches
             .indices
@@ -84,12 +84,7 @@ impl<B: TrainBackend> Objective<B> for Pairs<'_> {
 
     /// The preference loss (and TRL's metrics) of every held-out pair, or of the training split's
     /// fixed batches, as `[loss, pair sums…]`.
-    fn evaluate(
-        &self,
-        model: &Decoder<B::InnerBackend>,
-        split: Split,
-        part: Part,
-    ) -> Result<Vec<f64>, crate::error::TrainError> {
+    fn evaluate(&self, model: &Decoder<B::InnerBackend>, split: Split, part: Part) -> Result<Vec<f64>, TrainError> {
         let e = &self.eval;
         let (rows, reference) = match split {
             Split::Val => {
@@ -140,7 +135,7 @@ pub(crate) fn reference<B: TrainBackend>(
         let n = rows.len();
         let share = n.div_ceil(world);
         let mine: Vec<Window> = (rank * share..((rank + 1) * share).min(n)).filter_map(|i| rows.get(i)).collect();
-        let scored = reference_logps(&model, &mine, batch, &model.embed_tokens.device());
+        let scored = reference_logps(&model, &mine, batch, &model.device());
         // Each rank fills its share; the sum over ranks is every row's.
         let mut all = vec![0.0; 2 * n];
         for (k, [chosen, rejected]) in scored.into_iter().enumerate() {

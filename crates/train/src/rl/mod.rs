@@ -9,8 +9,8 @@
 //! [`policy_loss_reference`] is the same arithmetic in f64, one answer at a time: the reference
 //! the tensor version is tested against.
 
-pub mod reward;
-pub mod rollout;
+pub(crate) mod reward;
+pub(crate) mod rollout;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
@@ -44,12 +44,8 @@ pub struct Answers {
 }
 
 impl Answers {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.completions.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.completions.is_empty()
     }
 
     /// The longest completion: the width of the loss's `[N, C]` tensors.
@@ -58,7 +54,7 @@ impl Answers {
     }
 
     /// The tokens the loss counts, `[N·C]` row-major (1 or 0).
-    pub fn mask(&self) -> Vec<f32> {
+    pub(crate) fn mask(&self) -> Vec<f32> {
         let c = self.width();
         let mut mask = vec![0.0; self.len() * c];
         for (i, done) in self.completions.iter().enumerate() {
@@ -70,7 +66,7 @@ impl Answers {
     }
 
     /// The answers at `which`, in that order, with their values.
-    pub fn part(&self, which: &[usize]) -> Answers {
+    pub(crate) fn part(&self, which: &[usize]) -> Answers {
         fn take<T: Clone>(v: &[T], which: &[usize]) -> Vec<T> {
             which.iter().map(|&i| v[i].clone()).collect()
         }
@@ -86,14 +82,14 @@ impl Answers {
 
     /// The answers in parts of at most `size`, the shortest sequences together (less padding in
     /// each part's `[answers, positions]` batch).
-    pub fn parts(&self, size: usize) -> Vec<Answers> {
+    pub(crate) fn parts(&self, size: usize) -> Vec<Answers> {
         let mut order: Vec<usize> = (0..self.len()).collect();
         order.sort_by_key(|&i| self.prompts[i].len() + self.completions[i].len());
         order.chunks(size.max(1)).map(|which| self.part(which)).collect()
     }
 
     /// Counted tokens.
-    pub fn tokens(&self) -> f64 {
+    pub(crate) fn tokens(&self) -> f64 {
         self.completions.iter().zip(&self.masked).filter(|(_, m)| !**m).map(|(c, _)| c.len() as f64).sum()
     }
 }
@@ -112,8 +108,8 @@ fn padded<B: Backend>(values: &[Vec<f64>], c: usize, device: &Device<B>) -> Tens
 /// The log-probabilities of the completion tokens under `model`, on the host: the old
 /// log-probabilities of several passes over one generation, and the reference's.
 /// Eight answers a pass, which bounds the `[answers · C, V]` logits.
-pub fn host_logps<B: EmberBackend>(model: &Decoder<B>, answers: &Answers, temperature: f64) -> Vec<Vec<f64>> {
-    let device = model.embed_tokens.device();
+pub(crate) fn host_logps<B: EmberBackend>(model: &Decoder<B>, answers: &Answers, temperature: f64) -> Vec<Vec<f64>> {
+    let device = model.device();
     let mut out = Vec::with_capacity(answers.len());
     for (prompts, completions) in answers.prompts.chunks(8).zip(answers.completions.chunks(8)) {
         let part = Answers {
@@ -203,7 +199,7 @@ pub struct LossConfig {
 }
 
 impl LossConfig {
-    pub fn of(rl: &RlConfig) -> Self {
+    pub(crate) fn of(rl: &RlConfig) -> Self {
         Self {
             loss: rl.loss,
             importance: rl.importance,
@@ -260,13 +256,13 @@ pub struct LossSums {
 }
 
 impl LossSums {
-    pub const LEN: usize = 7;
+    pub(crate) const LEN: usize = 7;
 
-    pub fn to_vec(self) -> [f64; Self::LEN] {
+    pub(crate) fn to_vec(self) -> [f64; Self::LEN] {
         [self.tokens, self.entropy, self.kl, self.counted, self.clip_low, self.clip_high, self.clip_region]
     }
 
-    pub fn from_slice(s: &[f64]) -> Self {
+    pub(crate) fn from_slice(s: &[f64]) -> Self {
         Self {
             tokens: s[0],
             entropy: s[1],
@@ -278,7 +274,7 @@ impl LossSums {
         }
     }
 
-    pub fn add(&mut self, o: &Self) {
+    pub(crate) fn add(&mut self, o: &Self) {
         let mut v = self.to_vec();
         for (a, b) in v.iter_mut().zip(o.to_vec()) {
             *a += b;
@@ -345,7 +341,20 @@ where
         per_token = per_token + kl.mul_scalar(config.beta);
     }
     let masked = per_token * mask.clone();
-    let loss: Tensor<B, 1> = match config.loss {
+    let loss = reduced(config, masked, tokens_per_answer, totals);
+    let sums = metric_sums(config, answers, &mask_host, ratio.inner(), entropy.inner(), kl_sum);
+    PolicyLoss { loss, sums }
+}
+
+/// The masked per-token losses `[N, C]` reduced as `config.loss` says, scaled to the micro-batch's
+/// share of the step (`tokens_per_answer`: `[N, 1]`, at least 1).
+fn reduced<B: Backend>(
+    config: &LossConfig,
+    masked: Tensor<B, 2>,
+    tokens_per_answer: Tensor<B, 2>,
+    totals: StepTotals,
+) -> Tensor<B, 1> {
+    match config.loss {
         RlLoss::Grpo => {
             (masked.sum_dim(1) / tokens_per_answer).sum().div_scalar(totals.batch_answers * totals.micro_batches)
         }
@@ -354,11 +363,22 @@ where
             masked.sum().div_scalar(totals.batch_answers * config.max_new_tokens as f64 * totals.micro_batches)
         }
         RlLoss::Dapo => masked.sum().div_scalar(totals.tokens.max(1.0)),
-    };
+    }
+}
 
-    // The metrics, on the host (no gradients).
-    let ratio = ratio.inner().into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
-    let entropy = entropy.inner().into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+/// TRL's metrics of the micro-batch ([`LossSums`]), on the host (no gradients): `mask_host` `[N, C]` as
+/// [`Answers::mask`] gives it, the ratio and the entropy per token (`[N, C]`), the KL summed.
+fn metric_sums<B: Backend>(
+    config: &LossConfig,
+    answers: &Answers,
+    mask_host: &[f32],
+    ratio: Tensor<B, 2>,
+    entropy: Tensor<B, 2>,
+    kl_sum: f64,
+) -> LossSums {
+    let [n, c] = ratio.dims();
+    let ratio = ratio.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+    let entropy = entropy.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
     let mut sums = LossSums { kl: kl_sum, ..LossSums::default() };
     for i in 0..n {
         let a = answers.advantages[i];
@@ -389,7 +409,7 @@ where
             }
         }
     }
-    PolicyLoss { loss, sums }
+    sums
 }
 
 fn scalar2<B: Backend>(t: Tensor<B, 1>) -> f64 {
@@ -460,7 +480,7 @@ pub fn advantages(rewards: &[f64], group: usize, scale: ScaleRewards, batch_std:
 }
 
 /// The unbiased standard deviation (0 for fewer than two values).
-pub fn unbiased_std(x: &[f64]) -> f64 {
+pub(crate) fn unbiased_std(x: &[f64]) -> f64 {
     if x.len() < 2 {
         return 0.0;
     }

@@ -13,7 +13,7 @@ use crate::error::TrainError;
 /// One answer to score: its prompt (as the model read it), its text and token count, and the row
 /// of the prompt file (with its line, for messages).
 #[derive(Debug, Clone, Copy)]
-pub struct Item<'a> {
+pub(crate) struct Item<'a> {
     pub prompt: &'a str,
     pub completion: &'a str,
     pub tokens: usize,
@@ -24,20 +24,20 @@ pub struct Item<'a> {
 }
 
 /// The rewards of a run, compiled.
-pub struct Rewards {
+pub(crate) struct Rewards {
     rewards: Vec<(RewardConfig, Option<regex::Regex>)>,
 }
 
 /// Each reward's scores (`[reward][answer]`) and their weighted sums.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Scores {
+pub(crate) struct Scores {
     pub per_reward: Vec<Vec<f64>>,
     pub total: Vec<f64>,
 }
 
 impl Rewards {
     /// `config`'s rewards (validated: a regex compiles, each kind has its keys).
-    pub fn new(config: &[RewardConfig]) -> Result<Self, TrainError> {
+    pub(crate) fn new(config: &[RewardConfig]) -> Result<Self, TrainError> {
         let rewards = config
             .iter()
             .map(|r| {
@@ -55,12 +55,12 @@ impl Rewards {
     }
 
     /// The names in the metrics, in order.
-    pub fn names(&self) -> Vec<String> {
+    pub(crate) fn names(&self) -> Vec<String> {
         self.rewards.iter().map(|(r, _)| r.name().to_string()).collect()
     }
 
     /// The row's columns every reward needs, missing from `row`: `(reward, column)`.
-    pub fn missing_columns(&self, row: &Map<String, Value>) -> Option<(String, String)> {
+    pub(crate) fn missing_columns(&self, row: &Map<String, Value>) -> Option<(String, String)> {
         self.rewards.iter().find_map(|(r, _)| {
             let column = column(r)?;
             (!row.contains_key(column)).then(|| (r.name().to_string(), column.to_string()))
@@ -68,7 +68,7 @@ impl Rewards {
     }
 
     /// Scores every answer with every reward.
-    pub fn score(&self, items: &[Item<'_>]) -> Result<Scores, TrainError> {
+    pub(crate) fn score(&self, items: &[Item<'_>]) -> Result<Scores, TrainError> {
         let mut per_reward = Vec::with_capacity(self.rewards.len());
         for (r, re) in &self.rewards {
             let scores = match r.kind {
@@ -201,7 +201,7 @@ fn column(r: &RewardConfig) -> Option<&str> {
 }
 
 /// The answer's final number: after its last `####`, else the last number it writes.
-pub fn final_number(text: &str) -> Option<String> {
+pub(crate) fn final_number(text: &str) -> Option<String> {
     static NUMBER: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
     let number = NUMBER.get_or_init(|| regex::Regex::new(r"-?[$0-9.,]*[0-9]").expect("a valid pattern"));
     let scope = text.rsplit_once("####").map_or(text, |(_, after)| after);

@@ -16,7 +16,7 @@ const MAX_SLOTS: usize = 64;
 
 /// How answers are sampled, from `[rl]`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct SampleConfig {
+pub(crate) struct SampleConfig {
     pub max_new_tokens: usize,
     pub sampling: SamplingConfig,
     /// End-of-sequence ids: an answer ends after one (it is kept, as TRL keeps it).
@@ -26,7 +26,7 @@ pub struct SampleConfig {
 }
 
 impl SampleConfig {
-    pub fn of(rl: &RlConfig, tokenizer: &Tokenizer) -> Self {
+    pub(crate) fn of(rl: &RlConfig, tokenizer: &Tokenizer) -> Self {
         Self {
             max_new_tokens: rl.max_new_tokens,
             sampling: SamplingConfig {
@@ -41,7 +41,7 @@ impl SampleConfig {
     }
 
     /// The same, greedy (held-out evaluations).
-    pub fn greedy(&self) -> Self {
+    pub(crate) fn greedy(&self) -> Self {
         Self {
             sampling: SamplingConfig { temperature: 0.0, top_k: None, top_p: None, ..self.sampling.clone() },
             ..self.clone()
@@ -51,14 +51,14 @@ impl SampleConfig {
 
 /// Sampled answers: tokens, and whether each was cut by `max_new_tokens`.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Sampled {
+pub(crate) struct Sampled {
     pub tokens: Vec<Vec<u32>>,
     pub truncated: Vec<bool>,
 }
 
 /// Samples one answer per entry of `prompts` (the answers to one prompt next to each other), the
 /// `i`-th with the sampler seeded by `seeds[i]`. `lines` name the prompts' rows in errors.
-pub fn sample<B: EmberBackend>(
+pub(crate) fn sample<B: EmberBackend>(
     model: Decoder<B>,
     prompts: &[&[u32]],
     seeds: &[u64],

@@ -144,7 +144,7 @@ pub struct ValPoint {
 
 impl TrainSummary {
     /// `<run_dir>/best`, where the run keeps its best checkpoint.
-    pub fn best_dir(&self) -> Option<PathBuf> {
+    pub(crate) fn best_dir(&self) -> Option<PathBuf> {
         self.best_step.map(|_| self.run_dir.join(crate::checkpoint::BEST_DIR))
     }
 }

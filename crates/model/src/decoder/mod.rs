@@ -1,8 +1,7 @@
 //! The decoder: token embedding (scaled by `sqrt(D)` in Gemma; plus a learned position table in
 //! GPT-2), a stack of blocks, a final norm and the LM head (optionally the embedding table itself;
-//! soft-capped in Gemma 2).
-
-use std::collections::BTreeMap;
+//! soft-capped in Gemma 2). A model whose weights stay in a GGUF file's stored block types is built
+//! by [`stored`].
 
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
@@ -14,7 +13,7 @@ use crate::init::Init;
 use crate::keys::Keys;
 use crate::kinds::{ConfigError, Positions};
 use crate::kv_cache::KvCache;
-use crate::linear::Linear;
+use crate::linear::{Linear, Stored, Weight};
 use crate::lora::{FreezeBase, Lora, LoraConfig, Target};
 use crate::moe::{ExpertsLora, Route, StackLora};
 use crate::norm::Norm;
@@ -23,10 +22,14 @@ use ember_kernels::documents::Documents;
 use ember_kernels::rope::Rope;
 use ember_kernels::{Compute, EmberBackend, QuantWeight};
 
+pub(crate) mod stored;
+use stored::gather_rows;
+
 #[derive(Module, Debug)]
 pub struct Decoder<B: Backend> {
-    /// `[V, D]`
-    pub embed_tokens: Param<Tensor<B, 2>>,
+    /// `[V, D]`; or kept in its block-quantized storage type (a GGUF file run for inference): rows
+    /// are decoded as they are looked up, and a tied head multiplies on the stored blocks.
+    pub embed_tokens: Weight<B>,
     /// `[T_max, D]`, learned positions (GPT-2's `wpe`).
     pub embed_positions: Option<Param<Tensor<B, 2>>>,
     pub layers: Vec<Block<B>>,
@@ -38,11 +41,6 @@ pub struct Decoder<B: Backend> {
     pub rope: Rope<B>,
     /// The sliding-window layers' RoPE tables where their base differs (Gemma 3).
     pub rope_local: Option<Rope<B>>,
-    /// The embedding table kept in its block-quantized storage type (a GGUF file run for
-    /// inference): `embed_tokens` is then an empty `[0, 0]` placeholder, rows are decoded as they
-    /// are looked up, and a tied head multiplies on the stored blocks.
-    #[module(skip)]
-    pub embed_quantized: Option<QuantWeight>,
     #[module(skip)]
     config: ModelConfig,
     /// How the model computes: the GEMMs' dtype (mixed precision; parameters and everything else
@@ -63,93 +61,32 @@ impl<B: EmberBackend> Decoder<B> {
         Self::build(config, Init::zeros(), device)
     }
 
-    /// [`Self::empty`] with the projections named by path (`layers.{i}.self_attn.q_proj`, …) kept
-    /// in a block-quantized storage type, frozen ([`Linear::with_quantized`]): each layer's are
-    /// replaced as it is built, so that their f32 weights never exist together.
-    pub fn empty_keeping(
-        config: &ModelConfig,
-        device: &B::Device,
-        weights: Vec<(String, QuantWeight)>,
-    ) -> Result<Self, KeepError> {
-        let mut by_layer: BTreeMap<usize, Vec<(String, QuantWeight)>> = BTreeMap::new();
-        let (mut embed, mut head) = (None, None);
-        for (path, weight) in weights {
-            match path.as_str() {
-                "embed_tokens" => {
-                    embed = Some(weight);
-                    continue;
-                }
-                "lm_head" => {
-                    head = Some(weight);
-                    continue;
-                }
-                _ => {}
-            }
-            let layer = match path.split('.').collect::<Vec<_>>().as_slice() {
-                ["layers", l, .., _] => l.parse::<usize>().ok(),
-                _ => None,
-            };
-            let Some(layer) = layer.filter(|l| *l < config.n_layers) else {
-                return Err(KeepError::NotAProjection(path));
-            };
-            by_layer.entry(layer).or_default().push((path, weight));
-        }
-        let mut failed = None;
-        // Tables kept quantized are built as empty placeholders: their f32 zeros never exist.
-        let kept = [embed.is_some(), head.is_some()];
-        let model = Self::build_with(config, Init::zeros(), device, kept, |l, mut block| {
-            for (path, weight) in by_layer.remove(&l).unwrap_or_default() {
-                if let Err(e) = keep_quantized(&mut block, &path, weight) {
-                    failed.get_or_insert(e);
-                }
-            }
-            block
-        })?;
-        let mut model = failed.map_or(Ok(model), Err)?;
-        if let Some(weight) = embed {
-            let (v, d) = (config.vocab_size, config.d_model);
-            if (weight.d_out(), weight.d_in()) != (v, d) {
-                let (kind, stored) = (weight.kind().to_string(), (weight.d_in(), weight.d_out()));
-                return Err(KeepError::Shape { path: "embed_tokens".into(), kind, stored, projection: (d, v) });
-            }
-            model.embed_tokens = model.embed_tokens.set_require_grad(false);
-            model.embed_quantized = Some(weight);
-        }
-        if let Some(weight) = head {
-            let Some(lin) = model.lm_head.as_mut() else {
-                return Err(KeepError::NotAProjection("lm_head".into()));
-            };
-            let projection = (config.d_model, config.vocab_size);
-            if projection != (weight.d_in(), weight.d_out()) {
-                let (kind, stored) = (weight.kind().to_string(), (weight.d_in(), weight.d_out()));
-                return Err(KeepError::Shape { path: "lm_head".into(), kind, stored, projection });
-            }
-            *lin = lin.clone().with_quantized(weight);
-        }
-        Ok(model)
-    }
-
     fn build(config: &ModelConfig, init: Init, device: &B::Device) -> Result<Self, ConfigError> {
-        Self::build_with(config, init, device, [false; 2], |_, block| block)
+        Self::build_with(config, init, device, [None, None], |_, block| block)
     }
 
     /// The model, each block passed through `each` (with its index) as it is built; the embedding
-    /// table and the untied head `[0, 0]` placeholders where the two flags (embedding, head) say so.
+    /// table and the untied head kept as the stored blocks `[embedding, head]` hold where given.
     fn build_with(
         config: &ModelConfig,
         mut init: Init,
         device: &B::Device,
-        [embed_placeholder, head_placeholder]: [bool; 2],
+        [embed, head]: [Option<QuantWeight>; 2],
         mut each: impl FnMut(usize, Block<B>) -> Block<B>,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
         let (v, d) = (config.vocab_size, config.d_model);
-        let embed_tokens = init.normal_param(if embed_placeholder { [0, 0] } else { [v, d] }, config.init_std, device);
+        let embed_tokens = match embed {
+            Some(blocks) => Weight::Stored(Stored::new(blocks)),
+            None => Weight::Dense(init.normal_param([v, d], config.init_std, device)),
+        };
         let learned = config.positions == Positions::Learned;
         let embed_positions = learned.then(|| init.normal_param([config.max_seq_len, d], config.init_std, device));
         let layers = (0..config.n_layers).map(|l| each(l, config.block(l).init(&mut init, device))).collect();
-        let (hd, hv) = if head_placeholder { (0, 0) } else { (d, v) };
-        let lm_head = (!config.tie_embeddings).then(|| Linear::new(&mut init, hd, hv, false, config.init_std, device));
+        let lm_head = (!config.tie_embeddings).then(|| match head {
+            Some(blocks) => Linear::stored(blocks),
+            None => Linear::new(&mut init, d, v, false, config.init_std, device),
+        });
         Ok(Self {
             embed_tokens,
             embed_positions,
@@ -158,7 +95,6 @@ impl<B: EmberBackend> Decoder<B> {
             lm_head,
             rope: config.rope(device),
             rope_local: config.rope_local(device),
-            embed_quantized: None,
             config: config.clone(),
             compute: Compute::default(),
         })
@@ -177,6 +113,11 @@ impl<B: EmberBackend> Decoder<B> {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The device the model's parameters live on (the final norm's: every model has one, dense).
+    pub fn device(&self) -> B::Device {
+        self.norm.weight.device()
     }
 
     /// Final hidden states (after the last norm) of a sequence starting at absolute position `start`.
@@ -229,9 +170,9 @@ impl<B: EmberBackend> Decoder<B> {
     /// - tokens: `[B, T]` -> `[B, T, D]`
     fn embed(&self, tokens: Tensor<B, 2, Int>, positions: impl FnOnce() -> Vec<usize>) -> Tensor<B, 3> {
         let [b, t] = tokens.dims();
-        let x = match &self.embed_quantized {
-            Some(table) => gather_rows(table, tokens),
-            None => to_dtype(embedding(self.embed_tokens.val(), tokens), DType::F32), // [B, T, D]
+        let x = match &self.embed_tokens {
+            Weight::Stored(table) => gather_rows(&table.blocks, tokens),
+            Weight::Dense(table) => to_dtype(embedding(table.val(), tokens), DType::F32), // [B, T, D]
         };
         let x = if self.config.embed_scale { x.mul_scalar((self.config.d_model as f32).sqrt()) } else { x };
         let Some(table) = &self.embed_positions else { return x };
@@ -307,19 +248,19 @@ impl<B: EmberBackend> Decoder<B> {
 
     /// A fresh KV cache for `batch` sequences of this model.
     pub fn new_cache(&self, batch: usize, block_size: usize) -> KvCache<B> {
-        KvCache::new(&self.config, batch, block_size, &self.embed_tokens.device())
+        KvCache::new(&self.config, batch, block_size, &self.device())
     }
 
-    /// The LM head as a matrix, `[D, V]`: the transposed embedding table when tied.
-    pub fn head_weight(&self) -> Tensor<B, 2> {
-        let device = self.embed_tokens.device();
-        match (&self.lm_head, &self.embed_quantized) {
-            (Some(head), _) => match &head.quantized {
-                Some(q) => q.to_tensor(&device),
-                None => head.weight.val(),
+    /// The LM head as a matrix, `[D, V]`: the transposed embedding table when tied; stored blocks
+    /// dequantized.
+    pub(crate) fn head_weight(&self) -> Tensor<B, 2> {
+        match (&self.lm_head, &self.embed_tokens) {
+            (Some(head), _) => match &head.weight {
+                Weight::Stored(s) => s.blocks.to_tensor(&self.device()),
+                Weight::Dense(w) => w.val(),
             },
-            (None, Some(q)) => q.to_tensor(&device),
-            (None, None) => self.embed_tokens.val().transpose(),
+            (None, Weight::Stored(table)) => table.blocks.to_tensor(&self.device()),
+            (None, Weight::Dense(table)) => table.val().transpose(),
         }
     }
 
@@ -332,15 +273,17 @@ impl<B: EmberBackend> Decoder<B> {
     fn head(&self, hidden: Tensor<B, 2>) -> Tensor<B, 2> {
         let dtype = self.compute.dtype;
         let hidden = to_dtype(hidden, dtype);
-        let logits = match (&self.lm_head, &self.embed_quantized) {
-            // Stored blocks: their integer products for a few rows, decoded tiles for more.
-            (Some(head), _) if head.quantized.is_some() => head.forward(hidden, self.compute),
-            (None, Some(table)) => ember_kernels::quant_linear(hidden, table, self.compute),
-            (Some(head), _) => hidden.matmul(to_dtype(head.weight.val(), dtype)),
+        let logits = match (&self.lm_head, &self.embed_tokens) {
+            (Some(head), _) => match &head.weight {
+                // Stored blocks: their integer products for a few rows, decoded tiles for more.
+                Weight::Stored(_) => head.forward(hidden, self.compute),
+                Weight::Dense(w) => hidden.matmul(to_dtype(w.val(), dtype)),
+            },
+            (None, Weight::Stored(table)) => ember_kernels::quant_linear(hidden, &table.blocks, self.compute),
             // Tied: the embedding table `[V, D]` read where it is; `h · Eᵀ` through matmul would
             // copy the whole transposed table (113 MB for SmolLM2) at every call.
-            (None, None) => {
-                ember_kernels::linear::linear_nt(hidden, to_dtype(self.embed_tokens.val(), dtype), self.compute)
+            (None, Weight::Dense(table)) => {
+                ember_kernels::linear::linear_nt(hidden, to_dtype(table.val(), dtype), self.compute)
             }
         };
         let logits = to_dtype(logits, DType::F32);
@@ -368,7 +311,7 @@ impl<B: EmberBackend> Decoder<B> {
     /// Adds LoRA adapters to the projections `config.targets` names in every block and freezes
     /// everything else; adapter `A` weights are drawn from `seed`.
     pub fn with_lora(self, config: &LoraConfig, seed: u64) -> Self {
-        let device = self.embed_tokens.device();
+        let device = self.device();
         let mut init = Init::new(seed);
         let mut model = crate::weights::map_paths(self, &mut FreezeBase);
         for layer in model.layers.iter_mut() {
@@ -406,12 +349,6 @@ impl<B: EmberBackend> Decoder<B> {
         model
     }
 
-    /// (projections kept quantized, their bytes).
-    pub fn quantized_projections(&self) -> (usize, usize) {
-        let kept = self.layers.iter().flat_map(|layer| Target::ALL.into_iter().filter_map(|t| layer.projection(t)));
-        kept.filter_map(|lin| lin.quantized.as_ref()).fold((0, 0), |(n, b), q| (n + 1, b + q.stored_bytes()))
-    }
-
     /// Whether any projection (or stack of experts) carries a LoRA adapter.
     pub fn has_lora(&self) -> bool {
         self.layers.iter().any(|layer| {
@@ -435,12 +372,13 @@ impl<B: EmberBackend> Decoder<B> {
     /// Folds every adapter into its projection's weight; quantized projections are dequantized
     /// (the merged model is plain f32 weights).
     pub fn merge_lora(mut self) -> Self {
+        let device = self.device();
         let layers = std::mem::take(&mut self.layers);
-        self.layers = layers.into_iter().map(Block::merge_lora).collect();
-        self.lm_head = self.lm_head.map(Linear::merge_lora);
-        if let Some(table) = self.embed_quantized.take() {
-            let rows = table.to_tensor::<B>(&self.embed_tokens.device()).transpose();
-            self.embed_tokens = Param::from_tensor(rows).set_require_grad(false);
+        self.layers = layers.into_iter().map(|layer| layer.merge_lora(&device)).collect();
+        self.lm_head = self.lm_head.map(|head| head.merge_lora(&device));
+        if let Weight::Stored(table) = &self.embed_tokens {
+            let rows = table.blocks.to_tensor::<B>(&device).transpose();
+            self.embed_tokens = Weight::Dense(Param::from_tensor(rows).set_require_grad(false));
         }
         self
     }
@@ -477,59 +415,10 @@ impl<B: EmberBackend> Decoder<B> {
     }
 }
 
-/// A quantized weight a model cannot keep.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum KeepError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("`{0}` is not a projection of this model")]
-    NotAProjection(String),
-    #[error(
-        "`{path}`: a {kind} weight of {} × {} for a projection of {} × {}",
-        stored.0,
-        stored.1,
-        projection.0,
-        projection.1
-    )]
-    Shape { path: String, kind: String, stored: (usize, usize), projection: (usize, usize) },
-}
-
-/// The projection of `block` that `path` names (its last part), kept as `weight`.
-/// Rows `tokens` of a table kept quantized, decoded: `[B, T]` -> `[B, T, D]` in f32.
-fn gather_rows<B: Backend>(table: &QuantWeight, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-    let [b, t] = tokens.dims();
-    let (d, device) = (table.d_in(), tokens.device());
-    let ids = tokens.into_data();
-    let mut out = vec![0f32; b * t * d];
-    for (id, row) in ids.iter::<i64>().zip(out.chunks_exact_mut(d.max(1))) {
-        // Ids past the table are refused before a model runs (`check_prompts`, the server's
-        // checks); a stray one reads row 0 rather than panicking here.
-        let id = usize::try_from(id).ok().filter(|&i| i < table.d_out()).unwrap_or(0);
-        table.decode_tile(id..id + 1, 0..d, row);
-    }
-    Tensor::from_data(TensorData::new(out, [b, t, d]), &device)
-}
-
-fn keep_quantized<B: Backend>(block: &mut Block<B>, path: &str, weight: QuantWeight) -> Result<(), KeepError> {
-    let target = path.rsplit('.').next().and_then(|name| Target::ALL.into_iter().find(|t| t.name() == name));
-    let Some(lin) = target.and_then(|t| block.projection_mut(t)) else {
-        return Err(KeepError::NotAProjection(path.to_string()));
-    };
-    if (lin.d_in(), lin.d_out()) != (weight.d_in(), weight.d_out()) {
-        return Err(KeepError::Shape {
-            path: path.to_string(),
-            kind: weight.kind().to_string(),
-            stored: (weight.d_in(), weight.d_out()),
-            projection: (lin.d_in(), lin.d_out()),
-        });
-    }
-    *lin = lin.clone().with_quantized(weight);
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::SelfAttention;
     use crate::config::{tiny_config, MlpKind, NormKind, RopeLayout};
     use crate::lora::LoraConfig;
     use crate::TestBackend;
@@ -609,9 +498,11 @@ mod tests {
         let mut half = Decoder::<B>::new(&half_cfg, 5, &dev).unwrap();
         let (h, k) = (half_cfg.n_heads, half_cfg.n_kv_heads());
         for layer in half.layers.iter_mut() {
-            let att = &mut layer.self_attn;
-            att.q_proj.weight = Param::from_tensor(interleaved_to_half_split(att.q_proj.weight.val(), h));
-            att.k_proj.weight = Param::from_tensor(interleaved_to_half_split(att.k_proj.weight.val(), k));
+            let SelfAttention::Grouped(att) = &mut layer.self_attn else { panic!("grouped-query attention") };
+            let permuted =
+                |w: &Weight<B>, heads| Weight::Dense(Param::from_tensor(interleaved_to_half_split(w.val(), heads)));
+            att.q_proj.weight = permuted(&att.q_proj.weight, h);
+            att.k_proj.weight = permuted(&att.k_proj.weight, k);
         }
         let ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
         let a = inter.forward(tokens(&ids, &dev)).into_data();
@@ -641,8 +532,8 @@ mod tests {
         let std = |t: Tensor<B, 2>| t.clone().sub(t.mean().unsqueeze()).square().mean().sqrt().into_scalar();
         let l = &model.layers[0];
         let (q, o, down) = (
-            std(l.self_attn.q_proj.weight.val()),
-            std(l.self_attn.o_proj.weight.val()),
+            std(l.projection(Target::QProj).unwrap().weight.val()),
+            std(l.projection(Target::OProj).unwrap().weight.val()),
             std(l.mlp().unwrap().down_proj.weight.val()),
         );
         assert!((q - 0.02).abs() < 0.001, "q std {q}");
@@ -663,10 +554,11 @@ mod tests {
         for (p, z) in plain.layers.iter().zip(&zeroed.layers) {
             let (pm, zm) = (p.mlp().unwrap(), z.mlp().unwrap());
             assert!(pm.gate_proj.is_none());
-            for w in [z.self_attn.o_proj.weight.val(), zm.down_proj.weight.val()] {
+            for w in [z.projection(Target::OProj).unwrap().weight.val(), zm.down_proj.weight.val()] {
                 assert_eq!(w.abs().max().into_scalar(), 0.0);
             }
-            for (a, b) in [(&p.self_attn.q_proj, &z.self_attn.q_proj), (&pm.up_proj, &zm.up_proj)] {
+            let (pq, zq) = (p.projection(Target::QProj).unwrap(), z.projection(Target::QProj).unwrap());
+            for (a, b) in [(pq, zq), (&pm.up_proj, &zm.up_proj)] {
                 a.weight.val().into_data().assert_eq(&b.weight.val().into_data(), true);
             }
         }
@@ -687,7 +579,7 @@ mod tests {
             assert_eq!(logits.dtype(), DType::F32);
             let loss = logits.powi_scalar(2).mean();
             let grads = loss.backward();
-            let q = &model.layers[0].self_attn.q_proj.weight;
+            let q = model.layers[0].projection(Target::QProj).unwrap().weight.dense().unwrap();
             let g = q.grad(&grads).expect("gradient reaches the f32 master weight");
             assert_eq!(q.val().dtype(), DType::F32);
             assert_eq!(g.dtype(), DType::F32);
@@ -720,10 +612,11 @@ mod tests {
         // Only adapter weights get gradients.
         let grads = adapted.forward(tokens.clone()).powi_scalar(2).mean().backward();
         let l0 = &adapted.layers[0];
-        assert!(l0.self_attn.q_proj.weight.grad(&grads).is_none(), "base weights are frozen");
-        assert!(adapted.embed_tokens.grad(&grads).is_none());
-        assert!(l0.self_attn.q_proj.lora.as_ref().unwrap().lora_b.grad(&grads).is_some());
-        assert!(l0.self_attn.k_proj.lora.is_none(), "k_proj is not a target");
+        let (q, k) = (l0.projection(Target::QProj).unwrap(), l0.projection(Target::KProj).unwrap());
+        assert!(q.weight.dense().unwrap().grad(&grads).is_none(), "base weights are frozen");
+        assert!(adapted.embed_tokens.dense().unwrap().grad(&grads).is_none());
+        assert!(q.lora.as_ref().unwrap().lora_b.grad(&grads).is_some());
+        assert!(k.lora.is_none(), "k_proj is not a target");
         // With a non-zero B, merging gives the same logits without adapters.
         let mut trained = adapted;
         for layer in trained.layers.iter_mut() {
