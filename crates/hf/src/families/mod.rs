@@ -42,7 +42,7 @@ impl Registration {
 /// Every family. The order decides between families that could both take a model or a file:
 /// [`Architecture::for_model`] and [`Architecture::from_gguf`] take the first (Llama before
 /// Mistral and Mixtral, which llama.cpp's `llama` also holds).
-pub const FAMILIES: [&Registration; 12] = [
+pub const FAMILIES: &[&Registration] = &[
     &llama::LLAMA,
     &qwen::QWEN2,
     &llama::MISTRAL,
@@ -102,7 +102,7 @@ impl Architecture {
 
     /// Every class name ember reads, as an error message lists them.
     pub fn supported_classes() -> String {
-        listed(&FAMILIES.map(|f| f.hf.class_name))
+        listed(&FAMILIES.iter().map(|f| f.hf.class_name).collect::<Vec<_>>())
     }
 
     /// Every GGUF architecture ember reads (each once), as an error message lists them.
@@ -137,7 +137,7 @@ impl Architecture {
         let built_from = |f: &Family| f.parts.of(c) && f.activations.iter().any(|&(_, m)| m == c.mlp);
         let takes = || FAMILIES.into_iter().filter(|f| (f.hf.exports)(c));
         let found = takes().find(|f| built_from(&f.hf)).or_else(|| takes().next());
-        found.unwrap_or(FAMILIES[0]).architecture()
+        found.copied().unwrap_or(FAMILIES[0]).architecture()
     }
 }
 
