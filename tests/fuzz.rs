@@ -38,7 +38,7 @@ use ember_data::finetune::{ChatTemplate, Message, PackedExamples, Packing};
 use ember_data::tokenizer::Tokenizer;
 use ember_serve::api::{ChatRequest, CompletionRequest, Generation, Invalid};
 use ember_train::checkpoint::Checkpoint;
-use ember_train::config::{serde_names, Purpose};
+use ember_train::config::Purpose;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
