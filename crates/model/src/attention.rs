@@ -147,7 +147,7 @@ impl PartConfig for GroupedConfig {
 
     /// `(in, out)` of the projection `target` names, if it is one of the attention's.
     fn projection(&self, target: Target) -> Option<(usize, usize)> {
-        let i = [Target::QProj, Target::KProj, Target::VProj, Target::OProj].iter().position(|&t| t == target)?;
+        let i = target.attention_slot()?;
         let d = self.d_model;
         let (q, kv) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
         Some([(d, q), (d, kv), (d, kv), (q, d)][i])

@@ -152,32 +152,22 @@ pub enum SelfAttention<B: Backend> {
 impl<B: Backend> SelfAttention<B> {
     /// The projection `target` names, if it is the attention's (q, k, v, o).
     fn projection(&self, target: Target) -> Option<&Linear<B>> {
-        let [q, k, v, o] = match self {
+        let slot = target.attention_slot()?;
+        let projections = match self {
             Self::Grouped(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj],
             Self::Latent(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj],
         };
-        match target {
-            Target::QProj => Some(q),
-            Target::KProj => Some(k),
-            Target::VProj => Some(v),
-            Target::OProj => Some(o),
-            _ => None,
-        }
+        Some(projections[slot])
     }
 
     /// The projection `target` names, to change.
     fn projection_mut(&mut self, target: Target) -> Option<&mut Linear<B>> {
-        let [q, k, v, o] = match self {
+        let slot = target.attention_slot()?;
+        let projections = match self {
             Self::Grouped(a) => [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj],
             Self::Latent(a) => [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj],
         };
-        match target {
-            Target::QProj => Some(q),
-            Target::KProj => Some(k),
-            Target::VProj => Some(v),
-            Target::OProj => Some(o),
-            _ => None,
-        }
+        projections.into_iter().nth(slot)
     }
 }
 

@@ -132,6 +132,12 @@ impl Target {
         Target::DownProj,
     ];
 
+    /// Which of the attention's four projections, q, k, v, o, `self` is (0 to 3); `None` for an
+    /// MLP's.
+    pub(crate) fn attention_slot(self) -> Option<usize> {
+        Target::ALL[..4].iter().position(|&t| t == self)
+    }
+
     /// The Hugging Face module name.
     pub(crate) fn name(self) -> &'static str {
         match self {

@@ -178,7 +178,7 @@ impl PartConfig for LatentConfig {
 
     /// `(in, out)` of the projection `target` names, if it is one of the four.
     fn projection(&self, target: Target) -> Option<(usize, usize)> {
-        let i = [Target::QProj, Target::KProj, Target::VProj, Target::OProj].iter().position(|&t| t == target)?;
+        let i = target.attention_slot()?;
         Some(self.shapes()[i])
     }
 
