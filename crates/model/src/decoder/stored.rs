@@ -86,22 +86,24 @@ pub enum KeepError {
     Shape { path: String, kind: String, stored: (usize, usize), projection: (usize, usize) },
 }
 
+impl KeepError {
+    /// `weight`, stored at `path`, is not `(in, out)` of the projection it would be.
+    fn shape(path: &str, weight: &QuantWeight, projection: (usize, usize)) -> Self {
+        let stored = (weight.d_in(), weight.d_out());
+        Self::Shape { path: path.into(), kind: weight.kind().to_string(), stored, projection }
+    }
+}
+
 /// Why a model of `config` cannot keep the stored embedding table `embed` (`V` rows of `D`) or
 /// head `head` (`D` inputs to `V` outputs; none when the head is tied), if it cannot.
 fn table_fault(config: &ModelConfig, embed: Option<&QuantWeight>, head: Option<&QuantWeight>) -> Option<KeepError> {
     let (v, d) = (config.vocab_size, config.d_model);
-    let shape = |path: &str, weight: &QuantWeight, projection| KeepError::Shape {
-        path: path.into(),
-        kind: weight.kind().to_string(),
-        stored: (weight.d_in(), weight.d_out()),
-        projection,
-    };
     if let Some(weight) = embed.filter(|w| (w.d_out(), w.d_in()) != (v, d)) {
-        return Some(shape("embed_tokens", weight, (d, v)));
+        return Some(KeepError::shape("embed_tokens", weight, (d, v)));
     }
     match head {
         Some(_) if config.tie_embeddings => Some(KeepError::NotAProjection("lm_head".into())),
-        Some(weight) if (weight.d_in(), weight.d_out()) != (d, v) => Some(shape("lm_head", weight, (d, v))),
+        Some(weight) if (weight.d_in(), weight.d_out()) != (d, v) => Some(KeepError::shape("lm_head", weight, (d, v))),
         _ => None,
     }
 }
@@ -113,12 +115,7 @@ fn keep_quantized<B: Backend>(block: &mut Block<B>, path: &str, weight: QuantWei
         return Err(KeepError::NotAProjection(path.to_string()));
     };
     if (lin.d_in(), lin.d_out()) != (weight.d_in(), weight.d_out()) {
-        return Err(KeepError::Shape {
-            path: path.to_string(),
-            kind: weight.kind().to_string(),
-            stored: (weight.d_in(), weight.d_out()),
-            projection: (lin.d_in(), lin.d_out()),
-        });
+        return Err(KeepError::shape(path, &weight, (lin.d_in(), lin.d_out())));
     }
     *lin = lin.clone().with_quantized(weight);
     Ok(())
