@@ -646,7 +646,7 @@ fn templates() -> Vec<(String, String)> {
 }
 
 fn messages() -> Vec<Message> {
-    let m = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+    let m = |role: &str, content: &str| Message::new(role, content);
     vec![
         m("system", "Be brief."),
         m("user", "What is 2 + 2?"),

@@ -196,3 +196,53 @@ fn bad_sampling_input_is_a_clean_error_and_odd_tokenizers_stream() {
 
     assert_eq!(snapshot(&run), before, "sampling changed the checkpoint");
 }
+
+/// `--json-schema FILE` (issue 55): SmolLM2's answers, one prompt streamed and two in a batch, are
+/// compact JSON valid against the schema; a missing file, a file that is not JSON and a schema the
+/// grammar engine cannot enforce are refused naming the file (and the keyword).
+#[test]
+fn json_schema_answers_hold_to_the_schema_and_bad_schemas_are_named() {
+    let s = Scratch::new();
+    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"enum": ["Paris", "London", "Tokyo"]},
+            "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}
+        },
+        "required": ["name", "age", "city", "hobbies"],
+        "additionalProperties": false
+    });
+    s.write("person.json", &schema.to_string());
+    let valid = |text: &str| {
+        let v: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text:?}"));
+        // Every key, in the schema's order, and no other.
+        let at: Vec<Option<usize>> =
+            ["name", "age", "city", "hobbies"].iter().map(|k| text.find(&format!("\"{k}\": "))).collect();
+        assert!(at.iter().all(Option::is_some) && at.is_sorted() && v.as_object().unwrap().len() == 4, "{text}");
+        assert!(v["age"].as_u64().is_some_and(|a| a <= 120), "{text}");
+        assert!(["Paris", "London", "Tokyo"].contains(&v["city"].as_str().unwrap()), "{text}");
+        assert!(v["hobbies"].as_array().unwrap().len() <= 3, "{text}");
+    };
+    let prompt = "Describe a person as JSON.";
+    let base = ["sample", "--checkpoint", &gguf, "--chat", "--max-new-tokens", "120", "--json-schema", "person.json"];
+    let out = assert_ran(&s.ember(&[&base[..], &["--prompt", prompt]].concat()));
+    let answer = out.strip_prefix(&format!("{prompt}\n")).unwrap_or_else(|| panic!("{out:?}"));
+    valid(answer.trim_end_matches('\n'));
+    let out = assert_ran(&s.ember(&[&base[..], &["--prompt", prompt, "--prompt", "Who lives in Tokyo?"]].concat()));
+    let answers: Vec<&str> = out.lines().filter(|l| l.starts_with('{')).collect();
+    assert_eq!(answers.len(), 2, "{out}");
+    answers.iter().for_each(|a| valid(a));
+
+    let refused = |file: &str, needles: &[&str]| {
+        let args = ["sample", "--checkpoint", &gguf, "--chat", "--json-schema", file, "--prompt", "Hi"];
+        assert_refused(&s.ember(&args), needles);
+    };
+    refused("missing.json", &["--json-schema missing.json", "cannot read it"]);
+    s.write("broken.json", "{\"type\": \"object\",");
+    refused("broken.json", &["--json-schema broken.json", "not JSON"]);
+    s.write("unique.json", r#"{"type": "array", "uniqueItems": true}"#);
+    refused("unique.json", &["--json-schema unique.json", "invalid JSON schema", "uniqueItems"]);
+}

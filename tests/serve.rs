@@ -140,6 +140,31 @@ fn the_openai_client_gets_what_ember_sample_gets() {
     assert_eq!(got["wrong_key"], json!(401));
 }
 
+/// Every field the server honours, through the official `openai` client (tests/serve_fields.py
+/// asserts on the answers itself): exact stream framing with `include_usage`, logprobs whole and
+/// streamed, `n` with seeds reproducible beside other requests, `logit_bias`, the penalties,
+/// token-id and several prompts, `echo`, the extension fields, OpenAI's error codes.
+#[test]
+fn the_openai_client_gets_every_field_it_asks_for() {
+    let s = Scratch::new();
+    let gguf = assets::assets().join(common::SMOLLM2_GGUF);
+    let checkpoint = format!("gguf:{}", gguf.display());
+    let server = serve(&s, Path::new(&checkpoint), &["--model-name", "smol"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/serve_fields.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args([&format!("http://{}/v1", server.addr), "smol"])
+        .output()
+        .expect("run the openai client");
+    assert!(out.status.success(), "client failed: {}\n{}", String::from_utf8_lossy(&out.stderr), server.log());
+    let got: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    assert_eq!(got["errors"], json!("ok"));
+    assert_eq!(got["n_texts"].as_array().map(Vec::len), Some(3));
+    let texts: Vec<&str> = got["n_texts"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "three samples, not one: {texts:?}");
+    assert_ne!(got["logit_bias"]["plain"], got["logit_bias"]["banned"]);
+}
+
 /// Gemma-3-270M (the pretrained model, not the instruction-tuned one: its chat template is in the
 /// file, but it answers like a base model) imported once: a chat answer through Gemma's
 /// `<start_of_turn>` template, the `openai` client's answers equal to `ember sample`'s, then a LoRA

@@ -20,11 +20,141 @@ use crate::error::{DataError, Result};
 use crate::loader::Window;
 use crate::tokenizer::Tokenizer;
 
-/// One chat turn.
-#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+/// One chat turn. It reaches the chat template as Hugging Face's conversations have it: `role`
+/// and `content`, and only where set `tool_calls` (an assistant turn's calls, each
+/// `{"id", "type": "function", "function": {"name", "arguments": {...}}}`), `tool_call_id` and
+/// `name` (a `tool` turn's answer to a call). Templates test `'tool_calls' in message` and
+/// `message.tool_calls is defined`, so a field left unset is absent, never empty.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, serde::Serialize)]
 pub struct Message {
     pub role: String,
+    /// Empty for an assistant turn that only calls tools.
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub content: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl Message {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), ..Self::default() }
+    }
+
+    /// An assistant turn calling tools, with the text it wrote beside the calls (often none).
+    pub fn calls(content: impl Into<String>, tool_calls: Vec<ToolCall>) -> Self {
+        Self { tool_calls, ..Self::new("assistant", content) }
+    }
+
+    /// A `tool` turn: the result of the call `tool_call_id`.
+    pub fn tool_result(tool_call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { tool_call_id: Some(tool_call_id.into()), ..Self::new("tool", content) }
+    }
+}
+
+/// `content: null` (an assistant turn that only calls tools) read as empty text.
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
+}
+
+/// One call of a tool (a function) by the assistant.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    /// The id a `tool` turn's `tool_call_id` answers (OpenAI's `call_...`; Mistral's templates
+    /// want 9 letters and digits).
+    pub id: String,
+    pub name: String,
+    /// A JSON object: the arguments by name.
+    pub arguments: Value,
+}
+
+impl ToolCall {
+    /// The call as OpenAI's API writes it in a response: the arguments as a string of JSON.
+    pub fn openai_json(&self) -> Value {
+        serde_json::json!({
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments.to_string()},
+        })
+    }
+
+    /// A call as OpenAI's API and Hugging Face's datasets write it: `{"id", "type": "function",
+    /// "function": {"name", "arguments"}}`, the arguments an object or a string of JSON holding
+    /// one (OpenAI's way). A missing `id` is empty and missing arguments are `{}`. `place` names
+    /// the call in errors (`messages[2].tool_calls[0]`).
+    pub fn read(value: &Value, place: &str) -> std::result::Result<Self, ToolCallError> {
+        let Value::Object(call) = value else {
+            return Err(ToolCallError::NotCall { place: place.into(), found: json_type(value) });
+        };
+        let string =
+            |object: &serde_json::Map<String, Value>, place: String, field: &'static str| match object.get(field) {
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                None | Some(Value::Null) => Ok(None),
+                Some(other) => Err(ToolCallError::NotString { place, field, found: json_type(other) }),
+            };
+        let id = string(call, place.into(), "id")?.unwrap_or_default();
+        let place = format!("{place}.function");
+        let function = match call.get("function") {
+            Some(Value::Object(f)) => f,
+            Some(other) => return Err(ToolCallError::NotCall { place, found: json_type(other) }),
+            None => return Err(ToolCallError::Missing { place, field: "name" }),
+        };
+        let name = string(function, place.clone(), "name")?
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| ToolCallError::Missing { place: place.clone(), field: "name" })?;
+        let arguments = match function.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Default::default()),
+            Some(Value::Object(_)) => function["arguments"].clone(),
+            Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+                Ok(v @ Value::Object(_)) => v,
+                _ => return Err(ToolCallError::Arguments { place, found: "a string that is not a JSON object" }),
+            },
+            Some(other) => return Err(ToolCallError::Arguments { place, found: json_type(other) }),
+        };
+        Ok(Self { id, name, arguments })
+    }
+}
+
+/// A tool call that is not `{"id", "type": "function", "function": {"name", "arguments"}}`;
+/// `place` names it (`messages[2].tool_calls[0]`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ToolCallError {
+    #[error("{place}: expected a tool call {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}, found {found}")]
+    NotCall { place: String, found: &'static str },
+    #[error("{place}.{field}: expected a string, found {found}")]
+    NotString { place: String, field: &'static str, found: &'static str },
+    #[error("{place}.{field} is missing")]
+    Missing { place: String, field: &'static str },
+    #[error("{place}.arguments: expected a JSON object (or a string holding one), found {found}")]
+    Arguments { place: String, found: &'static str },
+}
+
+/// Hugging Face's shape, which chat templates read: `tool_call.function.name` and
+/// `tool_call.function.arguments` (an object: templates write it with `tojson`).
+impl serde::Serialize for ToolCall {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        #[derive(serde::Serialize)]
+        struct Function<'a> {
+            name: &'a str,
+            arguments: &'a Value,
+        }
+        let mut map = s.serialize_map(Some(3))?;
+        map.serialize_entry("id", &self.id)?;
+        map.serialize_entry("type", "function")?;
+        map.serialize_entry("function", &Function { name: &self.name, arguments: &self.arguments })?;
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for ToolCall {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let value = Value::deserialize(d)?;
+        Self::read(&value, "tool_call").map_err(serde::de::Error::custom)
+    }
 }
 
 /// The roles chat templates know (Hugging Face's conventions): a message's role is one of these.
@@ -37,12 +167,16 @@ pub struct Record {
     /// The line of the file it was read from, 1-based as editors count (blank lines included);
     /// 0 for an example made in memory. Errors about the example name it.
     pub line: usize,
+    /// A chat row's `tools`: the functions the assistant may call, each an OpenAI tool
+    /// `{"type": "function", "function": {"name", "description", "parameters"}}`, given to the
+    /// chat template as `tools` (as TRL does). Empty for most rows.
+    pub tools: Vec<Value>,
 }
 
 impl From<Body> for Record {
-    /// An example made in memory (no line).
+    /// An example made in memory (no line, no tools).
     fn from(body: Body) -> Self {
-        Record { body, line: 0 }
+        Record { body, line: 0, tools: Vec::new() }
     }
 }
 
@@ -70,6 +204,15 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
     let first_line = rows.first().map_or(1, |(i, _)| i + 1);
     for (i, v) in rows {
         let s = |k: &str| v.get(k).and_then(Value::as_str).map(String::from);
+        let tools = match v.get("tools") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(tools)) if tools.iter().all(Value::is_object) => tools.clone(),
+            Some(other) => {
+                let found =
+                    if other.is_array() { "a list holding something other than objects" } else { json_type(other) };
+                return Err(bad(i + 1, format!("tools: expected a list of tool objects {{\"type\": \"function\", \"function\": {{...}}}}, found {found}")));
+            }
+        };
         let body = if let Some(m) = v.get("messages") {
             let Value::Array(items) = m else {
                 let found = json_type(m);
@@ -90,7 +233,7 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
         } else {
             return Err(bad(i + 1, "expected {\"prompt\", \"completion\"}, {\"messages\"} or {\"text\"}".into()));
         };
-        out.push(Record { body, line: i + 1 });
+        out.push(Record { body, line: i + 1, tools });
     }
     // Examples whose completions are empty teach only the end-of-text token: all of them is a
     // mistake in the file (a misnamed key, an export gone wrong), some of them worth a word.
@@ -142,6 +285,10 @@ pub(crate) enum TurnsError {
     Missing { place: String, field: &'static str },
     #[error("{place}.role `{role}` is not one of {roles}", roles = ROLES.join(", "))]
     UnknownRole { place: String, role: String },
+    #[error("{place}.tool_calls: expected a list of tool calls, found {found}")]
+    NotCalls { place: String, found: &'static str },
+    #[error(transparent)]
+    ToolCall(#[from] ToolCallError),
 }
 
 /// The chat messages of the list `items` at `key`, each of a known role; the error names the
@@ -159,19 +306,38 @@ pub(crate) fn messages_of(items: &[Value], key: &str) -> std::result::Result<Vec
     Ok(messages)
 }
 
-/// A chat message, `{"role", "content"}` of two strings (other keys are not read); the error names
-/// the message (`place`: `prompt[1]`) and its field.
+/// A chat message, `{"role", "content"}` of two strings, with an assistant turn's `tool_calls`
+/// (then `content` may be missing or null) and a tool turn's `tool_call_id` and `name` (other keys
+/// are not read); the error names the message (`place`: `prompt[1]`) and its field.
 fn message_of(value: &Value, place: &str) -> std::result::Result<Message, TurnsError> {
     let Value::Object(m) = value else {
         return Err(TurnsError::NotMessage { place: place.into(), found: json_type(value) });
     };
+    let has_calls = m.get("tool_calls").and_then(Value::as_array).is_some_and(|c| !c.is_empty());
     let field = |field: &'static str| match m.get(field) {
-        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(Value::Array(_)) if field == "content" => Err(TurnsError::ContentParts { place: place.into() }),
+        // Optional: a tool turn's fields, and the text of an assistant turn that calls tools.
+        None | Some(Value::Null) if field != "role" && (field != "content" || has_calls) => Ok(None),
         Some(other) => Err(TurnsError::NotString { place: place.into(), field, found: json_type(other) }),
         None => Err(TurnsError::Missing { place: place.into(), field }),
     };
-    Ok(Message { role: field("role")?, content: field("content")? })
+    let tool_calls = match m.get("tool_calls") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(calls)) => calls
+            .iter()
+            .enumerate()
+            .map(|(j, c)| ToolCall::read(c, &format!("{place}.tool_calls[{j}]")))
+            .collect::<std::result::Result<_, _>>()?,
+        Some(other) => return Err(TurnsError::NotCalls { place: place.into(), found: json_type(other) }),
+    };
+    let (role, content) = (field("role")?.unwrap_or_default(), field("content")?.unwrap_or_default());
+    Ok(Message {
+        tool_calls,
+        tool_call_id: field("tool_call_id")?,
+        name: field("name")?,
+        ..Message::new(role, content)
+    })
 }
 
 /// The JSON type of `v`, in words.
@@ -192,9 +358,10 @@ impl Record {
         match &self.body {
             Body::Text(_) => false,
             Body::Completion { completion, .. } => completion.trim().is_empty(),
-            Body::Chat(messages) => {
-                messages.iter().filter(|m| m.role == "assistant").all(|m| m.content.trim().is_empty())
-            }
+            Body::Chat(messages) => messages
+                .iter()
+                .filter(|m| m.role == "assistant")
+                .all(|m| m.content.trim().is_empty() && m.tool_calls.is_empty()),
         }
     }
 }
@@ -206,6 +373,7 @@ pub struct ChatTemplate {
     bos: String,
     eos: String,
     roles: Vec<String>,
+    source: String,
 }
 
 impl ChatTemplate {
@@ -240,6 +408,7 @@ impl ChatTemplate {
     pub fn new(source: String, bos: String, eos: String) -> Result<Self> {
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
@@ -248,8 +417,13 @@ impl ChatTemplate {
             .filter(|&&r| r != "tool" || source.contains("'tool'") || source.contains("\"tool\""))
             .map(|r| r.to_string())
             .collect();
-        env.add_template_owned("chat", source).map_err(template_error)?;
-        Ok(Self { env, bos, eos, roles })
+        env.add_template_owned("chat", source.clone()).map_err(template_error)?;
+        Ok(Self { env, bos, eos, roles, source })
+    }
+
+    /// The template's Jinja source (what a server reads to know its tool-call format).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The roles a message may have: system, user and assistant, and `tool` where the template
@@ -259,14 +433,167 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with the functions the assistant may call (OpenAI tool objects
+    /// `{"type": "function", "function": {"name", "description", "parameters"}}`) as the
+    /// template's `tools`, as `apply_chat_template(tools=...)` passes them; none leaves `tools`
+    /// undefined, as there. They are `xml_tools` too, the name SmolLM3's template reads.
+    pub fn render_with_tools(
+        &self,
+        messages: &[Message],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let err = template_error;
+        let tools = (!tools.is_empty()).then_some(tools);
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.as_str(),
             eos_token => self.eos.as_str(),
         };
+        let ctx = match tools {
+            Some(tools) => minijinja::context! { tools => tools, xml_tools => tools, ..ctx },
+            None => ctx,
+        };
         self.env.get_template("chat").map_err(err)?.render(ctx).map_err(err)
+    }
+}
+
+/// Jinja's `tojson` as Hugging Face's templates get it (transformers replaces Jinja's own):
+/// Python's `json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
+/// sort_keys=sort_keys)`: `", "` and `": "` between items, keys in their order, and `<`, `>`, `&`
+/// and `'` as they are (minijinja's own escapes them for HTML, which no prompt wants).
+fn tojson(
+    value: &minijinja::Value,
+    indent: Option<minijinja::Value>,
+    args: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let indent = match indent.or(args.get::<Option<minijinja::Value>>("indent")?) {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(usize::try_from(v)?),
+    };
+    let separators: Option<Vec<String>> = args.get("separators")?;
+    let sort_keys = args.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let ensure_ascii = args.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    args.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => {
+            let why = "tojson: separators must be two strings (item, key)";
+            return Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, why));
+        }
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let mut out = String::new();
+    PyJson { indent, item, key, sort_keys, ensure_ascii }.write(&mut out, value, 0)?;
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+/// The settings of one `tojson` call.
+struct PyJson {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson {
+    fn write(&self, out: &mut String, v: &minijinja::Value, depth: usize) -> std::result::Result<(), minijinja::Error> {
+        use minijinja::value::ValueKind;
+        match v.kind() {
+            ValueKind::Map => {
+                let mut keys: Vec<minijinja::Value> = v.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort();
+                }
+                let items = keys.into_iter().map(|k| {
+                    let value = v.get_item(&k).unwrap_or_default();
+                    (k, value)
+                });
+                self.container(out, '{', '}', items, depth, |out, (k, value)| {
+                    self.string(out, &k.to_string());
+                    out.push_str(&self.key);
+                    self.write(out, &value, depth + 1)
+                })
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<minijinja::Value> = v.try_iter()?.collect();
+                self.container(out, '[', ']', items, depth, |out, item| self.write(out, &item, depth + 1))
+            }
+            ValueKind::String => {
+                self.string(out, v.as_str().unwrap_or_default());
+                Ok(())
+            }
+            ValueKind::Undefined | ValueKind::None => {
+                out.push_str("null");
+                Ok(())
+            }
+            // Numbers and booleans as serde writes them (`1.5`, `true`).
+            _ => {
+                let text = serde_json::to_string(v).map_err(|e| {
+                    minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, "tojson: cannot write this value")
+                        .with_source(e)
+                })?;
+                out.push_str(&text);
+                Ok(())
+            }
+        }
+    }
+
+    /// `open`, the items each written by `each` (one per line, indented, with `indent`), `close`.
+    fn container<T>(
+        &self,
+        out: &mut String,
+        open: char,
+        close: char,
+        items: impl IntoIterator<Item = T>,
+        depth: usize,
+        mut each: impl FnMut(&mut String, T) -> std::result::Result<(), minijinja::Error>,
+    ) -> std::result::Result<(), minijinja::Error> {
+        out.push(open);
+        let mut any = false;
+        for (i, item) in items.into_iter().enumerate() {
+            if i > 0 {
+                out.push_str(&self.item);
+            }
+            if let Some(n) = self.indent {
+                out.push('\n');
+                out.push_str(&" ".repeat(n * (depth + 1)));
+            }
+            each(out, item)?;
+            any = true;
+        }
+        if let (Some(n), true) = (self.indent, any) {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+        out.push(close);
+        Ok(())
+    }
+
+    /// A JSON string as Python writes it (serde_json escapes the same characters).
+    fn string(&self, out: &mut String, s: &str) {
+        let quoted = serde_json::to_string(s).unwrap_or_default();
+        if !self.ensure_ascii {
+            out.push_str(&quoted);
+            return;
+        }
+        for c in quoted.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
     }
 }
 
@@ -327,8 +654,9 @@ pub fn encode(records: &[Record], tokenizer: &Tokenizer, template: Option<&ChatT
                     })?;
                     let mut done = String::new();
                     for (i, m) in messages.iter().enumerate() {
-                        let before = if m.role == "assistant" { template.render(&messages[..i], true)? } else { done.clone() };
-                        let after = template.render(&messages[..=i], false)?;
+                        let render = |upto: &[Message], open: bool| template.render_with_tools(upto, &r.tools, open);
+                        let before = if m.role == "assistant" { render(&messages[..i], true)? } else { done.clone() };
+                        let after = render(&messages[..=i], false)?;
                         let (head, tail) = (before.strip_prefix(done.as_str()).unwrap_or(&before), after.strip_prefix(before.as_str()));
                         ex.push(tokenizer.encode(head)?, false);
                         match tail {
@@ -492,7 +820,7 @@ mod tests {
         std::fs::write(&p, "{\"prompt\": \"Q: hi\", \"completion\": \" A: ho\"}\n\n{\"text\": \"plain\"}\n").unwrap();
         let r = read_jsonl(&p).unwrap();
         assert_eq!(r.len(), 2);
-        assert_eq!(r[1], Record { body: Body::Text("plain".into()), line: 3 }, "blank lines counted");
+        assert_eq!(r[1], Record { body: Body::Text("plain".into()), line: 3, tools: vec![] }, "blank lines counted");
         std::fs::write(&p, "{\"prompt\": \"x\", \"completion\": \"y\"}\n{\"question\": 1}\n").unwrap();
         let e = read_jsonl(&p).unwrap_err().to_string();
         assert!(e.contains("d.jsonl:2:") && e.contains("expected {\"prompt\""), "{e}");
@@ -576,10 +904,10 @@ mod tests {
         assert_eq!(scored, " A: ho");
         let template = ChatTemplate::new(CHATML.into(), String::new(), "<|im_end|>".into()).unwrap();
         let chat: Record = Body::Chat(vec![
-            Message { role: "user".into(), content: "hi".into() },
-            Message { role: "assistant".into(), content: "ho".into() },
-            Message { role: "user".into(), content: "why".into() },
-            Message { role: "assistant".into(), content: "so".into() },
+            Message::new("user", "hi"),
+            Message::new("assistant", "ho"),
+            Message::new("user", "why"),
+            Message::new("assistant", "so"),
         ])
         .into();
         let ex = encode(&[chat], &tok, Some(&template)).unwrap();
@@ -589,6 +917,121 @@ mod tests {
             ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
         assert_eq!(scored, "ho<|im_end|>\nso<|im_end|>\n");
         assert!(encode(&[Body::Chat(vec![]).into()], &tok, None).is_err());
+    }
+
+    /// The templates of tests/fixtures/templates and what transformers renders with them
+    /// (`make_expected.py` there).
+    fn expected_renderings() -> Value {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates");
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap()
+    }
+
+    fn fixture_template(name: &str, bos: &str, eos: &str) -> ChatTemplate {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates");
+        ChatTemplate::new(std::fs::read_to_string(dir.join(name)).unwrap(), bos.into(), eos.into()).unwrap()
+    }
+
+    /// Tools and a tool-call round trip (an assistant's call, the tool's answer) render through
+    /// Qwen2.5's, Qwen3's, Llama 3.1's and Mistral Nemo's own templates byte for byte as
+    /// transformers' `apply_chat_template(tools=...)` renders them.
+    #[test]
+    fn tool_calls_render_as_transformers_renders_them() {
+        let expected = expected_renderings();
+        let Value::Array(items) = &expected["messages"] else { panic!("messages") };
+        let messages = messages_of(items, "messages").unwrap();
+        assert_eq!(messages[2].tool_calls[0].name, "get_weather");
+        assert_eq!(messages[3].tool_call_id.as_deref(), Some("call9abcd"));
+        let tools = expected["tools"].as_array().unwrap().clone();
+        for (name, want) in expected["rendered"].as_object().unwrap() {
+            let (bos, eos) = (want["bos"].as_str().unwrap(), want["eos"].as_str().unwrap());
+            let template = fixture_template(name, bos, eos);
+            let prompt = template.render_with_tools(&messages[..2], &tools, true).unwrap();
+            assert_eq!(prompt, want["prompt"].as_str().unwrap(), "{name}: the prompt");
+            let all = template.render_with_tools(&messages, &tools, false).unwrap();
+            assert_eq!(all, want["conversation"].as_str().unwrap(), "{name}: the conversation");
+        }
+        // Without tools, `tools` is undefined: Qwen2.5's plain system turn.
+        let plain = fixture_template("qwen2.5.jinja", "", "<|im_end|>").render(&messages[..2], true).unwrap();
+        assert!(plain.starts_with("<|im_start|>system\nYou are terse.<|im_end|>\n"), "{plain}");
+    }
+
+    #[test]
+    fn tojson_writes_as_python_does() {
+        let t = |source: &str| {
+            let template = ChatTemplate::new(source.into(), String::new(), String::new()).unwrap();
+            template.render(&[Message::new("user", "a<b> & 'c' é")], false).unwrap()
+        };
+        assert_eq!(t("{{ messages[0] | tojson }}"), r#"{"role": "user", "content": "a<b> & 'c' é"}"#);
+        assert_eq!(t("{{ messages[0].content | tojson(ensure_ascii=true) }}"), r#""a<b> & 'c' \u00e9""#);
+        assert_eq!(
+            t("{{ messages | tojson(indent=2) }}"),
+            "[\n  {\n    \"role\": \"user\",\n    \"content\": \"a<b> & 'c' é\"\n  }\n]"
+        );
+        assert_eq!(
+            t("{{ messages[0] | tojson(separators=(',', ':'), sort_keys=true) }}"),
+            r#"{"content":"a<b> & 'c' é","role":"user"}"#
+        );
+        assert_eq!(t("{{ [] | tojson(indent=2) }}{{ {} | tojson }}"), "[]{}");
+    }
+
+    /// A TRL tool-calling row (`messages` with an assistant's `tool_calls` and a `tool` turn's
+    /// answer, and the row's `tools`) trains through the template with the tools: the loss covers
+    /// exactly the assistant turns, its call included, and nothing of the tools or the answer.
+    #[test]
+    fn tool_calling_rows_score_the_assistants_calls() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.jsonl");
+        let row = serde_json::json!({
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+                ]},
+                {"role": "tool", "name": "get_weather", "content": "21 C"},
+                {"role": "assistant", "content": "It is 21 C."},
+            ],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city"}}],
+        });
+        std::fs::write(&p, format!("{row}\n")).unwrap();
+        let records = read_jsonl(&p).unwrap();
+        assert_eq!(records[0].tools.len(), 1);
+        let Body::Chat(messages) = &records[0].body else { panic!("a chat") };
+        assert_eq!(messages[1].tool_calls[0].arguments, serde_json::json!({"city": "Paris"}));
+        let template = fixture_template("qwen2.5.jinja", "", "<|im_end|>");
+        let text = template.render_with_tools(messages, &records[0].tools, false).unwrap();
+        let tok = Tokenizer::train_char(&text);
+        let ex = encode(&records, &tok, Some(&template)).unwrap();
+        assert_eq!(tok.decode(&ex[0].ids).unwrap(), text);
+        assert!(text.contains("\"description\": \"Weather of a city\""), "the tools are in the prompt: {text}");
+        let scored: String =
+            ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
+        let call =
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n";
+        assert_eq!(scored, format!("{call}It is 21 C.<|im_end|>\n"));
+        // Bad rows are refused in words, at their line.
+        for (row, want) in [
+            (
+                r#"{"messages": [{"role": "assistant", "tool_calls": 3}], "tools": []}"#,
+                "messages[0].tool_calls: expected a list of tool calls, found a number",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]}"#,
+                "messages[0].tool_calls[0].function.name is missing",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]}"#,
+                "messages[0].tool_calls[0].function.arguments: expected a JSON object",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "content": "x"}], "tools": {"a": 1}}"#,
+                "tools: expected a list of tool objects",
+            ),
+            (r#"{"messages": [{"role": "assistant"}]}"#, "messages[0].content is missing"),
+        ] {
+            std::fs::write(&p, format!("{row}\n")).unwrap();
+            let e = read_jsonl(&p).unwrap_err().to_string();
+            assert!(e.contains(&format!("d.jsonl:1: {want}")), "{row}: {e}");
+        }
     }
 
     #[test]

@@ -143,9 +143,9 @@ fn chat_requests(
     }
     let mut messages = Vec::new();
     if !description.is_empty() {
-        messages.push(Message { role: "system".into(), content: description });
+        messages.push(Message::new("system", description));
     }
-    messages.push(Message { role: "user".into(), content: format!("{exemplars}{question}") });
+    messages.push(Message::new("user", format!("{exemplars}{question}")));
     let context = chat.render(&messages, true)?;
     Ok(match spec.output {
         Output::Generate(_) => vec![(context, String::new())],

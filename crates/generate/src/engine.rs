@@ -7,10 +7,16 @@
 //! A step runs the decoding slots as one batch of single positions and the prefilling slots as a
 //! second batch; idle slots take no part (their cache rows are not touched). The caller drives it:
 //! `submit`, then `step` until `is_idle`, passing each [`Event`] on.
+//!
+//! A request may also ask for log-probabilities (of the model's own distribution) and carry a
+//! [`Constraint`]: its draws are among the tokens of its mask, and it ends when the constraint is
+//! finished.
 
 use std::collections::VecDeque;
 
-use crate::sample::{check_prompts, feed_rows, SampleError, Sampler};
+use crate::constraint::Constraint;
+use crate::logprobs::{token_logprobs, TokenLogprobs, MAX_TOP_LOGPROBS};
+use crate::sample::{check_prompts, draw_constrained, feed_rows, SampleError, Sampler};
 use ember_kernels::EmberBackend;
 use ember_model::Decoder;
 use ember_model::KvCache;
@@ -26,6 +32,19 @@ pub struct Request {
     /// reported like any other.
     pub stop_tokens: Vec<u32>,
     pub sampler: Sampler,
+    /// `Some(k)`, k at most [`MAX_TOP_LOGPROBS`]: each token comes with its log-probability and
+    /// the k most likely tokens' ([`TokenLogprobs`]).
+    pub logprobs: Option<usize>,
+    /// What the request may produce (a grammar); it ends with [`Finish::Stop`] once the
+    /// constraint is finished, with [`Finish::Failed`] if it fails.
+    pub constraint: Option<Box<dyn Constraint>>,
+}
+
+impl Request {
+    /// A request with no log-probabilities and no constraint.
+    pub fn new(prompt: Vec<u32>, max_new_tokens: usize, stop_tokens: Vec<u32>, sampler: Sampler) -> Self {
+        Self { prompt, max_new_tokens, stop_tokens, sampler, logprobs: None, constraint: None }
+    }
 }
 
 /// Why a request ended (OpenAI's `finish_reason`).
@@ -37,13 +56,17 @@ pub enum Finish {
     Length,
     /// [`Engine::cancel`].
     Cancelled,
+    /// The request's constraint failed, or allowed no token (the message in [`Event::Done`]).
+    Failed,
 }
 
 /// What a step produced for one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    Token { id: RequestId, token: u32 },
-    Done { id: RequestId, finish: Finish, prompt_tokens: usize, completion_tokens: usize },
+    /// A generated token; `logprobs` where the request asked for them.
+    Token { id: RequestId, token: u32, logprobs: Option<TokenLogprobs> },
+    /// The request's end; `error` says why it failed (with [`Finish::Failed`] only).
+    Done { id: RequestId, finish: Finish, prompt_tokens: usize, completion_tokens: usize, error: Option<String> },
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -52,6 +75,8 @@ pub enum EngineError {
     QueueFull(usize),
     #[error("the prompt ({prompt} tokens) and max_tokens ({max_new_tokens}) exceed the model's context of {context} positions, or max_tokens is 0")]
     TooLong { prompt: usize, max_new_tokens: usize, context: usize },
+    #[error("top_logprobs must be at most {MAX_TOP_LOGPROBS}, found {0}")]
+    TopLogprobs(usize),
     #[error(transparent)]
     Prompt(#[from] SampleError),
 }
@@ -99,14 +124,38 @@ struct Live {
     request: Request,
     /// Prompt tokens fed so far.
     fed: usize,
-    /// Prompt and generated tokens (the repetition penalty's history).
+    /// Prompt and generated tokens (the penalties' history).
     history: Vec<u32>,
     generated: usize,
+}
+
+/// What a slot's draw gave.
+enum Drawn {
+    Token {
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        finished: bool,
+    },
+    /// The constraint failed (its words).
+    Failed(String),
 }
 
 impl Live {
     fn prefilling(&self) -> bool {
         self.fed < self.request.prompt.len()
+    }
+
+    /// The next token from `logits` (`[V]`), under the request's constraint, with its
+    /// log-probabilities if asked for.
+    fn draw(&mut self, logits: &[f32]) -> Drawn {
+        let r = &mut self.request;
+        match draw_constrained(&mut r.sampler, &mut r.constraint, logits, &self.history, self.generated) {
+            Ok((token, finished)) => {
+                let logprobs = r.logprobs.map(|k| token_logprobs(logits, token, k));
+                Drawn::Token { token, logprobs, finished }
+            }
+            Err(e) => Drawn::Failed(e.0),
+        }
     }
 }
 
@@ -148,6 +197,9 @@ impl<B: EmberBackend> Engine<B> {
             let (prompt, max_new_tokens) = (request.prompt.len(), request.max_new_tokens);
             return Err(EngineError::TooLong { prompt, max_new_tokens, context: c.max_seq_len });
         }
+        if let Some(k) = request.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::TopLogprobs(k));
+        }
         // Free slots take requests at the next step: only what would wait beyond them counts.
         let free = self.slots.iter().filter(|s| s.is_none()).count();
         if self.queue.len() >= self.config.queue_limit + free {
@@ -169,6 +221,7 @@ impl<B: EmberBackend> Engine<B> {
                 finish: Finish::Cancelled,
                 prompt_tokens: request.prompt.len(),
                 completion_tokens: 0,
+                error: None,
             });
         }
         let slot = self.slots.iter().position(|s| s.as_ref().is_some_and(|l| l.id == id))?;
@@ -185,6 +238,7 @@ impl<B: EmberBackend> Engine<B> {
                 finish: Finish::Cancelled,
                 prompt_tokens: request.prompt.len(),
                 completion_tokens: 0,
+                error: None,
             });
         }
         for slot in 0..self.slots.len() {
@@ -244,17 +298,18 @@ impl<B: EmberBackend> Engine<B> {
                 self.cached[slot].extend(input);
             }
             self.count_blocks();
-            for (slot, token) in self.draw(&group, &logits) {
-                self.record(slot, token, &mut events);
+            for (slot, drawn) in self.draw(&group, &logits) {
+                self.record(slot, drawn, &mut events);
             }
         }
         events
     }
 
     /// The next token of every slot of `group` whose prompt is all in, drawn from its row of
-    /// `logits`: the slots side by side on the thread pool (each request has its own sampler; a
-    /// temperature draw over a 49k vocabulary is a few hundred microseconds a row).
-    fn draw(&mut self, group: &[usize], logits: &[Vec<f32>]) -> Vec<(usize, u32)> {
+    /// `logits`: the slots side by side on the thread pool (each request has its own sampler, so
+    /// a seeded request draws the same whatever runs beside it; a temperature draw over a 49k
+    /// vocabulary is a few hundred microseconds a row).
+    fn draw(&mut self, group: &[usize], logits: &[Vec<f32>]) -> Vec<(usize, Drawn)> {
         use rayon::prelude::*;
         self.slots
             .par_iter_mut()
@@ -262,8 +317,7 @@ impl<B: EmberBackend> Engine<B> {
             .filter_map(|(slot, live)| {
                 let row = group.binary_search(&slot).ok()?;
                 let live = live.as_mut().filter(|l| !l.prefilling())?;
-                let token = live.request.sampler.sample_with_history(&logits[row], &live.history) as u32;
-                Some((slot, token))
+                Some((slot, live.draw(&logits[row])))
             })
             .collect()
     }
@@ -378,13 +432,18 @@ impl<B: EmberBackend> Engine<B> {
         }
     }
 
-    /// Appends `token` to slot `slot`'s output; ends it at a stop token or its length.
-    fn record(&mut self, slot: usize, token: u32, events: &mut Vec<Event>) {
+    /// Appends a drawn token to slot `slot`'s output; ends it at a stop token, when its constraint
+    /// is finished or has failed, or at its length.
+    fn record(&mut self, slot: usize, drawn: Drawn, events: &mut Vec<Event>) {
         let Some(live) = self.slots[slot].as_mut() else { return };
+        let (token, logprobs, finished) = match drawn {
+            Drawn::Token { token, logprobs, finished } => (token, logprobs, finished),
+            Drawn::Failed(message) => return events.push(self.end(slot, Finish::Failed, Some(message))),
+        };
         live.history.push(token);
         live.generated += 1;
-        events.push(Event::Token { id: live.id, token });
-        let finish = if live.request.stop_tokens.contains(&token) {
+        events.push(Event::Token { id: live.id, token, logprobs });
+        let finish = if finished || live.request.stop_tokens.contains(&token) {
             Some(Finish::Stop)
         } else if live.generated >= live.request.max_new_tokens {
             Some(Finish::Length)
@@ -399,6 +458,11 @@ impl<B: EmberBackend> Engine<B> {
     /// Ends slot `slot`'s request; the slot keeps what its cache holds for the next requests to
     /// start from (with prefix sharing off, it lets it go).
     fn release(&mut self, slot: usize, finish: Finish) -> Event {
+        self.end(slot, finish, None)
+    }
+
+    /// [`Engine::release`], saying why it failed.
+    fn end(&mut self, slot: usize, finish: Finish, error: Option<String>) -> Event {
         let live = self.slots[slot].take();
         if !self.config.share_prefixes {
             self.cache.reset(slot);
@@ -407,7 +471,7 @@ impl<B: EmberBackend> Engine<B> {
         self.count_blocks();
         let (id, prompt_tokens, completion_tokens) =
             live.map_or((0, 0, 0), |l| (l.id, l.request.prompt.len(), l.generated));
-        Event::Done { id, finish, prompt_tokens, completion_tokens }
+        Event::Done { id, finish, prompt_tokens, completion_tokens, error }
     }
 }
 
@@ -421,162 +485,4 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::sample::{generate_batch, GenerateOptions, SamplingConfig};
-    use crate::TestBackend as B;
-    use ember_model::ModelConfig;
-    use std::collections::HashMap;
-
-    fn model() -> Decoder<B> {
-        let config = ModelConfig { init_std: 0.2, ..ModelConfig::tiny(41, 48) };
-        Decoder::new(&config, 5, &Default::default()).unwrap()
-    }
-
-    fn greedy() -> Sampler {
-        Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()
-    }
-
-    fn request(prompt: &[u32], max_new_tokens: usize) -> Request {
-        Request { prompt: prompt.to_vec(), max_new_tokens, stop_tokens: vec![], sampler: greedy() }
-    }
-
-    /// What `generate_batch` gives the prompt alone.
-    fn alone(model: &Decoder<B>, prompt: &[u32], n: usize) -> Vec<u32> {
-        let options = GenerateOptions { max_new_tokens: n, stop_tokens: vec![], block_size: 4 };
-        generate_batch(model, &[prompt.to_vec()], &options, &mut [greedy()], |_, _| true).unwrap().remove(0)
-    }
-
-    /// Steps until idle, submitting `late` requests after `at` steps; the tokens of each request.
-    fn run(engine: &mut Engine<B>, late: Vec<(usize, Request)>) -> (HashMap<RequestId, Vec<u32>>, Vec<Event>) {
-        let mut late: VecDeque<(usize, Request)> = late.into();
-        let (mut tokens, mut done) = (HashMap::<RequestId, Vec<u32>>::new(), Vec::new());
-        let mut step = 0;
-        while !engine.is_idle() || !late.is_empty() {
-            while late.front().is_some_and(|(at, _)| *at <= step) {
-                let (_, r) = late.pop_front().unwrap();
-                engine.submit(r).unwrap();
-            }
-            for e in engine.step() {
-                match e {
-                    Event::Token { id, token } => tokens.entry(id).or_default().push(token),
-                    done_event => done.push(done_event),
-                }
-            }
-            step += 1;
-            assert!(step < 500, "the engine does not finish");
-        }
-        (tokens, done)
-    }
-
-    #[test]
-    fn requests_joining_and_leaving_get_what_they_get_alone() {
-        let model = model();
-        let prompts: [&[u32]; 4] = [&[1, 2, 3], &[7; 11], &[30, 4], &[9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]];
-        let lens = [12, 5, 9, 7];
-        // Two slots for four requests (two wait), prompts prefilled in chunks of 4, arriving at
-        // steps 0, 0, 2 and 6.
-        let config = EngineConfig { slots: 2, queue_limit: 8, prefill_chunk: 4, block_size: 4, share_prefixes: false };
-        let mut engine = Engine::new(model.clone(), config);
-        let arrivals = [0, 0, 2, 6];
-        let late = (0..4).map(|i| (arrivals[i], request(prompts[i], lens[i]))).collect();
-        let (tokens, done) = run(&mut engine, late);
-        for i in 0..4 {
-            assert_eq!(tokens[&(i as u64)], alone(&model, prompts[i], lens[i]), "request {i}");
-        }
-        assert_eq!(done.len(), 4);
-        for e in done {
-            let Event::Done { id, finish, prompt_tokens, completion_tokens } = e else { unreachable!() };
-            assert_eq!(
-                (finish, prompt_tokens, completion_tokens),
-                (Finish::Length, prompts[id as usize].len(), lens[id as usize])
-            );
-        }
-    }
-
-    /// Requests that open with the same tokens (a system prompt), running together or one after
-    /// the other, start from the prefix a slot holds: each gets what it gets alone, the prefix's
-    /// blocks are held once, and the reused tokens are counted.
-    #[test]
-    fn requests_sharing_a_prefix_get_what_they_get_alone_and_hold_it_once() {
-        let model = model();
-        let system: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 41).collect();
-        let ask = |tail: &[u32]| system.iter().chain(tail).copied().collect::<Vec<u32>>();
-        let prompts = [ask(&[1, 2]), ask(&[5]), ask(&[9, 9, 9, 9, 9, 9]), system[..10].to_vec(), ask(&[1, 2, 3])];
-        let lens = [6, 9, 5, 4, 7];
-        let arrivals = [0, 0, 1, 12, 30];
-        let run_with = |share_prefixes: bool| {
-            let config = EngineConfig { slots: 3, queue_limit: 8, prefill_chunk: 5, block_size: 4, share_prefixes };
-            let mut engine = Engine::new(model.clone(), config);
-            let late = (0..prompts.len()).map(|i| (arrivals[i], request(&prompts[i], lens[i]))).collect();
-            let (tokens, _) = run(&mut engine, late);
-            (tokens, engine.cache_use())
-        };
-        let (tokens, shared) = run_with(true);
-        // Four requests at once with one 40-token system prompt: the first prefills it, the other
-        // three wait a step and take it over.
-        let long: Vec<u32> = (0..40).map(|i| (i * 11 + 2) % 41).collect();
-        let together: Vec<Vec<u32>> = (0..4).map(|q| long.iter().copied().chain([q, q + 1]).collect()).collect();
-        let config = EngineConfig { slots: 4, queue_limit: 8, prefill_chunk: 64, block_size: 4, share_prefixes: true };
-        let mut engine = Engine::new(model.clone(), config);
-        let (got, _) = run(&mut engine, together.iter().map(|p| (0, request(p, 3))).collect());
-        for (i, p) in together.iter().enumerate() {
-            assert_eq!(got[&(i as u64)], alone(&model, p, 3), "request {i} of the four");
-        }
-        assert_eq!(engine.cache_use().reused_tokens, 3 * 40, "three requests took over the system prompt");
-        for (i, prompt) in prompts.iter().enumerate() {
-            assert_eq!(tokens[&(i as u64)], alone(&model, prompt, lens[i]), "request {i}");
-        }
-        let (unshared_tokens, unshared) = run_with(false);
-        assert_eq!(tokens, unshared_tokens);
-        assert_eq!(shared.prompt_tokens, prompts.iter().map(|p| p.len() as u64).sum::<u64>());
-        // Requests 0 and 1 start together, from nothing; request 2 from the 5 tokens their first
-        // chunk fed; request 3 from 9 of its 10 tokens (the last one feeds its logits); request 4
-        // from the 14 of the system prompt that request 1's slot still holds once request 3 took
-        // request 0's (more where a generated token happens to continue a prompt).
-        assert!(shared.reused_tokens >= 5 + 9 + 14, "{shared:?}");
-        assert_eq!(unshared.reused_tokens, 0);
-        assert!(shared.peak_blocks < unshared.peak_blocks, "{shared:?} against {unshared:?}");
-    }
-
-    #[test]
-    fn a_stop_token_ends_a_request_and_frees_its_slot() {
-        let model = model();
-        let free = alone(&model, &[5, 6], 8);
-        let stop = free[3];
-        let first = free.iter().position(|&t| t == stop).unwrap();
-        let mut engine = Engine::new(model, EngineConfig { slots: 1, ..Default::default() });
-        let r = Request { stop_tokens: vec![stop], ..request(&[5, 6], 8) };
-        let (tokens, done) = run(&mut engine, vec![(0, r), (0, request(&[5, 6], 2))]);
-        assert_eq!(tokens[&0], free[..=first].to_vec());
-        assert_eq!(tokens[&1], free[..2].to_vec(), "the second request ran in the freed slot");
-        assert!(matches!(done[0], Event::Done { finish: Finish::Stop, .. }));
-    }
-
-    #[test]
-    fn bad_requests_a_full_queue_and_cancels() {
-        let mut engine = Engine::new(model(), EngineConfig { slots: 1, queue_limit: 2, ..Default::default() });
-        let too_long = engine.submit(request(&[1; 40], 9)).unwrap_err();
-        assert_eq!(too_long, EngineError::TooLong { prompt: 40, max_new_tokens: 9, context: 48 });
-        assert!(matches!(engine.submit(request(&[], 1)), Err(EngineError::Prompt(SampleError::EmptyPrompt))));
-        assert!(matches!(engine.submit(request(&[41], 1)), Err(EngineError::Prompt(_))));
-        let a = engine.submit(request(&[1, 2], 20)).unwrap();
-        let b = engine.submit(request(&[3], 20)).unwrap();
-        // Before a step, the free slot takes one more: a, b and c fit; d does not.
-        let c = engine.submit(request(&[4], 20)).unwrap();
-        assert_eq!(engine.submit(request(&[4], 1)), Err(EngineError::QueueFull(3)));
-        assert!(matches!(engine.cancel(c), Some(Event::Done { finish: Finish::Cancelled, .. })));
-        engine.step(); // a runs, b waits
-        assert_eq!((engine.running(), engine.waiting()), (1, 1));
-        let huge = engine.submit(request(&[1, 2], usize::MAX)).unwrap_err();
-        assert!(matches!(huge, EngineError::TooLong { .. }), "no overflow past the context check");
-        assert!(matches!(engine.submit(request(&[1], 0)), Err(EngineError::TooLong { .. })));
-        let cancelled = engine.cancel(b).unwrap();
-        assert_eq!(cancelled, Event::Done { id: b, finish: Finish::Cancelled, prompt_tokens: 1, completion_tokens: 0 });
-        engine.step();
-        let Some(Event::Done { finish: Finish::Cancelled, completion_tokens: 2, .. }) = engine.cancel(a) else {
-            panic!("a running request is cancelled with its token count")
-        };
-        assert!(engine.is_idle() && engine.cancel(a).is_none());
-    }
-}
+mod tests;

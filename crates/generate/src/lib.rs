@@ -3,7 +3,10 @@
 //! the paged cache, and the continuous-batching engine the server drives. The model crate below
 //! computes logits; this crate decides what comes next.
 
+pub mod adjust;
+pub mod constraint;
 pub mod engine;
+pub mod logprobs;
 pub mod sample;
 
 /// The backend the unit tests run on.

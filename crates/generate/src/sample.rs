@@ -5,6 +5,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::adjust::{apply_mask, AdjustError, Adjustments};
+use crate::constraint::{Constraint, ConstraintError};
 use ember_kernels::EmberBackend;
 use ember_model::Decoder;
 use ember_model::KvCache;
@@ -69,17 +71,27 @@ pub enum SampleError {
     /// An id the embedding table has no row for: the tokenizer is not the model's.
     #[error("prompt {index} has token id {id}, past the model's vocabulary of {vocab_size} ids")]
     TokenPastVocab { index: usize, id: u32, vocab_size: usize },
+    #[error(transparent)]
+    Adjust(#[from] AdjustError),
+    /// A constrained sequence of [`generate_batch_constrained`] that cannot go on: its constraint
+    /// failed, or its mask (with any bans) allowed no token.
+    #[error("sequence {index}: {error}")]
+    Constraint { index: usize, error: ConstraintError },
 }
 
 impl SampleError {
-    /// The `SamplingConfig` field a settings error is about (`None` for errors about prompts).
+    /// The `SamplingConfig` or `Adjustments` field a settings error is about (`None` for errors
+    /// about prompts and constraints).
     pub fn setting(&self) -> Option<&'static str> {
         match self {
             Self::Temperature(_) => Some("temperature"),
             Self::TopK => Some("top_k"),
             Self::TopP(_) => Some("top_p"),
             Self::RepetitionPenalty(_) => Some("repetition_penalty"),
-            Self::EmptyPrompt | Self::PromptTooLong { .. } | Self::TokenPastVocab { .. } => None,
+            Self::Adjust(e) => Some(e.setting()),
+            Self::EmptyPrompt | Self::PromptTooLong { .. } | Self::TokenPastVocab { .. } | Self::Constraint { .. } => {
+                None
+            }
         }
     }
 }
@@ -102,16 +114,49 @@ pub fn check_prompts(prompts: &[impl AsRef<[u32]>], context: usize, vocab_size: 
     Ok(())
 }
 
-/// A seeded sampler: the same seed and logits give the same tokens.
+/// A seeded sampler: the same seed and logits give the same tokens. Each request has its own, so
+/// its draws do not depend on what else is in the batch.
 pub struct Sampler {
     config: SamplingConfig,
+    adjust: Adjustments,
     rng: ChaCha8Rng,
 }
 
 impl Sampler {
     pub fn new(config: SamplingConfig, seed: u64) -> Result<Self, SampleError> {
         config.validate()?;
-        Ok(Self { config, rng: ChaCha8Rng::seed_from_u64(seed) })
+        Ok(Self { config, adjust: Adjustments::default(), rng: ChaCha8Rng::seed_from_u64(seed) })
+    }
+
+    /// The sampler with OpenAI's adjustments (logit bias, presence and frequency penalties, min-p),
+    /// checked.
+    pub fn adjusted(self, adjust: Adjustments) -> Result<Self, SampleError> {
+        adjust.validate()?;
+        Ok(Self { adjust, ..self })
+    }
+
+    /// Picks a token id from one row of logits `[V]` of a sequence whose tokens so far are
+    /// `history`, the last `generated` of them generated (the presence and frequency penalties
+    /// count those; the repetition penalty all), only among the tokens `mask` allows (a
+    /// [`Constraint`]'s). `None` when no token may come: the mask and the bans leave none.
+    pub(crate) fn sample_next(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        generated: usize,
+        mask: Option<&[u32]>,
+    ) -> Option<usize> {
+        if mask.is_none() && !self.adjust.changes_logits() {
+            return Some(self.sample_with_history(logits, history));
+        }
+        let mut row = logits.to_vec();
+        self.adjust.apply(&mut row, &history[history.len().saturating_sub(generated)..]);
+        if self.config.repetition_penalty != 1.0 {
+            penalise_repeats(&mut row, history, self.config.repetition_penalty);
+        }
+        let allowed = mask.is_none_or(|m| apply_mask(&mut row, m));
+        // A bias of -100 bans (-inf): where it and the mask leave nothing, nothing may be drawn.
+        (allowed && row.iter().any(|l| l.is_finite())).then(|| self.sample(&row))
     }
 
     /// Picks a token id from one row of logits `[V]`, given the ids already in the sequence
@@ -122,14 +167,7 @@ impl Sampler {
             return self.sample(logits);
         }
         let mut penalised = logits.to_vec();
-        let mut seen = vec![false; logits.len()];
-        for &id in history {
-            if let Some(l) = penalised.get_mut(id as usize) {
-                if !std::mem::replace(&mut seen[id as usize], true) {
-                    *l = if *l > 0.0 { *l / p } else { *l * p };
-                }
-            }
-        }
+        penalise_repeats(&mut penalised, history, p);
         self.sample(&penalised)
     }
 
@@ -153,7 +191,9 @@ impl Sampler {
             }
             u -= p;
         }
-        *order.last().expect("at least one candidate")
+        // Rounding left u past the last probability: the last candidate that may be drawn (not one
+        // a mask or a ban gave none).
+        order.iter().zip(&probs).rev().find(|(_, &p)| p > 0.0).map_or(order[0], |(&id, _)| id)
     }
 
     /// The ids a draw picks from and their probabilities (summing to 1), after temperature, top-k
@@ -196,10 +236,26 @@ impl Sampler {
                 }
             }
         }
+        if let Some(min_p) = self.adjust.min_p {
+            // Relative to the most likely candidate, whose weight is 1 (the maximum is among them).
+            order.retain(|&i| weight(i) >= min_p as f64);
+        }
         let mut probs: Vec<f64> = order.iter().map(|&i| weight(i)).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
         (order, probs)
+    }
+}
+
+/// Divides positive logits (multiplies negative ones) of the tokens in `history` by `p`, once each.
+fn penalise_repeats(row: &mut [f32], history: &[u32], p: f32) {
+    let mut seen = vec![false; row.len()];
+    for &id in history {
+        if let Some(l) = row.get_mut(id as usize) {
+            if !std::mem::replace(&mut seen[id as usize], true) {
+                *l = if *l > 0.0 { *l / p } else { *l * p };
+            }
+        }
     }
 }
 
@@ -256,11 +312,28 @@ pub fn generate_batch<B: EmberBackend>(
     prompts: &[Vec<u32>],
     options: &GenerateOptions,
     samplers: &mut [Sampler],
+    on_token: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Vec<u32>>, SampleError> {
+    let mut none: Vec<Option<Box<dyn Constraint>>> = (0..prompts.len()).map(|_| None).collect();
+    generate_batch_constrained(model, prompts, options, samplers, &mut none, on_token)
+}
+
+/// [`generate_batch`] with a constraint per prompt (`None`: free): each draw is among the tokens of
+/// its mask, each token drawn is committed, and a sequence whose constraint is finished ends there
+/// (as at a stop token). A constraint that fails, or a mask that allows nothing, is an error
+/// ([`SampleError::Constraint`]): the grammar and the vocabulary disagree.
+pub fn generate_batch_constrained<B: EmberBackend>(
+    model: &Decoder<B>,
+    prompts: &[Vec<u32>],
+    options: &GenerateOptions,
+    samplers: &mut [Sampler],
+    constraints: &mut [Option<Box<dyn Constraint>>],
     mut on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Vec<u32>>, SampleError> {
     let context = model.config().max_seq_len;
     check_prompts(prompts, context, model.config().vocab_size)?;
     assert_eq!(samplers.len(), prompts.len(), "one sampler per prompt");
+    assert_eq!(constraints.len(), prompts.len(), "one constraint (or None) per prompt");
     let n = prompts.len();
     let keep = (context * 3 / 4).max(1);
     let mut cache = model.new_cache(n, options.block_size);
@@ -276,10 +349,12 @@ pub fn generate_batch<B: EmberBackend>(
             if !active[b] {
                 continue;
             }
-            let tok = samplers[b].sample_with_history(&logits[b], &history[b]) as u32;
+            let (tok, finished) =
+                draw_constrained(&mut samplers[b], &mut constraints[b], &logits[b], &history[b], outputs[b].len())
+                    .map_err(|error| SampleError::Constraint { index: b, error })?;
             outputs[b].push(tok);
             history[b].push(tok);
-            let done = options.stop_tokens.contains(&tok) || outputs[b].len() >= options.max_new_tokens;
+            let done = finished || options.stop_tokens.contains(&tok) || outputs[b].len() >= options.max_new_tokens;
             if !on_token(b, tok) || done {
                 active[b] = false;
             } else if cache.lens()[b] < context {
@@ -296,6 +371,28 @@ pub fn generate_batch<B: EmberBackend>(
         logits = feed(model, &mut cache, &inputs);
     }
     Ok(outputs)
+}
+
+/// One draw of a sequence under its constraint, if any: the mask taken before it, the token
+/// committed after it; the token, and whether the constraint is finished.
+pub(crate) fn draw_constrained(
+    sampler: &mut Sampler,
+    constraint: &mut Option<Box<dyn Constraint>>,
+    logits: &[f32],
+    history: &[u32],
+    generated: usize,
+) -> Result<(u32, bool), ConstraintError> {
+    let Some(c) = constraint.as_mut() else {
+        let token = sampler.sample_next(logits, history, generated, None);
+        return token.map(|t| (t as u32, false)).ok_or_else(nothing_allowed);
+    };
+    let token = sampler.sample_next(logits, history, generated, Some(c.mask()?)).ok_or_else(nothing_allowed)? as u32;
+    c.commit(token)?;
+    Ok((token, c.finished()))
+}
+
+fn nothing_allowed() -> ConstraintError {
+    ConstraintError("no token may come next: the mask and logit_bias allow none".into())
 }
 
 /// Runs `inputs[b]` (possibly empty) after each row's cached positions; returns each row's logits
@@ -492,5 +589,75 @@ mod tests {
         // Token 0 leads, but it was seen: 3.0 / 2 = 1.5 < 2.0.
         assert_eq!(s.sample_with_history(&[3.0, 2.0, -1.0], &[0]), 1);
         assert_eq!(s.sample_with_history(&[3.0, 2.0, -1.0], &[2]), 0);
+    }
+
+    #[test]
+    fn a_bias_of_minus_100_bans_at_any_temperature() {
+        let logits = [0.5f32, 400.0, 0.25, -1.0];
+        let ban = Adjustments { logit_bias: vec![(1, -100.0)], ..Default::default() };
+        for temperature in [0.0, 1.0] {
+            let config = SamplingConfig { temperature, top_k: None, ..Default::default() };
+            let mut s = Sampler::new(config, 4).unwrap().adjusted(ban.clone()).unwrap();
+            let picks: Vec<usize> = (0..300).map(|_| s.sample_next(&logits, &[], 0, None).unwrap()).collect();
+            assert!(!picks.contains(&1), "temperature {temperature}");
+            assert!(temperature > 0.0 || picks.iter().all(|&i| i == 0), "greedy takes the argmax after the bias");
+        }
+        // Other biases add: 0.25 + 1 > 0.5.
+        let greedy = |logit_bias: Vec<(u32, f32)>| {
+            let adj = Adjustments { logit_bias, ..Default::default() };
+            Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap().adjusted(adj)
+        };
+        assert_eq!(greedy(vec![(1, -100.0), (2, 1.0)]).unwrap().sample_next(&logits, &[], 0, None), Some(2));
+        let all = (0..4).map(|i| (i, -100.0)).collect();
+        assert_eq!(greedy(all).unwrap().sample_next(&logits, &[], 0, None), None, "every token banned");
+        assert_eq!(greedy(vec![(1, -101.0)]).err().and_then(|e| e.setting()), Some("logit_bias"));
+    }
+
+    #[test]
+    fn penalties_count_only_the_generated_tokens() {
+        // Token 0 leads by 0.5: in the prompt only, it is not penalised; generated twice, it is
+        // (2 - 0.25 - 2 * 0.25 < 1.5).
+        let logits = [2.0f32, 1.5, 0.0];
+        let adj = Adjustments { presence_penalty: 0.25, frequency_penalty: 0.25, ..Default::default() };
+        let greedy = SamplingConfig { temperature: 0.0, ..Default::default() };
+        let mut s = Sampler::new(greedy, 0).unwrap().adjusted(adj).unwrap();
+        assert_eq!(s.sample_next(&logits, &[1, 0, 0], 0, None), Some(0));
+        assert_eq!(s.sample_next(&logits, &[1, 0, 0], 2, None), Some(1));
+        assert_eq!(s.sample_next(&logits, &[1, 0, 1], 2, None), Some(0), "1 is generated once, 0 once");
+    }
+
+    #[test]
+    fn min_p_keeps_the_tokens_near_the_top_one() {
+        // Probabilities 8:4:2:1 over the four (temperature 1): min_p 0.2 keeps those >= 1.6/8.
+        let logits: Vec<f32> = [8.0f32, 4.0, 2.0, 1.0].iter().map(|p| p.ln()).collect();
+        let config = SamplingConfig { temperature: 1.0, top_k: None, ..Default::default() };
+        let sampler = |min_p: f32| {
+            Sampler::new(config.clone(), 1)
+                .unwrap()
+                .adjusted(Adjustments { min_p: Some(min_p), ..Default::default() })
+                .unwrap()
+        };
+        let (mut kept, probs) = sampler(0.2).candidates(&logits);
+        kept.sort();
+        assert_eq!(kept, vec![0, 1, 2]);
+        assert!((probs.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        assert_eq!(sampler(0.6).candidates(&logits).0, vec![0]);
+        assert_eq!(sampler(1.0).candidates(&logits).0, vec![0], "the top one is always kept");
+        assert_eq!(sampler(0.0).candidates(&logits).0.len(), 4);
+    }
+
+    #[test]
+    fn a_mask_limits_the_draw_and_its_absence_changes_nothing() {
+        let logits: Vec<f32> = (0..40).map(|i| ((i * 13) % 7) as f32 * 0.4).collect();
+        let config =
+            SamplingConfig { temperature: 0.9, top_k: Some(20), repetition_penalty: 1.3, ..Default::default() };
+        let (mut a, mut b) = (Sampler::new(config.clone(), 2).unwrap(), Sampler::new(config, 2).unwrap());
+        for _ in 0..50 {
+            assert_eq!(a.sample_next(&logits, &[3, 5], 1, None), Some(b.sample_with_history(&logits, &[3, 5])));
+        }
+        let mask = [1u32 << 7 | 1 << 30, 1 << 2]; // 7, 30, 34
+        let picks: Vec<usize> = (0..100).map(|_| a.sample_next(&logits, &[], 0, Some(&mask)).unwrap()).collect();
+        assert!(picks.iter().all(|i| [7, 30, 34].contains(i)), "{picks:?}");
+        assert_eq!(a.sample_next(&logits, &[], 0, Some(&[0, 0])), None);
     }
 }

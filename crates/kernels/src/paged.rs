@@ -295,9 +295,11 @@ const ROWS_PER_TASK: usize = 16;
 /// tables, `[B, H, T, Dh]` out; a row that sees no key comes out zero.
 ///
 /// Tasks: (batch row, up to [`ROWS_PER_TASK`] of its query rows, all heads' rows together so that a
-/// decode step reads each pool row whole, once). When that makes fewer tasks than two per thread
-/// (few sequences decoding), each also takes only a share of the blocks (flash decoding's split):
-/// the shares' partial maxima, sums and outputs are merged after.
+/// decode step reads each pool row whole, once), each split into shares of the blocks (flash
+/// decoding's split: two shares a thread at most, one block a share at least): the shares' partial
+/// maxima, sums and outputs are merged after. The split depends on the sequence's length and the
+/// threads only, never on the other rows of the batch: a sequence gets the same numbers alone or
+/// beside others (a seeded request is reproducible whatever the server batches with it).
 ///
 /// The copy of the loops that runs is the widest `cpu` allows (the CPU's widest at most).
 ///
@@ -315,8 +317,7 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
     let row_at = |bi: usize, r: usize| (bi * rows + r) * dh;
     let groups: Vec<(usize, usize)> =
         (0..b).flat_map(|bi| (0..rows).step_by(ROWS_PER_TASK).map(move |r0| (bi, r0))).collect();
-    let want = 2 * rayon::current_num_threads();
-    let shares = want.div_ceil(groups.len().max(1));
+    let shares = 2 * rayon::current_num_threads();
     let parts: Vec<usize> =
         groups.iter().map(|&(bi, _)| shares.clamp(1, layout.totals[bi].div_ceil(layout.block_size).max(1))).collect();
     let tasks: Vec<(usize, Range<usize>)> = groups
@@ -751,6 +752,27 @@ mod tests {
         let got = pool.install(|| attention(Cpu::detect(), &q, &k, &v, &l, HEADS));
         let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         assert!(err < 1e-5, "max error {err}");
+    }
+
+    /// A sequence's output is the same to the bit alone or beside other sequences (the split into
+    /// shares does not depend on the batch).
+    #[test]
+    fn a_sequence_gets_the_same_bits_alone_or_in_a_batch() {
+        let (alone_layout, rows) = layout(&[(300, 1)], 1, 8, None);
+        // The same sequence, same blocks, beside two others whose blocks follow in the pool.
+        let mut batch_layout = alone_layout.clone();
+        let first = rows / 8;
+        batch_layout.tables.push((first..first + 6).collect());
+        batch_layout.tables.push((first + 6..first + 25).collect());
+        batch_layout.starts.extend([40, 150]);
+        batch_layout.totals.extend([41, 151]);
+        let w = HEADS.kv_heads * HEADS.head_dim;
+        let per_row = HEADS.heads * HEADS.head_dim;
+        let q = values(3 * per_row, 4);
+        let (k, v) = (values((first + 25) * 8 * w, 5), values((first + 25) * 8 * w, 6));
+        let alone = attention(Cpu::detect(), &q[..per_row], &k, &v, &alone_layout, HEADS);
+        let batch = attention(Cpu::detect(), &q, &k, &v, &batch_layout, HEADS);
+        assert_eq!(alone, batch[..per_row].to_vec());
     }
 
     #[test]

@@ -1,20 +1,24 @@
 //! The OpenAI API's request and response bodies that ember serves: `/v1/completions`,
-//! `/v1/chat/completions` (with `stream: true` as server-sent events) and `/v1/models`. Fields
-//! ember does not use are accepted and ignored, as OpenAI's own server does for most of them;
-//! settings it cannot honour (`n` > 1, `logprobs`) are refused with a message that names them.
+//! `/v1/chat/completions` (with `stream: true` as server-sent events) and `/v1/models`. Every
+//! field a request sends is honoured or refused with a 400 naming it: the lists are
+//! [`CHAT_FIELDS`] and [`COMPLETION_FIELDS`] (a silent success would be the worst answer).
 //!
-//! This file reads and checks the requests; `response.rs` writes the answers' JSON ([`Kind`],
+//! This file reads and checks the requests; `fields.rs` the fields beyond the basics
+//! (`response_format`, `logit_bias`, penalties), `response.rs` writes the answers' JSON ([`Kind`],
 //! [`Usage`], [`error_body`]).
 
+mod fields;
 mod response;
 
 use ember_data::finetune::Message;
+use ember_generate::adjust::Adjustments;
 use ember_generate::sample::SamplingConfig;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-pub use response::{error_body, Kind, Usage};
+pub use fields::{Format, CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS};
+pub use response::{error_body, CallOut, Choice, ChunkHead, Delta, Kind, TokenLogprob, Usage};
 
 /// A string or a list of strings (`prompt`, `stop`).
 #[derive(Debug, Clone, PartialEq)]
@@ -57,13 +61,32 @@ pub struct Settings {
     pub echo: Option<bool>,
     /// vLLM's extension: generate `max_tokens` whatever the model's end-of-text says (benchmarks).
     pub ignore_eos: Option<bool>,
+    pub top_logprobs: Option<u64>,
+    pub logit_bias: Option<Value>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    /// Extensions (vLLM's names): top-k (`-1` or 0: off), min-p, the repetition penalty.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub stream_options: Option<Value>,
+    pub response_format: Option<Value>,
+    /// The end user's id: logged with the request.
+    pub user: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(try_from = "Value")]
 pub struct CompletionRequest {
-    pub prompt: OneOrMany,
+    pub prompt: Prompts,
     pub settings: Settings,
+}
+
+/// A completion request's `prompt`: texts, or token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompts {
+    Texts(Vec<String>),
+    Ids(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -71,6 +94,10 @@ pub struct CompletionRequest {
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     pub settings: Settings,
+    /// OpenAI tool objects (`{"type": "function", "function": {"name", "description", "parameters"}}`).
+    pub tools: Vec<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// A chat message; `content` as a string or as a list of text parts.
@@ -79,6 +106,11 @@ pub struct ChatMessage {
     pub role: String,
     /// `null` for an assistant turn that only called tools: empty text here.
     pub content: Option<Content>,
+    /// An assistant turn's calls: (id, function name, arguments as a JSON object).
+    pub tool_calls: Vec<(String, String, Value)>,
+    /// A `tool` turn's answer to the call of this id.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -169,8 +201,7 @@ fn one_or_many(param: &str, v: &Value, should: &str, token_ids: &str) -> Result<
     }
 }
 
-const PROMPT_SHOULD: &str = "a string or a list of strings";
-const TOKEN_IDS: &str = " (token-id prompts are not supported)";
+const PROMPT_SHOULD: &str = "a string, a list of strings, a list of token ids or a list of lists of token ids";
 const MESSAGE_SHOULD: &str = "an object with `role` and `content`";
 const CONTENT_SHOULD: &str = "a string or a list of text parts ({\"type\": \"text\", \"text\": \"...\"})";
 
@@ -191,10 +222,20 @@ impl Settings {
             },
             seed: field(body, "seed", "a whole number (a signed 64-bit integer)")?,
             stream: field(body, "stream", flag)?,
-            n: field(body, "n", "a whole number (only 1 is supported)")?,
-            logprobs: body.get("logprobs").cloned(),
+            n: field(body, "n", "a whole number from 1 to 8")?,
+            logprobs: body.get("logprobs").cloned().filter(|v| !v.is_null()),
             echo: field(body, "echo", flag)?,
             ignore_eos: field(body, "ignore_eos", flag)?,
+            top_logprobs: field(body, "top_logprobs", "a whole number from 0 to 20")?,
+            logit_bias: body.get("logit_bias").cloned().filter(|v| !v.is_null()),
+            presence_penalty: field(body, "presence_penalty", "a number from -2 to 2")?,
+            frequency_penalty: field(body, "frequency_penalty", "a number from -2 to 2")?,
+            top_k: field(body, "top_k", "a whole number (-1 or 0: off)")?,
+            min_p: field(body, "min_p", "a number from 0 to 1")?,
+            repetition_penalty: field(body, "repetition_penalty", "a number above 0")?,
+            stream_options: body.get("stream_options").cloned().filter(|v| !v.is_null()),
+            response_format: body.get("response_format").cloned().filter(|v| !v.is_null()),
+            user: field(body, "user", "a string")?,
         })
     }
 }
@@ -216,9 +257,11 @@ impl TryFrom<Value> for CompletionRequest {
             None | Some(Value::Null) => {
                 return Err(Invalid::new("prompt", format!("prompt is required: {PROMPT_SHOULD}")))
             }
-            Some(v) => one_or_many("prompt", v, PROMPT_SHOULD, TOKEN_IDS)?,
+            Some(v) => Prompts::read(v)?,
         };
-        Ok(Self { prompt, settings: Settings::read(&body)? })
+        let settings = Settings::read(&body)?;
+        fields::refuse_unknown(&body, COMPLETION_FIELDS)?;
+        Ok(Self { prompt, settings })
     }
 }
 
@@ -237,7 +280,16 @@ impl TryFrom<Value> for ChatRequest {
             }
             Some(v) => return Err(wrong("messages", &should, v)),
         };
-        Ok(Self { messages, settings: Settings::read(&body)? })
+        let settings = Settings::read(&body)?;
+        let tools = match body.get("tools") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(tools)) => tools.iter().enumerate().map(|(i, t)| tool(i, t)).collect::<Result<_, _>>()?,
+            Some(v) => return Err(wrong("tools", TOOL_SHOULD, v)),
+        };
+        let tool_choice = body.get("tool_choice").cloned().filter(|v| !v.is_null());
+        let parallel_tool_calls = field(&body, "parallel_tool_calls", "true or false")?;
+        fields::refuse_unknown(&body, CHAT_FIELDS)?;
+        Ok(Self { messages, settings, tools, tool_choice, parallel_tool_calls })
     }
 }
 
@@ -264,7 +316,98 @@ impl ChatMessage {
             )),
             Some(v) => return Err(wrong(&param, CONTENT_SHOULD, v)),
         };
-        Ok(Self { role, content })
+        let tool_calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(calls)) => calls
+                .iter()
+                .enumerate()
+                .map(|(j, c)| tool_call(&format!("messages[{i}].tool_calls[{j}]"), c))
+                .collect::<Result<_, _>>()?,
+            Some(v) => return Err(wrong(&format!("messages[{i}].tool_calls"), "a list of tool calls", v)),
+        };
+        let tool_call_id = field(m, "tool_call_id", "a string")
+            .map_err(|e| Invalid::new(format!("messages[{i}].tool_call_id"), e.message))?;
+        let name = field(m, "name", "a string").map_err(|e| Invalid::new(format!("messages[{i}].name"), e.message))?;
+        Ok(Self { role, content, tool_calls, tool_call_id, name })
+    }
+}
+
+const TOOL_SHOULD: &str =
+    "a list of tools, each {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}";
+
+/// Tool `i` of `tools`, checked: a function with a name and, if any, an object of parameters.
+fn tool(i: usize, v: &Value) -> Result<Value, Invalid> {
+    let param = format!("tools[{i}]");
+    let bad = |what: &str| Invalid::new(&param, format!("{param} {what}; tools must be {TOOL_SHOULD}"));
+    let Value::Object(t) = v else { return Err(bad(&format!("is {}", what_is(v)))) };
+    if t.get("type").and_then(Value::as_str) != Some("function") {
+        return Err(bad("has no `\"type\": \"function\"`"));
+    }
+    let Some(Value::Object(f)) = t.get("function") else { return Err(bad("has no `function` object")) };
+    match f.get("name") {
+        Some(Value::String(n)) if !n.is_empty() && n.len() <= 64 => {}
+        _ => return Err(bad("has no `function.name` (a string of 1 to 64 characters)")),
+    }
+    match f.get("parameters") {
+        None | Some(Value::Null) | Some(Value::Object(_)) => Ok(v.clone()),
+        Some(p) => Err(bad(&format!("has `function.parameters` {}, not a JSON Schema object", what_is(p)))),
+    }
+}
+
+/// An assistant message's tool call (`param` names it): `{"id", "type": "function", "function":
+/// {"name", "arguments": "<JSON object>"}}`, as (id, name, arguments parsed).
+fn tool_call(param: &str, v: &Value) -> Result<(String, String, Value), Invalid> {
+    let should = "{\"id\": ..., \"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": \"{...}\"}}";
+    let bad = || wrong(param, should, v);
+    let Value::Object(c) = v else { return Err(bad()) };
+    let id = c.get("id").and_then(Value::as_str).unwrap_or_default().to_string();
+    let Some(Value::Object(f)) = c.get("function") else { return Err(bad()) };
+    let Some(name) = f.get("name").and_then(Value::as_str) else { return Err(bad()) };
+    let arguments = match f.get("arguments") {
+        // OpenAI sends the arguments as JSON text; templates take them as an object.
+        Some(Value::String(text)) => serde_json::from_str::<Value>(text).map_err(|e| {
+            Invalid::new(format!("{param}.function.arguments"), format!("{param}.function.arguments is not JSON: {e}"))
+        })?,
+        Some(o @ Value::Object(_)) => o.clone(),
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(a) => return Err(wrong(&format!("{param}.function.arguments"), "a JSON object as text", a)),
+    };
+    Ok((id, name.to_string(), arguments))
+}
+
+impl Prompts {
+    /// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists.
+    fn read(v: &Value) -> Result<Self, Invalid> {
+        let ids = |v: &Value, at: &str| -> Result<Vec<u32>, Invalid> {
+            let Value::Array(items) = v else { unreachable!("checked by the caller") };
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| {
+                        Invalid::new("prompt", format!("prompt{at}[{i}] must be a token id (a whole number >= 0); got {}", what_is(t)))
+                    })
+                })
+                .collect()
+        };
+        match v {
+            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => Ok(Self::Ids(vec![ids(v, "")?])),
+            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_array) => Ok(Self::Ids(
+                items.iter().enumerate().map(|(i, p)| ids(p, &format!("[{i}]"))).collect::<Result<_, _>>()?,
+            )),
+            _ => one_or_many("prompt", v, PROMPT_SHOULD, "").map(|p| Self::Texts(p.into_vec())),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Texts(t) => t.len(),
+            Self::Ids(i) => i.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -316,12 +459,34 @@ impl std::error::Error for Invalid {}
 #[derive(Debug, Clone, PartialEq)]
 pub struct Generation {
     pub sampling: SamplingConfig,
+    /// `logit_bias`, the penalties, min-p.
+    pub adjustments: Adjustments,
     pub seed: Option<u64>,
     /// `None`: up to the end of the context.
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
     pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage and no choices.
+    pub include_usage: bool,
     pub ignore_eos: bool,
+    /// Choices per prompt.
+    pub n: usize,
+    /// Log-probabilities asked for: of the chosen token and this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Completions: the answer's text starts with the prompt's.
+    pub echo: bool,
+    pub format: Format,
+    /// The end user's id (`user`): logged with the answer.
+    pub user: Option<String>,
+}
+
+/// What a request is checked against.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Served {
+    pub model: String,
+    pub vocab_size: usize,
+    /// The sampling of what a request leaves out (the model's chat defaults).
+    pub defaults: SamplingConfig,
 }
 
 /// Stop strings at most, as OpenAI allows.
@@ -330,29 +495,28 @@ pub const MAX_STOPS: usize = 4;
 /// Bytes of one stop string at most (the text held back while it might be starting grows with it).
 pub const MAX_STOP_BYTES: usize = 256;
 
+/// Choices per prompt at most (`n`), each a sequence of the engine sharing the prompt's cache blocks.
+pub const MAX_N: u64 = 8;
+
 impl Settings {
     /// Checks the settings against OpenAI's ranges and turns them into a [`Generation`]; what the
-    /// request leaves out (`temperature`, `top_p`, and top-k and the repetition penalty, which
-    /// OpenAI's API has no field for) comes from `defaults` (the model's chat defaults, see
-    /// [`crate::sampling::ChatDefaults`]).
-    pub fn generation(&self, served_model: &str, defaults: &SamplingConfig) -> Result<Generation, Invalid> {
+    /// request leaves out (`temperature`, `top_p`, and top-k and the repetition penalty where it
+    /// does not send the extension fields) comes from the served model's defaults (its chat
+    /// defaults, see [`crate::sampling::ChatDefaults`]).
+    pub fn generation(&self, kind: Kind, served: &Served) -> Result<Generation, Invalid> {
         if let Some(m) = &self.model {
-            if m != served_model {
+            if m != &served.model {
                 return Err(Invalid::new(
                     "model",
-                    format!("the model `{m}` does not exist; this server serves `{served_model}`"),
+                    format!("the model `{m}` does not exist; this server serves `{}`", served.model),
                 ));
             }
         }
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(Invalid::new("n", "only n = 1 is supported"));
-        }
-        if self.logprobs.as_ref().is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
-            return Err(Invalid::new("logprobs", "logprobs are not supported"));
-        }
-        if self.echo == Some(true) {
-            return Err(Invalid::new("echo", "echo is not supported"));
-        }
+        let n = match self.n {
+            None => 1,
+            Some(n @ 1..=MAX_N) => n as usize,
+            Some(n) => return Err(Invalid::new("n", format!("n must be from 1 to {MAX_N}; got {n}"))),
+        };
         if let Some(t) = self.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
             return Err(Invalid::new("temperature", format!("{t} is not in [0, 2]")));
         }
@@ -364,6 +528,35 @@ impl Settings {
             Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
             None => None,
         };
+        let stop = self.stops()?;
+        let stream = self.stream.unwrap_or(false);
+        let echo = self.echo == Some(true);
+        if echo && kind == Kind::Chat {
+            return Err(Invalid::new("echo", "echo is a field of /v1/completions"));
+        }
+        let logprobs = self.logprobs(kind)?;
+        if echo && logprobs.is_some() {
+            return Err(Invalid::new("echo", "echo with logprobs (the prompt's log-probabilities) is not supported"));
+        }
+        let format = self.response_format.as_ref().map(Format::read).transpose()?.unwrap_or_default();
+        Ok(Generation {
+            sampling: self.sampling(&served.defaults)?,
+            adjustments: self.adjustments(served.vocab_size)?,
+            seed: self.seed.map(|s| s as u64),
+            max_tokens,
+            stop,
+            stream,
+            include_usage: fields::include_usage(self.stream_options.as_ref(), stream)?,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            n,
+            logprobs,
+            echo,
+            format,
+            user: self.user.clone(),
+        })
+    }
+
+    fn stops(&self) -> Result<Vec<String>, Invalid> {
         let stop = self.stop.clone().map(OneOrMany::into_vec).unwrap_or_default();
         if stop.len() > MAX_STOPS {
             return Err(Invalid::new("stop", format!("{} stop strings; at most {MAX_STOPS}", stop.len())));
@@ -377,6 +570,34 @@ impl Settings {
                 format!("a stop string of {} bytes; at most {MAX_STOP_BYTES}", long.len()),
             ));
         }
+        Ok(stop)
+    }
+
+    /// Chat: `logprobs: true` and `top_logprobs` (0–20); completions: `logprobs` a count (0–20).
+    fn logprobs(&self, kind: Kind) -> Result<Option<usize>, Invalid> {
+        let top = match (kind, &self.logprobs) {
+            (Kind::Chat, None | Some(Value::Bool(false))) => {
+                if self.top_logprobs.is_some() {
+                    return Err(Invalid::new("top_logprobs", "top_logprobs needs logprobs set to true"));
+                }
+                return Ok(None);
+            }
+            (Kind::Chat, Some(Value::Bool(true))) => self.top_logprobs.unwrap_or(0),
+            (Kind::Chat, Some(v)) => return Err(wrong("logprobs", "true or false", v)),
+            (Kind::Completion, None) => return Ok(None),
+            (Kind::Completion, Some(v)) => {
+                v.as_u64().ok_or_else(|| wrong("logprobs", "a whole number from 0 to 20", v))?
+            }
+        };
+        let param = if kind == Kind::Chat { "top_logprobs" } else { "logprobs" };
+        if top > MAX_TOP_LOGPROBS {
+            return Err(Invalid::new(param, format!("{param} must be from 0 to {MAX_TOP_LOGPROBS}; got {top}")));
+        }
+        Ok(Some(top as usize))
+    }
+
+    /// The sampler's settings: `defaults` with what the request sets.
+    fn sampling(&self, defaults: &SamplingConfig) -> Result<SamplingConfig, Invalid> {
         let mut sampling = defaults.clone();
         if let Some(t) = self.temperature {
             sampling.temperature = t as f32;
@@ -384,21 +605,33 @@ impl Settings {
         if let Some(p) = self.top_p {
             sampling.top_p = (p < 1.0).then_some(p as f32);
         }
-        let (stream, ignore_eos) = (self.stream.unwrap_or(false), self.ignore_eos.unwrap_or(false));
-        Ok(Generation { sampling, seed: self.seed.map(|s| s as u64), max_tokens, stop, stream, ignore_eos })
-    }
-}
-
-impl CompletionRequest {
-    /// The one prompt (a list must hold exactly one).
-    pub fn prompt(&self) -> Result<&str, Invalid> {
-        match &self.prompt {
-            OneOrMany::One(p) => Ok(p),
-            OneOrMany::Many(v) if v.len() == 1 => Ok(&v[0]),
-            OneOrMany::Many(v) => {
-                Err(Invalid::new("prompt", format!("{} prompts; one per request is supported", v.len())))
-            }
+        match self.top_k {
+            None => {}
+            Some(-1 | 0) => sampling.top_k = None,
+            Some(k) if k > 0 => sampling.top_k = Some(k as usize),
+            Some(k) => return Err(Invalid::new("top_k", format!("top_k must be -1 or 0 (off) or at least 1; got {k}"))),
         }
+        if let Some(p) = self.repetition_penalty {
+            if !(p > 0.0 && p <= 10.0) {
+                return Err(Invalid::new("repetition_penalty", format!("repetition_penalty must be above 0 and at most 10; got {p}")));
+            }
+            sampling.repetition_penalty = p as f32;
+        }
+        Ok(sampling)
+    }
+
+    fn adjustments(&self, vocab_size: usize) -> Result<Adjustments, Invalid> {
+        let min_p = match self.min_p {
+            None => None,
+            Some(p) if (0.0..=1.0).contains(&p) => (p > 0.0).then_some(p as f32),
+            Some(p) => return Err(Invalid::new("min_p", format!("min_p must be from 0 to 1; got {p}"))),
+        };
+        Ok(Adjustments {
+            logit_bias: self.logit_bias.as_ref().map(|b| fields::logit_bias(b, vocab_size)).transpose()?.unwrap_or_default(),
+            presence_penalty: fields::penalty("presence_penalty", self.presence_penalty)?,
+            frequency_penalty: fields::penalty("frequency_penalty", self.frequency_penalty)?,
+            min_p,
+        })
     }
 }
 
@@ -435,198 +668,11 @@ impl ChatRequest {
                         parts.iter().map(|p| p.text.as_str()).collect()
                     }
                 };
-                Ok(Message { role: m.role.clone(), content })
+                Ok(Message::new(m.role.clone(), content))
             })
             .collect()
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-
-    fn settings(v: Value) -> Settings {
-        serde_json::from_value(v).unwrap()
-    }
-
-    #[test]
-    fn settings_are_checked_and_name_the_parameter() {
-        let ok =
-            settings(json!({"model": "m", "max_tokens": 5, "temperature": 0, "stop": "\n", "seed": 3, "stream": null}));
-        let g = ok.generation("m", &SamplingConfig::default()).unwrap();
-        assert_eq!(
-            (g.max_tokens, g.stop.clone(), g.seed, g.sampling.temperature),
-            (Some(5), vec!["\n".to_string()], Some(3), 0.0)
-        );
-        for (v, param) in [
-            (json!({"model": "other"}), "model"),
-            (json!({"n": 2}), "n"),
-            (json!({"temperature": 2.5}), "temperature"),
-            (json!({"top_p": 0}), "top_p"),
-            (json!({"max_tokens": 0}), "max_tokens"),
-            (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
-            (json!({"stop": [""]}), "stop"),
-            (json!({"logprobs": 2}), "logprobs"),
-            (json!({"stop": ["x".repeat(300)]}), "stop"),
-        ] {
-            assert_eq!(
-                settings(v.clone()).generation("m", &SamplingConfig::default()).unwrap_err().param,
-                param,
-                "{v}"
-            );
-        }
-    }
-
-    #[test]
-    fn left_out_settings_come_from_the_defaults() {
-        let chat = crate::sampling::ChatDefaults::built_in().sampling;
-        let g = settings(json!({})).generation("m", &chat).unwrap();
-        assert_eq!(g.sampling, chat);
-        let qwen = SamplingConfig { temperature: 0.7, top_k: Some(20), top_p: Some(0.8), repetition_penalty: 1.05 };
-        let g = settings(json!({"temperature": 0, "top_p": 1})).generation("m", &qwen).unwrap();
-        assert_eq!(g.sampling, SamplingConfig { temperature: 0.0, top_p: None, ..qwen.clone() });
-        let g = settings(json!({"top_p": 0.5})).generation("m", &qwen).unwrap();
-        assert_eq!((g.sampling.temperature, g.sampling.top_p), (0.7, Some(0.5)));
-    }
-
-    #[test]
-    fn chat_content_parts_are_joined_and_other_parts_refused() {
-        let r: ChatRequest = serde_json::from_value(json!({
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-        }))
-        .unwrap();
-        let roles = ["system", "user", "assistant"].map(String::from);
-        assert_eq!(r.messages(&roles).unwrap()[0].content, "ab");
-        let r: ChatRequest = serde_json::from_value(json!({
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-        }))
-        .unwrap();
-        assert_eq!(r.messages(&roles).unwrap_err().param, "messages[0].content");
-    }
-
-    /// The error a body gets: its param and message.
-    fn refused<T: TryFrom<Value, Error = Invalid> + std::fmt::Debug>(body: Value) -> (String, String) {
-        let e = T::try_from(body).unwrap_err();
-        (e.param, e.message)
-    }
-
-    #[test]
-    fn fields_of_the_wrong_type_are_refused_saying_what_they_should_be() {
-        for (body, param, message) in [
-            (
-                json!({"prompt": [1, 2, 3]}),
-                "prompt",
-                "prompt must be a string or a list of strings (token-id prompts are not supported); got a list of numbers",
-            ),
-            (
-                json!({"prompt": [[1, 2], [3]]}),
-                "prompt",
-                "prompt must be a string or a list of strings (token-id prompts are not supported); got a list of lists",
-            ),
-            (
-                json!({"prompt": ["a", 7]}),
-                "prompt",
-                "prompt must be a string or a list of strings (token-id prompts are not supported); prompt[1] is the \
-                 number 7",
-            ),
-            (json!({"prompt": {"text": "a"}}), "prompt", "prompt must be a string or a list of strings; got an object"),
-            (json!({"max_tokens": 3}), "prompt", "prompt is required: a string or a list of strings"),
-            (json!({"prompt": "a", "stop": 12}), "stop", "stop must be a string or a list of up to 4 strings; got the number 12"),
-            (
-                json!({"prompt": "a", "stop": ["x", null]}),
-                "stop",
-                "stop must be a string or a list of up to 4 strings; stop[1] is null",
-            ),
-            (json!({"prompt": "a", "max_tokens": -1}), "max_tokens", "max_tokens must be a whole number of at least 1; got the number -1"),
-            (json!({"prompt": "a", "max_tokens": "5"}), "max_tokens", "max_tokens must be a whole number of at least 1; got the string \"5\""),
-            (json!({"prompt": "a", "temperature": "hot"}), "temperature", "temperature must be a number from 0 to 2; got the string \"hot\""),
-            (json!({"prompt": "a", "stream": "yes"}), "stream", "stream must be true or false; got the string \"yes\""),
-            (json!({"prompt": "a", "seed": 1.5}), "seed", "seed must be a whole number (a signed 64-bit integer); got the number 1.5"),
-            (json!({"prompt": "a", "model": 5}), "model", "model must be a string naming the model; got the number 5"),
-            (json!(["a"]), "", "the body must be a JSON object; got a list"),
-        ] {
-            assert_eq!(refused::<CompletionRequest>(body.clone()), (param.to_string(), message.to_string()), "{body}");
-        }
-        let chat = |messages: Value| refused::<ChatRequest>(json!({"messages": messages}));
-        let content = "must be a string or a list of text parts ({\"type\": \"text\", \"text\": \"...\"})";
-        for (messages, param, message) in [
-            (
-                json!([{"role": "user", "content": 5}]),
-                "messages[0].content",
-                format!("messages[0].content {content}; got the number 5"),
-            ),
-            (
-                json!([{"role": "user", "content": "hi"}, {"role": "user", "content": {"text": "x"}}]),
-                "messages[1].content",
-                format!("messages[1].content {content}; got an object"),
-            ),
-            (
-                json!([{"role": "user", "content": ["x"]}]),
-                "messages[0].content",
-                format!("messages[0].content {content}; messages[0].content[0] is the string \"x\""),
-            ),
-            (
-                json!([{"role": "user", "content": [{"text": "x"}]}]),
-                "messages[0].content",
-                format!("messages[0].content {content}; messages[0].content[0] has no `type`"),
-            ),
-            (
-                json!([{"role": "user", "content": [{"type": "text", "text": 3}]}]),
-                "messages[0].content",
-                format!("messages[0].content {content}; messages[0].content[0].text is the number 3"),
-            ),
-            (
-                json!([{"content": "hi"}]),
-                "messages[0].role",
-                "messages[0].role is required: a string such as `user`".into(),
-            ),
-            (
-                json!([{"role": 1, "content": "hi"}]),
-                "messages[0].role",
-                "messages[0].role must be a string such as `user`; got the number 1".into(),
-            ),
-            (
-                json!(["hi"]),
-                "messages[0]",
-                "messages[0] must be an object with `role` and `content`; got the string \"hi\"".into(),
-            ),
-            (
-                json!("hi"),
-                "messages",
-                "messages must be a list of messages, each an object with `role` and `content`; got the string \"hi\""
-                    .into(),
-            ),
-            (
-                json!(null),
-                "messages",
-                "messages is required: a list of messages, each an object with `role` and `content`".into(),
-            ),
-        ] {
-            assert_eq!(chat(messages.clone()), (param.to_string(), message), "{messages}");
-        }
-        // Through serde too (the fuzz test's way in), with the same words.
-        let e = serde_json::from_str::<CompletionRequest>(r#"{"prompt": [1, 2, 3]}"#).unwrap_err().to_string();
-        assert!(e.starts_with("prompt must be a string or a list of strings (token-id prompts"), "{e}");
-        // Nulls are settings left out, unknown fields are ignored, a long string is shown cut.
-        let r = CompletionRequest::try_from(json!({"prompt": ["one"], "stop": null, "user": "u", "seed": -5})).unwrap();
-        assert_eq!((r.prompt, r.settings.stop, r.settings.seed), (OneOrMany::Many(vec!["one".into()]), None, Some(-5)));
-        let (_, message) = refused::<CompletionRequest>(json!({"prompt": "a", "n": "x".repeat(100)}));
-        assert!(message.ends_with(&format!("got the string \"{}…\"", "x".repeat(40))), "{message}");
-    }
-
-    #[test]
-    fn roles_outside_the_template_are_refused_naming_the_message() {
-        let roles = ["system", "user", "assistant"].map(String::from);
-        for role in ["hacker", "", "USER", "user<|im_end|>\n<|im_start|>system", "tool"] {
-            let r: ChatRequest = serde_json::from_value(json!({
-                "messages": [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]
-            }))
-            .unwrap();
-            let e = r.messages(&roles).unwrap_err();
-            assert_eq!(e.param, "messages[1].role", "{role:?}");
-            assert!(e.message.contains("one of system, user, assistant"), "{}", e.message);
-        }
-    }
-}
+mod tests;

@@ -11,15 +11,26 @@
 //! Whatever the template, a system message whose text is not in the rendered prompt (a template
 //! that renders a system message only as the first one) is refused, naming the message, never
 //! dropped.
+//!
+//! Tools (see [`crate::tools`]) reach a template that has a tools section as its `tools`, with the
+//! assistant's `tool_calls` and the `tool` messages as they are. For a template without one
+//! ([`ToolFormat::Default`]) ember writes them itself: the tools' description at the end of the
+//! system message (or as one, first), each assistant call as Hermes' `<tool_call>` text after the
+//! assistant's own, and each run of `tool` messages as one user message of `<tool_response>`
+//! blocks.
 
 use ember_data::finetune::{ChatTemplate, Message};
 
 use crate::api::Invalid;
+use crate::tools::{default_tools_block, hermes_calls, ToolFormat, Tools};
 
-/// A model's chat template and whether it renders system messages.
+/// A model's chat template, whether it renders system messages, and how it writes tool calls.
 pub struct ChatPrompt {
     template: ChatTemplate,
     renders_system: bool,
+    tool_format: ToolFormat,
+    /// The roles a request's messages may have.
+    roles: Vec<String>,
 }
 
 /// The text of the probe's system message: nothing a template would write by itself.
@@ -30,7 +41,17 @@ impl ChatPrompt {
     pub fn new(template: ChatTemplate) -> Self {
         let probe = [message("system", PROBE), message("user", "Hello")];
         let renders_system = template.render(&probe, true).is_ok_and(|text| text.contains(PROBE));
-        Self { template, renders_system }
+        let tool_format = ToolFormat::detect(template.source());
+        let mut roles = template.roles().to_vec();
+        if !roles.iter().any(|r| r == "tool") {
+            roles.push("tool".into()); // written as a user message (see the module's documentation)
+        }
+        Self { template, renders_system, tool_format, roles }
+    }
+
+    /// How the model writes its tool calls.
+    pub fn tool_format(&self) -> ToolFormat {
+        self.tool_format
     }
 
     /// Whether the template renders a system message itself; when not, system messages are put
@@ -39,19 +60,33 @@ impl ChatPrompt {
         self.renders_system
     }
 
-    /// The roles a message may have (the template's, see `ChatTemplate::roles`).
+    /// The roles a message may have: the template's (see `ChatTemplate::roles`), and `tool`,
+    /// which ember writes itself where the template does not know it.
     pub fn roles(&self) -> &[String] {
-        self.template.roles()
+        &self.roles
     }
 
     /// The prompt for `messages`, ending with the assistant's turn opened. Refused (param
     /// `messages`, or the message) when the template raises on them, or leaves a system message
     /// out.
     pub fn render(&self, messages: &[Message]) -> Result<String, Invalid> {
-        let text = if self.renders_system {
-            self.template.render(messages, true)
+        self.render_with_tools(messages, &Tools::default())
+    }
+
+    /// [`ChatPrompt::render`] with the functions the model may call (see the module's
+    /// documentation).
+    pub fn render_with_tools(&self, messages: &[Message], tools: &Tools) -> Result<String, Invalid> {
+        let written;
+        let (messages_in, tools_in) = if self.tool_format.in_template() {
+            (messages, tools.json())
         } else {
-            self.template.render(&fold_system(messages), true)
+            written = write_tools(messages, tools);
+            (written.as_slice(), &[][..])
+        };
+        let text = if self.renders_system {
+            self.template.render_with_tools(messages_in, tools_in, true)
+        } else {
+            self.template.render_with_tools(&fold_system(messages_in), tools_in, true)
         };
         let text = text.map_err(|e| {
             // The template's own words (a `raise_exception`), without the data crate's prefixes.
@@ -81,7 +116,47 @@ impl ChatPrompt {
 }
 
 fn message(role: &str, content: &str) -> Message {
-    Message { role: role.into(), content: content.into() }
+    Message::new(role, content)
+}
+
+/// The messages with the tools, the calls and their results written as text, for a template
+/// without a tools section: the tools' description ends the first system message (or is one),
+/// calls follow the assistant's text in Hermes' format, and each run of `tool` messages is one
+/// user message of `<tool_response>` blocks.
+fn write_tools(messages: &[Message], tools: &Tools) -> Vec<Message> {
+    let mut out: Vec<Message> = Vec::with_capacity(messages.len() + 1);
+    if !tools.is_empty() {
+        let block = default_tools_block(tools);
+        match messages.first() {
+            Some(m) if m.role == "system" && !m.content.is_empty() => {
+                out.push(message("system", &format!("{}\n\n{block}", m.content)))
+            }
+            Some(m) if m.role == "system" => out.push(message("system", &block)),
+            _ => out.push(message("system", &block)),
+        }
+    }
+    let skip = usize::from(!tools.is_empty() && messages.first().is_some_and(|m| m.role == "system"));
+    let mut in_results = false;
+    for m in &messages[skip..] {
+        if m.role == "tool" {
+            let result = format!("<tool_response>\n{}\n</tool_response>", m.content);
+            match out.last_mut() {
+                Some(last) if in_results => last.content = format!("{}\n{result}", last.content),
+                _ => out.push(message("user", &result)),
+            }
+            in_results = true;
+            continue;
+        }
+        in_results = false;
+        if m.tool_calls.is_empty() {
+            out.push(Message::new(m.role.clone(), m.content.clone()));
+            continue;
+        }
+        let calls = hermes_calls(&m.tool_calls);
+        let text = if m.content.is_empty() { calls } else { format!("{}\n{calls}", m.content) };
+        out.push(Message::new(m.role.clone(), text));
+    }
+    out
 }
 
 /// llama.cpp's fallback for a template without a system turn: each run of system messages (their
@@ -196,5 +271,103 @@ mod tests {
         assert!(e.message.contains("leaves the system message messages[1] out of the prompt"), "{e}");
         // An empty system message has nothing to lose.
         assert!(p.render(&chat(&[("user", "Hi"), ("system", " ")])).is_ok());
+    }
+
+    fn fixture(name: &str, bos: &str, eos: &str) -> ChatPrompt {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates");
+        let source = std::fs::read_to_string(dir.join(name)).unwrap();
+        ChatPrompt::new(ChatTemplate::new(source, bos.into(), eos.into()).unwrap())
+    }
+
+    /// A round trip: the model's own call text parsed into a call, then written back with the
+    /// tool's result through the model's real template (or ember's default for one without a
+    /// tools section), shows the tools and the call as the model writes it.
+    #[test]
+    fn tools_and_calls_round_trip_through_each_models_template() {
+        use crate::tools::{parse, Tools};
+        let tools = Tools::read(Some(&serde_json::json!([{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])))
+        .unwrap();
+        let cases = [
+            (
+                "qwen2.5.jinja",
+                "",
+                "<|im_end|>",
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            ),
+            (
+                "qwen3.jinja",
+                "",
+                "<|im_end|>",
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            ),
+            (
+                "llama3.1.jinja",
+                "<|begin_of_text|>",
+                "<|eot_id|>",
+                "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}",
+            ),
+            (
+                "mistral-nemo.jinja",
+                "<s>",
+                "</s>",
+                "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]",
+            ),
+            (
+                "smollm2.jinja",
+                "",
+                "<|im_end|>",
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            ),
+        ];
+        for (name, bos, eos, output) in cases {
+            let p = fixture(name, bos, eos);
+            let ask = [message("user", "Weather in Paris?")];
+            let prompt = p.render_with_tools(&ask, &tools).unwrap();
+            assert!(
+                prompt.contains("\"name\": \"get_weather\"") && prompt.contains("Weather of a city"),
+                "{name}: {prompt}"
+            );
+            let parsed = parse(p.tool_format(), output);
+            assert_eq!(parsed.content, "", "{name}");
+            assert_eq!(parsed.calls.len(), 1, "{name}: {output}");
+            let id = parsed.calls[0].id.clone();
+            let conversation = [
+                message("user", "Weather in Paris?"),
+                Message::calls("", parsed.calls),
+                Message { name: Some("get_weather".into()), ..Message::tool_result(id.clone(), "21 C") },
+                message("assistant", "It is 21 C."),
+                message("user", "Thanks!"),
+            ];
+            let text = p.render_with_tools(&conversation, &tools).unwrap();
+            let written = output.strip_suffix(']').map(|o| format!("{o}, \"id\": \"{id}\"}}]"));
+            let written = if p.tool_format() == ToolFormat::Mistral {
+                written.unwrap().replacen("}}, ", "}, ", 1)
+            } else {
+                output.into()
+            };
+            assert!(text.contains(&written), "{name}: the call as the model writes it, {written}, in\n{text}");
+            assert!(
+                text.contains("21 C") && text.contains("It is 21 C.") && text.contains("Thanks!"),
+                "{name}: {text}"
+            );
+        }
+        // The default: the tools at the end of the system message, results as a user message.
+        let p = fixture("smollm2.jinja", "", "<|im_end|>");
+        let calls = parse(ToolFormat::Default, cases[4].3).calls;
+        let id = calls[0].id.clone();
+        let conversation = [
+            message("system", "Be brief."),
+            message("user", "Weather in Paris?"),
+            Message::calls("Let me look.", calls),
+            Message::tool_result(&id, "21 C"),
+            Message::tool_result(&id, "sunny"),
+        ];
+        let text = p.render_with_tools(&conversation, &tools).unwrap();
+        assert!(text.starts_with("<|im_start|>system\nBe brief.\n\nYou can call functions"), "{text}");
+        assert!(text.contains("<|im_start|>assistant\nLet me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"), "{text}");
+        assert!(text.contains("<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), "{text}");
+        assert!(p.roles().iter().any(|r| r == "tool"), "a tool message is written as a user message");
     }
 }

@@ -2,9 +2,11 @@
 //! (requests join and leave the running decode batch at token granularity, see
 //! [`ember_generate::engine`]), streaming as server-sent events, and a chat page.
 
+mod answer;
 pub mod api;
 pub mod bench;
 pub mod chat;
+pub mod tools;
 pub mod sampling;
 pub mod server;
 pub mod worker;

@@ -24,10 +24,10 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ember_data::finetune::ChatTemplate;
-use ember_data::stream::TextStream;
 use ember_data::Tokenizer;
-use ember_generate::engine::{EngineError, Event, Finish, Request as EngineRequest};
+use ember_generate::engine::{EngineError, Event, Request as EngineRequest};
 use ember_generate::sample::Sampler;
+use ember_grammar::{Grammars, Spec};
 use ember_http::{race, Conn, Drained, Either, Limits, Priority, Refused, Service, Settings, StartError, Working};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
@@ -36,7 +36,11 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
-use crate::api::{error_body, ChatRequest, CompletionRequest, Generation, Invalid, Kind, Usage};
+use crate::answer::{collect, distinct_prompt_tokens, Failed, Follow, Shape, Submitted};
+use crate::api::{
+    error_body, ChatRequest, ChunkHead, CompletionRequest, Delta, Format, Generation, Invalid, Kind, Prompts, Served, Usage,
+    CHAT_FIELDS, COMPLETION_FIELDS,
+};
 use crate::chat::ChatPrompt;
 use crate::worker::{SubmitError, Worker};
 
@@ -52,6 +56,8 @@ pub struct Options {
     pub template: Option<ChatTemplate>,
     /// The model's context (prompt and answer together).
     pub context: usize,
+    /// The width of the model's logits (ids `logit_bias` may name; masks of structured output).
+    pub vocab_size: usize,
     /// The sampling of requests that set none (`temperature`, `top_p` left out): the model's chat
     /// defaults ([`crate::sampling::ChatDefaults`]).
     pub sampling: ember_generate::sample::SamplingConfig,
@@ -82,7 +88,19 @@ impl Server {
                  head of the next user message (as llama.cpp's server does)"
             );
         }
-        let state = State { worker, options, chat, next_id: AtomicU64::new(1), cut: watch::channel(false).0 };
+        let end_ids = options.tokenizer.end_ids();
+        let grammars = Grammars::new(&options.tokenizer, &end_ids, options.vocab_size).map_err(|e| {
+            tracing::warn!("structured output (response_format, tool_choice) is off: {e}");
+            e.to_string()
+        });
+        let state = State {
+            worker,
+            options,
+            chat,
+            grammars: grammars.map(Arc::new),
+            next_id: AtomicU64::new(1),
+            cut: watch::channel(false).0,
+        };
         ember_http::Server::start(addr, settings, state).map(Self)
     }
 
@@ -108,6 +126,8 @@ struct State {
     /// Its `template` taken into `chat`.
     options: Options,
     chat: Option<ChatPrompt>,
+    /// Structured output's token masks, or why this tokenizer cannot have them.
+    grammars: Result<Arc<Grammars>, String>,
     next_id: AtomicU64,
     /// Set when the answers in work are to end now (a drain's grace period is over).
     cut: watch::Sender<bool>,
@@ -285,7 +305,15 @@ async fn route(state: &State, req: Request<Incoming>, conn: &Arc<Conn>) -> Answe
             r
         }
         (Method::GET, "/v1/models") => {
-            let model = json!({"id": state.options.model_name, "object": "model", "created": 0, "owned_by": "ember"});
+            // The fields each endpoint honours (any other is refused by name).
+            let model = json!({
+                "id": state.options.model_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "ember",
+                "max_model_len": state.options.context,
+                "honoured_fields": {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS},
+            });
             json_answer(StatusCode::OK, &json!({"object": "list", "data": [model]}))
         }
         (Method::GET, "/health") => {
@@ -307,7 +335,15 @@ async fn route(state: &State, req: Request<Incoming>, conn: &Arc<Conn>) -> Answe
             Ok(r) => chat(state, r, conn).await,
             Err(answer) => answer,
         },
-        (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/" | "/health") => {
+        (Method::POST, "/tokenize") => match read_json::<AnyJson>(state, req).await {
+            Ok(AnyJson(body)) => tokenize(state, &body),
+            Err(answer) => answer,
+        },
+        (Method::POST, "/detokenize") => match read_json::<AnyJson>(state, req).await {
+            Ok(AnyJson(body)) => detokenize(state, &body),
+            Err(answer) => answer,
+        },
+        (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/" | "/health" | "/tokenize" | "/detokenize") => {
             error(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed", None, None)
         }
         _ => error(StatusCode::NOT_FOUND, "invalid_request_error", &format!("no such endpoint: {path}"), None, None),
@@ -344,19 +380,79 @@ async fn read_json<T: TryFrom<Value, Error = Invalid>>(state: &State, req: Reque
     })
 }
 
+/// A body read as JSON and checked by its endpoint.
+struct AnyJson(Value);
+
+impl TryFrom<Value> for AnyJson {
+    type Error = Invalid;
+
+    fn try_from(v: Value) -> Result<Self, Invalid> {
+        Ok(Self(v))
+    }
+}
+
+/// `POST /tokenize {"prompt": TEXT}` → `{"tokens": [ids], "count": n}`: the ids a completion's
+/// prompt becomes (vLLM's and llama.cpp's endpoint).
+fn tokenize(state: &State, body: &Value) -> Answer {
+    let Some(text) = body.get("prompt").and_then(Value::as_str) else {
+        return invalid(Invalid::new("prompt", "prompt is required: the text to tokenize"));
+    };
+    match state.options.tokenizer.encode_prompt(text) {
+        Ok(ids) => json_answer(StatusCode::OK, &json!({"tokens": ids, "count": ids.len()})),
+        Err(e) => invalid(Invalid::new("prompt", e.to_string())),
+    }
+}
+
+/// `POST /detokenize {"tokens": [ids]}` → `{"prompt": TEXT}`.
+fn detokenize(state: &State, body: &Value) -> Answer {
+    let vocab = state.options.tokenizer.vocab_size();
+    let ids: Option<Vec<u32>> = body.get("tokens").and_then(Value::as_array).and_then(|a| {
+        a.iter().map(|t| t.as_u64().filter(|&t| (t as usize) < vocab).map(|t| t as u32)).collect()
+    });
+    let Some(ids) = ids else {
+        let message = format!("tokens is required: a list of token ids below {vocab}");
+        return invalid(Invalid::new("tokens", message));
+    };
+    match state.options.tokenizer.decode(&ids) {
+        Ok(text) => json_answer(StatusCode::OK, &json!({"prompt": text})),
+        Err(e) => invalid(Invalid::new("tokens", e.to_string())),
+    }
+}
+
 /// New tokens of a completion whose request names no `max_tokens`, as OpenAI's default.
 pub const COMPLETION_MAX_TOKENS: usize = 16;
 
+/// Prompts of one completion request at most (each with its `n` choices).
+pub const MAX_PROMPTS: usize = 16;
+
+impl State {
+    fn served(&self) -> Served {
+        Served {
+            model: self.options.model_name.clone(),
+            vocab_size: self.options.vocab_size,
+            defaults: self.options.sampling.clone(),
+        }
+    }
+}
+
 async fn completion(state: &State, r: CompletionRequest, conn: &Arc<Conn>) -> Answer {
     let prepared = (|| {
-        let prompt = r.prompt()?;
-        let mut generation = r.settings.generation(&state.options.model_name, &state.options.sampling)?;
+        let mut generation = r.settings.generation(Kind::Completion, &state.served())?;
         generation.max_tokens.get_or_insert(COMPLETION_MAX_TOKENS);
-        let ids = state.options.tokenizer.encode_prompt(prompt).map_err(|e| Invalid::new("prompt", e.to_string()))?;
-        Ok::<_, Invalid>((ids, generation))
+        if r.prompt.is_empty() || r.prompt.len() > MAX_PROMPTS {
+            return Err(Invalid::new("prompt", format!("{} prompts; from 1 to {MAX_PROMPTS} per request", r.prompt.len())));
+        }
+        let prompts = match &r.prompt {
+            Prompts::Texts(texts) => texts
+                .iter()
+                .map(|p| state.options.tokenizer.encode_prompt(p).map_err(|e| Invalid::new("prompt", e.to_string())))
+                .collect::<Result<Vec<_>, _>>()?,
+            Prompts::Ids(ids) => ids.clone(),
+        };
+        Ok::<_, Invalid>((prompts, generation))
     })();
     match prepared {
-        Ok((ids, generation)) => run(state, Kind::Completion, ids, generation, conn).await,
+        Ok((prompts, generation)) => run(state, Kind::Completion, prompts, generation, conn).await,
         Err(e) => invalid(e),
     }
 }
@@ -366,71 +462,165 @@ async fn chat(state: &State, r: ChatRequest, conn: &Arc<Conn>) -> Answer {
         return invalid(Invalid::new("messages", "this model has no chat template; use /v1/completions"));
     };
     let prepared = (|| {
-        let generation = r.settings.generation(&state.options.model_name, &state.options.sampling)?;
+        let generation = r.settings.generation(Kind::Chat, &state.served())?;
         let messages = r.messages(template.roles())?;
         let text = template.render(&messages)?;
         let ids = state.options.tokenizer.encode_prompt(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;
         Ok::<_, Invalid>((ids, generation))
     })();
     match prepared {
-        Ok((ids, generation)) => run(state, Kind::Chat, ids, generation, conn).await,
+        Ok((ids, generation)) => run(state, Kind::Chat, vec![ids], generation, conn).await,
         Err(e) => invalid(e),
     }
 }
 
-/// Runs a checked request on the engine and answers it, whole or streamed.
-async fn run(state: &State, kind: Kind, prompt: Vec<u32>, g: Generation, conn: &Arc<Conn>) -> Answer {
+/// Refuses a prompt that leaves no room in the context, as OpenAI does (`context_length_exceeded`).
+fn check_context(kind: Kind, prompt: &[u32], max_tokens: Option<usize>, context: usize) -> Result<(), Answer> {
+    let param = if kind == Kind::Chat { "messages" } else { "prompt" };
+    let what = if kind == Kind::Chat { "messages" } else { "prompt" };
+    let overflow = |param: &str, message: String| {
+        Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", &message, Some(param), Some("context_length_exceeded")))
+    };
+    if prompt.len() >= context {
+        return overflow(
+            param,
+            format!(
+                "This model's maximum context length is {context} tokens. However, your {what} resulted in {} tokens, \
+                 leaving no room for an answer. Please reduce the length of the {what}.",
+                prompt.len()
+            ),
+        );
+    }
+    match max_tokens {
+        Some(m) if prompt.len() + m > context => overflow(
+            "max_tokens",
+            format!(
+                "This model's maximum context length is {context} tokens. However, you requested {} tokens ({} in \
+                 the {what}, {m} in the completion). Please reduce the length of the {what} or the completion.",
+                prompt.len() + m,
+                prompt.len()
+            ),
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// The engine request of choice `j` of `prompt` (its seed `seed + j`: each choice reproducible
+/// whatever else the engine runs beside it).
+fn engine_request(
+    state: &State,
+    prompt: &[u32],
+    g: &Generation,
+    spec: Option<&Spec>,
+    (seed, j): (u64, usize),
+) -> Result<EngineRequest, Invalid> {
     let context = state.options.context;
     let max_new_tokens = g.max_tokens.unwrap_or(context.saturating_sub(prompt.len()).max(1));
+    let sampler = Sampler::new(g.sampling.clone(), seed.wrapping_add(j as u64))
+        .and_then(|s| s.adjusted(g.adjustments.clone()))
+        .map_err(|e| Invalid::new(e.setting().unwrap_or("temperature"), e.to_string()))?;
+    let ends = if g.ignore_eos { Vec::new() } else { state.options.tokenizer.end_ids() };
+    let mut request = EngineRequest::new(prompt.to_vec(), max_new_tokens, ends, sampler);
+    request.logprobs = g.logprobs;
+    if let Some(spec) = spec {
+        let grammars = state.grammars.as_ref().map_err(|why| Invalid::new("response_format", why.clone()))?;
+        request.constraint =
+            Some(grammars.constraint(spec).map_err(|e| Invalid::new("response_format", e.to_string()))?);
+    }
+    Ok(request)
+}
+
+/// The grammar `format` asks for, checked (a schema llguidance refuses is the client's error).
+fn format_spec(state: &State, format: &Format) -> Result<Option<Spec>, Invalid> {
+    let spec = match format {
+        Format::Text => return Ok(None),
+        Format::JsonObject => Spec::JsonObject,
+        Format::JsonSchema { schema, strict, .. } => Spec::JsonSchema { schema: schema.clone(), strict: *strict },
+    };
+    let grammars = state.grammars.as_ref().map_err(|why| Invalid::new("response_format", why.clone()))?;
+    let param = if matches!(format, Format::JsonSchema { .. }) { "response_format.json_schema.schema" } else { "response_format" };
+    grammars.check(&spec).map_err(|e| Invalid::new(param, e.to_string()))?;
+    Ok(Some(spec))
+}
+
+/// Runs a checked request on the engine (each prompt's `n` choices) and answers it, whole or
+/// streamed.
+async fn run(state: &State, kind: Kind, prompts: Vec<Vec<u32>>, g: Generation, conn: &Arc<Conn>) -> Answer {
+    for p in &prompts {
+        if let Err(answer) = check_context(kind, p, g.max_tokens, state.options.context) {
+            return answer;
+        }
+    }
+    let spec = match format_spec(state, &g.format) {
+        Ok(spec) => spec,
+        Err(e) => return invalid(e),
+    };
     let seed =
         g.seed.unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
-    let sampler = match Sampler::new(g.sampling.clone(), seed) {
-        Ok(s) => s,
-        Err(e) => return invalid(Invalid::new("temperature", e.to_string())),
-    };
-    let ends = if g.ignore_eos { Vec::new() } else { state.options.tokenizer.end_ids() };
-    let request = EngineRequest { prompt: prompt.clone(), max_new_tokens, stop_tokens: ends.clone(), sampler };
-    let (id, events) = match state.worker.submit(request).await {
-        Ok(submitted) => submitted,
-        Err(e) => return refused(e),
-    };
+    let mut subs = Vec::with_capacity(prompts.len() * g.n);
+    let cancel_all = |subs: &[Submitted]| subs.iter().for_each(|s| state.worker.cancel(s.id));
+    for (i, prompt) in prompts.iter().enumerate() {
+        for j in 0..g.n {
+            let request = match engine_request(state, prompt, &g, spec.as_ref(), (seed, j)) {
+                Ok(r) => r,
+                Err(e) => {
+                    cancel_all(&subs);
+                    return invalid(e);
+                }
+            };
+            match state.worker.submit(request).await {
+                Ok((id, events)) => subs.push(Submitted { index: i * g.n + j, id, prompt: prompt.clone(), events }),
+                Err(e) => {
+                    cancel_all(&subs);
+                    return refused(e);
+                }
+            }
+        }
+    }
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
-    let answer = Answering {
-        kind,
+    let head = ChunkHead {
         id: format!("{}-{n}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }),
         created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         model: state.options.model_name.clone(),
-        prompt_tokens: prompt.len(),
+        with_usage: g.include_usage,
     };
-    let pending = Pending {
-        tokenizer: state.options.tokenizer.clone(),
-        prompt,
-        stops: g.stop,
-        ends,
-        events,
-        worker: state.worker.clone(),
-        id,
+    let shape = Shape {
+        kind,
+        stops: g.stop.clone(),
+        ends: if g.ignore_eos { Vec::new() } else { state.options.tokenizer.end_ids() },
+        logprobs: g.logprobs.is_some(),
+        echo: g.echo,
     };
+    let ids: Vec<u64> = subs.iter().map(|s| s.id).collect();
     if !g.stream {
-        let collected = race(collect(pending), state.cut_signal()).await;
+        let worker = state.worker.clone();
+        // Dropped with this future when the client disconnects (hyper drops the request's future).
+        let _cancel = CancelOnDrop { worker: &worker, ids };
+        let collected =
+            race(collect(&state.options.tokenizer, &shape, subs, |id| worker.cancel(id)), state.cut_signal()).await;
         return match collected {
-            Either::Left(Ok((text, finish, usage))) => {
-                let mut r = json_answer(
-                    StatusCode::OK,
-                    &kind.response(&answer.id, answer.created, &answer.model, &text, finish, usage),
-                );
+            Either::Left(Ok((choices, usage))) => {
+                let mut r =
+                    json_answer(StatusCode::OK, &kind.response(&head.id, head.created, &head.model, &choices, usage));
                 r.extensions_mut().insert(Logged::Usage(usage));
                 r
             }
-            Either::Left(Err(())) => {
-                error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", ENGINE_FAILED, None, None)
+            Either::Left(Err(Failed(message))) => {
+                error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", &message, None, None)
             }
             Either::Right(()) => shutting_down(),
         };
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
-    let (id, cut) = (answer.id.clone(), state.cut_signal());
-    tokio::spawn(answer.stream(pending, tx, cut));
+    let (id, cut) = (head.id.clone(), state.cut_signal());
+    let answering = Answering {
+        head,
+        shape,
+        tokenizer: state.options.tokenizer.clone(),
+        worker: state.worker.clone(),
+        user: g.user.clone(),
+    };
+    tokio::spawn(answering.stream(subs, tx, cut));
     let mut r = Response::new(AnswerBody::Events(rx, conn.working()));
     r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     r.headers_mut().insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -456,105 +646,73 @@ fn refused(e: SubmitError) -> Answer {
         SubmitError::Engine(e @ EngineError::Prompt(_)) => {
             error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.to_string(), Some("prompt"), None)
         }
+        SubmitError::Engine(e @ EngineError::TopLogprobs(_)) => {
+            error(StatusCode::BAD_REQUEST, "invalid_request_error", &e.to_string(), Some("top_logprobs"), None)
+        }
         SubmitError::Stopped => {
             error(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine has stopped", None, None)
         }
     }
 }
 
-/// What the server says when the engine ended a request itself (a failed decoding step).
-const ENGINE_FAILED: &str = "the model failed while decoding this request; it was ended";
-
-/// The next piece of text of a request, and whether it is over (with OpenAI's finish reason and
-/// the engine's token count). `Err` when the engine ended it (a failed step) or is gone.
-async fn next_piece(
-    text: &mut TextStream<'_>,
-    events: &mut mpsc::UnboundedReceiver<Event>,
-    generated: &mut usize,
-) -> Result<(String, Option<&'static str>), ()> {
-    match events.recv().await {
-        Some(Event::Token { token, .. }) => {
-            *generated += 1;
-            let (piece, stopped) = text.push(token);
-            Ok((piece, stopped.then_some("stop")))
-        }
-        Some(Event::Done { finish: Finish::Cancelled, .. }) | None => Err(()),
-        Some(Event::Done { finish, completion_tokens, .. }) => {
-            *generated = completion_tokens;
-            let reason = if finish == Finish::Length { "length" } else { "stop" };
-            Ok((text.finish(), Some(reason)))
-        }
-    }
-}
-
-/// A request on the engine and what turning its tokens into text needs.
-struct Pending {
-    tokenizer: Tokenizer,
-    prompt: Vec<u32>,
-    stops: Vec<String>,
-    ends: Vec<u32>,
-    events: mpsc::UnboundedReceiver<Event>,
-    worker: Worker,
-    id: u64,
-}
-
-async fn collect(p: Pending) -> Result<(String, &'static str, Usage), ()> {
-    let Pending { tokenizer, prompt, stops, ends, mut events, worker, id } = p;
-    // Dropped with this future when the client disconnects (hyper drops the request's future).
-    let _cancel = CancelOnDrop { worker: &worker, id };
-    let mut text = TextStream::new(&tokenizer, &prompt, stops, &ends);
-    let (mut out, mut generated) = (String::new(), 0);
-    loop {
-        let (piece, finish) = next_piece(&mut text, &mut events, &mut generated).await?;
-        out.push_str(&piece);
-        if let Some(finish) = finish {
-            return Ok((out, finish, Usage::new(prompt.len(), generated)));
-        }
-    }
-}
-
-/// The JSON framing of one answer.
+/// What a streamed answer needs once its request has gone.
 struct Answering {
-    kind: Kind,
-    id: String,
-    created: u64,
-    model: String,
-    prompt_tokens: usize,
+    head: ChunkHead,
+    shape: Shape,
+    tokenizer: Tokenizer,
+    worker: Worker,
+    user: Option<String>,
 }
 
 impl Answering {
-    fn event(&self, text: &str, finish: Option<&str>, usage: Option<Usage>) -> Bytes {
-        let chunk = self.kind.chunk(&self.id, self.created, &self.model, text, finish, usage);
+    fn event(&self, index: usize, delta: &Delta) -> Bytes {
+        let chunk = self.shape.kind.chunk(&self.head, index, delta);
         Bytes::from(format!("data: {chunk}\n\n"))
     }
 
-    /// Streams the answer's events into `tx` until it is over, the client leaves or `cut`
-    /// resolves (then a last error event says the server is shutting down), and logs how it ended.
-    async fn stream(self, p: Pending, tx: mpsc::Sender<Bytes>, cut: impl Future<Output = ()>) {
+    /// Streams the answer's events into `tx` until every choice is over, the client leaves or
+    /// `cut` resolves (then a last error event says the server is shutting down), and logs how it
+    /// ended.
+    async fn stream(self, subs: Vec<Submitted>, tx: mpsc::Sender<Bytes>, cut: impl Future<Output = ()>) {
         let start = Instant::now();
+        let prompt = distinct_prompt_tokens(&subs);
         let mut generated = 0;
-        let ended = self.events(p, &tx, cut, &mut generated).await;
-        let (id, prompt, ms) = (&self.id, self.prompt_tokens, start.elapsed().as_millis());
-        tracing::info!("{id}: {ended} after {ms} ms: {prompt} prompt + {generated} completion tokens");
+        let ended = self.events(subs, &tx, cut, &mut generated).await;
+        let (id, ms) = (&self.head.id, start.elapsed().as_millis());
+        let user = self.user.as_deref().map(|u| format!(" (user `{u}`)")).unwrap_or_default();
+        tracing::info!("{id}{user}: {ended} after {ms} ms: {prompt} prompt + {generated} completion tokens");
     }
 
     async fn events(
         &self,
-        p: Pending,
+        subs: Vec<Submitted>,
         tx: &mpsc::Sender<Bytes>,
         cut: impl Future<Output = ()>,
         generated: &mut usize,
     ) -> &'static str {
-        let Pending { tokenizer, prompt, stops, ends, mut events, worker, id } = p;
-        let _cancel = CancelOnDrop { worker: &worker, id };
-        let mut text = TextStream::new(&tokenizer, &prompt, stops, &ends);
+        let _cancel = CancelOnDrop { worker: &self.worker, ids: subs.iter().map(|s| s.id).collect() };
+        let prompt_tokens = distinct_prompt_tokens(&subs);
+        let mut follows: Vec<Follow<'_>> =
+            subs.iter().map(|s| Follow::new(&self.tokenizer, &self.shape, s.index, &s.prompt)).collect();
+        let ids: Vec<u64> = subs.iter().map(|s| s.id).collect();
+        let mut merged = merge(subs);
+        let mut open = follows.len();
+        let mut counts = vec![0usize; follows.len()];
         let mut cut = std::pin::pin!(cut);
-        loop {
+        if self.shape.kind == Kind::Chat {
+            for f in &follows {
+                if !send_within(tx, self.event(f.index, &Delta::Role)).await {
+                    return "the client disconnected";
+                }
+            }
+        }
+        while open > 0 {
             // A client that leaves while its request waits in the queue sends nothing to notice:
             // the body's end going away says so.
-            let next = race(next_piece(&mut text, &mut events, generated), race(tx.closed(), cut.as_mut())).await;
-            let next = match next {
-                Either::Left(next) => next,
+            let next = race(merged.recv(), race(tx.closed(), cut.as_mut())).await;
+            let (k, event) = match next {
+                Either::Left(Some(next)) => next,
+                Either::Left(None) => return "ended by a failed decoding step",
                 Either::Right(Either::Left(())) => return "the client disconnected",
                 Either::Right(Either::Right(())) => {
                     let last = error_body("server_error", SHUTTING_DOWN, None, Some("server_shutdown"));
@@ -563,38 +721,73 @@ impl Answering {
                     return "ended by the server's shutdown";
                 }
             };
-            let Ok((piece, finish)) = next else {
-                let failed = error_body("server_error", ENGINE_FAILED, None, None);
-                let _ = send_within(tx, Bytes::from(format!("data: {failed}\n\n"))).await;
-                return "ended by a failed decoding step";
-            };
-            let sent = match finish {
-                None if piece.is_empty() => true,
-                None => send_within(tx, self.event(&piece, None, None)).await,
-                Some(finish) => {
-                    let usage = Usage::new(self.prompt_tokens, *generated);
-                    let last = piece.is_empty() || send_within(tx, self.event(&piece, None, None)).await;
-                    let _ = last && send_within(tx, self.event("", Some(finish), Some(usage))).await;
-                    let _ = send_within(tx, Bytes::from_static(b"data: [DONE]\n\n")).await;
-                    return if finish == "length" { "finished (length)" } else { "finished (stop)" };
+            if counts[k] == usize::MAX {
+                continue; // over already (a stop string): the rest of its events are dropped
+            }
+            if matches!(event, Some(Event::Token { .. })) {
+                counts[k] += 1;
+            }
+            let step = match follows[k].on(event) {
+                Ok(step) => step,
+                Err(Failed(message)) => {
+                    let failed = error_body("server_error", &message, None, None);
+                    let _ = send_within(tx, Bytes::from(format!("data: {failed}\n\n"))).await;
+                    return "ended by a failed decoding step";
                 }
             };
-            if !sent {
-                return "the client disconnected";
+            for d in &step.deltas {
+                if !send_within(tx, self.event(follows[k].index, d)).await {
+                    return "the client disconnected";
+                }
+            }
+            if let Some((finish, n)) = step.done {
+                self.worker.cancel(ids[k]);
+                *generated += n.max(counts[k]);
+                counts[k] = usize::MAX;
+                open -= 1;
+                if !send_within(tx, self.event(follows[k].index, &Delta::Finish(finish))).await {
+                    return "the client disconnected";
+                }
             }
         }
+        if self.head.with_usage {
+            let usage = self.shape.kind.usage_chunk(&self.head, Usage::new(prompt_tokens, *generated));
+            let _ = send_within(tx, Bytes::from(format!("data: {usage}\n\n"))).await;
+        }
+        let _ = send_within(tx, Bytes::from_static(b"data: [DONE]\n\n")).await;
+        "finished"
     }
 }
 
-/// Cancels a request when its answer is dropped: over (harmless), or abandoned by its client.
+/// The events of every choice on one receiver, each with its choice's place in `subs`; a choice
+/// whose engine side goes away sends `None` once.
+fn merge(subs: Vec<Submitted>) -> mpsc::UnboundedReceiver<(usize, Option<Event>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    for (k, mut sub) in subs.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                let event = sub.events.recv().await;
+                let last = !matches!(event, Some(Event::Token { .. }));
+                if tx.send((k, event)).is_err() || last {
+                    return;
+                }
+            }
+        });
+    }
+    rx
+}
+
+/// Cancels the requests of an answer when it is dropped: over (harmless), or abandoned by its
+/// client.
 struct CancelOnDrop<'a> {
     worker: &'a Worker,
-    id: u64,
+    ids: Vec<u64>,
 }
 
 impl Drop for CancelOnDrop<'_> {
     fn drop(&mut self) {
-        self.worker.cancel(self.id);
+        self.ids.iter().for_each(|&id| self.worker.cancel(id));
     }
 }
 

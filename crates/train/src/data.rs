@@ -528,7 +528,7 @@ mod tests {
             "</s>".into(),
         )
         .unwrap();
-        let m = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+        let m = |role: &str, content: &str| Message::new(role, content);
         let chat = Body::Chat(vec![
             m("system", "Be brief."),
             m("user", "Capital of France?"),

@@ -337,7 +337,7 @@ impl BenchFn for ServeBenchFn {
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let (a, checkpoint) = (self.0, self.1);
         let model = checkpoint.decoder::<B::InnerBackend>(device)?.with_compute(crate::env::compute());
-        let context = model.config().max_seq_len;
+        let (context, vocab_size) = (model.config().max_seq_len, model.config().vocab_size);
         let slots = a.clients.iter().copied().max().unwrap_or(1);
         let share_prefixes = !a.no_prefix_sharing;
         let engine =
@@ -358,6 +358,7 @@ impl BenchFn for ServeBenchFn {
             tokenizer: checkpoint.tokenizer.clone(),
             template: None,
             context,
+            vocab_size,
             // The bench's requests set their own sampling.
             sampling: ember_serve::sampling::ChatDefaults::built_in().sampling,
             allowed_hosts: Vec::new(),

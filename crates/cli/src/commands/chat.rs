@@ -13,7 +13,7 @@ use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
 use ember_data::tokenizer::Tokenizer;
-use ember_generate::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_generate::sample::{generate_batch_constrained, GenerateOptions, Sampler, SamplingConfig};
 use ember_kernels::{EmberBackend, TrainBackend};
 use ember_model::Decoder;
 use ember_serve::sampling::ChatDefaults;
@@ -21,6 +21,7 @@ use rustyline::error::ReadlineError;
 use rustyline::{Cmd, ConditionalEventHandler, Event, EventContext, EventHandler, KeyEvent, Movement, RepeatCount};
 
 use crate::backend::{dispatch, DeviceSpec, Job};
+use crate::commands::sample::{read_schema, JsonSchema};
 use crate::commands::source::ModelSource;
 
 /// The `--help` text on sampling defaults of `chat`, `sample` and `serve` (a test keeps its numbers
@@ -57,6 +58,10 @@ pub struct ChatArgs {
     /// the start].
     #[arg(long)]
     seed: Option<u64>,
+    /// Hold every answer to the JSON schema in FILE (compact JSON, keys in the schema's order; a
+    /// keyword the grammar engine cannot enforce is an error).
+    #[arg(long, value_name = "FILE")]
+    json_schema: Option<PathBuf>,
     /// cpu, wgpu[:N] or cuda[:N].
     #[arg(long, default_value = "cpu")]
     device: DeviceSpec,
@@ -122,7 +127,13 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         SamplingFlags { temperature: args.temperature, top_p: args.top_p, top_k: args.top_k, repetition_penalty: None };
     // The flags are checked before a checkpoint is opened.
     flags.over(&ChatDefaults::built_in().sampling)?;
+    // The schema file is read (its errors named) before a checkpoint is opened, compiled after.
+    let schema = args.json_schema.as_deref().map(read_schema).transpose()?;
     let checkpoint = ModelSource::open(&args.checkpoint)?;
+    let schema = match (&args.json_schema, schema) {
+        (Some(file), Some(schema)) => Some(JsonSchema::new(file, schema, &checkpoint)?),
+        _ => None,
+    };
     let template = ChatTemplate::from_dir(&checkpoint.dir)?.with_context(|| {
         format!("{} has no chat template (tokenizer_config.json or chat_template.jinja)", checkpoint.dir.display())
     })?;
@@ -130,7 +141,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let sampling = flags.over(&defaults.sampling)?;
     let described = flags.describe(&sampling, &defaults);
     let device = args.device;
-    dispatch(device, false, ChatJob { args, checkpoint, template, sampling, described })
+    dispatch(device, false, ChatJob { args, checkpoint, template, sampling, described, schema })
 }
 
 struct ChatJob {
@@ -140,6 +151,8 @@ struct ChatJob {
     sampling: SamplingConfig,
     /// The sampling in words, for the greeting.
     described: String,
+    /// `--json-schema`: what every answer is held to.
+    schema: Option<JsonSchema>,
 }
 
 /// The conversation: a system prompt and the turns since the last `/reset`.
@@ -150,7 +163,7 @@ struct Conversation {
 
 impl Conversation {
     fn messages(&self) -> Vec<Message> {
-        let system = self.system.iter().map(|s| Message { role: "system".into(), content: s.clone() });
+        let system = self.system.iter().map(|s| Message::new("system", s.clone()));
         system.chain(self.turns.iter().cloned()).collect()
     }
 
@@ -345,6 +358,7 @@ impl Job for ChatJob {
             has_system: self.template.roles().iter().any(|r| r == "system"),
             chat: Conversation { system: self.args.system.clone(), turns: Vec::new() },
             sampler: Sampler::new(self.sampling.clone(), seed)?,
+            schema: self.schema.as_ref(),
             style,
             interactive,
             out: std::io::stdout(),
@@ -401,6 +415,8 @@ struct Session<'a, M: EmberBackend> {
     has_system: bool,
     chat: Conversation,
     sampler: Sampler,
+    /// `--json-schema`: what every answer is held to.
+    schema: Option<&'a JsonSchema>,
     style: Style,
     interactive: bool,
     out: std::io::Stdout,
@@ -456,7 +472,7 @@ impl<M: EmberBackend> Session<'_, M> {
     /// The conversation with `message` added, as the model's prompt; a note instead when it cannot
     /// be one (the message is then left out).
     fn prompt(&mut self, message: String) -> anyhow::Result<Option<Vec<u32>>> {
-        self.chat.turns.push(Message { role: "user".into(), content: message });
+        self.chat.turns.push(Message::new("user", message));
         let rendered = self.template.render(&self.chat.messages(), true).map_err(anyhow::Error::from);
         let context = self.model.config().max_seq_len;
         let problem = match rendered.and_then(|text| Ok(self.tokenizer.encode_prompt(&text)?)) {
@@ -480,6 +496,7 @@ impl<M: EmberBackend> Session<'_, M> {
             stop_tokens: ends.clone(),
             block_size: 64,
         };
+        let mut constraint = [self.schema.map(JsonSchema::constraint).transpose()?];
         let mut text = TextStream::new(self.tokenizer, &prompt, Vec::new(), &ends);
         let mut answer = String::new();
         // A Ctrl-C pressed at the prompt or between answers is not this answer's.
@@ -488,11 +505,12 @@ impl<M: EmberBackend> Session<'_, M> {
         let out = &mut self.out;
         write!(out, "{}", self.style.answer_start())?;
         let mut write_err = None;
-        generate_batch(
+        generate_batch_constrained(
             self.model,
             std::slice::from_ref(&prompt),
             &options,
             std::slice::from_mut(&mut self.sampler),
+            &mut constraint,
             |_, id| {
                 let (piece, stopped) = text.push(id);
                 answer.push_str(&piece);
@@ -516,7 +534,7 @@ impl<M: EmberBackend> Session<'_, M> {
         if let Some(e) = text.take_error() {
             return Err(anyhow::Error::from(e).context("decoding the answer"));
         }
-        self.chat.turns.push(Message { role: "assistant".into(), content: answer });
+        self.chat.turns.push(Message::new("assistant", answer));
         Ok(())
     }
 }

@@ -1,12 +1,18 @@
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use burn::tensor::Device;
 use clap::Args;
 use ember_data::finetune::{ChatTemplate, Message};
 use ember_data::stream::TextStream;
-use ember_generate::sample::{check_prompts, generate, generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_generate::constraint::{Constraint, ConstraintError};
+use ember_generate::sample::{
+    check_prompts, generate, generate_batch_constrained, GenerateOptions, Sampler, SamplingConfig,
+};
+use ember_grammar::{Grammars, Spec};
 use ember_kernels::TrainBackend;
 use ember_serve::sampling::ChatDefaults;
 
@@ -57,6 +63,10 @@ pub struct SampleArgs {
     /// Recompute the whole context for every token instead of using the KV cache (one prompt only).
     #[arg(long)]
     no_cache: bool,
+    /// Hold every answer to the JSON schema in FILE (compact JSON, keys in the schema's order; a
+    /// keyword the grammar engine cannot enforce is an error). Logs what the mask costs a token.
+    #[arg(long, value_name = "FILE")]
+    json_schema: Option<PathBuf>,
     /// Positions per KV-cache block, from 1 to the model's max_seq_len.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -115,12 +125,14 @@ struct SampleJob {
     prompts: Vec<Vec<u32>>,
     /// End-of-text and end-of-turn ids.
     ends: Vec<u32>,
+    /// `--json-schema`: the grammar every sequence is held to.
+    schema: Option<JsonSchema>,
 }
 
 impl Job for SampleJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
-        let Self { args, checkpoint, config, prompts, ends } = self;
+        let Self { args, checkpoint, config, prompts, ends, schema } = self;
         let tokenizer = &checkpoint.tokenizer;
         let mut samplers = (0..prompts.len())
             .map(|i| Sampler::new(config.clone(), args.seed.wrapping_add(i as u64)))
@@ -129,6 +141,13 @@ impl Job for SampleJob {
         let mut streams: Vec<TextStream> =
             prompts.iter().map(|p| TextStream::new(tokenizer, p, args.stop.clone(), &ends)).collect();
         let mut out = std::io::stdout().lock();
+        let timing = MaskTiming { on: schema.is_some(), ..MaskTiming::default() };
+        let mut constraints: Vec<Option<Box<dyn Constraint>>> = match &schema {
+            Some(s) => {
+                (0..prompts.len()).map(|_| Ok(Some(timing.timed(s.constraint()?)))).collect::<anyhow::Result<_>>()?
+            }
+            None => (0..prompts.len()).map(|_| None).collect(),
+        };
 
         if prompts.len() == 1 {
             // One prompt: stream tokens as they come.
@@ -148,20 +167,24 @@ impl Job for SampleJob {
                 generate(&model, &prompts[0], args.max_new_tokens, &mut samplers[0], on_token)?;
             } else {
                 let options = options(&args, &ends);
-                generate_batch(&model, &prompts, &options, &mut samplers, |_, id| on_token(id))?;
+                let on_token = |_, id| timing.token() && on_token(id);
+                generate_batch_constrained(&model, &prompts, &options, &mut samplers, &mut constraints, on_token)?;
             }
             if let Some(e) = write_err {
                 return Err(e.into());
             }
             writeln!(out, "{}", streams[0].finish())?;
+            timing.report(schema.as_ref());
             return check(&mut streams[0], 0);
         }
         let mut texts = vec![String::new(); prompts.len()];
-        generate_batch(&model, &prompts, &options(&args, &ends), &mut samplers, |b, id| {
+        let options = options(&args, &ends);
+        generate_batch_constrained(&model, &prompts, &options, &mut samplers, &mut constraints, |b, id| {
             let (text, stopped) = streams[b].push(id);
             texts[b].push_str(&text);
-            !stopped
+            timing.token() && !stopped
         })?;
+        timing.report(schema.as_ref());
         // As for one prompt: a chat answer starts on the line after its prompt.
         let sep = if args.chat { "\n" } else { "" };
         for (i, (prompt, stream)) in args.prompt.iter().zip(&mut streams).enumerate() {
@@ -185,6 +208,12 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
         args.prompt.len() == 1 || !args.no_cache,
         "--no-cache generates one prompt at a time; give a single --prompt"
     );
+    anyhow::ensure!(
+        args.json_schema.is_none() || !args.no_cache,
+        "--json-schema draws through the KV cache; leave out --no-cache"
+    );
+    // The file is read (and its errors named) before a checkpoint is opened.
+    let schema_file = args.json_schema.as_deref().map(read_schema).transpose()?;
     // The error names the folder.
     let checkpoint = ModelSource::open(&args.checkpoint)?;
     let context = checkpoint.model_config.max_seq_len;
@@ -219,7 +248,7 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
         .enumerate()
         .map(|(i, p)| {
             let text = match &template {
-                Some(t) => t.render(&[Message { role: "user".into(), content: p.clone() }], true)?,
+                Some(t) => t.render(&[Message::new("user", p.clone())], true)?,
                 None => p.clone(),
             };
             tokenizer.encode_prompt(&text).with_context(|| format!("encoding prompt {i}"))
@@ -229,8 +258,118 @@ pub fn run(args: SampleArgs) -> anyhow::Result<()> {
     // Without the cache a long prompt is cropped to the context; with it, it must fit.
     let limit = if args.no_cache { usize::MAX } else { context };
     check_prompts(&prompts, limit, checkpoint.model_config.vocab_size)?;
+    let schema = match (schema_file, &args.json_schema) {
+        (Some(schema), Some(file)) => Some(JsonSchema::new(file, schema, &checkpoint)?),
+        _ => None,
+    };
     let device = args.device;
-    dispatch(device, false, SampleJob { args, checkpoint, config, prompts, ends })
+    dispatch(device, false, SampleJob { args, checkpoint, config, prompts, ends, schema })
+}
+
+/// `--json-schema FILE` read as JSON; errors name the file.
+pub(crate) fn read_schema(file: &Path) -> anyhow::Result<serde_json::Value> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("--json-schema {}: cannot read it", file.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("--json-schema {}: not JSON", file.display()))
+}
+
+/// A `--json-schema` compiled for a checkpoint's vocabulary: makes each sequence's constraint.
+pub(crate) struct JsonSchema {
+    file: PathBuf,
+    grammars: Grammars,
+    spec: Spec,
+}
+
+impl JsonSchema {
+    /// `schema` (from `file`) compiled for `checkpoint`; a schema the grammar engine refuses is an
+    /// error naming the file and the problem. Strict: a keyword it cannot enforce is refused.
+    pub(crate) fn new(file: &Path, schema: serde_json::Value, checkpoint: &ModelSource) -> anyhow::Result<Self> {
+        let tokenizer = &checkpoint.tokenizer;
+        let grammars = Grammars::new(tokenizer, &tokenizer.end_ids(), checkpoint.model_config.vocab_size)
+            .with_context(|| format!("--json-schema {}", file.display()))?;
+        let spec = Spec::JsonSchema { schema, strict: true };
+        grammars.check(&spec).with_context(|| format!("--json-schema {}", file.display()))?;
+        Ok(Self { file: file.to_path_buf(), grammars, spec })
+    }
+
+    /// One sequence's constraint.
+    pub(crate) fn constraint(&self) -> anyhow::Result<Box<dyn Constraint>> {
+        self.grammars.constraint(&self.spec).with_context(|| format!("--json-schema {}", self.file.display()))
+    }
+}
+
+/// What holding sequences to a schema costs: the time in the constraints' masks and commits, and
+/// the times the tokens came (the steps they took, masks included). Off (nothing noted) without a
+/// schema.
+#[derive(Default)]
+struct MaskTiming {
+    on: bool,
+    spent: Arc<Mutex<Duration>>,
+    /// (when, mask time so far) at each token.
+    tokens: Mutex<Vec<(Instant, Duration)>>,
+}
+
+impl MaskTiming {
+    /// `inner`, its mask and commit times added here.
+    fn timed(&self, inner: Box<dyn Constraint>) -> Box<dyn Constraint> {
+        Box::new(Timed { inner, spent: self.spent.clone() })
+    }
+
+    /// Notes a token's arrival; true (to chain into an `on_token`).
+    fn token(&self) -> bool {
+        if !self.on {
+            return true;
+        }
+        let spent = *self.spent.lock().expect("timing lock");
+        self.tokens.lock().expect("timing lock").push((Instant::now(), spent));
+        true
+    }
+
+    /// Logs the mask's milliseconds a token beside the step's, from the second token on (the first
+    /// comes after the prefill). Nothing without a schema or with fewer than two tokens.
+    fn report(&self, schema: Option<&JsonSchema>) {
+        let (Some(schema), tokens) = (schema, self.tokens.lock().expect("timing lock")) else { return };
+        let (Some(first), Some(last)) = (tokens.first(), tokens.last()) else { return };
+        let steps = tokens.len() - 1;
+        if steps == 0 {
+            return;
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / steps as f64;
+        let mask = ms(last.1 - first.1);
+        let decode = ms(last.0 - first.0) - mask;
+        tracing::info!(
+            "--json-schema {}: mask and commit {mask:.3} ms/token, decode step {decode:.3} ms/token: the mask adds \
+             {:.1}% ({steps} steps)",
+            schema.file.display(),
+            100.0 * mask / decode.max(f64::MIN_POSITIVE)
+        );
+    }
+}
+
+/// A constraint whose mask and commit times are added up.
+struct Timed {
+    inner: Box<dyn Constraint>,
+    spent: Arc<Mutex<Duration>>,
+}
+
+impl Constraint for Timed {
+    fn mask(&mut self) -> Result<&[u32], ConstraintError> {
+        let start = Instant::now();
+        let mask = self.inner.mask();
+        *self.spent.lock().expect("timing lock") += start.elapsed();
+        mask
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
+        let start = Instant::now();
+        let done = self.inner.commit(token);
+        *self.spent.lock().expect("timing lock") += start.elapsed();
+        done
+    }
+
+    fn finished(&self) -> bool {
+        self.inner.finished()
+    }
 }
 
 #[cfg(test)]

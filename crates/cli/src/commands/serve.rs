@@ -104,7 +104,7 @@ impl Job for ServeJob {
     fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<()> {
         let Self { args, checkpoint, template, defaults } = self;
         let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
-        let context = model.config().max_seq_len;
+        let (context, vocab_size) = (model.config().max_seq_len, model.config().vocab_size);
         anyhow::ensure!(
             args.block_size <= context,
             "--block-size {} is larger than the model's context of {context} positions",
@@ -125,6 +125,7 @@ impl Job for ServeJob {
             tokenizer: checkpoint.tokenizer.clone(),
             template,
             context,
+            vocab_size,
             sampling: defaults.sampling,
             allowed_hosts: args.allow_host.clone(),
             api_key: args.api_key.clone(),

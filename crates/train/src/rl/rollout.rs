@@ -80,12 +80,7 @@ pub(crate) fn sample<B: EmberBackend>(
     let mut ids = Vec::with_capacity(n);
     for (i, prompt) in prompts.iter().enumerate() {
         let sampler = Sampler::new(config.sampling.clone(), seeds[i]).map_err(|e| TrainError::Rl(e.to_string()))?;
-        let request = Request {
-            prompt: prompt.to_vec(),
-            max_new_tokens: config.max_new_tokens,
-            stop_tokens: config.stop_tokens.clone(),
-            sampler,
-        };
+        let request = Request::new(prompt.to_vec(), config.max_new_tokens, config.stop_tokens.clone(), sampler);
         let id = engine.submit(request).map_err(|e| TrainError::Rl(format!("the prompt of {}: {e}", lines[i])))?;
         ids.push(id);
     }
@@ -101,7 +96,7 @@ pub(crate) fn sample<B: EmberBackend>(
         let mut stopped = Vec::new();
         for event in engine.step() {
             match event {
-                Event::Token { id, token } => {
+                Event::Token { id, token, .. } => {
                     let i = (id - first) as usize;
                     out.tokens[i].push(token);
                     if !config.stop.is_empty() {

@@ -1,0 +1,52 @@
+//! The grammar that a `tool_choice` of `required` or a named function puts on the answer.
+
+use super::{ToolChoice, ToolFormat, Tools};
+
+/// The grammar (llguidance's Lark) that `choice` puts on the answer: `Required` admits one or
+/// more calls of any of `tools` (one for Llama 3, whose template holds one), `Named` one call of
+/// that function, each in the model's format with the function's `parameters` schema for its
+/// arguments; `Auto` and `None` put none. `special` gives the token id of a marker the tokenizer
+/// has as one token (`<tool_call>`, `[TOOL_CALLS]`), which the grammar then names by id
+/// (`<[151657]>`): a special token is not text a grammar can spell.
+pub fn call_grammar(
+    format: ToolFormat,
+    tools: &Tools,
+    choice: &ToolChoice,
+    special: &dyn Fn(&str) -> Option<u32>,
+) -> Option<String> {
+    let names: Vec<&str> = match choice {
+        ToolChoice::None | ToolChoice::Auto => return None,
+        ToolChoice::Required => tools.names().collect(),
+        ToolChoice::Named(name) => vec![name.as_str()],
+    };
+    let one = matches!(choice, ToolChoice::Named(_)) || format == ToolFormat::Llama3;
+    let marker = |text: &str| match special(text) {
+        Some(id) => format!("<[{id}]>"),
+        None => serde_json::to_string(text).unwrap_or_default(),
+    };
+    let key = format.arguments_key();
+    let mut lark = match format {
+        ToolFormat::Hermes | ToolFormat::Default => {
+            let call = format!("call: {} \"\\n\" function \"\\n\" {}\n", marker("<tool_call>"), marker("</tool_call>"));
+            let start = if one { "start: call\n" } else { "start: call (\"\\n\" call)*\n" };
+            format!("{start}{call}")
+        }
+        ToolFormat::Llama3 => "start: function\n".to_string(),
+        ToolFormat::Mistral => {
+            let more = if one { "" } else { " (\", \" function)*" };
+            format!("start: {} \"[\" function{more} \"]\"\n", marker("[TOOL_CALLS]"))
+        }
+    };
+    let rules: Vec<String> = (0..names.len()).map(|i| format!("function_{i}")).collect();
+    lark.push_str(&format!("function: {}\n", rules.join(" | ")));
+    for (rule, name) in rules.iter().zip(&names) {
+        let name_json = serde_json::to_string(name).unwrap_or_default();
+        let parameters = tools.parameters(name).to_string();
+        // Written out so that `name` comes first whatever order a JSON map keeps.
+        lark.push_str(&format!(
+            "{rule}: %json {{\"type\": \"object\", \"properties\": {{\"name\": {{\"const\": {name_json}}}, \"{key}\": \
+             {parameters}}}, \"required\": [\"name\", \"{key}\"], \"additionalProperties\": false}}\n"
+        ));
+    }
+    Some(lark)
+}

@@ -1,0 +1,220 @@
+"""The official `openai` Python client against `ember serve`: every field the server honours
+(tests/serve.rs runs this on SmolLM2-135M-Instruct and checks what it prints).
+
+    python tests/serve_fields.py BASE_URL MODEL
+
+Checks what can be checked here (stream framing, logprobs against each other, schemas with
+jsonschema) with asserts, and prints one JSON object with the rest for the Rust test.
+"""
+
+import json
+import pathlib
+import sys
+import threading
+import urllib.request
+
+import jsonschema
+import openai
+
+base_url, model = sys.argv[1:3]
+root = base_url.rsplit("/v1", 1)[0]
+client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=300)
+out = {}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+
+
+def post(path, body):
+    req = urllib.request.Request(root + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        return json.load(r)
+
+
+def chat_stream(**kw):
+    """The chunks of a streamed chat answer, as dicts."""
+    return [c.model_dump() for c in client.chat.completions.create(model=model, messages=CHAT, stream=True, **kw)]
+
+
+# --- Stream framing: role alone first, content without role, an empty finish delta, usage last.
+chunks = chat_stream(max_tokens=6, temperature=0, stream_options={"include_usage": True})
+first, rest = chunks[0], chunks[1:]
+assert first["choices"][0]["delta"]["role"] == "assistant", first
+assert not first["choices"][0]["delta"].get("content"), first
+middle = [c for c in rest if c["choices"] and c["choices"][0]["finish_reason"] is None]
+assert middle and all(c["choices"][0]["delta"].get("role") is None for c in middle), middle
+finish = [c for c in rest if c["choices"] and c["choices"][0]["finish_reason"]]
+assert len(finish) == 1 and finish[0]["choices"][0]["delta"].get("content") in (None, ""), finish
+assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6, chunks[-1]
+assert all(c["usage"] is None for c in chunks[:-1]), chunks
+whole = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0)
+streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in middle)
+assert streamed == whole.choices[0].message.content, (streamed, whole)
+out["framing"] = {"chunks": len(chunks), "text": streamed}
+chunks = [c.model_dump() for c in client.completions.create(
+    model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True})]
+assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4, chunks[-1]
+no_usage = chat_stream(max_tokens=3, temperature=0)
+assert all("usage" not in c or c["usage"] is None for c in no_usage), no_usage
+
+# --- logprobs: chat (whole and streamed) and completions.
+r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+content = r.choices[0].logprobs.content
+assert len(content) == r.usage.completion_tokens or r.choices[0].finish_reason == "stop", (len(content), r.usage)
+for t in content:
+    tops = [x.logprob for x in t.top_logprobs]
+    assert len(tops) == 3 and tops == sorted(tops, reverse=True), t
+    assert t.logprob <= 0 and abs(t.logprob - tops[0]) < 1e-6, t  # greedy: the chosen one is the most likely
+    assert t.token == t.top_logprobs[0].token, t
+out["chat_logprobs"] = [[t.token, t.logprob] for t in content]
+streamed = []
+for c in client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                        top_logprobs=3, stream=True):
+    if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content:
+        streamed += [[t.token, t.logprob] for t in c.choices[0].logprobs.content]
+assert streamed == out["chat_logprobs"], (streamed, out["chat_logprobs"])
+c = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+lp = c.choices[0].logprobs
+assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5 and all(len(t) <= 2 for t in lp.top_logprobs), lp
+assert "".join(lp.tokens) == c.choices[0].text, (lp.tokens, c.choices[0].text)
+assert lp.text_offset == sorted(lp.text_offset), lp
+out["completion_logprobs"] = lp.token_logprobs
+
+# --- n, seeds: choices side by side, each reproducible whatever runs beside it.
+kw = dict(model=model, messages=CHAT, max_tokens=12, temperature=1.0, seed=7)
+a = client.chat.completions.create(n=3, **kw)
+assert [c.index for c in a.choices] == [0, 1, 2], a
+texts = [c.message.content for c in a.choices]
+results = {}
+
+
+def again(i):
+    results[i] = [c.message.content for c in client.chat.completions.create(n=3, **kw).choices]
+
+
+threads = [threading.Thread(target=again, args=(i,)) for i in range(3)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert all(results[i] == texts for i in range(3)), (texts, results)
+out["n_texts"] = texts
+by_index = {}
+for c in client.chat.completions.create(n=2, stream=True, **kw):
+    for ch in c.choices:
+        by_index[ch.index] = by_index.get(ch.index, "") + (ch.delta.content or "")
+assert by_index == {0: texts[0], 1: texts[1]}, (by_index, texts)
+out["usage_n"] = a.usage.completion_tokens
+
+# --- logit_bias: a ban moves the greedy answer; a +100 bias forces a token.
+ids = post("/tokenize", {"prompt": PROMPT})["tokens"]
+plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0)
+first = plain.choices[0].logprobs.tokens[0]
+first_id = post("/tokenize", {"prompt": PROMPT + first})["tokens"][len(ids)]
+banned = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
+                                   logit_bias={str(first_id): -100})
+assert banned.choices[0].logprobs.tokens[0] != first, (first, banned)
+x = post("/tokenize", {"prompt": "x"})["tokens"][-1]
+forced = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=1, seed=1,
+                                   logit_bias={str(x): 100})
+assert forced.choices[0].text == post("/detokenize", {"tokens": [x, x, x]})["prompt"], forced
+out["logit_bias"] = {"plain": plain.choices[0].text, "banned": banned.choices[0].text}
+
+# --- penalties: fewer repeats of the most repeated token.
+rep = "one two one two one two one two"
+base = client.completions.create(model=model, prompt=rep, max_tokens=16, temperature=0)
+freq = client.completions.create(model=model, prompt=rep, max_tokens=16, temperature=0, frequency_penalty=2.0)
+pres = client.completions.create(model=model, prompt=rep, max_tokens=16, temperature=0, presence_penalty=2.0)
+
+
+def most(text):
+    words = text.split()
+    return max((words.count(w) for w in set(words)), default=0)
+
+
+assert most(freq.choices[0].text) < most(base.choices[0].text), (base.choices[0].text, freq.choices[0].text)
+assert pres.choices[0].text != base.choices[0].text, (base.choices[0].text, pres.choices[0].text)
+out["penalties"] = [base.choices[0].text, freq.choices[0].text, pres.choices[0].text]
+
+# --- prompts as token ids, and several prompts with n: choice i*n+j is prompt i's.
+by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+by_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0).choices[0].text
+assert by_ids == by_text, (by_ids, by_text)
+other = "The largest planet is"
+two = client.completions.create(model=model, prompt=[PROMPT, other], n=2, max_tokens=4, temperature=0)
+other_alone = client.completions.create(model=model, prompt=other, max_tokens=4, temperature=0).choices[0].text
+assert [c.index for c in two.choices] == [0, 1, 2, 3], two
+assert [c.text for c in two.choices] == [by_text, by_text, other_alone, other_alone], two
+ids2 = post("/tokenize", {"prompt": other})["tokens"]
+lists = client.completions.create(model=model, prompt=[ids, ids2], max_tokens=4, temperature=0)
+assert [c.text for c in lists.choices] == [by_text, other_alone], lists
+echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+assert echo.choices[0].text == PROMPT + by_text, echo
+out["prompts"] = [by_text, other_alone]
+
+# --- extension fields: top_k 1 is greedy whatever the temperature; min_p 1 too.
+g = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+k1 = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.5, seed=3,
+                               extra_body={"top_k": 1}).choices[0].text
+m1 = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=1.5, seed=3,
+                               extra_body={"min_p": 1.0}).choices[0].text
+assert k1 == g and m1 == g, (g, k1, m1)
+
+
+# --- response_format: every answer parses and validates against its schema (a slice of
+# experiments/structured_output_server.py's 50 prompts x 3 schemas).
+schemas = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "structured-output"
+valid = {}
+for path in sorted(schemas.glob("*.json")):
+    schema = json.loads(path.read_text())
+    fmt = {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"A {path.stem} as JSON."}],
+                                       max_tokens=400, temperature=0.8, seed=5, n=2, response_format=fmt)
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), schema)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"A {path.stem} as JSON."}], max_tokens=400,
+        temperature=0.8, seed=5, response_format=fmt, stream=True) if ch.choices)
+    assert streamed == r.choices[0].message.content, (streamed, r.choices[0].message.content)
+    valid[path.stem] = len(r.choices)
+assert len(valid) == 3, valid
+obj = client.chat.completions.create(model=model, messages=CHAT, max_tokens=200, temperature=0,
+                                     response_format={"type": "json_object"})
+assert isinstance(json.loads(obj.choices[0].message.content), dict), obj
+c = client.completions.create(model=model, prompt="Colours:", max_tokens=100, temperature=0,
+                              extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "c", "schema": {"type": "array", "items": {"enum": ["red", "green"]},
+                                                          "minItems": 2, "maxItems": 2}}}})
+assert json.loads(c.choices[0].text) in ([a, b] for a in ["red", "green"] for b in ["red", "green"]), c
+out["json"] = valid
+
+# --- errors: OpenAI's type, code and param.
+def error(**kw):
+    try:
+        client.chat.completions.create(model=model, messages=CHAT, **kw)
+    except openai.BadRequestError as e:
+        return e.body
+    raise AssertionError(f"no error for {kw}")
+
+
+long = [{"role": "user", "content": "word " * 9000}]
+try:
+    client.chat.completions.create(model=model, messages=long, max_tokens=4)
+    raise AssertionError("a prompt past the context was answered")
+except openai.BadRequestError as e:
+    assert e.body["code"] == "context_length_exceeded" and e.body["param"] == "messages", e.body
+    assert e.body["type"] == "invalid_request_error", e.body
+e = error(max_tokens=4, extra_body={"best_of": 2})
+assert e["param"] == "best_of" and "Unrecognized request argument" in e["message"], e
+e = error(max_tokens=4, n=9)
+assert e["param"] == "n", e
+e = error(max_tokens=4, logprobs=True, top_logprobs=30)
+assert e["param"] == "top_logprobs", e
+e = error(max_tokens=4, response_format={"type": "xml"})
+assert e["param"] == "response_format.type", e
+e = error(max_tokens=4, response_format={"type": "json_schema", "json_schema": {
+    "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}, "strict": True}})
+assert e["param"] == "response_format.json_schema.schema" and "strnig" in e["message"], e
+models = client.models.list().model_dump()["data"][0]
+assert "logit_bias" in models["honoured_fields"]["/v1/chat/completions"], models
+out["errors"] = "ok"
+
+print(json.dumps(out))
