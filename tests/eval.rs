@@ -283,3 +283,58 @@ fn generation_tasks_extract_and_generate_as_the_harness() {
         assert_eq!(generated, g.cut(harness), "{task} doc {}: generation", mine["doc_id"]);
     }
 }
+
+/// `--json-schema`: the generation tasks' answers are JSON of the schema (SmolLM2, two items of
+/// GSM8K and of NQ-Open, whose stop strings `,` and `.` would cut JSON), a log-likelihood task
+/// beside them scored as without it; a list of log-likelihood tasks alone is refused, and so is a
+/// schema the grammar engine refuses, each by the flag and the file.
+#[test]
+fn generation_answers_follow_the_json_schema() {
+    let s = Scratch::new();
+    let gguf = format!("gguf:{}", assets().join(SMOLLM2_GGUF).display());
+    let evals = evals();
+    let dir = evals.to_str().unwrap();
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 24}, "sure": {"enum": ["yes", "no"]}},
+        "required": ["answer", "sure"],
+        "additionalProperties": false,
+    });
+    s.write("schema.json", &schema.to_string());
+    let tasks = "gsm8k:2,nq_open:2,arc_easy:2";
+    let args = ["eval", "--checkpoint", &gguf, "--eval-dir", dir, "--json-schema", "schema.json"];
+    let out = s.ember(&[&args[..], &["--tasks", tasks, "--samples", "json.jsonl"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(s.path().join("json.jsonl")).unwrap();
+    let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 6);
+    for line in &lines {
+        let task = line["task"].as_str().unwrap();
+        if task == "arc_easy" {
+            assert!(line["generated"].is_null() && !line["loglikelihoods"].as_array().unwrap().is_empty(), "{line}");
+            continue;
+        }
+        let answer = line["generated"]["text"].as_str().unwrap();
+        let json: Value =
+            serde_json::from_str(answer).unwrap_or_else(|e| panic!("{task}: {answer:?} is not JSON: {e}"));
+        let object = json.as_object().unwrap_or_else(|| panic!("{task}: {answer} is not an object"));
+        assert_eq!(object.keys().collect::<Vec<_>>(), ["answer", "sure"], "{task}: {answer}");
+        assert!(object["answer"].as_str().is_some_and(|a| a.chars().count() <= 24), "{task}: {answer}");
+        assert!(["yes", "no"].contains(&object["sure"].as_str().unwrap_or("")), "{task}: {answer}");
+    }
+    let out = s.ember(&[&args[..], &["--tasks", "arc_easy:2"]].concat());
+    assert_clean_error(&out, "--json-schema constrains the answers of generation tasks");
+    s.write("bad.json", r#"{"type": "blob"}"#);
+    let out = s.ember(&[
+        "eval",
+        "--checkpoint",
+        &gguf,
+        "--eval-dir",
+        dir,
+        "--tasks",
+        "nq_open:2",
+        "--json-schema",
+        "bad.json",
+    ]);
+    assert_clean_error(&out, "--json-schema bad.json: invalid JSON schema");
+}

@@ -393,3 +393,71 @@ fn bad_inputs_are_refused_by_name() {
         assert!(!s.path().join(name).join("checkpoints").exists(), "{name} left a checkpoint");
     }
 }
+
+/// `rl.json_schema` on the tiny GPT-2 (a byte-level vocabulary, which spells any JSON): every
+/// logged answer of every step is JSON of the schema, the held-out answers too (their reward is
+/// the regex's on that JSON); a schema file that cannot constrain answers stops the run before
+/// its first step, named by the key and the file.
+#[test]
+fn answers_follow_the_json_schema() {
+    let s = Scratch::new();
+    let gpt2 = fixtures().join("hf/gpt2");
+    let o = s.ember(&["import", gpt2.to_str().unwrap(), "--out", "base"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    prompts_file(&s);
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"verdict": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["verdict", "n"],
+        "additionalProperties": false,
+    });
+    s.write("schema.json", &schema.to_string());
+    // `{"verdict": "yes", "n": 3}` is 26 bytes: room for it beside the prompt in 64 positions.
+    let with = |schema: &str| {
+        config(3, &format!("json_schema = \"{schema}\"\n"))
+            .replace("max_new_tokens = 6", "max_new_tokens = 32")
+            .replace("log_rollouts = 5", "log_rollouts = 1")
+            .replace("pattern = \"[,.]\"", "pattern = \"yes\"")
+    };
+    s.write("grpo.toml", &with("schema.json"));
+    let o = s.ember(&["train", "--config", "grpo.toml", "--run-dir", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rollouts = std::fs::read_to_string(s.path().join("json/rollouts.jsonl")).unwrap();
+    let lines: Vec<Value> = rollouts.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3 * 16);
+    for l in &lines {
+        let completion = l["completion"].as_str().unwrap();
+        let answer: Value = serde_json::from_str(completion).unwrap_or_else(|e| panic!("{completion:?}: {e}"));
+        let answer = answer.as_object().unwrap_or_else(|| panic!("{completion} is not an object"));
+        assert_eq!(answer.len(), 2, "{completion}");
+        assert!(["yes", "no"].contains(&answer["verdict"].as_str().unwrap_or("")), "{completion}");
+        assert!(answer["n"].as_u64().is_some_and(|n| n <= 9), "{completion}");
+        let want = if answer["verdict"] == "yes" { 1.0 } else { 0.0 };
+        assert_eq!(l["reward"].as_f64(), Some(want), "{l}");
+    }
+    // The held-out answers (greedy) are JSON too: each verdict scores 0 or 1, and nothing else.
+    let records = read_metrics(&s.path().join("json/metrics.jsonl")).unwrap();
+    assert!(records.iter().all(|r| r.named["completions/clipped_ratio"] == 0.0), "an answer ran past 32 tokens");
+
+    // Files that cannot constrain answers: missing, not JSON, a schema llguidance refuses, and a
+    // vocabulary without `{` (the tiny Llama's).
+    s.write("broken.json", "{\"type\": ");
+    s.write("blob.json", r#"{"type": "object", "properties": {"a": {"type": "blob"}}}"#);
+    for (name, file, want) in [
+        ("missing", "missing.json", "missing.json\": cannot read it: "),
+        ("broken", "broken.json", "broken.json\": not JSON: "),
+        ("blob", "blob.json", "blob.json\": invalid JSON schema: "),
+    ] {
+        s.write(&format!("{name}.toml"), &with(file));
+        let o = s.ember(&["train", "--config", &format!("{name}.toml"), "--run-dir", name]);
+        assert_clean_error(&o, "[rl] json_schema = \"");
+        assert_clean_error(&o, want);
+        assert!(!s.path().join(name).join("checkpoints").exists(), "{name} left a checkpoint");
+    }
+    let llama = imported();
+    prompts_file(&llama);
+    llama.write("schema.json", &schema.to_string());
+    llama.write("grpo.toml", &with("schema.json").replace("max_new_tokens = 32", "max_new_tokens = 6"));
+    let o = llama.ember(&["train", "--config", "grpo.toml", "--run-dir", "llama"]);
+    assert_clean_error(&o, "schema.json\": no token of the tokenizer can start an answer of this schema");
+}

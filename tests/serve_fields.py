@@ -79,7 +79,20 @@ assert "".join(lp.tokens) == c.choices[0].text, (lp.tokens, c.choices[0].text)
 assert lp.text_offset == sorted(lp.text_offset), lp
 out["completion_logprobs"] = lp.token_logprobs
 
-# --- n, seeds: choices side by side, each reproducible whatever runs beside it.
+# --- n, seeds: choices side by side (the prompt's cache blocks shared: its tokens reused), each
+# reproducible whatever runs beside it.
+def health():
+    with urllib.request.urlopen(root + "/health") as r:
+        return json.load(r)["kv_cache"]
+
+
+before = health()
+four = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a colour. " * 20}],
+                                      n=4, max_tokens=4, temperature=1.0, seed=11)
+after = health()
+assert len(four.choices) == 4, four
+reused = after["reused_prompt_tokens"] - before["reused_prompt_tokens"]
+assert reused >= 3 * (four.usage.prompt_tokens - 1), (reused, four.usage.prompt_tokens, before, after)
 kw = dict(model=model, messages=CHAT, max_tokens=12, temperature=1.0, seed=7)
 a = client.chat.completions.create(n=3, **kw)
 assert [c.index for c in a.choices] == [0, 1, 2], a
@@ -186,6 +199,65 @@ c = client.completions.create(model=model, prompt="Colours:", max_tokens=100, te
 assert json.loads(c.choices[0].text) in ([a, b] for a in ["red", "green"] for b in ["red", "green"]), c
 out["json"] = valid
 
+# --- tools: `required` and a named function are enforced by the grammar, so even a 135M model
+# returns valid calls; streamed as deltas; a tool result goes back into the conversation.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def check_calls(message, names):
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names, call
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    return [[c.function.name, json.loads(c.function.arguments)] for c in message.tool_calls]
+
+
+r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                   max_tokens=120, temperature=0)
+assert r.choices[0].finish_reason == "tool_calls", r
+required = check_calls(r.choices[0].message, {"get_weather", "get_time"})
+one = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                     parallel_tool_calls=False, max_tokens=120, temperature=0)
+assert len(one.choices[0].message.tool_calls) == 1, one
+named = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
+                                       temperature=0, tool_choice={"type": "function", "function": {"name": "get_time"}})
+assert check_calls(named.choices[0].message, {"get_time"})[0][0] == "get_time", named
+calls = {}
+finish = None
+for c in client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                        max_tokens=120, temperature=0, stream=True):
+    for ch in c.choices:
+        for d in ch.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+        finish = ch.finish_reason or finish
+streamed = [[c["name"], json.loads(c["arguments"])] for _, c in sorted(calls.items())]
+assert streamed == required and finish == "tool_calls", (streamed, required, finish)
+first = r.choices[0].message.tool_calls[0]
+turns = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [first.model_dump()]},
+    {"role": "tool", "tool_call_id": first.id, "content": json.dumps({"temperature": 18, "sky": "clear"})},
+]
+after = client.chat.completions.create(model=model, messages=turns, tools=[WEATHER, TIME], tool_choice="none",
+                                       max_tokens=30, temperature=0)
+assert after.choices[0].finish_reason in ("stop", "length") and after.choices[0].message.content, after
+assert not after.choices[0].message.tool_calls, after
+auto = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0)
+assert auto.choices[0].message.content or auto.choices[0].message.tool_calls, auto
+out["tools"] = {"required": required, "named": named.choices[0].message.tool_calls[0].function.name,
+                "after": after.choices[0].message.content}
+
 # --- errors: OpenAI's type, code and param.
 def error(**kw):
     try:
@@ -213,6 +285,10 @@ assert e["param"] == "response_format.type", e
 e = error(max_tokens=4, response_format={"type": "json_schema", "json_schema": {
     "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}, "strict": True}})
 assert e["param"] == "response_format.json_schema.schema" and "strnig" in e["message"], e
+e = error(max_tokens=4, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+assert e["param"] == "tool_choice", e
+e = error(max_tokens=4, tools=[{"type": "function", "function": {"name": "a b"}}])
+assert e["param"].startswith("tools"), e
 models = client.models.list().model_dump()["data"][0]
 assert "logit_bias" in models["honoured_fields"]["/v1/chat/completions"], models
 out["errors"] = "ok"

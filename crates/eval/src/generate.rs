@@ -1,13 +1,16 @@
 //! Generation tasks (GSM8K, NQ-Open): greedy continuations until a stop string, as the harness's
 //! `generate_until` requests are answered, then its filters (a regex's match, whitespace removed)
-//! and its `exact_match` against the references.
+//! and its `exact_match` against the references. Under a JSON Schema (`--json-schema`) each answer
+//! is generated under the schema instead, and ends where its JSON does.
 
 use ember_data::Tokenizer;
-use ember_generate::sample::{generate_batch, GenerateOptions, Sampler, SamplingConfig};
+use ember_generate::constraint::Constraint;
+use ember_generate::sample::{generate_batch_constrained, GenerateOptions, Sampler, SamplingConfig};
 use ember_kernels::EmberBackend;
 use ember_model::Decoder;
 
 use crate::error::EvalError;
+use crate::schema::Schema;
 
 /// A generation task's settings and scoring, as its harness YAML has them.
 #[derive(Debug)]
@@ -91,14 +94,18 @@ impl Generation {
 
 /// Greedy continuations of `prompts`, `batch` at a time (prompts of similar lengths together), each
 /// until a stop string, the model's EOS token or `max_gen_toks`; the texts cut at the stop strings.
+/// Under `schema` each continuation is JSON of the schema and the stop strings do not apply (NQ-Open
+/// stops at `,` and `.`, which JSON holds): it ends where the JSON does (or at `max_gen_toks`).
 pub fn generate<B: EmberBackend>(
     model: &Decoder<B>,
     tokenizer: &Tokenizer,
     prompts: &[Vec<u32>],
     spec: &Generation,
+    schema: Option<&Schema>,
     batch: usize,
     mut done: impl FnMut(usize),
 ) -> Result<Vec<String>, EvalError> {
+    let until = if schema.is_some() { &[][..] } else { spec.until };
     let options = GenerateOptions {
         max_new_tokens: spec.max_gen_toks,
         stop_tokens: tokenizer.eos_id().into_iter().collect(),
@@ -114,19 +121,33 @@ pub fn generate<B: EmberBackend>(
             .map(|_| Sampler::new(greedy.clone(), 0))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EvalError::Generate(e.to_string()))?;
+        let mut constraints = constraints(schema, chunk.len())?;
         let mut so_far: Vec<Vec<u32>> = vec![Vec::new(); chunk.len()];
-        let outputs = generate_batch(model, &batch_prompts, &options, &mut samplers, |b, id| {
-            so_far[b].push(id);
-            let text = tokenizer.decode_skipping_special(&so_far[b]).unwrap_or_default();
-            !spec.until.iter().any(|stop| text.contains(stop))
-        })
-        .map_err(|e| EvalError::Generate(e.to_string()))?;
+        let outputs =
+            generate_batch_constrained(model, &batch_prompts, &options, &mut samplers, &mut constraints, |b, id| {
+                if until.is_empty() {
+                    return true;
+                }
+                so_far[b].push(id);
+                let text = tokenizer.decode_skipping_special(&so_far[b]).unwrap_or_default();
+                !until.iter().any(|stop| text.contains(stop))
+            })
+            .map_err(|e| EvalError::Generate(e.to_string()))?;
         for (&i, out) in chunk.iter().zip(outputs) {
-            texts[i] = spec.cut(&tokenizer.decode_skipping_special(&out)?);
+            let text = tokenizer.decode_skipping_special(&out)?;
+            texts[i] = if schema.is_some() { text } else { spec.cut(&text) };
         }
         done(chunk.len());
     }
     Ok(texts)
+}
+
+/// One constraint of `schema` per sequence of a batch of `n` (none without a schema).
+fn constraints(schema: Option<&Schema>, n: usize) -> Result<Vec<Option<Box<dyn Constraint>>>, EvalError> {
+    (0..n)
+        .map(|_| schema.map(Schema::constraint).transpose())
+        .collect::<Result<_, _>>()
+        .map_err(|e| EvalError::Generate(format!("--json-schema: {e}")))
 }
 
 #[cfg(test)]

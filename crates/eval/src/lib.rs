@@ -4,13 +4,15 @@
 //!
 //! - [`task`]: what a task is; [`tasks`]: the tasks, one function each;
 //! - [`score`]: log-likelihoods through the model's paged KV cache, and a slow reference;
-//! - [`run`]: a task end to end; [`metrics`]: accuracies, standard errors, the CORE aggregate.
+//! - [`run`]: a task end to end; [`metrics`]: accuracies, standard errors, the CORE aggregate;
+//! - [`schema`]: a JSON Schema file that generated answers follow (`--json-schema`).
 
 mod error;
 pub mod generate;
 pub mod metrics;
 pub mod pyrandom;
 pub mod run;
+pub mod schema;
 pub mod score;
 pub mod task;
 pub mod tasks;

@@ -12,6 +12,7 @@ use serde::Serialize;
 use crate::error::EvalError;
 use crate::generate::generate;
 use crate::metrics::{centred, task_metrics, Estimate, Generated, ItemScore};
+use crate::schema::Schema;
 use crate::score::{score, Budget, Pair};
 use crate::task::{read_docs, Doc, FewShot, Output, Query, TaskSpec};
 
@@ -26,11 +27,14 @@ pub struct Options {
     pub batch_tokens: usize,
     /// Sequences generated together in generation tasks.
     pub generate_batch: usize,
+    /// The JSON Schema generation tasks' answers follow (`--json-schema`); log-likelihood tasks
+    /// score given texts and ignore it.
+    pub schema: Option<Schema>,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { num_fewshot: None, seed: 1234, batch_tokens: 4096, generate_batch: 8 }
+        Self { num_fewshot: None, seed: 1234, batch_tokens: 4096, generate_batch: 8, schema: None }
     }
 }
 
@@ -233,7 +237,8 @@ pub fn evaluate<B: EmberBackend>(
     let items: Vec<ItemScore> = match task.spec.output {
         Output::Generate(g) => {
             let prompts: Vec<Vec<u32>> = task.pairs.iter().map(|p| p[0].context.clone()).collect();
-            let texts = generate(model, tokenizer, &prompts, g, options.generate_batch, &mut done)?;
+            let schema = options.schema.as_ref();
+            let texts = generate(model, tokenizer, &prompts, g, schema, options.generate_batch, &mut done)?;
             task.docs
                 .iter()
                 .zip(texts)

@@ -8,7 +8,8 @@ use ember_generate::engine::{Event, Finish, RequestId};
 use ember_generate::logprobs::TokenLogprobs;
 use tokio::sync::mpsc;
 
-use crate::api::{Choice, Delta, Kind, TokenLogprob, Usage};
+use crate::api::{CallOut, Choice, Delta, Kind, TokenLogprob, Usage};
+use crate::tools::{ToolDelta, ToolFormat, ToolStream};
 
 /// A choice on the engine.
 pub(crate) struct Submitted {
@@ -28,6 +29,8 @@ pub(crate) struct Shape {
     pub logprobs: bool,
     /// Completions' `echo`: the prompt's text first.
     pub echo: bool,
+    /// Chat with tools: the answer's calls, written in this format, are told apart from its text.
+    pub tools: Option<ToolFormat>,
 }
 
 /// Why an answer could not be finished: the engine failed or went away, with its words.
@@ -49,12 +52,15 @@ pub(crate) struct Follow<'a> {
     offset: usize,
     /// The prompt's text, to go out first (`echo`).
     echo: Option<String>,
+    calls: Option<ToolStream>,
 }
 
-/// What an event gave: pieces, and the finish reason and token count once the choice is over.
+/// What an event gave: pieces, and the finish reason and token count once the choice is over
+/// (with the calls the answer made, when it has tools).
 pub(crate) struct Step {
     pub deltas: Vec<Delta>,
     pub done: Option<(&'static str, usize)>,
+    pub calls: Vec<CallOut>,
 }
 
 impl<'a> Follow<'a> {
@@ -68,6 +74,7 @@ impl<'a> Follow<'a> {
             pending: Vec::new(),
             offset: 0,
             echo,
+            calls: shape.tools.map(ToolStream::new),
         }
     }
 
@@ -78,34 +85,65 @@ impl<'a> Follow<'a> {
             self.offset += echo.len();
             deltas.push(Delta::Text(echo, self.logprobs.then(Vec::new)));
         }
-        match event {
+        let done = match event {
             Some(Event::Token { token, logprobs, .. }) => {
                 if let Some(lp) = logprobs.filter(|_| self.logprobs) {
                     self.pending.push(self.token_logprob(token, &lp));
                 }
                 let (piece, stopped) = self.text.push(token);
                 self.text_out(piece, &mut deltas);
-                // A stop string: the engine is told by the caller (dropping the request).
-                Ok(Step { deltas, done: stopped.then_some(("stop", 0)) })
+                // A stop string: the caller cancels the request on the engine.
+                stopped.then_some(("stop", 0))
             }
             Some(Event::Done { finish: Finish::Failed, error, .. }) => {
-                Err(Failed(error.unwrap_or_else(|| ENGINE_FAILED.to_string())))
+                return Err(Failed(error.unwrap_or_else(|| ENGINE_FAILED.to_string())))
             }
-            Some(Event::Done { finish: Finish::Cancelled, .. }) | None => Err(Failed(ENGINE_FAILED.to_string())),
+            Some(Event::Done { finish: Finish::Cancelled, .. }) | None => return Err(Failed(ENGINE_FAILED.to_string())),
             Some(Event::Done { finish, completion_tokens, .. }) => {
                 let piece = self.text.finish();
                 self.text_out(piece, &mut deltas);
                 let reason = if finish == Finish::Length { "length" } else { "stop" };
-                Ok(Step { deltas, done: Some((reason, completion_tokens)) })
+                Some((reason, completion_tokens))
             }
+        };
+        let mut calls = Vec::new();
+        let over = match (done, &self.calls) {
+            (Some(done), Some(_)) => self.calls.take().map(|stream| (done, stream)),
+            _ => None,
+        };
+        if let Some(((reason, n), stream)) = over {
+            let (last, parsed) = stream.finish();
+            self.tool_deltas(last, &mut deltas);
+            calls = parsed.calls.iter().map(|c| CallOut {
+                id: c.id.clone(),
+                name: c.name.clone(),
+                arguments: c.arguments.to_string(),
+            }).collect();
+            let reason = if !calls.is_empty() && reason == "stop" { "tool_calls" } else { reason };
+            if let Some(lp) = self.logprobs.then(|| std::mem::take(&mut self.pending)).filter(|lp| !lp.is_empty()) {
+                deltas.push(Delta::Text(String::new(), Some(lp)));
+            }
+            return Ok(Step { deltas, done: Some((reason, n)), calls });
         }
+        Ok(Step { deltas, done, calls })
     }
 
-    /// Hands out `piece` with the log-probabilities of the tokens that made it.
+    /// Hands out `piece` (through the tool-call reader when the answer has tools).
     fn text_out(&mut self, piece: String, deltas: &mut Vec<Delta>) {
         if piece.is_empty() {
             return;
         }
+        match self.calls.as_mut() {
+            Some(stream) => {
+                let said = stream.push(&piece);
+                self.tool_deltas(said, deltas);
+            }
+            None => self.content(piece, deltas),
+        }
+    }
+
+    /// The answer's text `piece`, with the log-probabilities of the tokens that made it.
+    fn content(&mut self, piece: String, deltas: &mut Vec<Delta>) {
         let base = self.offset;
         self.offset += piece.len();
         let lp = self.logprobs.then(|| {
@@ -114,6 +152,21 @@ impl<'a> Follow<'a> {
             lp
         });
         deltas.push(Delta::Text(piece, lp));
+    }
+
+    fn tool_deltas(&mut self, said: Vec<ToolDelta>, deltas: &mut Vec<Delta>) {
+        for d in said {
+            match d {
+                ToolDelta::Content(t) if !t.is_empty() => self.content(t, deltas),
+                ToolDelta::Content(_) => {}
+                ToolDelta::CallStart { index, id, name } => {
+                    deltas.push(Delta::Call { index, id: Some(id), name: Some(name), arguments: String::new() })
+                }
+                ToolDelta::Arguments { index, text } => {
+                    deltas.push(Delta::Call { index, id: None, name: None, arguments: text })
+                }
+            }
+        }
     }
 
     fn token_logprob(&self, token: u32, lp: &TokenLogprobs) -> TokenLogprob {
@@ -167,6 +220,7 @@ pub(crate) async fn collect(
             }
             if let Some((finish, n)) = step.done {
                 cancel(sub.id);
+                choice.tool_calls = step.calls;
                 choice.finish = finish;
                 generated += n.max(count);
                 break;

@@ -10,7 +10,7 @@
 mod fields;
 mod response;
 
-use ember_data::finetune::Message;
+use ember_data::finetune::{Message, ToolCall};
 use ember_generate::adjust::Adjustments;
 use ember_generate::sample::SamplingConfig;
 use serde::de::DeserializeOwned;
@@ -94,8 +94,9 @@ pub enum Prompts {
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     pub settings: Settings,
-    /// OpenAI tool objects (`{"type": "function", "function": {"name", "description", "parameters"}}`).
-    pub tools: Vec<Value>,
+    /// OpenAI tool objects (`{"type": "function", "function": {"name", "description", "parameters"}}`),
+    /// checked by [`crate::tools::Tools::read`].
+    pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
 }
@@ -106,8 +107,8 @@ pub struct ChatMessage {
     pub role: String,
     /// `null` for an assistant turn that only called tools: empty text here.
     pub content: Option<Content>,
-    /// An assistant turn's calls: (id, function name, arguments as a JSON object).
-    pub tool_calls: Vec<(String, String, Value)>,
+    /// An assistant turn's calls.
+    pub tool_calls: Vec<ToolCall>,
     /// A `tool` turn's answer to the call of this id.
     pub tool_call_id: Option<String>,
     pub name: Option<String>,
@@ -281,11 +282,7 @@ impl TryFrom<Value> for ChatRequest {
             Some(v) => return Err(wrong("messages", &should, v)),
         };
         let settings = Settings::read(&body)?;
-        let tools = match body.get("tools") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(tools)) => tools.iter().enumerate().map(|(i, t)| tool(i, t)).collect::<Result<_, _>>()?,
-            Some(v) => return Err(wrong("tools", TOOL_SHOULD, v)),
-        };
+        let tools = body.get("tools").cloned().filter(|v| !v.is_null());
         let tool_choice = body.get("tool_choice").cloned().filter(|v| !v.is_null());
         let parallel_tool_calls = field(&body, "parallel_tool_calls", "true or false")?;
         fields::refuse_unknown(&body, CHAT_FIELDS)?;
@@ -321,7 +318,10 @@ impl ChatMessage {
             Some(Value::Array(calls)) => calls
                 .iter()
                 .enumerate()
-                .map(|(j, c)| tool_call(&format!("messages[{i}].tool_calls[{j}]"), c))
+                .map(|(j, c)| {
+                    let place = format!("messages[{i}].tool_calls[{j}]");
+                    ToolCall::read(c, &place).map_err(|e| Invalid::new(place, e.to_string()))
+                })
                 .collect::<Result<_, _>>()?,
             Some(v) => return Err(wrong(&format!("messages[{i}].tool_calls"), "a list of tool calls", v)),
         };
@@ -330,49 +330,6 @@ impl ChatMessage {
         let name = field(m, "name", "a string").map_err(|e| Invalid::new(format!("messages[{i}].name"), e.message))?;
         Ok(Self { role, content, tool_calls, tool_call_id, name })
     }
-}
-
-const TOOL_SHOULD: &str =
-    "a list of tools, each {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}";
-
-/// Tool `i` of `tools`, checked: a function with a name and, if any, an object of parameters.
-fn tool(i: usize, v: &Value) -> Result<Value, Invalid> {
-    let param = format!("tools[{i}]");
-    let bad = |what: &str| Invalid::new(&param, format!("{param} {what}; tools must be {TOOL_SHOULD}"));
-    let Value::Object(t) = v else { return Err(bad(&format!("is {}", what_is(v)))) };
-    if t.get("type").and_then(Value::as_str) != Some("function") {
-        return Err(bad("has no `\"type\": \"function\"`"));
-    }
-    let Some(Value::Object(f)) = t.get("function") else { return Err(bad("has no `function` object")) };
-    match f.get("name") {
-        Some(Value::String(n)) if !n.is_empty() && n.len() <= 64 => {}
-        _ => return Err(bad("has no `function.name` (a string of 1 to 64 characters)")),
-    }
-    match f.get("parameters") {
-        None | Some(Value::Null) | Some(Value::Object(_)) => Ok(v.clone()),
-        Some(p) => Err(bad(&format!("has `function.parameters` {}, not a JSON Schema object", what_is(p)))),
-    }
-}
-
-/// An assistant message's tool call (`param` names it): `{"id", "type": "function", "function":
-/// {"name", "arguments": "<JSON object>"}}`, as (id, name, arguments parsed).
-fn tool_call(param: &str, v: &Value) -> Result<(String, String, Value), Invalid> {
-    let should = "{\"id\": ..., \"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": \"{...}\"}}";
-    let bad = || wrong(param, should, v);
-    let Value::Object(c) = v else { return Err(bad()) };
-    let id = c.get("id").and_then(Value::as_str).unwrap_or_default().to_string();
-    let Some(Value::Object(f)) = c.get("function") else { return Err(bad()) };
-    let Some(name) = f.get("name").and_then(Value::as_str) else { return Err(bad()) };
-    let arguments = match f.get("arguments") {
-        // OpenAI sends the arguments as JSON text; templates take them as an object.
-        Some(Value::String(text)) => serde_json::from_str::<Value>(text).map_err(|e| {
-            Invalid::new(format!("{param}.function.arguments"), format!("{param}.function.arguments is not JSON: {e}"))
-        })?,
-        Some(o @ Value::Object(_)) => o.clone(),
-        None | Some(Value::Null) => Value::Object(Map::new()),
-        Some(a) => return Err(wrong(&format!("{param}.function.arguments"), "a JSON object as text", a)),
-    };
-    Ok((id, name.to_string(), arguments))
 }
 
 impl Prompts {
@@ -476,6 +433,9 @@ pub struct Generation {
     /// Completions: the answer's text starts with the prompt's.
     pub echo: bool,
     pub format: Format,
+    /// The grammar (llguidance's Lark) the tool calls put on the answer (`tool_choice` required
+    /// or a named function); set by the chat endpoint.
+    pub grammar: Option<String>,
     /// The end user's id (`user`): logged with the answer.
     pub user: Option<String>,
 }
@@ -552,6 +512,7 @@ impl Settings {
             logprobs,
             echo,
             format,
+            grammar: None,
             user: self.user.clone(),
         })
     }
@@ -668,7 +629,11 @@ impl ChatRequest {
                         parts.iter().map(|p| p.text.as_str()).collect()
                     }
                 };
-                Ok(Message::new(m.role.clone(), content))
+                let mut message = Message::new(m.role.clone(), content);
+                message.tool_calls = m.tool_calls.clone();
+                message.tool_call_id = m.tool_call_id.clone();
+                message.name = m.name.clone();
+                Ok(message)
             })
             .collect()
     }

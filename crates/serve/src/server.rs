@@ -42,6 +42,7 @@ use crate::api::{
     CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use crate::chat::ChatPrompt;
+use crate::tools::{call_grammar, ToolChoice, ToolFormat, Tools};
 use crate::worker::{SubmitError, Worker};
 
 const CHAT_PAGE: &str = include_str!("../assets/chat.html");
@@ -452,7 +453,7 @@ async fn completion(state: &State, r: CompletionRequest, conn: &Arc<Conn>) -> An
         Ok::<_, Invalid>((prompts, generation))
     })();
     match prepared {
-        Ok((prompts, generation)) => run(state, Kind::Completion, prompts, generation, conn).await,
+        Ok((prompts, generation)) => run(state, Kind::Completion, prompts, generation, None, conn).await,
         Err(e) => invalid(e),
     }
 }
@@ -462,14 +463,32 @@ async fn chat(state: &State, r: ChatRequest, conn: &Arc<Conn>) -> Answer {
         return invalid(Invalid::new("messages", "this model has no chat template; use /v1/completions"));
     };
     let prepared = (|| {
-        let generation = r.settings.generation(Kind::Chat, &state.served())?;
+        let mut generation = r.settings.generation(Kind::Chat, &state.served())?;
+        let tools = Tools::read(r.tools.as_ref())?;
+        let choice = ToolChoice::read(r.tool_choice.as_ref(), &tools)?;
         let messages = r.messages(template.roles())?;
-        let text = template.render(&messages)?;
+        // `tool_choice: "none"`: the model is not shown the tools, and its answer is text.
+        let offered = if choice == ToolChoice::None { Tools::default() } else { tools };
+        let text = template.render_with_tools(&messages, &offered)?;
         let ids = state.options.tokenizer.encode_prompt(&text).map_err(|e| Invalid::new("messages", e.to_string()))?;
-        Ok::<_, Invalid>((ids, generation))
+        let format = template.tool_format();
+        let special = |t: &str| state.options.tokenizer.token_to_id(t);
+        let single = r.parallel_tool_calls == Some(false);
+        if let Some(lark) = call_grammar(format, &offered, &choice, single, &special) {
+            if generation.format != Format::Text {
+                return Err(Invalid::new(
+                    "response_format",
+                    "response_format and a tool_choice of `required` or a named function both constrain the answer: \
+                     give one",
+                ));
+            }
+            generation.grammar = Some(lark);
+        }
+        let calls = (!offered.is_empty()).then_some(format);
+        Ok::<_, Invalid>((ids, generation, calls))
     })();
     match prepared {
-        Ok((ids, generation)) => run(state, Kind::Chat, vec![ids], generation, conn).await,
+        Ok((ids, generation, calls)) => run(state, Kind::Chat, vec![ids], generation, calls, conn).await,
         Err(e) => invalid(e),
     }
 }
@@ -530,8 +549,16 @@ fn engine_request(
     Ok(request)
 }
 
-/// The grammar `format` asks for, checked (a schema llguidance refuses is the client's error).
-fn format_spec(state: &State, format: &Format) -> Result<Option<Spec>, Invalid> {
+/// The grammar `g` asks for (`response_format`, or the tool calls `tool_choice` requires),
+/// checked: a schema llguidance refuses is the client's error.
+fn format_spec(state: &State, g: &Generation) -> Result<Option<Spec>, Invalid> {
+    if let Some(lark) = &g.grammar {
+        let grammars = state.grammars.as_ref().map_err(|why| Invalid::new("tool_choice", why.clone()))?;
+        let spec = Spec::Lark(lark.clone());
+        grammars.check(&spec).map_err(|e| Invalid::new("tools", e.to_string()))?;
+        return Ok(Some(spec));
+    }
+    let format = &g.format;
     let spec = match format {
         Format::Text => return Ok(None),
         Format::JsonObject => Spec::JsonObject,
@@ -545,13 +572,21 @@ fn format_spec(state: &State, format: &Format) -> Result<Option<Spec>, Invalid> 
 
 /// Runs a checked request on the engine (each prompt's `n` choices) and answers it, whole or
 /// streamed.
-async fn run(state: &State, kind: Kind, prompts: Vec<Vec<u32>>, g: Generation, conn: &Arc<Conn>) -> Answer {
+/// `calls`: the format in which the answer may call tools (chat with tools).
+async fn run(
+    state: &State,
+    kind: Kind,
+    prompts: Vec<Vec<u32>>,
+    g: Generation,
+    calls: Option<ToolFormat>,
+    conn: &Arc<Conn>,
+) -> Answer {
     for p in &prompts {
         if let Err(answer) = check_context(kind, p, g.max_tokens, state.options.context) {
             return answer;
         }
     }
-    let spec = match format_spec(state, &g.format) {
+    let spec = match format_spec(state, &g) {
         Ok(spec) => spec,
         Err(e) => return invalid(e),
     };
@@ -590,6 +625,7 @@ async fn run(state: &State, kind: Kind, prompts: Vec<Vec<u32>>, g: Generation, c
         ends: if g.ignore_eos { Vec::new() } else { state.options.tokenizer.end_ids() },
         logprobs: g.logprobs.is_some(),
         echo: g.echo,
+        tools: calls,
     };
     let ids: Vec<u64> = subs.iter().map(|s| s.id).collect();
     if !g.stream {

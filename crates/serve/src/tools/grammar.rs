@@ -2,8 +2,10 @@
 
 use super::{ToolChoice, ToolFormat, Tools};
 
-/// The grammar (llguidance's Lark) that `choice` puts on the answer: `Required` admits one or
-/// more calls of any of `tools` (one for Llama 3, whose template holds one), `Named` one call of
+/// The grammar (llguidance's Lark) that `choice` puts on the answer: `Required` admits one call
+/// or more, at most one per function offered, of any of `tools` (one for Llama 3, whose template
+/// holds one, and where `single`:
+/// `parallel_tool_calls: false`), `Named` one call of
 /// that function, each in the model's format with the function's `parameters` schema for its
 /// arguments; `Auto` and `None` put none. `special` gives the token id of a marker the tokenizer
 /// has as one token (`<tool_call>`, `[TOOL_CALLS]`), which the grammar then names by id
@@ -12,6 +14,7 @@ pub fn call_grammar(
     format: ToolFormat,
     tools: &Tools,
     choice: &ToolChoice,
+    single: bool,
     special: &dyn Fn(&str) -> Option<u32>,
 ) -> Option<String> {
     let names: Vec<&str> = match choice {
@@ -19,7 +22,14 @@ pub fn call_grammar(
         ToolChoice::Required => tools.names().collect(),
         ToolChoice::Named(name) => vec![name.as_str()],
     };
-    let one = matches!(choice, ToolChoice::Named(_)) || format == ToolFormat::Llama3;
+    // At most one call per function offered: a small model asked for calls otherwise repeats its
+    // last one until the token limit cuts it.
+    let more = if single || matches!(choice, ToolChoice::Named(_)) || format == ToolFormat::Llama3 {
+        0
+    } else {
+        names.len().saturating_sub(1)
+    };
+    let one = more == 0;
     let marker = |text: &str| match special(text) {
         Some(id) => format!("<[{id}]>"),
         None => serde_json::to_string(text).unwrap_or_default(),
@@ -28,13 +38,13 @@ pub fn call_grammar(
     let mut lark = match format {
         ToolFormat::Hermes | ToolFormat::Default => {
             let call = format!("call: {} \"\\n\" function \"\\n\" {}\n", marker("<tool_call>"), marker("</tool_call>"));
-            let start = if one { "start: call\n" } else { "start: call (\"\\n\" call)*\n" };
+            let start = if one { "start: call\n".to_string() } else { format!("start: call (\"\\n\" call){{0,{more}}}\n") };
             format!("{start}{call}")
         }
         ToolFormat::Llama3 => "start: function\n".to_string(),
         ToolFormat::Mistral => {
-            let more = if one { "" } else { " (\", \" function)*" };
-            format!("start: {} \"[\" function{more} \"]\"\n", marker("[TOOL_CALLS]"))
+            let rest = if one { String::new() } else { format!(" (\", \" function){{0,{more}}}") };
+            format!("start: {} \"[\" function{rest} \"]\"\n", marker("[TOOL_CALLS]"))
         }
     };
     let rules: Vec<String> = (0..names.len()).map(|i| format!("function_{i}")).collect();

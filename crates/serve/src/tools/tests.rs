@@ -238,25 +238,28 @@ fn weather_tools() -> Tools {
 fn required_and_named_choices_have_a_grammar_in_the_models_format() {
     let tools = weather_tools();
     let none = |_: &str| None;
-    assert_eq!(call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Auto, &none), None);
-    assert_eq!(call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::None, &none), None);
-    let hermes = call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Required, &none).unwrap();
+    assert_eq!(call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Auto, false, &none), None);
+    assert_eq!(call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::None, false, &none), None);
+    let hermes = call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Required, false, &none).unwrap();
     assert!(
         hermes.starts_with(
-            "start: call (\"\\n\" call)*\ncall: \"<tool_call>\" \"\\n\" function \"\\n\" \"</tool_call>\"\n"
+            "start: call (\"\\n\" call){0,1}\ncall: \"<tool_call>\" \"\\n\" function \"\\n\" \"</tool_call>\"\n"
         ),
         "{hermes}"
     );
     assert!(hermes.contains("function: function_0 | function_1\n"), "{hermes}");
     assert!(hermes.contains("function_0: %json {\"type\": \"object\", \"properties\": {\"name\": {\"const\": \"get_weather\"}, \"arguments\": {"), "{hermes}");
     let qwen = |t: &str| (t == "<tool_call>").then_some(151657).or((t == "</tool_call>").then_some(151658));
-    let named = call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Named("add".into()), &qwen).unwrap();
+    let named = call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Named("add".into()), false, &qwen).unwrap();
     assert!(named.starts_with("start: call\ncall: <[151657]> \"\\n\" function \"\\n\" <[151658]>\n"), "{named}");
     assert!(named.contains("function: function_0\nfunction_0: %json {\"type\": \"object\", \"properties\": {\"name\": {\"const\": \"add\"}, \"arguments\": {\"type\":\"object\"}}"), "{named}");
-    let llama = call_grammar(ToolFormat::Llama3, &tools, &ToolChoice::Required, &none).unwrap();
+    let llama = call_grammar(ToolFormat::Llama3, &tools, &ToolChoice::Required, false, &none).unwrap();
     assert!(llama.starts_with("start: function\n") && llama.contains("\"parameters\": {"), "{llama}");
-    let mistral = call_grammar(ToolFormat::Mistral, &tools, &ToolChoice::Required, &|_| Some(5)).unwrap();
-    assert!(mistral.starts_with("start: <[5]> \"[\" function (\", \" function)* \"]\"\n"), "{mistral}");
+    let mistral = call_grammar(ToolFormat::Mistral, &tools, &ToolChoice::Required, false, &|_| Some(5)).unwrap();
+    assert!(mistral.starts_with("start: <[5]> \"[\" function (\", \" function){0,1} \"]\"\n"), "{mistral}");
+    // `parallel_tool_calls: false`: one call.
+    let single = call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Required, true, &none).unwrap();
+    assert!(single.starts_with("start: call\n"), "{single}");
 }
 
 /// Text that a grammar admits parses back into the calls it was written for.
@@ -291,11 +294,33 @@ fn the_grammars_compile() {
     for format in [ToolFormat::Hermes, ToolFormat::Llama3, ToolFormat::Mistral, ToolFormat::Default] {
         for choice in [ToolChoice::Required, ToolChoice::Named("get_weather".into())] {
             for special in [None, Some(3)] {
-                let lark = call_grammar(format, &tools, &choice, &|_| special).unwrap();
+                let lark = call_grammar(format, &tools, &choice, false, &|_| special).unwrap();
                 if let Err(e) = grammars.check(&Spec::Lark(lark.clone())) {
                     panic!("{format:?} {choice:?}: {e}\n{lark}");
                 }
             }
         }
     }
+}
+
+#[test]
+fn a_call_cut_off_after_whole_ones_keeps_the_whole_ones() {
+    let text = "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"b\", \"argu";
+    let parsed = parse(ToolFormat::Default, text);
+    assert_eq!(parsed.calls.len(), 1, "{parsed:?}");
+    assert_eq!(parsed.calls[0].name, "a");
+    assert!(parsed.content.trim_start().starts_with("<tool_call>\n{\"name\": \"b\""), "{parsed:?}");
+}
+
+#[test]
+fn a_marker_that_comes_token_by_token_is_a_marker() {
+    let mut stream = ToolStream::new(ToolFormat::Default);
+    let mut said = Vec::new();
+    for piece in ["<", "tool", "_", "call", ">", "\n", "{\"", "name", "\":", " \"", "a", "\", \"arguments\": {}}", "\n", "</", "tool_call", ">"] {
+        said.extend(stream.push(piece));
+    }
+    let (last, parsed) = stream.finish();
+    said.extend(last);
+    assert_eq!(parsed.calls.len(), 1, "{parsed:?} {said:?}");
+    assert_eq!(parsed.content, "", "{parsed:?}");
 }

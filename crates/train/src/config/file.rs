@@ -198,6 +198,9 @@ impl TrainConfig {
                 self.data.tokenizer = Some(abs(Path::new(t)).display().to_string());
             }
         }
+        if let Some(schema) = self.rl.as_mut().and_then(|rl| rl.json_schema.as_mut()) {
+            *schema = abs(schema);
+        }
         self.init_from = self.init_from.as_ref().map(InitSource::absolute);
     }
 

@@ -88,9 +88,14 @@ impl<'a, B: TrainBackend> Rl<'a, B> {
                 )));
             }
         }
+        let schema = config
+            .json_schema
+            .as_deref()
+            .map(|path| rollout::load_schema(path, inputs.tokenizer, run.model.vocab_size))
+            .transpose()?;
         Ok(Self {
             loss: LossConfig::of(&config),
-            sample: SampleConfig::of(&config, inputs.tokenizer),
+            sample: SampleConfig::of(&config, inputs.tokenizer, schema),
             rewards,
             seed: run.train.seed,
             eval: EvalBatches::of(run),

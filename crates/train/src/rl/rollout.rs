@@ -1,8 +1,12 @@
 //! Sampling a step's answers through the continuous-batching engine: every answer of the step in
 //! its own slot, the answers to one prompt submitted together so that the prompt's keys and values
-//! are computed once and shared (the engine's prefix sharing), each with its own seeded sampler.
+//! are computed once and shared (the engine's prefix sharing), each with its own seeded sampler,
+//! and under `rl.json_schema` each with its own constraint of the schema.
+
+use std::path::Path;
 
 use ember_data::Tokenizer;
+use ember_eval::schema::Schema;
 use ember_generate::engine::{Engine, EngineConfig, Event, Finish, Request};
 use ember_generate::sample::{Sampler, SamplingConfig};
 use ember_kernels::EmberBackend;
@@ -23,10 +27,21 @@ pub(crate) struct SampleConfig {
     pub stop_tokens: Vec<u32>,
     /// An answer ends once its text holds one of these.
     pub stop: Vec<String>,
+    /// The JSON Schema every answer is generated under (`rl.json_schema`).
+    pub schema: Option<Schema>,
+}
+
+/// `rl.json_schema`'s schema, read and compiled for the run's tokenizer before training starts:
+/// a file that cannot be read or parsed, or a schema the grammar engine refuses, stops the run
+/// there, named by the key and the file.
+pub(crate) fn load_schema(path: &Path, tokenizer: &Tokenizer, vocab_size: usize) -> Result<Schema, TrainError> {
+    Schema::load(path, tokenizer, &tokenizer.end_ids(), vocab_size)
+        .map_err(|e| TrainError::Rl(format!("json_schema = {:?}: {e}", path.display().to_string())))
 }
 
 impl SampleConfig {
-    pub(crate) fn of(rl: &RlConfig, tokenizer: &Tokenizer) -> Self {
+    /// The sampling of `rl`'s answers; `schema`: `rl.json_schema`'s, loaded ([`Schema::load`]).
+    pub(crate) fn of(rl: &RlConfig, tokenizer: &Tokenizer, schema: Option<Schema>) -> Self {
         Self {
             max_new_tokens: rl.max_new_tokens,
             sampling: SamplingConfig {
@@ -37,6 +52,7 @@ impl SampleConfig {
             },
             stop_tokens: tokenizer.end_ids(),
             stop: rl.stop.clone(),
+            schema,
         }
     }
 
@@ -80,7 +96,11 @@ pub(crate) fn sample<B: EmberBackend>(
     let mut ids = Vec::with_capacity(n);
     for (i, prompt) in prompts.iter().enumerate() {
         let sampler = Sampler::new(config.sampling.clone(), seeds[i]).map_err(|e| TrainError::Rl(e.to_string()))?;
-        let request = Request::new(prompt.to_vec(), config.max_new_tokens, config.stop_tokens.clone(), sampler);
+        let mut request = Request::new(prompt.to_vec(), config.max_new_tokens, config.stop_tokens.clone(), sampler);
+        request.constraint = match &config.schema {
+            Some(schema) => Some(schema.constraint().map_err(|e| TrainError::Rl(format!("json_schema: {e}")))?),
+            None => None,
+        };
         let id = engine.submit(request).map_err(|e| TrainError::Rl(format!("the prompt of {}: {e}", lines[i])))?;
         ids.push(id);
     }
@@ -106,8 +126,13 @@ pub(crate) fn sample<B: EmberBackend>(
                         }
                     }
                 }
-                Event::Done { id, finish, .. } => {
-                    out.truncated[(id - first) as usize] = finish == Finish::Length;
+                Event::Done { id, finish, error, .. } => {
+                    let i = (id - first) as usize;
+                    if finish == Finish::Failed {
+                        let error = error.unwrap_or_default();
+                        return Err(TrainError::Rl(format!("the answer to {}: json_schema: {error}", lines[i])));
+                    }
+                    out.truncated[i] = finish == Finish::Length;
                     finished += 1;
                 }
             }

@@ -56,6 +56,13 @@ pub struct EvalArgs {
     /// Write a JSON line per item (requests, log-likelihoods, prediction, gold) to this file.
     #[arg(long)]
     samples: Option<PathBuf>,
+    /// A JSON Schema file: the answers of the generation tasks (gsm8k, gsm8k_cot, nq_open) are
+    /// generated under it (compact JSON, properties in the schema's order), ending where the JSON
+    /// does (the tasks' stop strings do not apply); their filters and exact match then read that
+    /// JSON text. Log-likelihood tasks score given texts and ignore it; a list without a
+    /// generation task is refused. A keyword the grammar engine does not implement is an error.
+    #[arg(long, value_name = "FILE", requires = "tasks")]
+    json_schema: Option<PathBuf>,
     /// Tokens per forward call when scoring tasks (rows × padded length).
     #[arg(long, default_value_t = 4096)]
     batch_tokens: usize,
@@ -124,6 +131,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             seed: args.seed,
             batch_tokens: args.batch_tokens,
             generate_batch: args.generate_batch,
+            schema: None,
         };
         return tasks::run(tasks::TasksArgs {
             checkpoint: &args.checkpoint,
@@ -132,6 +140,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             limit: args.limit,
             options,
             samples: args.samples.as_ref(),
+            json_schema: args.json_schema.as_deref(),
             json: args.json,
             chat: args.chat,
             device: args.device,
@@ -143,6 +152,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         ("--samples", args.samples.is_some()),
         ("--eval-dir", args.eval_dir.is_some()),
         ("--chat", args.chat),
+        ("--json-schema", args.json_schema.is_some()),
     ] {
         anyhow::ensure!(!given, "{flag} is a flag of `--tasks`; `--data` scores perplexity or completion loss");
     }

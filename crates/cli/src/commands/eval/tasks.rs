@@ -8,6 +8,8 @@ use crate::backend::{dispatch, DeviceSpec, Job};
 use crate::commands::source::ModelSource;
 use anyhow::Context;
 use burn::tensor::Device;
+use ember_eval::schema::Schema;
+use ember_eval::task::Output;
 use ember_eval::{evaluate, prepare, Options, Prepared, TaskResult};
 use ember_kernels::TrainBackend;
 
@@ -19,6 +21,8 @@ pub struct TasksArgs<'a> {
     pub limit: Option<usize>,
     pub options: Options,
     pub samples: Option<&'a PathBuf>,
+    /// The JSON Schema file the generation tasks' answers follow.
+    pub json_schema: Option<&'a Path>,
     pub json: bool,
     pub chat: bool,
     pub device: DeviceSpec,
@@ -66,8 +70,21 @@ impl Job for TasksJob<'_> {
 pub fn run(args: TasksArgs) -> anyhow::Result<()> {
     let dir = ember_eval::eval_dir(args.eval_dir, crate::env::eval_dir().as_deref())?;
     let selected = ember_eval::tasks::select(args.tasks)?;
+    if args.json_schema.is_some() && !selected.iter().any(|(spec, _)| matches!(spec.output, Output::Generate(_))) {
+        anyhow::bail!(
+            "--json-schema constrains the answers of generation tasks (gsm8k, gsm8k_cot, nq_open), and `{}` names \
+             none: log-likelihood tasks score given texts",
+            args.tasks
+        );
+    }
     let source = ModelSource::open(Path::new(args.checkpoint))?;
     let tokenizer = source.tokenizer.clone();
+    let mut options = args.options;
+    if let Some(path) = args.json_schema {
+        let schema = Schema::load(path, &tokenizer, &tokenizer.end_ids(), source.model_config.vocab_size)
+            .with_context(|| format!("--json-schema {}", path.display()))?;
+        options.schema = Some(schema);
+    }
     let template = match args.chat {
         true => Some(ember_data::finetune::ChatTemplate::from_dir(&source.dir)?.ok_or_else(|| {
             anyhow::anyhow!(
@@ -85,11 +102,11 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
     let mut prepared = Vec::with_capacity(selected.len());
     for (spec, limit) in &selected {
         let limit = limit.or(args.limit);
-        let task = prepare(spec, &dir, limit, &args.options, encoding)
-            .with_context(|| format!("preparing task {}", spec.name))?;
+        let task =
+            prepare(spec, &dir, limit, &options, encoding).with_context(|| format!("preparing task {}", spec.name))?;
         prepared.push(task);
     }
-    let job = TasksJob { source, prepared: &prepared, options: args.options.clone() };
+    let job = TasksJob { source, prepared: &prepared, options: options.clone() };
     let results = ember_eval::run::with_groups(dispatch(args.device, false, job)?);
     if let Some(path) = args.samples {
         let mut out = Vec::new();
@@ -103,9 +120,10 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
     }
     let config = serde_json::json!({
         "model": args.checkpoint,
-        "num_fewshot": args.options.num_fewshot,
+        "num_fewshot": options.num_fewshot,
         "limit": args.limit,
-        "fewshot_seed": args.options.seed,
+        "fewshot_seed": options.seed,
+        "json_schema": args.json_schema,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&ember_eval::run::to_json(&results, config))?);

@@ -120,6 +120,13 @@ pub struct RlConfig {
     /// end-of-sequence token [default: none].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stop: Vec<String>,
+    /// A JSON Schema file: every answer (sampled and held-out) is generated under it, the
+    /// tokens each step may take masked to those that keep the answer valid JSON of the schema
+    /// (compact, properties in the schema's order). Checked (read, parsed, compiled for the
+    /// tokenizer) before training starts; a keyword the grammar engine does not implement is
+    /// refused [default: none].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub json_schema: Option<std::path::PathBuf>,
     /// ε: the ratio is clipped to [1 − ε, 1 + epsilon_high] [default: 0.2].
     #[serde(default = "epsilon")]
     pub epsilon: f64,
