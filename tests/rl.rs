@@ -395,9 +395,9 @@ fn bad_inputs_are_refused_by_name() {
 }
 
 /// `rl.json_schema` on the tiny GPT-2 (a byte-level vocabulary, which spells any JSON): every
-/// logged answer of every step is JSON of the schema, the held-out answers too (their reward is
-/// the regex's on that JSON); a schema file that cannot constrain answers stops the run before
-/// its first step, named by the key and the file.
+/// logged answer of every step is JSON of the schema, scored by the regex on that JSON; a schema
+/// file that cannot constrain answers stops the run before its first step, named by the key and
+/// the file.
 #[test]
 fn answers_follow_the_json_schema() {
     let s = Scratch::new();
@@ -435,7 +435,7 @@ fn answers_follow_the_json_schema() {
         let want = if answer["verdict"] == "yes" { 1.0 } else { 0.0 };
         assert_eq!(l["reward"].as_f64(), Some(want), "{l}");
     }
-    // The held-out answers (greedy) are JSON too: each verdict scores 0 or 1, and nothing else.
+    // No answer was cut by max_new_tokens: each ended where its JSON did.
     let records = read_metrics(&s.path().join("json/metrics.jsonl")).unwrap();
     assert!(records.iter().all(|r| r.named["completions/clipped_ratio"] == 0.0), "an answer ran past 32 tokens");
 

@@ -1,6 +1,7 @@
 //! `ember serve` end to end on a real trained chat model (SmolLM2-135M-Instruct, imported from the
 //! shared GGUF): the official `openai` Python client (completions and chat, plain and streamed),
-//! greedy answers equal to `ember sample`'s, and raw HTTP for the error cases (bad JSON, an unknown
+//! greedy answers equal to `ember sample`'s, every field the server honours (tests/serve_fields.py:
+//! stream framing, logprobs, `n`, seeds, `logit_bias`, penalties, JSON schemas, tools), and raw HTTP for the error cases (bad JSON, an unknown
 //! model, `max_tokens` past the context, fields of the wrong type, a client that disconnects
 //! mid-stream, a full queue); 300 idle connections, foreign origins, forged roles, the request log
 //! and a graceful SIGTERM with two streams in flight; the
@@ -297,11 +298,10 @@ fn errors_disconnects_and_a_full_queue_over_raw_http() {
     let (code, body) = post(&json!({"prompt": "x", "temperature": 3}).to_string());
     assert_eq!((code, body.contains("\"param\":\"temperature\"")), (400, true), "{body}");
     // Fields of the wrong type are refused naming the field and what it should be.
-    let (code, body) = post(&json!({"prompt": [1, 2, 3]}).to_string());
+    let (code, body) = post(&json!({"prompt": [1, -2, 3]}).to_string());
     assert_eq!(code, 400, "{body}");
     let error: Value = serde_json::from_str(&body).unwrap();
-    let want =
-        "prompt must be a string or a list of strings (token-id prompts are not supported); got a list of numbers";
+    let want = "prompt[1] must be a token id (a whole number >= 0); got the number -2";
     assert_eq!(
         error,
         json!({"error": {"message": want, "type": "invalid_request_error", "param": "prompt", "code": null}})

@@ -258,6 +258,35 @@ assert auto.choices[0].message.content or auto.choices[0].message.tool_calls, au
 out["tools"] = {"required": required, "named": named.choices[0].message.tool_calls[0].function.name,
                 "after": after.choices[0].message.content}
 
+# --- every sampling field streamed gives what it gives whole (chat and completions).
+def whole_and_streamed(kind, **kw):
+    if kind == "chat":
+        whole = client.chat.completions.create(model=model, messages=CHAT, **kw).choices[0].message.content
+        parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=CHAT, stream=True, **kw) if c.choices]
+    else:
+        whole = client.completions.create(model=model, prompt=rep, **kw).choices[0].text
+        parts = [c.choices[0].text for c in client.completions.create(model=model, prompt=rep, stream=True, **kw)
+                 if c.choices]
+    assert "".join(parts) == whole, (kind, kw, parts, whole)
+    return whole
+
+
+for kind in ("chat", "completion"):
+    base_kw = dict(max_tokens=12, temperature=0.9, seed=21)
+    plain_text = whole_and_streamed(kind, **base_kw)
+    for extra in (dict(logit_bias={str(first_id): -100}), dict(frequency_penalty=1.5), dict(presence_penalty=1.5),
+                  dict(extra_body={"repetition_penalty": 1.8}), dict(extra_body={"top_k": 5, "min_p": 0.1})):
+        whole_and_streamed(kind, **base_kw, **extra)
+rp = client.completions.create(model=model, prompt=rep, max_tokens=16, temperature=0,
+                               extra_body={"repetition_penalty": 1.8}).choices[0].text
+assert rp != base.choices[0].text, (rp, base.choices[0].text)
+lp_parts = []
+for c in client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, stream=True):
+    if c.choices and c.choices[0].logprobs:
+        lp_parts += c.choices[0].logprobs.token_logprobs
+assert lp_parts == out["completion_logprobs"], (lp_parts, out["completion_logprobs"])
+
 # --- errors: OpenAI's type, code and param.
 def error(**kw):
     try:

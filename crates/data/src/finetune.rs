@@ -20,6 +20,8 @@ use crate::error::{DataError, Result};
 use crate::loader::Window;
 use crate::tokenizer::Tokenizer;
 
+mod jinja;
+
 /// One chat turn. It reaches the chat template as Hugging Face's conversations have it: `role`
 /// and `content`, and only where set `tool_calls` (an assistant turn's calls, each
 /// `{"id", "type": "function", "function": {"name", "arguments": {...}}}`), `tool_call_id` and
@@ -404,20 +406,25 @@ impl ChatTemplate {
     }
 
     /// Compiles `source` (once; a syntax error is reported here) with the BOS and EOS strings that
-    /// templates read as `bos_token` and `eos_token`.
+    /// templates read as `bos_token` and `eos_token`, in an environment that has what
+    /// transformers adds to Jinja: `tojson` as Python writes JSON, `raise_exception`,
+    /// `strftime_now`, `string` as Python's `str()` and the `{% generation %}` block (which only
+    /// marks the assistant's text; it renders its body).
     pub fn new(source: String, bos: String, eos: String) -> Result<Self> {
         let mut env = minijinja::Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
+        env.add_filter("string", |v: &minijinja::Value| jinja::py_string(v));
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        env.add_function("strftime_now", jinja::strftime_now);
         let roles = ROLES
             .iter()
             .filter(|&&r| r != "tool" || source.contains("'tool'") || source.contains("\"tool\""))
             .map(|r| r.to_string())
             .collect();
-        env.add_template_owned("chat", source.clone()).map_err(template_error)?;
+        env.add_template_owned("chat", jinja::without_generation_tags(&source)).map_err(template_error)?;
         Ok(Self { env, bos, eos, roles, source })
     }
 
@@ -931,9 +938,17 @@ mod tests {
         ChatTemplate::new(std::fs::read_to_string(dir.join(name)).unwrap(), bos.into(), eos.into()).unwrap()
     }
 
+    /// `text` with the date SmolLM3's template writes (`Today Date: ...`, from `strftime_now`) as
+    /// `make_expected.py` stops transformers' clock: 02 January 2025.
+    fn on_the_fixed_day(text: String) -> String {
+        let Some(at) = text.find("Today Date: ").map(|i| i + "Today Date: ".len()) else { return text };
+        let end = at + text[at..].find('\n').unwrap_or(text.len() - at);
+        format!("{}02 January 2025{}", &text[..at], &text[end..])
+    }
+
     /// Tools and a tool-call round trip (an assistant's call, the tool's answer) render through
-    /// Qwen2.5's, Qwen3's, Llama 3.1's and Mistral Nemo's own templates byte for byte as
-    /// transformers' `apply_chat_template(tools=...)` renders them.
+    /// Qwen2.5's, Qwen3's, Llama 3.1's, Mistral Nemo's and SmolLM3's own templates byte for byte
+    /// as transformers' `apply_chat_template(tools=...)` renders them.
     #[test]
     fn tool_calls_render_as_transformers_renders_them() {
         let expected = expected_renderings();
@@ -945,14 +960,54 @@ mod tests {
         for (name, want) in expected["rendered"].as_object().unwrap() {
             let (bos, eos) = (want["bos"].as_str().unwrap(), want["eos"].as_str().unwrap());
             let template = fixture_template(name, bos, eos);
-            let prompt = template.render_with_tools(&messages[..2], &tools, true).unwrap();
+            let dated = |text: String| if name.starts_with("smollm3") { on_the_fixed_day(text) } else { text };
+            let prompt = dated(template.render_with_tools(&messages[..2], &tools, true).unwrap());
             assert_eq!(prompt, want["prompt"].as_str().unwrap(), "{name}: the prompt");
-            let all = template.render_with_tools(&messages, &tools, false).unwrap();
+            let all = dated(template.render_with_tools(&messages, &tools, false).unwrap());
             assert_eq!(all, want["conversation"].as_str().unwrap(), "{name}: the conversation");
         }
         // Without tools, `tools` is undefined: Qwen2.5's plain system turn.
         let plain = fixture_template("qwen2.5.jinja", "", "<|im_end|>").render(&messages[..2], true).unwrap();
         assert!(plain.starts_with("<|im_start|>system\nYou are terse.<|im_end|>\n"), "{plain}");
+    }
+
+    /// SmolLM3's official template (`{% generation %}` tags, `strftime_now`, tools as
+    /// `xml_tools` written with `| string`) loads and renders a conversation with neither a system
+    /// turn nor tools; its calls are text in the assistant's content (the template writes no
+    /// `tool_calls`, as in transformers), and training scores that text.
+    #[test]
+    fn smollm3s_template_loads_renders_and_trains() {
+        let template = fixture_template("smollm3.jinja", "", "<|im_end|>");
+        let today = jinja::strftime_now("%d %B %Y".into()).unwrap();
+        let prompt = template.render(&[Message::new("user", "hi")], true).unwrap();
+        assert!(prompt.starts_with("<|im_start|>system\n## Metadata\n"), "{prompt}");
+        assert!(prompt.contains(&format!("Today Date: {today}\nReasoning Mode: /think\n")), "{prompt}");
+        assert!(!prompt.contains("### Tools"), "{prompt}");
+        assert!(prompt.ends_with("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), "{prompt}");
+        let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let tools = vec![serde_json::json!({"type": "function", "function": {"name": "get_weather"}})];
+        let record = Record {
+            tools,
+            ..Body::Chat(vec![
+                Message::new("system", "Be brief. /no_think"),
+                Message::new("user", "Weather in Paris?"),
+                Message::new("assistant", call),
+                Message::new("tool", "21 C"),
+                Message::new("assistant", "It is 21 C."),
+            ])
+            .into()
+        };
+        let Body::Chat(messages) = &record.body else { unreachable!() };
+        let text = template.render_with_tools(messages, &record.tools, false).unwrap();
+        assert!(text.contains("Reasoning Mode: /no_think\n"), "{text}");
+        assert!(text.contains("'function': {'name': 'get_weather'}"), "the tools as Python writes them: {text}");
+        assert!(text.contains("<|im_start|>user\n21 C<|im_end|>\n"), "the tool's answer as a user turn: {text}");
+        let tok = Tokenizer::train_char(&text);
+        let ex = encode(&[record], &tok, Some(&template)).unwrap();
+        let scored: String =
+            ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
+        // The empty thinking of `/no_think` comes with the generation prompt: not scored.
+        assert_eq!(scored, format!("{call}<|im_end|>\nIt is 21 C.<|im_end|>\n"));
     }
 
     #[test]

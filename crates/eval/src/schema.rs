@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ember_data::Tokenizer;
-use ember_generate::constraint::Constraint;
+use ember_generate::constraint::{allows, Constraint};
 use ember_grammar::{GrammarError, Grammars, Spec};
 
 /// Why a schema file cannot constrain answers: each says what is wrong with the file; the caller
@@ -43,11 +43,23 @@ impl Schema {
         let schema = serde_json::from_str(&text).map_err(SchemaError::Json)?;
         let spec = Spec::JsonSchema { schema, strict: true };
         let grammars = Grammars::new(tokenizer, end_ids, vocab_size)?;
-        let mut first = grammars.constraint(&spec)?;
-        if !first.mask().is_ok_and(|mask| mask.iter().any(|&bits| bits != 0)) {
-            return Err(SchemaError::NoStart);
+        let schema = Self { grammars: Arc::new(grammars), spec };
+        schema.check_start()?;
+        Ok(schema)
+    }
+
+    /// Some token of the first mask is one the grammar takes: a vocabulary that cannot spell the
+    /// schema's first bytes (no `{`) leaves a mask of nothing, or of the unknown token alone,
+    /// which the grammar then refuses.
+    fn check_start(&self) -> Result<(), SchemaError> {
+        let mask = self.constraint()?.mask().map_err(|_| SchemaError::NoStart)?.to_vec();
+        let allowed = (0..mask.len() * 32).filter(|&id| allows(&mask, id));
+        for id in allowed {
+            if self.constraint()?.commit(id as u32).is_ok() {
+                return Ok(());
+            }
         }
-        Ok(Self { grammars: Arc::new(grammars), spec })
+        Err(SchemaError::NoStart)
     }
 
     /// A constraint for one answer.
@@ -70,7 +82,6 @@ mod test_assets;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ember_generate::constraint::allows;
 
     fn gpt2() -> Tokenizer {
         Tokenizer::from_file(&test_assets::assets().join("tokenizers/gpt2_tokenizer.json")).unwrap()
@@ -101,5 +112,9 @@ mod tests {
         assert!(e.starts_with("invalid JSON schema: "), "{e}");
         let e = load(&write("kind.json", r#"{"type": "blob"}"#)).unwrap_err().to_string();
         assert!(e.starts_with("invalid JSON schema: "), "{e}");
+        // The tiny Llama's vocabulary has no `{`.
+        let llama = Tokenizer::from_file(&test_assets::root().join("tests/fixtures/hf/llama/tokenizer.json")).unwrap();
+        let e = Schema::load(&good, &llama, &llama.end_ids(), 128).unwrap_err();
+        assert!(matches!(e, SchemaError::NoStart), "{e}");
     }
 }

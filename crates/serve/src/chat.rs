@@ -370,4 +370,37 @@ mod tests {
         assert!(text.contains("<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), "{text}");
         assert!(p.roles().iter().any(|r| r == "tool"), "a tool message is written as a user message");
     }
+
+    /// SmolLM3's official template (with `{% generation %}` tags) loads; it lists the tools
+    /// itself (as `xml_tools`, each as Python writes a dict) and asks for Hermes calls, which
+    /// parse; a tool's result comes back as a user turn.
+    #[test]
+    fn smollm3s_template_lists_the_tools_and_its_calls_parse() {
+        use crate::tools::{parse, Tools};
+        let tools = Tools::read(Some(&serde_json::json!([{"type": "function", "function": {
+            "name": "get_weather", "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])))
+        .unwrap();
+        let p = fixture("smollm3.jinja", "", "<|im_end|>");
+        assert_eq!(p.tool_format(), ToolFormat::Hermes);
+        assert!(p.renders_system());
+        let ask = [message("system", "Be brief."), message("user", "Weather in Paris?")];
+        let prompt = p.render_with_tools(&ask, &tools).unwrap();
+        assert!(prompt.contains("Be brief.\n\n### Tools\n"), "{prompt}");
+        assert!(
+            prompt.contains("'name': 'get_weather'") && prompt.contains("'description': 'Weather of a city'"),
+            "{prompt}"
+        );
+        assert!(prompt.contains("within <tool_call></tool_call> XML tags"), "{prompt}");
+        assert!(prompt.ends_with("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"), "{prompt}");
+        let output = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let parsed = parse(p.tool_format(), output);
+        assert_eq!((parsed.content.as_str(), parsed.calls.len()), ("", 1));
+        assert_eq!(parsed.calls[0].arguments, serde_json::json!({"city": "Paris"}));
+        let id = parsed.calls[0].id.clone();
+        let conversation =
+            [message("user", "Weather in Paris?"), Message::calls("", parsed.calls), Message::tool_result(id, "21 C")];
+        let text = p.render_with_tools(&conversation, &tools).unwrap();
+        assert!(text.ends_with("<|im_start|>user\n21 C<|im_end|>\n<|im_start|>assistant\n"), "{text}");
+    }
 }

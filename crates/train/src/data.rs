@@ -413,8 +413,9 @@ fn held_out(n: usize, val_fraction: f64, path: &Path, what: &str) -> Result<usiz
 }
 
 /// What the model reads before the answer of `record`: a chat's messages up to its last user turn
-/// through `template`, with the generation prompt; a completion's prompt. `None` for text (no
-/// prompt), a chat without a user turn, or a template that fails on the shortened conversation.
+/// through `template`, with the row's `tools` (as fine-tuning renders it) and the generation
+/// prompt; a completion's prompt. `None` for text (no prompt), a chat without a user turn, or a
+/// template that fails on the shortened conversation.
 fn prompt_of(record: &Record, template: Option<&ChatTemplate>) -> Option<String> {
     match &record.body {
         Body::Text(_) => None,
@@ -422,7 +423,7 @@ fn prompt_of(record: &Record, template: Option<&ChatTemplate>) -> Option<String>
         Body::Chat(messages) => {
             let last_user = messages.iter().rposition(|m| m.role == "user")?;
             template?
-                .render(&messages[..=last_user], true)
+                .render_with_tools(&messages[..=last_user], &record.tools, true)
                 .inspect_err(|e| tracing::warn!("no held-out prompt for the evaluation samples: {e}"))
                 .ok()
         }
@@ -516,7 +517,7 @@ pub fn split_tokens(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ember_data::finetune::Message;
+    use ember_data::finetune::{Message, ToolCall};
 
     #[test]
     fn the_held_out_prompt_is_the_conversation_up_to_its_last_user_turn() {
@@ -545,5 +546,36 @@ mod tests {
         assert_eq!(prompt_of(&completion, None).as_deref(), Some("Q: 2+2?\nA:"));
         assert_eq!(prompt_of(&Body::Text("plain".into()).into(), None), None);
         assert_eq!(prompt_of(&Body::Chat(vec![m("assistant", "Hi.")]).into(), Some(&template)), None);
+    }
+
+    /// A tool-calling row's held-out prompt shows its tools, as its training rendering does.
+    #[test]
+    fn the_held_out_prompt_of_a_tool_calling_row_has_its_tools() {
+        let template = ChatTemplate::new(
+            "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}\
+             {% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}\
+             {% if add_generation_prompt %}<assistant>{% endif %}"
+                .into(),
+            String::new(),
+            "</s>".into(),
+        )
+        .unwrap();
+        let call =
+            ToolCall { id: "c1".into(), name: "get_weather".into(), arguments: serde_json::json!({"city": "Paris"}) };
+        let record = Record {
+            tools: vec![serde_json::json!({"type": "function", "function": {"name": "get_weather"}})],
+            ..Body::Chat(vec![
+                Message::new("user", "Weather in Paris?"),
+                Message::calls("", vec![call]),
+                Message::tool_result("c1", "21 C"),
+                Message::new("assistant", "It is 21 C."),
+            ])
+            .into()
+        };
+        let prompt = prompt_of(&record, Some(&template)).unwrap();
+        assert_eq!(prompt, "<tools>get_weather;</tools>\n<user>Weather in Paris?\n<assistant>");
+        let Body::Chat(messages) = &record.body else { unreachable!() };
+        let trained = template.render_with_tools(messages, &record.tools, false).unwrap();
+        assert!(trained.starts_with(prompt.strip_suffix("<assistant>").unwrap()), "{trained}");
     }
 }

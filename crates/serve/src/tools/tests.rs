@@ -15,6 +15,8 @@ fn the_format_is_read_from_the_template() {
         ("llama3.1.jinja", ToolFormat::Llama3),
         ("mistral-nemo.jinja", ToolFormat::Mistral),
         ("smollm2.jinja", ToolFormat::Default),
+        // SmolLM3 asks for `<tool_call>` JSON in its tools section (its template writes no calls).
+        ("smollm3.jinja", ToolFormat::Hermes),
     ] {
         assert_eq!(ToolFormat::detect(&fixture(name)), format, "{name}");
     }

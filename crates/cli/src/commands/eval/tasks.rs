@@ -9,7 +9,7 @@ use crate::commands::source::ModelSource;
 use anyhow::Context;
 use burn::tensor::Device;
 use ember_eval::schema::Schema;
-use ember_eval::task::Output;
+use ember_eval::task::{Output, TaskSpec};
 use ember_eval::{evaluate, prepare, Options, Prepared, TaskResult};
 use ember_kernels::TrainBackend;
 
@@ -70,21 +70,10 @@ impl Job for TasksJob<'_> {
 pub fn run(args: TasksArgs) -> anyhow::Result<()> {
     let dir = ember_eval::eval_dir(args.eval_dir, crate::env::eval_dir().as_deref())?;
     let selected = ember_eval::tasks::select(args.tasks)?;
-    if args.json_schema.is_some() && !selected.iter().any(|(spec, _)| matches!(spec.output, Output::Generate(_))) {
-        anyhow::bail!(
-            "--json-schema constrains the answers of generation tasks (gsm8k, gsm8k_cot, nq_open), and `{}` names \
-             none: log-likelihood tasks score given texts",
-            args.tasks
-        );
-    }
     let source = ModelSource::open(Path::new(args.checkpoint))?;
     let tokenizer = source.tokenizer.clone();
     let mut options = args.options;
-    if let Some(path) = args.json_schema {
-        let schema = Schema::load(path, &tokenizer, &tokenizer.end_ids(), source.model_config.vocab_size)
-            .with_context(|| format!("--json-schema {}", path.display()))?;
-        options.schema = Some(schema);
-    }
+    options.schema = schema(args.json_schema, args.tasks, &selected, &source)?;
     let template = match args.chat {
         true => Some(ember_data::finetune::ChatTemplate::from_dir(&source.dir)?.ok_or_else(|| {
             anyhow::anyhow!(
@@ -142,4 +131,24 @@ pub fn run(args: TasksArgs) -> anyhow::Result<()> {
         println!("CORE (primary accuracy centred on each task's random baseline, averaged): {core:.4}");
     }
     Ok(())
+}
+
+/// `--json-schema`'s schema, compiled for `source`'s tokenizer: refused where `selected` (the
+/// `--tasks` list `tasks`) holds no generation task, whose answers alone it constrains.
+fn schema(
+    path: Option<&Path>,
+    tasks: &str,
+    selected: &[(TaskSpec, Option<usize>)],
+    source: &ModelSource,
+) -> anyhow::Result<Option<Schema>> {
+    let Some(path) = path else { return Ok(None) };
+    anyhow::ensure!(
+        selected.iter().any(|(spec, _)| matches!(spec.output, Output::Generate(_))),
+        "--json-schema constrains the answers of generation tasks (gsm8k, gsm8k_cot, nq_open), and `{tasks}` names \
+         none: log-likelihood tasks score given texts"
+    );
+    let tokenizer = &source.tokenizer;
+    let schema = Schema::load(path, tokenizer, &tokenizer.end_ids(), source.model_config.vocab_size)
+        .with_context(|| format!("--json-schema {}", path.display()))?;
+    Ok(Some(schema))
 }
