@@ -320,19 +320,27 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
     let shares = 2 * rayon::current_num_threads();
     let parts: Vec<usize> =
         groups.iter().map(|&(bi, _)| shares.clamp(1, layout.totals[bi].div_ceil(layout.block_size).max(1))).collect();
-    let tasks: Vec<(usize, Range<usize>)> = groups
+    // Each group's shares of blocks; the shares are the same whatever the batch, but with groups
+    // enough to keep the threads busy one task computes all shares of its group, one after another
+    // (the same partials, merged in the same order below: the same bits, fewer tasks).
+    let together = groups.len() >= shares;
+    let tasks: Vec<(usize, Vec<Range<usize>>)> = groups
         .iter()
         .zip(&parts)
         .enumerate()
         .flat_map(|(n, (&(bi, _), &p))| {
             let blocks = layout.totals[bi].div_ceil(layout.block_size);
-            (0..p).map(move |i| (n, blocks * i / p..blocks * (i + 1) / p))
+            let ranges: Vec<Range<usize>> = (0..p).map(|i| blocks * i / p..blocks * (i + 1) / p).collect();
+            match together {
+                true => vec![(n, ranges)],
+                false => ranges.into_iter().map(|r| (n, vec![r])).collect(),
+            }
         })
         .collect();
     let scale = s.scale;
-    let partials: Vec<Partial> = tasks
+    let partials: Vec<Vec<Partial>> = tasks
         .par_iter()
-        .map(|(n, blocks)| {
+        .map(|(n, shares)| {
             let (bi, r0) = groups[*n];
             let r1 = (r0 + ROWS_PER_TASK).min(rows);
             let query = |r: usize| Query {
@@ -340,21 +348,27 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
                 seen: layout.visible(bi, r % t),
                 offset: r / t / rep * dh,
             };
-            let task = Task {
-                rows: (r0..r1).map(query).collect(),
-                keys,
-                values,
-                table: &layout.tables[bi],
-                blocks: blocks.clone(),
-                block_size: layout.block_size,
-                width: s.kv_heads * dh,
-                scale,
-            };
-            task.run(cpu)
+            let rows: Vec<Query> = (r0..r1).map(query).collect();
+            shares
+                .iter()
+                .map(|blocks| {
+                    let task = Task {
+                        rows: rows.clone(),
+                        keys,
+                        values,
+                        table: &layout.tables[bi],
+                        blocks: blocks.clone(),
+                        block_size: layout.block_size,
+                        width: s.kv_heads * dh,
+                        scale,
+                    };
+                    task.run(cpu)
+                })
+                .collect()
         })
         .collect();
+    let mut partials = partials.into_iter().flatten();
     let mut o = vec![0.0f32; q.len()];
-    let mut partials = partials.into_iter();
     for (&(bi, r0), &p) in groups.iter().zip(&parts) {
         let mut whole = partials.next().unwrap_or_default();
         for share in partials.by_ref().take(p - 1) {
@@ -405,6 +419,7 @@ impl Partial {
 }
 
 /// One query row: its values, the keys it sees, and its key/value head's first column in a pool row.
+#[derive(Clone)]
 struct Query<'a> {
     q: &'a [f32],
     seen: Range<usize>,
