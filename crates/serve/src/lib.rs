@@ -9,6 +9,7 @@ pub mod chat;
 pub mod tools;
 pub mod sampling;
 pub mod server;
+mod stream;
 pub mod worker;
 
 pub use ember_http::{Limits, StartError};

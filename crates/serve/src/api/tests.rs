@@ -127,15 +127,20 @@ fn fields_of_the_wrong_type_are_refused_saying_what_they_should_be() {
     ] {
         assert_eq!(refused::<CompletionRequest>(body.clone()), (param.to_string(), message.to_string()), "{body}");
     }
-    // A field the endpoint does not honour is refused by name, never ignored.
-    let (param, message) = refused::<CompletionRequest>(json!({"prompt": "a", "suffix": "b"}));
-    assert_eq!(param, "suffix");
-    assert_eq!(
-        message,
-        format!("Unrecognized request argument supplied: suffix (this endpoint honours: {})", COMPLETION_FIELDS.join(", "))
-    );
-    let (param, _) = refused::<ChatRequest>(json!({"messages": [], "functions": []}));
-    assert_eq!(param, "functions");
+    // Through serde too (the fuzz test's way in), with the same words.
+    let e = serde_json::from_str::<CompletionRequest>(r#"{"prompt": [1, -2]}"#).unwrap_err().to_string();
+    assert!(e.starts_with("prompt[1] must be a token id"), "{e}");
+    let r: CompletionRequest = serde_json::from_str(r#"{"prompt": [[1, 2], [3]]}"#).unwrap();
+    assert_eq!(r.prompt, Prompts::Ids(vec![vec![1, 2], vec![3]]));
+    // Nulls are settings left out, unknown fields are ignored, a long string is shown cut.
+    let r = CompletionRequest::try_from(json!({"prompt": ["one"], "stop": null, "user": "u", "seed": -5})).unwrap();
+    assert_eq!((r.prompt, r.settings.stop, r.settings.seed), (Prompts::Texts(vec!["one".into()]), None, Some(-5)));
+    let (_, message) = refused::<CompletionRequest>(json!({"prompt": "a", "n": "x".repeat(100)}));
+    assert!(message.ends_with(&format!("got the string \"{}…\"", "x".repeat(40))), "{message}");
+}
+
+#[test]
+fn chat_messages_of_the_wrong_shape_are_refused_naming_the_message() {
     let chat = |messages: Value| refused::<ChatRequest>(json!({"messages": messages}));
     let content = "must be a string or a list of text parts ({\"type\": \"text\", \"text\": \"...\"})";
     for (messages, param, message) in [
@@ -193,16 +198,19 @@ fn fields_of_the_wrong_type_are_refused_saying_what_they_should_be() {
     ] {
         assert_eq!(chat(messages.clone()), (param.to_string(), message), "{messages}");
     }
-    // Through serde too (the fuzz test's way in), with the same words.
-    let e = serde_json::from_str::<CompletionRequest>(r#"{"prompt": [1, -2]}"#).unwrap_err().to_string();
-    assert!(e.starts_with("prompt[1] must be a token id"), "{e}");
-    let r: CompletionRequest = serde_json::from_str(r#"{"prompt": [[1, 2], [3]]}"#).unwrap();
-    assert_eq!(r.prompt, Prompts::Ids(vec![vec![1, 2], vec![3]]));
-    // Nulls are settings left out, unknown fields are ignored, a long string is shown cut.
-    let r = CompletionRequest::try_from(json!({"prompt": ["one"], "stop": null, "user": "u", "seed": -5})).unwrap();
-    assert_eq!((r.prompt, r.settings.stop, r.settings.seed), (Prompts::Texts(vec!["one".into()]), None, Some(-5)));
-    let (_, message) = refused::<CompletionRequest>(json!({"prompt": "a", "n": "x".repeat(100)}));
-    assert!(message.ends_with(&format!("got the string \"{}…\"", "x".repeat(40))), "{message}");
+}
+
+#[test]
+fn fields_the_endpoint_does_not_honour_are_refused_by_name() {
+    // A field the endpoint does not honour is refused by name, never ignored.
+    let (param, message) = refused::<CompletionRequest>(json!({"prompt": "a", "suffix": "b"}));
+    assert_eq!(param, "suffix");
+    assert_eq!(
+        message,
+        format!("Unrecognized request argument supplied: suffix (this endpoint honours: {})", COMPLETION_FIELDS.join(", "))
+    );
+    let (param, _) = refused::<ChatRequest>(json!({"messages": [], "functions": []}));
+    assert_eq!(param, "functions");
 }
 
 #[test]
