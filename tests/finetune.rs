@@ -474,3 +474,58 @@ fn a_lora_run_refuses_changed_examples_and_a_replaced_base() {
     assert_clean_error(&o, needles[1]);
     assert!(!stderr(&o).contains("diverged"), "{}", stderr(&o));
 }
+
+/// Issue 55: a LoRA fine-tune of SmolLM2 on TRL tool-calling rows (`messages` with an assistant's
+/// `tool_calls` and a `tool` turn's answer, the row's `tools`) trains, scoring exactly what the
+/// data crate's `encode` scores: the assistant's call as the template writes it and its answer.
+/// SmolLM2's own template has no tools section and writes no calls (in transformers too), so the
+/// run's tokenizer folder gets Qwen2.5's template, ChatML with the same special tokens.
+#[test]
+fn a_lora_fine_tune_on_tool_calling_rows_trains_on_the_calls() {
+    use ember_data::finetune::{encode, read_jsonl, ChatTemplate};
+    let s = Scratch::new();
+    let run = import_smollm2(&s);
+    let tokenizer_dir = run.join("checkpoints/step-000000");
+    let qwen = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates/qwen2.5.jinja");
+    std::fs::copy(qwen, tokenizer_dir.join("chat_template.jinja")).unwrap();
+    let tools = serde_json::json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let rows: String = (0..20)
+        .map(|i| {
+            let (city, temp) = [("Paris", 21), ("Rome", 25), ("Oslo", 8), ("Lima", 19), ("Cairo", 30)][i % 5];
+            let row = serde_json::json!({"messages": [
+                {"role": "user", "content": format!("Weather in {city}?")},
+                {"role": "assistant", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}]},
+                {"role": "tool", "content": format!("{temp} C")},
+                {"role": "assistant", "content": format!("It is {temp} C in {city}.")},
+            ], "tools": tools});
+            format!("{row}\n")
+        })
+        .collect();
+    let data = s.write("tools.jsonl", &rows);
+    // Rows of the longest example (train.seq_len left out), 4 steps of 2.
+    s.write("lora.toml", &lora_config("smol", "tools.jsonl", 4, 2, 3e-3, 3).replace("seq_len = 16\n", ""));
+    let o = s.ember(&["train", "--config", "lora.toml", "--run-dir", "ft"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // What encode scores: the call, as Qwen2.5's template writes it, and the answer.
+    let template = ChatTemplate::from_dir(&tokenizer_dir).unwrap().unwrap();
+    let tokenizer = ember_train::Checkpoint::open(&run).unwrap().tokenizer;
+    let records = read_jsonl(&data).unwrap();
+    let examples = encode(&records, &tokenizer, Some(&template)).unwrap();
+    let scored: Vec<u32> =
+        examples[0].ids.iter().zip(&examples[0].scored).filter(|(_, &s)| s).map(|(&i, _)| i).collect();
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>";
+    let text = tokenizer.decode(&scored).unwrap();
+    assert!(text.starts_with(call) && text.contains("It is 21 C in Paris.<|im_end|>"), "{text}");
+    // The run scored the same tokens: those of its 18 training rows (the last 2 held out).
+    let want: usize = examples[..18].iter().map(|e| e.scored.iter().filter(|&&s| s).count()).sum();
+    let log = stderr(&o);
+    assert!(log.contains(&format!("train_examples=18 val_examples=2 train_scored_tokens={want} ")), "{want}: {log}");
+    let records = read_metrics(&s.path().join("ft/metrics.jsonl")).unwrap();
+    let vals: Vec<f64> = records.iter().filter_map(|r| r.val_loss).collect();
+    assert!(vals.len() >= 2 && vals.iter().all(|v| v.is_finite()), "{vals:?}");
+    assert!(vals[vals.len() - 1] < vals[0] * 0.5, "the loss on held-out tool calls falls: {vals:?}");
+}
