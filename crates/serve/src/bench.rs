@@ -76,7 +76,15 @@ pub enum LoadError {
 
 fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<Timed, LoadError> {
     let failed = |message: String| LoadError::Request { url: url.to_string(), message };
-    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed, "stream": true, "ignore_eos": true});
+    let body = json!({
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": seed,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "ignore_eos": true,
+    });
     let start = Instant::now();
     let resp = ureq::post(url)
         .timeout(Duration::from_secs(600))
@@ -94,6 +102,10 @@ fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<
         let chunk: Value = serde_json::from_str(data).map_err(|e| failed(format!("a chunk that is not JSON: {e}")))?;
         if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
             tokens = n as usize;
+            continue;
+        }
+        // The finish chunk (an empty text with the reason) carries no token.
+        if chunk["choices"][0]["text"].as_str().is_none_or(str::is_empty) {
             continue;
         }
         match last {
