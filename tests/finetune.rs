@@ -478,8 +478,9 @@ fn a_lora_run_refuses_changed_examples_and_a_replaced_base() {
 /// Issue 55: a LoRA fine-tune of SmolLM2 on TRL tool-calling rows (`messages` with an assistant's
 /// `tool_calls` and a `tool` turn's answer, the row's `tools`) trains, scoring exactly what the
 /// data crate's `encode` scores: the assistant's call as the template writes it and its answer.
-/// SmolLM2's own template has no tools section and writes no calls (in transformers too), so the
-/// run's tokenizer folder gets Qwen2.5's template, ChatML with the same special tokens.
+/// The run's tokenizer folder gets Qwen2.5's template (ChatML with the same special tokens, and a
+/// tools section); SmolLM2's own, which has none, gets the tools and the call as text, as the
+/// server writes them, and scores the call all the same.
 #[test]
 fn a_lora_fine_tune_on_tool_calling_rows_trains_on_the_calls() {
     use ember_data::finetune::{encode, read_jsonl, ChatTemplate};
@@ -520,6 +521,13 @@ fn a_lora_fine_tune_on_tool_calling_rows_trains_on_the_calls() {
     let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>";
     let text = tokenizer.decode(&scored).unwrap();
     assert!(text.starts_with(call) && text.contains("It is 21 C in Paris.<|im_end|>"), "{text}");
+    let smollm2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates/smollm2.jinja");
+    let own = ChatTemplate::new(std::fs::read_to_string(smollm2).unwrap(), String::new(), "<|im_end|>".into()).unwrap();
+    let example = &encode(&records[..1], &tokenizer, Some(&own)).unwrap()[0];
+    let scored: Vec<u32> = example.ids.iter().zip(&example.scored).filter(|(_, &s)| s).map(|(&i, _)| i).collect();
+    let own_text = tokenizer.decode(&scored).unwrap();
+    assert!(own_text.starts_with(call) && own_text.contains("It is 21 C in Paris.<|im_end|>"), "{own_text}");
+    assert!(tokenizer.decode(&example.ids).unwrap().contains("<tool_response>\n21 C\n</tool_response>"));
     // The run scored the same tokens: those of its 18 training rows (the last 2 held out).
     let want: usize = examples[..18].iter().map(|e| e.scored.iter().filter(|&&s| s).count()).sum();
     let log = stderr(&o);

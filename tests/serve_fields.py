@@ -59,7 +59,9 @@ assert all("usage" not in c or c["usage"] is None for c in no_usage), no_usage
 # --- logprobs: chat (whole and streamed) and completions.
 r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
 content = r.choices[0].logprobs.content
-assert len(content) == r.usage.completion_tokens or r.choices[0].finish_reason == "stop", (len(content), r.usage)
+# One entry a token of the answer; an end-of-text token is not part of it.
+ended = r.choices[0].finish_reason == "stop"
+assert len(content) == r.usage.completion_tokens - ended, (len(content), r.usage, r.choices[0].finish_reason)
 for t in content:
     tops = [x.logprob for x in t.top_logprobs]
     assert len(tops) == 3 and tops == sorted(tops, reverse=True), t
@@ -88,9 +90,11 @@ def health():
 
 before = health()
 four = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a colour. " * 20}],
-                                      n=4, max_tokens=4, temperature=1.0, seed=11)
+                                      n=4, max_tokens=12, temperature=1.0, seed=11)
 after = health()
 assert len(four.choices) == 4, four
+texts4 = [c.message.content for c in four.choices]
+assert len(set(texts4)) == 4, texts4  # four draws, four different completions
 reused = after["reused_prompt_tokens"] - before["reused_prompt_tokens"]
 assert reused >= 3 * (four.usage.prompt_tokens - 1), (reused, four.usage.prompt_tokens, before, after)
 kw = dict(model=model, messages=CHAT, max_tokens=12, temperature=1.0, seed=7)
@@ -115,6 +119,12 @@ for c in client.chat.completions.create(n=2, stream=True, **kw):
         by_index[ch.index] = by_index.get(ch.index, "") + (ch.delta.content or "")
 assert by_index == {0: texts[0], 1: texts[1]}, (by_index, texts)
 out["usage_n"] = a.usage.completion_tokens
+assert a.usage.prompt_tokens == client.chat.completions.create(
+    model=model, messages=CHAT, max_tokens=1).usage.prompt_tokens, a.usage  # the prompt counted once
+streamed_usage = [c for c in client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True},
+                                                             **kw)][-1].usage
+assert streamed_usage.completion_tokens == a.usage.completion_tokens, (streamed_usage, a.usage)
+assert streamed_usage.prompt_tokens == a.usage.prompt_tokens, (streamed_usage, a.usage)
 
 # --- logit_bias: a ban moves the greedy answer; a +100 bias forces a token.
 ids = post("/tokenize", {"prompt": PROMPT})["tokens"]
@@ -158,6 +168,8 @@ assert [c.text for c in two.choices] == [by_text, by_text, other_alone, other_al
 ids2 = post("/tokenize", {"prompt": other})["tokens"]
 lists = client.completions.create(model=model, prompt=[ids, ids2], max_tokens=4, temperature=0)
 assert [c.text for c in lists.choices] == [by_text, other_alone], lists
+twice = client.completions.create(model=model, prompt=[PROMPT, PROMPT], max_tokens=4, temperature=0)
+assert twice.usage.prompt_tokens == 2 * len(ids), twice.usage  # each prompt of the list counts
 echo = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
 assert echo.choices[0].text == PROMPT + by_text, echo
 out["prompts"] = [by_text, other_alone]
@@ -238,6 +250,11 @@ for c in client.chat.completions.create(model=model, messages=ASK, tools=[WEATHE
                                         max_tokens=120, temperature=0, stream=True):
     for ch in c.choices:
         for d in ch.delta.tool_calls or []:
+            # A call's first delta names it (id, type, function name); the rest carry arguments only.
+            if d.index not in calls:
+                assert d.id.startswith("call_") and d.type == "function" and d.function.name, d
+            else:
+                assert d.id is None and d.function.name is None, d
             call = calls.setdefault(d.index, {"name": "", "arguments": ""})
             call["name"] += d.function.name or ""
             call["arguments"] += d.function.arguments or ""
@@ -255,6 +272,26 @@ assert after.choices[0].finish_reason in ("stop", "length") and after.choices[0]
 assert not after.choices[0].message.tool_calls, after
 auto = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0)
 assert auto.choices[0].message.content or auto.choices[0].message.tool_calls, auto
+single = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
+                                        temperature=0, parallel_tool_calls=False)
+assert len(single.choices[0].message.tool_calls or []) <= 1, single
+# tool_choice "required": a valid call for 20 prompts with each of two tools.
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Delhi", "Rome", "Accra"]
+asks = [f"What is the weather in {c}?" for c in CITIES] + [f"What time is it in {c}?" for c in CITIES]
+
+
+def required_call(args):
+    prompt, tool = args
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], tools=[tool],
+                                       tool_choice="required", max_tokens=80, temperature=0.7, seed=len(prompt))
+    return check_calls(r.choices[0].message, {tool["function"]["name"]})
+
+
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+with ThreadPoolExecutor(8) as pool:
+    valid_calls = list(pool.map(required_call, [(p, t) for p in asks for t in (WEATHER, TIME)]))
+assert len(valid_calls) == 40 and all(valid_calls), valid_calls
 out["tools"] = {"required": required, "named": named.choices[0].message.tool_calls[0].function.name,
                 "after": after.choices[0].message.content}
 
@@ -318,6 +355,17 @@ e = error(max_tokens=4, tools=[WEATHER], tool_choice={"type": "function", "funct
 assert e["param"] == "tool_choice", e
 e = error(max_tokens=4, tools=[{"type": "function", "function": {"name": "a b"}}])
 assert e["param"].startswith("tools"), e
+e = error(max_tokens=4, extra_body={"messages": [{"role": "user", "content": "hi", "metadata": {}}]})
+assert e["param"] == "messages[0].metadata", e
+e = error(max_tokens=4, parallel_tool_calls=False)
+assert e["param"] == "parallel_tool_calls", e
+e = error(max_tokens=4, response_format={"type": "json_object"}, extra_body={"ignore_eos": True})
+assert e["param"] == "ignore_eos", e
+try:
+    client.completions.create(model=model, prompt=[PROMPT] * 16, n=8, max_tokens=2)
+    raise AssertionError("128 choices were taken")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "n", e.body
 models = client.models.list().model_dump()["data"][0]
 assert "logit_bias" in models["honoured_fields"]["/v1/chat/completions"], models
 out["errors"] = "ok"

@@ -21,6 +21,9 @@ use crate::loader::Window;
 use crate::tokenizer::Tokenizer;
 
 mod jinja;
+pub mod tool_text;
+
+pub use tool_text::ToolText;
 
 /// One chat turn. It reaches the chat template as Hugging Face's conversations have it: `role`
 /// and `content`, and only where set `tool_calls` (an assistant turn's calls, each
@@ -376,6 +379,8 @@ pub struct ChatTemplate {
     eos: String,
     roles: Vec<String>,
     source: String,
+    /// How it gets a conversation's tools, calls and their results (probed once, in `new`).
+    tool_text: ToolText,
 }
 
 impl ChatTemplate {
@@ -425,7 +430,39 @@ impl ChatTemplate {
             .map(|r| r.to_string())
             .collect();
         env.add_template_owned("chat", jinja::without_generation_tags(&source)).map_err(template_error)?;
-        Ok(Self { env, bos, eos, roles, source })
+        let mut template = Self { env, bos, eos, roles, source, tool_text: ToolText::InTemplate };
+        template.tool_text = ToolText::of(&template);
+        Ok(template)
+    }
+
+    /// How the template gets a conversation's tools, calls and their results: through it, or
+    /// written as text where it cannot write them (see [`tool_text`]).
+    pub fn tool_text(&self) -> ToolText {
+        self.tool_text
+    }
+
+    /// `messages` and `tools` as [`ChatTemplate::render_conversation`] gives them to the template:
+    /// what it cannot write written as text (see [`tool_text`]). For a caller that reworks the
+    /// messages further before [`ChatTemplate::render_with_tools`].
+    pub fn with_tools_written<'a>(
+        &self,
+        messages: &'a [Message],
+        tools: &'a [Value],
+    ) -> (std::borrow::Cow<'a, [Message]>, &'a [Value]) {
+        self.tool_text.write(messages, tools)
+    }
+
+    /// A conversation with the functions the assistant may call, rendered as both the server
+    /// and fine-tuning render it: through the template where it writes tools, calls and their
+    /// results, and as text where it cannot (see [`tool_text`]).
+    pub fn render_conversation(
+        &self,
+        messages: &[Message],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let (messages, tools) = self.with_tools_written(messages, tools);
+        self.render_with_tools(&messages, tools, add_generation_prompt)
     }
 
     /// The template's Jinja source (what a server reads to know its tool-call format).
@@ -642,7 +679,8 @@ pub fn encode_of_file(
 
 /// Tokenizes records. Chats are rendered turn by turn so that the text of each assistant turn is
 /// known: the difference between the rendering up to the turn (with the generation prompt) and the
-/// rendering including it is the scored part.
+/// rendering including it is the scored part. A chat's tools and calls reach the template as in
+/// [`ChatTemplate::render_conversation`], the server's rendering.
 pub fn encode(records: &[Record], tokenizer: &Tokenizer, template: Option<&ChatTemplate>) -> Result<Vec<Example>> {
     let eos = tokenizer.eos_id();
     records
@@ -659,9 +697,12 @@ pub fn encode(records: &[Record], tokenizer: &Tokenizer, template: Option<&ChatT
                     let template = template.ok_or_else(|| {
                         DataError::Tokenizer("chat messages need a chat template (tokenizer_config.json `chat_template` or chat_template.jinja)".into())
                     })?;
+                    // Tools and calls the template cannot write are text in the messages, so the
+                    // calls are in the assistant turns (scored) and the results in user turns.
+                    let (messages, tools) = template.with_tools_written(messages, &r.tools);
                     let mut done = String::new();
                     for (i, m) in messages.iter().enumerate() {
-                        let render = |upto: &[Message], open: bool| template.render_with_tools(upto, &r.tools, open);
+                        let render = |upto: &[Message], open: bool| template.render_with_tools(upto, tools, open);
                         let before = if m.role == "assistant" { render(&messages[..i], true)? } else { done.clone() };
                         let after = render(&messages[..=i], false)?;
                         let (head, tail) = (before.strip_prefix(done.as_str()).unwrap_or(&before), after.strip_prefix(before.as_str()));
@@ -1087,6 +1128,71 @@ mod tests {
             let e = read_jsonl(&p).unwrap_err().to_string();
             assert!(e.contains(&format!("d.jsonl:1: {want}")), "{row}: {e}");
         }
+    }
+
+    /// Templates that cannot write tools or calls get them as text, in training as in the server:
+    /// SmolLM2's (no tools section) gets the default tools block, the call as Hermes text and the
+    /// answer as a user turn of `<tool_response>`; SmolLM3's (tools, but no calls) the call as
+    /// Hermes text. The loss covers the assistant's call and answer, never the tool's result.
+    #[test]
+    fn tools_a_template_cannot_write_are_trained_as_text() {
+        let kinds = [
+            ("qwen2.5.jinja", ToolText::InTemplate),
+            ("qwen3.jinja", ToolText::InTemplate),
+            ("llama3.1.jinja", ToolText::InTemplate),
+            ("mistral-nemo.jinja", ToolText::InTemplate),
+            ("smollm2.jinja", ToolText::AllAsText),
+            ("smollm3.jinja", ToolText::CallsAsText),
+        ];
+        for (name, kind) in kinds {
+            assert_eq!(fixture_template(name, "", "</s>").tool_text(), kind, "{name}");
+        }
+        let call =
+            ToolCall { id: "c1".into(), name: "get_weather".into(), arguments: serde_json::json!({"city": "Paris"}) };
+        let tools = vec![serde_json::json!({"type": "function", "function": {"name": "get_weather"}})];
+        let record = Record {
+            tools: tools.clone(),
+            ..Body::Chat(vec![
+                Message::new("user", "Weather in Paris?"),
+                Message::calls("", vec![call]),
+                Message::tool_result("c1", "21 C"),
+                Message::new("assistant", "It is 21 C."),
+            ])
+            .into()
+        };
+        let Body::Chat(messages) = &record.body else { unreachable!() };
+        let hermes = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        for name in ["smollm2.jinja", "smollm3.jinja"] {
+            let template = fixture_template(name, "", "<|im_end|>");
+            let text = template.render_conversation(messages, &tools, false).unwrap();
+            assert!(text.contains(&format!("<|im_start|>assistant\n{hermes}<|im_end|>\n")), "{name}: {text}");
+            let tok = Tokenizer::train_char(&text);
+            let ex = encode(std::slice::from_ref(&record), &tok, Some(&template)).unwrap();
+            assert_eq!(tok.decode(&ex[0].ids).unwrap(), text, "{name}: encode renders as the server does");
+            let scored: String = ex[0]
+                .ids
+                .iter()
+                .zip(&ex[0].scored)
+                .filter(|(_, &s)| s)
+                .map(|(&i, _)| tok.decode(&[i]).unwrap())
+                .collect();
+            assert_eq!(scored, format!("{hermes}<|im_end|>\nIt is 21 C.<|im_end|>\n"), "{name}");
+        }
+        let smollm2 = fixture_template("smollm2.jinja", "", "<|im_end|>");
+        let text = smollm2.render_conversation(messages, &tools, false).unwrap();
+        let block = tool_text::default_tools_block(&tools);
+        assert!(text.starts_with(&format!("<|im_start|>system\n{block}<|im_end|>\n")), "{text}");
+        // (The tool's keys in serde_json's order: sorted, unless a crate of the build keeps them.)
+        assert!(
+            block.contains("<tools>\n{\"")
+                && block.contains("{\"name\": \"get_weather\"}")
+                && block.contains("}\n</tools>\n"),
+            "{block}"
+        );
+        assert!(text.contains("<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>\n"), "{text}");
+        // Nothing to write: the messages reach the template as they are.
+        let plain = [Message::new("user", "hi"), Message::new("assistant", "ho")];
+        assert!(matches!(smollm2.with_tools_written(&plain, &[]).0, std::borrow::Cow::Borrowed(_)));
     }
 
     #[test]

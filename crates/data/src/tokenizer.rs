@@ -157,6 +157,14 @@ impl Tokenizer {
         Self::parse(json).map(Self::wrap)
     }
 
+    /// A tokenizer built in memory (a GGUF file's, from its vocabulary: `ember_hf::gguf::tokenizer`),
+    /// without writing and parsing its tokenizer.json: for a 262k-token vocabulary those took several
+    /// times the tokenizer's own memory. The checks of [`Tokenizer::from_file`] are for damaged
+    /// files; the builder's ids are its own.
+    pub fn from_tokenizers(inner: tokenizers::Tokenizer) -> Self {
+        Self::wrap(inner)
+    }
+
     /// A tokenizer.json read by the `tokenizers` crate, with checks of ours around it. `tokenizers`
     /// 0.22 panics instead of failing on some damaged files: on a JSON error inside the `decoder`
     /// object (a bad escape, a missing brace: its `expect("Helper")`) and on a bad `Precompiled`

@@ -253,6 +253,12 @@ impl<B: EmberBackend> Engine<B> {
     }
 
     /// How the KV cache is used: blocks held now and at most, prompt tokens reused.
+    /// Requests it takes at once: running and waiting (more are refused with
+    /// [`EngineError::QueueFull`]).
+    pub fn capacity(&self) -> usize {
+        self.config.slots + self.config.queue_limit
+    }
+
     pub fn cache_use(&self) -> CacheUse {
         self.usage
     }

@@ -129,6 +129,18 @@ impl Grammars {
         Ok(Self { factory, end_ids: end_ids.into(), vocab_size, compiled: Mutex::new(HashMap::new()) })
     }
 
+    /// The bytes token `id` stands for (a token may hold part of a UTF-8 character); `None` for a
+    /// special token (an end of text, a marker) or an id past the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        let trie = self.factory.tok_env().tok_trie();
+        if id as usize >= self.vocab_size.min(trie.vocab_size()) || self.end_ids.contains(&id) {
+            return None;
+        }
+        let bytes = trie.token(id);
+        // The trie keeps special tokens behind a marker byte that no text starts with.
+        (bytes.first() != Some(&llguidance::toktrie::TokTrie::SPECIAL_TOKEN_MARKER)).then_some(bytes)
+    }
+
     /// Compiles `spec`, saying what is wrong with it if llguidance refuses it.
     pub fn check(&self, spec: &Spec) -> Result<(), GrammarError> {
         self.parser(spec).map(drop)

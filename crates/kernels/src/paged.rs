@@ -295,11 +295,13 @@ const ROWS_PER_TASK: usize = 16;
 /// tables, `[B, H, T, Dh]` out; a row that sees no key comes out zero.
 ///
 /// Tasks: (batch row, up to [`ROWS_PER_TASK`] of its query rows, all heads' rows together so that a
-/// decode step reads each pool row whole, once), each split into shares of the blocks (flash
-/// decoding's split: two shares a thread at most, one block a share at least): the shares' partial
-/// maxima, sums and outputs are merged after. The split depends on the sequence's length and the
-/// threads only, never on the other rows of the batch: a sequence gets the same numbers alone or
-/// beside others (a seeded request is reproducible whatever the server batches with it).
+/// decode step reads each pool row whole, once). Every block of a sequence is its own share (flash
+/// decoding's split, at fixed places): its partial maxima, sums and outputs are merged in block
+/// order after. So a row's numbers depend only on its own query and keys — never on the other rows
+/// of the batch, nor on where its prompt's chunks began (a block a row cannot see merges as an exact
+/// no-op): a seeded request gets the same bits alone or beside others. How the shares are spread
+/// over tasks is only a matter of speed: with few groups, a group's blocks are split into up to two
+/// runs a thread; with groups enough to keep the threads busy, one task computes all of a group's.
 ///
 /// The copy of the loops that runs is the widest `cpu` allows (the CPU's widest at most).
 ///
@@ -317,30 +319,23 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
     let row_at = |bi: usize, r: usize| (bi * rows + r) * dh;
     let groups: Vec<(usize, usize)> =
         (0..b).flat_map(|bi| (0..rows).step_by(ROWS_PER_TASK).map(move |r0| (bi, r0))).collect();
-    let shares = 2 * rayon::current_num_threads();
-    let parts: Vec<usize> =
-        groups.iter().map(|&(bi, _)| shares.clamp(1, layout.totals[bi].div_ceil(layout.block_size).max(1))).collect();
-    // Each group's shares of blocks; the shares are the same whatever the batch, but with groups
-    // enough to keep the threads busy one task computes all shares of its group, one after another
-    // (the same partials, merged in the same order below: the same bits, fewer tasks).
-    let together = groups.len() >= shares;
-    let tasks: Vec<(usize, Vec<Range<usize>>)> = groups
+    let want = 2 * rayon::current_num_threads();
+    let blocks_of = |bi: usize| layout.totals[bi].div_ceil(layout.block_size).max(1);
+    let runs = if groups.len() >= want { 1 } else { want };
+    let tasks: Vec<(usize, Range<usize>)> = groups
         .iter()
-        .zip(&parts)
         .enumerate()
-        .flat_map(|(n, (&(bi, _), &p))| {
-            let blocks = layout.totals[bi].div_ceil(layout.block_size);
-            let ranges: Vec<Range<usize>> = (0..p).map(|i| blocks * i / p..blocks * (i + 1) / p).collect();
-            match together {
-                true => vec![(n, ranges)],
-                false => ranges.into_iter().map(|r| (n, vec![r])).collect(),
-            }
+        .flat_map(|(n, &(bi, _))| {
+            let blocks = blocks_of(bi);
+            let k = runs.min(blocks);
+            (0..k).map(move |i| (n, blocks * i / k..blocks * (i + 1) / k))
         })
         .collect();
     let scale = s.scale;
+    // Each task: one partial per block of its run, in block order.
     let partials: Vec<Vec<Partial>> = tasks
         .par_iter()
-        .map(|(n, shares)| {
+        .map(|(n, run)| {
             let (bi, r0) = groups[*n];
             let r1 = (r0 + ROWS_PER_TASK).min(rows);
             let query = |r: usize| Query {
@@ -348,20 +343,19 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
                 seen: layout.visible(bi, r % t),
                 offset: r / t / rep * dh,
             };
-            let rows: Vec<Query> = (r0..r1).map(query).collect();
-            shares
-                .iter()
-                .map(|blocks| {
-                    let task = Task {
-                        rows: rows.clone(),
-                        keys,
-                        values,
-                        table: &layout.tables[bi],
-                        blocks: blocks.clone(),
-                        block_size: layout.block_size,
-                        width: s.kv_heads * dh,
-                        scale,
-                    };
+            let mut task = Task {
+                rows: (r0..r1).map(query).collect(),
+                keys,
+                values,
+                table: &layout.tables[bi],
+                blocks: 0..0,
+                block_size: layout.block_size,
+                width: s.kv_heads * dh,
+                scale,
+            };
+            run.clone()
+                .map(|blk| {
+                    task.blocks = blk..blk + 1;
                     task.run(cpu)
                 })
                 .collect()
@@ -369,9 +363,9 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
         .collect();
     let mut partials = partials.into_iter().flatten();
     let mut o = vec![0.0f32; q.len()];
-    for (&(bi, r0), &p) in groups.iter().zip(&parts) {
+    for &(bi, r0) in &groups {
         let mut whole = partials.next().unwrap_or_default();
-        for share in partials.by_ref().take(p - 1) {
+        for share in partials.by_ref().take(blocks_of(bi) - 1) {
             whole.merge(&share, dh);
         }
         for (r, row) in (r0..).zip(whole.normalised(dh).chunks_exact(dh.max(1))) {
@@ -419,7 +413,6 @@ impl Partial {
 }
 
 /// One query row: its values, the keys it sees, and its key/value head's first column in a pool row.
-#[derive(Clone)]
 struct Query<'a> {
     q: &'a [f32],
     seen: Range<usize>,
@@ -769,8 +762,9 @@ mod tests {
         assert!(err < 1e-5, "max error {err}");
     }
 
-    /// A sequence's output is the same to the bit alone or beside other sequences (the split into
-    /// shares does not depend on the batch).
+    /// A sequence's output is the same to the bit alone or beside other sequences, whatever the
+    /// threads, and a position's whether it comes in a prompt's chunk or alone (the shares are the
+    /// blocks, at fixed places).
     #[test]
     fn a_sequence_gets_the_same_bits_alone_or_in_a_batch() {
         let (alone_layout, rows) = layout(&[(300, 1)], 1, 8, None);
@@ -785,9 +779,31 @@ mod tests {
         let per_row = HEADS.heads * HEADS.head_dim;
         let q = values(3 * per_row, 4);
         let (k, v) = (values((first + 25) * 8 * w, 5), values((first + 25) * 8 * w, 6));
-        let alone = attention(Cpu::detect(), &q[..per_row], &k, &v, &alone_layout, HEADS);
-        let batch = attention(Cpu::detect(), &q, &k, &v, &batch_layout, HEADS);
-        assert_eq!(alone, batch[..per_row].to_vec());
+        let run = |threads: usize, q: &[f32], l: &PagedLayout| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+            pool.install(|| attention(Cpu::detect(), q, &k, &v, l, HEADS))
+        };
+        let alone = run(2, &q[..per_row], &alone_layout);
+        for threads in [1, 2, 7] {
+            assert_eq!(alone, run(threads, &q[..per_row], &alone_layout), "{threads} threads, alone");
+            assert_eq!(alone, run(threads, &q, &batch_layout)[..per_row].to_vec(), "{threads} threads, in a batch");
+        }
+        // Position 300 as the last of a 10-position chunk of the prompt: the same bits.
+        let mut chunk_layout = alone_layout.clone();
+        chunk_layout.starts = vec![291];
+        chunk_layout.queries = 10;
+        let mut chunk_q = values(10 * per_row, 9);
+        // Row r of the chunk is head r / 10 at position r % 10: the last position's rows are the
+        // lone query's.
+        for h in 0..HEADS.heads {
+            let d = HEADS.head_dim;
+            chunk_q[(h * 10 + 9) * d..][..d].copy_from_slice(&q[h * d..][..d]);
+        }
+        let chunk = run(2, &chunk_q, &chunk_layout);
+        for h in 0..HEADS.heads {
+            let d = HEADS.head_dim;
+            assert_eq!(chunk[(h * 10 + 9) * d..][..d], alone[h * d..][..d], "head {h}");
+        }
     }
 
     #[test]

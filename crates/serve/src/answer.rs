@@ -2,10 +2,13 @@
 //! at stop strings), tool calls and log-probabilities, collected whole or sent as stream deltas.
 //! Choices of one answer run side by side in the engine (they share the prompt's cache blocks).
 
+use std::sync::Arc;
+
 use ember_data::stream::TextStream;
 use ember_data::Tokenizer;
 use ember_generate::engine::{Event, Finish, RequestId};
 use ember_generate::logprobs::TokenLogprobs;
+use ember_grammar::Grammars;
 use tokio::sync::mpsc;
 
 use crate::api::{CallOut, Choice, Delta, Kind, TokenLogprob, Usage};
@@ -15,6 +18,8 @@ use crate::tools::{ToolDelta, ToolFormat, ToolStream};
 pub(crate) struct Submitted {
     /// Its place in the answer's `choices`.
     pub index: usize,
+    /// The prompt it continues (its place in the request's `prompt` list; 0 for a chat).
+    pub prompt_index: usize,
     pub id: RequestId,
     pub prompt: Vec<u32>,
     pub events: mpsc::UnboundedReceiver<Event>,
@@ -31,24 +36,44 @@ pub(crate) struct Shape {
     pub echo: bool,
     /// Chat with tools: the answer's calls, written in this format, are told apart from its text.
     pub tools: Option<ToolFormat>,
+    /// `parallel_tool_calls: false`: the first call only.
+    pub single_call: bool,
+    /// The tokens' own bytes (the vocabulary structured output uses), for log-probabilities.
+    pub vocab: Option<Arc<Grammars>>,
 }
 
-/// Why an answer could not be finished: the engine failed or went away, with its words.
+/// Why an answer could not be finished, in words; `client`: the request itself asked for what
+/// cannot be (a `logit_bias` that bans every token its grammar allows).
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Failed(pub String);
+pub(crate) struct Failed {
+    pub message: String,
+    pub client: bool,
+}
+
+impl Failed {
+    fn engine(error: Option<String>) -> Self {
+        let message = error.unwrap_or_else(|| ENGINE_FAILED.to_string());
+        let client = message.contains(NOTHING_ALLOWED);
+        Self { message, client }
+    }
+}
 
 /// What the server says when the engine ended a request itself (a failed decoding step).
 pub(crate) const ENGINE_FAILED: &str = "the model failed while decoding this request; it was ended";
+
+/// The engine's words for a step where the grammar and `logit_bias` together allow no token.
+const NOTHING_ALLOWED: &str = "no token may come next";
 
 /// One choice's text so far.
 pub(crate) struct Follow<'a> {
     pub index: usize,
     tokenizer: &'a Tokenizer,
+    shape: &'a Shape,
     text: TextStream<'a>,
-    logprobs: bool,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending: Vec<TokenLogprob>,
-    /// Bytes of text handed out (completions' `text_offset`).
+    /// Bytes of the answer's tokens so far, the echoed prompt included (completions'
+    /// `text_offset` of the next token).
     offset: usize,
     /// The prompt's text, to go out first (`echo`).
     echo: Option<String>,
@@ -64,41 +89,41 @@ pub(crate) struct Step {
 }
 
 impl<'a> Follow<'a> {
-    pub fn new(tokenizer: &'a Tokenizer, shape: &Shape, index: usize, prompt: &[u32]) -> Self {
+    pub fn new(tokenizer: &'a Tokenizer, shape: &'a Shape, index: usize, prompt: &[u32]) -> Self {
         let echo = shape.echo.then(|| tokenizer.decode(prompt).unwrap_or_default());
         Self {
             index,
             tokenizer,
+            shape,
             text: TextStream::new(tokenizer, prompt, shape.stops.clone(), &shape.ends),
-            logprobs: shape.logprobs,
             pending: Vec::new(),
-            offset: 0,
+            offset: echo.as_ref().map_or(0, String::len),
             echo,
             calls: shape.tools.map(ToolStream::new),
         }
     }
 
-    /// The choice's next event.
+    /// The choice's next event (`None`: the engine went away).
     pub fn on(&mut self, event: Option<Event>) -> Result<Step, Failed> {
         let mut deltas = Vec::new();
         if let Some(echo) = self.echo.take().filter(|e| !e.is_empty()) {
-            self.offset += echo.len();
-            deltas.push(Delta::Text(echo, self.logprobs.then(Vec::new)));
+            deltas.push(Delta::Text(echo, self.shape.logprobs.then(Vec::new)));
         }
         let done = match event {
             Some(Event::Token { token, logprobs, .. }) => {
-                if let Some(lp) = logprobs.filter(|_| self.logprobs) {
-                    self.pending.push(self.token_logprob(token, &lp));
+                // An end-of-text token is not part of the answer: no text, no log-probability.
+                if let Some(lp) = logprobs.filter(|_| self.shape.logprobs && !self.shape.ends.contains(&token)) {
+                    let lp = self.token_logprob(token, &lp);
+                    self.offset += lp.bytes.len();
+                    self.pending.push(lp);
                 }
                 let (piece, stopped) = self.text.push(token);
                 self.text_out(piece, &mut deltas);
                 // A stop string: the caller cancels the request on the engine.
                 stopped.then_some(("stop", 0))
             }
-            Some(Event::Done { finish: Finish::Failed, error, .. }) => {
-                return Err(Failed(error.unwrap_or_else(|| ENGINE_FAILED.to_string())))
-            }
-            Some(Event::Done { finish: Finish::Cancelled, .. }) | None => return Err(Failed(ENGINE_FAILED.to_string())),
+            Some(Event::Done { finish: Finish::Failed, error, .. }) => return Err(Failed::engine(error)),
+            Some(Event::Done { finish: Finish::Cancelled, .. }) | None => return Err(Failed::engine(None)),
             Some(Event::Done { finish, completion_tokens, .. }) => {
                 let piece = self.text.finish();
                 self.text_out(piece, &mut deltas);
@@ -106,26 +131,25 @@ impl<'a> Follow<'a> {
                 Some((reason, completion_tokens))
             }
         };
+        let Some((reason, n)) = done else { return Ok(Step { deltas, done, calls: Vec::new() }) };
         let mut calls = Vec::new();
-        let over = match (done, &self.calls) {
-            (Some(done), Some(_)) => self.calls.take().map(|stream| (done, stream)),
-            _ => None,
-        };
-        if let Some(((reason, n), stream)) = over {
+        if let Some(stream) = self.calls.take() {
             let (last, parsed) = stream.finish();
             self.tool_deltas(last, &mut deltas);
-            calls = parsed.calls.iter().map(|c| CallOut {
-                id: c.id.clone(),
-                name: c.name.clone(),
-                arguments: c.arguments.to_string(),
-            }).collect();
-            let reason = if !calls.is_empty() && reason == "stop" { "tool_calls" } else { reason };
-            if let Some(lp) = self.logprobs.then(|| std::mem::take(&mut self.pending)).filter(|lp| !lp.is_empty()) {
-                deltas.push(Delta::Text(String::new(), Some(lp)));
-            }
-            return Ok(Step { deltas, done: Some((reason, n)), calls });
+            let keep = if self.shape.single_call { 1 } else { usize::MAX };
+            calls = parsed
+                .calls
+                .iter()
+                .take(keep)
+                .map(|c| CallOut { id: c.id.clone(), name: c.name.clone(), arguments: c.arguments.to_string() })
+                .collect();
         }
-        Ok(Step { deltas, done, calls })
+        // Tokens whose text never went out (held back, or part of a call): their log-probabilities.
+        if !self.pending.is_empty() {
+            deltas.push(Delta::Text(String::new(), Some(std::mem::take(&mut self.pending))));
+        }
+        let reason = if !calls.is_empty() && reason == "stop" { "tool_calls" } else { reason };
+        Ok(Step { deltas, done: Some((reason, n)), calls })
     }
 
     /// Hands out `piece` (through the tool-call reader when the answer has tools).
@@ -144,21 +168,17 @@ impl<'a> Follow<'a> {
 
     /// The answer's text `piece`, with the log-probabilities of the tokens that made it.
     fn content(&mut self, piece: String, deltas: &mut Vec<Delta>) {
-        let base = self.offset;
-        self.offset += piece.len();
-        let lp = self.logprobs.then(|| {
-            let mut lp = std::mem::take(&mut self.pending);
-            lp.iter_mut().for_each(|t| t.text_offset = base);
-            lp
-        });
+        let lp = self.shape.logprobs.then(|| std::mem::take(&mut self.pending));
         deltas.push(Delta::Text(piece, lp));
     }
 
     fn tool_deltas(&mut self, said: Vec<ToolDelta>, deltas: &mut Vec<Delta>) {
+        let single = self.shape.single_call;
         for d in said {
             match d {
                 ToolDelta::Content(t) if !t.is_empty() => self.content(t, deltas),
                 ToolDelta::Content(_) => {}
+                ToolDelta::CallStart { index, .. } | ToolDelta::Arguments { index, .. } if single && index > 0 => {}
                 ToolDelta::CallStart { index, id, name } => {
                     deltas.push(Delta::Call { index, id: Some(id), name: Some(name), arguments: String::new() })
                 }
@@ -169,75 +189,112 @@ impl<'a> Follow<'a> {
         }
     }
 
+    /// Token `token`'s log-probability and its alternatives', each with the token's own bytes
+    /// (a token may hold part of a character: its text then shows U+FFFD) and where it starts in
+    /// the answer.
     fn token_logprob(&self, token: u32, lp: &TokenLogprobs) -> TokenLogprob {
-        let text = |id: u32| {
-            let t = self.tokenizer.decode(&[id]).unwrap_or_default();
-            let bytes = t.as_bytes().to_vec();
-            (t, bytes)
+        let spelled = |id: u32| -> (String, Vec<u8>) {
+            match self.shape.vocab.as_ref().and_then(|v| v.token_bytes(id)) {
+                Some(bytes) => (String::from_utf8_lossy(bytes).into_owned(), bytes.to_vec()),
+                None => {
+                    let text = self.tokenizer.decode(&[id]).unwrap_or_default();
+                    let bytes = text.as_bytes().to_vec();
+                    (text, bytes)
+                }
+            }
         };
-        let (t, bytes) = text(token);
+        let (text, bytes) = spelled(token);
         let top = lp.top.iter().map(|&(id, l)| {
-            let (s, b) = text(id);
+            let (s, b) = spelled(id);
             (s, b, l)
         });
-        TokenLogprob { token: t, bytes, logprob: lp.logprob, top: top.collect(), text_offset: self.offset }
+        TokenLogprob { token: text, bytes, logprob: lp.logprob, top: top.collect(), text_offset: self.offset }
     }
 }
 
-/// Collects every choice whole, in order of `index`; the usage counts each prompt once.
-/// A choice that ends at a stop string is cancelled on the engine at once (`cancel`).
+/// The events of every choice on one receiver, each with its choice's place in `subs`; a choice
+/// whose engine side goes away sends `None` once.
+pub(crate) fn merge(subs: &mut [Submitted]) -> mpsc::UnboundedReceiver<(usize, Option<Event>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    for (k, sub) in subs.iter_mut().enumerate() {
+        let tx = tx.clone();
+        let (_, empty) = mpsc::unbounded_channel();
+        let mut events = std::mem::replace(&mut sub.events, empty);
+        tokio::spawn(async move {
+            loop {
+                let event = events.recv().await;
+                let last = !matches!(event, Some(Event::Token { .. }));
+                if tx.send((k, event)).is_err() || last {
+                    return;
+                }
+            }
+        });
+    }
+    rx
+}
+
+/// Collects every choice whole, in order of `index`, as their events come; a choice that ends at
+/// a stop string is cancelled on the engine at once (`cancel`).
 pub(crate) async fn collect(
     tokenizer: &Tokenizer,
     shape: &Shape,
-    subs: Vec<Submitted>,
+    mut subs: Vec<Submitted>,
     cancel: impl Fn(RequestId),
 ) -> Result<(Vec<Choice>, Usage), Failed> {
     let prompt_tokens = distinct_prompt_tokens(&subs);
-    let (mut choices, mut generated) = (Vec::with_capacity(subs.len()), 0);
-    for mut sub in subs {
-        let mut follow = Follow::new(tokenizer, shape, sub.index, &sub.prompt);
-        let mut choice = Choice {
-            index: sub.index,
+    let mut follows: Vec<Follow<'_>> = subs.iter().map(|s| Follow::new(tokenizer, shape, s.index, &s.prompt)).collect();
+    let mut choices: Vec<Choice> = subs
+        .iter()
+        .map(|s| Choice {
+            index: s.index,
             text: String::new(),
             tool_calls: Vec::new(),
             finish: "stop",
             logprobs: shape.logprobs.then(Vec::new),
-        };
-        let mut count = 0;
-        loop {
-            let event = sub.events.recv().await;
-            if matches!(event, Some(Event::Token { .. })) {
-                count += 1;
-            }
-            let step = follow.on(event)?;
-            for d in step.deltas {
-                if let Delta::Text(t, lp) = d {
-                    choice.text.push_str(&t);
-                    if let (Some(all), Some(lp)) = (choice.logprobs.as_mut(), lp) {
-                        all.extend(lp);
-                    }
+        })
+        .collect();
+    let mut counts = vec![0usize; subs.len()];
+    let (mut open, mut generated) = (subs.len(), 0);
+    let mut merged = merge(&mut subs);
+    while open > 0 {
+        let Some((k, event)) = merged.recv().await else { return Err(Failed::engine(None)) };
+        if counts[k] == usize::MAX {
+            continue; // over already (a stop string): the rest of its events are dropped
+        }
+        if matches!(event, Some(Event::Token { .. })) {
+            counts[k] += 1;
+        }
+        let step = follows[k].on(event)?;
+        let choice = &mut choices[k];
+        for d in step.deltas {
+            if let Delta::Text(t, lp) = d {
+                choice.text.push_str(&t);
+                if let (Some(all), Some(lp)) = (choice.logprobs.as_mut(), lp) {
+                    all.extend(lp);
                 }
             }
-            if let Some((finish, n)) = step.done {
-                cancel(sub.id);
-                choice.tool_calls = step.calls;
-                choice.finish = finish;
-                generated += n.max(count);
-                break;
-            }
         }
-        choices.push(choice);
+        if let Some((finish, n)) = step.done {
+            cancel(subs[k].id);
+            choice.tool_calls = step.calls;
+            choice.finish = finish;
+            generated += n.max(counts[k]);
+            counts[k] = usize::MAX;
+            open -= 1;
+        }
     }
     Ok((choices, Usage::new(prompt_tokens, generated)))
 }
 
-/// Prompt tokens of an answer: each distinct prompt once (its `n` choices share it).
+/// Prompt tokens of an answer: each prompt of the request once (its `n` choices share it).
 pub(crate) fn distinct_prompt_tokens(subs: &[Submitted]) -> usize {
-    let mut seen: Vec<&[u32]> = Vec::new();
+    let mut seen: Vec<usize> = Vec::new();
+    let mut total = 0;
     for s in subs {
-        if !seen.contains(&s.prompt.as_slice()) {
-            seen.push(&s.prompt);
+        if !seen.contains(&s.prompt_index) {
+            seen.push(s.prompt_index);
+            total += s.prompt.len();
         }
     }
-    seen.iter().map(|p| p.len()).sum()
+    total
 }

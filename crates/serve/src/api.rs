@@ -41,8 +41,9 @@ impl OneOrMany {
 /// Every request type here is read from JSON field by field ([`TryFrom<Value>`], which
 /// `Deserialize` goes through too), so that a field of the wrong type is refused with an
 /// [`Invalid`] naming the field and saying in words what it should be; serde's derived messages
-/// name neither ("did not match any variant of untagged enum"). Unknown fields are ignored, as
-/// OpenAI's server ignores most fields it does not use, and `null` is taken as left out.
+/// name neither ("did not match any variant of untagged enum"). A field the endpoint does not
+/// honour is refused by name (the requests' `TryFrom`, through `fields::refuse_unknown`), and
+/// `null` is taken as left out.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(try_from = "Value")]
 pub struct Settings {
@@ -328,6 +329,16 @@ impl ChatMessage {
         let tool_call_id = field(m, "tool_call_id", "a string")
             .map_err(|e| Invalid::new(format!("messages[{i}].tool_call_id"), e.message))?;
         let name = field(m, "name", "a string").map_err(|e| Invalid::new(format!("messages[{i}].name"), e.message))?;
+        // An assistant message sent back as it came may carry `refusal: null`; anything else a
+        // message holds is refused by name.
+        const MESSAGE_KEYS: [&str; 5] = ["role", "content", "name", "tool_calls", "tool_call_id"];
+        if let Some(k) = m.keys().find(|k| !MESSAGE_KEYS.contains(&k.as_str()) && !(k.as_str() == "refusal" && m[*k].is_null())) {
+            let shown: String = k.chars().take(40).collect::<String>().escape_debug().to_string();
+            return Err(Invalid::new(
+                format!("messages[{i}].{shown}"),
+                format!("messages[{i}].{shown} is not supported: a message holds {}", MESSAGE_KEYS.join(", ")),
+            ));
+        }
         Ok(Self { role, content, tool_calls, tool_call_id, name })
     }
 }
@@ -436,6 +447,8 @@ pub struct Generation {
     /// The grammar (llguidance's Lark) the tool calls put on the answer (`tool_choice` required
     /// or a named function); set by the chat endpoint.
     pub grammar: Option<String>,
+    /// `parallel_tool_calls: false`: at most one call in the answer.
+    pub single_call: bool,
     /// The end user's id (`user`): logged with the answer.
     pub user: Option<String>,
 }
@@ -513,6 +526,7 @@ impl Settings {
             echo,
             format,
             grammar: None,
+            single_call: false,
             user: self.user.clone(),
         })
     }

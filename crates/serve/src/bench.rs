@@ -90,7 +90,11 @@ fn stream_once(url: &str, prompt: &str, max_tokens: usize, seed: u64) -> Result<
         .timeout(Duration::from_secs(600))
         .set("Content-Type", "application/json")
         .send_string(&body.to_string())
-        .map_err(|e| failed(e.to_string()))?;
+        .map_err(|e| match e {
+            // The server's own words: the error body names the problem.
+            ureq::Error::Status(code, r) => failed(format!("{code}: {}", r.into_string().unwrap_or_default())),
+            other => failed(other.to_string()),
+        })?;
     let (mut first, mut last, mut gaps, mut tokens) = (None, None, Vec::new(), 0);
     for line in BufReader::new(resp.into_reader()).lines() {
         let line = line.map_err(|e| failed(e.to_string()))?;

@@ -12,9 +12,12 @@
 //! that renders a system message only as the first one) is refused, naming the message, never
 //! dropped.
 //!
-//! Tools (see [`crate::tools`]) reach a template that has a tools section as its `tools`, with the
-//! assistant's `tool_calls` and the `tool` messages as they are. For a template without one
-//! ([`ToolFormat::Default`]) ember writes them itself: the tools' description at the end of the
+//! Tools (see [`crate::tools`]) reach the template as fine-tuning gives them to it
+//! ([`ember_data::finetune::tool_text`]), so that a model is served what it trained on: a template
+//! that has a tools section gets them as its `tools`, with the assistant's `tool_calls` and the
+//! `tool` messages as they are, except that where it drops an assistant's calls (SmolLM3's) each
+//! call is Hermes' `<tool_call>` text after the assistant's own. For a template without one
+//! ([`ToolFormat::Default`]) ember writes them all: the tools' description at the end of the
 //! system message (or as one, first), each assistant call as Hermes' `<tool_call>` text after the
 //! assistant's own, and each run of `tool` messages as one user message of `<tool_response>`
 //! blocks.
@@ -22,7 +25,7 @@
 use ember_data::finetune::{ChatTemplate, Message};
 
 use crate::api::Invalid;
-use crate::tools::{default_tools_block, hermes_calls, ToolFormat, Tools};
+use crate::tools::{ToolFormat, Tools};
 
 /// A model's chat template, whether it renders system messages, and how it writes tool calls.
 pub struct ChatPrompt {
@@ -76,17 +79,11 @@ impl ChatPrompt {
     /// [`ChatPrompt::render`] with the functions the model may call (see the module's
     /// documentation).
     pub fn render_with_tools(&self, messages: &[Message], tools: &Tools) -> Result<String, Invalid> {
-        let written;
-        let (messages_in, tools_in) = if self.tool_format.in_template() {
-            (messages, tools.json())
-        } else {
-            written = write_tools(messages, tools);
-            (written.as_slice(), &[][..])
-        };
+        let (messages_in, tools_in) = self.template.with_tools_written(messages, tools.json());
         let text = if self.renders_system {
-            self.template.render_with_tools(messages_in, tools_in, true)
+            self.template.render_with_tools(&messages_in, tools_in, true)
         } else {
-            self.template.render_with_tools(&fold_system(messages_in), tools_in, true)
+            self.template.render_with_tools(&fold_system(&messages_in), tools_in, true)
         };
         let text = text.map_err(|e| {
             // The template's own words (a `raise_exception`), without the data crate's prefixes.
@@ -117,46 +114,6 @@ impl ChatPrompt {
 
 fn message(role: &str, content: &str) -> Message {
     Message::new(role, content)
-}
-
-/// The messages with the tools, the calls and their results written as text, for a template
-/// without a tools section: the tools' description ends the first system message (or is one),
-/// calls follow the assistant's text in Hermes' format, and each run of `tool` messages is one
-/// user message of `<tool_response>` blocks.
-fn write_tools(messages: &[Message], tools: &Tools) -> Vec<Message> {
-    let mut out: Vec<Message> = Vec::with_capacity(messages.len() + 1);
-    if !tools.is_empty() {
-        let block = default_tools_block(tools);
-        match messages.first() {
-            Some(m) if m.role == "system" && !m.content.is_empty() => {
-                out.push(message("system", &format!("{}\n\n{block}", m.content)))
-            }
-            Some(m) if m.role == "system" => out.push(message("system", &block)),
-            _ => out.push(message("system", &block)),
-        }
-    }
-    let skip = usize::from(!tools.is_empty() && messages.first().is_some_and(|m| m.role == "system"));
-    let mut in_results = false;
-    for m in &messages[skip..] {
-        if m.role == "tool" {
-            let result = format!("<tool_response>\n{}\n</tool_response>", m.content);
-            match out.last_mut() {
-                Some(last) if in_results => last.content = format!("{}\n{result}", last.content),
-                _ => out.push(message("user", &result)),
-            }
-            in_results = true;
-            continue;
-        }
-        in_results = false;
-        if m.tool_calls.is_empty() {
-            out.push(Message::new(m.role.clone(), m.content.clone()));
-            continue;
-        }
-        let calls = hermes_calls(&m.tool_calls);
-        let text = if m.content.is_empty() { calls } else { format!("{}\n{calls}", m.content) };
-        out.push(Message::new(m.role.clone(), text));
-    }
-    out
 }
 
 /// llama.cpp's fallback for a template without a system turn: each run of system messages (their

@@ -475,6 +475,13 @@ async fn chat(state: &State, r: ChatRequest, conn: &Arc<Conn>) -> Answer {
         let format = template.tool_format();
         let special = |t: &str| state.options.tokenizer.token_to_id(t);
         let single = r.parallel_tool_calls == Some(false);
+        if r.parallel_tool_calls.is_some() && offered.is_empty() {
+            return Err(Invalid::new(
+                "parallel_tool_calls",
+                "parallel_tool_calls is only allowed when tools are offered (and tool_choice is not none)",
+            ));
+        }
+        generation.single_call = single;
         if let Some(lark) = call_grammar(format, &offered, &choice, single, &special) {
             if generation.format != Format::Text {
                 return Err(Invalid::new(
@@ -512,12 +519,12 @@ fn check_context(kind: Kind, prompt: &[u32], max_tokens: Option<usize>, context:
         );
     }
     match max_tokens {
-        Some(m) if prompt.len() + m > context => overflow(
+        Some(m) if m > context - prompt.len() => overflow(
             "max_tokens",
             format!(
                 "This model's maximum context length is {context} tokens. However, you requested {} tokens ({} in \
                  the {what}, {m} in the completion). Please reduce the length of the {what} or the completion.",
-                prompt.len() + m,
+                prompt.len().saturating_add(m),
                 prompt.len()
             ),
         ),
@@ -582,10 +589,25 @@ async fn run(
     calls: Option<ToolFormat>,
     conn: &Arc<Conn>,
 ) -> Answer {
+    let choices = prompts.len() * g.n;
+    if choices > state.worker.capacity() {
+        let message = format!(
+            "{} prompt(s) × n = {} make {choices} choices; this server takes {} requests at once (--slots and --queue)",
+            prompts.len(),
+            g.n,
+            state.worker.capacity()
+        );
+        return invalid(Invalid::new("n", message));
+    }
     for p in &prompts {
         if let Err(answer) = check_context(kind, p, g.max_tokens, state.options.context) {
             return answer;
         }
+    }
+    if g.ignore_eos && (g.format != Format::Text || g.grammar.is_some()) {
+        let message = "ignore_eos cannot be combined with response_format or a required tool_choice: the grammar \
+                       decides where the answer ends";
+        return invalid(Invalid::new("ignore_eos", message));
     }
     let spec = match format_spec(state, &g) {
         Ok(spec) => spec,
@@ -605,7 +627,9 @@ async fn run(
                 }
             };
             match state.worker.submit(request).await {
-                Ok((id, events)) => subs.push(Submitted { index: i * g.n + j, id, prompt: prompt.clone(), events }),
+                Ok((id, events)) => {
+                    subs.push(Submitted { index: i * g.n + j, prompt_index: i, id, prompt: prompt.clone(), events })
+                }
                 Err(e) => {
                     cancel_all(&subs);
                     return refused(e);
@@ -627,6 +651,8 @@ async fn run(
         logprobs: g.logprobs.is_some(),
         echo: g.echo,
         tools: calls,
+        single_call: g.single_call,
+        vocab: state.grammars.as_ref().ok().cloned(),
     };
     let ids: Vec<u64> = subs.iter().map(|s| s.id).collect();
     if !g.stream {
@@ -642,7 +668,11 @@ async fn run(
                 r.extensions_mut().insert(Logged::Usage(usage));
                 r
             }
-            Either::Left(Err(Failed(message))) => {
+            // A grammar and a `logit_bias` that together allow no token: the request's own doing.
+            Either::Left(Err(Failed { message, client: true })) => {
+                error(StatusCode::BAD_REQUEST, "invalid_request_error", &message, Some("logit_bias"), None)
+            }
+            Either::Left(Err(Failed { message, client: false })) => {
                 error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", &message, None, None)
             }
             Either::Right(()) => shutting_down(),

@@ -11,7 +11,7 @@ use ember_http::{race, Either};
 use hyper::body::Bytes;
 use tokio::sync::mpsc;
 
-use crate::answer::{distinct_prompt_tokens, Failed, Follow, Shape, Submitted};
+use crate::answer::{distinct_prompt_tokens, merge, Failed, Follow, Shape, Submitted};
 use crate::api::{error_body, ChunkHead, Delta, Kind, Usage};
 use crate::server::SHUTTING_DOWN;
 use crate::worker::Worker;
@@ -46,7 +46,7 @@ impl Answering {
 
     async fn events(
         &self,
-        subs: Vec<Submitted>,
+        mut subs: Vec<Submitted>,
         tx: &mpsc::Sender<Bytes>,
         cut: impl Future<Output = ()>,
         generated: &mut usize,
@@ -56,7 +56,7 @@ impl Answering {
         let mut follows: Vec<Follow<'_>> =
             subs.iter().map(|s| Follow::new(&self.tokenizer, &self.shape, s.index, &s.prompt)).collect();
         let ids: Vec<u64> = subs.iter().map(|s| s.id).collect();
-        let mut merged = merge(subs);
+        let mut merged = merge(&mut subs);
         let mut open = follows.len();
         let mut counts = vec![0usize; follows.len()];
         let mut cut = std::pin::pin!(cut);
@@ -90,8 +90,11 @@ impl Answering {
             }
             let step = match follows[k].on(event) {
                 Ok(step) => step,
-                Err(Failed(message)) => {
-                    let failed = error_body("server_error", &message, None, None);
+                Err(Failed { message, client }) => {
+                    let failed = match client {
+                        true => error_body("invalid_request_error", &message, Some("logit_bias"), None),
+                        false => error_body("server_error", &message, None, None),
+                    };
                     let _ = send_within(tx, Bytes::from(format!("data: {failed}\n\n"))).await;
                     return "ended by a failed decoding step";
                 }
@@ -118,25 +121,6 @@ impl Answering {
         let _ = send_within(tx, Bytes::from_static(b"data: [DONE]\n\n")).await;
         "finished"
     }
-}
-
-/// The events of every choice on one receiver, each with its choice's place in `subs`; a choice
-/// whose engine side goes away sends `None` once.
-fn merge(subs: Vec<Submitted>) -> mpsc::UnboundedReceiver<(usize, Option<Event>)> {
-    let (tx, rx) = mpsc::unbounded_channel();
-    for (k, mut sub) in subs.into_iter().enumerate() {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            loop {
-                let event = sub.events.recv().await;
-                let last = !matches!(event, Some(Event::Token { .. }));
-                if tx.send((k, event)).is_err() || last {
-                    return;
-                }
-            }
-        });
-    }
-    rx
 }
 
 /// Cancels the requests of an answer when it is dropped: over (harmless), or abandoned by its

@@ -38,6 +38,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use ember_data::finetune::tool_text::has_tools_section;
 use ember_data::finetune::ToolCall;
 use serde_json::Value;
 
@@ -46,6 +47,8 @@ use crate::api::Invalid;
 mod grammar;
 mod scan;
 
+/// The default format's text, written by the data crate so that fine-tuning writes it the same.
+pub use ember_data::finetune::tool_text::{default_tools_block, hermes_calls};
 pub use grammar::call_grammar;
 use scan::{parse_calls, probe, Partial, Probe};
 
@@ -60,23 +63,18 @@ pub enum ToolFormat {
 
 impl ToolFormat {
     /// The format a chat template's source shows: the markers its tools section writes.
+    /// A template without a tools section ([`has_tools_section`], which the rendering reads too)
+    /// is [`ToolFormat::Default`].
     pub fn detect(source: &str) -> Self {
-        if source.contains("[TOOL_CALLS]") {
+        if !has_tools_section(source) {
+            Self::Default
+        } else if source.contains("[TOOL_CALLS]") {
             Self::Mistral
         } else if source.contains("<tool_call>") {
             Self::Hermes
-        } else if source.contains("<|python_tag|>")
-            || (source.contains("<|eot_id|>") && source.contains("\"parameters\""))
-        {
-            Self::Llama3
         } else {
-            Self::Default
+            Self::Llama3
         }
-    }
-
-    /// Whether the template renders the tools, the calls and their results itself.
-    pub fn in_template(self) -> bool {
-        self != Self::Default
     }
 
     fn syntax(self) -> Syntax {
@@ -256,52 +254,6 @@ impl ToolChoice {
             )),
             _ => Ok(choice),
         }
-    }
-}
-
-/// The system-message text that describes `tools` to a model whose template has no tools section
-/// ([`ToolFormat::Default`]; the text is in the module's documentation).
-pub fn default_tools_block(tools: &Tools) -> String {
-    let mut text = String::from(
-        "You can call functions to help you answer. Each function is described by a JSON object between <tools> \
-         and </tools>:\n<tools>\n",
-    );
-    for tool in tools.json() {
-        text.push_str(&py_json(tool));
-        text.push('\n');
-    }
-    let example = tools.names().next().unwrap_or("function_name");
-    text.push_str(&format!(
-        "</tools>\n\nTo call a function, answer with a JSON object holding its name and its arguments between \
-         <tool_call> and </tool_call>, and nothing else:\n<tool_call>\n{{\"name\": \"{example}\", \"arguments\": \
-         {{\"argument_name\": \"value\"}}}}\n</tool_call>\nTo call several functions, write one <tool_call> block for \
-         each. The results come back between <tool_response> and </tool_response>. If no function is needed, answer \
-         normally."
-    ));
-    text
-}
-
-/// Calls as Hermes' format writes them (the default format's assistant text).
-pub fn hermes_calls(calls: &[ToolCall]) -> String {
-    let call = |c: &ToolCall| {
-        let object = serde_json::json!({"name": c.name, "arguments": c.arguments});
-        // Name first, as models write it (a JSON map may sort its keys).
-        let (name, arguments) = (py_json(&object["name"]), py_json(&object["arguments"]));
-        format!("<tool_call>\n{{\"name\": {name}, \"arguments\": {arguments}}}\n</tool_call>")
-    };
-    calls.iter().map(call).collect::<Vec<_>>().join("\n")
-}
-
-/// JSON as Python's `json.dumps` writes it (`", "` and `": "`), as templates show JSON to models.
-fn py_json(v: &Value) -> String {
-    match v {
-        Value::Object(o) => {
-            let items: Vec<String> =
-                o.iter().map(|(k, v)| format!("{}: {}", py_json(&Value::from(k.as_str())), py_json(v))).collect();
-            format!("{{{}}}", items.join(", "))
-        }
-        Value::Array(a) => format!("[{}]", a.iter().map(py_json).collect::<Vec<_>>().join(", ")),
-        other => other.to_string(),
     }
 }
 

@@ -24,6 +24,8 @@ pub struct Worker {
     tx: mpsc::Sender<Command>,
     /// The engine's cache use after its last step.
     usage: Arc<Mutex<CacheUse>>,
+    /// Requests the engine takes at once, running and waiting.
+    capacity: usize,
 }
 
 impl Worker {
@@ -33,12 +35,18 @@ impl Worker {
         Engine<B>: Send + 'static,
     {
         let (tx, rx) = mpsc::channel();
+        let capacity = engine.capacity();
         let usage = Arc::new(Mutex::new(engine.cache_use()));
         let shared = usage.clone();
         std::thread::Builder::new()
             .name("ember-engine".into())
             .spawn(move || ember_kernels::on_cpu_workers(move || serve(engine, rx, &shared)))?;
-        Ok(Self { tx, usage })
+        Ok(Self { tx, usage, capacity })
+    }
+
+    /// Requests the engine takes at once, running and waiting: one answer's choices at most.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// The engine's KV-cache use as of its last step: blocks held now and at most, prompt tokens

@@ -423,7 +423,7 @@ fn prompt_of(record: &Record, template: Option<&ChatTemplate>) -> Option<String>
         Body::Chat(messages) => {
             let last_user = messages.iter().rposition(|m| m.role == "user")?;
             template?
-                .render_with_tools(&messages[..=last_user], &record.tools, true)
+                .render_conversation(&messages[..=last_user], &record.tools, true)
                 .inspect_err(|e| tracing::warn!("no held-out prompt for the evaluation samples: {e}"))
                 .ok()
         }
@@ -575,7 +575,7 @@ mod tests {
         let prompt = prompt_of(&record, Some(&template)).unwrap();
         assert_eq!(prompt, "<tools>get_weather;</tools>\n<user>Weather in Paris?\n<assistant>");
         let Body::Chat(messages) = &record.body else { unreachable!() };
-        let trained = template.render_with_tools(messages, &record.tools, false).unwrap();
+        let trained = template.render_conversation(messages, &record.tools, false).unwrap();
         assert!(trained.starts_with(prompt.strip_suffix("<assistant>").unwrap()), "{trained}");
     }
 }

@@ -270,7 +270,7 @@ fn what_the_grammar_admits_parses() {
     let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>";
     let parsed = parse(ToolFormat::Default, text);
     assert_eq!(parsed.calls.len(), 2);
-    let block = default_tools_block(&weather_tools());
+    let block = default_tools_block(weather_tools().json());
     assert!(
         block.contains("<tools>\n{\"type\": \"function\", \"function\": {")
             && block.contains("\"name\": \"get_weather\""),
