@@ -557,3 +557,52 @@ fn serve_flags_out_of_range_are_refused_by_name() {
     let out = s.ember_env(&["serve", "--checkpoint", "nowhere"], &[("EMBER_API_KEY", " ")]);
     common::assert_clean_error(&out, "EMBER_API_KEY");
 }
+
+/// Issue 55's Qwen2.5 case: a random-weight Qwen2 (made by tests/serve_qwen_tools.py with
+/// transformers, Qwen's vocabulary and Qwen2.5's template) served from its Hugging Face folder.
+/// The script asserts that ember's prompt for a conversation with two tools, a past call and its
+/// result is transformers' `apply_chat_template(tools=…)` token for token (same ids, and the same
+/// greedy log-probabilities as a completion of transformers' ids), and that the `tool_calls` of
+/// `required`, a named function and `auto`, whole and streamed, are what Qwen's parser reads from
+/// the raw answer; here the summary it prints.
+#[test]
+fn qwen2_tool_calls_render_and_parse_as_transformers_and_qwen_do() {
+    let s = Scratch::new();
+    let tokenizer = assets::assets().join("tokenizers/qwen3_tokenizer.json");
+    assert!(tokenizer.is_file(), "{} not found: set EMBER_TEST_ASSETS", tokenizer.display());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/serve_qwen_tools.py");
+    let folder = s.path().join("qwen2");
+    let made = Command::new(python()).arg(&script).arg("make").arg(&folder).arg(&tokenizer).output().unwrap();
+    assert!(made.status.success(), "make failed: {}", String::from_utf8_lossy(&made.stderr));
+    let checkpoint = format!("hf:{}", folder.display());
+    let server = serve(&s, Path::new(&checkpoint), &["--model-name", "qwen"]);
+    let out = Command::new(python())
+        .arg(&script)
+        .args(["check", &format!("http://{}/v1", server.addr), "qwen"])
+        .arg(&folder)
+        .output()
+        .expect("run the openai client");
+    assert!(out.status.success(), "check failed: {}\n{}", String::from_utf8_lossy(&out.stderr), server.log());
+    let got: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+
+    let prompt = &got["prompt"];
+    assert_eq!(prompt["chat_tokens"], prompt["tokens"]);
+    let text = prompt["text"].as_str().unwrap();
+    assert!(text.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""), "{text}");
+    assert!(text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Saint-Étienne\""));
+    for (choice, name) in [("required", None), ("named", Some("get_weather")), ("auto", None)] {
+        let c = &got["calls"][choice];
+        assert_eq!(c["ember"], c["qwen"], "{choice}");
+        let calls = c["ember"]["calls"].as_array().unwrap();
+        if choice == "auto" {
+            continue; // random weights answer text: compared as text
+        }
+        assert_eq!(c["finish"], json!("tool_calls"), "{choice}");
+        assert!(c["raw"].as_str().unwrap().starts_with("<tool_call>"), "{choice}: {c}");
+        assert!(!calls.is_empty() && calls.iter().all(|call| call[1].is_object()), "{choice}: {c}");
+        if let Some(name) = name {
+            assert_eq!(calls.len(), 1);
+            assert_eq!(calls[0][0], json!(name));
+        }
+    }
+}

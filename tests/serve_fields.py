@@ -357,6 +357,14 @@ e = error(max_tokens=4, tools=[{"type": "function", "function": {"name": "a b"}}
 assert e["param"].startswith("tools"), e
 e = error(max_tokens=4, extra_body={"messages": [{"role": "user", "content": "hi", "metadata": {}}]})
 assert e["param"] == "messages[0].metadata", e
+strict = {"type": "function", "function": dict(WEATHER["function"], strict=True)}
+e = error(max_tokens=4, tools=[strict])
+assert e["param"] == "tools[0].function.strict", e
+ok = client.chat.completions.create(model=model, messages=ASK, tools=[strict], tool_choice="required", max_tokens=80,
+                                    temperature=0)
+check_calls(ok.choices[0].message, {"get_weather"})
+e = error(max_tokens=4, tools=[dict(WEATHER, cache_control={})])
+assert e["param"] == "tools[0].cache_control", e
 e = error(max_tokens=4, parallel_tool_calls=False)
 assert e["param"] == "parallel_tool_calls", e
 e = error(max_tokens=4, response_format={"type": "json_object"}, extra_body={"ignore_eos": True})

@@ -467,6 +467,13 @@ async fn chat(state: &State, r: ChatRequest, conn: &Arc<Conn>) -> Answer {
         let mut generation = r.settings.generation(Kind::Chat, &state.served())?;
         let tools = Tools::read(r.tools.as_ref())?;
         let choice = ToolChoice::read(r.tool_choice.as_ref(), &tools)?;
+        if let (Some(i), ToolChoice::Auto) = (tools.strict(), &choice) {
+            return Err(Invalid::new(
+                format!("tools[{i}].function.strict"),
+                "strict function calling is honoured with tool_choice `required` or a named function (a grammar \
+                 then writes each call under its function's schema); with `auto` the model may write anything",
+            ));
+        }
         let messages = r.messages(template.roles())?;
         // `tool_choice: "none"`: the model is not shown the tools, and its answer is text.
         let offered = if choice == ToolChoice::None { Tools::default() } else { tools };

@@ -116,7 +116,8 @@ pub struct Tools {
 impl Tools {
     /// The field `tools` of a request (`None`: left out or null, no tools). Refused, naming the
     /// field, when not a list of function tools with distinct names of letters, digits, `_` and
-    /// `-` (at most 64, as OpenAI's), and `parameters` an object.
+    /// `-` (at most 64, as OpenAI's), and `parameters` an object; a key ember does not honour (in
+    /// a tool or its function) is refused by name, and so is `strict: true` (see [`Tools::strict`]).
     pub fn read(value: Option<&Value>) -> Result<Self, Invalid> {
         let list = match value {
             None | Some(Value::Null) => return Ok(Self::default()),
@@ -155,6 +156,22 @@ impl Tools {
         let Some(Value::Object(function)) = tool.get("function") else {
             return Err(Invalid::new(format!("{param}.function"), format!("{param} {should}")));
         };
+        let unknown = |keys: &serde_json::Map<String, Value>, known: &[&str], at: &str| {
+            keys.keys().find(|k| !known.contains(&k.as_str())).map(|k| {
+                let shown: String = k.chars().take(40).collect::<String>().escape_debug().to_string();
+                Invalid::new(format!("{at}.{shown}"), format!("{at}.{shown} is not supported: {at} holds {}", known.join(", ")))
+            })
+        };
+        if let Some(e) = unknown(tool, &["type", "function"], &param) {
+            return Err(e);
+        }
+        if let Some(e) = unknown(function, &["name", "description", "parameters", "strict"], &format!("{param}.function")) {
+            return Err(e);
+        }
+        match function.get("strict") {
+            None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+            Some(_) => return Err(Invalid::new(format!("{param}.function.strict"), "strict must be true or false")),
+        }
         let name = match function.get("name") {
             Some(Value::String(n)) if valid_name(n) => n.as_str(),
             _ => {
@@ -178,6 +195,12 @@ impl Tools {
     /// The tools as the request gave them (what the chat template gets).
     pub fn json(&self) -> &[Value] {
         &self.json
+    }
+
+    /// The first tool whose function asks for `strict: true` (calls that follow its schema
+    /// exactly): honoured where a grammar writes the calls (`tool_choice` required or named).
+    pub fn strict(&self) -> Option<usize> {
+        self.json.iter().position(|t| t["function"]["strict"] == Value::Bool(true))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -438,8 +461,15 @@ impl ToolStream {
             } else if !end && close.starts_with(after) {
                 self.stream(out, start, &partial);
                 return false;
-            } else if !(end && after.is_empty()) {
+            } else if after.contains(close) {
+                // Text inside the block after its JSON: not a call (Qwen's parser fails on it too).
                 return self.refuse(out, ws, open);
+            } else if !end {
+                // Text after the JSON and no closing marker yet: held until one comes (then not a
+                // call) or the answer ends (then a call without its marker, as vLLM's parser takes
+                // it), so that a call announced while it was written is not taken back for this.
+                self.stream(out, start, &partial);
+                return false;
             }
         }
         self.keep(out, start, &partial, calls);

@@ -369,7 +369,7 @@ impl BenchFn for ServeBenchFn {
             ember_serve::Server::start(([127, 0, 0, 1], 0).into(), ember_serve::Worker::spawn(engine)?, options)?;
         let base = format!("http://{}", server.addr());
         // One short request first: the first forward passes pay for allocations the others reuse.
-        ember_serve::bench::load(&base, 1, 1, &|_, _| "Warm up".to_string(), 4)?;
+        ember_serve::bench::load(&base, 1, 1, &|_, _| a.prompt.clone(), 4)?;
         let loads = a
             .clients
             .iter()

@@ -326,3 +326,13 @@ fn a_marker_that_comes_token_by_token_is_a_marker() {
     assert_eq!(parsed.calls.len(), 1, "{parsed:?} {said:?}");
     assert_eq!(parsed.content, "", "{parsed:?}");
 }
+
+#[test]
+fn a_whole_call_without_its_closing_marker_is_still_a_call() {
+    let text = "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\nHello";
+    let parsed = parse(ToolFormat::Default, text);
+    assert_eq!(parsed.calls.len(), 1, "{parsed:?}");
+    assert_eq!(parsed.content.trim(), "Hello", "{parsed:?}");
+    let parsed = parse(ToolFormat::Default, "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}");
+    assert_eq!(parsed.calls.len(), 1, "{parsed:?}");
+}
