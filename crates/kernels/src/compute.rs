@@ -78,6 +78,20 @@ pub enum Path {
     Reference,
 }
 
+/// How finely the integer products of a few rows quantize those rows ([`Compute::int8_inputs`]
+/// on; the `qdot` module's blocks of 32 or 256 values, one f32 scale each).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ActivationBits {
+    /// 8-bit codes (llama.cpp's): a product about 1% of its row's scale off the f32 one.
+    #[default]
+    Eight,
+    /// A high and a low 8-bit part: the block's 8-bit codes, then the codes of their rounding
+    /// residual on its own scale (at most 1/254 of the block's), each multiplied by the weight's
+    /// codes on the same integer products and the two sums added in f32. Twice the integer work,
+    /// about 1/(127·254) of the scale off: logits within 1e-3 of the f32 model's.
+    Sixteen,
+}
+
 /// How a run computes. See the module's doc.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Compute {
@@ -92,12 +106,21 @@ pub struct Compute {
     /// for integer dot products (the `qdot` module's, as llama.cpp does: fast, about 1% off); off,
     /// they are the exact f32 products of the decoded blocks (evaluation's log-likelihoods).
     pub int8_inputs: bool,
+    /// With `int8_inputs`: those rows in one 8-bit part or in two (16 bits).
+    pub activation_bits: ActivationBits,
 }
 
 impl Default for Compute {
     /// f32 products on ember's kernels, with everything the CPU has.
     fn default() -> Self {
-        Self { dtype: DType::F32, bf16: Bf16Products::NONE, path: Path::Kernels, cpu: Cpu::detect(), int8_inputs: true }
+        Self {
+            dtype: DType::F32,
+            bf16: Bf16Products::NONE,
+            path: Path::Kernels,
+            cpu: Cpu::detect(),
+            int8_inputs: true,
+            activation_bits: ActivationBits::Eight,
+        }
     }
 }
 
@@ -122,6 +145,10 @@ impl Compute {
 
     pub fn with_int8_inputs(self, int8_inputs: bool) -> Self {
         Self { int8_inputs, ..self }
+    }
+
+    pub fn with_activation_bits(self, activation_bits: ActivationBits) -> Self {
+        Self { activation_bits, ..self }
     }
 
     /// Whether an op on tensors of `dtype` runs as one node on `B`'s kernel (the backend has one

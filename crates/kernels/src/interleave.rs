@@ -21,7 +21,7 @@
 //! layout (what the f32 paths decode), and [`product`] on CPUs without AVX-512 VNNI runs the plain
 //! loop of [`crate::qdot`] over the restored rows: the reference the fast path is tested against.
 
-use crate::compute::Cpu;
+use crate::compute::{ActivationBits, Cpu};
 use crate::qdot::{reference, split_product, DotFormat, DotWeight, Isa, Row};
 
 /// Rows a group.
@@ -162,13 +162,13 @@ pub fn restore_blocks(
 }
 
 /// `y = x·Wᵀ` for `n` rows `x` (`[n, k]` row-major) and W the `m` rows of `k` values of `w`,
-/// interleaved: `y` is `[n, m]`, the activations quantized to 8 bits in blocks of 32 as
-/// [`crate::qdot`]'s. On AVX-512 VNNI (`isa`, [`Isa::best`] for the caller's CPU) the interleaved
+/// interleaved: `y` is `[n, m]`, the activations quantized to `bits` in blocks of 32 as
+/// [`crate::qdot`]'s (16 bits: two 8-bit parts, each block's codes serving both). On AVX-512 VNNI (`isa`, [`Isa::best`] for the caller's CPU) the interleaved
 /// kernel runs, on every other set the plain loop over the restored rows.
 ///
 /// # Panics
 /// If `w` is not `m` interleaved rows of `k` values of its format, or `x` not `n·k` values.
-pub(crate) fn product(isa: Isa, w: DotWeight<'_>, x: &[f32], n: usize) -> Vec<f32> {
+pub(crate) fn product(isa: Isa, w: DotWeight<'_>, (x, n, bits): (&[f32], usize, ActivationBits)) -> Vec<f32> {
     let DotWeight { format, data, rows: m, cols: k } = w;
     let (bv, bb) = format.block();
     assert!(
@@ -178,7 +178,7 @@ pub(crate) fn product(isa: Isa, w: DotWeight<'_>, x: &[f32], n: usize) -> Vec<f3
     );
     assert_eq!(x.len(), n * k, "interleave::product: x is [{n}, {k}]");
     let group_bytes = GROUP * k / bv * bb;
-    split_product(x, (n, k, m), bv, (m / GROUP, 1), |groups, xs, out| {
+    split_product((x, bits), (n, k, m), bv, (m / GROUP, 1), |groups, xs, out| {
         let mut row = Vec::new();
         for g in groups {
             let rec = &data[g * group_bytes..(g + 1) * group_bytes];
@@ -233,6 +233,12 @@ mod wide {
             while r + 4 <= xs.len() {
                 rows::<4>(format, rec, &xs[r..r + 4], [out(r), out(r + 1), out(r + 2), out(r + 3)]);
                 r += 4;
+            }
+            // (A decode step's two parts with 16-bit activations; each row's sums are the same
+            // whatever the rows beside it.)
+            while r + 2 <= xs.len() {
+                rows::<2>(format, rec, &xs[r..r + 2], [out(r), out(r + 1)]);
+                r += 2;
             }
             for r in r..xs.len() {
                 rows::<1>(format, rec, &xs[r..r + 1], [out(r)]);
@@ -362,15 +368,27 @@ mod tests {
             let mut rng = ChaCha8Rng::seed_from_u64(9);
             for n in [1, 4, 9, 13, 16] {
                 let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-                let want = product(Isa::Scalar, DotWeight::new(format, &packed, (m, k)), &x, n);
-                let on_rows = crate::qdot::product_with(Isa::Scalar, DotWeight::new(format, &data, (m, k)), &x, n);
+                let eight = (&x[..], n, ActivationBits::Eight);
+                let want = product(Isa::Scalar, DotWeight::new(format, &packed, (m, k)), eight);
+                let on_rows = crate::qdot::product_with(Isa::Scalar, DotWeight::new(format, &data, (m, k)), eight);
                 assert_eq!(want, on_rows, "{format:?}: the restored rows are the rows");
                 let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                 assert!(scale > 0.0);
                 for isa in Isa::reachable(Cpu::detect()) {
-                    let got = product(isa, DotWeight::new(format, &packed, (m, k)), &x, n);
+                    let got = product(isa, DotWeight::new(format, &packed, (m, k)), eight);
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                         assert!((a - b).abs() <= 1e-5 * scale, "{format:?} on {isa:?}, n {n}, entry {i}: {a} vs {b}");
+                    }
+                }
+                // 16-bit activations: both parts through the same paths.
+                let sixteen = (&x[..], n, ActivationBits::Sixteen);
+                let want = product(Isa::Scalar, DotWeight::new(format, &packed, (m, k)), sixteen);
+                let on_rows = crate::qdot::product_with(Isa::Scalar, DotWeight::new(format, &data, (m, k)), sixteen);
+                assert_eq!(want, on_rows, "{format:?}, 16 bits: the restored rows are the rows");
+                for isa in Isa::reachable(Cpu::detect()) {
+                    let got = product(isa, DotWeight::new(format, &packed, (m, k)), sixteen);
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert!((a - b).abs() <= 1e-5 * scale, "{format:?} on {isa:?}, n {n}, 16 bits, {i}: {a} vs {b}");
                     }
                 }
             }

@@ -10,7 +10,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{backend::Backend, Tensor, TensorMetadata};
+use burn::tensor::{backend::Backend, bf16, DType, Tensor, TensorMetadata};
 
 use crate::compute::{Compute, Cpu};
 use crate::kernels::{self, LinearGrads};
@@ -42,6 +42,21 @@ pub trait LinearOps: Backend {
     ) -> Grads<Self> {
         let (dx, dw, db) = reference_backward(float::<Self, 2>(x), float(w), float(dy));
         (need.x.then(|| prim(dx)), need.w.then(|| prim(dw)), need.b.then(|| prim(db)))
+    }
+
+    /// `x · w (+ b)` with x and b in f32 and the weight kept in bf16 (a model imported with
+    /// `--dtype bf16`), in f32. The default widens the weight to f32 and runs
+    /// [`LinearOps::linear_forward`]; a kernel reads the bf16 values where they are.
+    ///
+    /// # Shapes
+    /// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
+    fn linear_bf16_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: Option<FloatTensor<Self>>,
+        cx: Compute,
+    ) -> FloatTensor<Self> {
+        Self::linear_forward(x, prim(float::<Self, 2>(w).cast(DType::F32)), b, cx)
     }
 
     /// `x · wᵀ` with the weight stored `[N, K]` (a tied LM head: the embedding table).
@@ -277,6 +292,27 @@ pub fn linear_nt<B: EmberBackend>(x: Tensor<B, 2>, w: Tensor<B, 2>, cx: Compute)
     }
 }
 
+/// `x · w (+ b)` in f32 with x f32 and the weight kept in bf16 (a model imported with `--dtype
+/// bf16`): one op where the backend has a kernel (on the CPU, a few rows multiply the stored bf16
+/// values widened in registers, [`crate::bf16_rows`], reading half an f32 weight's bytes), else
+/// the weight widened to f32 and multiplied as [`linear`] does.
+///
+/// # Shapes
+/// - x: `[M, K]`, w: `[K, N]`, b: `[N]` -> `[M, N]`
+pub fn linear_bf16_weight<B: EmberBackend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+    cx: Compute,
+) -> Tensor<B, 2> {
+    let b = b.map(|b| crate::to_dtype(b, DType::F32));
+    if cx.fused::<B>(DType::F32) && x.dtype() == DType::F32 && w.dtype() == DType::BF16 {
+        float(B::linear_bf16_forward(prim(x), prim(w), b.map(prim), cx))
+    } else {
+        linear(x, crate::to_dtype(w, DType::F32), b, cx)
+    }
+}
+
 /// The composition: the reference, and the path of backends without a kernel.
 ///
 /// # Shapes
@@ -322,6 +358,23 @@ impl LinearOps for Flex {
         let b = b.as_ref().map(flex::f32s);
         let y = kernels::linear(cx.linear_cpu(), &flex::f32s(&x), &flex::f32s(&w), b.as_deref(), (xs[0], xs[1], ws[1]));
         flex::tensor(y, vec![xs[0], ws[1]])
+    }
+
+    fn linear_bf16_forward(x: FlexTensor, w: FlexTensor, b: Option<FlexTensor>, cx: Compute) -> FlexTensor {
+        let (xs, ws) = (flex::shape(&x), flex::shape(&w));
+        let bias_fits = b.as_ref().is_none_or(|b| flex::all_f32(&[b]) && flex::shape(b) == [ws[1]]);
+        let fits = flex::all_f32(&[&x]) && bias_fits && xs[1] == ws[0] && (1..=kernels::FEW_ROWS).contains(&xs[0]);
+        let Some(values) = w.as_slice::<bf16>().filter(|_| fits) else {
+            // Many rows (a GEMM's job), a weight that is a view, shapes that do not fit: widened.
+            return Self::linear_forward(x, prim(float::<Self, 2>(w).cast(DType::F32)), b, cx);
+        };
+        let (m, k, n) = (xs[0], xs[1], ws[1]);
+        let mut y = match &b {
+            Some(b) => flex::f32s(b).repeat(m),
+            None => vec![0.0f32; m * n],
+        };
+        crate::bf16_rows::product(cx.linear_cpu(), &mut y, b.is_some(), &flex::f32s(&x), values, (m, k, n));
+        flex::tensor(y, vec![m, n])
     }
 
     fn linear_nt_forward(x: FlexTensor, w: FlexTensor, cx: Compute) -> FlexTensor {

@@ -33,7 +33,7 @@
 
 use rayon::prelude::*;
 
-use crate::compute::Cpu;
+use crate::compute::{ActivationBits, Cpu};
 use crate::SharedOut;
 
 /// The block types whose products run on integer dot products.
@@ -110,6 +110,9 @@ pub struct Q8Rows {
     sums: Vec<i32>,
 }
 
+/// The largest block [`Q8Rows::quantize_hi_lo`] takes (the K-quants' 256).
+const MAX_BLOCK: usize = 256;
+
 /// One row of [`Q8Rows`].
 #[derive(Clone, Copy)]
 pub(crate) struct Row<'a> {
@@ -124,16 +127,42 @@ impl Q8Rows {
     /// `n` rows of `k` values (`x` row-major) in blocks of `block` (a multiple of 16 dividing `k`):
     /// each block's scale its largest magnitude over 127, codes rounded to nearest.
     pub fn quantize(x: &[f32], n: usize, k: usize, block: usize) -> Self {
+        Self::quantize_parts(x, (n, k, block), false)
+    }
+
+    /// The same rows to 16 bits, as `2n` rows of 8 bits: rows `0..n` are [`Self::quantize`]'s,
+    /// rows `n..2n` the rounding residual `x − d·q` of each block quantized the same way (its own
+    /// scale, at most 1/254 of the block's). Row `r` is the sum of rows `r` and `n + r`; a product
+    /// is the sum of the two rows' products, each on the 8-bit integer kernels.
+    ///
+    /// # Panics
+    /// If `block` is over 256 values (the residual of a block is kept on the stack).
+    pub fn quantize_hi_lo(x: &[f32], n: usize, k: usize, block: usize) -> Self {
+        assert!(block <= MAX_BLOCK, "Q8Rows: blocks of {block} (at most {MAX_BLOCK} for 16 bits)");
+        Self::quantize_parts(x, (n, k, block), true)
+    }
+
+    fn quantize_parts(x: &[f32], (n, k, block): (usize, usize, usize), lo: bool) -> Self {
         assert!(block % 16 == 0 && k.is_multiple_of(block) && x.len() == n * k, "Q8Rows: {n} rows of {k} in {block}");
-        let mut q = vec![0i8; n * k];
-        let mut d = vec![0f32; n * k / block];
-        let mut sums = vec![0i32; n * k / 16];
-        for ((x, q), (d, sums)) in x
-            .chunks_exact(block)
-            .zip(q.chunks_exact_mut(block))
-            .zip(d.iter_mut().zip(sums.chunks_exact_mut(block / 16)))
-        {
-            *d = quantize_block(x, q, sums);
+        let len = if lo { 2 * n * k } else { n * k };
+        let mut q = vec![0i8; len];
+        let mut d = vec![0f32; len / block];
+        let mut sums = vec![0i32; len / 16];
+        let (q_hi, q_lo) = q.split_at_mut(n * k);
+        let (d_hi, d_lo) = d.split_at_mut(n * k / block);
+        let (s_hi, s_lo) = sums.split_at_mut(n * k / 16);
+        for (b, x) in x.chunks_exact(block).enumerate() {
+            let (q, sums) = (&mut q_hi[b * block..(b + 1) * block], &mut s_hi[b * block / 16..(b + 1) * block / 16]);
+            d_hi[b] = quantize_block(x, q, sums);
+            if lo {
+                let mut residual = [0f32; MAX_BLOCK];
+                for ((r, &x), &q) in residual.iter_mut().zip(x).zip(q.iter()) {
+                    *r = x - d_hi[b] * q as f32;
+                }
+                let (q, sums) =
+                    (&mut q_lo[b * block..(b + 1) * block], &mut s_lo[b * block / 16..(b + 1) * block / 16]);
+                d_lo[b] = quantize_block(&residual[..block], q, sums);
+            }
         }
         let dsum = sums.chunks_exact(block / 16).zip(&d).map(|(s, d)| d * s.iter().sum::<i32>() as f32).collect();
         Self { k, block, q, d, dsum, sums }
@@ -149,7 +178,8 @@ impl Q8Rows {
         }
     }
 
-    /// The quantized rows as f32 (`d·q`): what the integer products compute with.
+    /// The quantized rows as f32 (`d·q`): what the integer products compute with (after
+    /// [`Self::quantize_hi_lo`], both parts: `2n` rows).
     pub fn dequantize(&self) -> Vec<f32> {
         self.q.iter().enumerate().map(|(i, &q)| self.d[i / self.block] * q as f32).collect()
     }
@@ -348,7 +378,7 @@ impl Isa {
 /// # Panics
 /// If `data` is not `m` rows of `k / block` blocks, or `x` not `n·k` values (callers check shapes).
 pub fn product(cpu: Cpu, format: DotFormat, data: &[u8], (m, k): (usize, usize), x: &[f32], n: usize) -> Vec<f32> {
-    product_with(Isa::best(cpu), DotWeight::new(format, data, (m, k)), x, n)
+    product_with(Isa::best(cpu), DotWeight::new(format, data, (m, k)), (x, n, ActivationBits::Eight))
 }
 
 /// A weight in one of the [`DotFormat`]s, as its bytes: `rows` stored rows of `cols` values, one
@@ -367,16 +397,16 @@ impl<'a> DotWeight<'a> {
     }
 }
 
-/// [`product`] on `isa`'s instructions.
-pub(crate) fn product_with(isa: Isa, w: DotWeight<'_>, x: &[f32], n: usize) -> Vec<f32> {
+/// [`product`] on `isa`'s instructions, the `n` rows of `x` quantized to `bits`.
+pub(crate) fn product_with(isa: Isa, w: DotWeight<'_>, (x, n, bits): (&[f32], usize, ActivationBits)) -> Vec<f32> {
     let DotWeight { format, data, rows: m, cols: k } = w;
     let (bv, bb) = format.block();
     assert!(k.is_multiple_of(bv) && data.len() == m * (k / bv) * bb, "qdot: {m} rows of {k} {format:?} values");
     let row_bytes = k / bv * bb;
     // Tasks of whole rows, at least 16: small weights in one task.
-    split_product(x, (n, k, m), bv, (m, 16), |rows, xs, out| {
+    split_product((x, bits), (n, k, m), bv, (m, 16), |rows, xs, out| {
         let w = &data[rows.start * row_bytes..rows.end * row_bytes];
-        let mut col = vec![0f32; n];
+        let mut col = vec![0f32; xs.len()];
         for (i, row) in w.chunks_exact(row_bytes).enumerate() {
             row_times(isa, format, row, xs, &mut col);
             for (r, &v) in col.iter().enumerate() {
@@ -388,40 +418,61 @@ pub(crate) fn product_with(isa: Isa, w: DotWeight<'_>, x: &[f32], n: usize) -> V
 }
 
 /// The frame of the products of several rows with a stored weight ([`product`], and the
-/// interleaved layout's product): `y = x·Wᵀ`, `[n, m]`, with x (`[n, k]`) quantized to 8 bits
+/// interleaved layout's product): `y = x·Wᵀ`, `[n, m]`, with x (`[n, k]`) quantized to `bits`
 /// once, in blocks of `block` values (the stored blocks'), and the weight's `units` (its rows, or
 /// groups of them) split into a few tasks a thread, of at least `min_units` each.
-/// `task(units, xs, y)` writes the entries of y that its units own, and only those.
+/// `task(units, xs, y)` writes the entries of y that its units own, and only those: y is
+/// `[xs.len(), m]`. With 16 bits `xs` holds both parts of every row ([`Q8Rows::quantize_hi_lo`]:
+/// the kernels' several-rows paths unpack each weight block once for the two), whose products
+/// are added here.
 pub(crate) fn split_product(
-    x: &[f32],
+    (x, bits): (&[f32], ActivationBits),
     (n, k, m): (usize, usize, usize),
     block: usize,
     (units, min_units): (usize, usize),
     task: impl Fn(std::ops::Range<usize>, &[Row<'_>], SharedOut) + Sync,
 ) -> Vec<f32> {
-    let acts = Q8Rows::quantize(x, n, k, block);
-    let mut y = vec![0f32; n * m];
+    let (acts, parts) = match bits {
+        ActivationBits::Eight => (Q8Rows::quantize(x, n, k, block), 1),
+        ActivationBits::Sixteen => (Q8Rows::quantize_hi_lo(x, n, k, block), 2),
+    };
+    let mut y = vec![0f32; parts * n * m];
     if n == 0 || m == 0 {
         return y;
     }
-    let xs: Vec<Row<'_>> = (0..n).map(|r| acts.row(r)).collect();
+    let xs: Vec<Row<'_>> = (0..parts * n).map(|r| acts.row(r)).collect();
     let per_task = units.div_ceil(rayon::current_num_threads().max(1) * 4).max(min_units);
     let out = SharedOut(y.as_mut_ptr());
     (0..units.div_ceil(per_task))
         .into_par_iter()
         .for_each(|t| task(t * per_task..((t + 1) * per_task).min(units), &xs, out));
+    if parts == 2 {
+        let (hi, lo) = y.split_at_mut(n * m);
+        for (h, l) in hi.iter_mut().zip(lo.iter()) {
+            *h += *l;
+        }
+        y.truncate(n * m);
+    }
     y
 }
 
 /// One stored row dotted with every row of `xs`, into `out` (as long as `xs`): groups of
-/// [`ROWS`], each block's codes unpacked once for a group, then one row at a time.
+/// [`ROWS`], each block's codes unpacked once for a group, then a pair (the two parts of a row of
+/// 16-bit activations: the K-quants unpack once for both), then one row at a time. Each row's sums
+/// run in the same order whatever path takes it.
 fn row_times(isa: Isa, format: DotFormat, row: &[u8], xs: &[Row<'_>], out: &mut [f32]) {
     let grouped = xs.len() / ROWS * ROWS;
     for (g, o) in xs[..grouped].chunks_exact(ROWS).zip(out.chunks_exact_mut(ROWS)) {
         let g: &[Row<'_>; ROWS] = g.try_into().expect("a group of ROWS");
         o.copy_from_slice(&dots(isa, format, row, g));
     }
-    for (x, o) in xs[grouped..].iter().zip(&mut out[grouped..]) {
+    let mut r = grouped;
+    if xs.len() - r >= 2 {
+        let pair: &[Row<'_>; 2] = xs[r..r + 2].try_into().expect("a pair");
+        out[r..r + 2].copy_from_slice(&dots(isa, format, row, pair));
+        r += 2;
+    }
+    for (x, o) in xs[r..].iter().zip(&mut out[r..]) {
         *o = dot(isa, format, row, *x);
     }
 }
@@ -429,9 +480,9 @@ fn row_times(isa: Isa, format: DotFormat, row: &[u8], xs: &[Row<'_>], out: &mut 
 /// Activation rows a stored row is dotted with at once.
 const ROWS: usize = 4;
 
-/// One stored row dotted with [`ROWS`] quantized rows on `isa`.
+/// One stored row dotted with `R` quantized rows on `isa`.
 #[inline]
-fn dots(isa: Isa, format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+fn dots<const R: usize>(isa: Isa, format: DotFormat, row: &[u8], xs: &[Row<'_>; R]) -> [f32; R] {
     match isa {
         Isa::Scalar => std::array::from_fn(|r| reference(format, row, xs[r])),
         // SAFETY: as in `dot`, for each row of `xs`.
@@ -531,52 +582,56 @@ mod wide {
     /// # Safety
     /// As [`dot_avx2`], for each row of `xs`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dots_avx2(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+    pub(super) unsafe fn dots_avx2<const R: usize>(format: DotFormat, row: &[u8], xs: &[Row<'_>; R]) -> [f32; R] {
         // SAFETY: as in `dot_avx2` (the same features, enabled here and on the CPU by the
         // `# Safety` contract), for each row of `xs`.
-        unsafe { dots_with::<Avx2>(format, row, xs) }
+        unsafe { dots_with::<Avx2, R>(format, row, xs) }
     }
 
     /// # Safety
     /// As [`dot_avxvnni`], for each row of `xs`.
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub(super) unsafe fn dots_avxvnni(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+    pub(super) unsafe fn dots_avxvnni<const R: usize>(format: DotFormat, row: &[u8], xs: &[Row<'_>; R]) -> [f32; R] {
         // SAFETY: as in `dot_avxvnni` (the same features, enabled here and on the CPU by the
         // `# Safety` contract), for each row of `xs`.
-        unsafe { dots_with::<AvxVnni>(format, row, xs) }
+        unsafe { dots_with::<AvxVnni, R>(format, row, xs) }
     }
 
     /// # Safety
     /// As [`dot_avx512vnni`], for each row of `xs`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(super) unsafe fn dots_avx512vnni(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+    pub(super) unsafe fn dots_avx512vnni<const R: usize>(format: DotFormat, row: &[u8], xs: &[Row<'_>; R]) -> [f32; R] {
         // SAFETY: as in `dot_avx512vnni` (the same features, enabled here and on the CPU by the
         // `# Safety` contract), for each row of `xs`.
-        unsafe { dots_with::<Avx512Vnni>(format, row, xs) }
+        unsafe { dots_with::<Avx512Vnni, R>(format, row, xs) }
     }
 
     #[inline(always)]
-    unsafe fn dots_with<I: Isa>(format: DotFormat, row: &[u8], xs: &[Row<'_>; ROWS]) -> [f32; ROWS] {
+    unsafe fn dots_with<I: Isa, const R: usize>(format: DotFormat, row: &[u8], xs: &[Row<'_>; R]) -> [f32; R] {
         let blocks = row.len() / format.block().1;
         // SAFETY: inlined only into the `dots_*` entry points, whose target features (and `# Safety`
         // contracts) give AVX2, FMA, F16C and I's set; `row` is `blocks` whole blocks, each row of
         // `xs` as many values.
         unsafe {
             match format {
-                DotFormat::Q8_0 => small_rows::<I, Q8_0, ROWS>(row, xs, blocks),
-                DotFormat::Q4_0 => small_rows::<I, Q4_0, ROWS>(row, xs, blocks),
-                DotFormat::Q4_1 => small_rows::<I, Q4_1, ROWS>(row, xs, blocks),
-                DotFormat::Q5_0 => small_rows::<I, Q5_0, ROWS>(row, xs, blocks),
-                DotFormat::Q5_1 => small_rows::<I, Q5_1, ROWS>(row, xs, blocks),
-                // One row at a time (a loop, not a closure: a closure would not inherit the target
-                // features, and the intrinsics inside would not inline).
-                DotFormat::Q4K | DotFormat::Q5K | DotFormat::Q6K => {
-                    let mut out = [0f32; ROWS];
-                    for r in 0..ROWS {
+                // A pair one row at a time, as a row on its own (`small`'s two accumulators).
+                DotFormat::Q8_0 | DotFormat::Q4_0 | DotFormat::Q4_1 | DotFormat::Q5_0 | DotFormat::Q5_1
+                    if R != ROWS =>
+                {
+                    let mut out = [0f32; R];
+                    for r in 0..R {
                         out[r] = dot_with::<I>(format, row, xs[r]);
                     }
                     out
                 }
+                DotFormat::Q8_0 => small_rows::<I, Q8_0, R>(row, xs, blocks),
+                DotFormat::Q4_0 => small_rows::<I, Q4_0, R>(row, xs, blocks),
+                DotFormat::Q4_1 => small_rows::<I, Q4_1, R>(row, xs, blocks),
+                DotFormat::Q5_0 => small_rows::<I, Q5_0, R>(row, xs, blocks),
+                DotFormat::Q5_1 => small_rows::<I, Q5_1, R>(row, xs, blocks),
+                DotFormat::Q4K => q4k::<I, false, R>(row, xs, blocks),
+                DotFormat::Q5K => q4k::<I, true, R>(row, xs, blocks),
+                DotFormat::Q6K => q6k::<I, R>(row, xs, blocks),
             }
         }
     }
@@ -596,9 +651,9 @@ mod wide {
                 DotFormat::Q4_1 => small::<I, Q4_1>(row, x, blocks),
                 DotFormat::Q5_0 => small::<I, Q5_0>(row, x, blocks),
                 DotFormat::Q5_1 => small::<I, Q5_1>(row, x, blocks),
-                DotFormat::Q4K => q4k::<I, false>(row, x, blocks),
-                DotFormat::Q5K => q4k::<I, true>(row, x, blocks),
-                DotFormat::Q6K => q6k::<I>(row, x, blocks),
+                DotFormat::Q4K => q4k::<I, false, 1>(row, &[x], blocks)[0],
+                DotFormat::Q5K => q4k::<I, true, 1>(row, &[x], blocks)[0],
+                DotFormat::Q6K => q6k::<I, 1>(row, &[x], blocks)[0],
             }
         }
     }
@@ -839,25 +894,26 @@ mod wide {
         }
     }
 
-    /// Q4_K, and Q5_K (`FIFTH`: a fifth bit per code from `qh`).
+    /// Q4_K, and Q5_K (`FIFTH`: a fifth bit per code from `qh`), against `R` activation rows:
+    /// each block's codes unpacked once for all of them, each row's sums in the same order
+    /// whatever `R`.
     #[inline(always)]
-    unsafe fn q4k<I: Isa, const FIFTH: bool>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
+    unsafe fn q4k<I: Isa, const FIFTH: bool, const R: usize>(row: &[u8], xs: &[Row<'_>; R], blocks: usize) -> [f32; R] {
         let bb = if FIFTH { 176 } else { 144 };
         // SAFETY: `blk` points at `bytes`, one block (sliced with bounds checks), and every read
-        // stays in its 144/176 bytes; `xq` at block b's 256 codes of `x` (the entry points'
-        // contract: `x` as many values as `row`), which also give AVX2, FMA, F16C and I's set.
+        // stays in its 144/176 bytes; `xq` at block b's 256 codes of each row of `xs` (the entry
+        // points' contract: every row as many values as `row`), which also give AVX2, FMA, F16C
+        // and I's set.
         unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             let one = _mm256_set1_epi8(1);
-            let (mut acc, mut mins) = (_mm256_setzero_ps(), 0f32);
+            let (mut acc, mut mins) = ([_mm256_setzero_ps(); R], [0f32; R]);
             for b in 0..blocks {
                 let bytes = &row[bb * b..bb * (b + 1)];
                 let blk = bytes.as_ptr();
-                let (d, dmin) = (half(blk) * x.d[b], half(blk.add(2)) * x.d[b]);
                 let qs = blk.add(if FIFTH { 48 } else { 16 });
                 let qh = if FIFTH { load(blk.add(16)) } else { _mm256_setzero_si256() };
-                let xq = x.q.as_ptr().add(256 * b) as *const u8;
-                let (mut isum, mut imin) = (_mm256_setzero_si256(), 0i32);
+                let (mut isum, mut imin) = ([_mm256_setzero_si256(); R], [0i32; R]);
                 for g in 0..4 {
                     let v = load(qs.add(32 * g));
                     let (mut lo, mut hi) = (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4));
@@ -867,35 +923,45 @@ mod wide {
                     }
                     let (sc1, m1) = scale_min_k4(2 * g, &bytes[4..16]);
                     let (sc2, m2) = scale_min_k4(2 * g + 1, &bytes[4..16]);
-                    let p1 = I::dot(_mm256_setzero_si256(), lo, load(xq.add(64 * g)));
-                    let p2 = I::dot(_mm256_setzero_si256(), hi, load(xq.add(64 * g + 32)));
-                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p1, _mm256_set1_epi32(sc1 as i32)));
-                    isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(p2, _mm256_set1_epi32(sc2 as i32)));
-                    let s = &x.sums[16 * b + 4 * g..16 * b + 4 * g + 4];
-                    imin += m1 as i32 * (s[0] + s[1]) + m2 as i32 * (s[2] + s[3]);
+                    let (sc1, sc2) = (_mm256_set1_epi32(sc1 as i32), _mm256_set1_epi32(sc2 as i32));
+                    for r in 0..R {
+                        let xq = xs[r].q.as_ptr().add(256 * b) as *const u8;
+                        let p1 = I::dot(_mm256_setzero_si256(), lo, load(xq.add(64 * g)));
+                        let p2 = I::dot(_mm256_setzero_si256(), hi, load(xq.add(64 * g + 32)));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(p1, sc1));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(p2, sc2));
+                        let s = &xs[r].sums[16 * b + 4 * g..16 * b + 4 * g + 4];
+                        imin[r] += m1 as i32 * (s[0] + s[1]) + m2 as i32 * (s[2] + s[3]);
+                    }
                 }
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
-                mins += dmin * imin as f32;
+                for r in 0..R {
+                    let (d, dmin) = (half(blk) * xs[r].d[b], half(blk.add(2)) * xs[r].d[b]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d), acc[r]);
+                    mins[r] += dmin * imin[r] as f32;
+                }
             }
-            hsum(acc) - mins
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum(acc[r]) - mins[r];
+            }
+            out
         }
     }
 
+    /// Q6_K against `R` activation rows, as [`q4k`].
     #[inline(always)]
-    unsafe fn q6k<I: Isa>(row: &[u8], x: Row<'_>, blocks: usize) -> f32 {
+    unsafe fn q6k<I: Isa, const R: usize>(row: &[u8], xs: &[Row<'_>; R], blocks: usize) -> [f32; R] {
         // SAFETY: as in `q4k`: `blk` points at one bounds-checked 210-byte block (reads: `ql`
-        // 0..128, `qh` 128..192, `d` 208..210), `xq` at block b's 256 codes of `x`.
+        // 0..128, `qh` 128..192, `d` 208..210), `xq` at block b's 256 codes of each row of `xs`.
         unsafe {
             let m4 = _mm256_set1_epi8(0x0F);
             let m3 = _mm256_set1_epi8(3);
-            let mut acc = _mm256_setzero_ps();
+            let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..blocks {
                 let bytes = &row[210 * b..210 * (b + 1)];
                 let blk = bytes.as_ptr();
-                let d = half(blk.add(208)) * x.d[b];
                 let sc = &bytes[192..208];
-                let xq = x.q.as_ptr().add(256 * b) as *const u8;
-                let mut isum = _mm256_setzero_si256();
+                let mut isum = [_mm256_setzero_si256(); R];
                 for h in 0..2 {
                     let (ql0, ql1, qh) =
                         (load(blk.add(64 * h)), load(blk.add(64 * h + 32)), load(blk.add(128 + 32 * h)));
@@ -907,21 +973,31 @@ mod wide {
                     ];
                     for (p, codes) in codes.into_iter().enumerate() {
                         let s = 8 * h + 2 * p;
-                        let prod = I::dot(_mm256_setzero_si256(), codes, load(xq.add(128 * h + 32 * p)));
                         // Lanes 0..4 hold the first 16 values (scale s), lanes 4..8 the next (s + 1).
                         let scales = _mm256_set_m128i(
                             _mm_set1_epi32(sc[s + 1] as i8 as i32),
                             _mm_set1_epi32(sc[s] as i8 as i32),
                         );
-                        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(prod, scales));
+                        for r in 0..R {
+                            let xq = xs[r].q.as_ptr().add(256 * b) as *const u8;
+                            let prod = I::dot(_mm256_setzero_si256(), codes, load(xq.add(128 * h + 32 * p)));
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(prod, scales));
+                        }
                     }
                 }
-                // The codes' offset of 32: Σ_s sc_s · 32 · Σ q over sub-block s.
-                let offset: i32 = (0..16).map(|s| sc[s] as i8 as i32 * x.sums[16 * b + s]).sum();
-                let isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc);
+                for r in 0..R {
+                    let d = half(blk.add(208)) * xs[r].d[b];
+                    // The codes' offset of 32: Σ_s sc_s · 32 · Σ q over sub-block s.
+                    let offset: i32 = (0..16).map(|s| sc[s] as i8 as i32 * xs[r].sums[16 * b + s]).sum();
+                    let isum = _mm256_sub_epi32(isum[r], _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d), acc[r]);
+                }
             }
-            hsum(acc)
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum(acc[r]);
+            }
+            out
         }
     }
 }
@@ -995,18 +1071,18 @@ pub(crate) mod tests {
     fn every_instruction_set_equals_the_plain_loop() {
         for format in DotFormat::ALL {
             let (bv, _) = format.block();
-            // 9 rows: two groups of ROWS and one on its own.
-            let (m, k, n) = (37, 2 * bv.max(256), 2 * ROWS + 1);
+            // 11 rows: two groups of ROWS, a pair and one on its own.
+            let (m, k, n) = (37, 2 * bv.max(256), 2 * ROWS + 3);
             let data = random_rows(format, m, k, 7 + format as u64);
             let mut rng = ChaCha8Rng::seed_from_u64(11);
             let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-            let want = product_with(Isa::Scalar, DotWeight::new(format, &data, (m, k)), &x, n);
+            let want = product_with(Isa::Scalar, DotWeight::new(format, &data, (m, k)), (&x, n, ActivationBits::Eight));
             assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
             // The integer sums are exact; the f32 sums of the blocks' terms (each up to the row's
             // largest output) run in another order.
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for isa in Isa::reachable(Cpu::detect()) {
-                let got = product_with(isa, DotWeight::new(format, &data, (m, k)), &x, n);
+                let got = product_with(isa, DotWeight::new(format, &data, (m, k)), (&x, n, ActivationBits::Eight));
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (a - b).abs() <= 1e-5 * scale,
@@ -1015,6 +1091,77 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_low_part_holds_the_rounding_residual() {
+        let mut rng = ChaCha8Rng::seed_from_u64(6);
+        let x: Vec<f32> = (0..2 * 256).map(|_| rng.random_range(-4.0f32..4.0)).collect();
+        for block in [32, 256] {
+            let hi = Q8Rows::quantize(&x, 2, 256, block);
+            let both = Q8Rows::quantize_hi_lo(&x, 2, 256, block);
+            assert_eq!(
+                (&both.q[..512], &both.d[..512 / block], &both.sums[..32]),
+                (&hi.q[..], &hi.d[..], &hi.sums[..])
+            );
+            let back = both.dequantize();
+            for (b, x) in x.chunks(block).enumerate() {
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (i, &v) in x.iter().enumerate() {
+                    let at = b * block + i;
+                    let sum = back[at] + back[512 + at];
+                    assert!((v - sum).abs() <= amax / 127.0 / 254.0 / 2.0 * 1.01, "block {b} of {block}: {v} -> {sum}");
+                }
+            }
+        }
+    }
+
+    /// The stored rows decoded to f32 by the plain loop: their products with the one-hot rows
+    /// (each quantized exactly: code 127, scale 1/127), `[k, m]`.
+    fn decoded_columns(format: DotFormat, data: &[u8], (m, k): (usize, usize)) -> Vec<f32> {
+        let eye: Vec<f32> = (0..k * k).map(|i| f32::from(i / k == i % k)).collect();
+        product_with(Isa::Scalar, DotWeight::new(format, data, (m, k)), (&eye, k, ActivationBits::Eight))
+    }
+
+    /// 16-bit activations: every type on every set within 1e-4 (relative, L2) of the f32 product
+    /// of the decoded weight, 2e-4 for the K-quants, whose blocks of 256 more often hold an outlier
+    /// (the low part's step is 1/(127·254) of the block's largest value); 8-bit ones a hundred
+    /// times further.
+    #[test]
+    fn sixteen_bit_activations_multiply_as_the_decoded_weight_does() {
+        for format in DotFormat::ALL {
+            let (m, k) = (37, 512);
+            let data = random_rows(format, m, k, 3 + format as u64);
+            let w = decoded_columns(format, &data, (m, k));
+            let bound = if format.block().0 == 256 { 2e-4 } else { 1e-4 };
+            let mut rng = ChaCha8Rng::seed_from_u64(12);
+            for n in [1, 2, 5] {
+                // Outliers, as hidden states have: every 50th value 20 times the rest.
+                let x: Vec<f32> =
+                    (0..n * k).map(|i| rng.random_range(-1.0f32..1.0) * if i % 50 == 7 { 20.0 } else { 1.0 }).collect();
+                let want: Vec<f32> = (0..n * m)
+                    .map(|e| {
+                        let (r, o) = (e / m, e % m);
+                        (0..k).map(|i| x[r * k + i] as f64 * w[i * m + o] as f64).sum::<f64>() as f32
+                    })
+                    .collect();
+                let weight = DotWeight::new(format, &data, (m, k));
+                let eight = relative(&product_with(Isa::Scalar, weight, (&x, n, ActivationBits::Eight)), &want);
+                for isa in Isa::reachable(Cpu::detect()) {
+                    let got = product_with(isa, weight, (&x, n, ActivationBits::Sixteen));
+                    let r = relative(&got, &want);
+                    assert!(r < bound && r * 100.0 < eight, "{format:?} on {isa:?}, {n} rows: {r} (8 bits: {eight})");
+                }
+            }
+        }
+    }
+
+    /// `‖a − b‖ / ‖b‖`.
+    pub(crate) fn relative(a: &[f32], b: &[f32]) -> f64 {
+        let diff: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+        let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        assert!(norm > 0.0);
+        (diff / norm).sqrt()
     }
 
     #[test]

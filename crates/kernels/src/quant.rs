@@ -358,10 +358,10 @@ impl QuantLinearOps for Flex {
         let dot = |format| DotWeight::new(format, &w.0.data, (w.d_out(), w.d_in()));
         let y = match w.0.dot {
             Some(format) if cx.int8_inputs && w.0.interleaved => {
-                crate::interleave::product(Isa::best(cx.cpu), dot(format), &x, n)
+                crate::interleave::product(Isa::best(cx.cpu), dot(format), (&x, n, cx.activation_bits))
             }
             Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
-                crate::qdot::product_with(Isa::best(cx.cpu), dot(format), &x, n)
+                crate::qdot::product_with(Isa::best(cx.cpu), dot(format), (&x, n, cx.activation_bits))
             }
             _ => kernel::forward(&x, n, w),
         };

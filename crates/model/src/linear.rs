@@ -251,6 +251,12 @@ fn linear_packed<B: EmberBackend>(
     b: Option<Tensor<B, 1>>,
     cx: Compute,
 ) -> Tensor<B, 2> {
+    // A weight kept in bf16 (`import --dtype bf16`) under f32 products, decoding: multiplied as
+    // stored, half an f32 weight's bytes read, instead of widened to a new f32 copy at every call.
+    let decoding = x.dims()[0] <= DECODE_ROWS && !B::ad_enabled(&x.device());
+    if decoding && cx.dtype == DType::F32 && w.dtype() == DType::BF16 {
+        return linear::linear_bf16_weight(to_dtype(x, DType::F32), w, b, cx);
+    }
     let bias = b.map(|b| to_dtype(b, cx.dtype));
     to_dtype(linear(to_dtype(x, cx.dtype), to_dtype(w, cx.dtype), bias, cx), DType::F32)
 }
