@@ -137,11 +137,9 @@ impl<'a> Follow<'a> {
             let (last, parsed) = stream.finish();
             self.tool_deltas(last, &mut deltas);
             let keep = if self.shape.single_call { 1 } else { usize::MAX };
-            calls = parsed
-                .calls
-                .iter()
+            calls = (parsed.calls.iter().zip(&parsed.arguments))
                 .take(keep)
-                .map(|c| CallOut { id: c.id.clone(), name: c.name.clone(), arguments: c.arguments.to_string() })
+                .map(|(c, written)| CallOut { id: c.id.clone(), name: c.name.clone(), arguments: written.clone() })
                 .collect();
         }
         // Tokens whose text never went out (held back, or part of a call): their log-probabilities.

@@ -298,6 +298,9 @@ pub struct Parsed {
     /// The text outside the calls (white space between and after calls left out).
     pub content: String,
     pub calls: Vec<ToolCall>,
+    /// Each call's arguments as the model wrote them (what OpenAI's API returns: a number past
+    /// f64's range or precision kept as written).
+    pub arguments: Vec<String>,
 }
 
 /// Reads a model's answer piece by piece (each piece as the detokenizer gives it) and tells the
@@ -318,6 +321,8 @@ pub struct ToolStream {
     wrote: bool,
     content: String,
     calls: Vec<ToolCall>,
+    /// Each call's arguments as written.
+    written: Vec<String>,
     /// The calls of the current block announced so far.
     live: Vec<Live>,
 }
@@ -351,6 +356,7 @@ impl ToolStream {
             wrote: false,
             content: String::new(),
             calls: Vec::new(),
+            written: Vec::new(),
             live: Vec::new(),
         }
     }
@@ -368,7 +374,7 @@ impl ToolStream {
     pub fn finish(mut self) -> (Vec<ToolDelta>, Parsed) {
         let mut out = Vec::new();
         self.advance(&mut out, true);
-        (out, Parsed { content: self.content, calls: self.calls })
+        (out, Parsed { content: self.content, calls: self.calls, arguments: self.written })
     }
 
     fn advance(&mut self, out: &mut Vec<ToolDelta>, end: bool) {
@@ -528,13 +534,12 @@ impl ToolStream {
                     (id, 0)
                 }
             };
-            let text = match raw {
-                Some(raw) => raw[sent.min(raw.len())..].to_string(),
-                None => arguments.to_string(),
-            };
+            let written = raw.map_or_else(|| arguments.to_string(), str::to_string);
+            let text = written[sent.min(written.len())..].to_string();
             if !text.is_empty() {
                 out.push(ToolDelta::Arguments { index, text });
             }
+            self.written.push(written);
             self.calls.push(ToolCall { id, name, arguments });
         }
     }

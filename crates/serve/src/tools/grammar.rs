@@ -2,6 +2,10 @@
 
 use super::{ToolChoice, ToolFormat, Tools};
 
+/// llguidance's JSON options for the calls: no free white space, `", "` and `": "` between items.
+const LAYOUT: &str =
+    r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": true}"#;
+
 /// The grammar (llguidance's Lark) that `choice` puts on the answer: `Required` admits one call
 /// or more, at most one per function offered, of any of `tools` (one for Llama 3, whose template
 /// holds one, and where `single`:
@@ -52,10 +56,11 @@ pub fn call_grammar(
     for (rule, name) in rules.iter().zip(&names) {
         let name_json = serde_json::to_string(name).unwrap_or_default();
         let parameters = tools.parameters(name).to_string();
-        // Written out so that `name` comes first whatever order a JSON map keeps.
+        // Written out so that `name` comes first whatever order a JSON map keeps; compact JSON in
+        // the layout the formats' own examples use (a model given free white space pads with it).
         lark.push_str(&format!(
-            "{rule}: %json {{\"type\": \"object\", \"properties\": {{\"name\": {{\"const\": {name_json}}}, \"{key}\": \
-             {parameters}}}, \"required\": [\"name\", \"{key}\"], \"additionalProperties\": false}}\n"
+            "{rule}: %json {{\"x-guidance\": {LAYOUT}, \"type\": \"object\", \"properties\": {{\"name\": {{\"const\": \
+             {name_json}}}, \"{key}\": {parameters}}}, \"required\": [\"name\", \"{key}\"], \"additionalProperties\": false}}\n"
         ));
     }
     Some(lark)
