@@ -68,8 +68,31 @@ pub fn score<B: EmberBackend>(
     model: &Decoder<B>,
     items: &[Vec<Pair>],
     budget: Budget,
-    mut done: impl FnMut(usize),
+    done: impl FnMut(usize),
 ) -> Vec<Vec<Scored>> {
+    let sum = |tokens: &[(f64, bool)]| Scored {
+        logprob: tokens.iter().map(|s| s.0).sum(),
+        greedy: tokens.iter().all(|s| s.1),
+    };
+    score_with(model, items, budget, done, &sum)
+}
+
+/// `log p` of every continuation token of every pair, each pair alone (no prefix shared): what
+/// `ember eval --data FILE.jsonl --samples` reports per token, to compare with the server's logprobs.
+pub fn token_logprobs<B: EmberBackend>(model: &Decoder<B>, pairs: &[Pair], budget: Budget) -> Vec<Vec<f64>> {
+    let items: Vec<Vec<Pair>> = pairs.iter().map(|p| vec![p.clone()]).collect();
+    let each = |tokens: &[(f64, bool)]| tokens.iter().map(|s| s.0).collect::<Vec<f64>>();
+    score_with(model, &items, budget, |_| {}, &each).into_iter().flatten().collect()
+}
+
+/// [`score`] with each pair's per-token `(log p, is the argmax)` folded by `reduce`.
+fn score_with<B: EmberBackend, T: Clone>(
+    model: &Decoder<B>,
+    items: &[Vec<Pair>],
+    budget: Budget,
+    mut done: impl FnMut(usize),
+    reduce: &dyn Fn(&[(f64, bool)]) -> T,
+) -> Vec<Vec<T>> {
     let max_len = model.config().max_seq_len;
     let windows: Vec<Vec<Window>> =
         items.iter().map(|pairs| pairs.iter().map(|p| Window::new(p, max_len)).collect()).collect();
@@ -77,7 +100,7 @@ pub fn score<B: EmberBackend>(
     let mut order: Vec<usize> = (0..items.len()).collect();
     let longest = |i: usize| windows[i].iter().map(|w| w.inputs.len()).max().unwrap_or(0);
     order.sort_by_key(|&i| std::cmp::Reverse(longest(i)));
-    let mut out: Vec<Vec<Scored>> = vec![Vec::new(); items.len()];
+    let mut out: Vec<Vec<T>> = vec![Vec::new(); items.len()];
     let mut start = 0;
     while start < order.len() {
         // Items while their tokens fit four calls' budget (one item at least): the cache holds them.
@@ -89,7 +112,7 @@ pub fn score<B: EmberBackend>(
             end += 1;
         }
         let batch: Vec<&[Window]> = order[start..end].iter().map(|&i| windows[i].as_slice()).collect();
-        for (&i, scored) in order[start..end].iter().zip(score_batch(model, &batch, budget)) {
+        for (&i, scored) in order[start..end].iter().zip(score_batch(model, &batch, budget, reduce)) {
             out[i] = scored;
         }
         done(end - start);
@@ -142,7 +165,12 @@ fn forward<B: EmberBackend>(
     (hidden.reshape([rows.len() * t, model.config().d_model]), t)
 }
 
-fn score_batch<B: EmberBackend>(model: &Decoder<B>, items: &[&[Window]], budget: Budget) -> Vec<Vec<Scored>> {
+fn score_batch<B: EmberBackend, T: Clone>(
+    model: &Decoder<B>,
+    items: &[&[Window]],
+    budget: Budget,
+    reduce: &dyn Fn(&[(f64, bool)]) -> T,
+) -> Vec<Vec<T>> {
     let rows: usize = items.iter().map(|w| w.len()).sum();
     let mut cache = model.new_cache(rows, 16);
     // Row of each item's first window; the item's other windows follow it.
@@ -168,7 +196,7 @@ fn score_batch<B: EmberBackend>(model: &Decoder<B>, items: &[&[Window]], budget:
         .zip(&firsts)
         .flat_map(|((ws, &p), &first)| ws.iter().enumerate().map(move |(j, w)| (first + j, w, p)))
         .collect();
-    let mut results: Vec<Option<Scored>> = vec![None; rows];
+    let mut results: Vec<Option<T>> = vec![None; rows];
     let parts: Vec<(usize, &[u32])> = own.iter().map(|&(row, w, p)| (row, &w.inputs[p..])).collect();
     for call in calls(parts, budget.tokens) {
         let (hidden, t) = forward(model, &mut cache, &call);
@@ -185,12 +213,11 @@ fn score_batch<B: EmberBackend>(model: &Decoder<B>, items: &[&[Window]], budget:
         }
         let scored = log_probs(model, hidden, &picks, budget.logit_rows);
         for (row, at, n) in spans {
-            let logprob = scored[at..at + n].iter().map(|s| s.0).sum();
-            results[row] = Some(Scored { logprob, greedy: scored[at..at + n].iter().all(|s| s.1) });
+            results[row] = Some(reduce(&scored[at..at + n]));
         }
     }
     // Windows without a token of their own to score (empty continuations) score 0.
-    let mut results = results.into_iter().map(|r| r.unwrap_or(Scored { logprob: 0.0, greedy: true }));
+    let mut results = results.into_iter().map(|r| r.unwrap_or_else(|| reduce(&[])));
     items.iter().map(|ws| (0..ws.len()).filter_map(|_| results.next()).collect()).collect()
 }
 

@@ -2,7 +2,7 @@
 //! plain forward pass, log-softmax in f64 on the host).
 
 use burn::backend::Flex;
-use ember_eval::score::{score, score_reference, Budget, Pair};
+use ember_eval::score::{score, score_reference, token_logprobs, Budget, Pair};
 use ember_model::{Decoder, ModelConfig};
 
 type B = Flex;
@@ -69,4 +69,20 @@ fn sliding_window_layers_score_as_each_pair_alone() {
         ..ModelConfig::tiny(43, 40)
     };
     check(&model(config), Budget { tokens: 256, logit_rows: 7 });
+}
+
+/// Per token (`ember eval --data FILE.jsonl --samples`): one log-probability per continuation token,
+/// summing to the reference's log-likelihood of the pair.
+#[test]
+fn token_logprobs_sum_to_the_pairs_log_likelihoods() {
+    let tiny = model(ModelConfig::tiny(43, 40));
+    let pairs: Vec<Pair> = items(43).into_iter().flatten().collect();
+    let tokens = token_logprobs(&tiny, &pairs, Budget { tokens: 64, logit_rows: 5 });
+    let slow = score_reference(&tiny, &pairs.iter().map(|p| vec![p.clone()]).collect::<Vec<_>>());
+    assert_eq!(tokens.len(), pairs.len());
+    for (i, ((t, p), s)) in tokens.iter().zip(&pairs).zip(&slow).enumerate() {
+        assert_eq!(t.len(), p.continuation.len(), "pair {i}");
+        let sum: f64 = t.iter().sum();
+        assert!((sum - s[0].logprob).abs() < 1e-4 * s[0].logprob.abs().max(1.0), "pair {i}: {sum} vs {}", s[0].logprob);
+    }
 }

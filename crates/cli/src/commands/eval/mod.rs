@@ -13,6 +13,7 @@ use ember_train::{Checkpoint, ResolvedInit};
 
 use crate::backend::{dispatch, DeviceSpec, Job};
 
+mod examples;
 mod tasks;
 
 #[derive(Args, Debug)]
@@ -53,7 +54,10 @@ pub struct EvalArgs {
     /// as one user turn, the assistant's turn opened; choices follow with no delimiter.
     #[arg(long, requires = "tasks")]
     chat: bool,
-    /// Write a JSON line per item (requests, log-likelihoods, prediction, gold) to this file.
+    /// Write a JSON line per item (requests, log-likelihoods, prediction, gold) to this file. With
+    /// `--data FILE.jsonl`, a line per example: its scored token ids (`tokens`: the completion and
+    /// the end-of-sequence token), the natural-log probability of each (`token_logprobs`) and
+    /// their sum (`logprob`).
     #[arg(long)]
     samples: Option<PathBuf>,
     /// A JSON Schema file: the answers of the generation tasks (gsm8k, gsm8k_cot, nq_open) are
@@ -63,7 +67,7 @@ pub struct EvalArgs {
     /// generation task is refused. A keyword the grammar engine does not implement is an error.
     #[arg(long, value_name = "FILE", requires = "tasks")]
     json_schema: Option<PathBuf>,
-    /// Tokens per forward call when scoring tasks (rows × padded length).
+    /// Tokens per forward call when scoring tasks or `--samples` (rows × padded length).
     #[arg(long, default_value_t = 4096)]
     batch_tokens: usize,
     /// Sequences generated together in generation tasks (GSM8K, NQ-Open).
@@ -99,6 +103,8 @@ struct EvalJob {
     init: Option<ResolvedInit>,
     scored: Scored,
     batch: usize,
+    /// `--samples` of a `.jsonl` file: the examples to score token by token.
+    samples: Option<(Vec<examples::Sample>, usize)>,
 }
 
 enum Report {
@@ -107,19 +113,26 @@ enum Report {
 }
 
 impl Job for EvalJob {
-    type Output = Report;
-    fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Report> {
+    type Output = (Report, Option<(Vec<examples::Sample>, Vec<Vec<f64>>)>);
+    fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Self::Output> {
         let model = self.checkpoint.decoder_over::<B::InnerBackend>(self.init.as_ref(), &device)?;
         // A perplexity is the model's, from exact products (not 8-bit activations).
         let model = model.with_compute(crate::env::compute().with_int8_inputs(false));
-        Ok(match self.scored {
+        let samples = self.samples.map(|(samples, batch_tokens)| {
+            let pairs: Vec<ember_eval::score::Pair> = samples.iter().map(|s| s.pair.clone()).collect();
+            let budget = ember_eval::score::Budget::for_vocab(batch_tokens, model.config().vocab_size);
+            let logprobs = ember_eval::score::token_logprobs(&model, &pairs, budget);
+            (samples, logprobs)
+        });
+        let report = match self.scored {
             Scored::Stream { tokens, bytes, context, stride } => {
                 Report::Perplexity(perplexity(&model, &tokens, context, stride, self.batch, bytes))
             }
             Scored::Examples { rows, examples, context } => {
                 Report::Completion(completion_loss(&model, &rows, examples, context, self.batch))
             }
-        })
+        };
+        Ok((report, samples))
     }
 }
 
@@ -149,7 +162,6 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     for (flag, given) in [
         ("--num-fewshot", args.num_fewshot.is_some()),
         ("--limit", args.limit.is_some()),
-        ("--samples", args.samples.is_some()),
         ("--eval-dir", args.eval_dir.is_some()),
         ("--chat", args.chat),
         ("--json-schema", args.json_schema.is_some()),
@@ -157,6 +169,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         anyhow::ensure!(!given, "{flag} is a flag of `--tasks`; `--data` scores perplexity or completion loss");
     }
     let data = args.data.clone().unwrap_or_default();
+    anyhow::ensure!(
+        args.samples.is_none() || data.ends_with(".jsonl"),
+        "--samples with --data needs a .jsonl file of examples (it writes their completion tokens' log-probabilities)"
+    );
     let checkpoint = Checkpoint::open(Path::new(&args.checkpoint))
         .with_context(|| format!("opening checkpoint {}", args.checkpoint))?;
     let max = checkpoint.model_config.max_seq_len;
@@ -168,8 +184,19 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let stride = args.stride.unwrap_or((context / 2).max(1));
     anyhow::ensure!(stride >= 1 && stride <= context, "--stride {stride} must be in 1..={context} (the context)");
     let (scored, init) = scored_data(&checkpoint, &data, context, stride)?;
+    let samples = match &args.samples {
+        Some(_) => {
+            anyhow::ensure!(args.batch_tokens >= 1, "--batch-tokens must be at least 1");
+            Some((examples::read(Path::new(&data), &checkpoint.tokenizer, &checkpoint.dir)?, args.batch_tokens))
+        }
+        None => None,
+    };
     let checkpointing = false;
-    let r = dispatch(args.device, checkpointing, EvalJob { checkpoint, init, scored, batch: args.batch })?;
+    let job = EvalJob { checkpoint, init, scored, batch: args.batch, samples };
+    let (r, samples) = dispatch(args.device, checkpointing, job)?;
+    if let (Some(path), Some((samples, logprobs))) = (&args.samples, samples) {
+        examples::write(path, &samples, &logprobs)?;
+    }
     match (&r, args.json) {
         (Report::Perplexity(r), true) => println!("{}", serde_json::to_string(r)?),
         (Report::Completion(r), true) => println!("{}", serde_json::to_string(r)?),
