@@ -352,7 +352,8 @@ fn cached_batched_sampling_eval_and_decode_bench() {
     assert_clean_error(&o, "does not fit the model's max_seq_len of 32");
 
     // The serving bench counts every streamed token (from the usage chunk it asks for).
-    let args = ["bench", "serve", "--checkpoint", "runs/tiny", "--clients", "1,2", "--requests", "2", "--prompt", "ROMEO:"];
+    let args =
+        ["bench", "serve", "--checkpoint", "runs/tiny", "--clients", "1,2", "--requests", "2", "--prompt", "ROMEO:"];
     let b = json(s.ember(&[&args[..], &["--max-tokens", "5", "--json"]].concat()));
     for (load, clients) in b["loads"].as_array().unwrap().iter().zip([1, 2]) {
         assert_eq!(load["tokens"], clients * 2 * 5, "{load}");

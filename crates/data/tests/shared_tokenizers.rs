@@ -42,11 +42,8 @@ fn qwen_chat_template_renders() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(assets().join("qwen3_tokenizer_config.json"), dir.path().join("tokenizer_config.json")).unwrap();
     let template = ChatTemplate::from_dir(dir.path()).unwrap().expect("a chat template");
-    let messages = vec![
-        Message::new("system", "Be brief."),
-        Message::new("user", "Hi?"),
-        Message::new("assistant", "Hello."),
-    ];
+    let messages =
+        vec![Message::new("system", "Be brief."), Message::new("user", "Hi?"), Message::new("assistant", "Hello.")];
     let text = template.render(&messages, false).unwrap();
     assert!(text.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"), "{text}");
     assert!(text.contains("<|im_start|>assistant\n") && text.contains("Hello.<|im_end|>"), "{text}");

@@ -388,7 +388,10 @@ mod tests {
                 for isa in Isa::reachable(Cpu::detect()) {
                     let got = product(isa, DotWeight::new(format, &packed, (m, k)), sixteen);
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                        assert!((a - b).abs() <= 1e-5 * scale, "{format:?} on {isa:?}, n {n}, 16 bits, {i}: {a} vs {b}");
+                        assert!(
+                            (a - b).abs() <= 1e-5 * scale,
+                            "{format:?} on {isa:?}, n {n}, 16 bits, {i}: {a} vs {b}"
+                        );
                     }
                 }
             }

@@ -332,7 +332,9 @@ impl ChatMessage {
         // An assistant message sent back as it came may carry `refusal: null`; anything else a
         // message holds is refused by name.
         const MESSAGE_KEYS: [&str; 5] = ["role", "content", "name", "tool_calls", "tool_call_id"];
-        if let Some(k) = m.keys().find(|k| !MESSAGE_KEYS.contains(&k.as_str()) && !(k.as_str() == "refusal" && m[*k].is_null())) {
+        if let Some(k) =
+            m.keys().find(|k| !MESSAGE_KEYS.contains(&k.as_str()) && !(k.as_str() == "refusal" && m[*k].is_null()))
+        {
             let shown: String = k.chars().take(40).collect::<String>().escape_debug().to_string();
             return Err(Invalid::new(
                 format!("messages[{i}].{shown}"),
@@ -353,13 +355,18 @@ impl Prompts {
                 .enumerate()
                 .map(|(i, t)| {
                     t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| {
-                        Invalid::new("prompt", format!("prompt{at}[{i}] must be a token id (a whole number >= 0); got {}", what_is(t)))
+                        Invalid::new(
+                            "prompt",
+                            format!("prompt{at}[{i}] must be a token id (a whole number >= 0); got {}", what_is(t)),
+                        )
                     })
                 })
                 .collect()
         };
         match v {
-            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => Ok(Self::Ids(vec![ids(v, "")?])),
+            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => {
+                Ok(Self::Ids(vec![ids(v, "")?]))
+            }
             Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_array) => Ok(Self::Ids(
                 items.iter().enumerate().map(|(i, p)| ids(p, &format!("[{i}]"))).collect::<Result<_, _>>()?,
             )),
@@ -584,11 +591,16 @@ impl Settings {
             None => {}
             Some(-1 | 0) => sampling.top_k = None,
             Some(k) if k > 0 => sampling.top_k = Some(k as usize),
-            Some(k) => return Err(Invalid::new("top_k", format!("top_k must be -1 or 0 (off) or at least 1; got {k}"))),
+            Some(k) => {
+                return Err(Invalid::new("top_k", format!("top_k must be -1 or 0 (off) or at least 1; got {k}")))
+            }
         }
         if let Some(p) = self.repetition_penalty {
             if !(p > 0.0 && p <= 10.0) {
-                return Err(Invalid::new("repetition_penalty", format!("repetition_penalty must be above 0 and at most 10; got {p}")));
+                return Err(Invalid::new(
+                    "repetition_penalty",
+                    format!("repetition_penalty must be above 0 and at most 10; got {p}"),
+                ));
             }
             sampling.repetition_penalty = p as f32;
         }
@@ -602,7 +614,12 @@ impl Settings {
             Some(p) => return Err(Invalid::new("min_p", format!("min_p must be from 0 to 1; got {p}"))),
         };
         Ok(Adjustments {
-            logit_bias: self.logit_bias.as_ref().map(|b| fields::logit_bias(b, vocab_size)).transpose()?.unwrap_or_default(),
+            logit_bias: self
+                .logit_bias
+                .as_ref()
+                .map(|b| fields::logit_bias(b, vocab_size))
+                .transpose()?
+                .unwrap_or_default(),
             presence_penalty: fields::penalty("presence_penalty", self.presence_penalty)?,
             frequency_penalty: fields::penalty("frequency_penalty", self.frequency_penalty)?,
             min_p,

@@ -6,10 +6,10 @@ mod answer;
 pub mod api;
 pub mod bench;
 pub mod chat;
-pub mod tools;
 pub mod sampling;
 pub mod server;
 mod stream;
+pub mod tools;
 pub mod worker;
 
 pub use ember_http::{Limits, StartError};

@@ -37,12 +37,12 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
 use crate::answer::{collect, Failed, Shape, Submitted};
-use crate::stream::{Answering, CancelOnDrop};
 use crate::api::{
     error_body, ChatRequest, ChunkHead, CompletionRequest, Format, Generation, Invalid, Kind, Prompts, Served, Usage,
     CHAT_FIELDS, COMPLETION_FIELDS,
 };
 use crate::chat::ChatPrompt;
+use crate::stream::{Answering, CancelOnDrop};
 use crate::tools::{call_grammar, ToolChoice, ToolFormat, Tools};
 use crate::worker::{SubmitError, Worker};
 
@@ -345,9 +345,10 @@ async fn route(state: &State, req: Request<Incoming>, conn: &Arc<Conn>) -> Answe
             Ok(AnyJson(body)) => detokenize(state, &body),
             Err(answer) => answer,
         },
-        (_, "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/" | "/health" | "/tokenize" | "/detokenize") => {
-            error(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed", None, None)
-        }
+        (
+            _,
+            "/v1/completions" | "/v1/chat/completions" | "/v1/models" | "/" | "/health" | "/tokenize" | "/detokenize",
+        ) => error(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed", None, None),
         _ => error(StatusCode::NOT_FOUND, "invalid_request_error", &format!("no such endpoint: {path}"), None, None),
     }
 }
@@ -408,9 +409,10 @@ fn tokenize(state: &State, body: &Value) -> Answer {
 /// `POST /detokenize {"tokens": [ids]}` → `{"prompt": TEXT}`.
 fn detokenize(state: &State, body: &Value) -> Answer {
     let vocab = state.options.tokenizer.vocab_size();
-    let ids: Option<Vec<u32>> = body.get("tokens").and_then(Value::as_array).and_then(|a| {
-        a.iter().map(|t| t.as_u64().filter(|&t| (t as usize) < vocab).map(|t| t as u32)).collect()
-    });
+    let ids: Option<Vec<u32>> = body
+        .get("tokens")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|t| t.as_u64().filter(|&t| (t as usize) < vocab).map(|t| t as u32)).collect());
     let Some(ids) = ids else {
         let message = format!("tokens is required: a list of token ids below {vocab}");
         return invalid(Invalid::new("tokens", message));
@@ -442,7 +444,10 @@ async fn completion(state: &State, r: CompletionRequest, conn: &Arc<Conn>) -> An
         let mut generation = r.settings.generation(Kind::Completion, &state.served())?;
         generation.max_tokens.get_or_insert(COMPLETION_MAX_TOKENS);
         if r.prompt.is_empty() || r.prompt.len() > MAX_PROMPTS {
-            return Err(Invalid::new("prompt", format!("{} prompts; from 1 to {MAX_PROMPTS} per request", r.prompt.len())));
+            return Err(Invalid::new(
+                "prompt",
+                format!("{} prompts; from 1 to {MAX_PROMPTS} per request", r.prompt.len()),
+            ));
         }
         let prompts = match &r.prompt {
             Prompts::Texts(texts) => texts
@@ -513,7 +518,13 @@ fn check_context(kind: Kind, prompt: &[u32], max_tokens: Option<usize>, context:
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     let what = if kind == Kind::Chat { "messages" } else { "prompt" };
     let overflow = |param: &str, message: String| {
-        Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", &message, Some(param), Some("context_length_exceeded")))
+        Err(error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            &message,
+            Some(param),
+            Some("context_length_exceeded"),
+        ))
     };
     if prompt.len() >= context {
         return overflow(
@@ -580,7 +591,11 @@ fn format_spec(state: &State, g: &Generation) -> Result<Option<Spec>, Invalid> {
         Format::JsonSchema { schema, strict, .. } => Spec::JsonSchema { schema: schema.clone(), strict: *strict },
     };
     let grammars = state.grammars.as_ref().map_err(|why| Invalid::new("response_format", why.clone()))?;
-    let param = if matches!(format, Format::JsonSchema { .. }) { "response_format.json_schema.schema" } else { "response_format" };
+    let param = if matches!(format, Format::JsonSchema { .. }) {
+        "response_format.json_schema.schema"
+    } else {
+        "response_format"
+    };
     grammars.check(&spec).map_err(|e| Invalid::new(param, e.to_string()))?;
     Ok(Some(spec))
 }

@@ -159,13 +159,18 @@ impl Tools {
         let unknown = |keys: &serde_json::Map<String, Value>, known: &[&str], at: &str| {
             keys.keys().find(|k| !known.contains(&k.as_str())).map(|k| {
                 let shown: String = k.chars().take(40).collect::<String>().escape_debug().to_string();
-                Invalid::new(format!("{at}.{shown}"), format!("{at}.{shown} is not supported: {at} holds {}", known.join(", ")))
+                Invalid::new(
+                    format!("{at}.{shown}"),
+                    format!("{at}.{shown} is not supported: {at} holds {}", known.join(", ")),
+                )
             })
         };
         if let Some(e) = unknown(tool, &["type", "function"], &param) {
             return Err(e);
         }
-        if let Some(e) = unknown(function, &["name", "description", "parameters", "strict"], &format!("{param}.function")) {
+        if let Some(e) =
+            unknown(function, &["name", "description", "parameters", "strict"], &format!("{param}.function"))
+        {
             return Err(e);
         }
         match function.get("strict") {

@@ -44,10 +44,12 @@ impl InitSource {
                 let file = ember_hf::gguf::GgufFile::open(path).map_err(|e| self.err(e.to_string()))?;
                 let (model, _, hf) = ember_hf::gguf::model::read_config(&file).map_err(|e| self.err(e.to_string()))?;
                 let kept = ember_hf::gguf::model::kept_sizes(&file).map_err(|e| self.err(e.to_string()))?;
-                // The tokenizer the file's metadata describes, written out as `ember import` writes
-                // it, for the run to read (and copy into its checkpoints).
-                let (json, config) =
-                    ember_hf::gguf::tokenizer::from_gguf(&file).map_err(|e| self.err(e.to_string()))?;
+                // The tokenizer the file's metadata describes, built once: written out as `ember
+                // import` writes it, for a run to read (and copy into its checkpoints), and kept for
+                // a command that runs the model ([`ResolvedInit::take_tokenizer`]).
+                let (built, config) =
+                    ember_hf::gguf::tokenizer::tokenizer(&file).map_err(|e| self.err(e.to_string()))?;
+                let json = built.to_string(false).map_err(|e| self.err(e.to_string()))?;
                 let tokenizer =
                     tempfile::Builder::new().prefix("ember-gguf-tokenizer").tempdir().map_err(TrainError::io(path))?;
                 let write = |name: &str, text: &str| {
@@ -57,7 +59,8 @@ impl InitSource {
                 write("tokenizer.json", &json)?;
                 let config = serde_json::to_string_pretty(&config).map_err(|e| self.err(e.to_string()))?;
                 write("tokenizer_config.json", &config)?;
-                (Opened::Gguf { path: path.clone(), tokenizer, kept }, model, Some(hf))
+                let built = std::sync::Mutex::new(Some(ember_data::Tokenizer::from_tokenizers(built)));
+                (Opened::Gguf { path: path.clone(), tokenizer, kept, built }, model, Some(hf))
             }
         };
         Ok(ResolvedInit { source: self.clone(), model_config, hf_config, opened, identity: Default::default() })
@@ -137,6 +140,9 @@ enum Opened {
         path: PathBuf,
         tokenizer: tempfile::TempDir,
         kept: (u64, u64),
+        /// The tokenizer built from the metadata, until [`ResolvedInit::take_tokenizer`] takes it
+        /// or the weights are loaded (a run reads its tokenizer.json instead).
+        built: std::sync::Mutex<Option<ember_data::Tokenizer>>,
     },
 }
 
@@ -147,6 +153,15 @@ impl ResolvedInit {
         match &self.opened {
             Opened::Gguf { kept, .. } => *kept,
             _ => (0, 0),
+        }
+    }
+
+    /// A GGUF file's tokenizer as built from its metadata (once: later calls and other sources give
+    /// `None`), which spares reading its tokenizer.json back.
+    pub fn take_tokenizer(&self) -> Option<ember_data::Tokenizer> {
+        match &self.opened {
+            Opened::Gguf { built, .. } => built.lock().ok()?.take(),
+            _ => None,
         }
     }
 
@@ -171,6 +186,9 @@ impl ResolvedInit {
         keep: Keep,
         device: &Device<B>,
     ) -> Result<Decoder<B>, TrainError> {
+        // Not taken by now, the built tokenizer is not wanted (a run reads tokenizer.json): its
+        // memory (tens of MB for a 262k vocabulary) goes before the weights come.
+        drop(self.take_tokenizer());
         match &self.opened {
             Opened::Gguf { path, .. } => {
                 use ember_hf::gguf::model::{import, import_for_inference, import_keeping};

@@ -40,7 +40,11 @@ impl ModelSource {
                 e => anyhow::Error::new(e).context(format!("opening {text}")),
             })?;
             let dir = init.tokenizer_dir()?;
-            let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"))?.with_model_eos(&dir);
+            let tokenizer = match init.take_tokenizer() {
+                Some(built) => built,
+                None => Tokenizer::from_file(&dir.join("tokenizer.json"))?,
+            };
+            let tokenizer = tokenizer.with_model_eos(&dir);
             return Ok(Self {
                 model_config: init.model_config.clone(),
                 tokenizer,

@@ -281,4 +281,3 @@ impl PyJson {
 fn template_error(e: minijinja::Error) -> DataError {
     DataError::Tokenizer(format!("chat template: {e:#}"))
 }
-

@@ -51,10 +51,7 @@ fn chat_rows_are_refused_in_words_at_their_line() {
         (r#"{"messages": 5}"#, r#"2: messages: expected a list of {"role", "content"}, found a number"#),
         (r#"{"messages": [7]}"#, r#"2: messages[0]: expected a message {"role", "content"}, found a number"#),
         (r#"{"messages": [{"role": "user"}]}"#, "2: messages[0].content is missing"),
-        (
-            r#"{"messages": [{"role": 1, "content": "a"}]}"#,
-            "2: messages[0].role: expected a string, found a number",
-        ),
+        (r#"{"messages": [{"role": 1, "content": "a"}]}"#, "2: messages[0].role: expected a string, found a number"),
         (
             r#"{"messages": [{"role": "user", "content": [{"type": "text"}]}]}"#,
             "2: messages[0].content: expected a string, found a list (of parts?)",
@@ -90,8 +87,8 @@ fn a_template_names_its_roles() {
 #[test]
 fn only_completions_and_assistant_turns_are_scored() {
     let tok = tokenizer();
-    let ex = encode(&[Body::Completion { prompt: "Q: hi".into(), completion: " A: ho".into() }.into()], &tok, None)
-        .unwrap();
+    let ex =
+        encode(&[Body::Completion { prompt: "Q: hi".into(), completion: " A: ho".into() }.into()], &tok, None).unwrap();
     let scored: String =
         ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
     assert_eq!(scored, " A: ho");
@@ -314,13 +311,8 @@ fn tools_a_template_cannot_write_are_trained_as_text() {
         let tok = Tokenizer::train_char(&text);
         let ex = encode(std::slice::from_ref(&record), &tok, Some(&template)).unwrap();
         assert_eq!(tok.decode(&ex[0].ids).unwrap(), text, "{name}: encode renders as the server does");
-        let scored: String = ex[0]
-            .ids
-            .iter()
-            .zip(&ex[0].scored)
-            .filter(|(_, &s)| s)
-            .map(|(&i, _)| tok.decode(&[i]).unwrap())
-            .collect();
+        let scored: String =
+            ex[0].ids.iter().zip(&ex[0].scored).filter(|(_, &s)| s).map(|(&i, _)| tok.decode(&[i]).unwrap()).collect();
         assert_eq!(scored, format!("{hermes}<|im_end|>\nIt is 21 C.<|im_end|>\n"), "{name}");
     }
     let smollm2 = fixture_template("smollm2.jinja", "", "<|im_end|>");
@@ -366,11 +358,7 @@ fn document_packing_keeps_examples_whole_and_apart() {
     // 3 + 2 positions fit in a row of 6; the third example (1 position) fits too.
     assert_eq!(
         p.get(0).unwrap(),
-        Window {
-            input: vec![1, 2, 3, 5, 6, 8],
-            target: vec![-1, 3, 4, 6, 7, 9],
-            docs: Some(vec![0, 0, 0, 3, 3, 5])
-        }
+        Window { input: vec![1, 2, 3, 5, 6, 8], target: vec![-1, 3, 4, 6, 7, 9], docs: Some(vec![0, 0, 0, 3, 3, 5]) }
     );
     assert_eq!(p.scored_tokens(), 5);
     let p = PackedExamples::new(&ex, 4, 0, Packing::Documents, false).unwrap();

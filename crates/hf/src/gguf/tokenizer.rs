@@ -14,6 +14,8 @@
 use std::collections::HashMap;
 
 use serde_json::{json, Map, Value as Json};
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper};
 
 use super::{GgufError, GgufFile, Value};
 use crate::family::Architecture;
@@ -121,30 +123,86 @@ impl VocabRules {
         VocabRules { merges: MergeOrder::Score, space_runs_as_pieces: false, also_in: &[], chat_template: None };
 }
 
-/// `tokenizer.json` and `tokenizer_config.json` from a GGUF file's metadata.
+/// `tokenizer.json`'s text and `tokenizer_config.json` from a GGUF file's metadata: the
+/// [`tokenizer`] written out by the `tokenizers` crate's serialiser (streamed, no JSON tree).
 pub fn from_gguf(f: &GgufFile) -> Result<(String, Json), GgufError> {
+    let (tokenizer, config) = tokenizer(f)?;
+    let text = tokenizer.to_string(false).expect("a built tokenizer serialises");
+    Ok((text, config))
+}
+
+/// The tokenizer a GGUF file's metadata describes, built in memory, and `tokenizer_config.json`.
+/// The vocabulary and the merges go straight into the BPE model (for Gemma 3, 262k tokens and 515k
+/// merges: as a JSON tree, then a text parsed back, they took several times the tokenizer's own
+/// size); the few small parts are written as tokenizer.json spells them and read by the
+/// `tokenizers` crate, so that they are what a tokenizer.json of the same text gives.
+pub fn tokenizer(f: &GgufFile) -> Result<(tokenizers::Tokenizer, Json), GgufError> {
     let model = f.meta().str("tokenizer.ggml.model")?.unwrap_or("gpt2");
     let arch = f.meta().str("general.architecture")?.unwrap_or_default();
     let rules = Architecture::vocab_rules(arch);
     let mut v = GgufVocab::read(f)?;
-    let tokenizer = match model {
-        "gpt2" => gpt2_tokenizer(f, &v)?,
+    let parts = match model {
+        "gpt2" => gpt2_parts(f)?,
         "llama" => {
             if rules.space_runs_as_pieces {
                 v.respell_space_runs();
             }
-            llama_tokenizer(f, &v, rules.merges)?
+            llama_parts(f, &v, rules.merges)?
         }
         other => {
             return Err(f.meta_err("tokenizer.ggml.model", format!("`{other}` is not supported (gpt2 and llama are)")))
         }
     };
-    let text = serde_json::to_string(&tokenizer).expect("JSON serialises");
     let mut config = tokenizer_config(f, &v);
     if let Some(template) = rules.chat_template.filter(|_| config.get("chat_template").is_none()) {
         config["chat_template"] = json!(template);
     }
-    Ok((text, config))
+    Ok((parts.build(f, v)?, config))
+}
+
+/// A tokenizer before its vocabulary goes into the model: the merges as pairs, the small parts as
+/// tokenizer.json spells them (`null` where there is none).
+struct Parts {
+    normalizer: Json,
+    pre_tokenizer: Json,
+    post_processor: Json,
+    decoder: Json,
+    merges: Vec<(String, String)>,
+    unk: Option<String>,
+    /// SentencePiece's: runs of unknown pieces fused, unknown bytes through the `<0xXX>` tokens.
+    byte_fallback: bool,
+}
+
+impl Parts {
+    /// The tokenizer, the vocabulary's tokens moved into the BPE model (ids as in the file) and the
+    /// control and user-defined tokens added, as the `tokenizers` crate reads a tokenizer.json.
+    fn build(self, f: &GgufFile, v: GgufVocab) -> Result<tokenizers::Tokenizer, GgufError> {
+        let added = v.added_tokens();
+        let vocab: Vocab = v.tokens.into_iter().enumerate().map(|(id, token)| (token, id as u32)).collect();
+        let mut bpe = BPE::builder()
+            .vocab_and_merges(vocab, self.merges)
+            .fuse_unk(self.byte_fallback)
+            .byte_fallback(self.byte_fallback);
+        if let Some(unk) = self.unk {
+            bpe = bpe.unk_token(unk);
+        }
+        let bpe = bpe.build().map_err(|e| f.meta_err("tokenizer.ggml.merges", e.to_string()))?;
+        let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+        tokenizer
+            .with_normalizer(part::<NormalizerWrapper>(self.normalizer))
+            .with_pre_tokenizer(part::<PreTokenizerWrapper>(self.pre_tokenizer))
+            .with_post_processor(part::<PostProcessorWrapper>(self.post_processor))
+            .with_decoder(part::<DecoderWrapper>(self.decoder));
+        tokenizer.add_tokens(&added);
+        Ok(tokenizer)
+    }
+}
+
+/// One of a tokenizer's small parts from its tokenizer.json spelling (`null`: none). The spellings
+/// are this file's own, so one the `tokenizers` crate does not read is a bug here.
+fn part<T: serde::de::DeserializeOwned>(spelled: Json) -> Option<T> {
+    let text = spelled.to_string();
+    serde_json::from_value(spelled).unwrap_or_else(|e| panic!("tokenizer part {text}: {e}"))
 }
 
 /// The tokens of a GGUF file's metadata, by id, with their ggml token types.
@@ -194,21 +252,20 @@ impl GgufVocab {
         }
     }
 
-    /// tokenizer.json's `added_tokens`: the control tokens (special) and the user-defined ones.
-    fn added_tokens(&self) -> Vec<Json> {
+    /// tokenizer.json's `added_tokens`: the control tokens (special) and the user-defined ones,
+    /// matched in the raw text (not normalized), neither stripping spaces nor matching whole words.
+    fn added_tokens(&self) -> Vec<AddedToken> {
         let special = |i: usize| self.types[i] == CONTROL || self.types[i] == USER_DEFINED;
         (0..self.tokens.len())
             .filter(|&i| special(i))
             .map(|i| {
-                json!({"id": i, "content": self.tokens[i], "single_word": false, "lstrip": false, "rstrip": false,
-                       "normalized": false, "special": self.types[i] == CONTROL})
+                AddedToken::from(self.tokens[i].clone(), self.types[i] == CONTROL)
+                    .single_word(false)
+                    .lstrip(false)
+                    .rstrip(false)
+                    .normalized(false)
             })
             .collect()
-    }
-
-    /// The BPE model's `vocab`: token -> id.
-    fn vocab(&self) -> Map<String, Json> {
-        self.tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect()
     }
 
     /// The id metadata `key` holds, if it names one of the tokens.
@@ -234,9 +291,9 @@ fn refuse_duplicates(f: &GgufFile, tokens: &[String]) -> Result<(), GgufError> {
     Ok(())
 }
 
-/// llama.cpp's `gpt2` tokenizer as a byte-level BPE `tokenizer.json`.
-fn gpt2_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
-    let merges = strings(f, "tokenizer.ggml.merges")?;
+/// llama.cpp's `gpt2` tokenizer: a byte-level BPE, its merges ("a b") read as the `tokenizers` crate
+/// reads them from a tokenizer.json.
+fn gpt2_parts(f: &GgufFile) -> Result<Parts, GgufError> {
     let key = "tokenizer.ggml.pre";
     let pre = f.meta().str(key)?.unwrap_or("default");
     let Some(pre_tokenizer) = pre_tokenizer(pre) else {
@@ -244,19 +301,38 @@ fn gpt2_tokenizer(f: &GgufFile, v: &GgufVocab) -> Result<Json, GgufError> {
         let message = format!("`{pre}` is a pre-tokenizer ember does not know (it knows {})", known.join(", "));
         return Err(f.meta_err(key, message));
     };
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": v.added_tokens(),
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "ignore_merges": false, "vocab": v.vocab(), "merges": merges},
-    }))
+    Ok(Parts {
+        normalizer: Json::Null,
+        pre_tokenizer,
+        post_processor: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}),
+        decoder: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        merges: gpt2_merges(f)?,
+        unk: None,
+        byte_fallback: false,
+    })
+}
+
+/// `tokenizer.ggml.merges` as pairs, as the `tokenizers` crate reads "a b" lines: a `#version`
+/// line skipped, every other exactly two tokens split at a space.
+fn gpt2_merges(f: &GgufFile) -> Result<Vec<(String, String)>, GgufError> {
+    let key = "tokenizer.ggml.merges";
+    let items = f.get(key).and_then(Value::as_array).ok_or_else(|| f.meta_err(key, "missing or not an array"))?;
+    let mut merges = Vec::with_capacity(items.len());
+    for item in items {
+        let line = item.as_str().ok_or_else(|| f.meta_err(key, "an item is not a string"))?;
+        if line.starts_with("#version") {
+            continue;
+        }
+        let mut parts = line.split(' ');
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(a), Some(b), None) => merges.push((a.to_string(), b.to_string())),
+            _ => {
+                let message = format!("merge {} ({line:?}) is not two tokens and a space", merges.len() + 1);
+                return Err(f.meta_err(key, message));
+            }
+        }
+    }
+    Ok(merges)
 }
 
 /// How the merges of a SentencePiece vocabulary are ranked.
@@ -268,9 +344,9 @@ pub enum MergeOrder {
     Position,
 }
 
-/// llama.cpp's `llama` tokenizer as a SentencePiece BPE `tokenizer.json`, merges recovered from
-/// the vocabulary in `order`.
-fn llama_tokenizer(f: &GgufFile, v: &GgufVocab, order: MergeOrder) -> Result<Json, GgufError> {
+/// llama.cpp's `llama` tokenizer: a SentencePiece BPE, merges recovered from the vocabulary in
+/// `order`.
+fn llama_parts(f: &GgufFile, v: &GgufVocab, order: MergeOrder) -> Result<Parts, GgufError> {
     let merges = match order {
         MergeOrder::Score => {
             let scores: Vec<f64> = match f.get("tokenizer.ggml.scores").and_then(Value::as_array) {
@@ -283,22 +359,17 @@ fn llama_tokenizer(f: &GgufFile, v: &GgufVocab, order: MergeOrder) -> Result<Jso
         }
         MergeOrder::Position => positional_merges(&v.tokens),
     };
-    let unk = v.id_of(f, "tokenizer.ggml.unknown_token_id").map(|i| v.tokens[i].clone());
     let add_space = f.get("tokenizer.ggml.add_space_prefix").is_none_or(|x| *x == Value::Bool(true));
     let (normalizers, decoders) = spm_normalizers_and_decoders(add_space);
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": v.added_tokens(),
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
-        "pre_tokenizer": null,
-        "post_processor": bos_eos_processor(f, v),
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": {"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
-                  "ignore_merges": false, "vocab": v.vocab(), "merges": merges},
-    }))
+    Ok(Parts {
+        normalizer: json!({"type": "Sequence", "normalizers": normalizers}),
+        pre_tokenizer: Json::Null,
+        post_processor: bos_eos_processor(f, v),
+        decoder: json!({"type": "Sequence", "decoders": decoders}),
+        merges,
+        unk: v.id_of(f, "tokenizer.ggml.unknown_token_id").map(|i| v.tokens[i].clone()),
+        byte_fallback: true,
+    })
 }
 
 /// SentencePiece's spaces as `▁`, one put before the text when `add_space`; and back, bytes
@@ -370,10 +441,11 @@ fn tokenizer_config(f: &GgufFile, v: &GgufVocab) -> Json {
 
 /// SentencePiece BPE merges from piece scores: every split of a piece into two pieces is a merge,
 /// ranked by the merged piece's score (higher first), as Hugging Face's `SentencePieceExtractor`; pairs
-/// `[a, b]`, which a piece holding a space cannot make ambiguous.
-fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<Json> {
+/// `(a, b)`, which a piece holding a space cannot make ambiguous.
+fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<(String, String)> {
     let index: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
-    let mut merges: Vec<(f64, usize, usize, Json)> = Vec::new();
+    // (score, left id, right id, the merged piece's id, where it splits)
+    let mut merges: Vec<(f64, usize, usize, usize, usize)> = Vec::new();
     for (i, piece) in tokens.iter().enumerate() {
         if types.get(i).is_some_and(|&t| t == BYTE || t == CONTROL) {
             continue;
@@ -381,25 +453,29 @@ fn spm_merges(tokens: &[String], scores: &[f64], types: &[i64]) -> Vec<Json> {
         for (at, _) in piece.char_indices().skip(1) {
             let (a, b) = piece.split_at(at);
             if let (Some(&ia), Some(&ib)) = (index.get(a), index.get(b)) {
-                merges.push((scores.get(i).copied().unwrap_or(0.0), ia, ib, json!([a, b])));
+                merges.push((scores.get(i).copied().unwrap_or(0.0), ia, ib, i, at));
             }
         }
     }
     merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)).then(x.2.cmp(&y.2)));
-    merges.into_iter().map(|m| m.3).collect()
+    let pair = |i: usize, at: usize| {
+        let (a, b) = tokens[i].split_at(at);
+        (a.to_string(), b.to_string())
+    };
+    merges.into_iter().map(|m| pair(m.3, m.4)).collect()
 }
 
 /// SentencePiece BPE merges in vocabulary order: every split of a piece into two pieces is a merge,
 /// pieces in id order and, within one, the longer left part first: what transformers'
 /// `generate_merges` gives Gemma when ranking by position (`-id` as the score).
-fn positional_merges(tokens: &[String]) -> Vec<Json> {
+fn positional_merges(tokens: &[String]) -> Vec<(String, String)> {
     let index: HashMap<&str, usize> = tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i)).collect();
     let mut merges = Vec::new();
     for piece in tokens {
         for (at, _) in piece.char_indices().skip(1).collect::<Vec<_>>().into_iter().rev() {
             let (a, b) = piece.split_at(at);
             if index.contains_key(a) && index.contains_key(b) {
-                merges.push(json!([a, b]));
+                merges.push((a.to_string(), b.to_string()));
             }
         }
     }
@@ -631,6 +707,22 @@ mod tests {
         let (json, config) = from_gguf(f).unwrap();
         let tok: tokenizers::Tokenizer = json.parse().unwrap();
         (tok.encode(text, add_special).unwrap().get_ids().to_vec(), config)
+    }
+
+    #[test]
+    fn the_built_tokenizer_is_the_one_its_text_reads_as() {
+        // What a tokenizer.json of the same parts would give: its text read back serialises the same
+        // (checked once on SmolLM2's and Gemma 3's real files against the JSON-tree builder this
+        // replaced: byte for byte the same tokenizer.json).
+        for arch in ["gemma3", "llama"] {
+            let f = file(arch, None);
+            let (built, _) = tokenizer(&f).unwrap();
+            let (text, _) = from_gguf(&f).unwrap();
+            let read: tokenizers::Tokenizer = text.parse().unwrap();
+            assert_eq!(read.to_string(true).unwrap(), built.to_string(true).unwrap(), "{arch}");
+            let ids = |t: &tokenizers::Tokenizer| t.encode(" ab  a\n<end_of_turn>", true).unwrap().get_ids().to_vec();
+            assert_eq!(ids(&read), ids(&built), "{arch}");
+        }
     }
 
     #[test]

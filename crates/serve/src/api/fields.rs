@@ -69,7 +69,10 @@ pub fn refuse_unknown(body: &Map<String, Value>, known: &[&str]) -> Result<(), I
             let shown: String = k.chars().take(60).collect::<String>().escape_debug().to_string();
             Err(Invalid::new(
                 k.clone(),
-                format!("Unrecognized request argument supplied: {shown} (this endpoint honours: {})", known.join(", ")),
+                format!(
+                    "Unrecognized request argument supplied: {shown} (this endpoint honours: {})",
+                    known.join(", ")
+                ),
             ))
         }
         None => Ok(()),
@@ -145,7 +148,10 @@ pub fn logit_bias(v: &Value, vocab_size: usize) -> Result<Vec<(u32, f32)>, Inval
             let shown: String = k.chars().take(40).collect::<String>().escape_debug().to_string();
             Invalid::new(
                 "logit_bias",
-                format!("logit_bias key `{shown}` is not a token id of this model (0 to {})", vocab_size.saturating_sub(1)),
+                format!(
+                    "logit_bias key `{shown}` is not a token id of this model (0 to {})",
+                    vocab_size.saturating_sub(1)
+                ),
             )
         })?;
         let bias = b.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {

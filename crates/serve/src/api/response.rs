@@ -76,7 +76,12 @@ pub enum Delta {
     Role,
     Text(String, Option<Vec<TokenLogprob>>),
     /// Chat: a call starting (its id and name, arguments empty) or more of its arguments.
-    Call { index: usize, id: Option<String>, name: Option<String>, arguments: String },
+    Call {
+        index: usize,
+        id: Option<String>,
+        name: Option<String>,
+        arguments: String,
+    },
     Finish(&'static str),
 }
 
@@ -129,11 +134,16 @@ impl Kind {
                     Self::Chat => {
                         let mut message = json!({"role": "assistant", "content": c.text, "refusal": null});
                         if !c.tool_calls.is_empty() {
-                            message["tool_calls"] = c.tool_calls.iter().enumerate().map(|(i, t)| {
-                                let mut v = t.json(i);
-                                v.as_object_mut().map(|o| o.remove("index"));
-                                v
-                            }).collect();
+                            message["tool_calls"] = c
+                                .tool_calls
+                                .iter()
+                                .enumerate()
+                                .map(|(i, t)| {
+                                    let mut v = t.json(i);
+                                    v.as_object_mut().map(|o| o.remove("index"));
+                                    v
+                                })
+                                .collect();
                             if c.text.is_empty() {
                                 message["content"] = Value::Null;
                             }
@@ -154,7 +164,9 @@ impl Kind {
             (Self::Completion, Delta::Text(t, lp)) => {
                 json!({"index": index, "text": t, "finish_reason": null, "logprobs": self.logprobs(lp.as_deref())})
             }
-            (Self::Completion, Delta::Finish(f)) => json!({"index": index, "text": "", "finish_reason": f, "logprobs": null}),
+            (Self::Completion, Delta::Finish(f)) => {
+                json!({"index": index, "text": "", "finish_reason": f, "logprobs": null})
+            }
             (Self::Chat, Delta::Role) => {
                 json!({"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null})
             }
@@ -173,7 +185,9 @@ impl Kind {
                 }
                 json!({"index": index, "delta": {"tool_calls": [c]}, "finish_reason": null, "logprobs": null})
             }
-            (Self::Chat, Delta::Finish(f)) => json!({"index": index, "delta": {}, "finish_reason": f, "logprobs": null}),
+            (Self::Chat, Delta::Finish(f)) => {
+                json!({"index": index, "delta": {}, "finish_reason": f, "logprobs": null})
+            }
         };
         let mut v = head.wrap(self, vec![choice]);
         if head.with_usage {

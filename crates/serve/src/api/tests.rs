@@ -111,17 +111,37 @@ fn fields_of_the_wrong_type_are_refused_saying_what_they_should_be() {
             "prompt",
             "prompt is required: a string, a list of strings, a list of token ids or a list of lists of token ids",
         ),
-        (json!({"prompt": "a", "stop": 12}), "stop", "stop must be a string or a list of up to 4 strings; got the number 12"),
+        (
+            json!({"prompt": "a", "stop": 12}),
+            "stop",
+            "stop must be a string or a list of up to 4 strings; got the number 12",
+        ),
         (
             json!({"prompt": "a", "stop": ["x", null]}),
             "stop",
             "stop must be a string or a list of up to 4 strings; stop[1] is null",
         ),
-        (json!({"prompt": "a", "max_tokens": -1}), "max_tokens", "max_tokens must be a whole number of at least 1; got the number -1"),
-        (json!({"prompt": "a", "max_tokens": "5"}), "max_tokens", "max_tokens must be a whole number of at least 1; got the string \"5\""),
-        (json!({"prompt": "a", "temperature": "hot"}), "temperature", "temperature must be a number from 0 to 2; got the string \"hot\""),
+        (
+            json!({"prompt": "a", "max_tokens": -1}),
+            "max_tokens",
+            "max_tokens must be a whole number of at least 1; got the number -1",
+        ),
+        (
+            json!({"prompt": "a", "max_tokens": "5"}),
+            "max_tokens",
+            "max_tokens must be a whole number of at least 1; got the string \"5\"",
+        ),
+        (
+            json!({"prompt": "a", "temperature": "hot"}),
+            "temperature",
+            "temperature must be a number from 0 to 2; got the string \"hot\"",
+        ),
         (json!({"prompt": "a", "stream": "yes"}), "stream", "stream must be true or false; got the string \"yes\""),
-        (json!({"prompt": "a", "seed": 1.5}), "seed", "seed must be a whole number (a signed 64-bit integer); got the number 1.5"),
+        (
+            json!({"prompt": "a", "seed": 1.5}),
+            "seed",
+            "seed must be a whole number (a signed 64-bit integer); got the number 1.5",
+        ),
         (json!({"prompt": "a", "model": 5}), "model", "model must be a string naming the model; got the number 5"),
         (json!(["a"]), "", "the body must be a JSON object; got a list"),
     ] {
@@ -207,7 +227,10 @@ fn fields_the_endpoint_does_not_honour_are_refused_by_name() {
     assert_eq!(param, "suffix");
     assert_eq!(
         message,
-        format!("Unrecognized request argument supplied: suffix (this endpoint honours: {})", COMPLETION_FIELDS.join(", "))
+        format!(
+            "Unrecognized request argument supplied: suffix (this endpoint honours: {})",
+            COMPLETION_FIELDS.join(", ")
+        )
     );
     let (param, _) = refused::<ChatRequest>(json!({"messages": [], "functions": []}));
     assert_eq!(param, "functions");

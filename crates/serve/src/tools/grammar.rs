@@ -42,7 +42,8 @@ pub fn call_grammar(
     let mut lark = match format {
         ToolFormat::Hermes | ToolFormat::Default => {
             let call = format!("call: {} \"\\n\" function \"\\n\" {}\n", marker("<tool_call>"), marker("</tool_call>"));
-            let start = if one { "start: call\n".to_string() } else { format!("start: call (\"\\n\" call){{0,{more}}}\n") };
+            let start =
+                if one { "start: call\n".to_string() } else { format!("start: call (\"\\n\" call){{0,{more}}}\n") };
             format!("{start}{call}")
         }
         ToolFormat::Llama3 => "start: function\n".to_string(),

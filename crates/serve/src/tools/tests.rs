@@ -176,10 +176,18 @@ fn malformed_calls_stay_content() {
         (ToolFormat::Mistral, "Plain [TOOL_ text, é and ü."),
         (ToolFormat::Default, "Plain text with < and <tool and \n\n"),
     ] {
-        assert_eq!(parse(format, text), Parsed { content: text.into(), calls: vec![], arguments: vec![] }, "{format:?}: {text}");
+        assert_eq!(
+            parse(format, text),
+            Parsed { content: text.into(), calls: vec![], arguments: vec![] },
+            "{format:?}: {text}"
+        );
         for size in 1..=7 {
             let (deltas, parsed) = streamed(format, text, size);
-            assert_eq!(parsed, Parsed { content: text.into(), calls: vec![], arguments: vec![] }, "{format:?} in {size}: {text}");
+            assert_eq!(
+                parsed,
+                Parsed { content: text.into(), calls: vec![], arguments: vec![] },
+                "{format:?} in {size}: {text}"
+            );
             let cut_off = text.ends_with('{') || text.ends_with('1');
             if !cut_off {
                 assert_eq!(assemble(&deltas), (text.to_string(), vec![]), "{format:?} in {size}: {text}");
@@ -251,12 +259,20 @@ fn required_and_named_choices_have_a_grammar_in_the_models_format() {
     );
     assert!(hermes.contains("function: function_0 | function_1\n"), "{hermes}");
     assert!(hermes.contains("function_0: %json {\"x-guidance\": {\"whitespace_flexible\": false, "), "{hermes}");
-    assert!(hermes.contains("\"type\": \"object\", \"properties\": {\"name\": {\"const\": \"get_weather\"}, \"arguments\": {"), "{hermes}");
+    assert!(
+        hermes.contains(
+            "\"type\": \"object\", \"properties\": {\"name\": {\"const\": \"get_weather\"}, \"arguments\": {"
+        ),
+        "{hermes}"
+    );
     let qwen = |t: &str| (t == "<tool_call>").then_some(151657).or((t == "</tool_call>").then_some(151658));
     let named = call_grammar(ToolFormat::Hermes, &tools, &ToolChoice::Named("add".into()), false, &qwen).unwrap();
     assert!(named.starts_with("start: call\ncall: <[151657]> \"\\n\" function \"\\n\" <[151658]>\n"), "{named}");
     assert!(named.contains("function: function_0\nfunction_0: %json {\"x-guidance\": "), "{named}");
-    assert!(named.contains("\"properties\": {\"name\": {\"const\": \"add\"}, \"arguments\": {\"type\":\"object\"}}"), "{named}");
+    assert!(
+        named.contains("\"properties\": {\"name\": {\"const\": \"add\"}, \"arguments\": {\"type\":\"object\"}}"),
+        "{named}"
+    );
     let llama = call_grammar(ToolFormat::Llama3, &tools, &ToolChoice::Required, false, &none).unwrap();
     assert!(llama.starts_with("start: function\n") && llama.contains("\"parameters\": {"), "{llama}");
     let mistral = call_grammar(ToolFormat::Mistral, &tools, &ToolChoice::Required, false, &|_| Some(5)).unwrap();
@@ -320,7 +336,24 @@ fn a_call_cut_off_after_whole_ones_keeps_the_whole_ones() {
 fn a_marker_that_comes_token_by_token_is_a_marker() {
     let mut stream = ToolStream::new(ToolFormat::Default);
     let mut said = Vec::new();
-    for piece in ["<", "tool", "_", "call", ">", "\n", "{\"", "name", "\":", " \"", "a", "\", \"arguments\": {}}", "\n", "</", "tool_call", ">"] {
+    for piece in [
+        "<",
+        "tool",
+        "_",
+        "call",
+        ">",
+        "\n",
+        "{\"",
+        "name",
+        "\":",
+        " \"",
+        "a",
+        "\", \"arguments\": {}}",
+        "\n",
+        "</",
+        "tool_call",
+        ">",
+    ] {
         said.extend(stream.push(piece));
     }
     let (last, parsed) = stream.finish();
