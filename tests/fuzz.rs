@@ -36,7 +36,7 @@ use burn::tensor::DType;
 use common::*;
 use ember_data::finetune::{ChatTemplate, Message, PackedExamples, Packing};
 use ember_data::tokenizer::Tokenizer;
-use ember_serve::api::{ChatRequest, CompletionRequest, Generation, Invalid};
+use ember_serve::api::{ChatRequest, CompletionRequest, Generation, Invalid, Kind, Prompts, Served};
 use ember_train::checkpoint::Checkpoint;
 use ember_train::config::Purpose;
 use rand::{Rng, SeedableRng};
@@ -950,22 +950,41 @@ fn http_bodies() {
         "\"top_p\"",
         "\"stop\"",
         "\"seed\"",
+        "\"n\"",
+        "\"logprobs\"",
+        "\"top_logprobs\"",
+        "\"logit_bias\"",
+        "\"response_format\"",
+        "\"json_schema\"",
+        "\"tools\"",
+        "\"tool_choice\"",
+        "\"stream_options\"",
     ];
     let (tokenizer, template) = tokenizer_and_template();
     let sample = |g: Generation| {
-        ember_generate::sample::Sampler::new(g.sampling, g.seed.unwrap_or(0)).map(drop).map_err(|e| e.to_string())
+        ember_generate::sample::Sampler::new(g.sampling, g.seed.unwrap_or(0))
+            .and_then(|s| s.adjusted(g.adjustments))
+            .map(drop)
+            .map_err(|e| e.to_string())
     };
     let invalid = |e: Invalid| format!("{}: {}", e.param, e.message);
-    let defaults = ember_serve::sampling::ChatDefaults::built_in().sampling;
+    let served = Served {
+        model: "m".into(),
+        vocab_size: tokenizer.vocab_size(),
+        defaults: ember_serve::sampling::ChatDefaults::built_in().sampling,
+    };
     fuzz("http bodies", &seeds, &dict, iters::HTTP, |_, bytes| {
         let completion = serde_json::from_slice::<CompletionRequest>(bytes).map_err(|e| e.to_string()).and_then(|r| {
-            let prompt = r.prompt().map_err(invalid)?;
-            let g = r.settings.generation("m", &defaults).map_err(invalid)?;
-            tokenizer.encode_prompt(prompt).map_err(|e| e.to_string())?;
+            let g = r.settings.generation(Kind::Completion, &served).map_err(invalid)?;
+            if let Prompts::Texts(texts) = &r.prompt {
+                for prompt in texts {
+                    tokenizer.encode_prompt(prompt).map_err(|e| e.to_string())?;
+                }
+            }
             sample(g)
         });
         let chat = serde_json::from_slice::<ChatRequest>(bytes).map_err(|e| e.to_string()).and_then(|r| {
-            let g = r.settings.generation("m", &defaults).map_err(invalid)?;
+            let g = r.settings.generation(Kind::Chat, &served).map_err(invalid)?;
             let messages = r.messages(template.roles()).map_err(invalid)?;
             let prompt = template.render(&messages, true).map_err(|e| e.to_string())?;
             tokenizer.encode_prompt(&prompt).map_err(|e| e.to_string())?;
