@@ -17,6 +17,10 @@ pub trait Constraint: Send {
     fn finished(&self) -> bool;
 }
 
+/// Why a request ended when its mask and `logit_bias` together left no token: the request's own
+/// doing (a server answers it as the client's error), unlike a grammar that fails.
+pub const NOTHING_ALLOWED: &str = "no token may come next: the mask and logit_bias allow none";
+
 /// A constraint that cannot go on: the grammar's own words.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("constrained decoding failed: {0}")]

@@ -392,7 +392,7 @@ pub(crate) fn draw_constrained(
 }
 
 fn nothing_allowed() -> ConstraintError {
-    ConstraintError("no token may come next: the mask and logit_bias allow none".into())
+    ConstraintError(crate::constraint::NOTHING_ALLOWED.into())
 }
 
 /// Runs `inputs[b]` (possibly empty) after each row's cached positions; returns each row's logits

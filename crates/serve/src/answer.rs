@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use ember_data::stream::TextStream;
 use ember_data::Tokenizer;
+use ember_generate::constraint::NOTHING_ALLOWED;
 use ember_generate::engine::{Event, Finish, RequestId};
 use ember_generate::logprobs::TokenLogprobs;
 use ember_grammar::Grammars;
@@ -53,16 +54,13 @@ pub(crate) struct Failed {
 impl Failed {
     fn engine(error: Option<String>) -> Self {
         let message = error.unwrap_or_else(|| ENGINE_FAILED.to_string());
-        let client = message.contains(NOTHING_ALLOWED);
+        let client = message == NOTHING_ALLOWED;
         Self { message, client }
     }
 }
 
 /// What the server says when the engine ended a request itself (a failed decoding step).
 pub(crate) const ENGINE_FAILED: &str = "the model failed while decoding this request; it was ended";
-
-/// The engine's words for a step where the grammar and `logit_bias` together allow no token.
-const NOTHING_ALLOWED: &str = "no token may come next";
 
 /// One choice's text so far.
 pub(crate) struct Follow<'a> {
