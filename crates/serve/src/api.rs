@@ -1,7 +1,7 @@
 //! The OpenAI API's request and response bodies that ember serves: `/v1/completions`,
 //! `/v1/chat/completions` (with `stream: true` as server-sent events) and `/v1/models`. Every
 //! field a request sends is honoured or refused with a 400 naming it: the lists are
-//! [`CHAT_FIELDS`] and [`COMPLETION_FIELDS`] (a silent success would be the worst answer).
+//! [`chat_fields`] and [`completion_fields`] (a silent success would be the worst answer).
 //!
 //! This file reads and checks the requests; `fields.rs` the fields beyond the basics
 //! (`response_format`, `logit_bias`, penalties), `response.rs` writes the answers' JSON ([`Kind`],
@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-pub use fields::{Format, CHAT_FIELDS, COMPLETION_FIELDS, MAX_TOP_LOGPROBS};
+pub use fields::{chat_fields, completion_fields, Format, MAX_TOP_LOGPROBS};
 pub use response::{error_body, CallOut, Choice, ChunkHead, Delta, Kind, TokenLogprob, Usage};
 
 /// A string or a list of strings (`prompt`, `stop`).
@@ -262,7 +262,7 @@ impl TryFrom<Value> for CompletionRequest {
             Some(v) => Prompts::read(v)?,
         };
         let settings = Settings::read(&body)?;
-        fields::refuse_unknown(&body, COMPLETION_FIELDS)?;
+        fields::refuse_unknown(&body, &completion_fields())?;
         Ok(Self { prompt, settings })
     }
 }
@@ -286,7 +286,7 @@ impl TryFrom<Value> for ChatRequest {
         let tools = body.get("tools").cloned().filter(|v| !v.is_null());
         let tool_choice = body.get("tool_choice").cloned().filter(|v| !v.is_null());
         let parallel_tool_calls = field(&body, "parallel_tool_calls", "true or false")?;
-        fields::refuse_unknown(&body, CHAT_FIELDS)?;
+        fields::refuse_unknown(&body, &chat_fields())?;
         Ok(Self { messages, settings, tools, tool_choice, parallel_tool_calls })
     }
 }

@@ -38,8 +38,8 @@ use tokio::sync::{mpsc, watch};
 
 use crate::answer::{collect, Failed, Shape, Submitted};
 use crate::api::{
-    error_body, ChatRequest, ChunkHead, CompletionRequest, Format, Generation, Invalid, Kind, Prompts, Served, Usage,
-    CHAT_FIELDS, COMPLETION_FIELDS,
+    chat_fields, completion_fields, error_body, ChatRequest, ChunkHead, CompletionRequest, Format, Generation, Invalid,
+    Kind, Prompts, Served, Usage,
 };
 use crate::chat::ChatPrompt;
 use crate::stream::{Answering, CancelOnDrop};
@@ -314,7 +314,7 @@ async fn route(state: &State, req: Request<Incoming>, conn: &Arc<Conn>) -> Answe
                 "created": 0,
                 "owned_by": "ember",
                 "max_model_len": state.options.context,
-                "honoured_fields": {"/v1/chat/completions": CHAT_FIELDS, "/v1/completions": COMPLETION_FIELDS},
+                "honoured_fields": {"/v1/chat/completions": chat_fields(), "/v1/completions": completion_fields()},
             });
             json_answer(StatusCode::OK, &json!({"object": "list", "data": [model]}))
         }

@@ -7,12 +7,10 @@ use serde_json::{Map, Value};
 
 use super::{wrong, Invalid};
 
-/// The fields `/v1/chat/completions` honours (README, "Serving", and `/v1/models` list them too).
-pub const CHAT_FIELDS: &[&str] = &[
-    "messages",
+/// The fields both endpoints honour: the settings `Settings::read` reads.
+const SETTINGS: &[&str] = &[
     "model",
     "max_tokens",
-    "max_completion_tokens",
     "temperature",
     "top_p",
     "stop",
@@ -21,14 +19,10 @@ pub const CHAT_FIELDS: &[&str] = &[
     "stream_options",
     "n",
     "logprobs",
-    "top_logprobs",
     "logit_bias",
     "presence_penalty",
     "frequency_penalty",
     "response_format",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
     "user",
     "top_k",
     "min_p",
@@ -36,30 +30,22 @@ pub const CHAT_FIELDS: &[&str] = &[
     "ignore_eos",
 ];
 
+/// The fields only `/v1/chat/completions` honours.
+const CHAT_ONLY: &[&str] =
+    &["messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"];
+
+/// The fields only `/v1/completions` honours.
+const COMPLETION_ONLY: &[&str] = &["prompt", "echo"];
+
+/// The fields `/v1/chat/completions` honours (README, "Serving", and `/v1/models` list them too).
+pub fn chat_fields() -> Vec<&'static str> {
+    [CHAT_ONLY, SETTINGS].concat()
+}
+
 /// The fields `/v1/completions` honours.
-pub const COMPLETION_FIELDS: &[&str] = &[
-    "prompt",
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "stop",
-    "seed",
-    "stream",
-    "stream_options",
-    "n",
-    "logprobs",
-    "echo",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "response_format",
-    "user",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "ignore_eos",
-];
+pub fn completion_fields() -> Vec<&'static str> {
+    [COMPLETION_ONLY, SETTINGS].concat()
+}
 
 /// Refuses the first field of `body` that is not in `known` (`null` ones too: a client that sends a
 /// field means something by it, and OpenAI's own server refuses the ones it does not know).

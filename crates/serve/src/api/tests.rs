@@ -229,7 +229,7 @@ fn fields_the_endpoint_does_not_honour_are_refused_by_name() {
         message,
         format!(
             "Unrecognized request argument supplied: suffix (this endpoint honours: {})",
-            COMPLETION_FIELDS.join(", ")
+            completion_fields().join(", ")
         )
     );
     let (param, _) = refused::<ChatRequest>(json!({"messages": [], "functions": []}));
