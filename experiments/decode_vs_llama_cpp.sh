@@ -18,7 +18,7 @@ shift || true
 export EMBER_NODE_MODULES=${EMBER_NODE_MODULES:-target/node/node_modules}
 THREADS=2
 lscpu | grep -E 'Model name|^CPU\(s\)'
-lscpu | grep -o -E 'avx512_vnni|avx_vnni|avx512_bf16|amx_bf16' | sort -u | tr '\n' ' '; echo
+lscpu | grep -o -E 'avx2|avx512f|avx512_vnni|avx_vnni|avx512_bf16|amx_bf16' | sort -u | tr '\n' ' ' || true; echo
 for round in $(seq 1 "$ROUNDS"); do
   for f in "$@"; do
     name=$(basename "$f")

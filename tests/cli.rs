@@ -460,6 +460,51 @@ fn chat_fine_tunes_sample_a_held_out_conversation() {
     assert_eq!(sample["prompt"], "<user>hi 9\n<assistant>hello\n<user>count to 9\n<assistant>", "{sample}");
 }
 
+/// `ember import --dtype bf16` saves bf16 tensors (half the f32 file); inference keeps its
+/// projections in bf16 (decoding multiplies them as stored, the log says so) and answers as the same
+/// values widened to f32 do (its f32 export, served from a folder of f32 tensors).
+#[test]
+fn a_bf16_import_is_saved_and_decoded_in_bf16() {
+    let s = Scratch::new();
+    let fixture = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hf/qwen2");
+    for (dtype, out) in [("bf16", "half"), ("f32", "full")] {
+        let o = s.ember(&["import", fixture.to_str().unwrap(), "--dtype", dtype, "--out", out]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let weights = |run: &str| s.path().join(run).join("checkpoints/step-000000/model.safetensors");
+    let bytes = std::fs::read(weights("half")).unwrap();
+    let (tensors, _) = ember_model::weights::from_safetensors(&bytes, "half").unwrap();
+    for (name, data) in &tensors {
+        assert_eq!(data.dtype, burn::tensor::DType::BF16, "{name}");
+    }
+    let full = std::fs::metadata(weights("full")).unwrap().len();
+    assert!((bytes.len() as u64) < full * 6 / 10, "{} bytes against {full}", bytes.len());
+    let o = s.ember(&["export", "half", "--out", "widened"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let greedy = |checkpoint: &str| {
+        let o = s.ember(&[
+            "sample",
+            "--checkpoint",
+            checkpoint,
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--log",
+            "info",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o).contains("the projections kept in bf16, as stored"))
+    };
+    let (kept, said) = greedy("half");
+    assert!(said, "the log names the bf16 projections");
+    let (widened, said) = greedy("hf:widened");
+    assert!(!said, "an f32 folder is run in f32");
+    assert_eq!(kept, widened);
+}
+
 /// [`tiny_config`] for `ember bench target`: checkpoints only at the end.
 fn target_config() -> String {
     tiny_config("").replace("checkpoint_interval = 3", "checkpoint_interval = 0")

@@ -559,7 +559,7 @@ fn serve_flags_out_of_range_are_refused_by_name() {
 }
 
 /// Issue 55's Qwen2.5 case: a random-weight Qwen2 (made by tests/serve_qwen_tools.py with
-/// transformers, Qwen's vocabulary and Qwen2.5's template) served from its Hugging Face folder.
+/// numpy, Qwen's vocabulary and Qwen2.5's template) served from its Hugging Face folder.
 /// The script asserts that ember's prompt for a conversation with two tools, a past call and its
 /// result is transformers' `apply_chat_template(tools=…)` token for token (same ids, and the same
 /// greedy log-probabilities as a completion of transformers' ids), and that the `tool_calls` of

@@ -4,8 +4,8 @@
     python tests/serve_qwen_tools.py make DIR TOKENIZER_JSON     # the model folder
     python tests/serve_qwen_tools.py check BASE_URL MODEL DIR    # the checks, on `ember serve hf:DIR`
 
-`make` writes a random-weight Qwen2 (transformers' Qwen2ForCausalLM, seeded, 2 layers of width 32)
-with Qwen's real vocabulary: tokenizer.json is Qwen3's (the same BPE and ids as Qwen2.5, whose
+`make` writes a random-weight Qwen2 (Qwen2ForCausalLM's config and tensor names, seeded numpy
+weights, 2 layers of width 32) with Qwen's real vocabulary: tokenizer.json is Qwen3's (the same BPE and ids as Qwen2.5, whose
 added tokens end at <|file_sep|> 151664: Qwen3's four later ones, <tool_response> to </think>, are
 dropped, so that the template's `<tool_response>` is text as in Qwen2.5), and tokenizer_config.json
 holds tests/fixtures/templates/qwen2.5.jinja as its chat template.
@@ -35,25 +35,52 @@ LAST_QWEN25_TOKEN = 151664  # <|file_sep|>
 
 
 def make(out, tokenizer_json):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import numpy as np
 
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(55)
-    config = Qwen2Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, rope_theta=1e6, tie_word_embeddings=True,
-        use_sliding_window=False, bos_token_id=151643, eos_token_id=151645,
-    )
-    model = Qwen2ForCausalLM(config).float()
-    # transformers' init (std 0.02) leaves every logit near 0; wider weights give a model with
-    # preferences, so that a prompt that differs by one token changes the numbers compared.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(out, safe_serialization=True)
+    vocab, width, inner, layers, heads, kv_heads = 151936, 32, 64, 2, 4, 2
+    head_dim = width // heads
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab, "hidden_size": width,
+        "intermediate_size": inner, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True, "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": layers, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "float32", "use_cache": True,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    # Seeded weights wider than transformers' init (std 0.02 leaves every logit near 0): a model with
+    # preferences, so that a prompt that differs by one token changes the numbers compared. Written
+    # as safetensors by hand (an 8-byte header length, the JSON header, the raw little-endian data),
+    # so that making the fixture needs numpy alone.
+    rng = np.random.default_rng(55)
+    tensors = {"model.embed_tokens.weight": rng.normal(0.0, 0.5, (vocab, width))}
+    for i in range(layers):
+        at = f"model.layers.{i}."
+        for name, rows in [("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)]:
+            tensors[at + f"self_attn.{name}_proj.weight"] = rng.normal(0.0, 0.5, (rows, width))
+            tensors[at + f"self_attn.{name}_proj.bias"] = rng.normal(0.0, 0.1, rows)
+        tensors[at + "self_attn.o_proj.weight"] = rng.normal(0.0, 0.5, (width, heads * head_dim))
+        tensors[at + "mlp.gate_proj.weight"] = rng.normal(0.0, 0.5, (inner, width))
+        tensors[at + "mlp.up_proj.weight"] = rng.normal(0.0, 0.5, (inner, width))
+        tensors[at + "mlp.down_proj.weight"] = rng.normal(0.0, 0.5, (width, inner))
+        tensors[at + "input_layernorm.weight"] = 1.0 + rng.normal(0.0, 0.1, width)
+        tensors[at + "post_attention_layernorm.weight"] = 1.0 + rng.normal(0.0, 0.1, width)
+    tensors["model.norm.weight"] = 1.0 + rng.normal(0.0, 0.1, width)
+    header, blobs, at = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, t in tensors.items():
+        data = np.ascontiguousarray(t, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [at, at + len(data)]}
+        blobs.append(data)
+        at += len(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for data in blobs:
+            f.write(data)
     tok = json.loads(pathlib.Path(tokenizer_json).read_text())
     tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] <= LAST_QWEN25_TOKEN]
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))

@@ -280,7 +280,10 @@ pub fn assign<B: Backend, M: Module<B>>(
             let (id, tensor, mapper) = param.consume();
             let data = self.0.remove(path).expect("checked above");
             let require_grad = tensor.is_require_grad();
-            let new = Tensor::<B, D>::from_data(data.convert_dtype(tensor.dtype()), &tensor.device());
+            // The parameter's dtype named at creation: `from_data` alone builds the device's default
+            // float dtype (a bf16 parameter came back f32, and `import --dtype bf16` wrote f32).
+            let dtype = tensor.dtype();
+            let new = Tensor::<B, D>::from_data(data.convert_dtype(dtype), (&tensor.device(), dtype));
             let new = if require_grad { new.require_grad() } else { new };
             Param::from_mapped_value(id, new, mapper)
         }
@@ -441,6 +444,15 @@ mod tests {
         for ((na, ta), (nb, tb)) in named_tensors::<B, _>(&a).into_iter().zip(named_tensors::<B, _>(&b)) {
             assert_eq!(na, nb);
             ta.assert_eq(&tb, true);
+        }
+        // bf16 parameters stay bf16 (what `import --dtype bf16` saves and inference keeps).
+        let half = |m: Decoder<B>| m.with_param_dtype(burn::tensor::DType::BF16);
+        let bytes = to_safetensors(&named_tensors::<B, _>(&half(a)), None);
+        let (tensors, _) = from_safetensors(&bytes, "a.safetensors").unwrap();
+        let c = assign::<B, _>(half(b.clone()), tensors.clone(), "a.safetensors", false).unwrap();
+        for (name, got) in named_tensors::<B, _>(&c) {
+            assert_eq!(got.dtype, burn::tensor::DType::BF16, "{name}");
+            got.assert_eq(&tensors[&name], true);
         }
     }
 

@@ -119,6 +119,46 @@ fn bf16_parameters_give_logits_close_to_f32() {
     }
 }
 
+/// A model whose weights are bf16 values (a bf16 file loaded as f32) keeps its projections in
+/// bf16 for inference: q, k, v, o, gate, up, down and an untied head narrowed, norms, biases and a
+/// tied table left in f32; cached decoding then multiplies the stored bf16 values (the few-rows
+/// kernel) and gives the f32 model's logits up to summation order, and its greedy tokens.
+#[test]
+fn bf16_projections_decode_as_their_f32_widening() {
+    let ids: Vec<u32> = (0..10).map(|i| (i * 5 + 1) % 41).collect();
+    for tie in [true, false] {
+        let cfg = ModelConfig { tie_embeddings: tie, ..config(2, RopeLayout::HalfSplit) };
+        let model = Decoder::<B>::new(&cfg, 7, &Default::default()).unwrap();
+        let model = model.with_param_dtype(DType::BF16).with_param_dtype(DType::F32);
+        let half = model.clone().with_bf16_projections();
+        let mut narrowed = Vec::new();
+        for (path, data) in ember_model::weights::named_tensors::<B, _>(&half) {
+            let projection = path.ends_with("_proj.weight") || path == "lm_head.weight";
+            assert_eq!(data.dtype == DType::BF16, projection, "tie {tie}: {path} is {:?}", data.dtype);
+            narrowed.push(path);
+        }
+        assert!(narrowed.iter().any(|p| p == "layers.0.mlp.down_proj.weight"));
+        assert_eq!(narrowed.iter().any(|p| p == "lm_head.weight"), !tie);
+        // Cached decoding, a token at a time (the few-rows path), against the f32 model.
+        let (mut want_cache, mut got_cache) = (model.new_cache(1, 4), half.new_cache(1, 4));
+        let step = |m: &Decoder<B>, id: u32, cache: &mut KvCache<B>| {
+            let h = m.forward_cached(tokens(&[id]), &[1], cache);
+            m.logits(h.reshape([1, cfg.d_model]))
+        };
+        for &id in &ids {
+            let want = step(&model, id, &mut want_cache);
+            let got = step(&half, id, &mut got_cache);
+            let scale = want.clone().abs().max().into_scalar();
+            let diff = (got - want).abs().max().into_scalar();
+            assert!(diff <= 1e-4 * scale.max(1.0), "tie {tie}: {diff} against logits up to {scale}");
+        }
+        let greedy = || Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap();
+        let options = GenerateOptions { max_new_tokens: 12, stop_tokens: vec![], block_size: 4 };
+        let run = |m: &Decoder<B>| generate_batch(m, &[ids.clone()], &options, &mut [greedy()], |_, _| true).unwrap();
+        assert_eq!(run(&half), run(&model), "tie {tie}");
+    }
+}
+
 #[test]
 fn a_batch_of_prompts_generates_what_each_prompt_generates_alone() {
     let cfg = config(2, RopeLayout::HalfSplit);

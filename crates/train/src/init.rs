@@ -198,6 +198,10 @@ impl ResolvedInit {
                     Keep::Inference => import_for_inference::<B>(path, device),
                 };
                 let model = imported.map_err(|e| self.source.err(e.to_string()))?.imported.model;
+                let bf16 = ember_hf::gguf::GgufFile::open(path)
+                    .ok()
+                    .and_then(|f| f.tensor("blk.0.attn_q.weight").map(|t| t.kind == ember_hf::gguf::GgmlType::Bf16));
+                let model = inference_dtype(model, keep, bf16 == Some(true));
                 let (kept, bytes) = model.quantized_projections();
                 let table = match &model.embed_tokens {
                     ember_model::Weight::Stored(table) => table.blocks.stored_bytes(),
@@ -216,9 +220,17 @@ impl ResolvedInit {
                 Ok(model)
             }
             // `import` reads config.json again, beside the weights (crates/hf reads a folder whole).
-            Opened::Hf(dir) => Ok(ember_hf::import::<B>(dir, DType::F32, false, false, device)
-                .map_err(|e| self.source.err(e.to_string()))?
-                .model),
+            Opened::Hf(dir) => {
+                let model = ember_hf::import::<B>(dir, DType::F32, false, false, device)
+                    .map_err(|e| self.source.err(e.to_string()))?
+                    .model;
+                let files: Vec<PathBuf> = std::fs::read_dir(dir)
+                    .map(|entries| entries.filter_map(|e| e.ok().map(|e| e.path())).collect())
+                    .unwrap_or_default();
+                let files: Vec<PathBuf> =
+                    files.into_iter().filter(|f| f.extension().is_some_and(|e| e == "safetensors")).collect();
+                Ok(inference_dtype(model, keep, projections_in_bf16(&files)))
+            }
             // A LoRA run starts the next one as base + adapters, folded into the weights (the next
             // run's own adapters, if any, then train on top of them; a full fine-tune gets f32
             // weights throughout).
@@ -232,10 +244,49 @@ impl ResolvedInit {
                     );
                     Ok(model)
                 }
-                None => ckpt.decoder::<B>(device),
+                None => Ok(inference_dtype(ckpt.decoder::<B>(device)?, keep, ckpt.stores_bf16_projections())),
             },
         }
     }
+}
+
+/// A model loaded for inference (`keep` [`Keep::Inference`]) from weights stored in bf16 keeps its
+/// projections in bf16 ([`Decoder::with_bf16_projections`]: decoding reads half the bytes of their
+/// f32 widening); any other load, and a model stored in f32, as it is.
+fn inference_dtype<B: ember_kernels::EmberBackend>(model: Decoder<B>, keep: Keep, stored_bf16: bool) -> Decoder<B> {
+    if keep != Keep::Inference || !stored_bf16 {
+        return model;
+    }
+    let model = model.with_bf16_projections();
+    tracing::info!("the projections kept in bf16, as stored");
+    model
+}
+
+/// Whether the safetensors files `files` store their projection weights (`*_proj.weight`) in bf16,
+/// read from the files' headers alone.
+pub(crate) fn projections_in_bf16(files: &[PathBuf]) -> bool {
+    files
+        .iter()
+        .any(|f| header_dtypes(f).is_some_and(|d| d.iter().any(|(k, t)| k.ends_with("_proj.weight") && t == "BF16")))
+}
+
+/// A safetensors file's tensors and their dtypes, from its header (`None` where it cannot be read:
+/// the load that follows names the problem).
+fn header_dtypes(file: &std::path::Path) -> Option<Vec<(String, String)>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(file).ok()?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).ok()?;
+    let len = u64::from_le_bytes(len);
+    // safetensors' own limit on a header.
+    if len > 100 << 20 {
+        return None;
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header).ok()?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).ok()?;
+    let dtype = |v: &serde_json::Value| v.get("dtype").and_then(|d| d.as_str()).map(str::to_owned);
+    Some(header.iter().filter_map(|(k, v)| Some((k.clone(), dtype(v)?))).collect())
 }
 
 /// A config ready to run: complete, with its `init_from` source (if any) opened once, to be passed

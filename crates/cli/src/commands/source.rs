@@ -65,7 +65,15 @@ impl ModelSource {
     /// types.
     pub fn decoder<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> anyhow::Result<Decoder<B>> {
         Ok(match &self.weights {
-            Weights::Run(c) => c.decoder::<B>(device)?,
+            Weights::Run(c) => {
+                let model = c.decoder::<B>(device)?;
+                if c.stores_bf16_projections() {
+                    tracing::info!("the projections kept in bf16, as stored");
+                    model.with_bf16_projections()
+                } else {
+                    model
+                }
+            }
             Weights::Init(init) => init.load::<B>(Keep::Inference, device)?,
         })
     }

@@ -277,6 +277,11 @@ impl<B: EmberBackend> Decoder<B> {
             (Some(head), _) => match &head.weight {
                 // Stored blocks: their integer products for a few rows, decoded tiles for more.
                 Weight::Stored(_) => head.forward(hidden, self.compute),
+                // Kept in bf16 for inference (`with_bf16_projections`): a few rows multiply it as
+                // stored; otherwise widened to the products' dtype.
+                Weight::Dense(w) if w.val().dtype() == DType::BF16 && dtype == DType::F32 && hidden.dims()[0] <= 16 => {
+                    ember_kernels::linear::linear_bf16_weight(hidden, w.val(), None, self.compute)
+                }
                 Weight::Dense(w) => hidden.matmul(to_dtype(w.val(), dtype)),
             },
             (None, Weight::Stored(table)) => ember_kernels::quant_linear(hidden, &table.blocks, self.compute),
@@ -404,6 +409,30 @@ impl<B: EmberBackend> Decoder<B> {
         self.map(&mut Cast(dtype))
     }
 
+    /// For inference on weights stored in bf16: the blocks' projection weights (attention q, k, v, o;
+    /// the MLP's gate, up, down, and a dense MoE's shared expert) and an untied LM head held in bf16,
+    /// everything else as it is. Decoding multiplies such a weight as stored (half an f32 weight's
+    /// bytes read a token, [`ember_kernels::linear::linear_bf16_weight`]); longer inputs widen it.
+    /// The values are the bf16 values the model was stored in when `self` holds their exact f32
+    /// widening (a bf16 file loaded as f32), so outputs change only by summation order. A tied
+    /// embedding table stays as it is (the head reads it whole every token through the f32 kernel);
+    /// latent attention (MLA) keeps every weight (its products go through merged weights).
+    pub fn with_bf16_projections(self) -> Self {
+        struct Narrow;
+        impl<B: Backend> crate::weights::PathMapper<B> for Narrow {
+            fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+                if D != 2 || !is_projection_weight(path) {
+                    return param;
+                }
+                param.map(|t| if t.is_require_grad() { t } else { to_dtype(t, DType::BF16) })
+            }
+        }
+        if self.config.mla.is_some() {
+            return self;
+        }
+        crate::weights::map_paths(self, &mut Narrow)
+    }
+
     /// Logits for every position.
     ///
     /// # Shapes
@@ -413,6 +442,26 @@ impl<B: EmberBackend> Decoder<B> {
         let h = self.hidden(tokens, 0).reshape([b * t, self.config.d_model]);
         self.logits(h).reshape([b, t, self.config.vocab_size])
     }
+}
+
+/// Whether `path` names a dense projection weight that [`Decoder::with_bf16_projections`] narrows:
+/// `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
+/// `layers.N.moe.shared.{gate,up,down}_proj.weight`, `lm_head.weight`.
+fn is_projection_weight(path: &str) -> bool {
+    if path == "lm_head.weight" {
+        return true;
+    }
+    let Some(rest) = path.strip_prefix("layers.") else { return false };
+    let Some((layer, rest)) = rest.split_once('.') else { return false };
+    if layer.parse::<usize>().is_err() {
+        return false;
+    }
+    let attention = ["q_proj", "k_proj", "v_proj", "o_proj"];
+    let mlp = ["gate_proj", "up_proj", "down_proj"];
+    let named = |prefix: &str, names: &[&str]| {
+        rest.strip_prefix(prefix).and_then(|r| r.strip_suffix(".weight")).is_some_and(|name| names.contains(&name))
+    };
+    named("self_attn.", &attention) || named("mlp.", &mlp) || named("moe.shared.", &mlp)
 }
 
 #[cfg(test)]

@@ -327,6 +327,13 @@ impl Checkpoint {
         }
     }
 
+    /// Whether this is a full checkpoint whose projection weights are stored in bf16 (`ember import
+    /// --dtype bf16`): inference keeps them so ([`ember_model::Decoder::with_bf16_projections`]).
+    pub fn stores_bf16_projections(&self) -> bool {
+        let model = self.dir.join(MODEL_FILE);
+        model.is_file() && crate::init::projections_in_bf16(&[model])
+    }
+
     /// The decoder of a full checkpoint, from its own weights.
     pub(crate) fn own_decoder<B: ember_kernels::EmberBackend>(
         &self,
