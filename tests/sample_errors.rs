@@ -207,10 +207,13 @@ fn json_schema_answers_hold_to_the_schema_and_bad_schemas_are_named() {
     let schema = serde_json::json!({
         "type": "object",
         "properties": {
-            "name": {"type": "string", "maxLength": 24},
+            // Letters only, a bounded count: at most a token a character, so that an answer
+            // always ends inside --max-new-tokens (a string of 24 characters of any alphabet can
+            // take 70 tokens, and a sampled answer ran out of tokens mid-string).
+            "name": {"type": "string", "pattern": "^[A-Za-z ]{1,24}$"},
             "age": {"type": "integer", "minimum": 0, "maximum": 120},
             "city": {"enum": ["Paris", "London", "Tokyo"]},
-            "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}
+            "hobbies": {"type": "array", "items": {"type": "string", "pattern": "^[a-z ]{1,20}$"}, "maxItems": 3}
         },
         "required": ["name", "age", "city", "hobbies"],
         "additionalProperties": false
@@ -227,7 +230,7 @@ fn json_schema_answers_hold_to_the_schema_and_bad_schemas_are_named() {
         assert!(v["hobbies"].as_array().unwrap().len() <= 3, "{text}");
     };
     let prompt = "Describe a person as JSON.";
-    let base = ["sample", "--checkpoint", &gguf, "--chat", "--max-new-tokens", "120", "--json-schema", "person.json"];
+    let base = ["sample", "--checkpoint", &gguf, "--chat", "--max-new-tokens", "200", "--json-schema", "person.json"];
     let out = assert_ran(&s.ember(&[&base[..], &["--prompt", prompt]].concat()));
     let answer = out.strip_prefix(&format!("{prompt}\n")).unwrap_or_else(|| panic!("{out:?}"));
     valid(answer.trim_end_matches('\n'));

@@ -108,6 +108,12 @@ pub struct Compute {
     pub int8_inputs: bool,
     /// With `int8_inputs`: those rows in one 8-bit part or in two (16 bits).
     pub activation_bits: ActivationBits,
+    /// With `int8_inputs`: a prompt's rows, however many, take the same integer products as a
+    /// decode step's, on weights in the file's layout too (interleaved weights always do). A
+    /// position then gets the same bits whether its prompt was computed whole, in chunks, after
+    /// a shared prefix or beside other requests (what `serve` promises for a seeded request), at
+    /// a cost to prompts where the CPU lacks AVX-512 VNNI (their f32 tiles run faster there).
+    pub uniform_products: bool,
 }
 
 impl Default for Compute {
@@ -120,6 +126,7 @@ impl Default for Compute {
             cpu: Cpu::detect(),
             int8_inputs: true,
             activation_bits: ActivationBits::Eight,
+            uniform_products: false,
         }
     }
 }
@@ -149,6 +156,10 @@ impl Compute {
 
     pub fn with_activation_bits(self, activation_bits: ActivationBits) -> Self {
         Self { activation_bits, ..self }
+    }
+
+    pub fn with_uniform_products(self, uniform_products: bool) -> Self {
+        Self { uniform_products, ..self }
     }
 
     /// Whether an op on tensors of `dtype` runs as one node on `B`'s kernel (the backend has one

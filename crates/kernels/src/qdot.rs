@@ -859,8 +859,9 @@ mod wide {
     }
 
     /// One row of 32-value blocks against `R` rows of activations: each block's codes unpacked
-    /// once for all of them (what makes a batch of rows cheaper than `R` single products), one
-    /// accumulator a row.
+    /// once for all of them (what makes a batch of rows cheaper than `R` single products), each
+    /// row's sums in [`small`]'s order (even and odd blocks in two accumulators, added at the end),
+    /// so that a row gets the same bits alone or in a batch.
     #[inline(always)]
     unsafe fn small_rows<I: Isa, T: Small, const R: usize>(row: &[u8], xs: &[Row<'_>; R], blocks: usize) -> [f32; R] {
         debug_assert!(row.len() >= blocks * T::BYTES);
@@ -872,9 +873,10 @@ mod wide {
             let xq: [*const u8; R] = std::array::from_fn(|r| xs[r].q.as_ptr() as *const u8);
             let xd: [*const f32; R] = std::array::from_fn(|r| xs[r].d.as_ptr());
             let xs_: [*const f32; R] = std::array::from_fn(|r| xs[r].dsum.as_ptr());
-            let mut acc = [_mm256_setzero_ps(); R];
-            let mut offsets = [0f32; R];
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            let mut offsets = [[0f32; 2]; R];
             for b in 0..blocks {
+                let lane = b & 1;
                 let blk = w.add(T::BYTES * b);
                 let codes = T::codes(blk);
                 let u = if T::SIGNED { _mm256_abs_epi8(codes) } else { codes };
@@ -884,13 +886,14 @@ mod wide {
                     let x = load(xq[r].add(32 * b));
                     let x = if T::SIGNED { _mm256_sign_epi8(x, codes) } else { x };
                     let p = I::dot(_mm256_setzero_si256(), u, x);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * *xd[r].add(b)), acc[r]);
+                    let a = &mut acc[r][lane];
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * *xd[r].add(b)), *a);
                     if T::MIN {
-                        offsets[r] += m * *xs_[r].add(b);
+                        offsets[r][lane] += m * *xs_[r].add(b);
                     }
                 }
             }
-            std::array::from_fn(|r| hsum(acc[r]) + offsets[r])
+            std::array::from_fn(|r| hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets[r][0] + offsets[r][1])
         }
     }
 
@@ -1088,6 +1091,28 @@ pub(crate) mod tests {
                         (a - b).abs() <= 1e-5 * scale,
                         "{format:?} on {isa:?}, entry {i}: {a} vs {b} (scale {scale})"
                     );
+                }
+            }
+        }
+    }
+
+    /// A row's product has the same bits alone or among others (grouped by ROWS, in a pair or on
+    /// its own), on every instruction set: a served request's tokens do not depend on what runs
+    /// beside it.
+    #[test]
+    fn a_row_gets_the_same_bits_alone_or_in_a_batch() {
+        for format in DotFormat::ALL {
+            let (bv, _) = format.block();
+            let (m, k, n) = (19, 3 * bv.max(256), 2 * ROWS + 3);
+            let data = random_rows(format, m, k, 3 + format as u64);
+            let mut rng = ChaCha8Rng::seed_from_u64(5);
+            let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+            for isa in Isa::reachable(Cpu::detect()) {
+                let w = DotWeight::new(format, &data, (m, k));
+                let together = product_with(isa, w, (&x, n, ActivationBits::Eight));
+                for r in 0..n {
+                    let alone = product_with(isa, w, (&x[r * k..(r + 1) * k], 1, ActivationBits::Eight));
+                    assert_eq!(&together[r * m..(r + 1) * m], &alone[..], "{format:?} on {isa:?}, row {r}");
                 }
             }
         }

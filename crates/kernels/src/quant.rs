@@ -360,7 +360,7 @@ impl QuantLinearOps for Flex {
             Some(format) if cx.int8_inputs && w.0.interleaved => {
                 crate::interleave::product(Isa::best(cx.cpu), dot(format), (&x, n, cx.activation_bits))
             }
-            Some(format) if n <= DOT_ROWS && cx.int8_inputs => {
+            Some(format) if (n <= DOT_ROWS || cx.uniform_products) && cx.int8_inputs => {
                 crate::qdot::product_with(Isa::best(cx.cpu), dot(format), (&x, n, cx.activation_bits))
             }
             _ => kernel::forward(&x, n, w),

@@ -41,7 +41,7 @@ pub struct TrainBench {
     pub flops_per_token: f64,
     pub peak_flops: f64,
     pub peak_source: String,
-    /// flops_per_token · tokens_per_sec / peak_flops.
+    /// flops_per_token · tokens_per_sec / peak_flops, at most 1.
     pub mfu: f64,
     /// Highest memory in use during the timed steps (model, optimizer state, activations, data).
     pub peak_memory_bytes: Option<u64>,
@@ -124,6 +124,16 @@ pub fn bench_run<B: TrainBackend>(
     let tokens_per_step = config.tokens_per_step();
     let tokens_per_sec = tokens_per_step as f64 / (step_ms / 1e3);
     let flops_per_token = config.train_flops_per_token();
+    let rate = flops_per_token * tokens_per_sec;
+    if rate > peak.flops {
+        let again = if peak.remeasurable { "; `ember bench peak` measures it again" } else { "" };
+        tracing::warn!(
+            "{:.4} TFLOP/s of model FLOPs, above the peak of {:.4} TFLOP/s ({}): MFU is reported as 100 %{again}",
+            rate / 1e12,
+            peak.flops / 1e12,
+            peak.source
+        );
+    }
     Ok(TrainBench {
         device: device_label.to_string(),
         precision: precision_label(&compute),
@@ -166,7 +176,8 @@ pub fn bench_peak<B: Backend>(
     // A peak of 0 (or none at all) would put every later run's MFU at inf %: only a real rate is
     // remembered.
     if let Some(dir) = cache.filter(|_| peak_flops > 0.0) {
-        crate::flops::store_peak(&dir.join(crate::flops::peak_cache_name::<B>(device, which)), peak_flops);
+        let file = dir.join(crate::flops::peak_cache_name::<B>(device, which));
+        crate::flops::store_peak(&file, peak_flops, crate::flops::now_unix());
     }
     let dtype = match which {
         Gemms::Backend(dtype) => format!("{dtype:?}").to_lowercase(),

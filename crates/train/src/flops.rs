@@ -2,10 +2,12 @@
 //! parameters that take part in matmuls (`4N` and the adapters' FLOPs for LoRA on a frozen base:
 //! `TrainConfig::train_flops_per_token`). The peak comes from a table of dense peaks per GPU and
 //! dtype, from the user, or, on the CPU and unknown devices, from measuring the best GEMM of the
-//! kind the run uses (the backend's, or the CPU's bf16 kernel: [`Gemms`]).
+//! kind the run uses (the backend's, or the CPU's bf16 kernel: [`Gemms`]), cached with the time it
+//! was measured. A run faster than a measured peak measures it again ([`Remeasure`]); MFU is never
+//! reported above 1 ([`utilisation`]).
 
-use std::path::Path;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Device, Distribution, Tensor};
@@ -18,6 +20,19 @@ use ember_kernels::Bf16Kernel;
 pub struct Peak {
     pub flops: f64,
     pub source: String,
+    /// When it was measured (unix seconds): a measured peak whose cache file says so.
+    pub measured_at: Option<u64>,
+    /// Whether a run that beats it measures it again: a measured peak, not `--peak-tflops` nor
+    /// the table's.
+    pub remeasurable: bool,
+}
+
+impl Peak {
+    /// A peak that is not measured here (`--peak-tflops`, the table): a run that beats it only
+    /// clamps its MFU.
+    fn given(flops: f64, source: String) -> Self {
+        Self { flops, source, measured_at: None, remeasurable: false }
+    }
 }
 
 /// Dense (no sparsity) peaks: (name fragment, 16-bit tensor-core FLOP/s, f32 FLOP/s), from the
@@ -45,12 +60,19 @@ const GPU_PEAKS: &[(&str, f64, f64)] = &[
 pub(crate) fn table_peak(device_name: &str, dtype: DType) -> Option<Peak> {
     let (frag, half, full) = GPU_PEAKS.iter().find(|(frag, _, _)| device_name.contains(frag))?;
     let (flops, kind) = if dtype == DType::F32 { (*full, "f32") } else { (*half, "dense bf16/f16") };
-    Some(Peak { flops, source: format!("table: {frag} {kind}") })
+    Some(Peak::given(flops, format!("table: {frag} {kind}")))
 }
 
-/// `MFU` for `flops_per_token` model FLOPs at `tokens_per_sec`.
+/// `MFU` for `flops_per_token` model FLOPs at `tokens_per_sec`, at most 1 ([`utilisation`]).
 pub(crate) fn mfu(flops_per_token: f64, tokens_per_sec: f64, peak: &Peak) -> f64 {
-    flops_per_token * tokens_per_sec / peak.flops
+    utilisation(flops_per_token * tokens_per_sec, peak)
+}
+
+/// The share of `peak` that `rate` (model FLOP/s) uses, at most 1: a rate above the peak means the
+/// peak is too low (measured on a busy machine, or given too low), not that the run beat the
+/// hardware.
+pub(crate) fn utilisation(rate: f64, peak: &Peak) -> f64 {
+    (rate / peak.flops).min(1.0)
 }
 
 /// One measured GEMM shape.
@@ -152,23 +174,68 @@ pub(crate) fn resolve_peak<B: Backend>(
     cache: Option<&Path>,
 ) -> Peak {
     if let Some(t) = override_tflops {
-        return Peak { flops: t * 1e12, source: "--peak-tflops".into() };
+        return Peak::given(t * 1e12, "--peak-tflops".into());
     }
     if let Some(p) = device_name.and_then(|n| table_peak(n, gemms.dtype())) {
         return p;
     }
-    let label = gemms.label();
     let file = cache.map(|dir| dir.join(peak_cache_name::<B>(device, gemms)));
-    let cached = file.as_deref().and_then(read_peak);
-    if let Some(flops) = cached {
-        return Peak { flops, source: format!("measured earlier: best {label} GEMM on {}", B::name(device)) };
+    if let Some((flops, at)) = file.as_deref().and_then(read_peak) {
+        let when = at.map_or_else(|| "earlier (when not recorded)".into(), |t| format!("{} UTC", utc_minute(t)));
+        let source = format!("measured {when}: best {} GEMM on {}", gemms.label(), B::name(device));
+        return Peak { flops, source, measured_at: at, remeasurable: true };
     }
+    let peak = measure_peak::<B>(device, gemms);
+    if let Some(f) = file {
+        store_peak(&f, peak.flops, peak.measured_at.unwrap_or_else(now_unix));
+    }
+    peak
+}
+
+/// The best rate of `gemms` on `device`, measured now (square GEMMs of 512, 1024 and 2048).
+fn measure_peak<B: Backend>(device: &Device<B>, gemms: Gemms) -> Peak {
     let rates = gemms.measure::<B>(device, &[512, 1024, 2048], 3);
     let best = rates.iter().max_by(|a, b| a.flops.total_cmp(&b.flops)).expect("three sizes");
-    if let Some(f) = file {
-        store_peak(&f, best.flops);
+    let (label, n) = (gemms.label(), best.n);
+    let source = format!("measured now: best {label} GEMM on {} ({n}³)", B::name(device));
+    Peak { flops: best.flops, source, measured_at: Some(now_unix()), remeasurable: true }
+}
+
+/// How a run measures its peak again when it beats it: the run's GEMMs measured now (`measure`),
+/// the raised peak remembered in `cache` (the file [`resolve_peak`] reads).
+pub(crate) struct Remeasure {
+    pub(crate) measure: Box<dyn FnMut() -> Peak + Send>,
+    pub(crate) cache: Option<PathBuf>,
+}
+
+impl Remeasure {
+    /// Measures `gemms` on `device`, as [`resolve_peak`] does, caching in `cache_dir`.
+    pub(crate) fn of<B: Backend>(device: &Device<B>, gemms: Gemms, cache_dir: Option<&Path>) -> Self {
+        let cache = cache_dir.map(|dir| dir.join(peak_cache_name::<B>(device, gemms)));
+        let device = device.clone();
+        Self { measure: Box::new(move || measure_peak::<B>(&device, gemms)), cache }
     }
-    Peak { flops: best.flops, source: format!("measured: best {label} GEMM on {} ({}³)", B::name(device), best.n) }
+}
+
+/// Seconds since the Unix epoch, now.
+pub(crate) fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// `unix` seconds as a UTC date and minute, `2026-12-07 08:30` (the proleptic Gregorian calendar:
+/// Howard Hinnant's days-to-civil).
+pub(crate) fn utc_minute(unix: u64) -> String {
+    let (days, secs) = ((unix / 86_400) as i64, unix % 86_400);
+    // Days since 0000-03-01, in eras of 400 years (146,097 days) that start on a March 1st.
+    let z = days + 719_468;
+    let (era, doe) = (z.div_euclid(146_097), z.rem_euclid(146_097));
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}", secs / 3600, secs % 3600 / 60)
 }
 
 /// The cache file of a measured peak: backend, GEMMs, CPU model, a hash of the CPU's feature flags
@@ -199,22 +266,30 @@ fn fnv1a(bytes: &[u8]) -> u32 {
     bytes.iter().fold(0x811c_9dc5, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
-/// A cached peak, ignored unless it is a finite rate above 0 (a damaged file or an older build's 0).
-fn read_peak(file: &Path) -> Option<f64> {
-    let flops = std::fs::read_to_string(file).ok()?.trim().parse::<f64>().ok()?;
-    (flops.is_finite() && flops > 0.0).then_some(flops)
+/// A cached peak and when it was measured (unix seconds; `"{flops}\n{unix}\n"`, or an older build's
+/// `"{flops}\n"` without the time), ignored unless it is a finite rate above 0 (a damaged file or
+/// an older build's 0).
+fn read_peak(file: &Path) -> Option<(f64, Option<u64>)> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let mut lines = text.lines().map(str::trim);
+    let flops = lines.next()?.parse::<f64>().ok()?;
+    let at = lines.next().and_then(|l| l.parse::<u64>().ok());
+    (flops.is_finite() && flops > 0.0).then_some((flops, at))
 }
 
-/// Remembers a measured peak, keeping the higher of it and any earlier one: a peak is the best the
-/// machine reached (best effort: a cache that cannot be written is only a warning).
-/// A peak that is 0, negative or not finite is never written (it would put MFU at inf %).
-pub(crate) fn store_peak(file: &Path, flops: f64) {
+/// Remembers a peak measured at `at` (unix seconds), keeping the higher of it and any earlier one
+/// (with its time): a peak is the best the machine reached (best effort: a cache that cannot be
+/// written is only a warning). A peak that is 0, negative or not finite is never written (it would
+/// put MFU at inf %).
+pub(crate) fn store_peak(file: &Path, flops: f64, at: u64) {
     if !(flops.is_finite() && flops > 0.0) {
         return;
     }
-    let earlier = read_peak(file).unwrap_or(0.0);
+    if read_peak(file).is_some_and(|(earlier, _)| earlier >= flops) {
+        return;
+    }
     let dir = file.parent().unwrap_or(Path::new("."));
-    let written = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(file, format!("{}\n", flops.max(earlier))));
+    let written = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(file, format!("{flops}\n{at}\n")));
     if let Err(e) = written {
         tracing::warn!("cannot cache the measured peak in {}: {e}", file.display());
     }
@@ -230,7 +305,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("peak.txt");
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            store_peak(&file, bad);
+            store_peak(&file, bad, 1);
             assert!(!file.exists(), "{bad} was cached");
         }
         for bad in ["0", "-3e9", "NaN", "inf", "x"] {
@@ -239,10 +314,68 @@ mod tests {
         }
         // A 0 left by an older build is replaced, not kept as the higher of the two.
         std::fs::write(&file, "0\n").unwrap();
-        store_peak(&file, 2e9);
-        assert_eq!(read_peak(&file), Some(2e9));
-        store_peak(&file, 1e9);
-        assert_eq!(read_peak(&file), Some(2e9));
+        store_peak(&file, 2e9, 5);
+        assert_eq!(read_peak(&file), Some((2e9, Some(5))));
+        store_peak(&file, 1e9, 6);
+        assert_eq!(read_peak(&file), Some((2e9, Some(5))));
+    }
+
+    #[test]
+    fn the_cache_file_keeps_when_its_peak_was_measured() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sub").join("peak.txt");
+        store_peak(&file, 1.48e11, 1_796_630_400);
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "148000000000\n1796630400\n");
+        assert_eq!(read_peak(&file), Some((1.48e11, Some(1_796_630_400))));
+        // A higher peak replaces it, with its own time; a lower one leaves both.
+        store_peak(&file, 2e11, 1_796_660_000);
+        store_peak(&file, 1.9e11, 1_796_670_000);
+        assert_eq!(read_peak(&file), Some((2e11, Some(1_796_660_000))));
+        // An older build's one-line file: the peak, no time; a damaged time is no time.
+        std::fs::write(&file, "148000000000\n").unwrap();
+        assert_eq!(read_peak(&file), Some((1.48e11, None)));
+        std::fs::write(&file, "1.5e11\nyesterday\n").unwrap();
+        assert_eq!(read_peak(&file), Some((1.5e11, None)));
+        // What a run logs of a cached peak: when it was measured.
+        let dev = Default::default();
+        let cache = dir.path().join("cache");
+        let name = peak_cache_name::<burn::backend::Flex>(&dev, Gemms::Backend(DType::F32));
+        std::fs::create_dir_all(&cache).unwrap();
+        std::fs::write(cache.join(&name), "1.5e11\n1796660000\n").unwrap();
+        let peak = resolve_peak::<burn::backend::Flex>(&dev, None, Gemms::Backend(DType::F32), None, Some(&cache));
+        assert_eq!((peak.flops, peak.measured_at, peak.remeasurable), (1.5e11, Some(1_796_660_000), true));
+        assert!(peak.source.starts_with("measured 2026-12-07 16:13 UTC: best F32 GEMM on "), "{}", peak.source);
+        std::fs::write(cache.join(&name), "1.5e11\n").unwrap();
+        let peak = resolve_peak::<burn::backend::Flex>(&dev, None, Gemms::Backend(DType::F32), None, Some(&cache));
+        assert_eq!((peak.flops, peak.measured_at), (1.5e11, None));
+        assert!(peak.source.starts_with("measured earlier (when not recorded): "), "{}", peak.source);
+        // Given peaks are not measured again.
+        let given = resolve_peak::<burn::backend::Flex>(&dev, None, Gemms::Backend(DType::F32), Some(2.0), None);
+        assert_eq!((given.flops, given.remeasurable), (2e12, false));
+        assert!(!table_peak("NVIDIA H100 PCIe", DType::BF16).unwrap().remeasurable);
+    }
+
+    #[test]
+    fn utc_minutes_of_known_times() {
+        assert_eq!(utc_minute(0), "1970-01-01 00:00");
+        assert_eq!(utc_minute(59), "1970-01-01 00:00");
+        assert_eq!(utc_minute(1_796_630_400), "2026-12-07 08:00");
+        assert_eq!(utc_minute(1_796_630_400 + 8 * 3600 + 30 * 60 + 59), "2026-12-07 16:30");
+        // Leap days, a century that is not a leap year and one that is.
+        assert_eq!(utc_minute(951_782_400), "2000-02-29 00:00");
+        assert_eq!(utc_minute(1_709_164_799), "2024-02-28 23:59");
+        assert_eq!(utc_minute(1_709_164_800), "2024-02-29 00:00");
+        assert_eq!(utc_minute(4_107_542_400), "2100-03-01 00:00");
+        assert_eq!(utc_minute(1_735_689_599), "2024-12-31 23:59");
+    }
+
+    #[test]
+    fn mfu_is_never_above_one() {
+        let peak = Peak::given(1e11, "--peak-tflops".into());
+        assert_eq!(utilisation(5e10, &peak), 0.5);
+        assert_eq!(utilisation(1.3e11, &peak), 1.0);
+        assert_eq!(mfu(1e6, 2e5, &peak), 1.0);
+        assert_eq!(mfu(1e6, 5e4, &peak), 0.5);
     }
 
     #[test]
@@ -270,7 +403,7 @@ mod tests {
         assert_eq!(m.matmul_params(), n as u64);
         let per_token = 6.0 * n as f64 + 12.0 * 4.0 * 64.0 * 128.0;
         assert_eq!(m.train_flops_per_token(64), per_token);
-        let peak = Peak { flops: 315e9, source: "test".into() };
+        let peak = Peak::given(315e9, "test".into());
         let got = mfu(m.train_flops_per_token(64), 5000.0, &peak);
         assert!((got - per_token * 5000.0 / 315e9).abs() < 1e-12);
         assert!((got - 0.08232).abs() < 1e-4, "{got}"); // 5,186,304 · 5000 / 315e9

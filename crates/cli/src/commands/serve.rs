@@ -103,7 +103,10 @@ impl Job for ServeJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, name: &str) -> anyhow::Result<()> {
         let Self { args, checkpoint, template, defaults } = self;
-        let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
+        // A seeded request answers the same whatever runs beside it and however its prompt is
+        // split (a shared prefix, chunks): prompts on the decode steps' integer products.
+        let compute = crate::env::compute().with_uniform_products(true);
+        let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(compute);
         let (context, vocab_size) = (model.config().max_seq_len, model.config().vocab_size);
         anyhow::ensure!(
             args.block_size <= context,

@@ -64,6 +64,12 @@ impl ModelSource {
     /// The model's weights on `device`; a GGUF file's block-quantized projections stay in their
     /// types.
     pub fn decoder<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> anyhow::Result<Decoder<B>> {
+        let model = self.load::<B>(device)?;
+        crate::alloc::release_freed_memory();
+        Ok(model)
+    }
+
+    fn load<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> anyhow::Result<Decoder<B>> {
         Ok(match &self.weights {
             Weights::Run(c) => {
                 let model = c.decoder::<B>(device)?;

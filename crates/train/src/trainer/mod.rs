@@ -36,7 +36,7 @@ use indicatif::ProgressBar;
 use crate::checkpoint::{TrainState, CONFIG_FILE, TOKENIZER_FILE};
 use crate::distributed::Collective;
 use crate::error::{OptimizerError, TrainError};
-use crate::flops::{resolve_peak, Gemms, Peak};
+use crate::flops::{resolve_peak, Gemms, Peak, Remeasure};
 use crate::init::ResolvedConfig;
 use crate::memory::MemoryProbe;
 use crate::metrics::{Sinks, StepRecord};
@@ -237,12 +237,12 @@ pub fn train<B: TrainBackend>(
         buffers: Default::default(),
         device_comm: opts.device_comm.as_ref(),
     };
-    let peak = device_peak::<B>(opts, device, peak_gemms(&compute));
+    let (peak, remeasure) = device_peak::<B>(opts, device, peak_gemms(&compute));
     setup::log_setup(config, &compute, &peak, config.tokens_per_step() * c.world());
     log_data_parallel(&stepper, matches!(optim, Optimizer::Sharded(_)));
     let tasks = EvaluatorConfig::tasks(config, &setup, opts.eval_dir.as_deref())?;
     let evaluator = EvaluatorConfig::of(config).build(&setup, c, objective.as_ref(), &tasks);
-    let mut rec = RecorderConfig::of(config).build(opts, peak, &state, sinks);
+    let mut rec = RecorderConfig::of(config).build(opts, peak, remeasure, &state, sinks);
     if state.step >= stop {
         let end = RunEnd::NothingToTrain { stop_at: opts.stop_at };
         return Ok(rec.finish(&opts.run_dir, &state, None, Vec::new(), end));
@@ -388,10 +388,14 @@ fn take_step<B: TrainBackend>(
     Ok((model, out))
 }
 
-/// The device's peak FLOP/s, for MFU: `--peak-tflops`, the table, or a measured GEMM rate.
-fn device_peak<B: TrainBackend>(opts: &TrainOptions, device: &Device<B>, gemms: Gemms) -> Peak {
+/// The device's peak FLOP/s, for MFU: `--peak-tflops`, the table, or a measured GEMM rate; and, for
+/// a measured one on rank 0 (the rank that reports), how to measure it again when the run beats it.
+fn device_peak<B: TrainBackend>(opts: &TrainOptions, device: &Device<B>, gemms: Gemms) -> (Peak, Option<Remeasure>) {
     let cache = Some(opts.locations.cache_dir.as_path());
-    resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), gemms, opts.peak_tflops, cache)
+    let peak = resolve_peak::<B::InnerBackend>(device, opts.device_name.as_deref(), gemms, opts.peak_tflops, cache);
+    let remeasure = (peak.remeasurable && opts.collective.rank() == 0)
+        .then(|| Remeasure::of::<B::InnerBackend>(device, gemms, cache));
+    (peak, remeasure)
 }
 
 type Opened<B> = (Decoder<B>, Optimizer<B>, TrainState, Sinks);
