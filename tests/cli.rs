@@ -503,6 +503,17 @@ fn a_bf16_import_is_saved_and_decoded_in_bf16() {
     let (widened, said) = greedy("hf:widened");
     assert!(!said, "an f32 folder is run in f32");
     assert_eq!(kept, widened);
+    // The same values as GGUF files, run from the files (their tokenizer is rebuilt from the
+    // metadata, so they are compared with each other): bf16 kept, f32 as it is, the same answer.
+    for dtype in ["bf16", "f32"] {
+        let o = s.ember(&["export", "half", "--dtype", dtype, "--out", &format!("{dtype}.gguf")]);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let (kept, said) = greedy("gguf:bf16.gguf");
+    assert!(said, "a bf16 GGUF file keeps its projections in bf16");
+    let (widened, said) = greedy("gguf:f32.gguf");
+    assert!(!said, "an f32 GGUF file is run in f32");
+    assert_eq!(kept, widened);
 }
 
 /// [`tiny_config`] for `ember bench target`: checkpoints only at the end.

@@ -197,11 +197,11 @@ impl ResolvedInit {
                     Keep::Projections => import_keeping::<B>(path, device),
                     Keep::Inference => import_for_inference::<B>(path, device),
                 };
-                let model = imported.map_err(|e| self.source.err(e.to_string()))?.imported.model;
-                let bf16 = ember_hf::gguf::GgufFile::open(path)
-                    .ok()
-                    .and_then(|f| f.tensor("blk.0.attn_q.weight").map(|t| t.kind == ember_hf::gguf::GgmlType::Bf16));
-                let model = inference_dtype(model, keep, bf16 == Some(true));
+                let imported = imported.map_err(|e| self.source.err(e.to_string()))?;
+                let bf16 = ember_hf::gguf::GgmlType::Bf16.name();
+                // Norms are F32 in every GGUF file: a block's bf16 tensor is a projection.
+                let stored_bf16 = imported.stored.iter().any(|(name, kind)| name.starts_with("blk.") && *kind == bf16);
+                let model = inference_dtype(imported.imported.model, keep, stored_bf16);
                 let (kept, bytes) = model.quantized_projections();
                 let table = match &model.embed_tokens {
                     ember_model::Weight::Stored(table) => table.blocks.stored_bytes(),
@@ -244,7 +244,8 @@ impl ResolvedInit {
                     );
                     Ok(model)
                 }
-                None => Ok(inference_dtype(ckpt.decoder::<B>(device)?, keep, ckpt.stores_bf16_projections())),
+                None if keep == Keep::Inference => ckpt.inference_decoder::<B>(device),
+                None => ckpt.decoder::<B>(device),
             },
         }
     }
@@ -320,6 +321,15 @@ impl TrainConfig {
 }
 
 impl Checkpoint {
+    /// [`Checkpoint::decoder`] for inference: a full checkpoint whose projections are stored in bf16
+    /// (`ember import --dtype bf16`) keeps them so ([`Decoder::with_bf16_projections`]).
+    pub fn inference_decoder<B: ember_kernels::EmberBackend>(
+        &self,
+        device: &Device<B>,
+    ) -> Result<Decoder<B>, TrainError> {
+        Ok(inference_dtype(self.decoder(device)?, Keep::Inference, self.stores_bf16_projections()))
+    }
+
     /// The decoder with this checkpoint's weights (for a LoRA checkpoint: the base model with the
     /// adapters attached; its `init_from` source is opened for it).
     pub fn decoder<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> Result<Decoder<B>, TrainError> {

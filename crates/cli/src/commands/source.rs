@@ -71,15 +71,7 @@ impl ModelSource {
 
     fn load<B: ember_kernels::EmberBackend>(&self, device: &Device<B>) -> anyhow::Result<Decoder<B>> {
         Ok(match &self.weights {
-            Weights::Run(c) => {
-                let model = c.decoder::<B>(device)?;
-                if c.stores_bf16_projections() {
-                    tracing::info!("the projections kept in bf16, as stored");
-                    model.with_bf16_projections()
-                } else {
-                    model
-                }
-            }
+            Weights::Run(c) => c.inference_decoder::<B>(device)?,
             Weights::Init(init) => init.load::<B>(Keep::Inference, device)?,
         })
     }

@@ -278,8 +278,8 @@ impl<B: EmberBackend> Decoder<B> {
                 // Stored blocks: their integer products for a few rows, decoded tiles for more.
                 Weight::Stored(_) => head.forward(hidden, self.compute),
                 // Kept in bf16 for inference (`with_bf16_projections`): a few rows multiply it as
-                // stored; otherwise widened to the products' dtype.
-                Weight::Dense(w) if w.val().dtype() == DType::BF16 && dtype == DType::F32 && hidden.dims()[0] <= 16 => {
+                // stored, more widen it (the op decides).
+                Weight::Dense(w) if w.val().dtype() == DType::BF16 && dtype == DType::F32 => {
                     ember_kernels::linear::linear_bf16_weight(hidden, w.val(), None, self.compute)
                 }
                 Weight::Dense(w) => hidden.matmul(to_dtype(w.val(), dtype)),

@@ -329,7 +329,7 @@ impl Checkpoint {
 
     /// Whether this is a full checkpoint whose projection weights are stored in bf16 (`ember import
     /// --dtype bf16`): inference keeps them so ([`ember_model::Decoder::with_bf16_projections`]).
-    pub fn stores_bf16_projections(&self) -> bool {
+    pub(crate) fn stores_bf16_projections(&self) -> bool {
         let model = self.dir.join(MODEL_FILE);
         model.is_file() && crate::init::projections_in_bf16(&[model])
     }
