@@ -53,7 +53,8 @@ pub(crate) fn from_bf16(h: u16) -> f32 {
 }
 
 /// The instructions that multiply the bf16 operands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Kernel {
     /// AVX512_BF16's `vdpbf16ps`: 8 rows × 48 columns of sums in vector registers.
     Avx512,
@@ -75,24 +76,6 @@ impl Kernel {
             #[cfg(not(target_arch = "x86_64"))]
             Kernel::Amx => false,
             Kernel::Avx512 => supported(),
-        }
-    }
-
-    /// Whether the vector kernel's bf16 dot products outrun this CPU's f32 FMAs, which decides
-    /// whether the attention's products (small, per block of queries) take bf16 operands. Not
-    /// where the CPU has AMX: those Xeons issue `vdpbf16ps` on one port against the FMA's two, so
-    /// it multiplies no faster than f32 and the conversions make it slower (`ember bench attention
-    /// --batch 8 --seq 256 --heads 6 --kv-heads 6`, 2 Xeon cores with AMX: 0.65× f32, 0.69× at 512
-    /// positions, 0.60× at 128); AMD's Zen 4 and 5 issue it at the FMA's rate (2 Zen 5 cores, 9/3
-    /// heads: 1.0× at 256, 1.23× at 512, 1.49× at 2,048).
-    pub fn vector_outruns_f32() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            supported() && !amx::cpu_has_amx()
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
         }
     }
 

@@ -55,16 +55,20 @@ pub struct Bf16Products {
     pub linear: bool,
     /// The LM head's GEMMs inside the fused loss.
     pub head: bool,
-    /// The attention's products (sequences over 256 positions), where the vector kernel outruns
-    /// f32 ([`Bf16Kernel::vector_outruns_f32`]).
+    /// The attention's products (sequences over 256 positions), on the vector kernel.
     pub attention: bool,
+    /// The kernel of Muon's Newton-Schulz iteration with `ns_dtype = "bf16"`, whose operands are
+    /// bf16 values either way: a bf16 kernel, or (`None`) f32 products of those values, whichever
+    /// this CPU runs faster. Not a product of the model: [`Bf16Products::any`] leaves it out.
+    pub newton_schulz: Option<Bf16Kernel>,
 }
 
 impl Bf16Products {
-    pub const NONE: Self = Self { linear: false, head: false, attention: false };
-    pub const ALL: Self = Self { linear: true, head: true, attention: true };
+    pub const NONE: Self = Self { linear: false, head: false, attention: false, newton_schulz: None };
+    /// Every class of the model's products.
+    pub const ALL: Self = Self { linear: true, head: true, attention: true, newton_schulz: None };
 
-    /// Whether any class is on.
+    /// Whether any of the model's classes is on (a bf16 run).
     pub fn any(self) -> bool {
         self.linear || self.head || self.attention
     }

@@ -31,6 +31,7 @@ pub mod attention;
 pub mod bench;
 mod bf16_gemm;
 mod bf16_rows;
+pub mod calibrate;
 pub mod collective;
 mod compute;
 pub mod cross_entropy;

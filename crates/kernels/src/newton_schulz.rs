@@ -78,12 +78,13 @@ pub(crate) fn reference_each<B: Backend>(gs: Vec<FloatTensor<B>>, h: NsStep) -> 
 }
 
 /// The Flex op: the host kernel per matrix, the matrices across the threads; with `h.bf16`, the
-/// products on the CPU's bf16 kernel where `cx` has one.
+/// products on the bf16 kernel `cx` puts this iteration on ([`crate::Bf16Products::newton_schulz`]),
+/// else on f32 products of the rounded values.
 pub(crate) fn flex_newton_schulz(gs: Vec<FloatTensor<Flex>>, h: NsStep, cx: Compute) -> Vec<FloatTensor<Flex>> {
     if !flex::all_f32(&gs.iter().collect::<Vec<_>>()) {
         return reference_each::<Flex>(gs, h);
     }
-    let kernel = cx.cpu.bf16.filter(|_| h.bf16);
+    let kernel = cx.bf16.newton_schulz.filter(|_| h.bf16);
     gs.into_par_iter()
         .map(|g| {
             let shape = flex::shape(&g);
@@ -179,7 +180,8 @@ mod tests {
                 .map(|(i, s)| leaf(s, i as u64 + 1))
                 .collect();
             let want: Vec<_> = gs.iter().map(|g| newton_schulz_reference(g.clone(), h)).collect();
-            let got = newton_schulz(gs.clone(), h, Compute::default().with_cpu(cpu));
+            let on = crate::Bf16Products { newton_schulz: cpu.bf16, ..crate::Bf16Products::NONE };
+            let got = newton_schulz(gs.clone(), h, Compute::default().with_bf16(on));
             for (g, (a, b)) in gs.iter().zip(got.into_iter().zip(want)) {
                 assert_eq!(a.dims(), g.dims());
                 let err = rel_err(a, b);

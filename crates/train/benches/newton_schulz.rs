@@ -14,7 +14,7 @@ use std::time::Instant;
 use burn::backend::Flex;
 use burn::tensor::{Tensor, TensorData};
 use ember_kernels::newton_schulz::{newton_schulz, NsStep};
-use ember_kernels::{on_cpu_workers, Bf16Kernel, Compute, Cpu};
+use ember_kernels::{on_cpu_workers, Bf16Kernel, Bf16Products, Compute, Cpu};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -56,7 +56,8 @@ fn main() {
             for (i, &(_, bf16, cpu)) in modes.iter().enumerate() {
                 let h = NsStep { coefficients: [3.4445, -4.7750, 2.0315], steps: 5, eps: 1e-7, bf16 };
                 let t = Instant::now();
-                let out = newton_schulz(matrices.clone(), h, Compute::default().with_cpu(cpu));
+                let on = Bf16Products { newton_schulz: cpu.bf16, ..Bf16Products::NONE };
+                let out = newton_schulz(matrices.clone(), h, Compute::default().with_bf16(on));
                 assert_eq!(out.len(), matrices.len());
                 if round > 0 {
                     times[i].push(t.elapsed().as_secs_f64());

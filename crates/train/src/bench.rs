@@ -1,6 +1,7 @@
 //! Benchmarks: the training step (`ember bench train`), the GEMM peak (`ember bench peak`), and the
 //! memory of the LM head + loss (`ember bench loss`).
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -76,7 +77,7 @@ pub fn bench_run<B: TrainBackend>(
     let (warmup, steps) = (settings.warmup, settings.steps);
     let setup = prepare(run, locations, 1)?;
     let config = &setup.config;
-    let compute = run_compute::<B>(device, config, settings.compute);
+    let compute = run_compute::<B>(device, config, settings.compute, Some(locations.cache_dir.as_path()));
     let peak = resolve_peak::<B::InnerBackend>(
         device,
         settings.peak.device_name.as_deref(),
@@ -159,6 +160,31 @@ pub struct PeakBench {
     pub gemms: Vec<GemmRate>,
     /// The best rate: the peak MFU is measured against on this device.
     pub peak_flops: f64,
+    /// On a CPU with bf16 kernels: each class of `--precision bf16` products timed on every
+    /// kernel, and the one chosen (measured again and cached by `ember bench peak`).
+    pub kernels: Option<KernelTable>,
+}
+
+/// This CPU's calibration ([`crate::calibration`]) as `ember bench peak` reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelTable {
+    pub calibration: ember_kernels::calibrate::Calibration,
+    /// The kernel each class runs on under `--precision bf16` (`f32`, `AVX512_BF16`, `AMX tiles`).
+    pub linear: &'static str,
+    pub attention: &'static str,
+    /// Where it is cached for runs to read.
+    pub file: Option<PathBuf>,
+}
+
+impl PeakBench {
+    /// With this CPU's calibration, measured now.
+    pub fn with_kernels(self, measured: crate::calibration::Measured) -> Self {
+        use crate::calibration::kernel_name;
+        use ember_kernels::calibrate::Class;
+        let c = measured.calibration;
+        let (linear, attention) = (kernel_name(c.choice(Class::Linear)), kernel_name(c.choice(Class::Attention)));
+        Self { kernels: Some(KernelTable { calibration: c, linear, attention, file: measured.file }), ..self }
+    }
 }
 
 /// The best square-GEMM rate the backend (or the CPU's bf16 kernel) reaches, remembered in `cache`
@@ -183,7 +209,7 @@ pub fn bench_peak<B: Backend>(
         Gemms::Backend(dtype) => format!("{dtype:?}").to_lowercase(),
         Gemms::CpuBf16(kernel) => format!("bf16 ({} kernel, f32 sums)", kernel.name()),
     };
-    PeakBench { device: device_label.to_string(), dtype, gemms, peak_flops }
+    PeakBench { device: device_label.to_string(), dtype, gemms, peak_flops, kernels: None }
 }
 
 /// Forward and backward times of the CPU's causal attention kernels on one shape, with f32 and with
@@ -525,6 +551,15 @@ impl std::fmt::Display for PeakBench {
         write!(f, "{} {} GEMM peak {:.1} GFLOP/s", self.device, self.dtype, self.peak_flops / 1e9)?;
         for g in &self.gemms {
             write!(f, "\n  {}³: {:.2} ms, {:.1} GFLOP/s", g.n, g.ms, g.flops / 1e9)?;
+        }
+        if let Some(k) = &self.kernels {
+            write!(f, "\n`--precision bf16` on this CPU, each class's products on every kernel:")?;
+            for class in ember_kernels::calibrate::Class::ALL {
+                write!(f, "\n  {}", crate::calibration::describe(&k.calibration, class))?;
+            }
+            if let Some(file) = &k.file {
+                write!(f, "\n  (kept in {} for runs to read)", file.display())?;
+            }
         }
         Ok(())
     }

@@ -249,6 +249,13 @@ pub(crate) fn peak_cache_name<B: Backend>(device: &Device<B>, gemms: Gemms) -> S
 
 /// [`peak_cache_name`] given the text of `/proc/cpuinfo`.
 fn cache_name(backend: &str, cpuinfo: &str, threads: usize) -> String {
+    format!("{}.txt", cpu_file_stem(&format!("peak-{backend}"), cpuinfo, threads))
+}
+
+/// A cache file's name for something measured on this CPU, without its extension: `kind`, the CPU's
+/// model, a hash of its feature flags and the thread count (`cpuinfo`: the text of `/proc/cpuinfo`),
+/// every character other than ASCII letters, digits and `-` replaced by `_`.
+pub(crate) fn cpu_file_stem(kind: &str, cpuinfo: &str, threads: usize) -> String {
     let field = |name: &str| {
         let line = cpuinfo.lines().find(|l| l.split(':').next().is_some_and(|k| k.trim() == name));
         line.and_then(|l| l.split_once(':')).map_or("", |(_, v)| v.trim())
@@ -256,9 +263,8 @@ fn cache_name(backend: &str, cpuinfo: &str, threads: usize) -> String {
     // Virtual machines often name only the vendor ("AMD EPYC" for a Zen 3 with AVX2 and a Zen 4
     // with AVX-512 alike): the flags tell them apart.
     let flags = fnv1a(field("flags").as_bytes());
-    let key = format!("{backend}-{}-{flags:08x}-{threads}", field("model name"));
-    let key: String = key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect();
-    format!("peak-{key}.txt")
+    let key = format!("{kind}-{}-{flags:08x}-{threads}", field("model name"));
+    key.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
 }
 
 /// 32-bit FNV-1a of `bytes`: a short, stable name for a long string.

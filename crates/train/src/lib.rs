@@ -4,6 +4,7 @@
 //! `optim`, `schedule`, `step`, `trainer`, `metrics`, `checkpoint`; `flops` and `bench` measure.
 
 pub mod bench;
+pub mod calibration;
 pub mod checkpoint;
 mod collective;
 pub mod config;

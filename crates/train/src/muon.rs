@@ -208,7 +208,9 @@ pub(crate) fn ns_step(config: &MuonConfig) -> NsStep {
 /// One matrix through the backend's iteration (the tests' entry point).
 #[cfg(test)]
 pub(crate) fn newton_schulz<B: ember_kernels::EmberBackend>(g: Tensor<B, 2>, config: &MuonConfig) -> Tensor<B, 2> {
-    ember_kernels::newton_schulz::newton_schulz(vec![g], ns_step(config), Compute::default()).remove(0)
+    let kernel = ember_kernels::Cpu::detect().bf16;
+    let cx = Compute::default().with_bf16(ember_kernels::Bf16Products { newton_schulz: kernel, ..Default::default() });
+    ember_kernels::newton_schulz::newton_schulz(vec![g], ns_step(config), cx).remove(0)
 }
 
 /// The iteration (f32) written out on host floats in f64: the reference of the kernel and of its

@@ -41,7 +41,7 @@ use crate::init::ResolvedConfig;
 use crate::memory::MemoryProbe;
 use crate::metrics::{Sinks, StepRecord};
 use crate::objective::{self, Splits};
-use crate::precision::{peak_gemms, run_compute, ComputeRequest};
+use crate::precision::{agree_with_rank0, peak_gemms, run_compute, ComputeRequest};
 use crate::schedule::LrSchedule;
 use crate::step::{Optimizer, StepOutput, Stepper};
 use checkpointer::{Checkpointer, CheckpointerConfig};
@@ -206,7 +206,8 @@ pub fn train<B: TrainBackend>(
     let (config, c) = (&setup.config, opts.collective.as_ref());
     // Start-up waits for slow work of other ranks (loading a model); steps do not.
     c.set_timeout(config.distributed.io_timeout());
-    let compute = run_compute::<B>(device, config, opts.compute);
+    let compute = run_compute::<B>(device, config, opts.compute, Some(opts.locations.cache_dir.as_path()));
+    let compute = agree_with_rank0(compute, c)?;
     let checkpointer = CheckpointerConfig::of(config).build(&setup, &opts.run_dir, c, opts.accept_data_change);
     // Before anything costly (an objective's reference scores): a resume that cannot go on fails
     // at once.
