@@ -20,7 +20,7 @@ import json, os, statistics, sys
 out = sys.argv[1]
 for config in sys.argv[2:]:
     name = os.path.basename(config)[:-5]
-    runs = [json.load(open(os.path.join(out, f)))["runs"][0] for f in sorted(os.listdir(out)) if f.startswith(name + "-") and f.endswith(".json")]
+    runs = [json.load(open(os.path.join(out, f)))["runs"][0] for f in sorted(os.listdir(out)) if f.startswith(name + "-") and f.endswith(".json") and f[len(name) + 1:-5].isdigit()]
     times = [r["time_to_target_s"] for r in runs]
     if all(t is not None for t in times):
         print(f"{name}: median {statistics.median(times):.1f} s over {len(times)} seeds ({', '.join(f'{t:.1f}' for t in times)}); "
