@@ -76,7 +76,7 @@ pub fn bf16_gemm_seconds(kernel: Bf16Kernel, n: usize, reps: usize) -> Option<f6
 }
 
 /// `n` deterministic values in [-1, 1), different for each seed.
-fn noise(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn noise(n: usize, seed: u64) -> Vec<f32> {
     (0..n as u64)
         .map(|i| {
             let h = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29).wrapping_mul(0xBF58_476D_1CE4_E5B9);

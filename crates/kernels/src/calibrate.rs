@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::bench::noise;
 use crate::compute::{Bf16Kernel, Cpu};
 use crate::kernels::{linear, linear_backward, AttnShape, LinearGrads};
 
@@ -226,16 +227,6 @@ impl Inputs {
         }
         start.elapsed().as_secs_f64()
     }
-}
-
-/// `n` deterministic values in [-1, 1), different for each seed.
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let h = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            (h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
 }
 
 #[cfg(test)]
