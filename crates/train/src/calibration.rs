@@ -167,7 +167,17 @@ mod tests {
         let again = for_cpu(cpu, Some(dir.path()));
         assert!(!again.now, "read from {}", file.display());
         assert!(again.when().starts_with("measured 20"), "{}", again.when());
-        assert_eq!((again.calibration, again.measured_at), (first.calibration, first.measured_at));
+        assert_eq!(again.measured_at, first.measured_at);
+        // The rates as written (JSON's decimal digits read back within an ulp or so).
+        for class in Class::ALL {
+            let (a, b) = (again.calibration.rates(class), first.calibration.rates(class));
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!(x.kernel, y.kernel);
+                assert!((x.gflops - y.gflops).abs() <= 1e-12 * y.gflops, "{x:?} {y:?}");
+            }
+            assert_eq!(again.calibration.choice(class), first.calibration.choice(class));
+        }
         // No temporary file is left behind.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }

@@ -337,14 +337,10 @@ mod tests {
 
     #[test]
     fn bf16_runs_each_class_on_the_kernel_this_cpu_measured_faster() {
-        // The decision alone: a CPU said to have the vector kernel (nothing is multiplied here).
+        // The decision alone, on every CPU: one said to have the vector kernel (nothing is
+        // multiplied here; `resolve_compute` takes this branch only where the CPU has one).
         let cpu = Cpu { bf16: Some(Bf16Kernel::Avx512), ..Cpu::detect() };
-        let request = ComputeRequest { base: Compute::default().with_cpu(cpu), ..Default::default() };
-        let resolve = |m: Measured| {
-            let (c, note) =
-                resolve_compute::<burn::backend::Flex>(&Default::default(), Precision::Bf16, request, |_| m);
-            (c, note.unwrap())
-        };
+        let resolve = |m: Measured| bf16_products(Compute::default().with_cpu(cpu), &m, "autodiff<flex>");
         // An Intel Xeon without AMX: AVX512_BF16 at 58 % of f32. Every product f32, said with rates.
         let (c, note) = resolve(measured((342.0, 199.0), (120.0, 80.0)));
         assert_eq!((c.dtype, c.bf16, c.cpu.bf16, c.cpu_bf16()), (DType::F32, Bf16Products::NONE, None, false));
