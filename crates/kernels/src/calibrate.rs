@@ -62,9 +62,8 @@ impl Class {
         };
         let reachable = Bf16Kernel::reachable().into_iter().filter(|&k| allowed(k));
         match self {
-            Class::Linear => reachable.collect(),
             Class::Attention => reachable.filter(|&k| k == Bf16Kernel::Avx512).collect(),
-            Class::NewtonSchulz => reachable.collect(),
+            Class::Linear | Class::NewtonSchulz => reachable.collect(),
         }
     }
 

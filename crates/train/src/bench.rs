@@ -169,9 +169,9 @@ pub struct PeakBench {
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelTable {
     pub calibration: ember_kernels::calibrate::Calibration,
-    /// The kernel each class runs on under `--precision bf16` (`f32`, `AVX512_BF16`, `AMX tiles`).
-    pub linear: &'static str,
-    pub attention: &'static str,
+    /// The kernel each class runs on under `--precision bf16` (`f32`, `AVX512_BF16`, `AMX tiles`),
+    /// class by class.
+    pub chosen: Vec<(ember_kernels::calibrate::Class, &'static str)>,
     /// Where it is cached for runs to read.
     pub file: Option<PathBuf>,
 }
@@ -182,8 +182,8 @@ impl PeakBench {
         use crate::calibration::kernel_name;
         use ember_kernels::calibrate::Class;
         let c = measured.calibration;
-        let (linear, attention) = (kernel_name(c.choice(Class::Linear)), kernel_name(c.choice(Class::Attention)));
-        Self { kernels: Some(KernelTable { calibration: c, linear, attention, file: measured.file }), ..self }
+        let chosen = Class::ALL.into_iter().map(|class| (class, kernel_name(c.choice(class)))).collect();
+        Self { kernels: Some(KernelTable { calibration: c, chosen, file: measured.file }), ..self }
     }
 }
 

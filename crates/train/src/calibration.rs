@@ -75,7 +75,8 @@ pub fn measure(cpu: Cpu, file: Option<PathBuf>) -> Measured {
     let measured_at = now_unix();
     if let Some(f) = &file {
         let cached = CacheFile { version: VERSION, measured_at, calibration: calibration.clone() };
-        if let Err(e) = write(f, &cached) {
+        let text = serde_json::to_string_pretty(&cached).unwrap_or_default();
+        if let Err(e) = ember_data::write_atomic(f, text.as_bytes()) {
             tracing::warn!("cannot cache the kernel calibration in {}: {e}", f.display());
         }
     }
@@ -97,23 +98,6 @@ fn read(file: &Path, cpu: Cpu) -> Option<CacheFile> {
             None
         }
     }
-}
-
-/// Writes `cached` to `file` through a temporary file beside it and a rename: a reader never sees
-/// half a file, and two processes writing at once leave one whole file.
-fn write(file: &Path, cached: &CacheFile) -> std::io::Result<()> {
-    let dir = file.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let text = serde_json::to_string_pretty(cached).map_err(std::io::Error::other)?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        file.file_name().map_or("calibration".into(), |n| n.to_string_lossy()),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, file).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
 }
 
 /// How a kernel is named in the logs.
@@ -196,7 +180,7 @@ mod tests {
         // A calibration made with a bf16 kernel allowed does not cover a CPU without one (and the
         // other way round).
         let with_bf16 = CacheFile { version: VERSION, measured_at: 5, calibration: sample() };
-        write(&file, &with_bf16).unwrap();
+        ember_data::write_atomic(&file, serde_json::to_string(&with_bf16).unwrap().as_bytes()).unwrap();
         assert!(read(&file, cpu).is_none());
         assert!(for_cpu(cpu, Some(dir.path())).now);
         // Without a cache folder it is measured and not kept.

@@ -39,7 +39,7 @@ pub(crate) fn resolve_compute<B: EmberBackend>(
     let name = B::name(device);
     let base = request.base;
     let emulated = !B::native_low_precision() && !request.emulate_low_precision;
-    let cpu_kernel = base.cpu.bf16.filter(|_| B::cpu_bf16_gemms() && base.path == Path::Kernels);
+    let cpu_kernel = cpu_bf16_kernel::<B>(base);
     let (dtype, note) = match precision {
         Precision::F32 => (DType::F32, None),
         // The CPU's bf16 dot products, class by class where this CPU measured them faster than f32
@@ -66,6 +66,12 @@ pub(crate) fn resolve_compute<B: EmberBackend>(
         p => (DType::F32, Some(format!("{name} supports neither bf16 nor f16; `{p}` falls back to f32"))),
     };
     (base.with_dtype(dtype).with_bf16(Bf16Products::NONE), note)
+}
+
+/// The bf16 kernel `base` allows where `B` runs ember's CPU kernels: what the calibration chooses
+/// among (none: every product f32, nothing to measure).
+fn cpu_bf16_kernel<B: EmberBackend>(base: Compute) -> Option<Bf16Kernel> {
+    base.cpu.bf16.filter(|_| B::cpu_bf16_gemms() && base.path == Path::Kernels)
 }
 
 /// `--precision bf16` on a CPU with bf16 kernels: each class of products on the kernel `measured`
@@ -166,8 +172,7 @@ pub(crate) fn run_compute<B: EmberBackend>(
         tracing::warn!("{note}");
     }
     let muon_bf16 = config.muon.as_ref().is_some_and(|m| m.ns_dtype == NsDtype::Bf16);
-    let kernels = request.base.cpu.bf16.filter(|_| B::cpu_bf16_gemms() && request.base.path == Path::Kernels);
-    let compute = match kernels.filter(|_| muon_bf16) {
+    let compute = match cpu_bf16_kernel::<B>(request.base).filter(|_| muon_bf16) {
         Some(_) => {
             let (compute, note) = newton_schulz_kernel(compute, &calibrate(request.base.cpu));
             tracing::info!("{note}");

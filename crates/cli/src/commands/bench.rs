@@ -289,16 +289,17 @@ impl BenchFn for PeakBenchFn {
         let cache = crate::env::cache_dir();
         // The CPU runs `--precision bf16` on its bf16 kernel (f32 tensors): that is the rate to know.
         let dtype = a.dtype.dtype();
-        let cpu_bf16 = crate::env::compute().cpu.bf16.filter(|_| dtype == DType::BF16 && B::cpu_bf16_gemms());
+        let cpu = crate::env::compute().cpu;
+        let cpu_bf16 = cpu.bf16.filter(|_| dtype == DType::BF16 && B::cpu_bf16_gemms());
         let gemms = cpu_bf16.map_or(Gemms::Backend(dtype), Gemms::CpuBf16);
         let peak = bench_peak::<B::InnerBackend>(device, name, gemms, &a.sizes, a.reps, Some(&cache));
         // Where `--precision bf16` has kernels to choose from: which one each class of products
         // runs on, measured again, and cached for the runs that follow.
-        if !B::cpu_bf16_gemms() || crate::env::compute().cpu.bf16.is_none() {
+        if !B::cpu_bf16_gemms() || cpu.bf16.is_none() {
             return Ok(peak);
         }
         let file = ember_train::calibration::cache_file(&cache);
-        Ok(peak.with_kernels(ember_train::calibration::measure(crate::env::compute().cpu, Some(file))))
+        Ok(peak.with_kernels(ember_train::calibration::measure(cpu, Some(file))))
     }
 }
 
