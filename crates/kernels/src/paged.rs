@@ -271,8 +271,11 @@ impl PagedAttentionOps for Flex {
             return prim(reference(float(q), float(keys), float(values), paged, (rep, scores), cx.dtype));
         }
         let heads = Heads { heads: qs[1], kv_heads: qs[1] / rep, head_dim: qs[3], scale: scores.scale as f32 };
-        let o = attention(cx.elementwise_cpu(), &flex::f32s(&q), &flex::f32s(&keys), &flex::f32s(&values), l, heads);
-        flex::tensor(o, qs)
+        let (q, keys, values) = (flex::f32s(&q), flex::f32s(&keys), flex::f32s(&values));
+        let o = attend(cx.elementwise_cpu(), &q, &keys, &values, l, heads, true);
+        // `[B, T, H, Dh]` seen as `[B, H, T, Dh]`: the caller's swap back to the positions' order
+        // then costs no copy.
+        flex::tensor(o, vec![qs[0], qs[2], qs[1], qs[3]]).transpose(1, 2)
     }
 }
 
@@ -308,6 +311,20 @@ const ROWS_PER_TASK: usize = 16;
 /// # Panics
 /// If the slices or the layout do not match the shapes (the op checks them first).
 pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
+    attend(cpu, q, keys, values, layout, s, false)
+}
+
+/// [`attention`], its output `[B, T, H, Dh]` where `positions_outer` (the layout the output
+/// projection reads), `[B, H, T, Dh]` otherwise.
+fn attend(
+    cpu: Cpu,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    layout: &PagedLayout,
+    s: Heads,
+    positions_outer: bool,
+) -> Vec<f32> {
     let (b, t, dh) = (layout.batch(), layout.queries, s.head_dim);
     assert!(s.kv_heads > 0 && dh > 0 && s.heads.is_multiple_of(s.kv_heads), "paged attention: head counts {s:?}");
     let rep = s.heads / s.kv_heads;
@@ -332,7 +349,15 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
         })
         .collect();
     let scale = s.scale;
-    // Each task: one partial per block of its run, in block order.
+    // With a task a group, the task folds its blocks' partials in block order itself (the same
+    // arithmetic as the fold below, without a partial a block kept); otherwise each task returns
+    // one partial per block of its run, in block order.
+    let folded = runs == 1;
+    // The AVX-512 kernel holds a task's query rows as the lanes of a vector, positions as i32.
+    #[cfg(target_arch = "x86_64")]
+    let lanes_kernel = simd::detected().min(cpu.tier) == Tier::Avx512 && layout.keys() <= i32::MAX as usize;
+    #[cfg(not(target_arch = "x86_64"))]
+    let lanes_kernel = false;
     let partials: Vec<Vec<Partial>> = tasks
         .par_iter()
         .map(|(n, run)| {
@@ -343,8 +368,11 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
                 seen: layout.visible(bi, r % t),
                 offset: r / t / rep * dh,
             };
+            let rows: Vec<Query> = (r0..r1).map(query).collect();
+            let lanes = if lanes_kernel { lane_groups(&rows, dh) } else { Vec::new() };
             let mut task = Task {
-                rows: (r0..r1).map(query).collect(),
+                rows,
+                lanes,
                 keys,
                 values,
                 table: &layout.tables[bi],
@@ -353,23 +381,51 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
                 width: s.kv_heads * dh,
                 scale,
             };
-            run.clone()
-                .map(|blk| {
-                    task.blocks = blk..blk + 1;
-                    task.run(cpu)
-                })
-                .collect()
+            let n_rows = task.rows.len();
+            let mut scores = Vec::new();
+            if !folded {
+                return run
+                    .clone()
+                    .map(|blk| {
+                        task.blocks = blk..blk + 1;
+                        let mut part = Partial::empty(n_rows, dh);
+                        task.run(cpu, &mut part, &mut scores);
+                        part
+                    })
+                    .collect();
+            }
+            if !task.lanes.is_empty() {
+                // The lanes kernel merges each block into its rows itself, as the fold would.
+                let mut whole = Partial::empty(n_rows, dh);
+                task.blocks = run.clone();
+                task.run(cpu, &mut whole, &mut scores);
+                return vec![whole];
+            }
+            let (mut whole, mut block) = (Partial::empty(n_rows, dh), Partial::empty(n_rows, dh));
+            for blk in run.clone() {
+                task.blocks = blk..blk + 1;
+                block.clear();
+                task.run(cpu, &mut block, &mut scores);
+                if blk == run.start {
+                    std::mem::swap(&mut whole, &mut block);
+                } else {
+                    whole.merge(&block, dh);
+                }
+            }
+            vec![whole]
         })
         .collect();
     let mut partials = partials.into_iter().flatten();
     let mut o = vec![0.0f32; q.len()];
     for &(bi, r0) in &groups {
         let mut whole = partials.next().unwrap_or_default();
-        for share in partials.by_ref().take(blocks_of(bi) - 1) {
+        let shares = if folded { 1 } else { blocks_of(bi) };
+        for share in partials.by_ref().take(shares - 1) {
             whole.merge(&share, dh);
         }
         for (r, row) in (r0..).zip(whole.normalised(dh).chunks_exact(dh.max(1))) {
-            o[row_at(bi, r)..][..dh].copy_from_slice(row);
+            let at = if positions_outer { ((bi * t + r % t) * s.heads + r / t) * dh } else { row_at(bi, r) };
+            o[at..][..dh].copy_from_slice(row);
         }
     }
     o
@@ -385,6 +441,18 @@ struct Partial {
 }
 
 impl Partial {
+    /// `rows` rows that have seen no key yet.
+    fn empty(rows: usize, dh: usize) -> Self {
+        Self { max: vec![f32::NEG_INFINITY; rows], sum: vec![0.0; rows], acc: vec![0.0; rows * dh] }
+    }
+
+    /// Back to [`Self::empty`]'s state, keeping the buffers.
+    fn clear(&mut self) {
+        self.max.fill(f32::NEG_INFINITY);
+        self.sum.fill(0.0);
+        self.acc.fill(0.0);
+    }
+
     /// Adds another share of the same rows' keys.
     fn merge(&mut self, other: &Partial, dh: usize) {
         for r in 0..self.max.len() {
@@ -423,6 +491,9 @@ struct Query<'a> {
 /// go together, so that a block's pool rows are read whole, in address order.
 struct Task<'a> {
     rows: Vec<Query<'a>>,
+    /// The rows as vector lanes, a group per key/value head ([`lane_groups`]), for the AVX-512
+    /// kernel; empty for the others.
+    lanes: Vec<LaneGroup>,
     keys: &'a [f32],
     values: &'a [f32],
     table: &'a [usize],
@@ -435,33 +506,35 @@ struct Task<'a> {
 }
 
 impl Task<'_> {
-    fn run(&self, cpu: Cpu) -> Partial {
+    /// The task's rows over its blocks, added to `part` (`scores`: scratch).
+    fn run(&self, cpu: Cpu, part: &mut Partial, scores: &mut Vec<f32>) {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = cpu;
         #[cfg(target_arch = "x86_64")]
         match simd::detected().min(cpu.tier) {
-            // SAFETY (both): `detected()` found the features these copies are compiled for.
-            Tier::Avx512 => return unsafe { self.run_avx512() },
-            Tier::Avx2 => return unsafe { self.run_avx2() },
+            // SAFETY (all): `detected()` found the features these copies are compiled for.
+            Tier::Avx512 if !self.lanes.is_empty() => return unsafe { self.run_lanes(part, scores) },
+            Tier::Avx512 => return unsafe { self.run_avx512(part, scores) },
+            Tier::Avx2 => return unsafe { self.run_avx2(part, scores) },
             Tier::Baseline => {}
         }
         // SAFETY: the portable compilation needs no CPU feature.
-        unsafe { self.run_with::<false>() }
+        unsafe { self.run_with::<false>(part, scores) }
     }
 
     /// The portable loops compiled with AVX2 and FMA: eight lanes where the CPU has no AVX-512.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self) -> Partial {
+    unsafe fn run_avx2(&self, part: &mut Partial, scores: &mut Vec<f32>) {
         // SAFETY: the portable loops need no CPU feature.
-        unsafe { self.run_with::<false>() }
+        unsafe { self.run_with::<false>(part, scores) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn run_avx512(&self) -> Partial {
+    unsafe fn run_avx512(&self, part: &mut Partial, scores: &mut Vec<f32>) {
         // SAFETY: this function's features are the ones `AVX512` asks for.
-        unsafe { self.run_with::<true>() }
+        unsafe { self.run_with::<true>(part, scores) }
     }
 
     /// The online softmax over the task's blocks; `AVX512`: the dot products and weighted sums use
@@ -470,12 +543,10 @@ impl Task<'_> {
     /// # Safety
     /// With `AVX512`, the CPU must have AVX-512F and FMA.
     #[inline(always)]
-    unsafe fn run_with<const AVX512: bool>(&self) -> Partial {
+    unsafe fn run_with<const AVX512: bool>(&self, part: &mut Partial, scores: &mut Vec<f32>) {
         let dh = self.rows.first().map_or(0, |row| row.q.len());
-        let n = self.rows.len();
         let (bs, w) = (self.block_size, self.width);
-        let mut part = Partial { max: vec![f32::NEG_INFINITY; n], sum: vec![0.0; n], acc: vec![0.0; n * dh] };
-        let mut scores = vec![0.0f32; bs];
+        scores.resize(bs, 0.0);
         for blk in self.blocks.clone() {
             let (c0, base) = (blk * bs, self.table[blk] * bs);
             for (r, Query { q, seen, offset }) in self.rows.iter().enumerate() {
@@ -506,7 +577,231 @@ impl Task<'_> {
                 unsafe { weighted_sum::<AVX512>(out, sc, rows, w) };
             }
         }
-        part
+    }
+}
+
+/// Vector lanes of the AVX-512 kernel: that many query rows of a group side by side.
+const LANES: usize = 16;
+
+/// Query rows of one task that read the same key/value head, as the lanes of one vector
+/// (the AVX-512 kernel's layout): their queries transposed and the keys each sees.
+struct LaneGroup {
+    /// The task row in each lane.
+    rows: Vec<usize>,
+    /// The key/value head's first column in a pool row.
+    offset: usize,
+    /// `qt[d·LANES + l]`: value `d` of lane `l`'s query (zero in lanes past `rows`).
+    qt: Vec<f32>,
+    /// Per lane, the keys it sees, `lo[l]..hi[l]` (empty in lanes past `rows`).
+    lo: [i32; LANES],
+    hi: [i32; LANES],
+}
+
+/// The task's rows grouped by key/value head, in row order, [`LANES`] rows a group at most.
+/// Positions must fit an `i32`.
+fn lane_groups(rows: &[Query], dh: usize) -> Vec<LaneGroup> {
+    let mut groups: Vec<LaneGroup> = Vec::new();
+    for (r, row) in rows.iter().enumerate() {
+        let at = match groups.iter().position(|g| g.offset == row.offset && g.rows.len() < LANES) {
+            Some(at) => at,
+            None => {
+                let qt = vec![0.0; dh * LANES];
+                groups.push(LaneGroup { rows: Vec::new(), offset: row.offset, qt, lo: [0; LANES], hi: [0; LANES] });
+                groups.len() - 1
+            }
+        };
+        let g = &mut groups[at];
+        let l = g.rows.len();
+        for (d, &x) in row.q.iter().enumerate() {
+            g.qt[d * LANES + l] = x;
+        }
+        (g.lo[l], g.hi[l]) = (row.seen.start as i32, row.seen.end as i32);
+        g.rows.push(r);
+    }
+    groups
+}
+
+/// `K` keys' scores against a group's lanes: lane `l` of score `i` is `Σ_d qt[d·LANES + l] ·
+/// keys[i][d]`, one fused multiply-add after another in `d` order (so the same bits whatever the
+/// vector it is a lane of); `K` chains side by side, so that they do not wait on each other.
+///
+/// # Safety
+/// The CPU must have AVX-512F and FMA; `qt` must hold `dh·LANES` values and each key `dh`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn lane_scores<const K: usize>(
+    qt: *const f32,
+    keys: [*const f32; K],
+    dh: usize,
+) -> [std::arch::x86_64::__m512; K] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); K];
+    for d in 0..dh {
+        // SAFETY: in bounds by the caller's promise.
+        let qd = unsafe { _mm512_loadu_ps(qt.add(d * LANES)) };
+        for (sum, key) in acc.iter_mut().zip(&keys) {
+            // SAFETY: as above.
+            *sum = _mm512_fmadd_ps(qd, _mm512_set1_ps(unsafe { *key.add(d) }), *sum);
+        }
+    }
+    acc
+}
+
+impl Task<'_> {
+    /// The AVX-512 kernel: the rows of a [`LaneGroup`] as the lanes of a vector, so that a block's
+    /// keys and values are read once for all of them and nothing is summed across lanes. A row's
+    /// arithmetic is its own, whatever rows share its vector: each score a chain of multiply-adds
+    /// in `d` order ([`lane_scores`]) times the scale; the block's maximum over the keys the row
+    /// sees; `e^(score − max)` per key ([`exp`]); the block's sum and its weighted values added key
+    /// after key. A padding row (no key seen) stays as it was.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F and FMA; the lanes' rows and ranges must be the task's.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn run_lanes(&self, part: &mut Partial, scratch: &mut Vec<f32>) {
+        use std::arch::x86_64::*;
+        let dh = self.rows.first().map_or(0, |row| row.q.len());
+        let (bs, w) = (self.block_size, self.width);
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let scale = _mm512_set1_ps(self.scale);
+        for blk in self.blocks.clone() {
+            let (c0, base) = (blk * bs, self.table[blk] * bs);
+            for g in &self.lanes {
+                let used = g.rows.len();
+                let a = g.lo[..used].iter().map(|&x| x as usize).min().unwrap_or(0).max(c0);
+                let e = g.hi[..used].iter().map(|&x| x as usize).max().unwrap_or(0).min(c0 + bs);
+                if a >= e {
+                    continue;
+                }
+                let n = e - a;
+                scratch.resize(n * LANES, 0.0);
+                let s = scratch.as_mut_ptr();
+                // SAFETY: two arrays of LANES i32s.
+                let (lo, hi) =
+                    unsafe { (_mm512_loadu_si512(g.lo.as_ptr().cast()), _mm512_loadu_si512(g.hi.as_ptr().cast())) };
+                let sees = |j: usize| {
+                    let at = _mm512_set1_epi32(j as i32);
+                    _mm512_cmpge_epi32_mask(at, lo) & _mm512_cmplt_epi32_mask(at, hi)
+                };
+                // SAFETY: position j of the block is pool row base + j - c0, `w` wide, the head at `offset`.
+                let key = |j: usize| unsafe { self.keys.as_ptr().add((base + j - c0) * w + g.offset) };
+                let keep = |j: usize, score: __m512| {
+                    let score = _mm512_mask_blend_ps(sees(j), neg_inf, _mm512_mul_ps(score, scale));
+                    // SAFETY: key j's scores are lanes (j - a)·LANES.. of the scratch, n·LANES long.
+                    unsafe { _mm512_storeu_ps(s.add((j - a) * LANES), score) };
+                };
+                // The scores, eight keys at a time, then four, then one.
+                let mut j = a;
+                while j + 8 <= e {
+                    // SAFETY: the group's queries and eight of the block's keys.
+                    let sc = unsafe { lane_scores::<8>(g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh) };
+                    sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
+                    j += 8;
+                }
+                while j + 4 <= e {
+                    // SAFETY: as above, four keys.
+                    let sc = unsafe { lane_scores::<4>(g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh) };
+                    sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
+                    j += 4;
+                }
+                while j < e {
+                    // SAFETY: as above, one key.
+                    let [x] = unsafe { lane_scores::<1>(g.qt.as_ptr(), [key(j)], dh) };
+                    keep(j, x);
+                    j += 1;
+                }
+                // Each lane's maximum over the block's keys it sees (-inf: it sees none, and its row
+                // stays as it was).
+                let mut block_max = neg_inf;
+                for i in 0..n {
+                    // SAFETY: within the scratch's n·LANES.
+                    block_max = _mm512_max_ps(block_max, unsafe { _mm512_loadu_ps(s.add(i * LANES)) });
+                }
+                let mut max = [f32::NEG_INFINITY; LANES];
+                // SAFETY: LANES f32s.
+                unsafe { _mm512_storeu_ps(max.as_mut_ptr(), block_max) };
+                // The weights e^(score − max), zero where a lane does not see the key, and their sum.
+                let mut sums = _mm512_setzero_ps();
+                let mut t = [0.0f32; LANES];
+                for i in 0..n {
+                    // SAFETY: within the scratch.
+                    let score = unsafe { _mm512_loadu_ps(s.add(i * LANES)) };
+                    // SAFETY: LANES f32s.
+                    unsafe { _mm512_storeu_ps(t.as_mut_ptr(), score) };
+                    for (x, &m) in t.iter_mut().zip(&max) {
+                        *x = exp(*x - m);
+                    }
+                    // SAFETY: LANES f32s.
+                    let p = unsafe { _mm512_loadu_ps(t.as_ptr()) };
+                    let p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(score, neg_inf), p);
+                    sums = _mm512_add_ps(sums, p);
+                    // SAFETY: within the scratch.
+                    unsafe { _mm512_storeu_ps(s.add(i * LANES), p) };
+                }
+                let mut sum = [0.0f32; LANES];
+                // SAFETY: LANES f32s.
+                unsafe { _mm512_storeu_ps(sum.as_mut_ptr(), sums) };
+                // The block merged into each row as [`Partial::merge`] merges a share: the row's
+                // old terms times `a`, the block's times `b`.
+                let mut factors = [(0.0f32, 0.0f32); LANES];
+                for (l, &r) in g.rows.iter().enumerate() {
+                    if max[l] == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let new = part.max[r].max(max[l]);
+                    let (a, b) = (exp(part.max[r] - new), exp(max[l] - new));
+                    part.sum[r] = part.sum[r] * a + sum[l] * b;
+                    (part.max[r], factors[l]) = (new, (a, b));
+                }
+                // The block's weighted values, four lanes and 64 columns at a time in registers
+                // (each value row read once for the four), then merged.
+                let mask = |c: usize| -> __mmask16 { ((1u32 << dh.saturating_sub(c).min(16)) - 1) as u16 };
+                let out = part.acc.as_mut_ptr();
+                for l0 in (0..used).step_by(4) {
+                    for c in (0..dh).step_by(64) {
+                        let masks = [mask(c), mask(c + 16), mask(c + 32), mask(c + 48)];
+                        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+                        for i in 0..n {
+                            let v = self.values.as_ptr().wrapping_add((base + a + i - c0) * w + g.offset + c);
+                            // SAFETY: the unmasked columns of value row a + i are within the pool.
+                            let vs: [__m512; 4] = std::array::from_fn(|q| unsafe {
+                                _mm512_maskz_loadu_ps(masks[q], v.wrapping_add(16 * q))
+                            });
+                            for (t, sums) in acc.iter_mut().enumerate() {
+                                // SAFETY: within the scratch (lanes past `used` hold zero).
+                                let p = unsafe { *s.add(i * LANES + l0 + t) };
+                                if p != 0.0 {
+                                    let p = _mm512_set1_ps(p);
+                                    for (sum, &x) in sums.iter_mut().zip(&vs) {
+                                        *sum = _mm512_fmadd_ps(p, x, *sum);
+                                    }
+                                }
+                            }
+                        }
+                        for (t, sums) in acc.iter().enumerate() {
+                            let l = l0 + t;
+                            if l >= used || max[l] == f32::NEG_INFINITY {
+                                continue;
+                            }
+                            let (a, b) = (_mm512_set1_ps(factors[l].0), _mm512_set1_ps(factors[l].1));
+                            // Columns past `dh` are masked off: never read or written (their
+                            // addresses only computed, with wrapping arithmetic).
+                            let o = out.wrapping_add(g.rows[l] * dh + c);
+                            for (q, sum) in sums.iter().enumerate() {
+                                let at = o.wrapping_add(16 * q);
+                                // SAFETY: the row's unmasked columns are within part.acc.
+                                let old = unsafe { _mm512_maskz_loadu_ps(masks[q], at) };
+                                let merged = _mm512_add_ps(_mm512_mul_ps(old, a), _mm512_mul_ps(*sum, b));
+                                // SAFETY: as the load.
+                                unsafe { _mm512_mask_storeu_ps(at, masks[q], merged) };
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
