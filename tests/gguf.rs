@@ -963,3 +963,26 @@ fn quantized_weights_continue_as_llama_cpp_does() {
     continues_as_llama_cpp(&model_file(), &prompts, 0.5, 1);
     continues_as_llama_cpp(&assets::gemma3_gguf(), &prompts, 0.5, 1);
 }
+
+/// An f32 model is never held twice while it loads: a run's checkpoint, a Hugging Face folder and
+/// an F32 GGUF file of SmolLM2 (538 MB of f32 weights each) load with the process's peak resident
+/// memory under 1.35 times the weights (before: over twice, the file or its bytes beside the copy,
+/// and the model's zeros beside the loaded values). `bench decode`'s peak RSS is the process's.
+#[test]
+fn an_f32_model_loads_without_holding_its_weights_twice() {
+    let s = Scratch::new();
+    ember_ok(&s, &["import", model_file().to_str().unwrap(), "--out", "smol"]);
+    ember_ok(&s, &["export", "smol", "--format", "hf", "--out", "smol-hf"]);
+    ember_ok(&s, &["export", "smol", "--dtype", "f32", "--out", "smol-f32.gguf"]);
+    let weights = std::fs::metadata(s.path().join("smol-hf/model.safetensors")).unwrap().len() as f64;
+    assert!(weights > 5e8, "{weights} bytes of f32 weights");
+    for checkpoint in ["smol", "hf:smol-hf", "gguf:smol-f32.gguf"] {
+        let out = ember_ok(
+            &s,
+            &["bench", "decode", "--checkpoint", checkpoint, "--contexts", "4", "--new-tokens", "2", "--json"],
+        );
+        let d: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let peak = d["peak_rss_bytes"].as_u64().unwrap() as f64;
+        assert!(peak < 1.35 * weights, "{checkpoint}: peak RSS {peak} bytes for {weights} bytes of weights");
+    }
+}

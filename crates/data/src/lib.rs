@@ -82,6 +82,64 @@ pub fn read_file(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// The bytes of a regular file ([`open_file`]'s refusals) mapped read-only where the system maps
+/// it, read into memory otherwise (an empty file, a file system that cannot map): for reading a
+/// large weights file once, tensor by tensor, letting each tensor's pages go once it is copied
+/// ([`FileBytes::release`]), so that the file and what is made from it are not held at once.
+///
+/// As with llama.cpp's mapping, the file must not be truncated or rewritten while it is mapped:
+/// ember writes its checkpoints and exports as a new file renamed over the old one
+/// ([`write_atomic`]), which leaves a mapped one intact.
+pub struct FileBytes(FileBytesInner);
+
+enum FileBytesInner {
+    Mapped(memmap2::Mmap),
+    Read(Vec<u8>),
+}
+
+impl FileBytes {
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        let file = open_file(path)?;
+        if file.metadata()?.len() > 0 {
+            // SAFETY: read-only; the documentation above keeps the bytes as they were while the
+            // mapping lives.
+            if let Ok(map) = unsafe { memmap2::Mmap::map(&file) } {
+                return Ok(Self(FileBytesInner::Mapped(map)));
+            }
+        }
+        read_file(path).map(|bytes| Self(FileBytesInner::Read(bytes)))
+    }
+
+    /// Lets the memory pages wholly inside `range` of a mapped file go (they are read from the
+    /// file again if touched); nothing for bytes read into memory.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        if let FileBytesInner::Mapped(map) = &self.0 {
+            let page = 4096;
+            let (start, end) = (range.start.div_ceil(page) * page, range.end.min(map.len()) / page * page);
+            if end > start {
+                // SAFETY: a read-only file mapping: pages let go come back from the file, unchanged.
+                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+            }
+        }
+    }
+
+    /// Where `inner` (a slice of these bytes) starts in them.
+    pub fn offset_of(&self, inner: &[u8]) -> usize {
+        (inner.as_ptr() as usize).saturating_sub(self.as_ptr() as usize)
+    }
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            FileBytesInner::Mapped(map) => map,
+            FileBytesInner::Read(bytes) => bytes,
+        }
+    }
+}
+
 /// The text of the regular file `path` ([`open_file`]'s refusals); not UTF-8 is an error.
 pub fn read_file_to_string(path: &Path) -> std::io::Result<String> {
     use std::io::Read;

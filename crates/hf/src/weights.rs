@@ -10,7 +10,7 @@ use burn::tensor::{DType, Device, TensorData};
 use ember_kernels::rope::interleaved_to_half_split;
 use ember_kernels::EmberBackend;
 use ember_kernels::QuantWeight;
-use ember_model::weights::{assign, named_tensors, named_tensors_where, param_shapes};
+use ember_model::weights::{assign_as, named_tensors, named_tensors_where, param_shapes};
 use ember_model::{Decoder, NormKind, Positions, RopeLayout};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
@@ -155,7 +155,7 @@ fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (TensorData, PathBuf)>, H
     };
     let mut tensors = BTreeMap::new();
     for (path, keys) in files {
-        let bytes = ember_data::read_file(&path).map_err(HfError::io(&path))?;
+        let bytes = ember_data::FileBytes::open(&path).map_err(HfError::io(&path))?;
         let file = SafeTensors::deserialize(&bytes)
             .map_err(|e| HfError::Safetensors { file: path.clone(), message: e.to_string() })?;
         let names: Vec<String> = match keys {
@@ -173,6 +173,9 @@ fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (TensorData, PathBuf)>, H
                 other => return Err(HfError::Dtype { file: path.clone(), key: name, dtype: format!("{other:?}") }),
             };
             let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
+            // Copied: the file's pages of it are let go (the file and its copy not held at once).
+            let at = bytes.offset_of(view.data());
+            bytes.release(at..at + view.data().len());
             ember_model::weights::warn_non_finite(&path.display().to_string(), &name, &data);
             tensors.insert(name, (data, path.clone()));
         }
@@ -314,7 +317,7 @@ pub(crate) fn load_tensors<B: EmberBackend>(
             values.insert(k, data);
         }
     }
-    let model = assign(model, values, &dir.display().to_string(), false)
+    let model = assign_as(model, values, &dir.display().to_string(), false, Some(load.param_dtype))
         .map_err(|e| HfError::Config { source_name: dir.display().to_string(), message: e.to_string() })?;
     tracing::info!(loaded, missing = missing.len(), unused = unused.len(), "imported {}", dir.display());
     let (architecture, hf_config) = (load.architecture, load.hf_config);

@@ -50,7 +50,7 @@ impl Init {
         let n: usize = shape.iter().product();
         let values: Vec<f32> = match self.rng.as_mut() {
             Some(rng) => (0..n).map(|_| ((rng.random::<f64>() * 2.0 - 1.0) * bound) as f32).collect(),
-            None => vec![0.0; n],
+            None => return lazy_zeros(shape, device),
         };
         Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
     }
@@ -63,11 +63,26 @@ impl Init {
         device: &B::Device,
     ) -> Param<Tensor<B, D>> {
         if self.rng.is_none() {
-            return Param::from_tensor(Tensor::zeros(shape, device));
+            return lazy_zeros(shape, device);
         }
         let values = self.normal(shape.iter().product(), std);
         Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
     }
+}
+
+/// A trainable parameter of zeros that holds no memory until it is read: a model about to be
+/// overwritten by loaded weights then never holds its zeros and the weights at once
+/// ([`crate::weights::assign`] replaces it without reading it).
+fn lazy_zeros<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Param<Tensor<B, D>> {
+    let init = move |device: &B::Device, require_grad: bool| {
+        let zeros = Tensor::<B, D>::zeros(shape, device);
+        if require_grad {
+            zeros.require_grad()
+        } else {
+            zeros
+        }
+    };
+    Param::uninitialized(burn::module::ParamId::new(), init, device.clone(), true, shape.into())
 }
 
 /// A trainable parameter filled with `value` (RMSNorm gains: 1, biases: 0).

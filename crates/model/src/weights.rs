@@ -246,9 +246,21 @@ pub fn param_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<us
 /// error unless `allow_unused`.
 pub fn assign<B: Backend, M: Module<B>>(
     module: M,
+    tensors: BTreeMap<String, TensorData>,
+    source_name: &str,
+    allow_unused: bool,
+) -> Result<M, WeightsError> {
+    assign_as(module, tensors, source_name, allow_unused, None)
+}
+
+/// [`assign`], a parameter not yet initialised (a loading model's lazy zeros) made `lazy_dtype`
+/// (the device's default float type where `None`) without ever holding its zeros.
+pub fn assign_as<B: Backend, M: Module<B>>(
+    module: M,
     mut tensors: BTreeMap<String, TensorData>,
     source_name: &str,
     allow_unused: bool,
+    lazy_dtype: Option<DType>,
 ) -> Result<M, WeightsError> {
     let mut missing = Vec::new();
     for (key, expected) in param_shapes::<B, M>(&module) {
@@ -274,11 +286,16 @@ pub fn assign<B: Backend, M: Module<B>>(
         return Err(WeightsError::Unexpected { source_name: source_name.into(), keys: unused });
     }
 
-    struct Assign<'a>(&'a mut BTreeMap<String, TensorData>);
+    struct Assign<'a>(&'a mut BTreeMap<String, TensorData>, DType);
     impl<B: Backend> PathMapper<B> for Assign<'_> {
         fn map<const D: usize>(&mut self, path: &str, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, tensor, mapper) = param.consume();
             let data = self.0.remove(path).expect("checked above");
+            if !param.is_initialized() {
+                // Lazy zeros (trainable, no mapper yet): replaced without being made.
+                let new = Tensor::<B, D>::from_data(data.convert_dtype(self.1), (&param.lazy_device(), self.1));
+                return Param::initialized(param.id, new.require_grad());
+            }
+            let (id, tensor, mapper) = param.consume();
             let require_grad = tensor.is_require_grad();
             // The parameter's dtype named at creation: `from_data` alone builds the device's default
             // float dtype (a bf16 parameter came back f32, and `import --dtype bf16` wrote f32).
@@ -288,7 +305,8 @@ pub fn assign<B: Backend, M: Module<B>>(
             Param::from_mapped_value(id, new, mapper)
         }
     }
-    Ok(map_paths(module, &mut Assign(&mut tensors)))
+    let lazy_dtype = lazy_dtype.unwrap_or(<B::FloatElem as burn::tensor::Element>::dtype());
+    Ok(map_paths(module, &mut Assign(&mut tensors, lazy_dtype)))
 }
 
 fn st_dtype(dtype: DType) -> Option<Dtype> {
@@ -326,6 +344,16 @@ pub type Metadata = std::collections::HashMap<String, String>;
 /// Parses a safetensors file's bytes into named tensors (float dtypes only). `source_name` (usually
 /// the path) appears in errors.
 pub fn from_safetensors(bytes: &[u8], source_name: &str) -> Result<(NamedTensors, Metadata), WeightsError> {
+    from_safetensors_releasing(bytes, source_name, |_| {})
+}
+
+/// [`from_safetensors`], `copied` told each tensor's byte range in `bytes` once its values are
+/// copied out (a mapped file lets those pages go: `ember_data::FileBytes::release`).
+pub fn from_safetensors_releasing(
+    bytes: &[u8],
+    source_name: &str,
+    mut copied: impl FnMut(std::ops::Range<usize>),
+) -> Result<(NamedTensors, Metadata), WeightsError> {
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| WeightsError::Format { source_name: source_name.into(), message: e.to_string() })?;
     let file = SafeTensors::deserialize(bytes)
@@ -346,6 +374,8 @@ pub fn from_safetensors(bytes: &[u8], source_name: &str) -> Result<(NamedTensors
             }
         };
         let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
+        let at = (view.data().as_ptr() as usize).saturating_sub(bytes.as_ptr() as usize);
+        copied(at..at + view.data().len());
         out.insert(name, data);
     }
     Ok((out, meta.metadata().clone().unwrap_or_default()))
@@ -370,6 +400,43 @@ mod tests {
     use crate::{Decoder, ModelConfig, TestBackend};
 
     type B = TestBackend;
+
+    /// A model built to be loaded holds no zeros: its weights stay unmade through a change of
+    /// dtype and are replaced by the loaded values without being made (the loaded values, in the
+    /// dtype asked for); norm gains are made (ones) and loaded over as before.
+    #[test]
+    fn an_empty_model_is_loaded_without_making_its_zeros() {
+        struct Made(usize, usize);
+        impl<B: Backend> ModuleVisitor<B> for Made {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.0 += usize::from(param.is_initialized());
+                self.1 += 1;
+            }
+        }
+        let made = |m: &Decoder<B>| {
+            let mut v = Made(0, 0);
+            m.visit(&mut v);
+            (v.0, v.1)
+        };
+        let config = tiny_config();
+        let norms = 2 * config.n_layers + 1;
+        let empty = Decoder::<B>::empty(&config, &Default::default()).unwrap();
+        let (initialised, all) = made(&empty);
+        assert_eq!(initialised, norms, "only the norm gains are made");
+        let half = empty.with_param_dtype(DType::BF16);
+        assert_eq!(made(&half).0, norms, "a change of dtype keeps the weights unmade");
+        let source = Decoder::<B>::new(&config, 7, &Default::default()).unwrap();
+        let values: BTreeMap<String, TensorData> = named_tensors::<B, _>(&source).into_iter().collect();
+        let loaded = assign_as(half, values.clone(), "test", false, Some(DType::BF16)).unwrap();
+        assert_eq!(made(&loaded), (all, all));
+        for (name, data) in named_tensors::<B, _>(&loaded) {
+            assert_eq!(data.dtype, DType::BF16, "{name}");
+            assert_eq!(data, values[&name].clone().convert_dtype(DType::BF16), "{name}");
+        }
+        // Read before it is loaded, an unmade weight is zeros.
+        let zeros = named_tensors::<B, _>(&Decoder::<B>::empty(&config, &Default::default()).unwrap());
+        assert!(zeros[0].1.to_vec::<f32>().unwrap().iter().all(|&x| x == 0.0), "{}", zeros[0].0);
+    }
 
     #[test]
     fn names_follow_the_field_paths() {

@@ -395,6 +395,20 @@ impl<B: EmberBackend> Decoder<B> {
         impl<B: Backend> burn::module::ModuleMapper<B> for Cast {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
                 let dtype = self.0;
+                if !param.is_initialized() {
+                    // Lazy zeros (a model about to be loaded) stay lazy: zeros of `dtype` if read.
+                    let (id, device, shape) = (param.id, param.lazy_device(), param.lazy_shape());
+                    let dims: [usize; D] = shape.dims();
+                    let init = move |device: &B::Device, require_grad: bool| {
+                        let zeros = to_dtype(Tensor::<B, D>::zeros(dims, device), dtype);
+                        if require_grad {
+                            zeros.require_grad()
+                        } else {
+                            zeros
+                        }
+                    };
+                    return Param::uninitialized(id, init, device, true, shape);
+                }
                 param.map(|t| {
                     let require_grad = t.is_require_grad();
                     let t = to_dtype(t, dtype).detach();

@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, TensorData};
 use ember_data::Tokenizer;
-use ember_model::weights::{assign, from_safetensors, named_tensors};
+use ember_model::weights::{assign, from_safetensors_releasing, named_tensors};
 use ember_model::{Decoder, ModelConfig};
 use serde::{Deserialize, Serialize};
 
@@ -379,9 +379,9 @@ impl Checkpoint {
 /// The tensors of a weights file, each with NaN or infinite values warned of (which tensor, how
 /// many): a model of such weights computes NaN, so sampling and serving say so before it does.
 fn read_tensors(path: &Path) -> Result<BTreeMap<String, TensorData>, TrainError> {
-    let bytes = std::fs::read(path).map_err(TrainError::io(path))?;
+    let bytes = ember_data::FileBytes::open(path).map_err(TrainError::io(path))?;
     let source = path.display().to_string();
-    let tensors = from_safetensors(&bytes, &source)?.0;
+    let tensors = from_safetensors_releasing(&bytes, &source, |range| bytes.release(range))?.0;
     for (name, data) in &tensors {
         ember_model::weights::warn_non_finite(&source, name, data);
     }
