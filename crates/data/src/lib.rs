@@ -123,9 +123,10 @@ impl FileBytes {
         }
     }
 
-    /// Where `inner` (a slice of these bytes) starts in them.
-    pub fn offset_of(&self, inner: &[u8]) -> usize {
-        (inner.as_ptr() as usize).saturating_sub(self.as_ptr() as usize)
+    /// [`Self::release`] for the bytes of `inner`, a slice of these bytes.
+    pub fn release_bytes(&self, inner: &[u8]) {
+        let at = (inner.as_ptr() as usize).saturating_sub(self.as_ptr() as usize);
+        self.release(at..at + inner.len());
     }
 }
 

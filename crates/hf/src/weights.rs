@@ -174,8 +174,7 @@ fn read_tensors(dir: &Path) -> Result<BTreeMap<String, (TensorData, PathBuf)>, H
             };
             let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
             // Copied: the file's pages of it are let go (the file and its copy not held at once).
-            let at = bytes.offset_of(view.data());
-            bytes.release(at..at + view.data().len());
+            bytes.release_bytes(view.data());
             ember_model::weights::warn_non_finite(&path.display().to_string(), &name, &data);
             tensors.insert(name, (data, path.clone()));
         }

@@ -74,15 +74,29 @@ impl Init {
 /// overwritten by loaded weights then never holds its zeros and the weights at once
 /// ([`crate::weights::assign`] replaces it without reading it).
 fn lazy_zeros<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Param<Tensor<B, D>> {
+    lazy_zeros_as(burn::module::ParamId::new(), shape, device.clone(), None)
+}
+
+/// [`lazy_zeros`] with parameter id `id`, in `dtype` (the device's default where `None`).
+pub(crate) fn lazy_zeros_as<B: Backend, const D: usize>(
+    id: burn::module::ParamId,
+    shape: [usize; D],
+    device: B::Device,
+    dtype: Option<burn::tensor::DType>,
+) -> Param<Tensor<B, D>> {
     let init = move |device: &B::Device, require_grad: bool| {
         let zeros = Tensor::<B, D>::zeros(shape, device);
+        let zeros = match dtype {
+            Some(dtype) => crate::to_dtype(zeros, dtype),
+            None => zeros,
+        };
         if require_grad {
             zeros.require_grad()
         } else {
             zeros
         }
     };
-    Param::uninitialized(burn::module::ParamId::new(), init, device.clone(), true, shape.into())
+    Param::uninitialized(id, init, device, true, shape.into())
 }
 
 /// A trainable parameter filled with `value` (RMSNorm gains: 1, biases: 0).

@@ -347,12 +347,12 @@ pub fn from_safetensors(bytes: &[u8], source_name: &str) -> Result<(NamedTensors
     from_safetensors_releasing(bytes, source_name, |_| {})
 }
 
-/// [`from_safetensors`], `copied` told each tensor's byte range in `bytes` once its values are
-/// copied out (a mapped file lets those pages go: `ember_data::FileBytes::release`).
+/// [`from_safetensors`], `copied` handed each tensor's bytes once its values are copied out (a
+/// mapped file lets those pages go: `ember_data::FileBytes::release_bytes`).
 pub fn from_safetensors_releasing(
     bytes: &[u8],
     source_name: &str,
-    mut copied: impl FnMut(std::ops::Range<usize>),
+    mut copied: impl FnMut(&[u8]),
 ) -> Result<(NamedTensors, Metadata), WeightsError> {
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| WeightsError::Format { source_name: source_name.into(), message: e.to_string() })?;
@@ -374,8 +374,7 @@ pub fn from_safetensors_releasing(
             }
         };
         let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
-        let at = (view.data().as_ptr() as usize).saturating_sub(bytes.as_ptr() as usize);
-        copied(at..at + view.data().len());
+        copied(view.data());
         out.insert(name, data);
     }
     Ok((out, meta.metadata().clone().unwrap_or_default()))

@@ -397,17 +397,8 @@ impl<B: EmberBackend> Decoder<B> {
                 let dtype = self.0;
                 if !param.is_initialized() {
                     // Lazy zeros (a model about to be loaded) stay lazy: zeros of `dtype` if read.
-                    let (id, device, shape) = (param.id, param.lazy_device(), param.lazy_shape());
-                    let dims: [usize; D] = shape.dims();
-                    let init = move |device: &B::Device, require_grad: bool| {
-                        let zeros = to_dtype(Tensor::<B, D>::zeros(dims, device), dtype);
-                        if require_grad {
-                            zeros.require_grad()
-                        } else {
-                            zeros
-                        }
-                    };
-                    return Param::uninitialized(id, init, device, true, shape);
+                    let dims: [usize; D] = param.lazy_shape().dims();
+                    return crate::init::lazy_zeros_as(param.id, dims, param.lazy_device(), Some(dtype));
                 }
                 param.map(|t| {
                     let require_grad = t.is_require_grad();

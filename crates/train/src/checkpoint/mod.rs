@@ -381,7 +381,7 @@ impl Checkpoint {
 fn read_tensors(path: &Path) -> Result<BTreeMap<String, TensorData>, TrainError> {
     let bytes = ember_data::FileBytes::open(path).map_err(TrainError::io(path))?;
     let source = path.display().to_string();
-    let tensors = from_safetensors_releasing(&bytes, &source, |range| bytes.release(range))?.0;
+    let tensors = from_safetensors_releasing(&bytes, &source, |inner| bytes.release_bytes(inner))?.0;
     for (name, data) in &tensors {
         ember_model::weights::warn_non_finite(&source, name, data);
     }
