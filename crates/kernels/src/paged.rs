@@ -305,6 +305,10 @@ const ROWS_PER_TASK: usize = 16;
 /// no-op): a seeded request gets the same bits alone or beside others. How the shares are spread
 /// over tasks is only a matter of speed: with few groups, a group's blocks are split into up to two
 /// runs a thread; with groups enough to keep the threads busy, one task computes all of a group's.
+/// Then, on AVX-512, blocks that several sequences' tables share (a common prompt's, held once by
+/// the cache's prefix sharing) are folded first for all their rows at once, sixteen rows of a
+/// key/value head to a vector, and each group goes on from there over its own blocks (cascade
+/// attention: a shared prompt's keys and values are read once a step, not once a sequence).
 ///
 /// The copy of the loops that runs is the widest `cpu` allows (the CPU's widest at most).
 ///
@@ -316,12 +320,12 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
 
 /// [`attention`], its output `[B, T, H, Dh]` where `positions_outer` (the layout the output
 /// projection reads), `[B, H, T, Dh]` otherwise.
-fn attend(
+fn attend<'a>(
     cpu: Cpu,
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    layout: &PagedLayout,
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    layout: &'a PagedLayout,
     s: Heads,
     positions_outer: bool,
 ) -> Vec<f32> {
@@ -358,29 +362,74 @@ fn attend(
     let lanes_kernel = simd::detected().min(cpu.tier) == Tier::Avx512 && layout.keys() <= i32::MAX as usize;
     #[cfg(not(target_arch = "x86_64"))]
     let lanes_kernel = false;
-    let partials: Vec<Vec<Partial>> = tasks
+    let query = |bi: usize, r: usize| Query {
+        q: &q[row_at(bi, r)..][..dh],
+        seen: layout.visible(bi, r % t),
+        offset: r / t / rep * dh,
+    };
+    let task = |rows: Vec<Query<'a>>, table: &'a [usize]| Task {
+        lanes: if lanes_kernel { lane_groups(&rows, dh) } else { Vec::new() },
+        rows,
+        keys,
+        values,
+        table,
+        blocks: 0..0,
+        block_size: layout.block_size,
+        width: s.kv_heads * dh,
+        scale,
+    };
+    // Blocks that several sequences share (a common prompt's) first, read once for all their rows
+    // (cascade attention); each group's fold then goes on from there over its own blocks. The lanes
+    // kernel folds a row's blocks in block order whatever rows share its vector, so the bits are
+    // the same as without.
+    let cascades = if folded && lanes_kernel { shared_prefixes(layout, blocks_of) } else { Vec::new() };
+    // Per task: the rows' state after the shared blocks (tasks are the groups, in order, when folded).
+    let mut seeds: Vec<Option<Partial>> = (0..tasks.len()).map(|_| None).collect();
+    let mut skip = vec![0; b];
+    let cascade_tasks: Vec<(usize, Vec<(usize, usize)>)> = cascades
+        .iter()
+        .enumerate()
+        .flat_map(|(c, shared)| {
+            (0..s.kv_heads).flat_map(move |head| {
+                let rows: Vec<(usize, usize)> = shared
+                    .members
+                    .iter()
+                    .flat_map(|&bi| (0..rows).filter(move |r| r / t / rep == head).map(move |r| (bi, r)))
+                    .collect();
+                rows.chunks(LANES).map(|chunk| (c, chunk.to_vec())).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let cascaded: Vec<Partial> = cascade_tasks
         .par_iter()
-        .map(|(n, run)| {
-            let (bi, r0) = groups[*n];
+        .map(|(c, members)| {
+            let shared = &cascades[*c];
+            let mut task =
+                task(members.iter().map(|&(bi, r)| query(bi, r)).collect(), &layout.tables[shared.members[0]]);
+            task.blocks = 0..shared.blocks;
+            let mut part = Partial::empty(members.len(), dh);
+            task.run(cpu, &mut part, &mut Vec::new());
+            part
+        })
+        .collect();
+    let groups_per_row = rows.div_ceil(ROWS_PER_TASK);
+    for ((c, members), part) in cascade_tasks.iter().zip(&cascaded) {
+        for (i, &(bi, r)) in members.iter().enumerate() {
+            skip[bi] = cascades[*c].blocks;
+            let n = bi * groups_per_row + r / ROWS_PER_TASK;
+            let (r0, r1) = (groups[n].1, (groups[n].1 + ROWS_PER_TASK).min(rows));
+            let seed = seeds[n].get_or_insert_with(|| Partial::empty(r1 - r0, dh));
+            seed.copy_row(r - r0, part, i, dh);
+        }
+    }
+    let partials: Vec<Vec<Partial>> = tasks
+        .into_par_iter()
+        .zip(seeds)
+        .map(|((n, run), seed)| {
+            let (bi, r0) = groups[n];
             let r1 = (r0 + ROWS_PER_TASK).min(rows);
-            let query = |r: usize| Query {
-                q: &q[row_at(bi, r)..][..dh],
-                seen: layout.visible(bi, r % t),
-                offset: r / t / rep * dh,
-            };
-            let rows: Vec<Query> = (r0..r1).map(query).collect();
-            let lanes = if lanes_kernel { lane_groups(&rows, dh) } else { Vec::new() };
-            let mut task = Task {
-                rows,
-                lanes,
-                keys,
-                values,
-                table: &layout.tables[bi],
-                blocks: 0..0,
-                block_size: layout.block_size,
-                width: s.kv_heads * dh,
-                scale,
-            };
+            let mut task = task((r0..r1).map(|r| query(bi, r)).collect(), &layout.tables[bi]);
+            let run = run.start.max(skip[bi])..run.end;
             let n_rows = task.rows.len();
             let mut scores = Vec::new();
             if !folded {
@@ -396,7 +445,7 @@ fn attend(
             }
             if !task.lanes.is_empty() {
                 // The lanes kernel merges each block into its rows itself, as the fold would.
-                let mut whole = Partial::empty(n_rows, dh);
+                let mut whole = seed.unwrap_or_else(|| Partial::empty(n_rows, dh));
                 task.blocks = run.clone();
                 task.run(cpu, &mut whole, &mut scores);
                 return vec![whole];
@@ -431,6 +480,43 @@ fn attend(
     o
 }
 
+/// Sequences whose tables begin with the same blocks, and how many of their blocks they share.
+struct SharedPrefix {
+    members: Vec<usize>,
+    blocks: usize,
+}
+
+/// The batch rows grouped by their first block, each group of two or more with the blocks all its
+/// rows have in common (at most the blocks each reads: `blocks_of`).
+fn shared_prefixes(layout: &PagedLayout, blocks_of: impl Fn(usize) -> usize) -> Vec<SharedPrefix> {
+    let mut by_first: Vec<(usize, Vec<usize>)> = Vec::new();
+    for (bi, table) in layout.tables.iter().enumerate() {
+        let Some(&first) = table.first() else { continue };
+        match by_first.iter_mut().find(|(blk, _)| *blk == first) {
+            Some((_, members)) => members.push(bi),
+            None => by_first.push((first, vec![bi])),
+        }
+    }
+    by_first
+        .into_iter()
+        .filter(|(_, members)| members.len() > 1)
+        .map(|(_, members)| {
+            let lead = &layout.tables[members[0]];
+            let blocks = members
+                .iter()
+                .map(|&bi| {
+                    let table = &layout.tables[bi];
+                    let common = lead.iter().zip(table).take_while(|(x, y)| x == y).count();
+                    common.min(blocks_of(bi))
+                })
+                .min()
+                .unwrap_or(0);
+            SharedPrefix { members, blocks }
+        })
+        .filter(|shared| shared.blocks > 0)
+        .collect()
+}
+
 /// A task's rows before normalising: each row's running maximum score, its sum of `e^(score -
 /// max)`, and its values weighted by those terms.
 #[derive(Debug, Default)]
@@ -451,6 +537,12 @@ impl Partial {
         self.max.fill(f32::NEG_INFINITY);
         self.sum.fill(0.0);
         self.acc.fill(0.0);
+    }
+
+    /// Row `r` set to row `i` of `other`.
+    fn copy_row(&mut self, r: usize, other: &Partial, i: usize, dh: usize) {
+        (self.max[r], self.sum[r]) = (other.max[i], other.sum[i]);
+        self.acc[r * dh..(r + 1) * dh].copy_from_slice(&other.acc[i * dh..(i + 1) * dh]);
     }
 
     /// Adds another share of the same rows' keys.
@@ -648,7 +740,86 @@ unsafe fn lane_scores<const K: usize>(
     acc
 }
 
+/// [`lane_scores`] computed in as few lanes as the group uses (`width`: 4, 8 or [`LANES`]), the
+/// lanes past them zero. A lane's chain of multiply-adds is the same whatever the vector's width,
+/// so its bits are too; a decode step's three or four rows of a key/value head cost a quarter of a
+/// 16-lane vector's multiply-adds.
+///
+/// # Safety
+/// As [`lane_scores`]'s.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512vl,fma")]
+unsafe fn narrow_lane_scores<const K: usize>(
+    width: usize,
+    qt: *const f32,
+    keys: [*const f32; K],
+    dh: usize,
+) -> [std::arch::x86_64::__m512; K] {
+    use std::arch::x86_64::*;
+    match width {
+        4 => {
+            let mut acc = [_mm_setzero_ps(); K];
+            for d in 0..dh {
+                // SAFETY: in bounds by the caller's promise.
+                let qd = unsafe { _mm_loadu_ps(qt.add(d * LANES)) };
+                for (sum, key) in acc.iter_mut().zip(&keys) {
+                    // SAFETY: as above.
+                    *sum = _mm_fmadd_ps(qd, _mm_set1_ps(unsafe { *key.add(d) }), *sum);
+                }
+            }
+            acc.map(|x| _mm512_zextps128_ps512(x))
+        }
+        8 => {
+            let mut acc = [_mm256_setzero_ps(); K];
+            for d in 0..dh {
+                // SAFETY: in bounds by the caller's promise.
+                let qd = unsafe { _mm256_loadu_ps(qt.add(d * LANES)) };
+                for (sum, key) in acc.iter_mut().zip(&keys) {
+                    // SAFETY: as above.
+                    *sum = _mm256_fmadd_ps(qd, _mm256_set1_ps(unsafe { *key.add(d) }), *sum);
+                }
+            }
+            acc.map(|x| _mm512_zextps256_ps512(x))
+        }
+        // SAFETY: as this function's.
+        _ => unsafe { lane_scores::<K>(qt, keys, dh) },
+    }
+}
+
+/// `e^(t[l] − max[l])` in the first `W` lanes of `t` (the others left as they are).
+#[inline(always)]
+fn exp_lanes<const W: usize>(t: &mut [f32; LANES], max: &[f32; LANES]) {
+    for (x, &m) in t[..W].iter_mut().zip(&max[..W]) {
+        *x = exp(*x - m);
+    }
+}
+
 impl Task<'_> {
+    /// Prefetches (into L2) block `blk`'s key and value columns of the heads at `offsets`, for the
+    /// positions the task's rows may see.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn prefetch(&self, blk: usize, offsets: &[usize]) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let (bs, w) = (self.block_size, self.width);
+        let end = self.rows.iter().map(|r| r.seen.end).max().unwrap_or(0);
+        let (base, rows) = (self.table[blk] * bs, bs.min(end.saturating_sub(blk * bs)));
+        let dh = self.rows.first().map_or(0, |row| row.q.len());
+        for pool in [self.keys, self.values] {
+            for row in base..base + rows {
+                for &offset in offsets {
+                    // A prefetch reads nothing and cannot fault: an address is all it needs.
+                    let at = pool.as_ptr().wrapping_add(row * w + offset).cast::<i8>();
+                    for line in (0..dh * 4).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(line));
+                    }
+                }
+            }
+        }
+    }
+
     /// The AVX-512 kernel: the rows of a [`LaneGroup`] as the lanes of a vector, so that a block's
     /// keys and values are read once for all of them and nothing is summed across lanes. A row's
     /// arithmetic is its own, whatever rows share its vector: each score a chain of multiply-adds
@@ -659,15 +830,27 @@ impl Task<'_> {
     /// # Safety
     /// The CPU must have AVX-512F and FMA; the lanes' rows and ranges must be the task's.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,fma")]
+    #[target_feature(enable = "avx512f,avx512vl,fma")]
     unsafe fn run_lanes(&self, part: &mut Partial, scratch: &mut Vec<f32>) {
         use std::arch::x86_64::*;
         let dh = self.rows.first().map_or(0, |row| row.q.len());
         let (bs, w) = (self.block_size, self.width);
         let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
         let scale = _mm512_set1_ps(self.scale);
+        let mut heads: Vec<usize> = self.lanes.iter().map(|g| g.offset).collect();
+        heads.sort_unstable();
+        heads.dedup();
         for blk in self.blocks.clone() {
             let (c0, base) = (blk * bs, self.table[blk] * bs);
+            // The next block's rows of the task's heads asked for while this one is computed (and
+            // the first block's before it): the hardware's prefetchers do not follow a walk of
+            // one head's slices through the table's blocks.
+            if blk == self.blocks.start {
+                self.prefetch(blk, &heads);
+            }
+            if blk + 1 < self.blocks.end {
+                self.prefetch(blk + 1, &heads);
+            }
             for g in &self.lanes {
                 let used = g.rows.len();
                 let a = g.lo[..used].iter().map(|&x| x as usize).min().unwrap_or(0).max(c0);
@@ -676,6 +859,12 @@ impl Task<'_> {
                     continue;
                 }
                 let n = e - a;
+                // The lanes the group's rows take, rounded up to a vector of 4, 8 or 16.
+                let width = match used {
+                    0..=4 => 4,
+                    5..=8 => 8,
+                    _ => LANES,
+                };
                 scratch.resize(n * LANES, 0.0);
                 let s = scratch.as_mut_ptr();
                 // SAFETY: two arrays of LANES i32s.
@@ -696,19 +885,23 @@ impl Task<'_> {
                 let mut j = a;
                 while j + 8 <= e {
                     // SAFETY: the group's queries and eight of the block's keys.
-                    let sc = unsafe { lane_scores::<8>(g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh) };
+                    let sc = unsafe {
+                        narrow_lane_scores::<8>(width, g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh)
+                    };
                     sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
                     j += 8;
                 }
                 while j + 4 <= e {
                     // SAFETY: as above, four keys.
-                    let sc = unsafe { lane_scores::<4>(g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh) };
+                    let sc = unsafe {
+                        narrow_lane_scores::<4>(width, g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh)
+                    };
                     sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
                     j += 4;
                 }
                 while j < e {
                     // SAFETY: as above, one key.
-                    let [x] = unsafe { lane_scores::<1>(g.qt.as_ptr(), [key(j)], dh) };
+                    let [x] = unsafe { narrow_lane_scores::<1>(width, g.qt.as_ptr(), [key(j)], dh) };
                     keep(j, x);
                     j += 1;
                 }
@@ -730,8 +923,11 @@ impl Task<'_> {
                     let score = unsafe { _mm512_loadu_ps(s.add(i * LANES)) };
                     // SAFETY: LANES f32s.
                     unsafe { _mm512_storeu_ps(t.as_mut_ptr(), score) };
-                    for (x, &m) in t.iter_mut().zip(&max) {
-                        *x = exp(*x - m);
+                    // Lanes past the group's rows hold -inf scores, zeroed below.
+                    match width {
+                        4 => exp_lanes::<4>(&mut t, &max),
+                        8 => exp_lanes::<8>(&mut t, &max),
+                        _ => exp_lanes::<LANES>(&mut t, &max),
                     }
                     // SAFETY: LANES f32s.
                     let p = unsafe { _mm512_loadu_ps(t.as_ptr()) };
@@ -1000,6 +1196,25 @@ mod tests {
         (layout, n * block_size)
     }
 
+    /// [`layout`]'s, every row's first `shared` blocks the same blocks of the pool (a common
+    /// prompt's), the rest its own.
+    fn shared_layout(
+        shared: usize,
+        rows: &[(usize, usize)],
+        queries: usize,
+        block_size: usize,
+        window: Option<usize>,
+    ) -> (PagedLayout, usize) {
+        let (mut l, own) = layout(rows, queries, block_size, window);
+        let first = own / block_size;
+        for table in &mut l.tables {
+            for (blk, id) in table.iter_mut().zip(first..first + shared) {
+                *blk = id;
+            }
+        }
+        (l, (first + shared) * block_size)
+    }
+
     const HEADS: Heads = Heads { heads: 6, kv_heads: 2, head_dim: 20, scale: 0.223_606_8 };
 
     fn cases() -> Vec<(PagedLayout, usize)> {
@@ -1012,6 +1227,10 @@ mod tests {
             layout(&[(0, 40)], 40, 64, None),                 // a long first chunk
             layout(&[(200, 1)], 1, 8, None),                  // one sequence: blocks split
             layout(&[(300, 2)], 2, 8, Some(20)),              // a window far into a long sequence
+            // A decode batch whose sequences share a prompt's three blocks (one reads only two).
+            shared_layout(3, &[(30, 1), (25, 1), (40, 1), (10, 1), (33, 1)], 1, 8, None),
+            // Prompt chunks after a shared prefix, a window cutting into it.
+            shared_layout(2, &[(17, 4), (19, 2), (22, 3)], 4, 8, Some(12)),
         ]
     }
 
@@ -1094,10 +1313,66 @@ mod tests {
             let d = HEADS.head_dim;
             chunk_q[(h * 10 + 9) * d..][..d].copy_from_slice(&q[h * d..][..d]);
         }
+        // Beside five sequences that share its first 30 blocks (read once for all of them).
+        let (mut shared, shared_rows) =
+            shared_layout(30, &[(248, 1), (250, 1), (240, 1), (260, 1), (244, 1)], 1, 8, None);
+        shared.tables.insert(0, alone_layout.tables[0].clone());
+        (shared.starts.insert(0, 300), shared.totals.insert(0, 301));
+        for table in &mut shared.tables[1..] {
+            table[..30].copy_from_slice(&alone_layout.tables[0][..30]);
+        }
+        let shared_q = values(6 * per_row, 7);
+        let shared_q = [&q[..per_row], &shared_q[per_row..]].concat();
+        let pool = (shared_rows.max(rows) + 25 * 8) * w;
+        let (k2, v2) = (values(pool, 5), values(pool, 6));
+        assert_eq!(k2[..k.len()], k[..], "the same keys where the lone sequence reads");
+        let run_shared = |threads: usize, q: &[f32], l: &PagedLayout| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+            pool.install(|| attention(Cpu::detect(), q, &k2, &v2, l, HEADS))
+        };
+        let found = shared_prefixes(&shared, |bi| shared.totals[bi].div_ceil(8));
+        assert!(found.len() == 1 && found[0].members.len() == 6 && found[0].blocks == 30, "one prefix of 30 blocks");
+        // One and two threads fold each sequence in one task (the shared blocks first, once); seven
+        // split the blocks into shares instead.
+        for threads in [1, 2, 7] {
+            let out = run_shared(threads, &shared_q, &shared);
+            assert_eq!(alone, out[..per_row].to_vec(), "{threads} threads, sharing its prompt");
+        }
         let chunk = run(2, &chunk_q, &chunk_layout);
         for h in 0..HEADS.heads {
             let d = HEADS.head_dim;
             assert_eq!(chunk[(h * 10 + 9) * d..][..d], alone[h * d..][..d], "head {h}");
+        }
+    }
+
+    /// One position's rows as the last of chunks of 1 to 8 positions: 2 to 16 rows of its key/value
+    /// head side by side, so the AVX-512 kernel scores them in vectors of 4, 8 and 16 lanes; the
+    /// same bits in each.
+    #[test]
+    fn a_row_gets_the_same_bits_in_vectors_of_every_width() {
+        for dh in [20, 64] {
+            let s = Heads { heads: 2, kv_heads: 1, head_dim: dh, scale: 0.3 };
+            let last = values(2 * dh, 11);
+            let (l, pool_rows) = layout(&[(99, 1)], 1, 16, None);
+            let (k, v) = (values(pool_rows * dh, 12), values(pool_rows * dh, 13));
+            let alone = attention(Cpu::detect(), &last, &k, &v, &l, s);
+            for t in 2..=8 {
+                let mut chunk = l.clone();
+                (chunk.starts, chunk.queries) = (vec![100 - t], t);
+                // Row r is head r / t at position r % t: position 99's rows are the lone query's.
+                let mut q = values(2 * t * dh, 14);
+                for h in 0..2 {
+                    q[(h * t + t - 1) * dh..][..dh].copy_from_slice(&last[h * dh..][..dh]);
+                }
+                let out = attention(Cpu::detect(), &q, &k, &v, &chunk, s);
+                for h in 0..2 {
+                    assert_eq!(
+                        out[(h * t + t - 1) * dh..][..dh],
+                        alone[h * dh..][..dh],
+                        "dh {dh}, {t} positions, head {h}"
+                    );
+                }
+            }
         }
     }
 
