@@ -57,6 +57,7 @@ pub mod rms_norm;
 pub mod rope;
 mod simd;
 pub mod swiglu;
+pub mod temperature;
 #[cfg(test)]
 mod testing;
 
