@@ -218,24 +218,34 @@ impl Sampler {
             // The nucleus: the fewest most likely candidates whose probability reaches top_p. Found
             // among the best 64 sorted, or 256, …: a whole sort of a 49k vocabulary would cost
             // milliseconds a token, and the nucleus is mostly a few dozen.
-            let total: f64 = order.iter().map(|&i| weight(i)).sum();
+            // (Over the table itself where there is one: `order` is then every id, in order.)
+            let total: f64 = match &all {
+                Some(w) => w.iter().map(|&x| f64::from(x)).sum(),
+                None => order.iter().map(|&i| weight(i)).sum(),
+            };
             let mut k = order.len().min(64);
             loop {
-                if k < order.len() {
-                    order.select_nth_unstable_by(k - 1, by_logit);
-                }
-                order[..k].sort_by(by_logit);
+                let best = if k < order.len() {
+                    best_k(&order, logits, k)
+                } else {
+                    order.sort_by(by_logit);
+                    std::mem::take(&mut order)
+                };
                 let mut mass = 0.0;
-                let reached = order[..k].iter().position(|&i| {
+                let reached = best.iter().position(|&i| {
                     mass += weight(i) / total;
                     mass >= top_p as f64
                 });
                 match reached {
                     Some(last) => {
+                        order = best;
                         order.truncate(last + 1);
                         break;
                     }
-                    None if k == order.len() => break,
+                    None if k == best.len() && order.is_empty() => {
+                        order = best;
+                        break;
+                    }
                     None => k = (4 * k).min(order.len()),
                 }
             }
@@ -249,6 +259,44 @@ impl Sampler {
         probs.iter_mut().for_each(|p| *p /= total);
         (order, probs)
     }
+}
+
+/// The `k` best of `ids` by logit, most likely first, ties the lower id first (the order
+/// `candidates` sorts by): one pass keeping the best `k` in a heap, rather than a partition of
+/// the whole vocabulary.
+fn best_k(ids: &[usize], logits: &[f32], k: usize) -> Vec<usize> {
+    use std::cmp::{Ordering, Reverse};
+    use std::collections::BinaryHeap;
+    /// A candidate, greater when more likely (a higher logit, then a lower id).
+    struct Ranked(f32, usize);
+    impl Ord for Ranked {
+        fn cmp(&self, other: &Self) -> Ordering {
+            self.0.total_cmp(&other.0).then(other.1.cmp(&self.1))
+        }
+    }
+    impl PartialOrd for Ranked {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl PartialEq for Ranked {
+        fn eq(&self, other: &Self) -> bool {
+            self.cmp(other) == Ordering::Equal
+        }
+    }
+    impl Eq for Ranked {}
+    let mut heap: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(k + 1);
+    for &i in ids {
+        let r = Ranked(logits[i], i);
+        if heap.len() < k {
+            heap.push(Reverse(r));
+        } else if heap.peek().is_some_and(|Reverse(worst)| r > *worst) {
+            heap.pop();
+            heap.push(Reverse(r));
+        }
+    }
+    // Ascending `Reverse`s: the most likely first.
+    heap.into_sorted_vec().into_iter().map(|Reverse(Ranked(_, i))| i).collect()
 }
 
 /// Divides positive logits (multiplies negative ones) of the tokens in `history` by `p`, once each.
