@@ -825,30 +825,31 @@ impl Task<'_> {
     /// arithmetic is its own, whatever rows share its vector: each score a chain of multiply-adds
     /// in `d` order ([`lane_scores`]) times the scale; the block's maximum over the keys the row
     /// sees; `e^(score − max)` per key ([`exp`]); the block's sum and its weighted values added key
-    /// after key. A padding row (no key seen) stays as it was.
+    /// after key. A padding row (no key seen) stays as it was. Per block and group: the scores
+    /// ([`Self::lane_scores_into`]), the weights ([`lane_weights`]), the rows' running maxima and
+    /// sums ([`merge_block_stats`]), the weighted values ([`Self::add_lane_values`]).
     ///
     /// # Safety
-    /// The CPU must have AVX-512F and FMA; the lanes' rows and ranges must be the task's.
+    /// The CPU must have AVX-512F, VL and FMA; the lanes' rows and ranges must be the task's.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512vl,fma")]
     unsafe fn run_lanes(&self, part: &mut Partial, scratch: &mut Vec<f32>) {
-        use std::arch::x86_64::*;
-        let dh = self.rows.first().map_or(0, |row| row.q.len());
-        let (bs, w) = (self.block_size, self.width);
-        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-        let scale = _mm512_set1_ps(self.scale);
+        let bs = self.block_size;
         let mut heads: Vec<usize> = self.lanes.iter().map(|g| g.offset).collect();
         heads.sort_unstable();
         heads.dedup();
+        let narrow = self.lanes.iter().any(|g| g.rows.len() < LANES);
         for blk in self.blocks.clone() {
-            let (c0, base) = (blk * bs, self.table[blk] * bs);
+            let c0 = blk * bs;
             // The next block's rows of the task's heads asked for while this one is computed (and
             // the first block's before it): the hardware's prefetchers do not follow a walk of
-            // one head's slices through the table's blocks.
-            if blk == self.blocks.start {
+            // one head's slices through the table's blocks. Only where a group is narrow (a
+            // decode step's few rows, little arithmetic a byte); full groups (a prompt's) are
+            // busy enough for the reads to keep up without.
+            if narrow && blk == self.blocks.start {
                 self.prefetch(blk, &heads);
             }
-            if blk + 1 < self.blocks.end {
+            if narrow && blk + 1 < self.blocks.end {
                 self.prefetch(blk + 1, &heads);
             }
             for g in &self.lanes {
@@ -866,139 +867,208 @@ impl Task<'_> {
                     _ => LANES,
                 };
                 scratch.resize(n * LANES, 0.0);
-                let s = scratch.as_mut_ptr();
-                // SAFETY: two arrays of LANES i32s.
-                let (lo, hi) =
-                    unsafe { (_mm512_loadu_si512(g.lo.as_ptr().cast()), _mm512_loadu_si512(g.hi.as_ptr().cast())) };
-                let sees = |j: usize| {
-                    let at = _mm512_set1_epi32(j as i32);
-                    _mm512_cmpge_epi32_mask(at, lo) & _mm512_cmplt_epi32_mask(at, hi)
-                };
-                // SAFETY: position j of the block is pool row base + j - c0, `w` wide, the head at `offset`.
-                let key = |j: usize| unsafe { self.keys.as_ptr().add((base + j - c0) * w + g.offset) };
-                let keep = |j: usize, score: __m512| {
-                    let score = _mm512_mask_blend_ps(sees(j), neg_inf, _mm512_mul_ps(score, scale));
-                    // SAFETY: key j's scores are lanes (j - a)·LANES.. of the scratch, n·LANES long.
-                    unsafe { _mm512_storeu_ps(s.add((j - a) * LANES), score) };
-                };
-                // The scores, eight keys at a time, then four, then one.
-                let mut j = a;
-                while j + 8 <= e {
-                    // SAFETY: the group's queries and eight of the block's keys.
-                    let sc = unsafe {
-                        narrow_lane_scores::<8>(width, g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh)
-                    };
-                    sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
-                    j += 8;
+                // SAFETY (all three): the features are this function's; the scratch holds n·LANES.
+                unsafe {
+                    self.lane_scores_into(g, blk, a..e, width, scratch);
+                    let (max, sum) = lane_weights(scratch, n, width);
+                    let factors = merge_block_stats(part, g, &max, &sum);
+                    self.add_lane_values(part, g, blk, a..e, scratch, &max, &factors);
                 }
-                while j + 4 <= e {
-                    // SAFETY: as above, four keys.
-                    let sc = unsafe {
-                        narrow_lane_scores::<4>(width, g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh)
-                    };
-                    sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
-                    j += 4;
-                }
-                while j < e {
-                    // SAFETY: as above, one key.
-                    let [x] = unsafe { narrow_lane_scores::<1>(width, g.qt.as_ptr(), [key(j)], dh) };
-                    keep(j, x);
-                    j += 1;
-                }
-                // Each lane's maximum over the block's keys it sees (-inf: it sees none, and its row
-                // stays as it was).
-                let mut block_max = neg_inf;
+            }
+        }
+    }
+
+    /// A group's scores against the keys `keys` of block `blk` (scaled; −∞ in the lanes that do
+    /// not see a key), key `j`'s at `scratch[(j − keys.start)·LANES..]`, eight keys at a time,
+    /// then four, then one.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, VL and FMA; `scratch` must hold `keys.len()·LANES` values and
+    /// `keys` lie in the block.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,fma")]
+    unsafe fn lane_scores_into(
+        &self,
+        g: &LaneGroup,
+        blk: usize,
+        keys: Range<usize>,
+        width: usize,
+        scratch: &mut [f32],
+    ) {
+        use std::arch::x86_64::*;
+        let dh = g.qt.len() / LANES;
+        let (bs, w) = (self.block_size, self.width);
+        let (c0, base, a) = (blk * bs, self.table[blk] * bs, keys.start);
+        let (neg_inf, scale) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_set1_ps(self.scale));
+        let s = scratch.as_mut_ptr();
+        // SAFETY: two arrays of LANES i32s.
+        let (lo, hi) = unsafe { (_mm512_loadu_si512(g.lo.as_ptr().cast()), _mm512_loadu_si512(g.hi.as_ptr().cast())) };
+        let sees = |j: usize| {
+            let at = _mm512_set1_epi32(j as i32);
+            _mm512_cmpge_epi32_mask(at, lo) & _mm512_cmplt_epi32_mask(at, hi)
+        };
+        // SAFETY: position j of the block is pool row base + j - c0, `w` wide, the head at `offset`.
+        let key = |j: usize| unsafe { self.keys.as_ptr().add((base + j - c0) * w + g.offset) };
+        let keep = |j: usize, score: __m512| {
+            let score = _mm512_mask_blend_ps(sees(j), neg_inf, _mm512_mul_ps(score, scale));
+            // SAFETY: key j's scores are lanes (j - a)·LANES.. of the scratch, n·LANES long.
+            unsafe { _mm512_storeu_ps(s.add((j - a) * LANES), score) };
+        };
+        let (mut j, e) = (a, keys.end);
+        while j + 8 <= e {
+            // SAFETY: the group's queries and eight of the block's keys.
+            let sc = unsafe { narrow_lane_scores::<8>(width, g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh) };
+            sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
+            j += 8;
+        }
+        while j + 4 <= e {
+            // SAFETY: as above, four keys.
+            let sc = unsafe { narrow_lane_scores::<4>(width, g.qt.as_ptr(), std::array::from_fn(|i| key(j + i)), dh) };
+            sc.into_iter().enumerate().for_each(|(i, x)| keep(j + i, x));
+            j += 4;
+        }
+        while j < e {
+            // SAFETY: as above, one key.
+            let [x] = unsafe { narrow_lane_scores::<1>(width, g.qt.as_ptr(), [key(j)], dh) };
+            keep(j, x);
+            j += 1;
+        }
+    }
+
+    /// The block's weighted values added to the group's rows (the scratch holding the weights,
+    /// [`lane_weights`]'), four lanes and 64 columns at a time in registers (each value row read
+    /// once for the four), then merged with the factors of [`merge_block_stats`].
+    ///
+    /// # Safety
+    /// As [`Self::lane_scores_into`]'s; `part` must be the task's.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn add_lane_values(
+        &self,
+        part: &mut Partial,
+        g: &LaneGroup,
+        blk: usize,
+        keys: Range<usize>,
+        scratch: &[f32],
+        max: &[f32; LANES],
+        factors: &[(f32, f32); LANES],
+    ) {
+        use std::arch::x86_64::*;
+        let dh = g.qt.len() / LANES;
+        let (bs, w, used) = (self.block_size, self.width, g.rows.len());
+        let (c0, base, a, n) = (blk * bs, self.table[blk] * bs, keys.start, keys.len());
+        let s = scratch.as_ptr();
+        let mask = |c: usize| -> __mmask16 { ((1u32 << dh.saturating_sub(c).min(16)) - 1) as u16 };
+        let out = part.acc.as_mut_ptr();
+        for l0 in (0..used).step_by(4) {
+            for c in (0..dh).step_by(64) {
+                let masks = [mask(c), mask(c + 16), mask(c + 32), mask(c + 48)];
+                let mut acc = [[_mm512_setzero_ps(); 4]; 4];
                 for i in 0..n {
-                    // SAFETY: within the scratch's n·LANES.
-                    block_max = _mm512_max_ps(block_max, unsafe { _mm512_loadu_ps(s.add(i * LANES)) });
-                }
-                let mut max = [f32::NEG_INFINITY; LANES];
-                // SAFETY: LANES f32s.
-                unsafe { _mm512_storeu_ps(max.as_mut_ptr(), block_max) };
-                // The weights e^(score − max), zero where a lane does not see the key, and their sum.
-                let mut sums = _mm512_setzero_ps();
-                let mut t = [0.0f32; LANES];
-                for i in 0..n {
-                    // SAFETY: within the scratch.
-                    let score = unsafe { _mm512_loadu_ps(s.add(i * LANES)) };
-                    // SAFETY: LANES f32s.
-                    unsafe { _mm512_storeu_ps(t.as_mut_ptr(), score) };
-                    // Lanes past the group's rows hold -inf scores, zeroed below.
-                    match width {
-                        4 => exp_lanes::<4>(&mut t, &max),
-                        8 => exp_lanes::<8>(&mut t, &max),
-                        _ => exp_lanes::<LANES>(&mut t, &max),
+                    let v = self.values.as_ptr().wrapping_add((base + a + i - c0) * w + g.offset + c);
+                    // SAFETY: the unmasked columns of value row a + i are within the pool.
+                    let vs: [__m512; 4] =
+                        std::array::from_fn(|q| unsafe { _mm512_maskz_loadu_ps(masks[q], v.wrapping_add(16 * q)) });
+                    for (t, sums) in acc.iter_mut().enumerate() {
+                        // SAFETY: within the scratch (lanes past `used` hold zero).
+                        let p = unsafe { *s.add(i * LANES + l0 + t) };
+                        if p != 0.0 {
+                            let p = _mm512_set1_ps(p);
+                            for (sum, &x) in sums.iter_mut().zip(&vs) {
+                                *sum = _mm512_fmadd_ps(p, x, *sum);
+                            }
+                        }
                     }
-                    // SAFETY: LANES f32s.
-                    let p = unsafe { _mm512_loadu_ps(t.as_ptr()) };
-                    let p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(score, neg_inf), p);
-                    sums = _mm512_add_ps(sums, p);
-                    // SAFETY: within the scratch.
-                    unsafe { _mm512_storeu_ps(s.add(i * LANES), p) };
                 }
-                let mut sum = [0.0f32; LANES];
-                // SAFETY: LANES f32s.
-                unsafe { _mm512_storeu_ps(sum.as_mut_ptr(), sums) };
-                // The block merged into each row as [`Partial::merge`] merges a share: the row's
-                // old terms times `a`, the block's times `b`.
-                let mut factors = [(0.0f32, 0.0f32); LANES];
-                for (l, &r) in g.rows.iter().enumerate() {
-                    if max[l] == f32::NEG_INFINITY {
+                for (t, sums) in acc.iter().enumerate() {
+                    let l = l0 + t;
+                    if l >= used || max[l] == f32::NEG_INFINITY {
                         continue;
                     }
-                    let new = part.max[r].max(max[l]);
-                    let (a, b) = (exp(part.max[r] - new), exp(max[l] - new));
-                    part.sum[r] = part.sum[r] * a + sum[l] * b;
-                    (part.max[r], factors[l]) = (new, (a, b));
-                }
-                // The block's weighted values, four lanes and 64 columns at a time in registers
-                // (each value row read once for the four), then merged.
-                let mask = |c: usize| -> __mmask16 { ((1u32 << dh.saturating_sub(c).min(16)) - 1) as u16 };
-                let out = part.acc.as_mut_ptr();
-                for l0 in (0..used).step_by(4) {
-                    for c in (0..dh).step_by(64) {
-                        let masks = [mask(c), mask(c + 16), mask(c + 32), mask(c + 48)];
-                        let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-                        for i in 0..n {
-                            let v = self.values.as_ptr().wrapping_add((base + a + i - c0) * w + g.offset + c);
-                            // SAFETY: the unmasked columns of value row a + i are within the pool.
-                            let vs: [__m512; 4] = std::array::from_fn(|q| unsafe {
-                                _mm512_maskz_loadu_ps(masks[q], v.wrapping_add(16 * q))
-                            });
-                            for (t, sums) in acc.iter_mut().enumerate() {
-                                // SAFETY: within the scratch (lanes past `used` hold zero).
-                                let p = unsafe { *s.add(i * LANES + l0 + t) };
-                                if p != 0.0 {
-                                    let p = _mm512_set1_ps(p);
-                                    for (sum, &x) in sums.iter_mut().zip(&vs) {
-                                        *sum = _mm512_fmadd_ps(p, x, *sum);
-                                    }
-                                }
-                            }
-                        }
-                        for (t, sums) in acc.iter().enumerate() {
-                            let l = l0 + t;
-                            if l >= used || max[l] == f32::NEG_INFINITY {
-                                continue;
-                            }
-                            let (a, b) = (_mm512_set1_ps(factors[l].0), _mm512_set1_ps(factors[l].1));
-                            // Columns past `dh` are masked off: never read or written (their
-                            // addresses only computed, with wrapping arithmetic).
-                            let o = out.wrapping_add(g.rows[l] * dh + c);
-                            for (q, sum) in sums.iter().enumerate() {
-                                let at = o.wrapping_add(16 * q);
-                                // SAFETY: the row's unmasked columns are within part.acc.
-                                let old = unsafe { _mm512_maskz_loadu_ps(masks[q], at) };
-                                let merged = _mm512_add_ps(_mm512_mul_ps(old, a), _mm512_mul_ps(*sum, b));
-                                // SAFETY: as the load.
-                                unsafe { _mm512_mask_storeu_ps(at, masks[q], merged) };
-                            }
-                        }
+                    let (a, b) = (_mm512_set1_ps(factors[l].0), _mm512_set1_ps(factors[l].1));
+                    // Columns past `dh` are masked off: never read or written (their addresses
+                    // only computed, with wrapping arithmetic).
+                    let o = out.wrapping_add(g.rows[l] * dh + c);
+                    for (q, sum) in sums.iter().enumerate() {
+                        let at = o.wrapping_add(16 * q);
+                        // SAFETY: the row's unmasked columns are within part.acc.
+                        let old = unsafe { _mm512_maskz_loadu_ps(masks[q], at) };
+                        let merged = _mm512_add_ps(_mm512_mul_ps(old, a), _mm512_mul_ps(*sum, b));
+                        // SAFETY: as the load.
+                        unsafe { _mm512_mask_storeu_ps(at, masks[q], merged) };
                     }
                 }
             }
         }
     }
+}
+
+/// A block's softmax terms from its scores in the scratch (`n` keys of [`LANES`] lanes): each
+/// lane's maximum over the keys it sees (−∞ where it sees none: its row stays as it was), the
+/// weights `e^(score − max)` written over the scores (zero where a lane does not see the key), and
+/// each lane's sum of them, added key after key.
+///
+/// # Safety
+/// The CPU must have AVX-512F and VL; the scratch must hold `n·LANES` values.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512vl,fma")]
+unsafe fn lane_weights(scratch: &mut [f32], n: usize, width: usize) -> ([f32; LANES], [f32; LANES]) {
+    use std::arch::x86_64::*;
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let s = scratch.as_mut_ptr();
+    let mut block_max = neg_inf;
+    for i in 0..n {
+        // SAFETY: within the scratch's n·LANES.
+        block_max = _mm512_max_ps(block_max, unsafe { _mm512_loadu_ps(s.add(i * LANES)) });
+    }
+    let mut max = [f32::NEG_INFINITY; LANES];
+    // SAFETY: LANES f32s.
+    unsafe { _mm512_storeu_ps(max.as_mut_ptr(), block_max) };
+    let mut sums = _mm512_setzero_ps();
+    let mut t = [0.0f32; LANES];
+    for i in 0..n {
+        // SAFETY: within the scratch.
+        let score = unsafe { _mm512_loadu_ps(s.add(i * LANES)) };
+        // SAFETY: LANES f32s.
+        unsafe { _mm512_storeu_ps(t.as_mut_ptr(), score) };
+        // Lanes past the group's rows hold -inf scores, zeroed below.
+        match width {
+            4 => exp_lanes::<4>(&mut t, &max),
+            8 => exp_lanes::<8>(&mut t, &max),
+            _ => exp_lanes::<LANES>(&mut t, &max),
+        }
+        // SAFETY: LANES f32s.
+        let p = unsafe { _mm512_loadu_ps(t.as_ptr()) };
+        let p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(score, neg_inf), p);
+        sums = _mm512_add_ps(sums, p);
+        // SAFETY: within the scratch.
+        unsafe { _mm512_storeu_ps(s.add(i * LANES), p) };
+    }
+    let mut sum = [0.0f32; LANES];
+    // SAFETY: LANES f32s.
+    unsafe { _mm512_storeu_ps(sum.as_mut_ptr(), sums) };
+    (max, sum)
+}
+
+/// A block's maxima and sums merged into the group's rows as [`Partial::merge`] merges a share:
+/// the row's old terms times `a`, the block's times `b`; the `(a, b)` of each lane (the values
+/// are merged with them), nothing for a lane that saw no key of the block.
+fn merge_block_stats(part: &mut Partial, g: &LaneGroup, max: &[f32; LANES], sum: &[f32; LANES]) -> [(f32, f32); LANES] {
+    let mut factors = [(0.0f32, 0.0f32); LANES];
+    for (l, &r) in g.rows.iter().enumerate() {
+        if max[l] == f32::NEG_INFINITY {
+            continue;
+        }
+        let new = part.max[r].max(max[l]);
+        let (a, b) = (exp(part.max[r] - new), exp(max[l] - new));
+        part.sum[r] = part.sum[r] * a + sum[l] * b;
+        (part.max[r], factors[l]) = (new, (a, b));
+    }
+    factors
 }
 
 /// `Σ a·b` (`a`, `b` of one length): 16-lane fused multiply-adds where `AVX512`, else 8
