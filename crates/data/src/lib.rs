@@ -110,6 +110,11 @@ impl FileBytes {
         read_file(path).map(|bytes| Self(FileBytesInner::Read(bytes)))
     }
 
+    /// Bytes made in memory, seen as a file's (nothing to release).
+    pub fn in_memory(bytes: Vec<u8>) -> Self {
+        Self(FileBytesInner::Read(bytes))
+    }
+
     /// Lets the memory pages wholly inside `range` of a mapped file go (they are read from the
     /// file again if touched); nothing for bytes read into memory.
     pub fn release(&self, range: std::ops::Range<usize>) {
@@ -138,6 +143,12 @@ impl std::ops::Deref for FileBytes {
             FileBytesInner::Mapped(map) => map,
             FileBytesInner::Read(bytes) => bytes,
         }
+    }
+}
+
+impl AsRef<[u8]> for FileBytes {
+    fn as_ref(&self) -> &[u8] {
+        self
     }
 }
 

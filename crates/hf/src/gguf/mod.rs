@@ -21,6 +21,7 @@ pub mod tokenizer;
 mod value;
 mod write;
 
+use ember_data::FileBytes;
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -109,22 +110,6 @@ pub struct GgufFile {
     /// The whole file, mapped (or read, for bytes made in memory), shared with the weights kept in
     /// their stored types ([`Self::stored`]).
     bytes: std::sync::Arc<FileBytes>,
-}
-
-/// A GGUF file's bytes: the file mapped into memory (pages read as they are touched, shared with
-/// the page cache: a weight read in place costs no copy), or bytes made in memory.
-pub enum FileBytes {
-    Mapped(memmap2::Mmap),
-    Owned(Vec<u8>),
-}
-
-impl AsRef<[u8]> for FileBytes {
-    fn as_ref(&self) -> &[u8] {
-        match self {
-            Self::Mapped(m) => m,
-            Self::Owned(v) => v,
-        }
-    }
 }
 
 /// A cursor over the file's bytes that checks every read against what remains.
@@ -306,27 +291,16 @@ impl GgufFile {
     /// be truncated or rewritten while a model made from it runs (ember's own exports write a new
     /// file and rename it over the old one, which leaves the mapped one intact).
     pub fn open(path: &Path) -> Result<Self, GgufError> {
-        let io = |err| GgufError::Io { path: path.into(), err };
-        // A folder, a FIFO, a socket or a device is refused before it is read (a FIFO would block).
-        let file = ember_data::open_file(path).map_err(io)?;
-        // SAFETY (the map below): the mapping is read-only; what the documentation above asks of
-        // the file keeps its bytes as they were for as long as the mapping lives. An empty file
-        // cannot be mapped: it is read (and refused by the parser).
-        // A file that cannot be mapped (a pipe, some network file systems) is read.
-        let bytes = match file.metadata().map_err(io)?.len() {
-            0 => None,
-            _ => unsafe { memmap2::Mmap::map(&file) }.ok().map(FileBytes::Mapped),
-        };
-        let bytes = match bytes {
-            Some(mapped) => mapped,
-            None => FileBytes::Owned(ember_data::read_file(path).map_err(io)?),
-        };
+        // A folder, a FIFO, a socket or a device is refused before it is read (a FIFO would block);
+        // an empty file, or one that cannot be mapped (some network file systems), is read (and an
+        // empty one refused by the parser).
+        let bytes = FileBytes::open(path).map_err(|err| GgufError::Io { path: path.into(), err })?;
         Self::parse_shared(std::sync::Arc::new(bytes), path)
     }
 
     /// A GGUF file made in memory.
     pub fn parse(bytes: Vec<u8>, path: &Path) -> Result<Self, GgufError> {
-        Self::parse_shared(std::sync::Arc::new(FileBytes::Owned(bytes)), path)
+        Self::parse_shared(std::sync::Arc::new(FileBytes::in_memory(bytes)), path)
     }
 
     fn parse_shared(shared: std::sync::Arc<FileBytes>, path: &Path) -> Result<Self, GgufError> {
@@ -415,17 +389,8 @@ impl GgufFile {
 
     /// [`Self::release`] for bytes `range` of tensor `t`'s only.
     pub fn release_range(&self, t: &TensorInfo, range: std::ops::Range<usize>) {
-        if let FileBytes::Mapped(map) = &*self.bytes {
-            // Whole pages inside those bytes only: their neighbours' stay.
-            let page = 4096;
-            let (from, to) = (t.start + range.start.min(t.len), t.start + range.end.min(t.len));
-            let (start, end) = (from.div_ceil(page) * page, to / page * page);
-            if end > start {
-                // SAFETY: the mapping is of a file, read-only: pages let go are read again from
-                // the file on the next access, with the same bytes (no view sees them change).
-                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
-            }
-        }
+        // Whole pages inside those bytes only: their neighbours' stay.
+        self.bytes.release(t.start + range.start.min(t.len)..t.start + range.end.min(t.len));
     }
 
     /// A tensor dequantized to f32, in row-major order of [`TensorInfo::shape`]; its bytes are let
