@@ -385,7 +385,11 @@ fn attend<'a>(
     let cascades = if folded && lanes_kernel { shared_prefixes(layout, blocks_of) } else { Vec::new() };
     // Per task: the rows' state after the shared blocks (tasks are the groups, in order, when folded).
     let mut seeds: Vec<Option<Partial>> = (0..tasks.len()).map(|_| None).collect();
+    // Per batch row: the blocks its cascade folded (the fold goes on after them).
     let mut skip = vec![0; b];
+    for shared in &cascades {
+        shared.members.iter().for_each(|&bi| skip[bi] = shared.blocks);
+    }
     let cascade_tasks: Vec<(usize, Vec<(usize, usize)>)> = cascades
         .iter()
         .enumerate()
@@ -413,9 +417,8 @@ fn attend<'a>(
         })
         .collect();
     let groups_per_row = rows.div_ceil(ROWS_PER_TASK);
-    for ((c, members), part) in cascade_tasks.iter().zip(&cascaded) {
+    for ((_, members), part) in cascade_tasks.iter().zip(&cascaded) {
         for (i, &(bi, r)) in members.iter().enumerate() {
-            skip[bi] = cascades[*c].blocks;
             let n = bi * groups_per_row + r / ROWS_PER_TASK;
             let (r0, r1) = (groups[n].1, (groups[n].1 + ROWS_PER_TASK).min(rows));
             let seed = seeds[n].get_or_insert_with(|| Partial::empty(r1 - r0, dh));
@@ -796,17 +799,15 @@ fn exp_lanes<const W: usize>(t: &mut [f32; LANES], max: &[f32; LANES]) {
 }
 
 impl Task<'_> {
-    /// Prefetches (into L2) block `blk`'s key and value columns of the heads at `offsets`, for the
-    /// positions the task's rows may see.
+    /// Prefetches (into L2) block `blk`'s key and value columns (`dh` wide) of the heads at
+    /// `offsets`, for the positions before `end` (one past the last any of the task's rows sees).
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn prefetch(&self, blk: usize, offsets: &[usize]) {
+    fn prefetch(&self, blk: usize, offsets: &[usize], dh: usize, end: usize) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let (bs, w) = (self.block_size, self.width);
-        let end = self.rows.iter().map(|r| r.seen.end).max().unwrap_or(0);
         let (base, rows) = (self.table[blk] * bs, bs.min(end.saturating_sub(blk * bs)));
-        let dh = self.rows.first().map_or(0, |row| row.q.len());
         for pool in [self.keys, self.values] {
             for row in base..base + rows {
                 for &offset in offsets {
@@ -839,6 +840,8 @@ impl Task<'_> {
         heads.sort_unstable();
         heads.dedup();
         let narrow = self.lanes.iter().any(|g| g.rows.len() < LANES);
+        let dh = self.rows.first().map_or(0, |row| row.q.len());
+        let end = self.rows.iter().map(|r| r.seen.end).max().unwrap_or(0);
         for blk in self.blocks.clone() {
             let c0 = blk * bs;
             // The next block's rows of the task's heads asked for while this one is computed (and
@@ -847,10 +850,10 @@ impl Task<'_> {
             // decode step's few rows, little arithmetic a byte); full groups (a prompt's) are
             // busy enough for the reads to keep up without.
             if narrow && blk == self.blocks.start {
-                self.prefetch(blk, &heads);
+                self.prefetch(blk, &heads, dh, end);
             }
             if narrow && blk + 1 < self.blocks.end {
-                self.prefetch(blk + 1, &heads);
+                self.prefetch(blk + 1, &heads, dh, end);
             }
             for g in &self.lanes {
                 let used = g.rows.len();
