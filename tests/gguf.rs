@@ -892,6 +892,8 @@ fn llama_cpp_runs_exported_mixtures_of_experts_as_ember_does() {
 ///   which differ by CPU) and ember may each pick either;
 /// - where the f32 model's top two differ by more than `tie` at every step (at least `want_sure`
 ///   prompts of that kind), ember's tokens are llama.cpp's, every one.
+///
+/// Both with ember's default f32 KV cache and with an f16 one (`--kv-cache f16`).
 fn continues_as_llama_cpp(file: &Path, prompts: &[&str], tie: f32, want_sure: usize) {
     use ember_generate::sample::{generate_batch, GenerateOptions};
     let dev = Default::default();
@@ -904,10 +906,11 @@ fn continues_as_llama_cpp(file: &Path, prompts: &[&str], tie: f32, want_sure: us
     let name = file.display();
     let mut sure_prompts = 0;
     for ((prompt_ids, theirs), text) in runs.iter().zip(prompts) {
-        let mut sampler = [Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()];
         let options = GenerateOptions { max_new_tokens: n, stop_tokens: Vec::new(), block_size: 16 };
-        let ours =
-            generate_batch(&model, &[prompt_ids.clone()], &options, &mut sampler, |_, _| true).unwrap().remove(0);
+        let greedy = |model: &ember_model::Decoder<Flex>| {
+            let mut sampler = [Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() }, 0).unwrap()];
+            generate_batch(model, &[prompt_ids.clone()], &options, &mut sampler, |_, _| true).unwrap().remove(0)
+        };
         // The f32 model's margin between its top two at each step of llama.cpp's continuation.
         let seq: Vec<u32> = prompt_ids.iter().chain(theirs).copied().collect();
         let v = dense.config().vocab_size;
@@ -927,18 +930,25 @@ fn continues_as_llama_cpp(file: &Path, prompts: &[&str], tie: f32, want_sure: us
             })
             .collect();
         let least = margins.iter().copied().fold(f32::INFINITY, f32::min);
-        let agreed = theirs.iter().zip(&ours).take_while(|(a, b)| a == b).count();
-        eprintln!("{name}: {text:?}: {agreed} of {} tokens as llama.cpp's; least f32 margin {least:.4}", theirs.len());
-        if let Some(i) = (agreed < theirs.len()).then_some(agreed) {
-            assert!(
-                margins[i] < tie,
-                "{name}: {text:?} step {i}: llama.cpp {}, ember {}, f32 margin {}",
-                theirs[i],
-                ours[i],
-                margins[i]
+        // The f32 KV cache (the default) and the f16 one (`--kv-cache f16`, llama.cpp's own).
+        let half = model.clone().with_compute(model.compute().with_kv_cache(burn::tensor::DType::F16));
+        for (cache, ours) in [("f32", greedy(&model)), ("f16", greedy(&half))] {
+            let agreed = theirs.iter().zip(&ours).take_while(|(a, b)| a == b).count();
+            eprintln!(
+                "{name}: {text:?}, {cache} cache: {agreed} of {} tokens as llama.cpp's; least f32 margin {least:.4}",
+                theirs.len()
             );
-        } else if least > tie {
-            sure_prompts += 1;
+            if let Some(i) = (agreed < theirs.len()).then_some(agreed) {
+                assert!(
+                    margins[i] < tie,
+                    "{name}: {text:?}, {cache} cache, step {i}: llama.cpp {}, ember {}, f32 margin {}",
+                    theirs[i],
+                    ours[i],
+                    margins[i]
+                );
+            } else if least > tie && cache == "f32" {
+                sure_prompts += 1;
+            }
         }
     }
     assert!(sure_prompts >= want_sure, "{name}: {sure_prompts} prompts where the f32 model is sure at every step");

@@ -7,6 +7,7 @@
 //! | `EMBER_FUSED=0` | the reference compositions instead of ember's kernels ([`Path::Reference`]) |
 //! | `EMBER_AMX=0` | the AVX512_BF16 vector kernel instead of AMX tiles for bf16 products |
 //! | `EMBER_ACTIVATIONS=16` | a quantized model's integer products on 16-bit activations (two 8-bit parts: logits within 1e-3 of the f32 model's, not 1–8%; twice the integer work) |
+//! | `EMBER_KV_CACHE=f16` | KV caches in f16 (the `--kv-cache` flag's default for `sample`, `chat`, `serve` and the benches) |
 //! | `EMBER_CPU_LOW_PRECISION=1` | bf16/f16 tensors on the CPU too (emulated, slower): tests mixed precision |
 //! | `EMBER_DATA_DIR`, `EMBER_CACHE_DIR`, `XDG_CACHE_HOME`, `HOME` | where datasets are looked for and cached |
 //! | `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`, `PMIX_SIZE`, `MPI_LOCALNRANKS`, `SLURM_STEP_NUM_TASKS` | how many ranks a launcher started |
@@ -17,6 +18,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use burn::tensor::DType;
 use ember_data::fetch::Locations;
 use ember_kernels::{ActivationBits, Bf16Kernel, Compute, Cpu, Path};
 use ember_train::distributed::Launch;
@@ -32,7 +34,8 @@ fn is(name: &str, value: &str) -> bool {
 
 /// How this process computes before any flag says more: ember's kernels or the references
 /// (`EMBER_FUSED=0`), the CPU's kernels (`EMBER_AMX=0` keeps the vector kernel for bf16
-/// products), and the activations of quantized weights' integer products (`EMBER_ACTIVATIONS=16`).
+/// products), the activations of quantized weights' integer products (`EMBER_ACTIVATIONS=16`)
+/// and the KV caches' type (`EMBER_KV_CACHE=f16`).
 pub fn compute() -> Compute {
     let mut cpu = Cpu::detect();
     if is("EMBER_AMX", "0") && cpu.bf16 == Some(Bf16Kernel::Amx) {
@@ -40,7 +43,8 @@ pub fn compute() -> Compute {
     }
     let path = if is("EMBER_FUSED", "0") { Path::Reference } else { Path::Kernels };
     let bits = if is("EMBER_ACTIVATIONS", "16") { ActivationBits::Sixteen } else { ActivationBits::Eight };
-    Compute::default().with_cpu(cpu).with_path(path).with_activation_bits(bits)
+    let kv_cache = if is("EMBER_KV_CACHE", "f16") { DType::F16 } else { DType::F32 };
+    Compute::default().with_cpu(cpu).with_path(path).with_activation_bits(bits).with_kv_cache(kv_cache)
 }
 
 /// How a training run is asked to compute: [`compute`], and `EMBER_CPU_LOW_PRECISION=1` (compute

@@ -118,6 +118,10 @@ pub struct Compute {
     /// a shared prefix or beside other requests (what `serve` promises for a seeded request), at
     /// a cost to prompts where the CPU lacks AVX-512 VNNI (their f32 tiles run faster there).
     pub uniform_products: bool,
+    /// The type a KV cache stores its keys and values in: f32, or f16 (half the memory and half
+    /// the bytes a decode step's attention reads, each value rounded to f16 as llama.cpp's default
+    /// cache does; the products stay f32). Latent attention's caches stay f32.
+    pub kv_cache: DType,
 }
 
 impl Default for Compute {
@@ -131,6 +135,7 @@ impl Default for Compute {
             int8_inputs: true,
             activation_bits: ActivationBits::Eight,
             uniform_products: false,
+            kv_cache: DType::F32,
         }
     }
 }
@@ -160,6 +165,11 @@ impl Compute {
 
     pub fn with_activation_bits(self, activation_bits: ActivationBits) -> Self {
         Self { activation_bits, ..self }
+    }
+
+    /// KV caches in `dtype` (f32 or f16).
+    pub fn with_kv_cache(self, dtype: DType) -> Self {
+        Self { kv_cache: dtype, ..self }
     }
 
     pub fn with_uniform_products(self, uniform_products: bool) -> Self {

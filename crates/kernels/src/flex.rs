@@ -95,6 +95,16 @@ pub(crate) fn exclusive(t: FlexTensor) -> FlexTensor {
     }
 }
 
+/// [`exclusive`] for an f16 tensor.
+pub(crate) fn exclusive_f16(t: FlexTensor) -> FlexTensor {
+    let n: usize = shape(&t).iter().product();
+    if t.as_slice::<burn::tensor::f16>().is_some() && t.storage::<burn::tensor::f16>().len() == n {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
 pub(crate) fn tensor(values: Vec<f32>, shape: Vec<usize>) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
 }

@@ -28,7 +28,8 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, f16, Bool, DType, Int, Tensor, TensorData};
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::activation::exp;
@@ -189,7 +190,16 @@ pub fn reference<B: Backend>(
     let [b, h, t, dh] = q.dims();
     let (read, hidden) = paged.view();
     let (k, s) = (h / rep, paged.layout.keys());
-    let gather = |pool: Tensor<B, 2>| pool.select(0, read.clone()).reshape([b, s, k, dh]).swap_dims(1, 2);
+    // An f16 pool's rows are widened to the queries' type.
+    let dtype = q.dtype();
+    let gather = |pool: Tensor<B, 2>| {
+        let rows = pool.select(0, read.clone()).reshape([b, s, k, dh]).swap_dims(1, 2);
+        if rows.dtype() == dtype {
+            rows
+        } else {
+            rows.cast(dtype)
+        }
+    };
     grouped_attention(q, gather(keys), gather(values), hidden.clone(), (rep, scores), compute).reshape([b, h, t, dh])
 }
 
@@ -253,9 +263,11 @@ impl PagedAttentionOps for Flex {
     ) -> FlexTensor {
         let (qs, ks, vs) = (flex::shape(&q), flex::shape(&keys), flex::shape(&values));
         let l = &paged.layout;
+        let f16_pools = keys.dtype() == DType::F16 && values.dtype() == DType::F16;
         let fits = cx.fused::<Self>(cx.dtype)
             && scores.softcap.is_none()
-            && flex::all_f32(&[&q, &keys, &values])
+            && flex::all_f32(&[&q])
+            && (flex::all_f32(&[&keys, &values]) || f16_pools)
             && qs.len() == 4
             && ks.len() == 2
             && ks == vs
@@ -271,8 +283,23 @@ impl PagedAttentionOps for Flex {
             return prim(reference(float(q), float(keys), float(values), paged, (rep, scores), cx.dtype));
         }
         let heads = Heads { heads: qs[1], kv_heads: qs[1] / rep, head_dim: qs[3], scale: scores.scale as f32 };
-        let (q, keys, values) = (flex::f32s(&q), flex::f32s(&keys), flex::f32s(&values));
-        let o = attend(cx.elementwise_cpu(), &q, &keys, &values, l, heads, true);
+        let q = flex::f32s(&q);
+        let o = if f16_pools {
+            let (Some(k), Some(v)) = (keys.as_slice::<f16>(), values.as_slice::<f16>()) else {
+                return prim(reference(
+                    float(flex::tensor(q.into_owned(), qs)),
+                    float(keys),
+                    float(values),
+                    paged,
+                    (rep, scores),
+                    cx.dtype,
+                ));
+            };
+            attend(cx.elementwise_cpu(), &q, Pool::F16(k), Pool::F16(v), l, heads, true)
+        } else {
+            let (keys, values) = (flex::f32s(&keys), flex::f32s(&values));
+            attend(cx.elementwise_cpu(), &q, Pool::F32(&keys), Pool::F32(&values), l, heads, true)
+        };
         // `[B, T, H, Dh]` seen as `[B, H, T, Dh]`: the caller's swap back to the positions' order
         // then costs no copy.
         flex::tensor(o, vec![qs[0], qs[2], qs[1], qs[3]]).transpose(1, 2)
@@ -315,7 +342,39 @@ const ROWS_PER_TASK: usize = 16;
 /// # Panics
 /// If the slices or the layout do not match the shapes (the op checks them first).
 pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &PagedLayout, s: Heads) -> Vec<f32> {
+    attend(cpu, q, Pool::F32(keys), Pool::F32(values), layout, s, false)
+}
+
+/// [`attention`] over pools of either type.
+pub fn attention_on(cpu: Cpu, q: &[f32], keys: Pool<'_>, values: Pool<'_>, layout: &PagedLayout, s: Heads) -> Vec<f32> {
     attend(cpu, q, keys, values, layout, s, false)
+}
+
+/// A layer's key or value pool as the kernel reads it: f32, or f16 (half the bytes a step reads
+/// and the cache holds). A task widens an f16 block's rows to f32 as it reaches them (the heads it
+/// reads, the positions its rows see) and computes on them as on an f32 pool: an f16 pool gives
+/// the bits of an f32 pool holding the same values.
+#[derive(Debug, Clone, Copy)]
+pub enum Pool<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+impl Pool<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Pool::F32(p) => p.len(),
+            Pool::F16(p) => p.len(),
+        }
+    }
+
+    /// Element `i`'s address and the bytes an element takes (for prefetching).
+    fn byte_at(&self, i: usize) -> (*const i8, usize) {
+        match self {
+            Pool::F32(p) => (p.as_ptr().wrapping_add(i).cast(), 4),
+            Pool::F16(p) => (p.as_ptr().wrapping_add(i).cast(), 2),
+        }
+    }
 }
 
 /// [`attention`], its output `[B, T, H, Dh]` where `positions_outer` (the layout the output
@@ -323,8 +382,8 @@ pub fn attention(cpu: Cpu, q: &[f32], keys: &[f32], values: &[f32], layout: &Pag
 fn attend<'a>(
     cpu: Cpu,
     q: &'a [f32],
-    keys: &'a [f32],
-    values: &'a [f32],
+    keys: Pool<'a>,
+    values: Pool<'a>,
     layout: &'a PagedLayout,
     s: Heads,
     positions_outer: bool,
@@ -334,6 +393,12 @@ fn attend<'a>(
     let rep = s.heads / s.kv_heads;
     assert!(q.len() == b * s.heads * t * dh && keys.len() == values.len(), "paged attention: shapes");
     assert!(layout.fits(keys.len() / (s.kv_heads * dh).max(1)), "paged attention: tables outside the pool");
+    if let (Pool::F16(k), Pool::F16(v), true) = (keys, values, t > 1) {
+        // A prompt's chunk: many tasks read each block, so the blocks are widened once for all of
+        // them (the same values, so the same bits as widening them task by task).
+        let (compact, k, v) = widened_blocks(layout, (k, v), s.kv_heads * dh);
+        return attend(cpu, q, Pool::F32(&k), Pool::F32(&v), &compact, s, positions_outer);
+    }
     // A batch row's queries, `H · T` of them (head-major): row r is head r / T at position r % T,
     // and reads key/value head r / T / rep.
     let rows = s.heads * t;
@@ -412,7 +477,7 @@ fn attend<'a>(
                 task(members.iter().map(|&(bi, r)| query(bi, r)).collect(), &layout.tables[shared.members[0]]);
             task.blocks = 0..shared.blocks;
             let mut part = Partial::empty(members.len(), dh);
-            task.run(cpu, &mut part, &mut Vec::new());
+            task.run(cpu, &mut part, &mut Scratch::default());
             part
         })
         .collect();
@@ -434,14 +499,14 @@ fn attend<'a>(
             let mut task = task((r0..r1).map(|r| query(bi, r)).collect(), &layout.tables[bi]);
             let run = run.start.max(skip[bi])..run.end;
             let n_rows = task.rows.len();
-            let mut scores = Vec::new();
+            let mut scratch = Scratch::default();
             if !folded {
                 return run
                     .clone()
                     .map(|blk| {
                         task.blocks = blk..blk + 1;
                         let mut part = Partial::empty(n_rows, dh);
-                        task.run(cpu, &mut part, &mut scores);
+                        task.run(cpu, &mut part, &mut scratch);
                         part
                     })
                     .collect();
@@ -450,14 +515,14 @@ fn attend<'a>(
                 // The lanes kernel merges each block into its rows itself, as the fold would.
                 let mut whole = seed.unwrap_or_else(|| Partial::empty(n_rows, dh));
                 task.blocks = run.clone();
-                task.run(cpu, &mut whole, &mut scores);
+                task.run(cpu, &mut whole, &mut scratch);
                 return vec![whole];
             }
             let (mut whole, mut block) = (Partial::empty(n_rows, dh), Partial::empty(n_rows, dh));
             for blk in run.clone() {
                 task.blocks = blk..blk + 1;
                 block.clear();
-                task.run(cpu, &mut block, &mut scores);
+                task.run(cpu, &mut block, &mut scratch);
                 if blk == run.start {
                     std::mem::swap(&mut whole, &mut block);
                 } else {
@@ -481,6 +546,36 @@ fn attend<'a>(
         }
     }
     o
+}
+
+/// The blocks the layout's tables list, widened from f16 pools (rows `w` values wide) into f32
+/// pools of those blocks alone, and the layout with its tables numbered into them.
+fn widened_blocks(
+    layout: &PagedLayout,
+    (keys, values): (&[f16], &[f16]),
+    w: usize,
+) -> (PagedLayout, Vec<f32>, Vec<f32>) {
+    let bs = layout.block_size;
+    let mut order: Vec<usize> = Vec::new();
+    let mut compact = layout.clone();
+    let mut renumbered = std::collections::HashMap::new();
+    for table in &mut compact.tables {
+        for blk in table.iter_mut() {
+            *blk = *renumbered.entry(*blk).or_insert_with(|| {
+                order.push(*blk);
+                order.len() - 1
+            });
+        }
+    }
+    let widen = |pool: &[f16]| {
+        let mut out = vec![0f32; order.len() * bs * w];
+        for (dst, &blk) in out.chunks_exact_mut(bs * w).zip(&order) {
+            pool[blk * bs * w..(blk + 1) * bs * w].convert_to_f32_slice(dst);
+        }
+        out
+    };
+    let (k, v) = (widen(keys), widen(values));
+    (compact, k, v)
 }
 
 /// Sequences whose tables begin with the same blocks, and how many of their blocks they share.
@@ -589,8 +684,8 @@ struct Task<'a> {
     /// The rows as vector lanes, a group per key/value head ([`lane_groups`]), for the AVX-512
     /// kernel; empty for the others.
     lanes: Vec<LaneGroup>,
-    keys: &'a [f32],
-    values: &'a [f32],
+    keys: Pool<'a>,
+    values: Pool<'a>,
     table: &'a [usize],
     /// The blocks of the table this task reads.
     blocks: Range<usize>,
@@ -600,36 +695,73 @@ struct Task<'a> {
     scale: f32,
 }
 
+/// A task's working buffers, kept from block to block: its scores, and the block's rows of f16
+/// pools widened.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
 impl Task<'_> {
-    /// The task's rows over its blocks, added to `part` (`scores`: scratch).
-    fn run(&self, cpu: Cpu, part: &mut Partial, scores: &mut Vec<f32>) {
+    /// Block `blk`'s keys and values as f32 rows `K·Dh` apart, the block's first position first: in
+    /// the pools for f32 pools; for f16 pools the positions before `end` widened into the scratch,
+    /// the heads at `offsets` only (the other columns are not read). The pointers hold until the
+    /// scratch's buffers change.
+    fn block_rows(
+        &self,
+        blk: usize,
+        (end, offsets, dh): (usize, &[usize], usize),
+        scratch: &mut Scratch,
+    ) -> (*const f32, *const f32) {
+        let (bs, w) = (self.block_size, self.width);
+        let (base, rows) = (self.table[blk] * bs * w, bs.min(end.saturating_sub(blk * bs)));
+        let widen = |pool: Pool<'_>, buf: &mut Vec<f32>| match pool {
+            Pool::F32(p) => p.as_ptr().wrapping_add(base),
+            Pool::F16(p) => {
+                buf.resize(bs * w, 0.0);
+                for r in 0..rows {
+                    for &offset in offsets {
+                        let at = r * w + offset;
+                        p[base + at..][..dh].convert_to_f32_slice(&mut buf[at..][..dh]);
+                    }
+                }
+                buf.as_ptr()
+            }
+        };
+        (widen(self.keys, &mut scratch.keys), widen(self.values, &mut scratch.values))
+    }
+
+    /// The task's rows over its blocks, added to `part`.
+    fn run(&self, cpu: Cpu, part: &mut Partial, scratch: &mut Scratch) {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = cpu;
         #[cfg(target_arch = "x86_64")]
         match simd::detected().min(cpu.tier) {
             // SAFETY (all): `detected()` found the features these copies are compiled for.
-            Tier::Avx512 if !self.lanes.is_empty() => return unsafe { self.run_lanes(part, scores) },
-            Tier::Avx512 => return unsafe { self.run_avx512(part, scores) },
-            Tier::Avx2 => return unsafe { self.run_avx2(part, scores) },
+            Tier::Avx512 if !self.lanes.is_empty() => return unsafe { self.run_lanes(part, scratch) },
+            Tier::Avx512 => return unsafe { self.run_avx512(part, scratch) },
+            Tier::Avx2 => return unsafe { self.run_avx2(part, scratch) },
             Tier::Baseline => {}
         }
         // SAFETY: the portable compilation needs no CPU feature.
-        unsafe { self.run_with::<false>(part, scores) }
+        unsafe { self.run_with::<false>(part, scratch) }
     }
 
     /// The portable loops compiled with AVX2 and FMA: eight lanes where the CPU has no AVX-512.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self, part: &mut Partial, scores: &mut Vec<f32>) {
+    unsafe fn run_avx2(&self, part: &mut Partial, scratch: &mut Scratch) {
         // SAFETY: the portable loops need no CPU feature.
-        unsafe { self.run_with::<false>(part, scores) }
+        unsafe { self.run_with::<false>(part, scratch) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,fma")]
-    unsafe fn run_avx512(&self, part: &mut Partial, scores: &mut Vec<f32>) {
+    unsafe fn run_avx512(&self, part: &mut Partial, scratch: &mut Scratch) {
         // SAFETY: this function's features are the ones `AVX512` asks for.
-        unsafe { self.run_with::<true>(part, scores) }
+        unsafe { self.run_with::<true>(part, scratch) }
     }
 
     /// The online softmax over the task's blocks; `AVX512`: the dot products and weighted sums use
@@ -638,22 +770,33 @@ impl Task<'_> {
     /// # Safety
     /// With `AVX512`, the CPU must have AVX-512F and FMA.
     #[inline(always)]
-    unsafe fn run_with<const AVX512: bool>(&self, part: &mut Partial, scores: &mut Vec<f32>) {
+    unsafe fn run_with<const AVX512: bool>(&self, part: &mut Partial, scratch: &mut Scratch) {
         let dh = self.rows.first().map_or(0, |row| row.q.len());
         let (bs, w) = (self.block_size, self.width);
+        let mut offsets: Vec<usize> = self.rows.iter().map(|r| r.offset).collect();
+        offsets.sort_unstable();
+        offsets.dedup();
+        let end = self.rows.iter().map(|r| r.seen.end).max().unwrap_or(0);
+        let mut scores = std::mem::take(&mut scratch.scores);
         scores.resize(bs, 0.0);
         for blk in self.blocks.clone() {
-            let (c0, base) = (blk * bs, self.table[blk] * bs);
+            let c0 = blk * bs;
+            let (keys, values) = self.block_rows(blk, (end, &offsets, dh), scratch);
             for (r, Query { q, seen, offset }) in self.rows.iter().enumerate() {
                 let (a, e) = (seen.start.max(c0), seen.end.min(c0 + bs));
                 if a >= e {
                     continue;
                 }
-                let row_of = |j: usize| (base + j - c0) * w + offset;
+                let row_of = |j: usize| (j - c0) * w + offset;
+                // SAFETY: `block_rows` gives the block's rows, every position a row sees in it,
+                // `w` apart: in the pool, or in the scratch (bs·w values).
+                let rows_from = |pool: *const f32, j: usize, len: usize| unsafe {
+                    std::slice::from_raw_parts(pool.add(row_of(j)), len)
+                };
                 let sc = &mut scores[..e - a];
                 for (j, out) in (a..e).zip(sc.iter_mut()) {
                     // SAFETY: as this function's.
-                    *out = unsafe { dot::<AVX512>(q, &self.keys[row_of(j)..][..dh]) } * self.scale;
+                    *out = unsafe { dot::<AVX512>(q, rows_from(keys, j, dh)) } * self.scale;
                 }
                 let old = part.max[r];
                 let max = lanes_max(sc).max(old);
@@ -667,11 +810,12 @@ impl Task<'_> {
                 sc.iter_mut().for_each(|p| *p = exp(*p - max));
                 part.sum[r] += lanes_sum(sc);
                 // The block's value rows are `w` apart: the last one ends at row_of(e - 1) + dh.
-                let rows = &self.values[row_of(a)..row_of(e - 1) + dh];
+                let rows = rows_from(values, a, row_of(e - 1) + dh - row_of(a));
                 // SAFETY: as this function's.
                 unsafe { weighted_sum::<AVX512>(out, sc, rows, w) };
             }
         }
+        scratch.scores = scores;
     }
 }
 
@@ -812,8 +956,8 @@ impl Task<'_> {
             for row in base..base + rows {
                 for &offset in offsets {
                     // A prefetch reads nothing and cannot fault: an address is all it needs.
-                    let at = pool.as_ptr().wrapping_add(row * w + offset).cast::<i8>();
-                    for line in (0..dh * 4).step_by(64) {
+                    let (at, size) = pool.byte_at(row * w + offset);
+                    for line in (0..dh * size).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(line));
                     }
                 }
@@ -834,7 +978,7 @@ impl Task<'_> {
     /// The CPU must have AVX-512F, VL and FMA; the lanes' rows and ranges must be the task's.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512vl,fma")]
-    unsafe fn run_lanes(&self, part: &mut Partial, scratch: &mut Vec<f32>) {
+    unsafe fn run_lanes(&self, part: &mut Partial, buffers: &mut Scratch) {
         let bs = self.block_size;
         let mut heads: Vec<usize> = self.lanes.iter().map(|g| g.offset).collect();
         heads.sort_unstable();
@@ -855,6 +999,8 @@ impl Task<'_> {
             if narrow && blk + 1 < self.blocks.end {
                 self.prefetch(blk + 1, &heads, dh, end);
             }
+            let rows = self.block_rows(blk, (end, &heads, dh), buffers);
+            let scratch = &mut buffers.scores;
             for g in &self.lanes {
                 let used = g.rows.len();
                 let a = g.lo[..used].iter().map(|&x| x as usize).min().unwrap_or(0).max(c0);
@@ -872,37 +1018,37 @@ impl Task<'_> {
                 scratch.resize(n * LANES, 0.0);
                 // SAFETY (all three): the features are this function's; the scratch holds n·LANES.
                 unsafe {
-                    self.lane_scores_into(g, blk, a..e, width, scratch);
+                    self.lane_scores_into(g, (rows.0, c0), a..e, width, scratch);
                     let (max, sum) = lane_weights(scratch, n, width);
                     let factors = merge_block_stats(part, g, &max, &sum);
-                    self.add_lane_values(part, g, blk, a..e, scratch, &max, &factors);
+                    self.add_lane_values(part, g, (rows.1, c0), a..e, scratch, &max, &factors);
                 }
             }
         }
     }
 
-    /// A group's scores against the keys `keys` of block `blk` (scaled; −∞ in the lanes that do
-    /// not see a key), key `j`'s at `scratch[(j − keys.start)·LANES..]`, eight keys at a time,
-    /// then four, then one.
+    /// A group's scores against the keys `keys` of a block (scaled; −∞ in the lanes that do not
+    /// see a key), key `j`'s at `scratch[(j − keys.start)·LANES..]`, eight keys at a time, then
+    /// four, then one. `(rows, c0)`: the block's key rows ([`Self::block_rows`]) and its first
+    /// position.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F, VL and FMA; `scratch` must hold `keys.len()·LANES` values and
-    /// `keys` lie in the block.
+    /// The CPU must have AVX-512F, VL and FMA; `scratch` must hold `keys.len()·LANES` values,
+    /// `keys` lie in the block and `rows` hold their rows.
     #[cfg(target_arch = "x86_64")]
     #[inline]
     #[target_feature(enable = "avx512f,avx512vl,fma")]
     unsafe fn lane_scores_into(
         &self,
         g: &LaneGroup,
-        blk: usize,
+        (rows, c0): (*const f32, usize),
         keys: Range<usize>,
         width: usize,
         scratch: &mut [f32],
     ) {
         use std::arch::x86_64::*;
         let dh = g.qt.len() / LANES;
-        let (bs, w) = (self.block_size, self.width);
-        let (c0, base, a) = (blk * bs, self.table[blk] * bs, keys.start);
+        let (w, a) = (self.width, keys.start);
         let (neg_inf, scale) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_set1_ps(self.scale));
         let s = scratch.as_mut_ptr();
         // SAFETY: two arrays of LANES i32s.
@@ -911,8 +1057,8 @@ impl Task<'_> {
             let at = _mm512_set1_epi32(j as i32);
             _mm512_cmpge_epi32_mask(at, lo) & _mm512_cmplt_epi32_mask(at, hi)
         };
-        // SAFETY: position j of the block is pool row base + j - c0, `w` wide, the head at `offset`.
-        let key = |j: usize| unsafe { self.keys.as_ptr().add((base + j - c0) * w + g.offset) };
+        // SAFETY: position j of the block is row j - c0 of `rows`, `w` wide, the head at `offset`.
+        let key = |j: usize| unsafe { rows.add((j - c0) * w + g.offset) };
         let keep = |j: usize, score: __m512| {
             let score = _mm512_mask_blend_ps(sees(j), neg_inf, _mm512_mul_ps(score, scale));
             // SAFETY: key j's scores are lanes (j - a)·LANES.. of the scratch, n·LANES long.
@@ -953,7 +1099,7 @@ impl Task<'_> {
         &self,
         part: &mut Partial,
         g: &LaneGroup,
-        blk: usize,
+        (rows, c0): (*const f32, usize),
         keys: Range<usize>,
         scratch: &[f32],
         max: &[f32; LANES],
@@ -961,8 +1107,8 @@ impl Task<'_> {
     ) {
         use std::arch::x86_64::*;
         let dh = g.qt.len() / LANES;
-        let (bs, w, used) = (self.block_size, self.width, g.rows.len());
-        let (c0, base, a, n) = (blk * bs, self.table[blk] * bs, keys.start, keys.len());
+        let (w, used) = (self.width, g.rows.len());
+        let (a, n) = (keys.start, keys.len());
         let s = scratch.as_ptr();
         let mask = |c: usize| -> __mmask16 { ((1u32 << dh.saturating_sub(c).min(16)) - 1) as u16 };
         let out = part.acc.as_mut_ptr();
@@ -971,7 +1117,7 @@ impl Task<'_> {
                 let masks = [mask(c), mask(c + 16), mask(c + 32), mask(c + 48)];
                 let mut acc = [[_mm512_setzero_ps(); 4]; 4];
                 for i in 0..n {
-                    let v = self.values.as_ptr().wrapping_add((base + a + i - c0) * w + g.offset + c);
+                    let v = rows.wrapping_add((a + i - c0) * w + g.offset + c);
                     // SAFETY: the unmasked columns of value row a + i are within the pool.
                     let vs: [__m512; 4] =
                         std::array::from_fn(|q| unsafe { _mm512_maskz_loadu_ps(masks[q], v.wrapping_add(16 * q)) });
@@ -1336,6 +1482,33 @@ mod tests {
         }
     }
 
+    /// f16 pools give the bits of f32 pools holding the same (f16) values: on every tier, every
+    /// case (shared prefixes, windows, chunks), 1 and 7 threads, two head widths.
+    #[test]
+    fn f16_pools_give_the_bits_of_f32_pools_of_their_values() {
+        let heads = [HEADS, Heads { heads: 9, kv_heads: 3, head_dim: 64, scale: 0.125 }];
+        let pools: Vec<rayon::ThreadPool> = [1, 7]
+            .iter()
+            .map(|&n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("a thread pool"))
+            .collect();
+        for (s, pool) in heads.into_iter().flat_map(|s| pools.iter().map(move |p| (s, p))) {
+            for (case, (l, pool_rows)) in cases().into_iter().enumerate() {
+                let w = s.kv_heads * s.head_dim;
+                let q = values(l.batch() * s.heads * l.queries * s.head_dim, 1);
+                let half = |seed| values(pool_rows * w, seed).into_iter().map(f16::from_f32).collect::<Vec<_>>();
+                let (k16, v16) = (half(2), half(3));
+                let wide = |x: &[f16]| x.iter().map(|h| h.to_f32()).collect::<Vec<_>>();
+                let (k32, v32) = (wide(&k16), wide(&v16));
+                for cap in Tier::ALL.into_iter().filter(|&t| t <= simd::detected()) {
+                    let cpu = Cpu::detect().capped(cap);
+                    let want = pool.install(|| attention(cpu, &q, &k32, &v32, &l, s));
+                    let got = pool.install(|| attention_on(cpu, &q, Pool::F16(&k16), Pool::F16(&v16), &l, s));
+                    assert_eq!(got, want, "{s:?}, case {case}, {cap:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn blocks_shared_among_many_threads_merge_to_the_same_result() {
         let (l, pool_rows) = layout(&[(300, 1)], 1, 8, Some(250));
@@ -1459,6 +1632,36 @@ mod tests {
             let keys = Tensor::<Flex, 2>::random([pool_rows, k * dh], normal, &dev);
             let values = Tensor::<Flex, 2>::random([pool_rows, k * dh], normal, &dev);
             let paged = Paged::<Flex>::new(l.clone(), &dev);
+            // f16 pools: the op (the kernel on them) and the composition (gathered, then widened)
+            // agree too.
+            let scores16 = Scores { scale: f64::from(HEADS.scale), softcap: None };
+            let (k16, v16) = (keys.clone().cast(DType::F16), values.clone().cast(DType::F16));
+            let want16 = reference(q.clone(), k16.clone(), v16.clone(), &paged, (h / k, scores16), DType::F32);
+            let halves = |t: &Tensor<Flex, 2>| t.clone().into_data().to_vec::<f16>().unwrap();
+            let q_values = q.clone().into_data().to_vec::<f32>().unwrap();
+            let kernel16 = attention_on(
+                Compute::default().cpu,
+                &q_values,
+                Pool::F16(&halves(&k16)),
+                Pool::F16(&halves(&v16)),
+                &l,
+                HEADS,
+            );
+            let got16: Tensor<Flex, 4> = float(Flex::paged_attention(
+                prim(q.clone()),
+                prim(k16),
+                prim(v16),
+                &paged,
+                (h / k, scores16),
+                Compute::default(),
+            ));
+            let (got16, want16) =
+                (got16.into_data().to_vec::<f32>().unwrap(), want16.into_data().to_vec::<f32>().unwrap());
+            assert_eq!(got16, kernel16, "case {case}: the op on f16 pools did not run the kernel");
+            for (i, (x, y)) in got16.iter().zip(&want16).enumerate() {
+                // (A row a window leaves without keys: NaN in the composition, zero in the kernel.)
+                assert!(y.is_nan() || (x - y).abs() < 1e-4, "case {case}, f16 pools, {i}: {x} vs {y}");
+            }
             let scores = Scores { scale: f64::from(HEADS.scale), softcap: None };
             let want = reference(q.clone(), keys.clone(), values.clone(), &paged, (h / k, scores), DType::F32);
             let cx = Compute::default();

@@ -290,7 +290,7 @@ pub(crate) fn reference(format: DotFormat, w: &[u8], x: Row<'_>) -> f32 {
                     let (sc, m) = scale_min_k4(s, scales);
                     let code = |v: usize| {
                         let byte = qs[32 * (v / 64) + v % 32];
-                        let low = if (v / 32) % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                        let low = if (v / 32).is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
                         let fifth = if high { ((blk[16 + v % 32] >> (v / 32)) & 1) << 4 } else { 0 };
                         (low | fifth) as i32
                     };

@@ -30,6 +30,8 @@ pub struct KvCache<B: Backend> {
     /// attention's `kv_rank + rope_dim` and none (its values are part of the latent).
     key_width: usize,
     value_width: usize,
+    /// What the pools store: f32, or f16 ([`ember_kernels::Compute::kv_cache`]).
+    dtype: DType,
     max_len: usize,
     /// The model's sliding window: a query at position `p` of a local layer sees keys after
     /// `p - window`.
@@ -77,19 +79,28 @@ struct Plan<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
-    /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions.
-    pub(crate) fn new(config: &ModelConfig, batch: usize, block_size: usize, device: &Device<B>) -> Self {
+    /// An empty cache for `batch` sequences of a model, in blocks of `block_size` positions, its
+    /// keys and values stored in `dtype` (f16 or f32; latent attention's always f32).
+    pub(crate) fn new(
+        config: &ModelConfig,
+        (batch, block_size): (usize, usize),
+        dtype: DType,
+        device: &Device<B>,
+    ) -> Self {
         // Every layer's attention answers alike (the window aside): the first's widths are all's.
         let (key_width, value_width) = config.attention(0).part().cache_widths();
-        // Latent attention has no value pools (its values are part of the latent).
+        // Latent attention has no value pools (its values are part of the latent), and reads its
+        // latents through the composition: f32.
+        let dtype = if value_width > 0 && dtype == DType::F16 { DType::F16 } else { DType::F32 };
         let empty = |w| match w {
             0 => Vec::new(),
-            w => (0..config.n_layers).map(|_| Tensor::zeros([0, w], device)).collect::<Vec<_>>(),
+            w => (0..config.n_layers).map(|_| zeros([0, w], dtype, device)).collect::<Vec<_>>(),
         };
         Self {
             block_size: block_size.max(1),
             key_width,
             value_width,
+            dtype,
             max_len: config.max_seq_len,
             window: config.sliding_window,
             local: (0..config.n_layers).map(|l| config.is_local(l)).collect(),
@@ -114,17 +125,22 @@ impl<B: Backend> KvCache<B> {
         &self.lens
     }
 
-    /// Bytes one position takes across all layers: `2 · L · K · Dh · bytes` (keys and values);
-    /// with latent attention `L · (kv_rank + rope_dim) · bytes`.
+    /// Bytes one position takes across all layers in `dtype`: `2 · L · K · Dh · bytes` (keys and
+    /// values); with latent attention `L · (kv_rank + rope_dim) · bytes`.
     pub fn bytes_per_token(&self, dtype: DType) -> usize {
         self.keys.len() * (self.key_width + self.value_width) * dtype.size()
     }
 
-    /// Bytes the pools hold now (f32), every block of every layer, free or held.
+    /// What the pools store.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes the pools hold now, every block of every layer, free or held.
     #[cfg(test)]
     pub(crate) fn pool_bytes(&self) -> usize {
         let rows = |pools: &[Tensor<B, 2>]| pools.iter().map(|p| p.dims()[0] * p.dims()[1]).sum::<usize>();
-        (rows(&self.keys) + rows(&self.values)) * DType::F32.size()
+        (rows(&self.keys) + rows(&self.values)) * self.dtype.size()
     }
 
     /// Forgets everything stored for sequence `b`; its blocks go back to the pool (a block shared
@@ -178,7 +194,7 @@ impl<B: Backend> KvCache<B> {
         let have = self.keys.first().map_or(0, |k| k.dims()[0]) / self.block_size;
         let add = blocks.max(have).max(1);
         for (pools, width) in [(&mut self.keys, self.key_width), (&mut self.values, self.value_width)] {
-            let zeros = Tensor::<B, 2>::zeros([add * self.block_size, width], &self.device);
+            let zeros = zeros::<B>([add * self.block_size, width], self.dtype, &self.device);
             for pool in pools.iter_mut() {
                 *pool = Tensor::cat(vec![pool.clone(), zeros.clone()], 0);
             }
@@ -303,6 +319,8 @@ impl<B: KvWriteOps> KvCache<B> {
             // The rows read out first (a copy of their own), so that the write finds the pool
             // unshared and writes in place.
             let rows = Tensor::<B, 2>::from_data(pool.clone().slice([src..src + tail]).into_data(), &self.device);
+            // Widened (exactly) from an f16 pool: the write rounds f32 rows to the pool's type.
+            let rows = if rows.dtype() == DType::F32 { rows } else { rows.cast(DType::F32) };
             let owned = std::mem::replace(pool, Tensor::zeros([0, 1], &self.device));
             *pool = float(B::kv_write(prim(owned), &dst, prim(rows)));
         }
@@ -420,6 +438,16 @@ impl<B: KvWriteOps> LayerKv<'_, B> {
         let pool = std::mem::replace(&mut c.keys[l], Tensor::<B, 2>::empty([0, w], &c.device));
         c.keys[l] = float(B::kv_write(prim(pool), &plan.write, prim(rows)));
         latent_attention(q, c.keys[l].clone(), value_width, &plan.paged, scores, cx.dtype)
+    }
+}
+
+/// Zeros of `shape` in `dtype`.
+fn zeros<B: Backend>(shape: [usize; 2], dtype: DType, device: &Device<B>) -> Tensor<B, 2> {
+    let zeros = Tensor::<B, 2>::zeros(shape, device);
+    if dtype == DType::F32 {
+        zeros
+    } else {
+        zeros.cast(dtype)
     }
 }
 

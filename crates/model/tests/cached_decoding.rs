@@ -256,3 +256,53 @@ fn shared_prefixes_continue_as_their_own_and_are_held_once() {
     cache.reset(2);
     assert_eq!(cache.held_blocks(), 0);
 }
+
+/// A cache in f16 stores each key and value rounded (half the bytes): its logits stay within that
+/// rounding of the full forward pass, and a sequence that continues a shared prefix (the blocks
+/// held once, the partly filled one copied) gets the bits it gets alone in an f16 cache.
+#[test]
+fn an_f16_cache_decodes_within_its_rounding_and_shares_prefixes_exactly() {
+    let cfg = config(2, RopeLayout::HalfSplit);
+    let model = Decoder::<B>::new(&cfg, 5, &Default::default())
+        .unwrap()
+        .with_compute(Compute::default().with_kv_cache(DType::F16));
+    let v = cfg.vocab_size;
+    let ids: Vec<u32> = (0..23).map(|i| (i * 7 + 3) % 41).collect();
+    let full = model.forward(tokens(&ids)).reshape([ids.len(), v]);
+    let mut cache = model.new_cache(1, 4);
+    assert_eq!(cache.dtype(), DType::F16);
+    let f32_model = Decoder::<B>::new(&cfg, 5, &Default::default()).unwrap();
+    let mut f32_cache = f32_model.new_cache(1, 4);
+    let (mut worst, mut moved) = (0f32, 0f32);
+    let _ = model.forward_cached(tokens(&ids[..5]), &[5], &mut cache);
+    let _ = f32_model.forward_cached(tokens(&ids[..5]), &[5], &mut f32_cache);
+    for i in 5..ids.len() {
+        let got =
+            model.logits(model.forward_cached(tokens(&ids[i..i + 1]), &[1], &mut cache).reshape([1, cfg.d_model]));
+        let exact = f32_model
+            .logits(f32_model.forward_cached(tokens(&ids[i..i + 1]), &[1], &mut f32_cache).reshape([1, cfg.d_model]));
+        worst = worst.max(max_abs_diff(got.clone(), full.clone().narrow(0, i, 1)));
+        moved = moved.max(max_abs_diff(got, exact));
+    }
+    let scale: f32 = full.clone().abs().max().into_scalar();
+    assert!(worst < 5e-3 * scale.max(1.0), "f16 cache: {worst} off the full forward (logits up to {scale})");
+    assert!(moved > 0.0, "the f16 cache computed the f32 cache's bits: nothing was rounded");
+
+    // Sequence 1 continues sequence 0's 11-position prefix (2 full blocks and a partial one);
+    // sequence 2 computes the same 14 positions alone.
+    let (prefix, tail) = (&ids[..11], &ids[11..14]);
+    let mut cache = model.new_cache(3, 4);
+    let _ = model.forward_cached_rows(tokens(prefix), &[0], &[11], &mut cache);
+    cache.share_prefix(0, 1, 11);
+    let shared = model.forward_cached_rows(tokens(tail), &[1], &[3], &mut cache);
+    let _ = model.forward_cached_rows(tokens(prefix), &[2], &[11], &mut cache);
+    let alone = model.forward_cached_rows(tokens(tail), &[2], &[3], &mut cache);
+    assert_eq!(shared.into_data().to_vec::<f32>().unwrap(), alone.into_data().to_vec::<f32>().unwrap());
+    // Sequence 0 continues with its own tail after the copy: the full forward's logits.
+    let other = [9u32, 10];
+    let h = model.forward_cached_rows(tokens(&other), &[0], &[2], &mut cache);
+    let got = model.logits(h.reshape([2, cfg.d_model]));
+    let whole: Vec<u32> = prefix.iter().chain(&other).copied().collect();
+    let want = model.forward(tokens(&whole)).reshape([whole.len(), v]).slice([11..13]);
+    assert!(max_abs_diff(got, want) < 5e-3 * scale.max(1.0), "sequence 0 after the copy");
+}

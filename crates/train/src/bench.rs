@@ -478,7 +478,10 @@ pub fn bench_decode<B: ember_kernels::EmberBackend>(
         uncached_ms_per_token: Vec::new(),
         prefill_tokens_per_sec: Vec::new(),
         decode_tokens_per_sec: Vec::new(),
-        kv_bytes_per_token: model.new_cache(1, spec.block_size).bytes_per_token(DType::F32),
+        kv_bytes_per_token: {
+            let cache = model.new_cache(1, spec.block_size);
+            cache.bytes_per_token(cache.dtype())
+        },
         cached_parts_ms: Vec::new(),
         prefill_parts_ms: Vec::new(),
         peak_rss_bytes: None,

@@ -138,6 +138,8 @@ struct CacheArgs {
     #[arg(long, default_value_t = 1)]
     batch: usize,
     #[command(flatten)]
+    kv_cache: super::KvCacheFlag,
+    #[command(flatten)]
     common: Common,
 }
 
@@ -163,6 +165,8 @@ struct ServeBenchArgs {
     /// A run directory or checkpoint folder, `gguf:FILE` (its stored quantized weights) or `hf:DIR`.
     #[arg(long)]
     checkpoint: PathBuf,
+    #[command(flatten)]
+    kv_cache: super::KvCacheFlag,
     /// Numbers of concurrent clients to measure, each in 1..=256 (the server gets as many slots as
     /// the largest).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
@@ -318,7 +322,8 @@ impl BenchFn for DecodeBenchFn {
     type Out = ember_train::bench::DecodeBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let a = &self.0;
-        let model = self.1.decoder::<B::InnerBackend>(device)?.with_compute(crate::env::compute());
+        let compute = a.cache.kv_cache.apply(crate::env::compute());
+        let model = self.1.decoder::<B::InnerBackend>(device)?.with_compute(compute);
         let spec = DecodeBenchSpec {
             contexts: a.contexts.clone(),
             new_tokens: a.new_tokens,
@@ -344,7 +349,8 @@ impl BenchFn for ServeBenchFn {
     type Out = ServeBench;
     fn call<B: TrainBackend>(self, device: &Device<B>, name: &str) -> anyhow::Result<Self::Out> {
         let (a, checkpoint) = (self.0, self.1);
-        let model = checkpoint.decoder::<B::InnerBackend>(device)?.with_compute(crate::env::compute());
+        let compute = a.kv_cache.apply(crate::env::compute());
+        let model = checkpoint.decoder::<B::InnerBackend>(device)?.with_compute(compute);
         let (context, vocab_size) = (model.config().max_seq_len, model.config().vocab_size);
         let slots = a.clients.iter().copied().max().unwrap_or(1);
         let share_prefixes = !a.no_prefix_sharing;

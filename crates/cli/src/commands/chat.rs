@@ -38,6 +38,8 @@ pub struct ChatArgs {
     /// quantized weights) or `hf:DIR`, with a chat template.
     #[arg(long)]
     checkpoint: PathBuf,
+    #[command(flatten)]
+    kv_cache: super::KvCacheFlag,
     /// Softmax temperature; 0 is greedy [default: the chat defaults, below].
     #[arg(long, allow_negative_numbers = true)]
     temperature: Option<f32>,
@@ -339,7 +341,8 @@ impl Lines {
 impl Job for ChatJob {
     type Output = ();
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<()> {
-        let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
+        let compute = self.args.kv_cache.apply(crate::env::compute());
+        let model = self.checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(compute);
         let seed = self.args.seed.unwrap_or_else(|| {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
             now.map_or(0, |d| d.as_nanos() as u64) ^ u64::from(std::process::id())

@@ -27,6 +27,8 @@ pub struct SampleArgs {
     /// quantized weights) or `hf:DIR`.
     #[arg(long)]
     checkpoint: PathBuf,
+    #[command(flatten)]
+    kv_cache: super::KvCacheFlag,
     /// Treat each prompt as a user message: render it with the checkpoint's chat template (with the
     /// assistant's turn opened) and stop at the model's end-of-turn token.
     #[arg(long)]
@@ -137,7 +139,8 @@ impl Job for SampleJob {
         let mut samplers = (0..prompts.len())
             .map(|i| Sampler::new(config.clone(), args.seed.wrapping_add(i as u64)))
             .collect::<Result<Vec<_>, _>>()?;
-        let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(crate::env::compute());
+        let compute = args.kv_cache.apply(crate::env::compute());
+        let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(compute);
         let mut streams: Vec<TextStream> =
             prompts.iter().map(|p| TextStream::new(tokenizer, p, args.stop.clone(), &ends)).collect();
         let mut out = std::io::stdout().lock();

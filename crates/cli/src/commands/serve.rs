@@ -25,6 +25,8 @@ pub struct ServeArgs {
     /// quantized weights) or `hf:DIR`.
     #[arg(long)]
     checkpoint: PathBuf,
+    #[command(flatten)]
+    kv_cache: super::KvCacheFlag,
     /// Address to listen on; loopback unless you mean to expose the model.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -105,7 +107,7 @@ impl Job for ServeJob {
         let Self { args, checkpoint, template, defaults } = self;
         // A seeded request answers the same whatever runs beside it and however its prompt is
         // split (a shared prefix, chunks): prompts on the decode steps' integer products.
-        let compute = crate::env::compute().with_uniform_products(true);
+        let compute = args.kv_cache.apply(crate::env::compute().with_uniform_products(true));
         let model = checkpoint.decoder::<B::InnerBackend>(&device)?.with_compute(compute);
         let (context, vocab_size) = (model.config().max_seq_len, model.config().vocab_size);
         anyhow::ensure!(

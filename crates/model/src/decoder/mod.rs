@@ -248,7 +248,7 @@ impl<B: EmberBackend> Decoder<B> {
 
     /// A fresh KV cache for `batch` sequences of this model.
     pub fn new_cache(&self, batch: usize, block_size: usize) -> KvCache<B> {
-        KvCache::new(&self.config, batch, block_size, &self.device())
+        KvCache::new(&self.config, (batch, block_size), self.compute.kv_cache, &self.device())
     }
 
     /// The LM head as a matrix, `[D, V]`: the transposed embedding table when tied; stored blocks

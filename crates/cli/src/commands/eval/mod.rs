@@ -1,7 +1,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use burn::tensor::Device;
+use burn::tensor::{DType, Device};
 use clap::Args;
 use ember_data::finetune::PackedExamples;
 use ember_data::Tokenizer;
@@ -117,7 +117,7 @@ impl Job for EvalJob {
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Self::Output> {
         let model = self.checkpoint.decoder_over::<B::InnerBackend>(self.init.as_ref(), &device)?;
         // A perplexity is the model's, from exact products (not 8-bit activations).
-        let model = model.with_compute(crate::env::compute().with_int8_inputs(false));
+        let model = model.with_compute(crate::env::compute().with_int8_inputs(false).with_kv_cache(DType::F32));
         let samples = self.samples.map(|(samples, batch_tokens)| {
             let pairs: Vec<ember_eval::score::Pair> = samples.iter().map(|s| s.pair.clone()).collect();
             let budget = ember_eval::score::Budget::for_vocab(batch_tokens, model.config().vocab_size);

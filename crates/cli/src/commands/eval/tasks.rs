@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::backend::{dispatch, DeviceSpec, Job};
 use crate::commands::source::ModelSource;
 use anyhow::Context;
-use burn::tensor::Device;
+use burn::tensor::{DType, Device};
 use ember_eval::schema::Schema;
 use ember_eval::task::{Output, TaskSpec};
 use ember_eval::{evaluate, prepare, Options, Prepared, TaskResult};
@@ -39,7 +39,8 @@ impl Job for TasksJob<'_> {
     fn run<B: TrainBackend>(self, device: Device<B>, _name: &str) -> anyhow::Result<Vec<TaskResult>> {
         // Log-likelihoods and generations as the f32 model gives them: a GGUF's stored blocks are
         // decoded for exact products, not multiplied with 8-bit inputs.
-        let compute = crate::env::compute().with_int8_inputs(false);
+        // Exact log-likelihoods: f32 products and an f32 cache whatever EMBER_KV_CACHE says.
+        let compute = crate::env::compute().with_int8_inputs(false).with_kv_cache(DType::F32);
         let model = self.source.decoder::<B::InnerBackend>(&device)?.with_compute(compute);
         let tokenizer = &self.source.tokenizer;
         let total: usize = self.prepared.iter().map(|p| p.docs.len()).sum();
