@@ -1436,6 +1436,12 @@ mod tests {
 
     const HEADS: Heads = Heads { heads: 6, kv_heads: 2, head_dim: 20, scale: 0.223_606_8 };
 
+    /// Thread pools of these sizes (blocks are shared out differently on each).
+    fn thread_pools(threads: &[usize]) -> Vec<rayon::ThreadPool> {
+        let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("a thread pool");
+        threads.iter().map(|&n| pool(n)).collect()
+    }
+
     fn cases() -> Vec<(PagedLayout, usize)> {
         vec![
             layout(&[(0, 1)], 1, 4, None),                    // first token
@@ -1463,10 +1469,7 @@ mod tests {
             Heads { heads: 9, kv_heads: 3, head_dim: 64, scale: 0.125 },
             Heads { heads: 4, kv_heads: 4, head_dim: 80, scale: 0.7 },
         ];
-        let pools: Vec<rayon::ThreadPool> = [1, 3, 7]
-            .iter()
-            .map(|&n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("a thread pool"))
-            .collect();
+        let pools = thread_pools(&[1, 3, 7]);
         for (s, pool) in heads.into_iter().flat_map(|s| pools.iter().map(move |p| (s, p))) {
             for (case, (l, pool_rows)) in cases().into_iter().enumerate() {
                 let w = s.kv_heads * s.head_dim;
@@ -1487,10 +1490,7 @@ mod tests {
     #[test]
     fn f16_pools_give_the_bits_of_f32_pools_of_their_values() {
         let heads = [HEADS, Heads { heads: 9, kv_heads: 3, head_dim: 64, scale: 0.125 }];
-        let pools: Vec<rayon::ThreadPool> = [1, 7]
-            .iter()
-            .map(|&n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("a thread pool"))
-            .collect();
+        let pools = thread_pools(&[1, 7]);
         for (s, pool) in heads.into_iter().flat_map(|s| pools.iter().map(move |p| (s, p))) {
             for (case, (l, pool_rows)) in cases().into_iter().enumerate() {
                 let w = s.kv_heads * s.head_dim;
