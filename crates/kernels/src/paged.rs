@@ -1563,7 +1563,8 @@ mod tests {
         let (mut shared, shared_rows) =
             shared_layout(30, &[(248, 1), (250, 1), (240, 1), (260, 1), (244, 1)], 1, 8, None);
         shared.tables.insert(0, alone_layout.tables[0].clone());
-        (shared.starts.insert(0, 300), shared.totals.insert(0, 301));
+        shared.starts.insert(0, 300);
+        shared.totals.insert(0, 301);
         for table in &mut shared.tables[1..] {
             table[..30].copy_from_slice(&alone_layout.tables[0][..30]);
         }
