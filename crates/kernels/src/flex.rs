@@ -85,20 +85,15 @@ fn copy_rows(t: &FlexTensor) -> Option<Vec<f32>> {
 }
 
 /// A tensor whose storage holds exactly its elements in order, so that `storage_mut` can update it
-/// in place (copying first only when the storage is shared).
+/// in place (copying first only when the storage is shared). f32 or f16.
 pub(crate) fn exclusive(t: FlexTensor) -> FlexTensor {
+    use burn::tensor::f16;
     let n: usize = shape(&t).iter().product();
-    if t.as_slice::<f32>().is_some() && t.storage::<f32>().len() == n {
-        t
-    } else {
-        t.to_contiguous()
-    }
-}
-
-/// [`exclusive`] for an f16 tensor.
-pub(crate) fn exclusive_f16(t: FlexTensor) -> FlexTensor {
-    let n: usize = shape(&t).iter().product();
-    if t.as_slice::<burn::tensor::f16>().is_some() && t.storage::<burn::tensor::f16>().len() == n {
+    let whole = match t.dtype() {
+        DType::F16 => t.as_slice::<f16>().is_some() && t.storage::<f16>().len() == n,
+        _ => t.as_slice::<f32>().is_some() && t.storage::<f32>().len() == n,
+    };
+    if whole {
         t
     } else {
         t.to_contiguous()

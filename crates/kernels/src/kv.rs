@@ -50,7 +50,7 @@ impl KvWriteOps for Flex {
         let width = ps[1];
         let rows = flex::f32s(&rows);
         if f16_pool {
-            let mut pool = flex::exclusive_f16(pool);
+            let mut pool = flex::exclusive(pool);
             let storage = pool.storage_mut::<f16>();
             for (i, &d) in dst.iter().enumerate() {
                 storage[d * width..(d + 1) * width].convert_from_f32_slice(&rows[i * width..(i + 1) * width]);

@@ -263,7 +263,8 @@ impl PagedAttentionOps for Flex {
     ) -> FlexTensor {
         let (qs, ks, vs) = (flex::shape(&q), flex::shape(&keys), flex::shape(&values));
         let l = &paged.layout;
-        let f16_pools = keys.dtype() == DType::F16 && values.dtype() == DType::F16;
+        // f16 pools are read in place: contiguous (a cache's pools always are).
+        let f16_pools = keys.as_slice::<f16>().is_some() && values.as_slice::<f16>().is_some();
         let fits = cx.fused::<Self>(cx.dtype)
             && scores.softcap.is_none()
             && flex::all_f32(&[&q])
@@ -286,14 +287,7 @@ impl PagedAttentionOps for Flex {
         let q = flex::f32s(&q);
         let o = if f16_pools {
             let (Some(k), Some(v)) = (keys.as_slice::<f16>(), values.as_slice::<f16>()) else {
-                return prim(reference(
-                    float(flex::tensor(q.into_owned(), qs)),
-                    float(keys),
-                    float(values),
-                    paged,
-                    (rep, scores),
-                    cx.dtype,
-                ));
+                unreachable!("f16 pools checked contiguous above")
             };
             attend(cx.elementwise_cpu(), &q, Pool::F16(k), Pool::F16(v), l, heads, true)
         } else {
@@ -733,6 +727,16 @@ impl Task<'_> {
         (widen(self.keys, &mut scratch.keys), widen(self.values, &mut scratch.values))
     }
 
+    /// What the task reads of a block: its rows' heads (their first columns, ascending), a head's
+    /// width, and one past the last position any of its rows sees.
+    fn reach(&self) -> (Vec<usize>, usize, usize) {
+        let mut heads: Vec<usize> = self.rows.iter().map(|r| r.offset).collect();
+        heads.sort_unstable();
+        heads.dedup();
+        let dh = self.rows.first().map_or(0, |row| row.q.len());
+        (heads, dh, self.rows.iter().map(|r| r.seen.end).max().unwrap_or(0))
+    }
+
     /// The task's rows over its blocks, added to `part`.
     fn run(&self, cpu: Cpu, part: &mut Partial, scratch: &mut Scratch) {
         #[cfg(not(target_arch = "x86_64"))]
@@ -771,17 +775,13 @@ impl Task<'_> {
     /// With `AVX512`, the CPU must have AVX-512F and FMA.
     #[inline(always)]
     unsafe fn run_with<const AVX512: bool>(&self, part: &mut Partial, scratch: &mut Scratch) {
-        let dh = self.rows.first().map_or(0, |row| row.q.len());
         let (bs, w) = (self.block_size, self.width);
-        let mut offsets: Vec<usize> = self.rows.iter().map(|r| r.offset).collect();
-        offsets.sort_unstable();
-        offsets.dedup();
-        let end = self.rows.iter().map(|r| r.seen.end).max().unwrap_or(0);
+        let (heads, dh, end) = self.reach();
         let mut scores = std::mem::take(&mut scratch.scores);
         scores.resize(bs, 0.0);
         for blk in self.blocks.clone() {
             let c0 = blk * bs;
-            let (keys, values) = self.block_rows(blk, (end, &offsets, dh), scratch);
+            let (keys, values) = self.block_rows(blk, (end, &heads, dh), scratch);
             for (r, Query { q, seen, offset }) in self.rows.iter().enumerate() {
                 let (a, e) = (seen.start.max(c0), seen.end.min(c0 + bs));
                 if a >= e {
@@ -980,12 +980,8 @@ impl Task<'_> {
     #[target_feature(enable = "avx512f,avx512vl,fma")]
     unsafe fn run_lanes(&self, part: &mut Partial, buffers: &mut Scratch) {
         let bs = self.block_size;
-        let mut heads: Vec<usize> = self.lanes.iter().map(|g| g.offset).collect();
-        heads.sort_unstable();
-        heads.dedup();
+        let (heads, dh, end) = self.reach();
         let narrow = self.lanes.iter().any(|g| g.rows.len() < LANES);
-        let dh = self.rows.first().map_or(0, |row| row.q.len());
-        let end = self.rows.iter().map(|r| r.seen.end).max().unwrap_or(0);
         for blk in self.blocks.clone() {
             let c0 = blk * bs;
             // The next block's rows of the task's heads asked for while this one is computed (and
