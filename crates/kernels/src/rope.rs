@@ -157,7 +157,13 @@ impl RopeScaling {
     }
 }
 
-/// Precomputed cos/sin tables, `[T_max, Dh/2]`, and the pairing convention.
+/// Rows a model's tables are first built with: a session's positions past them are added as it
+/// reaches them ([`Rope::covering`]), so that a model with a long context (Gemma 3's 32,768
+/// positions: 67 MB of tables for its two bases) does not hold them all from the start.
+pub const FIRST_ROWS: usize = 4096;
+
+/// Precomputed cos/sin tables, `[rows, Dh/2]`, and the pairing convention; with what computes
+/// more rows, up to the model's `max_seq_len`.
 #[derive(Module, Debug)]
 pub struct Rope<B: Backend> {
     cos: Tensor<B, 2>,
@@ -167,11 +173,41 @@ pub struct Rope<B: Backend> {
     /// False for [`Rope::identity`]: the kernels skip the rotation instead of multiplying by 1 and 0.
     #[module(skip)]
     rotates: bool,
+    /// What computes the tables' rows (`None` for tables given whole, [`Rope::from_tables`]).
+    #[module(skip)]
+    angles: Option<Angles>,
+}
+
+/// How a table's rows are computed: each channel pair's inverse frequency and the gain on cos and
+/// sin (`None`: angle zero, the identity), and the most rows the tables may have.
+#[derive(Debug, Clone)]
+struct Angles {
+    inv_freq: Option<std::sync::Arc<[f64]>>,
+    gain: f64,
+    half: usize,
+    max_seq_len: usize,
+}
+
+impl Angles {
+    /// Rows `from..to` of the cos and sin tables, row-major.
+    fn rows(&self, from: usize, to: usize) -> (Vec<f32>, Vec<f32>) {
+        let n = (to - from) * self.half;
+        let Some(inv_freq) = &self.inv_freq else { return (vec![1.0; n], vec![0.0; n]) };
+        let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for pos in from..to {
+            for &inv_freq in inv_freq.iter() {
+                let (s, c) = (pos as f64 * inv_freq).sin_cos();
+                cos.push((c * self.gain) as f32);
+                sin.push((s * self.gain) as f32);
+            }
+        }
+        (cos, sin)
+    }
 }
 
 impl<B: Backend> Rope<B> {
     /// Angles are computed in f64 on the host and stored in f32; low precision angles drift at long
-    /// positions.
+    /// positions. The tables start with `min(max_seq_len, FIRST_ROWS)` rows.
     pub fn new(max_seq_len: usize, head_dim: usize, theta: f64, layout: RopeLayout, device: &B::Device) -> Self {
         Self::with_scaling(max_seq_len, head_dim, theta, layout, None, device)
     }
@@ -190,31 +226,51 @@ impl<B: Backend> Rope<B> {
             None => (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect(),
         };
         let gain = scaling.map_or(1.0, RopeScaling::attention_factor);
-        let mut cos = Vec::with_capacity(max_seq_len * half);
-        let mut sin = Vec::with_capacity(max_seq_len * half);
-        for pos in 0..max_seq_len {
-            for &inv_freq in &inv_freq {
-                let (s, c) = (pos as f64 * inv_freq).sin_cos();
-                cos.push((c * gain) as f32);
-                sin.push((s * gain) as f32);
-            }
+        let angles = Angles { inv_freq: Some(inv_freq.into()), gain, half, max_seq_len };
+        Self::from_angles(angles, layout, true, device)
+    }
+
+    /// Tables of the first rows `angles` gives.
+    fn from_angles(angles: Angles, layout: RopeLayout, rotates: bool, device: &B::Device) -> Self {
+        let rows = angles.max_seq_len.min(FIRST_ROWS);
+        let (cos, sin) = angles.rows(0, rows);
+        let table = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [rows, angles.half]), device);
+        Self { cos: table(cos), sin: table(sin), layout, rotates, angles: Some(angles) }
+    }
+
+    /// These tables grown to cover positions `0..positions` (twice the rows they had at least, the
+    /// model's `max_seq_len` at most: a session's growth costs a few recomputations), or `None`
+    /// where they already do, or cannot grow (tables given whole, or at `max_seq_len`). Rows
+    /// already there keep their values: growing changes no result.
+    pub fn covering(&self, positions: usize) -> Option<Self> {
+        let (have, angles) = (self.max_seq_len(), self.angles.as_ref()?);
+        let rows = positions.max(2 * have).min(angles.max_seq_len);
+        if positions <= have || rows <= have {
+            return None;
         }
-        let table = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [max_seq_len, half]), device);
-        Self { cos: table(cos), sin: table(sin), layout, rotates: true }
+        let (cos, sin) = angles.rows(have, rows);
+        let device = self.cos.device();
+        let more = |v: Vec<f32>| Tensor::from_data(TensorData::new(v, [rows - have, angles.half]), &device);
+        Some(Self {
+            cos: Tensor::cat(vec![self.cos.clone(), more(cos)], 0),
+            sin: Tensor::cat(vec![self.sin.clone(), more(sin)], 0),
+            layout: self.layout,
+            rotates: self.rotates,
+            angles: self.angles.clone(),
+        })
     }
 
     /// Tables of angle zero (cos 1, sin 0): the rotation is the identity, exactly (`x·1 − y·0 = x`).
     /// What a model with learned positions runs through the attention ops; the CPU kernels see
     /// [`Rope::rotates`] false and skip the rotation, the compositions multiply by 1 and 0.
     pub fn identity(max_seq_len: usize, head_dim: usize, layout: RopeLayout, device: &B::Device) -> Self {
-        let half = head_dim / 2;
-        let table = |v: f32| Tensor::full([max_seq_len, half], v, device);
-        Self { cos: table(1.0), sin: table(0.0), layout, rotates: false }
+        let angles = Angles { inv_freq: None, gain: 1.0, half: head_dim / 2, max_seq_len };
+        Self::from_angles(angles, layout, false, device)
     }
 
     /// Rope over given cos and sin tables, `[T_max, Dh/2]` each (as [`Self::tables`] returns them).
     pub fn from_tables(cos: Tensor<B, 2>, sin: Tensor<B, 2>, layout: RopeLayout) -> Self {
-        Self { cos, sin, layout, rotates: true }
+        Self { cos, sin, layout, rotates: true, angles: None }
     }
 
     /// The cos and sin tables, `[T_max, Dh/2]` each.
@@ -226,12 +282,17 @@ impl<B: Backend> Rope<B> {
         self.layout
     }
 
+    /// The device the tables live on.
+    pub fn device(&self) -> B::Device {
+        self.cos.device()
+    }
+
     /// False for [`Rope::identity`]'s tables.
     pub fn rotates(&self) -> bool {
         self.rotates
     }
 
-    /// Longest sequence the tables cover.
+    /// Longest sequence the tables cover now ([`Self::covering`] grows them).
     pub fn max_seq_len(&self) -> usize {
         self.cos.dims()[0]
     }
@@ -474,6 +535,44 @@ mod tests {
                 .into_data()
                 .assert_approx_eq::<f32>(&rope.apply_rows(x, &starts).into_data(), Tolerance::absolute(1e-6));
         }
+    }
+
+    /// Tables start with `FIRST_ROWS` rows at most and grow to twice their rows at least, up to the
+    /// model's `max_seq_len` (never past it); rows already there keep their bits, new rows follow
+    /// the definition, the identity's stay angle zero.
+    #[test]
+    fn tables_grow_to_cover_what_a_session_reaches() {
+        let dev = Default::default();
+        let (dh, max) = (8, 3 * FIRST_ROWS);
+        let short = Rope::<B>::new(100, dh, 10_000.0, RopeLayout::HalfSplit, &dev);
+        assert_eq!(short.max_seq_len(), 100);
+        assert!(short.covering(100).is_none() && short.covering(5_000).is_none(), "at max_seq_len already");
+        let rope = Rope::<B>::new(max, dh, 10_000.0, RopeLayout::HalfSplit, &dev);
+        assert_eq!(rope.max_seq_len(), FIRST_ROWS);
+        assert!(rope.covering(FIRST_ROWS).is_none());
+        let grown = rope.covering(FIRST_ROWS + 1).expect("grown");
+        assert_eq!(grown.max_seq_len(), 2 * FIRST_ROWS);
+        assert_eq!(grown.covering(2 * FIRST_ROWS + 1).expect("grown again").max_seq_len(), max);
+        assert_eq!(rope.covering(10 * FIRST_ROWS).expect("grown to the end").max_seq_len(), max);
+        let (cos, sin) = rope.tables();
+        let (big_cos, big_sin) = grown.tables();
+        big_cos.narrow(0, 0, FIRST_ROWS).into_data().assert_eq(&cos.into_data(), true);
+        big_sin.narrow(0, 0, FIRST_ROWS).into_data().assert_eq(&sin.into_data(), true);
+        // A row past the first tables: position 6,000's angles.
+        let x = Tensor::<B, 4>::random([1, 1, 2, dh], Distribution::Normal(0.0, 1.0), &dev);
+        let xs = x.to_data().to_vec::<f32>().unwrap();
+        let want = rope_slow(&xs, 2, dh, 6_000, 10_000.0, RopeLayout::HalfSplit);
+        let got = grown.apply(x, 6_000).into_data();
+        got.assert_approx_eq::<f32>(&TensorData::new(want, [1, 1, 2, dh]), Tolerance::absolute(1e-5));
+        let identity =
+            Rope::<B>::identity(max, dh, RopeLayout::HalfSplit, &dev).covering(FIRST_ROWS + 1).expect("grown");
+        let (cos, sin) = identity.tables();
+        assert!(!identity.rotates());
+        assert_eq!(cos.dims(), [2 * FIRST_ROWS, dh / 2]);
+        cos.into_data()
+            .assert_eq(&TensorData::new(vec![1.0f32; 2 * FIRST_ROWS * dh / 2], [2 * FIRST_ROWS, dh / 2]), true);
+        sin.into_data()
+            .assert_eq(&TensorData::new(vec![0.0f32; 2 * FIRST_ROWS * dh / 2], [2 * FIRST_ROWS, dh / 2]), true);
     }
 
     #[test]

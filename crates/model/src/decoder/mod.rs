@@ -3,6 +3,9 @@
 //! soft-capped in Gemma 2). A model whose weights stay in a GGUF file's stored block types is built
 //! by [`stored`].
 
+use std::any::Any;
+use std::sync::{Arc, Mutex, PoisonError};
+
 use burn::module::{Module, Param};
 use burn::tensor::module::embedding;
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
@@ -41,6 +44,10 @@ pub struct Decoder<B: Backend> {
     pub rope: Rope<B>,
     /// The sliding-window layers' RoPE tables where their base differs (Gemma 3).
     pub rope_local: Option<Rope<B>>,
+    /// Both tables grown past the model's own for the positions a session has reached
+    /// ([`Rope::covering`]: the model's start with 4,096 rows at most), shared by its clones.
+    #[module(skip)]
+    grown: Grown,
     #[module(skip)]
     config: ModelConfig,
     /// How the model computes: the GEMMs' dtype (mixed precision; parameters and everything else
@@ -95,6 +102,7 @@ impl<B: EmberBackend> Decoder<B> {
             lm_head,
             rope: config.rope(device),
             rope_local: config.rope_local(device),
+            grown: Grown::default(),
             config: config.clone(),
             compute: Compute::default(),
         })
@@ -157,8 +165,9 @@ impl<B: EmberBackend> Decoder<B> {
         let x = self.embed(tokens, positions); // [B, T, D]
         let mut x = crate::dropout(x, self.config.dropout);
         let mut routes = Vec::new();
+        let ropes = self.ropes(start + t);
         for (l, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x, self.rope_of(l), Keys::Own { start, docs }, self.compute, &mut routes);
+            x = layer.forward(x, ropes.of(&self.config, l), Keys::Own { start, docs }, self.compute, &mut routes);
         }
         (self.norm.forward(x, self.compute), routes)
     }
@@ -182,12 +191,25 @@ impl<B: EmberBackend> Decoder<B> {
         x + to_dtype(embedding(table.val(), ids), DType::F32)
     }
 
-    /// The RoPE tables layer `layer` rotates with.
-    fn rope_of(&self, layer: usize) -> &Rope<B> {
-        match &self.rope_local {
-            Some(local) if self.config.is_local(layer) => local,
-            _ => &self.rope,
+    /// The RoPE tables covering positions `0..positions` (up to `max_seq_len`): the model's own,
+    /// or grown from them the first time a session reaches past them.
+    fn ropes(&self, positions: usize) -> Ropes<B> {
+        let own = Ropes { global: self.rope.clone(), local: self.rope_local.clone() };
+        if positions <= self.rope.max_seq_len() {
+            return own;
         }
+        let mut grown = self.grown.0.lock().unwrap_or_else(PoisonError::into_inner);
+        // Tables grown for another backend or device (the model's autodiff-free copy, or the
+        // model moved since) are grown again from the model's own.
+        let base = grown
+            .take()
+            .and_then(|g| g.downcast::<Ropes<B>>().ok())
+            .filter(|g| g.global.device() == self.rope.device())
+            .map_or(own, |g| *g);
+        let grow = |rope: Rope<B>| rope.covering(positions).unwrap_or(rope);
+        let ropes = Ropes { global: grow(base.global), local: base.local.map(grow) };
+        *grown = Some(Box::new(ropes.clone()));
+        ropes
     }
 
     /// Final hidden states of new positions fed through the KV cache: row `b` brings `new_lens[b]`
@@ -228,8 +250,10 @@ impl<B: EmberBackend> Decoder<B> {
         let starts = step.layer(0).starts();
         let x = self.embed(tokens, || starts.iter().flat_map(|&s| s..s + t).collect()); // [R, T, D]
         let mut x = x;
+        let ropes = self.ropes(starts.iter().map(|&s| s + t).max().unwrap_or(0));
         for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x, self.rope_of(i), Keys::Cache(step.layer(i)), self.compute, &mut Vec::new());
+            let rope = ropes.of(&self.config, i);
+            x = layer.forward(x, rope, Keys::Cache(step.layer(i)), self.compute, &mut Vec::new());
         }
         step.finish();
         self.norm.forward(x, self.compute)
@@ -469,6 +493,29 @@ fn is_projection_weight(path: &str) -> bool {
     named("self_attn.", &attention) || named("mlp.", &mlp) || named("moe.shared.", &mlp)
 }
 
+/// [`Ropes`] grown past a model's own, behind a type that does not name the backend (a module's
+/// skipped field may not).
+#[derive(Debug, Clone, Default)]
+struct Grown(Arc<Mutex<Option<Box<dyn Any + Send>>>>);
+
+/// A model's RoPE tables: the global layers' and, where their base differs, the sliding-window
+/// layers'.
+#[derive(Debug, Clone)]
+struct Ropes<B: Backend> {
+    global: Rope<B>,
+    local: Option<Rope<B>>,
+}
+
+impl<B: Backend> Ropes<B> {
+    /// The tables layer `layer` rotates with.
+    fn of(&self, config: &ModelConfig, layer: usize) -> &Rope<B> {
+        match &self.local {
+            Some(local) if config.is_local(layer) => local,
+            _ => &self.global,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -483,6 +530,69 @@ mod tests {
 
     fn tokens(ids: &[i32], dev: &burn::tensor::Device<B>) -> Tensor<B, 2, Int> {
         Tensor::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), dev)
+    }
+
+    /// A model's RoPE tables start with 4,096 rows and grow as a session reaches past them (both
+    /// bases of a local/global model): positions past them are rotated by their own angles, the
+    /// bits of tables built whole, on the whole-sequence path and through the cache alike; a
+    /// sequence gives the same hidden states from position 0 and 6,000 (RoPE sees distances only),
+    /// which the tables' last row reused for every later position would not.
+    #[test]
+    fn positions_past_the_first_tables_rotate_by_their_own_angles() {
+        use ember_kernels::rope::FIRST_ROWS;
+        let dev = Default::default();
+        let max = 10_000;
+        let cfg = ModelConfig {
+            init_std: 0.2,
+            n_layers: 2,
+            sliding_window: Some(4_500),
+            sliding_window_pattern: Some(2),
+            rope_local_theta: Some(500.0),
+            ..ModelConfig::tiny(37, max)
+        };
+        let lazy = Decoder::<B>::new(&cfg, 7, &dev).unwrap();
+        assert_eq!(lazy.rope.max_seq_len(), FIRST_ROWS);
+        assert_eq!(lazy.rope_local.as_ref().map(Rope::max_seq_len), Some(FIRST_ROWS));
+        // The same model with tables of every position, computed here from the definition.
+        let whole = |theta: f64| {
+            let dh = cfg.head_dim();
+            let (mut cos, mut sin) = (Vec::new(), Vec::new());
+            for pos in 0..max {
+                for i in 0..dh / 2 {
+                    let (s, c) = (pos as f64 * theta.powf(-2.0 * i as f64 / dh as f64)).sin_cos();
+                    cos.push(c as f32);
+                    sin.push(s as f32);
+                }
+            }
+            let table = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [max, dh / 2]), &dev);
+            Rope::from_tables(table(cos), table(sin), cfg.rope_layout)
+        };
+        let mut full = lazy.clone();
+        (full.rope, full.rope_local) = (whole(cfg.rope_theta), Some(whole(500.0)));
+
+        let ids = tokens(&[1, 5, 9, 2, 7, 3], &dev);
+        let far = lazy.hidden(ids.clone(), 6_000);
+        far.to_data().assert_eq(&full.hidden(ids.clone(), 6_000).to_data(), true);
+        far.to_data().assert_approx_eq::<f32>(&lazy.hidden(ids, 0).to_data(), Tolerance::absolute(1e-4));
+
+        // Through the cache: a prompt ending just short of the first tables' end, then steps past it.
+        let prompt: Vec<i32> = (0..FIRST_ROWS as i32 - 3).map(|i| (i * 7 + 3) % 37).collect();
+        for model in [&full, &lazy] {
+            model.grown.0.lock().unwrap().take();
+        }
+        let mut outputs = Vec::new();
+        for model in [&full, &lazy] {
+            let mut cache = model.new_cache(1, 64);
+            let mut out = vec![model.forward_cached(tokens(&prompt, &dev), &[prompt.len()], &mut cache).to_data()];
+            for id in [4, 8, 15, 16, 23] {
+                out.push(model.forward_cached(tokens(&[id], &dev), &[1], &mut cache).to_data());
+            }
+            outputs.push(out);
+        }
+        for (a, b) in outputs[0].iter().zip(&outputs[1]) {
+            a.assert_eq(b, true);
+        }
+        assert!(lazy.ropes(FIRST_ROWS + 2).global.max_seq_len() >= FIRST_ROWS + 2);
     }
 
     #[test]
