@@ -45,7 +45,7 @@ pub struct Decoder<B: Backend> {
     /// The sliding-window layers' RoPE tables where their base differs (Gemma 3).
     pub rope_local: Option<Rope<B>>,
     /// Both tables grown past the model's own for the positions a session has reached
-    /// ([`Rope::covering`]: the model's start with 4,096 rows at most), shared by its clones.
+    /// ([`Rope::covering`]: the model's start with `FIRST_ROWS` rows at most), shared by its clones.
     #[module(skip)]
     grown: Grown,
     #[module(skip)]
@@ -532,9 +532,9 @@ mod tests {
         Tensor::from_data(TensorData::new(ids.to_vec(), [1, ids.len()]), dev)
     }
 
-    /// A model's RoPE tables start with 4,096 rows and grow as a session reaches past them (both
-    /// bases of a local/global model): positions past them are rotated by their own angles, the
-    /// bits of tables built whole, on the whole-sequence path and through the cache alike; a
+    /// A model's RoPE tables start with `FIRST_ROWS` rows and grow as a session reaches past them
+    /// (both bases of a local/global model): positions past them are rotated by their own angles,
+    /// the bits of tables built whole, on the whole-sequence path and through the cache alike; a
     /// sequence gives the same hidden states from position 0 and 6,000 (RoPE sees distances only),
     /// which the tables' last row reused for every later position would not.
     #[test]
