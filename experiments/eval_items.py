@@ -37,15 +37,10 @@ import make_reference as mr  # noqa: E402
 
 ITEMS = os.path.join(HERE, "eval", "items")
 
-BLIMP_RS = os.path.join(HERE, "../crates/eval/src/tasks/blimp.rs")
-
-
-def blimp_paradigms():
-    """ember's 67 paradigms in its order (crates/eval/src/tasks/blimp.rs)."""
-    src = open(BLIMP_RS).read()
-    body = src[src.index("PARADIGMS"):]
-    body = body[body.index("[", body.index("=")) + 1:body.index("];")]
-    return [p.strip().strip('"') for p in body.split(",") if p.strip()]
+def blimp_paradigms(evals):
+    """The 67 paradigms in ember's order: its list (crates/eval/src/tasks/blimp.rs) is alphabetical,
+    as the files are."""
+    return sorted(f[:-len(".jsonl.gz")] for f in os.listdir(os.path.join(evals, "blimp")) if f.endswith(".jsonl.gz"))
 
 
 def mmlu_subjects(evals):
@@ -57,7 +52,7 @@ def mmlu_subjects(evals):
 def parts(task, evals):
     """The harness tasks an ember task is made of: [(harness task, [ember item of each of its docs])]."""
     if task == "blimp":
-        return [(f"ember_blimp_{p}", list(range(i * 1000, (i + 1) * 1000))) for i, p in enumerate(blimp_paradigms())]
+        return [(f"ember_blimp_{p}", list(range(i * 1000, (i + 1) * 1000))) for i, p in enumerate(blimp_paradigms(evals))]
     if task == "mmlu":
         by = {}
         for i, s in enumerate(mmlu_subjects(evals)):
@@ -71,7 +66,7 @@ def extra_yamls(task, evals, work, yamls):
     harness's own subject YAML over the local file, its items filtered to the subject)."""
     harness = mr.HARNESS
     if task == "blimp":
-        for p in blimp_paradigms():
+        for p in blimp_paradigms(evals):
             plain = os.path.join(work, f"blimp_{p}.jsonl")
             subprocess.run(f"gzip -dc {os.path.join(evals, 'blimp', p + '.jsonl.gz')} > {plain}", shell=True, check=True)
             lines = [f"task: ember_blimp_{p}", f"include: {os.path.join(harness, 'blimp', p + '.yaml')}",
@@ -203,20 +198,19 @@ def compare(a):
         sys.exit(f"{a.name} {a.task}: no harness items gathered yet")
     total = total_items(a.task, a.evals)
     if a.task == "blimp":
-        rows, results, seconds = [], {}, 0.0
-        for i, p in enumerate(blimp_paradigms()):
+        # One call for every paradigm the harness has items of, each up to its last such item.
+        limits, first = [], {}
+        for i, p in enumerate(blimp_paradigms(a.evals)):
             mine = [x - i * 1000 for x in have if i * 1000 <= x < (i + 1) * 1000]
-            if not mine:
-                continue
-            r, res, s = ember_items(a, f"blimp_{p}:{max(mine) + 1}")
-            seconds += s
-            for row in r:
-                row["doc_id"] += i * 1000
-            rows += r
-            results.update(res["results"])
+            if mine:
+                limits.append(f"blimp_{p}:{max(mine) + 1}")
+                first[f"blimp_{p}"] = i * 1000
+        rows, res, seconds = ember_items(a, ",".join(limits))
+        for row in rows:
+            row["doc_id"] += first[row["task"]]
     else:
         rows, res, seconds = ember_items(a, f"{a.task}:{max(have) + 1}")
-        results = res["results"]
+    results = res["results"]
     ember = {r["doc_id"]: r for r in rows}
     common = sorted(set(have) & set(ember))
     metrics = [m for m in ("acc", "acc_norm") if any(m in have[i] for i in common)]

@@ -285,14 +285,12 @@ impl PagedAttentionOps for Flex {
         }
         let heads = Heads { heads: qs[1], kv_heads: qs[1] / rep, head_dim: qs[3], scale: scores.scale as f32 };
         let q = flex::f32s(&q);
-        let o = if f16_pools {
-            let (Some(k), Some(v)) = (keys.as_slice::<f16>(), values.as_slice::<f16>()) else {
-                unreachable!("f16 pools checked contiguous above")
-            };
-            attend(cx.elementwise_cpu(), &q, Pool::F16(k), Pool::F16(v), l, heads, true)
-        } else {
-            let (keys, values) = (flex::f32s(&keys), flex::f32s(&values));
-            attend(cx.elementwise_cpu(), &q, Pool::F32(&keys), Pool::F32(&values), l, heads, true)
+        let o = match (keys.as_slice::<f16>(), values.as_slice::<f16>()) {
+            (Some(k), Some(v)) => attend(cx.elementwise_cpu(), &q, Pool::F16(k), Pool::F16(v), l, heads, true),
+            _ => {
+                let (keys, values) = (flex::f32s(&keys), flex::f32s(&values));
+                attend(cx.elementwise_cpu(), &q, Pool::F32(&keys), Pool::F32(&values), l, heads, true)
+            }
         };
         // `[B, T, H, Dh]` seen as `[B, H, T, Dh]`: the caller's swap back to the positions' order
         // then costs no copy.
